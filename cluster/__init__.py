@@ -1,0 +1,1 @@
+"""Ray actors, pools, placement and the `pdserve` command line."""

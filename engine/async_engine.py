@@ -1,0 +1,123 @@
+"""AsyncLLMEngine: the asyncio front of one engine (what the serving layer and Ray actors call).
+
+One background task owns the engine: it applies queued adds and aborts between steps and runs each
+step in a worker thread, so the event loop stays responsive. `generate()` streams the cumulative
+RequestOutput once per step in which the request advanced; cancelling the consumer aborts it.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.executor import EngineDeadError
+from engine.llm_engine import LLMEngine
+from engine.outputs import KVEvent, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._pending_adds: list[tuple[str, str | None, list[int], SamplingParams]] = []
+        self._pending_aborts: list[str] = []
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._dead: BaseException | None = None
+
+    @classmethod
+    def from_args(cls, model: str | None = None, **kwargs: Any) -> AsyncLLMEngine:
+        return cls(EngineConfig.create(model, **kwargs))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       kv_transfer_params: dict | None = None, prompt: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs for one request. Raises ValueError for bad input (before any output), and
+        EngineDeadError if the engine fails. Closing or cancelling the iterator aborts the request."""
+        if kv_transfer_params:
+            raise ValueError("kv_transfer_params need a KV connector, which this engine does not have yet")
+        if self._dead is not None:
+            raise EngineDeadError("engine is dead") from self._dead
+        self._ensure_loop()
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.engine.validate(list(prompt_token_ids), params)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        # The step runs in a thread: engine state is touched only by the loop, between steps.
+        self._pending_adds.append((request_id, prompt, list(prompt_token_ids), params))
+        self._wakeup.set()  # type: ignore[union-attr]
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks are freed before the next step."""
+        self._pending_adds = [a for a in self._pending_adds if a[0] != request_id]
+        self._pending_aborts.append(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.engine.take_kv_events()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None
+        try:
+            while True:
+                if self._pending_adds:
+                    adds, self._pending_adds = self._pending_adds, []
+                    for rid, prompt, ids, params in adds:
+                        self.engine.add_request(rid, prompt, ids, params)
+                if self._pending_aborts:
+                    aborts, self._pending_aborts = self._pending_aborts, []
+                    self.engine.abort_request(aborts)
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                outputs = await asyncio.to_thread(self.engine.step)
+                for out in outputs:
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                await asyncio.sleep(0)     # let consumers and new requests in between steps
+        except Exception as e:  # noqa: BLE001 - every request must learn the engine died
+            self._dead = e
+            for queue in self._queues.values():
+                queue.put_nowait(EngineDeadError(f"engine step failed: {e!r}"))
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass

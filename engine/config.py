@@ -1,0 +1,184 @@
+"""Frozen configuration records for one engine replica.
+
+`EngineConfig.create()` is where user-facing keyword arguments (as taken by `LLM`) are validated and
+resolved against the model's own config (max_model_len, dtype); everything downstream reads these
+records and never re-validates.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: Any) -> torch.dtype:
+    """Map a user dtype ("auto", a name, or a torch.dtype) to a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {dtype}")
+        return dtype
+    if dtype == "auto":
+        if isinstance(config_dtype, str):
+            config_dtype = _DTYPES.get(config_dtype.removeprefix("torch."))
+        return config_dtype if config_dtype in _DTYPES.values() else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16'; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str                  # directory, .gguf file, or the embedded default's path
+    gguf_file: str | None       # file name inside `model` when loading GGUF
+    hf_config: Any              # transformers PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        if archs:
+            return archs[0]
+        # GGUF configs carry only model_type.
+        return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM"}.get(self.hf_config.model_type, self.hf_config.model_type)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        hd = getattr(self.hf_config, "head_dim", None)
+        return hd or self.hf_config.hidden_size // self.hf_config.num_attention_heads
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None         # resolved by the worker from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    swap_space_bytes: int = 256 << 20        # CPU block pool for swap preemption
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"       # "recompute" | "swap"
+    policy: str = "fcfs"                     # "fcfs" | "priority"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+
+    def replace_cache(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, **changes))
+
+    @classmethod
+    def create(
+        cls,
+        model: str | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        preemption_mode: str = "recompute",
+        swap_space_bytes: int = 256 << 20,
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+    ) -> EngineConfig:
+        """Validate user arguments and resolve them against the model's config."""
+        from engine.weights import resolve_model  # noqa: PLC0415 (keeps config import-light)
+
+        if block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128]; got {block_size}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1; got {max_num_seqs}")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}; got {preemption_mode!r}")
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority'; got {scheduling_policy!r}")
+        if num_kv_blocks is not None and num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1; got {num_kv_blocks}")
+        if kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0; got {kv_cache_memory_bytes}")
+        if swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0; got {swap_space_bytes}")
+        if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+
+        path, gguf_file, hf_config = resolve_model(model)
+        derived_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+        if max_model_len is None:
+            max_model_len = derived_len
+        elif not 1 <= max_model_len <= derived_len:
+            raise ValueError(f"max_model_len must be in [1, {derived_len}] for this model; got {max_model_len}")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, max_model_len)
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1; got {max_num_batched_tokens}")
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
+                f"({max_model_len}) when enable_chunked_prefill=False")
+        raw = hf_config.to_dict()
+        config_dtype = raw.get("dtype") or raw.get("torch_dtype")
+        model_config = ModelConfig(
+            model=path, gguf_file=gguf_file, hf_config=hf_config,
+            dtype=resolve_dtype(dtype, config_dtype), max_model_len=max_model_len, seed=seed)
+        return cls(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=block_size, num_kv_blocks=num_kv_blocks,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                enable_prefix_caching=enable_prefix_caching, swap_space_bytes=swap_space_bytes),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
+                preemption_mode=preemption_mode, policy=scheduling_policy),
+            parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
+        )

@@ -1,0 +1,1 @@
+"""Model building blocks; each parameter knows how to load its HF checkpoint tensor (weight_loader)."""

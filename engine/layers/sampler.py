@@ -1,0 +1,111 @@
+"""Sampler: logits of the rows that sample this step -> one token each, plus logprobs.
+
+Per row, in order: penalties (repetition over prompt + output, presence/frequency over output),
+min_tokens (EOS and stop tokens masked), then greedy argmax, or temperature -> top_k -> top_p ->
+min_p -> a draw. A row with a seed draws from its own torch.Generator, so its tokens do not depend on
+what else is in the batch. Logprobs are the model's raw log-softmax (before penalties and
+temperature), as vLLM reports them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import SampledToken
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: frozenset[int]
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+    """logits: [num_rows, vocab] float32 (modified in place)."""
+    raw_logprobs = None
+    if any(r.params.logprobs is not None for r in rows):
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    _apply_penalties_and_masks(logits, rows)
+
+    token_ids = logits.argmax(dim=-1)
+    random_idx = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if random_idx:
+        idx = torch.tensor(random_idx)
+        temps = torch.tensor([rows[i].params.temperature for i in random_idx], dtype=logits.dtype)
+        probs = _filtered_probs(logits[idx] / temps[:, None], [rows[i].params for i in random_idx])
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_idx):
+            noise[j].exponential_(generator=rows[i].generator)
+        # Exponential race: argmax p / E with E ~ Exp(1) draws from p.
+        token_ids[idx] = (probs / noise).argmax(dim=-1)
+
+    out = []
+    token_list = token_ids.tolist()
+    for i, (row, token_id) in enumerate(zip(rows, token_list)):
+        sampled = SampledToken(token_id)
+        if row.params.logprobs is not None and raw_logprobs is not None:
+            lp = raw_logprobs[i]
+            sampled.logprob = lp[token_id].item()
+            sampled.rank = int((lp > lp[token_id]).sum().item()) + 1
+            sampled.top_logprobs = top_logprobs(lp, row.params.logprobs)
+            sampled.top_logprobs[token_id] = sampled.logprob
+        out.append(sampled)
+    return out
+
+
+def top_logprobs(logprobs: torch.Tensor, num: int) -> dict[int, float]:
+    if num == 0:
+        return {}
+    values, ids = logprobs.topk(num)
+    return dict(zip(ids.tolist(), values.tolist()))
+
+
+def _apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.needs_penalties:
+            out_ids = torch.tensor(row.output_token_ids, dtype=torch.long)
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
+                                    dtype=torch.long)
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                              vals * p.repetition_penalty)
+            if len(out_ids) and (p.frequency_penalty or p.presence_penalty):
+                counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        if len(row.output_token_ids) < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(row.eos_token_ids))
+            banned_ids = [t for t in banned if t < vocab]
+            if banned_ids:
+                logits[i, banned_ids] = float("-inf")
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Softmax after top_k, top_p and min_p filtering (rows without them pass through)."""
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)
+    if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab)[None, :]
+        drop = ranks >= top_k[:, None]
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= mass_before >= top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    if bool((min_p > 0).any()):
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs

@@ -1,0 +1,134 @@
+"""LLM: the offline API, vLLM's shapes: LLM(model).generate(prompts, params) / .chat(messages)."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import apply_chat_template
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """An engine in this process. `model=None` loads the embedded default (SmolLM2-135M-Instruct)."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        preemption_mode: str = "recompute",
+        swap_space_bytes: int = 256 << 20,
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+    ) -> None:
+        config = EngineConfig.create(
+            model, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
+            num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            preemption_mode=preemption_mode, swap_space_bytes=swap_space_bytes,
+            scheduling_policy=scheduling_policy, seed=seed,
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+        self.llm_engine = LLMEngine(config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (a str or {"prompt_token_ids": [...]}); outputs in input order.
+
+        All prompts are validated before any runs: a bad one raises ValueError and none are queued.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        parsed = [self._parse_prompt(p) for p in prompts]
+        return self._run(parsed, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template (with the generation prompt) to each conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.llm_engine.tokenizer
+        parsed = [(None, apply_chat_template(tokenizer, conv)) for conv in conversations]  # type: ignore[arg-type]
+        return self._run(parsed, self._params_list(sampling_params, len(parsed)), use_tqdm)
+
+    @staticmethod
+    def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"sampling_params must be one SamplingParams or a list of {n}; got {len(params)}")
+        return params
+
+    @staticmethod
+    def _parse_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+        if isinstance(prompt, str):
+            return prompt, None
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], None
+        raise ValueError(f"prompts must be str or dict with 'prompt' or 'prompt_token_ids'; got {type(prompt).__name__}")
+
+    def _run(self, parsed: list[tuple[str | None, list[int] | None]], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        if engine.tokenizer is not None:
+            parsed = [(p, ids if ids is not None else engine.tokenizer.encode(p)) for p, ids in parsed]
+        for (_, ids), sp in zip(parsed, params):
+            engine.validate(ids or [], sp)  # all or nothing: validate before queueing any
+        ids = [str(next(self._counter)) for _ in parsed]
+        for rid, (prompt, token_ids), sp in zip(ids, parsed, params):
+            engine.add_request(rid, prompt, token_ids, sp)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm.auto import tqdm  # noqa: PLC0415
+
+            bar = tqdm(total=len(ids), desc="Generating", unit="req")
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[rid] for rid in ids]

@@ -1,0 +1,258 @@
+"""LLMEngine: one replica's step loop. step() = schedule -> execute -> update -> outputs.
+
+Validates requests on the way in (ValueError naming the field), fans `n > 1` out into forked
+children, detokenizes incrementally, applies stop strings and assembles vLLM-shaped RequestOutputs.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.executor import InProcessExecutor
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import CompletionOutput, KVEvent, Logprob, RequestOutput
+from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
+
+
+@dataclass(slots=True)
+class _Child:
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """The user's request as the output side sees it: n children, their text, timing."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[_Child]
+    arrival_time: float
+    first_token_time: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model_config
+        self.tokenizer = load_tokenizer(mc.model, mc.gguf_file)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, mc.hf_config, mc.model)
+        self.executor = InProcessExecutor(config)
+        self.kv_cache_manager = KVCacheManager(
+            self.executor.num_blocks, config.cache_config.block_size,
+            config.cache_config.enable_prefix_caching, self.executor.num_cpu_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.states: dict[str, _RequestState] = {}
+        self.child_to_state: dict[str, tuple[_RequestState, int]] = {}
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # --- intake -----------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                    params: SamplingParams, arrival_time: float | None = None) -> None:
+        """Validate and queue a request. Raises ValueError for bad input; nothing is queued then."""
+        if request_id in self.states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("prompt must be a string or prompt_token_ids a list of ints")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        prompt_token_ids = list(prompt_token_ids)
+        self.validate(prompt_token_ids, params)
+        mc = self.config.model_config
+        max_tokens = params.max_tokens or (mc.max_model_len - len(prompt_token_ids))
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        bs = self.config.cache_config.block_size
+        leader = Request(ids[0], prompt_token_ids, params, self.eos_token_ids, bs, max_tokens, arrival,
+                         parent_id=request_id, index=0)
+        leader.fork_children = [leader.fork(rid, i) for i, rid in enumerate(ids[1:], start=1)]
+        children = [leader, *leader.fork_children]
+        state = _RequestState(request_id, prompt, prompt_token_ids, params,
+                              [_Child(r, self._detokenizer(r)) for r in children], arrival)
+        self.states[request_id] = state
+        for i, r in enumerate(children):
+            self.child_to_state[r.request_id] = (state, i)
+        self.scheduler.add_request(leader)
+        self.num_prompt_tokens += len(prompt_token_ids)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field if this request cannot run on this engine."""
+        mc = self.config.model_config
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = mc.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}); got {bad[:5]}")
+        limit = mc.max_model_len
+        if len(prompt_token_ids) >= limit:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {limit}, "
+                             f"so the prompt must have fewer than {limit} tokens")
+        if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > limit:
+            raise ValueError(f"max_tokens must be <= {limit - len(prompt_token_ids)} for this "
+                             f"{len(prompt_token_ids)}-token prompt (max_model_len={limit}); "
+                             f"got {params.max_tokens}")
+        if params.prompt_logprobs is not None and params.n > 1:
+            raise ValueError("prompt_logprobs must be None when n > 1")
+
+    def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None or not request.sampling_params.detokenize:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                      request.sampling_params.skip_special_tokens)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Abort user requests (all their children); their blocks are freed at once."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            state = self.states.pop(rid, None)
+            if state is None:
+                continue
+            child_ids = [c.request.request_id for c in state.children]
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            for cid in child_ids:
+                self.child_to_state.pop(cid, None)
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns an output for every request that advanced or finished."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        runner_out = self.executor.execute_model(sched)
+        updated = self.scheduler.update_from_output(sched, runner_out)
+        now = time.monotonic()
+        touched: dict[str, _RequestState] = {}
+        for request in updated:
+            entry = self.child_to_state.get(request.request_id)
+            if entry is None:
+                continue
+            state, i = entry
+            self.num_generation_tokens += 1
+            if state.first_token_time is None:
+                state.first_token_time = now
+            self._process_token(state, state.children[i])
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            outputs.append(self._make_output(state))
+            if state.finished:
+                state.metrics["finished_time"] = now
+                self._forget(state)
+        return outputs
+
+    def _process_token(self, state: _RequestState, child: _Child) -> None:
+        request = child.request
+        params = request.sampling_params
+        if child.detokenizer is not None:
+            delta = child.detokenizer.update(request.output_token_ids[-1:])
+            if delta:
+                child.text += delta
+                if params.stop and request.num_output_tokens >= params.min_tokens:
+                    self._check_stop_strings(child, len(delta))
+        if request.is_finished and child.finish_reason is None:
+            child.finish_reason = FINISH_REASONS[request.status]
+            child.stop_reason = request.stop_reason
+
+    def _check_stop_strings(self, child: _Child, delta_len: int) -> None:
+        params = child.request.sampling_params
+        longest = max(len(s) for s in params.stop)
+        search_from = max(0, len(child.text) - delta_len - longest + 1)
+        for stop in params.stop:
+            at = child.text.find(stop, search_from)
+            if at == -1:
+                continue
+            end = at + len(stop) if params.include_stop_str_in_output else at
+            child.text = child.text[:end]
+            child.finish_reason, child.stop_reason = "stop", stop
+            if not child.request.is_finished:
+                self.scheduler.finish_requests([child.request.request_id], RequestStatus.FINISHED_STOPPED)
+            return
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        completions = []
+        for i, child in enumerate(state.children):
+            r = child.request
+            completions.append(CompletionOutput(
+                index=i, text=child.text, token_ids=list(r.output_token_ids),
+                cumulative_logprob=None,
+                logprobs=self._logprobs(r) if r.sampling_params.logprobs is not None else None,
+                finish_reason=child.finish_reason, stop_reason=child.stop_reason))
+            if completions[-1].logprobs is not None:
+                completions[-1].cumulative_logprob = sum(
+                    lp[t].logprob for lp, t in zip(completions[-1].logprobs, r.output_token_ids))
+        leader = state.children[0].request
+        prompt_lps = None
+        if state.params.prompt_logprobs is not None:
+            prompt_lps = [None if d is None else self._to_logprobs(d, None) for d in leader.prompt_logprobs]
+        return RequestOutput(
+            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+            outputs=completions, finished=state.finished, prompt_logprobs=prompt_lps,
+            num_cached_tokens=leader.num_cached_tokens,
+            metrics={"arrival_time": state.arrival_time, "first_token_time": state.first_token_time or 0.0,
+                     **state.metrics})
+
+    def _logprobs(self, request: Request) -> list[dict[int, Logprob]]:
+        return [self._to_logprobs(d, (t, rank)) for d, t, rank in
+                zip(request.logprobs, request.output_token_ids, request.logprob_ranks)]
+
+    def _to_logprobs(self, entry: dict[int, float], chosen: tuple[int, int] | None) -> dict[int, Logprob]:
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+        out = {}
+        for rank, (tid, lp) in enumerate(ranked, start=1):
+            if chosen is not None and tid == chosen[0]:
+                rank = chosen[1]
+            text = self.tokenizer.decode([tid]) if self.tokenizer is not None else None
+            out[tid] = Logprob(lp, rank, text)
+        return out
+
+    def _forget(self, state: _RequestState) -> None:
+        self.states.pop(state.request_id, None)
+        for child in state.children:
+            self.child_to_state.pop(child.request.request_id, None)
+
+    # --- introspection ----------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        kv = self.kv_cache_manager
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage_perc": kv.usage,
+            "num_kv_blocks": kv.block_pool.num_blocks,
+            "num_free_kv_blocks": kv.num_free_blocks,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
+        }
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.kv_cache_manager.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def check_no_leaks(self) -> None:
+        """AssertionError unless no request is left and every KV block is free."""
+        assert not self.scheduler.requests, f"unfinished requests: {list(self.scheduler.requests)}"
+        self.kv_cache_manager.check_no_leaks()

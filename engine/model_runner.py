@@ -1,0 +1,111 @@
+"""ModelRunner: turns a SchedulerOutput into input tensors, runs the model once, samples.
+
+Batch layout: decode requests (one new token) first, then prefill segments, so attention handles
+all decodes in one batched call. Logits are computed only for rows that sample (the last token of a
+request whose KV is now complete) and for rows that want prompt logprobs.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers.attention import AttentionMetadata
+from engine.layers.sampler import SamplingRow, sample, top_logprobs
+from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kernels.dispatch import get_kernels
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, block_size: int, device: torch.device, seed: int = 0) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.kernels = get_kernels(device)
+        self.kv_caches: list[torch.Tensor] = []     # per layer [2, num_blocks, block_size, kvh, d]
+        self.cpu_caches: list[torch.Tensor] = []    # the swap pool, same layout
+        # Draws for requests without their own seed.
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        k = self.kernels
+        k.swap_blocks(self.kv_caches, self.cpu_caches, sched.swap_out)
+        k.swap_blocks(self.cpu_caches, self.kv_caches, sched.swap_in)
+        k.copy_blocks(self.kv_caches, sched.copy_blocks)
+        if not sched.scheduled:
+            return ModelRunnerOutput(sampled={})
+
+        batch = sorted(sched.scheduled, key=lambda r: len(r.token_ids) != 1)   # decodes first
+        input_ids, positions, meta, sample_rows, lp_rows = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)        # [T, hidden]
+
+        row_index = [i for _, i in sample_rows] + [i for _, idx in lp_rows for i in idx]
+        logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=hidden.device)]).cpu()
+        num_sample = len(sample_rows)
+        tokens = sample(logits[:num_sample], [self._sampling_row(r) for r, _ in sample_rows]) if sample_rows else []
+        output = ModelRunnerOutput(sampled={r.request_id: t for (r, _), t in zip(sample_rows, tokens)})
+        offset = num_sample
+        for req, idx in lp_rows:
+            output.prompt_logprobs[req.request_id] = self._prompt_logprobs(req, logits[offset:offset + len(idx)])
+            offset += len(idx)
+        return output
+
+    def _prepare(self, batch: list[ScheduledRequest]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[tuple[ScheduledRequest, int]] = []
+        lp_rows: list[tuple[ScheduledRequest, list[int]]] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        meta = AttentionMetadata(slot_mapping=torch.empty(0))
+        for req in batch:
+            n = len(req.token_ids)
+            base = len(input_ids)
+            pos = range(req.start, req.start + n)
+            input_ids.extend(req.token_ids)
+            positions.extend(pos)
+            table = req.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(req.start + 1)
+            else:
+                meta.prefill_block_tables.append(torch.tensor(table, dtype=torch.long, device=self.device))
+                meta.prefill_query_lens.append(n)
+                meta.prefill_seq_lens.append(req.start + n)
+            if req.do_sample:
+                sample_rows.append((req, base + n - 1))
+            if req.prompt_logprobs_from is not None:
+                # Logits at position p score prompt token p + 1.
+                last = min(req.start + n, len(req.prompt_token_ids) - 1)
+                lp_rows.append((req, [base + p - req.start for p in range(req.start, last)]))
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            meta.num_decode_tokens = len(decode_tables)
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
+                                                    dtype=torch.long, device=self.device)
+            meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return ids, pos_t, meta, sample_rows, lp_rows
+
+    def _sampling_row(self, req: ScheduledRequest) -> SamplingRow:
+        return SamplingRow(req.sampling_params, req.generator or self.generator, req.prompt_token_ids,
+                           req.output_token_ids, req.eos_token_ids)
+
+    @staticmethod
+    def _prompt_logprobs(req: ScheduledRequest, logits: torch.Tensor) -> list[dict[int, float]]:
+        """Logprob (and top-N) of each prompt token scored by this chunk's logits."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        first = req.prompt_logprobs_from + 1
+        targets = req.prompt_token_ids[first:first + logits.shape[0]]
+        num = req.sampling_params.prompt_logprobs
+        out = []
+        for row, target in zip(logprobs, targets):
+            entry = top_logprobs(row, num)
+            entry[target] = row[target].item()
+            out.append(entry)
+        return out

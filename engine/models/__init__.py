@@ -1,0 +1,1 @@
+"""Model implementations, looked up by HF architecture name in `registry`."""

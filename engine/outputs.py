@@ -1,0 +1,116 @@
+"""Records that cross boundaries: scheduler -> runner, runner -> engine, engine -> user, KV events."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.hashing import BlockHash
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.sampling_params import SamplingParams
+
+
+# --- KV events (engine -> router) ------------------------------------------------------------------
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[BlockHash]
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[BlockHash]
+
+
+@dataclass(slots=True)
+class AllCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllCleared
+
+
+# --- scheduler -> model runner ---------------------------------------------------------------------
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens [start, start + num_tokens) get their KV computed."""
+    request_id: str
+    token_ids: list[int]            # the tokens computed this step
+    start: int                      # position of token_ids[0] (= num_computed_tokens before the step)
+    block_ids: list[int]            # the request's whole block table
+    do_sample: bool                 # this chunk ends at the sequence's last token: sample one
+    prompt_logprobs_from: int | None = None   # compute prompt logprobs for positions >= this
+    # Sampling state needed by the runner when do_sample (or prompt logprobs) is set.
+    sampling_params: SamplingParams | None = None
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    # Block copies to run before the forward pass, in this order: swap-out (device -> CPU),
+    # swap-in (CPU -> device), copy-on-write (device -> device).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)   # freed since the last step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.swap_out and not self.swap_in and not self.copy_blocks
+
+
+# --- model runner -> engine ------------------------------------------------------------------------
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    rank: int | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled: dict[str, SampledToken]                                  # request id -> its new token
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+
+
+# --- engine -> user (vLLM's shapes) ----------------------------------------------------------------
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None      # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

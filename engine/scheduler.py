@@ -1,0 +1,273 @@
+"""Scheduler: iteration-level continuous batching under a token budget.
+
+There are no prefill and decode phases: every step, each request catches its computed tokens up to
+its token count, within `max_num_batched_tokens` (chunked prefill lets a long prompt take several
+steps while decodes ride along). RUNNING requests go first, in order; then WAITING ones (FCFS, or by
+priority), unless something was preempted this step. When blocks run out the newest (or lowest
+priority) running request is preempted: by recompute (its blocks are freed and it starts over) or by
+swap (its blocks are copied to the CPU pool and copied back when it resumes).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.pending_forks: dict[str, Request] = {}     # children waiting for their leader's prompt
+        self.finished_ids: list[str] = []               # freed since the last schedule()
+        self.num_preemptions = 0
+
+    # --- intake -----------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request. A request with `fork_children` is an n > 1 leader: it computes the prompt
+        but its last token, then its children get references to those blocks (copy-on-write)."""
+        self.requests[request.request_id] = request
+        for child in request.fork_children:
+            self.requests[child.request_id] = child
+            self.pending_forks[child.request_id] = child
+        if request.fork_children:
+            request.compute_limit = request.num_prompt_tokens - 1
+            if request.compute_limit == 0:     # nothing to share
+                self._fork(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if self.config.policy == "priority":
+            key = (request.priority, request.arrival_time)
+            i = next((i for i, r in enumerate(self.waiting) if (r.priority, r.arrival_time) > key),
+                     len(self.waiting))
+            self.waiting.insert(i, request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """End requests (abort, stop string) wherever they are and free their blocks."""
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_FORK:
+                del self.pending_forks[rid]
+            else:
+                self.waiting.remove(request)
+            self._free(request, status)
+
+    def _free(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        self.finished_ids.append(request.request_id)
+        del self.requests[request.request_id]
+        # A leader that ends before forking takes its waiting children with it (only an abort can
+        # do that: the leader samples nothing before the fork).
+        for child in request.fork_children:
+            if child.request_id in self.pending_forks:
+                del self.pending_forks[child.request_id]
+                self._free(child, status)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating their blocks (may preempt)."""
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+        num_new: dict[str, int] = {}
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens_to_compute, budget,
+                    self.config.max_model_len - request.num_computed_tokens)
+            if n <= 0 or (not chunked and n < request.num_tokens_to_compute):
+                i += 1
+                continue
+            while self.kv.allocate_slots(request, n) is None:
+                victim = self._pick_victim(i)
+                self._preempt(victim, swap_out)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue          # it preempted itself; the list shrank under i
+            num_new[request.request_id] = n
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and not preempted:
+            request = self.waiting[0]
+            if len(self.running) + len(request.fork_children) >= self.config.max_num_seqs and self.running:
+                break
+            if request.status == RequestStatus.SWAPPED:
+                mapping = self.kv.swap_in(request)
+                if mapping is None:
+                    break
+                swap_in.extend(mapping)
+                hits, num_hit = [], 0
+            elif request.num_computed_tokens == 0:
+                hits, num_hit = self.kv.get_computed_blocks(request)
+            else:
+                hits, num_hit = [], 0
+            n = min(request.num_tokens_to_compute - num_hit, budget)
+            fits = chunked or n == request.num_tokens_to_compute - num_hit
+            if not fits or self.kv.allocate_slots(request, n, hits) is None:
+                if request.status == RequestStatus.SWAPPED:
+                    # Swapped in but no room to compute yet: run it next step.
+                    self._admit(request)
+                break
+            if request.num_preemptions == 0 and request.num_computed_tokens == 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens += num_hit
+            self._admit(request)
+            num_new[request.request_id] = n
+            budget -= n
+
+        assert not (swap_in and swap_out), "swap-in and swap-out never share a step"
+        return SchedulerOutput(
+            scheduled=[self._describe(self.requests[rid], n) for rid, n in num_new.items()],
+            num_batched_tokens=sum(num_new.values()),
+            swap_out=swap_out, swap_in=swap_in, copy_blocks=self.kv.take_pending_copies(),
+            preempted_ids=preempted, finished_ids=self._take_finished_ids())
+
+    def _admit(self, request: Request) -> None:
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _pick_victim(self, current: int) -> Request:
+        """Newest running request (FCFS) or the lowest priority one, among those not yet scheduled
+        this step (index >= current)."""
+        if self.config.policy == "priority":
+            candidates = self.running[current:]
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, swap_out: list[tuple[int, int]]) -> None:
+        self.running.remove(request)
+        mapping = None
+        if self.config.preemption_mode == "swap":
+            mapping = self.kv.swap_out(request)
+        if mapping is not None:
+            swap_out.extend(mapping)
+            request.status = RequestStatus.SWAPPED
+        else:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(request, front=True)
+
+    def _describe(self, request: Request, n: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + n
+        do_sample = request.compute_limit is None and end == request.num_tokens
+        prompt_lp_from = None
+        if (request.sampling_params.prompt_logprobs is not None
+                and start < request.num_prompt_tokens - 1
+                and len(request.prompt_logprobs) < request.num_prompt_tokens):
+            prompt_lp_from = start
+        needs_state = do_sample or prompt_lp_from is not None
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            do_sample=do_sample,
+            prompt_logprobs_from=prompt_lp_from,
+            sampling_params=request.sampling_params if needs_state else None,
+            generator=request.generator if do_sample else None,
+            output_token_ids=request.output_token_ids if do_sample else [],
+            prompt_token_ids=request.prompt_token_ids if needs_state else [],
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    def _take_finished_ids(self) -> list[str]:
+        ids, self.finished_ids = self.finished_ids, []
+        return ids
+
+    # --- after the step ---------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, stop finished requests (freeing their
+        blocks) and fork n > 1 leaders whose prompt is done. Returns the requests with news."""
+        updated: list[Request] = []
+        for sched in scheduler_output.scheduled:
+            request = self.requests.get(sched.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue        # aborted during the step
+            request.num_computed_tokens += len(sched.token_ids)
+            prompt_lps = runner_output.prompt_logprobs.get(request.request_id)
+            if prompt_lps is not None:
+                if not request.prompt_logprobs:
+                    request.prompt_logprobs.append(None)
+                need = request.num_prompt_tokens - len(request.prompt_logprobs)
+                request.prompt_logprobs.extend(prompt_lps[:need])
+            sampled = runner_output.sampled.get(request.request_id)
+            if sampled is not None:
+                request.append_output_token(sampled.token_id)
+                if sampled.top_logprobs is not None:
+                    request.logprobs.append(sampled.top_logprobs)
+                    request.logprob_ranks.append(sampled.rank)
+                self._check_stop(request, sampled.token_id)
+                updated.append(request)
+            if request.compute_limit is not None and request.num_computed_tokens == request.compute_limit:
+                self._fork(request)
+        return updated
+
+    def _check_stop(self, request: Request, token_id: int) -> None:
+        params = request.sampling_params
+        status = None
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token_id in params.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+        if status is None and (request.num_output_tokens >= request.max_tokens
+                               or request.num_tokens >= self.config.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH_CAPPED
+        if status is not None:
+            self.running.remove(request)
+            self._free(request, status)
+
+    def _fork(self, leader: Request) -> None:
+        """Hand the leader's prompt blocks to its pending children; all continue independently."""
+        leader.compute_limit = None
+        for child in leader.fork_children:
+            if self.pending_forks.pop(child.request_id, None) is None:
+                continue
+            if leader.num_computed_tokens:
+                self.kv.fork(leader, child)
+            child.num_computed_tokens = leader.num_computed_tokens
+            child.num_cached_tokens = leader.num_cached_tokens
+            if leader.status == RequestStatus.RUNNING:
+                # They hold KV now: run beside the leader (they were counted at its admission).
+                child.status = RequestStatus.RUNNING
+                self.running.append(child)
+            else:
+                child.status = RequestStatus.WAITING
+                self._enqueue(child)
+        leader.fork_children = []

@@ -1,0 +1,83 @@
+"""Tokenizer loading, chat templates and incremental detokenization."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def load_tokenizer(path: str, gguf_file: str | None) -> Any | None:
+    """The model's HF tokenizer, or None if the checkpoint ships none (token-id prompts only)."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    try:
+        return AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def eos_token_ids(tokenizer: Any | None, hf_config: Any, path: str) -> frozenset[int]:
+    """EOS ids from the tokenizer, the model config and generation_config.json."""
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    try:
+        from transformers import GenerationConfig  # noqa: PLC0415
+
+        add(GenerationConfig.from_pretrained(path).eos_token_id)
+    except (OSError, ValueError):
+        pass
+    return frozenset(ids)
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template: use generate() with a plain prompt")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a small window (from `prefix_offset`) and emits only what was added since the last call,
+    holding back text that ends in U+FFFD: a multi-byte character split across tokens appears only
+    once all of its bytes have arrived.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        # Start from a few prompt tokens so the first output token decodes with its left context
+        # (a leading space, for instance).
+        self.context = list(prompt_token_ids[-5:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.context)
+        self.output_text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def update(self, new_token_ids: list[int]) -> str:
+        """Append tokens; returns the new text (possibly empty) and extends `output_text`."""
+        self.token_ids.extend(new_token_ids)
+        self.context.extend(new_token_ids)
+        prefix_text = self._decode(self.context[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.context[self.prefix_offset:])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        delta = full_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.context)
+        self.output_text += delta
+        return delta

@@ -1,0 +1,122 @@
+"""Pure-torch kernels: the CPU path of the engine and the oracle every Triton kernel is tested against.
+
+KV cache layout (per layer): `[2, num_blocks, block_size, num_kv_heads, head_dim]`; the slot of token i
+of a sequence is `block_table[i // block_size] * block_size + i % block_size`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new K/V rows into their slots. key/value: [num_tokens, num_kv_heads, head_dim]."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence's first `num_tokens` tokens: two [num_tokens, num_kv_heads, head_dim]."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-num_tokens // block_size)
+    kv = kv_cache[:, block_table[:num_blocks]]            # [2, n, block_size, kvh, d]
+    kv = kv.flatten(1, 2)[:, :num_tokens]
+    return kv[0], kv[1]
+
+
+def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[torch.Tensor],
+                      query_lens: list[int], seq_lens: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of variable-length query segments against paged K/V.
+
+    query: [num_tokens, num_heads, head_dim], the segments laid end to end. Segment i holds the last
+    `query_lens[i]` of its sequence's `seq_lens[i]` tokens, whose K/V are already in the cache
+    (cached prefix + this chunk), so one call serves full prefill, chunked prefill and prefix hits.
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    out = torch.empty_like(query)
+    start = 0
+    for block_table, q_len, seq_len in zip(block_tables, query_lens, seq_lens):
+        q = query[start:start + q_len].transpose(0, 1)    # [H, q_len, d]
+        k, v = gather_kv(kv_cache, block_table, seq_len)  # [seq_len, kvh, d]
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if q_len == seq_len:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # Query row r sits at position seq_len - q_len + r and sees keys up to it.
+            rows = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:start + q_len] = o.transpose(0, 1)
+        start += q_len
+    return out
+
+
+def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence against its paged K/V.
+
+    query: [batch, num_heads, head_dim]; block_tables: [batch, max_blocks] (padded with any valid
+    id); seq_lens: [batch] (the query's own K/V included). Returns [batch, num_heads, head_dim].
+    """
+    batch, max_blocks = block_tables.shape
+    block_size = kv_cache.shape[2]
+    kv = kv_cache[:, block_tables]                        # [2, B, max_blocks, bs, kvh, d]
+    kv = kv.flatten(2, 3).transpose(2, 3)                 # [2, B, kvh, max_len, d]
+    max_len = max_blocks * block_size
+    mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]   # [B, max_len]
+    out = F.scaled_dot_product_attention(
+        query[:, :, None, :], kv[0], kv[1], attn_mask=mask[:, None, None, :], scale=scale,
+        enable_gqa=True)                                  # [B, H, 1, d]
+    return out[:, :, 0, :]
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks src -> dst in every layer (copy-on-write)."""
+    if not pairs:
+        return
+    src = torch.tensor([s for s, _ in pairs], device=kv_caches[0].device)
+    dst = torch.tensor([d for _, d in pairs], device=kv_caches[0].device)
+    for kv_cache in kv_caches:
+        kv_cache[:, dst] = kv_cache[:, src]
+
+
+def swap_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor],
+                pairs: list[tuple[int, int]]) -> None:
+    """Copy blocks between two pools (device <-> CPU) in every layer: src_caches[l][:, s] -> dst[l][:, d]."""
+    if not pairs:
+        return
+    src = torch.tensor([s for s, _ in pairs])
+    dst = torch.tensor([d for _, d in pairs])
+    for src_cache, dst_cache in zip(src_caches, dst_caches, strict=True):
+        moved = src_cache[:, src.to(src_cache.device)].to(dst_cache.device, non_blocking=True)
+        dst_cache[:, dst.to(dst_cache.device)] = moved
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual) normalized, and the new residual; computed in fp32 like transformers."""
+    if residual is not None:
+        x = x + residual
+    residual = x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), residual
+
+
+def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding (rotate halves), as transformers' Llama.
+
+    query: [T, H, d], key: [T, kvh, d]; cos/sin: [T, d] already in the activations' dtype.
+    """
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

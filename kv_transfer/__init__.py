@@ -1,0 +1,1 @@
+"""Moving KV blocks between engines (NIXL, torch.distributed): see the KV transfer issue."""

@@ -1,0 +1,1 @@
+"""Prefix-aware routing, P/D orchestration and the OpenAI-compatible Ray Serve ingress."""
