@@ -40,6 +40,8 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)        # [T, hidden]
 
         row_index = [i for _, i in sample_rows] + [i for _, idx in lp_rows for i in idx]
+        if not row_index:                                  # only partial prefill chunks this step
+            return ModelRunnerOutput(sampled={})
         logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=hidden.device)]).cpu()
         num_sample = len(sample_rows)
         tokens = sample(logits[:num_sample], [self._sampling_row(r) for r, _ in sample_rows]) if sample_rows else []

@@ -1,0 +1,98 @@
+"""Greedy output is token-identical to transformers (fp32) on every path of the engine."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import hf_greedy, mixed_prompts
+from engine import LLM, SamplingParams
+
+MAX_TOKENS = 20
+
+
+def greedy(n: int = 1, max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n)
+
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params or greedy(), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(path: str, prompts: list[list[int]]) -> list[list[int]]:
+        key = path + repr(prompts)
+        if key not in cache:
+            cache[key] = hf_greedy(path, prompts, MAX_TOKENS)
+        return cache[key]
+    return get
+
+
+@pytest.mark.parametrize("chunked,budget", [(True, 2048), (True, 24), (False, 512)],
+                         ids=["chunked-default", "chunked-budget24", "no-chunking"])
+def test_batch_matches_transformers(tiny_model, oracle, chunked, budget):
+    prompts = mixed_prompts(1000)
+    llm = LLM(tiny_model, dtype="float32", max_num_batched_tokens=budget,
+              enable_chunked_prefill=chunked, enable_prefix_caching=False)
+    assert run(llm, prompts) == oracle(tiny_model, prompts)
+
+
+def test_mistral_mqa_matches_transformers(tiny_mistral):
+    prompts = mixed_prompts(1000, seed=3)[:4]
+    llm = LLM(tiny_mistral, dtype="float32")
+    assert run(llm, prompts) == hf_greedy(tiny_mistral, prompts, MAX_TOKENS)
+
+
+def test_prefix_cache_hits_keep_output(tiny_llama, oracle):
+    shared = mixed_prompts(1000, seed=5)[-1][:70]
+    prompts = [shared + [100 + i] * (i + 1) for i in range(4)]
+    llm = LLM(tiny_llama, dtype="float32", max_num_batched_tokens=40)
+    first = run(llm, prompts)
+    stats = llm.llm_engine.stats()
+    second = run(llm, prompts)
+    after = llm.llm_engine.stats()
+    assert after["prefix_cache_hits"] > stats["prefix_cache_hits"] > 0
+    assert first == second == oracle(tiny_llama, prompts)
+    out = llm.generate({"prompt_token_ids": prompts[0]}, greedy(), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 64           # 4 full blocks; the last token is recomputed
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_output(tiny_qwen2, oracle, mode):
+    prompts = [p for p in mixed_prompts(1000, seed=7) if len(p) > 10]
+    # 14 blocks of 16 tokens cannot hold 6 sequences of ~40-150 tokens at once.
+    llm = LLM(tiny_qwen2, dtype="float32", num_kv_blocks=14, max_model_len=200,
+              preemption_mode=mode, max_num_batched_tokens=64)
+    outs = run(llm, prompts)
+    assert llm.llm_engine.stats()["num_preemptions"] > 0
+    assert outs == oracle(tiny_qwen2, prompts)
+
+
+def test_n_greater_than_one_forks_prompt(tiny_llama, oracle):
+    prompts = mixed_prompts(1000, seed=9)[1:4]      # 15, 16 and 17 tokens: partial/full last blocks
+    llm = LLM(tiny_llama, dtype="float32", enable_prefix_caching=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(n=3), use_tqdm=False)
+    expected = oracle(tiny_llama, prompts)
+    for out, exp in zip(outs, expected):
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        assert all(c.token_ids == exp for c in out.outputs)
+
+
+def test_fork_shares_prompt_blocks_and_copies_on_write(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", enable_prefix_caching=False)
+    engine = llm.llm_engine
+    prompt = list(range(10, 10 + 40))                # 2 full blocks + 8 tokens
+    engine.add_request("r", None, prompt, greedy(n=3, max_tokens=3))
+    engine.step()                                    # leader computes 39 tokens, then forks
+    kv = engine.kv_cache_manager
+    tables = [kv.block_ids(f"r#{i}") for i in range(3)]
+    assert tables[0] == tables[1] == tables[2] and len(tables[0]) == 3
+    assert all(kv.block_pool.blocks[b].ref_cnt == 3 for b in tables[0])
+    engine.step()                                    # each child writes token 39: CoW of block 2
+    tables = [kv.block_ids(f"r#{i}") for i in range(3)]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+    assert len({t[2] for t in tables}) == 3
+    while engine.has_unfinished_requests():
+        engine.step()
