@@ -1,0 +1,151 @@
+"""Sampling parameters: seeds, filters, penalties, logprobs, stops, lengths, n."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_greedy, hf_model
+from engine import LLM, SamplingParams
+
+PROMPTS = [list(range(20, 45)), list(range(300, 310)), list(range(500, 560))]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, dtype="float32")
+
+
+def gen(llm, prompts, params):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = gen(llm, [PROMPTS[0]], params)[0].outputs[0].token_ids
+    unseeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    batched = gen(llm, [PROMPTS[1], PROMPTS[0], PROMPTS[2]], [unseeded, params, unseeded])
+    assert batched[1].outputs[0].token_ids == alone
+    other_seed = gen(llm, [PROMPTS[0]], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16,
+                                                        ignore_eos=True))[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_seeded_n_children_differ_but_reproduce(llm):
+    params = SamplingParams(n=3, temperature=1.5, seed=7, max_tokens=12, ignore_eos=True)
+    a = [c.token_ids for c in gen(llm, [PROMPTS[0]], params)[0].outputs]
+    b = [c.token_ids for c in gen(llm, [PROMPTS[0]], params)[0].outputs]
+    assert a == b and len({tuple(t) for t in a}) == 3
+
+
+def test_top_k_one_and_tiny_min_p_top_p_are_greedy(llm, tiny_llama):
+    expected = hf_greedy(tiny_llama, PROMPTS, 10)
+    for params in (SamplingParams(temperature=1.0, top_k=1, max_tokens=10, ignore_eos=True, seed=0),
+                   SamplingParams(temperature=0.8, top_p=1e-6, max_tokens=10, ignore_eos=True, seed=0),
+                   SamplingParams(temperature=1.0, min_p=1.0, max_tokens=10, ignore_eos=True, seed=0)):
+        assert [o.outputs[0].token_ids for o in gen(llm, PROMPTS, params)] == expected
+
+
+def test_sampling_follows_the_distribution(llm, tiny_llama):
+    """The first sampled token's empirical distribution matches softmax(logits / T)."""
+    prompt = PROMPTS[1]
+    with torch.no_grad():
+        logits = hf_model(tiny_llama)(torch.tensor([prompt])).logits[0, -1]
+    probs = torch.softmax(logits / 2.0, dim=-1)
+    params = [SamplingParams(temperature=2.0, max_tokens=1, seed=s, top_k=5) for s in range(400)]
+    outs = gen(llm, [prompt] * 400, params)
+    counts = torch.bincount(torch.tensor([o.outputs[0].token_ids[0] for o in outs]), minlength=len(probs))
+    top5 = probs.topk(5)
+    expected = top5.values / top5.values.sum()
+    observed = counts[top5.indices].float() / 400
+    assert counts.sum() == counts[top5.indices].sum()          # never outside the top 5
+    assert torch.allclose(observed, expected, atol=0.08), (observed, expected)
+
+
+def test_repetition_penalty_matches_transformers(llm, tiny_llama):
+    params = SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=15, ignore_eos=True)
+    expected = hf_greedy(tiny_llama, PROMPTS, 15, repetition_penalty=1.3)
+    assert [o.outputs[0].token_ids for o in gen(llm, PROMPTS, params)] == expected
+
+
+def test_frequency_and_presence_penalties_change_output(llm):
+    base = gen(llm, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    pen = gen(llm, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                frequency_penalty=2.0, presence_penalty=2.0))
+    b, p = base[0].outputs[0].token_ids, pen[0].outputs[0].token_ids
+    assert b != p
+    assert len(set(p)) >= len(set(b))
+
+
+def test_logprobs_match_transformers(llm, tiny_llama):
+    prompt = PROMPTS[0]
+    out = gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=4, ignore_eos=True))[0]
+    comp = out.outputs[0]
+    with torch.no_grad():
+        full = torch.tensor([prompt + comp.token_ids])
+        ref = torch.log_softmax(hf_model(tiny_llama)(full).logits[0].float(), dim=-1)
+    for step, (token, entry) in enumerate(zip(comp.token_ids, comp.logprobs)):
+        row = ref[len(prompt) - 1 + step]
+        top = row.topk(4)
+        assert set(entry) == set(top.indices.tolist()) | {token}
+        assert entry[token].rank == 1
+        for tid, lp in entry.items():
+            assert abs(lp.logprob - row[tid].item()) < 1e-4
+    assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(comp.logprobs, comp.token_ids)))
+
+
+def test_prompt_logprobs_match_transformers_with_chunking(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", max_num_batched_tokens=16)
+    prompt = PROMPTS[2]                                   # 60 tokens: 4 chunks
+    out = gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(tiny_llama)(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i in range(1, len(prompt)):
+        entry = out.prompt_logprobs[i]
+        assert abs(entry[prompt[i]].logprob - ref[i - 1, prompt[i]].item()) < 1e-4
+        assert len(entry) in (2, 3)
+
+
+def test_stop_strings_stop_tokens_and_lengths(llm, tiny_llama):
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full = gen(llm, [PROMPTS[0]], params)[0].outputs[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 20
+    text = full.text
+    assert text == tok.decode(full.token_ids, skip_special_tokens=True)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cut = text.find(stop)
+    stopped = gen(llm, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                     stop=[stop]))[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stopped.text == text[:cut]
+    kept = gen(llm, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=stop,
+                                                  include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == text[:cut + len(stop)]
+    token = full.token_ids[5]
+    by_token = gen(llm, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                      stop_token_ids=[token]))[0].outputs[0]
+    first = full.token_ids.index(token)
+    assert by_token.token_ids == full.token_ids[:first + 1]
+    assert by_token.finish_reason == "stop" and by_token.stop_reason == token
+
+
+def test_eos_and_min_tokens(llm):
+    eos = min(llm.llm_engine.eos_token_ids)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    full = gen(llm, [PROMPTS[1]], params)[0].outputs[0].token_ids
+    # Make the 4th greedy token a stop token: with min_tokens=6 it is masked, so generation goes on.
+    stop_tok = full[3]
+    early = gen(llm, [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok]))
+    assert len(early[0].outputs[0].token_ids) == 4
+    late = gen(llm, [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok],
+                                                  min_tokens=6))[0].outputs[0]
+    assert stop_tok not in late.token_ids[:6] and len(late.token_ids) >= 6
+    assert eos in llm.llm_engine.eos_token_ids
+
+
+def test_max_tokens_none_runs_to_max_model_len(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=48)
+    out = gen(llm, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 48 - len(PROMPTS[0])
+    assert out.outputs[0].finish_reason == "length"
