@@ -46,7 +46,8 @@ class KVCacheManager:
         """Longest run of the request's leading full blocks that are cached; (blocks, num tokens).
 
         Capped so that at least the last token is recomputed (its logits are needed). Takes no
-        reference: pass the blocks to `allocate_slots`.
+        reference and counts nothing: pass the blocks to `allocate_slots`, and call
+        `record_prefix_lookup` once the request is admitted.
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
@@ -58,9 +59,11 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_query_tokens
+        self.prefix_cache_hits += num_hit_tokens
 
     # --- allocation -------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,

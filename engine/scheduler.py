@@ -137,8 +137,10 @@ class Scheduler:
                     # Swapped in but no room to compute yet: run it next step.
                     self._admit(request)
                 break
-            if request.num_preemptions == 0 and request.num_computed_tokens == 0:
-                request.num_cached_tokens = num_hit
+            if request.num_computed_tokens == 0:
+                self.kv.record_prefix_lookup(request.num_tokens, num_hit)
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = num_hit
             request.num_computed_tokens += num_hit
             self._admit(request)
             num_new[request.request_id] = n

@@ -72,7 +72,7 @@ def test_computed_blocks_leave_the_last_token_to_recompute():
     c = make_request("c", list(range(9)))
     hits, n = kv.get_computed_blocks(c)
     assert n == 8
-    assert kv.prefix_cache_hits == 12 and kv.prefix_cache_queries == 17
+    assert kv.prefix_cache_hits == kv.prefix_cache_queries == 0   # lookups count on admission only
     kv.check_no_leaks()
 
 
