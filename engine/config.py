@@ -6,7 +6,6 @@ records and never re-validates.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,9 +105,6 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
-
-    def replace_cache(self, **changes: Any) -> EngineConfig:
-        return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, **changes))
 
     @classmethod
     def create(

@@ -79,10 +79,6 @@ class Scheduler:
                 del self.pending_forks[child.request_id]
                 self._free(child, status)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

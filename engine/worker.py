@@ -24,7 +24,6 @@ class Worker:
 
     def load_model(self) -> None:
         mc = self.config.model_config
-        torch.manual_seed(mc.seed)
         cls = get_model_class(mc.architecture)
         with torch.device(self.device):
             model = cls(mc.hf_config, mc.dtype, mc.max_model_len)
