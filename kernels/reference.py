@@ -50,19 +50,31 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     Returns [num_tokens, num_heads, head_dim].
     """
     out = torch.empty_like(query)
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    # On CPU, SDPA's flash kernel runs ~2x faster in fp32 than in bf16 for prefill-sized blocks
+    # (its bf16 path accumulates in fp32 anyway, so upcasting changes rounding only at the output).
+    compute_dtype = torch.float32 if query.device.type == "cpu" else query.dtype
     start = 0
     for block_table, q_len, seq_len in zip(block_tables, query_lens, seq_lens):
-        q = query[start:start + q_len].transpose(0, 1)    # [H, q_len, d]
+        q = query[start:start + q_len].transpose(0, 1).to(compute_dtype)    # [H, q_len, d]
         k, v = gather_kv(kv_cache, block_table, seq_len)  # [seq_len, kvh, d]
-        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        k = k.transpose(0, 1)[None].to(compute_dtype)    # [1, kvh, seq_len, d]
+        v = v.transpose(0, 1)[None].to(compute_dtype)
+        # 4-D inputs: 3-D ones fall back to SDPA's slow math kernel on CPU.
         if q_len == seq_len:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q[None], k, v, is_causal=True, scale=scale, enable_gqa=True)[0]
         else:
-            # Query row r sits at position seq_len - q_len + r and sees keys up to it.
+            # Query row r sits at position seq_len - q_len + r and sees keys up to it. With a mask,
+            # enable_gqa is ~40x slower on CPU, so the query heads sharing a KV head are stacked into
+            # one [group * q_len] row block instead (no copy of K/V).
             rows = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:start + q_len] = o.transpose(0, 1)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows          # [q_len, seq_len]
+            qg = q.reshape(num_kv_heads, group * q_len, head_dim)[None]
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(group, 1), scale=scale)
+            o = o.view(num_heads, q_len, head_dim)
+        out[start:start + q_len] = o.transpose(0, 1)     # (cast back to the activations' dtype)
         start += q_len
     return out
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.embedding import VocabEmbedding
-from engine.layers.linear import Linear, MergedLinear, QKVLinear
+from engine.layers.linear import Linear, MergedLinear, QKVLinear, linear, prepack
 from engine.layers.rmsnorm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -94,6 +94,7 @@ class LlamaForCausalLM(nn.Module):
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config), dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.tied_packed: torch.Tensor | None = None     # prepacked embedding for tied logits
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -112,8 +113,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return linear(hidden, self.embed_tokens.weight, None, self.tied_packed).float()
 
     # HF name fragment -> (our fused parameter fragment, shard id)
     _fused = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -140,6 +142,11 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in params if n not in loaded and not any(k.startswith(n + ":") for k in loaded)]
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {missing[:5]}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.process_weights_after_loading()
+        if self.lm_head is None:
+            self.tied_packed = prepack(self.embed_tokens.weight)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
