@@ -19,9 +19,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 setup: $(VENV)/.installed
 
+# OpenAI-compatible API on http://127.0.0.1:8000/v1 (local Ray, embedded model, 2 colocated replicas).
 serve: setup
-	@echo "Serving is not built yet (router/ingress issue): generating from the embedded model instead."
-	$(VENV)/bin/pdserve generate "What is the capital of France?" --chat --max-tokens 32
+	$(VENV)/bin/pdserve serve --host 127.0.0.1 --port 8000 --replicas 2 --num-cpus 8
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -1,6 +1,7 @@
-"""The `pdserve` command line: `pdserve generate "prompt"` (offline, one engine in this process).
+"""The `pdserve` command line.
 
-`pdserve serve` arrives with the serving issue.
+    pdserve serve [--config spec.yaml] [--model PATH] [--port 8000] [--replicas N]   # OpenAI API on Ray
+    pdserve generate "prompt" [--model PATH] [--max-tokens N] [--temperature T]      # offline, in-process
 """
 from __future__ import annotations
 
@@ -21,7 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    srv = sub.add_parser("serve", help="serve the model behind an OpenAI-compatible API on Ray Serve")
+    from cluster.launch import add_serve_args, run_serve  # noqa: PLC0415
+
+    add_serve_args(srv)
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        return run_serve(args)
 
     from engine import LLM, SamplingParams  # noqa: PLC0415 (slow import after argument errors)
 

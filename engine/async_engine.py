@@ -26,6 +26,7 @@ class AsyncLLMEngine:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
+        self._step_signal: asyncio.Event | None = None      # set (and replaced) after every step
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> AsyncLLMEngine:
@@ -79,6 +80,16 @@ class AsyncLLMEngine:
     def take_kv_events(self) -> list[KVEvent]:
         return self.engine.take_kv_events()
 
+    async def wait_for_step(self, timeout: float) -> bool:
+        """Wait until the engine finishes a step (True) or `timeout` seconds pass (False)."""
+        if self._step_signal is None:
+            self._step_signal = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._step_signal.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
     @property
     def is_healthy(self) -> bool:
         return self._dead is None
@@ -104,6 +115,9 @@ class AsyncLLMEngine:
                     await self._wakeup.wait()
                     continue
                 outputs = await asyncio.to_thread(self.engine.step)
+                if self._step_signal is not None:
+                    signal, self._step_signal = self._step_signal, None
+                    signal.set()
                 for out in outputs:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:

@@ -45,6 +45,27 @@ class _RequestState:
         return all(c.finish_reason is not None for c in self.children)
 
 
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
+                     max_model_len: int) -> None:
+    """Raise ValueError naming the field if the request cannot run on a model with this vocabulary
+    and context length (shared by the engine and the HTTP ingress)."""
+    if not prompt_token_ids:
+        raise ValueError("prompt must not be empty")
+    bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+    limit = max_model_len
+    if len(prompt_token_ids) >= limit:
+        raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {limit}, "
+                         f"so the prompt must have fewer than {limit} tokens")
+    if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > limit:
+        raise ValueError(f"max_tokens must be <= {limit - len(prompt_token_ids)} for this "
+                         f"{len(prompt_token_ids)}-token prompt (max_model_len={limit}); "
+                         f"got {params.max_tokens}")
+    if params.prompt_logprobs is not None and params.n > 1:
+        raise ValueError("prompt_logprobs must be None when n > 1")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -95,22 +116,7 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field if this request cannot run on this engine."""
         mc = self.config.model_config
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = mc.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}); got {bad[:5]}")
-        limit = mc.max_model_len
-        if len(prompt_token_ids) >= limit:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {limit}, "
-                             f"so the prompt must have fewer than {limit} tokens")
-        if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > limit:
-            raise ValueError(f"max_tokens must be <= {limit - len(prompt_token_ids)} for this "
-                             f"{len(prompt_token_ids)}-token prompt (max_model_len={limit}); "
-                             f"got {params.max_tokens}")
-        if params.prompt_logprobs is not None and params.n > 1:
-            raise ValueError("prompt_logprobs must be None when n > 1")
+        validate_request(prompt_token_ids, params, mc.vocab_size, mc.max_model_len)
 
     def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
         if self.tokenizer is None or not request.sampling_params.detokenize:

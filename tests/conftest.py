@@ -47,7 +47,7 @@ def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
     from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config)
 
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     if kind == "llama":
         # llama3 rope scaling and untied embeddings.

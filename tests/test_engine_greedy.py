@@ -34,7 +34,7 @@ def oracle():
                          ids=["chunked-default", "chunked-budget24", "no-chunking"])
 def test_batch_matches_transformers(tiny_model, oracle, chunked, budget):
     prompts = mixed_prompts(1000)
-    llm = LLM(tiny_model, dtype="float32", max_num_batched_tokens=budget,
+    llm = LLM(tiny_model, dtype="float32", max_num_batched_tokens=budget, max_model_len=512,
               enable_chunked_prefill=chunked, enable_prefix_caching=False)
     assert run(llm, prompts) == oracle(tiny_model, prompts)
 

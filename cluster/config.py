@@ -1,0 +1,71 @@
+"""The cluster spec: model, pools, routing, serving limits (pydantic; loads from YAML).
+
+    model: null                 # null = the embedded SmolLM2-135M-Instruct
+    engine: {dtype: auto, max_model_len: 2048, max_num_seqs: 64}
+    mode: colocated             # colocated (one pool) | disaggregated (prefill + decode pools)
+    pools:
+      decode: {replicas: 2, num_cpus: 1}
+    routing: {name: prefix_aware, load_weight: 0.5, imbalance_threshold: 8}
+    serving: {host: 127.0.0.1, port: 8000, api_key: null, max_in_flight: 256}
+
+Every field is validated here, so a bad spec fails before any actor starts, naming the field.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.policy import POLICIES
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PoolSpec(_Strict):
+    replicas: int = Field(1, ge=1, le=64)
+    num_cpus: float = Field(1.0, gt=0)          # per replica actor; torch uses this many threads
+    num_gpus: float = Field(0.0, ge=0)
+
+
+class RoutingSpec(_Strict):
+    name: Literal[POLICIES] = "prefix_aware"     # type: ignore[valid-type]
+    load_weight: float = Field(0.5, ge=0)
+    imbalance_threshold: int = Field(8, ge=1)
+    stats_interval_s: float = Field(0.5, gt=0)  # replica stats (KV usage) refresh period
+
+
+class ServingSpec(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    served_model_name: str | None = None        # default: the model's directory or file name
+    api_key: str | None = None                  # when set, requests need `Authorization: Bearer <key>`
+    max_in_flight: int = Field(256, ge=1)       # beyond this, 429 (never an out-of-memory)
+    max_body_bytes: int = Field(4 << 20, ge=1024)
+    ingress_replicas: int = Field(1, ge=1)
+    ingress_num_cpus: float = Field(0.1, gt=0)
+
+
+class ClusterConfig(_Strict):
+    model: str | None = None
+    engine: dict[str, Any] = Field(default_factory=dict)    # LLM(...) keywords, validated by EngineConfig
+    mode: Literal["colocated", "disaggregated"] = "colocated"
+    pools: dict[Literal["prefill", "decode"], PoolSpec] = Field(
+        default_factory=lambda: {"decode": PoolSpec()})
+    routing: RoutingSpec = RoutingSpec()
+    serving: ServingSpec = ServingSpec()
+    name: str = "pdserve"                       # namespace of the manager actor
+
+    def model_post_init(self, _: Any) -> None:
+        if "decode" not in self.pools:
+            raise ValueError("pools must include 'decode' (the pool that streams tokens)")
+        if self.mode == "disaggregated":
+            raise ValueError("mode 'disaggregated' needs the KV transfer connectors, which are not built "
+                             "yet; use mode 'colocated'")
+
+    @classmethod
+    def from_yaml(cls, path: str) -> ClusterConfig:
+        with open(path) as f:
+            return cls.model_validate(yaml.safe_load(f) or {})

@@ -1,0 +1,117 @@
+"""Start serving: connect to (or start) Ray, create the manager and its pools, run the Serve app.
+
+Entry point of `pdserve serve` and of `ray job submit -- python -m cluster.launch --config spec.yaml`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+from cluster.config import ClusterConfig
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Join the Ray cluster at `address` (or RAY_ADDRESS), else start a local one on 127.0.0.1."""
+    import ray  # noqa: PLC0415
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace="pdserve")
+    else:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="pdserve",
+                 _node_ip_address="127.0.0.1")
+
+
+def serve_cluster(config: ClusterConfig, blocking: bool = True) -> None:
+    """Deploy the ingress (which creates the manager and the engine pools) and wait for it."""
+    import faulthandler  # noqa: PLC0415
+
+    from ray import serve  # noqa: PLC0415
+
+    faulthandler.register(signal.SIGUSR1)      # `kill -USR1 <pid>` prints every thread's stack
+
+    from router.app import build_app  # noqa: PLC0415
+
+    serve.start(http_options={"host": config.serving.host, "port": config.serving.port})
+    serve.run(build_app(config), name=config.name, route_prefix="/", blocking=False)
+    print(f"pdserve: serving on http://{config.serving.host}:{config.serving.port}/v1 "
+          f"({config.mode}, pools {', '.join(f'{k}={v.replicas}' for k, v in config.pools.items())})",
+          flush=True)
+    if blocking:
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            pass
+        shutdown(config)
+
+
+def shutdown(config: ClusterConfig) -> None:
+    """Tear down the Serve app and the engine pools."""
+    import ray  # noqa: PLC0415
+    from ray import serve  # noqa: PLC0415
+
+    from cluster.manager import MANAGER_NAME  # noqa: PLC0415
+
+    serve.delete(config.name)
+    try:
+        manager = ray.get_actor(MANAGER_NAME, namespace=config.name)
+        ray.get(manager.shutdown.remote())
+        ray.kill(manager)
+    except ValueError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pdserve serve", description="serve a model behind the OpenAI API")
+    add_serve_args(ap)
+    args = ap.parse_args(argv)
+    return run_serve(args)
+
+
+def add_serve_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--config", default=None, help="cluster spec YAML (see cluster/config.py)")
+    ap.add_argument("--model", default=None, help="overrides the spec's model")
+    ap.add_argument("--host", default=None)
+    ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--replicas", type=int, default=None, help="replicas of the decode pool")
+    ap.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or a local Ray)")
+    ap.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a local Ray")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    data = {}
+    if args.config:
+        data = ClusterConfig.from_yaml(args.config).model_dump()
+    if args.model is not None:
+        data["model"] = args.model
+    serving = dict(data.get("serving", {}))
+    if args.host is not None:
+        serving["host"] = args.host
+    if args.port is not None:
+        serving["port"] = args.port
+    data["serving"] = serving
+    if args.replicas is not None:
+        pools = dict(data.get("pools", {}))
+        pools["decode"] = {**dict(pools.get("decode", {})), "replicas": args.replicas}
+        data["pools"] = pools
+    try:
+        config = ClusterConfig.model_validate(data)
+    except ValueError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    init_ray(args.address, args.num_cpus)
+    serve_cluster(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""EngineReplica: one engine replica as the serving layer sees it (the body of an engine actor).
+
+A plain class around `AsyncLLMEngine` (Ray is applied in `cluster/pool.py`):
+- `generate()` yields one `StepDelta` per engine step in which the request advanced: the tokens,
+  text and logprobs that step produced for each of its n choices, so a step's tokens travel to the
+  ingress as one message (a Ray streaming generator when this runs as an actor).
+- `kv_events_since(cursor)` serves the engine's KV events as an ordered log that any number of
+  routers read at their own pace; a reader whose cursor fell off the bounded log gets a snapshot
+  (`AllCleared` + `BlockStored(every cached hash)`) that brings its index back in line exactly.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineConfig
+from engine.outputs import AllCleared, BlockStored, KVEvent, Logprob, RequestOutput
+from engine.sampling_params import SamplingParams
+
+MAX_EVENT_LOG = 100_000
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    index: int
+    token_ids: list[int]                      # produced this step
+    text: str                                 # text added this step
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class StepDelta:
+    request_id: str
+    choices: list[ChoiceDelta]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class _DeltaTracker:
+    """Turns cumulative RequestOutputs into per-step deltas.
+
+    With stop strings, the last `len(longest stop) - 1` characters of a running choice are held
+    back: they may turn out to be the start of a stop string, which the engine then cuts off, and
+    text already sent cannot be taken back.
+    """
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.sent: dict[int, tuple[int, int]] = {}     # choice index -> (tokens sent, text chars sent)
+        stops = params.stop or []
+        self.holdback = max((len(s) for s in stops), default=1) - 1 if not params.include_stop_str_in_output \
+            else 0
+
+    def delta(self, out: RequestOutput) -> StepDelta:
+        choices = []
+        for c in out.outputs:
+            num_tokens, num_chars = self.sent.get(c.index, (0, 0))
+            text_end = len(c.text) if c.finish_reason is not None else max(num_chars, len(c.text) - self.holdback)
+            if len(c.token_ids) == num_tokens and text_end == num_chars and c.finish_reason is None:
+                continue
+            choices.append(ChoiceDelta(
+                c.index, c.token_ids[num_tokens:], c.text[num_chars:text_end],
+                None if c.logprobs is None else c.logprobs[num_tokens:], c.finish_reason, c.stop_reason))
+            self.sent[c.index] = (len(c.token_ids), text_end)
+        return StepDelta(out.request_id, choices, out.finished, len(out.prompt_token_ids),
+                         out.num_cached_tokens, dict(out.metrics))
+
+
+class EngineReplica:
+    def __init__(self, config: EngineConfig, replica_id: str = "replica-0", num_threads: int | None = None
+                 ) -> None:
+        if num_threads:
+            # A Ray actor with num_cpus=1 runs torch single-threaded unless told otherwise.
+            import torch  # noqa: PLC0415
+
+            torch.set_num_threads(num_threads)
+        self.replica_id = replica_id
+        self.engine = AsyncLLMEngine(config)
+        self.config = config
+        self._log: list[KVEvent] = []
+        self._log_start = 0                 # cursor value of self._log[0]
+
+    def info(self) -> dict[str, Any]:
+        mc, cc = self.config.model_config, self.config.cache_config
+        return {"replica_id": self.replica_id, "pid": os.getpid(), "block_size": cc.block_size,
+                "max_model_len": mc.max_model_len, "max_num_seqs": self.config.scheduler_config.max_num_seqs}
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[StepDelta]:
+        """Stream StepDeltas; closing the stream early aborts the request (its blocks are freed)."""
+        tracker = _DeltaTracker(params)
+        async for out in self.engine.generate(request_id, prompt_token_ids, params, kv_transfer_params):
+            yield tracker.delta(out)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.engine.stats(), "replica_id": self.replica_id, "healthy": self.engine.is_healthy}
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (refused while requests hold blocks); emits AllCleared."""
+        return self.engine.engine.reset_prefix_cache()
+
+    def check_no_leaks(self) -> bool:
+        """True when no request is left and every KV block is free (for tests and drains)."""
+        try:
+            self.engine.engine.check_no_leaks()
+        except AssertionError:
+            return False
+        return True
+
+    async def kv_events_since(self, cursor: int, wait_s: float = 0.0) -> tuple[int, list[KVEvent]]:
+        """Events after `cursor` (0 at the start) and the cursor to pass next time.
+
+        A long poll: with `wait_s` > 0 and nothing new, it returns after the engine's next step or
+        after `wait_s` seconds, so an idle replica costs its routers nothing."""
+        self._log.extend(self.engine.take_kv_events())
+        if wait_s > 0 and cursor >= self._log_start + len(self._log):
+            await self.engine.wait_for_step(wait_s)
+            self._log.extend(self.engine.take_kv_events())
+        if len(self._log) > MAX_EVENT_LOG:
+            drop = len(self._log) - MAX_EVENT_LOG // 2
+            del self._log[:drop]
+            self._log_start += drop
+        end = self._log_start + len(self._log)
+        if cursor < self._log_start:
+            cached = list(self.engine.engine.kv_cache_manager.block_pool.cached)
+            return end, [AllCleared(), BlockStored(cached)]
+        return end, self._log[cursor - self._log_start:]

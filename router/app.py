@@ -1,0 +1,497 @@
+"""The OpenAI-compatible HTTP ingress: a Ray Serve deployment wrapping a FastAPI app.
+
+`OpenAIServer` is the plain core (tokenize, validate, route, shape responses); `build_app(config)`
+applies Ray Serve to it. Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
+(both streaming as SSE ending in `data: [DONE]`), POST /tokenize, POST /detokenize, GET /health,
+GET /metrics (Prometheus). Errors use OpenAI's JSON shape: 400 invalid parameter (named), 401 bad
+API key, 404 unknown model, 413 body too large, 429 too many requests in flight, 503 no replica.
+A client that disconnects aborts its request on the replica, which frees the request's blocks.
+"""
+# No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations at runtime
+# (through Serve's class-based ingress) and would take a string "Request" for a query parameter.
+import asyncio
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from cluster.config import ClusterConfig
+from engine.llm_engine import validate_request
+from engine.outputs import Logprob
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import apply_chat_template, load_tokenizer
+from router.metrics import ServingMetrics
+from router.pd import NoReplicaError, RequestRouter
+from router.policy import PolicyConfig, RoutingPolicy
+from router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                             error_body, new_id, now, validation_message)
+
+logger = logging.getLogger(__name__)
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, err_type: str = "invalid_request_error",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.err_type, self.param = status, message, err_type, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.err_type, self.status, self.param), status_code=self.status)
+
+
+class OpenAIServer:
+    """Everything the ingress does, independent of how it is deployed."""
+
+    def __init__(self, config: ClusterConfig, replicas: dict[str, Any]) -> None:
+        from cluster.pool import engine_config_for  # noqa: PLC0415
+
+        self.config = config
+        ec = engine_config_for(config)
+        mc = ec.model_config
+        self.vocab_size, self.max_model_len = mc.vocab_size, mc.max_model_len
+        self.model_name = config.serving.served_model_name or _default_name(mc.model, mc.gguf_file)
+        self.tokenizer = load_tokenizer(mc.model, mc.gguf_file)
+        self.metrics = ServingMetrics()
+        policy = RoutingPolicy(PolicyConfig(config.routing.name, config.routing.load_weight,
+                                            config.routing.imbalance_threshold),
+                               ec.scheduler_config.max_num_seqs)
+        self.router = RequestRouter("decode", replicas, ec.cache_config.block_size, policy, self.metrics,
+                                    config.routing.stats_interval_s)
+        self.in_flight = 0
+
+    # --- checks shared by every endpoint -----------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        key = self.config.serving.api_key
+        if key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {key}":
+            raise HTTPError(401, "invalid or missing API key (Authorization: Bearer <key>)", "authentication_error")
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        limit = self.config.serving.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise HTTPError(413, f"request body is {declared} bytes; the limit is {limit}")
+        body = await request.body()
+        if len(body) > limit:
+            raise HTTPError(413, f"request body is {len(body)} bytes; the limit is {limit}")
+        try:
+            data = json.loads(body or b"{}")
+        except json.JSONDecodeError as e:
+            raise HTTPError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise HTTPError(400, "request body must be a JSON object")
+        return data
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise HTTPError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                            "not_found_error", "model")
+
+    def parse(self, cls: type, data: dict[str, Any]) -> Any:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            message, param = validation_message(e)
+            raise HTTPError(400, message, param=param) from None
+
+    def sampling_params(self, req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        try:
+            return req.to_sampling_params()
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
+
+    def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        try:
+            validate_request(ids, params, self.vocab_size, self.max_model_len)
+        except ValueError as e:
+            raise HTTPError(400, str(e), param="prompt") from None
+
+    def admit(self, count: int) -> None:
+        if self.in_flight + count > self.config.serving.max_in_flight:
+            raise HTTPError(429, f"{self.in_flight} requests in flight; the limit is "
+                                 f"{self.config.serving.max_in_flight}: retry later", "rate_limit_error")
+        if not self.router.replicas:
+            raise HTTPError(503, "no engine replica is available", "service_unavailable")
+
+    # --- prompts -----------------------------------------------------------------------------------
+    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise HTTPError(400, "prompt must not be empty", param="prompt")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise HTTPError(400, "this model has no tokenizer: send token ids", param="prompt")
+                out.append(self.tokenizer.encode(p))
+            else:
+                out.append(list(p))
+        return out
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        try:
+            return apply_chat_template(self.tokenizer, req.plain_messages())
+        except ValueError as e:
+            raise HTTPError(400, str(e), param="messages") from None
+
+    # --- generation --------------------------------------------------------------------------------
+    async def run(self, prompts: list[list[int]], params: SamplingParams, request_id: str
+                  ) -> AsyncIterator[tuple[int, Any]]:
+        """Stream (prompt index, StepDelta) over all prompts of one HTTP request."""
+        self.in_flight += len(prompts)
+        self.metrics.in_flight.set(self.in_flight)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, ids: list[int]) -> None:
+            try:
+                async for delta in self.router.generate(f"{request_id}-{i}", ids, params):
+                    queue.put_nowait((i, delta))
+            except BaseException as e:  # noqa: BLE001 - surfaced to the consumer below
+                queue.put_nowait((i, e))
+                raise
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                yield i, item
+        finally:
+            for t in tasks:                 # a disconnect cancels the pumps, which abort on the replicas
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.in_flight -= len(prompts)
+            self.metrics.in_flight.set(self.in_flight)
+
+    def count_finished(self, reason: str | None) -> None:
+        self.metrics.requests.inc(finished_reason=reason or "abort")
+
+    # --- endpoint bodies ---------------------------------------------------------------------------
+    async def completions(self, data: dict[str, Any]) -> Response:
+        req: CompletionRequest = self.parse(CompletionRequest, data)
+        self.check_model(req.model)
+        params = self.sampling_params(req)
+        prompts = self.completion_prompts(req.prompt)
+        for ids in prompts:
+            self.validate_prompt(ids, params)
+        self.admit(len(prompts))
+        rid = new_id("cmpl")
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            return _sse(self._stream_completion(rid, req, prompts, params, include_usage))
+        return JSONResponse(await self._full_completion(rid, req, prompts, params))
+
+    async def chat(self, data: dict[str, Any]) -> Response:
+        req: ChatCompletionRequest = self.parse(ChatCompletionRequest, data)
+        self.check_model(req.model)
+        params = self.sampling_params(req)
+        ids = self.chat_prompt(req)
+        self.validate_prompt(ids, params)
+        self.admit(1)
+        rid = new_id("chatcmpl")
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            return _sse(self._stream_chat(rid, ids, params, include_usage, req.logprobs))
+        return JSONResponse(await self._full_chat(rid, ids, params, req.logprobs))
+
+    async def _full_completion(self, rid: str, req: CompletionRequest, prompts: list[list[int]],
+                               params: SamplingParams) -> dict[str, Any]:
+        n = params.n
+        choices = [_Acc() for _ in range(len(prompts) * n)]
+        usage = _Usage()
+        async for i, delta in self.run(prompts, params, rid):
+            usage.add(delta)
+            for c in delta.choices:
+                choices[i * n + c.index].add(c)
+        out = []
+        for idx, acc in enumerate(choices):
+            text = acc.text
+            if req.echo:
+                text = self.tokenizer.decode(prompts[idx // n]) + text
+            self.count_finished(acc.finish_reason)
+            out.append({"index": idx, "text": text, "finish_reason": acc.finish_reason,
+                        "stop_reason": acc.stop_reason,
+                        "logprobs": self._completion_logprobs(acc.token_ids, acc.logprobs)
+                        if params.logprobs is not None else None})
+        return {"id": rid, "object": "text_completion", "created": now(), "model": self.model_name,
+                "choices": out, "usage": usage.body(sum(len(p) for p in prompts))}
+
+    async def _stream_completion(self, rid: str, req: CompletionRequest, prompts: list[list[int]],
+                                 params: SamplingParams, include_usage: bool) -> AsyncIterator[dict]:
+        n = params.n
+        created = now()
+        usage = _Usage()
+        async for i, delta in self.run(prompts, params, rid):
+            usage.add(delta)
+            for c in delta.choices:
+                if c.finish_reason is not None:
+                    self.count_finished(c.finish_reason)
+                yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                       "choices": [{"index": i * n + c.index, "text": c.text, "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason,
+                                    "logprobs": self._completion_logprobs(c.token_ids, c.logprobs)
+                                    if params.logprobs is not None else None}]}
+        if include_usage:
+            yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                   "choices": [], "usage": usage.body(sum(len(p) for p in prompts))}
+
+    async def _full_chat(self, rid: str, ids: list[int], params: SamplingParams, logprobs: bool
+                         ) -> dict[str, Any]:
+        choices = [_Acc() for _ in range(params.n)]
+        usage = _Usage()
+        async for _, delta in self.run([ids], params, rid):
+            usage.add(delta)
+            for c in delta.choices:
+                choices[c.index].add(c)
+        out = []
+        for idx, acc in enumerate(choices):
+            self.count_finished(acc.finish_reason)
+            out.append({"index": idx, "message": {"role": "assistant", "content": acc.text},
+                        "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
+                        "logprobs": self._chat_logprobs(acc.token_ids, acc.logprobs, params.logprobs or 0)
+                        if logprobs else None})
+        return {"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
+                "choices": out, "usage": usage.body(len(ids))}
+
+    async def _stream_chat(self, rid: str, ids: list[int], params: SamplingParams, include_usage: bool,
+                           logprobs: bool) -> AsyncIterator[dict]:
+        created = now()
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        for idx in range(params.n):
+            yield {**base, "choices": [{"index": idx, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]}
+        usage = _Usage()
+        async for _, delta in self.run([ids], params, rid):
+            usage.add(delta)
+            for c in delta.choices:
+                if c.finish_reason is not None:
+                    self.count_finished(c.finish_reason)
+                yield {**base, "choices": [{
+                    "index": c.index, "delta": {"content": c.text} if c.text or c.finish_reason is None else {},
+                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs or 0)
+                    if logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+        if include_usage:
+            yield {**base, "choices": [], "usage": usage.body(len(ids))}
+
+    # --- logprobs shapes ---------------------------------------------------------------------------
+    def _token_text(self, token_id: int, lp: Logprob | None = None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None
+                             ) -> dict[str, Any]:
+        logprobs = logprobs or []
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = 0
+        for tid, entry in zip(token_ids, logprobs):
+            text = self._token_text(tid, entry.get(tid))
+            tokens.append(text)
+            token_lps.append(entry[tid].logprob if tid in entry else None)
+            tops.append({self._token_text(t, lp): lp.logprob for t, lp in entry.items()})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
+                       num_top: int) -> dict[str, Any]:
+        """OpenAI chat shape: the chosen token's logprob and the `num_top` most likely tokens."""
+        content = []
+        for tid, entry in zip(token_ids, logprobs or []):
+            text = self._token_text(tid, entry.get(tid))
+            chosen = entry.get(tid)
+            top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:num_top]
+            content.append({
+                "token": text, "logprob": chosen.logprob if chosen else None, "bytes": list(text.encode()),
+                "top_logprobs": [{"token": self._token_text(t, lp), "logprob": lp.logprob,
+                                  "bytes": list(self._token_text(t, lp).encode())} for t, lp in top]})
+        return {"content": content}
+
+    # --- small endpoints ---------------------------------------------------------------------------
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": now(),
+                                            "owned_by": "pdserve", "max_model_len": self.max_model_len}]}
+
+    def tokenize(self, data: dict[str, Any]) -> dict[str, Any]:
+        req: TokenizeRequest = self.parse(TokenizeRequest, data)
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise HTTPError(400, "give exactly one of prompt or messages", param="prompt")
+        if self.tokenizer is None:
+            raise HTTPError(400, "this model has no tokenizer")
+        if req.prompt is not None:
+            tokens = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            tokens = self.chat_prompt(ChatCompletionRequest(model=self.model_name, messages=req.messages))
+        return {"tokens": list(tokens), "count": len(tokens), "max_model_len": self.max_model_len}
+
+    def detokenize(self, data: dict[str, Any]) -> dict[str, Any]:
+        req: DetokenizeRequest = self.parse(DetokenizeRequest, data)
+        self.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise HTTPError(400, f"tokens must be integers in [0, {self.vocab_size}); got {bad[:5]}", param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        stats = await self.router.refresh_stats()
+        healthy = bool(stats) and len(stats) == len(self.router.replicas) and all(
+            s.get("healthy", False) for s in stats.values())
+        return healthy, {r: s.get("healthy", False) for r, s in stats.items()}
+
+    async def render_metrics(self) -> str:
+        await self.router.refresh_stats()
+        return self.metrics.render()
+
+
+class _Acc:
+    """One choice's accumulated output (non-streaming responses)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def add(self, c: Any) -> None:
+        self.text += c.text
+        self.token_ids.extend(c.token_ids)
+        self.logprobs.extend(c.logprobs or [])
+        if c.finish_reason is not None:
+            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+class _Usage:
+    def __init__(self) -> None:
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+
+    def add(self, delta: Any) -> None:
+        self.completion_tokens += sum(len(c.token_ids) for c in delta.choices)
+        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
+
+    def body(self, prompt_tokens: int) -> dict[str, Any]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except HTTPError as e:
+            yield f"data: {json.dumps(error_body(e.message, e.err_type, e.status, e.param))}\n\n"
+        except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+            logger.exception("stream failed")
+            yield f"data: {json.dumps(error_body(f'generation failed: {e}', 'server_error', 500))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def _default_name(model: str, gguf_file: str | None) -> str:
+    if gguf_file:
+        return gguf_file.removesuffix(".gguf")
+    return os.path.basename(os.path.normpath(model))
+
+
+# --- Ray Serve wiring ------------------------------------------------------------------------------
+fastapi_app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+
+
+async def _guard(server: OpenAIServer, request: Request, handler, *, body: bool = True) -> Response:
+    """Run one endpoint with auth, body parsing and error mapping."""
+    try:
+        server.check_auth(request)
+        if body:
+            return await handler(await server.read_json(request))
+        return await handler()
+    except HTTPError as e:
+        server.metrics.errors.inc(code=str(e.status))
+        return e.response()
+    except NoReplicaError as e:
+        server.metrics.errors.inc(code="503")
+        return HTTPError(503, str(e), "service_unavailable").response()
+
+
+def build_app(config: ClusterConfig) -> Any:
+    """The Serve application: the ingress deployment bound to this cluster config."""
+    from ray import serve  # noqa: PLC0415
+
+    @serve.deployment(name="openai-ingress", num_replicas=config.serving.ingress_replicas,
+                      ray_actor_options={"num_cpus": config.serving.ingress_num_cpus},
+                      max_ongoing_requests=max(config.serving.max_in_flight * 2, 100))
+    @serve.ingress(fastapi_app)
+    class OpenAIIngress:
+        async def __init__(self, config_json: str) -> None:
+            import ray  # noqa: PLC0415
+
+            from cluster.manager import get_or_create_manager  # noqa: PLC0415
+
+            cfg = ClusterConfig.model_validate_json(config_json)
+            manager = get_or_create_manager(cfg)
+            await manager.ready.remote()
+            replicas = await manager.replicas.remote("decode")
+            self.server = OpenAIServer(cfg, replicas)
+            self.server.router.start()
+            self._ray = ray
+
+        @fastapi_app.get("/v1/models")
+        async def models(self, request: Request) -> Response:
+            async def handler() -> Response:
+                return JSONResponse(self.server.models())
+            return await _guard(self.server, request, handler, body=False)
+
+        @fastapi_app.post("/v1/completions")
+        async def completions(self, request: Request) -> Response:
+            return await _guard(self.server, request, self.server.completions)
+
+        @fastapi_app.post("/v1/chat/completions")
+        async def chat(self, request: Request) -> Response:
+            return await _guard(self.server, request, self.server.chat)
+
+        @fastapi_app.post("/tokenize")
+        async def tokenize(self, request: Request) -> Response:
+            async def handler(data: dict) -> Response:
+                return JSONResponse(self.server.tokenize(data))
+            return await _guard(self.server, request, handler)
+
+        @fastapi_app.post("/detokenize")
+        async def detokenize(self, request: Request) -> Response:
+            async def handler(data: dict) -> Response:
+                return JSONResponse(self.server.detokenize(data))
+            return await _guard(self.server, request, handler)
+
+        @fastapi_app.get("/health")
+        async def health(self) -> Response:
+            ok, detail = await self.server.health()
+            return JSONResponse({"healthy": ok, "replicas": detail}, status_code=200 if ok else 503)
+
+        @fastapi_app.get("/metrics")
+        async def metrics(self) -> Response:
+            return PlainTextResponse(await self.server.render_metrics(),
+                                     media_type="text/plain; version=0.0.4")
+
+    return OpenAIIngress.bind(config.model_dump_json())

@@ -1,0 +1,167 @@
+"""A small Prometheus registry (counters, gauges, histograms with labels) and its text format.
+
+Names follow vLLM's with a `pdserve:` prefix (e.g. `pdserve:time_to_first_token_seconds`); engine-side
+series carry `pool` and `replica` labels. No dependency: the text exposition format is a few lines.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+
+LabelKey = tuple[tuple[str, str], ...]
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+def _key(labels: dict[str, str] | None) -> LabelKey:
+    return tuple(sorted((labels or {}).items()))
+
+
+def _fmt_labels(key: LabelKey, extra: tuple[tuple[str, str], ...] = ()) -> str:
+    items = key + extra
+    if not items:
+        return ""
+    body = ",".join(f'{k}="{_escape(v)}"' for k, v in items)
+    return "{" + body + "}"
+
+
+def _escape(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _num(v: float) -> str:
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v)) if not float(v).is_integer() else str(int(v)) if abs(v) < 1e15 else repr(float(v))
+
+
+class _Metric:
+    kind = ""
+
+    def __init__(self, name: str, doc: str) -> None:
+        self.name, self.doc = name, doc
+
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} {self.kind}"]
+
+
+class Counter(_Metric):
+    kind = "counter"
+
+    def __init__(self, name: str, doc: str) -> None:
+        super().__init__(name, doc)
+        self.values: dict[LabelKey, float] = {}
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        k = _key(labels)
+        self.values[k] = self.values.get(k, 0.0) + amount
+
+    def get(self, **labels: str) -> float:
+        return self.values.get(_key(labels), 0.0)
+
+    def render(self) -> list[str]:
+        return self.header() + [f"{self.name}{_fmt_labels(k)} {_num(v)}" for k, v in self.values.items()]
+
+
+class Gauge(Counter):
+    kind = "gauge"
+
+    def set(self, value: float, **labels: str) -> None:
+        self.values[_key(labels)] = float(value)
+
+
+class Histogram(_Metric):
+    kind = "histogram"
+
+    def __init__(self, name: str, doc: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
+        super().__init__(name, doc)
+        self.buckets = tuple(buckets)
+        self.series: dict[LabelKey, tuple[list[int], list[float]]] = {}   # counts per bucket, [sum]
+
+    def observe(self, value: float, **labels: str) -> None:
+        counts, total = self.series.setdefault(_key(labels), ([0] * (len(self.buckets) + 1), [0.0]))
+        counts[bisect.bisect_left(self.buckets, value)] += 1
+        total[0] += value
+
+    def count(self, **labels: str) -> int:
+        series = self.series.get(_key(labels))
+        return sum(series[0]) if series else 0
+
+    def render(self) -> list[str]:
+        lines = self.header()
+        for k, (counts, total) in self.series.items():
+            running = 0
+            for bound, c in zip((*self.buckets, math.inf), counts):
+                running += c
+                lines.append(f"{self.name}_bucket{_fmt_labels(k, (('le', _num(bound)),))} {running}")
+            lines.append(f"{self.name}_sum{_fmt_labels(k)} {_num(total[0])}")
+            lines.append(f"{self.name}_count{_fmt_labels(k)} {running}")
+        return lines
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.metrics: dict[str, _Metric] = {}
+
+    def _add(self, metric: _Metric) -> _Metric:
+        assert metric.name not in self.metrics, metric.name
+        self.metrics[metric.name] = metric
+        return metric
+
+    def counter(self, name: str, doc: str) -> Counter:
+        return self._add(Counter(name, doc))  # type: ignore[return-value]
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        return self._add(Gauge(name, doc))  # type: ignore[return-value]
+
+    def histogram(self, name: str, doc: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
+        return self._add(Histogram(name, doc, buckets))  # type: ignore[return-value]
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for metric in self.metrics.values():
+            lines.extend(metric.render())
+        return "\n".join(lines) + "\n"
+
+
+class ServingMetrics:
+    """Every series the ingress exports. Engine-side values are set from replica stats at scrape."""
+
+    # engine stats key -> (metric name, kind, help)
+    ENGINE_SERIES = {
+        "prompt_tokens": ("pdserve:prompt_tokens_total", "counter", "Prefill tokens received."),
+        "generation_tokens": ("pdserve:generation_tokens_total", "counter", "Tokens generated."),
+        "prefix_cache_queries": ("pdserve:prefix_cache_queries_total", "counter",
+                                 "Prompt tokens looked up in the prefix cache."),
+        "prefix_cache_hits": ("pdserve:prefix_cache_hits_total", "counter",
+                              "Prompt tokens served from the prefix cache."),
+        "num_preemptions": ("pdserve:num_preemptions_total", "counter", "Preempted requests."),
+        "num_requests_running": ("pdserve:num_requests_running", "gauge", "Requests in the running batch."),
+        "num_requests_waiting": ("pdserve:num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
+        "kv_cache_usage_perc": ("pdserve:kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use."),
+    }
+
+    def __init__(self) -> None:
+        r = self.registry = Registry()
+        self.engine: dict[str, Counter] = {}
+        for key, (name, kind, doc) in self.ENGINE_SERIES.items():
+            self.engine[key] = r.counter(name, doc) if kind == "counter" else r.gauge(name, doc)
+        self.ttft = r.histogram("pdserve:time_to_first_token_seconds", "Time to first token.")
+        self.itl = r.histogram("pdserve:inter_token_latency_seconds", "Time between streamed tokens.")
+        self.e2e = r.histogram("pdserve:e2e_request_latency_seconds", "End-to-end request latency.")
+        self.requests = r.counter("pdserve:request_success_total", "Finished requests by finish reason.")
+        self.errors = r.counter("pdserve:request_errors_total", "Rejected or failed requests by status code.")
+        self.decisions = r.counter("pdserve:router_decisions_total", "Routing decisions by reason.")
+        self.kv_blocks_transferred = r.counter("pdserve:kv_blocks_transferred_total",
+                                               "KV blocks moved from prefill to decode replicas.")
+        self.in_flight = r.gauge("pdserve:requests_in_flight", "Requests the ingress is serving.")
+
+    def set_engine_stats(self, pool: str, replica: str, stats: dict) -> None:
+        for key, metric in self.engine.items():
+            if key in stats:
+                metric.values[_key({"pool": pool, "replica": replica})] = float(stats[key])
+
+    def render(self) -> str:
+        return self.registry.render()

@@ -1,0 +1,149 @@
+"""Request orchestration over the engine pools: pick a replica, stream its StepDeltas, clean up.
+
+Colocated mode (built): one pool of full engines; the prefix-aware policy picks the replica that
+already holds the longest run of the prompt's leading blocks unless load says otherwise. The
+disaggregated path (prefill on P with max_tokens=1, KV pulled by D through a connector, conditional
+local prefill for short uncached prompts) plugs in here once the KV transfer connectors exist;
+`ClusterConfig` refuses that mode until then.
+
+The router keeps its per-replica view fresh in the background: a long poll per replica on its KV
+event log (`EngineReplica.kv_events_since` answers after the replica's next step, so events arrive
+within a step and idle replicas cost nothing) and stats every `stats_interval_s`; in-flight counts
+are its own.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.hashing import hash_block_tokens
+from engine.sampling_params import SamplingParams
+from router.metrics import ServingMetrics
+from router.policy import Decision, ReplicaLoad, RoutingPolicy
+from router.prefix_index import PrefixIndex
+
+logger = logging.getLogger(__name__)
+
+
+class NoReplicaError(RuntimeError):
+    """No healthy replica to route to (HTTP 503)."""
+
+
+class RequestRouter:
+    def __init__(self, pool: str, replicas: dict[str, Any], block_size: int, policy: RoutingPolicy,
+                 metrics: ServingMetrics, stats_interval_s: float = 0.5) -> None:
+        """replicas: replica id -> Ray actor handle of an EngineReplica."""
+        self.pool = pool
+        self.replicas = dict(replicas)
+        self.block_size = block_size
+        self.policy = policy
+        self.metrics = metrics
+        self.stats_interval_s = stats_interval_s
+        self.index = PrefixIndex()
+        self.loads = {r: ReplicaLoad() for r in self.replicas}
+        self._cursors = {r: 0 for r in self.replicas}
+        self._pollers: list[asyncio.Task] = []
+        for r in self.replicas:
+            self.index.add_replica(r)
+
+    # --- background view of the replicas -----------------------------------------------------------
+    def start(self) -> None:
+        """Start the background view: one long-poll loop per replica for KV events, one for stats."""
+        if self._pollers:
+            return
+        loop = asyncio.get_running_loop()
+        self._pollers = [loop.create_task(self._follow_events(r)) for r in self.replicas]
+        self._pollers.append(loop.create_task(self._poll_stats()))
+
+    async def _follow_events(self, replica_id: str) -> None:
+        handle = self.replicas[replica_id]
+        while True:
+            try:
+                cursor, events = await handle.kv_events_since.remote(self._cursors[replica_id], 1.0)
+                self._cursors[replica_id] = cursor
+                self.index.apply(replica_id, events)
+            except Exception:  # noqa: BLE001 - a dead replica must not stop routing to the others
+                logger.exception("following KV events of %s failed", replica_id)
+                await asyncio.sleep(1.0)
+
+    async def _poll_stats(self) -> None:
+        while True:
+            try:
+                await self.refresh_stats()
+            except Exception:  # noqa: BLE001
+                logger.exception("polling replica stats failed")
+            await asyncio.sleep(self.stats_interval_s)
+
+    async def sync_events(self) -> None:
+        """Apply every replica's new KV events to the prefix index."""
+        ids = list(self.replicas)
+        results = await asyncio.gather(
+            *[self.replicas[r].kv_events_since.remote(self._cursors[r]) for r in ids], return_exceptions=True)
+        for r, res in zip(ids, results):
+            if isinstance(res, BaseException):
+                continue
+            self._cursors[r], events = res
+            self.index.apply(r, events)
+
+    async def refresh_stats(self) -> dict[str, dict]:
+        """Poll replica stats (KV usage feeds the policy) and publish them as metrics."""
+        ids = list(self.replicas)
+        results = await asyncio.gather(*[self.replicas[r].stats.remote() for r in ids], return_exceptions=True)
+        out = {}
+        for r, res in zip(ids, results):
+            if isinstance(res, BaseException):
+                continue
+            out[r] = res
+            self.loads[r].kv_usage = float(res.get("kv_cache_usage_perc", 0.0))
+            self.metrics.set_engine_stats(self.pool, r, res)
+        return out
+
+    # --- one request -------------------------------------------------------------------------------
+    def route(self, prompt_token_ids: list[int], params: SamplingParams) -> Decision:
+        if not self.replicas:
+            raise NoReplicaError("no engine replica is available")
+        hashes = hash_block_tokens(prompt_token_ids, self.block_size, tuple(params.extra_keys))
+        cached = {r: self.index.num_blocks(r) for r in self.replicas}
+        decision = self.policy.choose(self.index.match(hashes), len(hashes), self.loads, cached)
+        self.metrics.decisions.inc(reason=decision.reason, pool=self.pool)
+        return decision
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       decision: Decision | None = None) -> AsyncIterator[Any]:
+        """Stream the chosen replica's StepDeltas (routing first unless `decision` is given). If the
+        consumer stops early (client disconnect), the request is aborted on the replica, which
+        frees its blocks."""
+        decision = decision or self.route(prompt_token_ids, params)
+        replica = self.replicas[decision.replica_id]
+        self.loads[decision.replica_id].in_flight += 1
+        start = time.monotonic()
+        last = None
+        finished = False
+        stream = replica.generate.options(num_returns="streaming").remote(request_id, prompt_token_ids, params)
+        try:
+            async for ref in stream:
+                delta = await ref
+                now = time.monotonic()
+                new_tokens = sum(len(c.token_ids) for c in delta.choices)
+                if new_tokens:
+                    if last is None:
+                        self.metrics.ttft.observe(now - start, pool=self.pool)
+                    else:
+                        self.metrics.itl.observe(now - last, pool=self.pool)
+                    last = now
+                finished = delta.finished
+                yield delta
+            if finished:
+                self.metrics.e2e.observe(time.monotonic() - start, pool=self.pool)
+        finally:
+            self.loads[decision.replica_id].in_flight -= 1
+            if not finished:
+                replica.abort.remote(request_id)
+
+    def stop(self) -> None:
+        for task in self._pollers:
+            task.cancel()
+        self._pollers = []
