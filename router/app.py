@@ -446,8 +446,6 @@ def build_app(config: ClusterConfig) -> Any:
     @serve.ingress(fastapi_app)
     class OpenAIIngress:
         async def __init__(self, config_json: str) -> None:
-            import ray  # noqa: PLC0415
-
             from cluster.manager import get_or_create_manager  # noqa: PLC0415
 
             cfg = ClusterConfig.model_validate_json(config_json)
@@ -456,7 +454,6 @@ def build_app(config: ClusterConfig) -> Any:
             replicas = await manager.replicas.remote("decode")
             self.server = OpenAIServer(cfg, replicas)
             self.server.router.start()
-            self._ray = ray
 
         @fastapi_app.get("/v1/models")
         async def models(self, request: Request) -> Response:

@@ -97,3 +97,20 @@ def test_prefix_aware_routing_beats_round_robin(tiny_llama):
     assert all(ray.get([h.check_no_leaks.remote() for h in replicas.values()]))
     for h in replicas.values():
         ray.kill(h)
+
+
+def test_cluster_spec_validates_and_loads_yaml(tmp_path):
+    from pydantic import ValidationError
+
+    from cluster.config import ClusterConfig
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("pools: {decode: {replicas: 3}}\nrouting: {name: least_load}\nserving: {port: 9000}\n")
+    config = ClusterConfig.from_yaml(str(spec))
+    assert (config.pools["decode"].replicas, config.routing.name, config.serving.port) == (3, "least_load", 9000)
+    with pytest.raises(ValidationError, match="routing.name"):
+        ClusterConfig(routing={"name": "random"})
+    with pytest.raises(ValidationError, match="replicas"):
+        ClusterConfig(pools={"decode": {"replicas": 0}})
+    with pytest.raises(ValidationError, match="not built yet"):
+        ClusterConfig(mode="disaggregated")
