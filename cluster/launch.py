@@ -35,6 +35,9 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True) -> None:
     from ray import serve  # noqa: PLC0415
 
     faulthandler.register(signal.SIGUSR1)      # `kill -USR1 <pid>` prints every thread's stack
+    stop = threading.Event()
+    if blocking:
+        _catch_stop_signals(stop)        # a signal during startup must not be lost
 
     from router.app import build_app  # noqa: PLC0415
 
@@ -44,14 +47,17 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True) -> None:
           f"({config.mode}, pools {', '.join(f'{k}={v.replicas}' for k, v in config.pools.items())})",
           flush=True)
     if blocking:
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        try:
-            while not stop.wait(1.0):
-                pass
-        except KeyboardInterrupt:
+        _catch_stop_signals(stop)        # again, in case starting Serve replaced the handlers
+        while not stop.wait(1.0):
             pass
+        print("pdserve: shutting down", flush=True)
         shutdown(config)
+
+
+def _catch_stop_signals(stop: threading.Event) -> None:
+    # Ray replaces Python's SIGINT handler in the driver, so Ctrl-C is caught here explicitly.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
 
 
 def shutdown(config: ClusterConfig) -> None:
