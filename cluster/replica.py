@@ -44,30 +44,22 @@ class StepDelta:
 
 
 class _DeltaTracker:
-    """Turns cumulative RequestOutputs into per-step deltas.
+    """Turns cumulative RequestOutputs into per-step deltas. (The engine's text only grows: it holds
+    back a possible stop-string prefix until the stop check has seen it.)"""
 
-    With stop strings, the last `len(longest stop) - 1` characters of a running choice are held
-    back: they may turn out to be the start of a stop string, which the engine then cuts off, and
-    text already sent cannot be taken back.
-    """
-
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self) -> None:
         self.sent: dict[int, tuple[int, int]] = {}     # choice index -> (tokens sent, text chars sent)
-        stops = params.stop or []
-        self.holdback = max((len(s) for s in stops), default=1) - 1 if not params.include_stop_str_in_output \
-            else 0
 
     def delta(self, out: RequestOutput) -> StepDelta:
         choices = []
         for c in out.outputs:
             num_tokens, num_chars = self.sent.get(c.index, (0, 0))
-            text_end = len(c.text) if c.finish_reason is not None else max(num_chars, len(c.text) - self.holdback)
-            if len(c.token_ids) == num_tokens and text_end == num_chars and c.finish_reason is None:
+            if len(c.token_ids) == num_tokens and len(c.text) == num_chars and c.finish_reason is None:
                 continue
             choices.append(ChoiceDelta(
-                c.index, c.token_ids[num_tokens:], c.text[num_chars:text_end],
+                c.index, c.token_ids[num_tokens:], c.text[num_chars:],
                 None if c.logprobs is None else c.logprobs[num_tokens:], c.finish_reason, c.stop_reason))
-            self.sent[c.index] = (len(c.token_ids), text_end)
+            self.sent[c.index] = (len(c.token_ids), len(c.text))
         return StepDelta(out.request_id, choices, out.finished, len(out.prompt_token_ids),
                          out.num_cached_tokens, dict(out.metrics))
 
@@ -94,7 +86,7 @@ class EngineReplica:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        kv_transfer_params: dict | None = None) -> AsyncIterator[StepDelta]:
         """Stream StepDeltas; closing the stream early aborts the request (its blocks are freed)."""
-        tracker = _DeltaTracker(params)
+        tracker = _DeltaTracker()
         async for out in self.engine.generate(request_id, prompt_token_ids, params, kv_transfer_params):
             yield tracker.delta(out)
 

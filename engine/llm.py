@@ -5,8 +5,6 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -19,33 +17,12 @@ PromptType = str | dict[str, Any]
 class LLM:
     """An engine in this process. `model=None` loads the embedded default (SmolLM2-135M-Instruct)."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str | torch.dtype = "auto",
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | None = None,
-        enable_chunked_prefill: bool = True,
-        enable_prefix_caching: bool = True,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        preemption_mode: str = "recompute",
-        swap_space_bytes: int = 256 << 20,
-        scheduling_policy: str = "fcfs",
-        seed: int = 0,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-    ) -> None:
-        config = EngineConfig.create(
-            model, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
-            num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            preemption_mode=preemption_mode, swap_space_bytes=swap_space_bytes,
-            scheduling_policy=scheduling_policy, seed=seed,
-            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """`engine_args` are `EngineConfig.create`'s keywords (vLLM's names: dtype, block_size,
+        max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
+        enable_prefix_caching, num_kv_blocks, kv_cache_memory_bytes, preemption_mode,
+        swap_space_bytes, scheduling_policy, seed, tensor_parallel_size, pipeline_parallel_size)."""
+        config = EngineConfig.create(model, **engine_args)
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
 

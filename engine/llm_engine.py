@@ -26,6 +26,19 @@ class _Child:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Logprobs converted so far (the request's lists only grow: convert each entry once).
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+
+    def visible_text(self) -> str:
+        """The text to show now. While running with stop strings, the tail that could be the start
+        of a stop string is held back: the stop check may cut it, and streamed text cannot be
+        taken back."""
+        params = self.request.sampling_params
+        if self.finish_reason is not None or not params.stop or params.include_stop_str_in_output:
+            return self.text
+        hold = max(len(s) for s in params.stop) - 1
+        return self.text[:max(0, len(self.text) - hold)]
 
 
 @dataclass(slots=True)
@@ -39,6 +52,7 @@ class _RequestState:
     arrival_time: float
     first_token_time: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -198,18 +212,20 @@ class LLMEngine:
         completions = []
         for i, child in enumerate(state.children):
             r = child.request
+            wants_logprobs = r.sampling_params.logprobs is not None
+            if wants_logprobs:
+                self._extend_logprobs(child)
             completions.append(CompletionOutput(
-                index=i, text=child.text, token_ids=list(r.output_token_ids),
-                cumulative_logprob=None,
-                logprobs=self._logprobs(r) if r.sampling_params.logprobs is not None else None,
+                index=i, text=child.visible_text(), token_ids=list(r.output_token_ids),
+                cumulative_logprob=child.cumulative_logprob if wants_logprobs else None,
+                logprobs=list(child.logprobs) if wants_logprobs else None,
                 finish_reason=child.finish_reason, stop_reason=child.stop_reason))
-            if completions[-1].logprobs is not None:
-                completions[-1].cumulative_logprob = sum(
-                    lp[t].logprob for lp, t in zip(completions[-1].logprobs, r.output_token_ids))
         leader = state.children[0].request
         prompt_lps = None
         if state.params.prompt_logprobs is not None:
-            prompt_lps = [None if d is None else self._to_logprobs(d, None) for d in leader.prompt_logprobs]
+            for d in leader.prompt_logprobs[len(state.prompt_logprobs):]:
+                state.prompt_logprobs.append(None if d is None else self._to_logprobs(d, None))
+            prompt_lps = list(state.prompt_logprobs)
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=completions, finished=state.finished, prompt_logprobs=prompt_lps,
@@ -217,9 +233,15 @@ class LLMEngine:
             metrics={"arrival_time": state.arrival_time, "first_token_time": state.first_token_time or 0.0,
                      **state.metrics})
 
-    def _logprobs(self, request: Request) -> list[dict[int, Logprob]]:
-        return [self._to_logprobs(d, (t, rank)) for d, t, rank in
-                zip(request.logprobs, request.output_token_ids, request.logprob_ranks)]
+    def _extend_logprobs(self, child: _Child) -> None:
+        """Convert the logprob entries added since the last output (each is decoded once)."""
+        r = child.request
+        num = min(len(r.logprobs), len(r.output_token_ids), len(r.logprob_ranks))
+        for j in range(len(child.logprobs), num):
+            token_id = r.output_token_ids[j]
+            entry = self._to_logprobs(r.logprobs[j], (token_id, r.logprob_ranks[j]))
+            child.logprobs.append(entry)
+            child.cumulative_logprob += entry[token_id].logprob
 
     def _to_logprobs(self, entry: dict[int, float], chosen: tuple[int, int] | None) -> dict[int, Logprob]:
         ranked = sorted(entry.items(), key=lambda kv: -kv[1])

@@ -34,7 +34,8 @@ def _escape(value: str) -> str:
 def _num(v: float) -> str:
     if math.isinf(v):
         return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v)) if not float(v).is_integer() else str(int(v)) if abs(v) < 1e15 else repr(float(v))
+    v = float(v)
+    return str(int(v)) if v.is_integer() and abs(v) < 1e15 else repr(v)
 
 
 class _Metric:
