@@ -5,6 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 # The CPU wheel of torch; on a CUDA machine override: make setup TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
+NIXL_SPEC  ?= nixl==1.5.1 nixl-cu13==1.5.1
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
@@ -15,6 +16,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[test]"
+	# NIXL (the KV connector over UCX) without its CUDA torch requirement: the wheels carry UCX.
+	$(PIP) install -q --no-deps $(NIXL_SPEC)
 	touch $@
 
 setup: $(VENV)/.installed

@@ -41,6 +41,7 @@ class StepDelta:
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    kv_transfer_params: dict[str, Any] | None = None   # a prefill for a remote decode: pass these on
 
 
 class _DeltaTracker:
@@ -61,7 +62,7 @@ class _DeltaTracker:
                 None if c.logprobs is None else c.logprobs[num_tokens:], c.finish_reason, c.stop_reason))
             self.sent[c.index] = (len(c.token_ids), len(c.text))
         return StepDelta(out.request_id, choices, out.finished, len(out.prompt_token_ids),
-                         out.num_cached_tokens, dict(out.metrics))
+                         out.num_cached_tokens, dict(out.metrics), out.kv_transfer_params)
 
 
 class EngineReplica:
@@ -80,7 +81,9 @@ class EngineReplica:
 
     def info(self) -> dict[str, Any]:
         mc, cc = self.config.model_config, self.config.cache_config
+        kvt = self.config.kv_transfer_config
         return {"replica_id": self.replica_id, "pid": os.getpid(), "block_size": cc.block_size,
+                "kv_connector": kvt.kv_connector if kvt else None,
                 "max_model_len": mc.max_model_len, "max_num_seqs": self.config.scheduler_config.max_num_seqs}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -91,7 +94,11 @@ class EngineReplica:
             yield tracker.delta(out)
 
     def abort(self, request_id: str) -> None:
+        """Abort a request, or end the lease on its blocks if it was prefilled for a remote decode."""
         self.engine.abort(request_id)
+
+    def renew_lease(self, request_id: str, seconds: float) -> bool:
+        return self.engine.renew_lease(request_id, seconds)
 
     def stats(self) -> dict[str, Any]:
         return {**self.engine.stats(), "replica_id": self.replica_id, "healthy": self.engine.is_healthy}

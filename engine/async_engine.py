@@ -15,13 +15,16 @@ from engine.executor import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.outputs import KVEvent, RequestOutput
 from engine.sampling_params import SamplingParams
+from kv_transfer.base import KVTransferError
+
+IDLE_POLL_S = 0.002
 
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._pending_adds: list[tuple[str, str | None, list[int], SamplingParams]] = []
+        self._pending_adds: list[tuple[str, str | None, list[int], SamplingParams, dict | None]] = []
         self._pending_aborts: list[str] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -41,18 +44,18 @@ class AsyncLLMEngine:
                        ) -> AsyncIterator[RequestOutput]:
         """Stream outputs for one request. Raises ValueError for bad input (before any output), and
         EngineDeadError if the engine fails. Closing or cancelling the iterator aborts the request."""
-        if kv_transfer_params:
-            raise ValueError("kv_transfer_params need a KV connector, which this engine does not have yet")
         if self._dead is not None:
             raise EngineDeadError("engine is dead") from self._dead
         self._ensure_loop()
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.engine.validate(list(prompt_token_ids), params)
+        if kv_transfer_params:
+            self.engine.validate_transfer(list(prompt_token_ids), params, kv_transfer_params)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         # The step runs in a thread: engine state is touched only by the loop, between steps.
-        self._pending_adds.append((request_id, prompt, list(prompt_token_ids), params))
+        self._pending_adds.append((request_id, prompt, list(prompt_token_ids), params, kv_transfer_params))
         self._wakeup.set()  # type: ignore[union-attr]
         finished = False
         try:
@@ -61,6 +64,9 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                failed = next((c for c in item.outputs if c.finish_reason == "error"), None)
+                if failed is not None:
+                    raise KVTransferError(f"request {request_id!r}: {failed.stop_reason}")
                 yield item
         finally:
             self._queues.pop(request_id, None)
@@ -105,8 +111,13 @@ class AsyncLLMEngine:
             while True:
                 if self._pending_adds:
                     adds, self._pending_adds = self._pending_adds, []
-                    for rid, prompt, ids, params in adds:
-                        self.engine.add_request(rid, prompt, ids, params)
+                    for rid, prompt, ids, params, kv_params in adds:
+                        try:
+                            self.engine.add_request(rid, prompt, ids, params, kv_transfer_params=kv_params)
+                        except ValueError as e:      # e.g. a layout mismatch: this request only
+                            queue = self._queues.get(rid)
+                            if queue is not None:
+                                queue.put_nowait(e)
                 if self._pending_aborts:
                     aborts, self._pending_aborts = self._pending_aborts, []
                     self.engine.abort_request(aborts)
@@ -122,11 +133,16 @@ class AsyncLLMEngine:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
-                await asyncio.sleep(0)     # let consumers and new requests in between steps
+                # Let consumers and new requests in between steps; when only transfers are pending
+                # (a pull in flight, blocks under lease) poll them without spinning.
+                await asyncio.sleep(IDLE_POLL_S if self.engine.last_step_idle else 0)
         except Exception as e:  # noqa: BLE001 - every request must learn the engine died
             self._dead = e
             for queue in self._queues.values():
                 queue.put_nowait(EngineDeadError(f"engine step failed: {e!r}"))
+
+    def renew_lease(self, request_id: str, seconds: float) -> bool:
+        return self.engine.renew_lease(request_id, seconds)
 
     async def shutdown(self) -> None:
         if self._loop_task is not None:
@@ -135,3 +151,4 @@ class AsyncLLMEngine:
                 await self._loop_task
             except asyncio.CancelledError:
                 pass
+        self.engine.executor.shutdown()

@@ -6,6 +6,7 @@ records and never re-validates.
 """
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,8 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 PREEMPTION_MODES = ("recompute", "swap")
+KV_CONNECTORS = ("nixl", "torch_dist")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 def resolve_dtype(dtype: str | torch.dtype, config_dtype: Any) -> torch.dtype:
@@ -100,11 +103,31 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class KVTransferConfig:
+    """How this engine moves KV blocks to and from other engines (prefill/decode disaggregation).
+
+    Every engine with a connector plays both roles: it can prefill for a remote decode (its blocks
+    then wait under a lease) and decode a remotely prefilled request (it pulls the blocks)."""
+    kv_connector: str                        # one of KV_CONNECTORS
+    engine_id: str                           # unique per engine; names its NIXL agent / store peer
+    kv_host: str = "127.0.0.1"               # address other engines reach this one at
+    lease_s: float = 30.0                    # how long a prefill keeps its blocks for the decode side
+    load_timeout_s: float = 10.0             # a pull not done by then fails (then: failure policy)
+    load_failure_policy: str = "recompute"   # "recompute": prefill locally; "fail": finish with error
+    # Test-only fault injection: {"fail_loads": True} or {"load_delay_s": float}.
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def extra_value(self, key: str, default: Any = None) -> Any:
+        return dict(self.extra).get(key, default)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
+    kv_transfer_config: KVTransferConfig | None = None
 
     @classmethod
     def create(
@@ -126,6 +149,13 @@ class EngineConfig:
         seed: int = 0,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        kv_connector: str | None = None,
+        kv_engine_id: str | None = None,
+        kv_host: str = "127.0.0.1",
+        kv_lease_s: float = 30.0,
+        kv_load_timeout_s: float = 10.0,
+        kv_load_failure_policy: str = "recompute",
+        kv_connector_extra: dict[str, Any] | None = None,
     ) -> EngineConfig:
         """Validate user arguments and resolve them against the model's config."""
         from engine.weights import resolve_model  # noqa: PLC0415 (keeps config import-light)
@@ -146,6 +176,21 @@ class EngineConfig:
             raise ValueError(f"swap_space_bytes must be >= 0; got {swap_space_bytes}")
         if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        kv_transfer_config = None
+        if kv_connector is not None:
+            if kv_connector not in KV_CONNECTORS:
+                raise ValueError(f"kv_connector must be one of {KV_CONNECTORS} or None; got {kv_connector!r}")
+            if kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+                raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}; "
+                                 f"got {kv_load_failure_policy!r}")
+            if kv_lease_s <= 0 or kv_load_timeout_s <= 0:
+                raise ValueError(f"kv_lease_s and kv_load_timeout_s must be > 0; got {kv_lease_s}, "
+                                 f"{kv_load_timeout_s}")
+            kv_transfer_config = KVTransferConfig(
+                kv_connector=kv_connector, engine_id=kv_engine_id or uuid.uuid4().hex[:12],
+                kv_host=kv_host, lease_s=kv_lease_s, load_timeout_s=kv_load_timeout_s,
+                load_failure_policy=kv_load_failure_policy,
+                extra=tuple(sorted((kv_connector_extra or {}).items())))
 
         path, gguf_file, hf_config = resolve_model(model)
         derived_len = getattr(hf_config, "max_position_embeddings", None) or 2048
@@ -177,4 +222,5 @@ class EngineConfig:
                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                 preemption_mode=preemption_mode, policy=scheduling_policy),
             parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
+            kv_transfer_config=kv_transfer_config,
         )

@@ -20,9 +20,11 @@ class InProcessExecutor:
         self.worker.load_model()
         self.num_blocks, self.num_cpu_blocks = self.worker.determine_num_blocks()
         self.worker.init_cache(self.num_blocks, self.num_cpu_blocks)
+        # The worker side of the KV connector (None without one); the engine drives it directly.
+        self.kv_connector_worker = self.worker.kv_connector
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)
 
     def shutdown(self) -> None:
-        pass
+        self.worker.shutdown()

@@ -67,14 +67,17 @@ class KVCacheManager:
 
     # --- allocation -------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       cache: bool = True) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
         `new_computed_blocks` are prefix-cache hits (from `get_computed_blocks`) that this call
         references; the caller then advances `num_computed_tokens` past them. A write into a block
         shared with a fork sibling first copies it (copy-on-write; the copy is queued in
-        `pending_copies`). Returns the newly allocated blocks, or None if they do not fit (then
-        nothing changed).
+        `pending_copies`). Blocks are registered in the prefix cache as they are allocated (the step
+        that fills them runs before any later request can read them); `cache=False` defers that for
+        blocks filled from elsewhere (a remote pull): call `cache_full_blocks` once they hold their
+        KV. Returns the newly allocated blocks, or None if they do not fit (then nothing changed).
         """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -103,10 +106,11 @@ class KVCacheManager:
             blocks[cow_index] = copy
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
-        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        if cache:
+            self.cache_full_blocks(request, num_computed + num_new_tokens)
         return new_blocks
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the blocks that will be full once `num_tokens` tokens are computed."""
         if not self.enable_caching:
             return
@@ -166,7 +170,7 @@ class KVCacheManager:
         del self.swapped[rid]
         self.free_cpu_blocks.extend(cpu_ids)
         self.num_cached_blocks[rid] = 0
-        self._cache_full_blocks(request, request.num_computed_tokens)
+        self.cache_full_blocks(request, request.num_computed_tokens)
         return [(c, b.block_id) for c, b in zip(cpu_ids, blocks)]
 
     def reset_prefix_cache(self) -> bool:

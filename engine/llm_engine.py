@@ -2,6 +2,8 @@
 
 Validates requests on the way in (ValueError naming the field), fans `n > 1` out into forked
 children, detokenizes incrementally, applies stop strings and assembles vLLM-shaped RequestOutputs.
+With a KV connector it also moves the transfer queues between the scheduler side and the worker side
+of the connector (kv_transfer/base.py) at the start of each step.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
+from kv_transfer.base import KVConnectorScheduler, KVLayout
 
 
 @dataclass(slots=True)
@@ -53,6 +56,7 @@ class _RequestState:
     first_token_time: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
+    kv_transfer_params: dict[str, Any] | None = None    # set when its blocks are leased
 
     @property
     def finished(self) -> bool:
@@ -90,7 +94,15 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_blocks, config.cache_config.block_size,
             config.cache_config.enable_prefix_caching, self.executor.num_cpu_blocks)
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        kvt = config.kv_transfer_config
+        self.kv_connector: KVConnectorScheduler | None = None
+        self.kv_worker = self.executor.kv_connector_worker
+        if kvt is not None:
+            self.kv_connector = KVConnectorScheduler(kvt, KVLayout.from_config(config))
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.kv_connector,
+                                   kvt.load_failure_policy if kvt else "recompute")
+        self._aborted_leases: list[str] = []
+        self.last_step_idle = False         # the last step scheduled nothing (only transfers pending)
         self.states: dict[str, _RequestState] = {}
         self.child_to_state: dict[str, tuple[_RequestState, int]] = {}
         self.num_prompt_tokens = 0
@@ -98,9 +110,15 @@ class LLMEngine:
 
     # --- intake -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                    params: SamplingParams, arrival_time: float | None = None) -> None:
-        """Validate and queue a request. Raises ValueError for bad input; nothing is queued then."""
-        if request_id in self.states:
+                    params: SamplingParams, arrival_time: float | None = None,
+                    kv_transfer_params: dict[str, Any] | None = None) -> None:
+        """Validate and queue a request. Raises ValueError for bad input; nothing is queued then.
+
+        `kv_transfer_params`: `{"do_remote_decode": True}` prefills here (max_tokens forced to 1)
+        and leases the blocks for a decode engine (the output carries the parameters to pass it);
+        the parameters a prefill engine returned pull the prompt's KV from it instead of computing."""
+        if request_id in self.states or (self.kv_connector is not None
+                                         and request_id in self.kv_connector.leases):
             raise ValueError(f"request_id {request_id!r} is already in use")
         if prompt_token_ids is None:
             if prompt is None:
@@ -118,6 +136,8 @@ class LLMEngine:
         leader = Request(ids[0], prompt_token_ids, params, self.eos_token_ids, bs, max_tokens, arrival,
                          parent_id=request_id, index=0)
         leader.fork_children = [leader.fork(rid, i) for i, rid in enumerate(ids[1:], start=1)]
+        if kv_transfer_params:
+            self._attach_transfer(leader, kv_transfer_params)
         children = [leader, *leader.fork_children]
         state = _RequestState(request_id, prompt, prompt_token_ids, params,
                               [_Child(r, self._detokenizer(r)) for r in children], arrival)
@@ -126,6 +146,33 @@ class LLMEngine:
             self.child_to_state[r.request_id] = (state, i)
         self.scheduler.add_request(leader)
         self.num_prompt_tokens += len(prompt_token_ids)
+
+    def validate_transfer(self, prompt_token_ids: list[int], params: SamplingParams,
+                          kv_transfer_params: dict[str, Any]) -> None:
+        """Raise ValueError if these kv_transfer_params cannot be used for this prompt here (no
+        connector, malformed, another prompt's, or a layout mismatch with the prefill engine)."""
+        probe = Request("validate", prompt_token_ids, params, self.eos_token_ids,
+                        self.config.cache_config.block_size, 1)
+        self._attach_transfer(probe, kv_transfer_params)
+
+    def _attach_transfer(self, request: Request, kv_transfer_params: dict[str, Any]) -> None:
+        if self.kv_connector is None:
+            raise ValueError("kv_transfer_params need a KV connector: create this engine with "
+                             "kv_connector='nixl' or 'torch_dist'")
+        if not isinstance(kv_transfer_params, dict):
+            raise ValueError("kv_transfer_params must be a dict")
+        params = request.sampling_params
+        if params.n != 1:
+            raise ValueError(f"kv_transfer_params need n == 1; got n={params.n}")
+        remote = self.kv_connector.parse(kv_transfer_params, request.block_hashes, request.num_prompt_tokens)
+        if remote is None:
+            request.remote_decode = True
+            request.max_tokens = 1
+        elif params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs must be None with do_remote_prefill (the prompt's KV "
+                             "is pulled, not computed here)")
+        else:
+            request.remote_prefill = remote
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field if this request cannot run on this engine."""
@@ -141,6 +188,8 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort user requests (all their children); their blocks are freed at once."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            if self.kv_connector is not None and rid in self.kv_connector.leases:
+                self._aborted_leases.append(rid)     # freed at the next step
             state = self.states.pop(rid, None)
             if state is None:
                 continue
@@ -151,15 +200,25 @@ class LLMEngine:
 
     # --- the loop ---------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.states)
+        """True while a request is in flight or KV transfers (pulls, leases) are pending."""
+        return bool(self.states) or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that advanced or finished."""
+        outputs = self._poll_transfers() if self.kv_worker is not None else []
         sched = self.scheduler.schedule()
+        if self.kv_connector is not None:
+            for spec in self.kv_connector.take_new_loads():
+                self.kv_worker.start_load(spec)
+            for remote in self.kv_connector.take_new_releases():
+                self.kv_worker.release_remote(remote)
+        self.last_step_idle = sched.is_empty
         if sched.is_empty:
-            return []
+            return outputs
         runner_out = self.executor.execute_model(sched)
         updated = self.scheduler.update_from_output(sched, runner_out)
+        if self.kv_connector is not None:
+            self._start_leases()
         now = time.monotonic()
         touched: dict[str, _RequestState] = {}
         for request in updated:
@@ -172,13 +231,54 @@ class LLMEngine:
                 state.first_token_time = now
             self._process_token(state, state.children[i])
             touched[state.request_id] = state
-        outputs = []
         for state in touched.values():
             outputs.append(self._make_output(state))
             if state.finished:
                 state.metrics["finished_time"] = now
                 self._forget(state)
         return outputs
+
+    def _poll_transfers(self) -> list[RequestOutput]:
+        """Collect finished transfers: end released, aborted and expired leases (the worker refuses
+        their pulls before their blocks are freed), and re-queue or fail finished pulls."""
+        assert self.kv_connector is not None and self.kv_worker is not None
+        report = self.kv_worker.poll()
+        aborted, self._aborted_leases = self._aborted_leases, []
+        ending = self.kv_connector.leases_to_end(report.released, aborted)
+        if ending:
+            self.kv_worker.end_leases([lease.slot for lease in ending])
+            for lease in ending:
+                self.kv_cache_manager.free(lease.request)
+        outputs = []
+        for request in self.scheduler.finish_loads(report.loaded, report.failed):
+            entry = self.child_to_state.get(request.request_id)
+            if entry is None:
+                continue
+            state, i = entry
+            state.children[i].finish_reason = FINISH_REASONS[request.status]
+            state.children[i].stop_reason = request.stop_reason
+            outputs.append(self._make_output(state))
+            self._forget(state)
+        return outputs
+
+    def _start_leases(self) -> None:
+        """Lease the blocks of requests that finished their prefill for a remote decode."""
+        assert self.kv_connector is not None and self.kv_worker is not None
+        for request in self.scheduler.take_new_leased():
+            block_ids = self.kv_cache_manager.block_ids(request.request_id)
+            taken = self.kv_worker.start_lease(block_ids)
+            if taken is None:        # lease table full: the decode side will compute the prompt
+                self.kv_cache_manager.free(request)
+                continue
+            params = self.kv_connector.add_lease(request, block_ids, *taken, self.kv_worker.address(),
+                                                 self.config.kv_transfer_config.engine_id)
+            entry = self.child_to_state.get(request.request_id)
+            if entry is not None:
+                entry[0].kv_transfer_params = params
+
+    def renew_lease(self, request_id: str, seconds: float) -> bool:
+        """Keep a leased request's blocks at least `seconds` longer; False if it holds no lease."""
+        return self.kv_connector is not None and self.kv_connector.renew_lease(request_id, seconds)
 
     def _process_token(self, state: _RequestState, child: _Child) -> None:
         request = child.request
@@ -229,7 +329,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=completions, finished=state.finished, prompt_logprobs=prompt_lps,
-            num_cached_tokens=leader.num_cached_tokens,
+            num_cached_tokens=leader.num_cached_tokens, kv_transfer_params=state.kv_transfer_params,
             metrics={"arrival_time": state.arrival_time, "first_token_time": state.first_token_time or 0.0,
                      **state.metrics})
 
@@ -272,7 +372,16 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
+            **(self._transfer_stats() if self.kv_connector is not None else {}),
         }
+
+    def _transfer_stats(self) -> dict[str, Any]:
+        c = self.kv_connector
+        assert c is not None
+        return {"kv_loads": c.num_loads, "kv_load_failures": c.num_load_failures,
+                "kv_blocks_pulled": c.num_blocks_pulled, "kv_leases": c.num_leases,
+                "kv_leases_active": len(c.leases), "kv_leases_expired": c.num_leases_expired,
+                "num_requests_waiting_for_kv": len(self.scheduler.loading)}
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.kv_cache_manager.take_events()
@@ -283,4 +392,7 @@ class LLMEngine:
     def check_no_leaks(self) -> None:
         """AssertionError unless no request is left and every KV block is free."""
         assert not self.scheduler.requests, f"unfinished requests: {list(self.scheduler.requests)}"
+        assert not self.scheduler.aborted_loading, f"pulls outstanding: {list(self.scheduler.aborted_loading)}"
+        if self.kv_connector is not None:
+            assert not self.kv_connector.leases, f"leases held: {list(self.kv_connector.leases)}"
         self.kv_cache_manager.check_no_leaks()

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.hashing import BlockHash
 
@@ -113,4 +113,6 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+    # Set on a prefill for a remote decode: what to pass the decode engine (kv_transfer/base.py).
+    kv_transfer_params: dict[str, Any] | None = None
     metrics: dict[str, float] = field(default_factory=dict)

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.hashing import BlockHash, hash_block_tokens
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kv_transfer.base import RemotePrefill
 
 
 class RequestStatus(enum.IntEnum):
@@ -21,9 +25,11 @@ class RequestStatus(enum.IntEnum):
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()               # blocks freed; recomputes on resume
     SWAPPED = enum.auto()                 # blocks in the CPU pool; swapped in on resume
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # blocks allocated; their KV is being pulled from a prefill engine
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()          # its KV pull failed under load_failure_policy="fail"
 
     @property
     def is_finished(self) -> bool:
@@ -34,6 +40,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -71,6 +78,10 @@ class Request:
         # leader of an n > 1 fork); None means no cap.
         self.compute_limit: int | None = None
         self.fork_children: list[Request] = []
+        # Prefill/decode split: KV to pull from a prefill engine before running (decode side), or
+        # keep the blocks under a lease for a decode engine when done (prefill side).
+        self.remote_prefill: RemotePrefill | None = None
+        self.remote_decode = False
 
         self.block_size = block_size
         self.extra_keys = sampling_params.extra_keys

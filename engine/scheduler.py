@@ -6,21 +6,37 @@ steps while decodes ride along). RUNNING requests go first, in order; then WAITI
 priority), unless something was preempted this step. When blocks run out the newest (or lowest
 priority) running request is preempted: by recompute (its blocks are freed and it starts over) or by
 swap (its blocks are copied to the CPU pool and copied back when it resumes).
+
+With a KV connector (prefill/decode split) a remotely prefilled request is admitted into
+WAITING_FOR_REMOTE_KVS instead: its blocks are allocated, their pull is queued, and it rejoins the
+queue's front once they arrive (or starts over locally if the pull fails). A request to be decoded
+remotely keeps its blocks when it finishes; the engine puts them under a lease.
 """
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
 
+if TYPE_CHECKING:
+    from kv_transfer.base import KVConnectorScheduler
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 connector: KVConnectorScheduler | None = None, load_failure_policy: str = "recompute"
+                 ) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.connector = connector
+        self.load_failure_policy = load_failure_policy
+        self.loading: dict[str, tuple[Request, int]] = {}   # pulling KV: (request, tokens to pull)
+        self.aborted_loading: dict[str, Request] = {}       # aborted mid-pull: freed when it ends
+        self.new_leased: list[Request] = []                 # finished, blocks kept for a remote decode
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -63,13 +79,24 @@ class Scheduler:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_FORK:
                 del self.pending_forks[rid]
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # The pull may still write into its blocks: free them when it ends.
+                del self.loading[rid]
+                request.status = status
+                self.aborted_loading[rid] = request
+                self.finished_ids.append(rid)
+                del self.requests[rid]
+                continue
             else:
                 self.waiting.remove(request)
             self._free(request, status)
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv.free(request)
+        if self.connector is not None and self.connector.wants_lease(request):
+            self.new_leased.append(request)      # blocks stay; the engine leases them
+        else:
+            self.kv.free(request)
         self.finished_ids.append(request.request_id)
         del self.requests[request.request_id]
         # A leader that ends before forking takes its waiting children with it (only an abort can
@@ -80,7 +107,9 @@ class Scheduler:
                 self._free(child, status)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """True while any request runs, waits, pulls KV, or holds blocks under a lease."""
+        return bool(self.requests or self.aborted_loading
+                    or (self.connector is not None and self.connector.leases))
 
     # --- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -124,6 +153,12 @@ class Scheduler:
                 hits, num_hit = [], 0
             elif request.num_computed_tokens == 0:
                 hits, num_hit = self.kv.get_computed_blocks(request)
+                if request.remote_prefill is not None:
+                    admitted = self._admit_remote(request, hits, num_hit)
+                    if admitted is None:
+                        break               # no room for its blocks yet
+                    if admitted:
+                        continue            # pulling: costs no token budget
             else:
                 hits, num_hit = [], 0
             n = min(request.num_tokens_to_compute - num_hit, budget)
@@ -148,6 +183,64 @@ class Scheduler:
             num_batched_tokens=sum(num_new.values()),
             swap_out=swap_out, swap_in=swap_in, copy_blocks=self.kv.take_pending_copies(),
             preempted_ids=preempted, finished_ids=self._take_finished_ids())
+
+    def _admit_remote(self, request: Request, hits: list, num_hit: int) -> bool | None:
+        """Start a remotely prefilled request's pull. True: it is now WAITING_FOR_REMOTE_KVS;
+        False: nothing to pull (P's lease is released; it runs like any request); None: its blocks
+        do not fit now."""
+        assert self.connector is not None
+        num_external = self.connector.num_external_tokens(request, num_hit)
+        if num_external == 0:
+            self.connector.plan_release(request)
+            request.remote_prefill = None
+            return False
+        if self.kv.allocate_slots(request, num_external, hits, cache=False) is None:
+            return None
+        self.kv.record_prefix_lookup(request.num_tokens, num_hit)
+        request.num_cached_tokens = request.num_computed_tokens = num_hit
+        self.waiting.popleft()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[request.request_id] = (request, num_external)
+        self.connector.plan_load(request, self.kv.block_ids(request.request_id), num_hit, num_external)
+        return True
+
+    def finish_loads(self, loaded: list[str], failed: list[tuple[str, str]]) -> list[Request]:
+        """Apply finished pulls: loaded requests rejoin the queue's front with their KV computed;
+        failed ones start over locally (policy "recompute") or end with an error ("fail"). Requests
+        aborted mid-pull are freed now. Returns the requests that ended with an error."""
+        errored = []
+        outcomes = [(rid, None) for rid in loaded] + list(failed)
+        for rid, reason in outcomes:
+            aborted = self.aborted_loading.pop(rid, None)
+            if aborted is not None:
+                self.kv.free(aborted)
+                continue
+            if rid not in self.loading:
+                continue
+            request, num_external = self.loading.pop(rid)
+            request.remote_prefill = None
+            if reason is None:
+                request.num_computed_tokens += num_external
+                self.kv.cache_full_blocks(request, request.num_computed_tokens)
+            elif self.load_failure_policy == "recompute":
+                assert self.connector is not None
+                self.connector.num_load_failures += 1
+                self.kv.free(request)
+                request.num_computed_tokens = request.num_cached_tokens = 0
+            else:
+                assert self.connector is not None
+                self.connector.num_load_failures += 1
+                request.stop_reason = f"KV transfer failed: {reason}"
+                self._free(request, RequestStatus.FINISHED_ERROR)
+                errored.append(request)
+                continue
+            request.status = RequestStatus.WAITING
+            self._enqueue(request, front=True)
+        return errored
+
+    def take_new_leased(self) -> list[Request]:
+        leased, self.new_leased = self.new_leased, []
+        return leased
 
     def _admit(self, request: Request) -> None:
         self.waiting.popleft()

@@ -11,6 +11,8 @@ from engine.model_runner import ModelRunner
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.weights import iterate_weights
+from kv_transfer.base import KVConnectorWorker, KVLayout
+from kv_transfer.factory import create_connector_worker
 
 # Default KV budget when neither num_kv_blocks nor kv_cache_memory_bytes is given.
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -21,6 +23,7 @@ class Worker:
         self.config = config
         self.device = torch.device(device)
         self.runner: ModelRunner | None = None
+        self.kv_connector: KVConnectorWorker | None = None
 
     def load_model(self) -> None:
         mc = self.config.model_config
@@ -67,7 +70,15 @@ class Worker:
                                  for _ in range(mc.num_layers)]
         self.runner.cpu_caches = [torch.zeros(cpu_shape, dtype=mc.dtype, device="cpu")
                                   for _ in range(mc.num_layers)] if num_cpu_blocks else []
+        if self.config.kv_transfer_config is not None:
+            self.kv_connector = create_connector_worker(
+                self.config.kv_transfer_config, KVLayout.from_config(self.config))
+            self.kv_connector.register_kv_caches(self.runner.kv_caches)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None
         return self.runner.execute(sched)
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
