@@ -2,9 +2,11 @@
 
     model: null                 # null = the embedded SmolLM2-135M-Instruct
     engine: {dtype: auto, max_model_len: 2048, max_num_seqs: 64}
-    mode: colocated             # colocated (one pool) | disaggregated (prefill + decode pools)
+    mode: disaggregated         # colocated (decode pool only) | disaggregated (prefill + decode pools)
     pools:
-      decode: {replicas: 2, num_cpus: 1}
+      prefill: {replicas: 1, num_cpus: 1}
+      decode: {replicas: 1, num_cpus: 1}
+    disaggregation: {connector: nixl, min_remote_prefill_tokens: 256, lease_s: 30}
     routing: {name: prefix_aware, load_weight: 0.5, imbalance_threshold: 8}
     serving: {host: 127.0.0.1, port: 8000, api_key: null, max_in_flight: 256}
 
@@ -37,6 +39,19 @@ class RoutingSpec(_Strict):
     stats_interval_s: float = Field(0.5, gt=0)  # replica stats (KV usage) refresh period
 
 
+class DisaggregationSpec(_Strict):
+    connector: Literal["nixl", "torch_dist"] = "nixl"
+    # Prompts with fewer uncached tokens (on the chosen decode replica) are prefilled there.
+    min_remote_prefill_tokens: int = Field(256, ge=1)
+    lease_s: float = Field(30.0, gt=0)          # how long a prefill keeps its blocks for the decode side
+    load_timeout_s: float = Field(10.0, gt=0)
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+
+    def engine_args(self) -> dict[str, Any]:
+        return {"kv_connector": self.connector, "kv_lease_s": self.lease_s,
+                "kv_load_timeout_s": self.load_timeout_s, "kv_load_failure_policy": self.load_failure_policy}
+
+
 class ServingSpec(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -54,6 +69,7 @@ class ClusterConfig(_Strict):
     mode: Literal["colocated", "disaggregated"] = "colocated"
     pools: dict[Literal["prefill", "decode"], PoolSpec] = Field(
         default_factory=lambda: {"decode": PoolSpec()})
+    disaggregation: DisaggregationSpec = DisaggregationSpec()
     routing: RoutingSpec = RoutingSpec()
     serving: ServingSpec = ServingSpec()
     name: str = "pdserve"                       # namespace of the manager actor
@@ -61,9 +77,14 @@ class ClusterConfig(_Strict):
     def model_post_init(self, _: Any) -> None:
         if "decode" not in self.pools:
             raise ValueError("pools must include 'decode' (the pool that streams tokens)")
-        if self.mode == "disaggregated":
-            raise ValueError("mode 'disaggregated' needs the KV transfer connectors, which are not built "
-                             "yet; use mode 'colocated'")
+        if self.mode == "disaggregated" and "prefill" not in self.pools:
+            raise ValueError("mode 'disaggregated' needs a 'prefill' pool beside 'decode'")
+        if self.mode == "colocated" and "prefill" in self.pools:
+            raise ValueError("pools has 'prefill' but mode is 'colocated'; set mode: disaggregated")
+        kv_keys = [k for k in self.engine if k.startswith("kv_")]
+        if kv_keys:
+            raise ValueError(f"engine must not set {kv_keys}: the disaggregation section configures "
+                             f"the KV connector")
 
     @classmethod
     def from_yaml(cls, path: str) -> ClusterConfig:

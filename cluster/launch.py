@@ -89,6 +89,11 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host", default=None)
     ap.add_argument("--port", type=int, default=None)
     ap.add_argument("--replicas", type=int, default=None, help="replicas of the decode pool")
+    ap.add_argument("--prefill-replicas", type=int, default=None,
+                    help="replicas of the prefill pool (> 0 serves disaggregated: prefill and decode "
+                         "pools with KV transfer; 0 serves colocated)")
+    ap.add_argument("--connector", choices=["nixl", "torch_dist"], default=None,
+                    help="KV connector between the pools (disaggregated mode)")
     ap.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or a local Ray)")
     ap.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a local Ray")
 
@@ -105,10 +110,19 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.port is not None:
         serving["port"] = args.port
     data["serving"] = serving
+    pools = dict(data.get("pools", {}))
     if args.replicas is not None:
-        pools = dict(data.get("pools", {}))
         pools["decode"] = {**dict(pools.get("decode", {})), "replicas": args.replicas}
+    if args.prefill_replicas == 0:
+        pools.pop("prefill", None)
+        data["mode"] = "colocated"
+    elif args.prefill_replicas is not None:
+        pools["prefill"] = {**dict(pools.get("prefill", {})), "replicas": args.prefill_replicas}
+        data["mode"] = "disaggregated"
+    if pools:
         data["pools"] = pools
+    if args.connector is not None:
+        data["disaggregation"] = {**dict(data.get("disaggregation", {})), "connector": args.connector}
     try:
         config = ClusterConfig.model_validate(data)
     except ValueError as e:

@@ -44,4 +44,7 @@ class EnginePool:
 
 
 def engine_config_for(config: ClusterConfig) -> EngineConfig:
-    return EngineConfig.create(config.model, **config.engine)
+    """The engine config every replica of the cluster runs (both pools: each engine can play either
+    role of a transfer, so one config serves both)."""
+    kv_args = config.disaggregation.engine_args() if config.mode == "disaggregated" else {}
+    return EngineConfig.create(config.model, **config.engine, **kv_args)

@@ -271,7 +271,7 @@ class LLMEngine:
                 self.kv_cache_manager.free(request)
                 continue
             params = self.kv_connector.add_lease(request, block_ids, *taken, self.kv_worker.address(),
-                                                 self.config.kv_transfer_config.engine_id)
+                                                 self.kv_worker.engine_id)
             entry = self.child_to_state.get(request.request_id)
             if entry is not None:
                 entry[0].kv_transfer_params = params

@@ -89,6 +89,8 @@ class Scheduler:
                 continue
             else:
                 self.waiting.remove(request)
+                if request.remote_prefill is not None and self.connector is not None:
+                    self.connector.plan_release(request)     # it will never pull: free P's lease now
             self._free(request, status)
 
     def _free(self, request: Request, status: RequestStatus) -> None:
@@ -218,6 +220,8 @@ class Scheduler:
             if rid not in self.loading:
                 continue
             request, num_external = self.loading.pop(rid)
+            if reason is not None and self.connector is not None:
+                self.connector.plan_release(request)         # best effort: P may be gone
             request.remote_prefill = None
             if reason is None:
                 request.num_computed_tokens += num_external

@@ -30,6 +30,7 @@ import hashlib
 import json
 import random
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -204,6 +205,8 @@ class KVConnectorWorker:
     def __init__(self, config: KVTransferConfig, layout: KVLayout) -> None:
         self.config = config
         self.layout = layout
+        # Unique per worker incarnation (replicas of a pool share one config and its engine_id).
+        self.engine_id = f"{config.engine_id}-{uuid.uuid4().hex[:8]}"
         self.leases = LeaseTable()
         self.kv_caches: list[torch.Tensor] = []    # per layer [2, num_blocks, block_size, kvh, d]
         self._injected_failures: list[tuple[str, str]] = []

@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +65,7 @@ class NixlConnectorWorker(KVConnectorWorker):
     def __init__(self, config: KVTransferConfig, layout: KVLayout) -> None:
         super().__init__(config, layout)
         nixl_agent, nixl_agent_config = _import_nixl()
-        self.agent_name = f"pdserve-{config.engine_id}-{uuid.uuid4().hex[:8]}"
+        self.agent_name = f"pdserve-{self.engine_id}"
         self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
         self.scratch = torch.zeros(NUM_SCRATCH_WORDS, dtype=torch.int64)
         self.free_scratch = list(range(NUM_SCRATCH_WORDS - 1, -1, -1))

@@ -26,7 +26,7 @@ from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, load_tokenizer
 from router.metrics import ServingMetrics
-from router.pd import NoReplicaError, RequestRouter
+from router.pd import NoReplicaError, PDRouter, RequestRouter
 from router.policy import PolicyConfig, RoutingPolicy
 from router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                              error_body, new_id, now, validation_message)
@@ -47,7 +47,10 @@ class HTTPError(Exception):
 class OpenAIServer:
     """Everything the ingress does, independent of how it is deployed."""
 
-    def __init__(self, config: ClusterConfig, replicas: dict[str, Any]) -> None:
+    def __init__(self, config: ClusterConfig, replicas: dict[str, Any],
+                 prefill_replicas: dict[str, Any] | None = None) -> None:
+        """replicas: the decode pool's actor handles; prefill_replicas: the prefill pool's (only in
+        disaggregated mode)."""
         from cluster.pool import engine_config_for  # noqa: PLC0415
 
         self.config = config
@@ -60,8 +63,14 @@ class OpenAIServer:
         policy = RoutingPolicy(PolicyConfig(config.routing.name, config.routing.load_weight,
                                             config.routing.imbalance_threshold),
                                ec.scheduler_config.max_num_seqs)
-        self.router = RequestRouter("decode", replicas, ec.cache_config.block_size, policy, self.metrics,
-                                    config.routing.stats_interval_s)
+        decode = RequestRouter("decode", replicas, ec.cache_config.block_size, policy, self.metrics,
+                               config.routing.stats_interval_s)
+        self.router: RequestRouter | PDRouter = decode
+        if config.mode == "disaggregated":
+            prefill = RequestRouter("prefill", prefill_replicas or {}, ec.cache_config.block_size, policy,
+                                    self.metrics, config.routing.stats_interval_s)
+            self.router = PDRouter(prefill, decode, self.metrics,
+                                   config.disaggregation.min_remote_prefill_tokens)
         self.in_flight = 0
 
     # --- checks shared by every endpoint -----------------------------------------------------------
@@ -452,7 +461,8 @@ def build_app(config: ClusterConfig) -> Any:
             manager = get_or_create_manager(cfg)
             await manager.ready.remote()
             replicas = await manager.replicas.remote("decode")
-            self.server = OpenAIServer(cfg, replicas)
+            prefill = await manager.replicas.remote("prefill") if cfg.mode == "disaggregated" else None
+            self.server = OpenAIServer(cfg, replicas, prefill)
             self.server.router.start()
 
         @fastapi_app.get("/v1/models")

@@ -142,6 +142,14 @@ class ServingMetrics:
         "num_requests_running": ("pdserve:num_requests_running", "gauge", "Requests in the running batch."),
         "num_requests_waiting": ("pdserve:num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
         "kv_cache_usage_perc": ("pdserve:kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use."),
+        "kv_blocks_pulled": ("pdserve:kv_blocks_transferred_total", "counter",
+                             "KV blocks pulled from prefill replicas (counted on the decode side)."),
+        "kv_load_failures": ("pdserve:kv_load_failures_total", "counter",
+                             "KV pulls that failed or timed out (then recomputed or failed)."),
+        "kv_leases_active": ("pdserve:kv_leases_active", "gauge",
+                             "Prefilled requests whose blocks wait under a lease for a decode replica."),
+        "kv_leases_expired": ("pdserve:kv_leases_expired_total", "counter",
+                              "Leases that ran out before a decode replica pulled or released them."),
     }
 
     def __init__(self) -> None:
@@ -155,8 +163,6 @@ class ServingMetrics:
         self.requests = r.counter("pdserve:request_success_total", "Finished requests by finish reason.")
         self.errors = r.counter("pdserve:request_errors_total", "Rejected or failed requests by status code.")
         self.decisions = r.counter("pdserve:router_decisions_total", "Routing decisions by reason.")
-        self.kv_blocks_transferred = r.counter("pdserve:kv_blocks_transferred_total",
-                                               "KV blocks moved from prefill to decode replicas.")
         self.in_flight = r.gauge("pdserve:requests_in_flight", "Requests the ingress is serving.")
 
     def set_engine_stats(self, pool: str, replica: str, stats: dict) -> None:

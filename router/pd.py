@@ -1,10 +1,17 @@
-"""Request orchestration over the engine pools: pick a replica, stream its StepDeltas, clean up.
+"""Request orchestration over the engine pools: pick replicas, stream StepDeltas, clean up.
 
-Colocated mode (built): one pool of full engines; the prefix-aware policy picks the replica that
-already holds the longest run of the prompt's leading blocks unless load says otherwise. The
-disaggregated path (prefill on P with max_tokens=1, KV pulled by D through a connector, conditional
-local prefill for short uncached prompts) plugs in here once the KV transfer connectors exist;
-`ClusterConfig` refuses that mode until then.
+`RequestRouter` routes within one pool: the prefix-aware policy picks the replica that already holds
+the longest run of the prompt's leading blocks unless load says otherwise. Colocated mode is one
+such router over a pool of full engines.
+
+`PDRouter` adds the prefill/decode split over two pools (DESIGN: data flow, step 3). It picks the
+decode replica first (where the tokens will stream from, and whose prefix cache counts); if the
+prompt's uncached part there is shorter than `min_remote_prefill_tokens` (or the request wants n > 1
+or prompt logprobs), D prefills it itself: conditional disaggregation. Otherwise the chosen prefill
+replica runs it with max_tokens=1 and leases its blocks; D gets the returned transfer parameters,
+pulls what it lacks, and decodes. D's output is what streams (its first token is recomputed from
+the pulled KV, so it is identical to a single engine's under greedy or seeded sampling). A client
+that goes away while P prefills aborts it there; after that the lease is D's to release.
 
 The router keeps its per-replica view fresh in the background: a long poll per replica on its KV
 event log (`EngineReplica.kv_events_since` answers after the replica's next step, so events arrive
@@ -14,6 +21,7 @@ are its own.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -112,7 +120,8 @@ class RequestRouter:
         return decision
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       decision: Decision | None = None) -> AsyncIterator[Any]:
+                       decision: Decision | None = None, kv_transfer_params: dict | None = None
+                       ) -> AsyncIterator[Any]:
         """Stream the chosen replica's StepDeltas (routing first unless `decision` is given). If the
         consumer stops early (client disconnect), the request is aborted on the replica, which
         frees its blocks."""
@@ -122,7 +131,8 @@ class RequestRouter:
         start = time.monotonic()
         last = None
         finished = False
-        stream = replica.generate.options(num_returns="streaming").remote(request_id, prompt_token_ids, params)
+        stream = replica.generate.options(num_returns="streaming").remote(
+            request_id, prompt_token_ids, params, kv_transfer_params)
         try:
             async for ref in stream:
                 delta = await ref
@@ -147,3 +157,66 @@ class RequestRouter:
         for task in self._pollers:
             task.cancel()
         self._pollers = []
+
+
+class PDRouter:
+    """Prefill/decode orchestration over two pools (see the module docstring)."""
+
+    def __init__(self, prefill: RequestRouter, decode: RequestRouter, metrics: ServingMetrics,
+                 min_remote_prefill_tokens: int = 256) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.metrics = metrics
+        self.min_remote_prefill_tokens = min_remote_prefill_tokens
+
+    @property
+    def replicas(self) -> dict[str, Any]:
+        """Every replica of both pools (ids are unique: they carry the pool name)."""
+        return {**self.prefill.replicas, **self.decode.replicas}
+
+    def start(self) -> None:
+        self.prefill.start()
+        self.decode.start()
+
+    def stop(self) -> None:
+        self.prefill.stop()
+        self.decode.stop()
+
+    async def refresh_stats(self) -> dict[str, dict]:
+        prefill, decode = await asyncio.gather(self.prefill.refresh_stats(), self.decode.refresh_stats())
+        return {**prefill, **decode}
+
+    def wants_remote_prefill(self, num_prompt_tokens: int, params: SamplingParams,
+                             decode_decision: Decision) -> bool:
+        if params.n != 1 or params.prompt_logprobs is not None or not self.prefill.replicas:
+            return False
+        uncached = num_prompt_tokens - decode_decision.matched_blocks * self.decode.block_size
+        return uncached >= self.min_remote_prefill_tokens
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[Any]:
+        """Stream the decode replica's StepDeltas, after a remote prefill when it pays."""
+        d_decision = self.decode.route(prompt_token_ids, params)
+        kv_params = None
+        if self.wants_remote_prefill(len(prompt_token_ids), params, d_decision):
+            self.metrics.decisions.inc(reason="remote_prefill", pool="pd")
+            kv_params = await self._prefill(request_id, prompt_token_ids, params)
+        else:
+            self.metrics.decisions.inc(reason="local_prefill", pool="pd")
+        async for delta in self.decode.generate(request_id, prompt_token_ids, params, d_decision, kv_params):
+            yield delta
+
+    async def _prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                       ) -> dict | None:
+        """Run the prompt on a prefill replica; its transfer parameters, or None when it leased
+        nothing (its first token ended the request, or its lease table was full): then D computes
+        the prompt itself."""
+        p_params = dataclasses.replace(params, max_tokens=1, min_tokens=0, n=1, logprobs=None)
+        last = None
+        async for delta in self.prefill.generate(request_id, prompt_token_ids, p_params,
+                                                 kv_transfer_params={"do_remote_decode": True}):
+            last = delta
+        if last is None or last.kv_transfer_params is None:
+            self.metrics.decisions.inc(reason="prefill_not_leased", pool="pd")
+            return None
+        return last.kv_transfer_params

@@ -112,5 +112,15 @@ def test_cluster_spec_validates_and_loads_yaml(tmp_path):
         ClusterConfig(routing={"name": "random"})
     with pytest.raises(ValidationError, match="replicas"):
         ClusterConfig(pools={"decode": {"replicas": 0}})
-    with pytest.raises(ValidationError, match="not built yet"):
+    with pytest.raises(ValidationError, match="needs a 'prefill' pool"):
         ClusterConfig(mode="disaggregated")
+    with pytest.raises(ValidationError, match="mode is 'colocated'"):
+        ClusterConfig(pools={"prefill": {}, "decode": {}})
+    with pytest.raises(ValidationError, match="disaggregation.connector"):
+        ClusterConfig(mode="disaggregated", pools={"prefill": {}, "decode": {}},
+                      disaggregation={"connector": "tcp"})
+    with pytest.raises(ValidationError, match="kv_connector"):
+        ClusterConfig(engine={"kv_connector": "nixl"})
+    pd = ClusterConfig(mode="disaggregated", pools={"prefill": {}, "decode": {}},
+                       disaggregation={"connector": "torch_dist", "min_remote_prefill_tokens": 64})
+    assert pd.disaggregation.engine_args()["kv_connector"] == "torch_dist"
