@@ -12,7 +12,6 @@ from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.weights import iterate_weights
 from kv_transfer.base import KVConnectorWorker, KVLayout
-from kv_transfer.factory import create_connector_worker
 
 # Default KV budget when neither num_kv_blocks nor kv_cache_memory_bytes is given.
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -71,6 +70,8 @@ class Worker:
         self.runner.cpu_caches = [torch.zeros(cpu_shape, dtype=mc.dtype, device="cpu")
                                   for _ in range(mc.num_layers)] if num_cpu_blocks else []
         if self.config.kv_transfer_config is not None:
+            from kv_transfer.factory import create_connector_worker  # noqa: PLC0415 (import cycle)
+
             self.kv_connector = create_connector_worker(
                 self.config.kv_transfer_config, KVLayout.from_config(self.config))
             self.kv_connector.register_kv_caches(self.runner.kv_caches)

@@ -276,9 +276,14 @@ class KVConnectorWorker:
 
     # Shared helpers for the transports.
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """The blocks' K and V in every layer, contiguous: [num_layers, 2, n, block_size, kvh, d]."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
-        return torch.stack([cache.index_select(1, index) for cache in self.kv_caches])
+        """The blocks' K and V in every layer, contiguous: [num_layers, 2, n, block_size, kvh, d]
+        (one copy: each layer's rows are selected straight into the output)."""
+        first = self.kv_caches[0]
+        index = torch.tensor(block_ids, dtype=torch.long, device=first.device)
+        out = torch.empty(self.gathered_shape(len(block_ids)), dtype=first.dtype, device=first.device)
+        for layer, cache in enumerate(self.kv_caches):
+            torch.index_select(cache, 1, index, out=out[layer])
+        return out
 
     def scatter_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Inverse of gather_blocks."""

@@ -66,7 +66,14 @@ class NixlConnectorWorker(KVConnectorWorker):
         super().__init__(config, layout)
         nixl_agent, nixl_agent_config = _import_nixl()
         self.agent_name = f"pdserve-{self.engine_id}"
-        self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        # NIXL's progress thread polls without sleeping (a whole core per agent). Without it the
+        # agent progresses when this worker polls (every engine step; every IDLE_POLL_S when only
+        # transfers are pending), which is enough where reads are one-sided (shared memory and CMA
+        # on one host, RDMA between hosts). Over plain TCP the prefill side must progress to serve
+        # a read: there, {"nixl_progress_thread": True} in kv_connector_extra trades the core for it.
+        progress = bool(config.extra_value("nixl_progress_thread", False))
+        self.agent = nixl_agent(self.agent_name,
+                                nixl_agent_config(enable_prog_thread=progress, backends=["UCX"]))
         self.scratch = torch.zeros(NUM_SCRATCH_WORDS, dtype=torch.int64)
         self.free_scratch = list(range(NUM_SCRATCH_WORDS - 1, -1, -1))
         self.remotes: dict[str, _Remote] = {}
@@ -139,7 +146,9 @@ class NixlConnectorWorker(KVConnectorWorker):
             handle = self.agent.make_prepped_xfer(
                 "READ", self.local_blocks, self._indices(spec.local_block_ids, self.num_blocks),
                 remote.blocks, self._indices(spec.remote_block_ids, remote.num_blocks))
-            self.agent.transfer(handle)
+            if self.agent.transfer(handle) == "ERR":
+                self.agent.release_xfer_handle(handle)
+                raise RuntimeError("NIXL refused to start the transfer")
         except Exception as e:  # noqa: BLE001 - reported as a failed pull
             self._injected_failures.append((spec.request_id, f"{type(e).__name__}: {e}"))
             return
@@ -173,7 +182,10 @@ class NixlConnectorWorker(KVConnectorWorker):
             self.scratch[load.scratch] = 0
             load.handle = self.agent.make_prepped_xfer(
                 "READ", self.local_scratch, [load.scratch], load.remote.leases, [load.spec.remote.lease_slot])
-            self.agent.transfer(load.handle)
+            if self.agent.transfer(load.handle) == "ERR":
+                self.agent.release_xfer_handle(load.handle)
+                load.handle = None
+                return "transfer failed (lease word)"
             return None
         token = int(self.scratch[load.scratch])
         if token != load.spec.remote.lease_token:
@@ -185,11 +197,15 @@ class NixlConnectorWorker(KVConnectorWorker):
     # --- both sides ------------------------------------------------------------------------------
     def _poll(self) -> TransferReport:
         report = TransferReport()
-        for agent, messages in self.agent.get_new_notifs().items():
+        for messages in self.agent.get_new_notifs().values():
             for message in messages:
-                kind, slot, token = message.decode().split(":")
-                if kind == "done" and self.leases.is_live(int(slot), int(token)):
-                    report.released.append((int(slot), int(token)))
+                parts = message.split(b":")
+                if len(parts) != 3 or parts[0] != b"done" or not (parts[1].isdigit() and parts[2].isdigit()):
+                    logger.warning("ignoring unexpected NIXL notification %r", message[:64])
+                    continue
+                slot, token = int(parts[1]), int(parts[2])
+                if self.leases.is_live(slot, token):
+                    report.released.append((slot, token))
         now = time.monotonic()
         for rid, load in list(self.loads.items()):
             try:
@@ -208,9 +224,20 @@ class NixlConnectorWorker(KVConnectorWorker):
         return report
 
     def shutdown(self) -> None:
+        """Cancel pulls, deregister memory and drop the agent (its UCX workers and threads)."""
+        if self.agent is None:
+            return
         for load in self.loads.values():
             try:
-                self.agent.release_xfer_handle(load.handle)
-            except Exception:  # noqa: BLE001
+                if load.handle is not None:
+                    self.agent.release_xfer_handle(load.handle)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
         self.loads.clear()
+        for registration in self.registrations:
+            try:
+                self.agent.deregister_memory(registration)
+            except Exception:  # noqa: BLE001
+                pass
+        self.registrations.clear()
+        self.agent = None

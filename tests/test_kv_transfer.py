@@ -336,6 +336,16 @@ def test_pd_across_ray_actors(tiny_llama, conn):
         [first] = generate(p, "last", last, SamplingParams(max_tokens=1, temperature=0.0),
                            {"do_remote_decode": True})
         ray.kill(p)
+        deadline = time.monotonic() + DEADLINE_S
+        while True:                                   # ray.kill returns before the process is gone
+            try:
+                ray.get(p.info.remote(), timeout=5)
+            except ray.exceptions.RayActorError:
+                break
+            except ray.exceptions.GetTimeoutError:
+                pass
+            assert time.monotonic() < deadline, "the prefill actor would not die"
+            time.sleep(0.05)
         deltas = generate(d, "last", last, GREEDY, first.kv_transfer_params)
         assert [t for x in deltas for c in x.choices for t in c.token_ids] == want[-1]
         assert ray.get(d.stats.remote())["kv_load_failures"] == 1
