@@ -66,7 +66,9 @@ def nixl_agent(name: str) -> Any:
 
 
 def make_worker(connector: str, role: str, num_blocks: int) -> KVConnectorWorker:
-    config = KVTransferConfig(kv_connector=connector, engine_id=f"bench-{role}", load_timeout_s=TIMEOUT_S)
+    extra = tuple(sorted(json.loads(os.environ.get("PDSERVE_BENCH_KV_EXTRA", "{}")).items()))
+    config = KVTransferConfig(kv_connector=connector, engine_id=f"bench-{role}", load_timeout_s=TIMEOUT_S,
+                              extra=extra)
     worker = create_connector_worker(config, LAYOUT)
     shape = (2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
     fill = torch.randn if role == "p" else torch.zeros

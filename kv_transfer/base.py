@@ -275,12 +275,13 @@ class KVConnectorWorker:
         pass
 
     # Shared helpers for the transports.
-    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
+    def gather_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks' K and V in every layer, contiguous: [num_layers, 2, n, block_size, kvh, d]
-        (one copy: each layer's rows are selected straight into the output)."""
+        (one copy: each layer's rows are selected straight into `out`, or a new tensor)."""
         first = self.kv_caches[0]
         index = torch.tensor(block_ids, dtype=torch.long, device=first.device)
-        out = torch.empty(self.gathered_shape(len(block_ids)), dtype=first.dtype, device=first.device)
+        if out is None:
+            out = torch.empty(self.gathered_shape(len(block_ids)), dtype=first.dtype, device=first.device)
         for layer, cache in enumerate(self.kv_caches):
             torch.index_select(cache, 1, index, out=out[layer])
         return out

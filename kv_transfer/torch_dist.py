@@ -4,16 +4,24 @@
 Each worker hosts a TCPStore (its `address()`); the store's queue is its control inbox. A decode
 worker D reaching prefill worker P for the first time pushes `connect` into P's inbox and both build a
 pair group over that store (P rank 0, D rank 1). To pull, D pushes `pull` (lease slot, token, block
-ids) and waits for a header and the data; P, on its engine thread between steps, checks the lease is
-still live, gathers the blocks into one contiguous buffer, releases the lease (the copy is taken), and
-hands the buffer to the pair's sender thread. D scatters the received buffer into its blocks on its
-own engine thread. A dead or slow peer costs a timed-out pull (then the failure policy), never a step:
-the network waits happen on one thread per pair.
+ids); P's engine thread checks the lease between steps and hands the pull to the pair's thread,
+which streams the blocks layer by layer: it gathers layer l + 1 into one staging buffer while layer l
+goes out of the other, and D scatters layer l into its blocks while layer l + 1 arrives, so the
+gather, the wire and the scatter overlap. A trailer says whether the lease stayed live throughout.
+
+Safety without stopping the engine: P gathers a layer only under the worker's lock after checking
+the lease word, and `end_leases` takes the same lock, so once the engine has ended a lease (and is
+about to free its blocks) no more of them is read; D writes its blocks only under its pair's lock
+while the pull is not cancelled, and a timed-out pull is cancelled under that lock before it is
+reported, so the engine never frees blocks a thread is still writing. A dead or slow peer costs a
+timed-out pull (then the failure policy), never a step. Staging buffers are kept per pair (first-touch
+page faults on fresh buffers cost more than the copies).
 """
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,6 +54,22 @@ class _Pair:
     group: Any = None
     client: Any = None                        # D side: the TCPStore client of P's inbox
     broken: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)   # D: guards writes into blocks
+    buffers: list[torch.Tensor] = field(default_factory=list)      # two staging buffers, reused
+
+    def staging(self, i: int, num_bytes: int, device: torch.device) -> torch.Tensor:
+        while len(self.buffers) < 2:
+            self.buffers.append(torch.empty(0, dtype=torch.uint8, device=device))
+        if self.buffers[i].numel() < num_bytes:
+            self.buffers[i] = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        return self.buffers[i][:num_bytes]
+
+
+@dataclass(slots=True)
+class _Pull:
+    spec: LoadSpec
+    future: Future | None = None
+    cancelled: bool = False
 
 
 class TorchDistConnectorWorker(KVConnectorWorker):
@@ -58,11 +82,20 @@ class TorchDistConnectorWorker(KVConnectorWorker):
                                    timeout=self.timeout)
         self.peers: dict[str, _Pair] = {}                    # P side: decode peers by pair key
         self.sources: dict[str, _Pair] = {}                  # D side: prefill engines by engine id
-        self.loads: dict[str, tuple[LoadSpec, Future]] = {}  # D side: in-flight pulls
-        self.released: list[tuple[int, int]] = []
+        self.pulls: dict[str, _Pull] = {}                    # D side: in flight, by request id
+        self.lease_lock = threading.Lock()                   # P: lease checks vs. ends
+        self.released: list[tuple[int, int]] = []            # P: appended by pair threads
+        self.released_lock = threading.Lock()
 
     def address(self) -> dict[str, Any]:
         return {"host": self.config.kv_host, "port": self.store.port}
+
+    def _layer_view(self, raw: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """A staging byte buffer seen as one layer's blocks: [2, n, block_size, kvh, d]."""
+        return raw.view(self.kv_caches[0].dtype).view(self.gathered_shape(num_blocks)[1:])
+
+    def _layer_bytes(self, num_blocks: int) -> int:
+        return self.kv_caches[0][:, :1].nbytes * num_blocks
 
     # --- pair groups -----------------------------------------------------------------------------
     def _new_group(self, store: Any, key: str, rank: int) -> Any:
@@ -93,26 +126,40 @@ class TorchDistConnectorWorker(KVConnectorWorker):
     # --- D side ----------------------------------------------------------------------------------
     def _start_load(self, spec: LoadSpec) -> None:
         pair = self._source(spec.remote)
-        self.loads[spec.request_id] = (spec, pair.thread.submit(self._pull, pair, spec))
+        pull = _Pull(spec)
+        pull.future = pair.thread.submit(self._pull, pair, pull)
+        self.pulls[spec.request_id] = pull
 
-    def _pull(self, pair: _Pair, spec: LoadSpec) -> torch.Tensor:
-        """On the pair's thread: ask for the blocks, receive them into a fresh buffer."""
+    def _pull(self, pair: _Pair, pull: _Pull) -> None:
+        """On the pair's thread: ask for the blocks, receive and scatter them layer by layer."""
         if pair.group is None:
             raise ConnectionError("no connection to the prefill engine")
+        spec, remote = pull.spec, pull.spec.remote
         try:
-            remote = spec.remote
             pair.client.queue_push(INBOX, json.dumps({
                 "op": "pull", "key": pair.key, "slot": remote.lease_slot, "token": remote.lease_token,
                 "block_ids": spec.remote_block_ids}))
-            header = torch.zeros(2, dtype=torch.int64)
-            pair.group.recv([header], 0, 0).wait()
-            if int(header[0]) != OK:
+            status = torch.zeros(1, dtype=torch.int64)
+            pair.group.recv([status], 0, 0).wait()
+            if int(status[0]) != OK:
                 raise LeaseGoneError("the prefill engine no longer holds the blocks")
-            shape = self.gathered_shape(len(spec.local_block_ids))
-            dtype = self.kv_caches[0].dtype
-            buf = torch.empty(int(header[1]), dtype=torch.uint8, device=self.kv_caches[0].device)
-            pair.group.recv([buf], 0, 0).wait()
-            return buf.view(dtype).view(shape)
+            n = len(spec.local_block_ids)
+            device = self.kv_caches[0].device
+            index = torch.tensor(spec.local_block_ids, dtype=torch.long, device=device)
+            size = self._layer_bytes(n)
+            bufs = [pair.staging(0, size, device), pair.staging(1, size, device)]
+            work = pair.group.recv([bufs[0]], 0, 0)
+            for layer, cache in enumerate(self.kv_caches):
+                work.wait()
+                if layer + 1 < len(self.kv_caches):
+                    work = pair.group.recv([bufs[(layer + 1) % 2]], 0, 0)
+                with pair.lock:
+                    if pull.cancelled:
+                        raise TimeoutError("cancelled")
+                    cache.index_copy_(1, index, self._layer_view(bufs[layer % 2], n))
+            pair.group.recv([status], 0, 0).wait()
+            if int(status[0]) != OK:
+                raise LeaseGoneError("the prefill engine released the blocks during the pull")
         except LeaseGoneError:
             raise
         except Exception:
@@ -132,22 +179,26 @@ class TorchDistConnectorWorker(KVConnectorWorker):
     # --- both sides, on the engine thread -----------------------------------------------------------
     def _poll(self) -> TransferReport:
         self._serve_inbox()
-        report = TransferReport(released=self.released)
-        self.released = []
+        with self.released_lock:
+            report = TransferReport(released=self.released)
+            self.released = []
         now = time.monotonic()
-        for rid, (spec, future) in list(self.loads.items()):
-            if future.done():
-                del self.loads[rid]
-                error = future.exception()
+        for rid, pull in list(self.pulls.items()):
+            assert pull.future is not None
+            if pull.future.done():
+                del self.pulls[rid]
+                error = pull.future.exception()
                 if error is None:
-                    self.scatter_blocks(spec.local_block_ids, future.result())
                     report.loaded.append(rid)
                 else:
                     report.failed.append((rid, f"{type(error).__name__}: {error}"))
-            elif now > spec.deadline:
-                # Abandon it: the pair's thread only ever writes its own buffer, never our blocks.
-                del self.loads[rid]
-                self.sources.get(spec.remote.engine_id, _Pair("", 1)).broken = True
+            elif now > pull.spec.deadline:
+                pair = self.sources.get(pull.spec.remote.engine_id)
+                if pair is not None:
+                    with pair.lock:          # from here on its thread writes none of our blocks
+                        pull.cancelled = True
+                    pair.broken = True
+                del self.pulls[rid]
                 report.failed.append((rid, f"timed out after {self.config.load_timeout_s} s"))
         return report
 
@@ -164,11 +215,12 @@ class TorchDistConnectorWorker(KVConnectorWorker):
                 pair.thread.submit(self._accept, pair)
             elif op == "release":
                 if self.leases.is_live(message["slot"], message["token"]):
-                    self.released.append((message["slot"], message["token"]))
-            elif op == "pull":
-                pair = self.peers.get(message["key"])
-                if pair is not None:
-                    self._serve_pull(pair, message)
+                    with self.released_lock:
+                        self.released.append((message["slot"], message["token"]))
+            elif op == "pull" and message["key"] in self.peers:
+                # Pulls of one pair run in order on its thread (one pair group, one stream).
+                pair = self.peers[message["key"]]
+                pair.thread.submit(self._send, pair, message)
 
     def _accept(self, pair: _Pair) -> None:
         try:
@@ -177,26 +229,47 @@ class TorchDistConnectorWorker(KVConnectorWorker):
             pair.broken = True
             raise
 
-    def _serve_pull(self, pair: _Pair, message: dict[str, Any]) -> None:
-        slot, token, block_ids = message["slot"], message["token"], message["block_ids"]
-        live = self.leases.is_live(slot, token) and set(block_ids) <= set(self.leases.block_ids[slot])
-        data = None
-        if live:
-            data = self.gather_blocks(block_ids)         # taken now: the lease can end
-            self.released.append((slot, token))
-        pair.thread.submit(self._send, pair, data)
+    def end_leases(self, slots: list[int]) -> None:
+        with self.lease_lock:         # waits out a layer being gathered from these blocks
+            super().end_leases(slots)
 
-    @staticmethod
-    def _send(pair: _Pair, data: torch.Tensor | None) -> None:
+    def _gather_layer(self, layer: int, index: torch.Tensor, out: torch.Tensor, slot: int,
+                      token: int) -> bool:
+        """Copy one layer of the leased blocks into `out` if the lease is still live."""
+        with self.lease_lock:
+            if not self.leases.is_live(slot, token):
+                return False
+            torch.index_select(self.kv_caches[layer], 1, index, out=out)
+            return True
+
+    def _send(self, pair: _Pair, message: dict[str, Any]) -> None:
+        """On the pair's thread: status, the layers (double-buffered), then a trailer."""
+        slot, token, block_ids = message["slot"], message["token"], message["block_ids"]
         try:
             if pair.group is None:
                 raise ConnectionError("pair group was not established")
-            raw = None if data is None else data.reshape(-1).view(torch.uint8)
-            header = torch.tensor([OK if raw is not None else LEASE_GONE, 0 if raw is None else raw.numel()],
-                                  dtype=torch.int64)
-            pair.group.send([header], 1, 0).wait()
-            if raw is not None:
-                pair.group.send([raw], 1, 0).wait()
+            with self.lease_lock:
+                live = self.leases.is_live(slot, token) and set(block_ids) <= set(self.leases.block_ids[slot])
+            pair.group.send([torch.tensor([OK if live else LEASE_GONE], dtype=torch.int64)], 1, 0).wait()
+            if not live:
+                return
+            n = len(block_ids)
+            device = self.kv_caches[0].device
+            index = torch.tensor(block_ids, dtype=torch.long, device=device)
+            size = self._layer_bytes(n)
+            bufs = [pair.staging(0, size, device), pair.staging(1, size, device)]
+            work = None
+            for layer in range(len(self.kv_caches)):
+                buf = bufs[layer % 2]
+                live = live and self._gather_layer(layer, index, self._layer_view(buf, n), slot, token)
+                if work is not None:
+                    work.wait()
+                work = pair.group.send([buf], 1, 0)
+            work.wait()
+            pair.group.send([torch.tensor([OK if live else LEASE_GONE], dtype=torch.int64)], 1, 0).wait()
+            if live:
+                with self.released_lock:
+                    self.released.append((slot, token))
         except Exception as e:  # noqa: BLE001 - the decode side times out and recomputes
             logger.warning("KV send to a decode engine failed: %r", e)
             pair.broken = True
