@@ -138,6 +138,8 @@ class AsyncLLMEngine:
                 await asyncio.sleep(IDLE_POLL_S if self.engine.last_step_idle else 0)
         except Exception as e:  # noqa: BLE001 - every request must learn the engine died
             self._dead = e
+            # Their blocks are bookkeeping on this side: free them so nothing is left held.
+            self.engine.abort_request(list(self.engine.states))
             for queue in self._queues.values():
                 queue.put_nowait(EngineDeadError(f"engine step failed: {e!r}"))
 

@@ -96,6 +96,9 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    worker_num_cpus: float = 1.0             # per rank actor (torch gets that many threads)
+    worker_num_gpus: float = 0.0             # per rank actor; > 0 runs the ranks on CUDA
+    distributed_executor_backend: str | None = None   # "ray" forces worker actors even for one rank
 
     @property
     def world_size(self) -> int:
@@ -156,6 +159,9 @@ class EngineConfig:
         kv_load_timeout_s: float = 10.0,
         kv_load_failure_policy: str = "recompute",
         kv_connector_extra: dict[str, Any] | None = None,
+        worker_num_cpus: float = 1.0,
+        worker_num_gpus: float = 0.0,
+        distributed_executor_backend: str | None = None,
     ) -> EngineConfig:
         """Validate user arguments and resolve them against the model's config."""
         from engine.weights import resolve_model  # noqa: PLC0415 (keeps config import-light)
@@ -176,8 +182,17 @@ class EngineConfig:
             raise ValueError(f"swap_space_bytes must be >= 0; got {swap_space_bytes}")
         if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if distributed_executor_backend not in (None, "ray"):
+            raise ValueError(f"distributed_executor_backend must be None or 'ray'; got "
+                             f"{distributed_executor_backend!r}")
+        if worker_num_cpus <= 0 or worker_num_gpus < 0:
+            raise ValueError(f"worker_num_cpus must be > 0 and worker_num_gpus >= 0; got "
+                             f"{worker_num_cpus}, {worker_num_gpus}")
         kv_transfer_config = None
         if kv_connector is not None:
+            if tensor_parallel_size * pipeline_parallel_size > 1:
+                raise ValueError("kv_connector with tensor_parallel_size or pipeline_parallel_size > 1 is "
+                                 "not supported yet: KV transfer runs between single-rank engines")
             if kv_connector not in KV_CONNECTORS:
                 raise ValueError(f"kv_connector must be one of {KV_CONNECTORS} or None; got {kv_connector!r}")
             if kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
@@ -193,6 +208,7 @@ class EngineConfig:
                 extra=tuple(sorted((kv_connector_extra or {}).items())))
 
         path, gguf_file, hf_config = resolve_model(model)
+        _check_parallel_fit(hf_config, tensor_parallel_size, pipeline_parallel_size)
         derived_len = getattr(hf_config, "max_position_embeddings", None) or 2048
         if max_model_len is None:
             max_model_len = derived_len
@@ -221,6 +237,24 @@ class EngineConfig:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                 preemption_mode=preemption_mode, policy=scheduling_policy),
-            parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
+            parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size,
+                                           worker_num_cpus, worker_num_gpus, distributed_executor_backend),
             kv_transfer_config=kv_transfer_config,
         )
+
+
+def _check_parallel_fit(hf_config: Any, tp: int, pp: int) -> None:
+    """ValueError unless the model splits evenly into `tp` shards and `pp` stages."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size must divide num_attention_heads ({heads}); got {tp}")
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv_heads}) must divide "
+                         f"one another")
+    if hf_config.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size must divide intermediate_size ({hf_config.intermediate_size}); "
+                         f"got {tp}")
+    if pp > hf_config.num_hidden_layers:
+        raise ValueError(f"pipeline_parallel_size must be <= num_hidden_layers ({hf_config.num_hidden_layers}); "
+                         f"got {pp}")

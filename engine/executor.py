@@ -1,6 +1,9 @@
-"""Executors drive the ranks of one engine. `InProcessExecutor` runs the single rank in this process;
-the Ray executor (one worker actor per TP x PP rank) comes with the parallelism issue."""
+"""Executors drive the ranks of one engine: `InProcessExecutor` runs the single rank in this
+process; `RayExecutor` runs one worker actor per TP x PP rank. `make_executor` picks by world size."""
 from __future__ import annotations
+
+import logging
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
@@ -11,11 +14,20 @@ class EngineDeadError(RuntimeError):
     """The engine can no longer run steps (a worker died); every in-flight request fails with it."""
 
 
+logger = logging.getLogger(__name__)
+
+
+def make_executor(config: EngineConfig) -> InProcessExecutor | RayExecutor:
+    """The Ray executor for more than one rank or when asked for ("ray"), else in-process."""
+    pc = config.parallel_config
+    if pc.world_size == 1 and pc.distributed_executor_backend != "ray":
+        return InProcessExecutor(config)
+    return RayExecutor(config)
+
+
 class InProcessExecutor:
     def __init__(self, config: EngineConfig) -> None:
-        if config.parallel_config.world_size != 1:
-            raise ValueError("tensor_parallel_size and pipeline_parallel_size > 1 need the Ray executor, "
-                             "which is not built yet; use 1")
+        assert config.parallel_config.world_size == 1, "more than one rank needs the RayExecutor"
         self.worker = Worker(config)
         self.worker.load_model()
         self.num_blocks, self.num_cpu_blocks = self.worker.determine_num_blocks()
@@ -28,3 +40,84 @@ class InProcessExecutor:
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+
+class RayExecutor:
+    """One `Worker` actor per rank in a placement group (cluster/placement.py: a stage's TP ranks on
+    one node, stages spread over nodes). Each step's SchedulerOutput goes into the object store once
+    and every worker gets the same reference; the driver rank (TP 0 of the last stage) returns the
+    sampled tokens. A dead worker fails the step with EngineDeadError as soon as Ray reports it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        import ray  # noqa: PLC0415
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
+
+        from cluster.launch import init_ray  # noqa: PLC0415
+        from cluster.placement import create_engine_placement  # noqa: PLC0415
+
+        if not ray.is_initialized():
+            init_ray()
+        pc = config.parallel_config
+        tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        self.placement_group = create_engine_placement(tp, pp, pc.worker_num_cpus, pc.worker_num_gpus)
+        device = "cuda" if pc.worker_num_gpus else "cpu"
+        threads = max(1, int(pc.worker_num_cpus))
+        actor = ray.remote(Worker)
+        self.workers = [
+            actor.options(num_cpus=pc.worker_num_cpus, num_gpus=pc.worker_num_gpus,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(
+                              self.placement_group, placement_group_bundle_index=rank // tp),
+                          ).remote(config, device, rank, threads)
+            for rank in range(tp * pp)]
+        self.driver = (pp - 1) * tp
+        self.kv_connector_worker = None
+        try:
+            host, port = ray.get(self.workers[0].rendezvous_address.remote())
+            self._run("init_distributed", f"tcp://{host}:{port}")
+            self._run("load_model")
+            sizes = self._run("determine_num_blocks")
+            self.num_blocks = min(n for n, _ in sizes)
+            self.num_cpu_blocks = min(c for _, c in sizes)
+            self._run("init_cache", self.num_blocks, self.num_cpu_blocks)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _run(self, method: str, *args: Any) -> list[Any]:
+        """Call `method` on every worker at once; results in rank order."""
+        return self._wait([getattr(w, method).remote(*args) for w in self.workers])
+
+    @staticmethod
+    def _wait(refs: list[Any]) -> list[Any]:
+        """Results of `refs`; raise EngineDeadError as soon as any worker is reported dead (the others
+        may be blocked in a collective with it and never answer)."""
+        import ray  # noqa: PLC0415
+
+        pending = list(refs)
+        try:
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                ray.get(ready[0])
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as e:
+            raise EngineDeadError(f"a worker of this engine died: {e}") from e
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        import ray  # noqa: PLC0415
+
+        ref = ray.put(sched)
+        return self._wait([w.execute_model.remote(ref) for w in self.workers])[self.driver]
+
+    def placements(self) -> list[dict[str, Any]]:
+        return self._run("placement")
+
+    def shutdown(self) -> None:
+        import ray  # noqa: PLC0415
+        from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
+
+        for worker in getattr(self, "workers", []):
+            ray.kill(worker)
+        self.workers = []
+        if getattr(self, "placement_group", None) is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None

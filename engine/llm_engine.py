@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.executor import InProcessExecutor
+from engine.executor import make_executor
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import CompletionOutput, KVEvent, Logprob, RequestOutput
 from engine.request import FINISH_REASONS, Request, RequestStatus
@@ -90,7 +90,7 @@ class LLMEngine:
         mc = config.model_config
         self.tokenizer = load_tokenizer(mc.model, mc.gguf_file)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc.hf_config, mc.model)
-        self.executor = InProcessExecutor(config)
+        self.executor = make_executor(config)
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_blocks, config.cache_config.block_size,
             config.cache_config.enable_prefix_caching, self.executor.num_cpu_blocks)

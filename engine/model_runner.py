@@ -12,6 +12,7 @@ from torch import nn
 from engine.layers.attention import AttentionMetadata
 from engine.layers.sampler import SamplingRow, sample, top_logprobs
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.parallel_state import get_parallel_state, pp_recv, pp_send
 from kernels.dispatch import get_kernels
 
 
@@ -21,28 +22,46 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.kernels = get_kernels(device)
+        self.model_dtype = next(model.parameters()).dtype
         self.kv_caches: list[torch.Tensor] = []     # per layer [2, num_blocks, block_size, kvh, d]
         self.cpu_caches: list[torch.Tensor] = []    # the swap pool, same layout
         # Draws for requests without their own seed.
         self.generator = torch.Generator().manual_seed(seed)
+        # In a worker process (Ray executor) a seeded request's generator arrives pickled with every
+        # step; the first copy is kept and advanced here, later copies are ignored.
+        self.keep_generators = get_parallel_state().tp_size * get_parallel_state().pp_size > 1
+        self.generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step. Returns the sampled tokens on the driver rank, None on other ranks."""
         k = self.kernels
         k.swap_blocks(self.kv_caches, self.cpu_caches, sched.swap_out)
         k.swap_blocks(self.cpu_caches, self.kv_caches, sched.swap_in)
         k.copy_blocks(self.kv_caches, sched.copy_blocks)
+        for rid in sched.finished_ids:
+            self.generators.pop(rid, None)
         if not sched.scheduled:
             return ModelRunnerOutput(sampled={})
 
+        state = get_parallel_state()
         batch = sorted(sched.scheduled, key=lambda r: len(r.token_ids) != 1)   # decodes first
         input_ids, positions, meta, sample_rows, lp_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)        # [T, hidden]
+        intermediate = None
+        if not state.is_first_stage:             # the previous stage's (hidden, residual)
+            cfg = self.model.config
+            intermediate = pp_recv((2, input_ids.shape[0], cfg.hidden_size), self.model_dtype, self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, intermediate)   # [T, hidden]
+        if not state.is_last_stage:
+            pp_send(hidden)
+            return None
 
         row_index = [i for _, i in sample_rows] + [i for _, idx in lp_rows for i in idx]
         if not row_index:                                  # only partial prefill chunks this step
             return ModelRunnerOutput(sampled={})
         logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=hidden.device)]).cpu()
+        if not state.is_driver:                  # TP ranks > 0 only took part in the logits gather
+            return None
         num_sample = len(sample_rows)
         tokens = sample(logits[:num_sample], [self._sampling_row(r) for r, _ in sample_rows]) if sample_rows else []
         output = ModelRunnerOutput(sampled={r.request_id: t for (r, _), t in zip(sample_rows, tokens)})
@@ -95,7 +114,10 @@ class ModelRunner:
         return ids, pos_t, meta, sample_rows, lp_rows
 
     def _sampling_row(self, req: ScheduledRequest) -> SamplingRow:
-        return SamplingRow(req.sampling_params, req.generator or self.generator, req.prompt_token_ids,
+        generator = req.generator
+        if generator is not None and self.keep_generators:
+            generator = self.generators.setdefault(req.request_id, generator)
+        return SamplingRow(req.sampling_params, generator or self.generator, req.prompt_token_ids,
                            req.output_token_ids, req.eos_token_ids)
 
     @staticmethod

@@ -1,8 +1,14 @@
-"""Worker: one rank. Owns the device, the model's weights, the KV cache tensors and the runner.
+"""Worker: one rank. Owns the device, the model's weights (its shard), the KV cache tensors of its
+layers and heads, and the runner.
 
-Its public methods are the RPC surface an executor calls (in-process, or on a Ray actor).
+Its public methods are the RPC surface an executor calls (in-process, or on a Ray actor, where
+`init_distributed` first joins the engine's process group).
 """
 from __future__ import annotations
+
+import os
+import socket
+from typing import Any
 
 import torch
 
@@ -10,6 +16,7 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.parallel_state import get_parallel_state, init_parallel_state, pp_layer_range
 from engine.weights import iterate_weights
 from kv_transfer.base import KVConnectorWorker, KVLayout
 
@@ -18,11 +25,48 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, device: str | torch.device = "cpu") -> None:
+    def __init__(self, config: EngineConfig, device: str | torch.device = "cpu", rank: int = 0,
+                 num_threads: int | None = None) -> None:
+        if num_threads:
+            # A 1-CPU Ray actor runs torch single-threaded unless told otherwise.
+            torch.set_num_threads(num_threads)
         self.config = config
         self.device = torch.device(device)
+        self.rank = rank
         self.runner: ModelRunner | None = None
         self.kv_connector: KVConnectorWorker | None = None
+
+    # --- joining the engine's ranks (Ray executor only) -------------------------------------------
+    def rendezvous_address(self) -> tuple[str, int]:
+        """An address and free port on this node for the process group's store (asked of rank 0)."""
+        import ray  # noqa: PLC0415
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_distributed(self, init_method: str) -> None:
+        pc = self.config.parallel_config
+        init_parallel_state(self.rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
+                            self.device)
+
+    def placement(self) -> dict[str, Any]:
+        """Where this rank runs (for placement checks and logs)."""
+        import ray  # noqa: PLC0415
+
+        state = get_parallel_state()
+        return {"rank": self.rank, "tp_rank": state.tp_rank, "pp_rank": state.pp_rank, "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
+                "num_threads": torch.get_num_threads()}
+
+    def num_local_layers(self) -> int:
+        state = get_parallel_state()
+        start, end = pp_layer_range(self.config.model_config.num_layers, state.pp_rank, state.pp_size)
+        return end - start
+
+    def num_local_kv_heads(self) -> int:
+        return max(1, self.config.model_config.num_kv_heads // get_parallel_state().tp_size)
 
     def load_model(self) -> None:
         mc = self.config.model_config
@@ -36,7 +80,7 @@ class Worker:
     def bytes_per_block(self) -> int:
         mc, cc = self.config.model_config, self.config.cache_config
         elem = torch.empty((), dtype=mc.dtype).element_size()
-        return 2 * cc.block_size * mc.num_kv_heads * mc.head_dim * elem * mc.num_layers
+        return 2 * cc.block_size * self.num_local_kv_heads() * mc.head_dim * elem * self.num_local_layers()
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) from the cache config."""
@@ -62,13 +106,13 @@ class Worker:
         """Allocate zeroed KV tensors (zeros: padded slots must never hold NaN, attention masks them
         with a zero weight and 0 * NaN is NaN)."""
         mc, cc = self.config.model_config, self.config.cache_config
-        shape = (2, num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim)
-        cpu_shape = (2, num_cpu_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim)
+        heads, layers = self.num_local_kv_heads(), self.num_local_layers()
+        shape = (2, num_blocks, cc.block_size, heads, mc.head_dim)
+        cpu_shape = (2, num_cpu_blocks, cc.block_size, heads, mc.head_dim)
         assert self.runner is not None
-        self.runner.kv_caches = [torch.zeros(shape, dtype=mc.dtype, device=self.device)
-                                 for _ in range(mc.num_layers)]
+        self.runner.kv_caches = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(layers)]
         self.runner.cpu_caches = [torch.zeros(cpu_shape, dtype=mc.dtype, device="cpu")
-                                  for _ in range(mc.num_layers)] if num_cpu_blocks else []
+                                  for _ in range(layers)] if num_cpu_blocks else []
         if self.config.kv_transfer_config is not None:
             from kv_transfer.factory import create_connector_worker  # noqa: PLC0415 (import cycle)
 
@@ -76,7 +120,8 @@ class Worker:
                 self.config.kv_transfer_config, KVLayout.from_config(self.config))
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step; the output on the driver rank (TP 0 of the last stage), None elsewhere."""
         assert self.runner is not None
         return self.runner.execute(sched)
 

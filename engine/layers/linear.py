@@ -1,8 +1,11 @@
 """Linear layers whose parameters load themselves from HF checkpoint tensors.
 
-The fused layers (`QKVLinear`, `MergedLinear`) take separate HF tensors (q/k/v, gate/up) into one
-weight through `weight_loader(param, tensor, shard_id)`, so model files keep HF names and do one
-matmul instead of three. The tensor-parallel variants (issue: TP/PP) shard in the same loaders.
+`Linear` is replicated. The tensor-parallel layers shard themselves in their weight loaders, from
+the full HF tensor, by this process's TP rank (engine/parallel_state.py), so model files keep HF
+names: `ColumnParallelLinear` splits output features (its output stays sharded),
+`MergedColumnParallelLinear` (gate/up) and `QKVParallelLinear` (GQA-aware: KV heads are replicated
+when tp > num_kv_heads) fuse several HF tensors into one matmul, `RowParallelLinear` splits input
+features and all-reduces its output. With one rank they are plain (fused) linears.
 
 On CPU, reduced-precision (bf16/fp16) matmuls go through `linear()`, which picks the faster of two
 exact-enough paths by the number of rows (see its docstring and benchmarks/cpu_linear.py).
@@ -14,6 +17,8 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.parallel_state import get_parallel_state, tp_all_reduce
 
 # At or above this many rows, a bf16/fp16 matmul on CPU runs as fp32 GEMM on upcast operands.
 # oneDNN's bf16 brgemm (AVX512-BF16, no AMX) reaches ~150 GFLOP/s on the 2-core CI machine against
@@ -82,30 +87,106 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias, self.packed)
 
 
-class MergedLinear(Linear):
-    """Several outputs stacked along dim 0 (gate and up); shard_id is the index of the output."""
+class ColumnParallelLinear(Linear):
+    """y = x W^T with W's rows (output features) split over the TP ranks; the output stays sharded."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        state = get_parallel_state()
+        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
+        if output_size % self.tp_size:
+            raise ValueError(f"output size {output_size} is not divisible by tensor_parallel_size {self.tp_size}")
+        super().__init__(input_size, output_size // self.tp_size, bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        size = param.shape[0]
+        _copy_checked(param.data, _shard(loaded, 0, self.tp_rank * size, size, self.tp_size * size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stacked along dim 0 (gate and up); shard_id is the output's
+    index. Each rank holds its slice of every output, in order."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__(input_size, sum(output_sizes), bias, dtype)
-        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
-        self.output_sizes = output_sizes
+        if any(n % self.tp_size for n in output_sizes):
+            raise ValueError(f"output sizes {output_sizes} are not divisible by tensor_parallel_size {self.tp_size}")
+        self.local_sizes = [n // self.tp_size for n in output_sizes]
+        self.full_sizes = list(output_sizes)          # what each checkpoint tensor must have
+        self.offsets = [sum(self.local_sizes[:i]) for i in range(len(output_sizes))]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         i = int(shard_id)  # type: ignore[arg-type]
-        _copy_checked(param.data.narrow(0, self.offsets[i], self.output_sizes[i]), loaded)
+        self._load_shard(param, loaded, i, self.tp_rank)
+
+    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, i: int, index: int) -> None:
+        """Copy slice `index` of output `i`'s checkpoint tensor to its rows in the parameter."""
+        size = self.local_sizes[i]
+        _copy_checked(param.data.narrow(0, self.offsets[i], size),
+                      _shard(loaded, 0, index * size, size, self.full_sizes[i]))
 
 
-class QKVLinear(MergedLinear):
-    """Query, key and value projections fused; shard_id is "q", "k" or "v"."""
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """Query, key and value projections fused; shard_id is "q", "k" or "v". Each rank holds
+    num_heads / tp query heads and max(1, num_kv_heads / tp) KV heads; with tp > num_kv_heads every
+    KV head is replicated on tp / num_kv_heads ranks (those whose query heads use it)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, dtype: torch.dtype = torch.float32) -> None:
-        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden_size, sizes, bias, dtype)
+        tp = get_parallel_state().tp_size
+        if num_heads % tp or (num_kv_heads % tp and tp % num_kv_heads):
+            raise ValueError(f"num_attention_heads ({num_heads}) must be divisible by tensor_parallel_size "
+                             f"({tp}), and num_key_value_heads ({num_kv_heads}) must divide or be divisible by it")
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        rank = get_parallel_state().tp_rank
+        self.kv_shard = rank // (tp // num_kv_heads) if tp > num_kv_heads else rank
+        # Sizes as if every rank held its own KV heads, so the base class divides them back.
+        q, kv = num_heads * head_dim, self.num_kv_heads * head_dim * tp
+        super().__init__(hidden_size, [q, kv, kv], bias, dtype)
+        self.full_sizes = [q, num_kv_heads * head_dim, num_kv_heads * head_dim]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        super().weight_loader(param, loaded, "qkv".index(str(shard_id)))
+        i = "qkv".index(str(shard_id))
+        self._load_shard(param, loaded, i, self.tp_rank if i == 0 else self.kv_shard)
+
+
+class RowParallelLinear(Linear):
+    """y = x W^T with W's columns (input features) split over the TP ranks: each rank multiplies its
+    slice of x (a column-parallel layer's sharded output) and the partial sums are all-reduced; the
+    bias is added once, after the reduction."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        state = get_parallel_state()
+        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
+        if input_size % self.tp_size:
+            raise ValueError(f"input size {input_size} is not divisible by tensor_parallel_size {self.tp_size}")
+        super().__init__(input_size // self.tp_size, output_size, bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if param.dim() == 1:                  # the bias is not split
+            _copy_checked(param.data, loaded)
+            return
+        size = param.shape[1]
+        _copy_checked(param.data, _shard(loaded, 1, self.tp_rank * size, size, self.tp_size * size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return linear(x, self.weight, self.bias, self.packed)
+        out = tp_all_reduce(linear(x, self.weight, None, self.packed))
+        return out if self.bias is None else out + self.bias
+
+
+def _shard(loaded: torch.Tensor, dim: int, start: int, size: int, expected_total: int) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [start, start + size) of a full checkpoint tensor, after
+    checking it has the full size this layer was built for."""
+    if loaded.shape[dim] != expected_total:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected_total} "
+                         f"along dim {dim}")
+    return loaded.narrow(dim, start, size)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -1,7 +1,10 @@
 """The Llama family: Llama (1-3.x), Mistral, Qwen2 (QKV bias), SmolLM; GQA/MQA, tied embeddings.
 
 Parameters keep HF names except the fused `qkv_proj` and `gate_up_proj`, which load from the HF
-q/k/v and gate/up tensors through their weight loaders (see `load_weights`).
+q/k/v and gate/up tensors through their weight loaders (see `load_weights`). Tensor parallelism is in
+the layers (each shards itself by this process's TP rank); pipeline parallelism builds only this
+stage's decoder layers (`start_layer`..`end_layer`), the embedding on the first stage and the final
+norm and LM head on the last, and passes (hidden, residual) between stages.
 """
 from __future__ import annotations
 
@@ -13,21 +16,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import Attention, AttentionMetadata
-from engine.layers.embedding import VocabEmbedding
-from engine.layers.linear import Linear, MergedLinear, QKVLinear, linear, prepack
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.linear import (Linear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                  linear, prepack)
 from engine.layers.rmsnorm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
+from engine.parallel_state import get_parallel_state, pp_layer_range
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
-                                  bias=qkv_bias, dtype=dtype)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias, dtype=dtype)
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads,
+                                          bias=qkv_bias, dtype=dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads   # this rank's
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=o_bias, dtype=dtype)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -50,9 +56,10 @@ class LlamaMLP(nn.Module):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu'; got {config.hidden_act!r}")
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias, dtype=dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, dtype=dtype)
-        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                                       bias=bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, dtype=dtype)
+        self.intermediate_size = self.gate_up_proj.local_sizes[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -86,36 +93,49 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        state = get_parallel_state()
+        self.is_first_stage, self.is_last_stage = state.is_first_stage, state.is_last_stage
+        self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, state.pp_rank, state.pp_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # The last stage needs the embedding too when the LM head is tied to it.
+        needs_embedding = self.is_first_stage or (self.is_last_stage and self.tie_word_embeddings)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+                             if needs_embedding else None)
         qkv_bias, o_bias = self.attention_biases(config)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, qkv_bias, o_bias)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+                                    for _ in range(self.start_layer, self.end_layer))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last_stage else None
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config), dtype)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.tied_packed: torch.Tensor | None = None     # prepacked embedding for tied logits
-        if self.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype)
+        self.head_packed: torch.Tensor | None = None
+        self.lm_head = None
+        if self.is_last_stage and not self.tie_word_embeddings:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        hidden = self.embed_tokens(input_ids)
+                meta: AttentionMetadata, intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_caches: this stage's layers. On the last stage returns the
+        final hidden states [T, hidden]; on earlier ones (hidden, residual) stacked: [2, T, hidden],
+        which is the next stage's `intermediate`."""
         cos, sin = self.rotary.lookup(positions)
-        residual = None
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate is not None
+            hidden, residual = intermediate[0], intermediate[1]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, self.rotary, kv_cache, meta)
+        if not self.is_last_stage:
+            return torch.stack([hidden, residual])
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits [N, vocab]."""
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return linear(hidden, self.embed_tokens.weight, None, self.tied_packed).float()
+        """[N, hidden] -> float32 logits [N, vocab] (gathered over the TP ranks: call on all of them)."""
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        packed = self.tied_packed if self.lm_head is None else self.head_packed
+        return head.gather_logits(linear(hidden, head.weight, None, packed).float())
 
     # HF name fragment -> (our fused parameter fragment, shard id)
     _fused = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -129,6 +149,11 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue
+            if name.startswith("layers."):           # renumber to this stage's layers; skip others'
+                index = int(name.split(".")[1])
+                if not self.start_layer <= index < self.end_layer:
+                    continue
+                name = f"layers.{index - self.start_layer}." + name.split(".", 2)[2]
             shard = None
             for frag, (fused, shard_id) in self._fused.items():
                 if f".{frag}." in name:
@@ -145,7 +170,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
-        if self.lm_head is None:
+        self.head_packed = prepack(self.lm_head.weight) if self.lm_head is not None else None
+        if self.lm_head is None and self.is_last_stage:
             self.tied_packed = prepack(self.embed_tokens.weight)
 
 
