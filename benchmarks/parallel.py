@@ -65,7 +65,9 @@ def executor_overhead(steps: int, batch: int) -> dict:
         path = tiny_model(d)
         args = dict(dtype="float32", max_model_len=512, num_kv_blocks=256)
         local = LLMEngine(EngineConfig.create(path, **args))
-        remote = LLMEngine(EngineConfig.create(path, distributed_executor_backend="ray", **args))
+        # The worker gets as many torch threads as this process has, so only the executor differs.
+        remote = LLMEngine(EngineConfig.create(path, distributed_executor_backend="ray",
+                                               worker_num_cpus=torch.get_num_threads(), **args))
         # Interleave the two so machine noise hits both alike.
         runs = {"in_process": [], "ray": []}
         for _ in range(3):

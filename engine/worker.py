@@ -7,6 +7,7 @@ Its public methods are the RPC surface an executor calls (in-process, or on a Ra
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 from typing import Any
 
@@ -119,6 +120,10 @@ class Worker:
             self.kv_connector = create_connector_worker(
                 self.config.kv_transfer_config, KVLayout.from_config(self.config))
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
+
+    def execute_serialized(self, payload: bytes) -> ModelRunnerOutput | None:
+        """`execute_model` on a pickled SchedulerOutput (the Ray executor's one message per step)."""
+        return self.execute_model(pickle.loads(payload))
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step; the output on the driver rank (TP 0 of the last stage), None elsewhere."""

@@ -1,7 +1,7 @@
 """KV transfer benchmark: what moving a prompt's KV from a prefill engine to a decode engine costs.
 
-    .venv/bin/python benchmarks/kv_transfer.py                                      # full run
-    .venv/bin/python benchmarks/kv_transfer.py --blocks 100 --repeats 2 --prompt-len 200   # smoke
+    .venv/bin/python benchmarks/transfer.py                                      # full run
+    .venv/bin/python benchmarks/transfer.py --blocks 100 --repeats 2 --prompt-len 200   # smoke
 
 1. Throughput: the real worker-side connectors in two spawned processes, prefill P and decode D, with
    KV caches shaped like SmolLM2-135M's (30 layers, 16-token blocks, 3 KV heads of 64, bf16), 4 x
