@@ -2,7 +2,6 @@
 process; `RayExecutor` runs one worker actor per TP x PP rank. `make_executor` picks by world size."""
 from __future__ import annotations
 
-import logging
 import pickle
 from typing import Any
 
@@ -13,9 +12,6 @@ from engine.worker import Worker
 
 class EngineDeadError(RuntimeError):
     """The engine can no longer run steps (a worker died); every in-flight request fails with it."""
-
-
-logger = logging.getLogger(__name__)
 
 
 def make_executor(config: EngineConfig) -> InProcessExecutor | RayExecutor:

@@ -28,8 +28,8 @@ class ModelRunner:
         # Draws for requests without their own seed.
         self.generator = torch.Generator().manual_seed(seed)
         # In a worker process (Ray executor) a seeded request's generator arrives pickled with every
-        # step; the first copy is kept and advanced here, later copies are ignored.
-        self.keep_generators = get_parallel_state().tp_size * get_parallel_state().pp_size > 1
+        # step; the first copy is kept and advanced here, later copies are ignored (set by Worker).
+        self.keep_generators = False
         self.generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()

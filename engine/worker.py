@@ -122,7 +122,10 @@ class Worker:
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
 
     def execute_serialized(self, payload: bytes) -> ModelRunnerOutput | None:
-        """`execute_model` on a pickled SchedulerOutput (the Ray executor's one message per step)."""
+        """`execute_model` on a pickled SchedulerOutput (the Ray executor's one message per step).
+        Generators arrive as copies with every step, so the runner keeps its first copy of each."""
+        assert self.runner is not None
+        self.runner.keep_generators = True
         return self.execute_model(pickle.loads(payload))
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:

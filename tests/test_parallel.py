@@ -123,6 +123,11 @@ def test_parallel_greedy_matches_single_rank_and_hf(two_nodes, request, kind, tp
     try:
         assert run(engine, prompts) == want
         assert engine.stats()["prefix_cache_hits"] > 0
+        if (kind, tp, pp) == ("llama", 2, 1):
+            # Seeded sampling: the driver rank keeps each request's generator across steps.
+            seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+            single = LLMEngine(EngineConfig.create(path, **args))
+            assert run(engine, PROMPTS[1:3], seeded) == run(single, PROMPTS[1:3], seeded)
         assert want[:4] == hf_greedy(path, PROMPTS, GREEDY.max_tokens)
         placements = engine.executor.placements()
         by_stage: dict[int, set[str]] = {}
