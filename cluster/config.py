@@ -28,8 +28,14 @@ class _Strict(BaseModel):
 
 class PoolSpec(_Strict):
     replicas: int = Field(1, ge=1, le=64)
-    num_cpus: float = Field(1.0, gt=0)          # per replica actor; torch uses this many threads
-    num_gpus: float = Field(0.0, ge=0)
+    num_cpus: float = Field(1.0, gt=0)          # per rank (the replica actor, or each worker actor
+    num_gpus: float = Field(0.0, ge=0)          # with TP x PP > 1); torch uses this many threads
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 class RoutingSpec(_Strict):
@@ -81,6 +87,13 @@ class ClusterConfig(_Strict):
             raise ValueError("mode 'disaggregated' needs a 'prefill' pool beside 'decode'")
         if self.mode == "colocated" and "prefill" in self.pools:
             raise ValueError("pools has 'prefill' but mode is 'colocated'; set mode: disaggregated")
+        if self.mode == "disaggregated" and any(p.world_size > 1 for p in self.pools.values()):
+            raise ValueError("mode 'disaggregated' needs tensor_parallel_size = pipeline_parallel_size = 1 "
+                             "in every pool: KV transfer between multi-rank engines is not supported yet")
+        parallel_keys = [k for k in self.engine if k in (
+            "tensor_parallel_size", "pipeline_parallel_size", "worker_num_cpus", "worker_num_gpus")]
+        if parallel_keys:
+            raise ValueError(f"engine must not set {parallel_keys}: set them per pool (pools.<name>)")
         kv_keys = [k for k in self.engine if k.startswith("kv_")]
         if kv_keys:
             raise ValueError(f"engine must not set {kv_keys}: the disaggregation section configures "

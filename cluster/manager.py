@@ -16,8 +16,7 @@ MANAGER_NAME = "pdserve-manager"
 class ClusterManager:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
-        engine_config = engine_config_for(config)
-        self.pools = {name: EnginePool(name, spec, engine_config, config.name)
+        self.pools = {name: EnginePool(name, spec, engine_config_for(config, name), config.name)
                       for name, spec in config.pools.items()}
         for pool in self.pools.values():
             pool.start()

@@ -169,3 +169,40 @@ def test_killed_worker_fails_requests_with_engine_dead(two_nodes, tiny_llama):
             executor.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.cluster
+def test_pool_of_tensor_parallel_replicas(two_nodes, tiny_llama):
+    """A pool spec with tensor_parallel_size=2: its replica actor drives two worker actors and
+    streams the single-rank engine's greedy output."""
+    import ray
+
+    from cluster.config import ClusterConfig
+    from cluster.pool import EnginePool, engine_config_for
+
+    config = ClusterConfig(model=tiny_llama, engine={"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64},
+                           pools={"decode": {"replicas": 1, "num_cpus": 1, "tensor_parallel_size": 2}})
+    [want] = run(LLMEngine(EngineConfig.create(tiny_llama, dtype="float32", max_model_len=256, num_kv_blocks=64)),
+                 [PROMPTS[2]])
+    pool = EnginePool("decode", config.pools["decode"], engine_config_for(config, "decode"), "pdserve-test")
+    pool.start()
+    try:
+        asyncio.run(pool.wait_ready())
+        [handle] = pool.replicas.values()
+        deltas = ray.get(list(handle.generate.options(num_returns="streaming").remote("a", PROMPTS[2], GREEDY)))
+        assert [t for d in deltas for c in d.choices for t in c.token_ids] == want
+        assert ray.get(handle.check_no_leaks.remote())
+    finally:
+        pool.shutdown()
+
+
+def test_cluster_spec_parallel_fields():
+    from pydantic import ValidationError
+
+    from cluster.config import ClusterConfig
+
+    with pytest.raises(ValidationError, match="set them per pool"):
+        ClusterConfig(engine={"tensor_parallel_size": 2})
+    with pytest.raises(ValidationError, match="multi-rank engines is not supported yet"):
+        ClusterConfig(mode="disaggregated", pools={"prefill": {"tensor_parallel_size": 2}, "decode": {}})
+    assert ClusterConfig(pools={"decode": {"pipeline_parallel_size": 2}}).pools["decode"].world_size == 2
