@@ -1,0 +1,90 @@
+"""`ray job submit` against a real `ray start --head` on 127.0.0.1: the cluster launcher serves the
+CPU example spec (1 prefill + 1 decode replica of the embedded model), answers a completion through
+the official `openai` client, and stops with the job.
+
+Ray (2.59+) turns token authentication on for clusters it starts, but a client whose RAY_AUTH_MODE
+is unset sends no token, so `ray job submit` is refused after a local ray.init() or `ray start`
+made a token file. The fix is to run the CLI and the cluster in the same mode: here, a token
+(`ray get-auth-token --generate` makes ~/.ray/auth_token if none exists) and RAY_AUTH_MODE=token
+for both."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+ray = pytest.importorskip("ray", reason="needs ray[serve] (make setup installs it)")
+pytestmark = pytest.mark.ray
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_job_submit_serves_the_example_spec():
+    if ray.is_initialized():
+        ray.shutdown()         # `ray stop` below ends every Ray process of this user
+    bin_dir = os.path.dirname(sys.executable)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_AUTH_MODE": "token"}
+    ray_cli = os.path.join(bin_dir, "ray")
+    gcs, dashboard, http = _free_port(), _free_port(), _free_port()
+    address = f"http://127.0.0.1:{dashboard}"
+    subprocess.run([ray_cli, "get-auth-token", "--generate"], env=env, check=True, capture_output=True, timeout=60)
+    subprocess.run([ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
+                    "--num-cpus", "8", "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
+                    "--dashboard-port", str(dashboard), "--disable-usage-stats"],
+                   env=env, check=True, capture_output=True, timeout=180)
+    try:
+        submitted = subprocess.run(
+            [ray_cli, "job", "submit", "--address", address, "--no-wait", "--working-dir", REPO, "--",
+             "python", "-m", "cluster.launch", "--config", "deploy/examples/cpu-small.yaml", "--port", str(http)],
+            env=env, capture_output=True, text=True, timeout=180, cwd=REPO)
+        assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+        job_id = re.search(r"raysubmit_\w+", submitted.stdout + submitted.stderr).group(0)
+
+        def job_status() -> str:
+            """The job's state word (the CLI logs it to stderr, as 'stopped', 'failed', ...)."""
+            done = subprocess.run([ray_cli, "job", "status", "--address", address, job_id], env=env,
+                                  capture_output=True, text=True, timeout=60)
+            return (done.stdout + done.stderr).upper()
+
+        base = f"http://127.0.0.1:{http}"
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert "FAILED" not in job_status(), subprocess.run(
+                [ray_cli, "job", "logs", "--address", address, job_id], env=env, capture_output=True,
+                text=True, timeout=60).stdout[-3000:]
+            assert time.monotonic() < deadline, "the launched app never became healthy"
+            time.sleep(2)
+
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
+                                        temperature=0.0)
+        assert out.choices[0].text and out.usage.completion_tokens == 8
+
+        subprocess.run([ray_cli, "job", "stop", "--address", address, job_id], env=env, capture_output=True,
+                       timeout=120)
+        deadline = time.monotonic() + 120
+        while "STOPPED" not in job_status():
+            assert time.monotonic() < deadline, "the job did not stop"
+            time.sleep(2)
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
