@@ -50,8 +50,6 @@ class AsyncLLMEngine:
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.engine.validate(list(prompt_token_ids), params)
-        if kv_transfer_params:
-            self.engine.validate_transfer(list(prompt_token_ids), params, kv_transfer_params)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         # The step runs in a thread: engine state is touched only by the loop, between steps.

@@ -147,14 +147,6 @@ class LLMEngine:
         self.scheduler.add_request(leader)
         self.num_prompt_tokens += len(prompt_token_ids)
 
-    def validate_transfer(self, prompt_token_ids: list[int], params: SamplingParams,
-                          kv_transfer_params: dict[str, Any]) -> None:
-        """Raise ValueError if these kv_transfer_params cannot be used for this prompt here (no
-        connector, malformed, another prompt's, or a layout mismatch with the prefill engine)."""
-        probe = Request("validate", prompt_token_ids, params, self.eos_token_ids,
-                        self.config.cache_config.block_size, 1)
-        self._attach_transfer(probe, kv_transfer_params)
-
     def _attach_transfer(self, request: Request, kv_transfer_params: dict[str, Any]) -> None:
         if self.kv_connector is None:
             raise ValueError("kv_transfer_params need a KV connector: create this engine with "

@@ -220,20 +220,18 @@ class Scheduler:
             if rid not in self.loading:
                 continue
             request, num_external = self.loading.pop(rid)
-            if reason is not None and self.connector is not None:
+            if reason is not None:
+                assert self.connector is not None
+                self.connector.num_load_failures += 1
                 self.connector.plan_release(request)         # best effort: P may be gone
             request.remote_prefill = None
             if reason is None:
                 request.num_computed_tokens += num_external
                 self.kv.cache_full_blocks(request, request.num_computed_tokens)
             elif self.load_failure_policy == "recompute":
-                assert self.connector is not None
-                self.connector.num_load_failures += 1
                 self.kv.free(request)
                 request.num_computed_tokens = request.num_cached_tokens = 0
             else:
-                assert self.connector is not None
-                self.connector.num_load_failures += 1
                 request.stop_reason = f"KV transfer failed: {reason}"
                 self._free(request, RequestStatus.FINISHED_ERROR)
                 errored.append(request)

@@ -155,7 +155,6 @@ class TransferReport:
 @dataclass(slots=True)
 class Lease:
     request: Request
-    block_ids: list[int]
     slot: int
     token: int
     expires_at: float               # time.time()
@@ -275,22 +274,15 @@ class KVConnectorWorker:
         pass
 
     # Shared helpers for the transports.
-    def gather_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """The blocks' K and V in every layer, contiguous: [num_layers, 2, n, block_size, kvh, d]
-        (one copy: each layer's rows are selected straight into `out`, or a new tensor)."""
+        (for checks and benchmarks; the transports move blocks without this copy)."""
         first = self.kv_caches[0]
         index = torch.tensor(block_ids, dtype=torch.long, device=first.device)
-        if out is None:
-            out = torch.empty(self.gathered_shape(len(block_ids)), dtype=first.dtype, device=first.device)
+        out = torch.empty(self.gathered_shape(len(block_ids)), dtype=first.dtype, device=first.device)
         for layer, cache in enumerate(self.kv_caches):
             torch.index_select(cache, 1, index, out=out[layer])
         return out
-
-    def scatter_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Inverse of gather_blocks."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
-        for cache, layer in zip(self.kv_caches, data, strict=True):
-            cache.index_copy_(1, index, layer.to(cache.device))
 
     def gathered_shape(self, num_blocks: int) -> tuple[int, ...]:
         lay = self.layout
@@ -391,7 +383,7 @@ class KVConnectorScheduler:
                   address: dict[str, Any], engine_id: str) -> dict[str, Any]:
         """Record the lease and return the transfer parameters for the decode side."""
         expires = time.time() + self.config.lease_s
-        self.leases[request.request_id] = Lease(request, block_ids, slot, token, expires)
+        self.leases[request.request_id] = Lease(request, slot, token, expires)
         self.num_leases += 1
         remote = RemotePrefill(
             engine_id=engine_id, request_id=request.request_id, block_ids=block_ids,
@@ -409,8 +401,10 @@ class KVConnectorScheduler:
 
     def leases_to_end(self, released: list[tuple[int, int]], aborted: list[str]) -> list[Lease]:
         """Take out the leases that end now: released by the decode side, aborted, or expired."""
-        by_slot = {(lease.slot, lease.token): rid for rid, lease in self.leases.items()}
-        ending = [by_slot[key] for key in released if key in by_slot]
+        ending = []
+        if released:
+            by_slot = {(lease.slot, lease.token): rid for rid, lease in self.leases.items()}
+            ending = [by_slot[key] for key in released if key in by_slot]
         ending += [rid for rid in aborted if rid in self.leases]
         now = time.time()
         expired = [rid for rid, lease in self.leases.items() if lease.expires_at <= now]

@@ -123,11 +123,10 @@ class NixlConnectorWorker(KVConnectorWorker):
     def _remote(self, remote: RemotePrefill) -> _Remote:
         """Add the prefill engine's agent and prepare its descriptor lists (once per agent)."""
         address = remote.address
-        metadata = base64.b64decode(address["agent_metadata"])
         known = self.remotes.get(address["agent_metadata"])
         if known is not None:
             return known
-        agent = self.agent.add_remote_agent(metadata)
+        agent = self.agent.add_remote_agent(base64.b64decode(address["agent_metadata"]))
         agent = agent.decode() if isinstance(agent, bytes) else agent
         num_blocks = int(address["num_blocks"])
         blocks = self.agent.prep_xfer_dlist(

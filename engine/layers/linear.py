@@ -92,11 +92,8 @@ class ColumnParallelLinear(Linear):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
-        state = get_parallel_state()
-        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
-        if output_size % self.tp_size:
-            raise ValueError(f"output size {output_size} is not divisible by tensor_parallel_size {self.tp_size}")
-        super().__init__(input_size, output_size // self.tp_size, bias, dtype)
+        self.tp_rank, self.tp_size, local = _tp_share(output_size, "output size")
+        super().__init__(input_size, local, bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         size = param.shape[0]
@@ -160,11 +157,8 @@ class RowParallelLinear(Linear):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
-        state = get_parallel_state()
-        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
-        if input_size % self.tp_size:
-            raise ValueError(f"input size {input_size} is not divisible by tensor_parallel_size {self.tp_size}")
-        super().__init__(input_size // self.tp_size, output_size, bias, dtype)
+        self.tp_rank, self.tp_size, local = _tp_share(input_size, "input size")
+        super().__init__(local, output_size, bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         if param.dim() == 1:                  # the bias is not split
@@ -178,6 +172,14 @@ class RowParallelLinear(Linear):
             return linear(x, self.weight, self.bias, self.packed)
         out = tp_all_reduce(linear(x, self.weight, None, self.packed))
         return out if self.bias is None else out + self.bias
+
+
+def _tp_share(size: int, what: str) -> tuple[int, int, int]:
+    """(TP rank, TP size, this rank's share of `size`); ValueError if it does not split evenly."""
+    state = get_parallel_state()
+    if size % state.tp_size:
+        raise ValueError(f"{what} {size} is not divisible by tensor_parallel_size {state.tp_size}")
+    return state.tp_rank, state.tp_size, size // state.tp_size
 
 
 def _shard(loaded: torch.Tensor, dim: int, start: int, size: int, expected_total: int) -> torch.Tensor:
