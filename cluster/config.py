@@ -9,6 +9,7 @@
     disaggregation: {connector: nixl, min_remote_prefill_tokens: 256, lease_s: 30}
     routing: {name: prefix_aware, load_weight: 0.5, imbalance_threshold: 8}
     serving: {host: 127.0.0.1, port: 8000, api_key: null, max_in_flight: 256}
+    placement_timeout_s: 60     # wait this long for the cluster to fit the pools, then fail naming why
 
 Every field is validated here, so a bad spec fails before any actor starts, naming the field.
 """
@@ -32,6 +33,9 @@ class PoolSpec(_Strict):
     num_gpus: float = Field(0.0, ge=0)          # with TP x PP > 1); torch uses this many threads
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
+    # Custom Ray resources per rank, to pin a pool to its nodes: a KubeRay worker group started with
+    # `resources: {"pdserve_prefill": 1000}` takes the pool with `resources: {pdserve_prefill: 1}`.
+    resources: dict[str, float] = Field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -63,6 +67,8 @@ class ServingSpec(_Strict):
     port: int = Field(8000, ge=1, le=65535)
     served_model_name: str | None = None        # default: the model's directory or file name
     api_key: str | None = None                  # when set, requests need `Authorization: Bearer <key>`
+    api_key_env: str | None = None              # or: the environment variable that holds the key (a
+                                                # Kubernetes Secret), read by the ingress at startup
     max_in_flight: int = Field(256, ge=1)       # beyond this, 429 (never an out-of-memory)
     max_body_bytes: int = Field(4 << 20, ge=1024)
     ingress_replicas: int = Field(1, ge=1)
@@ -79,6 +85,10 @@ class ClusterConfig(_Strict):
     routing: RoutingSpec = RoutingSpec()
     serving: ServingSpec = ServingSpec()
     name: str = "pdserve"                       # namespace of the manager actor
+    # How long to wait for the Ray cluster to have the resources the pools need (nodes joining,
+    # an autoscaler adding them) before failing with a message naming what is missing. A local Ray
+    # started by `pdserve serve` never grows, so there the check does not wait.
+    placement_timeout_s: float = Field(60.0, ge=0)
 
     def model_post_init(self, _: Any) -> None:
         if "decode" not in self.pools:

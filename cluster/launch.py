@@ -10,30 +10,41 @@ import signal
 import sys
 import threading
 
+import yaml
+
 from cluster.config import ClusterConfig
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Join the Ray cluster at `address` (or RAY_ADDRESS), else start a local one on 127.0.0.1."""
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
+    """Join the Ray cluster at `address` (or RAY_ADDRESS), else start a local one on 127.0.0.1.
+    True when this call started a local Ray (one that no node will join)."""
     import ray  # noqa: PLC0415
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
-        return
+        return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, namespace="pdserve")
-    else:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="pdserve",
-                 _node_ip_address="127.0.0.1")
+        return False
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="pdserve",
+             _node_ip_address="127.0.0.1")
+    return True
 
 
-def serve_cluster(config: ClusterConfig, blocking: bool = True) -> None:
-    """Deploy the ingress (which creates the manager and the engine pools) and wait for it."""
+def serve_cluster(config: ClusterConfig, blocking: bool = True, placement_timeout_s: float | None = None
+                  ) -> None:
+    """Deploy the ingress (which creates the manager and the engine pools) and wait for it.
+
+    First checks that the cluster can hold the pools (waiting up to `placement_timeout_s`, by default
+    the spec's), raising PlacementError instead of leaving the app pending forever."""
     import faulthandler  # noqa: PLC0415
 
     from ray import serve  # noqa: PLC0415
 
+    from cluster.placement import check_placement  # noqa: PLC0415
+
+    check_placement(config, placement_timeout_s)
     faulthandler.register(signal.SIGUSR1)      # `kill -USR1 <pid>` prints every thread's stack
     stop = threading.Event()
     if blocking:
@@ -70,10 +81,37 @@ def shutdown(config: ClusterConfig) -> None:
     serve.delete(config.name)
     try:
         manager = ray.get_actor(MANAGER_NAME, namespace=config.name)
-        ray.get(manager.shutdown.remote())
+        ray.get(manager.shutdown.remote(drain_s=10.0))
         ray.kill(manager)
     except ValueError:
         pass
+
+
+def config_from_args(args: argparse.Namespace) -> ClusterConfig:
+    """The spec file (or DEFAULT_SPEC) with the command line's overrides; ValueError names the field."""
+    data = ClusterConfig.from_yaml(args.config).model_dump() if args.config else dict(DEFAULT_SPEC)
+    if args.model is not None:
+        data["model"] = args.model
+    serving = dict(data.get("serving", {}))
+    if args.host is not None:
+        serving["host"] = args.host
+    if args.port is not None:
+        serving["port"] = args.port
+    data["serving"] = serving
+    pools = dict(data.get("pools", {}))
+    if args.replicas is not None:
+        pools["decode"] = {**dict(pools.get("decode", {})), "replicas": args.replicas}
+    if args.prefill_replicas == 0:
+        pools.pop("prefill", None)
+        data["mode"] = "colocated"
+    elif args.prefill_replicas is not None:
+        pools["prefill"] = {**dict(pools.get("prefill", {})), "replicas": args.prefill_replicas}
+        data["mode"] = "disaggregated"
+    if pools:
+        data["pools"] = pools
+    if args.connector is not None:
+        data["disaggregation"] = {**dict(data.get("disaggregation", {})), "connector": args.connector}
+    return ClusterConfig.model_validate(data)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,38 +136,25 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a local Ray")
 
 
+# What `pdserve serve` runs without --config: the embedded model, 1 prefill + 1 decode replica, KV
+# moved over NIXL.
+DEFAULT_SPEC: dict = {"mode": "disaggregated", "pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    data = {}
-    if args.config:
-        data = ClusterConfig.from_yaml(args.config).model_dump()
-    if args.model is not None:
-        data["model"] = args.model
-    serving = dict(data.get("serving", {}))
-    if args.host is not None:
-        serving["host"] = args.host
-    if args.port is not None:
-        serving["port"] = args.port
-    data["serving"] = serving
-    pools = dict(data.get("pools", {}))
-    if args.replicas is not None:
-        pools["decode"] = {**dict(pools.get("decode", {})), "replicas": args.replicas}
-    if args.prefill_replicas == 0:
-        pools.pop("prefill", None)
-        data["mode"] = "colocated"
-    elif args.prefill_replicas is not None:
-        pools["prefill"] = {**dict(pools.get("prefill", {})), "replicas": args.prefill_replicas}
-        data["mode"] = "disaggregated"
-    if pools:
-        data["pools"] = pools
-    if args.connector is not None:
-        data["disaggregation"] = {**dict(data.get("disaggregation", {})), "connector": args.connector}
     try:
-        config = ClusterConfig.model_validate(data)
-    except ValueError as e:
+        config = config_from_args(args)
+    except (OSError, ValueError, yaml.YAMLError) as e:    # pydantic's ValidationError is a ValueError
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
-    init_ray(args.address, args.num_cpus)
-    serve_cluster(config)
+    from cluster.placement import PlacementError  # noqa: PLC0415
+
+    local = init_ray(args.address, args.num_cpus)
+    try:
+        serve_cluster(config, placement_timeout_s=0.0 if local else None)   # a local Ray never grows
+    except PlacementError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

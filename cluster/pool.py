@@ -1,49 +1,168 @@
-"""EnginePool: the engine replica actors of one pool (prefill or decode), created and health-checked.
+"""EnginePool: the engine replica actors of one pool (prefill or decode): created, health-checked,
+replaced when they die, drained on shutdown.
 
-Ray is applied here: each replica is `ray.remote(EngineReplica)` with the pool's CPUs/GPUs, and torch
-in it gets as many threads as CPUs it was given. With TP x PP > 1 the replica actor only schedules
-(a tenth of a CPU); its engine starts one worker actor per rank with the pool's CPUs/GPUs each, in
-a placement group (cluster/placement.py) that lives and dies with the replica.
+Ray is applied here: each replica is `ray.remote(EngineReplica)` with the pool's CPUs/GPUs (and
+custom resources that pin it to its nodes), and torch in it gets as many threads as CPUs it was
+given. With TP x PP > 1 the replica actor only schedules (a tenth of a CPU); its engine starts one
+worker actor per rank with the pool's CPUs/GPUs each, in a placement group (cluster/placement.py)
+that lives and dies with the replica.
+
+Health: `check_health()` asks every replica for its stats. A replica whose actor died, whose engine
+reports itself dead, or that misses `max_missed` checks in a row is killed and dropped at once (the
+routers stop sending it requests; what it was running fails with a clear error at the ingress), and
+a replacement with a fresh id (`decode-2`, ...) is started; it joins the pool when its model has
+loaded. A replacement that fails to start is retried at the next check. Every change of membership
+bumps `generation`, which is what the ingress follows (`ClusterManager.membership`).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.config import ClusterConfig, PoolSpec
+from cluster.placement import REPLICA_ACTOR_CPUS
 from cluster.replica import EngineReplica
 from engine.config import EngineConfig
 
+logger = logging.getLogger(__name__)
+
 
 class EnginePool:
-    def __init__(self, name: str, spec: PoolSpec, engine_config: EngineConfig, namespace: str) -> None:
+    def __init__(self, name: str, spec: PoolSpec, engine_config: EngineConfig, namespace: str,
+                 check_timeout_s: float = 10.0, max_missed: int = 3,
+                 on_change: Callable[[], None] | None = None) -> None:
         self.name = name
         self.spec = spec
         self.engine_config = engine_config
         self.namespace = namespace
-        self.replicas: dict[str, Any] = {}
+        self.check_timeout_s = check_timeout_s
+        self.max_missed = max_missed
+        self.on_change = on_change or (lambda: None)
+        self.replicas: dict[str, Any] = {}       # replica id -> actor handle, serving
+        self.starting: dict[str, Any] = {}       # replacements still loading their model
+        self.missed: dict[str, int] = {}
+        self.replaced = 0                        # replicas dropped for failing health checks
+        self._next_index = 0
+        self._tasks: set[asyncio.Task] = set()
 
-    def start(self) -> None:
-        actor_cls = ray.remote(EngineReplica)
+    def _spawn(self) -> tuple[str, Any]:
+        replica_id = f"{self.name}-{self._next_index}"
+        self._next_index += 1
         single = self.spec.world_size == 1
         threads = max(1, int(self.spec.num_cpus)) if single else 1
-        for i in range(self.spec.replicas):
-            replica_id = f"{self.name}-{i}"
-            self.replicas[replica_id] = actor_cls.options(
-                name=f"{self.namespace}-{replica_id}", num_cpus=self.spec.num_cpus if single else 0.1,
-                num_gpus=self.spec.num_gpus if single else 0, max_concurrency=1000,
-            ).remote(self.engine_config, replica_id, threads)
+        handle = ray.remote(EngineReplica).options(
+            name=f"{self.namespace}-{replica_id}", max_concurrency=1000,
+            num_cpus=self.spec.num_cpus if single else REPLICA_ACTOR_CPUS,
+            num_gpus=self.spec.num_gpus if single else 0,
+            resources=dict(self.spec.resources) if single else {},
+        ).remote(self.engine_config, replica_id, threads)
+        return replica_id, handle
+
+    def start(self) -> None:
+        for _ in range(self.spec.replicas):
+            replica_id, handle = self._spawn()
+            self.replicas[replica_id] = handle
 
     async def wait_ready(self) -> list[dict]:
         """Block until every replica has loaded its model; returns their info."""
         return await asyncio.gather(*[h.info.remote() for h in self.replicas.values()])
 
+    # --- health ------------------------------------------------------------------------------------
+    async def check_health(self) -> list[str]:
+        """Check every replica once, drop the failed ones and start replacements. Returns the ids
+        dropped."""
+        ids = list(self.replicas)
+        results = await asyncio.gather(
+            *[asyncio.wait_for(self.replicas[r].stats.remote(), self.check_timeout_s) for r in ids],
+            return_exceptions=True)
+        dropped = []
+        for replica_id, res in zip(ids, results):
+            reason = None
+            if isinstance(res, RayActorError) and not isinstance(res, ActorUnavailableError):
+                reason = f"its actor died ({type(res).__name__})"
+            elif isinstance(res, BaseException):         # timeout, or unreachable for now
+                self.missed[replica_id] = self.missed.get(replica_id, 0) + 1
+                if self.missed[replica_id] >= self.max_missed:
+                    reason = f"it missed {self.missed[replica_id]} health checks ({type(res).__name__})"
+            elif not res.get("healthy", False):
+                reason = "its engine stopped (engine dead)"
+            else:
+                self.missed.pop(replica_id, None)
+            if reason is not None and replica_id in self.replicas:
+                self.drop(replica_id, reason)
+                dropped.append(replica_id)
+        for _ in range(self.spec.replicas - len(self.replicas) - len(self.starting)):
+            self._start_replacement()
+        return dropped
+
+    def drop(self, replica_id: str, reason: str) -> None:
+        """Take a replica out of the pool now and kill its actor (and with it, its workers)."""
+        handle = self.replicas.pop(replica_id, None)
+        if handle is None:
+            return
+        logger.warning("pool %s: replacing replica %s: %s", self.name, replica_id, reason)
+        self.missed.pop(replica_id, None)
+        self.replaced += 1
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self.on_change()
+
+    def _start_replacement(self) -> None:
+        replica_id, handle = self._spawn()
+        self.starting[replica_id] = handle
+        task = asyncio.get_running_loop().create_task(self._bring_up(replica_id, handle))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _bring_up(self, replica_id: str, handle: Any) -> None:
+        try:
+            await handle.info.remote()
+        except Exception:  # noqa: BLE001 - retried at the next health check
+            logger.exception("pool %s: replacement %s failed to start", self.name, replica_id)
+            self.starting.pop(replica_id, None)
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+            return
+        if self.starting.pop(replica_id, None) is not None:
+            self.replicas[replica_id] = handle
+            logger.warning("pool %s: replacement %s is serving", self.name, replica_id)
+            self.on_change()
+
+    # --- shutdown ----------------------------------------------------------------------------------
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the replicas to finish what they run; True if they did."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            stats = await asyncio.gather(*[h.stats.remote() for h in self.replicas.values()],
+                                         return_exceptions=True)
+            busy = [s for s in stats if isinstance(s, dict)
+                    and s.get("num_requests_running", 0) + s.get("num_requests_waiting", 0) > 0]
+            if not busy:
+                return True
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.2)
+
     def shutdown(self) -> None:
-        for handle in self.replicas.values():
-            ray.kill(handle)
+        for task in self._tasks:
+            task.cancel()
+        for handle in [*self.replicas.values(), *self.starting.values()]:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
         self.replicas.clear()
+        self.starting.clear()
 
 
 def engine_config_for(config: ClusterConfig, pool: str = "decode") -> EngineConfig:
@@ -56,5 +175,6 @@ def engine_config_for(config: ClusterConfig, pool: str = "decode") -> EngineConf
     if spec.world_size > 1:
         parallel = {"tensor_parallel_size": spec.tensor_parallel_size,
                     "pipeline_parallel_size": spec.pipeline_parallel_size,
-                    "worker_num_cpus": spec.num_cpus, "worker_num_gpus": spec.num_gpus}
+                    "worker_num_cpus": spec.num_cpus, "worker_num_gpus": spec.num_gpus,
+                    "worker_resources": dict(spec.resources)}
     return EngineConfig.create(config.model, **config.engine, **kv_args, **parallel)

@@ -99,6 +99,7 @@ class ParallelConfig:
     worker_num_cpus: float = 1.0             # per rank actor (torch gets that many threads)
     worker_num_gpus: float = 0.0             # per rank actor; > 0 runs the ranks on CUDA
     distributed_executor_backend: str | None = None   # "ray" forces worker actors even for one rank
+    worker_resources: tuple[tuple[str, float], ...] = ()   # custom Ray resources per rank actor
 
     @property
     def world_size(self) -> int:
@@ -162,6 +163,7 @@ class EngineConfig:
         worker_num_cpus: float = 1.0,
         worker_num_gpus: float = 0.0,
         distributed_executor_backend: str | None = None,
+        worker_resources: dict[str, float] | None = None,
     ) -> EngineConfig:
         """Validate user arguments and resolve them against the model's config."""
         from engine.weights import resolve_model  # noqa: PLC0415 (keeps config import-light)
@@ -238,7 +240,8 @@ class EngineConfig:
                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                 preemption_mode=preemption_mode, policy=scheduling_policy),
             parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size,
-                                           worker_num_cpus, worker_num_gpus, distributed_executor_backend),
+                                           worker_num_cpus, worker_num_gpus, distributed_executor_backend,
+                                           tuple(sorted((worker_resources or {}).items()))),
             kv_transfer_config=kv_transfer_config,
         )
 

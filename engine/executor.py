@@ -56,12 +56,14 @@ class RayExecutor:
             init_ray()
         pc = config.parallel_config
         tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
-        self.placement_group = create_engine_placement(tp, pp, pc.worker_num_cpus, pc.worker_num_gpus)
+        self.placement_group = create_engine_placement(tp, pp, pc.worker_num_cpus, pc.worker_num_gpus,
+                                                       dict(pc.worker_resources))
         device = "cuda" if pc.worker_num_gpus else "cpu"
         threads = max(1, int(pc.worker_num_cpus))
         actor = ray.remote(Worker)
         self.workers = [
             actor.options(num_cpus=pc.worker_num_cpus, num_gpus=pc.worker_num_gpus,
+                          resources=dict(pc.worker_resources),
                           scheduling_strategy=PlacementGroupSchedulingStrategy(
                               self.placement_group, placement_group_bundle_index=rank // tp),
                           ).remote(config, device, rank, threads)

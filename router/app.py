@@ -10,6 +10,7 @@ A client that disconnects aborts its request on the replica, which frees the req
 # No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations at runtime
 # (through Serve's class-based ingress) and would take a string "Request" for a query parameter.
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -48,9 +49,10 @@ class OpenAIServer:
     """Everything the ingress does, independent of how it is deployed."""
 
     def __init__(self, config: ClusterConfig, replicas: dict[str, Any],
-                 prefill_replicas: dict[str, Any] | None = None) -> None:
+                 prefill_replicas: dict[str, Any] | None = None, manager: Any = None) -> None:
         """replicas: the decode pool's actor handles; prefill_replicas: the prefill pool's (only in
-        disaggregated mode)."""
+        disaggregated mode); manager: the ClusterManager's handle, told about replicas that fail
+        and followed for the pools' membership (`follow_membership`)."""
         from cluster.pool import engine_config_for  # noqa: PLC0415
 
         self.config = config
@@ -63,22 +65,33 @@ class OpenAIServer:
         policy = RoutingPolicy(PolicyConfig(config.routing.name, config.routing.load_weight,
                                             config.routing.imbalance_threshold),
                                ec.scheduler_config.max_num_seqs)
+        self.manager = manager
+        report = None if manager is None else (lambda replica_id: manager.report_failure.remote(replica_id))
         decode = RequestRouter("decode", replicas, ec.cache_config.block_size, policy, self.metrics,
-                               config.routing.stats_interval_s)
+                               config.routing.stats_interval_s, report)
+        self.pools: dict[str, RequestRouter] = {"decode": decode}
         self.router: RequestRouter | PDRouter = decode
         if config.mode == "disaggregated":
             prefill = RequestRouter("prefill", prefill_replicas or {}, ec.cache_config.block_size, policy,
-                                    self.metrics, config.routing.stats_interval_s)
+                                    self.metrics, config.routing.stats_interval_s, report)
+            self.pools["prefill"] = prefill
             self.router = PDRouter(prefill, decode, self.metrics,
                                    config.disaggregation.min_remote_prefill_tokens)
         self.in_flight = 0
+        self.api_key = config.serving.api_key
+        env = config.serving.api_key_env
+        if env is not None and self.api_key is None:
+            self.api_key = os.environ.get(env)
+            if not self.api_key:      # fail closed: never serve openly because a Secret is missing
+                raise ValueError(f"serving.api_key_env names {env!r}, which is not set in the ingress's "
+                                 f"environment")
 
     # --- checks shared by every endpoint -----------------------------------------------------------
     def check_auth(self, request: Request) -> None:
-        key = self.config.serving.api_key
-        if key is None:
+        if self.api_key is None:
             return
-        if request.headers.get("authorization", "") != f"Bearer {key}":
+        if not hmac.compare_digest(request.headers.get("authorization", "").encode(),
+                                   f"Bearer {self.api_key}".encode()):
             raise HTTPError(401, "invalid or missing API key (Authorization: Bearer <key>)", "authentication_error")
 
     async def read_json(self, request: Request) -> dict[str, Any]:
@@ -361,11 +374,27 @@ class OpenAIServer:
             raise HTTPError(400, f"tokens must be integers in [0, {self.vocab_size}); got {bad[:5]}", param="tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
-    async def health(self) -> tuple[bool, dict[str, Any]]:
+    async def health(self) -> tuple[bool, dict[str, dict[str, bool]]]:
+        """Ready when every pool has at least one healthy replica; pool -> replica id -> healthy."""
         stats = await self.router.refresh_stats()
-        healthy = bool(stats) and len(stats) == len(self.router.replicas) and all(
-            s.get("healthy", False) for s in stats.values())
-        return healthy, {r: s.get("healthy", False) for r, s in stats.items()}
+        detail = {name: {r: bool(stats.get(r, {}).get("healthy", False)) and r not in pool.down
+                         for r in pool.replicas} for name, pool in self.pools.items()}
+        return all(any(replicas.values()) for replicas in detail.values()), detail
+
+    async def follow_membership(self) -> None:
+        """Keep each pool's router in line with the manager's pools (long poll): replicas dropped
+        for failing health checks leave, replacements join."""
+        version = -1
+        while True:
+            try:
+                version, pools = await self.manager.membership.remote(version, 5.0)
+            except Exception:  # noqa: BLE001 - the manager restarting must not stop the ingress
+                logger.exception("following the pools' membership failed")
+                await asyncio.sleep(1.0)
+                continue
+            for name, replicas in pools.items():
+                if name in self.pools:
+                    self.pools[name].set_replicas(replicas)
 
     async def render_metrics(self) -> str:
         await self.router.refresh_stats()
@@ -412,6 +441,8 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
                 yield f"data: {json.dumps(chunk)}\n\n"
         except HTTPError as e:
             yield f"data: {json.dumps(error_body(e.message, e.err_type, e.status, e.param))}\n\n"
+        except NoReplicaError as e:      # also a replica that died mid-stream (ReplicaDiedError)
+            yield f"data: {json.dumps(error_body(str(e), 'service_unavailable', 503))}\n\n"
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
             logger.exception("stream failed")
             yield f"data: {json.dumps(error_body(f'generation failed: {e}', 'server_error', 500))}\n\n"
@@ -462,8 +493,9 @@ def build_app(config: ClusterConfig) -> Any:
             await manager.ready.remote()
             replicas = await manager.replicas.remote("decode")
             prefill = await manager.replicas.remote("prefill") if cfg.mode == "disaggregated" else None
-            self.server = OpenAIServer(cfg, replicas, prefill)
+            self.server = OpenAIServer(cfg, replicas, prefill, manager)
             self.server.router.start()
+            self._membership = asyncio.get_running_loop().create_task(self.server.follow_membership())
 
         @fastapi_app.get("/v1/models")
         async def models(self, request: Request) -> Response:
@@ -493,8 +525,8 @@ def build_app(config: ClusterConfig) -> Any:
 
         @fastapi_app.get("/health")
         async def health(self) -> Response:
-            ok, detail = await self.server.health()
-            return JSONResponse({"healthy": ok, "replicas": detail}, status_code=200 if ok else 503)
+            ok, pools = await self.server.health()
+            return JSONResponse({"healthy": ok, "pools": pools}, status_code=200 if ok else 503)
 
         @fastapi_app.get("/metrics")
         async def metrics(self) -> Response:

@@ -24,8 +24,10 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from engine.hashing import hash_block_tokens
 from engine.sampling_params import SamplingParams
@@ -40,31 +42,74 @@ class NoReplicaError(RuntimeError):
     """No healthy replica to route to (HTTP 503)."""
 
 
+class ReplicaDiedError(NoReplicaError):
+    """The replica running a request died after it had streamed part of the output (HTTP 503)."""
+
+
 class RequestRouter:
     def __init__(self, pool: str, replicas: dict[str, Any], block_size: int, policy: RoutingPolicy,
-                 metrics: ServingMetrics, stats_interval_s: float = 0.5) -> None:
-        """replicas: replica id -> Ray actor handle of an EngineReplica."""
+                 metrics: ServingMetrics, stats_interval_s: float = 0.5,
+                 on_replica_failure: Callable[[str], None] | None = None) -> None:
+        """replicas: replica id -> Ray actor handle of an EngineReplica; on_replica_failure: called
+        with a replica's id when a call to it failed because its actor is gone (the ingress tells the
+        manager, which replaces it)."""
         self.pool = pool
-        self.replicas = dict(replicas)
+        self.replicas: dict[str, Any] = {}
         self.block_size = block_size
         self.policy = policy
         self.metrics = metrics
         self.stats_interval_s = stats_interval_s
+        self.on_replica_failure = on_replica_failure
         self.index = PrefixIndex()
-        self.loads = {r: ReplicaLoad() for r in self.replicas}
-        self._cursors = {r: 0 for r in self.replicas}
-        self._pollers: list[asyncio.Task] = []
-        for r in self.replicas:
+        self.loads: dict[str, ReplicaLoad] = {}
+        self.down: set[str] = set()          # failed a call; not routed to until membership drops it
+        self._cursors: dict[str, int] = {}
+        self._followers: dict[str, asyncio.Task] = {}
+        self._stats_task: asyncio.Task | None = None
+        self.set_replicas(replicas)
+
+    def set_replicas(self, replicas: dict[str, Any]) -> None:
+        """Follow the pool's membership: forget replicas that left (their index, load and event
+        follower) and start following new ones."""
+        for r in [r for r in self.replicas if r not in replicas]:
+            del self.replicas[r], self.loads[r], self._cursors[r]
+            self.index.remove_replica(r)
+            self.down.discard(r)
+            task = self._followers.pop(r, None)
+            if task is not None:
+                task.cancel()
+        for r, handle in replicas.items():
+            if r in self.replicas:
+                continue
+            self.replicas[r] = handle
+            self.loads[r] = ReplicaLoad()
+            self._cursors[r] = 0
             self.index.add_replica(r)
+            if self._stats_task is not None:
+                self._followers[r] = asyncio.get_running_loop().create_task(self._follow_events(r))
+
+    @property
+    def available(self) -> list[str]:
+        return [r for r in self.replicas if r not in self.down]
+
+    def mark_down(self, replica_id: str, error: BaseException) -> None:
+        if replica_id in self.down or replica_id not in self.replicas:
+            return
+        logger.warning("%s replica %s failed a call (%s): not routing to it", self.pool, replica_id,
+                       type(error).__name__)
+        self.down.add(replica_id)
+        self.metrics.errors.inc(code=f"replica_down_{self.pool}")
+        if self.on_replica_failure is not None:
+            self.on_replica_failure(replica_id)
 
     # --- background view of the replicas -----------------------------------------------------------
     def start(self) -> None:
         """Start the background view: one long-poll loop per replica for KV events, one for stats."""
-        if self._pollers:
+        if self._stats_task is not None:
             return
         loop = asyncio.get_running_loop()
-        self._pollers = [loop.create_task(self._follow_events(r)) for r in self.replicas]
-        self._pollers.append(loop.create_task(self._poll_stats()))
+        self._stats_task = loop.create_task(self._poll_stats())
+        self._followers = {r: loop.create_task(self._follow_events(r)) for r in self.replicas}
 
     async def _follow_events(self, replica_id: str) -> None:
         handle = self.replicas[replica_id]
@@ -73,7 +118,10 @@ class RequestRouter:
                 cursor, events = await handle.kv_events_since.remote(self._cursors[replica_id], 1.0)
                 self._cursors[replica_id] = cursor
                 self.index.apply(replica_id, events)
-            except Exception:  # noqa: BLE001 - a dead replica must not stop routing to the others
+            except RayActorError as e:    # gone: membership will drop it
+                self.mark_down(replica_id, e)
+                await asyncio.sleep(1.0)
+            except Exception:  # noqa: BLE001 - a failing replica must not stop routing to the others
                 logger.exception("following KV events of %s failed", replica_id)
                 await asyncio.sleep(1.0)
 
@@ -102,7 +150,9 @@ class RequestRouter:
         results = await asyncio.gather(*[self.replicas[r].stats.remote() for r in ids], return_exceptions=True)
         out = {}
         for r, res in zip(ids, results):
-            if isinstance(res, BaseException):
+            if isinstance(res, RayActorError) and not isinstance(res, ActorUnavailableError):
+                self.mark_down(r, res)
+            if isinstance(res, BaseException) or r not in self.replicas:
                 continue
             out[r] = res
             self.loads[r].kv_usage = float(res.get("kv_cache_usage_perc", 0.0))
@@ -111,11 +161,15 @@ class RequestRouter:
 
     # --- one request -------------------------------------------------------------------------------
     def route(self, prompt_token_ids: list[int], params: SamplingParams) -> Decision:
-        if not self.replicas:
-            raise NoReplicaError("no engine replica is available")
+        candidates = self.available
+        if not candidates:
+            raise NoReplicaError(f"no {self.pool} engine replica is available"
+                                 + (f" ({len(self.down)} failed, being replaced)" if self.down else ""))
         hashes = hash_block_tokens(prompt_token_ids, self.block_size, tuple(params.extra_keys))
-        cached = {r: self.index.num_blocks(r) for r in self.replicas}
-        decision = self.policy.choose(self.index.match(hashes), len(hashes), self.loads, cached)
+        cached = {r: self.index.num_blocks(r) for r in candidates}
+        matched = self.index.match(hashes)
+        decision = self.policy.choose({r: matched.get(r, 0) for r in candidates}, len(hashes), self.loads,
+                                      cached)
         self.metrics.decisions.inc(reason=decision.reason, pool=self.pool)
         return decision
 
@@ -124,10 +178,30 @@ class RequestRouter:
                        ) -> AsyncIterator[Any]:
         """Stream the chosen replica's StepDeltas (routing first unless `decision` is given). If the
         consumer stops early (client disconnect), the request is aborted on the replica, which
-        frees its blocks."""
+        frees its blocks. If the replica dies before it streamed anything, the request goes to
+        another one; after that, it fails with ReplicaDiedError."""
         decision = decision or self.route(prompt_token_ids, params)
-        replica = self.replicas[decision.replica_id]
-        self.loads[decision.replica_id].in_flight += 1
+        while True:
+            streamed = False
+            try:
+                async for delta in self._stream(decision.replica_id, request_id, prompt_token_ids, params,
+                                                kv_transfer_params):
+                    streamed = True
+                    yield delta
+                return
+            except RayActorError as e:
+                self.mark_down(decision.replica_id, e)
+                if streamed:
+                    raise ReplicaDiedError(
+                        f"{self.pool} engine replica {decision.replica_id} died while running request "
+                        f"{request_id}; retry the request") from None
+                decision = self.route(prompt_token_ids, params)      # NoReplicaError when none is left
+
+    async def _stream(self, replica_id: str, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams, kv_transfer_params: dict | None) -> AsyncIterator[Any]:
+        replica = self.replicas[replica_id]
+        load = self.loads[replica_id]
+        load.in_flight += 1
         start = time.monotonic()
         last = None
         finished = False
@@ -149,14 +223,15 @@ class RequestRouter:
             if finished:
                 self.metrics.e2e.observe(time.monotonic() - start, pool=self.pool)
         finally:
-            self.loads[decision.replica_id].in_flight -= 1
+            load.in_flight -= 1
             if not finished:
                 replica.abort.remote(request_id)
 
     def stop(self) -> None:
-        for task in self._pollers:
-            task.cancel()
-        self._pollers = []
+        for task in [*self._followers.values(), self._stats_task]:
+            if task is not None:
+                task.cancel()
+        self._followers, self._stats_task = {}, None
 
 
 class PDRouter:
@@ -209,13 +284,17 @@ class PDRouter:
     async def _prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
                        ) -> dict | None:
         """Run the prompt on a prefill replica; its transfer parameters, or None when it leased
-        nothing (its first token ended the request, or its lease table was full): then D computes
-        the prompt itself."""
+        nothing (its first token ended the request, or its lease table was full) or no prefill
+        replica could run it: then D computes the prompt itself."""
         p_params = dataclasses.replace(params, max_tokens=1, min_tokens=0, n=1, logprobs=None)
         last = None
-        async for delta in self.prefill.generate(request_id, prompt_token_ids, p_params,
-                                                 kv_transfer_params={"do_remote_decode": True}):
-            last = delta
+        try:
+            async for delta in self.prefill.generate(request_id, prompt_token_ids, p_params,
+                                                     kv_transfer_params={"do_remote_decode": True}):
+                last = delta
+        except NoReplicaError:          # every prefill replica failed it or is being replaced
+            self.metrics.decisions.inc(reason="prefill_unavailable", pool="pd")
+            return None
         if last is None or last.kv_transfer_params is None:
             self.metrics.decisions.inc(reason="prefill_not_leased", pool="pd")
             return None

@@ -11,7 +11,7 @@ from engine.hashing import hash_block_tokens
 from engine.outputs import AllCleared, BlockRemoved, BlockStored
 from engine.sampling_params import SamplingParams
 from router.metrics import ServingMetrics
-from router.policy import PolicyConfig, ReplicaLoad, RoutingPolicy
+from router.policy import Decision, PolicyConfig, ReplicaLoad, RoutingPolicy
 from router.prefix_index import PrefixIndex
 
 
@@ -98,6 +98,46 @@ def test_prefix_aware_routing_beats_round_robin(tiny_llama):
     for h in replicas.values():
         ray.kill(h)
 
+
+@pytest.mark.ray
+def test_router_moves_off_a_dead_replica_and_follows_membership(tiny_llama):
+    ray = pytest.importorskip("ray", reason="needs ray (make setup installs it)")
+    from cluster.launch import init_ray
+    from cluster.replica import EngineReplica
+    from engine.config import EngineConfig
+    from router.pd import NoReplicaError, RequestRouter
+
+    init_ray(num_cpus=8)
+    config = EngineConfig.create(tiny_llama, dtype="float32", max_model_len=256)
+    actor = ray.remote(EngineReplica)
+    dead = actor.options(num_cpus=0.1).remote(config, "a", 1)
+    ray.kill(dead, no_restart=True)
+    live = actor.options(num_cpus=1).remote(config, "b", 1)
+    ray.get(live.info.remote())
+    reported: list[str] = []
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def run() -> None:
+        router = RequestRouter("decode", {"a": dead, "b": live}, 16,
+                               RoutingPolicy(PolicyConfig("round_robin")), ServingMetrics(),
+                               on_replica_failure=reported.append)
+        # Sent to "a", the request fails there before any output and goes to "b".
+        deltas = [d async for d in router.generate("r0", [5, 6, 7], params, Decision("a", "round_robin"))]
+        assert sum(len(c.token_ids) for d in deltas for c in d.choices) == 3
+        assert reported == ["a"] and router.available == ["b"]
+        assert {router.route([5, 6, 7], params).replica_id for _ in range(4)} == {"b"}   # not a candidate
+        router.start()
+        router.set_replicas({"b": live})                              # the manager dropped "a"
+        assert set(router.replicas) == set(router.loads) == {"b"} and not router.down
+        assert set(router._followers) == {"b"} and "a" not in router.index.replica_ids
+        router.set_replicas({})
+        with pytest.raises(NoReplicaError, match="no decode engine replica is available"):
+            router.route([5, 6, 7], params)
+        router.stop()
+
+    asyncio.run(run())
+    assert ray.get(live.check_no_leaks.remote())
+    ray.kill(live)
 
 def test_cluster_spec_validates_and_loads_yaml(tmp_path):
     from pydantic import ValidationError

@@ -1,0 +1,258 @@
+"""Pools that heal, and a launcher that fails fast and shuts down cleanly.
+
+- Placement: a spec that the Ray cluster can never hold is refused with a message naming the pool
+  and the resource (unit), and `python -m cluster.launch` exits with it instead of hanging on a
+  pending actor; a spec with an unknown field exits before Ray starts.
+- Replacement: on a real Serve app (127.0.0.1) with two decode replicas, killing one replica's actor
+  leaves the service answering (requests routed to the dead replica go to the other one), the pool
+  starts a replacement that joins the routing, and a request that was streaming from a replica
+  when it died ends with a clear 503 error.
+- `pdserve serve` (no config: 1 prefill + 1 decode replica over NIXL) answers a completion and, on
+  SIGINT to its process group (Ctrl-C), exits 0 leaving no Ray process behind.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from cluster.config import ClusterConfig
+from cluster.placement import placement_problems, replica_bundles
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env["PATH"] = f"{os.path.dirname(sys.executable)}:{env.get('PATH', '')}"
+    return env
+
+
+# --- placement (unit) ------------------------------------------------------------------------------
+def test_placement_problems_name_the_pool_and_resource():
+    gpu_pool = ClusterConfig(pools={"decode": {"replicas": 2, "num_gpus": 1}})
+    cpu_node = {"CPU": 16.0, "memory": 1e10}
+    problems = placement_problems(gpu_pool, [cpu_node])
+    assert any("pools.decode" in p and "GPU: 1" in p for p in problems), problems
+    assert any("need 2 GPU in all; the cluster has 0" in p for p in problems), problems
+    assert placement_problems(gpu_pool, [{"CPU": 4.0, "GPU": 1.0}, {"CPU": 4.0, "GPU": 1.0}]) == []
+    # Each replica fits a node, but three do not fit two GPUs.
+    three = ClusterConfig(pools={"decode": {"replicas": 3, "num_gpus": 1}})
+    assert placement_problems(three, [{"CPU": 4.0, "GPU": 2.0}]) == [
+        "the pools need 3 GPU in all; the cluster has 2"]
+
+
+def test_placement_of_multi_rank_pools_and_custom_resources():
+    # TP=4 ranks of 1 GPU must share a node: 4 GPUs in all, but never 4 on one node.
+    tp4 = ClusterConfig(pools={"decode": {"tensor_parallel_size": 4, "num_gpus": 1, "num_cpus": 2}})
+    assert replica_bundles(tp4.pools["decode"]) == [{"CPU": 0.1}, {"CPU": 8.0, "GPU": 4.0}]
+    two_nodes = [{"CPU": 16.0, "GPU": 2.0}, {"CPU": 16.0, "GPU": 2.0}]
+    assert any("no node can hold" in p and "GPU: 4" in p for p in placement_problems(tp4, two_nodes))
+    # PP=2 stages of TP=2 may use one node each.
+    pp2 = ClusterConfig(pools={"decode": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+                                          "num_gpus": 1}})
+    assert placement_problems(pp2, two_nodes) == []
+    # A pool pinned by a custom resource that no node offers.
+    pinned = ClusterConfig(mode="disaggregated", pools={
+        "prefill": {"resources": {"pdserve_prefill": 1}}, "decode": {"resources": {"pdserve_decode": 1}}})
+    problems = placement_problems(pinned, [{"CPU": 8.0, "pdserve_decode": 100.0}])
+    assert any(p.startswith("pools.prefill") and "pdserve_prefill" in p for p in problems), problems
+    assert not any(p.startswith("pools.decode") for p in problems), problems
+
+
+def test_unknown_field_fails_before_ray_starts(tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("pools:\n  decode: {replicas: 1, gpus: 1}\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "cluster.launch", "--config", str(spec)], env=_env(),
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "pools.decode.gpus" in done.stderr and "Extra inputs are not permitted" in done.stderr
+    assert "Traceback" not in done.stderr and "Started a local Ray" not in done.stderr + done.stdout
+    assert time.monotonic() - start < 60
+
+
+def _descendants(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _wait_gone(procs: list, timeout: float) -> list[str]:
+    """The processes among `procs` still alive after `timeout` s, as 'pid name' strings."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [f"{p.pid} {p.name()}" for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.ray
+def test_impossible_placement_fails_fast(tmp_path, tiny_llama):
+    spec = tmp_path / "gpu.yaml"
+    spec.write_text(f"model: {tiny_llama}\npools:\n  decode: {{replicas: 1, num_gpus: 1}}\n")
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.launch", "--config", str(spec), "--num-cpus", "2",
+                             "--port", str(_free_port())], env=_env(), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, err[-3000:]
+    assert "pdserve: error: the Ray cluster cannot hold the pools" in err
+    assert "pools.decode: no node can hold {CPU: 1, GPU: 1}" in err and "the cluster has 0" in err
+    assert time.monotonic() - start < 150
+
+
+# --- replacement on a live Serve app ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def heal(tiny_llama):
+    ray = pytest.importorskip("ray", reason="needs ray[serve] (make setup installs it)")
+    from ray import serve
+
+    from cluster.launch import init_ray
+    from cluster.manager import MANAGER_NAME
+    from router.app import build_app
+
+    init_ray(num_cpus=8)
+    port = _free_port()
+    config = ClusterConfig(model=tiny_llama, engine={"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 8},
+                           pools={"decode": {"replicas": 2, "num_cpus": 1}}, serving={"port": port},
+                           name="pdserve-heal")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(config), name=config.name, route_prefix="/heal")
+    base = f"http://127.0.0.1:{port}/heal"
+    manager = ray.get_actor(MANAGER_NAME, namespace=config.name)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    yield {"base": base, "manager": manager, "client": client, "model": client.models.list().data[0].id}
+    replicas = ray.get(manager.replicas.remote("decode"))
+    deadline = time.monotonic() + 30
+    while not all(ray.get([h.check_no_leaks.remote() for h in replicas.values()])):
+        assert time.monotonic() < deadline, "a replica kept requests or blocks after the tests"
+        time.sleep(0.2)
+    serve.delete(config.name)
+    ray.get(manager.shutdown.remote())
+    ray.kill(manager)
+
+
+def _wait_for_membership(manager, gone: str, size: int, timeout: float = 120.0) -> dict:
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        _, pools = ray.get(manager.membership.remote())
+        if gone not in pools["decode"] and len(pools["decode"]) == size:
+            return pools["decode"]
+        assert time.monotonic() < deadline, f"the pool was not healed: {ray.get(manager.pool_status.remote())}"
+        time.sleep(0.5)
+
+
+@pytest.mark.ray
+def test_killed_replica_is_replaced_while_the_service_keeps_answering(heal):
+    import ray
+
+    manager, client = heal["manager"], heal["client"]
+    _, pools = ray.get(manager.membership.remote())
+    before = pools["decode"]
+    victim = sorted(before)[0]
+    ray.kill(before[victim], no_restart=True)
+    # Requests keep succeeding: one routed to the dead replica fails there before any output and
+    # is sent to the live one.
+    for i in range(6):
+        out = client.completions.create(model=heal["model"], prompt=f"request {i}: tell me about", max_tokens=4,
+                                        temperature=0.0, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 4
+    now = _wait_for_membership(manager, victim, 2)
+    replacement = (set(now) - set(before)).pop()
+    status = ray.get(manager.pool_status.remote())["decode"]
+    assert status["replaced"] == 1 and victim not in status["replicas"], status
+
+    deadline = time.monotonic() + 30
+    while True:          # the ingress follows the membership: the replacement is routed to
+        health = httpx.get(f"{heal['base']}/health", timeout=10)
+        if health.status_code == 200 and set(health.json()["pools"]["decode"]) == set(now):
+            break
+        assert time.monotonic() < deadline, health.text
+        time.sleep(0.5)
+    assert all(health.json()["pools"]["decode"].values())
+    for i in range(4):       # distinct prompts, no cache hit: ties go to the replica caching least
+        client.completions.create(model=heal["model"], prompt=f"another {i} prompt entirely", max_tokens=2,
+                                  temperature=0.0)
+    assert ray.get(now[replacement].stats.remote())["prompt_tokens"] > 0
+
+
+@pytest.mark.ray
+def test_request_streaming_from_a_dying_replica_fails_clearly(heal):
+    import ray
+
+    manager, client = heal["manager"], heal["client"]
+    stream = client.completions.create(model=heal["model"], prompt="Count slowly:", max_tokens=1800,
+                                       temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    _, pools = ray.get(manager.membership.remote())
+    running = [r for r, h in pools["decode"].items() if ray.get(h.stats.remote())["num_requests_running"]]
+    assert len(running) == 1, running
+    ray.kill(pools["decode"][running[0]], no_restart=True)
+    with pytest.raises(openai.APIError, match=f"replica {running[0]} died while running request"):
+        for _ in chunks:
+            pass
+    _wait_for_membership(manager, running[0], 2)
+    out = client.completions.create(model=heal["model"], prompt="still there?", max_tokens=3, temperature=0.0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+
+
+# --- pdserve serve and Ctrl-C ----------------------------------------------------------------------
+@pytest.mark.ray
+def test_pdserve_serve_answers_and_sigint_leaves_no_ray_process(tiny_llama):
+    port = _free_port()
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "pdserve"), "serve", "--model", tiny_llama,
+                             "--port", str(port), "--num-cpus", "4"], env=_env(), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "pdserve serve never became healthy"
+            time.sleep(1)
+        health = httpx.get(f"{base}/health").json()
+        assert set(health["pools"]) == {"prefill", "decode"}, health
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+        out = client.completions.create(model=client.models.list().data[0].id, prompt="Hello", max_tokens=5,
+                                        temperature=0.0, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 5
+        ray_procs = _descendants(proc.pid)
+        names = {p.name() for p in ray_procs}
+        assert {"gcs_server", "raylet"} <= names, names
+        os.killpg(proc.pid, signal.SIGINT)          # what Ctrl-C in a terminal sends
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, output[-3000:]
+        assert "pdserve: shutting down" in output
+        assert _wait_gone(ray_procs, 30) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
