@@ -256,3 +256,24 @@ def test_pdserve_serve_answers_and_sigint_leaves_no_ray_process(tiny_llama):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_api_key_from_environment_fails_closed(tiny_llama, monkeypatch):
+    from starlette.requests import Request
+
+    from router.app import HTTPError, OpenAIServer
+
+    config = ClusterConfig(model=tiny_llama, serving={"api_key_env": "PDSERVE_TEST_KEY"})
+    monkeypatch.delenv("PDSERVE_TEST_KEY", raising=False)
+    with pytest.raises(ValueError, match="serving.api_key_env names 'PDSERVE_TEST_KEY', which is not set"):
+        OpenAIServer(config, {})
+    monkeypatch.setenv("PDSERVE_TEST_KEY", "s3cret")
+    server = OpenAIServer(config, {})
+
+    def request(auth: str) -> Request:
+        return Request({"type": "http", "headers": [(b"authorization", auth.encode())]})
+
+    server.check_auth(request("Bearer s3cret"))
+    with pytest.raises(HTTPError, match="invalid or missing API key") as e:
+        server.check_auth(request("Bearer wrong"))
+    assert e.value.status == 401
