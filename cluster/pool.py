@@ -171,10 +171,11 @@ def engine_config_for(config: ClusterConfig, pool: str = "decode") -> EngineConf
     a transfer)."""
     spec = config.pools[pool]
     kv_args = config.disaggregation.engine_args() if config.mode == "disaggregated" else {}
-    parallel = {}
+    # With one rank the replica actor is the rank (it holds the pool's CPUs/GPUs and runs on CUDA
+    # when it has a GPU); with more, the engine places worker actors with these per rank.
+    parallel = {"worker_num_cpus": spec.num_cpus, "worker_num_gpus": spec.num_gpus}
     if spec.world_size > 1:
-        parallel = {"tensor_parallel_size": spec.tensor_parallel_size,
-                    "pipeline_parallel_size": spec.pipeline_parallel_size,
-                    "worker_num_cpus": spec.num_cpus, "worker_num_gpus": spec.num_gpus,
-                    "worker_resources": dict(spec.resources)}
+        parallel.update(tensor_parallel_size=spec.tensor_parallel_size,
+                        pipeline_parallel_size=spec.pipeline_parallel_size,
+                        worker_resources=dict(spec.resources))
     return EngineConfig.create(config.model, **config.engine, **kv_args, **parallel)

@@ -114,7 +114,8 @@ class KVTransferConfig:
     then wait under a lease) and decode a remotely prefilled request (it pulls the blocks)."""
     kv_connector: str                        # one of KV_CONNECTORS
     engine_id: str                           # unique per engine; names its NIXL agent / store peer
-    kv_host: str = "127.0.0.1"               # address other engines reach this one at
+    kv_host: str = "auto"                    # address other engines reach this one at ("auto": this
+                                             # Ray node's IP, or 127.0.0.1 outside Ray)
     lease_s: float = 30.0                    # how long a prefill keeps its blocks for the decode side
     load_timeout_s: float = 10.0             # a pull not done by then fails (then: failure policy)
     load_failure_policy: str = "recompute"   # "recompute": prefill locally; "fail": finish with error
@@ -155,7 +156,7 @@ class EngineConfig:
         pipeline_parallel_size: int = 1,
         kv_connector: str | None = None,
         kv_engine_id: str | None = None,
-        kv_host: str = "127.0.0.1",
+        kv_host: str = "auto",
         kv_lease_s: float = 30.0,
         kv_load_timeout_s: float = 10.0,
         kv_load_failure_policy: str = "recompute",

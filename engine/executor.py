@@ -24,8 +24,9 @@ def make_executor(config: EngineConfig) -> InProcessExecutor | RayExecutor:
 
 class InProcessExecutor:
     def __init__(self, config: EngineConfig) -> None:
-        assert config.parallel_config.world_size == 1, "more than one rank needs the RayExecutor"
-        self.worker = Worker(config)
+        pc = config.parallel_config
+        assert pc.world_size == 1, "more than one rank needs the RayExecutor"
+        self.worker = Worker(config, "cuda" if pc.worker_num_gpus else "cpu")
         self.worker.load_model()
         self.num_blocks, self.num_cpu_blocks = self.worker.determine_num_blocks()
         self.worker.init_cache(self.num_blocks, self.num_cpu_blocks)

@@ -49,6 +49,21 @@ class KVLayoutMismatch(ValueError):
     """The two engines' KV layouts differ: their blocks cannot be exchanged."""
 
 
+def advertised_host(host: str) -> str:
+    """The address other engines reach this one at: `host`, or for "auto" this Ray node's IP (a
+    decode replica on another node must not be told 127.0.0.1), or 127.0.0.1 outside Ray."""
+    if host != "auto":
+        return host
+    try:
+        import ray  # noqa: PLC0415
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
 class KVTransferError(RuntimeError):
     """A request's KV could not be pulled and its failure policy is "fail"."""
 

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from engine.config import KVTransferConfig
-from kv_transfer.base import KVConnectorWorker, KVLayout, LoadSpec, RemotePrefill, TransferReport
+from kv_transfer.base import (KVConnectorWorker, KVLayout, LoadSpec, RemotePrefill, TransferReport,
+                              advertised_host)
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,8 @@ class TorchDistConnectorWorker(KVConnectorWorker):
     def __init__(self, config: KVTransferConfig, layout: KVLayout) -> None:
         super().__init__(config, layout)
         self.timeout = timedelta(seconds=config.load_timeout_s)
-        self.store = dist.TCPStore(config.kv_host, 0, is_master=True, wait_for_workers=False,
+        self.host = advertised_host(config.kv_host)
+        self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
                                    timeout=self.timeout)
         self.peers: dict[str, _Pair] = {}                    # P side: decode peers by pair key
         self.sources: dict[str, _Pair] = {}                  # D side: prefill engines by engine id
@@ -88,7 +90,7 @@ class TorchDistConnectorWorker(KVConnectorWorker):
         self.released_lock = threading.Lock()
 
     def address(self) -> dict[str, Any]:
-        return {"host": self.config.kv_host, "port": self.store.port}
+        return {"host": self.host, "port": self.store.port}
 
     def _layer_view(self, raw: torch.Tensor, num_blocks: int) -> torch.Tensor:
         """A staging byte buffer seen as one layer's blocks: [2, n, block_size, kvh, d]."""
