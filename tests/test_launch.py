@@ -47,10 +47,16 @@ def test_ray_job_submit_serves_the_example_spec():
                     "--dashboard-port", str(dashboard), "--disable-usage-stats"],
                    env=env, check=True, capture_output=True, timeout=180)
     try:
-        submitted = subprocess.run(
-            [ray_cli, "job", "submit", "--address", address, "--no-wait", "--working-dir", REPO, "--",
-             "python", "-m", "cluster.launch", "--config", "deploy/examples/cpu-small.yaml", "--port", str(http)],
-            env=env, capture_output=True, text=True, timeout=180, cwd=REPO)
+        deadline = time.monotonic() + 120
+        while True:     # the job agent registers a little after `ray start` returns
+            submitted = subprocess.run(
+                [ray_cli, "job", "submit", "--address", address, "--no-wait", "--working-dir", REPO, "--",
+                 "python", "-m", "cluster.launch", "--config", "deploy/examples/cpu-small.yaml", "--port",
+                 str(http)], env=env, capture_output=True, text=True, timeout=180, cwd=REPO)
+            if submitted.returncode == 0 or "No available agent" not in submitted.stderr \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(2)
         assert submitted.returncode == 0, submitted.stdout + submitted.stderr
         job_id = re.search(r"raysubmit_\w+", submitted.stdout + submitted.stderr).group(0)
 

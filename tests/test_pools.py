@@ -147,7 +147,7 @@ def heal(tiny_llama):
     while not all(ray.get([h.check_no_leaks.remote() for h in replicas.values()])):
         assert time.monotonic() < deadline, "a replica kept requests or blocks after the tests"
         time.sleep(0.2)
-    serve.delete(config.name)
+    serve.shutdown()            # also its HTTP proxy, which holds this module's port
     ray.get(manager.shutdown.remote())
     ray.kill(manager)
 
