@@ -3,7 +3,8 @@
 1. Per-step overhead of the Ray executor: the same engine (one rank) driven in-process and through
    one Ray worker actor (`distributed_executor_backend="ray"`), timing decode steps of a batch on a
    tiny random model (where the model's own time is small, so the difference is the executor's:
-   putting the SchedulerOutput in the object store, the actor call, the result).
+   pickling the SchedulerOutput, the round trip over the worker's StepChannel connection, the
+   result).
 2. Pipeline bubble: output tokens/s of the embedded model with pipeline_parallel_size=2 against 1,
    same workload. Each step runs stage 0 then stage 1 (no micro-batches in flight yet), so PP=2 on
    one machine is expected to be slower: this measures by how much.

@@ -7,6 +7,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.step_channel import ChannelClosed, StepChannel
 from engine.worker import Worker
 
 
@@ -42,9 +43,11 @@ class InProcessExecutor:
 
 class RayExecutor:
     """One `Worker` actor per rank in a placement group (cluster/placement.py: a stage's TP ranks on
-    one node, stages spread over nodes). Each step's SchedulerOutput is serialized once and the same
-    bytes go to every worker in one call each; the driver rank (TP 0 of the last stage) returns the
-    sampled tokens. A dead worker fails the step with EngineDeadError as soon as Ray reports it."""
+    one node, stages spread over nodes). Setup goes through Ray calls; then every worker runs
+    `serve_steps`, connected to this executor's StepChannel, and each step's SchedulerOutput is
+    serialized once and the same bytes written to every worker's connection; the driver rank (TP 0
+    of the last stage) answers with the sampled tokens. A dead worker fails the step with
+    EngineDeadError as soon as its connection closes or Ray reports it."""
 
     def __init__(self, config: EngineConfig) -> None:
         import ray  # noqa: PLC0415
@@ -64,7 +67,7 @@ class RayExecutor:
         actor = ray.remote(Worker)
         self.workers = [
             actor.options(num_cpus=pc.worker_num_cpus, num_gpus=pc.worker_num_gpus,
-                          resources=dict(pc.worker_resources),
+                          resources=dict(pc.worker_resources), max_concurrency=2,
                           scheduling_strategy=PlacementGroupSchedulingStrategy(
                               self.placement_group, placement_group_bundle_index=rank // tp),
                           ).remote(config, device, rank, threads)
@@ -79,9 +82,30 @@ class RayExecutor:
             self.num_blocks = min(n for n, _ in sizes)
             self.num_cpu_blocks = min(c for _, c in sizes)
             self._run("init_cache", self.num_blocks, self.num_cpu_blocks)
+            self.channel = StepChannel(ray.util.get_node_ip_address())
+            self._loops = [w.serve_steps.remote(*self.channel.address) for w in self.workers]
+            self.channel.accept(len(self.workers), 120.0, self._dead_worker)
+        except ChannelClosed as e:
+            self.shutdown()
+            raise EngineDeadError(f"a worker of this engine failed to connect: {e}") from e
         except BaseException:
             self.shutdown()
             raise
+
+    def _dead_worker(self) -> str | None:
+        """Why the engine cannot go on, if a worker's step loop has ended (its actor died, or the loop
+        raised); None while they all run."""
+        import ray  # noqa: PLC0415
+
+        done, _ = ray.wait(self._loops, num_returns=len(self._loops), timeout=0)
+        for ref in done:
+            rank = self._loops.index(ref)
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - reported as the reason
+                return f"worker rank {rank} died: {e}"
+            return f"worker rank {rank} stopped serving steps"
+        return None
 
     def _run(self, method: str, *args: Any) -> list[Any]:
         """Call `method` on every worker at once; results in rank order."""
@@ -105,10 +129,16 @@ class RayExecutor:
             raise EngineDeadError(f"a worker of this engine died: {e}") from e
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        # Serialized once and passed inline to every worker: cheaper here than ray.put (an object
-        # store round trip, ~2 ms on the CI machine) for the few kilobytes a step takes.
-        payload = pickle.dumps(sched, protocol=pickle.HIGHEST_PROTOCOL)
-        return self._wait([w.execute_serialized.remote(payload) for w in self.workers])[self.driver]
+        try:
+            self.channel.broadcast(pickle.dumps(sched, protocol=pickle.HIGHEST_PROTOCOL))
+            replies = self.channel.gather(self._dead_worker)
+        except ChannelClosed as e:
+            raise EngineDeadError(f"a worker of this engine died: {e}") from e
+        results = [pickle.loads(reply) for reply in replies]
+        for rank, (ok, value) in enumerate(results):
+            if not ok:       # the ranks may now be out of step with each other: the engine stops
+                raise EngineDeadError(f"worker rank {rank} failed a step:\n{value}")
+        return results[self.driver][1]
 
     def placements(self) -> list[dict[str, Any]]:
         return self._run("placement")
@@ -116,6 +146,10 @@ class RayExecutor:
     def shutdown(self) -> None:
         import ray  # noqa: PLC0415
         from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
+
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()           # the workers' step loops end
+            self.channel = None
 
         for worker in getattr(self, "workers", []):
             ray.kill(worker)

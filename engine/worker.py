@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import traceback
 from typing import Any
 
 import torch
 
+from engine import step_channel
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.models.registry import get_model_class
@@ -32,6 +34,7 @@ class Worker:
             # A 1-CPU Ray actor runs torch single-threaded unless told otherwise.
             torch.set_num_threads(num_threads)
         self.config = config
+        self.num_threads = num_threads
         self.device = torch.device(device)
         self.rank = rank
         self.runner: ModelRunner | None = None
@@ -127,6 +130,27 @@ class Worker:
         assert self.runner is not None
         self.runner.keep_generators = True
         return self.execute_model(pickle.loads(payload))
+
+    def serve_steps(self, host: str, port: int) -> None:
+        """Run steps from the engine's StepChannel until it closes (the Ray executor's step loop,
+        engine/step_channel.py): each frame is a pickled SchedulerOutput, each reply `(True, output)`
+        (output None off the driver rank) or `(False, traceback)`."""
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)     # this runs on one of the actor's threads
+        sock = step_channel.connect(host, port, self.rank)
+        try:
+            while True:
+                try:
+                    payload = step_channel.recv_frame(sock)
+                except step_channel.ChannelClosed:
+                    return
+                try:
+                    reply = (True, self.execute_serialized(payload))
+                except Exception:  # noqa: BLE001 - reported to the engine, which stops
+                    reply = (False, traceback.format_exc())
+                step_channel.send_frame(sock, pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        finally:
+            sock.close()
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step; the output on the driver rank (TP 0 of the last stage), None elsewhere."""
