@@ -7,11 +7,13 @@
   leaves the service answering (requests routed to the dead replica go to the other one), the pool
   starts a replacement that joins the routing, and a request that was streaming from a replica
   when it died ends with a clear 503 error.
-- `pdserve serve` (no config: 1 prefill + 1 decode replica over NIXL) answers a completion and, on
-  SIGINT to its process group (Ctrl-C), exits 0 leaving no Ray process behind.
+- `pdserve serve` (no config: 1 prefill + 1 decode replica over NIXL) answers a completion and the
+  serving benchmarks (benchmarks/serve.py, benchmarks/compare.py) and, on SIGINT to its process
+  group (Ctrl-C), exits 0 leaving no Ray process behind.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -222,7 +224,7 @@ def test_request_streaming_from_a_dying_replica_fails_clearly(heal):
 
 # --- pdserve serve and Ctrl-C ----------------------------------------------------------------------
 @pytest.mark.ray
-def test_pdserve_serve_answers_and_sigint_leaves_no_ray_process(tiny_llama):
+def test_pdserve_serve_answers_and_sigint_leaves_no_ray_process(tiny_llama, tmp_path):
     port = _free_port()
     proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "pdserve"), "serve", "--model", tiny_llama,
                              "--port", str(port), "--num-cpus", "4"], env=_env(), cwd=REPO,
@@ -245,6 +247,23 @@ def test_pdserve_serve_answers_and_sigint_leaves_no_ray_process(tiny_llama):
         out = client.completions.create(model=client.models.list().data[0].id, prompt="Hello", max_tokens=5,
                                         temperature=0.0, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 5
+        # The serving benchmark against it: token-id prompts, then a multi-turn text workload.
+        bench = subprocess.run(
+            [sys.executable, "benchmarks/serve.py", "--base-url", base, "--num-prompts", "6", "--warmup", "1",
+             "--input-len", "20:300", "--output-len", "6", "--concurrency", "3", "--quiet",
+             "--result", str(tmp_path / "bench.json")], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert bench.returncode == 0, bench.stderr[-3000:]
+        summary = json.loads((tmp_path / "bench.json").read_text())["summary"]
+        assert summary["completed"] == 6 and summary["output_tokens"] == 36 and summary["ttft_ms"]["p99"] > 0
+        assert summary["itl_ms"]["median"] > 0 and summary["request_throughput"] > 0
+        compared = subprocess.run(
+            [sys.executable, "benchmarks/compare.py", "--a", base, "--b", base, "--dataset", "multiturn",
+             "--num-prompts", "2", "--turns", "2", "--warmup", "0", "--input-len", "5:10", "--output-len", "4",
+             "--request-rate", "4", "--quiet", "--result", str(tmp_path / "cmp.json")],
+            cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert compared.returncode == 0, compared.stderr[-3000:]
+        rounds = json.loads((tmp_path / "cmp.json").read_text())["rounds"][0]
+        assert [r["completed"] for r in rounds.values()] == [4, 4] and "request_throughput" in compared.stdout
         ray_procs = _descendants(proc.pid)
         names = {p.name() for p in ray_procs}
         assert {"gcs_server", "raylet"} <= names, names

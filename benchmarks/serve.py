@@ -1,0 +1,363 @@
+"""Serving benchmark against any OpenAI-compatible endpoint (pdserve, vLLM, ...).
+
+Sends a workload to `POST {base_url}/v1/completions` with `stream: true` and measures, per request,
+the time to first token (TTFT), the time per output token after the first (TPOT), the gaps between
+streamed chunks (ITL) and the end-to-end latency (E2E); then their mean, median, p90 and p99, request
+and token throughput, and goodput (requests per second that met every SLO given).
+
+Datasets (`--dataset`), all generated from `--seed`, so two servers see the same requests:
+- `random`: token-id prompts of `--input-len` (a range "lo:hi" or one number) and outputs of
+  `--output-len`, exact lengths with `ignore_eos`.
+- `sharegpt`: ShareGPT-like log-normal input and output lengths (medians `--input-len`/`--output-len`
+  as single numbers, clipped to the model's length).
+- `prefix`: `--num-prefixes` shared prefixes of `--prefix-len` tokens × suffixes of `--input-len`.
+- `multiturn`: `--num-prompts` conversations of `--turns` turns; each turn resends the whole history
+  (the previous prompts and the generated text) plus a new user message, as text.
+
+Load: `--request-rate R` (Poisson arrivals; `--burstiness` < 1 burstier, > 1 more regular: gamma-
+distributed gaps as in vLLM's benchmark) or `--concurrency C` (C requests in flight at all times);
+the first `--warmup` requests run before timing and are excluded.
+
+    .venv/bin/python benchmarks/serve.py --base-url http://127.0.0.1:8000 --dataset random \\
+        --input-len 128:512 --output-len 64 --num-prompts 64 --request-rate 2 --result out.json
+
+`--plot out.png` draws the latency CDFs (needs matplotlib). `benchmarks/compare.py` runs the same
+workload against two endpoints and prints the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+WORDS = ("river stone light cloud paper engine garden window signal market harbor lantern "
+         "forest copper season valley number letter bridge island summer winter mountain").split()
+
+
+@dataclass
+class BenchRequest:
+    prompt: list[int] | str
+    output_len: int
+    conversation: int | None = None       # multiturn: turns of one conversation run in order
+    turn: int = 0
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_len: int = 0                    # tokens, as the server counted them (usage)
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    text: str = ""
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+# --- datasets ------------------------------------------------------------------------------------
+def parse_range(spec: str) -> tuple[int, int]:
+    lo, _, hi = str(spec).partition(":")
+    lo_i, hi_i = int(lo), int(hi or lo)
+    if not 1 <= lo_i <= hi_i:
+        raise ValueError(f"a length range must be 'lo:hi' with 1 <= lo <= hi; got {spec!r}")
+    return lo_i, hi_i
+
+
+def make_dataset(args: argparse.Namespace) -> list[BenchRequest]:
+    rng = random.Random(args.seed)
+    lo_vocab, hi_vocab = 100, args.vocab_size - 100
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(lo_vocab, hi_vocab) for _ in range(n)]
+
+    n = args.num_prompts + args.warmup
+    if args.dataset == "random":
+        ins, outs = parse_range(args.input_len), parse_range(args.output_len)
+        return [BenchRequest(tokens(rng.randint(*ins)), rng.randint(*outs)) for _ in range(n)]
+    if args.dataset == "sharegpt":
+        # Log-normal lengths with the given medians (sigma ~ ShareGPT's spread), clipped.
+        med_in, med_out = parse_range(args.input_len)[0], parse_range(args.output_len)[0]
+        out = []
+        for _ in range(n):
+            i = min(args.max_model_len // 2, max(4, int(rng.lognormvariate(0, 0.9) * med_in)))
+            o = min(args.max_model_len - i - 1, max(2, int(rng.lognormvariate(0, 0.9) * med_out)))
+            out.append(BenchRequest(tokens(i), o))
+        return out
+    if args.dataset == "prefix":
+        prefixes = [tokens(args.prefix_len) for _ in range(args.num_prefixes)]
+        ins, outs = parse_range(args.input_len), parse_range(args.output_len)
+        return [BenchRequest(prefixes[rng.randrange(len(prefixes))] + tokens(rng.randint(*ins)),
+                             rng.randint(*outs)) for _ in range(n)]
+    if args.dataset == "multiturn":
+        outs = parse_range(args.output_len)
+        ins = parse_range(args.input_len)
+        return [BenchRequest(" ".join(rng.choice(WORDS) for _ in range(rng.randint(*ins))),
+                             rng.randint(*outs), conversation=c, turn=t)
+                for c in range(n) for t in range(args.turns)]
+    raise ValueError(f"dataset must be one of random, sharegpt, prefix, multiturn; got {args.dataset!r}")
+
+
+def arrival_gaps(rate: float, burstiness: float, count: int, seed: int) -> Iterator[float]:
+    """Seconds between arrivals: gamma with mean 1/rate and shape `burstiness` (1 = Poisson)."""
+    rng = random.Random(seed + 1)
+    for _ in range(count):
+        yield 0.0 if rate == float("inf") else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+
+
+# --- one request ---------------------------------------------------------------------------------
+async def send(client: httpx.AsyncClient, args: argparse.Namespace, model: str, req: BenchRequest,
+               prompt: list[int] | str) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": req.output_len, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": args.ignore_eos}
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    result = RequestResult(ok=False)
+    start = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", f"{args.base_url}/v1/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = str(chunk["error"])[:200]
+                    return result
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    result.prompt_len = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices", []):
+                    if not choice.get("text"):
+                        continue
+                    result.text += choice["text"]
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+    except httpx.HTTPError as e:
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.e2e = time.perf_counter() - start
+    result.ok = last is not None
+    if not result.ok:
+        result.error = "no output"
+    return result
+
+
+# --- the run ---------------------------------------------------------------------------------------
+async def run(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[list[RequestResult], float]:
+    """Run the workload; (results of the timed requests in order, wall seconds of the timed part)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+        model = args.model or (await client.get(f"{args.base_url}/v1/models", headers=(
+            {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}))).json()["data"][0]["id"]
+        units = _units(requests)
+        warm, timed = units[:args.warmup], units[args.warmup:]
+        await asyncio.gather(*[_run_unit(client, args, model, u) for u in warm])
+        progress = _progress(sum(len(u) for u in timed), args.quiet)
+        start = time.perf_counter()
+        if args.concurrency:
+            sem = asyncio.Semaphore(args.concurrency)
+
+            async def limited(u: list[BenchRequest]) -> list[RequestResult]:
+                async with sem:
+                    return await _run_unit(client, args, model, u, progress)
+            results = await asyncio.gather(*[limited(u) for u in timed])
+        else:
+            tasks = []
+            for unit, gap in zip(timed, arrival_gaps(args.request_rate, args.burstiness, len(timed), args.seed)):
+                tasks.append(asyncio.create_task(_run_unit(client, args, model, unit, progress)))
+                await asyncio.sleep(gap)
+            results = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - start
+        if progress is not None:
+            progress.close()
+    return [r for unit in results for r in unit], wall
+
+
+def _units(requests: list[BenchRequest]) -> list[list[BenchRequest]]:
+    """Requests grouped into what runs in order: a conversation's turns, or one request."""
+    units: dict[Any, list[BenchRequest]] = {}
+    for i, r in enumerate(requests):
+        units.setdefault(("c", r.conversation) if r.conversation is not None else ("r", i), []).append(r)
+    return list(units.values())
+
+
+async def _run_unit(client: httpx.AsyncClient, args: argparse.Namespace, model: str, unit: list[BenchRequest],
+                    progress: Any = None) -> list[RequestResult]:
+    results, history = [], ""
+    for req in unit:
+        prompt: list[int] | str = req.prompt
+        if req.conversation is not None:
+            history += f"\nUser: {req.prompt}\nAssistant:"
+            prompt = history
+        res = await send(client, args, model, req, prompt)
+        results.append(res)
+        history += res.text
+        if progress is not None:
+            progress.update(1)
+    return results
+
+
+def _progress(total: int, quiet: bool) -> Any:
+    if quiet:
+        return None
+    try:
+        from tqdm import tqdm  # noqa: PLC0415
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="requests", unit="req")
+
+
+# --- metrics ---------------------------------------------------------------------------------------
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+
+    def pct(p: float) -> float:      # linear interpolation between closest ranks (numpy's default)
+        k = (len(ordered) - 1) * p
+        lo = int(k)
+        hi = min(lo + 1, len(ordered) - 1)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+    return {"mean": statistics.fmean(ordered), "median": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)}
+
+
+def parse_slos(specs: list[str]) -> dict[str, float]:
+    """'ttft:500' 'tpot:50' 'e2e:10000' (milliseconds) -> {metric: seconds}."""
+    out = {}
+    for spec in specs:
+        name, _, value = spec.partition(":")
+        if name not in ("ttft", "tpot", "e2e") or not value:
+            raise ValueError(f"an SLO must be ttft:MS, tpot:MS or e2e:MS; got {spec!r}")
+        out[name] = float(value) / 1e3
+    return out
+
+
+def summarize(results: list[RequestResult], wall: float, slos: dict[str, float] | None = None) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    slos = slos or {}
+
+    def meets(r: RequestResult) -> bool:
+        values = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2e": r.e2e}
+        return all(values[k] <= v for k, v in slos.items())
+
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    ms = lambda xs: {k: v * 1e3 for k, v in percentiles(xs).items()}  # noqa: E731
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": wall,
+        "request_throughput": len(ok) / wall if wall else 0.0,
+        "output_token_throughput": out_tokens / wall if wall else 0.0,
+        "total_token_throughput": (in_tokens + out_tokens) / wall if wall else 0.0,
+        "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "goodput": (sum(meets(r) for r in ok) / wall if wall else 0.0) if slos else None,
+        "slos_ms": {k: v * 1e3 for k, v in slos.items()},
+        "ttft_ms": ms([r.ttft for r in ok]),
+        "tpot_ms": ms([t for r in ok if (t := r.tpot) is not None]),
+        "itl_ms": ms([x for r in ok for x in r.itl]),
+        "e2e_ms": ms([r.e2e for r in ok]),
+    }
+
+
+def plot(results: list[RequestResult], path: str, label: str = "") -> None:
+    """Latency CDFs (TTFT, TPOT, ITL, E2E) in one PNG."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    ok = [r for r in results if r.ok]
+    series = {"TTFT": [r.ttft for r in ok], "TPOT": [r.tpot for r in ok if r.tpot is not None],
+              "ITL": [x for r in ok for x in r.itl], "E2E": [r.e2e for r in ok]}
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
+    for ax, (name, values) in zip(axes, series.items()):
+        values = sorted(v * 1e3 for v in values)
+        ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label or None)
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("fraction of requests" if name != "ITL" else "fraction of gaps")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def print_summary(s: dict[str, Any], title: str = "") -> None:
+    print(f"=== {title or 'result'}: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f} s")
+    print(f"throughput: {s['request_throughput']:.2f} req/s, {s['output_token_throughput']:.1f} output tok/s, "
+          f"{s['total_token_throughput']:.1f} total tok/s" +
+          (f", goodput {s['goodput']:.2f} req/s under {s['slos_ms']}" if s["goodput"] is not None else ""))
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        p = s[name]
+        print(f"{name[:-3].upper():5s} ms: mean {p['mean']:8.1f}  median {p['median']:8.1f}  p90 {p['p90']:8.1f}"
+              f"  p99 {p['p99']:8.1f}")
+    if s["errors"]:
+        print("errors:", s["errors"])
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default=None, help="model name (default: the server's first)")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--dataset", default="random", choices=["random", "sharegpt", "prefix", "multiturn"])
+    ap.add_argument("--num-prompts", type=int, default=64, help="timed requests (multiturn: conversations)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--input-len", default="128:512", help="tokens (multiturn: words per user turn)")
+    ap.add_argument("--output-len", default="64")
+    ap.add_argument("--prefix-len", type=int, default=512)
+    ap.add_argument("--num-prefixes", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--vocab-size", type=int, default=49152, help="token ids are drawn below this")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--request-rate", type=float, default=float("inf"), help="req/s (inf: all at once)")
+    ap.add_argument("--burstiness", type=float, default=1.0)
+    ap.add_argument("--concurrency", type=int, default=None, help="fixed requests in flight (instead of a rate)")
+    ap.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    ap.add_argument("--slo", action="append", default=[], help="ttft:MS, tpot:MS or e2e:MS (goodput)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--quiet", action="store_true")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000")
+    add_args(ap)
+    ap.add_argument("--result", default=None, help="write the summary and per-request results as JSON")
+    ap.add_argument("--plot", default=None, help="write latency CDFs to this PNG (needs matplotlib)")
+    args = ap.parse_args(argv)
+    slos = parse_slos(args.slo)
+    requests = make_dataset(args)
+    results, wall = asyncio.run(run(args, requests))
+    summary = summarize(results, wall, slos)
+    print_summary(summary, args.base_url)
+    if args.result:
+        with open(args.result, "w") as f:
+            json.dump({"args": vars(args), "summary": summary,
+                       "requests": [dataclasses.asdict(r) | {"text": None} for r in results]}, f, indent=1,
+                      default=str)
+    if args.plot:
+        plot(results, args.plot)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The serving benchmark's pieces (unit): datasets, arrivals, percentiles, goodput. It runs against a
+live `pdserve serve` in tests/test_pools.py."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import serve  # noqa: E402  (benchmarks/serve.py)
+
+
+def _args(**kw) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    serve.add_args(ap)
+    args = ap.parse_args([])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_datasets_have_the_asked_shapes():
+    reqs = serve.make_dataset(_args(dataset="random", input_len="10:20", output_len="5", num_prompts=50, warmup=2))
+    assert len(reqs) == 52 and all(10 <= len(r.prompt) <= 20 and r.output_len == 5 for r in reqs)
+    assert all(100 <= t < 49152 - 100 for r in reqs for t in r.prompt)
+    assert serve.make_dataset(_args(dataset="random", input_len="10:20", num_prompts=5))[0].prompt == \
+        serve.make_dataset(_args(dataset="random", input_len="10:20", num_prompts=5))[0].prompt    # seeded
+    pre = serve.make_dataset(_args(dataset="prefix", prefix_len=32, num_prefixes=3, input_len="4:8", num_prompts=40))
+    assert len({tuple(r.prompt[:32]) for r in pre}) == 3 and all(36 <= len(r.prompt) <= 40 for r in pre)
+    share = serve.make_dataset(_args(dataset="sharegpt", input_len="200", output_len="100", num_prompts=400,
+                                     max_model_len=2048))
+    ins = [len(r.prompt) for r in share]
+    assert 120 < statistics.median(ins) < 300 and max(ins) <= 1024 and len(set(ins)) > 100
+    assert all(len(r.prompt) + r.output_len < 2048 for r in share)
+    multi = serve.make_dataset(_args(dataset="multiturn", num_prompts=3, warmup=1, turns=4, input_len="3:5"))
+    units = serve._units(multi)
+    assert [len(u) for u in units] == [4] * 4 and all(isinstance(r.prompt, str) for r in multi)
+    assert [r.turn for r in units[1]] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="lo:hi"):
+        serve.parse_range("9:3")
+
+
+def test_poisson_and_bursty_arrivals_keep_the_rate():
+    poisson = list(serve.arrival_gaps(4.0, 1.0, 4000, seed=0))
+    bursty = list(serve.arrival_gaps(4.0, 0.25, 4000, seed=0))
+    for gaps in (poisson, bursty):
+        assert abs(statistics.fmean(gaps) - 0.25) < 0.03
+    cv = lambda g: statistics.pstdev(g) / statistics.fmean(g)  # noqa: E731
+    assert abs(cv(poisson) - 1.0) < 0.1 and cv(bursty) > 1.6          # gamma: cv = 1/sqrt(shape)
+    assert set(serve.arrival_gaps(float("inf"), 1.0, 3, 0)) == {0.0}
+
+
+def test_percentiles_match_numpy_and_goodput_counts_slos():
+    xs = [0.3, 0.1, 0.7, 0.2, 0.9, 0.5, 0.4]
+    p = serve.percentiles(xs)
+    assert p["median"] == pytest.approx(np.percentile(xs, 50)) and p["p90"] == pytest.approx(np.percentile(xs, 90))
+    assert p["p99"] == pytest.approx(np.percentile(xs, 99)) and p["mean"] == pytest.approx(np.mean(xs))
+    results = [serve.RequestResult(ok=True, prompt_len=10, output_tokens=11, ttft=0.1, e2e=1.1, itl=[0.1] * 10),
+               serve.RequestResult(ok=True, prompt_len=10, output_tokens=11, ttft=0.6, e2e=1.6, itl=[0.1] * 10),
+               serve.RequestResult(ok=True, prompt_len=10, output_tokens=3, ttft=0.1, e2e=0.9, itl=[0.4, 0.4]),
+               serve.RequestResult(ok=False, error="HTTP 503: x")]
+    s = serve.summarize(results, 2.0, serve.parse_slos(["ttft:500", "tpot:200"]))
+    assert (s["completed"], s["failed"], s["errors"]) == (3, 1, ["HTTP 503: x"])
+    assert s["goodput"] == 0.5                     # only the first meets both (the 2nd: TTFT, the 3rd: TPOT)
+    assert s["output_token_throughput"] == 12.5 and s["tpot_ms"]["median"] == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="ttft:MS"):
+        serve.parse_slos(["latency:5"])
