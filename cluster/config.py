@@ -8,7 +8,7 @@
       decode: {replicas: 1, num_cpus: 1}
     disaggregation: {connector: nixl, min_remote_prefill_tokens: 256, lease_s: 30}
     routing: {name: prefix_aware, load_weight: 0.5, imbalance_threshold: 8}
-    serving: {host: 127.0.0.1, port: 8000, api_key: null, max_in_flight: 256}
+    serving: {host: 127.0.0.1, port: 8000, grpc_port: null, api_key: null, max_in_flight: 256}
     placement_timeout_s: 60     # wait this long for the cluster to fit the pools, then fail naming why
 
 Every field is validated here, so a bad spec fails before any actor starts, naming the field.
@@ -73,6 +73,10 @@ class ServingSpec(_Strict):
     max_body_bytes: int = Field(4 << 20, ge=1024)
     ingress_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.1, gt=0)
+    # The gRPC Generation service (pdserve_proto/pdserve.proto) through Serve's gRPC proxy on this
+    # port; None serves HTTP only. Serve's gRPC proxy listens on every interface ([::]), which Ray
+    # does not let us narrow: keep the port firewalled (or set api_key, which gRPC enforces too).
+    grpc_port: int | None = Field(None, ge=1, le=65535)
 
 
 class ClusterConfig(_Strict):

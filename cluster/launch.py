@@ -52,9 +52,11 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, placement_timeou
 
     from router.app import build_app  # noqa: PLC0415
 
-    serve.start(http_options={"host": config.serving.host, "port": config.serving.port})
+    serve.start(http_options={"host": config.serving.host, "port": config.serving.port},
+                **grpc_start_options(config))
     serve.run(build_app(config), name=config.name, route_prefix="/", blocking=False)
-    print(f"pdserve: serving on http://{config.serving.host}:{config.serving.port}/v1 "
+    grpc_note = f", gRPC on port {config.serving.grpc_port}" if config.serving.grpc_port else ""
+    print(f"pdserve: serving on http://{config.serving.host}:{config.serving.port}/v1{grpc_note} "
           f"({config.mode}, pools {', '.join(f'{k}={v.replicas}' for k, v in config.pools.items())})",
           flush=True)
     if blocking:
@@ -63,6 +65,16 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, placement_timeou
             pass
         print("pdserve: shutting down", flush=True)
         shutdown(config)
+
+
+def grpc_start_options(config: ClusterConfig) -> dict:
+    """serve.start() keywords enabling the gRPC Generation service when `serving.grpc_port` is set."""
+    if config.serving.grpc_port is None:
+        return {}
+    from ray.serve.config import gRPCOptions  # noqa: PLC0415
+
+    return {"grpc_options": gRPCOptions(port=config.serving.grpc_port,
+                                        grpc_servicer_functions=["pdserve_proto.add_GenerationServicer_to_server"])}
 
 
 def _catch_stop_signals(stop: threading.Event) -> None:

@@ -19,6 +19,7 @@ from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.outputs import AllCleared, BlockStored, KVEvent, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
+from pdserve_proto.kv_events import encode_kv_events
 
 MAX_EVENT_LOG = 100_000
 
@@ -115,11 +116,18 @@ class EngineReplica:
             return False
         return True
 
-    async def kv_events_since(self, cursor: int, wait_s: float = 0.0) -> tuple[int, list[KVEvent]]:
-        """Events after `cursor` (0 at the start) and the cursor to pass next time.
+    async def kv_events_since(self, cursor: int, wait_s: float = 0.0) -> bytes:
+        """Events after `cursor` (0 at the start) and the cursor to pass next time, as a protobuf
+        KVEventBatch (`pdserve_proto.kv_events.decode_kv_events` gives them back), so a router of
+        another schema version refuses them instead of misreading them.
 
         A long poll: with `wait_s` > 0 and nothing new, it returns after the engine's next step or
         after `wait_s` seconds, so an idle replica costs its routers nothing."""
+        end, events = await self.kv_event_records_since(cursor, wait_s)
+        return encode_kv_events(end, events, self.replica_id)
+
+    async def kv_event_records_since(self, cursor: int, wait_s: float = 0.0) -> tuple[int, list[KVEvent]]:
+        """`kv_events_since` as Python records (in-process readers)."""
         self._log.extend(self.engine.take_kv_events())
         if wait_s > 0 and cursor >= self._log_start + len(self._log):
             await self.engine.wait_for_step(wait_s)

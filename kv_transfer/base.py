@@ -12,6 +12,10 @@ The protocol (pull model):
    `max_tokens=1`. When it finishes, its blocks are not freed: P's worker takes a *lease* on them (a
    slot in its lease table holding a fresh token) and P returns `RemotePrefill.to_dict()` with its
    output.
+   Those parameters are a dict (the engine API) whose "pdserve_kv" entry is the protobuf
+   `RemotePrefill` of pdserve_proto/pdserve.proto: schema version, handshake (connector, its
+   protocol version, KV layout), blocks, lease and transport address. D refuses another schema
+   version, connector, connector version or layout with a ValueError naming what differs.
 2. Decode engine D gets the same prompt with those parameters. Its scheduler matches its own prefix
    cache, allocates blocks for the rest of the prompt but its last token (recomputed: its logits give
    the first output token), and queues a pull of just those blocks. The request waits in
@@ -45,8 +49,13 @@ if TYPE_CHECKING:
 MAX_LEASES = 4096
 
 
+# Version of the connectors' own protocol (lease words, notifications, staging layout): both ends
+# of a transfer must run the same one. Checked with the layout in the handshake.
+CONNECTOR_VERSION = 1
+
+
 class KVLayoutMismatch(ValueError):
-    """The two engines' KV layouts differ: their blocks cannot be exchanged."""
+    """The two engines' KV layouts (or connectors) differ: their blocks cannot be exchanged."""
 
 
 def advertised_host(host: str) -> str:
@@ -100,6 +109,19 @@ class KVLayout:
                     f"kv_transfer_params: the prefill engine's {name} is {theirs!r} but this engine's "
                     f"is {mine!r}; prefill and decode engines must have the same {name}")
 
+    def to_proto(self) -> Any:
+        from pdserve_proto import pb2  # noqa: PLC0415
+
+        return pb2.KVLayout(model=self.model, num_layers=self.num_layers, block_size=self.block_size,
+                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
+                            tp_rank=self.tp_rank, tp_size=self.tp_size)
+
+    @classmethod
+    def from_proto(cls, msg: Any) -> KVLayout:
+        return cls(model=msg.model, num_layers=msg.num_layers, block_size=msg.block_size,
+                   num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim, dtype=msg.dtype,
+                   tp_rank=msg.tp_rank, tp_size=msg.tp_size)
+
     @property
     def block_bytes(self) -> int:
         """Bytes of one block's K (or V) in one layer."""
@@ -120,19 +142,86 @@ class RemotePrefill:
     lease_expires_at: float         # time.time() on P (nodes' clocks agree within LEASE_MARGIN_S)
     layout: KVLayout
     address: dict[str, Any]         # transport-specific: how D's worker reaches P's
+    connector: str = ""             # P's connector ("" when built by hand without one)
+    connector_version: int = CONNECTOR_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe form (what travels through Ray and HTTP)."""
-        return {"do_remote_prefill": True, "remote_engine_id": self.engine_id,
+        """The kv_transfer_params dict (engine API): the protobuf `RemotePrefill` (versioned, what D
+        parses) under "pdserve_kv", beside a readable view of the same fields for logs and tests."""
+        return {"do_remote_prefill": True, "pdserve_kv": self.to_proto_bytes(),
+                "remote_engine_id": self.engine_id,
                 "remote_request_id": self.request_id, "remote_block_ids": list(self.block_ids),
                 "remote_block_hashes": [h.hex() for h in self.block_hashes],
                 "remote_num_tokens": self.num_tokens, "lease_slot": self.lease_slot,
                 "lease_token": self.lease_token, "lease_expires_at": self.lease_expires_at,
                 "layout": asdict(self.layout), "address": self.address}
 
+    def handshake(self) -> Any:
+        from pdserve_proto import CONTROL_SCHEMA_VERSION, pb2  # noqa: PLC0415
+
+        return pb2.KVHandshake(schema_version=CONTROL_SCHEMA_VERSION, connector=self.connector,
+                               connector_version=self.connector_version, layout=self.layout.to_proto())
+
+    def to_proto_bytes(self) -> bytes:
+        from pdserve_proto import CONTROL_SCHEMA_VERSION, pb2  # noqa: PLC0415
+
+        msg = pb2.RemotePrefill(
+            schema_version=CONTROL_SCHEMA_VERSION, handshake=self.handshake(), engine_id=self.engine_id,
+            request_id=self.request_id, block_ids=self.block_ids, block_hashes=self.block_hashes,
+            num_tokens=self.num_tokens, lease_slot=self.lease_slot, lease_token=self.lease_token,
+            lease_expires_at=self.lease_expires_at)
+        a = self.address
+        if "agent_metadata" in a:
+            msg.nixl.CopyFrom(pb2.NixlAddress(
+                agent_metadata=a["agent_metadata"], kv_addrs=a["kv_addrs"], num_blocks=a["num_blocks"],
+                lease_addr=a["lease_addr"], num_lease_slots=a["num_lease_slots"], mem=a["mem"],
+                device_id=a["device_id"]))
+        elif "host" in a:
+            msg.torch_dist.CopyFrom(pb2.TorchDistAddress(host=a["host"], port=a["port"]))
+        elif a:
+            raise ValueError(f"RemotePrefill.address has no wire form: {sorted(a)}")
+        return msg.SerializeToString()
+
+    @classmethod
+    def from_proto_bytes(cls, data: bytes) -> RemotePrefill:
+        """Decode `to_proto_bytes()`; SchemaVersionMismatch (a ValueError) for another schema
+        version, ValueError for bytes that are not a RemotePrefill."""
+        from google.protobuf.message import DecodeError  # noqa: PLC0415
+
+        from pdserve_proto import check_version, pb2  # noqa: PLC0415
+
+        msg = pb2.RemotePrefill()
+        try:
+            msg.ParseFromString(bytes(data))
+        except DecodeError as e:
+            raise ValueError(f"kv_transfer_params.pdserve_kv is not a RemotePrefill message: {e}") from None
+        check_version("kv_transfer_params.pdserve_kv (RemotePrefill)", msg.schema_version)
+        check_version("kv_transfer_params.pdserve_kv (KVHandshake)", msg.handshake.schema_version)
+        which = msg.WhichOneof("address")
+        if which == "nixl":
+            n = msg.nixl
+            address: dict[str, Any] = {
+                "agent_metadata": n.agent_metadata, "kv_addrs": list(n.kv_addrs), "num_blocks": n.num_blocks,
+                "lease_addr": n.lease_addr, "num_lease_slots": n.num_lease_slots, "mem": n.mem,
+                "device_id": n.device_id}
+        elif which == "torch_dist":
+            address = {"host": msg.torch_dist.host, "port": msg.torch_dist.port}
+        else:
+            address = {}
+        hs = msg.handshake
+        return cls(engine_id=msg.engine_id, request_id=msg.request_id, block_ids=list(msg.block_ids),
+                   block_hashes=list(msg.block_hashes), num_tokens=msg.num_tokens, lease_slot=msg.lease_slot,
+                   lease_token=msg.lease_token, lease_expires_at=msg.lease_expires_at,
+                   layout=KVLayout.from_proto(hs.layout), address=address, connector=hs.connector,
+                   connector_version=hs.connector_version)
+
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> RemotePrefill:
-        """Parse kv_transfer_params; ValueError naming the missing or malformed field."""
+        """Parse kv_transfer_params; ValueError naming the missing or malformed field. The protobuf
+        form ("pdserve_kv", what a prefill engine returns) is authoritative when present; a
+        hand-built dict without it is read from its readable keys."""
+        if "pdserve_kv" in params:
+            return cls.from_proto_bytes(params["pdserve_kv"])
         try:
             return cls(engine_id=str(params["remote_engine_id"]),
                        request_id=str(params["remote_request_id"]),
@@ -338,7 +427,7 @@ class KVConnectorScheduler:
             raise ValueError("kv_transfer_params must set do_remote_decode (prefill here, decode "
                              "elsewhere) or do_remote_prefill (with the prefill engine's parameters)")
         remote = RemotePrefill.from_dict(params)
-        self.layout.check_compatible(remote.layout)
+        self.check_handshake(remote)
         num_full = min(len(remote.block_hashes), len(prompt_block_hashes))
         if remote.block_hashes[:num_full] != prompt_block_hashes[:num_full]:
             raise ValueError("kv_transfer_params.remote_block_hashes do not match this prompt's blocks "
@@ -347,6 +436,20 @@ class KVConnectorScheduler:
             raise ValueError(f"kv_transfer_params.remote_num_tokens ({remote.num_tokens}) exceeds the "
                              f"prompt's {num_prompt_tokens} tokens")
         return remote
+
+    def check_handshake(self, remote: RemotePrefill) -> None:
+        """KVLayoutMismatch unless the prefill engine's connector, its protocol version and its KV
+        layout are this engine's (a hand-built RemotePrefill without a connector skips that check)."""
+        mine = self.config.kv_connector
+        if remote.connector and remote.connector != mine:
+            raise KVLayoutMismatch(f"kv_transfer_params: the prefill engine's connector is {remote.connector!r} "
+                                   f"but this engine's is {mine!r}; both must use the same connector")
+        if remote.connector_version != CONNECTOR_VERSION:
+            raise KVLayoutMismatch(
+                f"kv_transfer_params: the prefill engine's {remote.connector or 'connector'} protocol is "
+                f"version {remote.connector_version} but this engine's is {CONNECTOR_VERSION}; prefill and "
+                f"decode engines must run the same pdserve version")
+        self.layout.check_compatible(remote.layout)
 
     # --- D side ---------------------------------------------------------------------------------
     def num_external_tokens(self, request: Request, num_local_tokens: int) -> int:
@@ -404,7 +507,7 @@ class KVConnectorScheduler:
             engine_id=engine_id, request_id=request.request_id, block_ids=block_ids,
             block_hashes=list(request.block_hashes[:request.num_prompt_tokens // self.layout.block_size]),
             num_tokens=request.num_prompt_tokens, lease_slot=slot, lease_token=token,
-            lease_expires_at=expires, layout=self.layout, address=address)
+            lease_expires_at=expires, layout=self.layout, address=address, connector=self.config.kv_connector)
         return remote.to_dict()
 
     def renew_lease(self, request_id: str, seconds: float) -> bool:

@@ -3,7 +3,8 @@
 `OpenAIServer` is the plain core (tokenize, validate, route, shape responses); `build_app(config)`
 applies Ray Serve to it. Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 (both streaming as SSE ending in `data: [DONE]`), POST /tokenize, POST /detokenize, GET /health,
-GET /metrics (Prometheus). Errors use OpenAI's JSON shape: 400 invalid parameter (named), 401 bad
+GET /metrics (Prometheus); and, beside HTTP, the gRPC Generation service (router/grpc_api.py) through
+Serve's gRPC proxy when `serving.grpc_port` is set. Errors use OpenAI's JSON shape: 400 invalid parameter (named), 401 bad
 API key, 404 unknown model, 413 body too large, 429 too many requests in flight, 503 no replica.
 A client that disconnects aborts its request on the replica, which frees the request's blocks.
 """
@@ -26,6 +27,7 @@ from engine.llm_engine import validate_request
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, load_tokenizer
+from router.grpc_api import GenerationService, grpc_status
 from router.metrics import ServingMetrics
 from router.pd import NoReplicaError, PDRouter, RequestRouter
 from router.policy import PolicyConfig, RoutingPolicy
@@ -207,13 +209,20 @@ class OpenAIServer:
         self.metrics.requests.inc(finished_reason=reason or "abort")
 
     # --- endpoint bodies ---------------------------------------------------------------------------
-    async def completions(self, data: dict[str, Any]) -> Response:
+    def prepare_completion(self, data: dict[str, Any]
+                           ) -> tuple[CompletionRequest, SamplingParams, list[list[int]]]:
+        """Validate a completion body (HTTP's, or the one a gRPC GenerateRequest maps to) and
+        tokenize its prompts; HTTPError naming the field."""
         req: CompletionRequest = self.parse(CompletionRequest, data)
         self.check_model(req.model)
         params = self.sampling_params(req)
         prompts = self.completion_prompts(req.prompt)
         for ids in prompts:
             self.validate_prompt(ids, params)
+        return req, params, prompts
+
+    async def completions(self, data: dict[str, Any]) -> Response:
+        req, params, prompts = self.prepare_completion(data)
         self.admit(len(prompts))
         rid = new_id("cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -476,6 +485,27 @@ async def _guard(server: OpenAIServer, request: Request, handler, *, body: bool 
         return HTTPError(503, str(e), "service_unavailable").response()
 
 
+def _metadata(grpc_context: Any) -> list[tuple[str, Any]]:
+    return list(grpc_context.invocation_metadata()) if grpc_context is not None else []
+
+
+class GRPCRefusal(RuntimeError):
+    """What a gRPC method raises after setting its status code (one string argument, so that it
+    pickles back to Serve's proxy, which keeps the code set on the context before the raise)."""
+
+
+def _refuse(server: OpenAIServer, grpc_context: Any, error: BaseException) -> GRPCRefusal:
+    """Set the status code for `error` on the call; the exception to raise."""
+    code, details = grpc_status(error)
+    server.metrics.errors.inc(code=f"grpc_{code.name.lower()}")
+    if code.name == "INTERNAL":
+        logger.exception("gRPC call failed")
+    if grpc_context is not None:
+        grpc_context.set_code(code)
+        grpc_context.set_details(details)
+    return GRPCRefusal(details)
+
+
 def build_app(config: ClusterConfig) -> Any:
     """The Serve application: the ingress deployment bound to this cluster config."""
     from ray import serve  # noqa: PLC0415
@@ -532,5 +562,29 @@ def build_app(config: ClusterConfig) -> Any:
         async def metrics(self) -> Response:
             return PlainTextResponse(await self.server.render_metrics(),
                                      media_type="text/plain; version=0.0.4")
+
+        # --- gRPC (Serve's gRPC proxy calls the methods named like the RPCs) ---------------------
+        async def Generate(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:  # noqa: N802
+            service = GenerationService(self.server)
+            try:
+                async for message in service.generate(request, _metadata(grpc_context)):
+                    yield message
+            except Exception as e:
+                raise _refuse(self.server, grpc_context, e) from None
+
+        async def Tokenize(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+            try:
+                return GenerationService(self.server).tokenize(request, _metadata(grpc_context))
+            except Exception as e:
+                raise _refuse(self.server, grpc_context, e) from None
+
+        async def Models(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+            try:
+                return GenerationService(self.server).models(_metadata(grpc_context))
+            except Exception as e:
+                raise _refuse(self.server, grpc_context, e) from None
+
+        async def Health(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+            return await GenerationService(self.server).health()
 
     return OpenAIIngress.bind(config.model_dump_json())

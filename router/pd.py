@@ -15,7 +15,8 @@ that goes away while P prefills aborts it there; after that the lease is D's to 
 
 The router keeps its per-replica view fresh in the background: a long poll per replica on its KV
 event log (`EngineReplica.kv_events_since` answers after the replica's next step, so events arrive
-within a step and idle replicas cost nothing) and stats every `stats_interval_s`; in-flight counts
+within a step and idle replicas cost nothing; the batches travel as protobuf `KVEventBatch`, and a
+replica of another schema version has its events refused, with an error logged) and stats every `stats_interval_s`; in-flight counts
 are its own.
 """
 from __future__ import annotations
@@ -31,6 +32,8 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from engine.hashing import hash_block_tokens
 from engine.sampling_params import SamplingParams
+from pdserve_proto import SchemaVersionMismatch
+from pdserve_proto.kv_events import decode_kv_events
 from router.metrics import ServingMetrics
 from router.policy import Decision, ReplicaLoad, RoutingPolicy
 from router.prefix_index import PrefixIndex
@@ -115,12 +118,17 @@ class RequestRouter:
         handle = self.replicas[replica_id]
         while True:
             try:
-                cursor, events = await handle.kv_events_since.remote(self._cursors[replica_id], 1.0)
+                cursor, events = decode_kv_events(
+                    await handle.kv_events_since.remote(self._cursors[replica_id], 1.0))
                 self._cursors[replica_id] = cursor
                 self.index.apply(replica_id, events)
             except RayActorError as e:    # gone: membership will drop it
                 self.mark_down(replica_id, e)
                 await asyncio.sleep(1.0)
+            except SchemaVersionMismatch as e:  # another pdserve version: its events are not applied
+                logger.error("refusing KV events of %s replica %s: %s", self.pool, replica_id, e)
+                self.metrics.errors.inc(code="kv_events_schema_mismatch")
+                await asyncio.sleep(5.0)
             except Exception:  # noqa: BLE001 - a failing replica must not stop routing to the others
                 logger.exception("following KV events of %s failed", replica_id)
                 await asyncio.sleep(1.0)
@@ -141,7 +149,7 @@ class RequestRouter:
         for r, res in zip(ids, results):
             if isinstance(res, BaseException):
                 continue
-            self._cursors[r], events = res
+            self._cursors[r], events = decode_kv_events(res)
             self.index.apply(r, events)
 
     async def refresh_stats(self) -> dict[str, dict]:

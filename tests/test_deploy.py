@@ -597,3 +597,12 @@ def test_image_and_ray_version_agree_across_deploy():
         (doc,) = [d for d in load_manifest(name) if d["kind"] in RAY_KINDS]
         assert cluster_of(doc)["rayVersion"] == values["rayVersion"]
         assert {c["image"] for _, _, c in containers(doc)} == {default_image}
+
+
+def test_dockerfile_copies_every_package_the_project_installs():
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = set(re.findall(r"^COPY \S+ (\w+) \./\1$", (ROOT / "deploy" / "Dockerfile").read_text(), re.M))
+    assert packages <= copied, f"deploy/Dockerfile does not COPY {sorted(packages - copied)}"

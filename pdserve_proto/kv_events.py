@@ -1,0 +1,50 @@
+"""Wire form of the engines' KV events (engine/outputs.py) between an engine replica and the routers:
+one `KVEventBatch` message per `EngineReplica.kv_events_since` answer, versioned like every
+control-plane message (a router refuses a batch of another schema version with SchemaVersionMismatch).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from google.protobuf.message import DecodeError
+
+from engine.outputs import AllCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve_proto import CONTROL_SCHEMA_VERSION, check_version, pb2
+
+
+def encode_kv_events(cursor: int, events: Sequence[KVEvent], replica_id: str = "") -> bytes:
+    """`events` (in the engine's order) and the cursor to pass next time, as KVEventBatch bytes."""
+    batch = pb2.KVEventBatch(schema_version=CONTROL_SCHEMA_VERSION, replica_id=replica_id, cursor=cursor)
+    for event in events:
+        if isinstance(event, BlockStored):
+            batch.events.add().stored.hashes.extend(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            batch.events.add().removed.hashes.extend(event.block_hashes)
+        elif isinstance(event, AllCleared):
+            batch.events.add().all_cleared.SetInParent()
+        else:
+            raise TypeError(f"unknown KV event {event!r}")
+    return batch.SerializeToString()
+
+
+def decode_kv_events(data: bytes) -> tuple[int, list[KVEvent]]:
+    """(cursor, events) from `encode_kv_events`; SchemaVersionMismatch for another schema version,
+    ValueError for bytes that are not a KVEventBatch."""
+    batch = pb2.KVEventBatch()
+    try:
+        batch.ParseFromString(bytes(data))
+    except DecodeError as e:
+        raise ValueError(f"KV events: not a KVEventBatch message: {e}") from None
+    check_version(f"KV events from replica {batch.replica_id or '?'}", batch.schema_version)
+    events: list[KVEvent] = []
+    for e in batch.events:
+        kind = e.WhichOneof("kind")
+        if kind == "stored":
+            events.append(BlockStored(list(e.stored.hashes)))
+        elif kind == "removed":
+            events.append(BlockRemoved(list(e.removed.hashes)))
+        elif kind == "all_cleared":
+            events.append(AllCleared())
+        else:
+            raise ValueError(f"KV events from replica {batch.replica_id or '?'}: an event of unknown kind")
+    return batch.cursor, events

@@ -1,0 +1,150 @@
+"""The gRPC Generation service (pdserve_proto/pdserve.proto) on the same OpenAIServer as HTTP.
+
+`GenerationService` is the plain core: it turns a GenerateRequest into the body of a
+POST /v1/completions (so validation, tokenization, admission, routing and metrics are the HTTP
+path's, not a copy) and the router's StepDeltas into GenerateResponse messages. The Serve ingress
+deployment (router/app.py) exposes it as methods named like the RPCs; Serve's gRPC proxy
+(`gRPCOptions(grpc_servicer_functions=["pdserve_proto.add_GenerationServicer_to_server"])`) calls
+them, so HTTP and gRPC clients share one router, its pools and its metrics.
+
+Errors map to status codes (`grpc_status`): 400 -> INVALID_ARGUMENT (details name the field),
+401 -> UNAUTHENTICATED (send `authorization: Bearer <key>` metadata when the server has an API
+key), 404 -> NOT_FOUND (model), 413 -> INVALID_ARGUMENT, 429 -> RESOURCE_EXHAUSTED (too many
+requests in flight), 503 -> UNAVAILABLE. A cancelled call cancels the replica-side generator,
+which aborts the request on its engine replica (freeing its blocks), exactly like an HTTP
+disconnect.
+"""
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from pdserve_proto import pb2
+from router.pd import NoReplicaError
+from router.protocol import new_id
+
+if TYPE_CHECKING:
+    from router.app import OpenAIServer
+
+_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+           404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
+           429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
+
+# SamplingOptions fields that are `optional` scalars (copied when set) and repeated ones (when non-empty).
+_SCALARS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens",
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "n",
+            "skip_special_tokens", "include_stop_str_in_output", "priority")
+_REPEATED = ("stop", "stop_token_ids")
+
+
+def grpc_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """(status code, details) for an ingress error; details name the offending field."""
+    from router.app import HTTPError  # noqa: PLC0415 (app imports this module)
+
+    if isinstance(error, HTTPError):
+        message = error.message
+        if error.param and not message.startswith(error.param):
+            message = f"{error.param}: {message}"
+        return _STATUS.get(error.status, grpc.StatusCode.INTERNAL), message
+    if isinstance(error, NoReplicaError):
+        return grpc.StatusCode.UNAVAILABLE, str(error)
+    return grpc.StatusCode.INTERNAL, f"generation failed: {error}"
+
+
+class GenerationService:
+    def __init__(self, server: OpenAIServer) -> None:
+        self.server = server
+
+    # --- shared checks -----------------------------------------------------------------------------
+    def check_auth(self, metadata: Sequence[tuple[str, Any]]) -> None:
+        """UNAUTHENTICATED unless metadata carries `authorization: Bearer <key>` (when a key is set)."""
+        from router.app import HTTPError  # noqa: PLC0415
+
+        key = self.server.api_key
+        if key is None:
+            return
+        sent = next((str(v) for k, v in metadata if k.lower() == "authorization"), "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {key}".encode()):
+            raise HTTPError(401, "invalid or missing API key (metadata authorization: Bearer <key>)",
+                            "authentication_error")
+
+    def completion_body(self, request: Any) -> dict[str, Any]:
+        """The POST /v1/completions body equivalent to a GenerateRequest (unset fields omitted, so
+        the HTTP path's defaults and validation apply)."""
+        body: dict[str, Any] = {"model": request.model or self.server.model_name}
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            body["prompt"] = request.text
+        elif which == "token_ids":
+            body["prompt"] = list(request.token_ids.ids)
+        s = request.sampling
+        for name in _SCALARS:
+            if s.HasField(name):
+                body[name] = getattr(s, name)
+        for name in _REPEATED:
+            if len(getattr(s, name)):
+                body[name] = list(getattr(s, name))
+        return body
+
+    # --- RPCs --------------------------------------------------------------------------------------
+    async def generate(self, request: Any, metadata: Sequence[tuple[str, Any]]) -> AsyncIterator[Any]:
+        """Stream GenerateResponses: one per engine step per choice, then one carrying usage.
+        Raises HTTPError / NoReplicaError (see `grpc_status`) before the first message when the
+        request is refused."""
+        server = self.server
+        self.check_auth(metadata)
+        req, params, prompts = server.prepare_completion(self.completion_body(request))
+        server.admit(len(prompts))
+        rid = new_id("cmpl")
+        n = params.n
+        completion_tokens = cached_tokens = 0
+        async for i, delta in server.run(prompts, params, rid):
+            cached_tokens = max(cached_tokens, delta.num_cached_tokens)
+            for c in delta.choices:
+                completion_tokens += len(c.token_ids)
+                if c.finish_reason is not None:
+                    server.count_finished(c.finish_reason)
+                yield pb2.GenerateResponse(
+                    id=rid, index=i * n + c.index, token_ids=c.token_ids, text=c.text,
+                    logprobs=self._logprobs(c.token_ids, c.logprobs) if params.logprobs is not None else (),
+                    finish_reason=c.finish_reason or "",
+                    stop_reason="" if c.stop_reason is None else str(c.stop_reason))
+        yield pb2.GenerateResponse(id=rid, index=-1, usage=pb2.Usage(
+            prompt_tokens=sum(len(p) for p in prompts), completion_tokens=completion_tokens,
+            cached_tokens=cached_tokens))
+
+    def tokenize(self, request: Any, metadata: Sequence[tuple[str, Any]]) -> Any:
+        self.check_auth(metadata)
+        body: dict[str, Any] = {"model": request.model or None, "prompt": request.text}
+        if request.HasField("add_special_tokens"):
+            body["add_special_tokens"] = request.add_special_tokens
+        out = self.server.tokenize(body)
+        return pb2.TokenizeResponse(tokens=out["tokens"], count=out["count"], max_model_len=out["max_model_len"])
+
+    def models(self, metadata: Sequence[tuple[str, Any]]) -> Any:
+        self.check_auth(metadata)
+        return pb2.ModelsResponse(models=[pb2.ModelCard(id=m["id"], owned_by=m["owned_by"],
+                                                        max_model_len=m["max_model_len"])
+                                          for m in self.server.models()["data"]])
+
+    async def health(self) -> Any:
+        ok, pools = await self.server.health()
+        return pb2.HealthResponse(healthy=ok, pools={name: pb2.PoolHealth(replicas=replicas)
+                                                     for name, replicas in pools.items()})
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[dict] | None) -> list[Any]:
+        out = []
+        text = self.server._token_text
+        for tid, entry in zip(token_ids, logprobs or []):
+            chosen = entry.get(tid)
+            top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)
+            out.append(pb2.TokenLogprob(
+                token_id=tid, logprob=chosen.logprob if chosen else 0.0, token=text(tid, chosen),
+                top=[pb2.TopLogprob(token_id=t, logprob=lp.logprob, token=text(t, lp)) for t, lp in top]))
+        return out
+
+
+__all__ = ["GenerationService", "grpc_status"]
