@@ -20,6 +20,8 @@ _DTYPES = {
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CONNECTORS = ("nixl", "torch_dist")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
 
 
 def resolve_dtype(dtype: str | torch.dtype, config_dtype: Any) -> torch.dtype:
@@ -127,12 +129,68 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec_decode/): each decode step verifies up to
+    `num_speculative_tokens` proposed tokens in one target forward pass.
+
+    "ngram" proposes the tokens that followed the latest earlier occurrence of the sequence's last
+    n tokens (n from prompt_lookup_max down to prompt_lookup_min); "draft_model" runs `model` (same
+    vocabulary) greedily for k steps over its own paged KV cache."""
+    method: str                                  # one of SPEC_METHODS
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    draft_model_config: ModelConfig | None = None   # method == "draft_model" only
+
+    @classmethod
+    def create(cls, spec: dict[str, Any], target: ModelConfig) -> SpeculativeConfig:
+        """Validate the user's `speculative_config` dict (ValueError naming the field)."""
+        from engine.weights import resolve_model  # noqa: PLC0415
+
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict or None; got {type(spec).__name__}")
+        unknown = sorted(set(spec) - set(_SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config keys must be among {_SPEC_KEYS}; got {unknown}")
+        method = spec.get("method")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}; got {method!r}")
+        k = spec.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 16]; "
+                             f"got {k!r}")
+        lo = spec.get("prompt_lookup_min", cls.prompt_lookup_min)
+        if not isinstance(lo, int) or lo < 1:
+            raise ValueError(f"speculative_config.prompt_lookup_min must be an integer >= 1; got {lo!r}")
+        hi = spec.get("prompt_lookup_max", max(lo, cls.prompt_lookup_max))
+        if not isinstance(hi, int) or hi < lo:
+            raise ValueError(f"speculative_config.prompt_lookup_max must be an integer >= prompt_lookup_min "
+                             f"({lo}); got {hi!r}")
+        draft = None
+        if method == "draft_model":
+            if not spec.get("model"):
+                raise ValueError("speculative_config.model must name the draft model when method is "
+                                 "'draft_model'")
+            path, gguf_file, hf_config = resolve_model(spec["model"])
+            if hf_config.vocab_size != target.vocab_size:
+                raise ValueError(f"speculative_config.model must share the target's vocabulary "
+                                 f"({target.vocab_size} tokens); it has {hf_config.vocab_size}")
+            draft = ModelConfig(model=path, gguf_file=gguf_file, hf_config=hf_config, dtype=target.dtype,
+                                max_model_len=target.max_model_len, seed=target.seed)
+        elif spec.get("model") is not None:
+            raise ValueError("speculative_config.model must be None when method is 'ngram'")
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
+                   draft_model_config=draft)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     kv_transfer_config: KVTransferConfig | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     @classmethod
     def create(
@@ -165,6 +223,7 @@ class EngineConfig:
         worker_num_gpus: float = 0.0,
         distributed_executor_backend: str | None = None,
         worker_resources: dict[str, float] | None = None,
+        speculative_config: dict[str, Any] | None = None,
     ) -> EngineConfig:
         """Validate user arguments and resolve them against the model's config."""
         from engine.weights import resolve_model  # noqa: PLC0415 (keeps config import-light)
@@ -230,6 +289,9 @@ class EngineConfig:
         model_config = ModelConfig(
             model=path, gguf_file=gguf_file, hf_config=hf_config,
             dtype=resolve_dtype(dtype, config_dtype), max_model_len=max_model_len, seed=seed)
+        spec_config = None
+        if speculative_config is not None:
+            spec_config = SpeculativeConfig.create(speculative_config, model_config)
         return cls(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -244,6 +306,7 @@ class EngineConfig:
                                            worker_num_cpus, worker_num_gpus, distributed_executor_backend,
                                            tuple(sorted((worker_resources or {}).items()))),
             kv_transfer_config=kv_transfer_config,
+            speculative_config=spec_config,
         )
 
 

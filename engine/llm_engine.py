@@ -18,6 +18,7 @@ from engine.outputs import CompletionOutput, KVEvent, Logprob, RequestOutput
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode import SpecDecodeStats, make_proposer, max_proposals
 from engine.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from kv_transfer.base import KVConnectorScheduler, KVLayout
 
@@ -29,6 +30,7 @@ class _Child:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_seen: int = 0            # output tokens detokenized and checked for stop strings so far
     # Logprobs converted so far (the request's lists only grow: convert each entry once).
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
@@ -101,6 +103,8 @@ class LLMEngine:
             self.kv_connector = KVConnectorScheduler(kvt, KVLayout.from_config(config))
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.kv_connector,
                                    kvt.load_failure_policy if kvt else "recompute")
+        self.proposer = make_proposer(config, self.executor.num_blocks)
+        self.spec_stats = SpecDecodeStats()
         self._aborted_leases: list[str] = []
         self.last_step_idle = False         # the last step scheduled nothing (only transfers pending)
         self.states: dict[str, _RequestState] = {}
@@ -189,6 +193,8 @@ class LLMEngine:
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             for cid in child_ids:
                 self.child_to_state.pop(cid, None)
+        if self.proposer is not None:
+            self.proposer.retain(set(self.scheduler.requests))
 
     # --- the loop ---------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -208,6 +214,10 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         runner_out = self.executor.execute_model(sched)
+        for scheduled in sched.scheduled:
+            if scheduled.spec_token_ids and scheduled.request_id in runner_out.spec_sampled:
+                emitted = runner_out.spec_sampled[scheduled.request_id]
+                self.spec_stats.observe(len(scheduled.spec_token_ids), len(emitted) - 1)
         updated = self.scheduler.update_from_output(sched, runner_out)
         if self.kv_connector is not None:
             self._start_leases()
@@ -218,17 +228,31 @@ class LLMEngine:
             if entry is None:
                 continue
             state, i = entry
-            self.num_generation_tokens += 1
             if state.first_token_time is None:
                 state.first_token_time = now
-            self._process_token(state, state.children[i])
+            self.num_generation_tokens += self._process_tokens(state.children[i])
             touched[state.request_id] = state
         for state in touched.values():
             outputs.append(self._make_output(state))
             if state.finished:
                 state.metrics["finished_time"] = now
                 self._forget(state)
+        if self.proposer is not None:
+            self._propose()
         return outputs
+
+    def _propose(self) -> None:
+        """Ask the proposer for the next step's tokens of running decodes that have none."""
+        assert self.proposer is not None and self.config.speculative_config is not None
+        k = self.config.speculative_config.num_speculative_tokens
+        max_len = self.config.scheduler_config.max_model_len
+        self.proposer.retain(set(self.scheduler.requests))
+        wanted = [(r, num) for r in self.scheduler.running
+                  if not r.spec_token_ids and (num := max_proposals(r, k, max_len)) > 0]
+        if wanted:
+            requests, nums = zip(*wanted)
+            for request, proposal in zip(requests, self.proposer.propose(list(requests), list(nums))):
+                request.spec_token_ids = proposal
 
     def _poll_transfers(self) -> list[RequestOutput]:
         """Collect finished transfers: end released, aborted and expired leases (the worker refuses
@@ -272,20 +296,31 @@ class LLMEngine:
         """Keep a leased request's blocks at least `seconds` longer; False if it holds no lease."""
         return self.kv_connector is not None and self.kv_connector.renew_lease(request_id, seconds)
 
-    def _process_token(self, state: _RequestState, child: _Child) -> None:
+    def _process_tokens(self, child: _Child) -> int:
+        """Detokenize the child's new output tokens one at a time (a speculative step adds several),
+        checking stop strings after each; a stop drops the tokens after it. Returns how many new
+        tokens the output keeps."""
         request = child.request
         params = request.sampling_params
-        if child.detokenizer is not None:
-            delta = child.detokenizer.update(request.output_token_ids[-1:])
+        num_before = child.num_seen
+        for token_id in request.output_token_ids[num_before:]:
+            child.num_seen += 1
+            if child.detokenizer is None:
+                continue
+            delta = child.detokenizer.update([token_id])
             if delta:
                 child.text += delta
-                if params.stop and request.num_output_tokens >= params.min_tokens:
-                    self._check_stop_strings(child, len(delta))
+                if (params.stop and child.num_seen >= params.min_tokens
+                        and self._check_stop_strings(child, len(delta))):
+                    request.truncate_output(child.num_seen)
+                    break
         if request.is_finished and child.finish_reason is None:
             child.finish_reason = FINISH_REASONS[request.status]
             child.stop_reason = request.stop_reason
+        return child.num_seen - num_before
 
-    def _check_stop_strings(self, child: _Child, delta_len: int) -> None:
+    def _check_stop_strings(self, child: _Child, delta_len: int) -> bool:
+        """True (and the child finished, its text cut) if its text now contains a stop string."""
         params = child.request.sampling_params
         longest = max(len(s) for s in params.stop)
         search_from = max(0, len(child.text) - delta_len - longest + 1)
@@ -298,7 +333,8 @@ class LLMEngine:
             child.finish_reason, child.stop_reason = "stop", stop
             if not child.request.is_finished:
                 self.scheduler.finish_requests([child.request.request_id], RequestStatus.FINISHED_STOPPED)
-            return
+            return True
+        return False
 
     def _make_output(self, state: _RequestState) -> RequestOutput:
         completions = []
@@ -364,6 +400,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
+            **(self.spec_stats.as_dict() if self.proposer is not None else {}),
             **(self._transfer_stats() if self.kv_connector is not None else {}),
         }
 
@@ -388,3 +425,5 @@ class LLMEngine:
         if self.kv_connector is not None:
             assert not self.kv_connector.leases, f"leases held: {list(self.kv_connector.leases)}"
         self.kv_cache_manager.check_no_leaks()
+        if self.proposer is not None:
+            self.proposer.check_no_leaks()

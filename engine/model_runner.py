@@ -2,7 +2,8 @@
 
 Batch layout: decode requests (one new token) first, then prefill segments, so attention handles
 all decodes in one batched call. Logits are computed only for rows that sample (the last token of a
-request whose KV is now complete) and for rows that want prompt logprobs.
+request whose KV is now complete; with speculative decoding, also each proposed token's row, which
+engine/spec_decode/rejection_sampler.py verifies) and for rows that want prompt logprobs.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from engine.layers.attention import AttentionMetadata
 from engine.layers.sampler import SamplingRow, sample, top_logprobs
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.parallel_state import get_parallel_state, pp_recv, pp_send
+from engine.spec_decode.rejection_sampler import verify
 from kernels.dispatch import get_kernels
 
 
@@ -46,7 +48,7 @@ class ModelRunner:
 
         state = get_parallel_state()
         batch = sorted(sched.scheduled, key=lambda r: len(r.token_ids) != 1)   # decodes first
-        input_ids, positions, meta, sample_rows, lp_rows = self._prepare(batch)
+        input_ids, positions, meta, sample_rows, spec_rows, lp_rows = self._prepare(batch)
         intermediate = None
         if not state.is_first_stage:             # the previous stage's (hidden, residual)
             cfg = self.model.config
@@ -56,7 +58,8 @@ class ModelRunner:
             pp_send(hidden)
             return None
 
-        row_index = [i for _, i in sample_rows] + [i for _, idx in lp_rows for i in idx]
+        row_index = ([i for _, i in sample_rows] + [i for _, idx in spec_rows for i in idx]
+                     + [i for _, idx in lp_rows for i in idx])
         if not row_index:                                  # only partial prefill chunks this step
             return ModelRunnerOutput(sampled={})
         logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=hidden.device)]).cpu()
@@ -66,6 +69,10 @@ class ModelRunner:
         tokens = sample(logits[:num_sample], [self._sampling_row(r) for r, _ in sample_rows]) if sample_rows else []
         output = ModelRunnerOutput(sampled={r.request_id: t for (r, _), t in zip(sample_rows, tokens)})
         offset = num_sample
+        for req, idx in spec_rows:
+            output.spec_sampled[req.request_id] = verify(logits[offset:offset + len(idx)],
+                                                         self._sampling_row(req), req.spec_token_ids)
+            offset += len(idx)
         for req, idx in lp_rows:
             output.prompt_logprobs[req.request_id] = self._prompt_logprobs(req, logits[offset:offset + len(idx)])
             offset += len(idx)
@@ -77,6 +84,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[tuple[ScheduledRequest, int]] = []
+        spec_rows: list[tuple[ScheduledRequest, list[int]]] = []    # the rows of 1 + k positions
         lp_rows: list[tuple[ScheduledRequest, list[int]]] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -96,7 +104,9 @@ class ModelRunner:
                 meta.prefill_block_tables.append(torch.tensor(table, dtype=torch.long, device=self.device))
                 meta.prefill_query_lens.append(n)
                 meta.prefill_seq_lens.append(req.start + n)
-            if req.do_sample:
+            if req.do_sample and req.spec_token_ids:
+                spec_rows.append((req, list(range(base + n - 1 - len(req.spec_token_ids), base + n))))
+            elif req.do_sample:
                 sample_rows.append((req, base + n - 1))
             if req.prompt_logprobs_from is not None:
                 # Logits at position p score prompt token p + 1.
@@ -111,7 +121,7 @@ class ModelRunner:
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return ids, pos_t, meta, sample_rows, lp_rows
+        return ids, pos_t, meta, sample_rows, spec_rows, lp_rows
 
     def _sampling_row(self, req: ScheduledRequest) -> SamplingRow:
         generator = req.generator

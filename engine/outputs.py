@@ -40,6 +40,8 @@ class ScheduledRequest:
     start: int                      # position of token_ids[0] (= num_computed_tokens before the step)
     block_ids: list[int]            # the request's whole block table
     do_sample: bool                 # this chunk ends at the sequence's last token: sample one
+    # Proposed tokens to verify: the last len(spec_token_ids) entries of token_ids (do_sample only).
+    spec_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs_from: int | None = None   # compute prompt logprobs for positions >= this
     # Sampling state needed by the runner when do_sample (or prompt logprobs) is set.
     sampling_params: SamplingParams | None = None
@@ -78,6 +80,9 @@ class SampledToken:
 @dataclass(slots=True)
 class ModelRunnerOutput:
     sampled: dict[str, SampledToken]                                  # request id -> its new token
+    # Requests that verified proposed tokens: the tokens they emit, in order (the accepted proposals,
+    # then the target's own token at the first rejection or after the last proposal).
+    spec_sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 

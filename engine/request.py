@@ -82,6 +82,9 @@ class Request:
         # keep the blocks under a lease for a decode engine when done (prefill side).
         self.remote_prefill: RemotePrefill | None = None
         self.remote_decode = False
+        # Speculative decoding: tokens proposed to follow all_token_ids, verified (and consumed) by
+        # the next step that schedules this request; never part of all_token_ids or its hashes.
+        self.spec_token_ids: list[int] = []
 
         self.block_size = block_size
         self.extra_keys = sampling_params.extra_keys
@@ -125,6 +128,17 @@ class Request:
         self.all_token_ids.append(token_id)
         if self.num_tokens % self.block_size == 0:
             self._update_block_hashes()
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens (and their logprobs) beyond the first `num_output_tokens`: the tokens
+        of a speculative run that came after a stop string. Only for a finished request (its KV
+        blocks are freed already)."""
+        assert self.is_finished
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
+        del self.logprobs[num_output_tokens:]
+        del self.logprob_ranks[num_output_tokens:]
+        del self.block_hashes[self.num_tokens // self.block_size:]
 
     def _update_block_hashes(self) -> None:
         parent = self.block_hashes[-1] if self.block_hashes else None

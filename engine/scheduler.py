@@ -11,6 +11,11 @@ With a KV connector (prefill/decode split) a remotely prefilled request is admit
 WAITING_FOR_REMOTE_KVS instead: its blocks are allocated, their pull is queued, and it rejoins the
 queue's front once they arrive (or starts over locally if the pull fails). A request to be decoded
 remotely keeps its blocks when it finishes; the engine puts them under a lease.
+
+Speculative decoding (engine/spec_decode/): a running decode with proposed tokens is scheduled for
+1 + k tokens within the budget; the proposals are dropped rather than preempt anything. After the
+step, the emitted tokens are appended one by one (each checked for stop, min/max tokens) and
+num_computed_tokens is set back past the rejected proposals.
 """
 from __future__ import annotations
 
@@ -123,15 +128,20 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         preempted: list[str] = []
 
+        drafts: dict[str, list[int]] = {}
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens_to_compute, budget,
+            proposed, request.spec_token_ids = request.spec_token_ids, []    # consumed (or dropped)
+            n = min(request.num_tokens_to_compute + len(proposed), budget,
                     self.config.max_model_len - request.num_computed_tokens)
             if n <= 0 or (not chunked and n < request.num_tokens_to_compute):
                 i += 1
                 continue
-            while self.kv.allocate_slots(request, n) is None:
+            num_drafts = n - min(n, request.num_tokens_to_compute)
+            if num_drafts and self.kv.allocate_slots(request, n) is None:
+                n, num_drafts = n - num_drafts, 0    # no room for the proposals: never preempt for them
+            while not num_drafts and self.kv.allocate_slots(request, n) is None:
                 victim = self._pick_victim(i)
                 self._preempt(victim, swap_out)
                 preempted.append(victim.request_id)
@@ -140,6 +150,8 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue          # it preempted itself; the list shrank under i
             num_new[request.request_id] = n
+            if num_drafts:
+                drafts[request.request_id] = proposed[:num_drafts]
             budget -= n
             i += 1
 
@@ -181,7 +193,8 @@ class Scheduler:
 
         assert not (swap_in and swap_out), "swap-in and swap-out never share a step"
         return SchedulerOutput(
-            scheduled=[self._describe(self.requests[rid], n) for rid, n in num_new.items()],
+            scheduled=[self._describe(self.requests[rid], n, drafts.get(rid, []))
+                       for rid, n in num_new.items()],
             num_batched_tokens=sum(num_new.values()),
             swap_out=swap_out, swap_in=swap_in, copy_blocks=self.kv.take_pending_copies(),
             preempted_ids=preempted, finished_ids=self._take_finished_ids())
@@ -269,13 +282,15 @@ class Scheduler:
             self.kv.free(request)
             request.num_computed_tokens = 0
             request.status = RequestStatus.PREEMPTED
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(request, front=True)
 
-    def _describe(self, request: Request, n: int) -> ScheduledRequest:
+    def _describe(self, request: Request, n: int, spec_token_ids: list[int]) -> ScheduledRequest:
+        """The runner's view of `n` tokens of `request`, the last len(spec_token_ids) proposals."""
         start = request.num_computed_tokens
-        end = start + n
+        end = start + n - len(spec_token_ids)
         do_sample = request.compute_limit is None and end == request.num_tokens
         prompt_lp_from = None
         if (request.sampling_params.prompt_logprobs is not None
@@ -285,10 +300,11 @@ class Scheduler:
         needs_state = do_sample or prompt_lp_from is not None
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=request.all_token_ids[start:end] + spec_token_ids,
             start=start,
             block_ids=self.kv.block_ids(request.request_id),
             do_sample=do_sample,
+            spec_token_ids=spec_token_ids,
             prompt_logprobs_from=prompt_lp_from,
             sampling_params=request.sampling_params if needs_state else None,
             generator=request.generator if do_sample else None,
@@ -319,12 +335,20 @@ class Scheduler:
                 need = request.num_prompt_tokens - len(request.prompt_logprobs)
                 request.prompt_logprobs.extend(prompt_lps[:need])
             sampled = runner_output.sampled.get(request.request_id)
-            if sampled is not None:
-                request.append_output_token(sampled.token_id)
-                if sampled.top_logprobs is not None:
-                    request.logprobs.append(sampled.top_logprobs)
-                    request.logprob_ranks.append(sampled.rank)
-                self._check_stop(request, sampled.token_id)
+            emitted = [sampled] if sampled is not None else runner_output.spec_sampled.get(request.request_id, [])
+            if sched.spec_token_ids:
+                # Roll back past the rejected proposals: their KV slots lie beyond the computed
+                # length (never read) and are rewritten when those positions are computed again.
+                request.num_computed_tokens -= len(sched.spec_token_ids) + 1 - len(emitted)
+            for token in emitted:
+                request.append_output_token(token.token_id)
+                if token.top_logprobs is not None:
+                    request.logprobs.append(token.top_logprobs)
+                    request.logprob_ranks.append(token.rank)
+                self._check_stop(request, token.token_id)
+                if request.is_finished:
+                    break            # the rest of an accepted run comes after the stop
+            if emitted:
                 updated.append(request)
             if request.compute_limit is not None and request.num_computed_tokens == request.compute_limit:
                 self._fork(request)

@@ -30,32 +30,36 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-    _apply_penalties_and_masks(logits, rows)
+    apply_penalties_and_masks(logits, rows)
 
     token_ids = logits.argmax(dim=-1)
     random_idx = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random_idx:
         idx = torch.tensor(random_idx)
         temps = torch.tensor([rows[i].params.temperature for i in random_idx], dtype=logits.dtype)
-        probs = _filtered_probs(logits[idx] / temps[:, None], [rows[i].params for i in random_idx])
+        probs = filtered_probs(logits[idx] / temps[:, None], [rows[i].params for i in random_idx])
         noise = torch.empty_like(probs)
         for j, i in enumerate(random_idx):
             noise[j].exponential_(generator=rows[i].generator)
         # Exponential race: argmax p / E with E ~ Exp(1) draws from p.
         token_ids[idx] = (probs / noise).argmax(dim=-1)
 
-    out = []
     token_list = token_ids.tolist()
-    for i, (row, token_id) in enumerate(zip(rows, token_list)):
-        sampled = SampledToken(token_id)
-        if row.params.logprobs is not None and raw_logprobs is not None:
-            lp = raw_logprobs[i]
-            sampled.logprob = lp[token_id].item()
-            sampled.rank = int((lp > lp[token_id]).sum().item()) + 1
-            sampled.top_logprobs = top_logprobs(lp, row.params.logprobs)
-            sampled.top_logprobs[token_id] = sampled.logprob
-        out.append(sampled)
-    return out
+    return [to_sampled(token_id, row.params, None if raw_logprobs is None else raw_logprobs[i])
+            for i, (row, token_id) in enumerate(zip(rows, token_list))]
+
+
+def to_sampled(token_id: int, params: SamplingParams, raw_logprobs: torch.Tensor | None) -> SampledToken:
+    """The record of one chosen token, with its logprob, rank and top-N if the request wants them
+    (`raw_logprobs`: [vocab], the model's log-softmax at that position)."""
+    sampled = SampledToken(token_id)
+    if params.logprobs is not None and raw_logprobs is not None:
+        lp = raw_logprobs
+        sampled.logprob = lp[token_id].item()
+        sampled.rank = int((lp > lp[token_id]).sum().item()) + 1
+        sampled.top_logprobs = top_logprobs(lp, params.logprobs)
+        sampled.top_logprobs[token_id] = sampled.logprob
+    return sampled
 
 
 def top_logprobs(logprobs: torch.Tensor, num: int) -> dict[int, float]:
@@ -65,7 +69,7 @@ def top_logprobs(logprobs: torch.Tensor, num: int) -> dict[int, float]:
     return dict(zip(ids.tolist(), values.tolist()))
 
 
-def _apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+def apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     vocab = logits.shape[-1]
     for i, row in enumerate(rows):
         p = row.params
@@ -87,7 +91,7 @@ def _apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow]) ->
                 logits[i, banned_ids] = float("-inf")
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Softmax after top_k, top_p and min_p filtering (rows without them pass through)."""
     vocab = logits.shape[-1]
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
