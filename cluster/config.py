@@ -36,6 +36,8 @@ class PoolSpec(_Strict):
     # Custom Ray resources per rank, to pin a pool to its nodes: a KubeRay worker group started with
     # `resources: {"pdserve_prefill": 1000}` takes the pool with `resources: {pdserve_prefill: 1}`.
     resources: dict[str, float] = Field(default_factory=dict)
+    # Speculative decoding (LLM's speculative_config), for the pool that decodes: decode only.
+    speculative_config: dict[str, Any] | None = None
 
     @property
     def world_size(self) -> int:
@@ -108,6 +110,12 @@ class ClusterConfig(_Strict):
             "tensor_parallel_size", "pipeline_parallel_size", "worker_num_cpus", "worker_num_gpus")]
         if parallel_keys:
             raise ValueError(f"engine must not set {parallel_keys}: set them per pool (pools.<name>)")
+        if "speculative_config" in self.engine:
+            raise ValueError("engine must not set speculative_config: set it on the decode pool "
+                             "(pools.decode.speculative_config); prefill replicas never decode")
+        if self.pools.get("prefill") is not None and self.pools["prefill"].speculative_config is not None:
+            raise ValueError("pools.prefill.speculative_config: only the decode pool decodes; set "
+                             "pools.decode.speculative_config")
         kv_keys = [k for k in self.engine if k.startswith("kv_")]
         if kv_keys:
             raise ValueError(f"engine must not set {kv_keys}: the disaggregation section configures "

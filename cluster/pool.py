@@ -178,4 +178,5 @@ def engine_config_for(config: ClusterConfig, pool: str = "decode") -> EngineConf
         parallel.update(tensor_parallel_size=spec.tensor_parallel_size,
                         pipeline_parallel_size=spec.pipeline_parallel_size,
                         worker_resources=dict(spec.resources))
-    return EngineConfig.create(config.model, **config.engine, **kv_args, **parallel)
+    spec_args = {"speculative_config": spec.speculative_config} if spec.speculative_config else {}
+    return EngineConfig.create(config.model, **config.engine, **kv_args, **parallel, **spec_args)

@@ -561,6 +561,13 @@ def test_chart_colocated_tp_renders_only_the_decode_group(chart, crd_schemas):
     check_pods(service, spec, docs, values={**yaml.safe_load((CHART / "values.yaml").read_text()), **values})
 
 
+def test_chart_passes_speculative_config_to_the_decode_pool(chart):
+    docs = render(chart, {"pools": {"decode": {"speculative_config": {
+        "method": "ngram", "num_speculative_tokens": 3}}}})
+    (spec,) = check_serve_config(one(docs, "RayService"))
+    assert spec.pools["decode"].speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+
+
 def test_chart_torch_dist_gets_nccl_settings_not_ucx(chart):
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     values = {"disaggregation": {"connector": "torch_dist"}, "ucx": {"tls": "tcp"},

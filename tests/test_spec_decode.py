@@ -360,13 +360,20 @@ def test_draft_model_must_share_the_vocabulary(tiny_llama, tiny_vocab_model):
             "method": "draft_model", "model": tiny_vocab_model, "num_speculative_tokens": 2})
 
 
-def test_cluster_engine_section_passes_speculative_config(tiny_llama):
+def test_cluster_spec_sets_speculation_on_the_decode_pool(tiny_llama):
     from cluster.config import ClusterConfig
     from cluster.pool import engine_config_for
 
-    config = ClusterConfig(model=tiny_llama, engine={"speculative_config": NGRAM})
+    config = ClusterConfig(model=tiny_llama, mode="disaggregated", pools={
+        "prefill": {}, "decode": {"speculative_config": NGRAM}})
     spec = engine_config_for(config, "decode").speculative_config
     assert spec is not None and spec.method == "ngram" and spec.num_speculative_tokens == 3
+    assert engine_config_for(config, "prefill").speculative_config is None
+    with pytest.raises(ValueError, match="pools.decode.speculative_config"):
+        ClusterConfig(model=tiny_llama, engine={"speculative_config": NGRAM})
+    with pytest.raises(ValueError, match="only the decode pool decodes"):
+        ClusterConfig(model=tiny_llama, mode="disaggregated", pools={
+            "prefill": {"speculative_config": NGRAM}, "decode": {}})
 
 
 # --- the draft-model proposer ---------------------------------------------------------------------
