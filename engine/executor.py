@@ -64,10 +64,13 @@ class RayExecutor:
                                                        dict(pc.worker_resources))
         device = "cuda" if pc.worker_num_gpus else "cpu"
         threads = max(1, int(pc.worker_num_cpus))
-        actor = ray.remote(Worker)
+        # Everything but `placement` runs on the actor's one default thread: torch work split over
+        # two threads slows every later step (OpenMP; see engine/async_engine.py). `placement`, in
+        # its own group, answers while serve_steps holds the default thread.
+        actor = ray.remote(concurrency_groups={"control": 1})(Worker)
         self.workers = [
             actor.options(num_cpus=pc.worker_num_cpus, num_gpus=pc.worker_num_gpus,
-                          resources=dict(pc.worker_resources), max_concurrency=2,
+                          resources=dict(pc.worker_resources),
                           scheduling_strategy=PlacementGroupSchedulingStrategy(
                               self.placement_group, placement_group_bundle_index=rank // tp),
                           ).remote(config, device, rank, threads)
@@ -141,7 +144,7 @@ class RayExecutor:
         return results[self.driver][1]
 
     def placements(self) -> list[dict[str, Any]]:
-        return self._run("placement")
+        return self._wait([w.placement.options(concurrency_group="control").remote() for w in self.workers])
 
     def shutdown(self) -> None:
         import ray  # noqa: PLC0415

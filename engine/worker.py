@@ -136,7 +136,7 @@ class Worker:
         engine/step_channel.py): each frame is a pickled SchedulerOutput, each reply `(True, output)`
         (output None off the driver rank) or `(False, traceback)`."""
         if self.num_threads:
-            torch.set_num_threads(self.num_threads)     # this runs on one of the actor's threads
+            torch.set_num_threads(self.num_threads)
         sock = step_channel.connect(host, port, self.rank)
         try:
             while True:
