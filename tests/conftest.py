@@ -30,6 +30,25 @@ def block_accounting(monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def eventually_no_leaks():
+    """Block accounting for engine replica actors: `check(replicas, timeout)` is True once every
+    replica (id -> actor handle) reports no request left and every KV block free."""
+    import time
+
+    def check(replicas: dict, timeout: float = 30.0) -> bool:
+        import ray
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(ray.get([h.check_no_leaks.remote() for h in replicas.values()])):
+                return True
+            time.sleep(0.2)
+        return False
+
+    return check
+
+
+@pytest.fixture(scope="session")
 def smol_tokenizer(tmp_path_factory):
     """The embedded model's tokenizer, saved once as a plain HF tokenizer directory."""
     from transformers import AutoTokenizer

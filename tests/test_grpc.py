@@ -31,17 +31,8 @@ def _md(app: str = MAIN, key: str | None = API_KEY) -> list[tuple[str, str]]:
     return md
 
 
-def _eventually_no_leaks(replicas: dict, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(ray.get([h.check_no_leaks.remote() for h in replicas.values()])):
-            return True
-        time.sleep(0.2)
-    return False
-
-
 @pytest.fixture(scope="module")
-def server(tiny_llama):
+def server(tiny_llama, eventually_no_leaks):
     from ray import serve
 
     from cluster.config import ClusterConfig
@@ -77,7 +68,7 @@ def server(tiny_llama):
            "model": stub.Models(pb2.ModelsRequest(), metadata=_md()).models[0].id}
     channel.close()
     for manager in managers:
-        assert _eventually_no_leaks(ray.get(manager.replicas.remote("decode"))), "a replica kept blocks"
+        assert eventually_no_leaks(ray.get(manager.replicas.remote("decode"))), "a replica kept blocks"
     serve.shutdown()                  # frees both ports for the next module's Serve
     for manager in managers:
         ray.get(manager.shutdown.remote())
@@ -177,7 +168,7 @@ def test_error_codes(server):
 
 
 @pytest.mark.ray
-def test_cancel_mid_stream_frees_every_block(server):
+def test_cancel_mid_stream_frees_every_block(server, eventually_no_leaks):
     """Eight streams of up to 900 tokens, cancelled after their first messages: the engine stops
     them (far fewer tokens generated than asked for) and every block comes back."""
     stub, pb2 = server["stub"], server["pb2"]
@@ -196,7 +187,7 @@ def test_cancel_mid_stream_frees_every_block(server):
         with pytest.raises(grpc.RpcError) as err:
             list(call)
         assert err.value.code() == grpc.StatusCode.CANCELLED
-    assert _eventually_no_leaks(replicas, timeout=20)
+    assert eventually_no_leaks(replicas, timeout=20)
     generated = ray.get(replica.stats.remote())["generation_tokens"] - before
     assert generated < 8 * 900 // 2, f"{generated} tokens: cancelled requests kept running"
 

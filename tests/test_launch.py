@@ -42,18 +42,23 @@ def test_ray_job_submit_serves_the_example_spec():
     gcs, dashboard, http = _free_port(), _free_port(), _free_port()
     address = f"http://127.0.0.1:{dashboard}"
     subprocess.run([ray_cli, "get-auth-token", "--generate"], env=env, check=True, capture_output=True, timeout=60)
+    # Every port of this cluster's own: the job agent on the default port can collide with the
+    # agent of a Ray that another test just shut down, and then no job is ever accepted.
+    agent_ports = ["--dashboard-agent-listen-port", str(_free_port()), "--dashboard-agent-grpc-port",
+                   str(_free_port()), "--runtime-env-agent-port", str(_free_port()),
+                   "--metrics-export-port", str(_free_port())]
     subprocess.run([ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
                     "--num-cpus", "8", "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
-                    "--dashboard-port", str(dashboard), "--disable-usage-stats"],
+                    "--dashboard-port", str(dashboard), "--disable-usage-stats", *agent_ports],
                    env=env, check=True, capture_output=True, timeout=180)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         while True:     # the job agent registers a little after `ray start` returns
             submitted = subprocess.run(
                 [ray_cli, "job", "submit", "--address", address, "--no-wait", "--working-dir", REPO, "--",
                  "python", "-m", "cluster.launch", "--config", "deploy/examples/cpu-small.yaml", "--port",
                  str(http)], env=env, capture_output=True, text=True, timeout=180, cwd=REPO)
-            if submitted.returncode == 0 or "No available agent" not in submitted.stderr \
+            if submitted.returncode == 0 or "No available agent" not in submitted.stdout + submitted.stderr \
                     or time.monotonic() > deadline:
                 break
             time.sleep(2)

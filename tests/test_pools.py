@@ -125,7 +125,7 @@ def test_impossible_placement_fails_fast(tmp_path, tiny_llama):
 
 # --- replacement on a live Serve app ---------------------------------------------------------------
 @pytest.fixture(scope="module")
-def heal(tiny_llama):
+def heal(tiny_llama, eventually_no_leaks):
     ray = pytest.importorskip("ray", reason="needs ray[serve] (make setup installs it)")
     from ray import serve
 
@@ -144,11 +144,8 @@ def heal(tiny_llama):
     manager = ray.get_actor(MANAGER_NAME, namespace=config.name)
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
     yield {"base": base, "manager": manager, "client": client, "model": client.models.list().data[0].id}
-    replicas = ray.get(manager.replicas.remote("decode"))
-    deadline = time.monotonic() + 30
-    while not all(ray.get([h.check_no_leaks.remote() for h in replicas.values()])):
-        assert time.monotonic() < deadline, "a replica kept requests or blocks after the tests"
-        time.sleep(0.2)
+    assert eventually_no_leaks(ray.get(manager.replicas.remote("decode"))), \
+        "a replica kept requests or blocks after the tests"
     serve.shutdown()            # also its HTTP proxy, which holds this module's port
     ray.get(manager.shutdown.remote())
     ray.kill(manager)

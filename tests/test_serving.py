@@ -38,7 +38,7 @@ def _wait_healthy(base: str, timeout: float = 180.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
+def server(tiny_llama, eventually_no_leaks):
     from ray import serve
 
     from cluster.config import ClusterConfig
@@ -75,7 +75,7 @@ def server(tiny_llama):
         replicas = ray.get(manager.replicas.remote("decode"))
         if manager is managers[-1]:
             replicas.update(ray.get(manager.replicas.remote("prefill")))
-        assert _eventually_no_leaks(replicas), "a replica kept requests or blocks after the tests"
+        assert eventually_no_leaks(replicas), "a replica kept requests or blocks after the tests"
     serve.shutdown()
     for manager in managers:
         ray.get(manager.shutdown.remote())
@@ -84,15 +84,6 @@ def server(tiny_llama):
 
 def _auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
-
-
-def _eventually_no_leaks(replicas: dict, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(ray.get([h.check_no_leaks.remote() for h in replicas.values()])):
-            return True
-        time.sleep(0.2)
-    return False
 
 
 @pytest.fixture
@@ -201,7 +192,7 @@ def test_error_codes(server, client):
     assert client.completions.create(model=model, prompt="still here", max_tokens=2).choices[0].text is not None
 
 
-def test_disconnects_free_every_block(server):
+def test_disconnects_free_every_block(server, eventually_no_leaks):
     """50 concurrent streams, a third dropped after their first tokens: all blocks come back, and
     the server keeps answering."""
     model = server["model"]
@@ -224,7 +215,7 @@ def test_disconnects_free_every_block(server):
     results = asyncio.run(main())
     assert results.count(-1) == 17 and all(r > 0 for r in results if r != -1)
     for manager in server["managers"][:1]:
-        assert _eventually_no_leaks(ray.get(manager.replicas.remote("decode")))
+        assert eventually_no_leaks(ray.get(manager.replicas.remote("decode")))
     metrics = httpx.get(f"{server['base']}/metrics").text
     assert "pdserve:time_to_first_token_seconds_count" in metrics
     assert 'pdserve:kv_cache_usage_perc{pool="decode",replica="decode-0"}' in metrics
@@ -244,7 +235,7 @@ def _metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def test_disaggregated_path_matches_colocated(server, client):
+def test_disaggregated_path_matches_colocated(server, client, eventually_no_leaks):
     """Long prompts go prefill -> transfer -> decode, short ones stay on the decode replica; both give
     the colocated app's greedy output, streamed or not; every block is freed on both pools."""
     pd_client = openai.OpenAI(base_url=f"{server['base']}/pd/v1", api_key="none", max_retries=0, timeout=120)
@@ -274,4 +265,4 @@ def test_disaggregated_path_matches_colocated(server, client):
     assert _metric(metrics, "pdserve:kv_load_failures_total") == 0
     manager = server["managers"][-1]
     replicas = {**ray.get(manager.replicas.remote("decode")), **ray.get(manager.replicas.remote("prefill"))}
-    assert _eventually_no_leaks(replicas)
+    assert eventually_no_leaks(replicas)
