@@ -194,7 +194,7 @@ class LLMEngine:
             for cid in child_ids:
                 self.child_to_state.pop(cid, None)
         if self.proposer is not None:
-            self.proposer.retain(set(self.scheduler.requests))
+            self.proposer.retain(self.scheduler.requests)
 
     # --- the loop ---------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -214,10 +214,11 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         runner_out = self.executor.execute_model(sched)
-        for scheduled in sched.scheduled:
-            if scheduled.spec_token_ids and scheduled.request_id in runner_out.spec_sampled:
-                emitted = runner_out.spec_sampled[scheduled.request_id]
-                self.spec_stats.observe(len(scheduled.spec_token_ids), len(emitted) - 1)
+        if runner_out.spec_sampled:          # only speculative steps pay for the count
+            for scheduled in sched.scheduled:
+                emitted = runner_out.spec_sampled.get(scheduled.request_id)
+                if emitted is not None:
+                    self.spec_stats.observe(len(scheduled.spec_token_ids), len(emitted) - 1)
         updated = self.scheduler.update_from_output(sched, runner_out)
         if self.kv_connector is not None:
             self._start_leases()
@@ -246,7 +247,7 @@ class LLMEngine:
         assert self.proposer is not None and self.config.speculative_config is not None
         k = self.config.speculative_config.num_speculative_tokens
         max_len = self.config.scheduler_config.max_model_len
-        self.proposer.retain(set(self.scheduler.requests))
+        self.proposer.retain(self.scheduler.requests)
         wanted = [(r, num) for r in self.scheduler.running
                   if not r.spec_token_ids and (num := max_proposals(r, k, max_len)) > 0]
         if wanted:

@@ -17,6 +17,7 @@ The flow of one speculative step (vLLM v1's design):
 """
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,7 +29,7 @@ class Proposer(Protocol):
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
         """Up to num_tokens[i] tokens to follow requests[i]'s tokens (possibly none)."""
 
-    def retain(self, request_ids: set[str]) -> None:
+    def retain(self, request_ids: Container[str]) -> None:
         """Forget the state (and free the KV) of requests not in `request_ids`."""
 
     def check_no_leaks(self) -> None:

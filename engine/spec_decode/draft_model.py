@@ -12,6 +12,7 @@ tokens (speculation never preempts); a request's shadow and blocks go when it le
 """
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field, replace
 
 from engine.config import CacheConfig, EngineConfig, ParallelConfig
@@ -100,7 +101,7 @@ class DraftModelProposer:
         shadow.num_computed_tokens = min(shadow.num_computed_tokens, common)
         return shadow
 
-    def retain(self, request_ids: set[str]) -> None:
+    def retain(self, request_ids: Container[str]) -> None:
         """Free the shadows (and draft KV blocks) of requests that left the scheduler."""
         for rid in [rid for rid in self.shadows if rid not in request_ids]:
             self.kv.free(self.shadows.pop(rid))        # type: ignore[arg-type]

@@ -6,6 +6,8 @@ when the output copies spans of the prompt (summarization, editing, extraction, 
 """
 from __future__ import annotations
 
+from collections.abc import Container
+
 import numpy as np
 
 from engine.config import SpeculativeConfig
@@ -37,7 +39,7 @@ class NgramProposer:
                 return token_ids[follow:follow + num_tokens]
         return []
 
-    def retain(self, request_ids: set[str]) -> None:
+    def retain(self, request_ids: Container[str]) -> None:
         """Nothing to forget: this proposer keeps no per-request state."""
 
     def check_no_leaks(self) -> None:
