@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from engine.config import KVTransferConfig  # noqa: E402  (before kv_transfer.factory: import cycle)
-from kv_transfer.base import KVConnectorWorker, KVLayout, LoadSpec, RemotePrefill  # noqa: E402
+from kv_transfer.base import KVConnectorWorker, KVLayout, LeaseSlots, LoadSpec, RemotePrefill  # noqa: E402
 from kv_transfer.factory import create_connector_worker  # noqa: E402
 
 LAYOUT = KVLayout(model="bench", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="bfloat16")
@@ -79,17 +79,20 @@ def make_worker(connector: str, role: str, num_blocks: int) -> KVConnectorWorker
 def prefill_side(connector: str, blocks: int, repeats: int, to_p: Any, to_d: Any) -> None:
     worker = make_worker(connector, "p", 4 * blocks)
     rng = random.Random(1)
+    slots = LeaseSlots()
     for i in range(repeats + 1):                       # round 0: untimed, sets up the connection
         ids = rng.sample(range(worker.num_blocks), blocks)
-        slot, token = worker.start_lease(ids)
+        slot, token = slots.take()
+        worker.leases.hold(slot, token, ids)
         remote = RemotePrefill(worker.engine_id, f"req{i}", ids, [], blocks * LAYOUT.block_size, slot, token,
-                               time.time() + 600, LAYOUT, worker.address())
+                               time.time() + 600, LAYOUT, [worker.address()])
         to_d.put((remote.to_dict(), digest(worker.gather_blocks(ids))))
         released = done = False
         deadline = time.monotonic() + TIMEOUT_S
         while not (released and done):                 # torch_dist serves the pull inside poll()
             if slot in [s for s, _ in worker.poll().released]:
                 worker.end_leases([slot])
+                slots.free(slot)
                 released = True
             done = done or (not to_p.empty() and to_p.get() == "done")
             wait(deadline)
@@ -131,6 +134,7 @@ def decode_side(connector: str, blocks: int, repeats: int, to_p: Any, to_d: Any)
                 raise RuntimeError(f"pull failed: {report.failed}")
             wait(deadline)
         scattered.append(time.perf_counter() - start)
+        worker.release_remote(remote)                  # as the decode engine does once all ranks pulled
         if digest(worker.gather_blocks(ids)) != want:
             raise RuntimeError(f"{connector}: the pulled blocks differ from the prefill side's")
         to_p.put("done")

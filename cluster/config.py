@@ -103,9 +103,10 @@ class ClusterConfig(_Strict):
             raise ValueError("mode 'disaggregated' needs a 'prefill' pool beside 'decode'")
         if self.mode == "colocated" and "prefill" in self.pools:
             raise ValueError("pools has 'prefill' but mode is 'colocated'; set mode: disaggregated")
-        if self.mode == "disaggregated" and any(p.world_size > 1 for p in self.pools.values()):
-            raise ValueError("mode 'disaggregated' needs tensor_parallel_size = pipeline_parallel_size = 1 "
-                             "in every pool: KV transfer between multi-rank engines is not supported yet")
+        if self.mode == "disaggregated" and any(p.pipeline_parallel_size > 1 for p in self.pools.values()):
+            raise ValueError("mode 'disaggregated' needs pipeline_parallel_size = 1 in every pool: KV "
+                             "transfer moves each TP rank's heads (the pools' TP sizes may differ), not "
+                             "pipeline stages")
         parallel_keys = [k for k in self.engine if k in (
             "tensor_parallel_size", "pipeline_parallel_size", "worker_num_cpus", "worker_num_gpus")]
         if parallel_keys:

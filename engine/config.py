@@ -252,9 +252,9 @@ class EngineConfig:
                              f"{worker_num_cpus}, {worker_num_gpus}")
         kv_transfer_config = None
         if kv_connector is not None:
-            if tensor_parallel_size * pipeline_parallel_size > 1:
-                raise ValueError("kv_connector with tensor_parallel_size or pipeline_parallel_size > 1 is "
-                                 "not supported yet: KV transfer runs between single-rank engines")
+            if pipeline_parallel_size > 1:
+                raise ValueError("kv_connector needs pipeline_parallel_size == 1 (KV transfer moves each TP "
+                                 "rank's heads; stages holding different layers are not supported)")
             if kv_connector not in KV_CONNECTORS:
                 raise ValueError(f"kv_connector must be one of {KV_CONNECTORS} or None; got {kv_connector!r}")
             if kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:

@@ -9,6 +9,7 @@ from engine.config import EngineConfig
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.step_channel import ChannelClosed, StepChannel
 from engine.worker import Worker
+from kv_transfer.base import KVWorkerGroup, TransferReport
 
 
 class EngineDeadError(RuntimeError):
@@ -23,7 +24,41 @@ def make_executor(config: EngineConfig) -> InProcessExecutor | RayExecutor:
     return RayExecutor(config)
 
 
-class InProcessExecutor:
+class _Executor:
+    """What both executors share: the KV connector's worker sides of the ranks (`kv`, None without
+    a connector), reached through the step messages."""
+
+    kv: KVWorkerGroup | None = None
+    _kv_fresh = False                 # a step's reports arrived since the last kv_poll
+
+    def _step(self, sched: SchedulerOutput | None) -> ModelRunnerOutput | None:
+        raise NotImplementedError
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        output = self._step(sched)
+        assert output is not None
+        return output
+
+    def kv_poll(self) -> TransferReport:
+        """Transfers finished since the last call: from the last step's replies, or from a step
+        message without a model step when none ran since."""
+        assert self.kv is not None
+        if not self._kv_fresh:
+            self._step(None)
+        self._kv_fresh = False
+        return self.kv.take_report()
+
+    def kv_blocks(self, block_ids: list[int]) -> list[Any]:
+        """Every rank's heads of these blocks (Worker.kv_blocks), in rank order (for checks)."""
+        raise NotImplementedError
+
+    def kv_flush(self) -> None:
+        """Send the queued KV orders now (new leases must be live before their parameters leave)."""
+        if self.kv is not None and self.kv.ops:
+            self._step(None)
+
+
+class InProcessExecutor(_Executor):
     def __init__(self, config: EngineConfig) -> None:
         pc = config.parallel_config
         assert pc.world_size == 1, "more than one rank needs the RayExecutor"
@@ -31,17 +66,26 @@ class InProcessExecutor:
         self.worker.load_model()
         self.num_blocks, self.num_cpu_blocks = self.worker.determine_num_blocks()
         self.worker.init_cache(self.num_blocks, self.num_cpu_blocks)
-        # The worker side of the KV connector (None without one); the engine drives it directly.
-        self.kv_connector_worker = self.worker.kv_connector
+        if self.worker.kv_connector is not None:
+            engine_id, address = self.worker.kv_address()
+            self.kv = KVWorkerGroup(engine_id, [address])
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(sched)
+    def kv_blocks(self, block_ids: list[int]) -> list[Any]:
+        return [self.worker.kv_blocks(block_ids)]
+
+    def _step(self, sched: SchedulerOutput | None) -> ModelRunnerOutput | None:
+        if self.kv is None:
+            return self.worker.execute_model(sched) if sched is not None else None
+        output, report = self.worker.step(sched, self.kv.take_ops())
+        self.kv.collect([report])
+        self._kv_fresh = True
+        return output
 
     def shutdown(self) -> None:
         self.worker.shutdown()
 
 
-class RayExecutor:
+class RayExecutor(_Executor):
     """One `Worker` actor per rank in a placement group (cluster/placement.py: a stage's TP ranks on
     one node, stages spread over nodes). Setup goes through Ray calls; then every worker runs
     `serve_steps`, connected to this executor's StepChannel, and each step's SchedulerOutput is
@@ -76,7 +120,6 @@ class RayExecutor:
                           ).remote(config, device, rank, threads)
             for rank in range(tp * pp)]
         self.driver = (pp - 1) * tp
-        self.kv_connector_worker = None
         try:
             host, port = ray.get(self.workers[0].rendezvous_address.remote())
             self._run("init_distributed", f"tcp://{host}:{port}")
@@ -85,6 +128,9 @@ class RayExecutor:
             self.num_blocks = min(n for n, _ in sizes)
             self.num_cpu_blocks = min(c for _, c in sizes)
             self._run("init_cache", self.num_blocks, self.num_cpu_blocks)
+            if config.kv_transfer_config is not None:       # PP == 1 (config): rank == TP rank
+                ids, addresses = zip(*self._run("kv_address"))
+                self.kv = KVWorkerGroup(ids[0], list(addresses))
             self.channel = StepChannel(ray.util.get_node_ip_address())
             self._loops = [w.serve_steps.remote(*self.channel.address) for w in self.workers]
             self.channel.accept(len(self.workers), 120.0, self._dead_worker)
@@ -131,9 +177,10 @@ class RayExecutor:
         except ray.exceptions.RayActorError as e:
             raise EngineDeadError(f"a worker of this engine died: {e}") from e
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def _step(self, sched: SchedulerOutput | None) -> ModelRunnerOutput | None:
+        ops = self.kv.take_ops() if self.kv is not None else []
         try:
-            self.channel.broadcast(pickle.dumps(sched, protocol=pickle.HIGHEST_PROTOCOL))
+            self.channel.broadcast(pickle.dumps((sched, ops), protocol=pickle.HIGHEST_PROTOCOL))
             replies = self.channel.gather(self._dead_worker)
         except ChannelClosed as e:
             raise EngineDeadError(f"a worker of this engine died: {e}") from e
@@ -141,7 +188,14 @@ class RayExecutor:
         for rank, (ok, value) in enumerate(results):
             if not ok:       # the ranks may now be out of step with each other: the engine stops
                 raise EngineDeadError(f"worker rank {rank} failed a step:\n{value}")
-        return results[self.driver][1]
+        if self.kv is not None:
+            self.kv.collect([report for _, (_, report) in results])
+            self._kv_fresh = True
+        return results[self.driver][1][0]
+
+    def kv_blocks(self, block_ids: list[int]) -> list[Any]:
+        return self._wait([w.kv_blocks.options(concurrency_group="control").remote(block_ids)
+                           for w in self.workers])
 
     def placements(self) -> list[dict[str, Any]]:
         return self._wait([w.placement.options(concurrency_group="control").remote() for w in self.workers])

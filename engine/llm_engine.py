@@ -98,7 +98,7 @@ class LLMEngine:
             config.cache_config.enable_prefix_caching, self.executor.num_cpu_blocks)
         kvt = config.kv_transfer_config
         self.kv_connector: KVConnectorScheduler | None = None
-        self.kv_worker = self.executor.kv_connector_worker
+        self.kv_worker = self.executor.kv           # every rank's worker side (None without a connector)
         if kvt is not None:
             self.kv_connector = KVConnectorScheduler(kvt, KVLayout.from_config(config))
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.kv_connector,
@@ -199,7 +199,8 @@ class LLMEngine:
     # --- the loop ---------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         """True while a request is in flight or KV transfers (pulls, leases) are pending."""
-        return bool(self.states) or self.scheduler.has_unfinished_requests()
+        return (bool(self.states) or self.scheduler.has_unfinished_requests()
+                or (self.kv_worker is not None and self.kv_worker.has_pending()))
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that advanced or finished."""
@@ -259,7 +260,7 @@ class LLMEngine:
         """Collect finished transfers: end released, aborted and expired leases (the worker refuses
         their pulls before their blocks are freed), and re-queue or fail finished pulls."""
         assert self.kv_connector is not None and self.kv_worker is not None
-        report = self.kv_worker.poll()
+        report = self.executor.kv_poll()
         aborted, self._aborted_leases = self._aborted_leases, []
         ending = self.kv_connector.leases_to_end(report.released, aborted)
         if ending:
@@ -283,15 +284,17 @@ class LLMEngine:
         assert self.kv_connector is not None and self.kv_worker is not None
         for request in self.scheduler.take_new_leased():
             block_ids = self.kv_cache_manager.block_ids(request.request_id)
-            taken = self.kv_worker.start_lease(block_ids)
+            taken = self.kv_connector.lease_slots.take()
             if taken is None:        # lease table full: the decode side will compute the prompt
                 self.kv_cache_manager.free(request)
                 continue
-            params = self.kv_connector.add_lease(request, block_ids, *taken, self.kv_worker.address(),
+            self.kv_worker.hold_lease(*taken, block_ids)
+            params = self.kv_connector.add_lease(request, block_ids, *taken, self.kv_worker.addresses,
                                                  self.kv_worker.engine_id)
             entry = self.child_to_state.get(request.request_id)
             if entry is not None:
                 entry[0].kv_transfer_params = params
+        self.executor.kv_flush()     # every rank holds the new leases before their parameters leave
 
     def renew_lease(self, request_id: str, seconds: float) -> bool:
         """Keep a leased request's blocks at least `seconds` longer; False if it holds no lease."""

@@ -226,17 +226,20 @@ class Scheduler:
         errored = []
         outcomes = [(rid, None) for rid in loaded] + list(failed)
         for rid, reason in outcomes:
+            assert self.connector is not None
             aborted = self.aborted_loading.pop(rid, None)
             if aborted is not None:
+                self.connector.plan_release(aborted)         # P's blocks are not needed any more
                 self.kv.free(aborted)
                 continue
             if rid not in self.loading:
                 continue
             request, num_external = self.loading.pop(rid)
+            # Every rank is done with P's blocks (or gave up): P may free them (best effort: P may
+            # be gone, and then its lease has ended anyway).
+            self.connector.plan_release(request)
             if reason is not None:
-                assert self.connector is not None
                 self.connector.num_load_failures += 1
-                self.connector.plan_release(request)         # best effort: P may be gone
             request.remote_prefill = None
             if reason is None:
                 request.num_computed_tokens += num_external

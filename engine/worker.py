@@ -21,7 +21,7 @@ from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.parallel_state import get_parallel_state, init_parallel_state, pp_layer_range
 from engine.weights import iterate_weights
-from kv_transfer.base import KVConnectorWorker, KVLayout
+from kv_transfer.base import KVConnectorWorker, KVLayout, TransferReport
 
 # Default KV budget when neither num_kv_blocks nor kv_cache_memory_bytes is given.
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -121,20 +121,44 @@ class Worker:
             from kv_transfer.factory import create_connector_worker  # noqa: PLC0415 (import cycle)
 
             self.kv_connector = create_connector_worker(
-                self.config.kv_transfer_config, KVLayout.from_config(self.config))
+                self.config.kv_transfer_config,
+                KVLayout.from_config(self.config, get_parallel_state().tp_rank))
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
 
-    def execute_serialized(self, payload: bytes) -> ModelRunnerOutput | None:
-        """`execute_model` on a pickled SchedulerOutput (the Ray executor's one message per step).
-        Generators arrive as copies with every step, so the runner keeps its first copy of each."""
+    def kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """This rank's heads of these blocks in every layer, [layers, 2, n, block_size, heads, d], on
+        the CPU (for checks: what a transfer moved)."""
+        assert self.runner is not None
+        return torch.stack([cache[:, block_ids].cpu() for cache in self.runner.kv_caches])
+
+    def kv_address(self) -> tuple[str, dict[str, Any]]:
+        """(engine id, address) of this rank's connector worker (after init_cache)."""
+        assert self.kv_connector is not None
+        return self.kv_connector.engine_id, self.kv_connector.address()
+
+    def step(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]
+             ) -> tuple[ModelRunnerOutput | None, TransferReport | None]:
+        """One step message: the engine's KV connector orders (before the forward pass: a lease
+        ended here is refused before its blocks can be rewritten), the model step if there is one,
+        then this rank's transfer report."""
+        if self.kv_connector is None:
+            return (self.execute_model(sched) if sched is not None else None), None
+        self.kv_connector.apply(kv_ops)
+        output = self.execute_model(sched) if sched is not None else None
+        return output, self.kv_connector.poll()
+
+    def execute_serialized(self, payload: bytes) -> tuple[ModelRunnerOutput | None, TransferReport | None]:
+        """`step` on a pickled (SchedulerOutput or None, KV orders) (the Ray executor's one message per
+        step). Generators arrive as copies with every step, so the runner keeps its first copy of each."""
         assert self.runner is not None
         self.runner.keep_generators = True
-        return self.execute_model(pickle.loads(payload))
+        return self.step(*pickle.loads(payload))
 
     def serve_steps(self, host: str, port: int) -> None:
         """Run steps from the engine's StepChannel until it closes (the Ray executor's step loop,
-        engine/step_channel.py): each frame is a pickled SchedulerOutput, each reply `(True, output)`
-        (output None off the driver rank) or `(False, traceback)`."""
+        engine/step_channel.py): each frame is a pickled (SchedulerOutput or None, KV orders), each
+        reply `(True, (output, transfer report))` (output None off the driver rank) or
+        `(False, traceback)`."""
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
         sock = step_channel.connect(host, port, self.rank)

@@ -22,7 +22,8 @@ The protocol (pull model):
    WAITING_FOR_REMOTE_KVS while other requests keep stepping.
 3. D's worker pulls the blocks, then reads P's lease word again: if the token is unchanged, P had not
    released the blocks during the pull (P clears the word before a released block can be rewritten),
-   so the data is valid. D then tells P it is done.
+   so the data is valid. Once every rank of D has finished, D's engine tells P it is done (D's rank 0
+   to P's rank 0).
 4. P frees the blocks on that notice, on abort, or when the lease expires. D falls back to computing
    the prompt itself (`load_failure_policy="recompute"`) or fails the request (`"fail"`) when the
    pull fails, times out or finds the lease gone. No step ever waits on the other engine, and every
@@ -51,7 +52,7 @@ MAX_LEASES = 4096
 
 # Version of the connectors' own protocol (lease words, notifications, staging layout): both ends
 # of a transfer must run the same one. Checked with the layout in the handshake.
-CONNECTOR_VERSION = 1
+CONNECTOR_VERSION = 2     # 2: the decode engine releases the lease once all its ranks pulled
 
 
 class KVLayoutMismatch(ValueError):
@@ -100,9 +101,23 @@ class KVLayout:
                    head_dim=mc.head_dim, dtype=str(mc.dtype).removeprefix("torch."), tp_rank=tp_rank,
                    tp_size=config.parallel_config.tensor_parallel_size)
 
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads one rank holds (each head on tp / num_kv_heads ranks when tp > num_kv_heads)."""
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    def rank_heads(self, rank: int) -> range:
+        """The global KV heads that TP rank `rank` holds, in its local order."""
+        if self.tp_size > self.num_kv_heads:
+            head = rank // (self.tp_size // self.num_kv_heads)
+            return range(head, head + 1)
+        per = self.num_kv_heads // self.tp_size
+        return range(rank * per, (rank + 1) * per)
+
     def check_compatible(self, remote: KVLayout) -> None:
-        """Raise KVLayoutMismatch naming the first field on which the remote engine differs."""
-        for name in ("model", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "tp_size"):
+        """Raise KVLayoutMismatch naming the first field on which the remote engine differs. TP sizes
+        may differ: each rank pulls the heads it keeps (`head_slices`)."""
+        for name in ("model", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype"):
             mine, theirs = getattr(self, name), getattr(remote, name)
             if mine != theirs:
                 raise KVLayoutMismatch(
@@ -124,9 +139,44 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block's K (or V) in one layer."""
-        elem = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return self.block_size * self.num_kv_heads * self.head_dim * elem
+        """Bytes of one block's K (or V) in one layer, on one rank."""
+        return self.block_size * self.local_kv_heads * self.head_bytes
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head of one token's K (or V)."""
+        return self.head_dim * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSlice:
+    """`count` consecutive KV heads that a destination rank takes from one source rank."""
+    src_rank: int
+    src_start: int         # first head, in the source rank's local head order
+    dst_start: int         # where it lands, in the destination rank's local head order
+    count: int
+
+    def covers(self, src: KVLayout, dst: KVLayout) -> bool:
+        """True when it moves whole blocks (every head of both ranks)."""
+        return self.count == src.local_kv_heads == dst.local_kv_heads
+
+
+def head_slices(src: KVLayout, dst: KVLayout) -> list[HeadSlice]:
+    """Where destination rank `dst.tp_rank` finds each KV head it keeps among the source engine's
+    ranks (a replicated head is taken from the source rank with the destination's number when that
+    rank holds it, else from its first holder), merged into runs of consecutive heads."""
+    slices: list[HeadSlice] = []
+    for local, head in enumerate(dst.rank_heads(dst.tp_rank)):
+        holders = [r for r in range(src.tp_size) if head in src.rank_heads(r)]
+        rank = dst.tp_rank if dst.tp_rank in holders else holders[0]
+        offset = src.rank_heads(rank).index(head)
+        last = slices[-1] if slices else None
+        if (last is not None and last.src_rank == rank and last.src_start + last.count == offset
+                and last.dst_start + last.count == local):
+            slices[-1] = HeadSlice(rank, last.src_start, last.dst_start, last.count + 1)
+        else:
+            slices.append(HeadSlice(rank, offset, local, 1))
+    return slices
 
 
 @dataclass(slots=True)
@@ -140,8 +190,8 @@ class RemotePrefill:
     lease_slot: int
     lease_token: int
     lease_expires_at: float         # time.time() on P (nodes' clocks agree within LEASE_MARGIN_S)
-    layout: KVLayout
-    address: dict[str, Any]         # transport-specific: how D's worker reaches P's
+    layout: KVLayout                # P's layout (tp_rank 0 of P's TP group)
+    addresses: list[dict[str, Any]]  # per P TP rank, transport-specific: how D's workers reach P's
     connector: str = ""             # P's connector ("" when built by hand without one)
     connector_version: int = CONNECTOR_VERSION
 
@@ -154,7 +204,7 @@ class RemotePrefill:
                 "remote_block_hashes": [h.hex() for h in self.block_hashes],
                 "remote_num_tokens": self.num_tokens, "lease_slot": self.lease_slot,
                 "lease_token": self.lease_token, "lease_expires_at": self.lease_expires_at,
-                "layout": asdict(self.layout), "address": self.address}
+                "layout": asdict(self.layout), "addresses": self.addresses}
 
     def handshake(self) -> Any:
         from pdserve_proto import CONTROL_SCHEMA_VERSION, pb2  # noqa: PLC0415
@@ -170,16 +220,17 @@ class RemotePrefill:
             request_id=self.request_id, block_ids=self.block_ids, block_hashes=self.block_hashes,
             num_tokens=self.num_tokens, lease_slot=self.lease_slot, lease_token=self.lease_token,
             lease_expires_at=self.lease_expires_at)
-        a = self.address
-        if "agent_metadata" in a:
-            msg.nixl.CopyFrom(pb2.NixlAddress(
-                agent_metadata=a["agent_metadata"], kv_addrs=a["kv_addrs"], num_blocks=a["num_blocks"],
-                lease_addr=a["lease_addr"], num_lease_slots=a["num_lease_slots"], mem=a["mem"],
-                device_id=a["device_id"]))
-        elif "host" in a:
-            msg.torch_dist.CopyFrom(pb2.TorchDistAddress(host=a["host"], port=a["port"]))
-        elif a:
-            raise ValueError(f"RemotePrefill.address has no wire form: {sorted(a)}")
+        for a in self.addresses:
+            rank = msg.ranks.add()
+            if "agent_metadata" in a:
+                rank.nixl.CopyFrom(pb2.NixlAddress(
+                    agent_metadata=a["agent_metadata"], kv_addrs=a["kv_addrs"], num_blocks=a["num_blocks"],
+                    lease_addr=a["lease_addr"], num_lease_slots=a["num_lease_slots"], mem=a["mem"],
+                    device_id=a["device_id"]))
+            elif "host" in a:
+                rank.torch_dist.CopyFrom(pb2.TorchDistAddress(host=a["host"], port=a["port"]))
+            elif a:
+                raise ValueError(f"RemotePrefill.addresses has no wire form: {sorted(a)}")
         return msg.SerializeToString()
 
     @classmethod
@@ -197,22 +248,27 @@ class RemotePrefill:
             raise ValueError(f"kv_transfer_params.pdserve_kv is not a RemotePrefill message: {e}") from None
         check_version("kv_transfer_params.pdserve_kv (RemotePrefill)", msg.schema_version)
         check_version("kv_transfer_params.pdserve_kv (KVHandshake)", msg.handshake.schema_version)
-        which = msg.WhichOneof("address")
-        if which == "nixl":
-            n = msg.nixl
-            address: dict[str, Any] = {
-                "agent_metadata": n.agent_metadata, "kv_addrs": list(n.kv_addrs), "num_blocks": n.num_blocks,
-                "lease_addr": n.lease_addr, "num_lease_slots": n.num_lease_slots, "mem": n.mem,
-                "device_id": n.device_id}
-        elif which == "torch_dist":
-            address = {"host": msg.torch_dist.host, "port": msg.torch_dist.port}
-        else:
-            address = {}
+        addresses: list[dict[str, Any]] = []
+        for rank in msg.ranks:
+            which = rank.WhichOneof("kind")
+            if which == "nixl":
+                n = rank.nixl
+                addresses.append({
+                    "agent_metadata": n.agent_metadata, "kv_addrs": list(n.kv_addrs), "num_blocks": n.num_blocks,
+                    "lease_addr": n.lease_addr, "num_lease_slots": n.num_lease_slots, "mem": n.mem,
+                    "device_id": n.device_id})
+            elif which == "torch_dist":
+                addresses.append({"host": rank.torch_dist.host, "port": rank.torch_dist.port})
+            else:
+                addresses.append({})
         hs = msg.handshake
+        if addresses and len(addresses) != hs.layout.tp_size:
+            raise ValueError(f"kv_transfer_params.pdserve_kv carries {len(addresses)} rank addresses for a "
+                             f"prefill engine of tensor_parallel_size {hs.layout.tp_size}")
         return cls(engine_id=msg.engine_id, request_id=msg.request_id, block_ids=list(msg.block_ids),
                    block_hashes=list(msg.block_hashes), num_tokens=msg.num_tokens, lease_slot=msg.lease_slot,
                    lease_token=msg.lease_token, lease_expires_at=msg.lease_expires_at,
-                   layout=KVLayout.from_proto(hs.layout), address=address, connector=hs.connector,
+                   layout=KVLayout.from_proto(hs.layout), addresses=addresses, connector=hs.connector,
                    connector_version=hs.connector_version)
 
     @classmethod
@@ -230,7 +286,8 @@ class RemotePrefill:
                        num_tokens=int(params["remote_num_tokens"]),
                        lease_slot=int(params["lease_slot"]), lease_token=int(params["lease_token"]),
                        lease_expires_at=float(params["lease_expires_at"]),
-                       layout=KVLayout(**params["layout"]), address=dict(params["address"]))
+                       layout=KVLayout(**params["layout"]),
+                       addresses=[dict(a) for a in params["addresses"]])
         except KeyError as e:
             raise ValueError(f"kv_transfer_params is missing {e.args[0]!r} (pass the parameters the "
                              f"prefill engine returned)") from None
@@ -265,26 +322,37 @@ class Lease:
 
 
 # --- worker side ------------------------------------------------------------------------------------
+class LeaseSlots:
+    """The engine's lease slots and tokens (every rank's worker mirrors them in its LeaseTable).
+    Tokens start at a random base so that a restarted engine never reissues an old token."""
+
+    def __init__(self, num_slots: int = MAX_LEASES) -> None:
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._next_token = random.getrandbits(40) << 20 | 1
+
+    def take(self) -> tuple[int, int] | None:
+        if not self._free:
+            return None
+        token, self._next_token = self._next_token, self._next_token + 1
+        return self._free.pop(), token
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+
 class LeaseTable:
-    """The prefill worker's lease words: slot -> token of the live lease, 0 when free.
+    """A prefill worker's lease words: slot -> token of the live lease, 0 when free.
 
     The words live in a tensor so a remote reader (NIXL) can read a lease's token after pulling its
-    blocks. Tokens start at a random base so that a restarted engine never reissues an old token."""
+    blocks."""
 
     def __init__(self, num_slots: int = MAX_LEASES) -> None:
         self.words = torch.zeros(num_slots, dtype=torch.int64)
         self.block_ids: dict[int, list[int]] = {}
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._next_token = random.getrandbits(40) << 20 | 1
 
-    def take(self, block_ids: list[int]) -> tuple[int, int] | None:
-        if not self._free:
-            return None
-        slot = self._free.pop()
-        token, self._next_token = self._next_token, self._next_token + 1
+    def hold(self, slot: int, token: int, block_ids: list[int]) -> None:
         self.words[slot] = token
         self.block_ids[slot] = list(block_ids)
-        return slot, token
 
     def is_live(self, slot: int, token: int) -> bool:
         return 0 <= slot < len(self.words) and token != 0 and int(self.words[slot]) == token
@@ -294,12 +362,11 @@ class LeaseTable:
         if slot in self.block_ids:
             self.words[slot] = 0
             del self.block_ids[slot]
-            self._free.append(slot)
 
 
 class KVConnectorWorker:
-    """Worker side of a connector. All methods run on the engine's thread, between steps; transports
-    may use their own threads for the bytes, never for engine state.
+    """Worker side of a connector, one per TP rank. All methods run on the rank's step thread, between
+    steps; transports may use their own threads for the bytes, never for engine state.
 
     Subclasses implement `address`, `_start_load`, `release_remote`, `_poll` and `shutdown`."""
 
@@ -308,6 +375,7 @@ class KVConnectorWorker:
     def __init__(self, config: KVTransferConfig, layout: KVLayout) -> None:
         self.config = config
         self.layout = layout
+        self.rank = layout.tp_rank
         # Unique per worker incarnation (replicas of a pool share one config and its engine_id).
         self.engine_id = f"{config.engine_id}-{uuid.uuid4().hex[:8]}"
         self.leases = LeaseTable()
@@ -324,20 +392,40 @@ class KVConnectorWorker:
         return self.kv_caches[0].shape[1]
 
     def address(self) -> dict[str, Any]:
-        """How a remote worker reaches this one (goes into RemotePrefill.address)."""
+        """How a remote worker reaches this one (one entry of RemotePrefill.addresses)."""
         raise NotImplementedError
 
-    # P side.
-    def start_lease(self, block_ids: list[int]) -> tuple[int, int] | None:
-        """Protect `block_ids` for a remote pull; (slot, token), or None if the table is full."""
-        return self.leases.take(block_ids)
+    def apply(self, ops: list[tuple[Any, ...]]) -> None:
+        """Carry out the engine's orders, in order (see KVWorkerGroup)."""
+        for op, *args in ops:
+            if op == "hold":
+                self.leases.hold(*args)
+            elif op == "end":
+                self.end_leases(args[0])
+            elif op == "load":
+                self.start_load(args[0])
+            elif op == "release":
+                if self.rank == 0:           # the release goes rank 0 -> the prefill engine's rank 0
+                    self.release_remote(args[0])
+            else:
+                raise ValueError(f"unknown KV connector order {op!r}")
 
+    # P side.
     def end_leases(self, slots: list[int]) -> None:
-        """The scheduler is about to free these leases' blocks: refuse every later pull of them."""
+        """The engine is about to free these leases' blocks: refuse every later pull of them."""
         for slot in slots:
             self.leases.release(slot)
 
     # D side.
+    def source_heads(self, remote: RemotePrefill) -> list[HeadSlice]:
+        """The prefill ranks this rank pulls from, and which heads; KVLayoutMismatch if the remote
+        engine's parameters name no address for one of them."""
+        slices = head_slices(remote.layout, self.layout)
+        if any(s.src_rank >= len(remote.addresses) for s in slices):
+            raise KVLayoutMismatch(f"kv_transfer_params carry {len(remote.addresses)} rank addresses for a "
+                                   f"prefill engine of tensor_parallel_size {remote.layout.tp_size}")
+        return slices
+
     def start_load(self, spec: LoadSpec) -> None:
         """Begin pulling `spec.remote_block_ids` into `spec.local_block_ids` (returns at once; the
         outcome arrives through `poll`). The local blocks must stay allocated until then."""
@@ -353,7 +441,7 @@ class KVConnectorWorker:
         raise NotImplementedError
 
     def release_remote(self, remote: RemotePrefill) -> None:
-        """Tell the prefill engine its blocks are not needed (this engine will not pull them)."""
+        """Tell the prefill engine (its rank 0) that this engine is done with the leased blocks."""
         raise NotImplementedError
 
     def poll(self) -> TransferReport:
@@ -390,7 +478,79 @@ class KVConnectorWorker:
 
     def gathered_shape(self, num_blocks: int) -> tuple[int, ...]:
         lay = self.layout
-        return (lay.num_layers, 2, num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
+        return (lay.num_layers, 2, num_blocks, lay.block_size, lay.local_kv_heads, lay.head_dim)
+
+
+class KVWorkerGroup:
+    """The worker sides of all of one engine's TP ranks, as the engine sees them (owned by its
+    executor). The engine's orders queue here (`hold_lease`, `end_leases`, `start_load`,
+    `release_remote`) and go to every rank, in order, with the next step message, applied before
+    that step's forward pass (so a lease's word is cleared before its freed blocks can be
+    rewritten). Each rank's report comes back with its reply; `take_report` merges them: a pull is
+    done when every rank has finished it (failed if any rank failed: only then may the engine reuse
+    its blocks), and it then queues the release of the prefill engine's lease."""
+
+    def __init__(self, engine_id: str, addresses: list[dict[str, Any]]) -> None:
+        self.engine_id = engine_id              # rank 0's: the engine's id in RemotePrefill
+        self.addresses = addresses              # per rank, for RemotePrefill.addresses
+        self.num_ranks = len(addresses)
+        self.ops: list[tuple[Any, ...]] = []
+        self._loads: dict[str, tuple[LoadSpec, dict[int, str]]] = {}   # rid -> (spec, rank -> outcome)
+        self._report = TransferReport()
+
+    # --- orders -----------------------------------------------------------------------------------
+    def hold_lease(self, slot: int, token: int, block_ids: list[int]) -> None:
+        self.ops.append(("hold", slot, token, list(block_ids)))
+
+    def end_leases(self, slots: list[int]) -> None:
+        self.ops.append(("end", list(slots)))
+
+    def start_load(self, spec: LoadSpec) -> None:
+        self._loads[spec.request_id] = (spec, {})
+        self.ops.append(("load", spec))
+
+    def release_remote(self, remote: RemotePrefill) -> None:
+        self.ops.append(("release", remote))
+
+    def take_ops(self) -> list[tuple[Any, ...]]:
+        ops, self.ops = self.ops, []
+        return ops
+
+    def has_pending(self) -> bool:
+        """Orders not yet sent, or pulls some rank has not finished."""
+        return bool(self.ops or self._loads)
+
+    # --- reports ----------------------------------------------------------------------------------
+    def collect(self, reports: list[TransferReport | None]) -> None:
+        """Merge one reply per rank (in rank order)."""
+        for rank, report in enumerate(reports):
+            if report is None:
+                continue
+            self._report.released.extend(r for r in report.released if r not in self._report.released)
+            for rid in report.loaded:
+                self._outcome(rid, rank, "")
+            for rid, reason in report.failed:
+                self._outcome(rid, rank, reason or "failed")
+
+    def _outcome(self, rid: str, rank: int, reason: str) -> None:
+        entry = self._loads.get(rid)
+        if entry is None:
+            return
+        spec, outcomes = entry
+        outcomes[rank] = reason
+        if len(outcomes) < self.num_ranks:
+            return
+        del self._loads[rid]
+        failures = [f"rank {r}: {why}" if self.num_ranks > 1 else why
+                    for r, why in sorted(outcomes.items()) if why]
+        if failures:
+            self._report.failed.append((rid, "; ".join(failures)))
+        else:
+            self._report.loaded.append(rid)
+
+    def take_report(self) -> TransferReport:
+        report, self._report = self._report, TransferReport()
+        return report
 
 
 # --- scheduler side ---------------------------------------------------------------------------------
@@ -405,6 +565,7 @@ class KVConnectorScheduler:
         self.config = config
         self.layout = layout
         self.leases: dict[str, Lease] = {}            # local request id -> its lease (P side)
+        self.lease_slots = LeaseSlots()
         self.new_loads: list[LoadSpec] = []
         self.new_releases: list[RemotePrefill] = []
         self.num_loads = 0
@@ -498,8 +659,9 @@ class KVConnectorScheduler:
         return request.remote_decode and request.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
     def add_lease(self, request: Request, block_ids: list[int], slot: int, token: int,
-                  address: dict[str, Any], engine_id: str) -> dict[str, Any]:
-        """Record the lease and return the transfer parameters for the decode side."""
+                  addresses: list[dict[str, Any]], engine_id: str) -> dict[str, Any]:
+        """Record the lease (a slot from `lease_slots`) and return the transfer parameters for the
+        decode side."""
         expires = time.time() + self.config.lease_s
         self.leases[request.request_id] = Lease(request, slot, token, expires)
         self.num_leases += 1
@@ -507,7 +669,7 @@ class KVConnectorScheduler:
             engine_id=engine_id, request_id=request.request_id, block_ids=block_ids,
             block_hashes=list(request.block_hashes[:request.num_prompt_tokens // self.layout.block_size]),
             num_tokens=request.num_prompt_tokens, lease_slot=slot, lease_token=token,
-            lease_expires_at=expires, layout=self.layout, address=address, connector=self.config.kv_connector)
+            lease_expires_at=expires, layout=self.layout, addresses=addresses, connector=self.config.kv_connector)
         return remote.to_dict()
 
     def renew_lease(self, request_id: str, seconds: float) -> bool:
@@ -518,7 +680,8 @@ class KVConnectorScheduler:
         return True
 
     def leases_to_end(self, released: list[tuple[int, int]], aborted: list[str]) -> list[Lease]:
-        """Take out the leases that end now: released by the decode side, aborted, or expired."""
+        """Take out the leases that end now: released by the decode side, aborted, or expired. Their
+        slots are free for new leases (the engine orders the ranks to end them first)."""
         ending = []
         if released:
             by_slot = {(lease.slot, lease.token): rid for rid, lease in self.leases.items()}
@@ -527,4 +690,7 @@ class KVConnectorScheduler:
         now = time.time()
         expired = [rid for rid, lease in self.leases.items() if lease.expires_at <= now]
         self.num_leases_expired += len(set(expired) - set(ending))
-        return [self.leases.pop(rid) for rid in dict.fromkeys(ending + expired) if rid in self.leases]
+        taken = [self.leases.pop(rid) for rid in dict.fromkeys(ending + expired) if rid in self.leases]
+        for lease in taken:
+            self.lease_slots.free(lease.slot)
+        return taken

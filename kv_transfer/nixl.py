@@ -3,11 +3,16 @@ GPUs or hosts, shared memory or TCP between processes of one host; DRAM on CPU, 
 
 Every worker registers its per-layer KV tensors and its lease words with its NIXL agent and prepares
 a descriptor list with one entry per (layer, K/V, block), so a pull is a list of indices. The agent's
-metadata (a few hundred bytes) travels inside the transfer parameters: the decode side adds the
-remote agent the first time it meets it, with no side channel. A pull is two READs: the blocks, then
-the lease word. If the word still holds the lease's token, the prefill side had not released the
-blocks while they were read (it clears the word before a released block can be rewritten), so the
-data is valid; the decode side then notifies the prefill side, which frees them.
+metadata (a few hundred bytes) travels inside the transfer parameters, one per prefill TP rank: the
+decode side adds a remote agent the first time it meets it, with no side channel. A pull is two
+READs per prefill rank it reads from: the blocks, then the lease word. If the word still holds the
+lease's token, the prefill side had not released the blocks while they were read (it clears the word
+before a released block can be rewritten), so the data is valid. Once all its ranks are done, the
+decode engine's rank 0 notifies the prefill engine's rank 0, which frees them.
+
+With equal TP sizes a rank reads whole blocks of its peer rank. When the sizes differ, a rank's
+heads are a strided part of the other side's blocks: it reads them with one descriptor per (layer,
+K/V, block, token), built per pull (many more, smaller reads: the price of the NHD block layout).
 
 Install (no CUDA torch is pulled in): `pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1 numpy`
 (`make setup` does it).
@@ -17,14 +22,14 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from engine.config import KVTransferConfig
-from kv_transfer.base import KVConnectorWorker, KVLayout, LoadSpec, RemotePrefill, TransferReport
+from kv_transfer.base import HeadSlice, KVConnectorWorker, KVLayout, LoadSpec, RemotePrefill, TransferReport
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,8 @@ def _import_nixl() -> tuple[Any, Any]:
 @dataclass(slots=True)
 class _Remote:
     agent: str
+    address: dict[str, Any]
+    block_bytes: int       # bytes of one of its blocks' K (or V) in one layer (its TP rank's heads)
     blocks: Any            # prepared dlist of its (layer, K/V, block) descriptors
     leases: Any            # prepared dlist of its lease words
     num_blocks: int
@@ -52,10 +59,10 @@ class _Remote:
 @dataclass(slots=True)
 class _Load:
     spec: LoadSpec
-    remote: _Remote
-    handle: Any
-    stage: str             # "blocks" -> "lease"
-    scratch: int = -1      # scratch word the lease token is read into
+    sources: list[_Remote]            # the prefill ranks it reads from
+    handles: list[Any]                # this stage's transfers, one per source
+    stage: str                        # "blocks" -> "lease"
+    scratch: list[int] = field(default_factory=list)   # scratch words the lease tokens are read into
     aborting: bool = False
 
 
@@ -89,14 +96,15 @@ class NixlConnectorWorker(KVConnectorWorker):
             self.registrations.append(self.agent.register_memory(tensor))
         mem, dev = self._mem(kv_caches[0])
         self.local_blocks = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", self._block_descs([t.data_ptr() for t in kv_caches], self.num_blocks, dev), mem)
+            "NIXL_INIT_AGENT", self._block_descs([t.data_ptr() for t in kv_caches], self.num_blocks,
+                                                 self.layout.block_bytes, dev), mem)
         self.local_scratch = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", self._word_descs(self.scratch.data_ptr(), NUM_SCRATCH_WORDS), "DRAM")
         self.metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
 
-    def _block_descs(self, bases: list[int], num_blocks: int, device_id: int) -> np.ndarray:
+    @staticmethod
+    def _block_descs(bases: list[int], num_blocks: int, size: int, device_id: int) -> np.ndarray:
         """One (addr, len, dev) row per (layer, K/V, block), in that order."""
-        size = self.layout.block_bytes
         offsets = np.arange(2 * num_blocks, dtype=np.int64) * size     # K blocks, then V blocks
         rows = [np.stack([base + offsets, np.full_like(offsets, size), np.full_like(offsets, device_id)], 1)
                 for base in bases]
@@ -114,83 +122,133 @@ class NixlConnectorWorker(KVConnectorWorker):
         layers = np.arange(self.layout.num_layers, dtype=np.int64)[:, None] * (2 * num_blocks)
         return (layers + per_layer[None, :]).reshape(-1)
 
+    def _sliced_descs(self, bases: list[int], num_blocks: int, block_ids: list[int], heads_per_token: int,
+                      first_head: int, count: int, device_id: int) -> np.ndarray:
+        """One row per (layer, K/V, block, token): `count` heads from `first_head` of each token, in
+        a cache whose blocks hold `heads_per_token` heads (when the two engines' TP sizes differ,
+        a rank's heads are a strided part of the other side's blocks)."""
+        hb, bs = self.layout.head_bytes, self.layout.block_size
+        ids = np.asarray(block_ids, dtype=np.int64)
+        block_bytes = bs * heads_per_token * hb
+        blocks = np.concatenate([ids, num_blocks + ids]) * block_bytes                # K, then V
+        tokens = (np.arange(bs, dtype=np.int64) * heads_per_token + first_head) * hb
+        per_layer = (blocks[:, None] + tokens[None, :]).reshape(-1)
+        addrs = (np.asarray(bases, dtype=np.int64)[:, None] + per_layer[None, :]).reshape(-1)
+        return np.stack([addrs, np.full_like(addrs, count * hb), np.full_like(addrs, device_id)], 1)
+
     def address(self) -> dict[str, Any]:
         mem, dev = self._mem(self.kv_caches[0])
         return {"agent_metadata": self.metadata, "kv_addrs": [t.data_ptr() for t in self.kv_caches],
                 "num_blocks": self.num_blocks, "lease_addr": self.leases.words.data_ptr(),
                 "num_lease_slots": len(self.leases.words), "mem": mem, "device_id": dev}
 
-    def _remote(self, remote: RemotePrefill) -> _Remote:
-        """Add the prefill engine's agent and prepare its descriptor lists (once per agent)."""
-        address = remote.address
+    def _remote(self, remote: RemotePrefill, rank: int) -> _Remote:
+        """Add the agent of the prefill engine's rank `rank` and prepare its descriptor lists (once
+        per agent)."""
+        address = remote.addresses[rank]
         known = self.remotes.get(address["agent_metadata"])
         if known is not None:
             return known
         agent = self.agent.add_remote_agent(base64.b64decode(address["agent_metadata"]))
         agent = agent.decode() if isinstance(agent, bytes) else agent
         num_blocks = int(address["num_blocks"])
+        block_bytes = self.layout.block_size * remote.layout.local_kv_heads * self.layout.head_bytes
         blocks = self.agent.prep_xfer_dlist(
-            agent, self._block_descs([int(a) for a in address["kv_addrs"]], num_blocks,
+            agent, self._block_descs([int(a) for a in address["kv_addrs"]], num_blocks, block_bytes,
                                      int(address["device_id"])), address["mem"])
         leases = self.agent.prep_xfer_dlist(
             agent, self._word_descs(int(address["lease_addr"]), int(address["num_lease_slots"])), "DRAM")
-        known = _Remote(agent, blocks, leases, num_blocks)
+        known = _Remote(agent, address, block_bytes, blocks, leases, num_blocks)
         self.remotes[address["agent_metadata"]] = known
         return known
 
     # --- D side ----------------------------------------------------------------------------------
-    def _start_load(self, spec: LoadSpec) -> None:
-        try:
-            remote = self._remote(spec.remote)
+    def _read(self, spec: LoadSpec, source: _Remote, part: HeadSlice) -> Any:
+        """Start READing this source rank's part of the blocks: whole blocks through the prepared
+        lists, or (TP sizes differ) the part's heads of every token."""
+        remote = spec.remote
+        if part.covers(remote.layout, self.layout):
             handle = self.agent.make_prepped_xfer(
                 "READ", self.local_blocks, self._indices(spec.local_block_ids, self.num_blocks),
-                remote.blocks, self._indices(spec.remote_block_ids, remote.num_blocks))
-            if self.agent.transfer(handle) == "ERR":
-                self.agent.release_xfer_handle(handle)
-                raise RuntimeError("NIXL refused to start the transfer")
+                source.blocks, self._indices(spec.remote_block_ids, source.num_blocks))
+        else:
+            mem, dev = self._mem(self.kv_caches[0])
+            local = self._sliced_descs([t.data_ptr() for t in self.kv_caches], self.num_blocks,
+                                       spec.local_block_ids, self.layout.local_kv_heads, part.dst_start,
+                                       part.count, dev)
+            address = source.address
+            theirs = self._sliced_descs([int(a) for a in address["kv_addrs"]], source.num_blocks,
+                                        spec.remote_block_ids, remote.layout.local_kv_heads, part.src_start,
+                                        part.count, int(address["device_id"]))
+            handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, mem),
+                                                self.agent.get_xfer_descs(theirs, address["mem"]), source.agent)
+        if self.agent.transfer(handle) == "ERR":
+            self.agent.release_xfer_handle(handle)
+            raise RuntimeError("NIXL refused to start the transfer")
+        return handle
+
+    def _start_load(self, spec: LoadSpec) -> None:
+        load = _Load(spec, [], [], "blocks")
+        try:
+            for part in self.source_heads(spec.remote):
+                source = self._remote(spec.remote, part.src_rank)
+                load.handles.append(self._read(spec, source, part))
+                load.sources.append(source)
         except Exception as e:  # noqa: BLE001 - reported as a failed pull
+            self._release_handles(load)
             self._injected_failures.append((spec.request_id, f"{type(e).__name__}: {e}"))
             return
-        self.loads[spec.request_id] = _Load(spec, remote, handle, "blocks")
+        self.loads[spec.request_id] = load
+
+    def _release_handles(self, load: _Load) -> bool:
+        """Release (cancelling) the stage's transfers; False if one could not be."""
+        kept = []
+        for handle in load.handles:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - could not cancel: keep it, wait for it to end
+                kept.append(handle)
+        load.handles = kept
+        return not kept
 
     def release_remote(self, remote: RemotePrefill) -> None:
         try:
-            agent = self._remote(remote).agent
+            agent = self._remote(remote, 0).agent
             self.agent.send_notif(agent, f"done:{remote.lease_slot}:{remote.lease_token}".encode())
         except Exception as e:  # noqa: BLE001 - the lease expires instead
             logger.warning("could not notify prefill engine %s: %r", remote.engine_id, e)
 
     def _advance(self, load: _Load, now: float) -> str | None:
         """Move one pull along; returns "" when loaded, a reason when failed, None while running."""
-        state = self.agent.check_xfer_state(load.handle)
-        if state == "PROC":
+        states = [self.agent.check_xfer_state(handle) for handle in load.handles]
+        if "PROC" in states and "ERR" not in states:
             if now > load.spec.deadline and not load.aborting:
                 load.aborting = True
-                try:
-                    self.agent.release_xfer_handle(load.handle)    # cancels it
-                except Exception:  # noqa: BLE001 - could not cancel: wait for it to end
+                if not self._release_handles(load):
                     return None
                 return f"timed out after {self.config.load_timeout_s} s"
             return None
-        self.agent.release_xfer_handle(load.handle)
-        if state != "DONE" or load.aborting:
-            return "timed out" if load.aborting else f"transfer failed ({state})"
-        if load.stage == "blocks":
-            load.stage = "lease"
-            load.scratch = self.free_scratch.pop()
-            self.scratch[load.scratch] = 0
-            load.handle = self.agent.make_prepped_xfer(
-                "READ", self.local_scratch, [load.scratch], load.remote.leases, [load.spec.remote.lease_slot])
-            if self.agent.transfer(load.handle) == "ERR":
-                self.agent.release_xfer_handle(load.handle)
-                load.handle = None
-                return "transfer failed (lease word)"
-            return None
-        token = int(self.scratch[load.scratch])
-        if token != load.spec.remote.lease_token:
-            return "the prefill engine released the blocks during the pull"
+        self._release_handles(load)
+        if any(state != "DONE" for state in states) or load.aborting:
+            return "timed out" if load.aborting else f"transfer failed ({'/'.join(states)})"
         remote = load.spec.remote
-        self.agent.send_notif(load.remote.agent, f"done:{remote.lease_slot}:{remote.lease_token}".encode())
+        if load.stage == "blocks":
+            # Then each source's lease word: unchanged means its blocks were not released meanwhile.
+            load.stage = "lease"
+            for source in load.sources:
+                word = self.free_scratch.pop()
+                load.scratch.append(word)
+                self.scratch[word] = 0
+                handle = self.agent.make_prepped_xfer("READ", self.local_scratch, [word], source.leases,
+                                                      [remote.lease_slot])
+                if self.agent.transfer(handle) == "ERR":
+                    self.agent.release_xfer_handle(handle)
+                    self._release_handles(load)
+                    return "transfer failed (lease word)"
+                load.handles.append(handle)
+            return None
+        if any(int(self.scratch[word]) != remote.lease_token for word in load.scratch):
+            return "the prefill engine released the blocks during the pull"
         return ""
 
     # --- both sides ------------------------------------------------------------------------------
@@ -214,8 +272,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             if outcome is None:
                 continue
             del self.loads[rid]
-            if load.scratch >= 0:
-                self.free_scratch.append(load.scratch)
+            self.free_scratch.extend(load.scratch)
             if outcome == "":
                 report.loaded.append(rid)
             else:
@@ -227,11 +284,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         if self.agent is None:
             return
         for load in self.loads.values():
-            try:
-                if load.handle is not None:
-                    self.agent.release_xfer_handle(load.handle)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
+            self._release_handles(load)              # best effort at shutdown
         self.loads.clear()
         for registration in self.registrations:
             try:

@@ -1,5 +1,7 @@
 """torch.distributed connector: blocks move point-to-point over a two-rank process group per
-(prefill engine, decode engine) pair: gloo on CPU, NCCL on GPU.
+(prefill worker, decode worker) pair: gloo on CPU, NCCL on GPU. Each TP rank is a worker of its own:
+decode rank r pulls from the prefill ranks that hold its heads (rank r when the TP sizes are equal;
+otherwise the pull names the heads, and the prefill side sends just those).
 
 Each worker hosts a TCPStore (its `address()`); the store's queue is its control inbox. A decode
 worker D reaching prefill worker P for the first time pushes `connect` into P's inbox and both build a
@@ -8,6 +10,7 @@ ids); P's engine thread checks the lease between steps and hands the pull to the
 which streams the blocks layer by layer: it gathers layer l + 1 into one staging buffer while layer l
 goes out of the other, and D scatters layer l into its blocks while layer l + 1 arrives, so the
 gather, the wire and the scatter overlap. A trailer says whether the lease stayed live throughout.
+The lease ends when the decode engine, all its ranks done, pushes `release` (rank 0 to rank 0).
 
 Safety without stopping the engine: P gathers a layer only under the worker's lock after checking
 the lease word, and `end_leases` takes the same lock, so once the engine has ended a lease (and is
@@ -33,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from engine.config import KVTransferConfig
-from kv_transfer.base import (KVConnectorWorker, KVLayout, LoadSpec, RemotePrefill, TransferReport,
-                              advertised_host)
+from kv_transfer.base import (HeadSlice, KVConnectorWorker, KVLayout, LoadSpec, RemotePrefill,
+                              TransferReport, advertised_host)
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ class _Pair:
 @dataclass(slots=True)
 class _Pull:
     spec: LoadSpec
-    future: Future | None = None
+    parts: list[tuple[_Pair, Future]] = field(default_factory=list)   # one per prefill rank read from
     cancelled: bool = False
 
 
@@ -92,12 +95,13 @@ class TorchDistConnectorWorker(KVConnectorWorker):
     def address(self) -> dict[str, Any]:
         return {"host": self.host, "port": self.store.port}
 
-    def _layer_view(self, raw: torch.Tensor, num_blocks: int) -> torch.Tensor:
-        """A staging byte buffer seen as one layer's blocks: [2, n, block_size, kvh, d]."""
-        return raw.view(self.kv_caches[0].dtype).view(self.gathered_shape(num_blocks)[1:])
+    def _layer_view(self, raw: torch.Tensor, num_blocks: int, heads: int) -> torch.Tensor:
+        """A staging byte buffer seen as `heads` heads of one layer's blocks: [2, n, block_size, heads, d]."""
+        lay = self.layout
+        return raw.view(self.kv_caches[0].dtype).view(2, num_blocks, lay.block_size, heads, lay.head_dim)
 
-    def _layer_bytes(self, num_blocks: int) -> int:
-        return self.kv_caches[0][:, :1].nbytes * num_blocks
+    def _layer_bytes(self, num_blocks: int, heads: int) -> int:
+        return 2 * num_blocks * self.layout.block_size * heads * self.layout.head_bytes
 
     # --- pair groups -----------------------------------------------------------------------------
     def _new_group(self, store: Any, key: str, rank: int) -> Any:
@@ -106,13 +110,13 @@ class TorchDistConnectorWorker(KVConnectorWorker):
             return dist.ProcessGroupNCCL(prefixed, rank, 2)
         return dist.ProcessGroupGloo(prefixed, rank, 2, self.timeout)
 
-    def _source(self, remote: RemotePrefill) -> _Pair:
-        """D side: the pair to the prefill engine, (re)connecting on its thread if needed."""
-        pair = self.sources.get(remote.engine_id)
+    def _source(self, remote: RemotePrefill, rank: int) -> _Pair:
+        """D side: the pair to the prefill engine's rank `rank`, (re)connecting on its thread if needed."""
+        host, port = remote.addresses[rank]["host"], int(remote.addresses[rank]["port"])
+        pair = self.sources.get(f"{host}:{port}")
         if pair is None or pair.broken:
             pair = _Pair(uuid.uuid4().hex, rank=1)
-            self.sources[remote.engine_id] = pair
-            host, port = remote.address["host"], int(remote.address["port"])
+            self.sources[f"{host}:{port}"] = pair
             pair.thread.submit(self._connect, pair, host, port)
         return pair
 
@@ -127,20 +131,28 @@ class TorchDistConnectorWorker(KVConnectorWorker):
 
     # --- D side ----------------------------------------------------------------------------------
     def _start_load(self, spec: LoadSpec) -> None:
-        pair = self._source(spec.remote)
         pull = _Pull(spec)
-        pull.future = pair.thread.submit(self._pull, pair, pull)
+        try:
+            parts = self.source_heads(spec.remote)
+        except Exception as e:  # noqa: BLE001 - reported as a failed pull
+            self._injected_failures.append((spec.request_id, f"{type(e).__name__}: {e}"))
+            return
+        for part in parts:
+            pair = self._source(spec.remote, part.src_rank)
+            pull.parts.append((pair, pair.thread.submit(self._pull, pair, pull, part)))
         self.pulls[spec.request_id] = pull
 
-    def _pull(self, pair: _Pair, pull: _Pull) -> None:
-        """On the pair's thread: ask for the blocks, receive and scatter them layer by layer."""
+    def _pull(self, pair: _Pair, pull: _Pull, part: HeadSlice) -> None:
+        """On the pair's thread: ask for the blocks (this part's heads of them), receive and scatter
+        them layer by layer."""
         if pair.group is None:
             raise ConnectionError("no connection to the prefill engine")
         spec, remote = pull.spec, pull.spec.remote
+        whole = part.covers(remote.layout, self.layout)
         try:
             pair.client.queue_push(INBOX, json.dumps({
                 "op": "pull", "key": pair.key, "slot": remote.lease_slot, "token": remote.lease_token,
-                "block_ids": spec.remote_block_ids}))
+                "block_ids": spec.remote_block_ids, "heads": None if whole else [part.src_start, part.count]}))
             status = torch.zeros(1, dtype=torch.int64)
             pair.group.recv([status], 0, 0).wait()
             if int(status[0]) != OK:
@@ -148,8 +160,9 @@ class TorchDistConnectorWorker(KVConnectorWorker):
             n = len(spec.local_block_ids)
             device = self.kv_caches[0].device
             index = torch.tensor(spec.local_block_ids, dtype=torch.long, device=device)
-            size = self._layer_bytes(n)
+            size = self._layer_bytes(n, part.count)
             bufs = [pair.staging(0, size, device), pair.staging(1, size, device)]
+            heads = slice(part.dst_start, part.dst_start + part.count)
             work = pair.group.recv([bufs[0]], 0, 0)
             for layer, cache in enumerate(self.kv_caches):
                 work.wait()
@@ -158,7 +171,11 @@ class TorchDistConnectorWorker(KVConnectorWorker):
                 with pair.lock:
                     if pull.cancelled:
                         raise TimeoutError("cancelled")
-                    cache.index_copy_(1, index, self._layer_view(bufs[layer % 2], n))
+                    received = self._layer_view(bufs[layer % 2], n, part.count)
+                    if whole:
+                        cache.index_copy_(1, index, received)
+                    else:
+                        cache[:, index, :, heads] = received
             pair.group.recv([status], 0, 0).wait()
             if int(status[0]) != OK:
                 raise LeaseGoneError("the prefill engine released the blocks during the pull")
@@ -169,7 +186,7 @@ class TorchDistConnectorWorker(KVConnectorWorker):
             raise
 
     def release_remote(self, remote: RemotePrefill) -> None:
-        pair = self._source(remote)
+        pair = self._source(remote, 0)
         message = json.dumps({"op": "release", "slot": remote.lease_slot, "token": remote.lease_token})
         pair.thread.submit(self._push, pair, message)
 
@@ -186,17 +203,15 @@ class TorchDistConnectorWorker(KVConnectorWorker):
             self.released = []
         now = time.monotonic()
         for rid, pull in list(self.pulls.items()):
-            assert pull.future is not None
-            if pull.future.done():
+            if all(future.done() for _, future in pull.parts):
                 del self.pulls[rid]
-                error = pull.future.exception()
-                if error is None:
+                errors = [e for _, future in pull.parts if (e := future.exception()) is not None]
+                if not errors:
                     report.loaded.append(rid)
                 else:
-                    report.failed.append((rid, f"{type(error).__name__}: {error}"))
+                    report.failed.append((rid, "; ".join(f"{type(e).__name__}: {e}" for e in errors)))
             elif now > pull.spec.deadline:
-                pair = self.sources.get(pull.spec.remote.engine_id)
-                if pair is not None:
+                for pair, _ in pull.parts:
                     with pair.lock:          # from here on its thread writes none of our blocks
                         pull.cancelled = True
                     pair.broken = True
@@ -235,17 +250,22 @@ class TorchDistConnectorWorker(KVConnectorWorker):
         with self.lease_lock:         # waits out a layer being gathered from these blocks
             super().end_leases(slots)
 
-    def _gather_layer(self, layer: int, index: torch.Tensor, out: torch.Tensor, slot: int,
-                      token: int) -> bool:
-        """Copy one layer of the leased blocks into `out` if the lease is still live."""
+    def _gather_layer(self, layer: int, index: torch.Tensor, heads: slice | None, out: torch.Tensor,
+                      slot: int, token: int) -> bool:
+        """Copy one layer of the leased blocks (these heads of them) into `out` if the lease is
+        still live."""
         with self.lease_lock:
             if not self.leases.is_live(slot, token):
                 return False
-            torch.index_select(self.kv_caches[layer], 1, index, out=out)
+            if heads is None:
+                torch.index_select(self.kv_caches[layer], 1, index, out=out)
+            else:
+                out.copy_(self.kv_caches[layer][:, index, :, heads])
             return True
 
     def _send(self, pair: _Pair, message: dict[str, Any]) -> None:
-        """On the pair's thread: status, the layers (double-buffered), then a trailer."""
+        """On the pair's thread: status, the layers (double-buffered), then a trailer. The lease
+        stays: the decode engine releases it once all its ranks have their blocks."""
         slot, token, block_ids = message["slot"], message["token"], message["block_ids"]
         try:
             if pair.group is None:
@@ -256,22 +276,22 @@ class TorchDistConnectorWorker(KVConnectorWorker):
             if not live:
                 return
             n = len(block_ids)
+            first, count = message.get("heads") or (0, self.layout.local_kv_heads)
+            heads = None if message.get("heads") is None else slice(first, first + count)
             device = self.kv_caches[0].device
             index = torch.tensor(block_ids, dtype=torch.long, device=device)
-            size = self._layer_bytes(n)
+            size = self._layer_bytes(n, count)
             bufs = [pair.staging(0, size, device), pair.staging(1, size, device)]
             work = None
             for layer in range(len(self.kv_caches)):
                 buf = bufs[layer % 2]
-                live = live and self._gather_layer(layer, index, self._layer_view(buf, n), slot, token)
+                live = live and self._gather_layer(layer, index, heads, self._layer_view(buf, n, count),
+                                                   slot, token)
                 if work is not None:
                     work.wait()
                 work = pair.group.send([buf], 1, 0)
             work.wait()
             pair.group.send([torch.tensor([OK if live else LEASE_GONE], dtype=torch.int64)], 1, 0).wait()
-            if live:
-                with self.released_lock:
-                    self.released.append((slot, token))
         except Exception as e:  # noqa: BLE001 - the decode side times out and recomputes
             logger.warning("KV send to a decode engine failed: %r", e)
             pair.broken = True

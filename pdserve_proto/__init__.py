@@ -25,7 +25,7 @@ from types import ModuleType
 
 # Version of the control-plane messages (KVHandshake, RemotePrefill, KVEventBatch): readers refuse
 # any other. Bump it when their fields change meaning.
-CONTROL_SCHEMA_VERSION = 1
+CONTROL_SCHEMA_VERSION = 2      # 2: per-rank addresses in RemotePrefill (TP-aware KV transfer)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 PROTO_PATH = os.path.join(_HERE, "pdserve.proto")

@@ -193,7 +193,7 @@ def test_cancel_mid_stream_frees_every_block(server, eventually_no_leaks):
 
 
 # --- control plane (unit: no Ray) -----------------------------------------------------------------------
-def _remote(address: dict, connector: str = "nixl", **layout_changes):
+def _remote(address: dict | list[dict], connector: str = "nixl", **layout_changes):
     from kv_transfer.base import KVLayout, RemotePrefill
 
     fields = {"model": "LlamaForCausalLM:0123abcd", "num_layers": 2, "block_size": 16, "num_kv_heads": 2,
@@ -202,19 +202,22 @@ def _remote(address: dict, connector: str = "nixl", **layout_changes):
     return RemotePrefill(engine_id="p-0", request_id="cmpl-1", block_ids=[3, 9, 4],
                          block_hashes=[bytes([i]) * 32 for i in range(2)], num_tokens=40, lease_slot=7,
                          lease_token=(1 << 50) + 5, lease_expires_at=1_800_000_000.25, layout=layout,
-                         address=address, connector=connector)
+                         addresses=address if isinstance(address, list) else [address], connector=connector)
 
 
 NIXL_ADDRESS = {"agent_metadata": "bWV0YQ==", "kv_addrs": [1 << 40, (1 << 40) + 4096], "num_blocks": 64,
                 "lease_addr": 1 << 41, "num_lease_slots": 4096, "mem": "DRAM", "device_id": 0}
 
 
-@pytest.mark.parametrize("address,connector", [(NIXL_ADDRESS, "nixl"),
-                                               ({"host": "10.0.0.7", "port": 29517}, "torch_dist")])
+@pytest.mark.parametrize("address,connector", [
+    (NIXL_ADDRESS, "nixl"), ([NIXL_ADDRESS, {**NIXL_ADDRESS, "agent_metadata": "cmFuazE="}], "nixl"),
+    ({"host": "10.0.0.7", "port": 29517}, "torch_dist")])
 def test_remote_prefill_round_trips_through_protobuf(address, connector):
     from kv_transfer.base import RemotePrefill
 
-    remote = _remote(address, connector)
+    tp = len(address) if isinstance(address, list) else 1
+    remote = _remote(address, connector, tp_size=tp)
+    assert len(remote.addresses) == tp
     params = remote.to_dict()
     assert isinstance(params["pdserve_kv"], bytes)
     assert RemotePrefill.from_proto_bytes(params["pdserve_kv"]) == remote
@@ -258,10 +261,14 @@ def test_handshake_refuses_other_schema_connector_or_layout():
         parse(_reencoded(good, handshake__connector_version=CONNECTOR_VERSION + 1))
     with pytest.raises(KVLayoutMismatch, match="connector is 'torch_dist'"):
         parse(_remote({"host": "h", "port": 1}, "torch_dist").to_proto_bytes())
-    for field, value in (("block_size", 32), ("dtype", "bfloat16"), ("num_kv_heads", 4), ("tp_size", 2),
+    for field, value in (("block_size", 32), ("dtype", "bfloat16"), ("num_kv_heads", 4),
                          ("model", "Qwen2ForCausalLM:ffff")):
         with pytest.raises(KVLayoutMismatch, match=f"prefill engine's {field} is"):
             parse(_remote(NIXL_ADDRESS, **{field: value}).to_proto_bytes())
+    # TP sizes may differ (each rank pulls its heads), but every prefill rank needs an address.
+    assert parse(_remote([NIXL_ADDRESS] * 2, tp_size=2).to_proto_bytes()).layout.tp_size == 2
+    with pytest.raises(ValueError, match="carries 1 rank addresses for a prefill engine of tensor_parallel_size 2"):
+        parse(_remote(NIXL_ADDRESS, tp_size=2).to_proto_bytes())
     with pytest.raises(ValueError, match="not a RemotePrefill"):
         RemotePrefill.from_proto_bytes(b"\xff\xff\xff")
 

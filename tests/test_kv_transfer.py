@@ -15,7 +15,8 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from kv_transfer.base import KVConnectorScheduler, KVLayout, KVLayoutMismatch, KVTransferError, LeaseTable
+from kv_transfer.base import (KVConnectorScheduler, KVLayout, KVLayoutMismatch, KVTransferError, LeaseSlots,
+                              LeaseTable)
 
 CONNECTORS = ["torch_dist", "nixl"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -87,16 +88,70 @@ def test_layout_mismatch_names_the_field(tiny_llama):
     layout.check_compatible(KVLayout.from_config(config))
 
 
-def test_lease_table_tokens_are_unique_and_cleared():
-    table = LeaseTable(num_slots=2)
-    slot_a, token_a = table.take([1, 2])
-    slot_b, token_b = table.take([3])
-    assert table.take([4]) is None                       # full
+def test_lease_slots_and_table():
+    """The engine's slots hand out unique tokens; a rank's table mirrors them and clears its word on
+    release, so a reader holding an old token sees the lease gone."""
+    slots, table = LeaseSlots(num_slots=2), LeaseTable(num_slots=2)
+    slot_a, token_a = slots.take()
+    slot_b, token_b = slots.take()
+    assert slots.take() is None                          # full
+    table.hold(slot_a, token_a, [1, 2])
+    table.hold(slot_b, token_b, [3])
     assert token_a != token_b and table.is_live(slot_a, token_a)
     table.release(slot_a)
+    slots.free(slot_a)
     assert not table.is_live(slot_a, token_a) and int(table.words[slot_a]) == 0
-    slot_c, token_c = table.take([5])
+    slot_c, token_c = slots.take()
+    table.hold(slot_c, token_c, [5])
     assert slot_c == slot_a and token_c != token_a and not table.is_live(slot_a, token_a)
+
+
+@pytest.mark.parametrize("heads,src_tp,dst_tp,want", [
+    (2, 1, 1, [[(0, 0, 0, 2)]]),
+    (2, 2, 2, [[(0, 0, 0, 1)], [(1, 0, 0, 1)]]),
+    (2, 1, 2, [[(0, 0, 0, 1)], [(0, 1, 0, 1)]]),                  # each decode rank: half of P's heads
+    (2, 2, 1, [[(0, 0, 0, 1), (1, 0, 1, 1)]]),                   # one decode rank: both prefill ranks
+    (4, 4, 2, [[(0, 0, 0, 1), (1, 0, 1, 1)], [(2, 0, 0, 1), (3, 0, 1, 1)]]),
+    (2, 4, 4, [[(0, 0, 0, 1)], [(1, 0, 0, 1)], [(2, 0, 0, 1)], [(3, 0, 0, 1)]]),   # replicated heads
+    (2, 4, 1, [[(0, 0, 0, 1), (2, 0, 1, 1)]]),                    # a replicated head from its first holder
+    (2, 1, 4, [[(0, 0, 0, 1)], [(0, 0, 0, 1)], [(0, 1, 0, 1)], [(0, 1, 0, 1)]]),
+])
+def test_head_slices(heads, src_tp, dst_tp, want):
+    """Which prefill ranks hold each decode rank's KV heads, checked by hand and against a
+    head-by-head reassembly."""
+    from kv_transfer.base import head_slices
+
+    def layout(tp, rank=0):
+        return KVLayout("m", 2, 16, heads, 8, "float32", rank, tp)
+
+    got = [[(s.src_rank, s.src_start, s.dst_start, s.count) for s in head_slices(layout(src_tp), layout(dst_tp, r))]
+           for r in range(dst_tp)]
+    assert got == want
+    for r in range(dst_tp):
+        dst = layout(dst_tp, r)
+        placed = {}
+        for s in head_slices(layout(src_tp), dst):
+            for i in range(s.count):
+                placed[s.dst_start + i] = layout(src_tp, s.src_rank).rank_heads(s.src_rank)[s.src_start + i]
+        assert [placed[i] for i in range(dst.local_kv_heads)] == list(dst.rank_heads(r))
+
+
+def test_worker_group_waits_for_every_rank():
+    """A pull is done only when every rank has finished it: one rank's failure is held back until
+    the other rank stops writing, then reported as a failure naming the rank."""
+    from kv_transfer.base import KVWorkerGroup, LoadSpec, TransferReport
+
+    group = KVWorkerGroup("e", [{}, {}])
+    for rid in ("a", "b"):
+        group.start_load(LoadSpec(rid, None, [1], [2], 0.0))
+    group.hold_lease(3, 99, [4, 5])
+    assert [op[0] for op in group.take_ops()] == ["load", "load", "hold"] and group.has_pending()
+    group.collect([TransferReport(loaded=["a"]), TransferReport(failed=[("b", "boom")])])
+    assert group.take_report() == TransferReport()              # rank 1 has not finished a, rank 0 b
+    group.collect([TransferReport(loaded=["b"], released=[(3, 99)]), TransferReport(loaded=["a"])])
+    report = group.take_report()
+    assert report.loaded == ["a"] and report.failed == [("b", "rank 1: boom")]
+    assert report.released == [(3, 99)] and not group.has_pending()
 
 
 def test_bad_transfer_params_are_refused(tiny_llama):
@@ -298,6 +353,72 @@ def test_stats_expose_transfer_counters(tiny_llama):
 
 
 # --- separate processes (Ray actors) -------------------------------------------------------------------
+def global_blocks(engine: LLMEngine, block_ids: list[int]) -> torch.Tensor:
+    """All KV heads of these blocks, reassembled from the engine's TP ranks (tp <= num_kv_heads)."""
+    return torch.cat(engine.executor.kv_blocks(block_ids), dim=-2)
+
+
+@pytest.fixture(scope="module", params=CONNECTORS)
+def tp_engines(request, tiny_llama):
+    """Engines whose TP ranks run in Ray worker actors, built on first use and shared by the tests
+    of one connector: engines(role, tp)."""
+    pytest.importorskip("ray", reason="needs ray (make setup installs it)")
+    if request.param == "nixl":
+        pytest.importorskip("nixl", reason="needs nixl: make setup installs it")
+    from cluster.launch import init_ray
+
+    init_ray(num_cpus=8)
+    built: dict[tuple[str, int], LLMEngine] = {}
+
+    def engines(role: str, tp: int) -> LLMEngine:
+        if (role, tp) not in built:
+            built[role, tp] = make_engine(tiny_llama, request.param, tensor_parallel_size=tp,
+                                          distributed_executor_backend="ray")
+        return built[role, tp]
+
+    yield engines
+    for engine in built.values():
+        engine.executor.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("tp_p,tp_d,sizes", [(2, 2, [1, 16, 17, 300]), (1, 2, [17, 300]), (2, 1, [17, 300])])
+def test_pd_with_tensor_parallel_engines(tiny_llama, tp_engines, tp_p, tp_d, sizes):
+    """Equal and different TP sizes (heads sharded differently on the two sides): every decode
+    rank pulls the heads it keeps; greedy output is token-identical to transformers, D's blocks hold
+    exactly P's bytes (every head of every layer), a shared prefix already on D is not pulled
+    again, and both sides end with every block free."""
+    p, d = tp_engines("p", tp_p), tp_engines("d", tp_d)
+    assert p.reset_prefix_cache() and d.reset_prefix_cache()
+    ids_list = [prompt(n, salt=40 + n) for n in sizes]
+    shared = [*ids_list[-1][:64], *prompt(40, salt=77)]        # 4 full blocks in common with the last
+    want = reference(tiny_llama, [*ids_list, shared])
+    failures = d.stats()["kv_load_failures"]
+    for n, ids, expected in zip(sizes, ids_list, want):
+        before = d.stats()["kv_blocks_pulled"]
+        params = prefill(p, f"r{n}", ids)
+        num_full = n // 16
+        sent = global_blocks(p, params["remote_block_ids"][:num_full])
+        out = run_one(d, f"r{n}", ids, GREEDY, params, others=(p,))
+        assert out.outputs[0].token_ids == expected, n
+        assert d.stats()["kv_blocks_pulled"] - before == -(-(n - 1) // 16)
+        hashes = [bytes.fromhex(h) for h in params["remote_block_hashes"][:num_full]]
+        d_blocks = [d.kv_cache_manager.block_pool.cached[h].block_id for h in hashes]
+        pulled = min(num_full * 16, n - 1)          # D computes the prompt's last token itself
+        got = global_blocks(d, d_blocks)
+        assert torch.equal(got.flatten(2, 3)[:, :, :pulled], sent.flatten(2, 3)[:, :, :pulled]), n
+        settle(p, d)
+    before = d.stats()["kv_blocks_pulled"]
+    params = prefill(p, "shared", shared)
+    out = run_one(d, "shared", shared, GREEDY, params, others=(p,))
+    assert out.outputs[0].token_ids == want[-1]
+    assert d.stats()["kv_blocks_pulled"] - before == -(-(len(shared) - 1) // 16) - 4
+    settle(p, d)
+    assert d.stats()["kv_load_failures"] == failures and p.stats()["kv_leases_expired"] == 0
+    p.check_no_leaks()
+    d.check_no_leaks()
+
+
 @pytest.mark.ray
 @pytest.mark.parametrize("conn", CONNECTORS)
 def test_pd_across_ray_actors(tiny_llama, conn):

@@ -70,8 +70,9 @@ def test_parallel_sizes_are_validated(tiny_llama):
         EngineConfig.create(tiny_llama, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be <= num_hidden_layers"):
         EngineConfig.create(tiny_llama, pipeline_parallel_size=3)
-    with pytest.raises(ValueError, match="not supported yet"):
-        EngineConfig.create(tiny_llama, tensor_parallel_size=2, kv_connector="nixl")
+    with pytest.raises(ValueError, match="kv_connector needs pipeline_parallel_size == 1"):
+        EngineConfig.create(tiny_llama, pipeline_parallel_size=2, kv_connector="nixl")
+    EngineConfig.create(tiny_llama, tensor_parallel_size=2, kv_connector="nixl")
 
 
 # --- on a simulated two-node cluster --------------------------------------------------------------------
@@ -203,6 +204,8 @@ def test_cluster_spec_parallel_fields():
 
     with pytest.raises(ValidationError, match="set them per pool"):
         ClusterConfig(engine={"tensor_parallel_size": 2})
-    with pytest.raises(ValidationError, match="multi-rank engines is not supported yet"):
-        ClusterConfig(mode="disaggregated", pools={"prefill": {"tensor_parallel_size": 2}, "decode": {}})
+    with pytest.raises(ValidationError, match="pipeline_parallel_size = 1 in every pool"):
+        ClusterConfig(mode="disaggregated", pools={"prefill": {"pipeline_parallel_size": 2}, "decode": {}})
+    spec = ClusterConfig(mode="disaggregated", pools={"prefill": {"tensor_parallel_size": 2}, "decode": {}})
+    assert spec.pools["prefill"].world_size == 2
     assert ClusterConfig(pools={"decode": {"pipeline_parallel_size": 2}}).pools["decode"].world_size == 2
