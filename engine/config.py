@@ -102,6 +102,7 @@ class ParallelConfig:
     worker_num_gpus: float = 0.0             # per rank actor; > 0 runs the ranks on CUDA
     distributed_executor_backend: str | None = None   # "ray" forces worker actors even for one rank
     worker_resources: tuple[tuple[str, float], ...] = ()   # custom Ray resources per rank actor
+    pipeline_micro_batches: int = 1          # micro-batches per step (the stages overlap on them)
 
     @property
     def world_size(self) -> int:
@@ -224,6 +225,7 @@ class EngineConfig:
         distributed_executor_backend: str | None = None,
         worker_resources: dict[str, float] | None = None,
         speculative_config: dict[str, Any] | None = None,
+        pipeline_micro_batches: int | None = None,
     ) -> EngineConfig:
         """Validate user arguments and resolve them against the model's config."""
         from engine.weights import resolve_model  # noqa: PLC0415 (keeps config import-light)
@@ -244,6 +246,11 @@ class EngineConfig:
             raise ValueError(f"swap_space_bytes must be >= 0; got {swap_space_bytes}")
         if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if pipeline_micro_batches is None:
+            pipeline_micro_batches = pipeline_parallel_size
+        if pipeline_micro_batches < 1:
+            raise ValueError(f"pipeline_micro_batches must be >= 1 (default: pipeline_parallel_size); got "
+                             f"{pipeline_micro_batches}")
         if distributed_executor_backend not in (None, "ray"):
             raise ValueError(f"distributed_executor_backend must be None or 'ray'; got "
                              f"{distributed_executor_backend!r}")
@@ -304,7 +311,8 @@ class EngineConfig:
                 preemption_mode=preemption_mode, policy=scheduling_policy),
             parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size,
                                            worker_num_cpus, worker_num_gpus, distributed_executor_backend,
-                                           tuple(sorted((worker_resources or {}).items()))),
+                                           tuple(sorted((worker_resources or {}).items())),
+                                           pipeline_micro_batches),
             kv_transfer_config=kv_transfer_config,
             speculative_config=spec_config,
         )

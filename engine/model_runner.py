@@ -1,11 +1,15 @@
 """ModelRunner: turns a SchedulerOutput into input tensors, runs the model once, samples.
 
 Batch layout: decode requests (one new token) first, then prefill segments, so attention handles
-all decodes in one batched call. Logits are computed only for rows that sample (the last token of a
+all decodes in one batched call. With pipeline stages a step's requests run as several micro-batches
+(`pipeline_micro_batches`, default pp_size), so that stage s + 1 works on one while stage s runs the
+next. Logits are computed only for rows that sample (the last token of a
 request whose KV is now complete; with speculative decoding, also each proposed token's row, which
 engine/spec_decode/rejection_sampler.py verifies) and for rows that want prompt logprobs.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,14 +17,23 @@ from torch import nn
 from engine.layers.attention import AttentionMetadata
 from engine.layers.sampler import SamplingRow, sample, top_logprobs
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.parallel_state import get_parallel_state, pp_recv, pp_send
+from engine.parallel_state import ParallelState, get_parallel_state, pp_recv, pp_send
 from engine.spec_decode.rejection_sampler import verify
 from kernels.dispatch import get_kernels
 
 
+# A pipeline micro-batch has at least this many tokens. Smaller ones do not pay: a stage reads all
+# its weights once per micro-batch, and below about this many rows the matmuls are bound by those
+# reads (decode), so splitting a decode step doubles each stage's time while it overlaps at most
+# two stages (benchmarks/parallel.py: PP=2 decode-heavy, 0.70x of PP=1 split against 1.10x unsplit).
+MIN_MICRO_BATCH_TOKENS = 128
+
+
 class ModelRunner:
-    def __init__(self, model: nn.Module, block_size: int, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, model: nn.Module, block_size: int, device: torch.device, seed: int = 0,
+                 micro_batches: int = 1) -> None:
         self.model = model
+        self.micro_batches = micro_batches       # per step, with pipeline stages
         self.block_size = block_size
         self.device = device
         self.kernels = get_kernels(device)
@@ -47,7 +60,42 @@ class ModelRunner:
             return ModelRunnerOutput(sampled={})
 
         state = get_parallel_state()
-        batch = sorted(sched.scheduled, key=lambda r: len(r.token_ids) != 1)   # decodes first
+        output = ModelRunnerOutput(sampled={})
+        sends = []
+        num = 1
+        if state.pp_size > 1:
+            tokens = sum(len(r.token_ids) for r in sched.scheduled)
+            num = max(1, min(self.micro_batches, tokens // MIN_MICRO_BATCH_TOKENS))
+        for group in self._micro_batches(sched.scheduled, num):
+            part = self._run_micro_batch(group, state, sends)
+            if part is not None:
+                output.sampled.update(part.sampled)
+                output.spec_sampled.update(part.spec_sampled)
+                output.prompt_logprobs.update(part.prompt_logprobs)
+        for work, _ in sends:
+            work.wait()
+        return output if state.is_last_stage and state.is_driver else None
+
+    @staticmethod
+    def _micro_batches(scheduled: list[ScheduledRequest], num: int) -> list[list[ScheduledRequest]]:
+        """The step's requests in `num` micro-batches of about equal token counts (pipeline
+        parallelism: stage s runs micro-batch m + 1 while stage s + 1 runs m), each with its decodes
+        first so attention handles them in one batched call. Deterministic: every rank splits the same SchedulerOutput the same way."""
+        if num <= 1 or len(scheduled) < 2:
+            return [sorted(scheduled, key=lambda r: len(r.token_ids) != 1)]
+        groups: list[list[ScheduledRequest]] = [[] for _ in range(min(num, len(scheduled)))]
+        loads = [0] * len(groups)
+        for req in sorted(scheduled, key=lambda r: -len(r.token_ids)):
+            i = loads.index(min(loads))
+            groups[i].append(req)
+            loads[i] += len(req.token_ids)
+        return [sorted(g, key=lambda r: len(r.token_ids) != 1) for g in groups]
+
+    def _run_micro_batch(self, batch: list[ScheduledRequest], state: ParallelState, sends: list
+                         ) -> ModelRunnerOutput | None:
+        """This rank's part of one micro-batch: receive the previous stage's activations, run its
+        layers, then send them on (asynchronously: the next micro-batch starts at once) or, on the
+        last stage, compute logits and sample (on the driver rank)."""
         input_ids, positions, meta, sample_rows, spec_rows, lp_rows = self._prepare(batch)
         intermediate = None
         if not state.is_first_stage:             # the previous stage's (hidden, residual)
@@ -55,13 +103,14 @@ class ModelRunner:
             intermediate = pp_recv((2, input_ids.shape[0], cfg.hidden_size), self.model_dtype, self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, intermediate)   # [T, hidden]
         if not state.is_last_stage:
-            pp_send(hidden)
+            hidden = hidden.contiguous()
+            sends.append((pp_send(hidden), hidden))     # the tensor lives until its send is done
             return None
 
         row_index = ([i for _, i in sample_rows] + [i for _, idx in spec_rows for i in idx]
                      + [i for _, idx in lp_rows for i in idx])
-        if not row_index:                                  # only partial prefill chunks this step
-            return ModelRunnerOutput(sampled={})
+        if not row_index:                                  # only partial prefill chunks here
+            return None
         logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=hidden.device)]).cpu()
         if not state.is_driver:                  # TP ranks > 0 only took part in the logits gather
             return None

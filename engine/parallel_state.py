@@ -123,9 +123,10 @@ def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, in
     return start, start + sizes[pp_rank]
 
 
-def pp_send(tensor: torch.Tensor) -> None:
-    """Send hidden states to the same TP rank of the next stage (as bytes: any dtype)."""
-    dist.send(tensor.contiguous().view(-1).view(torch.uint8), _state.next_rank)
+def pp_send(tensor: torch.Tensor) -> dist.Work:
+    """Start sending hidden states to the same TP rank of the next stage (as bytes: any dtype);
+    wait on the returned work before the tensor is reused."""
+    return dist.isend(tensor.contiguous().view(-1).view(torch.uint8), _state.next_rank)
 
 
 def pp_recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -79,7 +79,8 @@ class Worker:
             model = cls(mc.hf_config, mc.dtype, mc.max_model_len)
         model.load_weights(iterate_weights(mc.model, mc.gguf_file, mc.hf_config))
         model.eval()
-        self.runner = ModelRunner(model, self.config.cache_config.block_size, self.device, mc.seed)
+        self.runner = ModelRunner(model, self.config.cache_config.block_size, self.device, mc.seed,
+                                  self.config.parallel_config.pipeline_micro_batches)
 
     def bytes_per_block(self) -> int:
         mc, cc = self.config.model_config, self.config.cache_config

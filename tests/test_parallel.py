@@ -142,6 +142,40 @@ def test_parallel_greedy_matches_single_rank_and_hf(two_nodes, request, kind, tp
         engine.executor.shutdown()
 
 
+def test_micro_batches_split_by_tokens():
+    """Requests are dealt into micro-batches of about equal token counts, decodes first in each;
+    with fewer tokens than MIN_MICRO_BATCH_TOKENS per micro-batch the step is not split."""
+    from engine.model_runner import MIN_MICRO_BATCH_TOKENS, ModelRunner
+    from engine.outputs import ScheduledRequest
+
+    def req(rid: str, n: int) -> ScheduledRequest:
+        return ScheduledRequest(request_id=rid, token_ids=[1] * n, start=0, block_ids=[0],
+                                sampling_params=GREEDY, prompt_token_ids=[1] * n, output_token_ids=[],
+                                do_sample=True)
+
+    batch = [req("d1", 1), req("p300", 300), req("p200", 200), req("d2", 1), req("p90", 90)]
+    groups = ModelRunner._micro_batches(batch, 2)
+    assert [[r.request_id for r in g] for g in groups] == [["p300"], ["d1", "d2", "p200", "p90"]]
+    assert ModelRunner._micro_batches(batch[:1], 2) == [batch[:1]]
+    assert MIN_MICRO_BATCH_TOKENS >= 64
+
+
+@pytest.mark.cluster
+def test_pipeline_micro_batches_match_single_rank(two_nodes, tiny_llama):
+    """PP=2 with two micro-batches per step (long prompts: the prefill steps split) gives the single
+    rank's greedy tokens."""
+    args = dict(dtype="float32", max_model_len=512, num_kv_blocks=96, max_num_batched_tokens=512)
+    prompts = [[(i * 37 + j * 11) % 900 + 5 for j in range(130 + 20 * i)] for i in range(4)]
+    want = run(LLMEngine(EngineConfig.create(tiny_llama, **args)), prompts)
+    engine = LLMEngine(EngineConfig.create(tiny_llama, pipeline_parallel_size=2, pipeline_micro_batches=2,
+                                           **args))
+    try:
+        assert run(engine, prompts) == want
+        engine.check_no_leaks()
+    finally:
+        engine.executor.shutdown()
+
+
 @pytest.mark.cluster
 def test_killed_worker_fails_requests_with_engine_dead(two_nodes, tiny_llama):
     import ray
