@@ -11,6 +11,7 @@ A plain class around `AsyncLLMEngine` (Ray is applied in `cluster/pool.py`):
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,16 +122,20 @@ class EngineReplica:
         KVEventBatch (`pdserve_proto.kv_events.decode_kv_events` gives them back), so a router of
         another schema version refuses them instead of misreading them.
 
-        A long poll: with `wait_s` > 0 and nothing new, it returns after the engine's next step or
-        after `wait_s` seconds, so an idle replica costs its routers nothing."""
+        A long poll: with `wait_s` > 0 and nothing new, it returns after the first engine step that
+        produced events, or after `wait_s` seconds, so a replica whose cache does not change costs
+        its routers nothing."""
         end, events = await self.kv_event_records_since(cursor, wait_s)
         return encode_kv_events(end, events, self.replica_id)
 
     async def kv_event_records_since(self, cursor: int, wait_s: float = 0.0) -> tuple[int, list[KVEvent]]:
         """`kv_events_since` as Python records (in-process readers)."""
         self._log.extend(self.engine.take_kv_events())
-        if wait_s > 0 and cursor >= self._log_start + len(self._log):
-            await self.engine.wait_for_step(wait_s)
+        deadline = time.monotonic() + wait_s
+        # Wait on until a step has produced events: most decode steps fill no block, and answering
+        # each with nothing cost the ingress and this actor a wake-up per token.
+        while cursor >= self._log_start + len(self._log) and (left := deadline - time.monotonic()) > 0:
+            await self.engine.wait_for_step(left)
             self._log.extend(self.engine.take_kv_events())
         if len(self._log) > MAX_EVENT_LOG:
             drop = len(self._log) - MAX_EVENT_LOG // 2

@@ -14,7 +14,7 @@ the pulled KV, so it is identical to a single engine's under greedy or seeded sa
 that goes away while P prefills aborts it there; after that the lease is D's to release.
 
 The router keeps its per-replica view fresh in the background: a long poll per replica on its KV
-event log (`EngineReplica.kv_events_since` answers after the replica's next step, so events arrive
+event log (`EngineReplica.kv_events_since` answers after the first replica step with events, so they arrive
 within a step and idle replicas cost nothing; the batches travel as protobuf `KVEventBatch`, and a
 replica of another schema version has its events refused, with an error logged) and stats every `stats_interval_s`; in-flight counts
 are its own.

@@ -99,3 +99,35 @@ def test_transformers_does_not_take_our_kernels_package(tiny_llama):
         "print('ok')\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_kv_event_long_poll_answers_only_with_events(tiny_llama):
+    """The replica's KV-event long poll answers once a step has produced events (the prompt's full
+    blocks) and otherwise waits out its timeout: decode steps that fill no block wake no router."""
+    import time
+
+    from cluster.replica import EngineReplica
+    from engine.config import EngineConfig
+    from engine.outputs import BlockStored
+
+    async def main() -> None:
+        replica = EngineReplica(EngineConfig.create(tiny_llama, dtype="float32", num_kv_blocks=64,
+                                                    max_model_len=512))
+        end, events = await replica.kv_event_records_since(0)
+        assert events == []
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+        async def consume() -> None:       # 32 prompt tokens fill 2 blocks; 12 decodes fill none
+            async for _ in replica.generate("a", [(7 * i) % 500 + 3 for i in range(32)], params):
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(consume())
+        end, events = await replica.kv_event_records_since(end, 30.0)
+        assert [type(e) for e in events] == [BlockStored] and len(events[0].block_hashes) == 2
+        start = time.monotonic()
+        end2, events = await replica.kv_event_records_since(end, 0.5)
+        assert events == [] and end2 == end and time.monotonic() - start >= 0.5
+        await task
+        replica.engine.engine.check_no_leaks()
+
+    asyncio.run(main())
