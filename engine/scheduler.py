@@ -48,6 +48,7 @@ class Scheduler:
         self.pending_forks: dict[str, Request] = {}     # children waiting for their leader's prompt
         self.finished_ids: list[str] = []               # freed since the last schedule()
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0             # prompt positions run through the model here
 
     # --- intake -----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -192,6 +193,10 @@ class Scheduler:
             budget -= n
 
         assert not (swap_in and swap_out), "swap-in and swap-out never share a step"
+        for rid, n in num_new.items():      # prompt positions among this step's tokens
+            request = self.requests[rid]
+            start = request.num_computed_tokens
+            self.num_prompt_tokens_computed += max(0, min(start + n, request.num_prompt_tokens) - start)
         return SchedulerOutput(
             scheduled=[self._describe(self.requests[rid], n, drafts.get(rid, []))
                        for rid, n in num_new.items()],

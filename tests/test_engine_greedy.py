@@ -57,6 +57,11 @@ def test_prefix_cache_hits_keep_output(tiny_llama, oracle):
     assert first == second == oracle(tiny_llama, prompts)
     out = llm.generate({"prompt_token_ids": prompts[0]}, greedy(), use_tqdm=False)[0]
     assert out.num_cached_tokens == 64           # 4 full blocks; the last token is recomputed
+    # Without preemption, every prompt token is either a prefix-cache hit or computed, once.
+    final = llm.llm_engine.stats()
+    assert final["prompt_tokens_computed"] == final["prompt_tokens"] - final["prefix_cache_hits"]
+    assert after["prompt_tokens_computed"] - stats["prompt_tokens_computed"] == \
+        sum(map(len, prompts)) - (after["prefix_cache_hits"] - stats["prefix_cache_hits"]) < sum(map(len, prompts))
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -66,8 +71,11 @@ def test_preemption_keeps_output(tiny_qwen2, oracle, mode):
     llm = LLM(tiny_qwen2, dtype="float32", num_kv_blocks=14, max_model_len=200,
               preemption_mode=mode, max_num_batched_tokens=64)
     outs = run(llm, prompts)
-    assert llm.llm_engine.stats()["num_preemptions"] > 0
+    stats = llm.llm_engine.stats()
+    assert stats["num_preemptions"] > 0
     assert outs == oracle(tiny_qwen2, prompts)
+    if mode == "recompute":      # a preempted prompt is computed again
+        assert stats["prompt_tokens_computed"] > stats["prompt_tokens"] - stats["prefix_cache_hits"]
 
 
 def test_n_greater_than_one_forks_prompt(tiny_llama, oracle):
