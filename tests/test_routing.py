@@ -139,7 +139,7 @@ def test_router_moves_off_a_dead_replica_and_follows_membership(tiny_llama):
     assert ray.get(live.check_no_leaks.remote())
     ray.kill(live)
 
-def test_cluster_spec_validates_and_loads_yaml(tmp_path):
+def test_cluster_spec_validates_and_loads_yaml(tmp_path, tiny_llama):
     from pydantic import ValidationError
 
     from cluster.config import ClusterConfig
@@ -165,6 +165,7 @@ def test_cluster_spec_validates_and_loads_yaml(tmp_path):
                        disaggregation={"connector": "torch_dist", "min_remote_prefill_tokens": 64})
     assert pd.disaggregation.engine_args()["kv_connector"] == "torch_dist"
     from cluster.pool import engine_config_for    # the engine section reaches EngineConfig
-    assert engine_config_for(ClusterConfig(engine={"batching": "static"})).scheduler_config.batching == "static"
+    static = ClusterConfig(model=tiny_llama, engine={"batching": "static"})
+    assert engine_config_for(static).scheduler_config.batching == "static"
     with pytest.raises(ValueError, match="batching must be one of"):
-        engine_config_for(ClusterConfig(engine={"batching": "barrier"}))
+        engine_config_for(ClusterConfig(model=tiny_llama, engine={"batching": "barrier"}))
