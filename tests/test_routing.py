@@ -44,6 +44,23 @@ def test_policy_prefers_prefix_until_load_is_imbalanced():
 
 
 @pytest.mark.ray
+def test_round_robin_alternates_within_each_pool(tiny_llama):
+    """With 1 decode and 2 prefill replicas, every request routes in both pools: round-robin must
+    still alternate the prefill replicas (a policy shared by both pools sent every prefill to one)."""
+    from cluster.config import ClusterConfig
+    from router.app import OpenAIServer
+
+    config = ClusterConfig(model=tiny_llama, mode="disaggregated", routing={"name": "round_robin"},
+                           pools={"prefill": {"replicas": 2}, "decode": {}})
+    pd = OpenAIServer(config, {"decode-0": None}, {"prefill-0": None, "prefill-1": None}).router
+    params = SamplingParams(max_tokens=1)
+    picks = []
+    for _ in range(4):
+        pd.decode.route(list(range(40)), params)
+        picks.append(pd.prefill.route(list(range(40)), params).replica_id)
+    assert picks == ["prefill-0", "prefill-1"] * 2
+
+
 def test_prefix_aware_routing_beats_round_robin(tiny_llama):
     ray = pytest.importorskip("ray", reason="needs ray (make setup installs it)")
     from cluster.launch import init_ray
