@@ -7,6 +7,9 @@ and print the ratios (B / A) of throughput and latency.
 
 Takes every workload option of benchmarks/serve.py. With `--rounds N` the endpoints alternate
 (A B A B ...) so drift on a noisy machine hits both; the ratios are per round, then the median.
+Every round sends the same prompts unless `--new-prompts-per-round`: from the second round on they
+are prefix-cache hits on both servers (what a warm-cache comparison wants, and what an interference
+or prefill comparison must avoid).
 Requests with class labels (`--dataset mixed`) get a table per class too; `--scrape-metric` names
 add their increase per round (summed over series) to the table. The result JSON keeps every
 round's summaries and each endpoint's per-request latencies (for benchmarks/plots.py).
@@ -61,6 +64,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--model-a", default=None)
     ap.add_argument("--model-b", default=None)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--new-prompts-per-round", action="store_true",
+                    help="round i draws its workload with seed + i (both endpoints still see the same "
+                         "prompts): without it, rounds after the first hit the servers' prefix caches")
     ap.add_argument("--result", default=None)
     serve.add_args(ap)
     args = ap.parse_args(argv)
@@ -69,6 +75,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rounds: list[dict[str, dict[str, Any]]] = []
     records: dict[str, list[dict[str, Any]]] = {args.label_a: [], args.label_b: []}
     for i in range(args.rounds):
+        if args.new_prompts_per_round and i:
+            requests = serve.make_dataset(argparse.Namespace(**{**vars(args), "seed": args.seed + i}))
         one = {}
         for label, url, model in ((args.label_a, args.a, args.model_a), (args.label_b, args.b, args.model_b)):
             run_args = argparse.Namespace(**{**vars(args), "base_url": url.rstrip("/"), "model": model})
