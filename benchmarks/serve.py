@@ -13,6 +13,10 @@ Datasets (`--dataset`), all generated from `--seed`, so two servers see the same
 - `prefix`: `--num-prefixes` shared prefixes of `--prefix-len` tokens × suffixes of `--input-len`.
 - `multiturn`: `--num-prompts` conversations of `--turns` turns; each turn resends the whole history
   (the previous prompts and the generated text) plus a new user message, as text.
+- `mixed`: interference. Each request is, with probability `--long-fraction`, a `long` one
+  (`--long-input-len`, `--long-output-len`), else a `short` one (`--input-len`, `--output-len`);
+  both classes share one arrival process. Every metric is also reported per class (`classes` in the
+  JSON), e.g. the short requests' p99 ITL while long prompts are prefilled.
 
 Load: `--request-rate R` (Poisson arrivals; `--burstiness` < 1 burstier, > 1 more regular: gamma-
 distributed gaps as in vLLM's benchmark) or `--concurrency C` (C requests in flight at all times);
@@ -21,8 +25,13 @@ the first `--warmup` requests run before timing and are excluded.
     .venv/bin/python benchmarks/serve.py --base-url http://127.0.0.1:8000 --dataset random \\
         --input-len 128:512 --output-len 64 --num-prompts 64 --request-rate 2 --result out.json
 
-`--plot out.png` draws the latency CDFs (needs matplotlib). `benchmarks/compare.py` runs the same
-workload against two endpoints and prints the ratios.
+`--scrape-metric NAME` (repeatable) reads the server's Prometheus `/metrics` before and after the
+timed part and reports each series' increase (e.g. `pdserve:prompt_tokens_computed_total`, or vLLM's
+`vllm:prompt_tokens_total`); `--metrics-url` when they are not at `{base_url}/metrics`.
+
+`--plot out.png` draws the latency CDFs (needs matplotlib: `pip install -e .[bench]`);
+`benchmarks/plots.py` draws CDFs of several results and throughput against request rate.
+`benchmarks/compare.py` runs the same workload against two endpoints and prints the ratios.
 """
 from __future__ import annotations
 
@@ -39,6 +48,7 @@ from typing import Any
 
 import httpx
 
+DATASETS = ("random", "sharegpt", "prefix", "multiturn", "mixed")
 WORDS = ("river stone light cloud paper engine garden window signal market harbor lantern "
          "forest copper season valley number letter bridge island summer winter mountain").split()
 
@@ -49,6 +59,7 @@ class BenchRequest:
     output_len: int
     conversation: int | None = None       # multiturn: turns of one conversation run in order
     turn: int = 0
+    cls: str = ""                          # class label (mixed: "short" / "long"); metrics per class
 
 
 @dataclass
@@ -61,6 +72,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     text: str = ""
     error: str = ""
+    cls: str = ""
 
     @property
     def tpot(self) -> float | None:
@@ -107,7 +119,18 @@ def make_dataset(args: argparse.Namespace) -> list[BenchRequest]:
         return [BenchRequest(" ".join(rng.choice(WORDS) for _ in range(rng.randint(*ins))),
                              rng.randint(*outs), conversation=c, turn=t)
                 for c in range(n) for t in range(args.turns)]
-    raise ValueError(f"dataset must be one of random, sharegpt, prefix, multiturn; got {args.dataset!r}")
+    if args.dataset == "mixed":
+        if not 0.0 <= args.long_fraction <= 1.0:
+            raise ValueError(f"--long-fraction must be in [0, 1]; got {args.long_fraction}")
+        short_in, short_out = parse_range(args.input_len), parse_range(args.output_len)
+        long_in, long_out = parse_range(args.long_input_len), parse_range(args.long_output_len)
+        out = []
+        for _ in range(n):
+            is_long = rng.random() < args.long_fraction
+            ins, outs = (long_in, long_out) if is_long else (short_in, short_out)
+            out.append(BenchRequest(tokens(rng.randint(*ins)), rng.randint(*outs), cls="long" if is_long else "short"))
+        return out
+    raise ValueError(f"dataset must be one of {DATASETS}; got {args.dataset!r}")
 
 
 def arrival_gaps(rate: float, burstiness: float, count: int, seed: int) -> Iterator[float]:
@@ -162,8 +185,10 @@ async def send(client: httpx.AsyncClient, args: argparse.Namespace, model: str, 
 
 
 # --- the run ---------------------------------------------------------------------------------------
-async def run(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[list[RequestResult], float]:
-    """Run the workload; (results of the timed requests in order, wall seconds of the timed part)."""
+async def run(args: argparse.Namespace, requests: list[BenchRequest]
+              ) -> tuple[list[RequestResult], float, dict[str, float]]:
+    """Run the workload; (results of the timed requests in order, wall seconds of the timed part,
+    increase of each scraped metric series over the timed part)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
         model = args.model or (await client.get(f"{args.base_url}/v1/models", headers=(
@@ -171,6 +196,8 @@ async def run(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[l
         units = _units(requests)
         warm, timed = units[:args.warmup], units[args.warmup:]
         await asyncio.gather(*[_run_unit(client, args, model, u) for u in warm])
+        metrics_url = args.metrics_url or f"{args.base_url}/metrics"
+        before = await scrape(client, metrics_url, args.scrape_metric) if args.scrape_metric else {}
         progress = _progress(sum(len(u) for u in timed), args.quiet)
         start = time.perf_counter()
         if args.concurrency:
@@ -189,7 +216,38 @@ async def run(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[l
         wall = time.perf_counter() - start
         if progress is not None:
             progress.close()
-    return [r for unit in results for r in unit], wall
+        after = await scrape(client, metrics_url, args.scrape_metric) if args.scrape_metric else {}
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return [r for unit in results for r in unit], wall, delta
+
+
+async def scrape(client: httpx.AsyncClient, url: str, names: list[str]) -> dict[str, float]:
+    """The series of the named metrics in a Prometheus text page: {'name{labels}': value}. The
+    engines' counters may be polled by the server (pdserve refreshes them on each scrape)."""
+    r = await client.get(url)
+    r.raise_for_status()
+    return parse_prometheus(r.text, names)
+
+
+def parse_prometheus(text: str, names: list[str]) -> dict[str, float]:
+    wanted = set(names)
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        if series.partition("{")[0] in wanted:
+            out[series] = float(value)
+    return out
+
+
+def metric_totals(delta: dict[str, float]) -> dict[str, float]:
+    """Per metric name, the sum over its series (all replicas, all pools)."""
+    totals: dict[str, float] = {}
+    for series, v in delta.items():
+        name = series.partition("{")[0]
+        totals[name] = totals.get(name, 0.0) + v
+    return totals
 
 
 def _units(requests: list[BenchRequest]) -> list[list[BenchRequest]]:
@@ -209,6 +267,7 @@ async def _run_unit(client: httpx.AsyncClient, args: argparse.Namespace, model: 
             history += f"\nUser: {req.prompt}\nAssistant:"
             prompt = history
         res = await send(client, args, model, req, prompt)
+        res.cls = req.cls
         results.append(res)
         history += res.text
         if progress is not None:
@@ -229,7 +288,7 @@ def _progress(total: int, quiet: bool) -> Any:
 # --- metrics ---------------------------------------------------------------------------------------
 def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
-        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
     ordered = sorted(values)
 
     def pct(p: float) -> float:      # linear interpolation between closest ranks (numpy's default)
@@ -238,7 +297,8 @@ def percentiles(values: list[float]) -> dict[str, float]:
         hi = min(lo + 1, len(ordered) - 1)
         return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
-    return {"mean": statistics.fmean(ordered), "median": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)}
+    return {"mean": statistics.fmean(ordered), "median": pct(0.5), "p90": pct(0.9), "p99": pct(0.99),
+            "max": ordered[-1]}
 
 
 def parse_slos(specs: list[str]) -> dict[str, float]:
@@ -252,7 +312,10 @@ def parse_slos(specs: list[str]) -> dict[str, float]:
     return out
 
 
-def summarize(results: list[RequestResult], wall: float, slos: dict[str, float] | None = None) -> dict[str, Any]:
+def summarize(results: list[RequestResult], wall: float, slos: dict[str, float] | None = None,
+              metrics_delta: dict[str, float] | None = None, per_class: bool = True) -> dict[str, Any]:
+    """Throughput and latency percentiles over the results (and per class, if they carry labels,
+    under `classes`: throughputs there are the class's tokens over the whole run's wall time)."""
     ok = [r for r in results if r.ok]
     slos = slos or {}
 
@@ -277,28 +340,22 @@ def summarize(results: list[RequestResult], wall: float, slos: dict[str, float] 
         "tpot_ms": ms([t for r in ok if (t := r.tpot) is not None]),
         "itl_ms": ms([x for r in ok for x in r.itl]),
         "e2e_ms": ms([r.e2e for r in ok]),
+        **({"metrics_delta": metrics_delta, "metrics_total": metric_totals(metrics_delta)}
+           if metrics_delta is not None else {}),
+        **({"classes": {c: summarize([r for r in results if r.cls == c], wall, slos, per_class=False)
+                        for c in sorted({r.cls for r in results})}}
+           if per_class and any(r.cls for r in results) else {}),
     }
 
 
 def plot(results: list[RequestResult], path: str, label: str = "") -> None:
-    """Latency CDFs (TTFT, TPOT, ITL, E2E) in one PNG."""
-    import matplotlib  # noqa: PLC0415
+    """Latency CDFs (TTFT, TPOT, ITL, E2E) in one PNG; one curve per class when requests carry
+    class labels (benchmarks/plots.py draws several runs together)."""
+    import plots  # noqa: PLC0415  (benchmarks/plots.py)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    ok = [r for r in results if r.ok]
-    series = {"TTFT": [r.ttft for r in ok], "TPOT": [r.tpot for r in ok if r.tpot is not None],
-              "ITL": [x for r in ok for x in r.itl], "E2E": [r.e2e for r in ok]}
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
-    for ax, (name, values) in zip(axes, series.items()):
-        values = sorted(v * 1e3 for v in values)
-        ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label or None)
-        ax.set_xlabel(f"{name} (ms)")
-        ax.set_ylabel("fraction of requests" if name != "ITL" else "fraction of gaps")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    classes = sorted({r.cls for r in results})
+    runs = {(f"{label} {c}".strip() if c else label or "all"): [r for r in results if r.cls == c] for c in classes}
+    plots.latency_cdfs(runs, path)
 
 
 def print_summary(s: dict[str, Any], title: str = "") -> None:
@@ -309,7 +366,13 @@ def print_summary(s: dict[str, Any], title: str = "") -> None:
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         p = s[name]
         print(f"{name[:-3].upper():5s} ms: mean {p['mean']:8.1f}  median {p['median']:8.1f}  p90 {p['p90']:8.1f}"
-              f"  p99 {p['p99']:8.1f}")
+              f"  p99 {p['p99']:8.1f}  max {p['max']:8.1f}")
+    for cls, c in s.get("classes", {}).items():
+        print(f"  [{cls}] {c['completed']} ok: TTFT median {c['ttft_ms']['median']:.1f} p99 {c['ttft_ms']['p99']:.1f}, "
+              f"ITL median {c['itl_ms']['median']:.1f} p99 {c['itl_ms']['p99']:.1f} max {c['itl_ms']['max']:.1f}, "
+              f"TPOT median {c['tpot_ms']['median']:.1f} ms; {c['output_token_throughput']:.1f} output tok/s")
+    for series, v in s.get("metrics_delta", {}).items():
+        print(f"  {series} +{v:g}")
     if s["errors"]:
         print("errors:", s["errors"])
 
@@ -317,7 +380,7 @@ def print_summary(s: dict[str, Any], title: str = "") -> None:
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None, help="model name (default: the server's first)")
     ap.add_argument("--api-key", default=None)
-    ap.add_argument("--dataset", default="random", choices=["random", "sharegpt", "prefix", "multiturn"])
+    ap.add_argument("--dataset", default="random", choices=DATASETS)
     ap.add_argument("--num-prompts", type=int, default=64, help="timed requests (multiturn: conversations)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--input-len", default="128:512", help="tokens (multiturn: words per user turn)")
@@ -325,6 +388,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefix-len", type=int, default=512)
     ap.add_argument("--num-prefixes", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--long-fraction", type=float, default=0.2, help="mixed: share of long requests")
+    ap.add_argument("--long-input-len", default="1024", help="mixed: tokens of a long prompt")
+    ap.add_argument("--long-output-len", default="4", help="mixed: output tokens of a long request")
     ap.add_argument("--vocab-size", type=int, default=49152, help="token ids are drawn below this")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="req/s (inf: all at once)")
@@ -335,6 +401,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--scrape-metric", action="append", default=[], metavar="NAME",
+                    help="Prometheus metric to read before and after the timed part (its increase is reported)")
+    ap.add_argument("--metrics-url", default=None, help="default: {base_url}/metrics")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -343,11 +412,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_args(ap)
     ap.add_argument("--result", default=None, help="write the summary and per-request results as JSON")
     ap.add_argument("--plot", default=None, help="write latency CDFs to this PNG (needs matplotlib)")
+    ap.add_argument("--label", default="", help="name of this run in the plot")
     args = ap.parse_args(argv)
     slos = parse_slos(args.slo)
     requests = make_dataset(args)
-    results, wall = asyncio.run(run(args, requests))
-    summary = summarize(results, wall, slos)
+    results, wall, delta = asyncio.run(run(args, requests))
+    summary = summarize(results, wall, slos, delta if args.scrape_metric else None)
     print_summary(summary, args.base_url)
     if args.result:
         with open(args.result, "w") as f:
@@ -355,7 +425,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        "requests": [dataclasses.asdict(r) | {"text": None} for r in results]}, f, indent=1,
                       default=str)
     if args.plot:
-        plot(results, args.plot)
+        plot(results, args.plot, args.label)
     return summary
 
 

@@ -21,6 +21,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 KV_CONNECTORS = ("nixl", "torch_dist")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 SPEC_METHODS = ("ngram", "draft_model")
+BATCHING_MODES = ("continuous", "static")
 _SPEC_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
 
 
@@ -92,6 +93,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"       # "recompute" | "swap"
     policy: str = "fcfs"                     # "fcfs" | "priority"
+    batching: str = "continuous"             # "continuous" | "static" (a batch barrier: the baseline)
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,7 @@ class EngineConfig:
         preemption_mode: str = "recompute",
         swap_space_bytes: int = 256 << 20,
         scheduling_policy: str = "fcfs",
+        batching: str = "continuous",
         seed: int = 0,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
@@ -238,6 +241,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}; got {preemption_mode!r}")
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority'; got {scheduling_policy!r}")
+        if batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {BATCHING_MODES}; got {batching!r}")
         if num_kv_blocks is not None and num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1; got {num_kv_blocks}")
         if kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0:
@@ -308,7 +313,7 @@ class EngineConfig:
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
-                preemption_mode=preemption_mode, policy=scheduling_policy),
+                preemption_mode=preemption_mode, policy=scheduling_policy, batching=batching),
             parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size,
                                            worker_num_cpus, worker_num_gpus, distributed_executor_backend,
                                            tuple(sorted((worker_resources or {}).items())),

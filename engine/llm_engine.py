@@ -403,6 +403,7 @@ class LLMEngine:
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.num_prompt_tokens,
+            "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
             "generation_tokens": self.num_generation_tokens,
             **(self.spec_stats.as_dict() if self.proposer is not None else {}),
             **(self._transfer_stats() if self.kv_connector is not None else {}),

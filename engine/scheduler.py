@@ -16,6 +16,11 @@ Speculative decoding (engine/spec_decode/): a running decode with proposed token
 1 + k tokens within the budget; the proposals are dropped rather than preempt anything. After the
 step, the emitted tokens are appended one by one (each checked for stop, min/max tokens) and
 num_computed_tokens is set back past the rejected proposals.
+
+Static batching (`batching="static"`, the baseline continuous batching is measured against): a batch
+is the first `max_num_seqs` waiting requests at the moment the previous batch has drained; until
+every one of them has finished, no other request is admitted (members preempted or pulling KV stay
+members). Steps still run under the token budget, so a batch's prompts may take several steps.
 """
 from __future__ import annotations
 
@@ -48,6 +53,8 @@ class Scheduler:
         self.pending_forks: dict[str, Request] = {}     # children waiting for their leader's prompt
         self.finished_ids: list[str] = []               # freed since the last schedule()
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0             # prompt positions run through the model here
+        self.batch_ids: set[str] = set()                # static batching: the current batch
 
     # --- intake -----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -155,8 +162,13 @@ class Scheduler:
             budget -= n
             i += 1
 
+        static = self.config.batching == "static"
+        if static:
+            self._form_static_batch()
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
+            if static and request.request_id not in self.batch_ids:
+                break                       # the barrier: not before this batch has drained
             if len(self.running) + len(request.fork_children) >= self.config.max_num_seqs and self.running:
                 break
             if request.status == RequestStatus.SWAPPED:
@@ -192,12 +204,36 @@ class Scheduler:
             budget -= n
 
         assert not (swap_in and swap_out), "swap-in and swap-out never share a step"
+        for rid, n in num_new.items():      # prompt positions among this step's tokens
+            request = self.requests[rid]
+            start = request.num_computed_tokens
+            self.num_prompt_tokens_computed += max(0, min(start + n, request.num_prompt_tokens) - start)
         return SchedulerOutput(
             scheduled=[self._describe(self.requests[rid], n, drafts.get(rid, []))
                        for rid, n in num_new.items()],
             num_batched_tokens=sum(num_new.values()),
             swap_out=swap_out, swap_in=swap_in, copy_blocks=self.kv.take_pending_copies(),
             preempted_ids=preempted, finished_ids=self._take_finished_ids())
+
+    def _form_static_batch(self) -> None:
+        """Static batching: once no member of the current batch is left, the first waiting requests
+        (up to max_num_seqs sequences, n > 1 children included) become the next batch; members are
+        kept at the queue's front (a priority queue may have put a newcomer before them)."""
+        if any(rid in self.requests for rid in self.batch_ids):
+            if self.waiting and self.waiting[0].request_id not in self.batch_ids:
+                members = [r for r in self.waiting if r.request_id in self.batch_ids]
+                if members:
+                    others = [r for r in self.waiting if r.request_id not in self.batch_ids]
+                    self.waiting = deque(members + others)
+            return
+        self.batch_ids = set()
+        num_seqs = 0
+        for request in self.waiting:
+            num_seqs += 1 + len(request.fork_children)
+            if num_seqs > self.config.max_num_seqs and self.batch_ids:
+                break
+            self.batch_ids.add(request.request_id)
+            self.batch_ids.update(child.request_id for child in request.fork_children)
 
     def _admit_remote(self, request: Request, hits: list, num_hit: int) -> bool | None:
         """Start a remotely prefilled request's pull. True: it is now WAITING_FOR_REMOTE_KVS;

@@ -64,17 +64,20 @@ class OpenAIServer:
         self.model_name = config.serving.served_model_name or _default_name(mc.model, mc.gguf_file)
         self.tokenizer = load_tokenizer(mc.model, mc.gguf_file)
         self.metrics = ServingMetrics()
-        policy = RoutingPolicy(PolicyConfig(config.routing.name, config.routing.load_weight,
-                                            config.routing.imbalance_threshold),
-                               ec.scheduler_config.max_num_seqs)
+        # One policy per pool: a shared one would share round-robin's counter, and with the decode
+        # pool routed first on every request, the prefill pick would see every other count only.
+        def policy() -> RoutingPolicy:
+            return RoutingPolicy(PolicyConfig(config.routing.name, config.routing.load_weight,
+                                              config.routing.imbalance_threshold),
+                                 ec.scheduler_config.max_num_seqs)
         self.manager = manager
         report = None if manager is None else (lambda replica_id: manager.report_failure.remote(replica_id))
-        decode = RequestRouter("decode", replicas, ec.cache_config.block_size, policy, self.metrics,
+        decode = RequestRouter("decode", replicas, ec.cache_config.block_size, policy(), self.metrics,
                                config.routing.stats_interval_s, report)
         self.pools: dict[str, RequestRouter] = {"decode": decode}
         self.router: RequestRouter | PDRouter = decode
         if config.mode == "disaggregated":
-            prefill = RequestRouter("prefill", prefill_replicas or {}, ec.cache_config.block_size, policy,
+            prefill = RequestRouter("prefill", prefill_replicas or {}, ec.cache_config.block_size, policy(),
                                     self.metrics, config.routing.stats_interval_s, report)
             self.pools["prefill"] = prefill
             self.router = PDRouter(prefill, decode, self.metrics,

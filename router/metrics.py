@@ -133,6 +133,9 @@ class ServingMetrics:
     # engine stats key -> (metric name, kind, help)
     ENGINE_SERIES = {
         "prompt_tokens": ("pdserve:prompt_tokens_total", "counter", "Prefill tokens received."),
+        "prompt_tokens_computed": ("pdserve:prompt_tokens_computed_total", "counter",
+                                   "Prompt tokens run through the model (not prefix-cache hits, not pulled "
+                                   "KV; recomputed again after a preemption)."),
         "generation_tokens": ("pdserve:generation_tokens_total", "counter", "Tokens generated."),
         "prefix_cache_queries": ("pdserve:prefix_cache_queries_total", "counter",
                                  "Prompt tokens looked up in the prefix cache."),

@@ -43,6 +43,14 @@ def test_datasets_have_the_asked_shapes():
     assert [r.turn for r in units[1]] == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="lo:hi"):
         serve.parse_range("9:3")
+    mixed = serve.make_dataset(_args(dataset="mixed", input_len="8:16", output_len="32", long_input_len="500:600",
+                                     long_output_len="2", long_fraction=0.25, num_prompts=400))
+    longs = [r for r in mixed if r.cls == "long"]
+    assert {r.cls for r in mixed} == {"short", "long"} and 0.18 < len(longs) / len(mixed) < 0.32
+    assert all(500 <= len(r.prompt) <= 600 and r.output_len == 2 for r in longs)
+    assert all(8 <= len(r.prompt) <= 16 and r.output_len == 32 for r in mixed if r.cls == "short")
+    with pytest.raises(ValueError, match="long-fraction"):
+        serve.make_dataset(_args(dataset="mixed", long_fraction=1.5))
 
 
 def test_poisson_and_bursty_arrivals_keep_the_rate():
@@ -70,3 +78,43 @@ def test_percentiles_match_numpy_and_goodput_counts_slos():
     assert s["output_token_throughput"] == 12.5 and s["tpot_ms"]["median"] == pytest.approx(100.0)
     with pytest.raises(ValueError, match="ttft:MS"):
         serve.parse_slos(["latency:5"])
+
+
+def _classed_results() -> list:
+    short = [serve.RequestResult(ok=True, prompt_len=10, output_tokens=5, ttft=0.1 * i, e2e=1.0, itl=[0.05, 0.1 * i],
+                                 cls="short") for i in range(1, 5)]
+    long = [serve.RequestResult(ok=True, prompt_len=1000, output_tokens=2, ttft=2.0, e2e=2.5, itl=[0.5], cls="long")]
+    return short + long
+
+
+def test_summary_per_class_and_scraped_counters():
+    results = _classed_results()
+    s = serve.summarize(results, 2.0, metrics_delta={'m_total{pool="prefill",replica="p0"}': 7.0,
+                                                     'm_total{pool="prefill",replica="p1"}': 5.0})
+    assert set(s["classes"]) == {"short", "long"} and s["classes"]["long"]["completed"] == 1
+    assert s["classes"]["short"]["itl_ms"]["max"] == pytest.approx(400.0)
+    assert s["classes"]["short"]["output_token_throughput"] == 10.0 and s["output_token_throughput"] == 11.0
+    assert s["itl_ms"]["max"] == pytest.approx(500.0) and s["metrics_total"] == {"m_total": 12.0}
+    assert "classes" not in serve.summarize([serve.RequestResult(ok=True, output_tokens=1)], 1.0)
+    page = ('# HELP pdserve:prompt_tokens_computed_total x\n# TYPE pdserve:prompt_tokens_computed_total counter\n'
+            'pdserve:prompt_tokens_computed_total{pool="prefill",replica="a"} 1200\n'
+            'pdserve:prompt_tokens_computed_total{pool="decode",replica="b"} 3\n'
+            'pdserve:prompt_tokens_total{pool="decode",replica="b"} 4000\nvllm:num_requests_running 2.0\n')
+    got = serve.parse_prometheus(page, ["pdserve:prompt_tokens_computed_total", "vllm:num_requests_running"])
+    assert got == {'pdserve:prompt_tokens_computed_total{pool="prefill",replica="a"}': 1200.0,
+                   'pdserve:prompt_tokens_computed_total{pool="decode",replica="b"}': 3.0,
+                   "vllm:num_requests_running": 2.0}
+
+
+def test_plots_write_pngs(tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the bench and test extras)")
+    import plots  # noqa: PLC0415  (benchmarks/plots.py)
+
+    results = _classed_results()
+    serve.plot(results, str(tmp_path / "cdf.png"), "run")
+    summary = serve.summarize(results, 2.0)
+    plots.throughput_vs_rate({"a": [(1.0, summary), (2.0, summary), (2.0, {**summary, "output_token_throughput": 3.0})]},
+                             str(tmp_path / "rate.png"))
+    for name in ("cdf.png", "rate.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000

@@ -57,6 +57,11 @@ def test_prefix_cache_hits_keep_output(tiny_llama, oracle):
     assert first == second == oracle(tiny_llama, prompts)
     out = llm.generate({"prompt_token_ids": prompts[0]}, greedy(), use_tqdm=False)[0]
     assert out.num_cached_tokens == 64           # 4 full blocks; the last token is recomputed
+    # Without preemption, every prompt token is either a prefix-cache hit or computed, once.
+    final = llm.llm_engine.stats()
+    assert final["prompt_tokens_computed"] == final["prompt_tokens"] - final["prefix_cache_hits"]
+    assert after["prompt_tokens_computed"] - stats["prompt_tokens_computed"] == \
+        sum(map(len, prompts)) - (after["prefix_cache_hits"] - stats["prefix_cache_hits"]) < sum(map(len, prompts))
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -66,8 +71,54 @@ def test_preemption_keeps_output(tiny_qwen2, oracle, mode):
     llm = LLM(tiny_qwen2, dtype="float32", num_kv_blocks=14, max_model_len=200,
               preemption_mode=mode, max_num_batched_tokens=64)
     outs = run(llm, prompts)
-    assert llm.llm_engine.stats()["num_preemptions"] > 0
+    stats = llm.llm_engine.stats()
+    assert stats["num_preemptions"] > 0
     assert outs == oracle(tiny_qwen2, prompts)
+    if mode == "recompute":      # a preempted prompt is computed again
+        assert stats["prompt_tokens_computed"] > stats["prompt_tokens"] - stats["prefix_cache_hits"]
+
+
+def test_static_batching_holds_the_barrier_and_keeps_output(tiny_llama, oracle):
+    """batching="static": a request that arrives while a batch runs is not scheduled until every
+    member of that batch has finished, even with free seats; outputs equal continuous batching's."""
+    prompts = mixed_prompts(1000, seed=11)[2:6]
+    with pytest.raises(ValueError, match="batching must be one of"):
+        LLM(tiny_llama, dtype="float32", batching="dynamic")
+    outputs = {}
+    for mode in ("continuous", "static"):
+        engine = LLM(tiny_llama, dtype="float32", max_num_seqs=4, max_num_batched_tokens=24,
+                     batching=mode).llm_engine
+        lengths = {"a": 12, "b": 3, "c": 5, "d": 4}            # b finishes long before a
+        for rid, p in zip("ab", prompts):
+            engine.add_request(rid, None, p, greedy(max_tokens=lengths[rid]))
+        scheduled: list[set[str]] = []
+        schedule = engine.scheduler.schedule
+
+        def recording(schedule=schedule, scheduled=scheduled):
+            out = schedule()
+            scheduled.append({s.request_id for s in out.scheduled})
+            return out
+        engine.scheduler.schedule = recording
+        done: dict[str, list[int]] = {}
+        finished_at: dict[str, int] = {}
+        while engine.has_unfinished_requests():
+            if len(scheduled) == 2:                            # a and b are running: c and d arrive
+                for rid, p in zip("cd", prompts[2:]):
+                    engine.add_request(rid, None, p, greedy(max_tokens=lengths[rid]))
+            out = engine.step()
+            for o in out:
+                if o.finished:
+                    done[o.request_id] = o.outputs[0].token_ids
+                    finished_at[o.request_id] = len(scheduled) - 1
+        first_cd = min(i for i, ids in enumerate(scheduled) if ids & {"c", "d"})
+        if mode == "static":
+            assert first_cd == finished_at["a"] + 1           # the barrier: after the whole batch
+        else:
+            assert first_cd == 2                              # free seats are taken at once
+        outputs[mode] = done
+    assert outputs["static"] == outputs["continuous"]
+    assert [outputs["static"][r] for r in "abcd"] == [o[:lengths[r]] for r, o in
+                                                       zip("abcd", oracle(tiny_llama, prompts))]
 
 
 def test_n_greater_than_one_forks_prompt(tiny_llama, oracle):

@@ -248,10 +248,15 @@ def test_pdserve_serve_answers_and_sigint_leaves_no_ray_process(tiny_llama, tmp_
         bench = subprocess.run(
             [sys.executable, "benchmarks/serve.py", "--base-url", base, "--num-prompts", "6", "--warmup", "1",
              "--input-len", "20:300", "--output-len", "6", "--concurrency", "3", "--quiet",
+             "--scrape-metric", "pdserve:prompt_tokens_computed_total",
              "--result", str(tmp_path / "bench.json")], cwd=REPO, capture_output=True, text=True, timeout=300)
         assert bench.returncode == 0, bench.stderr[-3000:]
         summary = json.loads((tmp_path / "bench.json").read_text())["summary"]
         assert summary["completed"] == 6 and summary["output_tokens"] == 36 and summary["ttft_ms"]["p99"] > 0
+        # Random prompts share no block: every prompt token is computed once, on P or on D, and D
+        # computes the last token again of a prompt it pulled (its first token comes from there).
+        computed = summary["metrics_total"]["pdserve:prompt_tokens_computed_total"]
+        assert summary["input_tokens"] <= computed <= summary["input_tokens"] + 6, summary["metrics_delta"]
         assert summary["itl_ms"]["median"] > 0 and summary["request_throughput"] > 0
         compared = subprocess.run(
             [sys.executable, "benchmarks/compare.py", "--a", base, "--b", base, "--dataset", "multiturn",

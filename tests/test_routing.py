@@ -44,6 +44,23 @@ def test_policy_prefers_prefix_until_load_is_imbalanced():
 
 
 @pytest.mark.ray
+def test_round_robin_alternates_within_each_pool(tiny_llama):
+    """With 1 decode and 2 prefill replicas, every request routes in both pools: round-robin must
+    still alternate the prefill replicas (a policy shared by both pools sent every prefill to one)."""
+    from cluster.config import ClusterConfig
+    from router.app import OpenAIServer
+
+    config = ClusterConfig(model=tiny_llama, mode="disaggregated", routing={"name": "round_robin"},
+                           pools={"prefill": {"replicas": 2}, "decode": {}})
+    pd = OpenAIServer(config, {"decode-0": None}, {"prefill-0": None, "prefill-1": None}).router
+    params = SamplingParams(max_tokens=1)
+    picks = []
+    for _ in range(4):
+        pd.decode.route(list(range(40)), params)
+        picks.append(pd.prefill.route(list(range(40)), params).replica_id)
+    assert picks == ["prefill-0", "prefill-1"] * 2
+
+
 def test_prefix_aware_routing_beats_round_robin(tiny_llama):
     ray = pytest.importorskip("ray", reason="needs ray (make setup installs it)")
     from cluster.launch import init_ray
@@ -139,7 +156,7 @@ def test_router_moves_off_a_dead_replica_and_follows_membership(tiny_llama):
     assert ray.get(live.check_no_leaks.remote())
     ray.kill(live)
 
-def test_cluster_spec_validates_and_loads_yaml(tmp_path):
+def test_cluster_spec_validates_and_loads_yaml(tmp_path, tiny_llama):
     from pydantic import ValidationError
 
     from cluster.config import ClusterConfig
@@ -164,3 +181,8 @@ def test_cluster_spec_validates_and_loads_yaml(tmp_path):
     pd = ClusterConfig(mode="disaggregated", pools={"prefill": {}, "decode": {}},
                        disaggregation={"connector": "torch_dist", "min_remote_prefill_tokens": 64})
     assert pd.disaggregation.engine_args()["kv_connector"] == "torch_dist"
+    from cluster.pool import engine_config_for    # the engine section reaches EngineConfig
+    static = ClusterConfig(model=tiny_llama, engine={"batching": "static"})
+    assert engine_config_for(static).scheduler_config.batching == "static"
+    with pytest.raises(ValueError, match="batching must be one of"):
+        engine_config_for(ClusterConfig(model=tiny_llama, engine={"batching": "barrier"}))
