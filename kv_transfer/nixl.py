@@ -64,6 +64,7 @@ class _Load:
     stage: str                        # "blocks" -> "lease"
     scratch: list[int] = field(default_factory=list)   # scratch words the lease tokens are read into
     aborting: bool = False
+    error: str = ""                   # a failed read, reported once every read of the stage ended
 
 
 class NixlConnectorWorker(KVConnectorWorker):
@@ -228,9 +229,12 @@ class NixlConnectorWorker(KVConnectorWorker):
                     return None
                 return f"timed out after {self.config.load_timeout_s} s"
             return None
-        self._release_handles(load)
-        if any(state != "DONE" for state in states) or load.aborting:
-            return "timed out" if load.aborting else f"transfer failed ({'/'.join(states)})"
+        if any(state != "DONE" for state in states) and not load.error:
+            load.error = f"transfer failed ({'/'.join(states)})"
+        if not self._release_handles(load):
+            return None            # a read could not be cancelled: report once it has ended
+        if load.error or load.aborting:
+            return "timed out" if load.aborting else load.error
         remote = load.spec.remote
         if load.stage == "blocks":
             # Then each source's lease word: unchanged means its blocks were not released meanwhile.
