@@ -89,8 +89,8 @@ def test_chart_renders_every_values_file_and_lints_clean():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"mode": "disaggregated", "pools": {"decode": {"tensor_parallel_size": 2}}},
-     "tensor_parallel_size = pipeline_parallel_size = 1"),
+    ({"mode": "disaggregated", "pools": {"decode": {"pipeline_parallel_size": 2}}},
+     "needs pipeline_parallel_size = 1"),
     ({"pools": {"decode": {"num_gpus": 1, "replicas": 3, "worker": {"gpus": 2, "pods": 1}}}},
      "needs 3 GPUs"),
     ({"mode": "colocated", "pools": {"decode": {"num_gpus": 1, "tensor_parallel_size": 4,
@@ -388,9 +388,9 @@ def test_serve_builder_rejects_bad_args():
     build_serve_app("router.app:build_app", {"mode": "colocated"})
     with pytest.raises(ValueError, match="replicaz"):           # pydantic's ValidationError
         build_serve_app("router.app:build_app", {"pools": {"decode": {"replicaz": 2}}})
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
         build_serve_app("router.app:build_app", {"mode": "disaggregated", "pools": {
-            "prefill": {}, "decode": {"tensor_parallel_size": 2}}})
+            "prefill": {}, "decode": {"pipeline_parallel_size": 2}}})
 
 
 # --- pools pinned to worker groups, GPUs, CPUs, API key, model, shm --------------------------------

@@ -94,8 +94,8 @@ The spec itself is validated again by ClusterConfig when Serve builds the applic
 {{- $w := $p.worker -}}
 {{- $tp := $p.tensor_parallel_size | default 1 | int -}}
 {{- $pp := $p.pipeline_parallel_size | default 1 | int -}}
-{{- if and (eq $v.mode "disaggregated") (gt (mul $tp $pp) 1) -}}
-{{- fail (printf "pools.%s: mode disaggregated needs tensor_parallel_size = pipeline_parallel_size = 1 (KV transfer between multi-rank engines is not supported yet); use mode colocated for TP/PP" $name) -}}
+{{- if and (eq $v.mode "disaggregated") (gt $pp 1) -}}
+{{- fail (printf "pools.%s: mode disaggregated needs pipeline_parallel_size = 1 (KV transfer moves each TP rank's heads, not pipeline stages); use mode colocated for PP" $name) -}}
 {{- end -}}
 {{- if hasKey ($w.rayStartParams | default dict) "resources" -}}
 {{- fail (printf "pools.%s.worker.rayStartParams.resources is set by the chart (the pool's pdserve_%s resource)" $name $name) -}}
