@@ -62,8 +62,16 @@ def latency_cdfs(runs: dict[str, list[Any]], path: str, panels: tuple[str, ...] 
             ax.set_xscale("log")
         ax.set_xlabel(f"{PANELS[panel]} (ms)")
         ax.set_ylabel("fraction of gaps" if panel == "itl" else "fraction of requests")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+        _style(ax)
+    _save(plt, fig, path, title)
+
+
+def _style(ax: Any) -> None:
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+
+
+def _save(plt: Any, fig: Any, path: str, title: str) -> None:
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -92,13 +100,8 @@ def throughput_vs_rate(points: dict[str, list[tuple[float, dict[str, Any]]]], pa
     right.set_yscale("log")
     for ax in (left, right):
         ax.set_xlabel("offered request rate (req/s)")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+        _style(ax)
+    _save(plt, fig, path, title)
 
 
 def load_runs(path: str, cls: str | None = None) -> dict[str, list[dict[str, Any]]]:
