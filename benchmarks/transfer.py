@@ -40,7 +40,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from engine.config import KVTransferConfig  # noqa: E402  (before kv_transfer.factory: import cycle)
-from kv_transfer.base import KVConnectorWorker, KVLayout, LeaseSlots, LoadSpec, RemotePrefill  # noqa: E402
+from kv_transfer.base import KVConnectorWorker  # noqa: E402
+from kv_transfer.layout import KVLayout  # noqa: E402
+from kv_transfer.leases import LeaseSlots  # noqa: E402
+from kv_transfer.params import LoadSpec, RemotePrefill  # noqa: E402
 from kv_transfer.factory import create_connector_worker  # noqa: E402
 
 LAYOUT = KVLayout(model="bench", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="bfloat16")

@@ -9,7 +9,8 @@ from engine.config import EngineConfig
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.step_channel import ChannelClosed, StepChannel
 from engine.worker import Worker
-from kv_transfer.base import KVWorkerGroup, TransferReport
+from kv_transfer.params import TransferReport
+from kv_transfer.worker_group import KVWorkerGroup
 
 
 class EngineDeadError(RuntimeError):

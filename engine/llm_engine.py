@@ -20,7 +20,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode import SpecDecodeStats, make_proposer, max_proposals
 from engine.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
-from kv_transfer.base import KVConnectorScheduler, KVLayout
+from kv_transfer.base import KVConnectorScheduler
+from kv_transfer.layout import KVLayout
 
 
 @dataclass(slots=True)

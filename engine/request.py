@@ -16,7 +16,7 @@ from engine.hashing import BlockHash, hash_block_tokens
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kv_transfer.base import RemotePrefill
+    from kv_transfer.params import RemotePrefill
 
 
 class RequestStatus(enum.IntEnum):

@@ -21,7 +21,9 @@ from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.parallel_state import get_parallel_state, init_parallel_state, pp_layer_range
 from engine.weights import iterate_weights
-from kv_transfer.base import KVConnectorWorker, KVLayout, TransferReport
+from kv_transfer.base import KVConnectorWorker
+from kv_transfer.layout import KVLayout
+from kv_transfer.params import TransferReport
 
 # Default KV budget when neither num_kv_blocks nor kv_cache_memory_bytes is given.
 DEFAULT_KV_CACHE_BYTES = 1 << 30

@@ -7,6 +7,11 @@ Two roles, as in vLLM's v1 connector:
 - worker side (`KVConnectorWorker`, one per rank; NIXL in `nixl.py`, torch.distributed in
   `torch_dist.py`): registers the KV tensors, moves blocks, reports finished sends and receives.
 
+Beside them: `layout.py` (the KV layout both engines must share, and the TP head mapping),
+`params.py` (the transfer records: RemotePrefill, LoadSpec, TransferReport), `leases.py` (lease
+slots, tokens and the words remote readers check), `worker_group.py` (the engine's view of its
+ranks' worker sides).
+
 The protocol (pull model):
 1. Prefill engine P runs a request with `kv_transfer_params={"do_remote_decode": True}` and
    `max_tokens=1`. When it finishes, its blocks are not freed: P's worker takes a *lease* on them (a
@@ -31,32 +36,19 @@ The protocol (pull model):
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import random
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kv_transfer.layout import HeadSlice, KVLayout, KVLayoutMismatch, head_slices
+from kv_transfer.leases import Lease, LeaseSlots, LeaseTable
+from kv_transfer.params import CONNECTOR_VERSION, LoadSpec, RemotePrefill, TransferReport
+
 if TYPE_CHECKING:
-    from engine.config import EngineConfig, KVTransferConfig
+    from engine.config import KVTransferConfig
     from engine.request import Request
-
-# Leases one prefill worker can hold at once (one slot each); beyond that a finished prefill frees
-# its blocks at once and returns no transfer parameters (the decode side then computes the prompt).
-MAX_LEASES = 4096
-
-
-# Version of the connectors' own protocol (lease words, notifications, staging layout): both ends
-# of a transfer must run the same one. Checked with the layout in the handshake.
-CONNECTOR_VERSION = 2     # 2: the decode engine releases the lease once all its ranks pulled
-
-
-class KVLayoutMismatch(ValueError):
-    """The two engines' KV layouts (or connectors) differ: their blocks cannot be exchanged."""
 
 
 def advertised_host(host: str) -> str:
@@ -78,292 +70,7 @@ class KVTransferError(RuntimeError):
     """A request's KV could not be pulled and its failure policy is "fail"."""
 
 
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """What must agree between two engines for their blocks to be interchangeable."""
-    model: str            # architecture and a digest of the model config (not of the weights)
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    tp_rank: int = 0
-    tp_size: int = 1
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, tp_rank: int = 0) -> KVLayout:
-        mc = config.model_config
-        raw = {k: v for k, v in mc.hf_config.to_dict().items()
-               if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")}
-        digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        return cls(model=f"{mc.architecture}:{digest}", num_layers=mc.num_layers,
-                   block_size=config.cache_config.block_size, num_kv_heads=mc.num_kv_heads,
-                   head_dim=mc.head_dim, dtype=str(mc.dtype).removeprefix("torch."), tp_rank=tp_rank,
-                   tp_size=config.parallel_config.tensor_parallel_size)
-
-    @property
-    def local_kv_heads(self) -> int:
-        """KV heads one rank holds (each head on tp / num_kv_heads ranks when tp > num_kv_heads)."""
-        return max(1, self.num_kv_heads // self.tp_size)
-
-    def rank_heads(self, rank: int) -> range:
-        """The global KV heads that TP rank `rank` holds, in its local order."""
-        if self.tp_size > self.num_kv_heads:
-            head = rank // (self.tp_size // self.num_kv_heads)
-            return range(head, head + 1)
-        per = self.num_kv_heads // self.tp_size
-        return range(rank * per, (rank + 1) * per)
-
-    def check_compatible(self, remote: KVLayout) -> None:
-        """Raise KVLayoutMismatch naming the first field on which the remote engine differs. TP sizes
-        may differ: each rank pulls the heads it keeps (`head_slices`)."""
-        for name in ("model", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype"):
-            mine, theirs = getattr(self, name), getattr(remote, name)
-            if mine != theirs:
-                raise KVLayoutMismatch(
-                    f"kv_transfer_params: the prefill engine's {name} is {theirs!r} but this engine's "
-                    f"is {mine!r}; prefill and decode engines must have the same {name}")
-
-    def to_proto(self) -> Any:
-        from pdserve_proto import pb2  # noqa: PLC0415
-
-        return pb2.KVLayout(model=self.model, num_layers=self.num_layers, block_size=self.block_size,
-                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
-                            tp_rank=self.tp_rank, tp_size=self.tp_size)
-
-    @classmethod
-    def from_proto(cls, msg: Any) -> KVLayout:
-        return cls(model=msg.model, num_layers=msg.num_layers, block_size=msg.block_size,
-                   num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim, dtype=msg.dtype,
-                   tp_rank=msg.tp_rank, tp_size=msg.tp_size)
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block's K (or V) in one layer, on one rank."""
-        return self.block_size * self.local_kv_heads * self.head_bytes
-
-    @property
-    def head_bytes(self) -> int:
-        """Bytes of one head of one token's K (or V)."""
-        return self.head_dim * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-
-
-@dataclass(frozen=True, slots=True)
-class HeadSlice:
-    """`count` consecutive KV heads that a destination rank takes from one source rank."""
-    src_rank: int
-    src_start: int         # first head, in the source rank's local head order
-    dst_start: int         # where it lands, in the destination rank's local head order
-    count: int
-
-    def covers(self, src: KVLayout, dst: KVLayout) -> bool:
-        """True when it moves whole blocks (every head of both ranks)."""
-        return self.count == src.local_kv_heads == dst.local_kv_heads
-
-
-def head_slices(src: KVLayout, dst: KVLayout) -> list[HeadSlice]:
-    """Where destination rank `dst.tp_rank` finds each KV head it keeps among the source engine's
-    ranks (a replicated head is taken from the source rank with the destination's number when that
-    rank holds it, else from its first holder), merged into runs of consecutive heads."""
-    slices: list[HeadSlice] = []
-    for local, head in enumerate(dst.rank_heads(dst.tp_rank)):
-        holders = [r for r in range(src.tp_size) if head in src.rank_heads(r)]
-        rank = dst.tp_rank if dst.tp_rank in holders else holders[0]
-        offset = src.rank_heads(rank).index(head)
-        last = slices[-1] if slices else None
-        if (last is not None and last.src_rank == rank and last.src_start + last.count == offset
-                and last.dst_start + last.count == local):
-            slices[-1] = HeadSlice(rank, last.src_start, last.dst_start, last.count + 1)
-        else:
-            slices.append(HeadSlice(rank, offset, local, 1))
-    return slices
-
-
-@dataclass(slots=True)
-class RemotePrefill:
-    """Where a prefilled prompt's KV waits: what P returns and D receives as kv_transfer_params."""
-    engine_id: str
-    request_id: str                 # the request's id on P
-    block_ids: list[int]            # P's block table for the prompt
-    block_hashes: list[bytes]       # hashes of the prompt's full blocks (as D computes them too)
-    num_tokens: int                 # prompt tokens whose KV P holds
-    lease_slot: int
-    lease_token: int
-    lease_expires_at: float         # time.time() on P (nodes' clocks agree within LEASE_MARGIN_S)
-    layout: KVLayout                # P's layout (tp_rank 0 of P's TP group)
-    addresses: list[dict[str, Any]]  # per P TP rank, transport-specific: how D's workers reach P's
-    connector: str = ""             # P's connector ("" when built by hand without one)
-    connector_version: int = CONNECTOR_VERSION
-
-    def to_dict(self) -> dict[str, Any]:
-        """The kv_transfer_params dict (engine API): the protobuf `RemotePrefill` (versioned, what D
-        parses) under "pdserve_kv", beside a readable view of the same fields for logs and tests."""
-        return {"do_remote_prefill": True, "pdserve_kv": self.to_proto_bytes(),
-                "remote_engine_id": self.engine_id,
-                "remote_request_id": self.request_id, "remote_block_ids": list(self.block_ids),
-                "remote_block_hashes": [h.hex() for h in self.block_hashes],
-                "remote_num_tokens": self.num_tokens, "lease_slot": self.lease_slot,
-                "lease_token": self.lease_token, "lease_expires_at": self.lease_expires_at,
-                "layout": asdict(self.layout), "addresses": self.addresses}
-
-    def handshake(self) -> Any:
-        from pdserve_proto import CONTROL_SCHEMA_VERSION, pb2  # noqa: PLC0415
-
-        return pb2.KVHandshake(schema_version=CONTROL_SCHEMA_VERSION, connector=self.connector,
-                               connector_version=self.connector_version, layout=self.layout.to_proto())
-
-    def to_proto_bytes(self) -> bytes:
-        from pdserve_proto import CONTROL_SCHEMA_VERSION, pb2  # noqa: PLC0415
-
-        msg = pb2.RemotePrefill(
-            schema_version=CONTROL_SCHEMA_VERSION, handshake=self.handshake(), engine_id=self.engine_id,
-            request_id=self.request_id, block_ids=self.block_ids, block_hashes=self.block_hashes,
-            num_tokens=self.num_tokens, lease_slot=self.lease_slot, lease_token=self.lease_token,
-            lease_expires_at=self.lease_expires_at)
-        for a in self.addresses:
-            rank = msg.ranks.add()
-            if "agent_metadata" in a:
-                rank.nixl.CopyFrom(pb2.NixlAddress(
-                    agent_metadata=a["agent_metadata"], kv_addrs=a["kv_addrs"], num_blocks=a["num_blocks"],
-                    lease_addr=a["lease_addr"], num_lease_slots=a["num_lease_slots"], mem=a["mem"],
-                    device_id=a["device_id"]))
-            elif "host" in a:
-                rank.torch_dist.CopyFrom(pb2.TorchDistAddress(host=a["host"], port=a["port"]))
-            elif a:
-                raise ValueError(f"RemotePrefill.addresses has no wire form: {sorted(a)}")
-        return msg.SerializeToString()
-
-    @classmethod
-    def from_proto_bytes(cls, data: bytes) -> RemotePrefill:
-        """Decode `to_proto_bytes()`; SchemaVersionMismatch (a ValueError) for another schema
-        version, ValueError for bytes that are not a RemotePrefill."""
-        from google.protobuf.message import DecodeError  # noqa: PLC0415
-
-        from pdserve_proto import check_version, pb2  # noqa: PLC0415
-
-        msg = pb2.RemotePrefill()
-        try:
-            msg.ParseFromString(bytes(data))
-        except DecodeError as e:
-            raise ValueError(f"kv_transfer_params.pdserve_kv is not a RemotePrefill message: {e}") from None
-        check_version("kv_transfer_params.pdserve_kv (RemotePrefill)", msg.schema_version)
-        check_version("kv_transfer_params.pdserve_kv (KVHandshake)", msg.handshake.schema_version)
-        addresses: list[dict[str, Any]] = []
-        for rank in msg.ranks:
-            which = rank.WhichOneof("kind")
-            if which == "nixl":
-                n = rank.nixl
-                addresses.append({
-                    "agent_metadata": n.agent_metadata, "kv_addrs": list(n.kv_addrs), "num_blocks": n.num_blocks,
-                    "lease_addr": n.lease_addr, "num_lease_slots": n.num_lease_slots, "mem": n.mem,
-                    "device_id": n.device_id})
-            elif which == "torch_dist":
-                addresses.append({"host": rank.torch_dist.host, "port": rank.torch_dist.port})
-            else:
-                addresses.append({})
-        hs = msg.handshake
-        if addresses and len(addresses) != hs.layout.tp_size:
-            raise ValueError(f"kv_transfer_params.pdserve_kv carries {len(addresses)} rank addresses for a "
-                             f"prefill engine of tensor_parallel_size {hs.layout.tp_size}")
-        return cls(engine_id=msg.engine_id, request_id=msg.request_id, block_ids=list(msg.block_ids),
-                   block_hashes=list(msg.block_hashes), num_tokens=msg.num_tokens, lease_slot=msg.lease_slot,
-                   lease_token=msg.lease_token, lease_expires_at=msg.lease_expires_at,
-                   layout=KVLayout.from_proto(hs.layout), addresses=addresses, connector=hs.connector,
-                   connector_version=hs.connector_version)
-
-    @classmethod
-    def from_dict(cls, params: dict[str, Any]) -> RemotePrefill:
-        """Parse kv_transfer_params; ValueError naming the missing or malformed field. The protobuf
-        form ("pdserve_kv", what a prefill engine returns) is authoritative when present; a
-        hand-built dict without it is read from its readable keys."""
-        if "pdserve_kv" in params:
-            return cls.from_proto_bytes(params["pdserve_kv"])
-        try:
-            return cls(engine_id=str(params["remote_engine_id"]),
-                       request_id=str(params["remote_request_id"]),
-                       block_ids=[int(b) for b in params["remote_block_ids"]],
-                       block_hashes=[bytes.fromhex(h) for h in params["remote_block_hashes"]],
-                       num_tokens=int(params["remote_num_tokens"]),
-                       lease_slot=int(params["lease_slot"]), lease_token=int(params["lease_token"]),
-                       lease_expires_at=float(params["lease_expires_at"]),
-                       layout=KVLayout(**params["layout"]),
-                       addresses=[dict(a) for a in params["addresses"]])
-        except KeyError as e:
-            raise ValueError(f"kv_transfer_params is missing {e.args[0]!r} (pass the parameters the "
-                             f"prefill engine returned)") from None
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"kv_transfer_params is malformed: {e}") from None
-
-
-@dataclass(slots=True)
-class LoadSpec:
-    """One pull: remote blocks -> local blocks, both in prompt order."""
-    request_id: str                 # the request's id on this (decode) engine
-    remote: RemotePrefill
-    local_block_ids: list[int]
-    remote_block_ids: list[int]
-    deadline: float                 # time.monotonic() by which it must be done
-
-
-@dataclass(slots=True)
-class TransferReport:
-    """What a worker's `poll()` saw finish since the last poll."""
-    released: list[tuple[int, int]] = field(default_factory=list)   # P: (lease slot, token) done with
-    loaded: list[str] = field(default_factory=list)                  # D: request ids whose pull is done
-    failed: list[tuple[str, str]] = field(default_factory=list)      # D: (request id, reason)
-
-
-@dataclass(slots=True)
-class Lease:
-    request: Request
-    slot: int
-    token: int
-    expires_at: float               # time.time()
-
-
 # --- worker side ------------------------------------------------------------------------------------
-class LeaseSlots:
-    """The engine's lease slots and tokens (every rank's worker mirrors them in its LeaseTable).
-    Tokens start at a random base so that a restarted engine never reissues an old token."""
-
-    def __init__(self, num_slots: int = MAX_LEASES) -> None:
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._next_token = random.getrandbits(40) << 20 | 1
-
-    def take(self) -> tuple[int, int] | None:
-        if not self._free:
-            return None
-        token, self._next_token = self._next_token, self._next_token + 1
-        return self._free.pop(), token
-
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
-
-
-class LeaseTable:
-    """A prefill worker's lease words: slot -> token of the live lease, 0 when free.
-
-    The words live in a tensor so a remote reader (NIXL) can read a lease's token after pulling its
-    blocks."""
-
-    def __init__(self, num_slots: int = MAX_LEASES) -> None:
-        self.words = torch.zeros(num_slots, dtype=torch.int64)
-        self.block_ids: dict[int, list[int]] = {}
-
-    def hold(self, slot: int, token: int, block_ids: list[int]) -> None:
-        self.words[slot] = token
-        self.block_ids[slot] = list(block_ids)
-
-    def is_live(self, slot: int, token: int) -> bool:
-        return 0 <= slot < len(self.words) and token != 0 and int(self.words[slot]) == token
-
-    def release(self, slot: int) -> None:
-        """Clear the word first: from here on a reader sees the lease gone."""
-        if slot in self.block_ids:
-            self.words[slot] = 0
-            del self.block_ids[slot]
-
-
 class KVConnectorWorker:
     """Worker side of a connector, one per TP rank. All methods run on the rank's step thread, between
     steps; transports may use their own threads for the bytes, never for engine state.
@@ -479,78 +186,6 @@ class KVConnectorWorker:
     def gathered_shape(self, num_blocks: int) -> tuple[int, ...]:
         lay = self.layout
         return (lay.num_layers, 2, num_blocks, lay.block_size, lay.local_kv_heads, lay.head_dim)
-
-
-class KVWorkerGroup:
-    """The worker sides of all of one engine's TP ranks, as the engine sees them (owned by its
-    executor). The engine's orders queue here (`hold_lease`, `end_leases`, `start_load`,
-    `release_remote`) and go to every rank, in order, with the next step message, applied before
-    that step's forward pass (so a lease's word is cleared before its freed blocks can be
-    rewritten). Each rank's report comes back with its reply; `take_report` merges them: a pull is
-    done when every rank has finished it (failed if any rank failed: only then may the engine reuse
-    its blocks), and it then queues the release of the prefill engine's lease."""
-
-    def __init__(self, engine_id: str, addresses: list[dict[str, Any]]) -> None:
-        self.engine_id = engine_id              # rank 0's: the engine's id in RemotePrefill
-        self.addresses = addresses              # per rank, for RemotePrefill.addresses
-        self.num_ranks = len(addresses)
-        self.ops: list[tuple[Any, ...]] = []
-        self._loads: dict[str, tuple[LoadSpec, dict[int, str]]] = {}   # rid -> (spec, rank -> outcome)
-        self._report = TransferReport()
-
-    # --- orders -----------------------------------------------------------------------------------
-    def hold_lease(self, slot: int, token: int, block_ids: list[int]) -> None:
-        self.ops.append(("hold", slot, token, list(block_ids)))
-
-    def end_leases(self, slots: list[int]) -> None:
-        self.ops.append(("end", list(slots)))
-
-    def start_load(self, spec: LoadSpec) -> None:
-        self._loads[spec.request_id] = (spec, {})
-        self.ops.append(("load", spec))
-
-    def release_remote(self, remote: RemotePrefill) -> None:
-        self.ops.append(("release", remote))
-
-    def take_ops(self) -> list[tuple[Any, ...]]:
-        ops, self.ops = self.ops, []
-        return ops
-
-    def has_pending(self) -> bool:
-        """Orders not yet sent, or pulls some rank has not finished."""
-        return bool(self.ops or self._loads)
-
-    # --- reports ----------------------------------------------------------------------------------
-    def collect(self, reports: list[TransferReport | None]) -> None:
-        """Merge one reply per rank (in rank order)."""
-        for rank, report in enumerate(reports):
-            if report is None:
-                continue
-            self._report.released.extend(r for r in report.released if r not in self._report.released)
-            for rid in report.loaded:
-                self._outcome(rid, rank, "")
-            for rid, reason in report.failed:
-                self._outcome(rid, rank, reason or "failed")
-
-    def _outcome(self, rid: str, rank: int, reason: str) -> None:
-        entry = self._loads.get(rid)
-        if entry is None:
-            return
-        spec, outcomes = entry
-        outcomes[rank] = reason
-        if len(outcomes) < self.num_ranks:
-            return
-        del self._loads[rid]
-        failures = [f"rank {r}: {why}" if self.num_ranks > 1 else why
-                    for r, why in sorted(outcomes.items()) if why]
-        if failures:
-            self._report.failed.append((rid, "; ".join(failures)))
-        else:
-            self._report.loaded.append(rid)
-
-    def take_report(self) -> TransferReport:
-        report, self._report = self._report, TransferReport()
-        return report
 
 
 # --- scheduler side ---------------------------------------------------------------------------------

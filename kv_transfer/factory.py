@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from engine.config import KV_CONNECTORS, KVTransferConfig
-from kv_transfer.base import KVConnectorWorker, KVLayout
+from kv_transfer.base import KVConnectorWorker
+from kv_transfer.layout import KVLayout
 
 
 def create_connector_worker(config: KVTransferConfig, layout: KVLayout) -> KVConnectorWorker:

@@ -29,7 +29,9 @@ import numpy as np
 import torch
 
 from engine.config import KVTransferConfig
-from kv_transfer.base import HeadSlice, KVConnectorWorker, KVLayout, LoadSpec, RemotePrefill, TransferReport
+from kv_transfer.base import KVConnectorWorker
+from kv_transfer.layout import HeadSlice, KVLayout
+from kv_transfer.params import LoadSpec, RemotePrefill, TransferReport
 
 logger = logging.getLogger(__name__)
 

@@ -36,8 +36,9 @@ import torch
 import torch.distributed as dist
 
 from engine.config import KVTransferConfig
-from kv_transfer.base import (HeadSlice, KVConnectorWorker, KVLayout, LoadSpec, RemotePrefill,
-                              TransferReport, advertised_host)
+from kv_transfer.base import KVConnectorWorker, advertised_host
+from kv_transfer.layout import HeadSlice, KVLayout
+from kv_transfer.params import LoadSpec, RemotePrefill, TransferReport
 
 logger = logging.getLogger(__name__)
 

@@ -194,7 +194,8 @@ def test_cancel_mid_stream_frees_every_block(server, eventually_no_leaks):
 
 # --- control plane (unit: no Ray) -----------------------------------------------------------------------
 def _remote(address: dict | list[dict], connector: str = "nixl", **layout_changes):
-    from kv_transfer.base import KVLayout, RemotePrefill
+    from kv_transfer.layout import KVLayout
+    from kv_transfer.params import RemotePrefill
 
     fields = {"model": "LlamaForCausalLM:0123abcd", "num_layers": 2, "block_size": 16, "num_kv_heads": 2,
               "head_dim": 16, "dtype": "float32", **layout_changes}
@@ -213,7 +214,7 @@ NIXL_ADDRESS = {"agent_metadata": "bWV0YQ==", "kv_addrs": [1 << 40, (1 << 40) + 
     (NIXL_ADDRESS, "nixl"), ([NIXL_ADDRESS, {**NIXL_ADDRESS, "agent_metadata": "cmFuazE="}], "nixl"),
     ({"host": "10.0.0.7", "port": 29517}, "torch_dist")])
 def test_remote_prefill_round_trips_through_protobuf(address, connector):
-    from kv_transfer.base import RemotePrefill
+    from kv_transfer.params import RemotePrefill
 
     tp = len(address) if isinstance(address, list) else 1
     remote = _remote(address, connector, tp_size=tp)
@@ -240,7 +241,9 @@ def _reencoded(data: bytes, **changes) -> bytes:
 
 def test_handshake_refuses_other_schema_connector_or_layout():
     from engine.config import KVTransferConfig
-    from kv_transfer.base import CONNECTOR_VERSION, KVConnectorScheduler, KVLayoutMismatch, RemotePrefill
+    from kv_transfer.base import KVConnectorScheduler
+    from kv_transfer.layout import KVLayoutMismatch
+    from kv_transfer.params import CONNECTOR_VERSION, RemotePrefill
     from pdserve_proto import CONTROL_SCHEMA_VERSION, SchemaVersionMismatch
 
     mine = _remote(NIXL_ADDRESS)

@@ -15,8 +15,9 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from kv_transfer.base import (KVConnectorScheduler, KVLayout, KVLayoutMismatch, KVTransferError, LeaseSlots,
-                              LeaseTable)
+from kv_transfer.base import KVConnectorScheduler, KVTransferError
+from kv_transfer.layout import KVLayout, KVLayoutMismatch
+from kv_transfer.leases import LeaseSlots, LeaseTable
 
 CONNECTORS = ["torch_dist", "nixl"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -119,7 +120,7 @@ def test_lease_slots_and_table():
 def test_head_slices(heads, src_tp, dst_tp, want):
     """Which prefill ranks hold each decode rank's KV heads, checked by hand and against a
     head-by-head reassembly."""
-    from kv_transfer.base import head_slices
+    from kv_transfer.layout import head_slices
 
     def layout(tp, rank=0):
         return KVLayout("m", 2, 16, heads, 8, "float32", rank, tp)
@@ -139,7 +140,8 @@ def test_head_slices(heads, src_tp, dst_tp, want):
 def test_worker_group_waits_for_every_rank():
     """A pull is done only when every rank has finished it: one rank's failure is held back until
     the other rank stops writing, then reported as a failure naming the rank."""
-    from kv_transfer.base import KVWorkerGroup, LoadSpec, TransferReport
+    from kv_transfer.params import LoadSpec, TransferReport
+    from kv_transfer.worker_group import KVWorkerGroup
 
     group = KVWorkerGroup("e", [{}, {}])
     for rid in ("a", "b"):
