@@ -32,8 +32,17 @@ class _Executor:
     kv: KVWorkerGroup | None = None
     _kv_fresh = False                 # a step's reports arrived since the last kv_poll
 
-    def _step(self, sched: SchedulerOutput | None) -> ModelRunnerOutput | None:
+    def _exchange(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]
+                  ) -> tuple[ModelRunnerOutput | None, list[TransferReport | None]]:
+        """One step message to every rank: the driver's output and each rank's transfer report."""
         raise NotImplementedError
+
+    def _step(self, sched: SchedulerOutput | None) -> ModelRunnerOutput | None:
+        output, reports = self._exchange(sched, self.kv.take_ops() if self.kv is not None else [])
+        if self.kv is not None:
+            self.kv.collect(reports)
+            self._kv_fresh = True
+        return output
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         output = self._step(sched)
@@ -74,13 +83,10 @@ class InProcessExecutor(_Executor):
     def kv_blocks(self, block_ids: list[int]) -> list[Any]:
         return [self.worker.kv_blocks(block_ids)]
 
-    def _step(self, sched: SchedulerOutput | None) -> ModelRunnerOutput | None:
-        if self.kv is None:
-            return self.worker.execute_model(sched) if sched is not None else None
-        output, report = self.worker.step(sched, self.kv.take_ops())
-        self.kv.collect([report])
-        self._kv_fresh = True
-        return output
+    def _exchange(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]
+                  ) -> tuple[ModelRunnerOutput | None, list[TransferReport | None]]:
+        output, report = self.worker.step(sched, kv_ops)
+        return output, [report]
 
     def shutdown(self) -> None:
         self.worker.shutdown()
@@ -178,10 +184,10 @@ class RayExecutor(_Executor):
         except ray.exceptions.RayActorError as e:
             raise EngineDeadError(f"a worker of this engine died: {e}") from e
 
-    def _step(self, sched: SchedulerOutput | None) -> ModelRunnerOutput | None:
-        ops = self.kv.take_ops() if self.kv is not None else []
+    def _exchange(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]
+                  ) -> tuple[ModelRunnerOutput | None, list[TransferReport | None]]:
         try:
-            self.channel.broadcast(pickle.dumps((sched, ops), protocol=pickle.HIGHEST_PROTOCOL))
+            self.channel.broadcast(pickle.dumps((sched, kv_ops), protocol=pickle.HIGHEST_PROTOCOL))
             replies = self.channel.gather(self._dead_worker)
         except ChannelClosed as e:
             raise EngineDeadError(f"a worker of this engine died: {e}") from e
@@ -189,10 +195,7 @@ class RayExecutor(_Executor):
         for rank, (ok, value) in enumerate(results):
             if not ok:       # the ranks may now be out of step with each other: the engine stops
                 raise EngineDeadError(f"worker rank {rank} failed a step:\n{value}")
-        if self.kv is not None:
-            self.kv.collect([report for _, (_, report) in results])
-            self._kv_fresh = True
-        return results[self.driver][1][0]
+        return results[self.driver][1][0], [report for _, (_, report) in results]
 
     def kv_blocks(self, block_ids: list[int]) -> list[Any]:
         return self._wait([w.kv_blocks.options(concurrency_group="control").remote(block_ids)

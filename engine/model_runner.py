@@ -61,7 +61,7 @@ class ModelRunner:
 
         state = get_parallel_state()
         output = ModelRunnerOutput(sampled={})
-        sends = []
+        sends: list[tuple[Any, torch.Tensor]] = []      # (work, tensor) of async sends to wait on
         num = 1
         if state.pp_size > 1:
             tokens = sum(len(r.token_ids) for r in sched.scheduled)
@@ -80,7 +80,8 @@ class ModelRunner:
     def _micro_batches(scheduled: list[ScheduledRequest], num: int) -> list[list[ScheduledRequest]]:
         """The step's requests in `num` micro-batches of about equal token counts (pipeline
         parallelism: stage s runs micro-batch m + 1 while stage s + 1 runs m), each with its decodes
-        first so attention handles them in one batched call. Deterministic: every rank splits the same SchedulerOutput the same way."""
+        first so attention handles them in one batched call. Deterministic: every rank splits the
+        same SchedulerOutput the same way."""
         if num <= 1 or len(scheduled) < 2:
             return [sorted(scheduled, key=lambda r: len(r.token_ids) != 1)]
         groups: list[list[ScheduledRequest]] = [[] for _ in range(min(num, len(scheduled)))]
@@ -91,8 +92,8 @@ class ModelRunner:
             loads[i] += len(req.token_ids)
         return [sorted(g, key=lambda r: len(r.token_ids) != 1) for g in groups]
 
-    def _run_micro_batch(self, batch: list[ScheduledRequest], state: ParallelState, sends: list
-                         ) -> ModelRunnerOutput | None:
+    def _run_micro_batch(self, batch: list[ScheduledRequest], state: ParallelState,
+                         sends: list[tuple[Any, torch.Tensor]]) -> ModelRunnerOutput | None:
         """This rank's part of one micro-batch: receive the previous stage's activations, run its
         layers, then send them on (asynchronously: the next micro-batch starts at once) or, on the
         last stage, compute logits and sample (on the driver rank)."""

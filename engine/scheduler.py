@@ -204,10 +204,6 @@ class Scheduler:
             budget -= n
 
         assert not (swap_in and swap_out), "swap-in and swap-out never share a step"
-        for rid, n in num_new.items():      # prompt positions among this step's tokens
-            request = self.requests[rid]
-            start = request.num_computed_tokens
-            self.num_prompt_tokens_computed += max(0, min(start + n, request.num_prompt_tokens) - start)
         return SchedulerOutput(
             scheduled=[self._describe(self.requests[rid], n, drafts.get(rid, []))
                        for rid, n in num_new.items()],
@@ -330,6 +326,7 @@ class Scheduler:
         """The runner's view of `n` tokens of `request`, the last len(spec_token_ids) proposals."""
         start = request.num_computed_tokens
         end = start + n - len(spec_token_ids)
+        self.num_prompt_tokens_computed += max(0, min(end, request.num_prompt_tokens) - start)
         do_sample = request.compute_limit is None and end == request.num_tokens
         prompt_lp_from = None
         if (request.sampling_params.prompt_logprobs is not None

@@ -130,9 +130,9 @@ class Worker:
 
     def kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """This rank's heads of these blocks in every layer, [layers, 2, n, block_size, heads, d], on
-        the CPU (for checks: what a transfer moved)."""
-        assert self.runner is not None
-        return torch.stack([cache[:, block_ids].cpu() for cache in self.runner.kv_caches])
+        the CPU (for checks: what a transfer moved; engines with a KV connector)."""
+        assert self.kv_connector is not None
+        return self.kv_connector.gather_blocks(block_ids).cpu()
 
     def kv_address(self) -> tuple[str, dict[str, Any]]:
         """(engine id, address) of this rank's connector worker (after init_cache)."""

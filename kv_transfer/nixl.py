@@ -52,7 +52,6 @@ def _import_nixl() -> tuple[Any, Any]:
 class _Remote:
     agent: str
     address: dict[str, Any]
-    block_bytes: int       # bytes of one of its blocks' K (or V) in one layer (its TP rank's heads)
     blocks: Any            # prepared dlist of its (layer, K/V, block) descriptors
     leases: Any            # prepared dlist of its lease words
     num_blocks: int
@@ -161,7 +160,7 @@ class NixlConnectorWorker(KVConnectorWorker):
                                      int(address["device_id"])), address["mem"])
         leases = self.agent.prep_xfer_dlist(
             agent, self._word_descs(int(address["lease_addr"]), int(address["num_lease_slots"])), "DRAM")
-        known = _Remote(agent, address, block_bytes, blocks, leases, num_blocks)
+        known = _Remote(agent, address, blocks, leases, num_blocks)
         self.remotes[address["agent_metadata"]] = known
         return known
 
