@@ -75,15 +75,20 @@ def _generate() -> str:
     final = os.path.join(root, _key())
     if os.path.exists(os.path.join(final, "pdserve_pb2_grpc.py")):
         return final
-    from grpc_tools import protoc  # noqa: PLC0415
+    import grpc_tools  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
 
     os.makedirs(root, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".gen-", dir=root)
-    include = os.path.join(os.path.dirname(protoc.__file__), "_proto")   # google/protobuf/*.proto
-    rc = protoc.main(["grpc_tools.protoc", f"-I{_HERE}", f"-I{include}", f"--python_out={work}",
-                      f"--grpc_python_out={work}", PROTO_PATH])
-    if rc != 0:
-        raise RuntimeError(f"grpc_tools.protoc failed ({rc}) on {PROTO_PATH}")
+    include = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")   # google/protobuf/*.proto
+    # protoc runs in a child process: its compiler extension bundles its own protobuf/abseil, and
+    # once loaded in this process, importing NIXL's bindings afterwards aborts the interpreter
+    # (munmap_chunk(): invalid pointer).
+    done = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{_HERE}", f"-I{include}",
+                           f"--python_out={work}", f"--grpc_python_out={work}", PROTO_PATH],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"grpc_tools.protoc failed ({done.returncode}) on {PROTO_PATH}: {done.stderr.strip()}")
     try:
         os.rename(work, final)        # atomic; another process may have won the race: use its copy
     except OSError:

@@ -3,7 +3,10 @@ same Serve app (a real `grpc` client, a local Ray, a tiny model); and the protob
 messages (KV-transfer handshake and parameters, KV events): round trips and refusals (unit)."""
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import openai
@@ -300,11 +303,21 @@ def test_kv_events_round_trip_and_version_refusal():
 
 def test_stubs_are_generated_not_committed():
     """The generated modules come from the cache keyed by the schema's hash, never from the repo."""
-    import os
-
     import pdserve_proto
 
     assert pdserve_proto.pb2.__file__.startswith(pdserve_proto._dir)
     here = os.path.dirname(pdserve_proto.PROTO_PATH)
     assert not os.path.realpath(pdserve_proto._dir).startswith(os.path.realpath(here))
     assert not [f for f in os.listdir(here) if f.endswith(("_pb2.py", "_pb2_grpc.py"))]
+
+
+def test_stub_generation_leaves_nixl_importable(tmp_path):
+    """Generating the stubs in a fresh cache must not load protoc's compiler into this process: with
+    it loaded, importing NIXL's bindings aborted the interpreter (a clean clone's first test run)."""
+    pytest.importorskip("nixl", reason="needs the nixl package (the kv extra)")
+    code = "import pdserve_proto, sys, nixl; print('grpc_tools._protoc_compiler' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PDSERVE_PROTO_CACHE": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "False"
+    assert any(name.endswith("pdserve_pb2.py") for name in map(str, tmp_path.rglob("*.py")))
