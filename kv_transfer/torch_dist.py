@@ -46,6 +46,30 @@ INBOX = "pdserve/inbox"
 OK, LEASE_GONE = 0, 1
 
 
+def scatter_blocks(cache: torch.Tensor, index: torch.Tensor, heads: slice | None,
+                   received: torch.Tensor) -> None:
+    """Write `received` ([2, n, block_size, heads, d]) into blocks `index` of one layer's cache
+    ([2, num_blocks, block_size, kv_heads, d]), all heads or the `heads` slice of them.
+
+    On CPU through NumPy on the cache's bytes seen as 8-byte words (or the widest word the head's
+    bytes divide into): torch's index_copy_ / index_put_ move bf16 elements two bytes at a time and
+    scatter at about half the speed of the gather (index_select), more slowly again with two
+    threads; NumPy's fancy assignment of whole rows runs near the gather's speed."""
+    if cache.device.type != "cpu":
+        if heads is None:
+            cache.index_copy_(1, index, received)
+        else:
+            cache[:, index, :, heads] = received
+        return
+    row = cache.shape[-1] * cache.element_size()
+    word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if row % w.itemsize == 0)
+    dst, src, rows = cache.view(word).numpy(), received.contiguous().view(word).numpy(), index.numpy()
+    if heads is None:
+        dst[:, rows] = src
+    else:
+        dst[:, rows, :, heads] = src
+
+
 class LeaseGoneError(RuntimeError):
     """The prefill side no longer holds the blocks (released, aborted or expired)."""
 
@@ -173,10 +197,7 @@ class TorchDistConnectorWorker(KVConnectorWorker):
                     if pull.cancelled:
                         raise TimeoutError("cancelled")
                     received = self._layer_view(bufs[layer % 2], n, part.count)
-                    if whole:
-                        cache.index_copy_(1, index, received)
-                    else:
-                        cache[:, index, :, heads] = received
+                    scatter_blocks(cache, index, None if whole else heads, received)
             pair.group.recv([status], 0, 0).wait()
             if int(status[0]) != OK:
                 raise LeaseGoneError("the prefill engine released the blocks during the pull")

@@ -18,6 +18,7 @@ from engine.sampling_params import SamplingParams
 from kv_transfer.base import KVConnectorScheduler, KVTransferError
 from kv_transfer.layout import KVLayout, KVLayoutMismatch
 from kv_transfer.leases import LeaseSlots, LeaseTable
+from kv_transfer.torch_dist import scatter_blocks
 
 CONNECTORS = ["torch_dist", "nixl"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -105,6 +106,24 @@ def test_lease_slots_and_table():
     slot_c, token_c = slots.take()
     table.hold(slot_c, token_c, [5])
     assert slot_c == slot_a and token_c != token_a and not table.is_live(slot_a, token_a)
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 64), (torch.float32, 8), (torch.float16, 3)])
+@pytest.mark.parametrize("heads", [None, slice(1, 3)])
+def test_scatter_blocks_matches_index_copy(dtype, head_dim, heads):
+    """The CPU scatter (NumPy over the cache's bytes) writes exactly what torch's indexing would."""
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 40, 4, 4, head_dim, generator=gen).to(dtype)
+    index = torch.randperm(40, generator=gen)[:13]
+    width = 4 if heads is None else heads.stop - heads.start
+    received = torch.randn(2, 13, 4, width, head_dim, generator=gen).to(dtype)
+    want = cache.clone()
+    if heads is None:
+        want.index_copy_(1, index, received)
+    else:
+        want[:, index, :, heads] = received
+    scatter_blocks(cache, index, heads, received)
+    assert torch.equal(cache, want)
 
 
 @pytest.mark.parametrize("heads,src_tp,dst_tp,want", [
@@ -374,8 +393,10 @@ def tp_engines(request, tiny_llama):
 
     def engines(role: str, tp: int) -> LLMEngine:
         if (role, tp) not in built:
+            # Half a CPU per rank: these engines live until the module ends (six ranks with NIXL)
+            # and must leave room for test_pd_across_ray_actors' three replica actors.
             built[role, tp] = make_engine(tiny_llama, request.param, tensor_parallel_size=tp,
-                                          distributed_executor_backend="ray")
+                                          distributed_executor_backend="ray", worker_num_cpus=0.5)
         return built[role, tp]
 
     yield engines
@@ -450,6 +471,8 @@ def test_pd_across_ray_actors(tiny_llama, conn):
                                                 .remote(rid, ids, params, kv)), timeout=DEADLINE_S)]
 
     try:
+        # All three started (an actor left pending for CPUs would hang the first stream below).
+        ray.get([h.info.remote() for h in (p, d, fresh)], timeout=DEADLINE_S)
         for n, ids, expected in zip(sizes, ids_list, want):
             [first] = generate(p, f"r{n}", ids, SamplingParams(max_tokens=1, temperature=0.0),
                                {"do_remote_decode": True})
