@@ -6,8 +6,10 @@
    pickling the SchedulerOutput, the round trip over the worker's StepChannel connection, the
    result).
 2. Pipeline bubble: output tokens/s of the embedded model with pipeline_parallel_size=2 against 1,
-   same workload, one CPU per rank: PP=2 with one micro-batch per step (stage 0, then stage 1: the
-   bubble) and with two (stage 1 runs micro-batch 1 while stage 0 runs micro-batch 2).
+   same workload, one CPU per rank: PP=2 stepping one batch at a time (stage 0, then stage 1: the
+   bubble), with two micro-batches per step (stage 1 runs micro-batch 1 while stage 0 runs
+   micro-batch 2), and with two batches of disjoint requests in the stages at once
+   (max_concurrent_batches=2: stage 0 runs the next step's batch while stage 1 finishes this one).
 
 Run: .venv/bin/python benchmarks/parallel.py [--steps 50] [--skip-pp]
 """
@@ -80,14 +82,23 @@ def executor_overhead(steps: int, batch: int) -> dict:
             "overhead_ms": med["ray"] - med["in_process"]}
 
 
+PP_VARIANTS = (          # name, pp, micro-batches per step, batches in the stages at once
+    ("pp1", 1, 1, 1),
+    ("pp2_sync", 2, 1, 1),
+    ("pp2_micro", 2, 2, 1),
+    ("pp2_overlap", 2, 1, 2),
+)
+
+
 def pp_throughput(num_prompts: int, max_tokens: int) -> dict:
+    """Output tokens/s of the embedded model for each of PP_VARIANTS on the same prompts."""
     prompts = [[(i * 31 + j * 7) % 30000 + 5 for j in range(64 + 16 * (i % 8))] for i in range(num_prompts)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     out = {}
-    for name, pp, micro in (("pp1", 1, 1), ("pp2_mb1", 2, 1), ("pp2", 2, 2)):
+    for name, pp, micro, concurrent in PP_VARIANTS:
         engine = LLMEngine(EngineConfig.create(None, dtype="bfloat16", max_model_len=1024, pipeline_parallel_size=pp,
                                                distributed_executor_backend="ray", worker_num_cpus=1,
-                                               pipeline_micro_batches=micro))
+                                               pipeline_micro_batches=micro, max_concurrent_batches=concurrent))
         for i, ids in enumerate(prompts):
             engine.add_request(f"p{i}", None, ids, params)
         start = time.perf_counter()
@@ -96,8 +107,8 @@ def pp_throughput(num_prompts: int, max_tokens: int) -> dict:
         elapsed = time.perf_counter() - start
         out[f"{name}_tok_s"] = num_prompts * max_tokens / elapsed
         engine.executor.shutdown()
-    out["ratio_pp2_over_pp1"] = out["pp2_tok_s"] / out["pp1_tok_s"]
-    out["ratio_pp2_mb1_over_pp1"] = out["pp2_mb1_tok_s"] / out["pp1_tok_s"]
+    for name, *_ in PP_VARIANTS[1:]:
+        out[f"ratio_{name}_over_pp1"] = out[f"{name}_tok_s"] / out["pp1_tok_s"]
     return out
 
 
@@ -120,9 +131,9 @@ def main() -> None:
         result["pp"] = pp_throughput(args.num_prompts, args.max_tokens)
         p = result["pp"]
         print(f"embedded model, {args.num_prompts} prompts x {args.max_tokens} tokens, bf16, 1 CPU per rank: "
-              f"PP=1 {p['pp1_tok_s']:.1f} tok/s; PP=2 with 1 micro-batch {p['pp2_mb1_tok_s']:.1f} tok/s "
-              f"({p['ratio_pp2_mb1_over_pp1']:.2f}x), with 2 {p['pp2_tok_s']:.1f} tok/s "
-              f"({p['ratio_pp2_over_pp1']:.2f}x)")
+              f"PP=1 {p['pp1_tok_s']:.1f} tok/s; " + "; ".join(
+                  f"{name} {p[name + '_tok_s']:.1f} tok/s ({p['ratio_' + name + '_over_pp1']:.2f}x)"
+                  for name, *_ in PP_VARIANTS[1:]))
     print(json.dumps(result))
 
 

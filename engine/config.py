@@ -105,6 +105,7 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None   # "ray" forces worker actors even for one rank
     worker_resources: tuple[tuple[str, float], ...] = ()   # custom Ray resources per rank actor
     pipeline_micro_batches: int = 1          # micro-batches per step (the stages overlap on them)
+    max_concurrent_batches: int = 1          # batches of disjoint requests in the stages at once
 
     @property
     def world_size(self) -> int:
@@ -229,6 +230,7 @@ class EngineConfig:
         worker_resources: dict[str, float] | None = None,
         speculative_config: dict[str, Any] | None = None,
         pipeline_micro_batches: int | None = None,
+        max_concurrent_batches: int | None = None,
     ) -> EngineConfig:
         """Validate user arguments and resolve them against the model's config."""
         from engine.weights import resolve_model  # noqa: PLC0415 (keeps config import-light)
@@ -251,11 +253,19 @@ class EngineConfig:
             raise ValueError(f"swap_space_bytes must be >= 0; got {swap_space_bytes}")
         if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if max_concurrent_batches is None:
+            max_concurrent_batches = pipeline_parallel_size
+        if not 1 <= max_concurrent_batches <= max(1, pipeline_parallel_size):
+            raise ValueError(f"max_concurrent_batches must be in [1, pipeline_parallel_size="
+                             f"{pipeline_parallel_size}] (default: pipeline_parallel_size); got "
+                             f"{max_concurrent_batches}")
         if pipeline_micro_batches is None:
-            pipeline_micro_batches = pipeline_parallel_size
+            # Concurrent batches already keep every stage busy; splitting each of them again only
+            # adds per-micro-batch weight reads (benchmarks/parallel.py).
+            pipeline_micro_batches = 1 if max_concurrent_batches > 1 else pipeline_parallel_size
         if pipeline_micro_batches < 1:
-            raise ValueError(f"pipeline_micro_batches must be >= 1 (default: pipeline_parallel_size); got "
-                             f"{pipeline_micro_batches}")
+            raise ValueError(f"pipeline_micro_batches must be >= 1 (default: 1 with concurrent batches, "
+                             f"else pipeline_parallel_size); got {pipeline_micro_batches}")
         if distributed_executor_backend not in (None, "ray"):
             raise ValueError(f"distributed_executor_backend must be None or 'ray'; got "
                              f"{distributed_executor_backend!r}")
@@ -317,7 +327,7 @@ class EngineConfig:
             parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size,
                                            worker_num_cpus, worker_num_gpus, distributed_executor_backend,
                                            tuple(sorted((worker_resources or {}).items())),
-                                           pipeline_micro_batches),
+                                           pipeline_micro_batches, max_concurrent_batches),
             kv_transfer_config=kv_transfer_config,
             speculative_config=spec_config,
         )

@@ -186,8 +186,29 @@ class RayExecutor(_Executor):
 
     def _exchange(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]
                   ) -> tuple[ModelRunnerOutput | None, list[TransferReport | None]]:
+        self._send(sched, kv_ops)
+        return self._receive()
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Send a step without waiting for it (pipeline stages: the workers run the steps in the
+        order sent; `collect` returns their outputs in that order). Engines with a KV connector,
+        which has one PP stage, step through execute_model."""
+        self._send(sched, [])
+
+    def collect(self) -> ModelRunnerOutput:
+        """The output of the oldest step sent with `submit` (blocks until it is done)."""
+        output, _ = self._receive()
+        assert output is not None
+        return output
+
+    def _send(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]) -> None:
         try:
             self.channel.broadcast(pickle.dumps((sched, kv_ops), protocol=pickle.HIGHEST_PROTOCOL))
+        except ChannelClosed as e:
+            raise EngineDeadError(f"a worker of this engine died: {e}") from e
+
+    def _receive(self) -> tuple[ModelRunnerOutput | None, list[TransferReport | None]]:
+        try:
             replies = self.channel.gather(self._dead_worker)
         except ChannelClosed as e:
             raise EngineDeadError(f"a worker of this engine died: {e}") from e

@@ -8,13 +8,14 @@ of the connector (kv_transfer/base.py) at the start of each step.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.executor import make_executor
 from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import CompletionOutput, KVEvent, Logprob, RequestOutput
+from engine.outputs import CompletionOutput, KVEvent, Logprob, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -103,7 +104,9 @@ class LLMEngine:
         if kvt is not None:
             self.kv_connector = KVConnectorScheduler(kvt, KVLayout.from_config(config))
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.kv_connector,
-                                   kvt.load_failure_policy if kvt else "recompute")
+                                   kvt.load_failure_policy if kvt else "recompute",
+                                   config.parallel_config.max_concurrent_batches)
+        self.in_flight: deque[SchedulerOutput] = deque()   # batches submitted, oldest first
         self.proposer = make_proposer(config, self.executor.num_blocks)
         self.spec_stats = SpecDecodeStats()
         self._aborted_leases: list[str] = []
@@ -200,11 +203,13 @@ class LLMEngine:
     # --- the loop ---------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         """True while a request is in flight or KV transfers (pulls, leases) are pending."""
-        return (bool(self.states) or self.scheduler.has_unfinished_requests()
+        return (bool(self.states) or self.scheduler.has_unfinished_requests() or bool(self.in_flight)
                 or (self.kv_worker is not None and self.kv_worker.has_pending()))
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that advanced or finished."""
+        if self.scheduler.max_concurrent_batches > 1:
+            return self._step_pipelined()
         outputs = self._poll_transfers() if self.kv_worker is not None else []
         sched = self.scheduler.schedule()
         if self.kv_connector is not None:
@@ -215,7 +220,28 @@ class LLMEngine:
         self.last_step_idle = sched.is_empty
         if sched.is_empty:
             return outputs
-        runner_out = self.executor.execute_model(sched)
+        return outputs + self._apply(sched, self.executor.execute_model(sched))
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Pipeline stages: keep up to max_concurrent_batches batches of disjoint requests in the
+        stages (the first stage runs the next batch while the last one finishes this one), then
+        take the oldest batch's output. The stages run each batch in the order sent, so a block
+        freed by one batch and reused by a later one is written in that order on every stage."""
+        while len(self.in_flight) < self.scheduler.max_concurrent_batches:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                break
+            self.executor.submit(sched)
+            self.in_flight.append(sched)
+        self.last_step_idle = not self.in_flight
+        if not self.in_flight:
+            return []
+        sched = self.in_flight.popleft()
+        return self._apply(sched, self.executor.collect())
+
+    def _apply(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
+        """The step's sampled tokens into the requests: outputs for those that advanced."""
+        outputs: list[RequestOutput] = []
         if runner_out.spec_sampled:          # only speculative steps pay for the count
             for scheduled in sched.scheduled:
                 emitted = runner_out.spec_sampled.get(scheduled.request_id)
@@ -250,8 +276,10 @@ class LLMEngine:
         k = self.config.speculative_config.num_speculative_tokens
         max_len = self.config.scheduler_config.max_model_len
         self.proposer.retain(self.scheduler.requests)
+        busy = self.scheduler.in_flight           # their next tokens are not back yet
         wanted = [(r, num) for r in self.scheduler.running
-                  if not r.spec_token_ids and (num := max_proposals(r, k, max_len)) > 0]
+                  if not r.spec_token_ids and r.request_id not in busy
+                  and (num := max_proposals(r, k, max_len)) > 0]
         if wanted:
             requests, nums = zip(*wanted)
             for request, proposal in zip(requests, self.proposer.propose(list(requests), list(nums))):

@@ -38,9 +38,15 @@ if TYPE_CHECKING:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 connector: KVConnectorScheduler | None = None, load_failure_policy: str = "recompute"
-                 ) -> None:
+                 connector: KVConnectorScheduler | None = None, load_failure_policy: str = "recompute",
+                 max_concurrent_batches: int = 1) -> None:
         self.config = config
+        # Pipeline stages: up to this many batches run at once (stage s on one while stage s + 1
+        # runs another). A request is in at most one of them (`in_flight` until its output is back),
+        # and each batch takes at most 1/max_concurrent_batches of the running requests, so decodes
+        # split into batches that alternate through the stages.
+        self.max_concurrent_batches = max_concurrent_batches
+        self.in_flight: set[str] = set()
         self.kv = kv_cache_manager
         self.connector = connector
         self.load_failure_policy = load_failure_policy
@@ -136,9 +142,13 @@ class Scheduler:
         preempted: list[str] = []
 
         drafts: dict[str, list[int]] = {}
+        share = -(-len(self.running) // self.max_concurrent_batches)     # running requests per batch
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_new) < share:
             request = self.running[i]
+            if request.request_id in self.in_flight:
+                i += 1
+                continue
             proposed, request.spec_token_ids = request.spec_token_ids, []    # consumed (or dropped)
             n = min(request.num_tokens_to_compute + len(proposed), budget,
                     self.config.max_model_len - request.num_computed_tokens)
@@ -204,6 +214,7 @@ class Scheduler:
             budget -= n
 
         assert not (swap_in and swap_out), "swap-in and swap-out never share a step"
+        self.in_flight.update(num_new)
         return SchedulerOutput(
             scheduled=[self._describe(self.requests[rid], n, drafts.get(rid, []))
                        for rid, n in num_new.items()],
@@ -299,11 +310,12 @@ class Scheduler:
 
     def _pick_victim(self, current: int) -> Request:
         """Newest running request (FCFS) or the lowest priority one, among those not yet scheduled
-        this step (index >= current)."""
+        this step (index >= current) and not in a batch still running (its blocks are being
+        written). The request at `current` is always a candidate."""
+        candidates = [r for r in self.running[current:] if r.request_id not in self.in_flight]
         if self.config.policy == "priority":
-            candidates = self.running[current:]
             return max(candidates, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+        return candidates[-1]
 
     def _preempt(self, request: Request, swap_out: list[tuple[int, int]]) -> None:
         self.running.remove(request)
@@ -359,6 +371,7 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, stop finished requests (freeing their
         blocks) and fork n > 1 leaders whose prompt is done. Returns the requests with news."""
         updated: list[Request] = []
+        self.in_flight.difference_update(s.request_id for s in scheduler_output.scheduled)
         for sched in scheduler_output.scheduled:
             request = self.requests.get(sched.request_id)
             if request is None or request.status != RequestStatus.RUNNING:

@@ -160,6 +160,43 @@ def test_micro_batches_split_by_tokens():
     assert MIN_MICRO_BATCH_TOKENS >= 64
 
 
+def test_concurrent_batches_take_disjoint_requests():
+    """With two batches in the stages at once, each takes half of the running requests and none
+    that is still in the other; a preemption never picks a request whose batch is still running."""
+    from engine.config import SchedulerConfig
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.outputs import ModelRunnerOutput, SampledToken
+    from engine.request import Request
+    from engine.scheduler import Scheduler
+
+    scheduler = Scheduler(SchedulerConfig(), KVCacheManager(5, 4, False, 0), max_concurrent_batches=2)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for i in range(4):
+        scheduler.add_request(Request(f"r{i}", [i + 1, 2, 3], params, frozenset(), 4, 20))
+
+    def ids(out):
+        return [s.request_id for s in out.scheduled]
+
+    def done(out):
+        return scheduler.update_from_output(out, ModelRunnerOutput(
+            sampled={s.request_id: SampledToken(7) for s in out.scheduled}))
+
+    prefill = scheduler.schedule()
+    assert ids(prefill) == ["r0", "r1", "r2", "r3"] and scheduler.schedule().is_empty   # all in flight
+    done(prefill)
+    first, second = scheduler.schedule(), scheduler.schedule()
+    assert ids(first) == ["r0", "r1"] and ids(second) == ["r2", "r3"] and scheduler.schedule().is_empty
+    done(first)
+    # r0 and r1 now need a second block each and one is free; r2 and r3 (newest) are in flight,
+    # so r1 gives way, not r3.
+    third = scheduler.schedule()
+    assert ids(third) == ["r0"] and third.preempted_ids == ["r1"]
+    assert {r.request_id for r in scheduler.running} == {"r0", "r2", "r3"}
+    done(second)
+    done(third)
+    assert not scheduler.in_flight
+
+
 @pytest.mark.cluster
 def test_pipeline_micro_batches_match_single_rank(two_nodes, tiny_llama):
     """PP=2 with two micro-batches per step (long prompts: the prefill steps split) gives the single
@@ -171,6 +208,40 @@ def test_pipeline_micro_batches_match_single_rank(two_nodes, tiny_llama):
                                            **args))
     try:
         assert run(engine, prompts) == want
+        engine.check_no_leaks()
+    finally:
+        engine.executor.shutdown()
+
+
+@pytest.mark.cluster
+def test_concurrent_pipeline_batches_match_single_rank_and_survive_abort(two_nodes, tiny_llama):
+    """PP=2 keeps two batches of disjoint requests in the stages (the default); greedy output is the
+    single rank's, and aborting a request whose batch is still in the stages loses nothing else
+    and frees every block."""
+    args = dict(dtype="float32", max_model_len=256, num_kv_blocks=64)
+    prompts = [*PROMPTS, *PROMPTS[1:]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = run(LLMEngine(EngineConfig.create(tiny_llama, **args)), prompts, params)
+    engine = LLMEngine(EngineConfig.create(tiny_llama, pipeline_parallel_size=2, **args))
+    assert engine.config.parallel_config.max_concurrent_batches == 2
+    assert engine.config.parallel_config.pipeline_micro_batches == 1
+    try:
+        assert run(engine, prompts, params) == want
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"a{i}", None, ids, params)
+        done: dict[str, list[int]] = {}
+        overlapped = aborted = False
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            overlapped = overlapped or bool(engine.in_flight)      # a second batch still in the stages
+            a2 = engine.scheduler.requests.get("a2")
+            if not aborted and "a2" in engine.scheduler.in_flight and len(a2.output_token_ids) >= 3:
+                engine.abort_request("a2")
+                aborted = True
+        assert overlapped and aborted
+        assert done == {f"a{i}": w for i, w in enumerate(want) if i != 2}
         engine.check_no_leaks()
     finally:
         engine.executor.shutdown()
