@@ -48,6 +48,8 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     seed: int = 0
+    # CUDA graphs of the decode step, one per batch size here (empty: eager); see engine/cuda_graph.py.
+    cuda_graph_sizes: tuple[int, ...] = ()
 
     @property
     def architecture(self) -> str:
@@ -231,6 +233,8 @@ class EngineConfig:
         speculative_config: dict[str, Any] | None = None,
         pipeline_micro_batches: int | None = None,
         max_concurrent_batches: int | None = None,
+        enforce_eager: bool = False,
+        cuda_graph_sizes: list[int] | None = None,
     ) -> EngineConfig:
         """Validate user arguments and resolve them against the model's config."""
         from engine.weights import resolve_model  # noqa: PLC0415 (keeps config import-light)
@@ -272,6 +276,14 @@ class EngineConfig:
         if worker_num_cpus <= 0 or worker_num_gpus < 0:
             raise ValueError(f"worker_num_cpus must be > 0 and worker_num_gpus >= 0; got "
                              f"{worker_num_cpus}, {worker_num_gpus}")
+        if cuda_graph_sizes is None:
+            cuda_graph_sizes = [1, 2, 4] + list(range(8, 257, 8))
+        if any(not isinstance(n, int) or n < 1 for n in cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be positive integers; got {cuda_graph_sizes!r}")
+        # Sizes up to max_num_seqs, and the first one at or above it (a full batch replays too).
+        sizes = sorted(set(cuda_graph_sizes))
+        graph_sizes = () if enforce_eager else tuple(
+            n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] < max_num_seqs)
         kv_transfer_config = None
         if kv_connector is not None:
             if pipeline_parallel_size > 1:
@@ -310,7 +322,8 @@ class EngineConfig:
         config_dtype = raw.get("dtype") or raw.get("torch_dtype")
         model_config = ModelConfig(
             model=path, gguf_file=gguf_file, hf_config=hf_config,
-            dtype=resolve_dtype(dtype, config_dtype), max_model_len=max_model_len, seed=seed)
+            dtype=resolve_dtype(dtype, config_dtype), max_model_len=max_model_len, seed=seed,
+            cuda_graph_sizes=graph_sizes)
         spec_config = None
         if speculative_config is not None:
             spec_config = SpeculativeConfig.create(speculative_config, model_config)

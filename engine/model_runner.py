@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.cuda_graph import CudaGraphRunner
 from engine.layers.attention import AttentionMetadata
 from engine.layers.sampler import SamplingRow, sample, top_logprobs
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -46,6 +47,20 @@ class ModelRunner:
         # step; the first copy is kept and advanced here, later copies are ignored (set by Worker).
         self.keep_generators = False
         self.generators: dict[str, torch.Generator] = {}
+        self.graph_runner: CudaGraphRunner | None = None     # decode steps replay CUDA graphs
+
+    def capture_cuda_graphs(self, sizes: tuple[int, ...], max_model_len: int) -> bool:
+        """Capture the decode step for these batch sizes (after the KV cache exists). Only on CUDA
+        with the Triton kernels (padded rows rely on its slot -1) and a single rank; returns whether
+        graphs are in use."""
+        state = get_parallel_state()
+        if (not sizes or self.device.type != "cuda" or self.kernels.__name__ != "kernels.triton_ops"
+                or state.tp_size > 1 or state.pp_size > 1):
+            return False
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graph_runner = CudaGraphRunner(self.model, self.kv_caches, sizes, max_blocks, self.device)
+        self.graph_runner.capture()
+        return True
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -102,7 +117,11 @@ class ModelRunner:
         if not state.is_first_stage:             # the previous stage's (hidden, residual)
             cfg = self.model.config
             intermediate = pp_recv((2, input_ids.shape[0], cfg.hidden_size), self.model_dtype, self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, intermediate)   # [T, hidden]
+        hidden = None
+        if self.graph_runner is not None:
+            hidden = self.graph_runner.run(input_ids, positions, meta)
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, intermediate)   # [T, hidden]
         if not state.is_last_stage:
             hidden = hidden.contiguous()
             sends.append((pp_send(hidden), hidden))     # the tensor lives until its send is done

@@ -120,6 +120,7 @@ class Worker:
         self.runner.kv_caches = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(layers)]
         self.runner.cpu_caches = [torch.zeros(cpu_shape, dtype=mc.dtype, device="cpu")
                                   for _ in range(layers)] if num_cpu_blocks else []
+        self.runner.capture_cuda_graphs(mc.cuda_graph_sizes, mc.max_model_len)
         if self.config.kv_transfer_config is not None:
             from kv_transfer.factory import create_connector_worker  # noqa: PLC0415 (import cycle)
 

@@ -73,7 +73,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
             mask = torch.arange(seq_len, device=q.device)[None, :] <= rows          # [q_len, seq_len]
             qg = q.reshape(num_kv_heads, group * q_len, head_dim)[None]
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(group, 1), scale=scale)
-            o = o.view(num_heads, q_len, head_dim)
+            o = o.reshape(num_heads, q_len, head_dim)      # (CUDA SDPA returns it strided)
         out[start:start + q_len] = o.transpose(0, 1)     # (cast back to the activations' dtype)
         start += q_len
     return out

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels.dispatch import get_kernels
+from kernels.dispatch import kernels_for
 
 
 @dataclass(slots=True)
@@ -30,12 +30,11 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        self.kernels = get_kernels()
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """query: [T, H, d]; key/value: [T, kvh, d]; returns [T, H, d]."""
-        k = self.kernels
+        k = kernels_for(query)
         k.write_kv(key, value, kv_cache, meta.slot_mapping)
         num_decode = meta.num_decode_tokens
         if num_decode == query.shape[0]:

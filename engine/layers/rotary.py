@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import reference
+from kernels.dispatch import kernels_for
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -58,4 +58,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        return reference.apply_rotary(query, key, cos, sin)
+        return kernels_for(query).apply_rotary(query, key, cos, sin)

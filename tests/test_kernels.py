@@ -1,0 +1,258 @@
+"""Triton kernels against the torch reference (kernels/reference.py).
+
+Without CUDA every kernel runs under Triton's CPU interpreter (TRITON_INTERPRET=1, set here before
+Triton is imported) at small fp32 shapes: the interpreter's bf16 arithmetic is broken, so bf16/fp16
+and full sizes are left to the `gpu` tests, which run the compiled kernels. Block tables are random
+permutations of the pool (non-contiguous, shuffled ids) and lengths are not multiples of the block
+size.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from conftest import hf_greedy  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from kernels import reference  # noqa: E402
+from kernels import triton_ops as tri  # noqa: E402
+from kernels.dispatch import get_kernels  # noqa: E402
+from kernels.triton_attention import decode_partitions  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+HEAD_DIM = 128 if CUDA else 32          # the interpreter runs each program in Python: small shapes
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+# Relative error ||out - ref|| / ||ref|| allowed per dtype (fp32: exact products, other orders).
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any()
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def paged(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+          spare_blocks: int = 3, seed: int = 0):
+    """A KV cache with random contents and each sequence's blocks drawn at random from the pool."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(need) + spare_blocks
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(DEVICE, dtype)
+    perm = torch.randperm(num_blocks, generator=g).to(DEVICE)
+    tables, start = [], 0
+    for n in need:
+        tables.append(perm[start:start + n])
+        start += n
+    return cache, tables, g
+
+
+def padded(tables: list[torch.Tensor]) -> torch.Tensor:
+    width = max(t.numel() for t in tables)
+    # Padding columns hold a real block id: the kernels must not read past a row's length.
+    return torch.stack([torch.cat([t, t[:1].expand(width - t.numel())]) for t in tables])
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_attention_matches_reference(group, block_size):
+    num_kv_heads, head_dim = 2, HEAD_DIM
+    lens = [1, 17, 45, 300 if not CUDA else 3000, 0]        # 0: a padded row (CUDA-graph batches)
+    cache, tables, g = paged([max(n, 1) for n in lens], num_kv_heads, head_dim, block_size, torch.float32)
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=g).to(DEVICE)
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    block_tables = padded(tables)
+    out = tri.decode_attention(q, cache, block_tables, seq_lens, head_dim ** -0.5)
+    ref = reference.decode_attention(q[:-1], cache, block_tables[:-1], seq_lens[:-1], head_dim ** -0.5)
+    assert rel_err(out[:-1], ref) < TOLERANCE[torch.float32]
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
+def test_decode_attention_splits_long_contexts():
+    """One sequence (flash-decoding): the context is split over several partitions and merged."""
+    head_dim, block_size, n = 32, 16, 700 if not CUDA else 32768
+    cache, tables, g = paged([n], 1, head_dim, block_size, torch.float32)
+    splits, _ = decode_partitions(1, 1, tables[0].numel() * block_size, DEVICE)
+    assert splits >= 3
+    q = torch.randn(1, 4, head_dim, generator=g).to(DEVICE)
+    seq_lens = torch.tensor([n], device=DEVICE)
+    out = tri.decode_attention(q, cache, tables[0][None], seq_lens, 0.2)
+    assert rel_err(out, reference.decode_attention(q, cache, tables[0][None], seq_lens, 0.2)) < 1e-5
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_attention_matches_reference(group, block_size):
+    """Full prefill, chunks after a cached prefix (prefix hits, chunked prefill), one-token chunk."""
+    num_kv_heads, head_dim = 2, HEAD_DIM
+    seq_lens = [37, 70, 5, 100] if not CUDA else [1000, 2100, 5, 700]
+    query_lens = [37, 21, 1, 67] if not CUDA else [1000, 900, 1, 69]
+    cache, tables, g = paged(seq_lens, num_kv_heads, head_dim, block_size, torch.float32)
+    q = torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=g).to(DEVICE)
+    out = tri.prefill_attention(q, cache, tables, query_lens, seq_lens, 0.15)
+    ref = reference.prefill_attention(q, cache, tables, query_lens, seq_lens, 0.15)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
+def test_write_kv_skips_padding_and_copy_blocks_matches_reference():
+    cache, _, g = paged([100], 2, 32, 16, torch.float32, spare_blocks=4)
+    key = torch.randn(6, 2, 32, generator=g).to(DEVICE)
+    value = torch.randn(6, 2, 32, generator=g).to(DEVICE)
+    slots = torch.tensor([3, 40, -1, 100, 159, 17], device=DEVICE)
+    expected = cache.clone()
+    real = slots >= 0
+    reference.write_kv(key[real], value[real], expected, slots[real])
+    tri.write_kv(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+    pairs = [(1, 7), (2, 3), (0, 9)]
+    reference.copy_blocks([expected], pairs)
+    tri.copy_blocks([cache], pairs)
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(with_residual):
+    g = torch.Generator().manual_seed(1)
+    x, r = (torch.randn(7, 96, generator=g).to(DEVICE) for _ in range(2))
+    w = torch.randn(96, generator=g).to(DEVICE)
+    out, res = tri.rms_norm(x, w, 1e-5, r if with_residual else None)
+    ref_out, ref_res = reference.rms_norm(x, w, 1e-5, r if with_residual else None)
+    assert torch.equal(res, ref_res)
+    assert rel_err(out, ref_out) < 1e-6
+
+
+def test_rotary_matches_reference_bitwise():
+    """On strided views of one fused QKV projection, as the model passes them."""
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(9, (8 + 2 + 2) * 32, generator=g).to(DEVICE)
+    q, k = qkv[:, :256].view(9, 8, 32), qkv[:, 256:320].view(9, 2, 32)
+    cos, sin = (torch.randn(9, 32, generator=g).to(DEVICE) for _ in range(2))
+    for out, ref in zip(tri.apply_rotary(q, k, cos, sin), reference.apply_rotary(q, k, cos, sin)):
+        assert torch.equal(out, ref)
+
+
+def test_dispatch_choices(monkeypatch):
+    monkeypatch.setenv("PDSERVE_KERNELS", "fast")
+    with pytest.raises(ValueError, match="PDSERVE_KERNELS must be one of"):
+        get_kernels("cpu")
+    monkeypatch.setenv("PDSERVE_KERNELS", "auto")
+    assert get_kernels("cpu") is reference
+    monkeypatch.setenv("PDSERVE_KERNELS", "reference")
+    assert get_kernels("cuda") is reference
+    monkeypatch.setenv("PDSERVE_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert get_kernels("cpu") is tri
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs TRITON_INTERPRET=1"):
+        get_kernels("cpu")
+
+
+def greedy_ids(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter run; the gpu tests below cover CUDA")
+def test_engine_with_triton_kernels_matches_transformers(tiny_llama, monkeypatch):
+    """The whole engine on the interpreted kernels: chunked prefill (budget 24), prefix-cache hits
+    (the second prompt shares two blocks with the first), decode; token-identical to transformers."""
+    monkeypatch.setenv("PDSERVE_KERNELS", "triton")
+    g = torch.Generator().manual_seed(3)
+    first = torch.randint(3, 1000, (40,), generator=g).tolist()
+    prompts = [first, first[:32] + [7, 8, 9], torch.randint(3, 1000, (5,), generator=g).tolist()]
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=128, max_num_batched_tokens=24)
+    outs = greedy_ids(llm, prompts[:1], 6) + greedy_ids(llm, prompts[1:], 6)
+    assert outs == hf_greedy(tiny_llama, prompts, 6)
+    assert llm.llm_engine.executor.worker.runner.kernels is tri
+    assert llm.llm_engine.kv_cache_manager.prefix_cache_hits == 32
+
+
+# --- CUDA ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpu_model(tmp_path_factory) -> str:
+    """A random Llama without a tokenizer (token-id prompts): head_dim 64, GQA 2. (The shared tiny
+    models use the embedded model's tokenizer, whose package the GPU machine may lack.)"""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+    out = tmp_path_factory.mktemp("gpu-llama")
+    model.save_pretrained(out, safe_serialization=True)
+    return str(out)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_full_size_kernels_gpu(dtype, head_dim, block_size):
+    """Decode over up to 32k contexts (batch 1 splits, batch 64 does not) and prefill of 2k-token
+    segments with cached prefixes, GQA 4, in every dtype, against the reference in fp32."""
+    lens = [32768, 1, 4095, 333]
+    cache, tables, g = paged(lens, 8, head_dim, block_size, dtype)
+    q = torch.randn(len(lens), 32, head_dim, generator=g).to(DEVICE, dtype)
+    bt, sl = padded(tables), torch.tensor(lens, device=DEVICE)
+    ref = reference.decode_attention(q.float(), cache.float(), bt, sl, head_dim ** -0.5)
+    assert rel_err(tri.decode_attention(q, cache, bt, sl, head_dim ** -0.5), ref) < TOLERANCE[dtype]
+    seq_lens, query_lens = [2048, 3000, 700], [2048, 1000, 1]
+    cache, tables, g = paged(seq_lens, 8, head_dim, block_size, dtype)
+    q = torch.randn(sum(query_lens), 32, head_dim, generator=g).to(DEVICE, dtype)
+    ref = reference.prefill_attention(q.float(), cache.float(), tables, query_lens, seq_lens, 0.1)
+    assert rel_err(tri.prefill_attention(q, cache, tables, query_lens, seq_lens, 0.1), ref) < TOLERANCE[dtype]
+
+
+@gpu
+@pytest.mark.gpu
+def test_engine_on_cuda_matches_transformers_with_and_without_graphs(gpu_model):
+    """fp32 greedy on CUDA (Triton kernels) equals transformers, eager and with CUDA graphs (batch
+    sizes 3 and 5 replay padded buckets 4 and 8; 9 prompts exceed the largest and run eagerly)."""
+    from transformers import AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(4)
+    # Ids from 3: transformers' generate takes id 0 (pad_token_id) in a prompt for padding.
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 33, 130, 200, 3, 64)]
+    hf = AutoModelForCausalLM.from_pretrained(gpu_model, dtype=torch.float32).to("cuda").eval()
+    expected = []
+    for ids in prompts:
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=24, min_new_tokens=24,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+        expected.append(gen[0, len(ids):].tolist())
+    results = {}
+    for eager in (True, False):
+        llm = LLM(gpu_model, dtype="float32", max_model_len=512, worker_num_gpus=1, enforce_eager=eager,
+                  cuda_graph_sizes=[1, 2, 4, 8])
+        runner = llm.llm_engine.executor.worker.runner
+        assert (runner.graph_runner is None) == eager
+        results[eager] = [greedy_ids(llm, prompts[:n], 24) for n in (3, 5, 9)]
+    for batches in results.values():
+        for n, out in zip((3, 5, 9), batches):
+            assert out == expected[:n]
+
+
+def test_cuda_graph_sizes_config(tiny_llama):
+    """Buckets up to max_num_seqs and the first at or above it; enforce_eager captures none; on
+    the CPU nothing is captured whatever the sizes."""
+    from engine.config import EngineConfig
+
+    config = EngineConfig.create(tiny_llama, max_num_seqs=5, cuda_graph_sizes=[16, 8, 1, 2, 4, 2])
+    assert config.model_config.cuda_graph_sizes == (1, 2, 4, 8)
+    assert EngineConfig.create(tiny_llama, enforce_eager=True).model_config.cuda_graph_sizes == ()
+    with pytest.raises(ValueError, match="cuda_graph_sizes must be positive integers"):
+        EngineConfig.create(tiny_llama, cuda_graph_sizes=[0, 4])
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=64, cuda_graph_sizes=[1, 2])
+    assert llm.llm_engine.executor.worker.runner.graph_runner is None
