@@ -63,7 +63,7 @@ def smol_tokenizer(tmp_path_factory):
 
 
 def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
-    from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config)
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -81,15 +81,25 @@ def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
                                tie_word_embeddings=False)
     else:
         raise AssertionError(kind)
-    torch.manual_seed({"llama": 0, "qwen2": 1, "mistral": 2}[kind])
+    out = save_random_model(tmp_path_factory, config, f"tiny-{kind}",
+                            seed={"llama": 0, "qwen2": 1, "mistral": 2}[kind])
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def save_random_model(tmp_path_factory, config, name: str, seed: int, std: float = 0.15) -> str:
+    """A transformers model of this config with random fp32 weights, saved as safetensors; matrices
+    drawn with a larger std than HF's 0.02 init, so logits are peaked and well separated."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():   # larger weights than HF's 0.02 init: peaked, well separated logits
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.15)
-    out = tmp_path_factory.mktemp(f"tiny-{kind}")
+                p.normal_(0, std)
+    out = tmp_path_factory.mktemp(name)
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
     return str(out)
 
 

@@ -17,7 +17,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from conftest import hf_greedy  # noqa: E402
+from conftest import hf_greedy, save_random_model  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from kernels import reference  # noqa: E402
 from kernels import triton_ops as tri  # noqa: E402
@@ -175,23 +175,15 @@ def test_engine_with_triton_kernels_matches_transformers(tiny_llama, monkeypatch
 # --- CUDA ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def gpu_model(tmp_path_factory) -> str:
+def untokenized_model(tmp_path_factory) -> str:
     """A random Llama without a tokenizer (token-id prompts): head_dim 64, GQA 2. (The shared tiny
-    models use the embedded model's tokenizer, whose package the GPU machine may lack.)"""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    models use the embedded model's tokenizer, whose package a GPU machine may lack.)"""
+    from transformers import LlamaConfig
 
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.15)
-    out = tmp_path_factory.mktemp("gpu-llama")
-    model.save_pretrained(out, safe_serialization=True)
-    return str(out)
+    return save_random_model(tmp_path_factory, config, "untokenized-llama", seed=0)
 
 
 @gpu
@@ -217,7 +209,7 @@ def test_full_size_kernels_gpu(dtype, head_dim, block_size):
 
 @gpu
 @pytest.mark.gpu
-def test_engine_on_cuda_matches_transformers_with_and_without_graphs(gpu_model):
+def test_engine_on_cuda_matches_transformers_with_and_without_graphs(untokenized_model):
     """fp32 greedy on CUDA (Triton kernels) equals transformers, eager and with CUDA graphs (batch
     sizes 3 and 5 replay padded buckets 4 and 8; 9 prompts exceed the largest and run eagerly)."""
     from transformers import AutoModelForCausalLM
@@ -225,7 +217,7 @@ def test_engine_on_cuda_matches_transformers_with_and_without_graphs(gpu_model):
     g = torch.Generator().manual_seed(4)
     # Ids from 3: transformers' generate takes id 0 (pad_token_id) in a prompt for padding.
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 33, 130, 200, 3, 64)]
-    hf = AutoModelForCausalLM.from_pretrained(gpu_model, dtype=torch.float32).to("cuda").eval()
+    hf = AutoModelForCausalLM.from_pretrained(untokenized_model, dtype=torch.float32).to("cuda").eval()
     expected = []
     for ids in prompts:
         with torch.no_grad():
@@ -234,7 +226,7 @@ def test_engine_on_cuda_matches_transformers_with_and_without_graphs(gpu_model):
         expected.append(gen[0, len(ids):].tolist())
     results = {}
     for eager in (True, False):
-        llm = LLM(gpu_model, dtype="float32", max_model_len=512, worker_num_gpus=1, enforce_eager=eager,
+        llm = LLM(untokenized_model, dtype="float32", max_model_len=512, worker_num_gpus=1, enforce_eager=eager,
                   cuda_graph_sizes=[1, 2, 4, 8])
         runner = llm.llm_engine.executor.worker.runner
         assert (runner.graph_runner is None) == eager
@@ -244,15 +236,15 @@ def test_engine_on_cuda_matches_transformers_with_and_without_graphs(gpu_model):
             assert out == expected[:n]
 
 
-def test_cuda_graph_sizes_config(tiny_llama):
+def test_cuda_graph_sizes_config(untokenized_model):
     """Buckets up to max_num_seqs and the first at or above it; enforce_eager captures none; on
     the CPU nothing is captured whatever the sizes."""
     from engine.config import EngineConfig
 
-    config = EngineConfig.create(tiny_llama, max_num_seqs=5, cuda_graph_sizes=[16, 8, 1, 2, 4, 2])
+    config = EngineConfig.create(untokenized_model, max_num_seqs=5, cuda_graph_sizes=[16, 8, 1, 2, 4, 2])
     assert config.model_config.cuda_graph_sizes == (1, 2, 4, 8)
-    assert EngineConfig.create(tiny_llama, enforce_eager=True).model_config.cuda_graph_sizes == ()
+    assert EngineConfig.create(untokenized_model, enforce_eager=True).model_config.cuda_graph_sizes == ()
     with pytest.raises(ValueError, match="cuda_graph_sizes must be positive integers"):
-        EngineConfig.create(tiny_llama, cuda_graph_sizes=[0, 4])
-    llm = LLM(tiny_llama, dtype="float32", max_model_len=64, cuda_graph_sizes=[1, 2])
+        EngineConfig.create(untokenized_model, cuda_graph_sizes=[0, 4])
+    llm = LLM(untokenized_model, dtype="float32", max_model_len=64, cuda_graph_sizes=[1, 2])
     assert llm.llm_engine.executor.worker.runner.graph_runner is None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import mixed_prompts
+from conftest import mixed_prompts, save_random_model
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.layers.sampler import SamplingRow
@@ -284,20 +284,12 @@ VOCAB = 8
 def tiny_vocab_model(tmp_path_factory) -> str:
     """A random Llama over 8 tokens, no tokenizer: every token of the prompt recurs, so the n-gram
     lookup (n = 1) always proposes."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
-    torch.manual_seed(11)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3)
-    out = tmp_path_factory.mktemp("tiny-vocab")
-    model.save_pretrained(out, safe_serialization=True)
-    return str(out)
+    return save_random_model(tmp_path_factory, config, "tiny-vocab", seed=11, std=0.3)
 
 
 def _exact_marginals(path: str, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
