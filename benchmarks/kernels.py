@@ -65,7 +65,7 @@ def decode_attention(copy_tbs: float, quick: bool) -> list[dict]:
             ms = bench(lambda: ta.decode_attention(q, cache, tables, lens, HEAD_DIM ** -0.5))
             kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * cache.element_size()
             row = {"batch": batch, "context": context, "ms": ms, "tb_s": kv_bytes / ms / 1e9,
-                   "splits": ta.decode_partitions(batch, KV_HEADS, tables.shape[1] * BLOCK, q.device)[0]}
+                   "splits": ta.decode_partitions(batch, KV_HEADS, tables.shape[1] * BLOCK, BLOCK, q.device)[0]}
             row["of_copy"] = row["tb_s"] / copy_tbs
             if batch * context <= 64 * 8192:
                 ref_ms = bench(lambda: reference.decode_attention(q, cache, tables, lens, HEAD_DIM ** -0.5))

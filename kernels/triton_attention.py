@@ -17,6 +17,8 @@ segment's K/V (cached prefix, then this chunk) up to its causal limit.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -32,7 +34,9 @@ DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}
 PREFILL_LAUNCH = {"num_warps": 4, "num_stages": 2}
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
+    """(Asked once per device: decode_partitions runs in every layer of every decode step.)"""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4        # the interpreter: small, so CPU tests exercise the split path
@@ -141,11 +145,17 @@ def _decode_reduce_kernel(part_o_ptr, part_ml_ptr, out_ptr, stride_ob, stride_oh
              mask=d < HEAD_DIM)
 
 
-def decode_partitions(batch: int, num_kv_heads: int, max_len: int, device: torch.device
+def _tile(block_size: int) -> int:
+    """Tokens per inner step of both kernels: TILE_TOKENS, or one block where blocks are larger."""
+    return max(TILE_TOKENS, block_size)
+
+
+def decode_partitions(batch: int, num_kv_heads: int, max_len: int, block_size: int, device: torch.device
                       ) -> tuple[int, int]:
     """(partitions, tiles per partition) for a decode launch: split only while programs are fewer
-    than about two per multiprocessor, and keep each partition at least MIN_PARTITION_TOKENS."""
-    tiles = max(1, triton.cdiv(max_len, TILE_TOKENS))
+    than about PROGRAMS_PER_SM per multiprocessor, and keep each partition at least
+    MIN_PARTITION_TOKENS."""
+    tiles = max(1, triton.cdiv(max_len, _tile(block_size)))
     want = triton.cdiv(PROGRAMS_PER_SM * _num_sms(device), batch * num_kv_heads)
     splits = max(1, min(want, triton.cdiv(max_len, MIN_PARTITION_TOKENS), tiles))
     per_split = triton.cdiv(tiles, splits)
@@ -163,7 +173,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     group = num_heads // num_kv_heads
     d_pad = triton.next_power_of_2(head_dim)
     max_len = block_tables.shape[1] * block_size
-    splits, per_split = decode_partitions(batch, num_kv_heads, max_len, query.device)
+    splits, per_split = decode_partitions(batch, num_kv_heads, max_len, block_size, query.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     if splits > 1:
         part_o = torch.empty(batch * num_heads * splits * d_pad, dtype=torch.float32, device=query.device)
@@ -171,7 +181,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     else:
         part_o = part_ml = out      # unused
     common = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-                  D_PAD=d_pad, BLOCK_SIZE=block_size, TILE=max(TILE_TOKENS, block_size),
+                  D_PAD=d_pad, BLOCK_SIZE=block_size, TILE=_tile(block_size),
                   IEEE=query.dtype == torch.float32)
     _decode_kernel[(batch, num_kv_heads, splits)](
         query, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml,
@@ -274,6 +284,6 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), pk.tables.stride(0), scale,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M, TILE=max(TILE_TOKENS, block_size),
+        BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M, TILE=_tile(block_size),
         IEEE=query.dtype == torch.float32, **PREFILL_LAUNCH)
     return out

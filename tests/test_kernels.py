@@ -76,7 +76,7 @@ def test_decode_attention_splits_long_contexts():
     """One sequence (flash-decoding): the context is split over several partitions and merged."""
     head_dim, block_size, n = 32, 16, 700 if not CUDA else 32768
     cache, tables, g = paged([n], 1, head_dim, block_size, torch.float32)
-    splits, _ = decode_partitions(1, 1, tables[0].numel() * block_size, DEVICE)
+    splits, _ = decode_partitions(1, 1, tables[0].numel() * block_size, block_size, DEVICE)
     assert splits >= 3
     q = torch.randn(1, 4, head_dim, generator=g).to(DEVICE)
     seq_lens = torch.tensor([n], device=DEVICE)
