@@ -4,7 +4,8 @@ in one run; plus KV memory waste against a static max-length allocation.
     .venv/bin/python benchmarks/offline.py                       # 64 prompts of 32-512 tokens, 128 out
     .venv/bin/python benchmarks/offline.py --num-prompts 16 --min-len 32 --max-len 32   # vLLM anchor shape
 
-Prints output tokens/s for both and the ratio; --json writes the figures.
+Prints output tokens/s for both and the ratio; --rounds N alternates the two N times and compares
+each side's best round (for shared, noisy machines); --json writes the figures.
 """
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1, help="alternate pdserve and HF this many times")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -81,26 +83,44 @@ def main() -> None:
     vocab = llm.llm_engine.config.model_config.vocab_size
     prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, vocab, args.seed)
     bench_pdserve(llm, make_prompts(4, 16, 32, vocab, 1), 4)                      # warm-up
-    ours = bench_pdserve(llm, prompts, args.max_tokens)
     static_slots = len(prompts) * (max(len(p) for p in prompts) + args.max_tokens)
     needed = sum(len(p) + args.max_tokens for p in prompts)
-    result = {"workload": vars(args), "torch_threads": torch.get_num_threads(), "pdserve": ours,
-              "kv_waste_static": 1 - needed / static_slots}
-    print(f"pdserve: {ours['tok_per_s']:.1f} output tok/s ({ours['seconds']:.1f} s, {ours['steps']} steps); "
-          f"KV waste {ours['kv_waste_paged']:.1%} vs static max-length {result['kv_waste_static']:.1%}")
+    result: dict = {"workload": vars(args), "torch_threads": torch.get_num_threads(),
+                    "kv_waste_static": 1 - needed / static_slots, "rounds": []}
+    hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
         mc = llm.llm_engine.config.model_config
-        del llm
         hf = AutoModelForCausalLM.from_pretrained(mc.model, gguf_file=mc.gguf_file, dtype=mc.dtype).eval()
         hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, pad_token_id=0)            # warm-up
-        theirs = bench_hf(hf, prompts, args.max_tokens, args.hf_batch_size, pad_id=0)
+    # Rounds alternate the two, so a slow spell of a shared machine falls on both; the summary takes
+    # each side's best round.
+    for r in range(args.rounds):
+        llm.llm_engine.reset_prefix_cache()              # every round prefills from scratch
+        ours = bench_pdserve(llm, prompts, args.max_tokens)
+        line = (f"round {r + 1}: pdserve {ours['tok_per_s']:.1f} tok/s ({ours['seconds']:.1f} s, "
+                f"{ours['steps']} steps, KV waste {ours['kv_waste_paged']:.1%})")
+        entry = {"pdserve": ours}
+        if hf is not None:
+            theirs = bench_hf(hf, prompts, args.max_tokens, args.hf_batch_size, pad_id=0)
+            entry.update(hf=theirs, ratio=ours["tok_per_s"] / theirs["tok_per_s"])
+            line += f"; HF generate {theirs['tok_per_s']:.1f} tok/s ({theirs['seconds']:.1f} s); {entry['ratio']:.2f}x"
+        result["rounds"].append(entry)
+        print(line, flush=True)
+    best = max((e["pdserve"] for e in result["rounds"]), key=lambda o: o["tok_per_s"])
+    result["pdserve"] = best
+    print(f"pdserve: {best['tok_per_s']:.1f} output tok/s (best of {args.rounds}); KV waste "
+          f"{best['kv_waste_paged']:.1%} vs static max-length {result['kv_waste_static']:.1%}")
+    if hf is not None:
+        theirs = max((e["hf"] for e in result["rounds"]), key=lambda o: o["tok_per_s"])
         result["hf"] = theirs
-        result["ratio"] = ours["tok_per_s"] / theirs["tok_per_s"]
+        result["ratio"] = best["tok_per_s"] / theirs["tok_per_s"]
+        ratios = sorted(e["ratio"] for e in result["rounds"])
         print(f"HF generate (batch {args.hf_batch_size}, padded): {theirs['tok_per_s']:.1f} output tok/s "
-              f"({theirs['seconds']:.1f} s)")
-        print(f"ratio pdserve / HF: {result['ratio']:.2f}x")
+              f"(best of {args.rounds})")
+        print(f"ratio pdserve / HF: {result['ratio']:.2f}x (best against best; per round "
+              f"{', '.join(f'{x:.2f}' for x in ratios)})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

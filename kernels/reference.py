@@ -87,15 +87,18 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     id); seq_lens: [batch] (the query's own K/V included). Returns [batch, num_heads, head_dim].
     """
     batch, max_blocks = block_tables.shape
-    block_size = kv_cache.shape[2]
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    group = query.shape[1] // num_kv_heads
     kv = gather_blocks(kv_cache, block_tables.flatten())
-    kv = kv.view(2, batch, max_blocks * block_size, *kv_cache.shape[3:]).transpose(2, 3)  # [2, B, kvh, max_len, d]
+    kv = kv.view(2, batch, max_blocks * block_size, num_kv_heads, head_dim).transpose(2, 3)  # [2, B, kvh, L, d]
     max_len = max_blocks * block_size
     mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]   # [B, max_len]
+    # The `group` query heads sharing a KV head are that head's rows: [B, kvh, group, d]. SDPA with
+    # a mask and enable_gqa instead is 4-6x slower on CPU in bf16.
     out = F.scaled_dot_product_attention(
-        query[:, :, None, :], kv[0], kv[1], attn_mask=mask[:, None, None, :], scale=scale,
-        enable_gqa=True)                                  # [B, H, 1, d]
-    return out[:, :, 0, :]
+        query.view(batch, num_kv_heads, group, head_dim), kv[0], kv[1], attn_mask=mask[:, None, None, :],
+        scale=scale)                                      # [B, kvh, group, d]
+    return out.reshape(batch, num_kv_heads * group, head_dim)
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:

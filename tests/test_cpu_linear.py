@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.linear import CPU_FP32_MIN_ROWS, Linear, linear, prepack
+from engine.layers.linear import CPU_FP32_MIN_ROWS, Linear, cpu_fp32_gemm, linear, prepack
 
 
 @pytest.mark.parametrize("rows", [1, 7, CPU_FP32_MIN_ROWS - 1])
@@ -20,7 +20,8 @@ def test_prepacked_path_is_bit_identical_to_f_linear(rows):
     assert torch.equal(linear(x, w, b, packed), F.linear(x, w, b))
 
 
-def test_many_rows_run_in_fp32_and_round_once():
+def test_many_rows_run_in_fp32_and_round_once(monkeypatch):
+    monkeypatch.setenv("PDSERVE_CPU_FP32_GEMM", "1")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g).bfloat16()
     x = torch.randn(CPU_FP32_MIN_ROWS + 5, 64, generator=g).bfloat16()
@@ -29,6 +30,38 @@ def test_many_rows_run_in_fp32_and_round_once():
     assert torch.equal(out, F.linear(x.float(), w.float()).bfloat16())
     # Same values as the bf16 GEMM up to its rounding of the fp32 accumulator.
     torch.testing.assert_close(out.float(), F.linear(x, w).float(), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("fp32_gemm", ["0", "1"])
+def test_many_rows_take_the_chosen_gemm(monkeypatch, fp32_gemm):
+    monkeypatch.setenv("PDSERVE_CPU_FP32_GEMM", fp32_gemm)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 640, generator=g).bfloat16()
+    x = torch.randn(CPU_FP32_MIN_ROWS + 5, 640, generator=g).bfloat16()
+    packed = prepack(w)
+    if packed is None:
+        pytest.skip("oneDNN (mkldnn) is not available in this torch build")
+    dtypes = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda a, b, c=None: dtypes.append(a.dtype) or real(a, b, c))
+    out = linear(x, w, None, packed)
+    assert dtypes == ([torch.float32] if fp32_gemm == "1" else [])      # else the prepacked oneDNN call
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), real(x, w).float(), rtol=1.6e-2, atol=1e-2)
+
+
+def test_fp32_gemm_choice(monkeypatch):
+    """`auto` times both GEMMs once per dtype and keeps the answer; the variable forces it."""
+    monkeypatch.setenv("PDSERVE_CPU_FP32_GEMM", "auto")
+    chosen = cpu_fp32_gemm(torch.bfloat16)
+    assert isinstance(chosen, bool) and cpu_fp32_gemm(torch.bfloat16) is chosen
+    monkeypatch.setenv("PDSERVE_CPU_FP32_GEMM", "1")
+    assert cpu_fp32_gemm(torch.bfloat16) is True
+    monkeypatch.setenv("PDSERVE_CPU_FP32_GEMM", "0")
+    assert cpu_fp32_gemm(torch.bfloat16) is False
+    monkeypatch.setenv("PDSERVE_CPU_FP32_GEMM", "fast")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_FP32_GEMM must be auto, 0 or 1"):
+        cpu_fp32_gemm(torch.bfloat16)
 
 
 def test_fp32_and_prepack_switch(monkeypatch):

@@ -12,7 +12,9 @@ exact-enough paths by the number of rows (see its docstring and benchmarks/cpu_l
 """
 from __future__ import annotations
 
+import functools
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -20,11 +22,57 @@ from torch import nn
 
 from engine.parallel_state import get_parallel_state, tp_all_reduce
 
-# At or above this many rows, a bf16/fp16 matmul on CPU runs as fp32 GEMM on upcast operands.
-# oneDNN's bf16 brgemm (AVX512-BF16, no AMX) reaches ~150 GFLOP/s on the 2-core CI machine against
-# ~270 for MKL's sgemm, so prefill chunks are 1.3-1.8x faster in fp32 even counting the upcast of
-# the weight; below ~64 rows the weight upcast costs more than the faster GEMM saves.
+# At or above this many rows, a bf16/fp16 matmul on CPU may run as fp32 GEMM on upcast operands:
+# below ~64 rows the weight upcast costs more than a faster GEMM could save.
 CPU_FP32_MIN_ROWS = 96
+# fp32 GEMM is chosen only where it beats the reduced-precision GEMM by this factor at prefill size,
+# so that timing noise cannot flip the choice between runs on one machine.
+CPU_FP32_MIN_SPEEDUP = 1.25
+
+
+def cpu_fp32_gemm(dtype: torch.dtype) -> bool:
+    """Whether prefill-sized (>= CPU_FP32_MIN_ROWS rows) CPU matmuls with `dtype` weights run in fp32.
+
+    `PDSERVE_CPU_FP32_GEMM=1|0` forces the choice; the default `auto` times both once per process
+    and dtype (~0.1 s). CPUs differ by 2-3x in opposite directions here: on the Xeons with
+    AVX512-BF16 but no AMX, oneDNN's bf16 brgemm reaches ~150 GFLOP/s against ~270 for MKL's sgemm,
+    while on AMD Zen 4 bf16 is ~3x faster than sgemm (benchmarks/cpu_linear.py prints both).
+    """
+    value = os.environ.get("PDSERVE_CPU_FP32_GEMM", "auto")
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"PDSERVE_CPU_FP32_GEMM must be auto, 0 or 1; got {value!r}")
+    return value == "1" or (value == "auto" and _fp32_gemm_is_faster(dtype))
+
+
+@functools.cache
+def _fp32_gemm_is_faster(dtype: torch.dtype) -> bool:
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(1536, 576, generator=g).to(dtype)        # a small model's MLP projection
+    x = torch.randn(256, 576, generator=g).to(dtype)
+    packed = prepack(weight)
+
+    def native() -> None:
+        if packed is None:
+            F.linear(x, weight)
+        else:
+            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    def fp32() -> None:
+        F.linear(x.float(), weight.float()).to(dtype)
+
+    return _best_of(native) > CPU_FP32_MIN_SPEEDUP * _best_of(fp32)
+
+
+def _best_of(fn, rounds: int = 5, calls: int = 3) -> float:
+    """Fastest of `rounds` timings of `calls` calls each, after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def cpu_prepack_enabled() -> bool:
@@ -48,14 +96,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, with two CPU paths for bf16/fp16 chosen by row count.
 
-    Many rows (prefill): fp32 GEMM on upcast operands, rounded back to x's dtype. Products of bf16
+    Many rows (prefill), where `cpu_fp32_gemm` finds it faster on this CPU: fp32 GEMM on upcast
+    operands, rounded back to x's dtype. Products of bf16
     values are exact in fp32 and oneDNN's bf16 GEMM accumulates in fp32 too, so the two differ only
     in summation order. Few rows (decode): the prepacked weight, the same oneDNN kernel as F.linear
     without reordering the weight on every call (bit-identical to F.linear).
     """
     if x.device.type != "cpu" or x.dtype == torch.float32:
         return F.linear(x, weight, bias)
-    if x.numel() >= CPU_FP32_MIN_ROWS * x.shape[-1]:
+    if x.numel() >= CPU_FP32_MIN_ROWS * x.shape[-1] and cpu_fp32_gemm(x.dtype):
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(x.dtype)
     if packed is not None:
@@ -79,6 +128,8 @@ class Linear(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.packed = prepack(self.weight)
+        if self.packed is not None:
+            cpu_fp32_gemm(self.weight.dtype)          # time the two GEMMs now, not in the first prefill
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         _copy_checked(param.data, loaded)
