@@ -98,14 +98,14 @@ class ModelRunner:
         first so attention handles them in one batched call. Deterministic: every rank splits the
         same SchedulerOutput the same way."""
         if num <= 1 or len(scheduled) < 2:
-            return [sorted(scheduled, key=lambda r: len(r.token_ids) != 1)]
+            return [sorted(scheduled, key=_batch_order)]
         groups: list[list[ScheduledRequest]] = [[] for _ in range(min(num, len(scheduled)))]
         loads = [0] * len(groups)
         for req in sorted(scheduled, key=lambda r: -len(r.token_ids)):
             i = loads.index(min(loads))
             groups[i].append(req)
             loads[i] += len(req.token_ids)
-        return [sorted(g, key=lambda r: len(r.token_ids) != 1) for g in groups]
+        return [sorted(g, key=_batch_order) for g in groups]
 
     def _run_micro_batch(self, batch: list[ScheduledRequest], state: ParallelState,
                          sends: list[tuple[Any, torch.Tensor]]) -> ModelRunnerOutput | None:
@@ -212,3 +212,10 @@ class ModelRunner:
             entry[target] = row[target].item()
             out.append(entry)
         return out
+
+
+def _batch_order(req: ScheduledRequest) -> tuple[bool, int]:
+    """Decodes first (one batched attention call), shortest context first: the CPU reference splits a
+    length-sorted decode batch into groups of similar length to pad less (kernels/reference.py)."""
+    is_decode = len(req.token_ids) == 1
+    return not is_decode, req.start if is_decode else 0

@@ -85,7 +85,49 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
 
     query: [batch, num_heads, head_dim]; block_tables: [batch, max_blocks] (padded with any valid
     id); seq_lens: [batch] (the query's own K/V included). Returns [batch, num_heads, head_dim].
+
+    Each row is computed over the batch's longest context, masked. When the rows come sorted by
+    length (the model runner orders them so) and that padding is large, a CPU batch is cut into
+    groups of similar length, each padded only to its own longest.
     """
+    batch = query.shape[0]
+    if batch < 2 * DECODE_GROUP_MIN_ROWS or query.device.type != "cpu":    # (no host sync on a GPU)
+        return _decode_padded(query, kv_cache, block_tables, seq_lens, scale)
+    bounds = _decode_groups(seq_lens.tolist(), kv_cache.shape[2])
+    if len(bounds) == 1:
+        return _decode_padded(query, kv_cache, block_tables, seq_lens, scale)
+    out = torch.empty_like(query)
+    for start, end, num_blocks in bounds:
+        out[start:end] = _decode_padded(query[start:end], kv_cache, block_tables[start:end, :num_blocks],
+                                        seq_lens[start:end], scale)
+    return out
+
+
+# Groups for a length-sorted decode batch: at least this many rows each, at most DECODE_MAX_GROUPS,
+# and only where they save at least DECODE_MIN_SAVING of the padded K/V (each group costs a few
+# small ops per layer).
+DECODE_GROUP_MIN_ROWS = 8
+DECODE_MAX_GROUPS = 8
+DECODE_MIN_SAVING = 0.2
+
+
+def _decode_groups(lens: list[int], block_size: int) -> list[tuple[int, int, int]]:
+    """[(start, end, blocks)] row ranges of a decode batch: one range, or several where `lens` is
+    sorted ascending and splitting it cuts the gathered blocks by DECODE_MIN_SAVING."""
+    batch = len(lens)
+    blocks = [-(-n // block_size) for n in lens]
+    whole = [(0, batch, max(blocks))]
+    if any(a > b for a, b in zip(lens, lens[1:])):
+        return whole
+    num = min(DECODE_MAX_GROUPS, batch // DECODE_GROUP_MIN_ROWS)
+    cuts = [batch * i // num for i in range(num + 1)]
+    groups = [(a, b, blocks[b - 1]) for a, b in zip(cuts, cuts[1:])]
+    grouped = sum((b - a) * w for a, b, w in groups)
+    return groups if grouped <= (1 - DECODE_MIN_SAVING) * batch * max(blocks) else whole
+
+
+def _decode_padded(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                   seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     batch, max_blocks = block_tables.shape
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     group = query.shape[1] // num_kv_heads
