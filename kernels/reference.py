@@ -91,7 +91,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     groups of similar length, each padded only to its own longest.
     """
     batch = query.shape[0]
-    if batch < 2 * DECODE_GROUP_MIN_ROWS or query.device.type != "cpu":    # (no host sync on a GPU)
+    if batch < DECODE_GROUP_MIN_BATCH or query.device.type != "cpu":    # (no host sync on a GPU)
         return _decode_padded(query, kv_cache, block_tables, seq_lens, scale)
     bounds = _decode_groups(seq_lens.tolist(), kv_cache.shape[2])
     if len(bounds) == 1:
@@ -103,9 +103,10 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     return out
 
 
-# Groups for a length-sorted decode batch: at least this many rows each, at most DECODE_MAX_GROUPS,
-# and only where they save at least DECODE_MIN_SAVING of the padded K/V (each group costs a few
-# small ops per layer).
+# Groups for a length-sorted decode batch of DECODE_GROUP_MIN_BATCH rows or more (at 16 rows they
+# gained nothing here): at least DECODE_GROUP_MIN_ROWS rows each, at most DECODE_MAX_GROUPS, and only
+# where they save at least DECODE_MIN_SAVING of the padded K/V (each costs a few small ops per layer).
+DECODE_GROUP_MIN_BATCH = 32
 DECODE_GROUP_MIN_ROWS = 8
 DECODE_MAX_GROUPS = 8
 DECODE_MIN_SAVING = 0.2
