@@ -1,10 +1,11 @@
-"""CPU matmul paths for bf16 weights, side by side, per row count: where `CPU_FP32_MIN_ROWS` comes from.
+"""CPU matmul paths for bf16 weights, side by side, per row count: what `cpu_fp32_gemm` decides on.
 
     .venv/bin/python benchmarks/cpu_linear.py            # the embedded model's shapes
 
 For each row count M prints microseconds per call of: plain `F.linear` in bf16, the oneDNN-prepacked
 bf16 weight, and fp32 GEMM on operands upcast per call (what `engine.layers.linear.linear` does at
-M >= CPU_FP32_MIN_ROWS), and the ratio plain / chosen path.
+M >= CPU_FP32_MIN_ROWS where `cpu_fp32_gemm` times it faster on this CPU), and the ratio plain / chosen
+path.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine.layers.linear import linear, prepack  # noqa: E402
+from engine.layers.linear import cpu_fp32_gemm, linear, prepack  # noqa: E402
 
 
 def per_call_us(fn, repeat: int) -> float:
@@ -36,7 +37,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="3072x576,576x1536,960x576", help="out x in, comma separated")
     ap.add_argument("--repeat", type=int, default=30)
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"fp32 GEMM for many bf16 rows: {cpu_fp32_gemm(torch.bfloat16)}")
     for shape in args.shapes.split(","):
         n, k = map(int, shape.split("x"))
         w = torch.randn(n, k, dtype=torch.bfloat16)

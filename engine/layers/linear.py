@@ -8,7 +8,8 @@ when tp > num_kv_heads) fuse several HF tensors into one matmul, `RowParallelLin
 features and all-reduces its output. With one rank they are plain (fused) linears.
 
 On CPU, reduced-precision (bf16/fp16) matmuls go through `linear()`, which picks the faster of two
-exact-enough paths by the number of rows (see its docstring and benchmarks/cpu_linear.py).
+exact-enough paths by the number of rows and by what this CPU does faster (see its docstring and
+benchmarks/cpu_linear.py).
 """
 from __future__ import annotations
 
@@ -94,13 +95,13 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, with two CPU paths for bf16/fp16 chosen by row count.
+    """`F.linear`, with two CPU paths for bf16/fp16.
 
-    Many rows (prefill), where `cpu_fp32_gemm` finds it faster on this CPU: fp32 GEMM on upcast
-    operands, rounded back to x's dtype. Products of bf16
-    values are exact in fp32 and oneDNN's bf16 GEMM accumulates in fp32 too, so the two differ only
-    in summation order. Few rows (decode): the prepacked weight, the same oneDNN kernel as F.linear
-    without reordering the weight on every call (bit-identical to F.linear).
+    Many rows (prefill) on a CPU where `cpu_fp32_gemm` finds it faster: fp32 GEMM on upcast
+    operands, rounded back to x's dtype. Products of bf16 values are exact in fp32 and oneDNN's bf16
+    GEMM accumulates in fp32 too, so the two differ only in summation order. Otherwise: the
+    prepacked weight, the same oneDNN kernel as F.linear without reordering the weight on every
+    call (bit-identical to F.linear).
     """
     if x.device.type != "cpu" or x.dtype == torch.float32:
         return F.linear(x, weight, bias)
