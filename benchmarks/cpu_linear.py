@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine.layers.linear import cpu_fp32_gemm, linear, prepack  # noqa: E402
+from engine.layers.linear import cpu_fp32_gemm, linear, packed_linear, prepack  # noqa: E402
 
 
 def per_call_us(fn, repeat: int) -> float:
@@ -46,8 +46,7 @@ def main() -> None:
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k, dtype=torch.bfloat16)
             plain = per_call_us(lambda: F.linear(x, w), args.repeat)
-            pk = per_call_us(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-                             args.repeat) if packed is not None else float("nan")
+            pk = per_call_us(lambda: packed_linear(x, packed), args.repeat) if packed is not None else float("nan")
             up = per_call_us(lambda: F.linear(x.float(), w.float()).bfloat16(), args.repeat)
             chosen = per_call_us(lambda: linear(x, w, None, packed), args.repeat)
             print(f"{n}x{k} M={m:4d}: bf16 {plain:8.0f} us  prepacked {pk:8.0f} us  fp32-upcast {up:8.0f} us"

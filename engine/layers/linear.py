@@ -56,7 +56,7 @@ def _fp32_gemm_is_faster(dtype: torch.dtype) -> bool:
         if packed is None:
             F.linear(x, weight)
         else:
-            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            packed_linear(x, packed)
 
     def fp32() -> None:
         F.linear(x.float(), weight.float()).to(dtype)
@@ -109,8 +109,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(x.dtype)
     if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b with a weight from `prepack` (oneDNN; bit-identical to F.linear)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class Linear(nn.Module):
