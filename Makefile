@@ -9,7 +9,7 @@ NIXL_SPEC  ?= nixl==1.5.1 nixl-cu13==1.5.1
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup serve test test-all bench clean
+.PHONY: setup cpu-kernels serve test test-all bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --no-deps $(NIXL_SPEC)
 	touch $@
 
-setup: $(VENV)/.installed
+# The C++ CPU kernels (kernels/csrc/cpu_ops.cpp), compiled for this machine into a cache keyed by
+# their source (a no-op when built; the engine would otherwise build them on first use, ~20 s).
+cpu-kernels: $(VENV)/.installed
+	-$(PY) -m kernels.cpu_ops
+
+setup: $(VENV)/.installed cpu-kernels
 
 # OpenAI-compatible API on http://127.0.0.1:8000/v1 (local Ray, embedded model, 1 prefill + 1 decode
 # replica, KV moved over NIXL; prompts with < 256 uncached tokens are prefilled on the decode replica).

@@ -39,6 +39,18 @@ def test_batch_matches_transformers(tiny_model, oracle, chunked, budget):
     assert run(llm, prompts) == oracle(tiny_model, prompts)
 
 
+@pytest.mark.parametrize("kernels", ["cpu", "reference"])
+def test_kernel_sets_match_transformers(tiny_model, oracle, kernels, monkeypatch):
+    """Each CPU kernel set on its own, chunked (budget 24): the compiled CPU kernels (what auto
+    picks here) and the pure-torch reference (the fallback where they cannot be built)."""
+    monkeypatch.setenv("PDSERVE_KERNELS", kernels)
+    prompts = mixed_prompts(1000)
+    llm = LLM(tiny_model, dtype="float32", max_num_batched_tokens=24, max_model_len=512)
+    expected = {"cpu": "kernels.cpu_ops", "reference": "kernels.reference"}[kernels]
+    assert llm.llm_engine.executor.worker.runner.kernels.__name__ == expected
+    assert run(llm, prompts) == oracle(tiny_model, prompts)
+
+
 def test_mistral_mqa_matches_transformers(tiny_mistral):
     prompts = mixed_prompts(1000, seed=3)[:4]
     llm = LLM(tiny_mistral, dtype="float32")

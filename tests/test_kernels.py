@@ -19,7 +19,7 @@ if not CUDA:
 
 from conftest import hf_greedy, save_random_model  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from kernels import reference  # noqa: E402
+from kernels import cpu_ops, reference  # noqa: E402
 from kernels import triton_ops as tri  # noqa: E402
 from kernels.dispatch import get_kernels  # noqa: E402
 from kernels.triton_attention import decode_partitions  # noqa: E402
@@ -140,7 +140,7 @@ def test_dispatch_choices(monkeypatch):
     with pytest.raises(ValueError, match="PDSERVE_KERNELS must be one of"):
         get_kernels("cpu")
     monkeypatch.setenv("PDSERVE_KERNELS", "auto")
-    assert get_kernels("cpu") is reference
+    assert get_kernels("cpu") is cpu_ops           # (tests/test_cpu_ops.py: the fallback to the reference)
     monkeypatch.setenv("PDSERVE_KERNELS", "reference")
     assert get_kernels("cuda") is reference
     monkeypatch.setenv("PDSERVE_KERNELS", "triton")

@@ -1,0 +1,80 @@
+"""CPU decode attention per layer: the compiled kernel (kernels/cpu_ops.py) against the torch reference
+(block gather + SDPA, kernels/reference.py), side by side on the same paged cache.
+
+    .venv/bin/python benchmarks/cpu_attention.py [--dtype bfloat16] [--rounds 3] [--json out.json]
+
+Shapes: the embedded SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64) and Llama-3-8B (32/8/128),
+batch x context as a decode batch meets them; each sequence's blocks drawn at random from the pool (the
+engine's free queue hands out blocks in any order once requests come and go). Each size alternates
+the two kernels for --rounds rounds and keeps each one's best, then prints both, their ratio and the
+compiled kernel's K/V read rate (bytes of K and V it must read over its time). Nothing is asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from kernels import cpu_ops, reference  # noqa: E402
+
+SHAPES = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}
+SIZES = [(1, 2048), (16, 256), (16, 1024), (64, 400)]
+BLOCK = 16
+
+
+def paged(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    width = -(-context // BLOCK)
+    num_blocks = batch * width
+    cache = torch.randn(2, num_blocks, BLOCK, kv_heads, head_dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g).view(batch, width)
+    query = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
+    return query, cache, tables, torch.full((batch,), context)
+
+
+def best_ms(fn, calls: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    print(f"C++ kernels: {cpu_ops.load()}; {torch.get_num_threads()} threads; {args.dtype}")
+    rows = []
+    for model, (heads, kv_heads, head_dim) in SHAPES.items():
+        for batch, context in SIZES:
+            q, cache, tables, lens = paged(batch, context, heads, kv_heads, head_dim, dtype)
+            scale = head_dim ** -0.5
+            calls = max(3, int(2e6 // (batch * context * kv_heads)))
+            times = {"cpu": float("inf"), "reference": float("inf")}
+            for _ in range(args.rounds):
+                for name, fn in (("cpu", cpu_ops.decode_attention), ("reference", reference.decode_attention)):
+                    times[name] = min(times[name], best_ms(lambda: fn(q, cache, tables, lens, scale), calls))
+            kv_bytes = 2 * batch * context * kv_heads * head_dim * cache.element_size()
+            row = {"model": model, "batch": batch, "context": context, "cpu_ms": times["cpu"],
+                   "reference_ms": times["reference"], "speedup": times["reference"] / times["cpu"],
+                   "cpu_kv_gb_per_s": kv_bytes / times["cpu"] / 1e6}
+            rows.append(row)
+            print(f"{model:13s} batch {batch:3d} x {context:5d}: cpu {times['cpu']:7.3f} ms, reference "
+                  f"{times['reference']:7.3f} ms, {row['speedup']:4.1f}x; K/V read {row['cpu_kv_gb_per_s']:5.1f} GB/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,350 @@
+// pdserve CPU kernels: paged decode attention that reads K/V straight from the block table (no
+// gather, no padding to the batch's longest context), vectorized by the compiler (-O3 -march=native)
+// and threaded with ATen's pool. Built on first use by kernels/cpu_ops.py; the pure-torch
+// kernels/reference.py is the oracle it is tested against.
+//
+// KV cache layout (per layer): [2, num_blocks, block_size, num_kv_heads, head_dim].
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Sixteen fp32 lanes as a GCC vector: one AVX-512 register, or two AVX2 ones, or four NEON ones.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x16u __attribute__((vector_size(64), aligned(4)));   // for unaligned loads
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// exp(x) for x <= 0, to about 1 ulp (0 below -87): 2^(x log2 e) split into an integer power, put
+// into the exponent bits, and a degree-7 Taylor polynomial of e^f on |f| <= ln2 / 2.
+inline f32x16 exp_nonpositive(f32x16 x) {
+  x = x < -87.0f ? f32x16{} - 87.0f : x;
+  const f32x16 t = x * 1.4426950408889634f;
+  const f32x16 n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
+  const f32x16 f = (t - n) * 0.6931471805599453f;
+  f32x16 p = f * (1.0f / 5040.0f) + 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  return p * reinterpret_cast<const f32x16&>(bits);
+}
+
+template <typename T>
+inline f32x16 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return *reinterpret_cast<const f32x16u*>(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#ifdef __AVX512F__
+    const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+    return reinterpret_cast<const f32x16&>(wide);
+#else
+    const u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
+    return reinterpret_cast<const f32x16&>(wide);
+#endif
+  } else {
+    f32x16 v;
+    for (int i = 0; i < 16; ++i) v[i] = to_float(p[i]);
+    return v;
+  }
+}
+
+// out[j] = sum of the lanes of a[bitrev4(j)]: a 16x16 transpose-and-add in 4 shuffle levels, which
+// costs about one shuffle-add per input instead of four for a horizontal sum each.
+inline f32x16 hsum16x16(const f32x16* a) {
+  f32x16 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+constexpr int kBitrev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+inline float hmax16(f32x16 v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float hsum16(f32x16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// Running state of one query head over the token ranges seen so far (online softmax).
+struct Row {
+  float max, denom;
+};
+
+// R query heads (rows) of one KV head against a chunk of up to sixteen tokens: scores, then the
+// online-softmax update of each row's max, denominator and unnormalized output `acc` ([R][D/16]).
+// Templated on R so that the rows' query and output vectors stay in registers.
+template <typename T, int D, int R>
+inline void chunk_rows(const T* const* k_rows, const T* const* v_rows, int64_t count, int64_t head_offset,
+                       const f32x16* q, Row* rows, f32x16* acc) {
+  constexpr int V = D / 16;
+  f32x16 dots[R][16];
+  for (int t = 0; t < 16; ++t) {                       // padding rows (t >= count) repeat row 0
+    const T* k = k_rows[t < count ? t : 0] + head_offset;
+    f32x16 kv[V];
+    for (int i = 0; i < V; ++i) kv[i] = load16(k + i * 16);
+    for (int r = 0; r < R; ++r) {
+      f32x16 d = q[r * V] * kv[0];
+      for (int i = 1; i < V; ++i) d += q[r * V + i] * kv[i];
+      dots[r][kBitrev4[t]] = d;
+    }
+  }
+  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  float p[R][16];
+  float alpha[R];
+  for (int r = 0; r < R; ++r) {
+    f32x16 s = hsum16x16(dots[r]);
+    s = lane < static_cast<float>(count) ? s : f32x16{} - INFINITY;
+    const float m = std::max(rows[r].max, hmax16(s));
+    const f32x16 e = lane < static_cast<float>(count) ? exp_nonpositive(s - m) : f32x16{};
+    alpha[r] = rows[r].max == -INFINITY ? 0.f : std::exp(rows[r].max - m);
+    rows[r].denom = rows[r].denom * alpha[r] + hsum16(e);
+    rows[r].max = m;
+    std::memcpy(p[r], &e, sizeof e);
+  }
+  f32x16 out[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < V; ++i) out[r][i] = acc[r * V + i] * alpha[r];
+  for (int64_t t = 0; t < count; ++t) {
+    const T* v = v_rows[t] + head_offset;
+    f32x16 vv[V];
+    for (int i = 0; i < V; ++i) vv[i] = load16(v + i * 16);
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < V; ++i) out[r][i] += p[r][t] * vv[i];
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < V; ++i) acc[r * V + i] = out[r][i];
+}
+
+// Rows per chunk_rows call: as many as keep a row tile's vectors within the 32 AVX-512 registers.
+template <int D>
+constexpr int kTileRows = D / 16 <= 4 ? 4 : D / 16 <= 8 ? 2 : 1;
+
+template <typename T, int D>
+void chunk_group(const T* const* k_rows, const T* const* v_rows, int64_t count, int64_t head_offset,
+                 const f32x16* q, Row* rows, f32x16* acc, int64_t group) {
+  constexpr int V = D / 16;
+  for (int64_t r = 0; r < group;) {
+    const int64_t tile = std::min<int64_t>(kTileRows<D>, group - r);
+    const f32x16* qr = q + r * V;
+    f32x16* ar = acc + r * V;
+    switch (tile) {
+      case 4: chunk_rows<T, D, 4>(k_rows, v_rows, count, head_offset, qr, rows + r, ar); break;
+      case 3: chunk_rows<T, D, 3>(k_rows, v_rows, count, head_offset, qr, rows + r, ar); break;
+      case 2: chunk_rows<T, D, 2>(k_rows, v_rows, count, head_offset, qr, rows + r, ar); break;
+      default: chunk_rows<T, D, 1>(k_rows, v_rows, count, head_offset, qr, rows + r, ar); break;
+    }
+    r += tile;
+  }
+}
+
+// Per-thread working memory of decode_range, reused across work items.
+struct Scratch {
+  std::vector<f32x16> q, acc;   // [H][D/16] each
+  std::vector<Row> rows;        // [H]
+};
+
+// Decode attention of one sequence over tokens [begin, end), all heads, in one pass over K/V:
+// sixteen tokens at a time, each token's row of all KV heads read whole (contiguous in the cache),
+// the next chunk's rows prefetched (blocks sit anywhere in the pool, where the hardware prefetcher
+// cannot follow). w.q holds the query rows ([H][D], scaled, fp32). Writes each head's max, softmax
+// denominator and unnormalized output to `part`, laid out [H][D + 2]; the caller merges ranges.
+template <typename T, int D>
+void decode_range(const T* k_cache, const T* v_cache, const int64_t* table, int64_t begin, int64_t end,
+                  int64_t block_size, int64_t token_stride, int64_t num_heads, int64_t group, float* part,
+                  Scratch& w) {
+  constexpr int V = D / 16;
+  const int64_t num_kv_heads = num_heads / group;
+  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(T));
+  w.acc.assign(static_cast<size_t>(num_heads * V), f32x16{});
+  w.rows.assign(static_cast<size_t>(num_heads), Row{-INFINITY, 0.f});
+  auto slot = [&](int64_t pos) { return table[pos / block_size] * block_size + pos % block_size; };
+  auto prefetch = [&](int64_t first, int64_t last) {
+    for (int64_t pos = first; pos < last; ++pos) {
+      const char* k = reinterpret_cast<const char*>(k_cache + slot(pos) * token_stride);
+      const char* v = reinterpret_cast<const char*>(v_cache + slot(pos) * token_stride);
+      for (int64_t off = 0; off < row_bytes; off += 64) {
+        __builtin_prefetch(k + off);
+        __builtin_prefetch(v + off);
+      }
+    }
+  };
+  prefetch(begin, std::min(end, begin + 16));
+  const T* k_rows[16];
+  const T* v_rows[16];
+  for (int64_t c0 = begin; c0 < end; c0 += 16) {
+    const int64_t count = std::min<int64_t>(16, end - c0);
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t s = slot(c0 + t);
+      k_rows[t] = k_cache + s * token_stride;
+      v_rows[t] = v_cache + s * token_stride;
+    }
+    prefetch(c0 + 16, std::min(end, c0 + 32));
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      chunk_group<T, D>(k_rows, v_rows, count, h * D, w.q.data() + h * group * V, w.rows.data() + h * group,
+                        w.acc.data() + h * group * V, group);
+  }
+  for (int64_t r = 0; r < num_heads; ++r) {
+    std::memcpy(part + r * (D + 2), w.acc.data() + r * V, sizeof(f32x16) * V);
+    part[r * (D + 2) + D] = w.rows[r].max;
+    part[r * (D + 2) + D + 1] = w.rows[r].denom;
+  }
+}
+
+template <typename T, int D>
+void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& tables,
+                 const at::Tensor& lens, double scale, at::Tensor& out) {
+  constexpr int V = D / 16;
+  const int64_t batch = query.size(0), num_heads = query.size(1);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = tables.size(1);
+  const int64_t token_stride = num_kv_heads * D;
+  const T* q_ptr = query.const_data_ptr<T>();
+  const T* k_cache = kv_cache.const_data_ptr<T>();
+  const T* v_cache = k_cache + num_blocks * block_size * token_stride;
+  const int64_t* table_ptr = tables.const_data_ptr<int64_t>();
+  const int64_t* len_ptr = lens.const_data_ptr<int64_t>();
+  T* out_ptr = out.mutable_data_ptr<T>();
+
+  // Split long contexts into token ranges when sequences alone would leave threads idle; the ranges
+  // are merged below by their softmax statistics.
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, len_ptr[b]);
+  const int64_t want = 4 * at::get_num_threads();
+  int64_t splits = batch >= want ? 1 : (want + batch - 1) / batch;
+  const int64_t range = std::max<int64_t>(256, (max_len + splits - 1) / splits);
+  splits = std::max<int64_t>(1, (max_len + range - 1) / range);
+  const int64_t part_size = num_heads * (D + 2);
+  std::vector<float> parts(static_cast<size_t>(batch * splits * part_size));
+
+  at::parallel_for(0, batch * splits, 1, [&](int64_t first, int64_t last) {
+    Scratch w;
+    w.q.resize(static_cast<size_t>(num_heads * V));
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t b = item / splits, s = item % splits;
+      const int64_t begin = s * range, end = std::min(len_ptr[b], begin + range);
+      float* part = parts.data() + item * part_size;
+      if (begin >= end) {
+        for (int64_t r = 0; r < num_heads; ++r) part[r * (D + 2) + D + 1] = 0.f;  // empty range
+        continue;
+      }
+      const T* qb = q_ptr + b * num_heads * D;
+      float* qf = reinterpret_cast<float*>(w.q.data());
+      for (int64_t j = 0; j < num_heads * D; ++j) qf[j] = to_float(qb[j]) * static_cast<float>(scale);
+      decode_range<T, D>(k_cache, v_cache, table_ptr + b * max_blocks, begin, end, block_size, token_stride,
+                         num_heads, group, part, w);
+    }
+  });
+
+  at::parallel_for(0, batch, 1, [&](int64_t first, int64_t last) {
+    float acc[D];
+    for (int64_t b = first; b < last; ++b) {
+      for (int64_t r = 0; r < num_heads; ++r) {
+        const float* p0 = parts.data() + b * splits * part_size + r * (D + 2);
+        float m = -INFINITY;
+        for (int64_t s = 0; s < splits; ++s)
+          if (p0[s * part_size + D + 1] > 0.f) m = std::max(m, p0[s * part_size + D]);
+        std::fill(acc, acc + D, 0.f);
+        float denom = 0.f;
+        for (int64_t s = 0; s < splits; ++s) {
+          const float* p = p0 + s * part_size;
+          if (p[D + 1] <= 0.f) continue;
+          const float scale_s = std::exp(p[D] - m);
+          denom += scale_s * p[D + 1];
+          for (int j = 0; j < D; ++j) acc[j] += scale_s * p[j];
+        }
+        T* o = out_ptr + (b * num_heads + r) * D;
+        const float inv = denom > 0.f ? 1.f / denom : 0.f;    // an empty row (length 0) gives zeros
+        for (int j = 0; j < D; ++j) o[j] = static_cast<T>(acc[j] * inv);
+      }
+    }
+  });
+}
+
+// The head sizes the kernel is built for (kernels/cpu_ops.py: HEAD_DIMS); others use the reference.
+template <typename T>
+void decode_dim(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& tables, const at::Tensor& lens,
+                double scale, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 16: decode_impl<T, 16>(q, kv_cache, tables, lens, scale, out); break;
+    case 32: decode_impl<T, 32>(q, kv_cache, tables, lens, scale, out); break;
+    case 64: decode_impl<T, 64>(q, kv_cache, tables, lens, scale, out); break;
+    case 96: decode_impl<T, 96>(q, kv_cache, tables, lens, scale, out); break;
+    case 128: decode_impl<T, 128>(q, kv_cache, tables, lens, scale, out); break;
+    case 256: decode_impl<T, 256>(q, kv_cache, tables, lens, scale, out); break;
+    default: TORCH_CHECK(false, "paged_decode: head_dim must be one of 16, 32, 64, 96, 128, 256; got ", q.size(2));
+  }
+}
+
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode: CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "paged_decode: query [B, H, d], kv_cache 5-D");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "paged_decode: query and kv_cache dtypes differ");
+  TORCH_CHECK(kv_cache.is_contiguous(), "paged_decode: kv_cache must be contiguous");
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0 && query.size(2) == kv_cache.size(4),
+              "paged_decode: query heads/head_dim do not match the cache");
+  const at::Tensor q = query.contiguous();
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(tables.size(0) == q.size(0) && lens.size(0) == q.size(0), "paged_decode: batch sizes differ");
+  at::Tensor out = at::empty_like(q);
+  if (q.size(0) == 0) return out;
+  switch (q.scalar_type()) {
+    case at::kFloat: decode_dim<float>(q, kv_cache, tables, lens, scale, out); break;
+    case at::kBFloat16: decode_dim<c10::BFloat16>(q, kv_cache, tables, lens, scale, out); break;
+    case at::kHalf: decode_dim<c10::Half>(q, kv_cache, tables, lens, scale, out); break;
+    default: TORCH_CHECK(false, "paged_decode: dtype must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_cpu, m) {
+  m.def("paged_decode(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -1,0 +1,128 @@
+"""The compiled CPU kernels (kernels/cpu_ops.py, kernels/csrc/cpu_ops.cpp) against the torch reference
+and plain per-sequence attention, and how dispatch chooses them or falls back to the reference.
+
+Block tables are random permutations of the pool and lengths are not multiples of the block size.
+The extension is built by `make setup`; a checkout without a C++ compiler fails here, loudly.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kernels import cpu_ops, dispatch, reference
+from test_reference import naive_decode
+
+# Relative error ||out - ref|| / ||ref|| allowed per dtype; both sides accumulate in fp32, so bf16 and
+# fp16 differ only by the output's rounding.
+TOLERANCE = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    return cpu_ops.load()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any()
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def paged_batch(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
+                dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in lens)
+    num_blocks = len(lens) * width + 3
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[:len(lens) * width].view(len(lens), width)
+    query = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    return query, cache, tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(16, 4, 2), (64, 9, 3), (128, 28, 4), (32, 8, 8), (96, 5, 1)])
+def test_decode_matches_per_sequence_attention(dtype, head_dim, heads, kv_heads):
+    """GQA groups of 2, 3, 7, 1 (MHA) and 5 (MQA) exercise every row tile; lengths 1 to 3 blocks + 1."""
+    lens = [1, 15, 16, 17, 40, 49, 5]
+    query, cache, tables, seq_lens = paged_batch(lens, heads, kv_heads, head_dim, 16, dtype)
+    out = cpu_ops.decode_attention(query, cache, tables, seq_lens, head_dim ** -0.5)
+    assert out.dtype == dtype and out.shape == query.shape
+    ref = naive_decode(query.float(), cache.float(), tables, seq_lens, head_dim ** -0.5)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+def test_decode_other_block_sizes_match_reference(block_size):
+    query, cache, tables, seq_lens = paged_batch([3, 33, 70, 1], 8, 2, 64, block_size, torch.float32)
+    out = cpu_ops.decode_attention(query, cache, tables, seq_lens, 0.2)
+    assert rel_err(out, reference.decode_attention(query, cache, tables, seq_lens, 0.2)) < 1e-6
+
+
+def test_decode_splits_a_long_context_over_threads():
+    """One sequence of 2,000 tokens is cut into token ranges (one work item would idle a thread),
+    merged by their softmax statistics; a zero-length row gives zeros, as the Triton kernel does."""
+    query, cache, tables, seq_lens = paged_batch([2000, 0], 6, 2, 64, 16, torch.float32)
+    out = cpu_ops.decode_attention(query, cache, tables, seq_lens, 0.125)
+    ref = reference.decode_attention(query[:1], cache, tables[:1], seq_lens[:1], 0.125)
+    assert rel_err(out[:1], ref) < 1e-6
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_decode_softmax_is_exact_for_peaked_scores():
+    """Large scores (one key dominates, the rest underflow): the kernel's exp must not overflow or
+    lose the peak."""
+    query, cache, tables, seq_lens = paged_batch([300, 64], 4, 2, 32, 16, torch.float32)
+    out = cpu_ops.decode_attention(query * 30, cache, tables, seq_lens, 1.0)
+    ref = naive_decode(query * 30, cache, tables, seq_lens, 1.0)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_unsupported_head_dim_uses_the_reference(monkeypatch):
+    query, cache, tables, seq_lens = paged_batch([20, 3], 4, 2, 24, 16, torch.float32)
+    calls = []
+    monkeypatch.setattr(reference, "decode_attention", lambda *a: calls.append(1) or torch.zeros(1))
+    cpu_ops.decode_attention(query, cache, tables, seq_lens, 0.3)
+    assert calls == [1]
+
+
+def test_dispatch_picks_the_cpu_kernels_and_falls_back_with_a_reason(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("PDSERVE_KERNELS", "auto")
+    assert dispatch.get_kernels("cpu") is cpu_ops
+    monkeypatch.setenv("PDSERVE_KERNELS", "cpu")
+    assert dispatch.get_kernels("cpu") is cpu_ops
+    with pytest.raises(ValueError, match="PDSERVE_KERNELS=cpu runs on CPU tensors only"):
+        dispatch.get_kernels("cuda")
+    # Where no compiler runs, auto falls back to the reference with a warning; `cpu` is an error.
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(cpu_ops.BuildError, match="no C\\+\\+ compiler"):
+        cpu_ops.library_path()
+    cpu_ops.load.cache_clear()
+    dispatch._cpu_build_error.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="C\\+\\+ CPU kernels are unavailable: no C\\+\\+ compiler"):
+            dispatch.get_kernels("cpu")
+        monkeypatch.setenv("PDSERVE_KERNELS", "auto")
+        with caplog.at_level(logging.WARNING, logger="pdserve.kernels"):
+            assert dispatch.get_kernels("cpu") is reference
+        assert "using the torch reference kernels" in caplog.text
+    finally:
+        monkeypatch.undo()
+        cpu_ops.load.cache_clear()
+        dispatch._cpu_build_error.cache_clear()
+    assert dispatch.get_kernels("cpu") is cpu_ops
+
+
+def test_a_failed_compile_reports_the_compiler_error(monkeypatch, tmp_path):
+    """A compiler that runs but fails: BuildError carries its output, and nothing is left in the cache."""
+    fake = tmp_path / "cxx"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
+                    "echo 'cpu_ops.cpp:1: error: no luck' >&2; exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    path = cpu_ops.library_path()
+    with pytest.raises(cpu_ops.BuildError, match="error: no luck"):
+        cpu_ops.build(path)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [f"{(tmp_path / 'cache' / path).name}.lock"]
