@@ -1,11 +1,14 @@
-"""The compiled CPU kernel set: kernels.reference with decode attention replaced by a C++ kernel
-(kernels/csrc/cpu_ops.cpp) that reads K/V straight from the paged cache through the block table.
+"""The compiled CPU kernel set: the contracts of kernels.reference, with decode attention, RMSNorm,
+rotary, silu-and-mul and the K/V slot write as C++ kernels (kernels/csrc/cpu_ops.cpp).
 
 The reference gathers every sequence's blocks into a padded copy and runs SDPA over it; the C++
 kernel instead walks each sequence's own blocks once (K and V of all heads of a token are one
 contiguous row), with an online softmax, the next rows prefetched, and sequences (or, for a small
 batch, token ranges of each) spread over ATen's threads. On the 2-core CI machine that is 2-5x
-faster per layer than the reference (benchmarks/kernels.py --cpu).
+faster per layer than the reference (benchmarks/cpu_attention.py). The elementwise layers are one
+pass each where torch runs 3-10 ops (and Python dispatches each), following the reference's
+arithmetic op by op. Prefill attention, block copies and swaps stay with the reference (SDPA and
+plain copies).
 
 The extension is compiled on first use with the machine's C++ compiler (`$CXX`, default `c++`)
 against the installed torch, for this CPU (-march=native): ~20 s once, then cached under
@@ -25,12 +28,11 @@ import tempfile
 
 import torch
 
-from kernels.reference import (apply_rotary, copy_blocks, gather_blocks, gather_kv, prefill_attention, rms_norm,
-                               swap_blocks, write_kv)
 from kernels import reference
+from kernels.reference import copy_blocks, gather_blocks, gather_kv, prefill_attention, swap_blocks
 
 __all__ = ["apply_rotary", "copy_blocks", "decode_attention", "gather_blocks", "gather_kv",
-           "prefill_attention", "rms_norm", "swap_blocks", "write_kv"]
+           "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_ops.cpp")
 # Head sizes the C++ decode kernel is instantiated for; other sizes run the reference.
@@ -48,6 +50,37 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     if query.shape[-1] not in HEAD_DIMS or query.dtype not in DTYPES or not kv_cache.is_contiguous():
         return reference.decode_attention(query, kv_cache, block_tables, seq_lens, scale)
     return torch.ops.pdserve_cpu.paged_decode(query, kv_cache, block_tables, seq_lens, float(scale))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.rms_norm's contract."""
+    if x.dtype not in DTYPES or weight.dtype != x.dtype:
+        return reference.rms_norm(x, weight, eps, residual)
+    return torch.ops.pdserve_cpu.rms_norm(x, weight, float(eps), residual)
+
+
+def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.apply_rotary's contract (on strided views of the fused QKV output too)."""
+    if query.dtype not in DTYPES or query.stride(-1) != 1 or key.stride(-1) != 1:
+        return reference.apply_rotary(query, key, cos, sin)
+    return torch.ops.pdserve_cpu.rotary(query, key, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """kernels.reference.silu_and_mul's contract."""
+    if x.dtype not in DTYPES:
+        return reference.silu_and_mul(x)
+    return torch.ops.pdserve_cpu.silu_and_mul(x)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kernels.reference.write_kv's contract; slots < 0 (padding rows) are skipped."""
+    rows_ok = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (key, value))
+    if kv_cache.dtype not in DTYPES or not kv_cache.is_contiguous() or not rows_ok:
+        return reference.write_kv(key, value, kv_cache, slot_mapping)
+    torch.ops.pdserve_cpu.write_kv(key, value, kv_cache, slot_mapping)
 
 
 def _compiler() -> str:

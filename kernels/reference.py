@@ -177,6 +177,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * h.to(x.dtype), residual
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [..., 2 * inter] holding [gate | up] (the fused gate/up projection)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary embedding (rotate halves), as transformers' Llama.

@@ -78,6 +78,67 @@ def test_decode_softmax_is_exact_for_peaked_scores():
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [576, 50])
+def test_rms_norm_matches_reference(dtype, hidden):
+    """With and without the residual add; a hidden size that is not a multiple of the vector width.
+    The residual sum is exact; the output differs from the reference only by the order in which the
+    sum of squares is reduced (none at all in bf16 / fp16 here)."""
+    g = torch.Generator().manual_seed(1)
+    x, r = (torch.randn(7, hidden, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(hidden, generator=g).to(dtype)
+    out, res = cpu_ops.rms_norm(x, w, 1e-5)
+    ref_out, ref_res = reference.rms_norm(x, w, 1e-5)
+    assert res is x and rel_err(out, ref_out) < 1e-6
+    out, res = cpu_ops.rms_norm(x, w, 1e-5, r)
+    ref_out, ref_res = reference.rms_norm(x, w, 1e-5, r)
+    assert torch.equal(res, ref_res) and rel_err(out, ref_out) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_rotary_matches_reference_bitwise(dtype, head_dim):
+    """On strided views of one fused QKV projection, as the model passes them; every product and
+    sum rounded where torch rounds, no fused multiply-adds."""
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(9, (8 + 2 + 2) * head_dim, generator=g).to(dtype)
+    q, k = qkv[:, :8 * head_dim].view(9, 8, head_dim), qkv[:, 8 * head_dim:10 * head_dim].view(9, 2, head_dim)
+    cos, sin = (torch.randn(9, head_dim, generator=g).to(dtype) for _ in range(2))
+    for out, ref in zip(cpu_ops.apply_rotary(q, k, cos, sin), reference.apply_rotary(q, k, cos, sin), strict=True):
+        assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_and_mul_matches_reference(dtype):
+    """Bitwise in bf16 / fp16 (the silu is rounded before the product, as torch rounds it); in fp32
+    within its exp's last bit."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 2 * 100, generator=g).to(dtype) * 4
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])              # exp's clamps, and zero
+    out, ref = cpu_ops.silu_and_mul(x), reference.silu_and_mul(x)
+    assert out.shape == (5, 100)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-30)
+    else:
+        assert torch.equal(out, ref)
+
+
+def test_write_kv_skips_padding_and_matches_reference():
+    """Key rows contiguous, value rows a strided view of a fused projection; slot -1 is padding."""
+    g = torch.Generator().manual_seed(4)
+    _, cache, _, _ = paged_batch([100], 4, 2, 32, 16, torch.bfloat16)
+    key = torch.randn(6, 2, 32, generator=g).bfloat16()
+    value = torch.randn(6, 3 * 64, generator=g).bfloat16()[:, 64:128].view(6, 2, 32)
+    slots = torch.tensor([3, 40, -1, 100, 101, 17])
+    expected = cache.clone()
+    real = slots >= 0
+    reference.write_kv(key[real], value[real], expected, slots[real])
+    cpu_ops.write_kv(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_ops.write_kv(key[:1], value[:1], cache, torch.tensor([cache.shape[1] * 16]))
+
+
 def test_unsupported_head_dim_uses_the_reference(monkeypatch):
     query, cache, tables, seq_lens = paged_batch([20, 3], 4, 2, 24, 16, torch.float32)
     calls = []

@@ -12,7 +12,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import Attention, AttentionMetadata
@@ -22,6 +21,7 @@ from engine.layers.linear import (Linear, MergedColumnParallelLinear, QKVParalle
 from engine.layers.rmsnorm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.parallel_state import get_parallel_state, pp_layer_range
+from kernels.dispatch import kernels_for
 
 
 class LlamaAttention(nn.Module):
@@ -59,11 +59,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
                                                        bias=bias, dtype=dtype)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, dtype=dtype)
-        self.intermediate_size = self.gate_up_proj.local_sizes[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(kernels_for(gate_up).silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):

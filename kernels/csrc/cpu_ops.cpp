@@ -6,6 +6,7 @@
 // KV cache layout (per layer): [2, num_blocks, block_size, num_kv_heads, head_dim].
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -18,6 +19,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -39,11 +42,12 @@ typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
-// exp(x) for x <= 0, to about 1 ulp (0 below -87): 2^(x log2 e) split into an integer power, put
-// into the exponent bits, and a degree-7 Taylor polynomial of e^f on |f| <= ln2 / 2.
-inline f32x16 exp_nonpositive(f32x16 x) {
-  x = x < -87.0f ? f32x16{} - 87.0f : x;
-  const f32x16 t = x * 1.4426950408889634f;
+// exp(x) to about 1 ulp: 2^(x log2 e) split into an integer power, put into the exponent bits, and a
+// degree-7 Taylor polynomial of e^f on |f| <= ln2 / 2. Above 88.37 it is inf (fp32's exp overflows
+// at 88.72; the power of two must stay below 2^128) and below -87.3 zero (where it turns subnormal).
+inline f32x16 exp_approx(f32x16 x) {
+  const f32x16 c = x < -87.3f ? f32x16{} - 87.3f : x > 88.37f ? f32x16{} + 88.37f : x;
+  const f32x16 t = c * 1.4426950408889634f;
   const f32x16 n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
   const f32x16 f = (t - n) * 0.6931471805599453f;
   f32x16 p = f * (1.0f / 5040.0f) + 1.0f / 720.0f;
@@ -54,7 +58,8 @@ inline f32x16 exp_nonpositive(f32x16 x) {
   p = p * f + 1.0f;
   p = p * f + 1.0f;
   const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  return p * reinterpret_cast<const f32x16&>(bits);
+  const f32x16 y = p * reinterpret_cast<const f32x16&>(bits);
+  return x < -87.3f ? f32x16{} : x > 88.37f ? f32x16{} + INFINITY : y;
 }
 
 template <typename T>
@@ -74,6 +79,52 @@ inline f32x16 load16(const T* p) {
     for (int i = 0; i < 16; ++i) v[i] = to_float(p[i]);
     return v;
   }
+}
+
+template <typename T>
+inline void store16(T* p, f32x16 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(p, &v, sizeof v);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    u32x16 bits = reinterpret_cast<const u32x16&>(v);
+    const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;     // round to nearest even
+    bits = v != v ? u32x16{} + 0x7FC0u : rounded;                             // NaN stays NaN
+    const u16x16 narrow = __builtin_convertvector(bits, u16x16);
+    std::memcpy(p, &narrow, sizeof narrow);
+  } else {
+    for (int i = 0; i < 16; ++i) p[i] = static_cast<T>(v[i]);
+  }
+}
+
+// v rounded to T and back: the rounding torch applies after each elementwise op in T.
+template <typename T>
+inline f32x16 round_as(f32x16 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const u32x16 bits = reinterpret_cast<const u32x16&>(v);
+    const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;   // as store16
+    return v != v ? v : reinterpret_cast<const f32x16&>(rounded);
+  } else {
+    T tmp[16];
+    store16(tmp, v);
+    return load16(tmp);
+  }
+}
+
+// The first n (< 16) elements, zero-filled; and the store of the first n lanes.
+template <typename T>
+inline f32x16 load_n(const T* p, int64_t n) {
+  T tmp[16] = {};
+  std::memcpy(tmp, p, n * sizeof(T));
+  return load16(tmp);
+}
+
+template <typename T>
+inline void store_n(T* p, f32x16 v, int64_t n) {
+  T tmp[16];
+  store16(tmp, v);
+  std::memcpy(p, tmp, n * sizeof(T));
 }
 
 // out[j] = sum of the lanes of a[bitrev4(j)]: a 16x16 transpose-and-add in 4 shuffle levels, which
@@ -138,7 +189,7 @@ inline void chunk_rows(const T* const* k_rows, const T* const* v_rows, int64_t c
     f32x16 s = hsum16x16(dots[r]);
     s = lane < static_cast<float>(count) ? s : f32x16{} - INFINITY;
     const float m = std::max(rows[r].max, hmax16(s));
-    const f32x16 e = lane < static_cast<float>(count) ? exp_nonpositive(s - m) : f32x16{};
+    const f32x16 e = lane < static_cast<float>(count) ? exp_approx(s - m) : f32x16{};
     alpha[r] = rows[r].max == -INFINITY ? 0.f : std::exp(rows[r].max - m);
     rows[r].denom = rows[r].denom * alpha[r] + hsum16(e);
     rows[r].max = m;
@@ -341,10 +392,227 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, con
   return out;
 }
 
+// ---- Elementwise layers, each one pass instead of several torch ops --------------------------------
+// The arithmetic follows kernels/reference.py op by op, rounding to the activations' dtype where torch
+// does and never fusing a multiply-add (fp-contract off here): fp32 rotary and silu-and-mul match it
+// bit for bit, RMSNorm to rounding (its sum of squares is reduced in another order).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+// (x + residual) normalized times weight, and x + residual; rows of `hidden` elements.
+template <typename T>
+void rms_norm_impl(const T* x, int64_t x_stride, const T* res, int64_t res_stride, const T* weight, T* out,
+                   T* res_out, int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / hidden), [&](int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) {
+      const T* xr = x + row * x_stride;
+      const T* src = xr;
+      f32x16 squares = {};
+      if (res != nullptr) {                                   // the sum, rounded to T, is the new residual
+        const T* rr = res + row * res_stride;
+        T* ro = res_out + row * hidden;
+        for (int64_t i = 0; i < hidden; i += 16) {
+          const int64_t n = std::min<int64_t>(16, hidden - i);
+          const f32x16 v = n == 16 ? load16(xr + i) + load16(rr + i) : load_n(xr + i, n) + load_n(rr + i, n);
+          if (n == 16) store16(ro + i, v); else store_n(ro + i, v, n);
+        }
+        src = ro;
+      }
+      for (int64_t i = 0; i < hidden; i += 16) {
+        const int64_t n = std::min<int64_t>(16, hidden - i);
+        const f32x16 v = n == 16 ? load16(src + i) : load_n(src + i, n);
+        squares += v * v;
+      }
+      const float inv = 1.f / std::sqrt(hsum16(squares) / static_cast<float>(hidden) + eps);
+      T* o = out + row * hidden;
+      for (int64_t i = 0; i < hidden; i += 16) {
+        const int64_t n = std::min<int64_t>(16, hidden - i);
+        const f32x16 v = n == 16 ? load16(src + i) : load_n(src + i, n);
+        const f32x16 w = n == 16 ? load16(weight + i) : load_n(weight + i, n);
+        const f32x16 y = round_as<T>(w * round_as<T>(v * inv));
+        if (n == 16) store16(o + i, y); else store_n(o + i, y, n);
+      }
+    }
+  });
+}
+
+// Neox rotary of one head row x (d elements, halves rotated) into o: x * cos + rotate_half(x) * sin.
+template <typename T>
+inline void rotate_row(const T* x, const T* cos, const T* sin, T* o, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; i += 16) {
+    const int64_t n = std::min<int64_t>(16, half - i);
+    auto load = [n](const T* p) { return n == 16 ? load16(p) : load_n(p, n); };
+    const f32x16 x1 = load(x + i), x2 = load(x + half + i);
+    const f32x16 lo = round_as<T>(round_as<T>(x1 * load(cos + i)) + round_as<T>(-x2 * load(sin + i)));
+    const f32x16 hi = round_as<T>(round_as<T>(x2 * load(cos + half + i)) + round_as<T>(x1 * load(sin + half + i)));
+    if (n == 16) {
+      store16(o + i, lo);
+      store16(o + half + i, hi);
+    } else {
+      store_n(o + i, lo, n);
+      store_n(o + half + i, hi, n);
+    }
+  }
+}
+
+template <typename T>
+void rotary_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
+                 at::Tensor& q_out, at::Tensor& k_out) {
+  const int64_t tokens = q.size(0), d = q.size(2);
+  const T* cp = cos.const_data_ptr<T>();
+  const T* sp = sin.const_data_ptr<T>();
+  const T* qp = q.const_data_ptr<T>();
+  const T* kp = k.const_data_ptr<T>();
+  T* qo = q_out.mutable_data_ptr<T>();
+  T* ko = k_out.mutable_data_ptr<T>();
+  const int64_t heads = q.size(1), kv_heads = k.size(1);
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 8192 / (d * (heads + kv_heads))), [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      for (int64_t h = 0; h < heads; ++h)
+        rotate_row(qp + t * q.stride(0) + h * q.stride(1), cp + t * d, sp + t * d, qo + (t * heads + h) * d, d);
+      for (int64_t h = 0; h < kv_heads; ++h)
+        rotate_row(kp + t * k.stride(0) + h * k.stride(1), cp + t * d, sp + t * d, ko + (t * kv_heads + h) * d, d);
+    }
+  });
+}
+
+// silu(gate) * up for x = [gate | up] rows of 2 * inter elements: the silu rounded to T, then the product.
+template <typename T>
+void silu_and_mul_impl(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / inter), [&](int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) {
+      const T* g = x + row * x_stride;
+      const T* u = g + inter;
+      T* o = out + row * inter;
+      for (int64_t i = 0; i < inter; i += 16) {
+        const int64_t n = std::min<int64_t>(16, inter - i);
+        const f32x16 gv = n == 16 ? load16(g + i) : load_n(g + i, n);
+        const f32x16 uv = n == 16 ? load16(u + i) : load_n(u + i, n);
+        const f32x16 silu = round_as<T>(gv / (1.f + exp_approx(-gv)));
+        const f32x16 y = round_as<T>(silu * uv);
+        if (n == 16) store16(o + i, y); else store_n(o + i, y, n);
+      }
+    }
+  });
+}
+
+#pragma GCC pop_options
+
+bool row_major_last(const at::Tensor& t) { return t.stride(-1) == 1; }
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                            const std::optional<at::Tensor>& residual) {
+  const int64_t hidden = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be [hidden] in the activations' dtype");
+  const at::Tensor x2 = row_major_last(x) && x.dim() == 2 ? x : x.reshape({-1, hidden}).contiguous();
+  const at::Tensor w = weight.contiguous();
+  at::Tensor out = at::empty({x2.size(0), hidden}, x2.options());
+  at::Tensor res_out = x;                                   // without a residual, x itself (as the reference)
+  at::Tensor r2;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "rms_norm: residual must match x");
+    r2 = row_major_last(*residual) && residual->dim() == 2 ? *residual : residual->reshape({-1, hidden}).contiguous();
+    res_out = at::empty({x2.size(0), hidden}, x2.options());
+  }
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_impl<T>(x2.const_data_ptr<T>(), x2.stride(0), r2.defined() ? r2.const_data_ptr<T>() : nullptr,
+                     r2.defined() ? r2.stride(0) : 0, w.const_data_ptr<T>(), out.mutable_data_ptr<T>(),
+                     r2.defined() ? res_out.mutable_data_ptr<T>() : nullptr, x2.size(0), hidden, static_cast<float>(eps));
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "rms_norm: dtype must be float32, bfloat16 or float16");
+  }
+  return {out.view(x.sizes()), residual.has_value() ? res_out.view(x.sizes()) : res_out};
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                          const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(2) % 2 == 0,
+              "rotary: q [T, H, d] and k [T, kvh, d] with an even d");
+  TORCH_CHECK(row_major_last(q) && row_major_last(k), "rotary: q and k need a contiguous last dim");
+  const int64_t d = q.size(2);
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  TORCH_CHECK(c.dim() == 2 && c.size(0) == q.size(0) && c.size(1) == d && s.sizes() == c.sizes(),
+              "rotary: cos and sin must be [T, d]");
+  TORCH_CHECK(c.scalar_type() == q.scalar_type() && s.scalar_type() == q.scalar_type() &&
+              k.scalar_type() == q.scalar_type(), "rotary: q, k, cos and sin must share a dtype");
+  at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
+  switch (q.scalar_type()) {
+    case at::kFloat: rotary_impl<float>(q, k, c, s, q_out, k_out); break;
+    case at::kBFloat16: rotary_impl<c10::BFloat16>(q, k, c, s, q_out, k_out); break;
+    case at::kHalf: rotary_impl<c10::Half>(q, k, c, s, q_out, k_out); break;
+    default: TORCH_CHECK(false, "rotary: dtype must be float32, bfloat16 or float16");
+  }
+  return {q_out, k_out};
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  const int64_t inter = x.size(-1) / 2;
+  TORCH_CHECK(x.size(-1) % 2 == 0, "silu_and_mul: the last dim holds [gate | up]");
+  const at::Tensor x2 = row_major_last(x) && x.dim() == 2 ? x : x.reshape({-1, 2 * inter}).contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = inter;
+  at::Tensor out = at::empty(shape, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: silu_and_mul_impl<float>(x2.const_data_ptr<float>(), x2.stride(0), out.mutable_data_ptr<float>(), x2.size(0), inter); break;
+    case at::kBFloat16:
+      silu_and_mul_impl<c10::BFloat16>(x2.const_data_ptr<c10::BFloat16>(), x2.stride(0),
+                                       out.mutable_data_ptr<c10::BFloat16>(), x2.size(0), inter);
+      break;
+    case at::kHalf:
+      silu_and_mul_impl<c10::Half>(x2.const_data_ptr<c10::Half>(), x2.stride(0), out.mutable_data_ptr<c10::Half>(),
+                                   x2.size(0), inter);
+      break;
+    default: TORCH_CHECK(false, "silu_and_mul: dtype must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+// K/V rows into their slots (slot < 0: a padding row, skipped). key/value: [T, kvh, d] with each
+// token's heads contiguous (views of the fused QKV projection qualify).
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "write_kv: kv_cache must be contiguous 5-D");
+  const int64_t row = kv_cache.size(3) * kv_cache.size(4), slots = kv_cache.size(1) * kv_cache.size(2);
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->dim() == 3 && t->size(1) * t->size(2) == row && t->stride(2) == 1 && t->stride(1) == t->size(2) &&
+                t->scalar_type() == kv_cache.scalar_type(), "write_kv: key/value must be [T, kvh, d] rows of the cache's dtype");
+  const at::Tensor slot_map = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* sp = slot_map.const_data_ptr<int64_t>();
+  const int64_t bytes = row * kv_cache.element_size();
+  char* cache = static_cast<char*>(kv_cache.data_ptr());
+  const char* k = static_cast<const char*>(key.const_data_ptr());
+  const char* v = static_cast<const char*>(value.const_data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < slot_map.size(0); ++t) {
+    const int64_t slot = sp[t];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < slots, "write_kv: slot ", slot, " is outside the cache's ", slots, " slots");
+    std::memcpy(cache + slot * bytes, k + t * ks, bytes);
+    std::memcpy(cache + (slots + slot) * bytes, v + t * vs, bytes);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("paged_decode(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
+  m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary", &rotary);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("write_kv", &write_kv);
+}
