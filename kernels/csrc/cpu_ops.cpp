@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -310,23 +311,43 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
   const int64_t part_size = num_heads * (D + 2);
   std::vector<float> parts(static_cast<size_t>(batch * splits * part_size));
 
-  at::parallel_for(0, batch * splits, 1, [&](int64_t first, int64_t last) {
+  // Work items (sequence, token range) go to threads longest first, each to the least loaded: a decode
+  // batch comes sorted by length, and contiguous shares would give one thread all the long ones.
+  const int64_t num_items = batch * splits;
+  auto cost = [&](int64_t item) {
+    const int64_t begin = item % splits * range, end = std::min(len_ptr[item / splits], begin + range);
+    return std::max<int64_t>(0, end - begin) + 16;                     // + a fixed cost per item
+  };
+  std::vector<int64_t> order(static_cast<size_t>(num_items));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  std::vector<std::vector<int64_t>> assigned(static_cast<size_t>(threads));
+  std::vector<int64_t> load(static_cast<size_t>(threads), 0);
+  for (const int64_t item : order) {
+    const auto t = std::min_element(load.begin(), load.end()) - load.begin();
+    assigned[t].push_back(item);
+    load[t] += cost(item);
+  }
+
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     Scratch w;
     w.q.resize(static_cast<size_t>(num_heads * V));
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t b = item / splits, s = item % splits;
-      const int64_t begin = s * range, end = std::min(len_ptr[b], begin + range);
-      float* part = parts.data() + item * part_size;
-      if (begin >= end) {
-        for (int64_t r = 0; r < num_heads; ++r) part[r * (D + 2) + D + 1] = 0.f;  // empty range
-        continue;
+    for (int64_t t = first; t < last; ++t)
+      for (const int64_t item : assigned[t]) {
+        const int64_t b = item / splits, s = item % splits;
+        const int64_t begin = s * range, end = std::min(len_ptr[b], begin + range);
+        float* part = parts.data() + item * part_size;
+        if (begin >= end) {
+          for (int64_t r = 0; r < num_heads; ++r) part[r * (D + 2) + D + 1] = 0.f;  // empty range
+          continue;
+        }
+        const T* qb = q_ptr + b * num_heads * D;
+        float* qf = reinterpret_cast<float*>(w.q.data());
+        for (int64_t j = 0; j < num_heads * D; ++j) qf[j] = to_float(qb[j]) * static_cast<float>(scale);
+        decode_range<T, D>(k_cache, v_cache, table_ptr + b * max_blocks, begin, end, block_size, token_stride,
+                           num_heads, group, part, w);
       }
-      const T* qb = q_ptr + b * num_heads * D;
-      float* qf = reinterpret_cast<float*>(w.q.data());
-      for (int64_t j = 0; j < num_heads * D; ++j) qf[j] = to_float(qb[j]) * static_cast<float>(scale);
-      decode_range<T, D>(k_cache, v_cache, table_ptr + b * max_blocks, begin, end, block_size, token_stride,
-                         num_heads, group, part, w);
-    }
   });
 
   at::parallel_for(0, batch, 1, [&](int64_t first, int64_t last) {
