@@ -13,8 +13,9 @@ plain copies).
 The extension is compiled on first use with the machine's C++ compiler (`$CXX`, default `c++`)
 against the installed torch, for this CPU (-march=native): ~20 s once, then cached under
 `$PDSERVE_KERNEL_CACHE` (else ~/.cache/pdserve/kernels, else a temp dir when the home is not
-writable) by a key of the source, flags, torch, compiler and CPU. `make setup` builds it. Where it cannot be built, kernels.dispatch falls back to the reference
-and says why; `PDSERVE_KERNELS=cpu` makes that an error instead.
+writable) by a key of the source, flags, torch, compiler and CPU. `make setup` builds it. Where it
+cannot be built, kernels.dispatch falls back to the reference and says why; `PDSERVE_KERNELS=cpu`
+makes that an error instead.
 """
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.reference.apply_rotary's contract (on strided views of the fused QKV output too)."""
-    if query.dtype not in DTYPES or query.stride(-1) != 1 or key.stride(-1) != 1:
+    same_dtype = key.dtype == cos.dtype == sin.dtype == query.dtype
+    if query.dtype not in DTYPES or not same_dtype or query.stride(-1) != 1 or key.stride(-1) != 1:
         return reference.apply_rotary(query, key, cos, sin)
     return torch.ops.pdserve_cpu.rotary(query, key, cos, sin)
 

@@ -139,6 +139,17 @@ def test_write_kv_skips_padding_and_matches_reference():
         cpu_ops.write_kv(key[:1], value[:1], cache, torch.tensor([cache.shape[1] * 16]))
 
 
+def test_decode_refuses_blocks_outside_the_table_or_pool():
+    """The kernel reads raw memory, so a table that does not cover a length, or names a block past
+    the pool, is an error rather than a read out of bounds."""
+    query, cache, tables, seq_lens = paged_batch([20, 3], 4, 2, 32, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="needs more blocks than the block table"):
+        cpu_ops.decode_attention(query, cache, tables, torch.tensor([20, 33]), 0.3)
+    tables[1, 0] = cache.shape[1]
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_ops.decode_attention(query, cache, tables, seq_lens, 0.3)
+
+
 def test_unsupported_head_dim_uses_the_reference(monkeypatch):
     query, cache, tables, seq_lens = paged_batch([20, 3], 4, 2, 24, 16, torch.float32)
     calls = []

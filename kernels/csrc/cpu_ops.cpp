@@ -1,7 +1,8 @@
 // pdserve CPU kernels: paged decode attention that reads K/V straight from the block table (no
-// gather, no padding to the batch's longest context), vectorized by the compiler (-O3 -march=native)
-// and threaded with ATen's pool. Built on first use by kernels/cpu_ops.py; the pure-torch
-// kernels/reference.py is the oracle it is tested against.
+// gather, no padding to the batch's longest context), and RMSNorm, rotary, silu-and-mul and the K/V
+// slot write in one pass each; vectorized through GCC vector types (-O3 -march=native) and threaded
+// with ATen's pool. Built on first use by kernels/cpu_ops.py; the pure-torch kernels/reference.py is
+// the oracle they are tested against.
 //
 // KV cache layout (per layer): [2, num_blocks, block_size, num_kv_heads, head_dim].
 #include <ATen/Parallel.h>
@@ -69,7 +70,8 @@ inline f32x16 load16(const T* p) {
     return *reinterpret_cast<const f32x16u*>(p);
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
 #ifdef __AVX512F__
-    const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+    const __m256i narrow = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow), 16);
     return reinterpret_cast<const f32x16&>(wide);
 #else
     const u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
@@ -402,6 +404,17 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, con
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
   TORCH_CHECK(tables.size(0) == q.size(0) && lens.size(0) == q.size(0), "paged_decode: batch sizes differ");
+  // The kernel reads raw memory: every block it will read must be in the table and in the pool.
+  const int64_t block_size = kv_cache.size(2), num_blocks = kv_cache.size(1);
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    const int64_t len = lens.const_data_ptr<int64_t>()[b], used = (len + block_size - 1) / block_size;
+    TORCH_CHECK(len >= 0 && used <= tables.size(1), "paged_decode: seq_len ", len, " of row ", b,
+                " needs more blocks than the block table's ", tables.size(1));
+    const int64_t* row = tables.const_data_ptr<int64_t>() + b * tables.size(1);
+    for (int64_t j = 0; j < used; ++j)
+      TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, "paged_decode: block id ", row[j], " is outside the pool of ",
+                  num_blocks);
+  }
   at::Tensor out = at::empty_like(q);
   if (q.size(0) == 0) return out;
   switch (q.scalar_type()) {
@@ -415,8 +428,9 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, con
 
 // ---- Elementwise layers, each one pass instead of several torch ops --------------------------------
 // The arithmetic follows kernels/reference.py op by op, rounding to the activations' dtype where torch
-// does and never fusing a multiply-add (fp-contract off here): fp32 rotary and silu-and-mul match it
-// bit for bit, RMSNorm to rounding (its sum of squares is reduced in another order).
+// does and never fusing a multiply-add (fp-contract off here): rotary matches it bit for bit in every
+// dtype, silu-and-mul in bf16/fp16 (in fp32 its exp is within a bit of torch's), RMSNorm to rounding
+// (its sum of squares is reduced in another order).
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
@@ -542,7 +556,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
     using T = decltype(tag);
     rms_norm_impl<T>(x2.const_data_ptr<T>(), x2.stride(0), r2.defined() ? r2.const_data_ptr<T>() : nullptr,
                      r2.defined() ? r2.stride(0) : 0, w.const_data_ptr<T>(), out.mutable_data_ptr<T>(),
-                     r2.defined() ? res_out.mutable_data_ptr<T>() : nullptr, x2.size(0), hidden, static_cast<float>(eps));
+                     r2.defined() ? res_out.mutable_data_ptr<T>() : nullptr, x2.size(0), hidden,
+                     static_cast<float>(eps));
   };
   switch (x.scalar_type()) {
     case at::kFloat: run(float{}); break;
@@ -582,7 +597,10 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   shape.back() = inter;
   at::Tensor out = at::empty(shape, x.options());
   switch (x.scalar_type()) {
-    case at::kFloat: silu_and_mul_impl<float>(x2.const_data_ptr<float>(), x2.stride(0), out.mutable_data_ptr<float>(), x2.size(0), inter); break;
+    case at::kFloat:
+      silu_and_mul_impl<float>(x2.const_data_ptr<float>(), x2.stride(0), out.mutable_data_ptr<float>(), x2.size(0),
+                               inter);
+      break;
     case at::kBFloat16:
       silu_and_mul_impl<c10::BFloat16>(x2.const_data_ptr<c10::BFloat16>(), x2.stride(0),
                                        out.mutable_data_ptr<c10::BFloat16>(), x2.size(0), inter);
@@ -603,7 +621,8 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cac
   const int64_t row = kv_cache.size(3) * kv_cache.size(4), slots = kv_cache.size(1) * kv_cache.size(2);
   for (const at::Tensor* t : {&key, &value})
     TORCH_CHECK(t->dim() == 3 && t->size(1) * t->size(2) == row && t->stride(2) == 1 && t->stride(1) == t->size(2) &&
-                t->scalar_type() == kv_cache.scalar_type(), "write_kv: key/value must be [T, kvh, d] rows of the cache's dtype");
+                t->scalar_type() == kv_cache.scalar_type(),
+                "write_kv: key/value must be [T, kvh, d] rows of the cache's dtype");
   const at::Tensor slot_map = slot_mapping.to(at::kLong).contiguous();
   const int64_t* sp = slot_map.const_data_ptr<int64_t>();
   const int64_t bytes = row * kv_cache.element_size();
