@@ -38,7 +38,7 @@ def paged(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, dt
     return query, cache, tables, torch.full((batch,), context)
 
 
-def best_ms(fn, calls: int) -> float:
+def mean_ms(fn, calls: int) -> float:
     fn()
     start = time.perf_counter()
     for _ in range(calls):
@@ -63,7 +63,7 @@ def main() -> None:
             times = {"cpu": float("inf"), "reference": float("inf")}
             for _ in range(args.rounds):
                 for name, fn in (("cpu", cpu_ops.decode_attention), ("reference", reference.decode_attention)):
-                    times[name] = min(times[name], best_ms(lambda: fn(q, cache, tables, lens, scale), calls))
+                    times[name] = min(times[name], mean_ms(lambda: fn(q, cache, tables, lens, scale), calls))
             kv_bytes = 2 * batch * context * kv_heads * head_dim * cache.element_size()
             row = {"model": model, "batch": batch, "context": context, "cpu_ms": times["cpu"],
                    "reference_ms": times["reference"], "speedup": times["reference"] / times["cpu"],

@@ -215,7 +215,8 @@ class ModelRunner:
 
 
 def _batch_order(req: ScheduledRequest) -> tuple[bool, int]:
-    """Decodes first (one batched attention call), shortest context first: the CPU reference splits a
-    length-sorted decode batch into groups of similar length to pad less (kernels/reference.py)."""
+    """Decodes first (one batched attention call), shortest context first: the pure-torch reference
+    splits a length-sorted decode batch into groups of similar length to pad less (kernels/reference.py;
+    the C++ CPU kernel and the Triton one read each sequence's own blocks and need no order)."""
     is_decode = len(req.token_ids) == 1
     return not is_decode, req.start if is_decode else 0
