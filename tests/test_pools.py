@@ -174,8 +174,11 @@ def test_killed_replica_is_replaced_while_the_service_keeps_answering(heal):
     ray.kill(before[victim], no_restart=True)
     # Requests keep succeeding: one routed to the dead replica fails there before any output and
     # is sent to the live one.
+    # The prompts span full KV blocks, so the survivor ends up caching some and the replacement (which
+    # caches none) wins the policy's tie-break below, not a coin flip.
+    story = "tell me about the history of the old city, its rivers, bridges and markets. " * 3
     for i in range(6):
-        out = client.completions.create(model=heal["model"], prompt=f"request {i}: tell me about", max_tokens=4,
+        out = client.completions.create(model=heal["model"], prompt=f"request {i}: {story}", max_tokens=4,
                                         temperature=0.0, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 4
     now = _wait_for_membership(manager, victim, 2)
@@ -191,6 +194,9 @@ def test_killed_replica_is_replaced_while_the_service_keeps_answering(heal):
         assert time.monotonic() < deadline, health.text
         time.sleep(0.5)
     assert all(health.json()["pools"]["decode"].values())
+    survivor = (set(now) - {replacement}).pop()
+    _, events = ray.get(now[survivor].kv_event_records_since.remote(0))
+    assert any(type(e).__name__ == "BlockStored" and e.block_hashes for e in events), events
     for i in range(4):       # distinct prompts, no cache hit: ties go to the replica caching least
         client.completions.create(model=heal["model"], prompt=f"another {i} prompt entirely", max_tokens=2,
                                   temperature=0.0)
