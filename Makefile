@@ -20,8 +20,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --no-deps $(NIXL_SPEC)
 	touch $@
 
-# The C++ CPU kernels (kernels/csrc/cpu_ops.cpp), compiled for this machine into a cache keyed by
-# their source (a no-op when built; the engine would otherwise build them on first use, ~20 s).
+# The C++ CPU kernels (kernels/csrc/), compiled for this machine into a cache keyed by
+# their sources (a no-op when built; the engine would otherwise build them on first use, ~40 s).
 cpu-kernels: $(VENV)/.installed
 	-$(PY) -m kernels.cpu_ops
 

@@ -1,5 +1,5 @@
-"""The compiled CPU kernels (kernels/cpu_ops.py, kernels/csrc/cpu_ops.cpp) against the torch reference
-and plain per-sequence attention, and how dispatch chooses them or falls back to the reference.
+"""The compiled CPU kernels (kernels/cpu_ops.py, kernels/csrc/) against the torch reference and plain
+per-sequence attention, and how dispatch chooses them or falls back to the reference.
 
 Block tables are random permutations of the pool and lengths are not multiples of the block size.
 The extension is built by `make setup`; a checkout without a C++ compiler fails here, loudly.
@@ -78,6 +78,74 @@ def test_decode_softmax_is_exact_for_peaked_scores():
     assert rel_err(out, ref) < 1e-5
 
 
+def prefill_batch(query_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int, head_dim: int,
+                  block_size: int, dtype: torch.dtype, seed: int = 0):
+    """Segments laid end to end, segment i the last query_lens[i] of seq_lens[i] tokens; each table
+    a random set of pool blocks, exactly as long as its sequence needs."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(need) + 3
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    ids = torch.randperm(num_blocks, generator=g)
+    tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
+    query = torch.randn(sum(query_lens), heads, head_dim, generator=g).to(dtype)
+    return query, cache, tables
+
+
+# Full prefills across block and 16-row tile boundaries, and chunks that attend to a cached prefix.
+PREFILL_QUERY_LENS = [1, 15, 16, 17, 40, 5, 20, 33]
+PREFILL_SEQ_LENS = [1, 15, 16, 17, 40, 49, 100, 70]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(16, 4, 2), (64, 9, 3), (128, 28, 4), (32, 8, 8), (96, 5, 1)])
+def test_prefill_matches_reference(dtype, head_dim, heads, kv_heads):
+    query, cache, tables = prefill_batch(PREFILL_QUERY_LENS, PREFILL_SEQ_LENS, heads, kv_heads, head_dim, 16, dtype)
+    out = cpu_ops.prefill_attention(query, cache, tables, PREFILL_QUERY_LENS, PREFILL_SEQ_LENS, head_dim ** -0.5)
+    assert out.dtype == dtype and out.shape == query.shape
+    ref = reference.prefill_attention(query.float(), cache.float(), tables, PREFILL_QUERY_LENS, PREFILL_SEQ_LENS,
+                                      head_dim ** -0.5)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+def test_prefill_other_block_sizes_and_peaked_scores(block_size):
+    """Scores up to ~100 (one key dominates, the rest underflow) must not overflow the exp."""
+    query, cache, tables = prefill_batch([3, 70, 18], [3, 90, 18], 8, 2, 64, block_size, torch.float32)
+    for q in (query, query * 12):
+        out = cpu_ops.prefill_attention(q, cache, tables, [3, 70, 18], [3, 90, 18], 0.2)
+        assert rel_err(out, reference.prefill_attention(q, cache, tables, [3, 70, 18], [3, 90, 18], 0.2)) < 1e-5
+
+
+def test_prefill_packs_each_steps_tables_once_and_not_stale():
+    """The padded table is reused while the same tables come back (every layer of a step), and rebuilt
+    when a table or a length changes."""
+    query, cache, tables = prefill_batch([30, 10], [30, 50], 4, 2, 32, 16, torch.float32)
+    cpu_ops.prefill_attention(query, cache, tables, [30, 10], [30, 50], 0.3)
+    packed = cpu_ops._packed
+    cpu_ops.prefill_attention(query, cache, tables, [30, 10], [30, 50], 0.3)
+    assert cpu_ops._packed is packed
+    out = cpu_ops.prefill_attention(query[:20], cache, tables, [10, 10], [30, 50], 0.3)
+    assert cpu_ops._packed is not packed
+    assert rel_err(out, reference.prefill_attention(query[:20], cache, tables, [10, 10], [30, 50], 0.3)) < 1e-6
+    tables[1] = tables[1].flip(0)       # the same list, another table in it
+    out = cpu_ops.prefill_attention(query[:20], cache, tables, [10, 10], [30, 50], 0.3)
+    assert rel_err(out, reference.prefill_attention(query[:20], cache, tables, [10, 10], [30, 50], 0.3)) < 1e-6
+
+
+def test_prefill_refuses_bad_tables_and_lengths():
+    query, cache, tables = prefill_batch([20, 3], [20, 3], 4, 2, 32, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="needs more blocks than the block table"):
+        cpu_ops.prefill_attention(query, cache, tables, [20, 3], [20, 33], 0.3)
+    with pytest.raises(RuntimeError, match="query_lens sum to 22 but query has 23 rows"):
+        cpu_ops.prefill_attention(query, cache, tables, [20, 2], [20, 3], 0.3)
+    with pytest.raises(RuntimeError, match="query_len 4 of segment 1 must be in \\[0, seq_len 3\\]"):
+        cpu_ops.prefill_attention(query, cache, tables, [20, 4], [20, 3], 0.3)
+    tables[1] = torch.tensor([cache.shape[1]])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_ops.prefill_attention(query, cache, tables, [20, 3], [20, 3], 0.3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hidden", [576, 50])
 def test_rms_norm_matches_reference(dtype, hidden):
@@ -153,9 +221,11 @@ def test_decode_refuses_blocks_outside_the_table_or_pool():
 def test_unsupported_head_dim_uses_the_reference(monkeypatch):
     query, cache, tables, seq_lens = paged_batch([20, 3], 4, 2, 24, 16, torch.float32)
     calls = []
-    monkeypatch.setattr(reference, "decode_attention", lambda *a: calls.append(1) or torch.zeros(1))
+    monkeypatch.setattr(reference, "decode_attention", lambda *a: calls.append("decode") or torch.zeros(1))
+    monkeypatch.setattr(reference, "prefill_attention", lambda *a: calls.append("prefill") or torch.zeros(1))
     cpu_ops.decode_attention(query, cache, tables, seq_lens, 0.3)
-    assert calls == [1]
+    cpu_ops.prefill_attention(query, cache, [tables[0], tables[1]], [1, 1], [20, 3], 0.3)
+    assert calls == ["decode", "prefill"]
 
 
 def test_dispatch_picks_the_cpu_kernels_and_falls_back_with_a_reason(monkeypatch, tmp_path, caplog):

@@ -9,158 +9,14 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <numeric>
 #include <optional>
 #include <tuple>
-#include <type_traits>
-#include <vector>
+
+#include "common.h"
 
 namespace {
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// Sixteen fp32 lanes as a GCC vector: one AVX-512 register, or two AVX2 ones, or four NEON ones.
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef float f32x16u __attribute__((vector_size(64), aligned(4)));   // for unaligned loads
-typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-// exp(x) to about 1 ulp: 2^(x log2 e) split into an integer power, put into the exponent bits, and a
-// degree-7 Taylor polynomial of e^f on |f| <= ln2 / 2. Above 88.37 it is inf (fp32's exp overflows
-// at 88.72; the power of two must stay below 2^128) and below -87.3 zero (where it turns subnormal).
-inline f32x16 exp_approx(f32x16 x) {
-  const f32x16 c = x < -87.3f ? f32x16{} - 87.3f : x > 88.37f ? f32x16{} + 88.37f : x;
-  const f32x16 t = c * 1.4426950408889634f;
-  const f32x16 n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
-  const f32x16 f = (t - n) * 0.6931471805599453f;
-  f32x16 p = f * (1.0f / 5040.0f) + 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  const f32x16 y = p * reinterpret_cast<const f32x16&>(bits);
-  return x < -87.3f ? f32x16{} : x > 88.37f ? f32x16{} + INFINITY : y;
-}
-
-template <typename T>
-inline f32x16 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return *reinterpret_cast<const f32x16u*>(p);
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-#ifdef __AVX512F__
-    const __m256i narrow = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow), 16);
-    return reinterpret_cast<const f32x16&>(wide);
-#else
-    const u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
-    return reinterpret_cast<const f32x16&>(wide);
-#endif
-  } else {
-    f32x16 v;
-    for (int i = 0; i < 16; ++i) v[i] = to_float(p[i]);
-    return v;
-  }
-}
-
-template <typename T>
-inline void store16(T* p, f32x16 v) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(p, &v, sizeof v);
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    u32x16 bits = reinterpret_cast<const u32x16&>(v);
-    const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;     // round to nearest even
-    bits = v != v ? u32x16{} + 0x7FC0u : rounded;                             // NaN stays NaN
-    const u16x16 narrow = __builtin_convertvector(bits, u16x16);
-    std::memcpy(p, &narrow, sizeof narrow);
-  } else {
-    for (int i = 0; i < 16; ++i) p[i] = static_cast<T>(v[i]);
-  }
-}
-
-// v rounded to T and back: the rounding torch applies after each elementwise op in T.
-template <typename T>
-inline f32x16 round_as(f32x16 v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const u32x16 bits = reinterpret_cast<const u32x16&>(v);
-    const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;   // as store16
-    return v != v ? v : reinterpret_cast<const f32x16&>(rounded);
-  } else {
-    T tmp[16];
-    store16(tmp, v);
-    return load16(tmp);
-  }
-}
-
-// The first n (< 16) elements, zero-filled; and the store of the first n lanes.
-template <typename T>
-inline f32x16 load_n(const T* p, int64_t n) {
-  T tmp[16] = {};
-  std::memcpy(tmp, p, n * sizeof(T));
-  return load16(tmp);
-}
-
-template <typename T>
-inline void store_n(T* p, f32x16 v, int64_t n) {
-  T tmp[16];
-  store16(tmp, v);
-  std::memcpy(p, tmp, n * sizeof(T));
-}
-
-// out[j] = sum of the lanes of a[bitrev4(j)]: a 16x16 transpose-and-add in 4 shuffle levels, which
-// costs about one shuffle-add per input instead of four for a horizontal sum each.
-inline f32x16 hsum16x16(const f32x16* a) {
-  f32x16 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)
-    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
-                                   31);
-  for (int i = 0; i < 4; ++i)
-    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)
-    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  return __builtin_shufflevector(d[0], d[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-}
-
-constexpr int kBitrev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-
-inline float hmax16(f32x16 v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
-  return m;
-}
-
-inline float hsum16(f32x16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-}
 
 // Running state of one query head over the token ranges seen so far (online softmax).
 struct Row {
@@ -320,19 +176,9 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
     const int64_t begin = item % splits * range, end = std::min(len_ptr[item / splits], begin + range);
     return std::max<int64_t>(0, end - begin) + 16;                     // + a fixed cost per item
   };
-  std::vector<int64_t> order(static_cast<size_t>(num_items));
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
-  std::vector<std::vector<int64_t>> assigned(static_cast<size_t>(threads));
-  std::vector<int64_t> load(static_cast<size_t>(threads), 0);
-  for (const int64_t item : order) {
-    const auto t = std::min_element(load.begin(), load.end()) - load.begin();
-    assigned[t].push_back(item);
-    load[t] += cost(item);
-  }
+  const auto assigned = assign_longest_first(num_items, at::get_num_threads(), cost);
 
-  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, static_cast<int64_t>(assigned.size()), 1, [&](int64_t first, int64_t last) {
     Scratch w;
     w.q.resize(static_cast<size_t>(num_heads * V));
     for (int64_t t = first; t < last; ++t)
@@ -404,17 +250,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, con
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
   TORCH_CHECK(tables.size(0) == q.size(0) && lens.size(0) == q.size(0), "paged_decode: batch sizes differ");
-  // The kernel reads raw memory: every block it will read must be in the table and in the pool.
-  const int64_t block_size = kv_cache.size(2), num_blocks = kv_cache.size(1);
-  for (int64_t b = 0; b < q.size(0); ++b) {
-    const int64_t len = lens.const_data_ptr<int64_t>()[b], used = (len + block_size - 1) / block_size;
-    TORCH_CHECK(len >= 0 && used <= tables.size(1), "paged_decode: seq_len ", len, " of row ", b,
-                " needs more blocks than the block table's ", tables.size(1));
-    const int64_t* row = tables.const_data_ptr<int64_t>() + b * tables.size(1);
-    for (int64_t j = 0; j < used; ++j)
-      TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, "paged_decode: block id ", row[j], " is outside the pool of ",
-                  num_blocks);
-  }
+  check_block_tables("paged_decode", tables, lens, kv_cache.size(2), kv_cache.size(1));
   at::Tensor out = at::empty_like(q);
   if (q.size(0) == 0) return out;
   switch (q.scalar_type()) {

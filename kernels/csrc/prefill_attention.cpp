@@ -1,0 +1,224 @@
+// pdserve CPU prefill attention: causal attention of variable-length query segments against paged
+// K/V, read straight from the block table, the contract of kernels.reference.prefill_attention (full
+// prefill, chunked prefill and prefix hits alike). Flash-attention style, in fp32, one pass over
+// K/V with an online softmax.
+//
+// A work item is (segment, KV head, tile of 16 query positions). Its rows are the query heads that
+// share the KV head, each held transposed: one vector per head dimension with a lane per position.
+// Then the scores of sixteen keys are sixteen FMAs per head dimension with the key's element
+// broadcast, and the online softmax (causal mask, max, exp, denominator) is elementwise across
+// lanes, with no horizontal reductions. A chunk of sixteen keys and values is converted to fp32
+// once and shared by the item's heads. Items go to ATen's threads longest first.
+//
+// KV cache layout (per layer): [2, num_blocks, block_size, num_kv_heads, head_dim].
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include "common.h"
+
+namespace {
+
+constexpr int kLanes = 16;   // query positions per item, and keys per chunk
+
+// Scores of one head's sixteen positions (q: [D] vectors, lane = position) against a chunk of
+// sixteen keys (k: [16][D] fp32): s[j] = the sixteen positions' dot products with key j.
+template <int D>
+inline void chunk_scores(const f32x16* q, const float* k, f32x16* s) {
+  f32x16 acc[kLanes] = {};
+  for (int d = 0; d < D; ++d) {
+    const f32x16 qd = q[d];
+    for (int j = 0; j < kLanes; ++j) acc[j] += k[j * D + d] * qd;
+  }
+  for (int j = 0; j < kLanes; ++j) s[j] = acc[j];
+}
+
+// o ([D] vectors, lane = position) = o * alpha + sum over the chunk's keys j < count of e[j] * v[j].
+template <int D>
+inline void chunk_values(const float* v, const f32x16* e, int64_t count, f32x16 alpha, f32x16* o) {
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    f32x16 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = o[d0 + i] * alpha;
+    for (int64_t j = 0; j < count; ++j)
+      for (int i = 0; i < 16; ++i) acc[i] += v[j * D + d0 + i] * e[j];
+    for (int i = 0; i < 16; ++i) o[d0 + i] = acc[i];
+  }
+}
+
+// Per-thread working memory, reused across items.
+template <int D>
+struct PrefillScratch {
+  std::vector<f32x16> q, o;     // [group][D]: scaled queries and unnormalized outputs, transposed
+  std::vector<f32x16> max, denom;   // [group]: online-softmax state per lane
+  std::vector<float> k, v;      // [16][D]: the current chunk in fp32
+};
+
+template <typename T, int D>
+void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& tables,
+                  const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  const int64_t num_heads = query.size(1), num_segments = query_lens.size(0);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = tables.size(1);
+  const int64_t token_stride = num_kv_heads * D;
+  const T* q_ptr = query.const_data_ptr<T>();
+  const T* k_cache = kv_cache.const_data_ptr<T>();
+  const T* v_cache = k_cache + num_blocks * block_size * token_stride;
+  const int64_t* table_ptr = tables.const_data_ptr<int64_t>();
+  const int64_t* qlen_ptr = query_lens.const_data_ptr<int64_t>();
+  const int64_t* slen_ptr = seq_lens.const_data_ptr<int64_t>();
+  T* out_ptr = out.mutable_data_ptr<T>();
+
+  // Tiles (segment, first query row of the segment, 16 rows at most) x KV heads are the work items.
+  struct Tile {
+    int64_t segment, row0, first_row_of_segment;
+  };
+  std::vector<Tile> tiles;
+  for (int64_t s = 0, start = 0; s < num_segments; start += qlen_ptr[s], ++s)
+    for (int64_t r = 0; r < qlen_ptr[s]; r += kLanes) tiles.push_back({s, r, start});
+  auto keys_end = [&](const Tile& t) {   // keys the tile's last position sees
+    const int64_t s = t.segment, ctx = slen_ptr[s] - qlen_ptr[s];
+    return ctx + std::min(qlen_ptr[s], t.row0 + kLanes);
+  };
+  const int64_t num_items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
+  const auto assigned = assign_longest_first(
+      num_items, at::get_num_threads(), [&](int64_t item) { return keys_end(tiles[item / num_kv_heads]) + 16; });
+
+  at::parallel_for(0, static_cast<int64_t>(assigned.size()), 1, [&](int64_t first, int64_t last) {
+    PrefillScratch<D> w;
+    w.q.resize(static_cast<size_t>(group * D));
+    w.o.resize(static_cast<size_t>(group * D));
+    w.k.resize(static_cast<size_t>(kLanes * D));
+    w.v.resize(static_cast<size_t>(kLanes * D));
+    f32x16 e[kLanes];
+    const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int64_t t = first; t < last; ++t)
+      for (const int64_t item : assigned[t]) {
+        const Tile& tile = tiles[item / num_kv_heads];
+        const int64_t h = item % num_kv_heads, s = tile.segment;
+        const int64_t rows = std::min<int64_t>(kLanes, qlen_ptr[s] - tile.row0);
+        const int64_t pos0 = slen_ptr[s] - qlen_ptr[s] + tile.row0, end = keys_end(tile);
+        const int64_t* table = table_ptr + s * max_blocks;
+        // Lane i is position pos0 + i and sees keys up to it; lanes past the segment's end repeat its
+        // last row (their results are not written).
+        const f32x16 limit = (lane < static_cast<float>(rows) ? lane : f32x16{} + static_cast<float>(rows - 1)) +
+                             static_cast<float>(pos0);
+        for (int64_t g = 0; g < group; ++g) {
+          float* qf = reinterpret_cast<float*>(w.q.data() + g * D);     // [D][16]
+          for (int64_t i = 0; i < kLanes; ++i) {
+            const T* row = q_ptr + ((tile.first_row_of_segment + tile.row0 + std::min(i, rows - 1)) * num_heads +
+                                    h * group + g) * D;
+            for (int d = 0; d < D; ++d) qf[d * kLanes + i] = to_float(row[d]) * static_cast<float>(scale);
+          }
+        }
+        std::fill(w.o.begin(), w.o.end(), f32x16{});
+        w.max.assign(static_cast<size_t>(group), f32x16{} - INFINITY);
+        w.denom.assign(static_cast<size_t>(group), f32x16{});
+        for (int64_t c0 = 0; c0 < end; c0 += kLanes) {
+          const int64_t count = std::min<int64_t>(kLanes, end - c0);
+          for (int64_t j = 0; j < kLanes; ++j) {
+            float* kd = w.k.data() + j * D;
+            float* vd = w.v.data() + j * D;
+            if (j >= count) {                           // past the keys: zeros, never weighted
+              std::fill(kd, kd + D, 0.f);
+              std::fill(vd, vd + D, 0.f);
+              continue;
+            }
+            const int64_t pos = c0 + j, slot = table[pos / block_size] * block_size + pos % block_size;
+            const T* kr = k_cache + slot * token_stride + h * D;
+            const T* vr = v_cache + slot * token_stride + h * D;
+            for (int d0 = 0; d0 < D; d0 += 16) {
+              const f32x16 kv = load16(kr + d0), vv = load16(vr + d0);
+              std::memcpy(kd + d0, &kv, sizeof kv);
+              std::memcpy(vd + d0, &vv, sizeof vv);
+            }
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            f32x16 sc[kLanes];
+            chunk_scores<D>(w.q.data() + g * D, w.k.data(), sc);
+            f32x16 m = w.max[g];
+            for (int j = 0; j < kLanes; ++j) {
+              sc[j] = static_cast<float>(c0 + j) <= limit ? sc[j] : f32x16{} - INFINITY;   // causal
+              m = m > sc[j] ? m : sc[j];
+            }
+            // Key 0 is in every lane's range, so after the first chunk m is finite; before it the
+            // old max is -inf and alpha is 0.
+            const f32x16 alpha = exp_approx(w.max[g] - m);
+            f32x16 sum = {};
+            for (int j = 0; j < kLanes; ++j) {
+              e[j] = exp_approx(sc[j] - m);
+              sum += e[j];
+            }
+            w.denom[g] = w.denom[g] * alpha + sum;
+            w.max[g] = m;
+            chunk_values<D>(w.v.data(), e, count, alpha, w.o.data() + g * D);
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const f32x16 inv = 1.0f / w.denom[g];
+          const float* of = reinterpret_cast<const float*>(w.o.data() + g * D);
+          for (int64_t i = 0; i < rows; ++i) {
+            T* o = out_ptr + ((tile.first_row_of_segment + tile.row0 + i) * num_heads + h * group + g) * D;
+            for (int d = 0; d < D; ++d) o[d] = static_cast<T>(of[d * kLanes + i] * inv[i]);
+          }
+        }
+      }
+  });
+}
+
+template <typename T>
+void prefill_dim(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& tables, const at::Tensor& qlens,
+                 const at::Tensor& slens, double scale, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 16: prefill_impl<T, 16>(q, kv_cache, tables, qlens, slens, scale, out); break;
+    case 32: prefill_impl<T, 32>(q, kv_cache, tables, qlens, slens, scale, out); break;
+    case 64: prefill_impl<T, 64>(q, kv_cache, tables, qlens, slens, scale, out); break;
+    case 96: prefill_impl<T, 96>(q, kv_cache, tables, qlens, slens, scale, out); break;
+    case 128: prefill_impl<T, 128>(q, kv_cache, tables, qlens, slens, scale, out); break;
+    case 256: prefill_impl<T, 256>(q, kv_cache, tables, qlens, slens, scale, out); break;
+    default: TORCH_CHECK(false, "paged_prefill: head_dim must be one of 16, 32, 64, 96, 128, 256; got ", q.size(2));
+  }
+}
+
+at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                         const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_prefill: CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "paged_prefill: query [T, H, d], kv_cache 5-D");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "paged_prefill: query and kv_cache dtypes differ");
+  TORCH_CHECK(kv_cache.is_contiguous(), "paged_prefill: kv_cache must be contiguous");
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0 && query.size(2) == kv_cache.size(4),
+              "paged_prefill: query heads/head_dim do not match the cache");
+  const at::Tensor q = query.contiguous();
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor qlens = query_lens.to(at::kLong).contiguous();
+  const at::Tensor slens = seq_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == qlens.size(0) && slens.size(0) == qlens.size(0),
+              "paged_prefill: block_tables, query_lens and seq_lens must have one row per segment");
+  int64_t total = 0;
+  for (int64_t s = 0; s < qlens.size(0); ++s) {
+    const int64_t ql = qlens.const_data_ptr<int64_t>()[s], sl = slens.const_data_ptr<int64_t>()[s];
+    TORCH_CHECK(ql >= 0 && ql <= sl, "paged_prefill: query_len ", ql, " of segment ", s, " must be in [0, seq_len ",
+                sl, "]");
+    total += ql;
+  }
+  TORCH_CHECK(total == q.size(0), "paged_prefill: query_lens sum to ", total, " but query has ", q.size(0), " rows");
+  check_block_tables("paged_prefill", tables, slens, kv_cache.size(2), kv_cache.size(1));
+  at::Tensor out = at::empty_like(q);
+  if (q.size(0) == 0) return out;
+  switch (q.scalar_type()) {
+    case at::kFloat: prefill_dim<float>(q, kv_cache, tables, qlens, slens, scale, out); break;
+    case at::kBFloat16: prefill_dim<c10::BFloat16>(q, kv_cache, tables, qlens, slens, scale, out); break;
+    case at::kHalf: prefill_dim<c10::Half>(q, kv_cache, tables, qlens, slens, scale, out); break;
+    default: TORCH_CHECK(false, "paged_prefill: dtype must be float32, bfloat16 or float16; got ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("paged_prefill(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor query_lens, Tensor seq_lens, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
