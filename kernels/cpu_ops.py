@@ -14,7 +14,7 @@ layers are one pass each where torch runs 3-10 ops (and Python dispatches each),
 reference's arithmetic op by op. Block copies and swaps stay with the reference (plain copies).
 
 The extension is compiled on first use with the machine's C++ compiler (`$CXX`, default `c++`)
-against the installed torch, for this CPU (-march=native): ~20 s once, then cached under
+against the installed torch, for this CPU (-march=native): ~50 s once, then cached under
 `$PDSERVE_KERNEL_CACHE` (else ~/.cache/pdserve/kernels, else a temp dir when the home is not
 writable) by a key of the sources, flags, torch, compiler and CPU. `make setup` builds it. Where it
 cannot be built, kernels.dispatch falls back to the reference and says why; `PDSERVE_KERNELS=cpu`
