@@ -17,6 +17,7 @@
 #include <cstring>
 #include <numeric>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -167,6 +168,66 @@ inline void check_block_tables(const char* op, const at::Tensor& tables, const a
     for (int64_t j = 0; j < used; ++j)
       TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, op, ": block id ", row[j], " is outside the pool of ",
                   num_blocks);
+  }
+}
+
+// The attention kernels' common checks of a query [tokens, heads, head_dim] against the KV cache.
+inline void check_attention_inputs(const char* op, const at::Tensor& query, const at::Tensor& kv_cache) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, op, ": query [tokens, heads, head_dim], kv_cache 5-D");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), op, ": query and kv_cache dtypes differ");
+  TORCH_CHECK(kv_cache.is_contiguous(), op, ": kv_cache must be contiguous");
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0 && query.size(2) == kv_cache.size(4), op,
+              ": query heads/head_dim do not match the cache");
+}
+
+// A layer's paged cache as the kernels read it: K and V pools of [num_blocks, block_size] token rows,
+// each row all KV heads of one token (token_stride elements).
+template <typename T>
+struct PagedKV {
+  const T* k;
+  const T* v;
+  int64_t block_size, num_kv_heads, token_stride;
+
+  explicit PagedKV(const at::Tensor& kv_cache)
+      : k(kv_cache.const_data_ptr<T>()),
+        v(k + kv_cache.size(1) * kv_cache.size(2) * kv_cache.size(3) * kv_cache.size(4)),
+        block_size(kv_cache.size(2)),
+        num_kv_heads(kv_cache.size(3)),
+        token_stride(kv_cache.size(3) * kv_cache.size(4)) {}
+
+  // Offset of token `pos` of a sequence with block table `table`, in elements, into k or v.
+  int64_t row(const int64_t* table, int64_t pos) const {
+    return (table[pos / block_size] * block_size + pos % block_size) * token_stride;
+  }
+};
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls f(TypeTag<T>{}, std::integral_constant<int, D>{}) for query's dtype T and head size D: the
+// dtypes and head sizes the kernels are built for (kernels/cpu_ops.py: DTYPES, HEAD_DIMS; others
+// run the reference).
+template <typename F>
+void dispatch_dtype_and_head_dim(const char* op, const at::Tensor& query, F&& f) {
+  auto with_dim = [&](auto tag) {
+    switch (query.size(2)) {
+      case 16: f(tag, std::integral_constant<int, 16>{}); break;
+      case 32: f(tag, std::integral_constant<int, 32>{}); break;
+      case 64: f(tag, std::integral_constant<int, 64>{}); break;
+      case 96: f(tag, std::integral_constant<int, 96>{}); break;
+      case 128: f(tag, std::integral_constant<int, 128>{}); break;
+      case 256: f(tag, std::integral_constant<int, 256>{}); break;
+      default: TORCH_CHECK(false, op, ": head_dim must be one of 16, 32, 64, 96, 128, 256; got ", query.size(2));
+    }
+  };
+  switch (query.scalar_type()) {
+    case at::kFloat: with_dim(TypeTag<float>{}); break;
+    case at::kBFloat16: with_dim(TypeTag<c10::BFloat16>{}); break;
+    case at::kHalf: with_dim(TypeTag<c10::Half>{}); break;
+    default: TORCH_CHECK(false, op, ": dtype must be float32, bfloat16 or float16; got ", query.scalar_type());
   }
 }
 

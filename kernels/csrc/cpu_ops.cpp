@@ -102,19 +102,16 @@ struct Scratch {
 // cannot follow). w.q holds the query rows ([H][D], scaled, fp32). Writes each head's max, softmax
 // denominator and unnormalized output to `part`, laid out [H][D + 2]; the caller merges ranges.
 template <typename T, int D>
-void decode_range(const T* k_cache, const T* v_cache, const int64_t* table, int64_t begin, int64_t end,
-                  int64_t block_size, int64_t token_stride, int64_t num_heads, int64_t group, float* part,
-                  Scratch& w) {
+void decode_range(const PagedKV<T>& kv, const int64_t* table, int64_t begin, int64_t end, int64_t num_heads,
+                  int64_t group, float* part, Scratch& w) {
   constexpr int V = D / 16;
-  const int64_t num_kv_heads = num_heads / group;
-  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = kv.token_stride * static_cast<int64_t>(sizeof(T));
   w.acc.assign(static_cast<size_t>(num_heads * V), f32x16{});
   w.rows.assign(static_cast<size_t>(num_heads), Row{-INFINITY, 0.f});
-  auto slot = [&](int64_t pos) { return table[pos / block_size] * block_size + pos % block_size; };
   auto prefetch = [&](int64_t first, int64_t last) {
     for (int64_t pos = first; pos < last; ++pos) {
-      const char* k = reinterpret_cast<const char*>(k_cache + slot(pos) * token_stride);
-      const char* v = reinterpret_cast<const char*>(v_cache + slot(pos) * token_stride);
+      const char* k = reinterpret_cast<const char*>(kv.k + kv.row(table, pos));
+      const char* v = reinterpret_cast<const char*>(kv.v + kv.row(table, pos));
       for (int64_t off = 0; off < row_bytes; off += 64) {
         __builtin_prefetch(k + off);
         __builtin_prefetch(v + off);
@@ -127,12 +124,12 @@ void decode_range(const T* k_cache, const T* v_cache, const int64_t* table, int6
   for (int64_t c0 = begin; c0 < end; c0 += 16) {
     const int64_t count = std::min<int64_t>(16, end - c0);
     for (int64_t t = 0; t < count; ++t) {
-      const int64_t s = slot(c0 + t);
-      k_rows[t] = k_cache + s * token_stride;
-      v_rows[t] = v_cache + s * token_stride;
+      const int64_t row = kv.row(table, c0 + t);
+      k_rows[t] = kv.k + row;
+      v_rows[t] = kv.v + row;
     }
     prefetch(c0 + 16, std::min(end, c0 + 32));
-    for (int64_t h = 0; h < num_kv_heads; ++h)
+    for (int64_t h = 0; h < kv.num_kv_heads; ++h)
       chunk_group<T, D>(k_rows, v_rows, count, h * D, w.q.data() + h * group * V, w.rows.data() + h * group,
                         w.acc.data() + h * group * V, group);
   }
@@ -148,12 +145,9 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
                  const at::Tensor& lens, double scale, at::Tensor& out) {
   constexpr int V = D / 16;
   const int64_t batch = query.size(0), num_heads = query.size(1);
-  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = tables.size(1);
-  const int64_t token_stride = num_kv_heads * D;
+  const PagedKV<T> kv(kv_cache);
+  const int64_t group = num_heads / kv.num_kv_heads, max_blocks = tables.size(1);
   const T* q_ptr = query.const_data_ptr<T>();
-  const T* k_cache = kv_cache.const_data_ptr<T>();
-  const T* v_cache = k_cache + num_blocks * block_size * token_stride;
   const int64_t* table_ptr = tables.const_data_ptr<int64_t>();
   const int64_t* len_ptr = lens.const_data_ptr<int64_t>();
   T* out_ptr = out.mutable_data_ptr<T>();
@@ -193,8 +187,7 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
         const T* qb = q_ptr + b * num_heads * D;
         float* qf = reinterpret_cast<float*>(w.q.data());
         for (int64_t j = 0; j < num_heads * D; ++j) qf[j] = to_float(qb[j]) * static_cast<float>(scale);
-        decode_range<T, D>(k_cache, v_cache, table_ptr + b * max_blocks, begin, end, block_size, token_stride,
-                           num_heads, group, part, w);
+        decode_range<T, D>(kv, table_ptr + b * max_blocks, begin, end, num_heads, group, part, w);
       }
   });
 
@@ -223,29 +216,9 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
   });
 }
 
-// The head sizes the kernel is built for (kernels/cpu_ops.py: HEAD_DIMS); others use the reference.
-template <typename T>
-void decode_dim(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& tables, const at::Tensor& lens,
-                double scale, at::Tensor& out) {
-  switch (q.size(2)) {
-    case 16: decode_impl<T, 16>(q, kv_cache, tables, lens, scale, out); break;
-    case 32: decode_impl<T, 32>(q, kv_cache, tables, lens, scale, out); break;
-    case 64: decode_impl<T, 64>(q, kv_cache, tables, lens, scale, out); break;
-    case 96: decode_impl<T, 96>(q, kv_cache, tables, lens, scale, out); break;
-    case 128: decode_impl<T, 128>(q, kv_cache, tables, lens, scale, out); break;
-    case 256: decode_impl<T, 256>(q, kv_cache, tables, lens, scale, out); break;
-    default: TORCH_CHECK(false, "paged_decode: head_dim must be one of 16, 32, 64, 96, 128, 256; got ", q.size(2));
-  }
-}
-
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                         const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode: CPU tensors only");
-  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "paged_decode: query [B, H, d], kv_cache 5-D");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "paged_decode: query and kv_cache dtypes differ");
-  TORCH_CHECK(kv_cache.is_contiguous(), "paged_decode: kv_cache must be contiguous");
-  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0 && query.size(2) == kv_cache.size(4),
-              "paged_decode: query heads/head_dim do not match the cache");
+  check_attention_inputs("paged_decode", query, kv_cache);
   const at::Tensor q = query.contiguous();
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
@@ -253,12 +226,9 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, con
   check_block_tables("paged_decode", tables, lens, kv_cache.size(2), kv_cache.size(1));
   at::Tensor out = at::empty_like(q);
   if (q.size(0) == 0) return out;
-  switch (q.scalar_type()) {
-    case at::kFloat: decode_dim<float>(q, kv_cache, tables, lens, scale, out); break;
-    case at::kBFloat16: decode_dim<c10::BFloat16>(q, kv_cache, tables, lens, scale, out); break;
-    case at::kHalf: decode_dim<c10::Half>(q, kv_cache, tables, lens, scale, out); break;
-    default: TORCH_CHECK(false, "paged_decode: dtype must be float32, bfloat16 or float16");
-  }
+  dispatch_dtype_and_head_dim("paged_decode", q, [&](auto type, auto dim) {
+    decode_impl<typename decltype(type)::type, decltype(dim)::value>(q, kv_cache, tables, lens, scale, out);
+  });
   return out;
 }
 

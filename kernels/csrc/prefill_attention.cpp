@@ -58,12 +58,9 @@ template <typename T, int D>
 void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& tables,
                   const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
   const int64_t num_heads = query.size(1), num_segments = query_lens.size(0);
-  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = tables.size(1);
-  const int64_t token_stride = num_kv_heads * D;
+  const PagedKV<T> kv(kv_cache);
+  const int64_t num_kv_heads = kv.num_kv_heads, group = num_heads / num_kv_heads, max_blocks = tables.size(1);
   const T* q_ptr = query.const_data_ptr<T>();
-  const T* k_cache = kv_cache.const_data_ptr<T>();
-  const T* v_cache = k_cache + num_blocks * block_size * token_stride;
   const int64_t* table_ptr = tables.const_data_ptr<int64_t>();
   const int64_t* qlen_ptr = query_lens.const_data_ptr<int64_t>();
   const int64_t* slen_ptr = seq_lens.const_data_ptr<int64_t>();
@@ -124,9 +121,9 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
               std::fill(vd, vd + D, 0.f);
               continue;
             }
-            const int64_t pos = c0 + j, slot = table[pos / block_size] * block_size + pos % block_size;
-            const T* kr = k_cache + slot * token_stride + h * D;
-            const T* vr = v_cache + slot * token_stride + h * D;
+            const int64_t row = kv.row(table, c0 + j) + h * D;
+            const T* kr = kv.k + row;
+            const T* vr = kv.v + row;
             for (int d0 = 0; d0 < D; d0 += 16) {
               const f32x16 kv = load16(kr + d0), vv = load16(vr + d0);
               std::memcpy(kd + d0, &kv, sizeof kv);
@@ -166,28 +163,9 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
   });
 }
 
-template <typename T>
-void prefill_dim(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& tables, const at::Tensor& qlens,
-                 const at::Tensor& slens, double scale, at::Tensor& out) {
-  switch (q.size(2)) {
-    case 16: prefill_impl<T, 16>(q, kv_cache, tables, qlens, slens, scale, out); break;
-    case 32: prefill_impl<T, 32>(q, kv_cache, tables, qlens, slens, scale, out); break;
-    case 64: prefill_impl<T, 64>(q, kv_cache, tables, qlens, slens, scale, out); break;
-    case 96: prefill_impl<T, 96>(q, kv_cache, tables, qlens, slens, scale, out); break;
-    case 128: prefill_impl<T, 128>(q, kv_cache, tables, qlens, slens, scale, out); break;
-    case 256: prefill_impl<T, 256>(q, kv_cache, tables, qlens, slens, scale, out); break;
-    default: TORCH_CHECK(false, "paged_prefill: head_dim must be one of 16, 32, 64, 96, 128, 256; got ", q.size(2));
-  }
-}
-
 at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                          const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_prefill: CPU tensors only");
-  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "paged_prefill: query [T, H, d], kv_cache 5-D");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "paged_prefill: query and kv_cache dtypes differ");
-  TORCH_CHECK(kv_cache.is_contiguous(), "paged_prefill: kv_cache must be contiguous");
-  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0 && query.size(2) == kv_cache.size(4),
-              "paged_prefill: query heads/head_dim do not match the cache");
+  check_attention_inputs("paged_prefill", query, kv_cache);
   const at::Tensor q = query.contiguous();
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor qlens = query_lens.to(at::kLong).contiguous();
@@ -205,12 +183,9 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, co
   check_block_tables("paged_prefill", tables, slens, kv_cache.size(2), kv_cache.size(1));
   at::Tensor out = at::empty_like(q);
   if (q.size(0) == 0) return out;
-  switch (q.scalar_type()) {
-    case at::kFloat: prefill_dim<float>(q, kv_cache, tables, qlens, slens, scale, out); break;
-    case at::kBFloat16: prefill_dim<c10::BFloat16>(q, kv_cache, tables, qlens, slens, scale, out); break;
-    case at::kHalf: prefill_dim<c10::Half>(q, kv_cache, tables, qlens, slens, scale, out); break;
-    default: TORCH_CHECK(false, "paged_prefill: dtype must be float32, bfloat16 or float16; got ", q.scalar_type());
-  }
+  dispatch_dtype_and_head_dim("paged_prefill", q, [&](auto type, auto dim) {
+    prefill_impl<typename decltype(type)::type, decltype(dim)::value>(q, kv_cache, tables, qlens, slens, scale, out);
+  });
   return out;
 }
 
