@@ -87,7 +87,8 @@ def main() -> None:
         for batch, context in SIZES if args.kind in ("decode", "both") else ():
             q, cache, tables, lens = paged(batch, context, heads, kv_heads, head_dim, dtype)
             calls = max(3, int(2e6 // (batch * context * kv_heads)))
-            times = best_of(args.rounds, calls, {"cpu": cpu_ops.decode_attention, "reference": reference.decode_attention},
+            times = best_of(args.rounds, calls,
+                            {"cpu": cpu_ops.decode_attention, "reference": reference.decode_attention},
                             (q, cache, tables, lens, scale))
             kv_bytes = 2 * batch * context * kv_heads * head_dim * cache.element_size()
             row = {"kind": "decode", "model": model, "batch": batch, "context": context, "cpu_ms": times["cpu"],

@@ -8,8 +8,8 @@ contiguous row), with an online softmax, the next rows prefetched, and sequences
 batch, token ranges of each) spread over ATen's threads. On the 2-core CI machine that is 2-5x
 faster per layer than the reference (benchmarks/cpu_attention.py). The prefill kernel is flash
 attention over the paged cache: tiles of sixteen query positions held one lane per position, so the
-scores and the online softmax are plain vector FMAs and elementwise ops; it is 2-7x faster than the
-reference (more where a chunk attends to a cached prefix, where SDPA needs a mask). The elementwise
+scores and the online softmax are plain vector FMAs and elementwise ops; 1.6-2.9x faster per layer
+than the reference here, at 115-160 GFLOP/s for prompts of 256-512 tokens. The elementwise
 layers are one pass each where torch runs 3-10 ops (and Python dispatches each), following the
 reference's arithmetic op by op. Block copies and swaps stay with the reference (plain copies).
 
@@ -41,7 +41,7 @@ __all__ = ["apply_rotary", "copy_blocks", "decode_attention", "gather_blocks", "
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = tuple(os.path.join(CSRC, name) for name in ("cpu_ops.cpp", "prefill_attention.cpp"))
 HEADERS = (os.path.join(CSRC, "common.h"),)
-# Head sizes the C++ decode kernel is instantiated for; other sizes run the reference.
+# Head sizes and dtypes the C++ attention kernels are instantiated for; others run the reference.
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
