@@ -66,7 +66,8 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
   const int64_t* slen_ptr = seq_lens.const_data_ptr<int64_t>();
   T* out_ptr = out.mutable_data_ptr<T>();
 
-  // Tiles (segment, first query row of the segment, 16 rows at most) x KV heads are the work items.
+  // Work items: tiles of up to 16 query rows of a segment (the segment, the tile's first row within
+  // it, the segment's first row in `query`) x KV heads.
   struct Tile {
     int64_t segment, row0, first_row_of_segment;
   };
@@ -125,8 +126,8 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
             const T* kr = kv.k + row;
             const T* vr = kv.v + row;
             for (int d0 = 0; d0 < D; d0 += 16) {
-              const f32x16 kv = load16(kr + d0), vv = load16(vr + d0);
-              std::memcpy(kd + d0, &kv, sizeof kv);
+              const f32x16 kx = load16(kr + d0), vv = load16(vr + d0);
+              std::memcpy(kd + d0, &kx, sizeof kx);
               std::memcpy(vd + d0, &vv, sizeof vv);
             }
           }
