@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 # The C++ CPU kernels (kernels/csrc/), compiled for this machine into a cache keyed by
-# their sources (a no-op when built; the engine would otherwise build them on first use, ~50 s).
+# their sources (a no-op when built; the engine would otherwise build them on first use, ~30 s).
 cpu-kernels: $(VENV)/.installed
 	-$(PY) -m kernels.cpu_ops
 
