@@ -2,7 +2,7 @@
 (block gather + SDPA, kernels/reference.py), side by side on the same paged cache.
 
     .venv/bin/python benchmarks/cpu_attention.py [--kind decode|prefill|both] [--dtype bfloat16]
-        [--rounds 3] [--json out.json]
+        [--rounds 3] [--layers 1] [--json out.json]
 
 Shapes: the embedded SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64) and Llama-3-8B (32/8/128).
 Decode: batch x context as a decode batch meets them. Prefill: whole prompts, and chunks of a prompt
@@ -11,7 +11,9 @@ at random from the pool (the engine's free queue hands out blocks in any order o
 and go). Each size alternates the two kernels for --rounds rounds and keeps each one's best, then
 prints both and their ratio; for decode the compiled kernel's K/V read rate (bytes of K and V it must
 read over its time), for prefill its arithmetic rate (causal attention's multiply-adds over its
-time). Nothing is asserted.
+time). With --layers N each decode size gets N separate caches and a timed call runs every one of them
+once, as a model's decode step does: K/V then come from memory, not from a cache that the last call
+left warm (times are per layer). Nothing is asserted.
 """
 from __future__ import annotations
 
@@ -77,6 +79,8 @@ def main() -> None:
     ap.add_argument("--kind", default="both", choices=["decode", "prefill", "both"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=1,
+                    help="decode: time one call per layer over this many separate caches (a model's step), per layer")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -85,15 +89,16 @@ def main() -> None:
     for model, (heads, kv_heads, head_dim) in SHAPES.items():
         scale = head_dim ** -0.5
         for batch, context in SIZES if args.kind in ("decode", "both") else ():
-            q, cache, tables, lens = paged(batch, context, heads, kv_heads, head_dim, dtype)
-            calls = max(3, int(2e6 // (batch * context * kv_heads)))
-            times = best_of(args.rounds, calls,
-                            {"cpu": cpu_ops.decode_attention, "reference": reference.decode_attention},
-                            (q, cache, tables, lens, scale))
-            kv_bytes = 2 * batch * context * kv_heads * head_dim * cache.element_size()
-            row = {"kind": "decode", "model": model, "batch": batch, "context": context, "cpu_ms": times["cpu"],
-                   "reference_ms": times["reference"], "speedup": times["reference"] / times["cpu"],
-                   "cpu_kv_gb_per_s": kv_bytes / times["cpu"] / 1e6}
+            layers = [paged(batch, context, heads, kv_heads, head_dim, dtype) for _ in range(args.layers)]
+            calls = max(2, int(2e6 // (batch * context * kv_heads * args.layers)))
+            times = best_of(args.rounds, calls, {
+                name: lambda fn=fn: [fn(q, cache, tables, lens, scale) for q, cache, tables, lens in layers]
+                for name, fn in (("cpu", cpu_ops.decode_attention), ("reference", reference.decode_attention))}, ())
+            times = {name: ms / args.layers for name, ms in times.items()}
+            kv_bytes = 2 * batch * context * kv_heads * head_dim * dtype.itemsize
+            row = {"kind": "decode", "model": model, "batch": batch, "context": context, "layers": args.layers,
+                   "cpu_ms": times["cpu"], "reference_ms": times["reference"],
+                   "speedup": times["reference"] / times["cpu"], "cpu_kv_gb_per_s": kv_bytes / times["cpu"] / 1e6}
             rows.append(row)
             print(f"{model:13s} decode batch {batch:3d} x {context:5d}: cpu {times['cpu']:7.3f} ms, reference "
                   f"{times['reference']:7.3f} ms, {row['speedup']:4.1f}x; K/V read {row['cpu_kv_gb_per_s']:5.1f} GB/s")

@@ -4,8 +4,9 @@ prefill_attention.cpp, and common.h for what they share).
 
 The reference gathers every sequence's blocks into a padded copy and runs SDPA over it; the C++
 decode kernel instead walks each sequence's own blocks once (K and V of all heads of a token are one
-contiguous row), with an online softmax, the next rows prefetched, and sequences (or, for a small
-batch, token ranges of each) spread over ATen's threads. On the 2-core CI machine that is 2-5x
+contiguous row; each chunk of rows is copied in token order to a per-thread buffer, so the cache
+is read front to back), with an online softmax, and sequences (or, for a small batch, token ranges
+of each) spread over ATen's threads. On the 2-core CI machine that is 2-5x
 faster per layer than the reference (benchmarks/cpu_attention.py). The prefill kernel is flash
 attention over the paged cache: tiles of sixteen query positions held one lane per position, so the
 scores and the online softmax are plain vector FMAs and elementwise ops; 1.6-2.9x faster per layer

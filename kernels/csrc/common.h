@@ -123,36 +123,51 @@ inline void store_n(T* p, f32x16 v, int64_t n) {
   std::memcpy(p, tmp, n * sizeof(T));
 }
 
-// out[j] = sum of the lanes of a[bitrev4(j)]: a 16x16 transpose-and-add in 4 shuffle levels, which
-// costs about one shuffle-add per input instead of four for a horizontal sum each.
-inline f32x16 hsum16x16(const f32x16* a) {
-  f32x16 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)
-    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
-                                   31);
-  for (int i = 0; i < 4; ++i)
-    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)
-    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  return __builtin_shufflevector(d[0], d[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+// The four levels of a 16x16 transpose-and-add: fold8(x, y) adds x's and y's upper eight lanes to their
+// lower eight, side by side; fold4, fold2 and fold1 do the same within groups of 8, 4 and 2 lanes.
+// Applied as a binary tree to sixteen vectors a[0..15] (fold8 on pairs, fold4 on those results, ...),
+// lane j of the result is the sum of the lanes of a[kBitrev4[j]]: about one shuffle-add per input
+// instead of four for a horizontal sum of each.
+inline f32x16 fold8(f32x16 x, f32x16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+inline f32x16 fold4(f32x16 x, f32x16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+         __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+inline f32x16 fold2(f32x16 x, f32x16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+         __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+inline f32x16 fold1(f32x16 x, f32x16 y) {
+  return __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
 constexpr int kBitrev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
+// Horizontal max and sum as trees of halvings (4 levels) rather than 15 dependent scalar steps.
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+
 inline float hmax16(f32x16 v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
-  return m;
+  const f32x8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const f32x8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x8 a = lo < hi ? hi : lo;
+  const f32x4 a_lo = __builtin_shufflevector(a, a, 0, 1, 2, 3), a_hi = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const f32x4 b = a_lo < a_hi ? a_hi : a_lo;
+  const f32x4 b_sw = __builtin_shufflevector(b, b, 2, 3, 0, 1);
+  const f32x4 c = b < b_sw ? b_sw : b;
+  return std::max(c[0], c[1]);
 }
 
 inline float hsum16(f32x16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
+  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const f32x4 c = b + __builtin_shufflevector(b, b, 2, 3, 0, 1);
+  return c[0] + c[1];
 }
 
 // The attention kernels read raw memory: every block that lens[b] tokens need must be in row b of the
