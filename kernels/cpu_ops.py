@@ -6,20 +6,20 @@ The reference gathers every sequence's blocks into a padded copy and runs SDPA o
 decode kernel instead walks each sequence's own blocks once (K and V of all heads of a token are one
 contiguous row; each chunk of rows is copied in token order to a per-thread buffer, so the cache
 is read front to back), with an online softmax, and sequences (or, for a small batch, token ranges
-of each) spread over ATen's threads. On the 2-core CI machine that is 2-5x
-faster per layer than the reference (benchmarks/cpu_attention.py). The prefill kernel is flash
-attention over the paged cache: tiles of sixteen query positions held one lane per position, so the
-scores and the online softmax are plain vector FMAs and elementwise ops; 1.6-2.9x faster per layer
-than the reference here, at 115-160 GFLOP/s for prompts of 256-512 tokens. The elementwise
-layers are one pass each where torch runs 3-10 ops (and Python dispatches each), following the
-reference's arithmetic op by op. Block copies and swaps stay with the reference (plain copies).
+of each) spread over ATen's threads. On the 2-core CI machine that is 2-5x faster per layer than
+the reference (benchmarks/cpu_attention.py). The prefill kernel is flash attention over the paged
+cache: tiles of sixteen query positions held one lane per position, so the scores and the online
+softmax are plain vector FMAs and elementwise ops; 1.6-2.9x faster per layer than the reference
+here, at 115-160 GFLOP/s for prompts of 256-512 tokens. The elementwise layers are one pass each
+where torch runs 3-10 ops (and Python dispatches each), following the reference's arithmetic op by
+op. Block copies and swaps stay with the reference (plain copies).
 
 The extension is compiled on first use with the machine's C++ compiler (`$CXX`, default `c++`)
-against the installed torch, for this CPU (-march=native): ~30 s once (the sources side by side), then cached under
-`$PDSERVE_KERNEL_CACHE` (else ~/.cache/pdserve/kernels, else a temp dir when the home is not
-writable) by a key of the sources, flags, torch, compiler and CPU. `make setup` builds it. Where it
-cannot be built, kernels.dispatch falls back to the reference and says why; `PDSERVE_KERNELS=cpu`
-makes that an error instead.
+against the installed torch, for this CPU (-march=native): ~30 s once (the sources side by side),
+then cached under `$PDSERVE_KERNEL_CACHE` (else ~/.cache/pdserve/kernels, else a temp dir when the
+home is not writable) by a key of the sources, flags, torch, compiler and CPU. `make setup` builds
+it. Where it cannot be built, kernels.dispatch falls back to the reference and says why;
+`PDSERVE_KERNELS=cpu` makes that an error instead.
 """
 from __future__ import annotations
 

@@ -123,26 +123,25 @@ inline void store_n(T* p, f32x16 v, int64_t n) {
   std::memcpy(p, tmp, n * sizeof(T));
 }
 
-// The four levels of a 16x16 transpose-and-add: fold8(x, y) adds x's and y's upper eight lanes to their
-// lower eight, side by side; fold4, fold2 and fold1 do the same within groups of 8, 4 and 2 lanes.
-// Applied as a binary tree to sixteen vectors a[0..15] (fold8 on pairs, fold4 on those results, ...),
-// lane j of the result is the sum of the lanes of a[kBitrev4[j]]: about one shuffle-add per input
-// instead of four for a horizontal sum of each.
-inline f32x16 fold8(f32x16 x, f32x16 y) {
-  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+// One level of a 16x16 transpose-and-add: fold<W>(x, y) splits the lanes into groups of W, takes the
+// groups alternately from x and y (x's first two W-lane groups, then y's first two, then x's next
+// two, ...) and adds the second group of each pair to the first. Applied as a binary tree to sixteen
+// vectors a[0..15] (fold<8> on pairs, fold<4> on those results, then fold<2>, fold<1>), lane j of
+// the result is the sum of the lanes of a[kBitrev4[j]]: about one shuffle-add per input instead of
+// four for a horizontal sum of each.
+constexpr int fold_lane(int j, int width, int second) {
+  const int group = j / width;
+  return group % 2 * 16 + group / 2 * 2 * width + second * width + j % width;
 }
-inline f32x16 fold4(f32x16 x, f32x16 y) {
-  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-         __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+
+template <int W, int... J>
+inline f32x16 fold_lanes(f32x16 x, f32x16 y, std::integer_sequence<int, J...>) {
+  return __builtin_shufflevector(x, y, fold_lane(J, W, 0)...) + __builtin_shufflevector(x, y, fold_lane(J, W, 1)...);
 }
-inline f32x16 fold2(f32x16 x, f32x16 y) {
-  return __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-         __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-}
-inline f32x16 fold1(f32x16 x, f32x16 y) {
-  return __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+
+template <int W>
+inline f32x16 fold(f32x16 x, f32x16 y) {
+  return fold_lanes<W>(x, y, std::make_integer_sequence<int, 16>{});
 }
 
 constexpr int kBitrev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};

@@ -23,20 +23,21 @@ struct Row {
   float max, denom;
 };
 
-// R query heads (rows) of one KV head against a chunk of up to sixteen tokens: scores, then the
+// R query heads (rows) of one KV head against a chunk of up to sixteen tokens (k, v: `count` token
+// rows, `stride` elements apart, the KV head at `head_offset` in each): scores, then the
 // online-softmax update of each row's max, denominator and unnormalized output `acc` ([R][D/16]).
 // Templated on R so that the rows' query and output vectors stay in registers.
 template <typename T, int D, int R>
-inline void chunk_rows(const T* const* k_rows, const T* const* v_rows, int64_t count, int64_t head_offset,
+inline void chunk_rows(const T* k, const T* v, int64_t stride, int64_t count, int64_t head_offset,
                        const f32x16* q, Row* rows, f32x16* acc) {
   constexpr int V = D / 16;
   // Each row's scores: the sixteen tokens' dot-product vectors, made in token order, go through the
   // transpose-and-add tree as they are made, so that each row keeps at most five partial vectors live,
   // not sixteen. Token t lands in lane kBitrev4[t] (and lane j holds token kBitrev4[j]).
   auto leaves = [&](int t, f32x16 (*out)[2], int slot) {
-    const T* k = k_rows[t < count ? t : 0] + head_offset;   // padding tokens (t >= count) repeat token 0
+    const T* kt = k + (t < count ? t : 0) * stride + head_offset;   // padding tokens (t >= count): token 0
     f32x16 kv[V];
-    for (int i = 0; i < V; ++i) kv[i] = load16(k + i * 16);
+    for (int i = 0; i < V; ++i) kv[i] = load16(kt + i * 16);
     for (int r = 0; r < R; ++r) {
       f32x16 d = q[r * V] * kv[0];
       for (int i = 1; i < V; ++i) d += q[r * V + i] * kv[i];
@@ -56,13 +57,13 @@ inline void chunk_rows(const T* const* k_rows, const T* const* v_rows, int64_t c
         f32x16 l0[R][2];
         leaves(8 * i3 + 4 * i2 + 2 * i1, l0, 0);
         leaves(8 * i3 + 4 * i2 + 2 * i1 + 1, l0, 1);
-        for (int r = 0; r < R; ++r) l1[r][i1] = fold8(l0[r][0], l0[r][1]);
+        for (int r = 0; r < R; ++r) l1[r][i1] = fold<8>(l0[r][0], l0[r][1]);
       }
-      for (int r = 0; r < R; ++r) l2[r][i2] = fold4(l1[r][0], l1[r][1]);
+      for (int r = 0; r < R; ++r) l2[r][i2] = fold<4>(l1[r][0], l1[r][1]);
     }
-    for (int r = 0; r < R; ++r) l3[r][i3] = fold2(l2[r][0], l2[r][1]);
+    for (int r = 0; r < R; ++r) l3[r][i3] = fold<2>(l2[r][0], l2[r][1]);
   }
-  for (int r = 0; r < R; ++r) scores[r] = fold1(l3[r][0], l3[r][1]);
+  for (int r = 0; r < R; ++r) scores[r] = fold<1>(l3[r][0], l3[r][1]);
   const f32x16 token = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};   // kBitrev4
   const auto valid = token < static_cast<float>(count);
   float p[R][16];
@@ -80,9 +81,9 @@ inline void chunk_rows(const T* const* k_rows, const T* const* v_rows, int64_t c
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < V; ++i) out[r][i] = acc[r * V + i] * alpha[r];
   for (int64_t t = 0; t < count; ++t) {
-    const T* v = v_rows[t] + head_offset;
+    const T* vt = v + t * stride + head_offset;
     f32x16 vv[V];
-    for (int i = 0; i < V; ++i) vv[i] = load16(v + i * 16);
+    for (int i = 0; i < V; ++i) vv[i] = load16(vt + i * 16);
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < V; ++i) out[r][i] += p[r][kBitrev4[t]] * vv[i];
   }
@@ -95,7 +96,7 @@ template <int D>
 constexpr int kTileRows = D / 16 <= 4 ? 4 : D / 16 <= 8 ? 2 : 1;
 
 template <typename T, int D>
-void chunk_group(const T* const* k_rows, const T* const* v_rows, int64_t count, int64_t head_offset,
+void chunk_group(const T* k, const T* v, int64_t stride, int64_t count, int64_t head_offset,
                  const f32x16* q, Row* rows, f32x16* acc, int64_t group) {
   constexpr int V = D / 16;
   for (int64_t r = 0; r < group;) {
@@ -103,10 +104,10 @@ void chunk_group(const T* const* k_rows, const T* const* v_rows, int64_t count, 
     const f32x16* qr = q + r * V;
     f32x16* ar = acc + r * V;
     switch (tile) {
-      case 4: chunk_rows<T, D, 4>(k_rows, v_rows, count, head_offset, qr, rows + r, ar); break;
-      case 3: chunk_rows<T, D, 3>(k_rows, v_rows, count, head_offset, qr, rows + r, ar); break;
-      case 2: chunk_rows<T, D, 2>(k_rows, v_rows, count, head_offset, qr, rows + r, ar); break;
-      default: chunk_rows<T, D, 1>(k_rows, v_rows, count, head_offset, qr, rows + r, ar); break;
+      case 4: chunk_rows<T, D, 4>(k, v, stride, count, head_offset, qr, rows + r, ar); break;
+      case 3: chunk_rows<T, D, 3>(k, v, stride, count, head_offset, qr, rows + r, ar); break;
+      case 2: chunk_rows<T, D, 2>(k, v, stride, count, head_offset, qr, rows + r, ar); break;
+      default: chunk_rows<T, D, 1>(k, v, stride, count, head_offset, qr, rows + r, ar); break;
     }
     r += tile;
   }
@@ -138,12 +139,6 @@ void decode_range(const PagedKV<T>& kv, const int64_t* table, int64_t begin, int
   w.rows.assign(static_cast<size_t>(num_heads), Row{-INFINITY, 0.f});
   w.k.resize(static_cast<size_t>(16 * stride));
   w.v.resize(static_cast<size_t>(16 * stride));
-  const T* k_rows[16];
-  const T* v_rows[16];
-  for (int t = 0; t < 16; ++t) {
-    k_rows[t] = w.k.data() + t * stride;
-    v_rows[t] = w.v.data() + t * stride;
-  }
   for (int64_t c0 = begin; c0 < end; c0 += 16) {
     const int64_t count = std::min<int64_t>(16, end - c0);
     for (int64_t t = 0; t < count; ++t)
@@ -151,8 +146,8 @@ void decode_range(const PagedKV<T>& kv, const int64_t* table, int64_t begin, int
     for (int64_t t = 0; t < count; ++t)
       std::memcpy(w.v.data() + t * stride, kv.v + kv.row(table, c0 + t), stride * sizeof(T));
     for (int64_t h = 0; h < kv.num_kv_heads; ++h)
-      chunk_group<T, D>(k_rows, v_rows, count, h * D, w.q.data() + h * group * V, w.rows.data() + h * group,
-                        w.acc.data() + h * group * V, group);
+      chunk_group<T, D>(w.k.data(), w.v.data(), stride, count, h * D, w.q.data() + h * group * V,
+                        w.rows.data() + h * group, w.acc.data() + h * group * V, group);
   }
   for (int64_t r = 0; r < num_heads; ++r) {
     std::memcpy(part + r * (D + 2), w.acc.data() + r * V, sizeof(f32x16) * V);
