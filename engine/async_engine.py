@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.executor import EngineDeadError
+from engine.errors import EngineDeadError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.outputs import KVEvent, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -48,7 +48,8 @@ class AsyncLLMEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        kv_transfer_params: dict | None = None, prompt: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs for one request. Raises ValueError for bad input (before any output), and
+        """Stream outputs for one request. Raises ValueError for bad input (before any output),
+        RequestFailedError if this request failed while it ran (the engine goes on), and
         EngineDeadError if the engine fails. Closing or cancelling the iterator aborts the request."""
         if self._dead is not None:
             raise EngineDeadError("engine is dead") from self._dead
@@ -70,7 +71,9 @@ class AsyncLLMEngine:
                 finished = item.finished
                 failed = next((c for c in item.outputs if c.finish_reason == "error"), None)
                 if failed is not None:
-                    raise KVTransferError(f"request {request_id!r}: {failed.stop_reason}")
+                    reason = str(failed.stop_reason)
+                    error = KVTransferError if reason.startswith("KV transfer failed") else RequestFailedError
+                    raise error(f"request {request_id!r} failed: {reason}")
                 yield item
         finally:
             self._queues.pop(request_id, None)
@@ -118,10 +121,11 @@ class AsyncLLMEngine:
                     for rid, prompt, ids, params, kv_params in adds:
                         try:
                             self.engine.add_request(rid, prompt, ids, params, kv_transfer_params=kv_params)
-                        except ValueError as e:      # e.g. a layout mismatch: this request only
+                        except Exception as e:  # noqa: BLE001 - e.g. a layout mismatch: this request only
                             queue = self._queues.get(rid)
                             if queue is not None:
-                                queue.put_nowait(e)
+                                queue.put_nowait(e if isinstance(e, ValueError) else
+                                                 RequestFailedError(f"request {rid!r} could not start: {e!r}"))
                 if self._pending_aborts:
                     aborts, self._pending_aborts = self._pending_aborts, []
                     self.engine.abort_request(aborts)

@@ -126,6 +126,17 @@ class BlockPool:
         if stored:
             self.events.append(BlockStored(stored))
 
+    def uncache(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop these blocks' cache entries (their KV is not what their hash says)."""
+        removed = []
+        for block in blocks:
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                removed.append(block.block_hash)
+                block.block_hash = None
+        if removed:
+            self.events.append(BlockRemoved(removed))
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cache entry; refused (False) while any block is in use."""
         if self.num_free_blocks != self.num_blocks:

@@ -6,15 +6,12 @@ import pickle
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.step_channel import ChannelClosed, StepChannel
 from engine.worker import Worker
 from kv_transfer.params import TransferReport
 from kv_transfer.worker_group import KVWorkerGroup
-
-
-class EngineDeadError(RuntimeError):
-    """The engine can no longer run steps (a worker died); every in-flight request fails with it."""
 
 
 def make_executor(config: EngineConfig) -> InProcessExecutor | RayExecutor:
@@ -85,7 +82,7 @@ class InProcessExecutor(_Executor):
 
     def _exchange(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]
                   ) -> tuple[ModelRunnerOutput | None, list[TransferReport | None]]:
-        output, report = self.worker.step(sched, kv_ops)
+        output, report = self.worker.step(sched, kv_ops, isolate_failures=True)
         return output, [report]
 
     def shutdown(self) -> None:

@@ -122,6 +122,15 @@ class KVCacheManager:
             self.block_pool.cache_blocks(blocks[start:end], request.block_hashes[start:end])
             self.num_cached_blocks[rid] = end
 
+    def uncache_from(self, request: Request, num_computed_tokens: int) -> None:
+        """Take the request's blocks that are not fully computed (from token `num_computed_tokens`
+        on) out of the prefix cache: their KV was never written (a failed step)."""
+        rid = request.request_id
+        first = num_computed_tokens // self.block_size
+        self.block_pool.uncache(self.req_to_blocks.get(rid, [])[first:])
+        if self.num_cached_blocks.get(rid, 0) > first:
+            self.num_cached_blocks[rid] = first
+
     def free(self, request: Request) -> None:
         """Drop the request's references (device and CPU). Tail blocks are freed first, so they are
         evicted before the shared prefix blocks."""

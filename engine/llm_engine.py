@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError
 from engine.executor import make_executor
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import CompletionOutput, KVEvent, Logprob, ModelRunnerOutput, RequestOutput, SchedulerOutput
@@ -23,6 +24,10 @@ from engine.spec_decode import SpecDecodeStats, make_proposer, max_proposals
 from engine.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from kv_transfer.base import KVConnectorScheduler
 from kv_transfer.layout import KVLayout
+
+# Steps in a row that may fail (each failing only its own requests) before the engine is declared
+# dead: one failure is a request's or a transient fault; a run of them is the engine's own.
+MAX_FAILED_STEPS = 3
 
 
 @dataclass(slots=True)
@@ -68,9 +73,10 @@ class _RequestState:
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
-                     max_model_len: int) -> None:
-    """Raise ValueError naming the field if the request cannot run on a model with this vocabulary
-    and context length (shared by the engine and the HTTP ingress)."""
+                     max_model_len: int, max_num_seqs: int | None = None) -> None:
+    """Raise ValueError naming the field if the request cannot run on a model with this vocabulary,
+    context length and batch size (shared by the engine and the HTTP ingress). With SamplingParams'
+    own checks, nothing that passes can make a step raise."""
     if not prompt_token_ids:
         raise ValueError("prompt must not be empty")
     bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
@@ -80,10 +86,20 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     if len(prompt_token_ids) >= limit:
         raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {limit}, "
                          f"so the prompt must have fewer than {limit} tokens")
-    if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > limit:
-        raise ValueError(f"max_tokens must be <= {limit - len(prompt_token_ids)} for this "
+    room = limit - len(prompt_token_ids)
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise ValueError(f"max_tokens must be <= {room} for this "
                          f"{len(prompt_token_ids)}-token prompt (max_model_len={limit}); "
                          f"got {params.max_tokens}")
+    if params.min_tokens > room:
+        raise ValueError(f"min_tokens must be <= {room} for this {len(prompt_token_ids)}-token prompt "
+                         f"(max_model_len={limit}); got {params.min_tokens}")
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}); got {bad[:5]}")
+    if max_num_seqs is not None and params.n > max_num_seqs:
+        raise ValueError(f"n must be <= {max_num_seqs} (max_num_seqs: the sequences that run at once); "
+                         f"got {params.n}")
     if params.prompt_logprobs is not None and params.n > 1:
         raise ValueError("prompt_logprobs must be None when n > 1")
 
@@ -111,6 +127,7 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         self._aborted_leases: list[str] = []
         self.last_step_idle = False         # the last step scheduled nothing (only transfers pending)
+        self.num_failed_steps = 0           # steps in a row that raised (ModelRunnerOutput.step_error)
         self.states: dict[str, _RequestState] = {}
         self.child_to_state: dict[str, tuple[_RequestState, int]] = {}
         self.num_prompt_tokens = 0
@@ -177,7 +194,8 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field if this request cannot run on this engine."""
         mc = self.config.model_config
-        validate_request(prompt_token_ids, params, mc.vocab_size, mc.max_model_len)
+        validate_request(prompt_token_ids, params, mc.vocab_size, mc.max_model_len,
+                         self.config.scheduler_config.max_num_seqs)
 
     def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
         if self.tokenizer is None or not request.sampling_params.detokenize:
@@ -247,6 +265,15 @@ class LLMEngine:
                 emitted = runner_out.spec_sampled.get(scheduled.request_id)
                 if emitted is not None:
                     self.spec_stats.observe(len(scheduled.spec_token_ids), len(emitted) - 1)
+        if runner_out.step_error is not None:
+            # The step's requests fail (the scheduler frees them); the engine serves the rest.
+            # Steps that keep failing mean the engine itself is broken.
+            self.num_failed_steps += 1
+            if self.num_failed_steps >= MAX_FAILED_STEPS:
+                raise EngineDeadError(f"{self.num_failed_steps} engine steps in a row failed; the last: "
+                                      f"{runner_out.step_error}")
+        else:
+            self.num_failed_steps = 0
         updated = self.scheduler.update_from_output(sched, runner_out)
         if self.kv_connector is not None:
             self._start_leases()
@@ -259,10 +286,17 @@ class LLMEngine:
             state, i = entry
             if state.first_token_time is None:
                 state.first_token_time = now
-            self.num_generation_tokens += self._process_tokens(state.children[i])
+            try:
+                self.num_generation_tokens += self._process_tokens(state.children[i])
+            except Exception as e:  # noqa: BLE001 - e.g. its detokenization: this request only
+                self._fail_state(state, f"processing its output failed: {e!r}")
             touched[state.request_id] = state
         for state in touched.values():
-            outputs.append(self._make_output(state))
+            try:
+                outputs.append(self._make_output(state))
+            except Exception as e:  # noqa: BLE001
+                self._fail_state(state, f"building its output failed: {e!r}")
+                outputs.append(self._make_output(state, plain=True))
             if state.finished:
                 state.metrics["finished_time"] = now
                 self._forget(state)
@@ -369,11 +403,21 @@ class LLMEngine:
             return True
         return False
 
-    def _make_output(self, state: _RequestState) -> RequestOutput:
+    def _fail_state(self, state: _RequestState, reason: str) -> None:
+        """End every unfinished choice of a request with an error (its blocks are freed)."""
+        running = [c.request.request_id for c in state.children if not c.request.is_finished]
+        self.scheduler.finish_requests(running, RequestStatus.FINISHED_ERROR)
+        for child in state.children:
+            if child.finish_reason is None or child.request.request_id in running:
+                child.finish_reason, child.stop_reason = "error", reason
+
+    def _make_output(self, state: _RequestState, plain: bool = False) -> RequestOutput:
+        """The request's cumulative output; `plain` leaves out what needs the tokenizer (logprobs,
+        prompt logprobs): the output of a request whose conversion failed."""
         completions = []
         for i, child in enumerate(state.children):
             r = child.request
-            wants_logprobs = r.sampling_params.logprobs is not None
+            wants_logprobs = r.sampling_params.logprobs is not None and not plain
             if wants_logprobs:
                 self._extend_logprobs(child)
             completions.append(CompletionOutput(
@@ -383,7 +427,7 @@ class LLMEngine:
                 finish_reason=child.finish_reason, stop_reason=child.stop_reason))
         leader = state.children[0].request
         prompt_lps = None
-        if state.params.prompt_logprobs is not None:
+        if state.params.prompt_logprobs is not None and not plain:
             for d in leader.prompt_logprobs[len(state.prompt_logprobs):]:
                 state.prompt_logprobs.append(None if d is None else self._to_logprobs(d, None))
             prompt_lps = list(state.prompt_logprobs)

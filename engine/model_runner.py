@@ -87,6 +87,7 @@ class ModelRunner:
                 output.sampled.update(part.sampled)
                 output.spec_sampled.update(part.spec_sampled)
                 output.prompt_logprobs.update(part.prompt_logprobs)
+                output.failed.update(part.failed)
         for work, _ in sends:
             work.wait()
         return output if state.is_last_stage and state.is_driver else None
@@ -135,15 +136,29 @@ class ModelRunner:
         if not state.is_driver:                  # TP ranks > 0 only took part in the logits gather
             return None
         num_sample = len(sample_rows)
-        tokens = sample(logits[:num_sample], [self._sampling_row(r) for r, _ in sample_rows]) if sample_rows else []
-        output = ModelRunnerOutput(sampled={r.request_id: t for (r, _), t in zip(sample_rows, tokens)})
+        output = ModelRunnerOutput(sampled={})
+        if sample_rows:
+            tokens, failed = sample(logits[:num_sample], [self._sampling_row(r) for r, _ in sample_rows])
+            for i, ((req, _), token) in enumerate(zip(sample_rows, tokens)):
+                if token is None:
+                    output.failed[req.request_id] = failed[i]
+                else:
+                    output.sampled[req.request_id] = token
+        # A request's own verification or prompt logprobs that raise fail that request only.
         offset = num_sample
         for req, idx in spec_rows:
-            output.spec_sampled[req.request_id] = verify(logits[offset:offset + len(idx)],
-                                                         self._sampling_row(req), req.spec_token_ids)
+            rows = logits[offset:offset + len(idx)]
+            try:
+                output.spec_sampled[req.request_id] = verify(rows, self._sampling_row(req), req.spec_token_ids)
+            except Exception as e:  # noqa: BLE001
+                output.failed[req.request_id] = f"verifying proposed tokens failed: {e!r}"
             offset += len(idx)
         for req, idx in lp_rows:
-            output.prompt_logprobs[req.request_id] = self._prompt_logprobs(req, logits[offset:offset + len(idx)])
+            rows = logits[offset:offset + len(idx)]
+            try:
+                output.prompt_logprobs[req.request_id] = self._prompt_logprobs(req, rows)
+            except Exception as e:  # noqa: BLE001
+                output.failed[req.request_id] = f"computing prompt logprobs failed: {e!r}"
             offset += len(idx)
         return output
 

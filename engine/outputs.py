@@ -84,6 +84,16 @@ class ModelRunnerOutput:
     # then the target's own token at the first rejection or after the last proposal).
     spec_sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # Requests this step could not serve (their sampling raised, or the whole step did): request id
+    # -> why. The scheduler ends them with an error; the other requests of the step go on.
+    failed: dict[str, str] = field(default_factory=dict)
+    step_error: str | None = None          # set when the whole step raised (every request failed)
+
+    @classmethod
+    def for_failed_step(cls, sched: SchedulerOutput, error: BaseException) -> ModelRunnerOutput:
+        """The output of a step that raised: each of its requests failed with the error."""
+        reason = f"the engine step failed: {error!r}"
+        return cls(sampled={}, failed={s.request_id: reason for s in sched.scheduled}, step_error=reason)
 
 
 # --- engine -> user (vLLM's shapes) ----------------------------------------------------------------

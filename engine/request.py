@@ -94,8 +94,9 @@ class Request:
         seed = sampling_params.seed
         self.generator: torch.Generator | None = None
         if seed is not None:
-            # Children of a seeded n > 1 request draw distinct but reproducible streams.
-            self.generator = torch.Generator().manual_seed(seed + index * 1_000_003)
+            # Children of a seeded n > 1 request draw distinct but reproducible streams (wrapped
+            # into manual_seed's range: any validated seed works, small ones map to themselves).
+            self.generator = torch.Generator().manual_seed((seed + index * 1_000_003) % (1 << 64))
         self.logprobs: list[dict[int, float]] = []          # per output token: {token_id: logprob}
         self.logprob_ranks: list[int] = []                  # rank of the sampled token
         self.prompt_logprobs: list[dict[int, float] | None] = []

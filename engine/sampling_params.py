@@ -1,11 +1,27 @@
 """SamplingParams: what to generate and how to pick each token (vLLM-compatible names).
 
 Validation happens in `__post_init__`: bad values raise ValueError naming the field and the
-allowed range, before anything reaches the engine.
+allowed range, before anything reaches the engine. Every value a step will use is checked here, so
+that no request can make a step raise: integers fit int64 (seeds: torch's full seed range), floats
+are finite, and the list fields are capped (`MAX_STOP_STRINGS` strings of at most
+`MAX_STOP_STRING_CHARS` characters, `MAX_STOP_TOKEN_IDS` stop tokens). What depends on the model
+(token ids below the vocabulary, lengths within max_model_len, n within max_num_seqs) is checked by
+`engine.llm_engine.validate_request`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# torch.Generator.manual_seed takes [-2**63, 2**64): every such seed is accepted.
+SEED_MIN, SEED_MAX = INT64_MIN, (1 << 64) - 1
+# Stop strings are searched in the text after every token, and the longest one minus a character is
+# held back from a stream until it cannot start a stop string: both are bounded here (OpenAI allows
+# 4 strings; vLLM no limit).
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass
@@ -35,30 +51,44 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check(isinstance(self.stop, (list, tuple)) or self.stop is None, "stop",
+               "a string or a list of strings", self.stop)
         self.stop = list(self.stop or [])
+        _check(isinstance(self.stop_token_ids, (list, tuple)) or self.stop_token_ids is None,
+               "stop_token_ids", "a list of token ids", self.stop_token_ids)
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
-        _check(self.temperature >= 0, "temperature", ">= 0", self.temperature)
-        _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k",
-               "-1 (disabled) or >= 1", self.top_k)
-        _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
-        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]", self.presence_penalty)
-        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
-        _check(0 < self.repetition_penalty <= 2, "repetition_penalty", "in (0, 2]", self.repetition_penalty)
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-               "max_tokens", "an integer >= 1 (or None)", self.max_tokens)
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", ">= 0", self.min_tokens)
+        _check_int("n", self.n, 1, INT64_MAX)
+        _check_float("temperature", self.temperature, ">= 0", self.temperature >= 0)
+        _check_float("top_p", self.top_p, "in (0, 1]", 0 < self.top_p <= 1)
+        _check(_is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= INT64_MAX), "top_k",
+               "-1 (disabled) or an integer in [1, 2**63 - 1] (values above the vocabulary keep every token)",
+               self.top_k)
+        _check_float("min_p", self.min_p, "in [0, 1]", 0 <= self.min_p <= 1)
+        _check_float("presence_penalty", self.presence_penalty, "in [-2, 2]", -2 <= self.presence_penalty <= 2)
+        _check_float("frequency_penalty", self.frequency_penalty, "in [-2, 2]",
+                     -2 <= self.frequency_penalty <= 2)
+        _check_float("repetition_penalty", self.repetition_penalty, "in (0, 2]",
+                     0 < self.repetition_penalty <= 2)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, INT64_MAX, " (or None)")
+        _check_int("min_tokens", self.min_tokens, 0, INT64_MAX)
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"<= max_tokens ({self.max_tokens})", self.min_tokens)
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "in [0, 20] (or None)", self.logprobs)
-        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
-               "in [0, 20] (or None)", self.prompt_logprobs)
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, 20, " (or None)")
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, 20, " (or None)")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings",
+               f"{len(self.stop)} strings")
+        _check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
+               f"non-empty strings of at most {MAX_STOP_STRING_CHARS} characters", self.stop)
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"at most {MAX_STOP_TOKEN_IDS} token ids", f"{len(self.stop_token_ids)} ids")
+        _check(all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids",
                "non-negative token ids", self.stop_token_ids)
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "an integer (or None)", self.seed)
-        _check(isinstance(self.priority, int), "priority", "an integer", self.priority)
+        if self.seed is not None:
+            _check_int("seed", self.seed, SEED_MIN, SEED_MAX, " (or None)")
+        _check_int("priority", self.priority, INT64_MIN, INT64_MAX)
         self.extra_keys = tuple(self.extra_keys)
 
     @property
@@ -76,4 +106,24 @@ class SamplingParams:
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {allowed}; got {value!r}")
+        shown = repr(value)
+        raise ValueError(f"{name} must be {allowed}; got {shown[:200]}{'...' if len(shown) > 200 else ''}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, lo: int, hi: int, extra: str = "") -> None:
+    _check(_is_int(value) and lo <= value <= hi, name,  # type: ignore[operator]
+           f"an integer in [{_bound(lo)}, {_bound(hi)}]{extra}", value)
+
+
+def _bound(v: int) -> str:
+    named = {INT64_MIN: "-2**63", INT64_MAX: "2**63 - 1", SEED_MAX: "2**64 - 1"}
+    return named.get(v, str(v))
+
+
+def _check_float(name: str, value: object, allowed: str, in_range: bool) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    _check(ok and in_range, name, f"a finite number {allowed}", value)

@@ -376,6 +376,10 @@ class Scheduler:
             request = self.requests.get(sched.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue        # aborted during the step
+            reason = runner_output.failed.get(request.request_id)
+            if reason is not None:
+                updated.extend(self._fail(request, reason))
+                continue
             request.num_computed_tokens += len(sched.token_ids)
             prompt_lps = runner_output.prompt_logprobs.get(request.request_id)
             if prompt_lps is not None:
@@ -402,6 +406,20 @@ class Scheduler:
             if request.compute_limit is not None and request.num_computed_tokens == request.compute_limit:
                 self._fork(request)
         return updated
+
+    def _fail(self, request: Request, reason: str) -> list[Request]:
+        """End a running request that its step could not serve, with the n > 1 children still
+        waiting for its prompt; returns them all. Its blocks past the computed tokens may have been
+        registered in the prefix cache before their KV was written (blocks are cached as they are
+        allocated): they leave the cache before they are freed, so no later request hits KV that
+        was never computed."""
+        ended = [request, *(c for c in request.fork_children if c.request_id in self.pending_forks)]
+        for r in ended:
+            r.stop_reason = reason
+        self.kv.uncache_from(request, request.num_computed_tokens)
+        self.running.remove(request)
+        self._free(request, RequestStatus.FINISHED_ERROR)
+        return ended
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params

@@ -37,9 +37,16 @@ def eos_token_ids(tokenizer: Any | None, hf_config: Any, path: str) -> frozenset
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The conversation's prompt token ids (with the generation prompt); ValueError when the model
+    has no chat template or its template refuses the conversation."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template: use generate() with a plain prompt")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    from jinja2 import TemplateError  # noqa: PLC0415
+
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except TemplateError as e:       # the template refused the conversation (e.g. roles out of order)
+        raise ValueError(f"messages: the model's chat template refused them: {e}") from None
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

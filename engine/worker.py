@@ -6,6 +6,7 @@ Its public methods are the RPC surface an executor calls (in-process, or on a Ra
 """
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import socket
@@ -24,6 +25,8 @@ from engine.weights import iterate_weights
 from kv_transfer.base import KVConnectorWorker
 from kv_transfer.layout import KVLayout
 from kv_transfer.params import TransferReport
+
+logger = logging.getLogger(__name__)
 
 # Default KV budget when neither num_kv_blocks nor kv_cache_memory_bytes is given.
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -140,16 +143,27 @@ class Worker:
         assert self.kv_connector is not None
         return self.kv_connector.engine_id, self.kv_connector.address()
 
-    def step(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]
+    def step(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]], isolate_failures: bool = False
              ) -> tuple[ModelRunnerOutput | None, TransferReport | None]:
         """One step message: the engine's KV connector orders (before the forward pass: a lease
         ended here is refused before its blocks can be rewritten), the model step if there is one,
-        then this rank's transfer report."""
-        if self.kv_connector is None:
-            return (self.execute_model(sched) if sched is not None else None), None
-        self.kv_connector.apply(kv_ops)
-        output = self.execute_model(sched) if sched is not None else None
-        return output, self.kv_connector.poll()
+        then this rank's transfer report.
+
+        `isolate_failures` (a single-rank engine only: with several ranks one rank's failure leaves
+        the others out of step): a model step that raises becomes an output in which each of the
+        step's requests failed, and the transfer report still goes out."""
+        if self.kv_connector is not None:
+            self.kv_connector.apply(kv_ops)
+        output = None
+        if sched is not None:
+            try:
+                output = self.execute_model(sched)
+            except Exception as e:
+                if not isolate_failures:
+                    raise
+                logger.exception("engine step failed; failing its %d request(s)", len(sched.scheduled))
+                output = ModelRunnerOutput.for_failed_step(sched, e)
+        return output, (self.kv_connector.poll() if self.kv_connector is not None else None)
 
     def execute_serialized(self, payload: bytes) -> tuple[ModelRunnerOutput | None, TransferReport | None]:
         """`step` on a pickled (SchedulerOutput or None, KV orders) (the Ray executor's one message per

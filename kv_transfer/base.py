@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.errors import RequestFailedError
 from kv_transfer.layout import HeadSlice, KVLayout, KVLayoutMismatch, head_slices
 from kv_transfer.leases import Lease, LeaseSlots, LeaseTable
 from kv_transfer.params import CONNECTOR_VERSION, LoadSpec, RemotePrefill, TransferReport
@@ -66,7 +67,7 @@ def advertised_host(host: str) -> str:
     return "127.0.0.1"
 
 
-class KVTransferError(RuntimeError):
+class KVTransferError(RequestFailedError):
     """A request's KV could not be pulled and its failure policy is "fail"."""
 
 

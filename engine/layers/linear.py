@@ -90,7 +90,10 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16)
             or not torch.backends.mkldnn.is_available() or not cpu_prepack_enabled()):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    except RuntimeError:     # oneDNN's bf16/fp16 path needs AVX-512 or AVX-NE-CONVERT: F.linear then
+        return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -5,6 +5,11 @@ min_tokens (EOS and stop tokens masked), then greedy argmax, or temperature -> t
 min_p -> a draw. A row with a seed draws from its own torch.Generator, so its tokens do not depend on
 what else is in the batch. Logprobs are the model's raw log-softmax (before penalties and
 temperature), as vLLM reports them.
+
+Isolation: the steps that read one row's own data (penalties and masks, its draw, its logprobs) run
+row by row, and a row whose step raises is reported failed (`sample`'s second result) without
+touching the others' logits or generators, so one request's bad state never costs its neighbours a
+token or changes their seeded draws. SamplingParams' validation makes this a last line of defence.
 """
 from __future__ import annotations
 
@@ -25,12 +30,14 @@ class SamplingRow:
     eos_token_ids: frozenset[int]
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-    """logits: [num_rows, vocab] float32 (modified in place)."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[SampledToken | None], dict[int, str]]:
+    """logits: [num_rows, vocab] float32 (modified in place). Returns one token per row (None for a
+    failed row) and the failed rows: row index -> why."""
+    failed: dict[int, str] = {}
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-    apply_penalties_and_masks(logits, rows)
+    apply_penalties_and_masks(logits, rows, failed)
 
     token_ids = logits.argmax(dim=-1)
     random_idx = [i for i, r in enumerate(rows) if not r.params.is_greedy]
@@ -38,15 +45,29 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         idx = torch.tensor(random_idx)
         temps = torch.tensor([rows[i].params.temperature for i in random_idx], dtype=logits.dtype)
         probs = filtered_probs(logits[idx] / temps[:, None], [rows[i].params for i in random_idx])
-        noise = torch.empty_like(probs)
+        noise = torch.ones_like(probs)
         for j, i in enumerate(random_idx):
-            noise[j].exponential_(generator=rows[i].generator)
+            if i not in failed:
+                _guard(failed, i, "drawing a token", lambda: noise[j].exponential_(generator=rows[i].generator))
         # Exponential race: argmax p / E with E ~ Exp(1) draws from p.
         token_ids[idx] = (probs / noise).argmax(dim=-1)
 
     token_list = token_ids.tolist()
-    return [to_sampled(token_id, row.params, None if raw_logprobs is None else raw_logprobs[i])
-            for i, (row, token_id) in enumerate(zip(rows, token_list))]
+    out: list[SampledToken | None] = []
+    for i, (row, token_id) in enumerate(zip(rows, token_list)):
+        lp = None if raw_logprobs is None else raw_logprobs[i]
+        out.append(None if i in failed else
+                   _guard(failed, i, "computing logprobs", lambda: to_sampled(token_id, row.params, lp)))
+    return out, failed
+
+
+def _guard(failed: dict[int, str], row: int, what: str, fn):  # noqa: ANN001, ANN202
+    """fn() for one row; an exception marks the row failed (None) instead of failing the batch."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - reported per row, the batch goes on
+        failed[row] = f"{what} failed: {e!r}"
+        return None
 
 
 def to_sampled(token_id: int, params: SamplingParams, raw_logprobs: torch.Tensor | None) -> SampledToken:
@@ -69,32 +90,42 @@ def top_logprobs(logprobs: torch.Tensor, num: int) -> dict[int, float]:
     return dict(zip(ids.tolist(), values.tolist()))
 
 
-def apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    vocab = logits.shape[-1]
+def apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow],
+                              failed: dict[int, str] | None = None) -> None:
+    """Penalties and min_tokens masks, row by row; a row that raises is recorded in `failed` (and
+    sampled from anyway: its token is dropped) when given, else the error propagates."""
     for i, row in enumerate(rows):
-        p = row.params
-        if p.needs_penalties:
-            out_ids = torch.tensor(row.output_token_ids, dtype=torch.long)
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
-                                    dtype=torch.long)
-                vals = logits[i, seen]
-                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
-                                              vals * p.repetition_penalty)
-            if len(out_ids) and (p.frequency_penalty or p.presence_penalty):
-                counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-        if len(row.output_token_ids) < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(row.eos_token_ids))
-            banned_ids = [t for t in banned if t < vocab]
-            if banned_ids:
-                logits[i, banned_ids] = float("-inf")
+        if failed is None:
+            _penalize_row(logits, i, row)
+        else:
+            _guard(failed, i, "applying penalties", lambda: _penalize_row(logits, i, row))
+
+
+def _penalize_row(logits: torch.Tensor, i: int, row: SamplingRow) -> None:
+    vocab = logits.shape[-1]
+    p = row.params
+    if p.needs_penalties:
+        out_ids = torch.tensor(row.output_token_ids, dtype=torch.long)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
+                                dtype=torch.long)
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                          vals * p.repetition_penalty)
+        if len(out_ids) and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    if len(row.output_token_ids) < p.min_tokens:
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(row.eos_token_ids))
+        banned_ids = [t for t in banned if t < vocab]
+        if banned_ids:
+            logits[i, banned_ids] = float("-inf")
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Softmax after top_k, top_p and min_p filtering (rows without them pass through)."""
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
     min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)
     if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
