@@ -3,12 +3,23 @@
 `OpenAIServer` is the plain core (tokenize, validate, route, shape responses); `build_app(config)`
 applies Ray Serve to it. Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 (both streaming as SSE ending in `data: [DONE]`), POST /tokenize, POST /detokenize, GET /health,
-GET /metrics (Prometheus); and, beside HTTP, the gRPC Generation service (router/grpc_api.py) through
-Serve's gRPC proxy when `serving.grpc_port` is set. Errors use OpenAI's JSON shape: 400 invalid parameter (named), 401 bad
-API key, 404 unknown model, 413 body too large, 429 too many requests in flight, 503 no replica.
-A client that disconnects aborts its request on the replica, which frees the request's blocks.
-"""
-# No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations at runtime
+GET /metrics (Prometheus), GET /openapi.json; and, beside HTTP, the gRPC Generation service
+(router/grpc_api.py) through Serve's gRPC proxy when `serving.grpc_port` is set.
+
+Every error uses OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`: 400 invalid
+parameter or body (named; bodies must be JSON objects in UTF-8, nested at most
+`protocol.MAX_JSON_DEPTH` deep), 401 bad API key, 404 unknown model or route, 405 wrong method, 413 body too large, 415 a body
+that is not `application/json`, 429 too many requests in flight, 500 a request that failed while it
+ran, 503 no replica (or still starting). With an API key set, everything but /health needs it
+(/metrics too, unless `serving.public_metrics`). Admission is counted by tickets that every exit
+path releases (router/admission.py). A client that disconnects aborts its request on the replica,
+which frees the request's blocks.
+
+Startup: with `serving.wait_for_pools` (the default) the ingress replica is ready to Serve only once
+the pools serve, so the app's RUNNING status means ready (RayService upgrades switch on it).
+Without it (what `pdserve serve` deploys) the ingress answers at once: while the pools start,
+/health is 503 with the reason (and the reason a start failed, once it has), and requests are 503.
+"""# No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations at runtime
 # (through Serve's class-based ingress) and would take a string "Request" for a query parameter.
 import asyncio
 import hmac
@@ -19,20 +30,24 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ClusterConfig
+from engine.errors import RequestFailedError
 from engine.llm_engine import validate_request
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, load_tokenizer
+from router.admission import Admission, Ticket
 from router.grpc_api import GenerationService, grpc_status
 from router.metrics import ServingMetrics
 from router.pd import NoReplicaError, PDRouter, RequestRouter
 from router.policy import PolicyConfig, RoutingPolicy
 from router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                             error_body, new_id, now, validation_message)
+                             error_body, new_id, now, parse_json_object, plain_messages, validation_message)
 
 logger = logging.getLogger(__name__)
 
@@ -50,17 +65,19 @@ class HTTPError(Exception):
 class OpenAIServer:
     """Everything the ingress does, independent of how it is deployed."""
 
-    def __init__(self, config: ClusterConfig, replicas: dict[str, Any],
+    def __init__(self, config: ClusterConfig, replicas: dict[str, Any] | None = None,
                  prefill_replicas: dict[str, Any] | None = None, manager: Any = None) -> None:
         """replicas: the decode pool's actor handles; prefill_replicas: the prefill pool's (only in
         disaggregated mode); manager: the ClusterManager's handle, told about replicas that fail
-        and followed for the pools' membership (`follow_membership`)."""
+        and followed for the pools' membership (`follow_membership`). Without replicas the server
+        is starting: `attach()` gives it the pools once they are up."""
         from cluster.pool import engine_config_for  # noqa: PLC0415
 
         self.config = config
         ec = engine_config_for(config)
         mc = ec.model_config
         self.vocab_size, self.max_model_len = mc.vocab_size, mc.max_model_len
+        self.max_num_seqs = ec.scheduler_config.max_num_seqs
         self.model_name = config.serving.served_model_name or _default_name(mc.model, mc.gguf_file)
         self.tokenizer = load_tokenizer(mc.model, mc.gguf_file)
         self.metrics = ServingMetrics()
@@ -71,18 +88,21 @@ class OpenAIServer:
                                               config.routing.imbalance_threshold),
                                  ec.scheduler_config.max_num_seqs)
         self.manager = manager
-        report = None if manager is None else (lambda replica_id: manager.report_failure.remote(replica_id))
-        decode = RequestRouter("decode", replicas, ec.cache_config.block_size, policy(), self.metrics,
-                               config.routing.stats_interval_s, report)
+        report = lambda replica_id: self.manager.report_failure.remote(replica_id)  # noqa: E731
+        on_failure = report if manager is not None else None
+        decode = RequestRouter("decode", replicas or {}, ec.cache_config.block_size, policy(), self.metrics,
+                               config.routing.stats_interval_s, on_failure)
         self.pools: dict[str, RequestRouter] = {"decode": decode}
         self.router: RequestRouter | PDRouter = decode
         if config.mode == "disaggregated":
             prefill = RequestRouter("prefill", prefill_replicas or {}, ec.cache_config.block_size, policy(),
-                                    self.metrics, config.routing.stats_interval_s, report)
+                                    self.metrics, config.routing.stats_interval_s, on_failure)
             self.pools["prefill"] = prefill
             self.router = PDRouter(prefill, decode, self.metrics,
                                    config.disaggregation.min_remote_prefill_tokens)
-        self.in_flight = 0
+        self.admission = Admission(config.serving.max_in_flight, lambda n: self.metrics.in_flight.set(n))
+        # None once serving; else why not yet ("starting: ...") or why never ("failed: ...").
+        self.not_ready: str | None = None if replicas else "starting: the engine pools are loading"
         self.api_key = config.serving.api_key
         env = config.serving.api_key_env
         if env is not None and self.api_key is None:
@@ -91,15 +111,33 @@ class OpenAIServer:
                 raise ValueError(f"serving.api_key_env names {env!r}, which is not set in the ingress's "
                                  f"environment")
 
+    def attach(self, manager: Any, pools: dict[str, dict[str, Any]]) -> None:
+        """Start serving: the manager and the pools' replicas (pool -> replica id -> handle)."""
+        self.manager = manager
+        for name, router in self.pools.items():
+            router.on_replica_failure = lambda replica_id: self.manager.report_failure.remote(replica_id)
+            router.set_replicas(pools.get(name, {}))
+        self.router.start()
+        self.not_ready = None
+
+    @property
+    def in_flight(self) -> int:
+        return self.admission.in_flight
+
     # --- checks shared by every endpoint -----------------------------------------------------------
-    def check_auth(self, request: Request) -> None:
+    def is_authorized(self, headers: Any) -> bool:
         if self.api_key is None:
-            return
-        if not hmac.compare_digest(request.headers.get("authorization", "").encode(),
-                                   f"Bearer {self.api_key}".encode()):
-            raise HTTPError(401, "invalid or missing API key (Authorization: Bearer <key>)", "authentication_error")
+            return True
+        return hmac.compare_digest(headers.get("authorization", "").encode(), f"Bearer {self.api_key}".encode())
 
     async def read_json(self, request: Request) -> dict[str, Any]:
+        """The body as a JSON object; HTTPError 413 / 415 / 400 saying what is wrong with it."""
+        ctype = request.headers.get("content-type")
+        if ctype is not None:
+            mime = ctype.split(";")[0].strip().lower()
+            if mime != "application/json" and not mime.endswith("+json"):
+                raise HTTPError(415, f"Content-Type must be application/json; got {mime!r}",
+                                param="content-type")
         limit = self.config.serving.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -108,12 +146,9 @@ class OpenAIServer:
         if len(body) > limit:
             raise HTTPError(413, f"request body is {len(body)} bytes; the limit is {limit}")
         try:
-            data = json.loads(body or b"{}")
-        except json.JSONDecodeError as e:
-            raise HTTPError(400, f"request body is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise HTTPError(400, "request body must be a JSON object")
-        return data
+            return parse_json_object(body)
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -135,16 +170,21 @@ class OpenAIServer:
 
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         try:
-            validate_request(ids, params, self.vocab_size, self.max_model_len)
+            validate_request(ids, params, self.vocab_size, self.max_model_len, self.max_num_seqs)
         except ValueError as e:
             raise HTTPError(400, str(e), param="prompt") from None
 
-    def admit(self, count: int) -> None:
-        if self.in_flight + count > self.config.serving.max_in_flight:
-            raise HTTPError(429, f"{self.in_flight} requests in flight; the limit is "
-                                 f"{self.config.serving.max_in_flight}: retry later", "rate_limit_error")
+    def admit(self, count: int) -> Ticket:
+        """Admit `count` requests: a ticket to release when they end, or HTTPError 503 / 429."""
+        if self.not_ready is not None:
+            raise HTTPError(503, f"the server is not ready ({self.not_ready})", "service_unavailable")
         if not self.router.replicas:
             raise HTTPError(503, "no engine replica is available", "service_unavailable")
+        ticket = self.admission.admit(count)
+        if ticket is None:
+            raise HTTPError(429, f"{self.in_flight} requests in flight; the limit is "
+                                 f"{self.config.serving.max_in_flight}: retry later", "rate_limit_error")
+        return ticket
 
     # --- prompts -----------------------------------------------------------------------------------
     def completion_prompts(self, prompt: Any) -> list[list[int]]:
@@ -156,6 +196,10 @@ class OpenAIServer:
             prompts = list(prompt)
         if not prompts:
             raise HTTPError(400, "prompt must not be empty", param="prompt")
+        limit = self.config.serving.max_in_flight
+        if len(prompts) > limit:
+            raise HTTPError(400, f"prompt: a batch may hold at most {limit} prompts (serving.max_in_flight); "
+                                 f"got {len(prompts)}", param="prompt")
         out = []
         for p in prompts:
             if isinstance(p, str):
@@ -166,27 +210,25 @@ class OpenAIServer:
                 out.append(list(p))
         return out
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, messages: list[Any]) -> list[int]:
         try:
-            return apply_chat_template(self.tokenizer, req.plain_messages())
+            return apply_chat_template(self.tokenizer, plain_messages(messages))
         except ValueError as e:
             raise HTTPError(400, str(e), param="messages") from None
 
     # --- generation --------------------------------------------------------------------------------
-    async def run(self, prompts: list[list[int]], params: SamplingParams, request_id: str
+    async def run(self, prompts: list[list[int]], params: SamplingParams, request_id: str, ticket: Ticket
                   ) -> AsyncIterator[tuple[int, Any]]:
-        """Stream (prompt index, StepDelta) over all prompts of one HTTP request."""
-        self.in_flight += len(prompts)
-        self.metrics.in_flight.set(self.in_flight)
+        """Stream (prompt index, StepDelta) over all prompts of one HTTP request; releases `ticket`
+        when it ends, however it ends."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, ids: list[int]) -> None:
             try:
                 async for delta in self.router.generate(f"{request_id}-{i}", ids, params):
                     queue.put_nowait((i, delta))
-            except BaseException as e:  # noqa: BLE001 - surfaced to the consumer below
+            except Exception as e:  # noqa: BLE001 - surfaced to the consumer below
                 queue.put_nowait((i, e))
-                raise
             finally:
                 queue.put_nowait((i, None))
 
@@ -202,11 +244,10 @@ class OpenAIServer:
                     raise item
                 yield i, item
         finally:
+            # Nothing here may come after an await: a cancelled request is cancelled again at each.
+            ticket.release()
             for t in tasks:                 # a disconnect cancels the pumps, which abort on the replicas
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            self.in_flight -= len(prompts)
-            self.metrics.in_flight.set(self.in_flight)
 
     def count_finished(self, reason: str | None) -> None:
         self.metrics.requests.inc(finished_reason=reason or "abort")
@@ -226,32 +267,38 @@ class OpenAIServer:
 
     async def completions(self, data: dict[str, Any]) -> Response:
         req, params, prompts = self.prepare_completion(data)
-        self.admit(len(prompts))
+        ticket = self.admit(len(prompts))
         rid = new_id("cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return _sse(self._stream_completion(rid, req, prompts, params, include_usage))
-        return JSONResponse(await self._full_completion(rid, req, prompts, params))
+            return _sse(self._stream_completion(rid, req, prompts, params, include_usage, ticket), ticket)
+        try:
+            return JSONResponse(await self._full_completion(rid, req, prompts, params, ticket))
+        finally:
+            ticket.release()
 
     async def chat(self, data: dict[str, Any]) -> Response:
         req: ChatCompletionRequest = self.parse(ChatCompletionRequest, data)
         self.check_model(req.model)
         params = self.sampling_params(req)
-        ids = self.chat_prompt(req)
+        ids = self.chat_prompt(req.messages)
         self.validate_prompt(ids, params)
-        self.admit(1)
+        ticket = self.admit(1)
         rid = new_id("chatcmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return _sse(self._stream_chat(rid, ids, params, include_usage, req.logprobs))
-        return JSONResponse(await self._full_chat(rid, ids, params, req.logprobs))
+            return _sse(self._stream_chat(rid, ids, params, include_usage, req.logprobs, ticket), ticket)
+        try:
+            return JSONResponse(await self._full_chat(rid, ids, params, req.logprobs, ticket))
+        finally:
+            ticket.release()
 
     async def _full_completion(self, rid: str, req: CompletionRequest, prompts: list[list[int]],
-                               params: SamplingParams) -> dict[str, Any]:
+                               params: SamplingParams, ticket: Ticket) -> dict[str, Any]:
         n = params.n
         choices = [_Acc() for _ in range(len(prompts) * n)]
         usage = _Usage()
-        async for i, delta in self.run(prompts, params, rid):
+        async for i, delta in self.run(prompts, params, rid, ticket):
             usage.add(delta)
             for c in delta.choices:
                 choices[i * n + c.index].add(c)
@@ -269,11 +316,12 @@ class OpenAIServer:
                 "choices": out, "usage": usage.body(sum(len(p) for p in prompts))}
 
     async def _stream_completion(self, rid: str, req: CompletionRequest, prompts: list[list[int]],
-                                 params: SamplingParams, include_usage: bool) -> AsyncIterator[dict]:
+                                 params: SamplingParams, include_usage: bool, ticket: Ticket
+                                 ) -> AsyncIterator[dict]:
         n = params.n
         created = now()
         usage = _Usage()
-        async for i, delta in self.run(prompts, params, rid):
+        async for i, delta in self.run(prompts, params, rid, ticket):
             usage.add(delta)
             for c in delta.choices:
                 if c.finish_reason is not None:
@@ -287,11 +335,11 @@ class OpenAIServer:
             yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                    "choices": [], "usage": usage.body(sum(len(p) for p in prompts))}
 
-    async def _full_chat(self, rid: str, ids: list[int], params: SamplingParams, logprobs: bool
-                         ) -> dict[str, Any]:
+    async def _full_chat(self, rid: str, ids: list[int], params: SamplingParams, logprobs: bool,
+                         ticket: Ticket) -> dict[str, Any]:
         choices = [_Acc() for _ in range(params.n)]
         usage = _Usage()
-        async for _, delta in self.run([ids], params, rid):
+        async for _, delta in self.run([ids], params, rid, ticket):
             usage.add(delta)
             for c in delta.choices:
                 choices[c.index].add(c)
@@ -306,14 +354,14 @@ class OpenAIServer:
                 "choices": out, "usage": usage.body(len(ids))}
 
     async def _stream_chat(self, rid: str, ids: list[int], params: SamplingParams, include_usage: bool,
-                           logprobs: bool) -> AsyncIterator[dict]:
+                           logprobs: bool, ticket: Ticket) -> AsyncIterator[dict]:
         created = now()
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         for idx in range(params.n):
             yield {**base, "choices": [{"index": idx, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]}
         usage = _Usage()
-        async for _, delta in self.run([ids], params, rid):
+        async for _, delta in self.run([ids], params, rid, ticket):
             usage.add(delta)
             for c in delta.choices:
                 if c.finish_reason is not None:
@@ -375,7 +423,7 @@ class OpenAIServer:
         if req.prompt is not None:
             tokens = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
-            tokens = self.chat_prompt(ChatCompletionRequest(model=self.model_name, messages=req.messages))
+            tokens = self.chat_prompt(req.messages)
         return {"tokens": list(tokens), "count": len(tokens), "max_model_len": self.max_model_len}
 
     def detokenize(self, data: dict[str, Any]) -> dict[str, Any]:
@@ -446,18 +494,29 @@ class _Usage:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def error_for(error: BaseException) -> HTTPError:
+    """The HTTP error a failed request answers with (its stream, once started, carries it in-band)."""
+    if isinstance(error, HTTPError):
+        return error
+    if isinstance(error, NoReplicaError):      # also a replica that died mid-stream (ReplicaDiedError)
+        return HTTPError(503, str(error), "service_unavailable")
+    cause = getattr(error, "cause", None)      # a Ray task error: what the replica raised
+    if isinstance(cause, RequestFailedError):
+        return HTTPError(500, str(cause), "server_error")
+    logger.error("request failed", exc_info=error)
+    return HTTPError(500, f"generation failed: {type(cause or error).__name__}: {cause or error}", "server_error")
+
+
+def _sse(chunks: AsyncIterator[dict], ticket: Ticket) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
-        except HTTPError as e:
-            yield f"data: {json.dumps(error_body(e.message, e.err_type, e.status, e.param))}\n\n"
-        except NoReplicaError as e:      # also a replica that died mid-stream (ReplicaDiedError)
-            yield f"data: {json.dumps(error_body(str(e), 'service_unavailable', 503))}\n\n"
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-            logger.exception("stream failed")
-            yield f"data: {json.dumps(error_body(f'generation failed: {e}', 'server_error', 500))}\n\n"
+            err = error_for(e)
+            yield f"data: {json.dumps(error_body(err.message, err.err_type, err.status, err.param))}\n\n"
+        finally:
+            ticket.release()        # also when the client left before the body started
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
@@ -470,22 +529,122 @@ def _default_name(model: str, gguf_file: str | None) -> str:
 
 
 # --- Ray Serve wiring ------------------------------------------------------------------------------
-fastapi_app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+# The schema is served at /openapi.json behind the API key (by the ingress below), with the request
+# bodies' models, so that clients and fuzzers (tests/test_hardening.py) can read the API.
+fastapi_app = FastAPI(title="pdserve", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
+BODY_MODELS: dict[str, type] = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                                "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+
+def _server_of(scope_or_request: Any) -> OpenAIServer | None:
+    app = scope_or_request["app"] if isinstance(scope_or_request, dict) else scope_or_request.app
+    return getattr(app.state, "server", None)
+
+
+class _AuthMiddleware:
+    """With an API key, every path but /health (and /metrics when `serving.public_metrics`) needs
+    it: unknown routes and the schema too, so nothing is learned about the server without it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            server = _server_of(scope)
+            path, root = scope["path"], scope.get("root_path", "")
+            if root and path.startswith(root):
+                path = path[len(root):] or "/"
+            public = path == "/health" or (path == "/metrics" and server is not None
+                                           and server.config.serving.public_metrics)
+            if not public and (server is None or not server.is_authorized(_Headers(scope))):
+                err = (HTTPError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                 "authentication_error") if server is not None
+                       else HTTPError(503, "the server is starting", "service_unavailable"))
+                if server is not None:
+                    server.metrics.errors.inc(code=str(err.status))
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _Headers:
+    """The one header the middleware reads, without building a Request."""
+
+    def __init__(self, scope: dict) -> None:
+        self.headers = scope.get("headers", [])
+
+    def get(self, name: str, default: str = "") -> str:
+        key = name.encode()
+        for k, v in self.headers:
+            if k.lower() == key:
+                return v.decode("latin-1")
+        return default
+
+
+fastapi_app.add_middleware(_AuthMiddleware)
+
+
+@fastapi_app.exception_handler(StarletteHTTPException)
+async def _route_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """404 (no such route) and 405 (wrong method) in OpenAI's shape."""
+    if exc.status_code == 404:
+        message = f"no route {request.url.path}; see /v1/models, /v1/completions, /v1/chat/completions"
+        err = HTTPError(404, message, "not_found_error")
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        err = HTTPError(405, f"method {request.method} is not allowed on {request.url.path}"
+                             + (f"; allowed: {allowed}" if allowed else ""), "invalid_request_error")
+    else:
+        err = HTTPError(exc.status_code, str(exc.detail), "invalid_request_error")
+    response = err.response()
+    response.headers.update(exc.headers or {})
+    return response
+
+
+@fastapi_app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    return HTTPError(400, f"invalid request: {exc.errors()[:1]}").response()
+
+
+@fastapi_app.exception_handler(Exception)
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    logger.error("unhandled error on %s", request.url.path, exc_info=exc)
+    return HTTPError(500, f"internal error: {type(exc).__name__}", "server_error").response()
+
+
+def openapi_schema(app: FastAPI = fastapi_app) -> dict[str, Any]:
+    """The app's OpenAPI document, with the request bodies' JSON schemas (the endpoints read raw
+    requests, so FastAPI alone would not know them). Cached on the app's state (not in FastAPI's
+    own `openapi_schema`, which Serve fills when it wraps the app, before the routes carry bodies)."""
+    from fastapi.openapi.utils import get_openapi  # noqa: PLC0415
+
+    cached = getattr(app.state, "openapi", None)
+    if cached is not None:
+        return cached
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in BODY_MODELS.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        operation = schema["paths"].get(path, {}).get("post")
+        if operation is not None:
+            operation["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    app.state.openapi = schema
+    return schema
 
 
 async def _guard(server: OpenAIServer, request: Request, handler, *, body: bool = True) -> Response:
-    """Run one endpoint with auth, body parsing and error mapping."""
+    """Run one endpoint with body parsing and error mapping (auth is the middleware's)."""
     try:
-        server.check_auth(request)
         if body:
             return await handler(await server.read_json(request))
         return await handler()
-    except HTTPError as e:
-        server.metrics.errors.inc(code=str(e.status))
-        return e.response()
-    except NoReplicaError as e:
-        server.metrics.errors.inc(code="503")
-        return HTTPError(503, str(e), "service_unavailable").response()
+    except Exception as e:  # noqa: BLE001 - every failure answers in OpenAI's shape
+        err = error_for(e)
+        server.metrics.errors.inc(code=str(err.status))
+        return err.response()
 
 
 def _metadata(grpc_context: Any) -> list[tuple[str, Any]]:
@@ -519,15 +678,34 @@ def build_app(config: ClusterConfig) -> Any:
     @serve.ingress(fastapi_app)
     class OpenAIIngress:
         async def __init__(self, config_json: str) -> None:
+            # The pools come up in the background; with serving.wait_for_pools this replica is ready
+            # (to Serve) only once they serve, else it answers at once (/health says why not ready).
+            from cluster.launch import keep_serve_replica_on_loopback  # noqa: PLC0415
+
+            keep_serve_replica_on_loopback()
+            cfg = ClusterConfig.model_validate_json(config_json)
+            self.server = OpenAIServer(cfg)
+            fastapi_app.state.server = self.server
+            self._membership: asyncio.Task | None = None
+            self._startup = asyncio.get_running_loop().create_task(self._start(cfg))
+            if cfg.serving.wait_for_pools:
+                await self._startup
+                if self.server.not_ready is not None:
+                    raise RuntimeError(f"the engine pools did not start: {self.server.not_ready}")
+
+        async def _start(self, cfg: ClusterConfig) -> None:
             from cluster.manager import get_or_create_manager  # noqa: PLC0415
 
-            cfg = ClusterConfig.model_validate_json(config_json)
-            manager = get_or_create_manager(cfg)
-            await manager.ready.remote()
-            replicas = await manager.replicas.remote("decode")
-            prefill = await manager.replicas.remote("prefill") if cfg.mode == "disaggregated" else None
-            self.server = OpenAIServer(cfg, replicas, prefill, manager)
-            self.server.router.start()
+            try:
+                manager = get_or_create_manager(cfg)
+                await manager.ready.remote()
+                _, pools = await manager.membership.remote()
+            except Exception as e:  # noqa: BLE001 - reported by /health
+                cause = getattr(e, "cause", None) or e
+                self.server.not_ready = f"failed: {cause}"
+                logger.error("the engine pools failed to start: %s", cause)
+                return
+            self.server.attach(manager, pools)
             self._membership = asyncio.get_running_loop().create_task(self.server.follow_membership())
 
         @fastapi_app.get("/v1/models")
@@ -558,13 +736,21 @@ def build_app(config: ClusterConfig) -> Any:
 
         @fastapi_app.get("/health")
         async def health(self) -> Response:
+            if self.server.not_ready is not None:
+                status, _, reason = self.server.not_ready.partition(": ")
+                return JSONResponse({"healthy": False, "status": status, "reason": reason}, status_code=503)
             ok, pools = await self.server.health()
-            return JSONResponse({"healthy": ok, "pools": pools}, status_code=200 if ok else 503)
+            return JSONResponse({"healthy": ok, "status": "ready" if ok else "degraded", "pools": pools},
+                                status_code=200 if ok else 503)
 
         @fastapi_app.get("/metrics")
         async def metrics(self) -> Response:
             return PlainTextResponse(await self.server.render_metrics(),
                                      media_type="text/plain; version=0.0.4")
+
+        @fastapi_app.get("/openapi.json")
+        async def openapi(self, request: Request) -> Response:
+            return JSONResponse(openapi_schema(request.app))
 
         # --- gRPC (Serve's gRPC proxy calls the methods named like the RPCs) ---------------------
         async def Generate(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:  # noqa: N802

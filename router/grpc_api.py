@@ -97,11 +97,11 @@ class GenerationService:
         server = self.server
         self.check_auth(metadata)
         req, params, prompts = server.prepare_completion(self.completion_body(request))
-        server.admit(len(prompts))
+        ticket = server.admit(len(prompts))
         rid = new_id("cmpl")
         n = params.n
         completion_tokens = cached_tokens = 0
-        async for i, delta in server.run(prompts, params, rid):
+        async for i, delta in server.run(prompts, params, rid, ticket):
             cached_tokens = max(cached_tokens, delta.num_cached_tokens)
             for c in delta.choices:
                 completion_tokens += len(c.token_ids)
@@ -131,6 +131,8 @@ class GenerationService:
                                           for m in self.server.models()["data"]])
 
     async def health(self) -> Any:
+        if self.server.not_ready is not None:
+            return pb2.HealthResponse(healthy=False)
         ok, pools = await self.server.health()
         return pb2.HealthResponse(healthy=ok, pools={name: pb2.PoolHealth(replicas=replicas)
                                                      for name, replicas in pools.items()})

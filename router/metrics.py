@@ -173,5 +173,11 @@ class ServingMetrics:
             if key in stats:
                 metric.values[_key({"pool": pool, "replica": replica})] = float(stats[key])
 
+    def drop_replica(self, pool: str, replica: str) -> None:
+        """Forget a replica that left its pool (replaced or drained): its series stop being exported."""
+        key = _key({"pool": pool, "replica": replica})
+        for metric in self.engine.values():
+            metric.values.pop(key, None)
+
     def render(self) -> str:
         return self.registry.render()

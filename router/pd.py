@@ -78,6 +78,7 @@ class RequestRouter:
             del self.replicas[r], self.loads[r], self._cursors[r]
             self.index.remove_replica(r)
             self.down.discard(r)
+            self.metrics.drop_replica(self.pool, r)
             task = self._followers.pop(r, None)
             if task is not None:
                 task.cancel()

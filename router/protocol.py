@@ -5,6 +5,7 @@ OpenAI clients send and that change nothing here (`user`, `stream_options` witho
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -85,26 +86,28 @@ class ChatCompletionRequest(_Common):
             raise ValueError("top_logprobs requires logprobs=true")
         return SamplingParams(**kwargs, logprobs=logprobs)
 
-    def plain_messages(self) -> list[dict[str, str]]:
-        out = []
-        for m in self.messages:
-            content = m.content
-            if isinstance(content, list):      # [{"type": "text", "text": ...}, ...]
-                parts = []
-                for part in content:
-                    if part.get("type") != "text":
-                        raise ValueError(f"messages content part type must be 'text'; got {part.get('type')!r}")
-                    parts.append(str(part.get("text", "")))
-                content = "".join(parts)
-            out.append({"role": m.role, "content": content or ""})
-        return out
+
+def plain_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them; text content parts joined, others refused."""
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):      # [{"type": "text", "text": ...}, ...]
+            parts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise ValueError(f"messages content part type must be 'text'; got {part.get('type')!r}")
+                parts.append(str(part.get("text", "")))
+            content = "".join(parts)
+        out.append({"role": m.role, "content": content or ""})
+    return out
 
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
 
 
@@ -114,6 +117,36 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+MAX_JSON_DEPTH = 64      # nesting of a request body's arrays and objects
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; ValueError saying what is wrong (not JSON, not UTF-8, NaN or
+    Infinity, nested deeper than MAX_JSON_DEPTH, not an object)."""
+    try:
+        data = json.loads(body or b"{}", parse_constant=_no_constant)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"request body is not valid UTF-8: {e.reason} at byte {e.start}") from None
+    except RecursionError:
+        raise ValueError(f"request body nests arrays and objects more than {MAX_JSON_DEPTH} deep") from None
+    except ValueError as e:                 # JSONDecodeError, or a NaN / Infinity constant
+        raise ValueError(f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"request body must be a JSON object; got {type(data).__name__}")
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"request body nests arrays and objects more than {MAX_JSON_DEPTH} deep")
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return data
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def validation_message(err: ValidationError) -> tuple[str, str | None]:
     """(message naming the field and what is allowed, the field's dotted path) for a 400."""
     first = err.errors()[0]
@@ -121,8 +154,9 @@ def validation_message(err: ValidationError) -> tuple[str, str | None]:
     msg = first.get("msg", "invalid value")
     if first.get("type") == "extra_forbidden":
         msg = "unknown field"
-    got = first.get("input")
-    shown = "" if first.get("type") in ("missing", "extra_forbidden") else f"; got {got!r}"
+    got = repr(first.get("input"))
+    got = got if len(got) <= 200 else got[:200] + "..."
+    shown = "" if first.get("type") in ("missing", "extra_forbidden") else f"; got {got}"
     return f"{loc}: {msg}{shown}", loc
 
 
