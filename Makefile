@@ -30,7 +30,7 @@ setup: $(VENV)/.installed cpu-kernels
 # OpenAI-compatible API on http://127.0.0.1:8000/v1 (local Ray, embedded model, 1 prefill + 1 decode
 # replica, KV moved over NIXL; prompts with < 256 uncached tokens are prefilled on the decode replica).
 serve: setup
-	$(VENV)/bin/pdserve serve --host 127.0.0.1 --port 8000 --prefill-replicas 1 --replicas 1 --num-cpus 8
+	$(VENV)/bin/pdserve serve --host 127.0.0.1 --port 8000 --prefill-replicas 1 --replicas 1
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -8,7 +8,8 @@
       decode: {replicas: 1, num_cpus: 1}
     disaggregation: {connector: nixl, min_remote_prefill_tokens: 256, lease_s: 30}
     routing: {name: prefix_aware, load_weight: 0.5, imbalance_threshold: 8}
-    serving: {host: 127.0.0.1, port: 8000, grpc_port: null, api_key: null, max_in_flight: 256}
+    serving: {host: 127.0.0.1, port: 8000, grpc_port: null, api_key: null, public_metrics: false,
+              max_in_flight: 256}
     placement_timeout_s: 60     # wait this long for the cluster to fit the pools, then fail naming why
 
 Every field is validated here, so a bad spec fails before any actor starts, naming the field.
@@ -71,6 +72,14 @@ class ServingSpec(_Strict):
     api_key: str | None = None                  # when set, requests need `Authorization: Bearer <key>`
     api_key_env: str | None = None              # or: the environment variable that holds the key (a
                                                 # Kubernetes Secret), read by the ingress at startup
+    # With a key, every path but /health needs it; this opens /metrics too (a scraper without
+    # credentials; the series name replicas and pools, never requests).
+    public_metrics: bool = False
+    # True: the ingress replica finishes starting only once the pools serve, so Serve's app status
+    # RUNNING means ready (what KubeRay's RayService waits for before it switches traffic in an
+    # upgrade). False: it answers at once (/health 503 with the reason while the pools load); the
+    # launcher (`pdserve serve`, `python -m cluster.launch`) deploys that way and watches the start.
+    wait_for_pools: bool = True
     max_in_flight: int = Field(256, ge=1)       # beyond this, 429 (never an out-of-memory)
     max_body_bytes: int = Field(4 << 20, ge=1024)
     ingress_replicas: int = Field(1, ge=1)

@@ -5,10 +5,11 @@ Entry point of `pdserve serve` and of `ray job submit -- python -m cluster.launc
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
-import threading
+import time
 
 import yaml
 
@@ -16,8 +17,15 @@ from cluster.config import ClusterConfig
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
-    """Join the Ray cluster at `address` (or RAY_ADDRESS), else start a local one on 127.0.0.1.
-    True when this call started a local Ray (one that no node will join)."""
+    """Join the Ray cluster at `address` (or RAY_ADDRESS), else start a local one that listens on
+    127.0.0.1 only. True when this call started a local Ray (one that no node will join).
+
+    Ray resolves a node address of 127.0.0.1 to the host's reachable IP and then binds its GCS,
+    raylet, agents and every worker's gRPC port to all interfaces, unless it runs in single-machine
+    mode (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, the mode it uses on macOS to keep its ports off the
+    network): a local Ray is started in that mode, so no Ray port listens beyond loopback. Its
+    child processes inherit the variable; this process also sees Ray's constant changed, which it
+    read when it was imported."""
     import ray  # noqa: PLC0415
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -27,44 +35,99 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     if address:
         ray.init(address=address, namespace="pdserve")
         return False
+    _single_machine_mode()
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="pdserve",
              _node_ip_address="127.0.0.1")
     return True
 
 
-def serve_cluster(config: ClusterConfig, blocking: bool = True, placement_timeout_s: float | None = None
-                  ) -> None:
-    """Deploy the ingress (which creates the manager and the engine pools) and wait for it.
+def keep_serve_replica_on_loopback() -> None:
+    """In a Serve replica of a single-machine Ray (see init_ray): bind the replica's inter-deployment
+    gRPC server to 127.0.0.1 instead of every interface. Ray 2.60 opens it on "[::]:0" with no
+    setting to narrow it (ray/serve/_private/replica.py, `_on_initialized`, after the user's
+    constructor), so its helper is wrapped here, in this process only. Elsewhere, or if Ray's layout
+    differs, nothing changes (and that port stays open on all interfaces: see the README)."""
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
+        return
+    try:
+        from ray.serve._private import replica  # noqa: PLC0415
 
-    First checks that the cluster can hold the pools (waiting up to `placement_timeout_s`, by default
-    the spec's), raising PlacementError instead of leaving the app pending forever."""
+        add_port = replica.add_port_to_grpc_server
+    except (ImportError, AttributeError):
+        return
+    if getattr(add_port, "pdserve_loopback", False):
+        return
+
+    def add_port_on_loopback(server, address: str):  # noqa: ANN001, ANN202
+        return add_port(server, address.replace("[::]:", "127.0.0.1:", 1))
+
+    add_port_on_loopback.pdserve_loopback = True  # type: ignore[attr-defined]
+    replica.add_port_to_grpc_server = add_port_on_loopback
+
+
+def _single_machine_mode() -> None:
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    try:
+        from ray._private import ray_constants  # noqa: PLC0415
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    except (ImportError, AttributeError):       # another Ray layout: the variable still applies to children
+        pass
+
+
+class Stopped(BaseException):
+    """SIGINT or SIGTERM: stop serving (raised in the main thread wherever it is, startup included)."""
+
+
+def catch_stop_signals() -> None:
+    """Turn SIGINT and SIGTERM into `Stopped` in the main thread. Call again after Ray and Serve
+    start: they install handlers of their own in the driver."""
+    def stop(signum: int, _frame: object) -> None:
+        raise Stopped(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+
+
+def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 0.5) -> None:
+    """Deploy the ingress and the manager, wait until the pools serve, then (`blocking`) serve until
+    a signal raises Stopped (the caller tears down with `shutdown`).
+
+    Fails fast with PlacementError when the cluster cannot hold the pools (after waiting up to the
+    spec's placement_timeout_s for it to grow), and with StartupError when a replica is not placed
+    in time or its model fails to load; never waits forever."""
     import faulthandler  # noqa: PLC0415
 
+    import ray  # noqa: PLC0415
     from ray import serve  # noqa: PLC0415
 
+    from cluster.manager import StartupError, get_or_create_manager  # noqa: PLC0415
     from cluster.placement import check_placement  # noqa: PLC0415
-
-    check_placement(config, placement_timeout_s)
-    faulthandler.register(signal.SIGUSR1)      # `kill -USR1 <pid>` prints every thread's stack
-    stop = threading.Event()
-    if blocking:
-        _catch_stop_signals(stop)        # a signal during startup must not be lost
-
     from router.app import build_app  # noqa: PLC0415
 
+    check_placement(config)
+    faulthandler.register(signal.SIGUSR1)      # `kill -USR1 <pid>` prints every thread's stack
+    manager = get_or_create_manager(config)
     serve.start(http_options={"host": config.serving.host, "port": config.serving.port},
                 **grpc_start_options(config))
+    catch_stop_signals()
     serve.run(build_app(config), name=config.name, route_prefix="/", blocking=False)
+    catch_stop_signals()            # again, in case starting Serve replaced the handlers
+    url = f"http://{config.serving.host}:{config.serving.port}"
+    print(f"pdserve: starting on {url}/v1 (/health answers 503 until the pools serve)", flush=True)
+    while True:
+        status = ray.get(manager.status.remote(), timeout=60)
+        if status["phase"] == "failed":
+            raise StartupError(status["reason"])
+        if status["phase"] == "ready":
+            break
+        time.sleep(poll_s)
     grpc_note = f", gRPC on port {config.serving.grpc_port}" if config.serving.grpc_port else ""
-    print(f"pdserve: serving on http://{config.serving.host}:{config.serving.port}/v1{grpc_note} "
+    print(f"pdserve: serving on {url}/v1{grpc_note} "
           f"({config.mode}, pools {', '.join(f'{k}={v.replicas}' for k, v in config.pools.items())})",
           flush=True)
-    if blocking:
-        _catch_stop_signals(stop)        # again, in case starting Serve replaced the handlers
-        while not stop.wait(1.0):
-            pass
-        print("pdserve: shutting down", flush=True)
-        shutdown(config)
+    while blocking:
+        time.sleep(1.0)
 
 
 def grpc_start_options(config: ClusterConfig) -> dict:
@@ -77,26 +140,25 @@ def grpc_start_options(config: ClusterConfig) -> dict:
                                         grpc_servicer_functions=["pdserve_proto.add_GenerationServicer_to_server"])}
 
 
-def _catch_stop_signals(stop: threading.Event) -> None:
-    # Ray replaces Python's SIGINT handler in the driver, so Ctrl-C is caught here explicitly.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-
-
-def shutdown(config: ClusterConfig) -> None:
-    """Tear down the Serve app and the engine pools."""
+def shutdown(config: ClusterConfig, drain_s: float = 10.0) -> None:
+    """Tear down the Serve app and the engine pools (whatever of them exists)."""
     import ray  # noqa: PLC0415
     from ray import serve  # noqa: PLC0415
 
     from cluster.manager import MANAGER_NAME  # noqa: PLC0415
 
-    serve.delete(config.name)
+    try:
+        serve.delete(config.name)
+    except Exception as e:  # noqa: BLE001 - Serve never started, or is gone
+        print(f"pdserve: deleting the Serve app: {e}", file=sys.stderr)
     try:
         manager = ray.get_actor(MANAGER_NAME, namespace=config.name)
-        ray.get(manager.shutdown.remote(drain_s=10.0))
-        ray.kill(manager)
     except ValueError:
-        pass
+        return
+    try:
+        ray.get(manager.shutdown.remote(drain_s=drain_s), timeout=drain_s + 30)
+    finally:
+        ray.kill(manager)
 
 
 def config_from_args(args: argparse.Namespace) -> ClusterConfig:
@@ -159,15 +221,40 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError, yaml.YAMLError) as e:    # pydantic's ValidationError is a ValueError
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
-    from cluster.placement import PlacementError  # noqa: PLC0415
+    from cluster.manager import StartupError  # noqa: PLC0415
+    from cluster.placement import PlacementError, required_cpus  # noqa: PLC0415
 
-    local = init_ray(args.address, args.num_cpus)
+    catch_stop_signals()        # from here on, Ctrl-C or SIGTERM stop cleanly, whatever is starting
+    local = deployed = False
+    code = 0
     try:
-        serve_cluster(config, placement_timeout_s=0.0 if local else None)   # a local Ray never grows
-    except PlacementError as e:
-        print(f"pdserve: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        # A local Ray gets the logical CPUs the spec needs even on a smaller machine (logical CPUs
+        # only share the cores out), and never grows: its placement check does not wait.
+        num_cpus = args.num_cpus or max(os.cpu_count() or 1, math.ceil(required_cpus(config)))
+        local = init_ray(args.address, num_cpus)
+        # The launcher watches the start itself, so the ingress answers (503) while the pools load.
+        update: dict = {"serving": config.serving.model_copy(update={"wait_for_pools": False})}
+        if local:
+            update["placement_timeout_s"] = 0.0
+        config = config.model_copy(update=update)
+        catch_stop_signals()
+        deployed = True
+        serve_cluster(config)
+    except Stopped as e:
+        print(f"pdserve: shutting down ({e})", flush=True)
+    except (PlacementError, StartupError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)     # tear down without a second interruption
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if deployed:
+            shutdown(config)
+        if local:
+            import ray  # noqa: PLC0415
+
+            ray.shutdown()
+    return code
 
 
 if __name__ == "__main__":

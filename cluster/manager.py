@@ -1,7 +1,11 @@
 """ClusterManager: the named actor that owns the pools, so every ingress replica and the launcher
 find the same engines (`get_or_create_manager`).
 
-It checks that the Ray cluster can hold the pools before creating them (cluster/placement.py), then
+Its constructor only records the spec (an actor whose constructor fails tells its callers nothing
+useful); the first `ready()` or `status()` starts the pools: it checks that the Ray cluster can hold
+them (cluster/placement.py), creates the replicas, waits for Ray to place each one within the
+placement timeout (else the start fails naming the resource) and for its model to load. A start that
+fails is reported by `status()` and raised by `ready()` as StartupError with the reason. Once up, it
 health-checks the pools every `health_check_period_s` (or at once when an ingress reports a replica
 that failed it) and replaces dead replicas. Ingress replicas follow the membership with a long poll
 (`membership(version, wait_s)`), so a dropped replica stops getting requests and a replacement
@@ -21,40 +25,77 @@ from cluster.placement import check_placement
 from cluster.pool import EnginePool, engine_config_for
 
 MANAGER_NAME = "pdserve-manager"
+# Beyond the placement timeout, the time a placed replica's worker process may take to start (a
+# loaded machine starts a Python worker in seconds, not minutes).
+ACTOR_START_GRACE_S = 30.0
 logger = logging.getLogger(__name__)
+
+
+class StartupError(RuntimeError):
+    """The pools could not be started (the message says why: a resource, a model that failed to load)."""
 
 
 class ClusterManager:
     def __init__(self, config: ClusterConfig, health_check_period_s: float = 2.0,
                  check_placement_timeout_s: float | None = None) -> None:
-        """Raises PlacementError when the cluster cannot hold the pools (after waiting
-        `check_placement_timeout_s`, by default the spec's placement_timeout_s)."""
-        check_placement(config, check_placement_timeout_s)
+        """`check_placement_timeout_s`: how long the start waits for the cluster to hold the pools
+        (by default the spec's placement_timeout_s; 0 on a local Ray, which never grows)."""
         self.config = config
         self.health_check_period_s = health_check_period_s
+        self.placement_timeout_s = (config.placement_timeout_s if check_placement_timeout_s is None
+                                    else check_placement_timeout_s)
         self.version = 0
+        self.phase = "starting"              # starting -> ready | failed
+        self.reason: str | None = None       # why it failed
+        self._startup: asyncio.Task | None = None
         self._changed: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self._monitor: asyncio.Task | None = None
         self.pools = {name: EnginePool(name, spec, engine_config_for(config, name), config.name,
                                        on_change=self._bump)
                       for name, spec in config.pools.items()}
-        for pool in self.pools.values():
-            pool.start()
+
+    async def ready(self) -> dict[str, list[dict]]:
+        """Start the pools if not yet started and wait until every replica has loaded; pool ->
+        replica infos. Raises StartupError when they cannot start."""
+        await asyncio.shield(self._start())
+        if self.phase == "failed":
+            raise StartupError(self.reason)
+        return {name: [await h.info.remote() for h in pool.replicas.values()] for name, pool in self.pools.items()}
+
+    async def status(self) -> dict[str, Any]:
+        """Where the start stands without waiting: {"phase": starting | ready | failed, "reason"}."""
+        self._start()
+        return {"phase": self.phase, "reason": self.reason, "pools": self.pool_status()}
+
+    def _start(self) -> asyncio.Task:
+        if self._startup is None:
+            self._startup = asyncio.get_running_loop().create_task(self._start_up())
+        return self._startup
+
+    async def _start_up(self) -> None:
+        try:
+            await asyncio.to_thread(check_placement, self.config, self.placement_timeout_s)
+            for pool in self.pools.values():
+                pool.start()
+            await asyncio.gather(*[pool.wait_ready(self.placement_timeout_s + ACTOR_START_GRACE_S)
+                                   for pool in self.pools.values()])
+        except Exception as e:  # noqa: BLE001 - reported by status() and ready()
+            cause = getattr(e, "cause", None) or e          # what a replica raised, not Ray's wrapper
+            self.phase, self.reason = "failed", f"{type(cause).__name__}: {cause}"
+            logger.error("the pools failed to start: %s", self.reason)
+            for pool in self.pools.values():
+                pool.shutdown()
+            return
+        self.phase = "ready"
+        self._changed, self._wake = asyncio.Event(), asyncio.Event()
+        self._monitor = asyncio.get_running_loop().create_task(self._check_forever())
 
     def _bump(self) -> None:
         self.version += 1
         if self._changed is not None:
             self._changed.set()
             self._changed = asyncio.Event()
-
-    async def ready(self) -> dict[str, list[dict]]:
-        """Wait until every replica has loaded; starts the health checks."""
-        out = {name: await pool.wait_ready() for name, pool in self.pools.items()}
-        if self._monitor is None:
-            self._changed, self._wake = asyncio.Event(), asyncio.Event()
-            self._monitor = asyncio.get_running_loop().create_task(self._check_forever())
-        return out
 
     async def _check_forever(self) -> None:
         while True:
@@ -98,6 +139,8 @@ class ClusterManager:
 
     async def shutdown(self, drain_s: float = 0.0) -> None:
         """Stop checking, let running requests finish for up to `drain_s`, then kill every replica."""
+        if self._startup is not None and not self._startup.done():
+            self._startup.cancel()
         if self._monitor is not None:
             self._monitor.cancel()
             self._monitor = None

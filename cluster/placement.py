@@ -46,21 +46,35 @@ def placement_problems(config: ClusterConfig, nodes: list[dict[str, float]]) -> 
     """Why the pools can never fit on nodes with these total resources (empty when they might).
 
     Two necessary conditions, so that nothing that could be placed is refused: every bundle fits on
-    some node, and the pools' sum of each resource is within the cluster's total."""
+    some node, and the sum of each resource is within the cluster's total. The sum counts the
+    ingress replicas' CPUs too: they come first, and pools that fit only without them would leave a
+    replica pending forever."""
     problems = []
-    needed: dict[str, float] = {}
+    needed: dict[str, float] = {"CPU": required_ingress_cpus(config)}
     for name, spec in config.pools.items():
         for bundle in replica_bundles(spec):
             if not any(all(node.get(k, 0.0) >= v for k, v in bundle.items()) for node in nodes):
-                problems.append(f"pools.{name}: no node can hold {_fmt(bundle)} (one replica's "
+                problems.append(f"pools.{name}: no node can hold {fmt_resources(bundle)} (one replica's "
                                 f"{'rank' if spec.world_size == 1 else 'bundle'})")
             for k, v in bundle.items():
                 needed[k] = needed.get(k, 0.0) + v * spec.replicas
     for k, v in sorted(needed.items()):
         have = sum(node.get(k, 0.0) for node in nodes)
         if v > have + 1e-9:
-            problems.append(f"the pools need {v:g} {k} in all; the cluster has {have:g}")
+            problems.append(f"the pools{' and the ingress' if k == 'CPU' else ''} need {v:g} {k} in all; "
+                            f"the cluster has {have:g}")
     return sorted(set(problems), key=problems.index)
+
+
+def required_ingress_cpus(config: ClusterConfig) -> float:
+    return config.serving.ingress_replicas * config.serving.ingress_num_cpus
+
+
+def required_cpus(config: ClusterConfig) -> float:
+    """Logical CPUs the whole app takes: every pool's replicas and the ingress replicas (what a
+    local Ray started for it must have at least)."""
+    pools = sum(b.get("CPU", 0.0) * spec.replicas for spec in config.pools.values() for b in replica_bundles(spec))
+    return pools + required_ingress_cpus(config)
 
 
 def check_placement(config: ClusterConfig, timeout_s: float | None = None) -> None:
@@ -75,14 +89,14 @@ def check_placement(config: ClusterConfig, timeout_s: float | None = None) -> No
         if not problems:
             return
         if time.monotonic() >= deadline:
-            have = ", ".join(_fmt({k: v for k, v in n.items() if not k.startswith(("node:", "memory",
+            have = ", ".join(fmt_resources({k: v for k, v in n.items() if not k.startswith(("node:", "memory",
                               "object_store_memory"))}) for n in nodes)
             raise PlacementError(f"the Ray cluster cannot hold the pools (waited {timeout_s:g} s): "
                                  f"{'; '.join(problems)}. Nodes: {have or 'none'}")
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
-def _fmt(resources: dict[str, float]) -> str:
+def fmt_resources(resources: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
 
 

@@ -25,7 +25,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.config import ClusterConfig, PoolSpec
-from cluster.placement import REPLICA_ACTOR_CPUS
+from cluster.placement import REPLICA_ACTOR_CPUS, PlacementError, fmt_resources, replica_bundles
 from cluster.replica import EngineReplica
 from engine.config import EngineConfig
 
@@ -60,7 +60,7 @@ class EnginePool:
             num_cpus=self.spec.num_cpus if single else REPLICA_ACTOR_CPUS,
             num_gpus=self.spec.num_gpus if single else 0,
             resources=dict(self.spec.resources) if single else {},
-        ).remote(self.engine_config, replica_id, threads)
+        ).remote(self.engine_config, replica_id, threads, load=False)
         return replica_id, handle
 
     def start(self) -> None:
@@ -68,9 +68,25 @@ class EnginePool:
             replica_id, handle = self._spawn()
             self.replicas[replica_id] = handle
 
-    async def wait_ready(self) -> list[dict]:
-        """Block until every replica has loaded its model; returns their info."""
-        return await asyncio.gather(*[h.info.remote() for h in self.replicas.values()])
+    async def wait_ready(self, place_timeout_s: float | None = None) -> list[dict]:
+        """Wait until every replica is placed and has loaded its model; returns their info.
+
+        A replica that Ray has not placed within `place_timeout_s` (the cluster lacks what it needs,
+        e.g. another workload holds the CPUs) raises PlacementError naming the pool, what a
+        replica needs and what the cluster has free; loading itself may take as long as it takes."""
+        return await asyncio.gather(*[self._wait_one(r, h, place_timeout_s) for r, h in self.replicas.items()])
+
+    async def _wait_one(self, replica_id: str, handle: Any, place_timeout_s: float | None) -> dict:
+        try:
+            await asyncio.wait_for(handle.info.remote(), place_timeout_s)    # its constructor ran
+        except asyncio.TimeoutError:
+            needs = ", ".join(fmt_resources(b) for b in replica_bundles(self.spec))
+            free = {k: v for k, v in ray.available_resources().items()
+                    if not k.startswith(("node:", "memory", "object_store_memory"))}
+            raise PlacementError(f"pools.{self.name}: replica {replica_id} was not placed within "
+                                 f"{place_timeout_s:g} s: one replica needs {needs}; the cluster has "
+                                 f"{fmt_resources(free)} free") from None
+        return await handle.load.remote()
 
     # --- health ------------------------------------------------------------------------------------
     async def check_health(self) -> list[str]:
@@ -123,7 +139,7 @@ class EnginePool:
 
     async def _bring_up(self, replica_id: str, handle: Any) -> None:
         try:
-            await handle.info.remote()
+            await handle.load.remote()
         except Exception:  # noqa: BLE001 - retried at the next health check
             logger.exception("pool %s: replacement %s failed to start", self.name, replica_id)
             self.starting.pop(replica_id, None)

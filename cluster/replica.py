@@ -68,23 +68,35 @@ class _DeltaTracker:
 
 
 class EngineReplica:
-    def __init__(self, config: EngineConfig, replica_id: str = "replica-0", num_threads: int | None = None
-                 ) -> None:
+    def __init__(self, config: EngineConfig, replica_id: str = "replica-0", num_threads: int | None = None,
+                 load: bool = True) -> None:
+        """`load=False` defers loading the model to `load()`: an actor built that way answers
+        `info()` as soon as Ray has placed it, so a pool tells "not placed" (a resource the cluster
+        lacks, reported within the placement timeout) from "still loading" (as long as it takes)."""
         if num_threads:
             # A Ray actor with num_cpus=1 runs torch single-threaded unless told otherwise.
             import torch  # noqa: PLC0415
 
             torch.set_num_threads(num_threads)
         self.replica_id = replica_id
-        self.engine = AsyncLLMEngine(config)
         self.config = config
+        self.engine: AsyncLLMEngine | None = None
         self._log: list[KVEvent] = []
         self._log_start = 0                 # cursor value of self._log[0]
+        if load:
+            self.load()
+
+    def load(self) -> dict[str, Any]:
+        """Load the model and size the KV cache (once); returns `info()`."""
+        if self.engine is None:
+            self.engine = AsyncLLMEngine(self.config)
+        return self.info()
 
     def info(self) -> dict[str, Any]:
         mc, cc = self.config.model_config, self.config.cache_config
         kvt = self.config.kv_transfer_config
-        return {"replica_id": self.replica_id, "pid": os.getpid(), "block_size": cc.block_size,
+        return {"replica_id": self.replica_id, "pid": os.getpid(), "loaded": self.engine is not None,
+                "block_size": cc.block_size,
                 "kv_connector": kvt.kv_connector if kvt else None,
                 "max_model_len": mc.max_model_len, "max_num_seqs": self.config.scheduler_config.max_num_seqs}
 

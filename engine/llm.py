@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,22 @@ class LLM:
         config = EngineConfig.create(model, **engine_args)
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
+        # Garbage collection (or interpreter exit) lets go of the engine's resources too: with
+        # TP x PP > 1 its Ray worker actors and their placement group, which would otherwise keep
+        # their CPUs/GPUs until the driver exits. The finalizer holds the executor, not self.
+        self._finalizer = weakref.finalize(self, _shutdown_executor, self.llm_engine.executor)
+
+    def shutdown(self) -> None:
+        """Stop the engine's workers and free what they hold (Ray worker actors and their placement
+        group with TP x PP > 1; the KV cache and model in this process). Idempotent; the LLM cannot
+        generate afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
@@ -84,6 +101,8 @@ class LLM:
     def _run(self, parsed: list[tuple[str | None, list[int] | None]], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM was shut down")
         if engine.tokenizer is not None:
             parsed = [(p, ids if ids is not None else engine.tokenizer.encode(p)) for p, ids in parsed]
         for (_, ids), sp in zip(parsed, params):
@@ -111,3 +130,10 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[rid] for rid in ids]
+
+
+def _shutdown_executor(executor: Any) -> None:
+    try:
+        executor.shutdown()
+    except Exception:  # noqa: BLE001 - at interpreter exit Ray may already be gone
+        pass

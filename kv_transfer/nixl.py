@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from engine.config import KVTransferConfig
-from kv_transfer.base import KVConnectorWorker
+from kv_transfer.base import KVConnectorWorker, advertised_host
 from kv_transfer.layout import HeadSlice, KVLayout
 from kv_transfer.params import LoadSpec, RemotePrefill, TransferReport
 
@@ -81,6 +82,10 @@ class NixlConnectorWorker(KVConnectorWorker):
         # on one host, RDMA between hosts). Over plain TCP the prefill side must progress to serve
         # a read: there, {"nixl_progress_thread": True} in kv_connector_extra trades the core for it.
         progress = bool(config.extra_value("nixl_progress_thread", False))
+        if advertised_host(config.kv_host).startswith("127.") and "UCX_NET_DEVICES" not in os.environ:
+            # An engine reached over loopback (a single-machine cluster) listens on loopback only:
+            # UCX's TCP transport would otherwise open a listener on every network interface.
+            os.environ["UCX_NET_DEVICES"] = "lo"
         self.agent = nixl_agent(self.agent_name,
                                 nixl_agent_config(enable_prog_thread=progress, backends=["UCX"]))
         self.scratch = torch.zeros(NUM_SCRATCH_WORDS, dtype=torch.int64)

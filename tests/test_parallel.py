@@ -278,6 +278,43 @@ def test_killed_worker_fails_requests_with_engine_dead(two_nodes, tiny_llama):
 
 
 @pytest.mark.cluster
+def test_llm_shutdown_lets_go_of_workers_and_placement_group(two_nodes, tiny_llama):
+    """`with LLM(...)`, `LLM.shutdown()` and garbage collection each stop the engine's worker actors
+    and remove its placement group, so the next TP engine in the process gets their CPUs (five TP=2
+    engines in turn on an 8-CPU cluster that holds four at once)."""
+    import gc
+
+    import ray
+    from ray.util import placement_group_table
+
+    from engine import LLM
+
+    def live_groups() -> int:
+        return sum(pg["state"] != "REMOVED" for pg in placement_group_table().values())
+
+    args = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, tensor_parallel_size=2)
+    before = live_groups()
+    with LLM(tiny_llama, **args) as llm:
+        workers = list(llm.llm_engine.executor.workers)
+        out = llm.generate({"prompt_token_ids": PROMPTS[2]}, GREEDY, use_tqdm=False)[0]
+        assert live_groups() == before + 1
+    assert live_groups() == before
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(workers[0].placement.remote(), timeout=60)
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate({"prompt_token_ids": PROMPTS[2]}, GREEDY, use_tqdm=False)
+    for i in range(4):
+        llm = LLM(tiny_llama, **args)
+        assert llm.generate({"prompt_token_ids": PROMPTS[2]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids \
+            == out.outputs[0].token_ids
+        if i % 2:
+            llm.shutdown()
+        del llm                                    # the others are let go by garbage collection
+        gc.collect()
+        assert live_groups() == before
+
+
+@pytest.mark.cluster
 def test_pool_of_tensor_parallel_replicas(two_nodes, tiny_llama):
     """A pool spec with tensor_parallel_size=2: its replica actor drives two worker actors and
     streams the single-rank engine's greedy output."""
