@@ -1,28 +1,39 @@
 """EngineReplica: one engine replica as the serving layer sees it (the body of an engine actor).
 
 A plain class around `AsyncLLMEngine` (Ray is applied in `cluster/pool.py`):
-- `generate()` yields one `StepDelta` per engine step in which the request advanced: the tokens,
-  text and logprobs that step produced for each of its n choices, so a step's tokens travel to the
-  ingress as one message (a Ray streaming generator when this runs as an actor).
+- The output channel, one per (ingress, replica) pair: an ingress opens it once
+  (`open_channel(ingress_id)`, a Ray streaming generator when this runs as an actor) and then
+  `submit`s requests; every engine step in which some of its requests advanced becomes one message
+  on its channel, a list of `StepDelta`s (per request: the tokens, text and logprobs that step
+  produced for each of its n choices, or the error that ended it). The engine never waits for a
+  message to be taken (see AsyncLLMEngine), and a channel that closes (its ingress went away)
+  aborts whatever that ingress still runs here. `abort(request_ids)` reaches the engine before its
+  next step.
+- `generate()` streams one request's StepDeltas on their own (tests and tools).
 - `kv_events_since(cursor)` serves the engine's KV events as an ordered log that any number of
   routers read at their own pace; a reader whose cursor fell off the bounded log gets a snapshot
   (`AllCleared` + `BlockStored(every cached hash)`) that brings its index back in line exactly.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.async_engine import AsyncLLMEngine
+from engine.async_engine import AsyncLLMEngine, request_error
 from engine.config import EngineConfig
 from engine.outputs import AllCleared, BlockStored, KVEvent, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 from pdserve_proto.kv_events import encode_kv_events
 
 MAX_EVENT_LOG = 100_000
+# An idle channel sends an empty message this often, so a channel whose ingress is gone is noticed
+# (and its requests aborted) even when none of them advances.
+CHANNEL_HEARTBEAT_S = 10.0
 
 
 @dataclass(slots=True)
@@ -44,6 +55,27 @@ class StepDelta:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     kv_transfer_params: dict[str, Any] | None = None   # a prefill for a remote decode: pass these on
+    error: BaseException | None = None       # the request ended with this (RequestFailedError, ...)
+
+    @classmethod
+    def failure(cls, request_id: str, error: BaseException) -> StepDelta:
+        return cls(request_id, [], True, 0, error=error)
+
+
+class _Outbox:
+    """The deltas waiting for one ingress's channel, and the requests of that ingress still running."""
+
+    def __init__(self) -> None:
+        self.deltas: list[StepDelta] = []
+        self.ready = asyncio.Event()
+        self.request_ids: set[str] = set()
+        self.open = False
+
+    def put(self, delta: StepDelta) -> None:
+        self.deltas.append(delta)
+        if delta.finished:
+            self.request_ids.discard(delta.request_id)
+        self.ready.set()
 
 
 class _DeltaTracker:
@@ -83,6 +115,7 @@ class EngineReplica:
         self.engine: AsyncLLMEngine | None = None
         self._log: list[KVEvent] = []
         self._log_start = 0                 # cursor value of self._log[0]
+        self._outboxes: dict[str, _Outbox] = {}   # ingress id -> its channel's pending deltas
         if load:
             self.load()
 
@@ -100,16 +133,57 @@ class EngineReplica:
                 "kv_connector": kvt.kv_connector if kvt else None,
                 "max_model_len": mc.max_model_len, "max_num_seqs": self.config.scheduler_config.max_num_seqs}
 
+    # --- the output channel -------------------------------------------------------------------------
+    async def open_channel(self, ingress_id: str) -> AsyncIterator[list[StepDelta]]:
+        """The channel of one ingress: one message per engine step in which any of its requests
+        advanced (an empty one every CHANNEL_HEARTBEAT_S when idle). Closing it (the ingress went
+        away) aborts the requests that ingress still runs here."""
+        box = self._outboxes.setdefault(ingress_id, _Outbox())
+        if box.open:
+            raise ValueError(f"ingress {ingress_id!r} already has a channel open to {self.replica_id}")
+        box.open = True
+        try:
+            while True:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(box.ready.wait(), CHANNEL_HEARTBEAT_S)
+                box.ready.clear()
+                batch, box.deltas = box.deltas, []
+                yield batch
+        finally:
+            for request_id in box.request_ids:
+                self.engine.abort(request_id)
+            self._outboxes.pop(ingress_id, None)
+
+    def submit(self, ingress_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               kv_transfer_params: dict | None = None) -> None:
+        """Start a request whose deltas go to `ingress_id`'s channel. Raises ValueError for bad input
+        and EngineDeadError for a dead engine (nothing runs then)."""
+        box = self._outboxes.setdefault(ingress_id, _Outbox())     # the channel may open just after
+        tracker = _DeltaTracker()
+
+        def sink(item: RequestOutput | BaseException) -> None:
+            if isinstance(item, BaseException):
+                box.put(StepDelta.failure(request_id, item))
+                return
+            delta = tracker.delta(item)
+            delta.error = request_error(item)
+            box.put(delta)
+
+        self.engine.submit(request_id, prompt_token_ids, params, sink, kv_transfer_params)
+        box.request_ids.add(request_id)
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        kv_transfer_params: dict | None = None) -> AsyncIterator[StepDelta]:
-        """Stream StepDeltas; closing the stream early aborts the request (its blocks are freed)."""
+        """Stream one request's StepDeltas on their own; closing the stream early aborts the request
+        (its blocks are freed)."""
         tracker = _DeltaTracker()
         async for out in self.engine.generate(request_id, prompt_token_ids, params, kv_transfer_params):
             yield tracker.delta(out)
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request, or end the lease on its blocks if it was prefilled for a remote decode."""
-        self.engine.abort(request_id)
+    def abort(self, request_ids: str | list[str]) -> None:
+        """Abort requests, or end the lease on the blocks of one prefilled for a remote decode."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.engine.abort(request_id)
 
     def renew_lease(self, request_id: str, seconds: float) -> bool:
         return self.engine.renew_lease(request_id, seconds)

@@ -1,13 +1,17 @@
 """AsyncLLMEngine: the asyncio front of one engine (what the serving layer and Ray actors call).
 
 One background task owns the engine: it applies queued adds and aborts between steps and runs each
-step in a worker thread, so the event loop stays responsive. `generate()` streams the cumulative
-RequestOutput once per step in which the request advanced; cancelling the consumer aborts it.
+step on the engine's own thread, so the event loop stays responsive. A request's outputs (the
+cumulative RequestOutput once per step in which it advanced) go to the sink it was submitted with
+(`submit`), or stream from `generate()`, whose consumer aborts the request when it stops early.
+
+Delivery never holds up the engine: the loop starts step k + 1 on the engine thread first and hands
+step k's outputs to their sinks while it runs (the sinks only read the outputs, which are snapshots).
 """
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,6 +23,19 @@ from engine.sampling_params import SamplingParams
 from kv_transfer.base import KVTransferError
 
 IDLE_POLL_S = 0.002
+# Where a request's outputs go: each RequestOutput as the engine makes it, or the exception that ended
+# the request (called on the event loop's thread, never after the request's last output).
+Sink = Callable[[RequestOutput | BaseException], None]
+
+
+def request_error(out: RequestOutput) -> RequestFailedError | None:
+    """The error a request ended with, if one of its choices failed (KVTransferError for a pull)."""
+    failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
+    if failed is None:
+        return None
+    reason = str(failed.stop_reason)
+    error = KVTransferError if reason.startswith("KV transfer failed") else RequestFailedError
+    return error(f"request {out.request_id!r} failed: {reason}")
 
 
 class AsyncLLMEngine:
@@ -29,7 +46,7 @@ class AsyncLLMEngine:
         # steps had run on another thread than the one that loaded it; 60 ms in the actor).
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self.engine = self._step_thread.submit(LLMEngine, config).result()
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._sinks: dict[str, Sink] = {}
         self._pending_adds: list[tuple[str, str | None, list[int], SamplingParams, dict | None]] = []
         self._pending_aborts: list[str] = []
         self._wakeup: asyncio.Event | None = None
@@ -45,23 +62,30 @@ class AsyncLLMEngine:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,
+               kv_transfer_params: dict | None = None, prompt: str | None = None) -> None:
+        """Queue a request whose outputs go to `sink` (see Sink). Raises ValueError for bad input and
+        EngineDeadError if the engine is dead (nothing is queued then); a request that fails later
+        reaches its sink as an output with a failed choice (`request_error`) or as an exception."""
+        if self._dead is not None:
+            raise EngineDeadError("engine is dead") from self._dead
+        self._ensure_loop()
+        if request_id in self._sinks:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.engine.validate(list(prompt_token_ids), params)
+        self._sinks[request_id] = sink
+        # The step runs in a thread: engine state is touched only by the loop, between steps.
+        self._pending_adds.append((request_id, prompt, list(prompt_token_ids), params, kv_transfer_params))
+        self._wakeup.set()  # type: ignore[union-attr]
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        kv_transfer_params: dict | None = None, prompt: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Stream outputs for one request. Raises ValueError for bad input (before any output),
         RequestFailedError if this request failed while it ran (the engine goes on), and
         EngineDeadError if the engine fails. Closing or cancelling the iterator aborts the request."""
-        if self._dead is not None:
-            raise EngineDeadError("engine is dead") from self._dead
-        self._ensure_loop()
-        if request_id in self._queues:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self.engine.validate(list(prompt_token_ids), params)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._queues[request_id] = queue
-        # The step runs in a thread: engine state is touched only by the loop, between steps.
-        self._pending_adds.append((request_id, prompt, list(prompt_token_ids), params, kv_transfer_params))
-        self._wakeup.set()  # type: ignore[union-attr]
+        self.submit(request_id, prompt_token_ids, params, queue.put_nowait, kv_transfer_params, prompt)
         finished = False
         try:
             while not finished:
@@ -69,19 +93,17 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
-                failed = next((c for c in item.outputs if c.finish_reason == "error"), None)
-                if failed is not None:
-                    reason = str(failed.stop_reason)
-                    error = KVTransferError if reason.startswith("KV transfer failed") else RequestFailedError
-                    raise error(f"request {request_id!r} failed: {reason}")
+                error = request_error(item)
+                if error is not None:
+                    raise error
                 yield item
         finally:
-            self._queues.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request; its blocks are freed before the next step."""
+        """Abort a request; its blocks are freed before the next step and its sink hears no more."""
+        self._sinks.pop(request_id, None)
         self._pending_adds = [a for a in self._pending_adds if a[0] != request_id]
         self._pending_aborts.append(request_id)
         if self._wakeup is not None:
@@ -114,6 +136,8 @@ class AsyncLLMEngine:
 
     async def _run(self) -> None:
         assert self._wakeup is not None
+        loop = asyncio.get_running_loop()
+        done: list[RequestOutput] = []          # the last step's outputs, not yet delivered
         try:
             while True:
                 if self._pending_adds:
@@ -122,34 +146,45 @@ class AsyncLLMEngine:
                         try:
                             self.engine.add_request(rid, prompt, ids, params, kv_transfer_params=kv_params)
                         except Exception as e:  # noqa: BLE001 - e.g. a layout mismatch: this request only
-                            queue = self._queues.get(rid)
-                            if queue is not None:
-                                queue.put_nowait(e if isinstance(e, ValueError) else
-                                                 RequestFailedError(f"request {rid!r} could not start: {e!r}"))
+                            sink = self._sinks.pop(rid, None)
+                            if sink is not None:
+                                sink(e if isinstance(e, ValueError) else
+                                     RequestFailedError(f"request {rid!r} could not start: {e!r}"))
                 if self._pending_aborts:
                     aborts, self._pending_aborts = self._pending_aborts, []
                     self.engine.abort_request(aborts)
                 if not self.engine.has_unfinished_requests():
+                    self._deliver(done)
+                    done = []
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                outputs = await asyncio.get_running_loop().run_in_executor(self._step_thread, self.engine.step)
+                step = loop.run_in_executor(self._step_thread, self.engine.step)
+                self._deliver(done)              # while the next step runs
+                done = await step
                 if self._step_signal is not None:
                     signal, self._step_signal = self._step_signal, None
                     signal.set()
-                for out in outputs:
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
                 # Let consumers and new requests in between steps; when only transfers are pending
                 # (a pull in flight, blocks under lease) poll them without spinning.
                 await asyncio.sleep(IDLE_POLL_S if self.engine.last_step_idle else 0)
         except Exception as e:  # noqa: BLE001 - every request must learn the engine died
             self._dead = e
+            self._deliver(done)
             # Their blocks are bookkeeping on this side: free them so nothing is left held.
             self.engine.abort_request(list(self.engine.states))
-            for queue in self._queues.values():
-                queue.put_nowait(EngineDeadError(f"engine step failed: {e!r}"))
+            sinks, self._sinks = self._sinks, {}
+            for sink in sinks.values():
+                sink(EngineDeadError(f"engine step failed: {e!r}"))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:             # aborted meanwhile
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            sink(out)
 
     def renew_lease(self, request_id: str, seconds: float) -> bool:
         return self.engine.renew_lease(request_id, seconds)

@@ -357,17 +357,19 @@ class OpenAIServer:
                            logprobs: bool, ticket: Ticket) -> AsyncIterator[dict]:
         created = now()
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-        for idx in range(params.n):
-            yield {**base, "choices": [{"index": idx, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]}
         usage = _Usage()
+        started: set[int] = set()       # choices whose role went out: with their first token, as vLLM
         async for _, delta in self.run([ids], params, rid, ticket):
             usage.add(delta)
             for c in delta.choices:
                 if c.finish_reason is not None:
                     self.count_finished(c.finish_reason)
+                message: dict[str, Any] = {"content": c.text} if c.text or c.finish_reason is None else {}
+                if c.index not in started:
+                    started.add(c.index)
+                    message = {"role": "assistant", "content": c.text}
                 yield {**base, "choices": [{
-                    "index": c.index, "delta": {"content": c.text} if c.text or c.finish_reason is None else {},
+                    "index": c.index, "delta": message,
                     "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs or 0)
                     if logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}

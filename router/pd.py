@@ -13,6 +13,9 @@ pulls what it lacks, and decodes. D's output is what streams (its first token is
 the pulled KV, so it is identical to a single engine's under greedy or seeded sampling). A client
 that goes away while P prefills aborts it there; after that the lease is D's to release.
 
+Tokens come back over one output channel per replica (router/channel.py): every engine step's
+deltas for all of this router's requests on a replica arrive as one message.
+
 The router keeps its per-replica view fresh in the background: a long poll per replica on its KV
 event log (`EngineReplica.kv_events_since` answers after the first replica step with events, so they arrive
 within a step and idle replicas cost nothing; the batches travel as protobuf `KVEventBatch`, and a
@@ -25,6 +28,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -34,6 +38,7 @@ from engine.hashing import hash_block_tokens
 from engine.sampling_params import SamplingParams
 from pdserve_proto import SchemaVersionMismatch
 from pdserve_proto.kv_events import decode_kv_events
+from router.channel import ReplicaChannel
 from router.metrics import ServingMetrics
 from router.policy import Decision, ReplicaLoad, RoutingPolicy
 from router.prefix_index import PrefixIndex
@@ -68,6 +73,9 @@ class RequestRouter:
         self.down: set[str] = set()          # failed a call; not routed to until membership drops it
         self._cursors: dict[str, int] = {}
         self._followers: dict[str, asyncio.Task] = {}
+        # This router's output channels, one per replica (opened on the first request to it).
+        self.ingress_id = f"{pool}-{uuid.uuid4().hex[:12]}"
+        self._channels: dict[str, ReplicaChannel] = {}
         self._stats_task: asyncio.Task | None = None
         self.set_replicas(replicas)
 
@@ -79,6 +87,9 @@ class RequestRouter:
             self.index.remove_replica(r)
             self.down.discard(r)
             self.metrics.drop_replica(self.pool, r)
+            channel = self._channels.pop(r, None)
+            if channel is not None:
+                channel.close()
             task = self._followers.pop(r, None)
             if task is not None:
                 task.cancel()
@@ -208,17 +219,16 @@ class RequestRouter:
 
     async def _stream(self, replica_id: str, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, kv_transfer_params: dict | None) -> AsyncIterator[Any]:
-        replica = self.replicas[replica_id]
+        channel = self._channels.get(replica_id)
+        if channel is None:
+            channel = self._channels[replica_id] = ReplicaChannel(self.replicas[replica_id], self.ingress_id)
         load = self.loads[replica_id]
         load.in_flight += 1
         start = time.monotonic()
         last = None
         finished = False
-        stream = replica.generate.options(num_returns="streaming").remote(
-            request_id, prompt_token_ids, params, kv_transfer_params)
         try:
-            async for ref in stream:
-                delta = await ref
+            async for delta in channel.stream(request_id, prompt_token_ids, params, kv_transfer_params):
                 now = time.monotonic()
                 new_tokens = sum(len(c.token_ids) for c in delta.choices)
                 if new_tokens:
@@ -233,14 +243,14 @@ class RequestRouter:
                 self.metrics.e2e.observe(time.monotonic() - start, pool=self.pool)
         finally:
             load.in_flight -= 1
-            if not finished:
-                replica.abort.remote(request_id)
 
     def stop(self) -> None:
         for task in [*self._followers.values(), self._stats_task]:
             if task is not None:
                 task.cancel()
-        self._followers, self._stats_task = {}, None
+        for channel in self._channels.values():
+            channel.close()
+        self._followers, self._stats_task, self._channels = {}, None, {}
 
 
 class PDRouter:

@@ -129,12 +129,18 @@ def test_completion_matches_offline_engine_and_stream_matches(server, client, ti
 
 def test_chat_stream_equals_non_stream_and_n2(server, client):
     messages = [{"role": "user", "content": "Name three colours."}]
-    full = client.chat.completions.create(model=server["model"], messages=messages, max_tokens=20, temperature=0)
-    stream = client.chat.completions.create(model=server["model"], messages=messages, max_tokens=20,
-                                            temperature=0, stream=True)
-    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    full = client.chat.completions.create(model=server["model"], messages=messages, max_tokens=20, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(model=server["model"], messages=messages, max_tokens=20,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content and text
     assert full.choices[0].message.role == "assistant"
+    # The role goes out with the first token (as vLLM sends it), so a client's time to first chunk
+    # is its time to first token: no chunk before it, and every chunk carries one token's text.
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content is not None
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])
+    assert len(chunks) == 20
 
     two = client.chat.completions.create(model=server["model"], messages=messages, max_tokens=12,
                                          temperature=1.0, n=2, seed=7)
@@ -201,28 +207,36 @@ def test_error_codes(server, client):
     assert client.completions.create(model=model, prompt="still here", max_tokens=2).choices[0].text is not None
 
 
-def test_disconnects_free_every_block(server, eventually_no_leaks):
-    """50 concurrent streams, a third dropped after their first tokens: all blocks come back, and
-    the server keeps answering."""
+def test_disconnects_free_every_block(server, eventually_no_leaks, tiny_llama):
+    """64 concurrent greedy streams through the replicas' output channels, a third dropped after
+    their first tokens: every stream that runs to the end carries exactly the offline engine's
+    tokens, all blocks come back, and the server keeps answering."""
     model = server["model"]
+    prompts = [f"request {i} says" for i in range(64)]
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=1024)
+    want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40,
+                                                                            ignore_eos=True), use_tqdm=False)]
+    llm.shutdown()
 
-    async def one(i: int, aclient: openai.AsyncOpenAI) -> int:
-        stream = await aclient.completions.create(model=model, prompt=f"request {i} says", max_tokens=40,
+    async def one(i: int, aclient: openai.AsyncOpenAI) -> str | None:
+        stream = await aclient.completions.create(model=model, prompt=prompts[i], max_tokens=40,
                                                   temperature=0, stream=True, extra_body={"ignore_eos": True})
-        got = 0
+        text, got = "", 0
         async for chunk in stream:
             got += 1
+            text += chunk.choices[0].text if chunk.choices else ""
             if i % 3 == 0 and got == 2:
                 await stream.close()      # client disconnects mid-stream
-                return -1
-        return got
+                return None
+        return text
 
-    async def main() -> list[int]:
+    async def main() -> list[str | None]:
         aclient = openai.AsyncOpenAI(base_url=f"{server['base']}/v1", api_key=API_KEY, max_retries=0, timeout=300)
-        return await asyncio.gather(*[one(i, aclient) for i in range(50)])
+        return await asyncio.gather(*[one(i, aclient) for i in range(64)])
 
     results = asyncio.run(main())
-    assert results.count(-1) == 17 and all(r > 0 for r in results if r != -1)
+    assert results.count(None) == 22
+    assert [r for r in results if r is not None] == [w for w, r in zip(want, results) if r is not None]
     for manager in server["managers"][:1]:
         assert eventually_no_leaks(ray.get(manager.replicas.remote("decode")))
     metrics = httpx.get(f"{server['base']}/metrics", headers=_auth()).text
