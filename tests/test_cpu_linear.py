@@ -1,4 +1,5 @@
-"""The CPU linear paths for bf16 weights against plain F.linear (their reference)."""
+"""The CPU linear paths (prepacked bf16 and fp32 weights, fp32 GEMM for bf16 prefill) against plain
+F.linear (their reference)."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,7 @@ def test_prepacked_path_is_bit_identical_to_f_linear(rows):
     x = torch.randn(rows, 64, generator=g).bfloat16()
     packed = prepack(w)
     if packed is None:
-        pytest.skip("oneDNN (mkldnn) is not available in this torch build")
+        pytest.skip("oneDNN's bf16 path is not available here (no oneDNN, or a CPU without AVX-512 or AVX-NE-CONVERT)")
     assert torch.equal(linear(x, w, b, packed), F.linear(x, w, b))
 
 
@@ -40,7 +41,7 @@ def test_many_rows_take_the_chosen_gemm(monkeypatch, fp32_gemm):
     x = torch.randn(CPU_FP32_MIN_ROWS + 5, 640, generator=g).bfloat16()
     packed = prepack(w)
     if packed is None:
-        pytest.skip("oneDNN (mkldnn) is not available in this torch build")
+        pytest.skip("oneDNN's bf16 path is not available here (no oneDNN, or a CPU without AVX-512 or AVX-NE-CONVERT)")
     dtypes = []
     real = F.linear
     monkeypatch.setattr(F, "linear", lambda a, b, c=None: dtypes.append(a.dtype) or real(a, b, c))
@@ -67,9 +68,9 @@ def test_fp32_gemm_choice(monkeypatch):
 def test_fp32_and_prepack_switch(monkeypatch):
     w = torch.randn(8, 4)
     x = torch.randn(3, 4)
-    assert prepack(w) is None                                   # fp32 weights are never packed
-    assert torch.equal(linear(x, w), F.linear(x, w))
+    assert torch.equal(linear(x, w), F.linear(x, w))            # no packed weight: F.linear
     monkeypatch.setenv("PDSERVE_CPU_PREPACK", "0")
+    assert prepack(w) is None
     assert prepack(w.bfloat16()) is None
     layer = Linear(4, 8, dtype=torch.bfloat16)
     layer.process_weights_after_loading()
@@ -77,3 +78,21 @@ def test_fp32_and_prepack_switch(monkeypatch):
     monkeypatch.setenv("PDSERVE_CPU_PREPACK", "yes")
     with pytest.raises(ValueError, match="PDSERVE_CPU_PREPACK must be 0 or 1"):
         prepack(w.bfloat16())
+
+
+def test_fp32_prepacked_path_matches_f_linear(monkeypatch):
+    """fp32 weights are prepacked exactly where oneDNN's GEMM was timed faster on this CPU, and that
+    path agrees with F.linear to float rounding (the same products, summed in another order)."""
+    import engine.layers.linear as lin
+
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    monkeypatch.setattr(lin, "_fp32_prepack_pays", lambda: False)
+    assert prepack(w) is None
+    monkeypatch.setattr(lin, "_fp32_prepack_pays", lambda: True)
+    packed = prepack(w)
+    if packed is None:
+        pytest.skip("oneDNN (mkldnn) is not available in this torch build")
+    for rows in (1, 7, 200):
+        x = torch.randn(rows, 64, generator=g)
+        torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), rtol=1e-5, atol=1e-5)

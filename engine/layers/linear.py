@@ -77,8 +77,9 @@ def _best_of(fn, rounds: int = 5, calls: int = 3) -> float:
 
 
 def cpu_prepack_enabled() -> bool:
-    """Whether CPU linears keep a oneDNN-prepacked copy of bf16/fp16 weights (`PDSERVE_CPU_PREPACK`,
-    default on): 1.2-1.7x faster few-row (decode) matmuls for twice the linear weights' memory."""
+    """Whether CPU linears keep a oneDNN-prepacked copy of their weights (`PDSERVE_CPU_PREPACK`,
+    default on): 1.2-1.7x faster few-row (decode) bf16 matmuls, 1.5-3.3x fp32 ones where oneDNN
+    beats MKL, for twice the linear weights' memory."""
     value = os.environ.get("PDSERVE_CPU_PREPACK", "1")
     if value not in ("0", "1"):
         raise ValueError(f"PDSERVE_CPU_PREPACK must be 0 or 1; got {value!r}")
@@ -86,9 +87,13 @@ def cpu_prepack_enabled() -> bool:
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """A oneDNN-blocked copy of a CPU bf16/fp16 weight for `linear()`, or None where it does not apply."""
-    if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16)
+    """A oneDNN-blocked copy of a CPU weight for `linear()`, or None where it does not apply: bf16 and
+    fp16 weights always (where oneDNN has the path), fp32 weights where this CPU runs oneDNN's
+    prepacked fp32 GEMM faster than F.linear (`_fp32_prepack_pays`)."""
+    if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32)
             or not torch.backends.mkldnn.is_available() or not cpu_prepack_enabled()):
+        return None
+    if weight.dtype == torch.float32 and not _fp32_prepack_pays():
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
@@ -96,18 +101,36 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+@functools.cache
+def _fp32_prepack_pays() -> bool:
+    """Whether oneDNN's prepacked fp32 GEMM beats F.linear (MKL's sgemm) on this CPU by
+    CPU_FP32_MIN_SPEEDUP at decode sizes (timed once per process, ~0.1 s). It does by 1.5-3.3x on an
+    AVX2-only EPYC (docs/PERFORMANCE.md §7); CPUs differ, so it is measured, not assumed."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(1536, 576, generator=g)                  # a small model's MLP projection
+    x = torch.randn(16, 576, generator=g)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    except RuntimeError:
+        return False
+    return _best_of(lambda: F.linear(x, weight)) > CPU_FP32_MIN_SPEEDUP * _best_of(lambda: packed_linear(x, packed))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, with two CPU paths for bf16/fp16.
+    """`F.linear`, with faster CPU paths.
 
-    Many rows (prefill) on a CPU where `cpu_fp32_gemm` finds it faster: fp32 GEMM on upcast
-    operands, rounded back to x's dtype. Products of bf16 values are exact in fp32 and oneDNN's bf16
-    GEMM accumulates in fp32 too, so the two differ only in summation order. Otherwise: the
-    prepacked weight, the same oneDNN kernel as F.linear without reordering the weight on every
-    call (bit-identical to F.linear).
+    fp32 with a prepacked weight (where `prepack` found it faster): oneDNN's GEMM instead of MKL's
+    sgemm, the same products summed in another order. bf16/fp16: many rows (prefill) on a CPU where
+    `cpu_fp32_gemm` finds it faster: fp32 GEMM on upcast operands, rounded back to x's dtype.
+    Products of bf16 values are exact in fp32 and oneDNN's bf16 GEMM accumulates in fp32 too, so the
+    two differ only in summation order. Otherwise: the prepacked weight, the same oneDNN kernel as
+    F.linear without reordering the weight on every call (bit-identical to F.linear).
     """
-    if x.device.type != "cpu" or x.dtype == torch.float32:
+    if x.device.type != "cpu":
         return F.linear(x, weight, bias)
+    if x.dtype == torch.float32:
+        return F.linear(x, weight, bias) if packed is None else packed_linear(x, packed, bias)
     if x.numel() >= CPU_FP32_MIN_ROWS * x.shape[-1] and cpu_fp32_gemm(x.dtype):
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(x.dtype)
@@ -117,7 +140,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b with a weight from `prepack` (oneDNN; bit-identical to F.linear)."""
+    """x W^T + b with a weight from `prepack` (oneDNN; bf16/fp16: bit-identical to F.linear)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -137,7 +160,7 @@ class Linear(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.packed = prepack(self.weight)
-        if self.packed is not None:
+        if self.packed is not None and self.weight.dtype != torch.float32:
             cpu_fp32_gemm(self.weight.dtype)          # time the two GEMMs now, not in the first prefill
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
