@@ -185,10 +185,11 @@ async def send(client: httpx.AsyncClient, args: argparse.Namespace, model: str, 
 
 
 # --- the run ---------------------------------------------------------------------------------------
-async def run(args: argparse.Namespace, requests: list[BenchRequest]
+async def run(args: argparse.Namespace, requests: list[BenchRequest], on_timed: Any = None
               ) -> tuple[list[RequestResult], float, dict[str, float]]:
     """Run the workload; (results of the timed requests in order, wall seconds of the timed part,
-    increase of each scraped metric series over the timed part)."""
+    increase of each scraped metric series over the timed part). `on_timed()`, if given, is called
+    as the timed part starts and once more as it ends."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
         model = args.model or (await client.get(f"{args.base_url}/v1/models", headers=(
@@ -199,6 +200,8 @@ async def run(args: argparse.Namespace, requests: list[BenchRequest]
         metrics_url = args.metrics_url or f"{args.base_url}/metrics"
         before = await scrape(client, metrics_url, args.scrape_metric) if args.scrape_metric else {}
         progress = _progress(sum(len(u) for u in timed), args.quiet)
+        if on_timed is not None:
+            on_timed()
         start = time.perf_counter()
         if args.concurrency:
             sem = asyncio.Semaphore(args.concurrency)
@@ -214,6 +217,8 @@ async def run(args: argparse.Namespace, requests: list[BenchRequest]
                 await asyncio.sleep(gap)
             results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
+        if on_timed is not None:
+            on_timed()
         if progress is not None:
             progress.close()
         after = await scrape(client, metrics_url, args.scrape_metric) if args.scrape_metric else {}

@@ -1,0 +1,82 @@
+"""pdserve against vLLM's CPU build (or any two endpoints): a matrix of workloads x concurrencies,
+each cell a `compare.py` run (A and B alternating over rounds), then one table of the ratios.
+
+    .venv/bin/python benchmarks/vs_vllm.py --a http://127.0.0.1:8000 --b http://127.0.0.1:8001 \\
+        --concurrency 1,12,32 --rounds 2 --result vs_vllm.json
+
+Workloads (random token-id prompts, `ignore_eos`, fresh prompts every round so no round is a
+prefix-cache hit):
+- decode-heavy: 16-32 prompt tokens, 128 output tokens;
+- prefill-heavy: 512-1024 prompt tokens, 16 output tokens.
+A cell sends `--prompts-per-stream` x its concurrency timed requests (at least `--min-prompts`).
+Start both servers first; docs/PERFORMANCE.md §1 says how vLLM's CPU build is installed and started.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import compare  # noqa: E402  (benchmarks/compare.py)
+
+WORKLOADS = {
+    "decode-heavy": ["--input-len", "16:32", "--output-len", "128"],
+    "prefill-heavy": ["--input-len", "512:1024", "--output-len", "16"],
+}
+COLUMNS = [("output_token_throughput", "tok/s"), ("ttft_ms.median", "TTFT p50 ms"),
+           ("itl_ms.median", "ITL p50 ms"), ("itl_ms.p99", "ITL p99 ms")]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--a", required=True)
+    ap.add_argument("--b", required=True)
+    ap.add_argument("--label-a", default="pdserve")
+    ap.add_argument("--label-b", default="vllm")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"some of {list(WORKLOADS)}")
+    ap.add_argument("--concurrency", default="1,12,32")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompts-per-stream", type=int, default=3)
+    ap.add_argument("--min-prompts", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--result", default=None)
+    args = ap.parse_args(argv)
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    if unknown:
+        ap.error(f"--workloads: unknown {sorted(unknown)}; choose from {list(WORKLOADS)}")
+    cells = []
+    for workload in args.workloads.split(","):
+        for c in (int(x) for x in args.concurrency.split(",")):
+            print(f"\n=== {workload}, concurrency {c} ===", flush=True)
+            out = compare.main([
+                "--a", args.a, "--b", args.b, "--label-a", args.label_a, "--label-b", args.label_b,
+                "--dataset", "random", *WORKLOADS[workload], "--concurrency", str(c),
+                "--num-prompts", str(max(args.min_prompts, args.prompts_per_stream * c)),
+                "--warmup", "2", "--rounds", str(args.rounds), "--new-prompts-per-round",
+                "--seed", str(args.seed), "--quiet"])
+            medians = {label: {name: statistics.median(
+                compare.value(r[label], *(name.split(".") + [None])[:2]) for r in out["rounds"])
+                for name, _ in COLUMNS} for label in (args.label_a, args.label_b)}
+            cells.append({"workload": workload, "concurrency": c, "medians": medians,
+                          "ratios": {name: out["ratios"][name] for name, _ in COLUMNS}})
+    a, b = args.label_a, args.label_b
+    print(f"\n| workload | c | " + " | ".join(f"{title} {a} / {b} ({a}/{b})" for _, title in COLUMNS) + " |")
+    print("|---|---|" + "---|" * len(COLUMNS))
+    for cell in cells:
+        row = []
+        for name, _ in COLUMNS:
+            va, vb = cell["medians"][a][name], cell["medians"][b][name]
+            ratio = cell["ratios"][name]
+            row.append(f"{va:.1f} / {vb:.1f} ({1 / ratio:.2f})" if ratio else f"{va:.1f} / {vb:.1f}")
+        print(f"| {cell['workload']} | {cell['concurrency']} | " + " | ".join(row) + " |")
+    if args.result:
+        Path(args.result).write_text(json.dumps(cells, indent=1))
+    return cells
+
+
+if __name__ == "__main__":
+    main()
