@@ -93,6 +93,8 @@ def test_fp32_prepacked_path_matches_f_linear(monkeypatch):
     packed = prepack(w)
     if packed is None:
         pytest.skip("oneDNN (mkldnn) is not available in this torch build")
-    for rows in (1, 7, 200):
+    for rows in (1, lin.CPU_FP32_PACKED_MIN_ROWS - 1, lin.CPU_FP32_PACKED_MIN_ROWS, 200):
         x = torch.randn(rows, 64, generator=g)
+        if rows < lin.CPU_FP32_PACKED_MIN_ROWS:       # few rows: MKL's sgemm itself
+            assert torch.equal(linear(x, w, b, packed), F.linear(x, w, b))
         torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), rtol=1e-5, atol=1e-5)

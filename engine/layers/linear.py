@@ -29,6 +29,9 @@ CPU_FP32_MIN_ROWS = 96
 # fp32 GEMM is chosen only where it beats the reduced-precision GEMM by this factor at prefill size,
 # so that timing noise cannot flip the choice between runs on one machine.
 CPU_FP32_MIN_SPEEDUP = 1.25
+# fp32 weights: oneDNN's prepacked GEMM is used from this many rows on. Below it (batch-1 decode)
+# MKL's sgemm is faster on the CPUs measured (oneDNN 0.5-0.8x at one row, docs/PERFORMANCE.md §7).
+CPU_FP32_PACKED_MIN_ROWS = 8
 
 
 def cpu_fp32_gemm(dtype: torch.dtype) -> bool:
@@ -113,15 +116,21 @@ def _fp32_prepack_pays() -> bool:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
     except RuntimeError:
         return False
-    return _best_of(lambda: F.linear(x, weight)) > CPU_FP32_MIN_SPEEDUP * _best_of(lambda: packed_linear(x, packed))
+    # Alternate the two and keep each one's best, so a burst of load elsewhere cannot decide it.
+    sgemm = onednn = float("inf")
+    for _ in range(4):
+        sgemm = min(sgemm, _best_of(lambda: F.linear(x, weight)))
+        onednn = min(onednn, _best_of(lambda: packed_linear(x, packed)))
+    return sgemm > CPU_FP32_MIN_SPEEDUP * onednn
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, with faster CPU paths.
 
-    fp32 with a prepacked weight (where `prepack` found it faster): oneDNN's GEMM instead of MKL's
-    sgemm, the same products summed in another order. bf16/fp16: many rows (prefill) on a CPU where
+    fp32 with a prepacked weight (where `prepack` found it faster) and at least
+    CPU_FP32_PACKED_MIN_ROWS rows: oneDNN's GEMM instead of MKL's sgemm, the same products summed in
+    another order. bf16/fp16: many rows (prefill) on a CPU where
     `cpu_fp32_gemm` finds it faster: fp32 GEMM on upcast operands, rounded back to x's dtype.
     Products of bf16 values are exact in fp32 and oneDNN's bf16 GEMM accumulates in fp32 too, so the
     two differ only in summation order. Otherwise: the prepacked weight, the same oneDNN kernel as
@@ -130,7 +139,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
     if x.dtype == torch.float32:
-        return F.linear(x, weight, bias) if packed is None else packed_linear(x, packed, bias)
+        if packed is None or x.numel() < CPU_FP32_PACKED_MIN_ROWS * x.shape[-1]:
+            return F.linear(x, weight, bias)
+        return packed_linear(x, packed, bias)
     if x.numel() >= CPU_FP32_MIN_ROWS * x.shape[-1] and cpu_fp32_gemm(x.dtype):
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(x.dtype)
