@@ -88,6 +88,25 @@ class ServingSpec(_Strict):
     # port; None serves HTTP only. Serve's gRPC proxy listens on every interface ([::]), which Ray
     # does not let us narrow: keep the port firewalled (or set api_key, which gRPC enforces too).
     grpc_port: int | None = Field(None, ge=1, le=65535)
+    # The ingress replica serves HTTP on `port` itself (Ray Serve's direct ingress) instead of behind
+    # Serve's HTTP proxy: one process fewer on every streamed token's path (docs/PERFORMANCE.md §7).
+    # Ray reads it from the environment of the cluster's processes: `pdserve serve` sets that for
+    # the Ray it starts; a cluster you start yourself needs `direct_ingress_env()` in its environment.
+    # Serve's proxy still starts, on a free loopback port that nothing needs.
+    direct_ingress: bool = False
+
+    def model_post_init(self, _: Any) -> None:
+        if self.direct_ingress and (self.ingress_replicas != 1 or self.grpc_port is not None):
+            raise ValueError("serving.direct_ingress needs ingress_replicas = 1 and no grpc_port (the "
+                             "ingress replica takes `port` itself; gRPC goes through Serve's proxy)")
+
+    def direct_ingress_env(self) -> dict[str, str]:
+        """The environment Ray's processes need for `direct_ingress` (empty without it)."""
+        if not self.direct_ingress:
+            return {}
+        return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+                "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(self.port),
+                "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(self.port + 1)}
 
 
 class ClusterConfig(_Strict):

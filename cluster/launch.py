@@ -106,9 +106,18 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
     from router.app import build_app  # noqa: PLC0415
 
     check_placement(config)
+    di_env = config.serving.direct_ingress_env()
+    if di_env and os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
+        # Ray's processes read it from their environment; a job's driver inherits the cluster's.
+        raise StartupError(f"serving.direct_ingress: this Ray cluster was not started with {di_env} in "
+                           "its environment (set them for `ray start`, or use `pdserve serve` without "
+                           "--address, which sets them for the Ray it starts)")
     faulthandler.register(signal.SIGUSR1)      # `kill -USR1 <pid>` prints every thread's stack
     manager = get_or_create_manager(config)
-    serve.start(http_options={"host": config.serving.host, "port": config.serving.port},
+    # With direct ingress the ingress replica takes the port; Serve's proxy, which still starts,
+    # gets any free one.
+    proxy_port = 0 if config.serving.direct_ingress else config.serving.port
+    serve.start(http_options={"host": config.serving.host, "port": proxy_port},
                 **grpc_start_options(config))
     catch_stop_signals()
     serve.run(build_app(config), name=config.name, route_prefix="/", blocking=False)
@@ -231,6 +240,8 @@ def run_serve(args: argparse.Namespace) -> int:
         # A local Ray gets the logical CPUs the spec needs even on a smaller machine (logical CPUs
         # only share the cores out), and never grows: its placement check does not wait.
         num_cpus = args.num_cpus or max(os.cpu_count() or 1, math.ceil(required_cpus(config)))
+        if not (args.address or os.environ.get("RAY_ADDRESS")):
+            os.environ.update(config.serving.direct_ingress_env())  # inherited by the Ray it starts
         local = init_ray(args.address, num_cpus)
         # The launcher watches the start itself, so the ingress answers (503) while the pools load.
         update: dict = {"serving": config.serving.model_copy(update={"wait_for_pools": False})}

@@ -9,7 +9,8 @@
   when it died ends with a clear 503 error.
 - `pdserve serve` (no config: 1 prefill + 1 decode replica over NIXL) answers a completion and the
   serving benchmarks (benchmarks/serve.py, benchmarks/compare.py) and, on SIGINT to its process
-  group (Ctrl-C), exits 0 leaving no Ray process behind.
+  group (Ctrl-C), exits 0 leaving no Ray process behind; with `serving.direct_ingress` the
+  ingress replica itself listens on the port.
 """
 from __future__ import annotations
 
@@ -44,6 +45,18 @@ def _env() -> dict[str, str]:
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     env["PATH"] = f"{os.path.dirname(sys.executable)}:{env.get('PATH', '')}"
     return env
+
+
+# --- spec (unit) -----------------------------------------------------------------------------------
+def test_direct_ingress_spec():
+    serving = ClusterConfig(serving={"port": 8123, "direct_ingress": True}).serving
+    assert serving.direct_ingress_env() == {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+                                            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "8123",
+                                            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "8124"}
+    assert ClusterConfig().serving.direct_ingress_env() == {}
+    for bad in ({"ingress_replicas": 2}, {"grpc_port": 9000}):
+        with pytest.raises(ValueError, match="direct_ingress needs ingress_replicas = 1 and no grpc_port"):
+            ClusterConfig(serving={"direct_ingress": True, **bad})
 
 
 # --- placement (unit) ------------------------------------------------------------------------------
@@ -225,25 +238,42 @@ def test_request_streaming_from_a_dying_replica_fails_clearly(heal):
 
 # --- pdserve serve and Ctrl-C ----------------------------------------------------------------------
 @pytest.mark.ray
+def _start_pdserve(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "pdserve"), "serve", *args],
+                            env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "pdserve serve never became healthy"
+        time.sleep(1)
+
+
+def _stop_with_sigint(proc: subprocess.Popen, ray_procs: list) -> str:
+    os.killpg(proc.pid, signal.SIGINT)          # what Ctrl-C in a terminal sends
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-3000:]
+    assert "pdserve: shutting down (SIGINT)" in output
+    assert _wait_gone(ray_procs, 30) == []
+    return output
+
+
 def test_pdserve_serve_answers_and_sigint_leaves_no_ray_process(tiny_llama, tmp_path):
     port = _free_port()
     # No --num-cpus: the defaults (1 prefill + 1 decode replica of 1 CPU, the ingress) must fit the
     # local Ray it starts on a 2-core machine.
-    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "pdserve"), "serve", "--model", tiny_llama,
-                             "--port", str(port)], env=_env(), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = _start_pdserve("--model", tiny_llama, "--port", str(port))
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "pdserve serve never became healthy"
-            time.sleep(1)
+        _wait_healthy(proc, base)
         health = httpx.get(f"{base}/health").json()
         assert set(health["pools"]) == {"prefill", "decode"}, health
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
@@ -278,26 +308,66 @@ def test_pdserve_serve_answers_and_sigint_leaves_no_ray_process(tiny_llama, tmp_
         # A local server listens on loopback only: Ray's GCS, raylet, agents, every worker, Serve.
         exposed = _listening_beyond_loopback([psutil.Process(proc.pid), *ray_procs])
         assert exposed == [], exposed
-        os.killpg(proc.pid, signal.SIGINT)          # what Ctrl-C in a terminal sends
-        output, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, output[-3000:]
-        assert "pdserve: shutting down (SIGINT)" in output
-        assert _wait_gone(ray_procs, 30) == []
+        _stop_with_sigint(proc, ray_procs)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def test_direct_ingress_serves_the_port_from_the_ingress_replica(tiny_llama, tmp_path):
+    """serving.direct_ingress: the ingress replica itself listens on the port (no Serve proxy on
+    the token path), streams with the role on the first token, and a dropped stream leaks nothing."""
+    port = _free_port()
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"model: {tiny_llama}\nengine: {{dtype: float32, max_model_len: 256}}\nmode: colocated\n"
+                    f"serving: {{port: {port}, direct_ingress: true}}\n")
+    proc = _start_pdserve("--config", str(spec))
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, base)
+        ray_procs = _descendants(proc.pid)
+        owners = [p.name() for p in ray_procs for c in _listening(p) if c.laddr.port == port]
+        assert owners and all("ServeReplica" in name for name in owners), owners
+        assert _listening_beyond_loopback([psutil.Process(proc.pid), *ray_procs]) == []
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        chunks = list(client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0.0,
+            stream=True, extra_body={"ignore_eos": True}))
+        first = next(c for c in chunks if c.choices)
+        assert first.choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
+                          json={"model": model, "prompt": "Hello", "max_tokens": 200, "stream": True,
+                                "ignore_eos": True}) as dropped:
+            next(dropped.iter_lines())              # one event, then the client goes away
+        deadline = time.monotonic() + 30
+        while _metric(base, "pdserve:requests_in_flight") != 0:
+            assert time.monotonic() < deadline, "the dropped stream stayed in flight"
+            time.sleep(0.5)
+        _stop_with_sigint(proc, ray_procs)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _metric(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + " ", name + "{")))
+
+
+def _listening(p: psutil.Process) -> list:
+    try:
+        return [c for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    except psutil.Error:
+        return []
+
+
 def _listening_beyond_loopback(procs: list) -> list[str]:
-    out = []
-    for p in procs:
-        try:
-            conns = p.net_connections(kind="inet")
-        except psutil.Error:
-            continue
-        out += [f"{p.name()} {c.laddr.ip}:{c.laddr.port}" for c in conns if c.status == psutil.CONN_LISTEN
-                and not (c.laddr.ip.startswith("127.") or c.laddr.ip in ("::1", "::ffff:127.0.0.1"))]
-    return out
+    return [f"{p.name()} {c.laddr.ip}:{c.laddr.port}" for p in procs for c in _listening(p)
+            if not (c.laddr.ip.startswith("127.") or c.laddr.ip in ("::1", "::ffff:127.0.0.1"))]
 
 
 @pytest.mark.ray
