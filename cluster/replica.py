@@ -184,6 +184,8 @@ class EngineReplica:
         """Abort requests, or end the lease on the blocks of one prefilled for a remote decode."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             self.engine.abort(request_id)
+            for box in self._outboxes.values():     # its channel sends it nothing more
+                box.request_ids.discard(request_id)
 
     def renew_lease(self, request_id: str, seconds: float) -> bool:
         return self.engine.renew_lease(request_id, seconds)
@@ -196,12 +198,13 @@ class EngineReplica:
         return self.engine.engine.reset_prefix_cache()
 
     def check_no_leaks(self) -> bool:
-        """True when no request is left and every KV block is free (for tests and drains)."""
+        """True when no request is left (in the engine or on a channel) and every KV block is free
+        (for tests and drains)."""
         try:
             self.engine.engine.check_no_leaks()
         except AssertionError:
             return False
-        return True
+        return not any(box.request_ids for box in self._outboxes.values())
 
     async def kv_events_since(self, cursor: int, wait_s: float = 0.0) -> bytes:
         """Events after `cursor` (0 at the start) and the cursor to pass next time, as a protobuf
