@@ -35,7 +35,7 @@ def make_tiny_llama(out: str) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from engine.weights import embedded_model_path
+    from engine.model_source import embedded_model_path
 
     path = embedded_model_path()
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

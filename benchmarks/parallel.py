@@ -35,7 +35,7 @@ def tiny_model(path: str) -> str:
     """A 2-layer random Llama with the embedded model's tokenizer, saved under `path`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from engine.weights import embedded_model_path
+    from engine.model_source import embedded_model_path
 
     gguf = embedded_model_path()
     tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from engine.model_source import architecture_of, resolve_model
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -53,12 +55,7 @@ class ModelConfig:
 
     @property
     def architecture(self) -> str:
-        archs = getattr(self.hf_config, "architectures", None) or []
-        if archs:
-            return archs[0]
-        # GGUF configs carry only model_type.
-        return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM"}.get(self.hf_config.model_type, self.hf_config.model_type)
+        return architecture_of(self.hf_config)
 
     @property
     def vocab_size(self) -> int:
@@ -151,8 +148,6 @@ class SpeculativeConfig:
     @classmethod
     def create(cls, spec: dict[str, Any], target: ModelConfig) -> SpeculativeConfig:
         """Validate the user's `speculative_config` dict (ValueError naming the field)."""
-        from engine.weights import resolve_model  # noqa: PLC0415
-
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a dict or None; got {type(spec).__name__}")
         unknown = sorted(set(spec) - set(_SPEC_KEYS))
@@ -237,8 +232,6 @@ class EngineConfig:
         cuda_graph_sizes: list[int] | None = None,
     ) -> EngineConfig:
         """Validate user arguments and resolve them against the model's config."""
-        from engine.weights import resolve_model  # noqa: PLC0415 (keeps config import-light)
-
         if block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128]; got {block_size}")
         if max_num_seqs < 1:

@@ -101,7 +101,7 @@ class RayExecutor(_Executor):
         import ray  # noqa: PLC0415
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
 
-        from cluster.launch import init_ray  # noqa: PLC0415
+        from cluster.ray_init import init_ray  # noqa: PLC0415
         from cluster.placement import create_engine_placement  # noqa: PLC0415
 
         if not ray.is_initialized():

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine import step_channel
+import engine.step_channel as step_channel
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.models.registry import get_model_class

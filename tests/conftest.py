@@ -53,7 +53,7 @@ def smol_tokenizer(tmp_path_factory):
     """The embedded model's tokenizer, saved once as a plain HF tokenizer directory."""
     from transformers import AutoTokenizer
 
-    from engine.weights import embedded_model_path
+    from engine.model_source import embedded_model_path
 
     path = embedded_model_path()
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

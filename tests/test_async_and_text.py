@@ -55,7 +55,7 @@ def test_incremental_detokenizer_waits_for_whole_characters(smol_tokenizer):
 def test_embedded_model_matches_transformers_and_knows_paris():
     from transformers import AutoModelForCausalLM
 
-    from engine.weights import embedded_model_path
+    from engine.model_source import embedded_model_path
     import os
 
     llm = LLM(dtype="float32")

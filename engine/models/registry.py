@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from engine.model_source import SUPPORTED_ARCHITECTURES
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -10,6 +11,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
 }
+assert tuple(MODEL_REGISTRY) == SUPPORTED_ARCHITECTURES, "engine/model_source.py names what is registered here"
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

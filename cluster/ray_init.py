@@ -1,0 +1,64 @@
+"""Connecting to Ray, or starting a local Ray that listens on loopback only (DESIGN layer 4: what
+the Ray executor, the launcher and the ingress replica all call, so it imports none of them)."""
+from __future__ import annotations
+
+import os
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
+    """Join the Ray cluster at `address` (or RAY_ADDRESS), else start a local one that listens on
+    127.0.0.1 only. True when this call started a local Ray (one that no node will join).
+
+    Ray resolves a node address of 127.0.0.1 to the host's reachable IP and then binds its GCS,
+    raylet, agents and every worker's gRPC port to all interfaces, unless it runs in single-machine
+    mode (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, the mode it uses on macOS to keep its ports off the
+    network): a local Ray is started in that mode, so no Ray port listens beyond loopback. Its
+    child processes inherit the variable; this process also sees Ray's constant changed, which it
+    read when it was imported."""
+    import ray  # noqa: PLC0415
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace="pdserve")
+        return False
+    _single_machine_mode()
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="pdserve",
+             _node_ip_address="127.0.0.1")
+    return True
+
+
+def keep_serve_replica_on_loopback() -> None:
+    """In a Serve replica of a single-machine Ray (see init_ray): bind the replica's inter-deployment
+    gRPC server to 127.0.0.1 instead of every interface. Ray 2.60 opens it on "[::]:0" with no
+    setting to narrow it (ray/serve/_private/replica.py, `_on_initialized`, after the user's
+    constructor), so its helper is wrapped here, in this process only. Elsewhere, or if Ray's layout
+    differs, nothing changes (and that port stays open on all interfaces: see the README)."""
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
+        return
+    try:
+        from ray.serve._private import replica  # noqa: PLC0415
+
+        add_port = replica.add_port_to_grpc_server
+    except (ImportError, AttributeError):
+        return
+    if getattr(add_port, "pdserve_loopback", False):
+        return
+
+    def add_port_on_loopback(server, address: str):  # noqa: ANN001, ANN202
+        return add_port(server, address.replace("[::]:", "127.0.0.1:", 1))
+
+    add_port_on_loopback.pdserve_loopback = True  # type: ignore[attr-defined]
+    replica.add_port_to_grpc_server = add_port_on_loopback
+
+
+def _single_machine_mode() -> None:
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    try:
+        from ray._private import ray_constants  # noqa: PLC0415
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    except (ImportError, AttributeError):       # another Ray layout: the variable still applies to children
+        pass

