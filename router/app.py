@@ -13,7 +13,9 @@ that is not `application/json`, 429 too many requests in flight, 500 a request t
 ran, 503 no replica (or still starting). With an API key set, everything but /health needs it
 (/metrics too, unless `serving.public_metrics`). Admission is counted by tickets that every exit
 path releases (router/admission.py). A client that disconnects aborts its request on the replica,
-which frees the request's blocks.
+which frees the request's blocks. The pieces: router/errors.py (HTTPError, error_for),
+router/http.py (the FastAPI app: key middleware, FastAPI's own errors, OpenAPI, SSE),
+router/protocol.py (request and response records).
 
 Startup: with `serving.wait_for_pools` (the default) the ingress replica is ready to Serve only once
 the pools serve, so the app's RUNNING status means ready (RayService upgrades switch on it).
@@ -23,43 +25,31 @@ Without it (what `pdserve serve` deploys) the ingress answers at once: while the
 # (through Serve's class-based ingress) and would take a string "Request" for a query parameter.
 import asyncio
 import hmac
-import json
 import logging
 import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ClusterConfig
-from engine.errors import RequestFailedError
 from engine.llm_engine import validate_request
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, load_tokenizer
 from router.admission import Admission, Ticket
-from router.grpc_api import GenerationService, grpc_status
+from router.errors import HTTPError
+from router.grpc_api import GenerationService, grpc_metadata, refuse
+from router.http import fastapi_app, guard, openapi_schema, sse_response
 from router.metrics import ServingMetrics
-from router.pd import NoReplicaError, PDRouter, RequestRouter
+from router.pd import PDRouter, RequestRouter
 from router.policy import PolicyConfig, RoutingPolicy
-from router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                             error_body, new_id, now, parse_json_object, plain_messages, validation_message)
+from router.protocol import (ChatCompletionRequest, ChoiceAccumulator, CompletionRequest, DetokenizeRequest,
+                             TokenizeRequest, UsageCounter, new_id, now, parse_json_object, plain_messages, validation_message)
 
 logger = logging.getLogger(__name__)
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, err_type: str = "invalid_request_error",
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.err_type, self.param = status, message, err_type, param
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.err_type, self.status, self.param), status_code=self.status)
 
 
 class OpenAIServer:
@@ -271,7 +261,7 @@ class OpenAIServer:
         rid = new_id("cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return _sse(self._stream_completion(rid, req, prompts, params, include_usage, ticket), ticket)
+            return sse_response(self._stream_completion(rid, req, prompts, params, include_usage, ticket), ticket)
         try:
             return JSONResponse(await self._full_completion(rid, req, prompts, params, ticket))
         finally:
@@ -287,7 +277,7 @@ class OpenAIServer:
         rid = new_id("chatcmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return _sse(self._stream_chat(rid, ids, params, include_usage, req.logprobs, ticket), ticket)
+            return sse_response(self._stream_chat(rid, ids, params, include_usage, req.logprobs, ticket), ticket)
         try:
             return JSONResponse(await self._full_chat(rid, ids, params, req.logprobs, ticket))
         finally:
@@ -296,8 +286,8 @@ class OpenAIServer:
     async def _full_completion(self, rid: str, req: CompletionRequest, prompts: list[list[int]],
                                params: SamplingParams, ticket: Ticket) -> dict[str, Any]:
         n = params.n
-        choices = [_Acc() for _ in range(len(prompts) * n)]
-        usage = _Usage()
+        choices = [ChoiceAccumulator() for _ in range(len(prompts) * n)]
+        usage = UsageCounter()
         async for i, delta in self.run(prompts, params, rid, ticket):
             usage.add(delta)
             for c in delta.choices:
@@ -320,7 +310,7 @@ class OpenAIServer:
                                  ) -> AsyncIterator[dict]:
         n = params.n
         created = now()
-        usage = _Usage()
+        usage = UsageCounter()
         async for i, delta in self.run(prompts, params, rid, ticket):
             usage.add(delta)
             for c in delta.choices:
@@ -337,8 +327,8 @@ class OpenAIServer:
 
     async def _full_chat(self, rid: str, ids: list[int], params: SamplingParams, logprobs: bool,
                          ticket: Ticket) -> dict[str, Any]:
-        choices = [_Acc() for _ in range(params.n)]
-        usage = _Usage()
+        choices = [ChoiceAccumulator() for _ in range(params.n)]
+        usage = UsageCounter()
         async for _, delta in self.run([ids], params, rid, ticket):
             usage.add(delta)
             for c in delta.choices:
@@ -357,7 +347,7 @@ class OpenAIServer:
                            logprobs: bool, ticket: Ticket) -> AsyncIterator[dict]:
         created = now()
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-        usage = _Usage()
+        usage = UsageCounter()
         started: set[int] = set()       # choices whose role went out: with their first token, as vLLM
         async for _, delta in self.run([ids], params, rid, ticket):
             usage.add(delta)
@@ -463,67 +453,6 @@ class OpenAIServer:
         return self.metrics.render()
 
 
-class _Acc:
-    """One choice's accumulated output (non-streaming responses)."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.token_ids: list[int] = []
-        self.logprobs: list[dict[int, Logprob]] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-
-    def add(self, c: Any) -> None:
-        self.text += c.text
-        self.token_ids.extend(c.token_ids)
-        self.logprobs.extend(c.logprobs or [])
-        if c.finish_reason is not None:
-            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
-
-
-class _Usage:
-    def __init__(self) -> None:
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-
-    def add(self, delta: Any) -> None:
-        self.completion_tokens += sum(len(c.token_ids) for c in delta.choices)
-        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
-
-    def body(self, prompt_tokens: int) -> dict[str, Any]:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
-
-def error_for(error: BaseException) -> HTTPError:
-    """The HTTP error a failed request answers with (its stream, once started, carries it in-band)."""
-    if isinstance(error, HTTPError):
-        return error
-    if isinstance(error, NoReplicaError):      # also a replica that died mid-stream (ReplicaDiedError)
-        return HTTPError(503, str(error), "service_unavailable")
-    cause = getattr(error, "cause", None)      # a Ray task error: what the replica raised
-    if isinstance(cause, RequestFailedError):
-        return HTTPError(500, str(cause), "server_error")
-    logger.error("request failed", exc_info=error)
-    return HTTPError(500, f"generation failed: {type(cause or error).__name__}: {cause or error}", "server_error")
-
-
-def _sse(chunks: AsyncIterator[dict], ticket: Ticket) -> StreamingResponse:
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-        except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-            err = error_for(e)
-            yield f"data: {json.dumps(error_body(err.message, err.err_type, err.status, err.param))}\n\n"
-        finally:
-            ticket.release()        # also when the client left before the body started
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream")
-
-
 def _default_name(model: str, gguf_file: str | None) -> str:
     if gguf_file:
         return gguf_file.removesuffix(".gguf")
@@ -531,145 +460,6 @@ def _default_name(model: str, gguf_file: str | None) -> str:
 
 
 # --- Ray Serve wiring ------------------------------------------------------------------------------
-# The schema is served at /openapi.json behind the API key (by the ingress below), with the request
-# bodies' models, so that clients and fuzzers (tests/test_hardening.py) can read the API.
-fastapi_app = FastAPI(title="pdserve", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
-BODY_MODELS: dict[str, type] = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                                "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
-
-
-def _server_of(scope_or_request: Any) -> OpenAIServer | None:
-    app = scope_or_request["app"] if isinstance(scope_or_request, dict) else scope_or_request.app
-    return getattr(app.state, "server", None)
-
-
-class _AuthMiddleware:
-    """With an API key, every path but /health (and /metrics when `serving.public_metrics`) needs
-    it: unknown routes and the schema too, so nothing is learned about the server without it."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            server = _server_of(scope)
-            path, root = scope["path"], scope.get("root_path", "")
-            if root and path.startswith(root):
-                path = path[len(root):] or "/"
-            public = path == "/health" or (path == "/metrics" and server is not None
-                                           and server.config.serving.public_metrics)
-            if not public and (server is None or not server.is_authorized(_Headers(scope))):
-                err = (HTTPError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                                 "authentication_error") if server is not None
-                       else HTTPError(503, "the server is starting", "service_unavailable"))
-                if server is not None:
-                    server.metrics.errors.inc(code=str(err.status))
-                await err.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class _Headers:
-    """The one header the middleware reads, without building a Request."""
-
-    def __init__(self, scope: dict) -> None:
-        self.headers = scope.get("headers", [])
-
-    def get(self, name: str, default: str = "") -> str:
-        key = name.encode()
-        for k, v in self.headers:
-            if k.lower() == key:
-                return v.decode("latin-1")
-        return default
-
-
-fastapi_app.add_middleware(_AuthMiddleware)
-
-
-@fastapi_app.exception_handler(StarletteHTTPException)
-async def _route_error(request: Request, exc: StarletteHTTPException) -> Response:
-    """404 (no such route) and 405 (wrong method) in OpenAI's shape."""
-    if exc.status_code == 404:
-        message = f"no route {request.url.path}; see /v1/models, /v1/completions, /v1/chat/completions"
-        err = HTTPError(404, message, "not_found_error")
-    elif exc.status_code == 405:
-        allowed = (exc.headers or {}).get("Allow", "")
-        err = HTTPError(405, f"method {request.method} is not allowed on {request.url.path}"
-                             + (f"; allowed: {allowed}" if allowed else ""), "invalid_request_error")
-    else:
-        err = HTTPError(exc.status_code, str(exc.detail), "invalid_request_error")
-    response = err.response()
-    response.headers.update(exc.headers or {})
-    return response
-
-
-@fastapi_app.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-    return HTTPError(400, f"invalid request: {exc.errors()[:1]}").response()
-
-
-@fastapi_app.exception_handler(Exception)
-async def _unexpected_error(request: Request, exc: Exception) -> Response:
-    logger.error("unhandled error on %s", request.url.path, exc_info=exc)
-    return HTTPError(500, f"internal error: {type(exc).__name__}", "server_error").response()
-
-
-def openapi_schema(app: FastAPI = fastapi_app) -> dict[str, Any]:
-    """The app's OpenAPI document, with the request bodies' JSON schemas (the endpoints read raw
-    requests, so FastAPI alone would not know them). Cached on the app's state (not in FastAPI's
-    own `openapi_schema`, which Serve fills when it wraps the app, before the routes carry bodies)."""
-    from fastapi.openapi.utils import get_openapi  # noqa: PLC0415
-
-    cached = getattr(app.state, "openapi", None)
-    if cached is not None:
-        return cached
-    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for path, model in BODY_MODELS.items():
-        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        components.update(body.pop("$defs", {}))
-        components[model.__name__] = body
-        operation = schema["paths"].get(path, {}).get("post")
-        if operation is not None:
-            operation["requestBody"] = {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
-    app.state.openapi = schema
-    return schema
-
-
-async def _guard(server: OpenAIServer, request: Request, handler, *, body: bool = True) -> Response:
-    """Run one endpoint with body parsing and error mapping (auth is the middleware's)."""
-    try:
-        if body:
-            return await handler(await server.read_json(request))
-        return await handler()
-    except Exception as e:  # noqa: BLE001 - every failure answers in OpenAI's shape
-        err = error_for(e)
-        server.metrics.errors.inc(code=str(err.status))
-        return err.response()
-
-
-def _metadata(grpc_context: Any) -> list[tuple[str, Any]]:
-    return list(grpc_context.invocation_metadata()) if grpc_context is not None else []
-
-
-class GRPCRefusal(RuntimeError):
-    """What a gRPC method raises after setting its status code (one string argument, so that it
-    pickles back to Serve's proxy, which keeps the code set on the context before the raise)."""
-
-
-def _refuse(server: OpenAIServer, grpc_context: Any, error: BaseException) -> GRPCRefusal:
-    """Set the status code for `error` on the call; the exception to raise."""
-    code, details = grpc_status(error)
-    server.metrics.errors.inc(code=f"grpc_{code.name.lower()}")
-    if code.name == "INTERNAL":
-        logger.exception("gRPC call failed")
-    if grpc_context is not None:
-        grpc_context.set_code(code)
-        grpc_context.set_details(details)
-    return GRPCRefusal(details)
-
-
 def build_app(config: ClusterConfig) -> Any:
     """The Serve application: the ingress deployment bound to this cluster config."""
     from ray import serve  # noqa: PLC0415
@@ -682,7 +472,7 @@ def build_app(config: ClusterConfig) -> Any:
         async def __init__(self, config_json: str) -> None:
             # The pools come up in the background; with serving.wait_for_pools this replica is ready
             # (to Serve) only once they serve, else it answers at once (/health says why not ready).
-            from cluster.launch import keep_serve_replica_on_loopback  # noqa: PLC0415
+            from cluster.ray_init import keep_serve_replica_on_loopback  # noqa: PLC0415
 
             keep_serve_replica_on_loopback()
             cfg = ClusterConfig.model_validate_json(config_json)
@@ -714,27 +504,27 @@ def build_app(config: ClusterConfig) -> Any:
         async def models(self, request: Request) -> Response:
             async def handler() -> Response:
                 return JSONResponse(self.server.models())
-            return await _guard(self.server, request, handler, body=False)
+            return await guard(self.server, request, handler, body=False)
 
         @fastapi_app.post("/v1/completions")
         async def completions(self, request: Request) -> Response:
-            return await _guard(self.server, request, self.server.completions)
+            return await guard(self.server, request, self.server.completions)
 
         @fastapi_app.post("/v1/chat/completions")
         async def chat(self, request: Request) -> Response:
-            return await _guard(self.server, request, self.server.chat)
+            return await guard(self.server, request, self.server.chat)
 
         @fastapi_app.post("/tokenize")
         async def tokenize(self, request: Request) -> Response:
             async def handler(data: dict) -> Response:
                 return JSONResponse(self.server.tokenize(data))
-            return await _guard(self.server, request, handler)
+            return await guard(self.server, request, handler)
 
         @fastapi_app.post("/detokenize")
         async def detokenize(self, request: Request) -> Response:
             async def handler(data: dict) -> Response:
                 return JSONResponse(self.server.detokenize(data))
-            return await _guard(self.server, request, handler)
+            return await guard(self.server, request, handler)
 
         @fastapi_app.get("/health")
         async def health(self) -> Response:
@@ -758,22 +548,22 @@ def build_app(config: ClusterConfig) -> Any:
         async def Generate(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:  # noqa: N802
             service = GenerationService(self.server)
             try:
-                async for message in service.generate(request, _metadata(grpc_context)):
+                async for message in service.generate(request, grpc_metadata(grpc_context)):
                     yield message
             except Exception as e:
-                raise _refuse(self.server, grpc_context, e) from None
+                raise refuse(self.server, grpc_context, e) from None
 
         async def Tokenize(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
             try:
-                return GenerationService(self.server).tokenize(request, _metadata(grpc_context))
+                return GenerationService(self.server).tokenize(request, grpc_metadata(grpc_context))
             except Exception as e:
-                raise _refuse(self.server, grpc_context, e) from None
+                raise refuse(self.server, grpc_context, e) from None
 
         async def Models(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
             try:
-                return GenerationService(self.server).models(_metadata(grpc_context))
+                return GenerationService(self.server).models(grpc_metadata(grpc_context))
             except Exception as e:
-                raise _refuse(self.server, grpc_context, e) from None
+                raise refuse(self.server, grpc_context, e) from None
 
         async def Health(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
             return await GenerationService(self.server).health()

@@ -17,8 +17,9 @@ disconnect.
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
@@ -26,8 +27,11 @@ from pdserve_proto import pb2
 from router.pd import NoReplicaError
 from router.protocol import new_id
 
-if TYPE_CHECKING:
-    from router.app import OpenAIServer
+from router.errors import HTTPError
+
+logger = logging.getLogger(__name__)
+# The OpenAIServer of router/app.py (which imports this module).
+OpenAIServer = Any
 
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
            404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
@@ -42,8 +46,6 @@ _REPEATED = ("stop", "stop_token_ids")
 
 def grpc_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """(status code, details) for an ingress error; details name the offending field."""
-    from router.app import HTTPError  # noqa: PLC0415 (app imports this module)
-
     if isinstance(error, HTTPError):
         message = error.message
         if error.param and not message.startswith(error.param):
@@ -61,8 +63,6 @@ class GenerationService:
     # --- shared checks -----------------------------------------------------------------------------
     def check_auth(self, metadata: Sequence[tuple[str, Any]]) -> None:
         """UNAUTHENTICATED unless metadata carries `authorization: Bearer <key>` (when a key is set)."""
-        from router.app import HTTPError  # noqa: PLC0415
-
         key = self.server.api_key
         if key is None:
             return
@@ -149,4 +149,27 @@ class GenerationService:
         return out
 
 
-__all__ = ["GenerationService", "grpc_status"]
+
+# --- the ingress deployment's gRPC methods (router/app.py) call these -----------------------------
+def grpc_metadata(grpc_context: Any) -> list[tuple[str, Any]]:
+    return list(grpc_context.invocation_metadata()) if grpc_context is not None else []
+
+
+class GRPCRefusal(RuntimeError):
+    """What a gRPC method raises after setting its status code (one string argument, so that it
+    pickles back to Serve's proxy, which keeps the code set on the context before the raise)."""
+
+
+def refuse(server: OpenAIServer, grpc_context: Any, error: BaseException) -> GRPCRefusal:
+    """Set the status code for `error` on the call; the exception to raise."""
+    code, details = grpc_status(error)
+    server.metrics.errors.inc(code=f"grpc_{code.name.lower()}")
+    if code.name == "INTERNAL":
+        logger.exception("gRPC call failed")
+    if grpc_context is not None:
+        grpc_context.set_code(code)
+        grpc_context.set_details(details)
+    return GRPCRefusal(details)
+
+
+__all__ = ["GRPCRefusal", "GenerationService", "grpc_metadata", "grpc_status", "refuse"]

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
 
 
@@ -170,3 +171,39 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+# --- responses -------------------------------------------------------------------------------------
+class ChoiceAccumulator:
+    """One choice's accumulated output (non-streaming responses)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def add(self, c: Any) -> None:
+        self.text += c.text
+        self.token_ids.extend(c.token_ids)
+        self.logprobs.extend(c.logprobs or [])
+        if c.finish_reason is not None:
+            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+class UsageCounter:
+    """The usage block of a response, counted from its StepDeltas."""
+
+    def __init__(self) -> None:
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+
+    def add(self, delta: Any) -> None:
+        self.completion_tokens += sum(len(c.token_ids) for c in delta.choices)
+        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
+
+    def body(self, prompt_tokens: int) -> dict[str, Any]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}

@@ -1,0 +1,157 @@
+"""The FastAPI app the ingress deployment serves (router/app.py adds the endpoints): API-key
+middleware, errors in OpenAI's shape for FastAPI's own failures (404, 405, validation, anything
+unexpected), the OpenAPI document with the request bodies, the endpoint guard and SSE responses.
+"""
+# No `from __future__ import annotations`: FastAPI reads handlers' annotations at runtime.
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.admission import Ticket
+from router.errors import HTTPError, error_for
+from router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                             error_body)
+
+logger = logging.getLogger(__name__)
+
+# The schema is served at /openapi.json behind the API key (by the ingress in router/app.py), with the request
+# bodies' models, so that clients and fuzzers (tests/test_hardening.py) can read the API.
+fastapi_app = FastAPI(title="pdserve", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
+BODY_MODELS: dict[str, type] = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                                "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+
+def _server_of(scope_or_request: Any) -> Any:
+    """The app's OpenAIServer (router/app.py), once the ingress has built it."""
+    app = scope_or_request["app"] if isinstance(scope_or_request, dict) else scope_or_request.app
+    return getattr(app.state, "server", None)
+
+
+class _AuthMiddleware:
+    """With an API key, every path but /health (and /metrics when `serving.public_metrics`) needs
+    it: unknown routes and the schema too, so nothing is learned about the server without it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            server = _server_of(scope)
+            path, root = scope["path"], scope.get("root_path", "")
+            if root and path.startswith(root):
+                path = path[len(root):] or "/"
+            public = path == "/health" or (path == "/metrics" and server is not None
+                                           and server.config.serving.public_metrics)
+            if not public and (server is None or not server.is_authorized(_Headers(scope))):
+                err = (HTTPError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                 "authentication_error") if server is not None
+                       else HTTPError(503, "the server is starting", "service_unavailable"))
+                if server is not None:
+                    server.metrics.errors.inc(code=str(err.status))
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _Headers:
+    """The one header the middleware reads, without building a Request."""
+
+    def __init__(self, scope: dict) -> None:
+        self.headers = scope.get("headers", [])
+
+    def get(self, name: str, default: str = "") -> str:
+        key = name.encode()
+        for k, v in self.headers:
+            if k.lower() == key:
+                return v.decode("latin-1")
+        return default
+
+
+fastapi_app.add_middleware(_AuthMiddleware)
+
+
+@fastapi_app.exception_handler(StarletteHTTPException)
+async def _route_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """404 (no such route) and 405 (wrong method) in OpenAI's shape."""
+    if exc.status_code == 404:
+        message = f"no route {request.url.path}; see /v1/models, /v1/completions, /v1/chat/completions"
+        err = HTTPError(404, message, "not_found_error")
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        err = HTTPError(405, f"method {request.method} is not allowed on {request.url.path}"
+                             + (f"; allowed: {allowed}" if allowed else ""), "invalid_request_error")
+    else:
+        err = HTTPError(exc.status_code, str(exc.detail), "invalid_request_error")
+    response = err.response()
+    response.headers.update(exc.headers or {})
+    return response
+
+
+@fastapi_app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    return HTTPError(400, f"invalid request: {exc.errors()[:1]}").response()
+
+
+@fastapi_app.exception_handler(Exception)
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    logger.error("unhandled error on %s", request.url.path, exc_info=exc)
+    return HTTPError(500, f"internal error: {type(exc).__name__}", "server_error").response()
+
+
+def openapi_schema(app: FastAPI = fastapi_app) -> dict[str, Any]:
+    """The app's OpenAPI document, with the request bodies' JSON schemas (the endpoints read raw
+    requests, so FastAPI alone would not know them). Cached on the app's state (not in FastAPI's
+    own `openapi_schema`, which Serve fills when it wraps the app, before the routes carry bodies)."""
+    from fastapi.openapi.utils import get_openapi  # noqa: PLC0415
+
+    cached = getattr(app.state, "openapi", None)
+    if cached is not None:
+        return cached
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in BODY_MODELS.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        operation = schema["paths"].get(path, {}).get("post")
+        if operation is not None:
+            operation["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    app.state.openapi = schema
+    return schema
+
+
+async def guard(server: Any, request: Request, handler, *, body: bool = True) -> Response:
+    """Run one endpoint with body parsing and error mapping (auth is the middleware's)."""
+    try:
+        if body:
+            return await handler(await server.read_json(request))
+        return await handler()
+    except Exception as e:  # noqa: BLE001 - every failure answers in OpenAI's shape
+        err = error_for(e)
+        server.metrics.errors.inc(code=str(err.status))
+        return err.response()
+
+
+def sse_response(chunks: AsyncIterator[dict], ticket: Ticket) -> StreamingResponse:
+    """An SSE response of `chunks`, ending in `data: [DONE]`; an error once the stream has
+    started goes in-band; the admission ticket is released however the body ends."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+            err = error_for(e)
+            yield f"data: {json.dumps(error_body(err.message, err.err_type, err.status, err.param))}\n\n"
+        finally:
+            ticket.release()        # also when the client left before the body started
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
