@@ -48,6 +48,7 @@ class ModelRunner:
         self.keep_generators = False
         self.generators: dict[str, torch.Generator] = {}
         self.graph_runner: CudaGraphRunner | None = None     # decode steps replay CUDA graphs
+        self._logits: torch.Tensor | None = None             # see _logits_buffer
 
     def capture_cuda_graphs(self, sizes: tuple[int, ...], max_model_len: int) -> bool:
         """Capture the decode step for these batch sizes (after the KV cache exists). Only on CUDA
@@ -132,7 +133,8 @@ class ModelRunner:
                      + [i for _, idx in lp_rows for i in idx])
         if not row_index:                                  # only partial prefill chunks here
             return None
-        logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=hidden.device)]).cpu()
+        logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=hidden.device)],
+                                           self._logits_buffer(len(row_index))).cpu()
         if not state.is_driver:                  # TP ranks > 0 only took part in the logits gather
             return None
         num_sample = len(sample_rows)
@@ -161,6 +163,19 @@ class ModelRunner:
                 output.failed[req.request_id] = f"computing prompt logprobs failed: {e!r}"
             offset += len(idx)
         return output
+
+    def _logits_buffer(self, rows: int) -> torch.Tensor | None:
+        """A float32 buffer for `rows` rows of this rank's logits, kept across steps (grown by
+        half again when too small). Allocating them fresh each step cost more than the LM head at
+        batch 256 on CPU: glibc maps allocations over 32 MiB anew each time, and the step then
+        page-faults through them (benchmarks/step_overhead.py, docs/PERFORMANCE.md §8)."""
+        if self.model_dtype == torch.float32:
+            return None
+        head = self.model.lm_head if self.model.lm_head is not None else self.model.embed_tokens
+        if self._logits is None or self._logits.shape[0] < rows:
+            size = rows if self._logits is None else max(rows, self._logits.shape[0] * 3 // 2)
+            self._logits = torch.empty(size, head.weight.shape[0], dtype=torch.float32, device=self.device)
+        return self._logits
 
     def _prepare(self, batch: list[ScheduledRequest]):
         bs = self.block_size

@@ -149,3 +149,32 @@ def test_max_tokens_none_runs_to_max_model_len(tiny_llama):
     out = gen(llm, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 48 - len(PROMPTS[0])
     assert out.outputs[0].finish_reason == "length"
+
+
+def test_greedy_ids_is_argmax_with_first_maximum():
+    from engine.layers.sampler import greedy_ids
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 1001, generator=g)
+    logits[3, [10, 500, 900]] = 50.0                       # ties: the first maximum, as argmax
+    logits[5, :] = 0.0
+    assert torch.equal(greedy_ids(logits), logits.argmax(dim=-1))
+    assert greedy_ids(logits)[3].item() == 10 and greedy_ids(logits)[5].item() == 0
+
+
+def test_low_precision_logits_go_through_a_kept_float32_buffer(tiny_llama):
+    """A bf16 model's float32 logits are converted into the runner's buffer, kept across steps and
+    grown when a step has more rows; the values are those of a fresh conversion."""
+    llm = LLM(tiny_llama, dtype="bfloat16")
+    runner = llm.llm_engine.executor.worker.runner
+    hidden = torch.randn(5, runner.model.config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+    fresh = runner.model.compute_logits(hidden)
+    buffered = runner.model.compute_logits(hidden, runner._logits_buffer(5))
+    assert fresh.dtype == buffered.dtype == torch.float32 and torch.equal(fresh, buffered)
+    kept = runner._logits_buffer(3)
+    assert kept.data_ptr() == runner._logits_buffer(5).data_ptr() and kept.shape[0] >= 5
+    assert runner._logits_buffer(40).shape[0] >= 40
+    out = gen(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    alone = gen(llm, [PROMPTS[2]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+    assert out[2].outputs[0].token_ids == alone[0].outputs[0].token_ids

@@ -130,11 +130,16 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits [N, vocab] (gathered over the TP ranks: call on all of them)."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab] (gathered over the TP ranks: call on all of them).
+        `out`: a float32 buffer of at least [N, this rank's vocabulary rows] to convert into, so a
+        low-precision model's step does not allocate the float32 logits anew (see ModelRunner)."""
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
         packed = self.tied_packed if self.lm_head is None else self.head_packed
-        return head.gather_logits(linear(hidden, head.weight, None, packed).float())
+        local = linear(hidden, head.weight, None, packed)
+        if local.dtype != torch.float32:
+            local = local.float() if out is None else out[:local.shape[0], :local.shape[1]].copy_(local)
+        return head.gather_logits(local)
 
     # HF name fragment -> (our fused parameter fragment, shard id)
     _fused = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),

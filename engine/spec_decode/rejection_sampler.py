@@ -19,7 +19,8 @@ from dataclasses import replace
 
 import torch
 
-from engine.layers.sampler import SamplingRow, apply_penalties_and_masks, filtered_probs, to_sampled
+from engine.layers.sampler import (SamplingRow, apply_penalties_and_masks, filtered_probs, greedy_ids,
+                                   to_sampled)
 from engine.outputs import SampledToken
 
 
@@ -33,7 +34,7 @@ def verify(logits: torch.Tensor, row: SamplingRow, draft_token_ids: list[int]) -
     rows = [replace(row, output_token_ids=row.output_token_ids + draft_token_ids[:j]) for j in range(k + 1)]
     apply_penalties_and_masks(logits, rows)
     if params.is_greedy:
-        emitted = accept_greedy(logits.argmax(dim=-1).tolist(), draft_token_ids)
+        emitted = accept_greedy(greedy_ids(logits).tolist(), draft_token_ids)
     else:
         probs = filtered_probs(logits / params.temperature, [params] * (k + 1))
         emitted = rejection_sample(probs, draft_token_ids, row.generator)
