@@ -47,7 +47,10 @@ def test_kernel_sets_match_transformers(tiny_model, oracle, kernels, monkeypatch
     prompts = mixed_prompts(1000)
     llm = LLM(tiny_model, dtype="float32", max_num_batched_tokens=24, max_model_len=512)
     expected = {"cpu": "kernels.cpu_ops", "reference": "kernels.reference"}[kernels]
-    assert llm.llm_engine.executor.worker.runner.kernels.__name__ == expected
+    runner = llm.llm_engine.executor.worker.runner
+    assert runner.kernels.__name__ == expected
+    bound = [m.kernels for m in runner.model.modules() if hasattr(type(m), "kernels")]
+    assert len(bound) >= 4 and all(k is runner.kernels for k in bound)     # chosen once, per model
     assert run(llm, prompts) == oracle(tiny_model, prompts)
 
 

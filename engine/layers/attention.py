@@ -7,6 +7,7 @@ them, so a request may read blocks that another request of the same step is fill
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -26,6 +27,8 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
+    kernels: ModuleType | None = None     # bound once by ModelRunner (bind_kernels); else looked up per call
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -34,7 +37,7 @@ class Attention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """query: [T, H, d]; key/value: [T, kvh, d]; returns [T, H, d]."""
-        k = kernels_for(query)
+        k = self.kernels or kernels_for(query)
         k.write_kv(key, value, kv_cache, meta.slot_mapping)
         num_decode = meta.num_decode_tokens
         if num_decode == query.shape[0]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -43,6 +44,8 @@ def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    kernels: ModuleType | None = None     # bound once by ModelRunner (bind_kernels); else looked up per call
+
     def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any],
                  dtype: torch.dtype) -> None:
         super().__init__()
@@ -58,4 +61,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        return kernels_for(query).apply_rotary(query, key, cos, sin)
+        return (self.kernels or kernels_for(query)).apply_rotary(query, key, cos, sin)

@@ -9,6 +9,7 @@ norm and LM head on the last, and passes (hidden, residual) between stages.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -51,6 +52,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    kernels: ModuleType | None = None     # bound once by ModelRunner (bind_kernels); else looked up per call
+
     def __init__(self, config: Any, dtype: torch.dtype) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
@@ -62,7 +65,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(kernels_for(gate_up).silu_and_mul(gate_up))
+        return self.down_proj((self.kernels or kernels_for(gate_up)).silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
