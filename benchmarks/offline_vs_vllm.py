@@ -1,0 +1,115 @@
+"""Offline throughput, pdserve's engine against vLLM's CPU build, on the same model and prompts:
+each run in its own process (the two cannot share one), alternating, best of N each.
+
+    .venv/bin/python benchmarks/offline_vs_vllm.py --vllm-python /path/vllm-venv/bin/python \\
+        --model tiny --num-prompts 256 --input-len 16 --output-len 64 --runs 3
+
+`--model tiny` builds benchmarks/step_overhead.py's overhead-bound model (2 layers, hidden 256, the
+embedded model's 49k vocabulary); both engines load it in `--dtype`. vLLM runs with its CPU
+settings (`VLLM_CPU_KVCACHE_SPACE`, `VLLM_CPU_OMP_THREADS_BIND`, and the tcmalloc / Intel OpenMP
+preloads its docs ask for, where found: docs/PERFORMANCE.md §1). Model load and warm-up are not
+timed; every request decodes `--output-len` greedy tokens (`ignore_eos`), all submitted at once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PRELOADS = ["/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "{venv}/lib/libiomp5.so"]
+
+
+def prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(num)]
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One engine, one process: load, warm up, time one generate over every prompt."""
+    # This script's folder holds a kernels.py that would shadow the packages named `kernels`.
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    batch = prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    warm = prompts(4, args.input_len, vocab, args.seed + 1)
+    if args.engine == "vllm":
+        from vllm import LLM, SamplingParams
+        llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.num_prompts, max_model_len=512, seed=0)
+    else:
+        sys.path.insert(0, str(HERE.parent))
+        from engine import LLM, SamplingParams
+        llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_prompts, max_model_len=512)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print("RESULT " + json.dumps({"engine": args.engine, "tok_s": tokens / wall, "wall_s": wall,
+                                  "first": list(outs[0].outputs[0].token_ids[:8])}), flush=True)
+
+
+def run_one(engine: str, python: str, args: argparse.Namespace, model: str) -> dict:
+    cmd = [python, str(Path(__file__).resolve()), "--engine", engine, "--model", model, "--dtype", args.dtype,
+           "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
+           "--output-len", str(args.output_len), "--seed", str(args.seed)]
+    env = dict(os.environ)
+    if engine == "vllm":
+        venv = str(Path(python).resolve().parent.parent) if "venv" in python else str(Path(python).parent.parent)
+        preload = [p.format(venv=venv) for p in PRELOADS if Path(p.format(venv=venv)).exists()]
+        env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
+                   LD_PRELOAD=":".join(preload))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"{engine} run failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engine", choices=["pdserve", "vllm"], help=argparse.SUPPRESS)
+    ap.add_argument("--vllm-python", default=None, help="the python of vLLM's venv")
+    ap.add_argument("--model", default="tiny", help="'tiny' or a model directory both engines load")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.engine:
+        worker(args)
+        return
+    if not args.vllm_python:
+        ap.error("--vllm-python is required")
+    model = args.model
+    if model == "tiny":
+        sys.path.insert(0, str(HERE.parent))
+        sys.path.append(str(HERE))
+        from step_overhead import make_tiny_model
+        model = make_tiny_model(tempfile.mkdtemp(prefix="pdserve-tiny256-"))
+    results: dict[str, list[float]] = {"pdserve": [], "vllm": []}
+    for r in range(args.runs):
+        for engine, python in (("pdserve", sys.executable), ("vllm", args.vllm_python)):
+            res = run_one(engine, python, args, model)
+            results[engine].append(res["tok_s"])
+            print(f"run {r + 1} {engine:8s} {res['tok_s']:9.1f} tok/s ({res['wall_s']:.2f} s) first tokens {res['first']}",
+                  flush=True)
+    best = {e: max(v) for e, v in results.items()}
+    print(f"best of {args.runs}: pdserve {best['pdserve']:.1f}, vLLM {best['vllm']:.1f} tok/s; "
+          f"pdserve / vLLM {best['pdserve'] / best['vllm']:.2f}; per run "
+          + ", ".join(f"{a / b:.2f}" for a, b in zip(results["pdserve"], results["vllm"])))
+
+
+if __name__ == "__main__":
+    main()
