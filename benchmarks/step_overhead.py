@@ -97,7 +97,8 @@ class StepTimer:
 def run(llm: LLM, timer: StepTimer, batch: int, input_len: int, output_len: int, seed: int) -> dict[str, float]:
     engine = llm.llm_engine
     vocab = engine.config.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    # Deltas, as the serving path asks for them (the offline LLM asks for final outputs only).
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind="delta")
     for i, p in enumerate(make_prompts(batch, input_len, input_len, vocab, seed)):
         engine.add_request(f"s{seed}-{batch}-{i}", None, p, params)
     while any(not s.output_token_ids for s in engine.scheduler.running) or engine.scheduler.waiting:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator
@@ -61,6 +62,20 @@ class StepDelta:
     def failure(cls, request_id: str, error: BaseException) -> StepDelta:
         return cls(request_id, [], True, 0, error=error)
 
+    @classmethod
+    def of(cls, out: RequestOutput) -> StepDelta:
+        """The wire form of an engine output of kind "delta" (the choices that advanced, each with
+        only what is new)."""
+        choices = [ChoiceDelta(c.index, c.token_ids, c.text, c.logprobs, c.finish_reason, c.stop_reason)
+                   for c in out.outputs]
+        return cls(out.request_id, choices, out.finished, len(out.prompt_token_ids), out.num_cached_tokens,
+                   dict(out.metrics), out.kv_transfer_params, request_error(out))
+
+
+def _deltas(params: SamplingParams) -> SamplingParams:
+    """The request's params asking the engine for deltas (each step's output holds only what is new)."""
+    return params if params.output_kind == "delta" else dataclasses.replace(params, output_kind="delta")
+
 
 class _Outbox:
     """The deltas waiting for one ingress's channel, and the requests of that ingress still running."""
@@ -76,27 +91,6 @@ class _Outbox:
         if delta.finished:
             self.request_ids.discard(delta.request_id)
         self.ready.set()
-
-
-class _DeltaTracker:
-    """Turns cumulative RequestOutputs into per-step deltas. (The engine's text only grows: it holds
-    back a possible stop-string prefix until the stop check has seen it.)"""
-
-    def __init__(self) -> None:
-        self.sent: dict[int, tuple[int, int]] = {}     # choice index -> (tokens sent, text chars sent)
-
-    def delta(self, out: RequestOutput) -> StepDelta:
-        choices = []
-        for c in out.outputs:
-            num_tokens, num_chars = self.sent.get(c.index, (0, 0))
-            if len(c.token_ids) == num_tokens and len(c.text) == num_chars and c.finish_reason is None:
-                continue
-            choices.append(ChoiceDelta(
-                c.index, c.token_ids[num_tokens:], c.text[num_chars:],
-                None if c.logprobs is None else c.logprobs[num_tokens:], c.finish_reason, c.stop_reason))
-            self.sent[c.index] = (len(c.token_ids), len(c.text))
-        return StepDelta(out.request_id, choices, out.finished, len(out.prompt_token_ids),
-                         out.num_cached_tokens, dict(out.metrics), out.kv_transfer_params)
 
 
 class EngineReplica:
@@ -159,26 +153,19 @@ class EngineReplica:
         """Start a request whose deltas go to `ingress_id`'s channel. Raises ValueError for bad input
         and EngineDeadError for a dead engine (nothing runs then)."""
         box = self._outboxes.setdefault(ingress_id, _Outbox())     # the channel may open just after
-        tracker = _DeltaTracker()
 
         def sink(item: RequestOutput | BaseException) -> None:
-            if isinstance(item, BaseException):
-                box.put(StepDelta.failure(request_id, item))
-                return
-            delta = tracker.delta(item)
-            delta.error = request_error(item)
-            box.put(delta)
+            box.put(StepDelta.failure(request_id, item) if isinstance(item, BaseException) else StepDelta.of(item))
 
-        self.engine.submit(request_id, prompt_token_ids, params, sink, kv_transfer_params)
+        self.engine.submit(request_id, prompt_token_ids, _deltas(params), sink, kv_transfer_params)
         box.request_ids.add(request_id)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        kv_transfer_params: dict | None = None) -> AsyncIterator[StepDelta]:
         """Stream one request's StepDeltas on their own; closing the stream early aborts the request
         (its blocks are freed)."""
-        tracker = _DeltaTracker()
-        async for out in self.engine.generate(request_id, prompt_token_ids, params, kv_transfer_params):
-            yield tracker.delta(out)
+        async for out in self.engine.generate(request_id, prompt_token_ids, _deltas(params), kv_transfer_params):
+            yield StepDelta.of(out)
 
     def abort(self, request_ids: str | list[str]) -> None:
         """Abort requests, or end the lease on the blocks of one prefilled for a remote decode."""

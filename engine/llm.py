@@ -1,6 +1,7 @@
 """LLM: the offline API, vLLM's shapes: LLM(model).generate(prompts, params) / .chat(messages)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -108,8 +109,10 @@ class LLM:
         for (_, ids), sp in zip(parsed, params):
             engine.validate(ids or [], sp)  # all or nothing: validate before queueing any
         ids = [str(next(self._counter)) for _ in parsed]
+        # Only the final outputs are read below: the engine builds no other (its output_kind).
+        final = {id(sp): dataclasses.replace(sp, output_kind="final_only") for sp in params}
         for rid, (prompt, token_ids), sp in zip(ids, parsed, params):
-            engine.add_request(rid, prompt, token_ids, sp)
+            engine.add_request(rid, prompt, token_ids, final[id(sp)])
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(ids) > 1:

@@ -38,19 +38,40 @@ class _Child:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_seen: int = 0            # output tokens detokenized and checked for stop strings so far
+    # What earlier outputs carried (output_kind "delta"): tokens (and their logprobs), text chars,
+    # and whether the finish went out.
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    finish_sent: bool = False
     # Logprobs converted so far (the request's lists only grow: convert each entry once).
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
 
-    def visible_text(self) -> str:
-        """The text to show now. While running with stop strings, the tail that could be the start
-        of a stop string is held back: the stop check may cut it, and streamed text cannot be
-        taken back."""
+    def visible_len(self) -> int:
+        """How much of the text to show now. While running with stop strings, the tail that could
+        be the start of a stop string is held back: the stop check may cut it, and streamed text
+        cannot be taken back."""
         params = self.request.sampling_params
         if self.finish_reason is not None or not params.stop or params.include_stop_str_in_output:
-            return self.text
-        hold = max(len(s) for s in params.stop) - 1
-        return self.text[:max(0, len(self.text) - hold)]
+            return len(self.text)
+        return max(0, len(self.text) - (max(len(s) for s in params.stop) - 1))
+
+    def completion(self, index: int, logprobs: bool, delta: bool) -> CompletionOutput | None:
+        """This choice's output: all of it, or (`delta`) what is new since the last delta, None
+        when nothing is (O(new tokens): nothing is copied that went out before)."""
+        r = self.request
+        tokens, end = r.output_token_ids, self.visible_len()
+        first, first_char = (self.sent_tokens, self.sent_chars) if delta else (0, 0)
+        if delta:
+            if len(tokens) == first and end == first_char and (self.finish_reason is None or self.finish_sent):
+                return None
+            self.sent_tokens, self.sent_chars = len(tokens), end
+            self.finish_sent = self.finish_reason is not None
+        return CompletionOutput(
+            index=index, text=self.text[first_char:end], token_ids=tokens[first:],
+            cumulative_logprob=self.cumulative_logprob if logprobs else None,
+            logprobs=self.logprobs[first:] if logprobs else None,
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
 
 
 @dataclass(slots=True)
@@ -292,6 +313,8 @@ class LLMEngine:
                 self._fail_state(state, f"processing its output failed: {e!r}")
             touched[state.request_id] = state
         for state in touched.values():
+            if not state.finished and state.params.output_kind == "final_only":
+                continue
             try:
                 outputs.append(self._make_output(state))
             except Exception as e:  # noqa: BLE001
@@ -415,16 +438,14 @@ class LLMEngine:
         """The request's cumulative output; `plain` leaves out what needs the tokenizer (logprobs,
         prompt logprobs): the output of a request whose conversion failed."""
         completions = []
+        delta = state.params.output_kind == "delta"
         for i, child in enumerate(state.children):
-            r = child.request
-            wants_logprobs = r.sampling_params.logprobs is not None and not plain
+            wants_logprobs = child.request.sampling_params.logprobs is not None and not plain
             if wants_logprobs:
                 self._extend_logprobs(child)
-            completions.append(CompletionOutput(
-                index=i, text=child.visible_text(), token_ids=list(r.output_token_ids),
-                cumulative_logprob=child.cumulative_logprob if wants_logprobs else None,
-                logprobs=list(child.logprobs) if wants_logprobs else None,
-                finish_reason=child.finish_reason, stop_reason=child.stop_reason))
+            completion = child.completion(i, wants_logprobs, delta)
+            if completion is not None:
+                completions.append(completion)
         leader = state.children[0].request
         prompt_lps = None
         if state.params.prompt_logprobs is not None and not plain:

@@ -22,6 +22,10 @@ SEED_MIN, SEED_MAX = INT64_MIN, (1 << 64) - 1
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+# What the engine returns for a request each step it advances (vLLM's RequestOutputKind): the whole
+# output so far, only what is new since the last one (the serving path), or nothing until it ends
+# (the offline `LLM`, which reads only the final outputs).
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclass
@@ -47,6 +51,7 @@ class SamplingParams:
     detokenize: bool = True
     priority: int = 0                    # lower runs first under scheduling_policy="priority"
     extra_keys: tuple = field(default_factory=tuple)  # e.g. a cache salt: part of the block hash
+    output_kind: str = "cumulative"      # one of OUTPUT_KINDS
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +94,7 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, SEED_MIN, SEED_MAX, " (or None)")
         _check_int("priority", self.priority, INT64_MIN, INT64_MAX)
+        _check(self.output_kind in OUTPUT_KINDS, "output_kind", f"one of {OUTPUT_KINDS}", self.output_kind)
         self.extra_keys = tuple(self.extra_keys)
 
     @property

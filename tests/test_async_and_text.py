@@ -131,3 +131,53 @@ def test_kv_event_long_poll_answers_only_with_events(tiny_llama):
         replica.engine.engine.check_no_leaks()
 
     asyncio.run(main())
+
+
+def test_output_kinds_delta_and_final_only_add_up_to_cumulative(tiny_llama):
+    """The same requests (n=2 stopped by a stop string, and one with logprobs) run as "cumulative",
+    "delta" and "final_only": the deltas concatenate to the cumulative outputs, each choice's finish
+    goes out exactly once, and final_only returns nothing before the end."""
+    llm = LLM(tiny_llama, dtype="float32")
+    engine = llm.llm_engine
+    prompts = [list(range(20, 45)), list(range(300, 310))]
+    text = llm.generate([{"prompt_token_ids": prompts[0]}],
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]          # met mid-way by the greedy choice
+    # Two seeded choices, the first ended early by a token that only it draws: they finish apart.
+    sampled = dict(n=2, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)
+    first, second = (c.token_ids for c in llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(**sampled),
+                                                       use_tqdm=False)[0].outputs)
+    only_first = next(t for t in first[2:12] if t not in second and t not in first[:first.index(t)])
+    prompts.append(prompts[0])
+    base = [dict(n=2, temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+            dict(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2),
+            dict(sampled, stop_token_ids=[only_first])]
+
+    def run(kind):
+        for i, (p, kw) in enumerate(zip(prompts, base)):
+            engine.add_request(f"{kind}-{i}", None, p, SamplingParams(**kw, output_kind=kind))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs.extend(engine.step())
+        return outs
+
+    cumulative = {o.request_id.split("-")[1]: o for o in run("cumulative") if o.finished}
+    finals = run("final_only")
+    assert all(o.finished for o in finals) and len(finals) == 3
+    deltas = run("delta")
+    for i, full in cumulative.items():
+        final = next(o for o in finals if o.request_id == f"final_only-{i}")
+        assert [(c.text, c.token_ids) for c in final.outputs] == [(c.text, c.token_ids) for c in full.outputs]
+        mine = [o for o in deltas if o.request_id == f"delta-{i}"]
+        assert mine[-1].finished and not any(o.finished for o in mine[:-1])
+        for c in full.outputs:
+            parts = [d for o in mine for d in o.outputs if d.index == c.index]
+            assert "".join(d.text for d in parts) == c.text
+            assert [t for d in parts for t in d.token_ids] == c.token_ids
+            assert [d.finish_reason for d in parts if d.finish_reason] == [c.finish_reason]
+            if c.logprobs is not None:
+                assert [lp for d in parts for lp in d.logprobs] == c.logprobs
+    assert any(c.finish_reason == "stop" and c.stop_reason == stop for c in cumulative["0"].outputs)
+    apart = cumulative["2"].outputs
+    assert apart[0].stop_reason == only_first and len(apart[0].token_ids) < len(apart[1].token_ids) == 24
+    engine.check_no_leaks()
