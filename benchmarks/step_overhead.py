@@ -69,6 +69,7 @@ class StepTimer:
         self._wrap("forward", runner.model, "forward")
         self._wrap("logits", runner.model, "compute_logits")
         self._wrap("sample", model_runner, "sample")
+        self._wrap("sample", model_runner, "greedy_ids")         # rows that only take their argmax
         self._wrap("update", engine.scheduler, "update_from_output")
         self._wrap("outputs", engine, "_process_tokens")
         self._wrap("outputs", engine, "_make_output")

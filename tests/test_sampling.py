@@ -178,3 +178,20 @@ def test_low_precision_logits_go_through_a_kept_float32_buffer(tiny_llama):
     alone = gen(llm, [PROMPTS[2]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
     assert out[2].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_plain_greedy_rows_skip_the_sampler_with_the_same_tokens(tiny_llama):
+    """A bf16 step whose rows all just take their argmax reads it from the bf16 logits (no float32
+    copy, no sampler); asking for logprobs sends the same requests through the sampler instead:
+    the tokens agree, and so do the two ways of taking the argmax."""
+    llm = LLM(tiny_llama, dtype="bfloat16")
+    plain = gen(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    sampled = gen(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0))
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in sampled]
+    from engine.layers.sampler import greedy_ids
+
+    model = llm.llm_engine.executor.worker.runner.model
+    hidden = torch.randn(64, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).bfloat16()
+    low = model.compute_logits(hidden, model_dtype=True)
+    assert low.dtype == torch.bfloat16
+    assert torch.equal(greedy_ids(low), greedy_ids(model.compute_logits(hidden)))

@@ -133,14 +133,16 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None,
+                       model_dtype: bool = False) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab] (gathered over the TP ranks: call on all of them).
         `out`: a float32 buffer of at least [N, this rank's vocabulary rows] to convert into, so a
-        low-precision model's step does not allocate the float32 logits anew (see ModelRunner)."""
+        low-precision model's step does not allocate the float32 logits anew (see ModelRunner).
+        `model_dtype`: leave them in the model's dtype (what a greedy argmax needs, on one rank)."""
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
         packed = self.tied_packed if self.lm_head is None else self.head_packed
         local = linear(hidden, head.weight, None, packed)
-        if local.dtype != torch.float32:
+        if local.dtype != torch.float32 and not model_dtype:
             local = local.float() if out is None else out[:local.shape[0], :local.shape[1]].copy_(local)
         return head.gather_logits(local)
 
