@@ -116,6 +116,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.pdserve_cpu.silu_and_mul(x)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """kernels.reference.argmax_rows's contract."""
+    if x.dtype not in DTYPES or x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1:
+        return reference.argmax_rows(x)
+    return torch.ops.pdserve_cpu.argmax_rows(x)
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """kernels.reference.write_kv's contract; slots < 0 (padding rows) are skipped."""
     rows_ok = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (key, value))

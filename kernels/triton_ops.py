@@ -1,12 +1,13 @@
 """The Triton kernel set, with the same names and contracts as kernels.reference (which
 kernels.dispatch returns on CUDA). Block gathers and CPU <-> GPU swaps are plain copies and stay
-with the reference's torch implementation, as does silu-and-mul (one elementwise op after the GEMM)."""
+with the reference's torch implementation, as do silu-and-mul (one elementwise op after the GEMM)
+and the row argmax (torch's reduction)."""
 from __future__ import annotations
 
-from kernels.reference import gather_blocks, gather_kv, silu_and_mul, swap_blocks
+from kernels.reference import argmax_rows, gather_blocks, gather_kv, silu_and_mul, swap_blocks
 from kernels.triton_attention import decode_attention, prefill_attention
 from kernels.triton_cache import copy_blocks, write_kv
 from kernels.triton_layers import apply_rotary, rms_norm
 
-__all__ = ["apply_rotary", "copy_blocks", "decode_attention", "gather_blocks", "gather_kv",
+__all__ = ["apply_rotary", "argmax_rows", "copy_blocks", "decode_attention", "gather_blocks", "gather_kv",
            "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]

@@ -191,6 +191,25 @@ def test_silu_and_mul_matches_reference(dtype):
         assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 7, 16, 49152 + 5])
+def test_argmax_rows_matches_torch_first_maximum_and_nan(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n + 3, generator=g).to(dtype)[:, 1:n + 1]           # rows with a stride > n
+    x[1] = 0.0                                                              # all tied: index 0
+    x[2] = float("-inf")
+    x[3, n // 2:] = 100.0                                                   # ties: the first one
+    x[4, n - 1] = 100.0                                                     # the last one (tail)
+    x[5, n // 3] = float("nan")                                             # NaN wins, as in torch
+    x[6, :] = -5.0
+    x[6, (7 * n) // 8] = float("inf")
+    got = cpu_ops.argmax_rows(x)
+    assert got.dtype == torch.long and torch.equal(got, reference.argmax_rows(x))
+    finite = [0, 1, 2, 3, 4, 6, 7, 8]
+    assert torch.equal(got[finite], x[finite].float().argmax(dim=-1))
+    assert got[3].item() == n // 2 and got[5].item() == n // 3
+
+
 def test_write_kv_skips_padding_and_matches_reference():
     """Key rows contiguous, value rows a strided view of a fused projection; slot -1 is padding."""
     g = torch.Generator().manual_seed(4)

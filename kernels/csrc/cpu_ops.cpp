@@ -461,6 +461,64 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cac
   }
 }
 
+// Each row's argmax: the first maximum, or the first NaN where a row has one (torch's max(dim)).
+// Sixteen lanes keep their own best value and its first index; the lanes are merged at the end.
+// torch's CPU max over bfloat16 converts element by element: this reads the row once at memory speed
+// (greedy ids from bf16 logits of a 49k vocabulary, benchmarks/step_overhead.py).
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  f32x16 best = f32x16{} - INFINITY;
+  i32x16 best_idx{}, lane_idx;
+  for (int i = 0; i < 16; ++i) lane_idx[i] = i;
+  i32x16 nan_seen{};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const f32x16 v = load16(x + j);
+    nan_seen |= v != v;
+    const i32x16 better = v > best;
+    best = better ? v : best;
+    best_idx = better ? lane_idx : best_idx;
+    lane_idx += 16;
+  }
+  for (int i = 0; i < 16; ++i)
+    if (nan_seen[i]) {                         // a NaN: the first one wins (found again, rarely)
+      for (int64_t k = 0; k < n; ++k)
+        if (to_float(x[k]) != to_float(x[k])) return k;
+    }
+  float top = -INFINITY;
+  int64_t top_idx = 0;
+  for (int i = 0; i < 16; ++i)
+    if (j > 0 && (best[i] > top || (best[i] == top && best_idx[i] < top_idx))) top = best[i], top_idx = best_idx[i];
+  for (; j < n; ++j) {
+    const float v = to_float(x[j]);
+    if (v != v) return j;
+    if (v > top || (j == 0)) top = v, top_idx = j;
+  }
+  return top_idx;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1, "argmax_rows: x must be [rows, n > 0] with contiguous rows");
+  TORCH_CHECK(x.size(1) < (int64_t{1} << 31), "argmax_rows: rows longer than 2**31 - 1");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* o = out.mutable_data_ptr<int64_t>();
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* p = x.const_data_ptr<T>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / n), [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) o[r] = argmax_row<T>(p + r * stride, n);
+    });
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "argmax_rows: dtype must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
@@ -469,6 +527,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
@@ -477,4 +536,5 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("rotary", &rotary);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("write_kv", &write_kv);
+  m.impl("argmax_rows", &argmax_rows);
 }
