@@ -32,25 +32,10 @@ def _free_port() -> int:
 
 def make_tiny_llama(out: str) -> str:
     """The tests' tiny Llama (2 layers, hidden 64) with the embedded model's tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the repo: benchmarks/kernels.py
+    from step_overhead import make_tiny_model
 
-    from engine.model_source import embedded_model_path
-
-    path = embedded_model_path()
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():                     # the tests' init: peaked logits, readable text
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.15)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    return out
+    return make_tiny_model(out, hidden=64, heads=4, kv_heads=2, intermediate=128, tied=False)
 
 
 async def http_one(client, base: str, prompt: list[int], n: int) -> tuple[float, list[float]]:

@@ -31,8 +31,10 @@ from engine import LLM, SamplingParams  # noqa: E402
 PARTS = ["schedule", "prepare", "forward", "logits", "sample", "update", "outputs"]
 
 
-def make_tiny_model(out: str, hidden: int = 256, layers: int = 2) -> str:
-    """A random Llama of `layers` x `hidden` with the embedded model's tokenizer and vocabulary."""
+def make_tiny_model(out: str, hidden: int = 256, layers: int = 2, heads: int | None = None,
+                    kv_heads: int | None = None, intermediate: int | None = None, tied: bool = True) -> str:
+    """A random Llama of `layers` x `hidden` (head_dim 64 unless `heads` says otherwise) with the
+    embedded model's tokenizer and vocabulary, weights drawn as the tests draw them (peaked logits)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
@@ -40,10 +42,11 @@ def make_tiny_model(out: str, hidden: int = 256, layers: int = 2) -> str:
 
     path = embedded_model_path()
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 4,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128),
-                         max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    heads = heads or hidden // 64
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate or hidden * 4,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads or max(1, heads // 2), max_position_embeddings=2048,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
