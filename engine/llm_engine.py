@@ -435,8 +435,9 @@ class LLMEngine:
                 child.finish_reason, child.stop_reason = "error", reason
 
     def _make_output(self, state: _RequestState, plain: bool = False) -> RequestOutput:
-        """The request's cumulative output; `plain` leaves out what needs the tokenizer (logprobs,
-        prompt logprobs): the output of a request whose conversion failed."""
+        """The request's output: cumulative, or only what is new for output_kind "delta" (prompt
+        logprobs are always whole); `plain` leaves out what needs the tokenizer (logprobs, prompt
+        logprobs): the output of a request whose conversion failed."""
         completions = []
         delta = state.params.output_kind == "delta"
         for i, child in enumerate(state.children):
