@@ -8,7 +8,8 @@ a tiny overhead-bound one (2 layers, hidden 256, the embedded model's 49k vocabu
     .venv/bin/python benchmarks/step_overhead.py --model tiny --batch 1,64,256
 
 Only decode steps are timed: every request's prompt is prefilled first (untimed), then the steps in
-which all scheduled requests decode one token are. "non-forward" is the step minus forward and
+which all scheduled requests decode one token are. Greedy unless `--temperature` (with `--top-p`,
+`--top-k`) says otherwise. "non-forward" is the step minus forward and
 logits (issue 24's target: <= 10% at batch 64 on the embedded model).
 """
 from __future__ import annotations
@@ -98,11 +99,13 @@ class StepTimer:
             undo()
 
 
-def run(llm: LLM, timer: StepTimer, batch: int, input_len: int, output_len: int, seed: int) -> dict[str, float]:
+def run(llm: LLM, timer: StepTimer, batch: int, input_len: int, output_len: int, seed: int,
+        sampling: dict[str, Any] | None = None) -> dict[str, float]:
     engine = llm.llm_engine
     vocab = engine.config.model_config.vocab_size
     # Deltas, as the serving path asks for them (the offline LLM asks for final outputs only).
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind="delta")
+    params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=output_len, ignore_eos=True,
+                            output_kind="delta")
     for i, p in enumerate(make_prompts(batch, input_len, input_len, vocab, seed)):
         engine.add_request(f"s{seed}-{batch}-{i}", None, p, params)
     while any(not s.output_token_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
@@ -129,6 +132,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=-1)
     args = ap.parse_args()
     model = {"embedded": None}.get(args.model, args.model)
     if args.model == "tiny":
@@ -141,7 +147,8 @@ def main() -> None:
           + f" {'other':>8} {'non-forward':>11} {'tok/s':>8}")
     for batch in batches:
         for r in range(args.rounds):
-            t = run(llm, timer, batch, args.input_len, args.output_len, seed=r)
+            t = run(llm, timer, batch, args.input_len, args.output_len, seed=r,
+                    sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k})
             step = t["step"]
             share = {n: t.get(n, 0.0) / step for n in PARTS}
             other = 1 - sum(share.values())

@@ -195,3 +195,28 @@ def test_plain_greedy_rows_skip_the_sampler_with_the_same_tokens(tiny_llama):
     low = model.compute_logits(hidden, model_dtype=True)
     assert low.dtype == torch.bfloat16
     assert torch.equal(greedy_ids(low), greedy_ids(model.compute_logits(hidden)))
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_k=5), dict(top_k=700, top_p=0.95), dict(min_p=0.05),
+                                dict(top_p=0.999), dict(top_k=3, top_p=0.5, min_p=0.2), dict()])
+def test_candidates_keep_what_the_full_sort_keeps(kw):
+    """`candidates` (topk, growing k) against `filtered_probs` (a sort of the whole vocabulary): the
+    same tokens kept with the same renormalized probabilities, row by row; and a row's candidates do
+    not depend on the rows beside it."""
+    from engine.layers.sampler import candidates, filtered_probs
+
+    g = torch.Generator().manual_seed(len(str(kw)))
+    logits = torch.randn(6, 5000, generator=g) * torch.tensor([0.5, 1.0, 2.0, 4.0, 8.0, 0.1])[:, None]
+    params = [SamplingParams(temperature=1.0, **kw)] * 6
+    vals, ids, sizes = candidates(logits, params)
+    expected = filtered_probs(logits.clone(), params)
+    for r in range(6):
+        kept = torch.zeros(5000)
+        kept[ids[r, :sizes[r]]] = vals[r, :sizes[r]]
+        assert torch.equal(kept > 0, expected[r] > 0)
+        torch.testing.assert_close(kept / kept.sum(), expected[r], rtol=1e-4, atol=1e-7)
+    others = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2)]
+    alone = candidates(logits[3:4], params[3:4])
+    mixed = candidates(torch.cat([logits[:1], logits[3:4], logits[1:2]]), [others[0], params[3], others[1]])
+    n = alone[2][0]
+    assert mixed[2][1] == n and torch.equal(mixed[1][1, :n], alone[1][0, :n]) and torch.equal(mixed[0][1, :n], alone[0][0, :n])
