@@ -198,7 +198,8 @@ def test_plain_greedy_rows_skip_the_sampler_with_the_same_tokens(tiny_llama):
 
 
 @pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_k=5), dict(top_k=700, top_p=0.95), dict(min_p=0.05),
-                                dict(top_p=0.999), dict(top_k=3, top_p=0.5, min_p=0.2), dict()])
+                                dict(top_p=0.999), dict(top_k=3, top_p=0.5, min_p=0.2), dict(),
+                                dict(top_k=1000, top_p=0.9, min_p=0.3)])
 def test_candidates_keep_what_the_full_sort_keeps(kw):
     """`candidates` (topk, growing k) against `filtered_probs` (a sort of the whole vocabulary): the
     same tokens kept with the same renormalized probabilities, row by row; and a row's candidates do
@@ -220,3 +221,16 @@ def test_candidates_keep_what_the_full_sort_keeps(kw):
     mixed = candidates(torch.cat([logits[:1], logits[3:4], logits[1:2]]), [others[0], params[3], others[1]])
     n = alone[2][0]
     assert mixed[2][1] == n and torch.equal(mixed[1][1, :n], alone[1][0, :n]) and torch.equal(mixed[0][1, :n], alone[0][0, :n])
+
+
+def test_candidates_renormalize_top_p_over_a_large_top_k_even_when_min_p_ends_early():
+    """Three likely tokens and a flat tail: min_p keeps only the three (so the cut is known inside
+    the first 64), but top_p must still be measured against the top 1000's mass (0.92), not 1."""
+    from engine.layers.sampler import candidates, filtered_probs
+
+    probs = torch.full((5000,), 0.1 / 4997)
+    probs[:3] = torch.tensor([0.31, 0.30, 0.29])
+    params = [SamplingParams(temperature=1.0, top_k=1000, top_p=0.63, min_p=0.5)]
+    vals, ids, sizes = candidates(probs.log()[None, :], params)
+    expected = filtered_probs(probs.log()[None, :], params)
+    assert sizes == [2] and int((expected[0] > 0).sum()) == 2 and set(ids[0, :2].tolist()) == {0, 1}

@@ -4,8 +4,8 @@ Per row, in order: penalties (repetition over prompt + output, presence/frequenc
 min_tokens (EOS and stop tokens masked), then greedy argmax, or temperature -> top_k -> top_p ->
 min_p -> a draw among the kept candidates (`candidates`: no sort of the whole vocabulary; one
 uniform number per row, inverted through their cumulative mass). A row with a seed draws from its
-own torch.Generator, so its tokens do not depend on what else is in the batch. Logprobs are the model's raw log-softmax (before penalties and
-temperature), as vLLM reports them.
+own torch.Generator, so its tokens do not depend on what else is in the batch. Logprobs are the
+model's raw log-softmax (before penalties and temperature), as vLLM reports them.
 
 Isolation: the steps that read one row's own data (penalties and masks, its draw, its logprobs) run
 row by row, and a row whose step raises is reported failed (`sample`'s second result) without
@@ -171,10 +171,11 @@ def candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torc
         mass_before = vals.cumsum(dim=-1) - vals
         keep = (in_k & ((mass_before < (tp * mass_k)[:, None]) | (tp >= 1)[:, None])
                 & (vals >= (mp * vals[:, 0])[:, None]))
-        # Known to end inside the first k: within its top_k, or past top_p's mass (no top_k), or
-        # below min_p's threshold at the k-th token.
-        ends = ((tk <= k) | ((tk == vocab) & (tp < 1) & (vals.sum(dim=-1) >= tp)) | (vals[:, -1] < mp * vals[:, 0])
-                | torch.tensor(k == vocab))
+        # Known to end inside the first k: within its top_k; or, with no top_k, past top_p's mass;
+        # or below min_p's threshold at the k-th token, where no top_p needs a larger top_k's mass.
+        no_top_k = tk == vocab
+        ends = ((tk <= k) | (no_top_k & (tp < 1) & (vals.sum(dim=-1) >= tp))
+                | ((vals[:, -1] < mp * vals[:, 0]) & (no_top_k | (tp >= 1))) | torch.tensor(k == vocab))
         found.append((pending[ends], vals[ends], ids[ends], keep[ends].sum(dim=-1)))
         pending = pending[~ends]
         k = min(k * 8, vocab)
