@@ -54,7 +54,8 @@ def worker(args: argparse.Namespace) -> None:
     wall = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print("RESULT " + json.dumps({"engine": args.engine, "tok_s": tokens / wall, "wall_s": wall,
-                                  "first": list(outs[0].outputs[0].token_ids[:8])}), flush=True)
+                                  "first": list(outs[0].outputs[0].token_ids[:8]),
+                                  "preload": os.environ.get("LD_PRELOAD", "")}), flush=True)
 
 
 def run_one(engine: str, python: str, args: argparse.Namespace, model: str) -> dict:
@@ -63,7 +64,7 @@ def run_one(engine: str, python: str, args: argparse.Namespace, model: str) -> d
            "--output-len", str(args.output_len), "--seed", str(args.seed)]
     env = dict(os.environ)
     if engine == "vllm":
-        venv = str(Path(python).resolve().parent.parent) if "venv" in python else str(Path(python).parent.parent)
+        venv = str(Path(python).parent.parent)     # not resolved: a venv's python links outside it
         preload = [p.format(venv=venv) for p in PRELOADS if Path(p.format(venv=venv)).exists()]
         env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
                    LD_PRELOAD=":".join(preload))
@@ -103,8 +104,8 @@ def main() -> None:
         for engine, python in (("pdserve", sys.executable), ("vllm", args.vllm_python)):
             res = run_one(engine, python, args, model)
             results[engine].append(res["tok_s"])
-            print(f"run {r + 1} {engine:8s} {res['tok_s']:9.1f} tok/s ({res['wall_s']:.2f} s) first tokens {res['first']}",
-                  flush=True)
+            print(f"run {r + 1} {engine:8s} {res['tok_s']:9.1f} tok/s ({res['wall_s']:.2f} s) first tokens {res['first']}"
+                  + (f" LD_PRELOAD={res['preload']}" if res["preload"] else ""), flush=True)
     best = {e: max(v) for e, v in results.items()}
     print(f"best of {args.runs}: pdserve {best['pdserve']:.1f}, vLLM {best['vllm']:.1f} tok/s; "
           f"pdserve / vLLM {best['pdserve'] / best['vllm']:.2f}; per run "

@@ -48,7 +48,6 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[SampledT
         temps = torch.tensor([rows[i].params.temperature for i in random_idx], dtype=logits.dtype)
         probs, cand_ids, sizes = candidates(logits[idx] / temps[:, None], [rows[i].params for i in random_idx])
         size_t = torch.tensor(sizes)
-        probs = probs.masked_fill(torch.arange(probs.shape[1])[None, :] >= size_t[:, None], 0.0)
         # One uniform draw per row, from the row's own generator, inverted through its candidates'
         # cumulative mass (a draw of exponential noise per vocabulary entry cost 0.8 ms a row).
         uniform = torch.zeros(len(random_idx), dtype=torch.float64)
@@ -139,8 +138,8 @@ def _penalize_row(logits: torch.Tensor, i: int, row: SamplingRow) -> None:
 
 def candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """What `filtered_probs` keeps, without sorting the vocabulary: each row's most likely tokens in
-    descending order, (probabilities [R, k], token ids [R, k], how many of its first k are kept;
-    zeros past a row's own k).
+    descending order, (probabilities [R, k], zero where not kept; token ids [R, k]; how many of its
+    first k are kept).
 
     top_k, then top_p on the distribution renormalized over the top k, then min_p (as filtered_probs
     and vLLM). The kept tokens are a prefix of the sorted ones, so each row takes them from `topk`
@@ -176,7 +175,7 @@ def candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torc
         no_top_k = tk == vocab
         ends = ((tk <= k) | (no_top_k & (tp < 1) & (vals.sum(dim=-1) >= tp))
                 | ((vals[:, -1] < mp * vals[:, 0]) & (no_top_k | (tp >= 1))) | torch.tensor(k == vocab))
-        found.append((pending[ends], vals[ends], ids[ends], keep[ends].sum(dim=-1)))
+        found.append((pending[ends], vals[ends] * keep[ends], ids[ends], keep[ends].sum(dim=-1)))
         pending = pending[~ends]
         k = min(k * 8, vocab)
     width = max(v.shape[1] for _, v, _, _ in found)
