@@ -81,14 +81,18 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
         time.sleep(1.0)
 
 
+GRPC_SERVICER = "pdserve_proto.serve_proxy.add_GenerationServicer_to_server"
+
+
 def grpc_start_options(config: ClusterConfig) -> dict:
     """serve.start() keywords enabling the gRPC Generation service when `serving.grpc_port` is set."""
+    # Not the generated function: this one also repairs cancellation in Serve's proxy (its docstring).
     if config.serving.grpc_port is None:
         return {}
     from ray.serve.config import gRPCOptions  # noqa: PLC0415
 
     return {"grpc_options": gRPCOptions(port=config.serving.grpc_port,
-                                        grpc_servicer_functions=["pdserve_proto.add_GenerationServicer_to_server"])}
+                                        grpc_servicer_functions=[GRPC_SERVICER])}
 
 
 def shutdown(config: ClusterConfig, drain_s: float = 10.0) -> None:

@@ -11,8 +11,9 @@ clone, in an installed wheel (the .proto ships as package data) and in Ray worke
 The package is named `pdserve_proto`, not `proto`: `proto` is the import name of `proto-plus`, which
 Ray Serve brings in (opencensus -> google-api-core), and the two would shadow each other.
 
-Exports: `pb2` (messages), `pb2_grpc` (service stubs), `add_GenerationServicer_to_server` (the path
-given to Serve's gRPCOptions), `CONTROL_SCHEMA_VERSION` and `SchemaVersionMismatch`.
+Exports: `pb2` (messages), `pb2_grpc` (service stubs), `add_GenerationServicer_to_server` (the generated
+registration; Serve's gRPCOptions name `pdserve_proto.serve_proxy`'s, which also repairs the proxy's
+cancellation), `CONTROL_SCHEMA_VERSION` and `SchemaVersionMismatch`.
 """
 from __future__ import annotations
 

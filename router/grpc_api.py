@@ -4,7 +4,7 @@
 POST /v1/completions (so validation, tokenization, admission, routing and metrics are the HTTP
 path's, not a copy) and the router's StepDeltas into GenerateResponse messages. The Serve ingress
 deployment (router/app.py) exposes it as methods named like the RPCs; Serve's gRPC proxy
-(`gRPCOptions(grpc_servicer_functions=["pdserve_proto.add_GenerationServicer_to_server"])`) calls
+(`gRPCOptions(grpc_servicer_functions=["pdserve_proto.serve_proxy.add_GenerationServicer_to_server"])`) calls
 them, so HTTP and gRPC clients share one router, its pools and its metrics.
 
 Errors map to status codes (`grpc_status`): 400 -> INVALID_ARGUMENT (details name the field),
