@@ -33,7 +33,8 @@ PARTS = ["schedule", "prepare", "forward", "logits", "sample", "update", "output
 
 
 def make_tiny_model(out: str, hidden: int = 256, layers: int = 2, heads: int | None = None,
-                    kv_heads: int | None = None, intermediate: int | None = None, tied: bool = True) -> str:
+                    kv_heads: int | None = None, intermediate: int | None = None, tied: bool = True,
+                    max_positions: int = 2048) -> str:
     """A random Llama of `layers` x `hidden` (head_dim 64 unless `heads` says otherwise) with the
     embedded model's tokenizer and vocabulary, weights drawn as the tests draw them (peaked logits)."""
     import torch
@@ -46,7 +47,7 @@ def make_tiny_model(out: str, hidden: int = 256, layers: int = 2, heads: int | N
     heads = heads or hidden // 64
     config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate or hidden * 4,
                          num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads or max(1, heads // 2), max_position_embeddings=2048,
+                         num_key_value_heads=kv_heads or max(1, heads // 2), max_position_embeddings=max_positions,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

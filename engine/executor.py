@@ -9,6 +9,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.step_channel import ChannelClosed, StepChannel
+from engine.step_delta import StepEncoder
 from engine.worker import Worker
 from kv_transfer.params import TransferReport
 from kv_transfer.worker_group import KVWorkerGroup
@@ -92,9 +93,10 @@ class InProcessExecutor(_Executor):
 class RayExecutor(_Executor):
     """One `Worker` actor per rank in a placement group (cluster/placement.py: a stage's TP ranks on
     one node, stages spread over nodes). Setup goes through Ray calls; then every worker runs
-    `serve_steps`, connected to this executor's StepChannel, and each step's SchedulerOutput is
-    serialized once and the same bytes written to every worker's connection; the driver rank (TP 0
-    of the last stage) answers with the sampled tokens. A dead worker fails the step with
+    `serve_steps`, connected to this executor's StepChannel, and each step's SchedulerOutput goes
+    out as a delta (engine/step_delta.py: O(batch) bytes on a decode step), serialized once and the
+    same bytes written to every worker's connection; the driver rank (TP 0 of the last stage)
+    answers with the sampled tokens. A dead worker fails the step with
     EngineDeadError as soon as its connection closes or Ray reports it."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -135,6 +137,7 @@ class RayExecutor(_Executor):
             if config.kv_transfer_config is not None:       # PP == 1 (config): rank == TP rank
                 ids, addresses = zip(*self._run("kv_address"))
                 self.kv = KVWorkerGroup(ids[0], list(addresses))
+            self.encoder = StepEncoder()
             self.channel = StepChannel(ray.util.get_node_ip_address())
             self._loops = [w.serve_steps.remote(*self.channel.address) for w in self.workers]
             self.channel.accept(len(self.workers), 120.0, self._dead_worker)
@@ -200,9 +203,14 @@ class RayExecutor(_Executor):
 
     def _send(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]) -> None:
         try:
-            self.channel.broadcast(pickle.dumps((sched, kv_ops), protocol=pickle.HIGHEST_PROTOCOL))
+            self.channel.broadcast(self.serialize(sched, kv_ops))
         except ChannelClosed as e:
             raise EngineDeadError(f"a worker of this engine died: {e}") from e
+
+    def serialize(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]) -> bytes:
+        """The step message every rank reads (Worker.execute_serialized)."""
+        delta = None if sched is None else self.encoder.encode(sched)
+        return pickle.dumps((delta, kv_ops), protocol=pickle.HIGHEST_PROTOCOL)
 
     def _receive(self) -> tuple[ModelRunnerOutput | None, list[TransferReport | None]]:
         try:

@@ -43,7 +43,7 @@ class ScheduledRequest:
     # Proposed tokens to verify: the last len(spec_token_ids) entries of token_ids (do_sample only).
     spec_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs_from: int | None = None   # compute prompt logprobs for positions >= this
-    # Sampling state needed by the runner when do_sample (or prompt logprobs) is set.
+    # The request's sampling state (read by the runner for rows that sample or score the prompt).
     sampling_params: SamplingParams | None = None
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)

@@ -345,7 +345,6 @@ class Scheduler:
                 and start < request.num_prompt_tokens - 1
                 and len(request.prompt_logprobs) < request.num_prompt_tokens):
             prompt_lp_from = start
-        needs_state = do_sample or prompt_lp_from is not None
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end] + spec_token_ids,
@@ -354,10 +353,12 @@ class Scheduler:
             do_sample=do_sample,
             spec_token_ids=spec_token_ids,
             prompt_logprobs_from=prompt_lp_from,
-            sampling_params=request.sampling_params if needs_state else None,
-            generator=request.generator if do_sample else None,
-            output_token_ids=request.output_token_ids if do_sample else [],
-            prompt_token_ids=request.prompt_token_ids if needs_state else [],
+            # The request's own objects, not copies: the runner reads them before the scheduler
+            # changes them, and the Ray executor sends each once (engine/step_delta.py).
+            sampling_params=request.sampling_params,
+            generator=request.generator,
+            output_token_ids=request.output_token_ids,
+            prompt_token_ids=request.prompt_token_ids,
             eos_token_ids=request.eos_token_ids,
         )
 

@@ -21,6 +21,7 @@ from engine.model_runner import ModelRunner
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.parallel_state import get_parallel_state, init_parallel_state, pp_layer_range
+from engine.step_delta import StepDecoder
 from engine.weights import iterate_weights
 from kv_transfer.base import KVConnectorWorker
 from kv_transfer.layout import KVLayout
@@ -44,6 +45,7 @@ class Worker:
         self.rank = rank
         self.runner: ModelRunner | None = None
         self.kv_connector: KVConnectorWorker | None = None
+        self.decoder = StepDecoder()          # the requests' state the Ray executor sent (step deltas)
 
     # --- joining the engine's ranks (Ray executor only) -------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -166,15 +168,17 @@ class Worker:
         return output, (self.kv_connector.poll() if self.kv_connector is not None else None)
 
     def execute_serialized(self, payload: bytes) -> tuple[ModelRunnerOutput | None, TransferReport | None]:
-        """`step` on a pickled (SchedulerOutput or None, KV orders) (the Ray executor's one message per
-        step). Generators arrive as copies with every step, so the runner keeps its first copy of each."""
+        """`step` on a pickled (step delta or None, KV orders) (the Ray executor's one message per
+        step, engine/step_delta.py). A request's generator arrives again after a preemption, as the
+        engine's unadvanced copy, so the runner keeps its first copy of each."""
         assert self.runner is not None
         self.runner.keep_generators = True
-        return self.step(*pickle.loads(payload))
+        delta, kv_ops = pickle.loads(payload)
+        return self.step(None if delta is None else self.decoder.decode(delta), kv_ops)
 
     def serve_steps(self, host: str, port: int) -> None:
         """Run steps from the engine's StepChannel until it closes (the Ray executor's step loop,
-        engine/step_channel.py): each frame is a pickled (SchedulerOutput or None, KV orders), each
+        engine/step_channel.py): each frame is a pickled (step delta or None, KV orders), each
         reply `(True, (output, transfer report))` (output None off the driver rank) or
         `(False, traceback)`."""
         if self.num_threads:

@@ -351,3 +351,90 @@ def test_cluster_spec_parallel_fields():
     spec = ClusterConfig(mode="disaggregated", pools={"prefill": {"tensor_parallel_size": 2}, "decode": {}})
     assert spec.pools["prefill"].world_size == 2
     assert ClusterConfig(pools={"decode": {"pipeline_parallel_size": 2}}).pools["decode"].world_size == 2
+
+
+# --- step deltas (unit: the Ray executor's step messages, checked in-process) -----------------------
+def _fields(req) -> tuple:
+    return (req.request_id, req.token_ids, req.start, req.block_ids, req.do_sample, req.spec_token_ids,
+            req.prompt_logprobs_from, req.sampling_params, req.output_token_ids, req.prompt_token_ids,
+            req.eos_token_ids)
+
+
+def _through_deltas(llm, sizes: list[tuple[int, int]]) -> None:
+    """Make `llm`'s in-process executor run every step from a pickled step delta, as a Ray worker
+    does, after checking that the rebuilt SchedulerOutput equals the scheduler's own. `sizes` gets
+    (number of requests, message bytes) per model step."""
+    import pickle
+
+    from engine.step_delta import StepDecoder, StepEncoder
+
+    executor = llm.llm_engine.executor
+    executor.worker.runner.keep_generators = True
+    encoder, decoder, exchange = StepEncoder(), StepDecoder(), executor._exchange
+
+    def via_delta(sched, kv_ops):
+        if sched is not None:
+            payload = pickle.dumps(encoder.encode(sched), protocol=pickle.HIGHEST_PROTOCOL)
+            sizes.append((len(sched.scheduled), len(payload)))
+            rebuilt = decoder.decode(pickle.loads(payload))
+            assert [_fields(r) for r in rebuilt.scheduled] == [_fields(r) for r in sched.scheduled]
+            assert (rebuilt.swap_out, rebuilt.swap_in, rebuilt.copy_blocks, rebuilt.finished_ids,
+                    rebuilt.preempted_ids) == (sched.swap_out, sched.swap_in, sched.copy_blocks,
+                                               sched.finished_ids, sched.preempted_ids)
+            sched = rebuilt
+        return exchange(sched, kv_ops)
+
+    executor._exchange = via_delta
+    return encoder, decoder
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_step_deltas_rebuild_every_step_and_keep_output(tiny_qwen2, mode):
+    """Preemption (both kinds), prefix hits with copy-on-write, n > 1, seeded sampling, penalties
+    and prompt logprobs: every step rebuilt from its delta equals the scheduler's own, the outputs
+    equal the in-process executor's, and both tables are empty at the end."""
+    from conftest import mixed_prompts
+    from engine import LLM, SamplingParams
+
+    prompts = [p for p in mixed_prompts(1000, seed=7) if len(p) > 10]
+    prompts += [prompts[0][:40], prompts[0][:40]]          # shared prefixes: hits, copy-on-write
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.9, seed=5, n=2, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.8, seed=9, repetition_penalty=1.3,
+                             frequency_penalty=0.5, logprobs=2, prompt_logprobs=1, ignore_eos=True)]
+    params = [params[i % 3] for i in range(len(prompts))]
+
+    def run(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs]
+
+    kwargs = dict(dtype="float32", num_kv_blocks=14, max_model_len=200, preemption_mode=mode,
+                  max_num_batched_tokens=64)
+    expected = run(LLM(tiny_qwen2, **kwargs))
+    llm = LLM(tiny_qwen2, **kwargs)
+    sizes: list[tuple[int, int]] = []
+    encoder, decoder = _through_deltas(llm, sizes)
+    assert run(llm) == expected
+    assert llm.llm_engine.stats()["num_preemptions"] > 0 and len(sizes) > 20
+    # What is left is what the next step's message frees: the requests that finished in the last.
+    left = set(llm.llm_engine.scheduler.finished_ids)
+    assert set(encoder._sent) <= left and set(decoder._held) <= left
+
+
+def test_decode_step_delta_does_not_grow_with_context(tiny_llama):
+    """Bytes of a decode step's message at batch 16: the same at a context of 48 and of 700 tokens
+    (the whole SchedulerOutput grew with both context and output length)."""
+    from engine import LLM, SamplingParams
+
+    per_context = {}
+    for context in (48, 700):
+        llm = LLM(tiny_llama, dtype="float32", max_model_len=1024)
+        sizes: list[tuple[int, int]] = []
+        _through_deltas(llm, sizes)
+        prompts = [[(7 * i + j) % 900 + 20 for j in range(context)] for i in range(16)]
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False)
+        decode = [b for n, b in sizes[-30:-2] if n == 16]
+        assert len(decode) > 10
+        per_context[context] = max(decode)
+    assert per_context[700] <= per_context[48] * 1.1, per_context
