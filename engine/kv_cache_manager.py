@@ -79,6 +79,16 @@ class KVCacheManager:
         blocks filled from elsewhere (a remote pull): call `cache_full_blocks` once they hold their
         KV. Returns the newly allocated blocks, or None if they do not fit (then nothing changed).
         """
+        if num_new_tokens == 1 and not new_computed_blocks:
+            # A decode step's usual case, answered without the general bookkeeping (a few µs per
+            # request per step): the token lands in the request's own partial last block.
+            blocks = self.req_to_blocks.get(request.request_id)
+            pos = request.num_computed_tokens
+            last = pos // self.block_size
+            if blocks and pos % self.block_size and last < len(blocks) and blocks[last].ref_cnt == 1:
+                if cache:
+                    self.cache_full_blocks(request, pos + 1)
+                return []
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size

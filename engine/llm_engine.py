@@ -90,7 +90,10 @@ class _RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.children)
+        for c in self.children:          # a loop, not all(<generator>): asked several times per step
+            if c.finish_reason is None:
+                return False
+        return True
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,

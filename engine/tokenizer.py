@@ -1,6 +1,8 @@
 """Tokenizer loading, chat templates and incremental detokenization."""
 from __future__ import annotations
 
+import functools
+import importlib
 from typing import Any
 
 
@@ -71,7 +73,14 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.context)
         self.output_text = ""
 
+        # The Rust tokenizer itself where the HF decode only wraps it: the wrapper's argument
+        # conversion and checks were four fifths of the time per token (docs/PERFORMANCE.md §8).
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._backend = backend if backend is not None and _decode_wraps_backend(type(tokenizer)) else None
+
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 
@@ -88,3 +97,19 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.context)
         self.output_text += delta
         return delta
+
+
+
+@functools.cache
+def _decode_wraps_backend(cls: type) -> bool:
+    """Whether `cls.decode` (without clean-up) only wraps its Rust tokenizer's `decode`: fast
+    tokenizers that do not override `_decode`."""
+    for module, name in (("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
+                         ("transformers.tokenization_utils_fast", "PreTrainedTokenizerFast")):
+        try:
+            base = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        if issubclass(cls, base) and cls._decode is base._decode:
+            return True
+    return False
