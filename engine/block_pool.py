@@ -12,6 +12,11 @@ from dataclasses import dataclass
 from engine.hashing import BlockHash
 from engine.outputs import AllCleared, BlockRemoved, BlockStored, KVEvent
 
+# Events kept for a reader (the replica, for its routers). Past this many unread ones (an offline
+# engine, or a replica no router polls), they are folded into a snapshot of the cache, which a reader
+# applies to the same effect: the log stays bounded and the garbage collector does not walk it.
+MAX_UNREAD_EVENTS = 4096
+
 
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
@@ -101,7 +106,7 @@ class BlockPool:
             block.ref_cnt = 1
             blocks.append(block)
         if evicted:
-            self.events.append(BlockRemoved(evicted))
+            self._record(BlockRemoved(evicted))
         return blocks
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
@@ -124,7 +129,7 @@ class BlockPool:
             self.cached[block_hash] = block
             stored.append(block_hash)
         if stored:
-            self.events.append(BlockStored(stored))
+            self._record(BlockStored(stored))
 
     def uncache(self, blocks: list[KVCacheBlock]) -> None:
         """Drop these blocks' cache entries (their KV is not what their hash says)."""
@@ -135,7 +140,7 @@ class BlockPool:
                 removed.append(block.block_hash)
                 block.block_hash = None
         if removed:
-            self.events.append(BlockRemoved(removed))
+            self._record(BlockRemoved(removed))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cache entry; refused (False) while any block is in use."""
@@ -144,8 +149,13 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
-        self.events.append(AllCleared())
+        self._record(AllCleared())
         return True
+
+    def _record(self, event: KVEvent) -> None:
+        self.events.append(event)
+        if len(self.events) > MAX_UNREAD_EVENTS:
+            self.events = [AllCleared(), BlockStored(list(self.cached))]
 
     def take_events(self) -> list[KVEvent]:
         events, self.events = self.events, []

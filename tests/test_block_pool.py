@@ -50,6 +50,25 @@ def test_free_queue_is_lru_and_eviction_emits_events():
     assert pool.get_cached_block(b"h0") is None and pool.get_cached_block(b"h1") is not None
 
 
+def test_unread_events_fold_into_a_snapshot_of_the_cache(monkeypatch):
+    """Nobody takes the events (an offline engine): the log stays bounded, and what it holds still
+    rebuilds the cache's contents when applied as the router applies them."""
+    import engine.block_pool as block_pool
+    from router.prefix_index import PrefixIndex
+
+    monkeypatch.setattr(block_pool, "MAX_UNREAD_EVENTS", 16)
+    pool = BlockPool(8, enable_caching=True)
+    for i in range(40):                       # allocate, cache, free: stores and evictions
+        [block] = pool.get_new_blocks(1)
+        pool.cache_blocks([block], [bytes([i]) * 32])
+        pool.free_blocks([block])
+        assert len(pool.events) <= 16
+    index = PrefixIndex()
+    index.apply("r", pool.take_events())
+    assert index.num_blocks("r") == len(pool.cached) == 8
+    assert index.match(list(pool.cached)) == {"r": 8}
+
+
 def test_reset_prefix_cache_refused_while_blocks_in_use():
     pool = BlockPool(2, enable_caching=True)
     [b] = pool.get_new_blocks(1)
