@@ -9,7 +9,8 @@ a tiny overhead-bound one (2 layers, hidden 256, the embedded model's 49k vocabu
 
 Only decode steps are timed: every request's prompt is prefilled first (untimed), then the steps in
 which all scheduled requests decode one token are. Greedy unless `--temperature` (with `--top-p`,
-`--top-k`) says otherwise. "non-forward" is the step minus forward and
+`--top-k`) says otherwise; `--repetition-penalty`, `--frequency-penalty`, `--presence-penalty` add
+penalties. "non-forward" is the step minus forward and
 logits (issue 24's target: <= 10% at batch 64 on the embedded model).
 """
 from __future__ import annotations
@@ -136,12 +137,16 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=-1)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
+    ap.add_argument("--max-model-len", type=int, default=512)
     args = ap.parse_args()
     model = {"embedded": None}.get(args.model, args.model)
     if args.model == "tiny":
         model = make_tiny_model(tempfile.mkdtemp(prefix="pdserve-tiny256-"))
     batches = [int(b) for b in args.batch.split(",")]
-    llm = LLM(model, dtype=args.dtype, max_num_seqs=max(batches), max_model_len=512)
+    llm = LLM(model, dtype=args.dtype, max_num_seqs=max(batches), max_model_len=args.max_model_len)
     timer = StepTimer(llm)
     run(llm, timer, 4, args.input_len, 8, seed=999)                # warm-up
     print(f"{'batch':>5} {'round':>5} {'step ms':>8} " + " ".join(f"{n:>9}" for n in PARTS)
@@ -149,7 +154,10 @@ def main() -> None:
     for batch in batches:
         for r in range(args.rounds):
             t = run(llm, timer, batch, args.input_len, args.output_len, seed=r,
-                    sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k})
+                    sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                              "repetition_penalty": args.repetition_penalty,
+                              "frequency_penalty": args.frequency_penalty,
+                              "presence_penalty": args.presence_penalty})
             step = t["step"]
             share = {n: t.get(n, 0.0) / step for n in PARTS}
             other = 1 - sum(share.values())

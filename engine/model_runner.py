@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.cuda_graph import CudaGraphRunner
 from engine.layers.attention import AttentionMetadata
+from engine.layers.penalties import TokenCounts
 from engine.layers.sampler import SamplingRow, greedy_ids, sample, top_logprobs
 from engine.outputs import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from engine.parallel_state import ParallelState, get_parallel_state, pp_recv, pp_send
@@ -48,6 +49,7 @@ class ModelRunner:
         # step; the first copy is kept and advanced here, later copies are ignored (set by Worker).
         self.keep_generators = False
         self.generators: dict[str, torch.Generator] = {}
+        self.token_counts: TokenCounts | None = None          # penalties' counts, made when first needed
         self.graph_runner: CudaGraphRunner | None = None     # decode steps replay CUDA graphs
         self._logits: torch.Tensor | None = None             # see _logits_buffer
 
@@ -73,6 +75,8 @@ class ModelRunner:
         k.copy_blocks(self.kv_caches, sched.copy_blocks)
         for rid in sched.finished_ids:
             self.generators.pop(rid, None)
+            if self.token_counts is not None:
+                self.token_counts.release(rid)
         if not sched.scheduled:
             return ModelRunnerOutput(sampled={})
 
@@ -147,7 +151,10 @@ class ModelRunner:
         num_sample = len(sample_rows)
         output = ModelRunnerOutput(sampled={})
         if sample_rows:
-            tokens, failed = sample(logits[:num_sample], [self._sampling_row(r) for r, _ in sample_rows])
+            sampling_rows = [self._sampling_row(r) for r, _ in sample_rows]
+            if self.token_counts is None and any(r.params.needs_penalties for r in sampling_rows):
+                self.token_counts = TokenCounts()
+            tokens, failed = sample(logits[:num_sample], sampling_rows, self.token_counts)
             for i, ((req, _), token) in enumerate(zip(sample_rows, tokens)):
                 if token is None:
                     output.failed[req.request_id] = failed[i]
@@ -234,7 +241,7 @@ class ModelRunner:
         if generator is not None and self.keep_generators:
             generator = self.generators.setdefault(req.request_id, generator)
         return SamplingRow(req.sampling_params, generator or self.generator, req.prompt_token_ids,
-                           req.output_token_ids, req.eos_token_ids)
+                           req.output_token_ids, req.eos_token_ids, req.request_id)
 
     @staticmethod
     def _prompt_logprobs(req: ScheduledRequest, logits: torch.Tensor) -> list[dict[int, float]]:

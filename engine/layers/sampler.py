@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.layers.penalties import TokenCounts, apply_penalties
 from engine.outputs import SampledToken
 from engine.sampling_params import SamplingParams
 from kernels.dispatch import kernels_for
@@ -30,16 +31,20 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_ids: frozenset[int]
+    key: str = ""               # the request's id: its entry in TokenCounts
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[SampledToken | None], dict[int, str]]:
+def sample(logits: torch.Tensor, rows: list[SamplingRow], counts: TokenCounts | None = None
+           ) -> tuple[list[SampledToken | None], dict[int, str]]:
     """logits: [num_rows, vocab] float32 (modified in place). Returns one token per row (None for a
-    failed row) and the failed rows: row index -> why."""
+    failed row) and the failed rows: row index -> why. With `counts` (kept by the caller across
+    steps, rows keyed by request), penalties are applied to the batch at once."""
     failed: dict[int, str] = {}
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-    apply_penalties_and_masks(logits, rows, failed)
+    batched = _batched_penalties(logits, rows, counts) if counts is not None else set()
+    apply_penalties_and_masks(logits, rows, failed, skip_penalties=batched)
 
     token_ids = greedy_ids(logits)
     random_idx = [i for i, r in enumerate(rows) if not r.params.is_greedy]
@@ -104,21 +109,44 @@ def top_logprobs(logprobs: torch.Tensor, num: int) -> dict[int, float]:
     return dict(zip(ids.tolist(), values.tolist()))
 
 
+def _batched_penalties(logits: torch.Tensor, rows: list[SamplingRow], counts: TokenCounts) -> set[int]:
+    """Penalize the rows that need it in one go (engine/layers/penalties.py); the rows done. If that
+    raises, none are, and the row-by-row path (which isolates a failing row) does them all."""
+    which = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    if not which:
+        return set()
+    try:
+        chosen = [rows[i] for i in which]
+        stats = [counts.update(r.key, r.prompt_token_ids, r.output_token_ids) for r in chosen]
+        apply_penalties(logits, which, [r.params for r in chosen], stats)
+    except Exception:  # noqa: BLE001 - the per-row path reports the row that fails
+        for r in chosen:
+            counts.release(r.key)          # recounted from scratch when next seen
+        return set()
+    return set(which)
+
+
 def apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow],
-                              failed: dict[int, str] | None = None) -> None:
-    """Penalties and min_tokens masks, row by row; a row that raises is recorded in `failed` (and
-    sampled from anyway: its token is dropped) when given, else the error propagates."""
+                              failed: dict[int, str] | None = None, skip_penalties: set[int] = frozenset()) -> None:
+    """Penalties (except for rows in `skip_penalties`, done already) and min_tokens masks, row by
+    row; a row that raises is recorded in `failed` (and sampled from anyway: its token is dropped)
+    when given, else the error propagates."""
     for i, row in enumerate(rows):
+        penalties = row.params.needs_penalties and i not in skip_penalties
+        if not penalties and len(row.output_token_ids) >= row.params.min_tokens:
+            continue
         if failed is None:
-            _penalize_row(logits, i, row)
+            _penalize_row(logits, i, row, penalties)
         else:
-            _guard(failed, i, "applying penalties", lambda: _penalize_row(logits, i, row))
+            _guard(failed, i, "applying penalties", lambda: _penalize_row(logits, i, row, penalties))
 
 
-def _penalize_row(logits: torch.Tensor, i: int, row: SamplingRow) -> None:
+def _penalize_row(logits: torch.Tensor, i: int, row: SamplingRow, penalties: bool = True) -> None:
+    """The per-row reference for penalties (engine/layers/penalties.py batches them) and the
+    min_tokens mask."""
     vocab = logits.shape[-1]
     p = row.params
-    if p.needs_penalties:
+    if penalties and p.needs_penalties:
         out_ids = torch.tensor(row.output_token_ids, dtype=torch.long)
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
