@@ -284,3 +284,22 @@ def test_penalties_through_the_engine_match_the_per_row_path(tiny_llama, monkeyp
     monkeypatch.setattr(sampler, "_batched_penalties", lambda logits, rows, counts: set())
     per_row = [o.outputs[0].token_ids for o in LLM(tiny_llama, dtype="float32").generate(prompts, params, use_tqdm=False)]
     assert batched == per_row
+
+
+def test_logprob_records_for_the_batch_equal_the_per_row_ones():
+    """Rows asking 0, 1 and 5 logprobs beside rows asking none (greedy and seeded): the batched
+    records equal to_sampled's on each row's own log-softmax, and rows that ask nothing get none."""
+    from engine.layers.sampler import SamplingRow, sample, to_sampled
+
+    gen = torch.Generator().manual_seed(3)
+    params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.9, seed=1, logprobs=0), SamplingParams(temperature=0.7, seed=2),
+              SamplingParams(temperature=0, logprobs=1)]
+    logits = torch.randn(len(params), 500, generator=gen) * 2
+    raw = torch.log_softmax(logits, dim=-1)
+    rows = [SamplingRow(p, torch.Generator().manual_seed(i), [1, 2], [], frozenset()) for i, p in enumerate(params)]
+    tokens, failed = sample(logits.clone(), rows)
+    assert not failed
+    for i, (p, token) in enumerate(zip(params, tokens)):
+        assert token == to_sampled(token.token_id, p, raw[i] if p.logprobs is not None else None)
+    assert tokens[1].top_logprobs is None and tokens[0].rank >= 1 and len(tokens[0].top_logprobs) >= 5
