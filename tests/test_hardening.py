@@ -143,14 +143,20 @@ def test_a_request_whose_sampling_raises_fails_alone(tiny_llama, monkeypatch):
     ends with RequestFailedError naming the cause, and the engine stays healthy."""
     import engine.layers.sampler as sampler
 
-    original = sampler._penalize_row
+    original, batched = sampler._penalize_row, sampler.apply_penalties
 
-    def poisoned(logits, i, row):
+    def poisoned(logits, i, row, penalties=True):
         if row.params.presence_penalty == POISON and len(row.output_token_ids) >= 3:
             raise RuntimeError("poisoned row")
-        original(logits, i, row)
+        original(logits, i, row, penalties)
+
+    def poisoned_batch(logits, rows, params, stats):      # the batched path falls back to the rows
+        if any(p.presence_penalty == POISON for p in params):
+            raise RuntimeError("poisoned batch")
+        batched(logits, rows, params, stats)
 
     monkeypatch.setattr(sampler, "_penalize_row", poisoned)
+    monkeypatch.setattr(sampler, "apply_penalties", poisoned_batch)
     neighbour_prompt = list(range(20, 60))
     want = _greedy(tiny_llama, neighbour_prompt, 40).outputs[0].token_ids
     engine = AsyncLLMEngine.from_args(tiny_llama, dtype="float32", max_model_len=256)
