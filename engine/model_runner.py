@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.cuda_graph import CudaGraphRunner
-from engine.layers.attention import AttentionMetadata
+from engine.layers.attention import AttentionBackend
 from engine.layers.penalties import TokenCounts
 from engine.layers.sampler import SamplingRow, greedy_ids, sample, top_logprobs
 from engine.outputs import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
@@ -39,7 +39,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.kernels = get_kernels(device)
-        bind_kernels(model, self.kernels)
+        self.attention = AttentionBackend(self.kernels, device)
+        bind_kernels(model, self.kernels, self.attention)
         self.model_dtype = next(model.parameters()).dtype
         self.kv_caches: list[torch.Tensor] = []     # per layer [2, num_blocks, block_size, kvh, d]
         self.cpu_caches: list[torch.Tensor] = []    # the swap pool, same layout
@@ -54,12 +55,11 @@ class ModelRunner:
         self._logits: torch.Tensor | None = None             # see _logits_buffer
 
     def capture_cuda_graphs(self, sizes: tuple[int, ...], max_model_len: int) -> bool:
-        """Capture the decode step for these batch sizes (after the KV cache exists). Only on CUDA
-        with the Triton kernels (padded rows rely on its slot -1) and a single rank; returns whether
-        graphs are in use."""
+        """Capture the decode step for these batch sizes (after the KV cache exists). Only where the
+        attention backend can (CUDA, Triton kernels: padded rows rely on its slot -1) and on a single
+        rank; returns whether graphs are in use."""
         state = get_parallel_state()
-        if (not sizes or self.device.type != "cuda" or self.kernels.__name__ != "kernels.triton_ops"
-                or state.tp_size > 1 or state.pp_size > 1):
+        if not sizes or not self.attention.can_capture_cuda_graphs or state.tp_size > 1 or state.pp_size > 1:
             return False
         max_blocks = -(-max_model_len // self.block_size)
         self.graph_runner = CudaGraphRunner(self.model, self.kv_caches, sizes, max_blocks, self.device)
@@ -201,7 +201,9 @@ class ModelRunner:
         lp_rows: list[tuple[ScheduledRequest, list[int]]] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        meta = AttentionMetadata(slot_mapping=torch.empty(0))
+        prefill_tables: list[torch.Tensor] = []
+        prefill_query_lens: list[int] = []
+        prefill_seq_lens: list[int] = []
         for req in batch:
             n = len(req.token_ids)
             base = len(input_ids)
@@ -214,9 +216,9 @@ class ModelRunner:
                 decode_tables.append(table)
                 decode_lens.append(req.start + 1)
             else:
-                meta.prefill_block_tables.append(torch.tensor(table, dtype=torch.long, device=self.device))
-                meta.prefill_query_lens.append(n)
-                meta.prefill_seq_lens.append(req.start + n)
+                prefill_tables.append(torch.tensor(table, dtype=torch.long, device=self.device))
+                prefill_query_lens.append(n)
+                prefill_seq_lens.append(req.start + n)
             if req.do_sample and req.spec_token_ids:
                 spec_rows.append((req, list(range(base + n - 1 - len(req.spec_token_ids), base + n))))
             elif req.do_sample:
@@ -225,13 +227,15 @@ class ModelRunner:
                 # Logits at position p score prompt token p + 1.
                 last = min(req.start + n, len(req.prompt_token_ids) - 1)
                 lp_rows.append((req, [base + p - req.start for p in range(req.start, last)]))
+        decode_block_tables = decode_seq_lens = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
-            meta.num_decode_tokens = len(decode_tables)
-            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
-                                                    dtype=torch.long, device=self.device)
-            meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
+            decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
+                                               dtype=torch.long, device=self.device)
+            decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
+        meta = self.attention.metadata(torch.tensor(slots, dtype=torch.long, device=self.device),
+                                       decode_block_tables, decode_seq_lens, prefill_tables, prefill_query_lens,
+                                       prefill_seq_lens)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos_t, meta, sample_rows, spec_rows, lp_rows
@@ -266,13 +270,16 @@ def _plain_greedy(req: ScheduledRequest) -> bool:
             and len(req.output_token_ids) >= p.min_tokens)
 
 
-def bind_kernels(model: nn.Module, kernels: Any) -> None:
+def bind_kernels(model: nn.Module, kernels: Any, attention: AttentionBackend) -> None:
     """Give every layer that calls kernels (those with a `kernels` class attribute) this kernel set,
-    chosen once per model, so the forward pass does not look it up per call (an environment read
-    and a device check, about 150 times per step of the embedded model)."""
+    and every attention layer (a `backend` class attribute) this backend, chosen once per model, so
+    the forward pass does not look them up per call (an environment read and a device check, about
+    150 times per step of the embedded model)."""
     for module in model.modules():
         if hasattr(type(module), "kernels"):
             module.kernels = kernels
+        if hasattr(type(module), "backend"):
+            module.backend = attention
 
 
 def _batch_order(req: ScheduledRequest) -> tuple[bool, int]:

@@ -59,35 +59,30 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     return torch.ops.pdserve_cpu.paged_decode(query, kv_cache, block_tables, seq_lens, float(scale))
 
 
-class _PackedPrefill:
+class PackedPrefill:
     """A step's prefill block tables as one padded tensor, with the lengths as tensors: built once
-    per step and reused by every layer, which all get the same table tensors and lengths."""
+    per step (`pack_prefill`) and read by every layer."""
 
     def __init__(self, block_tables: list[torch.Tensor], query_lens: list[int], seq_lens: list[int]) -> None:
-        self.key = (tuple(block_tables), list(query_lens), list(seq_lens))
         self.tables = torch.nn.utils.rnn.pad_sequence([t.long() for t in block_tables], batch_first=True)
         self.query_lens = torch.tensor(query_lens, dtype=torch.long)
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.long)
 
-    def matches(self, block_tables: list[torch.Tensor], query_lens: list[int], seq_lens: list[int]) -> bool:
-        tables, qlens, slens = self.key
-        return (len(tables) == len(block_tables) and all(a is b for a, b in zip(tables, block_tables))
-                and qlens == query_lens and slens == seq_lens)
 
-
-_packed: _PackedPrefill | None = None
+def pack_prefill(block_tables: list[torch.Tensor], query_lens: list[int], seq_lens: list[int],
+                 device: torch.device) -> PackedPrefill | None:
+    """kernels.reference.pack_prefill's contract."""
+    return PackedPrefill(block_tables, query_lens, seq_lens) if block_tables else None
 
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[torch.Tensor],
-                      query_lens: list[int], seq_lens: list[int], scale: float) -> torch.Tensor:
+                      query_lens: list[int], seq_lens: list[int], scale: float,
+                      packed: PackedPrefill | None = None) -> torch.Tensor:
     """kernels.reference.prefill_attention's contract, computed in fp32 from the paged cache directly."""
-    global _packed
     if (query.shape[-1] not in HEAD_DIMS or query.dtype not in DTYPES or not kv_cache.is_contiguous()
             or not block_tables):
         return reference.prefill_attention(query, kv_cache, block_tables, query_lens, seq_lens, scale)
-    packed = _packed
-    if packed is None or not packed.matches(block_tables, query_lens, seq_lens):
-        packed = _packed = _PackedPrefill(block_tables, query_lens, seq_lens)
+    packed = packed or PackedPrefill(block_tables, query_lens, seq_lens)
     return torch.ops.pdserve_cpu.paged_prefill(query, kv_cache, packed.tables, packed.query_lens, packed.seq_lens,
                                                float(scale))
 

@@ -40,13 +40,23 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
     return kv[0], kv[1]
 
 
+def pack_prefill(block_tables: list[torch.Tensor], query_lens: list[int], seq_lens: list[int],
+                 device: torch.device) -> None:
+    """A step's prefill segments in the form this kernel set's `prefill_attention` reads them,
+    built once per step (engine/layers/attention.py: AttentionBackend) and passed to every layer
+    as `packed`. The reference reads the lists themselves: nothing to build."""
+    return None
+
+
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[torch.Tensor],
-                      query_lens: list[int], seq_lens: list[int], scale: float) -> torch.Tensor:
+                      query_lens: list[int], seq_lens: list[int], scale: float, packed: object = None
+                      ) -> torch.Tensor:
     """Causal attention of variable-length query segments against paged K/V.
 
     query: [num_tokens, num_heads, head_dim], the segments laid end to end. Segment i holds the last
     `query_lens[i]` of its sequence's `seq_lens[i]` tokens, whose K/V are already in the cache
     (cached prefix + this chunk), so one call serves full prefill, chunked prefill and prefix hits.
+    `packed`: what the kernel set's `pack_prefill` made of the same segments (or None: made here).
     Returns [num_tokens, num_heads, head_dim].
     """
     out = torch.empty_like(query)

@@ -241,13 +241,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, q_start_ptr, q_len_pt
              out.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
-class _PackedPrefill:
-    """The step's prefill segments as device tensors, built once per step (the metadata's lists are
-    the same objects in every layer) instead of once per layer."""
+class PackedPrefill:
+    """The step's prefill segments as device tensors, built once per step (`pack_prefill`) and read
+    by every layer."""
 
     def __init__(self, block_tables: list[torch.Tensor], query_lens: list[int], seq_lens: list[int],
                  device: torch.device) -> None:
-        self.source = block_tables                  # held: identity is the cache key
         width = max(t.numel() for t in block_tables)
         tables = torch.zeros(len(block_tables), width, dtype=torch.int32, device=device)
         for i, t in enumerate(block_tables):
@@ -262,21 +261,22 @@ class _PackedPrefill:
         self.max_q_len = max(query_lens)
 
 
-_packed: _PackedPrefill | None = None
+def pack_prefill(block_tables: list[torch.Tensor], query_lens: list[int], seq_lens: list[int],
+                 device: torch.device) -> PackedPrefill | None:
+    """kernels.reference.pack_prefill's contract."""
+    return PackedPrefill(block_tables, query_lens, seq_lens, device) if query_lens else None
 
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[torch.Tensor],
-                      query_lens: list[int], seq_lens: list[int], scale: float) -> torch.Tensor:
+                      query_lens: list[int], seq_lens: list[int], scale: float,
+                      packed: PackedPrefill | None = None) -> torch.Tensor:
     """Same contract as kernels.reference.prefill_attention."""
-    global _packed
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     out = torch.empty_like(query)
     if not query_lens:
         return out
-    if _packed is None or _packed.source is not block_tables:
-        _packed = _PackedPrefill(block_tables, query_lens, seq_lens, query.device)
-    pk = _packed
+    pk = packed or PackedPrefill(block_tables, query_lens, seq_lens, query.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (triton.cdiv(pk.max_q_len, PREFILL_BLOCK_M), len(query_lens), num_heads)
     _prefill_kernel[grid](

@@ -5,9 +5,13 @@ and the row argmax (torch's reduction)."""
 from __future__ import annotations
 
 from kernels.reference import argmax_rows, gather_blocks, gather_kv, silu_and_mul, swap_blocks
-from kernels.triton_attention import decode_attention, prefill_attention
+from kernels.triton_attention import decode_attention, pack_prefill, prefill_attention
 from kernels.triton_cache import copy_blocks, write_kv
 from kernels.triton_layers import apply_rotary, rms_norm
 
-__all__ = ["apply_rotary", "argmax_rows", "copy_blocks", "decode_attention", "gather_blocks", "gather_kv",
-           "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]
+# Decode steps of this set can be captured in CUDA graphs: its K/V write skips slot -1, which the
+# graphs' padded rows use, and decode's launch does not depend on the sequence lengths.
+CUDA_GRAPHS = True
+
+__all__ = ["CUDA_GRAPHS", "apply_rotary", "argmax_rows", "copy_blocks", "decode_attention", "gather_blocks",
+           "gather_kv", "pack_prefill", "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]

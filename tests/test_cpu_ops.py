@@ -117,20 +117,16 @@ def test_prefill_other_block_sizes_and_peaked_scores(block_size):
         assert rel_err(out, reference.prefill_attention(q, cache, tables, [3, 70, 18], [3, 90, 18], 0.2)) < 1e-5
 
 
-def test_prefill_packs_each_steps_tables_once_and_not_stale():
-    """The padded table is reused while the same tables come back (every layer of a step), and rebuilt
-    when a table or a length changes."""
+def test_prefill_reads_the_steps_packed_tables():
+    """`pack_prefill` builds the padded table once per step (every layer reads it); prefill with it
+    equals prefill that packs for itself, and both equal the reference."""
     query, cache, tables = prefill_batch([30, 10], [30, 50], 4, 2, 32, 16, torch.float32)
-    cpu_ops.prefill_attention(query, cache, tables, [30, 10], [30, 50], 0.3)
-    packed = cpu_ops._packed
-    cpu_ops.prefill_attention(query, cache, tables, [30, 10], [30, 50], 0.3)
-    assert cpu_ops._packed is packed
-    out = cpu_ops.prefill_attention(query[:20], cache, tables, [10, 10], [30, 50], 0.3)
-    assert cpu_ops._packed is not packed
-    assert rel_err(out, reference.prefill_attention(query[:20], cache, tables, [10, 10], [30, 50], 0.3)) < 1e-6
-    tables[1] = tables[1].flip(0)       # the same list, another table in it
-    out = cpu_ops.prefill_attention(query[:20], cache, tables, [10, 10], [30, 50], 0.3)
-    assert rel_err(out, reference.prefill_attention(query[:20], cache, tables, [10, 10], [30, 50], 0.3)) < 1e-6
+    packed = cpu_ops.pack_prefill(tables, [30, 10], [30, 50], torch.device("cpu"))
+    assert packed.tables.shape == (2, max(len(t) for t in tables))
+    out = cpu_ops.prefill_attention(query, cache, tables, [30, 10], [30, 50], 0.3, packed)
+    assert torch.equal(out, cpu_ops.prefill_attention(query, cache, tables, [30, 10], [30, 50], 0.3))
+    assert rel_err(out, reference.prefill_attention(query, cache, tables, [30, 10], [30, 50], 0.3)) < 1e-6
+    assert cpu_ops.pack_prefill([], [], [], torch.device("cpu")) is None
 
 
 def test_prefill_refuses_bad_tables_and_lengths():

@@ -51,7 +51,18 @@ def test_kernel_sets_match_transformers(tiny_model, oracle, kernels, monkeypatch
     assert runner.kernels.__name__ == expected
     bound = [m.kernels for m in runner.model.modules() if hasattr(type(m), "kernels")]
     assert len(bound) >= 4 and all(k is runner.kernels for k in bound)     # chosen once, per model
+    backends = [m.backend for m in runner.model.modules() if hasattr(type(m), "backend")]
+    assert backends and all(b is runner.attention and b.kernels is runner.kernels for b in backends)
+    assert not runner.attention.can_capture_cuda_graphs                    # CPU: no graphs
+    packs = []
+    pack = runner.kernels.pack_prefill
+    monkeypatch.setattr(runner.kernels, "pack_prefill", lambda *a: packs.append(1) or pack(*a))
+    steps = []
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda sched: steps.append(sched) or execute(sched))
     assert run(llm, prompts) == oracle(tiny_model, prompts)
+    # The prefill segments are packed once per step that has them, not once per layer.
+    assert len(packs) == sum(any(len(r.token_ids) > 1 for r in s.scheduled) for s in steps) > 0
 
 
 def test_mistral_mqa_matches_transformers(tiny_mistral):

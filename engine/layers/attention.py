@@ -3,11 +3,18 @@
 The batch is laid out decodes first (one token each, batched in one kernel call), then prefill
 segments (chunked prefill and prefix-cache hits included). K/V are written before attention reads
 them, so a request may read blocks that another request of the same step is filling.
+
+`AttentionBackend` is how a model attends, chosen once per ModelRunner over its kernel set (the C++
+CPU kernels, the torch reference or Triton): it builds a step's `AttentionMetadata` once (including
+the prefill segments packed as its kernels read them, which every layer then shares), runs each
+layer's attention, and says whether its decode steps can be captured in CUDA graphs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,10 +31,61 @@ class AttentionMetadata:
     prefill_block_tables: list[torch.Tensor] = field(default_factory=list)
     prefill_query_lens: list[int] = field(default_factory=list)
     prefill_seq_lens: list[int] = field(default_factory=list)
+    prefill_packed: Any = None          # the backend's kernels' form of the prefill segments
+
+
+class AttentionBackend:
+    def __init__(self, kernels: ModuleType, device: torch.device | str) -> None:
+        self.kernels = kernels
+        self.device = torch.device(device)
+
+    @property
+    def can_capture_cuda_graphs(self) -> bool:
+        """Whether a decode step can be captured and replayed with padded rows (slot -1, length 0)."""
+        return self.device.type == "cuda" and getattr(self.kernels, "CUDA_GRAPHS", False)
+
+    def metadata(self, slot_mapping: torch.Tensor, decode_block_tables: torch.Tensor | None = None,
+                 decode_seq_lens: torch.Tensor | None = None,
+                 prefill_block_tables: list[torch.Tensor] | None = None,
+                 prefill_query_lens: list[int] | None = None,
+                 prefill_seq_lens: list[int] | None = None) -> AttentionMetadata:
+        """The step's metadata, for every layer (call once per step)."""
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decode_tokens=0 if decode_seq_lens is None else int(decode_seq_lens.shape[0]),
+            decode_block_tables=decode_block_tables, decode_seq_lens=decode_seq_lens,
+            prefill_block_tables=prefill_block_tables or [], prefill_query_lens=prefill_query_lens or [],
+            prefill_seq_lens=prefill_seq_lens or [])
+        if meta.prefill_query_lens:
+            meta.prefill_packed = self.kernels.pack_prefill(meta.prefill_block_tables, meta.prefill_query_lens,
+                                                            meta.prefill_seq_lens, self.device)
+        return meta
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """query: [T, H, d]; key/value: [T, kvh, d]; returns [T, H, d]."""
+        k = self.kernels
+        k.write_kv(key, value, kv_cache, meta.slot_mapping)
+        num_decode = meta.num_decode_tokens
+        if num_decode == query.shape[0]:
+            return k.decode_attention(query, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+        out = torch.empty_like(query)
+        if num_decode:
+            out[:num_decode] = k.decode_attention(query[:num_decode], kv_cache, meta.decode_block_tables,
+                                                  meta.decode_seq_lens, scale)
+        out[num_decode:] = k.prefill_attention(query[num_decode:], kv_cache, meta.prefill_block_tables,
+                                               meta.prefill_query_lens, meta.prefill_seq_lens, scale,
+                                               meta.prefill_packed)
+        return out
+
+
+@lru_cache(maxsize=None)
+def _default_backend(kernels: ModuleType, device_type: str) -> AttentionBackend:
+    return AttentionBackend(kernels, device_type)
 
 
 class Attention(nn.Module):
-    kernels: ModuleType | None = None     # bound once by ModelRunner (bind_kernels); else looked up per call
+    backend: AttentionBackend | None = None   # bound once by ModelRunner (bind_kernels); else per call
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -37,16 +95,5 @@ class Attention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """query: [T, H, d]; key/value: [T, kvh, d]; returns [T, H, d]."""
-        k = self.kernels or kernels_for(query)
-        k.write_kv(key, value, kv_cache, meta.slot_mapping)
-        num_decode = meta.num_decode_tokens
-        if num_decode == query.shape[0]:
-            return k.decode_attention(query, kv_cache, meta.decode_block_tables,
-                                      meta.decode_seq_lens, self.scale)
-        out = torch.empty_like(query)
-        if num_decode:
-            out[:num_decode] = k.decode_attention(query[:num_decode], kv_cache, meta.decode_block_tables,
-                                                  meta.decode_seq_lens, self.scale)
-        out[num_decode:] = k.prefill_attention(query[num_decode:], kv_cache, meta.prefill_block_tables,
-                                               meta.prefill_query_lens, meta.prefill_seq_lens, self.scale)
-        return out
+        backend = self.backend or _default_backend(kernels_for(query), query.device.type)
+        return backend.attend(query, key, value, kv_cache, meta, self.scale)
