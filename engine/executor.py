@@ -203,14 +203,10 @@ class RayExecutor(_Executor):
 
     def _send(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]) -> None:
         try:
-            self.channel.broadcast(self.serialize(sched, kv_ops))
+            delta = None if sched is None else self.encoder.encode(sched)   # Worker.execute_serialized
+            self.channel.broadcast(pickle.dumps((delta, kv_ops), protocol=pickle.HIGHEST_PROTOCOL))
         except ChannelClosed as e:
             raise EngineDeadError(f"a worker of this engine died: {e}") from e
-
-    def serialize(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]) -> bytes:
-        """The step message every rank reads (Worker.execute_serialized)."""
-        delta = None if sched is None else self.encoder.encode(sched)
-        return pickle.dumps((delta, kv_ops), protocol=pickle.HIGHEST_PROTOCOL)
 
     def _receive(self) -> tuple[ModelRunnerOutput | None, list[TransferReport | None]]:
         try:

@@ -52,6 +52,24 @@ def test_incremental_detokenizer_waits_for_whole_characters(smol_tokenizer):
     assert any(d == "" for d in deltas)              # a split character was held back
 
 
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_detokenizer_reads_the_rust_tokenizer_with_the_same_text(smol_tokenizer, skip_special):
+    """The fast tokenizer's own decode stands in for transformers' wrapper: the same deltas for
+    random token streams (special tokens, split characters and prompt context included)."""
+    import random
+
+    rng = random.Random(0)
+    vocab = len(smol_tokenizer)
+    assert IncrementalDetokenizer(smol_tokenizer, [])._backend is not None
+    for _ in range(50):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        out = [rng.randrange(vocab) for _ in range(30)]
+        fast = IncrementalDetokenizer(smol_tokenizer, prompt, skip_special_tokens=skip_special)
+        plain = IncrementalDetokenizer(smol_tokenizer, prompt, skip_special_tokens=skip_special)
+        plain._backend = None
+        assert [fast.update([t]) for t in out] == [plain.update([t]) for t in out]
+
+
 def test_embedded_model_matches_transformers_and_knows_paris():
     from transformers import AutoModelForCausalLM
 

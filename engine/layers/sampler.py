@@ -7,10 +7,12 @@ uniform number per row, inverted through their cumulative mass). A row with a se
 own torch.Generator, so its tokens do not depend on what else is in the batch. Logprobs are the
 model's raw log-softmax (before penalties and temperature), as vLLM reports them.
 
-Isolation: the steps that read one row's own data (penalties and masks, its draw, its logprobs) run
-row by row, and a row whose step raises is reported failed (`sample`'s second result) without
-touching the others' logits or generators, so one request's bad state never costs its neighbours a
-token or changes their seeded draws. SamplingParams' validation makes this a last line of defence.
+Isolation: the steps that read one row's own data (min_tokens masks, its draw) run row by row, and
+a row whose step raises is reported failed (`sample`'s second result) without touching the others'
+logits or generators, so one request's bad state never costs its neighbours a token or changes
+their seeded draws. Penalties (engine/layers/penalties.py) and logprob records are computed for the
+batch at once; if that raises, they are redone row by row, which isolates the failing row the same
+way. SamplingParams' validation makes this a last line of defence.
 """
 from __future__ import annotations
 
