@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import serve  # noqa: E402  (benchmarks/serve.py)
+import serve
 
 KEYS = [("request_throughput", None), ("output_token_throughput", None), ("ttft_ms", "median"),
         ("ttft_ms", "p99"), ("tpot_ms", "median"), ("tpot_ms", "p99"), ("itl_ms", "median"),

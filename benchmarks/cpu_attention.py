@@ -25,9 +25,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from kernels import cpu_ops, reference  # noqa: E402
+from kernels import cpu_ops, reference
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}
 SIZES = [(1, 2048), (16, 256), (16, 1024), (64, 400)]

@@ -16,10 +16,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from engine.layers.linear import cpu_fp32_gemm, linear, packed_linear, prepack  # noqa: E402
+from engine.layers.linear import cpu_fp32_gemm, linear, packed_linear, prepack
 
 
 def per_call_us(fn, repeat: int) -> float:

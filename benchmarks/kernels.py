@@ -26,8 +26,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import reference  # noqa: E402
-from kernels import triton_attention as ta  # noqa: E402
+from kernels import reference
+from kernels import triton_attention as ta
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -75,7 +75,7 @@ def decode_attention(copy_tbs: float, quick: bool) -> list[dict]:
                   f"({row['of_copy']:.2f} of copy) splits={row['splits']}"
                   + (f" {row['speedup_over_reference']:.1f}x reference" if "speedup_over_reference" in row else ""),
                   flush=True)
-            del cache, tables
+            cache = tables = None       # free the cache before the next size
     return rows
 
 
@@ -135,7 +135,7 @@ def sweep() -> None:
             ms = bench(lambda: ta.prefill_attention(q, cache, segments, [seq], [seq], HEAD_DIM ** -0.5), rep=40)
             print(f"sweep prefill T={seq} block_m={block_m} tile={tile} warps={warps} stages={stages}: "
                   f"{flops / ms / 1e9:.1f} TFLOP/s", flush=True)
-        except Exception as e:      # e.g. out of shared memory for the largest tiles
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for the largest tiles
             print(f"sweep prefill block_m={block_m} tile={tile} warps={warps} stages={stages}: {type(e).__name__}")
     ta.TILE_TOKENS, ta.PREFILL_BLOCK_M = saved[0], saved[1]
     ta.PREFILL_LAUNCH.update(saved[4])
@@ -198,7 +198,7 @@ def end_to_end(copy_tbs: float, quick: bool) -> list[dict]:
               f"{row['eager_of_roofline']:.2f} of roofline), graphs {graph_ms:6.2f} ms "
               f"({row['graph_tok_s']:7.0f} tok/s, {row['graph_of_roofline']:.2f} of roofline, "
               f"{row['graph_speedup']:.2f}x eager); roofline {roofline_ms:.2f} ms", flush=True)
-        del kv_caches, graphs
+        kv_caches = graphs = None
         torch.cuda.empty_cache()
     return rows
 

@@ -104,7 +104,8 @@ def main() -> None:
         for engine, python in (("pdserve", sys.executable), ("vllm", args.vllm_python)):
             res = run_one(engine, python, args, model)
             results[engine].append(res["tok_s"])
-            print(f"run {r + 1} {engine:8s} {res['tok_s']:9.1f} tok/s ({res['wall_s']:.2f} s) first tokens {res['first']}"
+            print(f"run {r + 1} {engine:8s} {res['tok_s']:9.1f} tok/s ({res['wall_s']:.2f} s) "
+                  f"first tokens {res['first']}"
                   + (f" LD_PRELOAD={res['preload']}" if res["preload"] else ""), flush=True)
     best = {e: max(v) for e, v in results.items()}
     print(f"best of {args.runs}: pdserve {best['pdserve']:.1f}, vLLM {best['vllm']:.1f} tok/s; "

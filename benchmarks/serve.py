@@ -284,7 +284,7 @@ def _progress(total: int, quiet: bool) -> Any:
     if quiet:
         return None
     try:
-        from tqdm import tqdm  # noqa: PLC0415
+        from tqdm import tqdm
     except ImportError:
         return None
     return tqdm(total=total, desc="requests", unit="req")
@@ -356,7 +356,7 @@ def summarize(results: list[RequestResult], wall: float, slos: dict[str, float] 
 def plot(results: list[RequestResult], path: str, label: str = "") -> None:
     """Latency CDFs (TTFT, TPOT, ITL, E2E) in one PNG; one curve per class when requests carry
     class labels (benchmarks/plots.py draws several runs together)."""
-    import plots  # noqa: PLC0415  (benchmarks/plots.py)
+    import plots
 
     classes = sorted({r.cls for r in results})
     runs = {(f"{label} {c}".strip() if c else label or "all"): [r for r in results if r.cls == c] for c in classes}

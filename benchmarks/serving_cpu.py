@@ -23,7 +23,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import serve  # noqa: E402  (benchmarks/serve.py)
+import serve
 
 
 def role(proc: psutil.Process) -> str:

@@ -19,8 +19,9 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from offline import make_prompts  # noqa: E402  (benchmarks/offline.py)
-from engine import LLM, SamplingParams  # noqa: E402
+from offline import make_prompts
+
+from engine import LLM, SamplingParams
 
 
 def timed(totals: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -20,9 +20,10 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.step_delta import StepEncoder  # noqa: E402
-from step_overhead import make_tiny_model  # noqa: E402  (benchmarks/step_overhead.py)
+from step_overhead import make_tiny_model
+
+from engine import LLM, SamplingParams
+from engine.step_delta import StepEncoder
 
 
 def measure(model: str, batch: int, context: int, output_len: int) -> tuple[int, int]:

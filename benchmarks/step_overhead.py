@@ -26,9 +26,10 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the repo: benchmarks/kernels.py
 
-import engine.model_runner as model_runner  # noqa: E402
-from offline import make_prompts  # noqa: E402  (benchmarks/offline.py)
-from engine import LLM, SamplingParams  # noqa: E402
+from offline import make_prompts
+
+import engine.model_runner as model_runner
+from engine import LLM, SamplingParams
 
 PARTS = ["schedule", "prepare", "forward", "logits", "sample", "update", "outputs"]
 

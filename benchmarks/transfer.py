@@ -35,16 +35,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")     # NIXL's INFO lines and the GGUF loader's
 os.environ.setdefault("TQDM_DISABLE", "1")          # progress bars would bury the table
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import numpy as np
+import torch
+import torch.distributed as dist
 
-from engine.config import KVTransferConfig  # noqa: E402  (before kv_transfer.factory: import cycle)
-from kv_transfer.base import KVConnectorWorker  # noqa: E402
-from kv_transfer.layout import KVLayout  # noqa: E402
-from kv_transfer.leases import LeaseSlots  # noqa: E402
-from kv_transfer.params import LoadSpec, RemotePrefill  # noqa: E402
-from kv_transfer.factory import create_connector_worker  # noqa: E402
+from engine.config import KVTransferConfig
+from kv_transfer.base import KVConnectorWorker
+from kv_transfer.factory import create_connector_worker
+from kv_transfer.layout import KVLayout
+from kv_transfer.leases import LeaseSlots
+from kv_transfer.params import LoadSpec, RemotePrefill
 
 LAYOUT = KVLayout(model="bench", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="bfloat16")
 TIMEOUT_S = 300.0
@@ -63,7 +63,8 @@ def wait(deadline: float) -> None:
 
 
 def nixl_agent(name: str) -> Any:
-    from nixl._api import nixl_agent as agent, nixl_agent_config  # noqa: PLC0415 (optional install)
+    from nixl._api import nixl_agent as agent
+    from nixl._api import nixl_agent_config
 
     return agent(f"{name}-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
 
@@ -229,10 +230,10 @@ def bench_throughput(connector: str, blocks: int, repeats: int) -> dict[str, Any
 
 
 def bench_ttft(connectors: list[str], prompt_len: int, repeats: int, dtype: str) -> list[dict[str, Any]]:
-    from engine.async_engine import IDLE_POLL_S  # noqa: PLC0415
-    from engine.config import EngineConfig  # noqa: PLC0415
-    from engine.llm_engine import LLMEngine  # noqa: PLC0415
-    from engine.sampling_params import SamplingParams  # noqa: PLC0415
+    from engine.async_engine import IDLE_POLL_S
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
 
     ids = [(i * 7 + 3) % 30000 + 5 for i in range(prompt_len)]
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

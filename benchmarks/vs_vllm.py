@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import compare  # noqa: E402  (benchmarks/compare.py)
+import compare
 
 WORKLOADS = {
     "decode-heavy": ["--input-len", "16:32", "--output-len", "128"],
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             cells.append({"workload": workload, "concurrency": c, "medians": medians,
                           "ratios": {name: out["ratios"][name] for name, _ in COLUMNS}})
     a, b = args.label_a, args.label_b
-    print(f"\n| workload | c | " + " | ".join(f"{title} {a} / {b} ({a}/{b})" for _, title in COLUMNS) + " |")
+    print("\n| workload | c | " + " | ".join(f"{title} {a} / {b} ({a}/{b})" for _, title in COLUMNS) + " |")
     print("|---|---|" + "---|" * len(COLUMNS))
     for cell in cells:
         row = []

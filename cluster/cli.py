@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text offline with one engine in this process")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    gen.add_argument("--model", default=None,
+                     help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
@@ -30,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return run_serve(args)
 
-    from engine import LLM, SamplingParams  # noqa: PLC0415 (slow import after argument errors)
+    from engine.llm import LLM  # noqa: PLC0415 (slow import after argument errors)
+    from engine.sampling_params import SamplingParams  # noqa: PLC0415
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)

@@ -16,11 +16,13 @@ Every field is validated here, so a bad spec fails before any actor starts, nami
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engine.config import EngineArgs, EngineConfig
 from router.policy import POLICIES
 
 
@@ -111,7 +113,8 @@ class ServingSpec(_Strict):
 
 class ClusterConfig(_Strict):
     model: str | None = None
-    engine: dict[str, Any] = Field(default_factory=dict)    # LLM(...) keywords, validated by EngineConfig
+    # LLM(...) keywords (engine/config.py: EngineArgs, where their defaults live), checked on load.
+    engine: EngineArgs = Field(default_factory=EngineArgs)
     mode: Literal["colocated", "disaggregated"] = "colocated"
     pools: dict[Literal["prefill", "decode"], PoolSpec] = Field(
         default_factory=lambda: {"decode": PoolSpec()})
@@ -135,20 +138,48 @@ class ClusterConfig(_Strict):
             raise ValueError("mode 'disaggregated' needs pipeline_parallel_size = 1 in every pool: KV "
                              "transfer moves each TP rank's heads (the pools' TP sizes may differ), not "
                              "pipeline stages")
-        parallel_keys = [k for k in self.engine if k in (
-            "tensor_parallel_size", "pipeline_parallel_size", "worker_num_cpus", "worker_num_gpus")]
-        if parallel_keys:
-            raise ValueError(f"engine must not set {parallel_keys}: set them per pool (pools.<name>)")
-        if "speculative_config" in self.engine:
-            raise ValueError("engine must not set speculative_config: set it on the decode pool "
-                             "(pools.decode.speculative_config); prefill replicas never decode")
         if self.pools.get("prefill") is not None and self.pools["prefill"].speculative_config is not None:
             raise ValueError("pools.prefill.speculative_config: only the decode pool decodes; set "
                              "pools.decode.speculative_config")
-        kv_keys = [k for k in self.engine if k.startswith("kv_")]
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_leaves_pools_their_fields(cls, engine: Any) -> Any:
+        """The fields that other sections set, named with where they belong."""
+        if not isinstance(engine, dict):
+            return engine
+        defaults = EngineArgs()     # a dumped spec (the JSON the actors get) holds every field
+        engine_set = [k for k, v in engine.items() if not hasattr(defaults, k) or getattr(defaults, k) != v]
+        parallel_keys = [k for k in engine_set if k in (
+            "tensor_parallel_size", "pipeline_parallel_size", "worker_num_cpus", "worker_num_gpus",
+            "worker_resources", "distributed_executor_backend")]
+        if parallel_keys:
+            raise ValueError(f"engine must not set {parallel_keys}: set them per pool (pools.<name>)")
+        if "speculative_config" in engine_set:
+            raise ValueError("engine must not set speculative_config: set it on the decode pool "
+                             "(pools.decode.speculative_config); prefill replicas never decode")
+        kv_keys = [k for k in engine_set if k.startswith("kv_")]
         if kv_keys:
             raise ValueError(f"engine must not set {kv_keys}: the disaggregation section configures "
                              f"the KV connector")
+        return engine
+
+    def engine_config(self, pool: str = "decode") -> EngineConfig:
+        """The engine config of one pool's replicas: the engine section, the pool's parallelism and
+        speculative decoding, and in disaggregated mode the KV connector (every engine can play
+        either role of a transfer). Resolves the model's config (ValueError naming the field when
+        the model does not allow a setting)."""
+        spec = self.pools[pool]
+        kv_args = self.disaggregation.engine_args() if self.mode == "disaggregated" else {}
+        # With one rank the replica actor is the rank (it holds the pool's CPUs/GPUs and runs on CUDA
+        # when it has a GPU); with more, the engine places worker actors with these per rank.
+        parallel: dict[str, Any] = {"worker_num_cpus": spec.num_cpus, "worker_num_gpus": spec.num_gpus}
+        if spec.world_size > 1:
+            parallel.update(tensor_parallel_size=spec.tensor_parallel_size,
+                            pipeline_parallel_size=spec.pipeline_parallel_size,
+                            worker_resources=dict(spec.resources))
+        spec_args = {"speculative_config": spec.speculative_config} if spec.speculative_config else {}
+        return EngineConfig.from_args(self.model, replace(self.engine, **kv_args, **parallel, **spec_args))
 
     @classmethod
     def from_yaml(cls, path: str) -> ClusterConfig:

@@ -14,7 +14,7 @@ import time
 import yaml
 
 from cluster.config import ClusterConfig
-from cluster.ray_init import init_ray
+from engine.ray_cluster import init_ray
 
 
 class Stopped(BaseException):
@@ -47,6 +47,8 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
     from cluster.placement import check_placement  # noqa: PLC0415
     from router.app import build_app  # noqa: PLC0415
 
+    for pool in config.pools:       # the model allows the engine section (before any actor starts)
+        config.engine_config(pool)
     check_placement(config)
     di_env = config.serving.direct_ingress_env()
     if di_env and os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":

@@ -22,7 +22,7 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.placement import check_placement
-from cluster.pool import EnginePool, engine_config_for
+from cluster.pool import EnginePool
 
 MANAGER_NAME = "pdserve-manager"
 # Beyond the placement timeout, the time a placed replica's worker process may take to start (a
@@ -51,7 +51,7 @@ class ClusterManager:
         self._changed: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self._monitor: asyncio.Task | None = None
-        self.pools = {name: EnginePool(name, spec, engine_config_for(config, name), config.name,
+        self.pools = {name: EnginePool(name, spec, config.engine_config(name), config.name,
                                        on_change=self._bump)
                       for name, spec in config.pools.items()}
 
@@ -105,7 +105,7 @@ class ClusterManager:
             for pool in self.pools.values():
                 try:
                     await pool.check_health()
-                except Exception:  # noqa: BLE001 - keep checking
+                except Exception:
                     logger.exception("health check of pool %s failed", pool.name)
 
     async def check_health(self) -> dict[str, list[str]]:

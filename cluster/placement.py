@@ -1,17 +1,15 @@
-"""Placement of one engine's rank actors (DESIGN: Ray topology).
-
-One placement-group bundle per pipeline stage holds that stage's TP ranks, so they always share a
-node (a bundle never spans nodes: STRICT_PACK per stage). The stages are spread over distinct nodes
-(STRICT_SPREAD) when the cluster has at least as many nodes able to hold a stage; otherwise they are
-packed where they fit (PACK, e.g. everything on one node).
+"""Placement of the pools on the Ray cluster: what each replica takes (`replica_bundles`), and
+whether the cluster can hold every pool (`check_placement`, failing with a message naming what is
+missing). One engine's own stages are placed by engine/ray_cluster.py (`create_engine_placement`).
 """
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+
+from engine.ray_cluster import stage_bundle
 
 if TYPE_CHECKING:
     from cluster.config import ClusterConfig, PoolSpec
@@ -21,16 +19,6 @@ REPLICA_ACTOR_CPUS = 0.1      # a multi-rank replica's own actor only schedules
 
 class PlacementError(ValueError):
     """The Ray cluster cannot hold what the cluster spec asks for (names the pool and resource)."""
-
-
-def stage_bundle(tp_size: int, num_cpus: float, num_gpus: float,
-                 resources: dict[str, float] | None = None) -> dict[str, float]:
-    bundle = {"CPU": tp_size * num_cpus}
-    if num_gpus:
-        bundle["GPU"] = tp_size * num_gpus
-    for name, amount in (resources or {}).items():
-        bundle[name] = tp_size * amount
-    return bundle
 
 
 def replica_bundles(spec: PoolSpec) -> list[dict[str, float]]:
@@ -98,19 +86,3 @@ def check_placement(config: ClusterConfig, timeout_s: float | None = None) -> No
 
 def fmt_resources(resources: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
-
-
-def create_engine_placement(tp_size: int, pp_size: int, num_cpus: float = 1.0, num_gpus: float = 0.0,
-                            resources: dict[str, float] | None = None, timeout_s: float = 120.0) -> Any:
-    """A ready placement group with bundle s = stage s. Raises RuntimeError (naming the resources)
-    if it cannot be placed within `timeout_s`."""
-    bundle = stage_bundle(tp_size, num_cpus, num_gpus, resources)
-    fitting = [n for n in ray.nodes() if n["Alive"]
-               and all(n["Resources"].get(k, 0) >= v for k, v in bundle.items())]
-    strategy = "STRICT_SPREAD" if pp_size > 1 and len(fitting) >= pp_size else "PACK"
-    group = placement_group([dict(bundle) for _ in range(pp_size)], strategy=strategy)
-    if not group.wait(timeout_s):
-        remove_placement_group(group)
-        raise RuntimeError(f"could not place {pp_size} stage(s) of {bundle} ({strategy}) within "
-                           f"{timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}")
-    return group

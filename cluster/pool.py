@@ -24,7 +24,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from cluster.config import ClusterConfig, PoolSpec
+from cluster.config import PoolSpec
 from cluster.placement import REPLICA_ACTOR_CPUS, PlacementError, fmt_resources, replica_bundles
 from cluster.replica import EngineReplica
 from engine.config import EngineConfig
@@ -140,7 +140,7 @@ class EnginePool:
     async def _bring_up(self, replica_id: str, handle: Any) -> None:
         try:
             await handle.load.remote()
-        except Exception:  # noqa: BLE001 - retried at the next health check
+        except Exception:
             logger.exception("pool %s: replacement %s failed to start", self.name, replica_id)
             self.starting.pop(replica_id, None)
             try:
@@ -179,20 +179,3 @@ class EnginePool:
                 pass
         self.replicas.clear()
         self.starting.clear()
-
-
-def engine_config_for(config: ClusterConfig, pool: str = "decode") -> EngineConfig:
-    """The engine config of one pool's replicas: the cluster's engine settings, the pool's
-    parallelism, and in disaggregated mode the KV connector (every engine can play either role of
-    a transfer)."""
-    spec = config.pools[pool]
-    kv_args = config.disaggregation.engine_args() if config.mode == "disaggregated" else {}
-    # With one rank the replica actor is the rank (it holds the pool's CPUs/GPUs and runs on CUDA
-    # when it has a GPU); with more, the engine places worker actors with these per rank.
-    parallel = {"worker_num_cpus": spec.num_cpus, "worker_num_gpus": spec.num_gpus}
-    if spec.world_size > 1:
-        parallel.update(tensor_parallel_size=spec.tensor_parallel_size,
-                        pipeline_parallel_size=spec.pipeline_parallel_size,
-                        worker_resources=dict(spec.resources))
-    spec_args = {"speculative_config": spec.speculative_config} if spec.speculative_config else {}
-    return EngineConfig.create(config.model, **config.engine, **kv_args, **parallel, **spec_args)

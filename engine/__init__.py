@@ -3,9 +3,23 @@
     from engine import LLM, SamplingParams
     llm = LLM()                       # the embedded SmolLM2-135M-Instruct
     out = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0))
-"""
-from engine.llm import LLM
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+The names below load on first use (PEP 562), so that importing a record module such as
+`engine.config` or `engine.sampling_params` (what the HTTP ingress needs) does not import the
+model, the executor and the workers. Nothing inside pdserve imports through this package
+(tests/test_layers.py checks it).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {"LLM": "engine.llm", "SamplingParams": "engine.sampling_params",
+            "RequestOutput": "engine.outputs", "CompletionOutput": "engine.outputs"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

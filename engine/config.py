@@ -7,7 +7,7 @@ records and never re-validates.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -185,6 +185,106 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class EngineArgs:
+    """The engine's user arguments: `LLM(...)`'s keywords and the cluster spec's `engine` section
+    (vLLM's names), with their defaults stated once, here. Everything that needs no model is
+    checked on construction (ValueError naming the field), so a cluster spec with a bad engine
+    field is refused when it is loaded; `EngineConfig.from_args` resolves the rest against the
+    model (max_model_len, the parallel split, a draft model)."""
+    # Pydantic validates the spec's `engine` section into this (field types; no unknown fields).
+    __pydantic_config__ = {"extra": "forbid", "arbitrary_types_allowed": True}
+
+    dtype: str | torch.dtype = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None                 # None: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None        # None: 2048 (with chunked prefill)
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None                 # None: from kv_cache_memory_bytes / free memory
+    kv_cache_memory_bytes: int | None = None
+    preemption_mode: str = "recompute"               # one of PREEMPTION_MODES
+    swap_space_bytes: int = 256 << 20                # CPU block pool for swap preemption
+    scheduling_policy: str = "fcfs"                  # "fcfs" | "priority"
+    batching: str = "continuous"                     # one of BATCHING_MODES
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    kv_connector: str | None = None                  # one of KV_CONNECTORS: P/D disaggregation
+    kv_engine_id: str | None = None
+    kv_host: str = "auto"
+    kv_lease_s: float = 30.0
+    kv_load_timeout_s: float = 10.0
+    kv_load_failure_policy: str = "recompute"        # one of KV_LOAD_FAILURE_POLICIES
+    kv_connector_extra: dict[str, Any] | None = None  # test-only fault injection
+    worker_num_cpus: float = 1.0
+    worker_num_gpus: float = 0.0
+    distributed_executor_backend: str | None = None  # "ray" forces worker actors even for one rank
+    worker_resources: dict[str, float] | None = None
+    speculative_config: dict[str, Any] | None = None  # see SpeculativeConfig.create
+    pipeline_micro_batches: int | None = None        # None: 1 with concurrent batches, else PP
+    max_concurrent_batches: int | None = None        # None: pipeline_parallel_size
+    enforce_eager: bool = False                      # no CUDA graphs
+    cuda_graph_sizes: list[int] = field(default_factory=lambda: [1, 2, 4] + list(range(8, 257, 8)))
+
+    def __post_init__(self) -> None:
+        block_size, max_num_seqs = self.block_size, self.max_num_seqs
+        if block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128]; got {block_size}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1; got {max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}; got {self.preemption_mode!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority'; got {self.scheduling_policy!r}")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {BATCHING_MODES}; got {self.batching!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1; got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0; got {self.kv_cache_memory_bytes}")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0; got {self.swap_space_bytes}")
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if tp < 1 or pp < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        concurrent = self.max_concurrent_batches
+        if concurrent is not None and not 1 <= concurrent <= max(1, pp):
+            raise ValueError(f"max_concurrent_batches must be in [1, pipeline_parallel_size={pp}] (default: "
+                             f"pipeline_parallel_size); got {concurrent}")
+        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
+            raise ValueError(f"pipeline_micro_batches must be >= 1 (default: 1 with concurrent batches, "
+                             f"else pipeline_parallel_size); got {self.pipeline_micro_batches}")
+        if self.distributed_executor_backend not in (None, "ray"):
+            raise ValueError(f"distributed_executor_backend must be None or 'ray'; got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.worker_num_cpus <= 0 or self.worker_num_gpus < 0:
+            raise ValueError(f"worker_num_cpus must be > 0 and worker_num_gpus >= 0; got "
+                             f"{self.worker_num_cpus}, {self.worker_num_gpus}")
+        sizes = self.cuda_graph_sizes
+        if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
+            raise ValueError(f"cuda_graph_sizes must be positive integers; got {sizes!r}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
+        if self.kv_connector is not None:
+            if pp > 1:
+                raise ValueError("kv_connector needs pipeline_parallel_size == 1 (KV transfer moves each TP "
+                                 "rank's heads; stages holding different layers are not supported)")
+            if self.kv_connector not in KV_CONNECTORS:
+                raise ValueError(f"kv_connector must be one of {KV_CONNECTORS} or None; got {self.kv_connector!r}")
+            if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+                raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}; "
+                                 f"got {self.kv_load_failure_policy!r}")
+            if self.kv_lease_s <= 0 or self.kv_load_timeout_s <= 0:
+                raise ValueError(f"kv_lease_s and kv_load_timeout_s must be > 0; got {self.kv_lease_s}, "
+                                 f"{self.kv_load_timeout_s}")
+        if isinstance(self.dtype, str):
+            resolve_dtype(self.dtype, None)         # ValueError naming the allowed names
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -193,108 +293,43 @@ class EngineConfig:
     kv_transfer_config: KVTransferConfig | None = None
     speculative_config: SpeculativeConfig | None = None
 
+    def model_info(self) -> ModelInfo:
+        """What a frontend needs to know of the model this engine serves."""
+        mc = self.model_config
+        return ModelInfo(mc.model, mc.gguf_file, mc.vocab_size, mc.max_model_len, self.cache_config.block_size,
+                         self.scheduler_config.max_num_seqs)
+
     @classmethod
-    def create(
-        cls,
-        model: str | None = None,
-        *,
-        dtype: str | torch.dtype = "auto",
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | None = None,
-        enable_chunked_prefill: bool = True,
-        enable_prefix_caching: bool = True,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        preemption_mode: str = "recompute",
-        swap_space_bytes: int = 256 << 20,
-        scheduling_policy: str = "fcfs",
-        batching: str = "continuous",
-        seed: int = 0,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        kv_connector: str | None = None,
-        kv_engine_id: str | None = None,
-        kv_host: str = "auto",
-        kv_lease_s: float = 30.0,
-        kv_load_timeout_s: float = 10.0,
-        kv_load_failure_policy: str = "recompute",
-        kv_connector_extra: dict[str, Any] | None = None,
-        worker_num_cpus: float = 1.0,
-        worker_num_gpus: float = 0.0,
-        distributed_executor_backend: str | None = None,
-        worker_resources: dict[str, float] | None = None,
-        speculative_config: dict[str, Any] | None = None,
-        pipeline_micro_batches: int | None = None,
-        max_concurrent_batches: int | None = None,
-        enforce_eager: bool = False,
-        cuda_graph_sizes: list[int] | None = None,
-    ) -> EngineConfig:
-        """Validate user arguments and resolve them against the model's config."""
-        if block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be a power of two in [1, 128]; got {block_size}")
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1; got {max_num_seqs}")
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}; got {preemption_mode!r}")
-        if scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority'; got {scheduling_policy!r}")
-        if batching not in BATCHING_MODES:
-            raise ValueError(f"batching must be one of {BATCHING_MODES}; got {batching!r}")
-        if num_kv_blocks is not None and num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1; got {num_kv_blocks}")
-        if kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0:
-            raise ValueError(f"kv_cache_memory_bytes must be > 0; got {kv_cache_memory_bytes}")
-        if swap_space_bytes < 0:
-            raise ValueError(f"swap_space_bytes must be >= 0; got {swap_space_bytes}")
-        if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
-            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
-        if max_concurrent_batches is None:
-            max_concurrent_batches = pipeline_parallel_size
-        if not 1 <= max_concurrent_batches <= max(1, pipeline_parallel_size):
-            raise ValueError(f"max_concurrent_batches must be in [1, pipeline_parallel_size="
-                             f"{pipeline_parallel_size}] (default: pipeline_parallel_size); got "
-                             f"{max_concurrent_batches}")
+    def create(cls, model: str | None = None, **engine_args: Any) -> EngineConfig:
+        """Check the user's arguments (`EngineArgs`' fields, vLLM's names) and resolve them against
+        the model's config."""
+        return cls.from_args(model, EngineArgs(**engine_args))
+
+    @classmethod
+    def from_args(cls, model: str | None, args: EngineArgs) -> EngineConfig:
+        """Resolve checked arguments against the model's config (ValueError naming the field when
+        the model does not allow them: max_model_len, the parallel split, a draft model)."""
+        block_size, max_num_seqs, max_model_len = args.block_size, args.max_num_seqs, args.max_model_len
+        tensor_parallel_size, pipeline_parallel_size = args.tensor_parallel_size, args.pipeline_parallel_size
+        max_num_batched_tokens, enable_chunked_prefill = args.max_num_batched_tokens, args.enable_chunked_prefill
+        max_concurrent_batches = args.max_concurrent_batches or pipeline_parallel_size
+        pipeline_micro_batches = args.pipeline_micro_batches
         if pipeline_micro_batches is None:
             # Concurrent batches already keep every stage busy; splitting each of them again only
             # adds per-micro-batch weight reads (benchmarks/parallel.py).
             pipeline_micro_batches = 1 if max_concurrent_batches > 1 else pipeline_parallel_size
-        if pipeline_micro_batches < 1:
-            raise ValueError(f"pipeline_micro_batches must be >= 1 (default: 1 with concurrent batches, "
-                             f"else pipeline_parallel_size); got {pipeline_micro_batches}")
-        if distributed_executor_backend not in (None, "ray"):
-            raise ValueError(f"distributed_executor_backend must be None or 'ray'; got "
-                             f"{distributed_executor_backend!r}")
-        if worker_num_cpus <= 0 or worker_num_gpus < 0:
-            raise ValueError(f"worker_num_cpus must be > 0 and worker_num_gpus >= 0; got "
-                             f"{worker_num_cpus}, {worker_num_gpus}")
-        if cuda_graph_sizes is None:
-            cuda_graph_sizes = [1, 2, 4] + list(range(8, 257, 8))
-        if any(not isinstance(n, int) or n < 1 for n in cuda_graph_sizes):
-            raise ValueError(f"cuda_graph_sizes must be positive integers; got {cuda_graph_sizes!r}")
         # Sizes up to max_num_seqs, and the first one at or above it (a full batch replays too).
-        sizes = sorted(set(cuda_graph_sizes))
-        graph_sizes = () if enforce_eager else tuple(
+        sizes = sorted(set(args.cuda_graph_sizes))
+        graph_sizes = () if args.enforce_eager else tuple(
             n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] < max_num_seqs)
         kv_transfer_config = None
-        if kv_connector is not None:
-            if pipeline_parallel_size > 1:
-                raise ValueError("kv_connector needs pipeline_parallel_size == 1 (KV transfer moves each TP "
-                                 "rank's heads; stages holding different layers are not supported)")
-            if kv_connector not in KV_CONNECTORS:
-                raise ValueError(f"kv_connector must be one of {KV_CONNECTORS} or None; got {kv_connector!r}")
-            if kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
-                raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}; "
-                                 f"got {kv_load_failure_policy!r}")
-            if kv_lease_s <= 0 or kv_load_timeout_s <= 0:
-                raise ValueError(f"kv_lease_s and kv_load_timeout_s must be > 0; got {kv_lease_s}, "
-                                 f"{kv_load_timeout_s}")
+        if args.kv_connector is not None:
             kv_transfer_config = KVTransferConfig(
-                kv_connector=kv_connector, engine_id=kv_engine_id or uuid.uuid4().hex[:12],
-                kv_host=kv_host, lease_s=kv_lease_s, load_timeout_s=kv_load_timeout_s,
-                load_failure_policy=kv_load_failure_policy,
-                extra=tuple(sorted((kv_connector_extra or {}).items())))
+                kv_connector=args.kv_connector, engine_id=args.kv_engine_id or uuid.uuid4().hex[:12],
+                kv_host=args.kv_host, lease_s=args.kv_lease_s, load_timeout_s=args.kv_load_timeout_s,
+                load_failure_policy=args.kv_load_failure_policy,
+                extra=tuple(sorted((args.kv_connector_extra or {}).items())))
+        dtype, seed, speculative_config = args.dtype, args.seed, args.speculative_config
 
         path, gguf_file, hf_config = resolve_model(model)
         _check_parallel_fit(hf_config, tensor_parallel_size, pipeline_parallel_size)
@@ -305,8 +340,6 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be in [1, {derived_len}] for this model; got {max_model_len}")
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, max_model_len)
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1; got {max_num_batched_tokens}")
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
@@ -323,20 +356,33 @@ class EngineConfig:
         return cls(
             model_config=model_config,
             cache_config=CacheConfig(
-                block_size=block_size, num_kv_blocks=num_kv_blocks,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                enable_prefix_caching=enable_prefix_caching, swap_space_bytes=swap_space_bytes),
+                block_size=block_size, num_kv_blocks=args.num_kv_blocks,
+                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                enable_prefix_caching=args.enable_prefix_caching, swap_space_bytes=args.swap_space_bytes),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
-                preemption_mode=preemption_mode, policy=scheduling_policy, batching=batching),
+                preemption_mode=args.preemption_mode, policy=args.scheduling_policy, batching=args.batching),
             parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size,
-                                           worker_num_cpus, worker_num_gpus, distributed_executor_backend,
-                                           tuple(sorted((worker_resources or {}).items())),
+                                           args.worker_num_cpus, args.worker_num_gpus,
+                                           args.distributed_executor_backend,
+                                           tuple(sorted((args.worker_resources or {}).items())),
                                            pipeline_micro_batches, max_concurrent_batches),
             kv_transfer_config=kv_transfer_config,
             speculative_config=spec_config,
         )
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model as the HTTP/gRPC frontend sees it: enough to tokenize and validate requests and
+    to route them by prefix blocks, with no engine internals."""
+    model: str                  # directory or the GGUF file's directory (the tokenizer's path)
+    gguf_file: str | None
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
 
 
 def _check_parallel_fit(hf_config: Any, tp: int, pp: int) -> None:

@@ -103,8 +103,7 @@ class RayExecutor(_Executor):
         import ray  # noqa: PLC0415
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
 
-        from cluster.ray_init import init_ray  # noqa: PLC0415
-        from cluster.placement import create_engine_placement  # noqa: PLC0415
+        from engine.ray_cluster import create_engine_placement, init_ray  # noqa: PLC0415 (imports Ray)
 
         if not ray.is_initialized():
             init_ray()

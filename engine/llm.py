@@ -97,7 +97,8 @@ class LLM:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and "prompt" in prompt:
             return prompt["prompt"], None
-        raise ValueError(f"prompts must be str or dict with 'prompt' or 'prompt_token_ids'; got {type(prompt).__name__}")
+        raise ValueError(f"prompts must be str or dict with 'prompt' or 'prompt_token_ids'; "
+                         f"got {type(prompt).__name__}")
 
     def _run(self, parsed: list[tuple[str | None, list[int] | None]], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:

@@ -18,7 +18,7 @@ from engine.executor import make_executor
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import CompletionOutput, KVEvent, Logprob, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from engine.request import FINISH_REASONS, Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, validate_request
 from engine.scheduler import Scheduler
 from engine.spec_decode import SpecDecodeStats, make_proposer, max_proposals
 from engine.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
@@ -94,38 +94,6 @@ class _RequestState:
             if c.finish_reason is None:
                 return False
         return True
-
-
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
-                     max_model_len: int, max_num_seqs: int | None = None) -> None:
-    """Raise ValueError naming the field if the request cannot run on a model with this vocabulary,
-    context length and batch size (shared by the engine and the HTTP ingress). With SamplingParams'
-    own checks, nothing that passes can make a step raise."""
-    if not prompt_token_ids:
-        raise ValueError("prompt must not be empty")
-    bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {bad[:5]}")
-    limit = max_model_len
-    if len(prompt_token_ids) >= limit:
-        raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {limit}, "
-                         f"so the prompt must have fewer than {limit} tokens")
-    room = limit - len(prompt_token_ids)
-    if params.max_tokens is not None and params.max_tokens > room:
-        raise ValueError(f"max_tokens must be <= {room} for this "
-                         f"{len(prompt_token_ids)}-token prompt (max_model_len={limit}); "
-                         f"got {params.max_tokens}")
-    if params.min_tokens > room:
-        raise ValueError(f"min_tokens must be <= {room} for this {len(prompt_token_ids)}-token prompt "
-                         f"(max_model_len={limit}); got {params.min_tokens}")
-    bad = [t for t in params.stop_token_ids if t >= vocab_size]
-    if bad:
-        raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}); got {bad[:5]}")
-    if max_num_seqs is not None and params.n > max_num_seqs:
-        raise ValueError(f"n must be <= {max_num_seqs} (max_num_seqs: the sequences that run at once); "
-                         f"got {params.n}")
-    if params.prompt_logprobs is not None and params.n > 1:
-        raise ValueError("prompt_logprobs must be None when n > 1")
 
 
 class LLMEngine:

@@ -5,7 +5,7 @@ all decodes in one batched call. With pipeline stages a step's requests run as s
 (`pipeline_micro_batches`, default pp_size), so that stage s + 1 works on one while stage s runs the
 next. Logits are computed only for rows that sample (the last token of a
 request whose KV is now complete; with speculative decoding, also each proposed token's row, which
-engine/spec_decode/rejection_sampler.py verifies) and for rows that want prompt logprobs.
+engine.layers.rejection_sampler.py verifies) and for rows that want prompt logprobs.
 """
 from __future__ import annotations
 
@@ -17,12 +17,11 @@ from torch import nn
 from engine.cuda_graph import CudaGraphRunner
 from engine.layers.attention import AttentionBackend
 from engine.layers.penalties import TokenCounts
+from engine.layers.rejection_sampler import verify
 from engine.layers.sampler import SamplingRow, greedy_ids, sample, top_logprobs
 from engine.outputs import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from engine.parallel_state import ParallelState, get_parallel_state, pp_recv, pp_send
-from engine.spec_decode.rejection_sampler import verify
 from kernels.dispatch import get_kernels
-
 
 # A pipeline micro-batch has at least this many tokens. Smaller ones do not pay: a stage reads all
 # its weights once per micro-batch, and below about this many rows the matmuls are bound by those

@@ -6,7 +6,7 @@ that no request can make a step raise: integers fit int64 (seeds: torch's full s
 are finite, and the list fields are capped (`MAX_STOP_STRINGS` strings of at most
 `MAX_STOP_STRING_CHARS` characters, `MAX_STOP_TOKEN_IDS` stop tokens). What depends on the model
 (token ids below the vocabulary, lengths within max_model_len, n within max_num_seqs) is checked by
-`engine.llm_engine.validate_request`.
+`validate_request` below (the engine and the HTTP ingress both call it).
 """
 from __future__ import annotations
 
@@ -133,3 +133,35 @@ def _bound(v: int) -> str:
 def _check_float(name: str, value: object, allowed: str, in_range: bool) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     _check(ok and in_range, name, f"a finite number {allowed}", value)
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
+                     max_model_len: int, max_num_seqs: int | None = None) -> None:
+    """Raise ValueError naming the field if the request cannot run on a model with this vocabulary,
+    context length and batch size (shared by the engine and the HTTP ingress). With SamplingParams'
+    own checks, nothing that passes can make a step raise."""
+    if not prompt_token_ids:
+        raise ValueError("prompt must not be empty")
+    bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+    limit = max_model_len
+    if len(prompt_token_ids) >= limit:
+        raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {limit}, "
+                         f"so the prompt must have fewer than {limit} tokens")
+    room = limit - len(prompt_token_ids)
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise ValueError(f"max_tokens must be <= {room} for this "
+                         f"{len(prompt_token_ids)}-token prompt (max_model_len={limit}); "
+                         f"got {params.max_tokens}")
+    if params.min_tokens > room:
+        raise ValueError(f"min_tokens must be <= {room} for this {len(prompt_token_ids)}-token prompt "
+                         f"(max_model_len={limit}); got {params.min_tokens}")
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}); got {bad[:5]}")
+    if max_num_seqs is not None and params.n > max_num_seqs:
+        raise ValueError(f"n must be <= {max_num_seqs} (max_num_seqs: the sequences that run at once); "
+                         f"got {params.n}")
+    if params.prompt_logprobs is not None and params.n > 1:
+        raise ValueError("prompt_logprobs must be None when n > 1")

@@ -23,7 +23,7 @@ def iterate_weights(path: str, gguf_file: str | None, hf_config: Any) -> Iterato
 
     for file in files:
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            for name in f.keys():
                 yield name, f.get_tensor(name)
 
 

@@ -24,6 +24,7 @@ from engine.parallel_state import get_parallel_state, init_parallel_state, pp_la
 from engine.step_delta import StepDecoder
 from engine.weights import iterate_weights
 from kv_transfer.base import KVConnectorWorker
+from kv_transfer.factory import create_connector_worker
 from kv_transfer.layout import KVLayout
 from kv_transfer.params import TransferReport
 
@@ -127,8 +128,6 @@ class Worker:
                                   for _ in range(layers)] if num_cpu_blocks else []
         self.runner.capture_cuda_graphs(mc.cuda_graph_sizes, mc.max_model_len)
         if self.config.kv_transfer_config is not None:
-            from kv_transfer.factory import create_connector_worker  # noqa: PLC0415 (import cycle)
-
             self.kv_connector = create_connector_worker(
                 self.config.kv_transfer_config,
                 KVLayout.from_config(self.config, get_parallel_state().tp_rank))

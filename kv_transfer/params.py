@@ -8,7 +8,6 @@ from typing import Any
 
 from kv_transfer.layout import KVLayout
 
-
 # Version of the connectors' own protocol (lease words, notifications, staging layout): both ends
 # of a transfer must run the same one. Checked with the layout in the handshake.
 CONNECTOR_VERSION = 2     # 2: the decode engine releases the lease once all its ranks pulled

@@ -59,9 +59,10 @@ def _cache_root() -> str:
 
 
 def _key() -> str:
+    from importlib.metadata import version  # noqa: PLC0415
+
     import google.protobuf  # noqa: PLC0415
     import grpc_tools  # noqa: PLC0415,F401
-    from importlib.metadata import version  # noqa: PLC0415
 
     h = hashlib.sha256()
     with open(PROTO_PATH, "rb") as f:
@@ -76,8 +77,9 @@ def _generate() -> str:
     final = os.path.join(root, _key())
     if os.path.exists(os.path.join(final, "pdserve_pb2_grpc.py")):
         return final
-    import grpc_tools  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
+
+    import grpc_tools  # noqa: PLC0415
 
     os.makedirs(root, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".gen-", dir=root)
@@ -123,7 +125,7 @@ pb2 = _load("pdserve_pb2", _dir)
 pb2_grpc = _load("pdserve_pb2_grpc", _dir)
 sys.modules[f"{__name__}.pdserve_pb2"] = pb2
 sys.modules[f"{__name__}.pdserve_pb2_grpc"] = pb2_grpc
-add_GenerationServicer_to_server = pb2_grpc.add_GenerationServicer_to_server
+add_GenerationServicer_to_server = pb2_grpc.add_GenerationServicer_to_server  # noqa: N816 (generated name)
 
 __all__ = ["CONTROL_SCHEMA_VERSION", "PROTO_PATH", "SchemaVersionMismatch", "add_GenerationServicer_to_server",
            "check_version", "pb2", "pb2_grpc"]

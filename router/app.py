@@ -35,9 +35,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 
 from cluster.config import ClusterConfig
-from engine.llm_engine import validate_request
 from engine.outputs import Logprob
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, validate_request
 from engine.tokenizer import apply_chat_template, load_tokenizer
 from router.admission import Admission, Ticket
 from router.errors import HTTPError
@@ -46,8 +45,19 @@ from router.http import fastapi_app, guard, openapi_schema, sse_response
 from router.metrics import ServingMetrics
 from router.pd import PDRouter, RequestRouter
 from router.policy import PolicyConfig, RoutingPolicy
-from router.protocol import (ChatCompletionRequest, ChoiceAccumulator, CompletionRequest, DetokenizeRequest,
-                             TokenizeRequest, UsageCounter, new_id, now, parse_json_object, plain_messages, validation_message)
+from router.protocol import (
+    ChatCompletionRequest,
+    ChoiceAccumulator,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    UsageCounter,
+    new_id,
+    now,
+    parse_json_object,
+    plain_messages,
+    validation_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,31 +71,27 @@ class OpenAIServer:
         disaggregated mode); manager: the ClusterManager's handle, told about replicas that fail
         and followed for the pools' membership (`follow_membership`). Without replicas the server
         is starting: `attach()` gives it the pools once they are up."""
-        from cluster.pool import engine_config_for  # noqa: PLC0415
-
         self.config = config
-        ec = engine_config_for(config)
-        mc = ec.model_config
-        self.vocab_size, self.max_model_len = mc.vocab_size, mc.max_model_len
-        self.max_num_seqs = ec.scheduler_config.max_num_seqs
-        self.model_name = config.serving.served_model_name or _default_name(mc.model, mc.gguf_file)
-        self.tokenizer = load_tokenizer(mc.model, mc.gguf_file)
+        info = config.engine_config("decode").model_info()
+        self.vocab_size, self.max_model_len, self.max_num_seqs = info.vocab_size, info.max_model_len, info.max_num_seqs
+        self.model_name = config.serving.served_model_name or _default_name(info.model, info.gguf_file)
+        self.tokenizer = load_tokenizer(info.model, info.gguf_file)
         self.metrics = ServingMetrics()
         # One policy per pool: a shared one would share round-robin's counter, and with the decode
         # pool routed first on every request, the prefill pick would see every other count only.
         def policy() -> RoutingPolicy:
             return RoutingPolicy(PolicyConfig(config.routing.name, config.routing.load_weight,
                                               config.routing.imbalance_threshold),
-                                 ec.scheduler_config.max_num_seqs)
+                                 info.max_num_seqs)
         self.manager = manager
         report = lambda replica_id: self.manager.report_failure.remote(replica_id)  # noqa: E731
         on_failure = report if manager is not None else None
-        decode = RequestRouter("decode", replicas or {}, ec.cache_config.block_size, policy(), self.metrics,
+        decode = RequestRouter("decode", replicas or {}, info.block_size, policy(), self.metrics,
                                config.routing.stats_interval_s, on_failure)
         self.pools: dict[str, RequestRouter] = {"decode": decode}
         self.router: RequestRouter | PDRouter = decode
         if config.mode == "disaggregated":
-            prefill = RequestRouter("prefill", prefill_replicas or {}, ec.cache_config.block_size, policy(),
+            prefill = RequestRouter("prefill", prefill_replicas or {}, info.block_size, policy(),
                                     self.metrics, config.routing.stats_interval_s, on_failure)
             self.pools["prefill"] = prefill
             self.router = PDRouter(prefill, decode, self.metrics,
@@ -440,7 +446,7 @@ class OpenAIServer:
         while True:
             try:
                 version, pools = await self.manager.membership.remote(version, 5.0)
-            except Exception:  # noqa: BLE001 - the manager restarting must not stop the ingress
+            except Exception:
                 logger.exception("following the pools' membership failed")
                 await asyncio.sleep(1.0)
                 continue
@@ -472,7 +478,7 @@ def build_app(config: ClusterConfig) -> Any:
         async def __init__(self, config_json: str) -> None:
             # The pools come up in the background; with serving.wait_for_pools this replica is ready
             # (to Serve) only once they serve, else it answers at once (/health says why not ready).
-            from cluster.ray_init import keep_serve_replica_on_loopback  # noqa: PLC0415
+            from engine.ray_cluster import keep_serve_replica_on_loopback  # noqa: PLC0415
 
             keep_serve_replica_on_loopback()
             cfg = ClusterConfig.model_validate_json(config_json)

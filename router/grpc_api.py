@@ -24,10 +24,9 @@ from typing import Any
 import grpc
 
 from pdserve_proto import pb2
+from router.errors import HTTPError
 from router.pd import NoReplicaError
 from router.protocol import new_id
-
-from router.errors import HTTPError
 
 logger = logging.getLogger(__name__)
 # The OpenAIServer of router/app.py (which imports this module).

@@ -19,7 +19,8 @@ deltas for all of this router's requests on a replica arrive as one message.
 The router keeps its per-replica view fresh in the background: a long poll per replica on its KV
 event log (`EngineReplica.kv_events_since` answers after the first replica step with events, so they arrive
 within a step and idle replicas cost nothing; the batches travel as protobuf `KVEventBatch`, and a
-replica of another schema version has its events refused, with an error logged) and stats every `stats_interval_s`; in-flight counts
+replica of another schema version has its events refused, with an error logged) and stats every
+`stats_interval_s`; in-flight counts
 are its own.
 """
 from __future__ import annotations
@@ -141,7 +142,7 @@ class RequestRouter:
                 logger.error("refusing KV events of %s replica %s: %s", self.pool, replica_id, e)
                 self.metrics.errors.inc(code="kv_events_schema_mismatch")
                 await asyncio.sleep(5.0)
-            except Exception:  # noqa: BLE001 - a failing replica must not stop routing to the others
+            except Exception:
                 logger.exception("following KV events of %s failed", replica_id)
                 await asyncio.sleep(1.0)
 
@@ -149,7 +150,7 @@ class RequestRouter:
         while True:
             try:
                 await self.refresh_stats()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.exception("polling replica stats failed")
             await asyncio.sleep(self.stats_interval_s)
 

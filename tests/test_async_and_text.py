@@ -71,10 +71,11 @@ def test_detokenizer_reads_the_rust_tokenizer_with_the_same_text(smol_tokenizer,
 
 
 def test_embedded_model_matches_transformers_and_knows_paris():
+    import os
+
     from transformers import AutoModelForCausalLM
 
     from engine.model_source import embedded_model_path
-    import os
 
     llm = LLM(dtype="float32")
     tok = llm.get_tokenizer()
@@ -159,7 +160,8 @@ def test_output_kinds_delta_and_final_only_add_up_to_cumulative(tiny_llama):
     engine = llm.llm_engine
     prompts = [list(range(20, 45)), list(range(300, 310))]
     text = llm.generate([{"prompt_token_ids": prompts[0]}],
-                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
     stop = text[len(text) // 2:len(text) // 2 + 3]          # met mid-way by the greedy choice
     # Two seeded choices, the first ended early by a token that only it draws: they finish apart.
     sampled = dict(n=2, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import serve  # noqa: E402  (benchmarks/serve.py)
+import serve
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -108,12 +108,13 @@ def test_summary_per_class_and_scraped_counters():
 
 def test_plots_write_pngs(tmp_path):
     pytest.importorskip("matplotlib", reason="plots need matplotlib (the bench and test extras)")
-    import plots  # noqa: PLC0415  (benchmarks/plots.py)
+    import plots
 
     results = _classed_results()
     serve.plot(results, str(tmp_path / "cdf.png"), "run")
     summary = serve.summarize(results, 2.0)
-    plots.throughput_vs_rate({"a": [(1.0, summary), (2.0, summary), (2.0, {**summary, "output_token_throughput": 3.0})]},
+    plots.throughput_vs_rate({"a": [(1.0, summary), (2.0, summary),
+                                    (2.0, {**summary, "output_token_throughput": 3.0})]},
                              str(tmp_path / "rate.png"))
     for name in ("cdf.png", "rate.png"):
         data = (tmp_path / name).read_bytes()

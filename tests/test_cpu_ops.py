@@ -10,9 +10,9 @@ import logging
 
 import pytest
 import torch
+from test_reference import naive_decode
 
 from kernels import cpu_ops, dispatch, reference
-from test_reference import naive_decode
 
 # Relative error ||out - ref|| / ||ref|| allowed per dtype; both sides accumulate in fp32, so bf16 and
 # fp16 differ only by the output's rounding.

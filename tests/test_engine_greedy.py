@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import hf_greedy, mixed_prompts
+
 from engine import LLM, SamplingParams
 
 MAX_TOKENS = 20

@@ -56,7 +56,8 @@ def test_invalid_engine_args(tiny_llama, kwargs, field):
 def test_unknown_model_path_and_architecture(tmp_path, tiny_llama):
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "nope"))
-    import shutil, json
+    import json
+    import shutil
     bad = tmp_path / "gpt2ish"
     shutil.copytree(tiny_llama, bad)
     cfg = json.loads((bad / "config.json").read_text())

@@ -161,7 +161,8 @@ def test_error_codes(server):
             grpc.StatusCode.UNAUTHENTICATED
 
     # RESOURCE_EXHAUSTED from the app that admits one request at a time, while one stream is open.
-    held = stub.Generate(pb2.GenerateRequest(text="hold", sampling=pb2.SamplingOptions(max_tokens=500, ignore_eos=True)),
+    held = stub.Generate(pb2.GenerateRequest(text="hold",
+                                             sampling=pb2.SamplingOptions(max_tokens=500, ignore_eos=True)),
                          metadata=_md(LIMITED, None), timeout=120)
     next(held)
     code, details = _code(gen(_md(LIMITED, None), text="x"))

@@ -25,9 +25,10 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncLLMEngine
 from engine.errors import EngineDeadError, RequestFailedError
-from engine.llm_engine import validate_request
+from engine.sampling_params import validate_request
 from router.admission import Admission
 from router.protocol import MAX_JSON_DEPTH, parse_json_object
+
 
 # --- unit -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,field", [
@@ -131,8 +132,8 @@ def _greedy(tiny_llama, prompt, max_tokens):
 async def _collect(engine, rid, prompt, params):
     async def run():
         out = None
-        async for out in engine.generate(rid, prompt, params):
-            pass
+        async for item in engine.generate(rid, prompt, params):
+            out = item
         return out
 
     return await asyncio.wait_for(run(), 120)          # a request that never ends fails the test
@@ -236,14 +237,14 @@ def test_a_replica_that_cannot_be_placed_fails_naming_the_resource(tiny_llama):
     from cluster.config import ClusterConfig
     from cluster.launch import init_ray
     from cluster.placement import PlacementError
-    from cluster.pool import EnginePool, engine_config_for
+    from cluster.pool import EnginePool
 
     init_ray(num_cpus=8)
     free = ray.available_resources().get("CPU", 0.0)
     blocker = ray.remote(num_cpus=max(free - 0.5, 0.01))(type("Blocker", (), {"ping": lambda self: 1})).remote()
     ray.get(blocker.ping.remote())
     config = ClusterConfig(model=tiny_llama, engine={"dtype": "float32"}, pools={"decode": {"num_cpus": 1}})
-    pool = EnginePool("decode", config.pools["decode"], engine_config_for(config), "pdserve-unplaced")
+    pool = EnginePool("decode", config.pools["decode"], config.engine_config(), "pdserve-unplaced")
     pool.start()
     try:
         start = time.monotonic()

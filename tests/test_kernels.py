@@ -17,12 +17,13 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from conftest import hf_greedy, save_random_model  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from kernels import cpu_ops, reference  # noqa: E402
-from kernels import triton_ops as tri  # noqa: E402
-from kernels.dispatch import get_kernels  # noqa: E402
-from kernels.triton_attention import decode_partitions  # noqa: E402
+from conftest import hf_greedy, save_random_model
+
+from engine import LLM, SamplingParams
+from kernels import cpu_ops, reference
+from kernels import triton_ops as tri
+from kernels.dispatch import get_kernels
+from kernels.triton_attention import decode_partitions
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 HEAD_DIM = 128 if CUDA else 32          # the interpreter runs each program in Python: small shapes

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from conftest import hf_greedy
 
 from engine.config import EngineConfig
 from engine.executor import EngineDeadError
@@ -17,8 +18,6 @@ from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from engine.llm_engine import LLMEngine
 from engine.parallel_state import ParallelState, pp_layer_range, reset_parallel_state, set_parallel_state
 from engine.sampling_params import SamplingParams
-
-from conftest import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [[(i * 11 + 7 + 97 * n) % 2000 + 3 for i in range(n)] for n in (1, 17, 40, 75)]
@@ -321,13 +320,13 @@ def test_pool_of_tensor_parallel_replicas(two_nodes, tiny_llama):
     import ray
 
     from cluster.config import ClusterConfig
-    from cluster.pool import EnginePool, engine_config_for
+    from cluster.pool import EnginePool
 
     config = ClusterConfig(model=tiny_llama, engine={"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64},
                            pools={"decode": {"replicas": 1, "num_cpus": 1, "tensor_parallel_size": 2}})
     [want] = run(LLMEngine(EngineConfig.create(tiny_llama, dtype="float32", max_model_len=256, num_kv_blocks=64)),
                  [PROMPTS[2]])
-    pool = EnginePool("decode", config.pools["decode"], engine_config_for(config, "decode"), "pdserve-test")
+    pool = EnginePool("decode", config.pools["decode"], config.engine_config("decode"), "pdserve-test")
     pool.start()
     try:
         asyncio.run(pool.wait_ready())
@@ -394,6 +393,7 @@ def test_step_deltas_rebuild_every_step_and_keep_output(tiny_qwen2, mode):
     and prompt logprobs: every step rebuilt from its delta equals the scheduler's own, the outputs
     equal the in-process executor's, and both tables are empty at the end."""
     from conftest import mixed_prompts
+
     from engine import LLM, SamplingParams
 
     prompts = [p for p in mixed_prompts(1000, seed=7) if len(p) > 10]

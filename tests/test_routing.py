@@ -181,8 +181,7 @@ def test_cluster_spec_validates_and_loads_yaml(tmp_path, tiny_llama):
     pd = ClusterConfig(mode="disaggregated", pools={"prefill": {}, "decode": {}},
                        disaggregation={"connector": "torch_dist", "min_remote_prefill_tokens": 64})
     assert pd.disaggregation.engine_args()["kv_connector"] == "torch_dist"
-    from cluster.pool import engine_config_for    # the engine section reaches EngineConfig
     static = ClusterConfig(model=tiny_llama, engine={"batching": "static"})
-    assert engine_config_for(static).scheduler_config.batching == "static"
+    assert static.engine_config().scheduler_config.batching == "static"
     with pytest.raises(ValueError, match="batching must be one of"):
-        engine_config_for(ClusterConfig(model=tiny_llama, engine={"batching": "barrier"}))
+        ClusterConfig(model=tiny_llama, engine={"batching": "barrier"})

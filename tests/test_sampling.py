@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import hf_greedy, hf_model
+
 from engine import LLM, SamplingParams
 
 PROMPTS = [list(range(20, 45)), list(range(300, 310)), list(range(500, 560))]
@@ -220,7 +220,8 @@ def test_candidates_keep_what_the_full_sort_keeps(kw):
     alone = candidates(logits[3:4], params[3:4])
     mixed = candidates(torch.cat([logits[:1], logits[3:4], logits[1:2]]), [others[0], params[3], others[1]])
     n = alone[2][0]
-    assert mixed[2][1] == n and torch.equal(mixed[1][1, :n], alone[1][0, :n]) and torch.equal(mixed[0][1, :n], alone[0][0, :n])
+    assert mixed[2][1] == n and torch.equal(mixed[1][1, :n], alone[1][0, :n])
+    assert torch.equal(mixed[0][1, :n], alone[0][0, :n])
 
 
 def test_candidates_renormalize_top_p_over_a_large_top_k_even_when_min_p_ends_early():
@@ -282,7 +283,8 @@ def test_penalties_through_the_engine_match_the_per_row_path(tiny_llama, monkeyp
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert llm.llm_engine.executor.worker.runner.token_counts is not None
     monkeypatch.setattr(sampler, "_batched_penalties", lambda logits, rows, counts: set())
-    per_row = [o.outputs[0].token_ids for o in LLM(tiny_llama, dtype="float32").generate(prompts, params, use_tqdm=False)]
+    llm = LLM(tiny_llama, dtype="float32")
+    per_row = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert batched == per_row
 
 

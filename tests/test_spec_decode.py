@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import mixed_prompts, save_random_model
+
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.layers.rejection_sampler import accept_greedy, rejection_sample, verify
 from engine.layers.sampler import SamplingRow
 from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.rejection_sampler import accept_greedy, rejection_sample, verify
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -354,13 +354,12 @@ def test_draft_model_must_share_the_vocabulary(tiny_llama, tiny_vocab_model):
 
 def test_cluster_spec_sets_speculation_on_the_decode_pool(tiny_llama):
     from cluster.config import ClusterConfig
-    from cluster.pool import engine_config_for
 
     config = ClusterConfig(model=tiny_llama, mode="disaggregated", pools={
         "prefill": {}, "decode": {"speculative_config": NGRAM}})
-    spec = engine_config_for(config, "decode").speculative_config
+    spec = config.engine_config("decode").speculative_config
     assert spec is not None and spec.method == "ngram" and spec.num_speculative_tokens == 3
-    assert engine_config_for(config, "prefill").speculative_config is None
+    assert config.engine_config("prefill").speculative_config is None
     with pytest.raises(ValueError, match="pools.decode.speculative_config"):
         ClusterConfig(model=tiny_llama, engine={"speculative_config": NGRAM})
     with pytest.raises(ValueError, match="only the decode pool decodes"):

@@ -105,7 +105,7 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     return kernels_for(logits).argmax_rows(logits)
 
 
-def _guard(failed: dict[int, str], row: int, what: str, fn):  # noqa: ANN001, ANN202
+def _guard(failed: dict[int, str], row: int, what: str, fn):
     """fn() for one row; an exception marks the row failed (None) instead of failing the batch."""
     try:
         return fn()

@@ -17,8 +17,14 @@ from torch import nn
 
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.linear import (Linear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                  linear, prepack)
+from engine.layers.linear import (
+    Linear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    linear,
+    prepack,
+)
 from engine.layers.rmsnorm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.parallel_state import get_parallel_state, pp_layer_range

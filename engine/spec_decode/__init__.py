@@ -7,7 +7,7 @@ The flow of one speculative step (vLLM v1's design):
 2. The scheduler schedules such a request for 1 + k tokens (its last token and the proposals), all
    counted against the token budget, and allocates their slots. Proposals that do not fit the
    budget, max_model_len or the free blocks are dropped (speculation never preempts).
-3. The runner computes logits at all 1 + k positions and `rejection_sampler.verify` emits the
+3. The runner computes logits at all 1 + k positions and `engine.layers.rejection_sampler.verify` emits the
    accepted proposals plus one target token (ModelRunnerOutput.spec_sampled).
 4. The scheduler appends the emitted tokens one by one, applying stop tokens, min/max_tokens and
    max_model_len to each, and sets num_computed_tokens back past the rejected proposals: their KV
@@ -23,6 +23,8 @@ from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
+from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.ngram import NgramProposer
 
 
 class Proposer(Protocol):
@@ -42,11 +44,7 @@ def make_proposer(config: EngineConfig, num_blocks: int) -> Proposer | None:
     if spec is None:
         return None
     if spec.method == "ngram":
-        from engine.spec_decode.ngram import NgramProposer  # noqa: PLC0415
-
         return NgramProposer(spec)
-    from engine.spec_decode.draft_model import DraftModelProposer  # noqa: PLC0415
-
     return DraftModelProposer(config, num_blocks)
 
 

@@ -1,8 +1,14 @@
-"""Connecting to Ray, or starting a local Ray that listens on loopback only (DESIGN layer 4: what
-the Ray executor, the launcher and the ingress replica all call, so it imports none of them)."""
+"""The Ray cluster as the engine's distributed layer sees it: connecting to Ray, or starting a
+local Ray that listens on loopback only; keeping a Serve replica's gRPC port on loopback; placing
+one engine's pipeline stages. The Ray executor, the launcher and the ingress replica all call it,
+so it imports none of them (docs/architecture.md, layers)."""
 from __future__ import annotations
 
 import os
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
@@ -15,8 +21,6 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     network): a local Ray is started in that mode, so no Ray port listens beyond loopback. Its
     child processes inherit the variable; this process also sees Ray's constant changed, which it
     read when it was imported."""
-    import ray  # noqa: PLC0415
-
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return False
@@ -47,7 +51,7 @@ def keep_serve_replica_on_loopback() -> None:
     if getattr(add_port, "pdserve_loopback", False):
         return
 
-    def add_port_on_loopback(server, address: str):  # noqa: ANN001, ANN202
+    def add_port_on_loopback(server, address: str):
         return add_port(server, address.replace("[::]:", "127.0.0.1:", 1))
 
     add_port_on_loopback.pdserve_loopback = True  # type: ignore[attr-defined]
@@ -62,3 +66,34 @@ def _single_machine_mode() -> None:
         ray_constants.ENABLE_RAY_CLUSTER = False
     except (ImportError, AttributeError):       # another Ray layout: the variable still applies to children
         pass
+
+
+def stage_bundle(tp_size: int, num_cpus: float, num_gpus: float,
+                 resources: dict[str, float] | None = None) -> dict[str, float]:
+    bundle = {"CPU": tp_size * num_cpus}
+    if num_gpus:
+        bundle["GPU"] = tp_size * num_gpus
+    for name, amount in (resources or {}).items():
+        bundle[name] = tp_size * amount
+    return bundle
+
+
+def create_engine_placement(tp_size: int, pp_size: int, num_cpus: float = 1.0, num_gpus: float = 0.0,
+                            resources: dict[str, float] | None = None, timeout_s: float = 120.0) -> Any:
+    """A ready placement group with bundle s = stage s. Raises RuntimeError (naming the resources)
+    if it cannot be placed within `timeout_s`.
+
+    One bundle per pipeline stage holds that stage's TP ranks, so they always share a node (a
+    bundle never spans nodes). The stages are spread over distinct nodes (STRICT_SPREAD) when the
+    cluster has at least as many nodes able to hold a stage; otherwise they are packed where they
+    fit (PACK, e.g. everything on one node)."""
+    bundle = stage_bundle(tp_size, num_cpus, num_gpus, resources)
+    fitting = [n for n in ray.nodes() if n["Alive"]
+               and all(n["Resources"].get(k, 0) >= v for k, v in bundle.items())]
+    strategy = "STRICT_SPREAD" if pp_size > 1 and len(fitting) >= pp_size else "PACK"
+    group = placement_group([dict(bundle) for _ in range(pp_size)], strategy=strategy)
+    if not group.wait(timeout_s):
+        remove_placement_group(group)
+        raise RuntimeError(f"could not place {pp_size} stage(s) of {bundle} ({strategy}) within "
+                           f"{timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}")
+    return group

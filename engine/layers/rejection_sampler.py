@@ -19,8 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.layers.sampler import (SamplingRow, apply_penalties_and_masks, filtered_probs, greedy_ids,
-                                   to_sampled)
+from engine.layers.sampler import SamplingRow, apply_penalties_and_masks, filtered_probs, greedy_ids, to_sampled
 from engine.outputs import SampledToken
 
 
