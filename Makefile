@@ -37,6 +37,7 @@ serve: setup
 	$(VENV)/bin/pdserve serve --host 127.0.0.1 --port 8000 --prefill-replicas 1 --replicas 1
 
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
 
 bench: setup
