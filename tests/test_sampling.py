@@ -305,3 +305,21 @@ def test_logprob_records_for_the_batch_equal_the_per_row_ones():
     for i, (p, token) in enumerate(zip(params, tokens)):
         assert token == to_sampled(token.token_id, p, raw[i] if p.logprobs is not None else None)
     assert tokens[1].top_logprobs is None and tokens[0].rank >= 1 and len(tokens[0].top_logprobs) >= 5
+
+
+def test_degenerate_distributions_take_the_most_likely_token():
+    """Scaled logits that overflow (temperature 1e-300, or an inf logit) leave no distribution to
+    draw from: such a row takes its argmax instead of failing, and its neighbours still draw."""
+    from engine.layers.sampler import SamplingRow, sample
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 300, generator=gen)
+    logits[1, 17] = float("inf")
+    params = [SamplingParams(temperature=1e-300, seed=1), SamplingParams(temperature=0.8, seed=2),
+              SamplingParams(temperature=1e-300, top_p=0.5, top_k=5, seed=3), SamplingParams(temperature=1.0, seed=4)]
+    rows = [SamplingRow(p, torch.Generator().manual_seed(i), [1], [], frozenset()) for i, p in enumerate(params)]
+    tokens, failed = sample(logits.clone(), rows)
+    assert not failed
+    assert [t.token_id for t in tokens[:3]] == [int(logits[0].argmax()), 17, int(logits[2].argmax())]
+    assert 0 <= tokens[3].token_id < 300
+

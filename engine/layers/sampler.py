@@ -65,7 +65,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], counts: TokenCounts | 
         cdf = probs.double().cumsum(dim=-1)
         target = (uniform * cdf[:, -1])[:, None]
         chosen = torch.minimum(torch.searchsorted(cdf, target, right=True).squeeze(1), size_t - 1)
-        token_ids[idx] = cand_ids.gather(1, chosen[:, None]).squeeze(1)
+        drawn = cand_ids.gather(1, chosen.clamp(min=0)[:, None]).squeeze(1)
+        # A row with no candidate or no finite mass has no distribution left (its scaled logits
+        # overflowed: a tiny temperature or an extreme repetition penalty made them inf, the
+        # softmax NaN): it keeps its most likely token, the limit of sampling as T goes to 0.
+        mass = cdf[:, -1]
+        token_ids[idx] = torch.where((size_t > 0) & torch.isfinite(mass) & (mass > 0), drawn, token_ids[idx])
 
     token_list = token_ids.tolist()
     records = {} if raw_logprobs is None else _logprob_records(raw_logprobs, lp_rows, token_list, rows, failed)
