@@ -14,6 +14,7 @@ import time
 import yaml
 
 from cluster.config import ClusterConfig
+from engine.errors import PlacementError, StartupError
 from engine.ray_cluster import init_ray
 
 
@@ -43,7 +44,7 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
     import ray  # noqa: PLC0415
     from ray import serve  # noqa: PLC0415
 
-    from cluster.manager import StartupError, get_or_create_manager  # noqa: PLC0415
+    from cluster.manager import get_or_create_manager  # noqa: PLC0415
     from cluster.placement import check_placement  # noqa: PLC0415
     from router.app import build_app  # noqa: PLC0415
 
@@ -178,8 +179,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError, yaml.YAMLError) as e:    # pydantic's ValidationError is a ValueError
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
-    from cluster.manager import StartupError  # noqa: PLC0415
-    from cluster.placement import PlacementError, required_cpus  # noqa: PLC0415
+    from cluster.placement import required_cpus  # noqa: PLC0415
 
     catch_stop_signals()        # from here on, Ctrl-C or SIGTERM stop cleanly, whatever is starting
     local = deployed = False

@@ -23,6 +23,7 @@ import ray
 from cluster.config import ClusterConfig
 from cluster.placement import check_placement
 from cluster.pool import EnginePool
+from engine.errors import StartupError
 
 MANAGER_NAME = "pdserve-manager"
 # Beyond the placement timeout, the time a placed replica's worker process may take to start (a
@@ -30,9 +31,6 @@ MANAGER_NAME = "pdserve-manager"
 ACTOR_START_GRACE_S = 30.0
 logger = logging.getLogger(__name__)
 
-
-class StartupError(RuntimeError):
-    """The pools could not be started (the message says why: a resource, a model that failed to load)."""
 
 
 class ClusterManager:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from engine.errors import PlacementError
 from engine.ray_cluster import stage_bundle
 
 if TYPE_CHECKING:
@@ -16,9 +17,6 @@ if TYPE_CHECKING:
 
 REPLICA_ACTOR_CPUS = 0.1      # a multi-rank replica's own actor only schedules
 
-
-class PlacementError(ValueError):
-    """The Ray cluster cannot hold what the cluster spec asks for (names the pool and resource)."""
 
 
 def replica_bundles(spec: PoolSpec) -> list[dict[str, float]]:

@@ -16,11 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, RequestFailedError
+from engine.errors import EngineDeadError, KVTransferError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.outputs import KVEvent, RequestOutput
 from engine.sampling_params import SamplingParams
-from kv_transfer.base import KVTransferError
 
 IDLE_POLL_S = 0.002
 # Where a request's outputs go: each RequestOutput as the engine makes it, or the exception that ended
@@ -172,7 +171,7 @@ class AsyncLLMEngine:
             self._dead = e
             self._deliver(done)
             # Their blocks are bookkeeping on this side: free them so nothing is left held.
-            self.engine.abort_request(list(self.engine.states))
+            self.engine.abort_request(list(self.engine.output.states))
             sinks, self._sinks = self._sinks, {}
             for sink in sinks.values():
                 sink(EngineDeadError(f"engine step failed: {e!r}"))

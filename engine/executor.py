@@ -6,9 +6,9 @@ import pickle
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError
+from engine.errors import ChannelClosed, EngineDeadError
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
-from engine.step_channel import ChannelClosed, StepChannel
+from engine.step_channel import StepChannel
 from engine.step_delta import StepEncoder
 from engine.worker import Worker
 from kv_transfer.params import TransferReport

@@ -19,11 +19,10 @@ import socket
 import struct
 from collections.abc import Callable
 
+from engine.errors import ChannelClosed
+
 _HEADER = struct.Struct("!Q")
 
-
-class ChannelClosed(ConnectionError):
-    """The other end closed the connection (its process died or shut down)."""
 
 
 def send_frame(sock: socket.socket, payload: bytes) -> None:

@@ -33,6 +33,7 @@ import tempfile
 
 import torch
 
+from engine.errors import BuildError
 from kernels import reference
 from kernels.reference import copy_blocks, gather_blocks, gather_kv, swap_blocks
 
@@ -46,9 +47,6 @@ HEADERS = (os.path.join(CSRC, "common.h"),)
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-
-class BuildError(RuntimeError):
-    """The C++ extension could not be compiled or loaded; the message carries the compiler's output."""
 
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.errors import RequestFailedError
-from kv_transfer.layout import HeadSlice, KVLayout, KVLayoutMismatch, head_slices
+from engine.errors import KVLayoutMismatch
+from kv_transfer.layout import HeadSlice, KVLayout, head_slices
 from kv_transfer.leases import Lease, LeaseSlots, LeaseTable
 from kv_transfer.params import CONNECTOR_VERSION, LoadSpec, RemotePrefill, TransferReport
 
@@ -66,9 +66,6 @@ def advertised_host(host: str) -> str:
         pass
     return "127.0.0.1"
 
-
-class KVTransferError(RequestFailedError):
-    """A request's KV could not be pulled and its failure policy is "fail"."""
 
 
 # --- worker side ------------------------------------------------------------------------------------

@@ -9,12 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.errors import KVLayoutMismatch
+
 if TYPE_CHECKING:
     from engine.config import EngineConfig
 
-
-class KVLayoutMismatch(ValueError):
-    """The two engines' KV layouts (or connectors) differ: their blocks cannot be exchanged."""
 
 
 @dataclass(frozen=True, slots=True)

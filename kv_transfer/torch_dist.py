@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import KVTransferConfig
+from engine.errors import LeaseGoneError
 from kv_transfer.base import KVConnectorWorker, advertised_host
 from kv_transfer.layout import HeadSlice, KVLayout
 from kv_transfer.params import LoadSpec, RemotePrefill, TransferReport
@@ -69,9 +70,6 @@ def scatter_blocks(cache: torch.Tensor, index: torch.Tensor, heads: slice | None
     else:
         dst[:, rows, :, heads] = src
 
-
-class LeaseGoneError(RuntimeError):
-    """The prefill side no longer holds the blocks (released, aborted or expired)."""
 
 
 @dataclass(slots=True)

@@ -24,6 +24,8 @@ import sys
 import tempfile
 from types import ModuleType
 
+from engine.errors import SchemaVersionMismatch
+
 # Version of the control-plane messages (KVHandshake, RemotePrefill, KVEventBatch): readers refuse
 # any other. Bump it when their fields change meaning.
 CONTROL_SCHEMA_VERSION = 2      # 2: per-rank addresses in RemotePrefill (TP-aware KV transfer)
@@ -31,9 +33,6 @@ CONTROL_SCHEMA_VERSION = 2      # 2: per-rank addresses in RemotePrefill (TP-awa
 _HERE = os.path.dirname(os.path.abspath(__file__))
 PROTO_PATH = os.path.join(_HERE, "pdserve.proto")
 
-
-class SchemaVersionMismatch(ValueError):
-    """A control-plane message was written with another schema version than this process reads."""
 
 
 def check_version(message: str, got: int) -> None:

@@ -1,40 +1,35 @@
-"""The gRPC Generation service (pdserve_proto/pdserve.proto) on the same OpenAIServer as HTTP.
+"""The gRPC Generation service (pdserve_proto/pdserve.proto) on the same frontend as HTTP.
 
-`GenerationService` is the plain core: it turns a GenerateRequest into the body of a
-POST /v1/completions (so validation, tokenization, admission, routing and metrics are the HTTP
-path's, not a copy) and the router's StepDeltas into GenerateResponse messages. The Serve ingress
+`GenerationService` is the plain core over the protocol-neutral frontend (router/frontend.py): it
+turns a GenerateRequest into the body of a POST /v1/completions (so validation, tokenization,
+admission, routing and metrics are the HTTP path's, not a copy) and the router's StepDeltas into
+GenerateResponse messages. The Serve ingress
 deployment (router/app.py) exposes it as methods named like the RPCs; Serve's gRPC proxy
 (`gRPCOptions(grpc_servicer_functions=["pdserve_proto.serve_proxy.add_GenerationServicer_to_server"])`) calls
 them, so HTTP and gRPC clients share one router, its pools and its metrics.
 
-Errors map to status codes (`grpc_status`): 400 -> INVALID_ARGUMENT (details name the field),
-401 -> UNAUTHENTICATED (send `authorization: Bearer <key>` metadata when the server has an API
-key), 404 -> NOT_FOUND (model), 413 -> INVALID_ARGUMENT, 429 -> RESOURCE_EXHAUSTED (too many
-requests in flight), 503 -> UNAVAILABLE. A cancelled call cancels the replica-side generator,
+Errors answer with their own `grpc_code` (engine/errors.py): INVALID_ARGUMENT (details name the
+field), UNAUTHENTICATED (send `authorization: Bearer <key>` metadata when the server has an API
+key), NOT_FOUND (model), RESOURCE_EXHAUSTED (too many requests in flight), UNAVAILABLE (starting,
+no replica), INTERNAL. A cancelled call cancels the replica-side generator,
 which aborts the request on its engine replica (freeing its blocks), exactly like an HTTP
 disconnect.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
 
+from engine.errors import PDServeError
 from pdserve_proto import pb2
-from router.errors import HTTPError
-from router.pd import NoReplicaError
-from router.protocol import new_id
+from router.frontend import Frontend, request_error
+from router.protocol import UsageCounter, new_id
 
 logger = logging.getLogger(__name__)
-# The OpenAIServer of router/app.py (which imports this module).
-OpenAIServer = Any
-
-_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-           404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
-           429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
 
 # SamplingOptions fields that are `optional` scalars (copied when set) and repeated ones (when non-empty).
 _SCALARS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens",
@@ -45,30 +40,22 @@ _REPEATED = ("stop", "stop_token_ids")
 
 def grpc_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """(status code, details) for an ingress error; details name the offending field."""
-    if isinstance(error, HTTPError):
-        message = error.message
-        if error.param and not message.startswith(error.param):
-            message = f"{error.param}: {message}"
-        return _STATUS.get(error.status, grpc.StatusCode.INTERNAL), message
-    if isinstance(error, NoReplicaError):
-        return grpc.StatusCode.UNAVAILABLE, str(error)
-    return grpc.StatusCode.INTERNAL, f"generation failed: {error}"
+    err: PDServeError = request_error(error)
+    message = err.message
+    if err.param and not message.startswith(err.param):
+        message = f"{err.param}: {message}"
+    return grpc.StatusCode[err.grpc_code], message
 
 
 class GenerationService:
-    def __init__(self, server: OpenAIServer) -> None:
+    def __init__(self, server: Frontend) -> None:
         self.server = server
 
     # --- shared checks -----------------------------------------------------------------------------
     def check_auth(self, metadata: Sequence[tuple[str, Any]]) -> None:
         """UNAUTHENTICATED unless metadata carries `authorization: Bearer <key>` (when a key is set)."""
-        key = self.server.api_key
-        if key is None:
-            return
         sent = next((str(v) for k, v in metadata if k.lower() == "authorization"), "")
-        if not hmac.compare_digest(sent.encode(), f"Bearer {key}".encode()):
-            raise HTTPError(401, "invalid or missing API key (metadata authorization: Bearer <key>)",
-                            "authentication_error")
+        self.server.check_key(sent, "metadata authorization: Bearer <key>")
 
     def completion_body(self, request: Any) -> dict[str, Any]:
         """The POST /v1/completions body equivalent to a GenerateRequest (unset fields omitted, so
@@ -91,19 +78,18 @@ class GenerationService:
     # --- RPCs --------------------------------------------------------------------------------------
     async def generate(self, request: Any, metadata: Sequence[tuple[str, Any]]) -> AsyncIterator[Any]:
         """Stream GenerateResponses: one per engine step per choice, then one carrying usage.
-        Raises HTTPError / NoReplicaError (see `grpc_status`) before the first message when the
-        request is refused."""
+        Raises a PDServeError (see `grpc_status`) before the first message when the request is
+        refused."""
         server = self.server
         self.check_auth(metadata)
         req, params, prompts = server.prepare_completion(self.completion_body(request))
         ticket = server.admit(len(prompts))
         rid = new_id("cmpl")
         n = params.n
-        completion_tokens = cached_tokens = 0
+        usage = UsageCounter()
         async for i, delta in server.run(prompts, params, rid, ticket):
-            cached_tokens = max(cached_tokens, delta.num_cached_tokens)
+            usage.add(delta)
             for c in delta.choices:
-                completion_tokens += len(c.token_ids)
                 if c.finish_reason is not None:
                     server.count_finished(c.finish_reason)
                 yield pb2.GenerateResponse(
@@ -112,8 +98,8 @@ class GenerationService:
                     finish_reason=c.finish_reason or "",
                     stop_reason="" if c.stop_reason is None else str(c.stop_reason))
         yield pb2.GenerateResponse(id=rid, index=-1, usage=pb2.Usage(
-            prompt_tokens=sum(len(p) for p in prompts), completion_tokens=completion_tokens,
-            cached_tokens=cached_tokens))
+            prompt_tokens=sum(len(p) for p in prompts), completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens))
 
     def tokenize(self, request: Any, metadata: Sequence[tuple[str, Any]]) -> Any:
         self.check_auth(metadata)
@@ -138,7 +124,7 @@ class GenerationService:
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict] | None) -> list[Any]:
         out = []
-        text = self.server._token_text
+        text = self.server.token_text
         for tid, entry in zip(token_ids, logprobs or []):
             chosen = entry.get(tid)
             top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)
@@ -159,7 +145,7 @@ class GRPCRefusal(RuntimeError):
     pickles back to Serve's proxy, which keeps the code set on the context before the raise)."""
 
 
-def refuse(server: OpenAIServer, grpc_context: Any, error: BaseException) -> GRPCRefusal:
+def refuse(server: Frontend, grpc_context: Any, error: BaseException) -> GRPCRefusal:
     """Set the status code for `error` on the call; the exception to raise."""
     code, details = grpc_status(error)
     server.metrics.errors.inc(code=f"grpc_{code.name.lower()}")
@@ -171,4 +157,14 @@ def refuse(server: OpenAIServer, grpc_context: Any, error: BaseException) -> GRP
     return GRPCRefusal(details)
 
 
-__all__ = ["GRPCRefusal", "GenerationService", "grpc_metadata", "grpc_status", "refuse"]
+@asynccontextmanager
+async def grpc_call(server: Frontend, grpc_context: Any) -> AsyncIterator[list[tuple[str, Any]]]:
+    """Around one RPC of the ingress deployment: yields the call's metadata; a failure sets the
+    call's status code and raises GRPCRefusal (a cancelled call passes through untouched)."""
+    try:
+        yield grpc_metadata(grpc_context)
+    except Exception as e:  # noqa: BLE001 - every failure answers with a status code
+        raise refuse(server, grpc_context, e) from None
+
+
+__all__ = ["GRPCRefusal", "GenerationService", "grpc_call", "grpc_metadata", "grpc_status", "refuse"]

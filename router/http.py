@@ -1,6 +1,7 @@
 """The FastAPI app the ingress deployment serves (router/app.py adds the endpoints): API-key
-middleware, errors in OpenAI's shape for FastAPI's own failures (404, 405, validation, anything
-unexpected), the OpenAPI document with the request bodies, the endpoint guard and SSE responses.
+middleware, exception handlers that answer every error in OpenAI's shape (pdserve's own errors by
+their `status`, FastAPI's 404 / 405 / validation, anything unexpected as 500), the OpenAPI
+document with the request bodies, and SSE responses.
 """
 # No `from __future__ import annotations`: FastAPI reads handlers' annotations at runtime.
 import json
@@ -10,11 +11,19 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    MethodNotAllowedError,
+    NotFoundError,
+    PDServeError,
+    ServiceUnavailableError,
+)
 from router.admission import Ticket
-from router.errors import HTTPError, error_for
+from router.frontend import request_error
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 
 logger = logging.getLogger(__name__)
@@ -27,7 +36,7 @@ BODY_MODELS: dict[str, type] = {"/v1/completions": CompletionRequest, "/v1/chat/
 
 
 def _server_of(scope_or_request: Any) -> Any:
-    """The app's OpenAIServer (router/app.py), once the ingress has built it."""
+    """The app's Frontend (router/frontend.py), once the ingress has built it."""
     app = scope_or_request["app"] if isinstance(scope_or_request, dict) else scope_or_request.app
     return getattr(app.state, "server", None)
 
@@ -47,29 +56,27 @@ class _AuthMiddleware:
                 path = path[len(root):] or "/"
             public = path == "/health" or (path == "/metrics" and server is not None
                                            and server.config.serving.public_metrics)
-            if not public and (server is None or not server.is_authorized(_Headers(scope))):
-                err = (HTTPError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                                 "authentication_error") if server is not None
-                       else HTTPError(503, "the server is starting", "service_unavailable"))
+            if not public and (server is None or not server.is_authorized(_authorization(scope))):
+                err = (AuthenticationError("invalid or missing API key (Authorization: Bearer <key>)")
+                       if server is not None else ServiceUnavailableError("the server is starting"))
                 if server is not None:
                     server.metrics.errors.inc(code=str(err.status))
-                await err.response()(scope, receive, send)
+                await error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
-class _Headers:
-    """The one header the middleware reads, without building a Request."""
+def _authorization(scope: dict) -> str:
+    """The Authorization header, without building a Request."""
+    for k, v in scope.get("headers", []):
+        if k.lower() == b"authorization":
+            return v.decode("latin-1")
+    return ""
 
-    def __init__(self, scope: dict) -> None:
-        self.headers = scope.get("headers", [])
 
-    def get(self, name: str, default: str = "") -> str:
-        key = name.encode()
-        for k, v in self.headers:
-            if k.lower() == key:
-                return v.decode("latin-1")
-        return default
+def error_response(err: PDServeError) -> JSONResponse:
+    """`{"error": {...}}` with the error's HTTP status."""
+    return JSONResponse(error_body(err.message, err.err_type, err.status, err.param), status_code=err.status)
 
 
 fastapi_app.add_middleware(_AuthMiddleware)
@@ -80,27 +87,39 @@ async def _route_error(request: Request, exc: StarletteHTTPException) -> Respons
     """404 (no such route) and 405 (wrong method) in OpenAI's shape."""
     if exc.status_code == 404:
         message = f"no route {request.url.path}; see /v1/models, /v1/completions, /v1/chat/completions"
-        err = HTTPError(404, message, "not_found_error")
+        err: PDServeError = NotFoundError(message)
     elif exc.status_code == 405:
         allowed = (exc.headers or {}).get("Allow", "")
-        err = HTTPError(405, f"method {request.method} is not allowed on {request.url.path}"
-                             + (f"; allowed: {allowed}" if allowed else ""), "invalid_request_error")
+        err = MethodNotAllowedError(f"method {request.method} is not allowed on {request.url.path}"
+                                    + (f"; allowed: {allowed}" if allowed else ""))
     else:
-        err = HTTPError(exc.status_code, str(exc.detail), "invalid_request_error")
-    response = err.response()
+        err = InvalidRequestError(str(exc.detail))
+        err.status = exc.status_code
+    response = error_response(err)
     response.headers.update(exc.headers or {})
     return response
 
 
 @fastapi_app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-    return HTTPError(400, f"invalid request: {exc.errors()[:1]}").response()
+    return error_response(InvalidRequestError(f"invalid request: {exc.errors()[:1]}"))
+
+
+@fastapi_app.exception_handler(PDServeError)
+async def _pdserve_error(request: Request, exc: PDServeError) -> Response:
+    """What an endpoint raised on purpose: its status, counted by code."""
+    server = _server_of(request)
+    if server is not None:
+        server.metrics.errors.inc(code=str(exc.status))
+    return error_response(exc)
 
 
 @fastapi_app.exception_handler(Exception)
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
-    logger.error("unhandled error on %s", request.url.path, exc_info=exc)
-    return HTTPError(500, f"internal error: {type(exc).__name__}", "server_error").response()
+    err = request_error(exc)    # a Ray error carrying one of ours keeps its status; else 500
+    if not isinstance(exc, PDServeError) and err.status == 500:
+        logger.error("unhandled error on %s", request.url.path, exc_info=exc)
+    return await _pdserve_error(request, err)
 
 
 def openapi_schema(app: FastAPI = fastapi_app) -> dict[str, Any]:
@@ -126,18 +145,6 @@ def openapi_schema(app: FastAPI = fastapi_app) -> dict[str, Any]:
     return schema
 
 
-async def guard(server: Any, request: Request, handler, *, body: bool = True) -> Response:
-    """Run one endpoint with body parsing and error mapping (auth is the middleware's)."""
-    try:
-        if body:
-            return await handler(await server.read_json(request))
-        return await handler()
-    except Exception as e:  # noqa: BLE001 - every failure answers in OpenAI's shape
-        err = error_for(e)
-        server.metrics.errors.inc(code=str(err.status))
-        return err.response()
-
-
 def sse_response(chunks: AsyncIterator[dict], ticket: Ticket) -> StreamingResponse:
     """An SSE response of `chunks`, ending in `data: [DONE]`; an error once the stream has
     started goes in-band; the admission ticket is released however the body ends."""
@@ -147,7 +154,7 @@ def sse_response(chunks: AsyncIterator[dict], ticket: Ticket) -> StreamingRespon
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-            err = error_for(e)
+            err = request_error(e)
             yield f"data: {json.dumps(error_body(err.message, err.err_type, err.status, err.param))}\n\n"
         finally:
             ticket.release()        # also when the client left before the body started

@@ -35,9 +35,9 @@ from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from engine.errors import NoReplicaError, ReplicaDiedError, SchemaVersionMismatch
 from engine.hashing import hash_block_tokens
 from engine.sampling_params import SamplingParams
-from pdserve_proto import SchemaVersionMismatch
 from pdserve_proto.kv_events import decode_kv_events
 from router.channel import ReplicaChannel
 from router.metrics import ServingMetrics
@@ -47,12 +47,6 @@ from router.prefix_index import PrefixIndex
 logger = logging.getLogger(__name__)
 
 
-class NoReplicaError(RuntimeError):
-    """No healthy replica to route to (HTTP 503)."""
-
-
-class ReplicaDiedError(NoReplicaError):
-    """The replica running a request died after it had streamed part of the output (HTTP 503)."""
 
 
 class RequestRouter:

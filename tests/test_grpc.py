@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import openai
 import pytest
+from helpers import free_port
 
 from engine import LLM, SamplingParams
 
@@ -21,12 +21,6 @@ grpc = pytest.importorskip("grpc")
 
 API_KEY = "grpc-key"
 MAIN, LIMITED = "pdserve-grpc", "pdserve-grpc-limited"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _md(app: str = MAIN, key: str | None = API_KEY) -> list[tuple[str, str]]:
@@ -47,7 +41,7 @@ def server(tiny_llama, eventually_no_leaks):
     from router.app import build_app
 
     init_ray(num_cpus=8)
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = free_port(), free_port()
     engine = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 16}
     main = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 1, "num_cpus": 1}},
                          serving={"port": http_port, "grpc_port": grpc_port, "api_key": API_KEY}, name=MAIN)
@@ -295,10 +289,10 @@ def _reencoded(data: bytes, **changes) -> bytes:
 
 def test_handshake_refuses_other_schema_connector_or_layout():
     from engine.config import KVTransferConfig
+    from engine.errors import KVLayoutMismatch, SchemaVersionMismatch
     from kv_transfer.base import KVConnectorScheduler
-    from kv_transfer.layout import KVLayoutMismatch
     from kv_transfer.params import CONNECTOR_VERSION, RemotePrefill
-    from pdserve_proto import CONTROL_SCHEMA_VERSION, SchemaVersionMismatch
+    from pdserve_proto import CONTROL_SCHEMA_VERSION
 
     mine = _remote(NIXL_ADDRESS)
     scheduler = KVConnectorScheduler(KVTransferConfig("nixl", "d-0"), mine.layout)
@@ -331,8 +325,9 @@ def test_handshake_refuses_other_schema_connector_or_layout():
 
 
 def test_kv_events_round_trip_and_version_refusal():
+    from engine.errors import SchemaVersionMismatch
     from engine.outputs import AllCleared, BlockRemoved, BlockStored
-    from pdserve_proto import CONTROL_SCHEMA_VERSION, SchemaVersionMismatch, pb2
+    from pdserve_proto import CONTROL_SCHEMA_VERSION, pb2
     from pdserve_proto.kv_events import decode_kv_events, encode_kv_events
     from router.prefix_index import PrefixIndex
 

@@ -236,8 +236,8 @@ def test_a_replica_that_cannot_be_placed_fails_naming_the_resource(tiny_llama):
 
     from cluster.config import ClusterConfig
     from cluster.launch import init_ray
-    from cluster.placement import PlacementError
     from cluster.pool import EnginePool
+    from engine.errors import PlacementError
 
     init_ray(num_cpus=8)
     free = ray.available_resources().get("CPU", 0.0)

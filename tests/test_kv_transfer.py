@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.errors import KVLayoutMismatch, KVTransferError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from kv_transfer.base import KVConnectorScheduler, KVTransferError
-from kv_transfer.layout import KVLayout, KVLayoutMismatch
+from kv_transfer.base import KVConnectorScheduler
+from kv_transfer.layout import KVLayout
 from kv_transfer.leases import LeaseSlots, LeaseTable
 from kv_transfer.torch_dist import scatter_blocks
 

@@ -13,7 +13,7 @@ import torch
 from conftest import hf_greedy
 
 from engine.config import EngineConfig
-from engine.executor import EngineDeadError
+from engine.errors import EngineDeadError
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.llm_engine import LLMEngine
 from engine.parallel_state import ParallelState, pp_layer_range, reset_parallel_state, set_parallel_state

@@ -48,11 +48,11 @@ def test_round_robin_alternates_within_each_pool(tiny_llama):
     """With 1 decode and 2 prefill replicas, every request routes in both pools: round-robin must
     still alternate the prefill replicas (a policy shared by both pools sent every prefill to one)."""
     from cluster.config import ClusterConfig
-    from router.app import OpenAIServer
+    from router.frontend import Frontend
 
     config = ClusterConfig(model=tiny_llama, mode="disaggregated", routing={"name": "round_robin"},
                            pools={"prefill": {"replicas": 2}, "decode": {}})
-    pd = OpenAIServer(config, {"decode-0": None}, {"prefill-0": None, "prefill-1": None}).router
+    pd = Frontend(config, {"decode-0": None}, {"prefill-0": None, "prefill-1": None}).router
     params = SamplingParams(max_tokens=1)
     picks = []
     for _ in range(4):
@@ -122,7 +122,8 @@ def test_router_moves_off_a_dead_replica_and_follows_membership(tiny_llama):
     from cluster.launch import init_ray
     from cluster.replica import EngineReplica
     from engine.config import EngineConfig
-    from router.pd import NoReplicaError, RequestRouter
+    from engine.errors import NoReplicaError
+    from router.pd import RequestRouter
 
     init_ray(num_cpus=8)
     config = EngineConfig.create(tiny_llama, dtype="float32", max_model_len=256)

@@ -1,0 +1,317 @@
+"""The protocol-neutral frontend: what the HTTP API (router/openai_api.py) and the gRPC service
+(router/grpc_api.py) share, so that neither copies the other.
+
+`Frontend` holds the model's tokenizer and limits (a `ModelInfo`, not an engine config), the
+routers of the pools, admission and metrics. It checks the API key, parses and validates request
+bodies (errors from engine/errors.py naming the field), tokenizes, admits (tickets that every exit
+path releases: router/admission.py), fans a request's prompts out to the router and merges their
+deltas (`run`), and answers the small calls (models, tokenize, detokenize, health, metrics). A
+request's failure while it runs becomes a `PDServeError` here (`request_error`), so each protocol
+only maps those errors' attributes to its own status.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError
+
+from cluster.config import ClusterConfig
+from engine.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    NoReplicaError,
+    NotFoundError,
+    PDServeError,
+    RateLimitError,
+    RequestFailedError,
+    ServiceUnavailableError,
+)
+from engine.outputs import Logprob
+from engine.sampling_params import SamplingParams, validate_request
+from engine.tokenizer import apply_chat_template, load_tokenizer
+from router.admission import Admission, Ticket
+from router.metrics import ServingMetrics
+from router.pd import PDRouter, RequestRouter
+from router.policy import RoutingPolicy
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    now,
+    plain_messages,
+    validation_message,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def request_error(error: BaseException) -> PDServeError:
+    """The error a failed request answers with (its stream, once started, carries it in-band)."""
+    if isinstance(error, PDServeError):
+        return error
+    cause = getattr(error, "cause", None)      # a Ray task error: what the replica raised
+    if isinstance(cause, PDServeError):
+        return cause
+    logger.error("request failed", exc_info=error)
+    return RequestFailedError(f"generation failed: {type(cause or error).__name__}: {cause or error}")
+
+
+class Frontend:
+    """Everything the ingress does that does not depend on the protocol or on how it is deployed."""
+
+    def __init__(self, config: ClusterConfig, replicas: dict[str, Any] | None = None,
+                 prefill_replicas: dict[str, Any] | None = None, manager: Any = None) -> None:
+        """replicas: the decode pool's actor handles; prefill_replicas: the prefill pool's (only in
+        disaggregated mode); manager: the ClusterManager's handle, told about replicas that fail
+        and followed for the pools' membership (`follow_membership`). Without replicas the server
+        is starting: `attach()` gives it the pools once they are up."""
+        self.config = config
+        info = config.engine_config("decode").model_info()
+        self.vocab_size, self.max_model_len, self.max_num_seqs = info.vocab_size, info.max_model_len, info.max_num_seqs
+        self.model_name = config.serving.served_model_name or _default_name(info.model, info.gguf_file)
+        self.tokenizer = load_tokenizer(info.model, info.gguf_file)
+        self.metrics = ServingMetrics()
+        # One policy per pool: a shared one would share round-robin's counter, and with the decode
+        # pool routed first on every request, the prefill pick would see every other count only.
+        def policy() -> RoutingPolicy:
+            return RoutingPolicy(config.routing.policy(), info.max_num_seqs)
+        self.manager = manager
+        report = lambda replica_id: self.manager.report_failure.remote(replica_id)  # noqa: E731
+        on_failure = report if manager is not None else None
+        decode = RequestRouter("decode", replicas or {}, info.block_size, policy(), self.metrics,
+                               config.routing.stats_interval_s, on_failure)
+        self.pools: dict[str, RequestRouter] = {"decode": decode}
+        self.router: RequestRouter | PDRouter = decode
+        if config.mode == "disaggregated":
+            prefill = RequestRouter("prefill", prefill_replicas or {}, info.block_size, policy(),
+                                    self.metrics, config.routing.stats_interval_s, on_failure)
+            self.pools["prefill"] = prefill
+            self.router = PDRouter(prefill, decode, self.metrics,
+                                   config.disaggregation.min_remote_prefill_tokens)
+        self.admission = Admission(config.serving.max_in_flight, lambda n: self.metrics.in_flight.set(n))
+        # None once serving; else why not yet ("starting: ...") or why never ("failed: ...").
+        self.not_ready: str | None = None if replicas else "starting: the engine pools are loading"
+        self.api_key = config.serving.api_key
+        env = config.serving.api_key_env
+        if env is not None and self.api_key is None:
+            self.api_key = os.environ.get(env)
+            if not self.api_key:      # fail closed: never serve openly because a Secret is missing
+                raise ValueError(f"serving.api_key_env names {env!r}, which is not set in the ingress's "
+                                 f"environment")
+
+    def attach(self, manager: Any, pools: dict[str, dict[str, Any]]) -> None:
+        """Start serving: the manager and the pools' replicas (pool -> replica id -> handle)."""
+        self.manager = manager
+        for name, router in self.pools.items():
+            router.on_replica_failure = lambda replica_id: self.manager.report_failure.remote(replica_id)
+            router.set_replicas(pools.get(name, {}))
+        self.router.start()
+        self.not_ready = None
+
+    @property
+    def in_flight(self) -> int:
+        return self.admission.in_flight
+
+    # --- checks ------------------------------------------------------------------------------------
+    def is_authorized(self, authorization: str) -> bool:
+        """Whether an `Authorization` header (or gRPC metadata) value carries the API key."""
+        if self.api_key is None:
+            return True
+        return hmac.compare_digest(authorization.encode(), f"Bearer {self.api_key}".encode())
+
+    def check_key(self, authorization: str, where: str = "Authorization: Bearer <key>") -> None:
+        if not self.is_authorized(authorization):
+            raise AuthenticationError(f"invalid or missing API key ({where})")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise NotFoundError(f"model {model!r} does not exist; this server serves {self.model_name!r}", "model")
+
+    def parse(self, cls: type, data: dict[str, Any]) -> Any:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            message, param = validation_message(e)
+            raise InvalidRequestError(message, param=param) from None
+
+    def sampling_params(self, req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        try:
+            return req.to_sampling_params()
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+
+    def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        try:
+            validate_request(ids, params, self.vocab_size, self.max_model_len, self.max_num_seqs)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="prompt") from None
+
+    def admit(self, count: int) -> Ticket:
+        """Admit `count` requests: a ticket to release when they end; else ServiceUnavailableError or
+        RateLimitError."""
+        if self.not_ready is not None:
+            raise ServiceUnavailableError(f"the server is not ready ({self.not_ready})")
+        if not self.router.replicas:
+            raise NoReplicaError("no engine replica is available")
+        ticket = self.admission.admit(count)
+        if ticket is None:
+            raise RateLimitError(f"{self.in_flight} requests in flight; the limit is "
+                                 f"{self.config.serving.max_in_flight}: retry later")
+        return ticket
+
+    # --- prompts -----------------------------------------------------------------------------------
+    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        limit = self.config.serving.max_in_flight
+        if len(prompts) > limit:
+            raise InvalidRequestError(f"prompt: a batch may hold at most {limit} prompts (serving.max_in_flight); "
+                                 f"got {len(prompts)}", param="prompt")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise InvalidRequestError("this model has no tokenizer: send token ids", param="prompt")
+                out.append(self.tokenizer.encode(p))
+            else:
+                out.append(list(p))
+        return out
+
+    def chat_prompt(self, messages: list[Any]) -> list[int]:
+        try:
+            return apply_chat_template(self.tokenizer, plain_messages(messages))
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="messages") from None
+
+    def prepare_completion(self, data: dict[str, Any]
+                           ) -> tuple[CompletionRequest, SamplingParams, list[list[int]]]:
+        """Validate a completion body (HTTP's, or the one a gRPC GenerateRequest maps to) and
+        tokenize its prompts; InvalidRequestError naming the field."""
+        req: CompletionRequest = self.parse(CompletionRequest, data)
+        self.check_model(req.model)
+        params = self.sampling_params(req)
+        prompts = self.completion_prompts(req.prompt)
+        for ids in prompts:
+            self.validate_prompt(ids, params)
+        return req, params, prompts
+
+    def prepare_chat(self, data: dict[str, Any]) -> tuple[ChatCompletionRequest, SamplingParams, list[int]]:
+        """Validate a chat completion body and apply the chat template."""
+        req: ChatCompletionRequest = self.parse(ChatCompletionRequest, data)
+        self.check_model(req.model)
+        params = self.sampling_params(req)
+        ids = self.chat_prompt(req.messages)
+        self.validate_prompt(ids, params)
+        return req, params, ids
+
+    # --- generation --------------------------------------------------------------------------------
+    async def run(self, prompts: list[list[int]], params: SamplingParams, request_id: str, ticket: Ticket
+                  ) -> AsyncIterator[tuple[int, Any]]:
+        """Stream (prompt index, StepDelta) over all prompts of one HTTP request; releases `ticket`
+        when it ends, however it ends."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, ids: list[int]) -> None:
+            try:
+                async for delta in self.router.generate(f"{request_id}-{i}", ids, params):
+                    queue.put_nowait((i, delta))
+            except Exception as e:  # noqa: BLE001 - surfaced to the consumer below
+                queue.put_nowait((i, e))
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise request_error(item) from None
+                yield i, item
+        finally:
+            # Nothing here may come after an await: a cancelled request is cancelled again at each.
+            ticket.release()
+            for t in tasks:                 # a disconnect cancels the pumps, which abort on the replicas
+                t.cancel()
+
+    def count_finished(self, reason: str | None) -> None:
+        self.metrics.requests.inc(finished_reason=reason or "abort")
+
+    def token_text(self, token_id: int, lp: Logprob | None = None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    # --- small endpoints ---------------------------------------------------------------------------
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": now(),
+                                            "owned_by": "pdserve", "max_model_len": self.max_model_len}]}
+
+    def tokenize(self, data: dict[str, Any]) -> dict[str, Any]:
+        req: TokenizeRequest = self.parse(TokenizeRequest, data)
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer")
+        if req.prompt is not None:
+            tokens = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            tokens = self.chat_prompt(req.messages)
+        return {"tokens": list(tokens), "count": len(tokens), "max_model_len": self.max_model_len}
+
+    def detokenize(self, data: dict[str, Any]) -> dict[str, Any]:
+        req: DetokenizeRequest = self.parse(DetokenizeRequest, data)
+        self.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"tokens must be integers in [0, {self.vocab_size}); got {bad[:5]}",
+                                      param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+    async def health(self) -> tuple[bool, dict[str, dict[str, bool]]]:
+        """Ready when every pool has at least one healthy replica; pool -> replica id -> healthy."""
+        stats = await self.router.refresh_stats()
+        detail = {name: {r: bool(stats.get(r, {}).get("healthy", False)) and r not in pool.down
+                         for r in pool.replicas} for name, pool in self.pools.items()}
+        return all(any(replicas.values()) for replicas in detail.values()), detail
+
+    async def follow_membership(self) -> None:
+        """Keep each pool's router in line with the manager's pools (long poll): replicas dropped
+        for failing health checks leave, replacements join."""
+        version = -1
+        while True:
+            try:
+                version, pools = await self.manager.membership.remote(version, 5.0)
+            except Exception:
+                logger.exception("following the pools' membership failed")
+                await asyncio.sleep(1.0)
+                continue
+            for name, replicas in pools.items():
+                if name in self.pools:
+                    self.pools[name].set_replicas(replicas)
+
+    async def render_metrics(self) -> str:
+        await self.router.refresh_stats()
+        return self.metrics.render()
+
+
+def _default_name(model: str, gguf_file: str | None) -> str:
+    if gguf_file:
+        return gguf_file.removesuffix(".gguf")
+    return os.path.basename(os.path.normpath(model))

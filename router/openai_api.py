@@ -1,0 +1,187 @@
+"""The OpenAI-compatible HTTP API over the frontend: request bodies read with their limits,
+completions and chat completions answered whole or streamed (SSE: the role goes out with the first
+token, as vLLM does; usage last when asked), logprobs in OpenAI's two shapes. Validation, admission,
+routing and metrics are the frontend's (router/frontend.py), shared with gRPC.
+"""
+# No `from __future__ import annotations`: FastAPI reads annotations at runtime.
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
+from engine.outputs import Logprob
+from engine.sampling_params import SamplingParams
+from router.admission import Ticket
+from router.frontend import Frontend
+from router.http import sse_response
+from router.protocol import ChoiceAccumulator, CompletionRequest, UsageCounter, new_id, now, parse_json_object
+
+
+class OpenAIAPI:
+    """The HTTP endpoints' bodies: JSON in, JSON or an SSE stream out."""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+
+    @property
+    def model_name(self) -> str:
+        return self.frontend.model_name
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        """The body as a JSON object; PayloadTooLargeError, UnsupportedMediaTypeError or
+        InvalidRequestError saying what is wrong with it."""
+        ctype = request.headers.get("content-type")
+        if ctype is not None:
+            mime = ctype.split(";")[0].strip().lower()
+            if mime != "application/json" and not mime.endswith("+json"):
+                raise UnsupportedMediaTypeError(f"Content-Type must be application/json; got {mime!r}",
+                                                "content-type")
+        limit = self.frontend.config.serving.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLargeError(f"request body is {declared} bytes; the limit is {limit}")
+        body = await request.body()
+        if len(body) > limit:
+            raise PayloadTooLargeError(f"request body is {len(body)} bytes; the limit is {limit}")
+        try:
+            return parse_json_object(body)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+
+    async def completions(self, data: dict[str, Any]) -> Response:
+        req, params, prompts = self.frontend.prepare_completion(data)
+        ticket = self.frontend.admit(len(prompts))
+        rid = new_id("cmpl")
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            return sse_response(self._stream_completion(rid, req, prompts, params, include_usage, ticket), ticket)
+        try:
+            return JSONResponse(await self._full_completion(rid, req, prompts, params, ticket))
+        finally:
+            ticket.release()
+
+    async def chat(self, data: dict[str, Any]) -> Response:
+        req, params, ids = self.frontend.prepare_chat(data)
+        ticket = self.frontend.admit(1)
+        rid = new_id("chatcmpl")
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            return sse_response(self._stream_chat(rid, ids, params, include_usage, req.logprobs, ticket), ticket)
+        try:
+            return JSONResponse(await self._full_chat(rid, ids, params, req.logprobs, ticket))
+        finally:
+            ticket.release()
+
+    async def _full_completion(self, rid: str, req: CompletionRequest, prompts: list[list[int]],
+                               params: SamplingParams, ticket: Ticket) -> dict[str, Any]:
+        n = params.n
+        choices = [ChoiceAccumulator() for _ in range(len(prompts) * n)]
+        usage = UsageCounter()
+        async for i, delta in self.frontend.run(prompts, params, rid, ticket):
+            usage.add(delta)
+            for c in delta.choices:
+                choices[i * n + c.index].add(c)
+        out = []
+        for idx, acc in enumerate(choices):
+            text = acc.text
+            if req.echo:
+                text = self.tokenizer.decode(prompts[idx // n]) + text
+            self.frontend.count_finished(acc.finish_reason)
+            out.append({"index": idx, "text": text, "finish_reason": acc.finish_reason,
+                        "stop_reason": acc.stop_reason,
+                        "logprobs": self._completion_logprobs(acc.token_ids, acc.logprobs)
+                        if params.logprobs is not None else None})
+        return {"id": rid, "object": "text_completion", "created": now(), "model": self.model_name,
+                "choices": out, "usage": usage.body(sum(len(p) for p in prompts))}
+
+    async def _stream_completion(self, rid: str, req: CompletionRequest, prompts: list[list[int]],
+                                 params: SamplingParams, include_usage: bool, ticket: Ticket
+                                 ) -> AsyncIterator[dict]:
+        n = params.n
+        created = now()
+        usage = UsageCounter()
+        async for i, delta in self.frontend.run(prompts, params, rid, ticket):
+            usage.add(delta)
+            for c in delta.choices:
+                if c.finish_reason is not None:
+                    self.frontend.count_finished(c.finish_reason)
+                yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                       "choices": [{"index": i * n + c.index, "text": c.text, "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason,
+                                    "logprobs": self._completion_logprobs(c.token_ids, c.logprobs)
+                                    if params.logprobs is not None else None}]}
+        if include_usage:
+            yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                   "choices": [], "usage": usage.body(sum(len(p) for p in prompts))}
+
+    async def _full_chat(self, rid: str, ids: list[int], params: SamplingParams, logprobs: bool,
+                         ticket: Ticket) -> dict[str, Any]:
+        choices = [ChoiceAccumulator() for _ in range(params.n)]
+        usage = UsageCounter()
+        async for _, delta in self.frontend.run([ids], params, rid, ticket):
+            usage.add(delta)
+            for c in delta.choices:
+                choices[c.index].add(c)
+        out = []
+        for idx, acc in enumerate(choices):
+            self.frontend.count_finished(acc.finish_reason)
+            out.append({"index": idx, "message": {"role": "assistant", "content": acc.text},
+                        "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
+                        "logprobs": self._chat_logprobs(acc.token_ids, acc.logprobs, params.logprobs or 0)
+                        if logprobs else None})
+        return {"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
+                "choices": out, "usage": usage.body(len(ids))}
+
+    async def _stream_chat(self, rid: str, ids: list[int], params: SamplingParams, include_usage: bool,
+                           logprobs: bool, ticket: Ticket) -> AsyncIterator[dict]:
+        created = now()
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        usage = UsageCounter()
+        started: set[int] = set()       # choices whose role went out: with their first token, as vLLM
+        async for _, delta in self.frontend.run([ids], params, rid, ticket):
+            usage.add(delta)
+            for c in delta.choices:
+                if c.finish_reason is not None:
+                    self.frontend.count_finished(c.finish_reason)
+                message: dict[str, Any] = {"content": c.text} if c.text or c.finish_reason is None else {}
+                if c.index not in started:
+                    started.add(c.index)
+                    message = {"role": "assistant", "content": c.text}
+                yield {**base, "choices": [{
+                    "index": c.index, "delta": message,
+                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs or 0)
+                    if logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+        if include_usage:
+            yield {**base, "choices": [], "usage": usage.body(len(ids))}
+
+    # --- logprobs shapes ---------------------------------------------------------------------------
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None
+                             ) -> dict[str, Any]:
+        logprobs = logprobs or []
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = 0
+        for tid, entry in zip(token_ids, logprobs):
+            text = self.frontend.token_text(tid, entry.get(tid))
+            tokens.append(text)
+            token_lps.append(entry[tid].logprob if tid in entry else None)
+            tops.append({self.frontend.token_text(t, lp): lp.logprob for t, lp in entry.items()})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
+                       num_top: int) -> dict[str, Any]:
+        """OpenAI chat shape: the chosen token's logprob and the `num_top` most likely tokens."""
+        content = []
+        for tid, entry in zip(token_ids, logprobs or []):
+            text = self.frontend.token_text(tid, entry.get(tid))
+            chosen = entry.get(tid)
+            top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:num_top]
+            content.append({
+                "token": text, "logprob": chosen.logprob if chosen else None, "bytes": list(text.encode()),
+                "top_logprobs": [{"token": self.frontend.token_text(t, lp), "logprob": lp.logprob,
+                                  "bytes": list(self.frontend.token_text(t, lp).encode())} for t, lp in top]})
+        return {"content": content}
