@@ -39,7 +39,7 @@ def run(llm: LLM, batch: int, input_len: int, output_len: int, stop: list[str], 
     totals: dict[str, float] = defaultdict(float)
     parts = {"model": (engine.executor, "execute_model"), "schedule": (engine.scheduler, "schedule"),
              "update": (engine.scheduler, "update_from_output"),
-             "detokenize+stop": (engine, "_process_tokens"), "outputs": (engine, "_make_output")}
+             "detokenize+stop": (engine.output, "process_tokens"), "outputs": (engine.output, "make_output")}
     originals = {name: getattr(obj, attr) for name, (obj, attr) in parts.items()}
     for name, (obj, attr) in parts.items():
         setattr(obj, attr, timed(totals, name, originals[name]))

@@ -78,8 +78,8 @@ class StepTimer:
         self._wrap("sample", model_runner, "sample")
         self._wrap("sample", model_runner, "greedy_ids")         # rows that only take their argmax
         self._wrap("update", engine.scheduler, "update_from_output")
-        self._wrap("outputs", engine, "_process_tokens")
-        self._wrap("outputs", engine, "_make_output")
+        self._wrap("outputs", engine.output, "process_tokens")
+        self._wrap("outputs", engine.output, "make_output")
 
     def _wrap(self, name: str, obj: Any, attr: str) -> None:
         original = getattr(obj, attr)

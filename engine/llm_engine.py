@@ -1,7 +1,8 @@
 """LLMEngine: one replica's step loop. step() = schedule -> execute -> update -> outputs.
 
-Validates requests on the way in (ValueError naming the field), fans `n > 1` out into forked
-children, detokenizes incrementally, applies stop strings and assembles vLLM-shaped RequestOutputs.
+Validates requests on the way in (ValueError naming the field) and fans `n > 1` out into forked
+children; the output side (detokenization, stop strings, vLLM-shaped RequestOutputs) is
+engine/output_processor.py.
 With a KV connector it also moves the transfer queues between the scheduler side and the worker side
 of the connector (kv_transfer/base.py) at the start of each step.
 """
@@ -9,91 +10,25 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.executor import make_executor
 from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import CompletionOutput, KVEvent, Logprob, ModelRunnerOutput, RequestOutput, SchedulerOutput
-from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.output_processor import OutputProcessor
+from engine.outputs import KVEvent, ModelRunnerOutput, RequestOutput, SchedulerOutput
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, validate_request
 from engine.scheduler import Scheduler
 from engine.spec_decode import SpecDecodeStats, make_proposer, max_proposals
-from engine.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
+from engine.tokenizer import eos_token_ids, load_tokenizer
 from kv_transfer.base import KVConnectorScheduler
 from kv_transfer.layout import KVLayout
 
 # Steps in a row that may fail (each failing only its own requests) before the engine is declared
 # dead: one failure is a request's or a transient fault; a run of them is the engine's own.
 MAX_FAILED_STEPS = 3
-
-
-@dataclass(slots=True)
-class _Child:
-    request: Request
-    detokenizer: IncrementalDetokenizer | None
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_seen: int = 0            # output tokens detokenized and checked for stop strings so far
-    # What earlier outputs carried (output_kind "delta"): tokens (and their logprobs), text chars,
-    # and whether the finish went out.
-    sent_tokens: int = 0
-    sent_chars: int = 0
-    finish_sent: bool = False
-    # Logprobs converted so far (the request's lists only grow: convert each entry once).
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-
-    def visible_len(self) -> int:
-        """How much of the text to show now. While running with stop strings, the tail that could
-        be the start of a stop string is held back: the stop check may cut it, and streamed text
-        cannot be taken back."""
-        params = self.request.sampling_params
-        if self.finish_reason is not None or not params.stop or params.include_stop_str_in_output:
-            return len(self.text)
-        return max(0, len(self.text) - (max(len(s) for s in params.stop) - 1))
-
-    def completion(self, index: int, logprobs: bool, delta: bool) -> CompletionOutput | None:
-        """This choice's output: all of it, or (`delta`) what is new since the last delta, None
-        when nothing is (O(new tokens): nothing is copied that went out before)."""
-        r = self.request
-        tokens, end = r.output_token_ids, self.visible_len()
-        first, first_char = (self.sent_tokens, self.sent_chars) if delta else (0, 0)
-        if delta:
-            if len(tokens) == first and end == first_char and (self.finish_reason is None or self.finish_sent):
-                return None
-            self.sent_tokens, self.sent_chars = len(tokens), end
-            self.finish_sent = self.finish_reason is not None
-        return CompletionOutput(
-            index=index, text=self.text[first_char:end], token_ids=tokens[first:],
-            cumulative_logprob=self.cumulative_logprob if logprobs else None,
-            logprobs=self.logprobs[first:] if logprobs else None,
-            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
-
-
-@dataclass(slots=True)
-class _RequestState:
-    """The user's request as the output side sees it: n children, their text, timing."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    children: list[_Child]
-    arrival_time: float
-    first_token_time: float | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
-    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
-    kv_transfer_params: dict[str, Any] | None = None    # set when its blocks are leased
-
-    @property
-    def finished(self) -> bool:
-        for c in self.children:          # a loop, not all(<generator>): asked several times per step
-            if c.finish_reason is None:
-                return False
-        return True
 
 
 class LLMEngine:
@@ -120,10 +55,8 @@ class LLMEngine:
         self._aborted_leases: list[str] = []
         self.last_step_idle = False         # the last step scheduled nothing (only transfers pending)
         self.num_failed_steps = 0           # steps in a row that raised (ModelRunnerOutput.step_error)
-        self.states: dict[str, _RequestState] = {}
-        self.child_to_state: dict[str, tuple[_RequestState, int]] = {}
+        self.output = OutputProcessor(self.tokenizer, self.scheduler.finish_requests)
         self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
 
     # --- intake -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
@@ -134,7 +67,7 @@ class LLMEngine:
         `kv_transfer_params`: `{"do_remote_decode": True}` prefills here (max_tokens forced to 1)
         and leases the blocks for a decode engine (the output carries the parameters to pass it);
         the parameters a prefill engine returned pull the prompt's KV from it instead of computing."""
-        if request_id in self.states or (self.kv_connector is not None
+        if request_id in self.output.states or (self.kv_connector is not None
                                          and request_id in self.kv_connector.leases):
             raise ValueError(f"request_id {request_id!r} is already in use")
         if prompt_token_ids is None:
@@ -156,11 +89,7 @@ class LLMEngine:
         if kv_transfer_params:
             self._attach_transfer(leader, kv_transfer_params)
         children = [leader, *leader.fork_children]
-        state = _RequestState(request_id, prompt, prompt_token_ids, params,
-                              [_Child(r, self._detokenizer(r)) for r in children], arrival)
-        self.states[request_id] = state
-        for i, r in enumerate(children):
-            self.child_to_state[r.request_id] = (state, i)
+        self.output.add(request_id, prompt, prompt_token_ids, params, children, arrival)
         self.scheduler.add_request(leader)
         self.num_prompt_tokens += len(prompt_token_ids)
 
@@ -189,31 +118,21 @@ class LLMEngine:
         validate_request(prompt_token_ids, params, mc.vocab_size, mc.max_model_len,
                          self.config.scheduler_config.max_num_seqs)
 
-    def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None or not request.sampling_params.detokenize:
-            return None
-        return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                      request.sampling_params.skip_special_tokens)
-
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort user requests (all their children); their blocks are freed at once."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             if self.kv_connector is not None and rid in self.kv_connector.leases:
                 self._aborted_leases.append(rid)     # freed at the next step
-            state = self.states.pop(rid, None)
-            if state is None:
-                continue
-            child_ids = [c.request.request_id for c in state.children]
-            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-            for cid in child_ids:
-                self.child_to_state.pop(cid, None)
+            child_ids = self.output.remove(rid)
+            if child_ids:
+                self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
         if self.proposer is not None:
             self.proposer.retain(self.scheduler.requests)
 
     # --- the loop ---------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         """True while a request is in flight or KV transfers (pulls, leases) are pending."""
-        return (bool(self.states) or self.scheduler.has_unfinished_requests() or bool(self.in_flight)
+        return (bool(self.output.states) or self.scheduler.has_unfinished_requests() or bool(self.in_flight)
                 or (self.kv_worker is not None and self.kv_worker.has_pending()))
 
     def step(self) -> list[RequestOutput]:
@@ -251,7 +170,6 @@ class LLMEngine:
 
     def _apply(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
         """The step's sampled tokens into the requests: outputs for those that advanced."""
-        outputs: list[RequestOutput] = []
         if runner_out.spec_sampled:          # only speculative steps pay for the count
             for scheduled in sched.scheduled:
                 emitted = runner_out.spec_sampled.get(scheduled.request_id)
@@ -269,31 +187,7 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched, runner_out)
         if self.kv_connector is not None:
             self._start_leases()
-        now = time.monotonic()
-        touched: dict[str, _RequestState] = {}
-        for request in updated:
-            entry = self.child_to_state.get(request.request_id)
-            if entry is None:
-                continue
-            state, i = entry
-            if state.first_token_time is None:
-                state.first_token_time = now
-            try:
-                self.num_generation_tokens += self._process_tokens(state.children[i])
-            except Exception as e:  # noqa: BLE001 - e.g. its detokenization: this request only
-                self._fail_state(state, f"processing its output failed: {e!r}")
-            touched[state.request_id] = state
-        for state in touched.values():
-            if not state.finished and state.params.output_kind == "final_only":
-                continue
-            try:
-                outputs.append(self._make_output(state))
-            except Exception as e:  # noqa: BLE001
-                self._fail_state(state, f"building its output failed: {e!r}")
-                outputs.append(self._make_output(state, plain=True))
-            if state.finished:
-                state.metrics["finished_time"] = now
-                self._forget(state)
+        outputs = self.output.advance(updated)
         if self.proposer is not None:
             self._propose()
         return outputs
@@ -326,14 +220,9 @@ class LLMEngine:
                 self.kv_cache_manager.free(lease.request)
         outputs = []
         for request in self.scheduler.finish_loads(report.loaded, report.failed):
-            entry = self.child_to_state.get(request.request_id)
-            if entry is None:
-                continue
-            state, i = entry
-            state.children[i].finish_reason = FINISH_REASONS[request.status]
-            state.children[i].stop_reason = request.stop_reason
-            outputs.append(self._make_output(state))
-            self._forget(state)
+            output = self.output.finish_loaded(request)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
     def _start_leases(self) -> None:
@@ -348,113 +237,12 @@ class LLMEngine:
             self.kv_worker.hold_lease(*taken, block_ids)
             params = self.kv_connector.add_lease(request, block_ids, *taken, self.kv_worker.addresses,
                                                  self.kv_worker.engine_id)
-            entry = self.child_to_state.get(request.request_id)
-            if entry is not None:
-                entry[0].kv_transfer_params = params
+            self.output.set_transfer_params(request.request_id, params)
         self.executor.kv_flush()     # every rank holds the new leases before their parameters leave
 
     def renew_lease(self, request_id: str, seconds: float) -> bool:
         """Keep a leased request's blocks at least `seconds` longer; False if it holds no lease."""
         return self.kv_connector is not None and self.kv_connector.renew_lease(request_id, seconds)
-
-    def _process_tokens(self, child: _Child) -> int:
-        """Detokenize the child's new output tokens one at a time (a speculative step adds several),
-        checking stop strings after each; a stop drops the tokens after it. Returns how many new
-        tokens the output keeps."""
-        request = child.request
-        params = request.sampling_params
-        num_before = child.num_seen
-        for token_id in request.output_token_ids[num_before:]:
-            child.num_seen += 1
-            if child.detokenizer is None:
-                continue
-            delta = child.detokenizer.update([token_id])
-            if delta:
-                child.text += delta
-                if (params.stop and child.num_seen >= params.min_tokens
-                        and self._check_stop_strings(child, len(delta))):
-                    request.truncate_output(child.num_seen)
-                    break
-        if request.is_finished and child.finish_reason is None:
-            child.finish_reason = FINISH_REASONS[request.status]
-            child.stop_reason = request.stop_reason
-        return child.num_seen - num_before
-
-    def _check_stop_strings(self, child: _Child, delta_len: int) -> bool:
-        """True (and the child finished, its text cut) if its text now contains a stop string."""
-        params = child.request.sampling_params
-        longest = max(len(s) for s in params.stop)
-        search_from = max(0, len(child.text) - delta_len - longest + 1)
-        for stop in params.stop:
-            at = child.text.find(stop, search_from)
-            if at == -1:
-                continue
-            end = at + len(stop) if params.include_stop_str_in_output else at
-            child.text = child.text[:end]
-            child.finish_reason, child.stop_reason = "stop", stop
-            if not child.request.is_finished:
-                self.scheduler.finish_requests([child.request.request_id], RequestStatus.FINISHED_STOPPED)
-            return True
-        return False
-
-    def _fail_state(self, state: _RequestState, reason: str) -> None:
-        """End every unfinished choice of a request with an error (its blocks are freed)."""
-        running = [c.request.request_id for c in state.children if not c.request.is_finished]
-        self.scheduler.finish_requests(running, RequestStatus.FINISHED_ERROR)
-        for child in state.children:
-            if child.finish_reason is None or child.request.request_id in running:
-                child.finish_reason, child.stop_reason = "error", reason
-
-    def _make_output(self, state: _RequestState, plain: bool = False) -> RequestOutput:
-        """The request's output: cumulative, or only what is new for output_kind "delta" (prompt
-        logprobs are always whole); `plain` leaves out what needs the tokenizer (logprobs, prompt
-        logprobs): the output of a request whose conversion failed."""
-        completions = []
-        delta = state.params.output_kind == "delta"
-        for i, child in enumerate(state.children):
-            wants_logprobs = child.request.sampling_params.logprobs is not None and not plain
-            if wants_logprobs:
-                self._extend_logprobs(child)
-            completion = child.completion(i, wants_logprobs, delta)
-            if completion is not None:
-                completions.append(completion)
-        leader = state.children[0].request
-        prompt_lps = None
-        if state.params.prompt_logprobs is not None and not plain:
-            for d in leader.prompt_logprobs[len(state.prompt_logprobs):]:
-                state.prompt_logprobs.append(None if d is None else self._to_logprobs(d, None))
-            prompt_lps = list(state.prompt_logprobs)
-        return RequestOutput(
-            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
-            outputs=completions, finished=state.finished, prompt_logprobs=prompt_lps,
-            num_cached_tokens=leader.num_cached_tokens, kv_transfer_params=state.kv_transfer_params,
-            metrics={"arrival_time": state.arrival_time, "first_token_time": state.first_token_time or 0.0,
-                     **state.metrics})
-
-    def _extend_logprobs(self, child: _Child) -> None:
-        """Convert the logprob entries added since the last output (each is decoded once)."""
-        r = child.request
-        num = min(len(r.logprobs), len(r.output_token_ids), len(r.logprob_ranks))
-        for j in range(len(child.logprobs), num):
-            token_id = r.output_token_ids[j]
-            entry = self._to_logprobs(r.logprobs[j], (token_id, r.logprob_ranks[j]))
-            child.logprobs.append(entry)
-            child.cumulative_logprob += entry[token_id].logprob
-
-    def _to_logprobs(self, entry: dict[int, float], chosen: tuple[int, int] | None) -> dict[int, Logprob]:
-        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
-        out = {}
-        for rank, (tid, lp) in enumerate(ranked, start=1):
-            if chosen is not None and tid == chosen[0]:
-                rank = chosen[1]
-            text = self.tokenizer.decode([tid]) if self.tokenizer is not None else None
-            out[tid] = Logprob(lp, rank, text)
-        return out
-
-    def _forget(self, state: _RequestState) -> None:
-        self.states.pop(state.request_id, None)
-        for child in state.children:
-            self.child_to_state.pop(child.request.request_id, None)
 
     # --- introspection ----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -470,7 +258,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.num_prompt_tokens,
             "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
-            "generation_tokens": self.num_generation_tokens,
+            "generation_tokens": self.output.num_generation_tokens,
             **(self.spec_stats.as_dict() if self.proposer is not None else {}),
             **(self._transfer_stats() if self.kv_connector is not None else {}),
         }

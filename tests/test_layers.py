@@ -29,7 +29,8 @@ LAYERS: list[tuple[str, list[str]]] = [
                "engine.worker", "engine.step_channel", "engine.step_delta"]),
     ("distributed", ["engine.ray_cluster", "engine.executor"]),
     ("engine", ["engine.block_pool", "engine.kv_cache_manager", "engine.scheduler", "engine.spec_decode",
-                "engine.spec_decode.*", "engine.llm_engine", "engine.async_engine", "engine.llm", "engine"]),
+                "engine.spec_decode.*", "engine.output_processor", "engine.llm_engine", "engine.async_engine",
+                "engine.llm", "engine"]),
     ("serving", ["cluster.*", "router.*", "pdserve_proto.serve_proxy"]),
 ]
 # The `engine` package's public names load on first use (engine/__init__.py, PEP 562) for users'
