@@ -22,8 +22,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.config import EngineArgs, EngineConfig
-from router.policy import POLICIES
+from engine.config import KV_CONNECTORS, KV_LOAD_FAILURE_POLICIES, EngineArgs, EngineConfig
+from router.policy import POLICIES, PolicyConfig
 
 
 class _Strict(BaseModel):
@@ -48,19 +48,31 @@ class PoolSpec(_Strict):
 
 
 class RoutingSpec(_Strict):
-    name: Literal[POLICIES] = "prefix_aware"     # type: ignore[valid-type]
-    load_weight: float = Field(0.5, ge=0)
-    imbalance_threshold: int = Field(8, ge=1)
+    """The routing policy (router/policy.py: PolicyConfig holds the defaults and the checks)."""
+    name: Literal[POLICIES] = PolicyConfig.name     # type: ignore[valid-type]
+    load_weight: float = PolicyConfig.load_weight
+    imbalance_threshold: int = PolicyConfig.imbalance_threshold
     stats_interval_s: float = Field(0.5, gt=0)  # replica stats (KV usage) refresh period
+
+    def model_post_init(self, _: Any) -> None:
+        self.policy()
+
+    def policy(self) -> PolicyConfig:
+        return PolicyConfig(self.name, self.load_weight, self.imbalance_threshold)
 
 
 class DisaggregationSpec(_Strict):
-    connector: Literal["nixl", "torch_dist"] = "nixl"
+    """The KV connector of both pools (engine/config.py: EngineArgs' kv_* fields hold the defaults
+    and the checks)."""
+    connector: Literal[KV_CONNECTORS] = "nixl"      # type: ignore[valid-type]
     # Prompts with fewer uncached tokens (on the chosen decode replica) are prefilled there.
     min_remote_prefill_tokens: int = Field(256, ge=1)
-    lease_s: float = Field(30.0, gt=0)          # how long a prefill keeps its blocks for the decode side
-    load_timeout_s: float = Field(10.0, gt=0)
-    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    lease_s: float = EngineArgs.kv_lease_s          # how long a prefill keeps its blocks for the decode side
+    load_timeout_s: float = EngineArgs.kv_load_timeout_s
+    load_failure_policy: Literal[KV_LOAD_FAILURE_POLICIES] = EngineArgs.kv_load_failure_policy  # type: ignore[valid-type]
+
+    def model_post_init(self, _: Any) -> None:
+        EngineArgs(**self.engine_args())
 
     def engine_args(self) -> dict[str, Any]:
         return {"kv_connector": self.connector, "kv_lease_s": self.lease_s,

@@ -43,148 +43,6 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: Any) -> torch.dtype:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    model: str                  # directory, .gguf file, or the embedded default's path
-    gguf_file: str | None       # file name inside `model` when loading GGUF
-    hf_config: Any              # transformers PretrainedConfig
-    dtype: torch.dtype
-    max_model_len: int
-    seed: int = 0
-    # CUDA graphs of the decode step, one per batch size here (empty: eager); see engine/cuda_graph.py.
-    cuda_graph_sizes: tuple[int, ...] = ()
-
-    @property
-    def architecture(self) -> str:
-        return architecture_of(self.hf_config)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.hf_config.num_hidden_layers
-
-    @property
-    def num_kv_heads(self) -> int:
-        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
-
-    @property
-    def head_dim(self) -> int:
-        hd = getattr(self.hf_config, "head_dim", None)
-        return hd or self.hf_config.hidden_size // self.hf_config.num_attention_heads
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int = 16
-    num_kv_blocks: int | None = None         # resolved by the worker from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int | None = None
-    enable_prefix_caching: bool = True
-    swap_space_bytes: int = 256 << 20        # CPU block pool for swap preemption
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"       # "recompute" | "swap"
-    policy: str = "fcfs"                     # "fcfs" | "priority"
-    batching: str = "continuous"             # "continuous" | "static" (a batch barrier: the baseline)
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    worker_num_cpus: float = 1.0             # per rank actor (torch gets that many threads)
-    worker_num_gpus: float = 0.0             # per rank actor; > 0 runs the ranks on CUDA
-    distributed_executor_backend: str | None = None   # "ray" forces worker actors even for one rank
-    worker_resources: tuple[tuple[str, float], ...] = ()   # custom Ray resources per rank actor
-    pipeline_micro_batches: int = 1          # micro-batches per step (the stages overlap on them)
-    max_concurrent_batches: int = 1          # batches of disjoint requests in the stages at once
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-
-@dataclass(frozen=True)
-class KVTransferConfig:
-    """How this engine moves KV blocks to and from other engines (prefill/decode disaggregation).
-
-    Every engine with a connector plays both roles: it can prefill for a remote decode (its blocks
-    then wait under a lease) and decode a remotely prefilled request (it pulls the blocks)."""
-    kv_connector: str                        # one of KV_CONNECTORS
-    engine_id: str                           # unique per engine; names its NIXL agent / store peer
-    kv_host: str = "auto"                    # address other engines reach this one at ("auto": this
-                                             # Ray node's IP, or 127.0.0.1 outside Ray)
-    lease_s: float = 30.0                    # how long a prefill keeps its blocks for the decode side
-    load_timeout_s: float = 10.0             # a pull not done by then fails (then: failure policy)
-    load_failure_policy: str = "recompute"   # "recompute": prefill locally; "fail": finish with error
-    # Test-only fault injection: {"fail_loads": True} or {"load_delay_s": float}.
-    extra: tuple[tuple[str, Any], ...] = ()
-
-    def extra_value(self, key: str, default: Any = None) -> Any:
-        return dict(self.extra).get(key, default)
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding (engine/spec_decode/): each decode step verifies up to
-    `num_speculative_tokens` proposed tokens in one target forward pass.
-
-    "ngram" proposes the tokens that followed the latest earlier occurrence of the sequence's last
-    n tokens (n from prompt_lookup_max down to prompt_lookup_min); "draft_model" runs `model` (same
-    vocabulary) greedily for k steps over its own paged KV cache."""
-    method: str                                  # one of SPEC_METHODS
-    num_speculative_tokens: int
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    draft_model_config: ModelConfig | None = None   # method == "draft_model" only
-
-    @classmethod
-    def create(cls, spec: dict[str, Any], target: ModelConfig) -> SpeculativeConfig:
-        """Validate the user's `speculative_config` dict (ValueError naming the field)."""
-        if not isinstance(spec, dict):
-            raise ValueError(f"speculative_config must be a dict or None; got {type(spec).__name__}")
-        unknown = sorted(set(spec) - set(_SPEC_KEYS))
-        if unknown:
-            raise ValueError(f"speculative_config keys must be among {_SPEC_KEYS}; got {unknown}")
-        method = spec.get("method")
-        if method not in SPEC_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}; got {method!r}")
-        k = spec.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 16]; "
-                             f"got {k!r}")
-        lo = spec.get("prompt_lookup_min", cls.prompt_lookup_min)
-        if not isinstance(lo, int) or lo < 1:
-            raise ValueError(f"speculative_config.prompt_lookup_min must be an integer >= 1; got {lo!r}")
-        hi = spec.get("prompt_lookup_max", max(lo, cls.prompt_lookup_max))
-        if not isinstance(hi, int) or hi < lo:
-            raise ValueError(f"speculative_config.prompt_lookup_max must be an integer >= prompt_lookup_min "
-                             f"({lo}); got {hi!r}")
-        draft = None
-        if method == "draft_model":
-            if not spec.get("model"):
-                raise ValueError("speculative_config.model must name the draft model when method is "
-                                 "'draft_model'")
-            path, gguf_file, hf_config = resolve_model(spec["model"])
-            if hf_config.vocab_size != target.vocab_size:
-                raise ValueError(f"speculative_config.model must share the target's vocabulary "
-                                 f"({target.vocab_size} tokens); it has {hf_config.vocab_size}")
-            draft = ModelConfig(model=path, gguf_file=gguf_file, hf_config=hf_config, dtype=target.dtype,
-                                max_model_len=target.max_model_len, seed=target.seed)
-        elif spec.get("model") is not None:
-            raise ValueError("speculative_config.model must be None when method is 'ngram'")
-        return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
-                   draft_model_config=draft)
-
-
-@dataclass(frozen=True)
 class EngineArgs:
     """The engine's user arguments: `LLM(...)`'s keywords and the cluster spec's `engine` section
     (vLLM's names), with their defaults stated once, here. Everything that needs no model is
@@ -282,6 +140,149 @@ class EngineArgs:
                                  f"{self.kv_load_timeout_s}")
         if isinstance(self.dtype, str):
             resolve_dtype(self.dtype, None)         # ValueError naming the allowed names
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str                  # directory, .gguf file, or the embedded default's path
+    gguf_file: str | None       # file name inside `model` when loading GGUF
+    hf_config: Any              # transformers PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+    # CUDA graphs of the decode step, one per batch size here (empty: eager); see engine/cuda_graph.py.
+    cuda_graph_sizes: tuple[int, ...] = ()
+
+    @property
+    def architecture(self) -> str:
+        return architecture_of(self.hf_config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        hd = getattr(self.hf_config, "head_dim", None)
+        return hd or self.hf_config.hidden_size // self.hf_config.num_attention_heads
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = EngineArgs.block_size
+    num_kv_blocks: int | None = None         # resolved by the worker from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = EngineArgs.enable_prefix_caching
+    swap_space_bytes: int = EngineArgs.swap_space_bytes     # CPU block pool for swap preemption
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = EngineArgs.max_num_seqs
+    max_num_batched_tokens: int = 2048       # resolved by EngineConfig.from_args
+    max_model_len: int = 2048                # resolved from the model
+    enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill
+    preemption_mode: str = EngineArgs.preemption_mode      # "recompute" | "swap"
+    policy: str = EngineArgs.scheduling_policy             # "fcfs" | "priority"
+    batching: str = EngineArgs.batching      # "continuous" | "static" (a batch barrier: the baseline)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    worker_num_cpus: float = EngineArgs.worker_num_cpus   # per rank actor (torch gets that many threads)
+    worker_num_gpus: float = EngineArgs.worker_num_gpus   # per rank actor; > 0 runs the ranks on CUDA
+    distributed_executor_backend: str | None = None   # "ray" forces worker actors even for one rank
+    worker_resources: tuple[tuple[str, float], ...] = ()   # custom Ray resources per rank actor
+    pipeline_micro_batches: int = 1          # micro-batches per step (the stages overlap on them)
+    max_concurrent_batches: int = 1          # batches of disjoint requests in the stages at once
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """How this engine moves KV blocks to and from other engines (prefill/decode disaggregation).
+
+    Every engine with a connector plays both roles: it can prefill for a remote decode (its blocks
+    then wait under a lease) and decode a remotely prefilled request (it pulls the blocks)."""
+    kv_connector: str                        # one of KV_CONNECTORS
+    engine_id: str                           # unique per engine; names its NIXL agent / store peer
+    kv_host: str = EngineArgs.kv_host        # address other engines reach this one at ("auto": this
+                                             # Ray node's IP, or 127.0.0.1 outside Ray)
+    lease_s: float = EngineArgs.kv_lease_s   # how long a prefill keeps its blocks for the decode side
+    load_timeout_s: float = EngineArgs.kv_load_timeout_s    # a pull not done by then fails (then: policy)
+    # "recompute": prefill locally; "fail": finish with an error
+    load_failure_policy: str = EngineArgs.kv_load_failure_policy
+    # Test-only fault injection: {"fail_loads": True} or {"load_delay_s": float}.
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def extra_value(self, key: str, default: Any = None) -> Any:
+        return dict(self.extra).get(key, default)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec_decode/): each decode step verifies up to
+    `num_speculative_tokens` proposed tokens in one target forward pass.
+
+    "ngram" proposes the tokens that followed the latest earlier occurrence of the sequence's last
+    n tokens (n from prompt_lookup_max down to prompt_lookup_min); "draft_model" runs `model` (same
+    vocabulary) greedily for k steps over its own paged KV cache."""
+    method: str                                  # one of SPEC_METHODS
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    draft_model_config: ModelConfig | None = None   # method == "draft_model" only
+
+    @classmethod
+    def create(cls, spec: dict[str, Any], target: ModelConfig) -> SpeculativeConfig:
+        """Validate the user's `speculative_config` dict (ValueError naming the field)."""
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict or None; got {type(spec).__name__}")
+        unknown = sorted(set(spec) - set(_SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config keys must be among {_SPEC_KEYS}; got {unknown}")
+        method = spec.get("method")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}; got {method!r}")
+        k = spec.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 16]; "
+                             f"got {k!r}")
+        lo = spec.get("prompt_lookup_min", cls.prompt_lookup_min)
+        if not isinstance(lo, int) or lo < 1:
+            raise ValueError(f"speculative_config.prompt_lookup_min must be an integer >= 1; got {lo!r}")
+        hi = spec.get("prompt_lookup_max", max(lo, cls.prompt_lookup_max))
+        if not isinstance(hi, int) or hi < lo:
+            raise ValueError(f"speculative_config.prompt_lookup_max must be an integer >= prompt_lookup_min "
+                             f"({lo}); got {hi!r}")
+        draft = None
+        if method == "draft_model":
+            if not spec.get("model"):
+                raise ValueError("speculative_config.model must name the draft model when method is "
+                                 "'draft_model'")
+            path, gguf_file, hf_config = resolve_model(spec["model"])
+            if hf_config.vocab_size != target.vocab_size:
+                raise ValueError(f"speculative_config.model must share the target's vocabulary "
+                                 f"({target.vocab_size} tokens); it has {hf_config.vocab_size}")
+            draft = ModelConfig(model=path, gguf_file=gguf_file, hf_config=hf_config, dtype=target.dtype,
+                                max_model_len=target.max_model_len, seed=target.seed)
+        elif spec.get("model") is not None:
+            raise ValueError("speculative_config.model must be None when method is 'ngram'")
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
+                   draft_model_config=draft)
 
 
 @dataclass(frozen=True)
