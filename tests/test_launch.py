@@ -11,25 +11,18 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 
-import httpx
 import openai
 import pytest
+from helpers import free_port, wait_healthy
 
 ray = pytest.importorskip("ray", reason="needs ray[serve] (make setup installs it)")
 pytestmark = pytest.mark.ray
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ray_job_submit_serves_the_example_spec():
@@ -39,14 +32,14 @@ def test_ray_job_submit_serves_the_example_spec():
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_AUTH_MODE": "token"}
     ray_cli = os.path.join(bin_dir, "ray")
-    gcs, dashboard, http = _free_port(), _free_port(), _free_port()
+    gcs, dashboard, http = free_port(), free_port(), free_port()
     address = f"http://127.0.0.1:{dashboard}"
     subprocess.run([ray_cli, "get-auth-token", "--generate"], env=env, check=True, capture_output=True, timeout=60)
     # Every port of this cluster's own: the job agent on the default port can collide with the
     # agent of a Ray that another test just shut down, and then no job is ever accepted.
-    agent_ports = ["--dashboard-agent-listen-port", str(_free_port()), "--dashboard-agent-grpc-port",
-                   str(_free_port()), "--runtime-env-agent-port", str(_free_port()),
-                   "--metrics-export-port", str(_free_port())]
+    agent_ports = ["--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port",
+                   str(free_port()), "--runtime-env-agent-port", str(free_port()),
+                   "--metrics-export-port", str(free_port())]
     subprocess.run([ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
                     "--num-cpus", "8", "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
                     "--dashboard-port", str(dashboard), "--disable-usage-stats", *agent_ports],
@@ -72,18 +65,12 @@ def test_ray_job_submit_serves_the_example_spec():
             return (done.stdout + done.stderr).upper()
 
         base = f"http://127.0.0.1:{http}"
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+
+        def job_alive() -> None:
             assert "FAILED" not in job_status(), subprocess.run(
                 [ray_cli, "job", "logs", "--address", address, job_id], env=env, capture_output=True,
                 text=True, timeout=60).stdout[-3000:]
-            assert time.monotonic() < deadline, "the launched app never became healthy"
-            time.sleep(2)
+        wait_healthy(base, 300, job_alive, poll_s=2.0)
 
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
         model = client.models.list().data[0].id

@@ -17,27 +17,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from typing import Any
 
 import httpx
 import openai
 import psutil
 import pytest
+from helpers import free_port, wait_healthy
 
 from cluster.config import ClusterConfig
 from cluster.placement import placement_problems, replica_bundles
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -122,7 +115,7 @@ def test_impossible_placement_fails_fast(tmp_path, tiny_llama):
     spec.write_text(f"model: {tiny_llama}\npools:\n  decode: {{replicas: 1, num_gpus: 1}}\n")
     start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "cluster.launch", "--config", str(spec), "--num-cpus", "2",
-                             "--port", str(_free_port())], env=_env(), cwd=REPO, stdout=subprocess.PIPE,
+                             "--port", str(free_port())], env=_env(), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         _, err = proc.communicate(timeout=180)
@@ -145,7 +138,7 @@ def heal(tiny_llama, eventually_no_leaks):
     from router.app import build_app
 
     init_ray(num_cpus=8)
-    port = _free_port()
+    port = free_port()
     config = ClusterConfig(model=tiny_llama, engine={"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 8},
                            pools={"decode": {"replicas": 2, "num_cpus": 1}}, serving={"port": port},
                            name="pdserve-heal")
@@ -245,16 +238,9 @@ def _start_pdserve(*args: str) -> subprocess.Popen:
 
 
 def _wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def running() -> None:
         assert proc.poll() is None, proc.stdout.read()[-3000:]
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "pdserve serve never became healthy"
-        time.sleep(1)
+    wait_healthy(base, timeout_s, running, poll_s=1.0)
 
 
 def _stop_with_sigint(proc: subprocess.Popen, ray_procs: list) -> str:
@@ -267,7 +253,7 @@ def _stop_with_sigint(proc: subprocess.Popen, ray_procs: list) -> str:
 
 
 def test_pdserve_serve_answers_and_sigint_leaves_no_ray_process(tiny_llama, tmp_path):
-    port = _free_port()
+    port = free_port()
     # No --num-cpus: the defaults (1 prefill + 1 decode replica of 1 CPU, the ingress) must fit the
     # local Ray it starts on a 2-core machine.
     proc = _start_pdserve("--model", tiny_llama, "--port", str(port))
@@ -317,7 +303,7 @@ def test_pdserve_serve_answers_and_sigint_leaves_no_ray_process(tiny_llama, tmp_
 def test_direct_ingress_serves_the_port_from_the_ingress_replica(tiny_llama, tmp_path):
     """serving.direct_ingress: the ingress replica itself listens on the port (no Serve proxy on
     the token path), streams with the role on the first token, and a dropped stream leaks nothing."""
-    port = _free_port()
+    port = free_port()
     spec = tmp_path / "spec.yaml"
     spec.write_text(f"model: {tiny_llama}\nengine: {{dtype: float32, max_model_len: 256}}\nmode: colocated\n"
                     f"serving: {{port: {port}, direct_ingress: true}}\n")
@@ -373,7 +359,7 @@ def _listening_beyond_loopback(procs: list) -> list[str]:
 @pytest.mark.ray
 def test_sigint_during_startup_exits_cleanly(tiny_llama):
     """Ctrl-C while the pools are still loading: the launcher tears down what it started and exits 0."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "pdserve"), "serve", "--model", tiny_llama,
                              "--port", str(port)], env=_env(), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -399,19 +385,13 @@ def test_sigint_during_startup_exits_cleanly(tiny_llama):
 
 
 def test_api_key_from_environment_fails_closed(tiny_llama, monkeypatch):
-    from starlette.requests import Request
-
-    from router.app import OpenAIServer
+    from router.frontend import Frontend
 
     config = ClusterConfig(model=tiny_llama, serving={"api_key_env": "PDSERVE_TEST_KEY"})
     monkeypatch.delenv("PDSERVE_TEST_KEY", raising=False)
     with pytest.raises(ValueError, match="serving.api_key_env names 'PDSERVE_TEST_KEY', which is not set"):
-        OpenAIServer(config, {})
+        Frontend(config, {})
     monkeypatch.setenv("PDSERVE_TEST_KEY", "s3cret")
-    server = OpenAIServer(config, {})
-
-    def headers(auth: str) -> Any:
-        return Request({"type": "http", "headers": [(b"authorization", auth.encode())]}).headers
-
-    assert server.is_authorized(headers("Bearer s3cret"))
-    assert not server.is_authorized(headers("Bearer wrong"))
+    server = Frontend(config, {})
+    assert server.is_authorized("Bearer s3cret")
+    assert not server.is_authorized("Bearer wrong")

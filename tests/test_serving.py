@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import time
 
 import httpx
 import openai
 import pytest
+from helpers import free_port, wait_healthy
 
 from engine import LLM, SamplingParams
 
@@ -22,24 +22,6 @@ ray = pytest.importorskip("ray", reason="the serving tests need ray[serve] (make
 pytestmark = pytest.mark.ray
 
 API_KEY = "test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(base: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{base} never became healthy")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +34,7 @@ def server(tiny_llama, eventually_no_leaks):
     from router.app import build_app
 
     init_ray(num_cpus=8)
-    port = _free_port()
+    port = free_port()
     engine = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 16}
     # The three apps answer at once and load their pools side by side (/health says when they serve).
     serving = {"port": port, "wait_for_pools": False}
@@ -72,7 +54,7 @@ def server(tiny_llama, eventually_no_leaks):
         serve.run(build_app(config), name=config.name, route_prefix=prefix)
     base = f"http://127.0.0.1:{port}"
     for prefix in ("", "/limited", "/pd"):
-        _wait_healthy(f"{base}{prefix}")
+        wait_healthy(f"{base}{prefix}")
     managers = [ray.get_actor(MANAGER_NAME, namespace=c.name) for c in (main, limited, pd)]
     replicas = {}
     for name, manager in zip(("main", "limited", "pd"), managers):
