@@ -38,9 +38,11 @@ def cpu_fp32_gemm(dtype: torch.dtype) -> bool:
     """Whether prefill-sized (>= CPU_FP32_MIN_ROWS rows) CPU matmuls with `dtype` weights run in fp32.
 
     `PDSERVE_CPU_FP32_GEMM=1|0` forces the choice; the default `auto` times both once per process
-    and dtype (~0.1 s). CPUs differ by 2-3x in opposite directions here: on the Xeons with
-    AVX512-BF16 but no AMX, oneDNN's bf16 brgemm reaches ~150 GFLOP/s against ~270 for MKL's sgemm,
-    while on AMD Zen 4 bf16 is ~3x faster than sgemm (benchmarks/cpu_linear.py prints both).
+    and dtype (~0.3 s), except on CPUs with AMX for the dtype, where the reduced-precision GEMM
+    always wins. CPUs differ by 2-3x in opposite directions here: on the Xeons with AVX512-BF16 but
+    no AMX, oneDNN's bf16 brgemm reaches ~150 GFLOP/s against ~270 for MKL's sgemm, while on AMD
+    Zen 4 bf16 is ~3x faster than sgemm, and with AMX-BF16 2.5x faster at prefill sizes
+    (benchmarks/cpu_linear.py prints both).
     """
     value = os.environ.get("PDSERVE_CPU_FP32_GEMM", "auto")
     if value not in ("auto", "0", "1"):
@@ -50,6 +52,11 @@ def cpu_fp32_gemm(dtype: torch.dtype) -> bool:
 
 @functools.cache
 def _fp32_gemm_is_faster(dtype: torch.dtype) -> bool:
+    if _has_amx(dtype):
+        # oneDNN's AMX GEMM in bf16/fp16 is several times any fp32 GEMM on the same cores: timing
+        # is not needed, and a timing taken while other processes start (a server beside another)
+        # once picked fp32 here and made every prefill 2.5x slower (docs/PERFORMANCE.md §7h).
+        return False
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(1536, 576, generator=g).to(dtype)        # a small model's MLP projection
     x = torch.randn(256, 576, generator=g).to(dtype)
@@ -64,7 +71,23 @@ def _fp32_gemm_is_faster(dtype: torch.dtype) -> bool:
     def fp32() -> None:
         F.linear(x.float(), weight.float()).to(dtype)
 
-    return _best_of(native) > CPU_FP32_MIN_SPEEDUP * _best_of(fp32)
+    # Alternate the two and keep each one's best, so a burst of load elsewhere cannot decide it.
+    native_s = fp32_s = float("inf")
+    for _ in range(3):
+        native_s = min(native_s, _best_of(native))
+        fp32_s = min(fp32_s, _best_of(fp32))
+    return native_s > CPU_FP32_MIN_SPEEDUP * fp32_s
+
+
+def _has_amx(dtype: torch.dtype) -> bool:
+    """Whether this CPU has AMX tiles for `dtype` (bf16: AMX-BF16; fp16: AMX-FP16)."""
+    cpu = getattr(torch, "cpu", None)
+    try:
+        if dtype == torch.float16:
+            return bool(cpu._is_amx_fp16_supported())
+        return bool(cpu._is_amx_tile_supported()) and bool(cpu._is_avx512_bf16_supported())
+    except AttributeError:           # another torch: time the two paths instead
+        return False
 
 
 def _best_of(fn, rounds: int = 5, calls: int = 3) -> float:
