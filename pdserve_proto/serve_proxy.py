@@ -9,7 +9,8 @@ nobody (seen in CI: five of eight cancelled streams ran to 900 tokens). Only a c
 while the proxy awaits the replica's next message reaches the replica.
 
 The repair runs Serve's streaming handler in its own task, which is then always awaiting the
-replica when it is cancelled, and cancels that task when the client's call ends for any reason.
+replica when it is cancelled, and cancels that task when the client's call ends for any reason,
+then waits for it to end before the call does (the handler still reads the call's context).
 This module runs inside Serve's proxy actor: it imports nothing of pdserve beyond the schema.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from pdserve_proto import pb2_grpc
 
 _END = object()
+_HANDLER_END_TIMEOUT_S = 10.0
 
 
 def cancel_on_close(handler: Callable[[Any, Any], AsyncIterator[Any]]) -> Callable[[Any, Any], AsyncIterator[Any]]:
@@ -51,6 +53,10 @@ def cancel_on_close(handler: Callable[[Any, Any], AsyncIterator[Any]]) -> Callab
         finally:
             if not task.done():
                 task.cancel()
+                # Wait for the handler to end while the call is still alive: Serve's handler
+                # reads `context.peer()` for its access log as it ends, and that crashed the whole
+                # proxy (a segfault in gRPC's C core) when it ran after gRPC had freed the call.
+                await asyncio.wait({task}, timeout=_HANDLER_END_TIMEOUT_S)
 
     return unary_stream
 

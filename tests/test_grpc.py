@@ -210,6 +210,7 @@ def _serve_like_handler(log: list[str]):
         except BaseException as e:  # noqa: BLE001 - what Serve's proxy does
             log.append(f"caught {type(e).__name__}")
         yield "status"
+        log.append("access log")        # Serve reads context.peer() here: the call must still be alive
     return handler
 
 
@@ -223,6 +224,8 @@ def test_cancel_on_close_cancels_the_replica_call_when_the_client_leaves_between
             assert [await anext(stream), await anext(stream)] == ["r-0", "r-1"]
             with pytest.raises(RuntimeError) if wrap is not cancel_on_close else contextlib.nullcontext():
                 await stream.aclose()           # the client went away while a message was written
+            if wrap is cancel_on_close:         # the handler ended before the call did
+                assert repaired[-1] == "access log", repaired
             await asyncio.sleep(0.05)
         assert "replica cancelled" not in bare      # the bug being repaired
         assert repaired[0] == "replica cancelled"
