@@ -39,7 +39,7 @@ def keep_serve_replica_on_loopback() -> None:
     gRPC server to 127.0.0.1 instead of every interface. Ray 2.60 opens it on "[::]:0" with no
     setting to narrow it (ray/serve/_private/replica.py, `_on_initialized`, after the user's
     constructor), so its helper is wrapped here, in this process only. Elsewhere, or if Ray's layout
-    differs, nothing changes (and that port stays open on all interfaces: see the README)."""
+    differs, nothing changes (and that port stays open on all interfaces: see docs/HARDENING.md)."""
     if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
         return
     try:
