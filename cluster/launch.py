@@ -176,6 +176,8 @@ DEFAULT_SPEC: dict = {"mode": "disaggregated", "pools": {"prefill": {"replicas":
 def run_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
+        for pool in config.pools:   # the model allows the engine section: checked before Ray starts
+            config.engine_config(pool)
     except (OSError, ValueError, yaml.YAMLError) as e:    # pydantic's ValidationError is a ValueError
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2

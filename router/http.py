@@ -116,10 +116,8 @@ async def _pdserve_error(request: Request, exc: PDServeError) -> Response:
 
 @fastapi_app.exception_handler(Exception)
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
-    err = request_error(exc)    # a Ray error carrying one of ours keeps its status; else 500
-    if not isinstance(exc, PDServeError) and err.status == 500:
-        logger.error("unhandled error on %s", request.url.path, exc_info=exc)
-    return await _pdserve_error(request, err)
+    # A Ray error carrying one of ours keeps its status; anything else is logged and answers 500.
+    return await _pdserve_error(request, request_error(exc))
 
 
 def openapi_schema(app: FastAPI = fastapi_app) -> dict[str, Any]:

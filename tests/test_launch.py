@@ -86,3 +86,22 @@ def test_ray_job_submit_serves_the_example_spec():
             time.sleep(2)
     finally:
         subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.mark.parametrize("engine,named", [({"max_num_seq": 8}, "engine.max_num_seq"),
+                                          ({"block_size": 7}, "block_size must be a power of two"),
+                                          ({"max_model_len": 1_000_000}, "max_model_len must be in")])
+def test_a_bad_engine_field_is_refused_before_ray_starts(tmp_path, engine, named):
+    """`pdserve serve` refuses a spec whose engine section is wrong (unknown field, bad value, a value
+    the model does not allow), naming the field, with exit code 2, without reaching for Ray."""
+    import yaml
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({"engine": engine}))
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:1"}   # nothing listens: reaching Ray would fail otherwise
+    done = subprocess.run([os.path.join(os.path.dirname(sys.executable), "pdserve"), "serve", "--config", str(spec),
+                           "--port", str(free_port())], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert named in done.stderr and "127.0.0.1:1" not in done.stdout + done.stderr
+
