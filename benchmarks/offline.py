@@ -92,7 +92,7 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         mc = llm.llm_engine.config.model_config
-        hf = AutoModelForCausalLM.from_pretrained(mc.model, gguf_file=mc.gguf_file, dtype=mc.dtype).eval()
+        hf = AutoModelForCausalLM.from_pretrained(mc.model, gguf_file=mc.gguf_file, dtype=mc.torch_dtype).eval()
         hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, pad_token_id=0)            # warm-up
     # Rounds alternate the two, so a slow spell of a shared machine falls on both; the summary takes
     # each side's best round.

@@ -10,15 +10,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from engine.model_source import architecture_of, resolve_model
 
+# Accepted names -> the canonical one (torch's attribute name); a record keeps names, not torch
+# dtypes, so that configs import without torch.
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
 }
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}     # bytes per element
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CONNECTORS = ("nixl", "torch_dist")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -27,16 +28,17 @@ BATCHING_MODES = ("continuous", "static")
 _SPEC_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
 
 
-def resolve_dtype(dtype: str | torch.dtype, config_dtype: Any) -> torch.dtype:
-    """Map a user dtype ("auto", a name, or a torch.dtype) to a torch dtype."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
+def resolve_dtype(dtype: Any, config_dtype: Any) -> str:
+    """Map a user dtype ("auto", a name, or a torch.dtype) to its canonical name (float32, bfloat16
+    or float16); "auto" takes the model config's (`config_dtype`, a name or a torch.dtype), else
+    float32."""
+    if not isinstance(dtype, str):                  # a torch.dtype
+        name = str(dtype).removeprefix("torch.")
+        if name not in DTYPE_SIZES:
             raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {dtype}")
-        return dtype
+        return name
     if dtype == "auto":
-        if isinstance(config_dtype, str):
-            config_dtype = _DTYPES.get(config_dtype.removeprefix("torch."))
-        return config_dtype if config_dtype in _DTYPES.values() else torch.float32
+        return _DTYPES.get(str(config_dtype).removeprefix("torch."), "float32")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16'; got {dtype!r}")
     return _DTYPES[dtype]
@@ -52,7 +54,7 @@ class EngineArgs:
     # Pydantic validates the spec's `engine` section into this (field types; no unknown fields).
     __pydantic_config__ = {"extra": "forbid", "arbitrary_types_allowed": True}
 
-    dtype: str | torch.dtype = "auto"
+    dtype: Any = "auto"                               # "auto", a name, or a torch.dtype
     block_size: int = 16
     max_model_len: int | None = None                 # None: the model's max_position_embeddings
     max_num_seqs: int = 64
@@ -147,11 +149,17 @@ class ModelConfig:
     model: str                  # directory, .gguf file, or the embedded default's path
     gguf_file: str | None       # file name inside `model` when loading GGUF
     hf_config: Any              # transformers PretrainedConfig
-    dtype: torch.dtype
+    dtype: str                  # float32 | bfloat16 | float16 (`torch_dtype` for the torch object)
     max_model_len: int
     seed: int = 0
     # CUDA graphs of the decode step, one per batch size here (empty: eager); see engine/cuda_graph.py.
     cuda_graph_sizes: tuple[int, ...] = ()
+
+    @property
+    def torch_dtype(self) -> Any:
+        import torch  # noqa: PLC0415 - configs are records that import without torch; the model side asks
+
+        return getattr(torch, self.dtype)
 
     @property
     def architecture(self) -> str:

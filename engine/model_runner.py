@@ -45,9 +45,8 @@ class ModelRunner:
         self.cpu_caches: list[torch.Tensor] = []    # the swap pool, same layout
         # Draws for requests without their own seed.
         self.generator = torch.Generator().manual_seed(seed)
-        # In a worker process (Ray executor) a seeded request's generator arrives pickled with every
-        # step; the first copy is kept and advanced here, later copies are ignored (set by Worker).
-        self.keep_generators = False
+        # Seeded requests' generators, made from their seed when first sampled and kept until they
+        # finish (across preemptions, as the request's own stream), on whichever rank samples.
         self.generators: dict[str, torch.Generator] = {}
         self.token_counts: TokenCounts | None = None          # penalties' counts, made when first needed
         self.graph_runner: CudaGraphRunner | None = None     # decode steps replay CUDA graphs
@@ -240,10 +239,12 @@ class ModelRunner:
         return ids, pos_t, meta, sample_rows, spec_rows, lp_rows
 
     def _sampling_row(self, req: ScheduledRequest) -> SamplingRow:
-        generator = req.generator
-        if generator is not None and self.keep_generators:
-            generator = self.generators.setdefault(req.request_id, generator)
-        return SamplingRow(req.sampling_params, generator or self.generator, req.prompt_token_ids,
+        generator = self.generator
+        if req.seed is not None:
+            generator = self.generators.get(req.request_id)
+            if generator is None:
+                generator = self.generators[req.request_id] = torch.Generator().manual_seed(req.seed)
+        return SamplingRow(req.sampling_params, generator, req.prompt_token_ids,
                            req.output_token_ids, req.eos_token_ids, req.request_id)
 
     @staticmethod

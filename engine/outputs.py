@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 from engine.hashing import BlockHash
 
 if TYPE_CHECKING:
-    import torch
 
     from engine.sampling_params import SamplingParams
 
@@ -45,7 +44,7 @@ class ScheduledRequest:
     prompt_logprobs_from: int | None = None   # compute prompt logprobs for positions >= this
     # The request's sampling state (read by the runner for rows that sample or score the prompt).
     sampling_params: SamplingParams | None = None
-    generator: torch.Generator | None = None
+    seed: int | None = None         # the request's own random stream (the runner keeps its generator)
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: frozenset[int] = frozenset()

@@ -10,8 +10,6 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from engine.hashing import BlockHash, hash_block_tokens
 from engine.sampling_params import SamplingParams
 
@@ -92,11 +90,10 @@ class Request:
         self._update_block_hashes()
 
         seed = sampling_params.seed
-        self.generator: torch.Generator | None = None
-        if seed is not None:
-            # Children of a seeded n > 1 request draw distinct but reproducible streams (wrapped
-            # into manual_seed's range: any validated seed works, small ones map to themselves).
-            self.generator = torch.Generator().manual_seed((seed + index * 1_000_003) % (1 << 64))
+        # The seed of this request's own random stream (the runner keeps the generator): children
+        # of a seeded n > 1 request draw distinct but reproducible streams (wrapped into
+        # manual_seed's range: any validated seed works, small ones map to themselves).
+        self.seed: int | None = None if seed is None else (seed + index * 1_000_003) % (1 << 64)
         self.logprobs: list[dict[int, float]] = []          # per output token: {token_id: logprob}
         self.logprob_ranks: list[int] = []                  # rank of the sampled token
         self.prompt_logprobs: list[dict[int, float] | None] = []

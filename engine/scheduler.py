@@ -356,7 +356,7 @@ class Scheduler:
             # The request's own objects, not copies: the runner reads them before the scheduler
             # changes them, and the Ray executor sends each once (engine/step_delta.py).
             sampling_params=request.sampling_params,
-            generator=request.generator,
+            seed=request.seed,
             output_token_ids=request.output_token_ids,
             prompt_token_ids=request.prompt_token_ids,
             eos_token_ids=request.eos_token_ids,

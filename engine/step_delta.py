@@ -1,7 +1,7 @@
 """Step deltas: what the Ray executor sends its worker ranks each step, O(batch) on a decode step.
 
 A `SchedulerOutput` names every scheduled request's whole state: its block table, prompt, output
-tokens, SamplingParams and generator. Pickled for the workers each step, that grew with context and
+tokens, SamplingParams and seed. Pickled for the workers each step, that grew with context and
 output length (at batch 64, a decode step's message at context 2,048 was ~20x the one at 128:
 benchmarks/step_bytes.py). As vLLM v1 does, the executor's `StepEncoder` sends a request's state
 once, when it is first scheduled (and again after a preemption, when its block table is new), and
@@ -37,7 +37,7 @@ class _Held:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: Any
-    generator: Any
+    seed: int | None
     eos_token_ids: frozenset[int]
 
 
@@ -62,7 +62,7 @@ class StepEncoder:
     scheduled requests in the scheduler's order.
 
     A new request: (id, token_ids, start, do_sample, spec_token_ids, prompt_logprobs_from,
-    block_ids, sampling_params, generator, prompt_token_ids, output_token_ids, eos_token_ids).
+    block_ids, sampling_params, seed, prompt_token_ids, output_token_ids, eos_token_ids).
     A request sent before: (id, token_ids, start, do_sample, spec_token_ids, prompt_logprobs_from,
     blocks kept, blocks appended after them, output tokens held before, output tokens since)."""
 
@@ -83,7 +83,7 @@ class StepEncoder:
             outputs = s.output_token_ids
             sent = self._sent.get(s.request_id)
             if sent is None or len(outputs) < sent.num_output_tokens:
-                requests.append((*step, s.block_ids, s.sampling_params, s.generator, s.prompt_token_ids,
+                requests.append((*step, s.block_ids, s.sampling_params, s.seed, s.prompt_token_ids,
                                  outputs, s.eos_token_ids))
                 self._sent[s.request_id] = _Sent(list(s.block_ids), len(outputs))
                 continue
@@ -147,5 +147,5 @@ class StepDecoder:
         return ScheduledRequest(
             request_id=rid, token_ids=token_ids, start=start, block_ids=held.block_ids, do_sample=do_sample,
             spec_token_ids=spec, prompt_logprobs_from=lp_from, sampling_params=held.sampling_params,
-            generator=held.generator, output_token_ids=held.output_token_ids,
+            seed=held.seed, output_token_ids=held.output_token_ids,
             prompt_token_ids=held.prompt_token_ids, eos_token_ids=held.eos_token_ids)

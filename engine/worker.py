@@ -84,7 +84,7 @@ class Worker:
         mc = self.config.model_config
         cls = get_model_class(mc.architecture)
         with torch.device(self.device):
-            model = cls(mc.hf_config, mc.dtype, mc.max_model_len)
+            model = cls(mc.hf_config, mc.torch_dtype, mc.max_model_len)
         model.load_weights(iterate_weights(mc.model, mc.gguf_file, mc.hf_config))
         model.eval()
         self.runner = ModelRunner(model, self.config.cache_config.block_size, self.device, mc.seed,
@@ -92,7 +92,7 @@ class Worker:
 
     def bytes_per_block(self) -> int:
         mc, cc = self.config.model_config, self.config.cache_config
-        elem = torch.empty((), dtype=mc.dtype).element_size()
+        elem = torch.empty((), dtype=mc.torch_dtype).element_size()
         return 2 * cc.block_size * self.num_local_kv_heads() * mc.head_dim * elem * self.num_local_layers()
 
     def determine_num_blocks(self) -> tuple[int, int]:
@@ -123,8 +123,8 @@ class Worker:
         shape = (2, num_blocks, cc.block_size, heads, mc.head_dim)
         cpu_shape = (2, num_cpu_blocks, cc.block_size, heads, mc.head_dim)
         assert self.runner is not None
-        self.runner.kv_caches = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(layers)]
-        self.runner.cpu_caches = [torch.zeros(cpu_shape, dtype=mc.dtype, device="cpu")
+        self.runner.kv_caches = [torch.zeros(shape, dtype=mc.torch_dtype, device=self.device) for _ in range(layers)]
+        self.runner.cpu_caches = [torch.zeros(cpu_shape, dtype=mc.torch_dtype, device="cpu")
                                   for _ in range(layers)] if num_cpu_blocks else []
         self.runner.capture_cuda_graphs(mc.cuda_graph_sizes, mc.max_model_len)
         if self.config.kv_transfer_config is not None:
@@ -168,10 +168,8 @@ class Worker:
 
     def execute_serialized(self, payload: bytes) -> tuple[ModelRunnerOutput | None, TransferReport | None]:
         """`step` on a pickled (step delta or None, KV orders) (the Ray executor's one message per
-        step, engine/step_delta.py). A request's generator arrives again after a preemption, as the
-        engine's unadvanced copy, so the runner keeps its first copy of each."""
+        step, engine/step_delta.py)."""
         assert self.runner is not None
-        self.runner.keep_generators = True
         delta, kv_ops = pickle.loads(payload)
         return self.step(None if delta is None else self.decoder.decode(delta), kv_ops)
 

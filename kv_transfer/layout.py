@@ -7,13 +7,11 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
+from engine.config import DTYPE_SIZES
 from engine.errors import KVLayoutMismatch
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +34,7 @@ class KVLayout:
         digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
         return cls(model=f"{mc.architecture}:{digest}", num_layers=mc.num_layers,
                    block_size=config.cache_config.block_size, num_kv_heads=mc.num_kv_heads,
-                   head_dim=mc.head_dim, dtype=str(mc.dtype).removeprefix("torch."), tp_rank=tp_rank,
+                   head_dim=mc.head_dim, dtype=mc.dtype, tp_rank=tp_rank,
                    tp_size=config.parallel_config.tensor_parallel_size)
 
     @property
@@ -83,7 +81,7 @@ class KVLayout:
     @property
     def head_bytes(self) -> int:
         """Bytes of one head of one token's K (or V)."""
-        return self.head_dim * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.head_dim * DTYPE_SIZES[self.dtype]
 
 
 @dataclass(frozen=True, slots=True)

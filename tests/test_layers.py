@@ -182,6 +182,17 @@ def test_the_http_ingress_does_not_load_the_model_code():
     assert out.stdout.strip() == ""
 
 
+def test_records_import_without_torch():
+    """The record layer (configs, requests, params, outputs, errors, the wire schema, the cluster
+    spec) loads in a process without torch or transformers: a frontend or a tool reading specs
+    needs neither."""
+    records = [m for m in MODULES if _layer(m) == 0] + ["cluster.config"]
+    code = (f"import importlib, sys\nfor m in {records!r}:\n    importlib.import_module(m)\n"
+            "print(','.join(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
 def test_the_layer_checker_sees_violations(tmp_path, monkeypatch):
     """The checks above can fail: a record importing the scheduler, and a two-module cycle."""
     monkeypatch.setitem(MODULES, "engine.config", str(tmp_path / "config.py"))

@@ -368,7 +368,6 @@ def _through_deltas(llm, sizes: list[tuple[int, int]]) -> None:
     from engine.step_delta import StepDecoder, StepEncoder
 
     executor = llm.llm_engine.executor
-    executor.worker.runner.keep_generators = True
     encoder, decoder, exchange = StepEncoder(), StepDecoder(), executor._exchange
 
     def via_delta(sched, kv_ops):
