@@ -10,7 +10,9 @@ while the proxy awaits the replica's next message reaches the replica.
 
 The repair runs Serve's streaming handler in its own task, which is then always awaiting the
 replica when it is cancelled, and cancels that task when the client's call ends for any reason,
-then waits for it to end before the call does (the handler still reads the call's context).
+then waits for it to end before the call does (the handler still reads the call's context); and
+it gives Serve's handlers a context whose peer address was read when the call started
+(`CallContext`): reading it from a call gRPC had freed crashed the proxy.
 This module runs inside Serve's proxy actor: it imports nothing of pdserve beyond the schema.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ def cancel_on_close(handler: Callable[[Any, Any], AsyncIterator[Any]]) -> Callab
 
     async def unary_stream(request: Any, context: Any) -> AsyncIterator[Any]:
         queue: asyncio.Queue[Any] = asyncio.Queue()
+        context = CallContext.of(context)
 
         async def drive() -> None:
             try:
@@ -61,6 +64,40 @@ def cancel_on_close(handler: Callable[[Any, Any], AsyncIterator[Any]]) -> Callab
     return unary_stream
 
 
+class CallContext:
+    """A call's servicer context with its peer address read once, when the call starts.
+
+    Serve's proxy reads `context.peer()` for its access log after the stream ends. When the client
+    had cancelled, gRPC may have freed the call by then, and `peer()` dereferenced it: the proxy
+    actor died of a segfault in gRPC's C core (seen in clean-clone test runs), taking every stream
+    on it down and leaving the cancelled ones running on their replicas. Everything else is the
+    context's own."""
+    __slots__ = ("_context", "_peer")
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+        self._peer = context.peer()
+
+    @classmethod
+    def of(cls, context: Any) -> Any:
+        return context if context is None or isinstance(context, cls) else cls(context)
+
+    def peer(self) -> str:
+        return self._peer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
+def peer_once(handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """Wrap a unary handler `(request, context) -> awaitable` to see a `CallContext`."""
+
+    async def unary(request: Any, context: Any) -> Any:
+        return await handler(request, CallContext.of(context))
+
+    return unary
+
+
 class _Raised:
     __slots__ = ("error",)
 
@@ -70,7 +107,8 @@ class _Raised:
 
 def add_GenerationServicer_to_server(servicer: Any, server: Any) -> None:  # noqa: N802 - gRPC's naming
     """Register the Generation service on `server`. On Serve's proxy server (which builds every
-    handler with its `service_handler_factory`), server-streaming handlers get `cancel_on_close`."""
+    handler with its `service_handler_factory`), server-streaming handlers get `cancel_on_close`
+    and unary ones `peer_once`."""
     factory = getattr(server, "service_handler_factory", None)
     if not callable(factory):
         pb2_grpc.add_GenerationServicer_to_server(servicer, server)
@@ -78,7 +116,10 @@ def add_GenerationServicer_to_server(servicer: Any, server: Any) -> None:  # noq
 
     def repaired(service_method: str, streaming_type: Any) -> Any:
         handler = factory(service_method=service_method, streaming_type=streaming_type)
-        return cancel_on_close(handler) if getattr(streaming_type, "name", "") == "UNARY_STREAM" else handler
+        kind = getattr(streaming_type, "name", "")
+        if kind == "UNARY_STREAM":
+            return cancel_on_close(handler)
+        return peer_once(handler) if kind == "UNARY_UNARY" else handler
 
     server.service_handler_factory = repaired
     try:

@@ -238,6 +238,48 @@ def test_cancel_on_close_cancels_the_replica_call_when_the_client_leaves_between
     asyncio.run(main())
 
 
+def test_serve_handlers_read_the_peer_only_while_the_call_is_alive():
+    """Serve's handler reads context.peer() as it ends; once gRPC has freed a cancelled call that
+    read crashed the proxy. The repaired handlers see a context whose peer was read at the start."""
+    from pdserve_proto.serve_proxy import cancel_on_close, peer_once
+
+    class FreedCall:
+        def __init__(self) -> None:
+            self.freed = False
+            self.code = None
+
+        def peer(self) -> str:
+            assert not self.freed, "peer() on a freed call"
+            return "ipv4:127.0.0.1:5555"
+
+        def set_code(self, code) -> None:
+            self.code = code
+
+    async def streaming(request, context):
+        yield "first"
+        context.set_code("OK")
+        yield context.peer()                    # what Serve's access log reads, at the end
+
+    async def unary(request, context):
+        await asyncio.sleep(0)
+        return context.peer()
+
+    async def main():
+        call = FreedCall()
+        stream = cancel_on_close(streaming)("r", call)
+        assert await anext(stream) == "first"
+        call.freed = True                       # the client cancelled; gRPC let go of the call
+        assert await anext(stream) == "ipv4:127.0.0.1:5555" and call.code == "OK"
+        await stream.aclose()
+        call = FreedCall()
+        pending = asyncio.ensure_future(peer_once(unary)("r", call))   # gRPC awaits it at once
+        await asyncio.sleep(0)
+        call.freed = True
+        assert await pending == "ipv4:127.0.0.1:5555"
+
+    asyncio.run(main())
+
+
 async def _raising_handler(request, context):
     yield "first"
     raise ValueError("bad request")
