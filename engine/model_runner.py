@@ -5,7 +5,7 @@ all decodes in one batched call. With pipeline stages a step's requests run as s
 (`pipeline_micro_batches`, default pp_size), so that stage s + 1 works on one while stage s runs the
 next. Logits are computed only for rows that sample (the last token of a
 request whose KV is now complete; with speculative decoding, also each proposed token's row, which
-engine.layers.rejection_sampler.py verifies) and for rows that want prompt logprobs.
+engine/layers/rejection_sampler.py verifies) and for rows that want prompt logprobs.
 """
 from __future__ import annotations
 
