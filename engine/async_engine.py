@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, KVTransferError, RequestFailedError
+from engine.errors import EngineDeadError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.outputs import KVEvent, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -28,13 +28,13 @@ Sink = Callable[[RequestOutput | BaseException], None]
 
 
 def request_error(out: RequestOutput) -> RequestFailedError | None:
-    """The error a request ended with, if one of its choices failed (KVTransferError for a pull)."""
+    """The error a request ended with, if one of its choices failed: the engine's own type when it
+    gave one (KVTransferError for a pull), else RequestFailedError."""
     failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
     if failed is None:
         return None
-    reason = str(failed.stop_reason)
-    error = KVTransferError if reason.startswith("KV transfer failed") else RequestFailedError
-    return error(f"request {out.request_id!r} failed: {reason}")
+    error = type(failed.error) if isinstance(failed.error, RequestFailedError) else RequestFailedError
+    return error(f"request {out.request_id!r} failed: {failed.stop_reason}")
 
 
 class AsyncLLMEngine:

@@ -59,7 +59,8 @@ class ChoiceState:
             index=index, text=self.text[first_char:end], token_ids=tokens[first:],
             cumulative_logprob=self.cumulative_logprob if logprobs else None,
             logprobs=self.logprobs[first:] if logprobs else None,
-            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            error=self.request.error if self.finish_reason == "error" else None)
 
 
 @dataclass(slots=True)

@@ -112,6 +112,9 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None      # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # finish_reason "error": what failed, when the engine knows better than RequestFailedError
+    # (a KV pull: KVTransferError); stop_reason then holds its message.
+    error: Exception | None = None
 
     @property
     def finished(self) -> bool:

@@ -94,6 +94,7 @@ class Request:
         # of a seeded n > 1 request draw distinct but reproducible streams (wrapped into
         # manual_seed's range: any validated seed works, small ones map to themselves).
         self.seed: int | None = None if seed is None else (seed + index * 1_000_003) % (1 << 64)
+        self.error: Exception | None = None     # why it ended with an error, when typed (a KV pull)
         self.logprobs: list[dict[int, float]] = []          # per output token: {token_id: logprob}
         self.logprob_ranks: list[int] = []                  # rank of the sampled token
         self.prompt_logprobs: list[dict[int, float] | None] = []

@@ -28,6 +28,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from engine.config import SchedulerConfig
+from engine.errors import KVTransferError
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
@@ -292,6 +293,7 @@ class Scheduler:
                 request.num_computed_tokens = request.num_cached_tokens = 0
             else:
                 request.stop_reason = f"KV transfer failed: {reason}"
+                request.error = KVTransferError(request.stop_reason)
                 self._free(request, RequestStatus.FINISHED_ERROR)
                 errored.append(request)
                 continue
