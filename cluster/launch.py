@@ -48,9 +48,7 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
     from cluster.placement import check_placement  # noqa: PLC0415
     from router.app import build_app  # noqa: PLC0415
 
-    for pool in config.pools:       # the model allows the engine section (before any actor starts)
-        config.engine_config(pool)
-    check_placement(config)
+    check_placement(config)     # (run_serve resolved every pool's engine config before Ray started)
     di_env = config.serving.direct_ingress_env()
     if di_env and os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
         # Ray's processes read it from their environment; a job's driver inherits the cluster's.

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import engine.step_channel as step_channel
-from engine.config import EngineConfig
+from engine.config import DTYPE_SIZES, EngineConfig
 from engine.model_runner import ModelRunner
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
@@ -92,8 +92,8 @@ class Worker:
 
     def bytes_per_block(self) -> int:
         mc, cc = self.config.model_config, self.config.cache_config
-        elem = torch.empty((), dtype=mc.torch_dtype).element_size()
-        return 2 * cc.block_size * self.num_local_kv_heads() * mc.head_dim * elem * self.num_local_layers()
+        return (2 * cc.block_size * self.num_local_kv_heads() * mc.head_dim * DTYPE_SIZES[mc.dtype]
+                * self.num_local_layers())
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) from the cache config."""

@@ -71,23 +71,28 @@ def _fp32_gemm_is_faster(dtype: torch.dtype) -> bool:
     def fp32() -> None:
         F.linear(x.float(), weight.float()).to(dtype)
 
-    # Alternate the two and keep each one's best, so a burst of load elsewhere cannot decide it.
-    native_s = fp32_s = float("inf")
-    for _ in range(3):
-        native_s = min(native_s, _best_of(native))
-        fp32_s = min(fp32_s, _best_of(fp32))
+    native_s, fp32_s = _best_alternating(native, fp32, rounds=3)
     return native_s > CPU_FP32_MIN_SPEEDUP * fp32_s
 
 
 def _has_amx(dtype: torch.dtype) -> bool:
     """Whether this CPU has AMX tiles for `dtype` (bf16: AMX-BF16; fp16: AMX-FP16)."""
-    cpu = getattr(torch, "cpu", None)
     try:
         if dtype == torch.float16:
-            return bool(cpu._is_amx_fp16_supported())
-        return bool(cpu._is_amx_tile_supported()) and bool(cpu._is_avx512_bf16_supported())
+            return bool(torch.cpu._is_amx_fp16_supported())
+        return bool(torch.cpu._is_amx_tile_supported()) and bool(torch.cpu._is_avx512_bf16_supported())
     except AttributeError:           # another torch: time the two paths instead
         return False
+
+
+def _best_alternating(first, second, rounds: int) -> tuple[float, float]:
+    """Each function's best `_best_of` over `rounds` rounds that alternate the two, so that a burst
+    of load elsewhere (another process starting) cannot decide between them."""
+    first_s = second_s = float("inf")
+    for _ in range(rounds):
+        first_s = min(first_s, _best_of(first))
+        second_s = min(second_s, _best_of(second))
+    return first_s, second_s
 
 
 def _best_of(fn, rounds: int = 5, calls: int = 3) -> float:
@@ -139,11 +144,7 @@ def _fp32_prepack_pays() -> bool:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
     except RuntimeError:
         return False
-    # Alternate the two and keep each one's best, so a burst of load elsewhere cannot decide it.
-    sgemm = onednn = float("inf")
-    for _ in range(4):
-        sgemm = min(sgemm, _best_of(lambda: F.linear(x, weight)))
-        onednn = min(onednn, _best_of(lambda: packed_linear(x, packed)))
+    sgemm, onednn = _best_alternating(lambda: F.linear(x, weight), lambda: packed_linear(x, packed), rounds=4)
     return sgemm > CPU_FP32_MIN_SPEEDUP * onednn
 
 
