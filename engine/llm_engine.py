@@ -264,12 +264,12 @@ class LLMEngine:
         }
 
     def _transfer_stats(self) -> dict[str, Any]:
-        c = self.kv_connector
-        assert c is not None
+        c, loads = self.kv_connector, self.scheduler.loads
+        assert c is not None and loads is not None
         return {"kv_loads": c.num_loads, "kv_load_failures": c.num_load_failures,
                 "kv_blocks_pulled": c.num_blocks_pulled, "kv_leases": c.num_leases,
                 "kv_leases_active": len(c.leases), "kv_leases_expired": c.num_leases_expired,
-                "num_requests_waiting_for_kv": len(self.scheduler.loading)}
+                "num_requests_waiting_for_kv": len(loads.loading)}
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.kv_cache_manager.take_events()
@@ -280,7 +280,8 @@ class LLMEngine:
     def check_no_leaks(self) -> None:
         """AssertionError unless no request is left and every KV block is free."""
         assert not self.scheduler.requests, f"unfinished requests: {list(self.scheduler.requests)}"
-        assert not self.scheduler.aborted_loading, f"pulls outstanding: {list(self.scheduler.aborted_loading)}"
+        loads = self.scheduler.loads
+        assert loads is None or not loads.aborted, f"pulls outstanding: {list(loads.aborted)}"
         if self.kv_connector is not None:
             assert not self.kv_connector.leases, f"leases held: {list(self.kv_connector.leases)}"
         self.kv_cache_manager.check_no_leaks()

@@ -10,7 +10,8 @@ swap (its blocks are copied to the CPU pool and copied back when it resumes).
 With a KV connector (prefill/decode split) a remotely prefilled request is admitted into
 WAITING_FOR_REMOTE_KVS instead: its blocks are allocated, their pull is queued, and it rejoins the
 queue's front once they arrive (or starts over locally if the pull fails). A request to be decoded
-remotely keeps its blocks when it finishes; the engine puts them under a lease.
+remotely keeps its blocks when it finishes; the engine puts them under a lease. engine/kv_loads.py
+keeps that bookkeeping.
 
 Speculative decoding (engine/spec_decode/): a running decode with proposed tokens is scheduled for
 1 + k tokens within the budget; the proposals are dropped rather than preempt anything. After the
@@ -28,8 +29,8 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from engine.config import SchedulerConfig
-from engine.errors import KVTransferError
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_loads import KVLoads
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
 
@@ -49,11 +50,8 @@ class Scheduler:
         self.max_concurrent_batches = max_concurrent_batches
         self.in_flight: set[str] = set()
         self.kv = kv_cache_manager
-        self.connector = connector
-        self.load_failure_policy = load_failure_policy
-        self.loading: dict[str, tuple[Request, int]] = {}   # pulling KV: (request, tokens to pull)
-        self.aborted_loading: dict[str, Request] = {}       # aborted mid-pull: freed when it ends
-        self.new_leased: list[Request] = []                 # finished, blocks kept for a remote decode
+        self.loads = (KVLoads(connector, kv_cache_manager, load_failure_policy)
+                      if connector is not None else None)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -99,24 +97,20 @@ class Scheduler:
             elif request.status == RequestStatus.WAITING_FOR_FORK:
                 del self.pending_forks[rid]
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                # The pull may still write into its blocks: free them when it ends.
-                del self.loading[rid]
-                request.status = status
-                self.aborted_loading[rid] = request
+                assert self.loads is not None
+                self.loads.abort(request, status)    # the pull may still write into its blocks
                 self.finished_ids.append(rid)
                 del self.requests[rid]
                 continue
             else:
                 self.waiting.remove(request)
-                if request.remote_prefill is not None and self.connector is not None:
-                    self.connector.plan_release(request)     # it will never pull: free P's lease now
+                if request.remote_prefill is not None and self.loads is not None:
+                    self.loads.drop_unstarted(request)
             self._free(request, status)
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        if self.connector is not None and self.connector.wants_lease(request):
-            self.new_leased.append(request)      # blocks stay; the engine leases them
-        else:
+        if self.loads is None or not self.loads.keep_for_lease(request):
             self.kv.free(request)
         self.finished_ids.append(request.request_id)
         del self.requests[request.request_id]
@@ -129,8 +123,8 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         """True while any request runs, waits, pulls KV, or holds blocks under a lease."""
-        return bool(self.requests or self.aborted_loading
-                    or (self.connector is not None and self.connector.leases))
+        return bool(self.requests or (self.loads is not None
+                                      and (self.loads.aborted or self.loads.connector.leases)))
 
     # --- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -190,12 +184,13 @@ class Scheduler:
                 hits, num_hit = [], 0
             elif request.num_computed_tokens == 0:
                 hits, num_hit = self.kv.get_computed_blocks(request)
-                if request.remote_prefill is not None:
-                    admitted = self._admit_remote(request, hits, num_hit)
-                    if admitted is None:
+                if request.remote_prefill is not None and self.loads is not None:
+                    pulling = self.loads.start(request, hits, num_hit)
+                    if pulling is None:
                         break               # no room for its blocks yet
-                    if admitted:
-                        continue            # pulling: costs no token budget
+                    if pulling:
+                        self.waiting.popleft()
+                        continue            # costs no token budget
             else:
                 hits, num_hit = [], 0
             n = min(request.num_tokens_to_compute - num_hit, budget)
@@ -243,67 +238,19 @@ class Scheduler:
             self.batch_ids.add(request.request_id)
             self.batch_ids.update(child.request_id for child in request.fork_children)
 
-    def _admit_remote(self, request: Request, hits: list, num_hit: int) -> bool | None:
-        """Start a remotely prefilled request's pull. True: it is now WAITING_FOR_REMOTE_KVS;
-        False: nothing to pull (P's lease is released; it runs like any request); None: its blocks
-        do not fit now."""
-        assert self.connector is not None
-        num_external = self.connector.num_external_tokens(request, num_hit)
-        if num_external == 0:
-            self.connector.plan_release(request)
-            request.remote_prefill = None
-            return False
-        if self.kv.allocate_slots(request, num_external, hits, cache=False) is None:
-            return None
-        self.kv.record_prefix_lookup(request.num_tokens, num_hit)
-        request.num_cached_tokens = request.num_computed_tokens = num_hit
-        self.waiting.popleft()
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.loading[request.request_id] = (request, num_external)
-        self.connector.plan_load(request, self.kv.block_ids(request.request_id), num_hit, num_external)
-        return True
-
     def finish_loads(self, loaded: list[str], failed: list[tuple[str, str]]) -> list[Request]:
-        """Apply finished pulls: loaded requests rejoin the queue's front with their KV computed;
-        failed ones start over locally (policy "recompute") or end with an error ("fail"). Requests
-        aborted mid-pull are freed now. Returns the requests that ended with an error."""
-        errored = []
-        outcomes = [(rid, None) for rid in loaded] + list(failed)
-        for rid, reason in outcomes:
-            assert self.connector is not None
-            aborted = self.aborted_loading.pop(rid, None)
-            if aborted is not None:
-                self.connector.plan_release(aborted)         # P's blocks are not needed any more
-                self.kv.free(aborted)
-                continue
-            if rid not in self.loading:
-                continue
-            request, num_external = self.loading.pop(rid)
-            # Every rank is done with P's blocks (or gave up): P may free them (best effort: P may
-            # be gone, and then its lease has ended anyway).
-            self.connector.plan_release(request)
-            if reason is not None:
-                self.connector.num_load_failures += 1
-            request.remote_prefill = None
-            if reason is None:
-                request.num_computed_tokens += num_external
-                self.kv.cache_full_blocks(request, request.num_computed_tokens)
-            elif self.load_failure_policy == "recompute":
-                self.kv.free(request)
-                request.num_computed_tokens = request.num_cached_tokens = 0
-            else:
-                request.stop_reason = f"KV transfer failed: {reason}"
-                request.error = KVTransferError(request.stop_reason)
-                self._free(request, RequestStatus.FINISHED_ERROR)
-                errored.append(request)
-                continue
-            request.status = RequestStatus.WAITING
+        """Apply finished pulls (KVLoads.finish): loaded requests, and failed ones that start over,
+        rejoin the queue's front; returns the requests that ended with an error."""
+        assert self.loads is not None
+        requeue, errored = self.loads.finish(loaded, failed)
+        for request in requeue:
             self._enqueue(request, front=True)
+        for request in errored:
+            self._free(request, RequestStatus.FINISHED_ERROR)
         return errored
 
     def take_new_leased(self) -> list[Request]:
-        leased, self.new_leased = self.new_leased, []
-        return leased
+        return self.loads.take_new_leased() if self.loads is not None else []
 
     def _admit(self, request: Request) -> None:
         self.waiting.popleft()

@@ -28,9 +28,9 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("model", ["engine.layers.*", "engine.models.*", "engine.model_runner", "engine.cuda_graph",
                "engine.worker", "engine.step_channel", "engine.step_delta"]),
     ("distributed", ["engine.ray_cluster", "engine.executor"]),
-    ("engine", ["engine.block_pool", "engine.kv_cache_manager", "engine.scheduler", "engine.spec_decode",
-                "engine.spec_decode.*", "engine.output_processor", "engine.llm_engine", "engine.async_engine",
-                "engine.llm", "engine"]),
+    ("engine", ["engine.block_pool", "engine.kv_cache_manager", "engine.kv_loads", "engine.scheduler",
+                "engine.spec_decode", "engine.spec_decode.*", "engine.output_processor", "engine.llm_engine",
+                "engine.async_engine", "engine.llm", "engine"]),
     ("serving", ["cluster.*", "router.*", "pdserve_proto.serve_proxy"]),
 ]
 # The `engine` package's public names load on first use (engine/__init__.py, PEP 562) for users'
