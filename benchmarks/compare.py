@@ -28,6 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serve
+import workloads
 
 KEYS = [("request_throughput", None), ("output_token_throughput", None), ("ttft_ms", "median"),
         ("ttft_ms", "p99"), ("tpot_ms", "median"), ("tpot_ms", "p99"), ("itl_ms", "median"),
@@ -71,12 +72,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     serve.add_args(ap)
     args = ap.parse_args(argv)
     slos = serve.parse_slos(args.slo)
-    requests = serve.make_dataset(args)
+    requests = workloads.make_dataset(args)
     rounds: list[dict[str, dict[str, Any]]] = []
     records: dict[str, list[dict[str, Any]]] = {args.label_a: [], args.label_b: []}
     for i in range(args.rounds):
         if args.new_prompts_per_round and i:
-            requests = serve.make_dataset(argparse.Namespace(**{**vars(args), "seed": args.seed + i}))
+            requests = workloads.make_dataset(argparse.Namespace(**{**vars(args), "seed": args.seed + i}))
         one = {}
         for label, url, model in ((args.label_a, args.a, args.model_a), (args.label_b, args.b, args.model_b)):
             run_args = argparse.Namespace(**{**vars(args), "base_url": url.rstrip("/"), "model": model})

@@ -24,6 +24,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serve
+import workloads
 
 
 def role(proc: psutil.Process) -> str:
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--server-pid", type=int, required=True)
     serve.add_args(ap)
     args = ap.parse_args(argv)
-    requests = serve.make_dataset(args)
+    requests = workloads.make_dataset(args)
     snapshots: list[dict[int, tuple[str, float]]] = []
     results, wall, _ = asyncio.run(serve.run(args, requests,
                                              on_timed=lambda: snapshots.append(cpu_by_process(args.server_pid))))

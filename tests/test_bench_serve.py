@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import serve
+import workloads
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -25,32 +26,33 @@ def _args(**kw) -> argparse.Namespace:
 
 
 def test_datasets_have_the_asked_shapes():
-    reqs = serve.make_dataset(_args(dataset="random", input_len="10:20", output_len="5", num_prompts=50, warmup=2))
+    reqs = workloads.make_dataset(_args(dataset="random", input_len="10:20", output_len="5", num_prompts=50, warmup=2))
     assert len(reqs) == 52 and all(10 <= len(r.prompt) <= 20 and r.output_len == 5 for r in reqs)
     assert all(100 <= t < 49152 - 100 for r in reqs for t in r.prompt)
-    assert serve.make_dataset(_args(dataset="random", input_len="10:20", num_prompts=5))[0].prompt == \
-        serve.make_dataset(_args(dataset="random", input_len="10:20", num_prompts=5))[0].prompt    # seeded
-    pre = serve.make_dataset(_args(dataset="prefix", prefix_len=32, num_prefixes=3, input_len="4:8", num_prompts=40))
+    assert workloads.make_dataset(_args(dataset="random", input_len="10:20", num_prompts=5))[0].prompt == \
+        workloads.make_dataset(_args(dataset="random", input_len="10:20", num_prompts=5))[0].prompt    # seeded
+    pre = workloads.make_dataset(_args(dataset="prefix", prefix_len=32, num_prefixes=3, input_len="4:8",
+                                       num_prompts=40))
     assert len({tuple(r.prompt[:32]) for r in pre}) == 3 and all(36 <= len(r.prompt) <= 40 for r in pre)
-    share = serve.make_dataset(_args(dataset="sharegpt", input_len="200", output_len="100", num_prompts=400,
+    share = workloads.make_dataset(_args(dataset="sharegpt", input_len="200", output_len="100", num_prompts=400,
                                      max_model_len=2048))
     ins = [len(r.prompt) for r in share]
     assert 120 < statistics.median(ins) < 300 and max(ins) <= 1024 and len(set(ins)) > 100
     assert all(len(r.prompt) + r.output_len < 2048 for r in share)
-    multi = serve.make_dataset(_args(dataset="multiturn", num_prompts=3, warmup=1, turns=4, input_len="3:5"))
+    multi = workloads.make_dataset(_args(dataset="multiturn", num_prompts=3, warmup=1, turns=4, input_len="3:5"))
     units = serve._units(multi)
     assert [len(u) for u in units] == [4] * 4 and all(isinstance(r.prompt, str) for r in multi)
     assert [r.turn for r in units[1]] == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="lo:hi"):
-        serve.parse_range("9:3")
-    mixed = serve.make_dataset(_args(dataset="mixed", input_len="8:16", output_len="32", long_input_len="500:600",
+        workloads.parse_range("9:3")
+    mixed = workloads.make_dataset(_args(dataset="mixed", input_len="8:16", output_len="32", long_input_len="500:600",
                                      long_output_len="2", long_fraction=0.25, num_prompts=400))
     longs = [r for r in mixed if r.cls == "long"]
     assert {r.cls for r in mixed} == {"short", "long"} and 0.18 < len(longs) / len(mixed) < 0.32
     assert all(500 <= len(r.prompt) <= 600 and r.output_len == 2 for r in longs)
     assert all(8 <= len(r.prompt) <= 16 and r.output_len == 32 for r in mixed if r.cls == "short")
     with pytest.raises(ValueError, match="long-fraction"):
-        serve.make_dataset(_args(dataset="mixed", long_fraction=1.5))
+        workloads.make_dataset(_args(dataset="mixed", long_fraction=1.5))
 
 
 def test_poisson_and_bursty_arrivals_keep_the_rate():
