@@ -31,6 +31,11 @@ def prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(num)]
 
 
+def max_len(args: argparse.Namespace) -> int:
+    """Both engines' max_model_len: room for the prompt and its output (at least 512)."""
+    return max(512, args.input_len + args.output_len)
+
+
 def worker(args: argparse.Namespace) -> None:
     """One engine, one process: load, warm up, time one generate over every prompt."""
     # This script's folder holds a kernels.py that would shadow the packages named `kernels`.
@@ -42,11 +47,12 @@ def worker(args: argparse.Namespace) -> None:
     warm = prompts(4, args.input_len, vocab, args.seed + 1)
     if args.engine == "vllm":
         from vllm import LLM, SamplingParams
-        llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.num_prompts, max_model_len=512, seed=0)
+        llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.num_prompts, max_model_len=max_len(args),
+                  seed=0)
     else:
         sys.path.insert(0, str(HERE.parent))
         from engine import LLM, SamplingParams
-        llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_prompts, max_model_len=512)
+        llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_prompts, max_model_len=max_len(args))
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
     start = time.perf_counter()

@@ -10,7 +10,9 @@ of each) spread over ATen's threads. On the 2-core CI machine that is 2-5x faste
 the reference (benchmarks/cpu_attention.py). The prefill kernel is flash attention over the paged
 cache: tiles of sixteen query positions held one lane per position, so the scores and the online
 softmax are plain vector FMAs and elementwise ops; 1.6-2.9x faster per layer than the reference
-here, at 115-160 GFLOP/s for prompts of 256-512 tokens. The elementwise layers are one pass each
+here, at 115-160 GFLOP/s for prompts of 256-512 tokens. Its FMAs are fp32 AVX-512: on a CPU with
+AMX, where SDPA's flash kernel does its matmuls on AMX tiles, long bf16/fp16 segments go to SDPA
+instead (`sdpa_segments`). The elementwise layers are one pass each
 where torch runs 3-10 ops (and Python dispatches each), following the reference's arithmetic op by
 op. Block copies and swaps stay with the reference (plain copies).
 
@@ -32,6 +34,7 @@ import sys
 import tempfile
 
 import torch
+import torch.nn.functional as F
 
 from engine.errors import BuildError
 from kernels import reference
@@ -46,6 +49,9 @@ HEADERS = (os.path.join(CSRC, "common.h"),)
 # Head sizes and dtypes the C++ attention kernels are instantiated for; others run the reference.
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# With AMX, prefill segments of at least this many query rows run through SDPA (sdpa_segments): at
+# 128 rows the two are level, from 192 SDPA is ahead (1.4x), below 96 the C++ kernel.
+SDPA_MIN_QUERY_LEN = 128
 
 
 
@@ -76,13 +82,95 @@ def pack_prefill(block_tables: list[torch.Tensor], query_lens: list[int], seq_le
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[torch.Tensor],
                       query_lens: list[int], seq_lens: list[int], scale: float,
                       packed: PackedPrefill | None = None) -> torch.Tensor:
-    """kernels.reference.prefill_attention's contract, computed in fp32 from the paged cache directly."""
+    """kernels.reference.prefill_attention's contract, computed in fp32 from the paged cache directly;
+    on a CPU with AMX for a bf16/fp16 query, segments of SDPA_MIN_QUERY_LEN rows or more go to
+    SDPA instead (see `sdpa_segments`)."""
     if (query.shape[-1] not in HEAD_DIMS or query.dtype not in DTYPES or not kv_cache.is_contiguous()
             or not block_tables):
         return reference.prefill_attention(query, kv_cache, block_tables, query_lens, seq_lens, scale)
-    packed = packed or PackedPrefill(block_tables, query_lens, seq_lens)
-    return torch.ops.pdserve_cpu.paged_prefill(query, kv_cache, packed.tables, packed.query_lens, packed.seq_lens,
-                                               float(scale))
+    large = sdpa_segments(query.dtype, query_lens)
+    if not large:
+        packed = packed or PackedPrefill(block_tables, query_lens, seq_lens)
+        return torch.ops.pdserve_cpu.paged_prefill(query, kv_cache, packed.tables, packed.query_lens,
+                                                   packed.seq_lens, float(scale))
+    _check_segments(query, kv_cache, block_tables, query_lens, seq_lens)
+    out = torch.empty_like(query)
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    rest = [i for i in range(len(query_lens)) if i not in large]
+    for i in large:
+        rows = slice(starts[i], starts[i + 1])
+        out[rows] = _sdpa_segment(query[rows], kv_cache, block_tables[i], seq_lens[i], scale)
+    if rest:
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rest])
+        out[rows] = torch.ops.pdserve_cpu.paged_prefill(
+            query[rows], kv_cache, torch.nn.utils.rnn.pad_sequence([block_tables[i].long() for i in rest],
+                                                                   batch_first=True),
+            torch.tensor([query_lens[i] for i in rest]), torch.tensor([seq_lens[i] for i in rest]), float(scale))
+    return out
+
+
+def sdpa_segments(dtype: torch.dtype, query_lens: list[int]) -> list[int]:
+    """The prefill segments that run through torch's SDPA rather than the C++ kernel: those of at
+    least SDPA_MIN_QUERY_LEN rows, on a CPU with AMX for a bf16/fp16 dtype. There SDPA's flash
+    kernel does its two matmuls on AMX tiles (oneDNN brgemm) and is 1.4-2x the C++ kernel, whose
+    FMAs are fp32 AVX-512 (benchmarks/cpu_attention.py); without AMX its bf16 path is slower than
+    the C++ kernel, and for short segments its per-call cost is (docs/PERFORMANCE.md §7i).
+    `PDSERVE_CPU_PREFILL_SDPA=auto|0|1` overrides the CPU check (0: never; 1: as with AMX)."""
+    value = os.environ.get("PDSERVE_CPU_PREFILL_SDPA", "auto")
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"PDSERVE_CPU_PREFILL_SDPA must be auto, 0 or 1; got {value!r}")
+    if dtype == torch.float32 or value == "0" or (value == "auto" and not has_amx(dtype)):
+        return []
+    return [i for i, q_len in enumerate(query_lens) if q_len >= SDPA_MIN_QUERY_LEN]
+
+
+def _check_segments(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[torch.Tensor],
+                    query_lens: list[int], seq_lens: list[int]) -> None:
+    """The C++ kernel's checks of the segments, for the path that leaves some of them to SDPA."""
+    if sum(query_lens) != query.shape[0]:
+        raise RuntimeError(f"prefill_attention: query_lens sum to {sum(query_lens)} but query has "
+                           f"{query.shape[0]} rows")
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    for i, (table, q_len, seq_len) in enumerate(zip(block_tables, query_lens, seq_lens)):
+        if not 0 <= q_len <= seq_len:
+            raise RuntimeError(f"prefill_attention: query_len {q_len} of segment {i} must be in [0, seq_len "
+                               f"{seq_len}]")
+        used = table[:-(-seq_len // block_size)]
+        if len(used) * block_size < seq_len:
+            raise RuntimeError(f"prefill_attention: segment {i} needs more blocks than the block table holds")
+        if len(used) and not (0 <= int(used.min()) and int(used.max()) < num_blocks):
+            raise RuntimeError(f"prefill_attention: segment {i}'s block table points outside the pool")
+
+
+def _sdpa_segment(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                  scale: float) -> torch.Tensor:
+    """One segment's causal attention by SDPA over its K/V gathered from the paged cache, in the
+    query's dtype: query [q_len, H, D] holds the last q_len of seq_len positions."""
+    q_len = query.shape[0]
+    k, v = gather_kv(kv_cache, block_table, seq_len)              # [seq_len, kvh, d]
+    # 4-D inputs: 3-D ones fall back to SDPA's slow math kernel on CPU.
+    q, k, v = query.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if q_len == seq_len:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:       # query row r sits at position seq_len - q_len + r and sees keys up to it
+        mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(seq_len - q_len)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+@functools.cache
+def has_amx(dtype: torch.dtype) -> bool:
+    """Whether this CPU has AMX tiles for `dtype` (bf16: AMX-BF16; fp16: AMX-FP16)."""
+    try:
+        if dtype == torch.float16:
+            return bool(torch.cpu._is_amx_fp16_supported())
+        if dtype == torch.bfloat16:
+            return bool(torch.cpu._is_amx_tile_supported()) and bool(torch.cpu._is_avx512_bf16_supported())
+    except AttributeError:           # another torch
+        pass
+    return False
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

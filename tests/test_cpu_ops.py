@@ -108,6 +108,33 @@ def test_prefill_matches_reference(dtype, head_dim, heads, kv_heads):
     assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_long_segments_through_sdpa(monkeypatch, dtype):
+    """With PDSERVE_CPU_PREFILL_SDPA=1 (the AMX default), segments of SDPA_MIN_QUERY_LEN rows or more
+    run through SDPA, full prompts and chunks after a cached prefix alike, the rest through the C++
+    kernel in one call; all of them match the reference, and fp32 never leaves the C++ kernel."""
+    monkeypatch.setenv("PDSERVE_CPU_PREFILL_SDPA", "1")
+    n = cpu_ops.SDPA_MIN_QUERY_LEN
+    query_lens, seq_lens = [n + 2, 5, n + 70, 17, n], [n + 2, 5, n + 130, 40, n + 1]
+    assert cpu_ops.sdpa_segments(dtype, query_lens) == [0, 2, 4]
+    assert cpu_ops.sdpa_segments(torch.float32, query_lens) == []
+    query, cache, tables = prefill_batch(query_lens, seq_lens, 9, 3, 64, 16, dtype)
+    out = cpu_ops.prefill_attention(query, cache, tables, query_lens, seq_lens, 0.125)
+    ref = reference.prefill_attention(query.float(), cache.float(), tables, query_lens, seq_lens, 0.125)
+    assert out.dtype == dtype and rel_err(out, ref) < TOLERANCE[dtype]
+    monkeypatch.setenv("PDSERVE_CPU_PREFILL_SDPA", "0")
+    assert cpu_ops.sdpa_segments(dtype, query_lens) == []
+    assert rel_err(cpu_ops.prefill_attention(query, cache, tables, query_lens, seq_lens, 0.125), ref) < TOLERANCE[dtype]
+    monkeypatch.setenv("PDSERVE_CPU_PREFILL_SDPA", "1")
+    with pytest.raises(RuntimeError, match="needs more blocks than the block table"):
+        cpu_ops.prefill_attention(query, cache, tables, query_lens, [*seq_lens[:4], seq_lens[4] + 16], 0.125)
+    with pytest.raises(RuntimeError, match="query_lens sum to"):
+        cpu_ops.prefill_attention(query[1:], cache, tables, query_lens, seq_lens, 0.125)
+    monkeypatch.setenv("PDSERVE_CPU_PREFILL_SDPA", "yes")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_PREFILL_SDPA must be auto, 0 or 1"):
+        cpu_ops.prefill_attention(query, cache, tables, query_lens, seq_lens, 0.125)
+
+
 @pytest.mark.parametrize("block_size", [1, 8, 32])
 def test_prefill_other_block_sizes_and_peaked_scores(block_size):
     """Scores up to ~100 (one key dominates, the rest underflow) must not overflow the exp."""

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.parallel_state import get_parallel_state, tp_all_reduce
+from kernels.cpu_ops import has_amx
 
 # At or above this many rows, a bf16/fp16 matmul on CPU may run as fp32 GEMM on upcast operands:
 # below ~64 rows the weight upcast costs more than a faster GEMM could save.
@@ -52,7 +53,7 @@ def cpu_fp32_gemm(dtype: torch.dtype) -> bool:
 
 @functools.cache
 def _fp32_gemm_is_faster(dtype: torch.dtype) -> bool:
-    if _has_amx(dtype):
+    if has_amx(dtype):
         # oneDNN's AMX GEMM in bf16/fp16 is several times any fp32 GEMM on the same cores: timing
         # is not needed, and a timing taken while other processes start (a server beside another)
         # once picked fp32 here and made every prefill 2.5x slower (docs/PERFORMANCE.md §7h).
@@ -73,16 +74,6 @@ def _fp32_gemm_is_faster(dtype: torch.dtype) -> bool:
 
     native_s, fp32_s = _best_alternating(native, fp32, rounds=3)
     return native_s > CPU_FP32_MIN_SPEEDUP * fp32_s
-
-
-def _has_amx(dtype: torch.dtype) -> bool:
-    """Whether this CPU has AMX tiles for `dtype` (bf16: AMX-BF16; fp16: AMX-FP16)."""
-    try:
-        if dtype == torch.float16:
-            return bool(torch.cpu._is_amx_fp16_supported())
-        return bool(torch.cpu._is_amx_tile_supported()) and bool(torch.cpu._is_avx512_bf16_supported())
-    except AttributeError:           # another torch: time the two paths instead
-        return False
 
 
 def _best_alternating(first, second, rounds: int) -> tuple[float, float]:
