@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.model_source import architecture_of, resolve_model
+from engine.model_source import QUANTIZATIONS, architecture_of, resolve_model, resolve_quantization
 
 # Accepted names -> the canonical one (torch's attribute name); a record keeps names, not torch
 # dtypes, so that configs import without torch.
@@ -55,6 +55,7 @@ class EngineArgs:
     __pydantic_config__ = {"extra": "forbid", "arbitrary_types_allowed": True}
 
     dtype: Any = "auto"                               # "auto", a name, or a torch.dtype
+    quantization: str | None = None                  # None (auto) or one of QUANTIZATIONS: resolve_quantization
     block_size: int = 16
     max_model_len: int | None = None                 # None: the model's max_position_embeddings
     max_num_seqs: int = 64
@@ -142,6 +143,8 @@ class EngineArgs:
                                  f"{self.kv_load_timeout_s}")
         if isinstance(self.dtype, str):
             resolve_dtype(self.dtype, None)         # ValueError naming the allowed names
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None (auto); got {self.quantization!r}")
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,7 @@ class ModelConfig:
     dtype: str                  # float32 | bfloat16 | float16 (`torch_dtype` for the torch object)
     max_model_len: int
     seed: int = 0
+    quantization: str = "none"  # "gguf"/"gguf+dense": GGUF weights kept in their blocks (resolve_quantization)
     # CUDA graphs of the decode step, one per batch size here (empty: eager); see engine/cuda_graph.py.
     cuda_graph_sizes: tuple[int, ...] = ()
 
@@ -358,6 +362,7 @@ class EngineConfig:
         model_config = ModelConfig(
             model=path, gguf_file=gguf_file, hf_config=hf_config,
             dtype=resolve_dtype(dtype, config_dtype), max_model_len=max_model_len, seed=seed,
+            quantization=resolve_quantization(args.quantization, path, gguf_file, args.worker_num_gpus > 0),
             cuda_graph_sizes=graph_sizes)
         spec_config = None
         if speculative_config is not None:

@@ -64,3 +64,50 @@ def resolve_model(model: str | None) -> tuple[str, str | None, Any]:
         raise ValueError(f"model architecture {architecture!r} is not supported; supported "
                          f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return path, gguf_file, hf_config
+
+
+# GGUF weights pdserve keeps in their blocks (kernels/reference.py: the layouts), and the GGUF
+# architectures whose tensors it maps without dequantizing (their converters only reorder rows).
+GGUF_NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+GGUF_NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2")
+QUANTIZATIONS = ("gguf", "gguf+dense", "none")
+_DENSE_TYPES = ("F32", "F16", "BF16")
+
+
+def resolve_quantization(quantization: str | None, path: str, gguf_file: str | None, on_gpu: bool) -> str:
+    """`quantization` (None = auto, or one of QUANTIZATIONS) for this model -> one of QUANTIZATIONS.
+
+    "gguf" keeps a GGUF file's Q8_0/Q4_0/Q4_1 weights in their blocks only (about a quarter of bf16's
+    bytes), multiplied by the kernel set's `gguf_linear`: on CPU the C++ kernel for decode-sized
+    batches, dequantize + GEMM for larger ones. "gguf+dense" also keeps each weight dense in the
+    model's dtype (prepacked for oneDNN) for batches of GGUF_DENSE_MIN_ROWS rows or more: the
+    blocks are 1.7x faster at batch 1, the dense GEMM 2x faster from ~12 rows (docs/PERFORMANCE.md
+    §9). "none" dequantizes at load. Auto: "gguf+dense" for such a file on CPU, else "none"."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None (auto); got {quantization!r}")
+    if quantization == "none" or (quantization is None and (gguf_file is None or on_gpu)):
+        return "none"
+    if gguf_file is None:
+        raise ValueError(f"quantization={quantization!r} needs a .gguf model file; {path!r} is a checkpoint "
+                         f"directory")
+    from gguf import GGUFReader  # noqa: PLC0415
+
+    reader = GGUFReader(os.path.join(path, gguf_file))
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
+    if quantization is None and (arch not in GGUF_NATIVE_ARCHITECTURES or _unsupported(reader)):
+        return "none"
+    if arch not in GGUF_NATIVE_ARCHITECTURES:
+        raise ValueError(f"quantization={quantization!r} supports GGUF architectures {GGUF_NATIVE_ARCHITECTURES}; "
+                         f"{gguf_file} is {arch!r} (quantization='none' dequantizes it)")
+    unsupported = _unsupported(reader)
+    if unsupported:
+        raise ValueError(f"quantization={quantization!r} keeps {GGUF_NATIVE_TYPES} blocks; {gguf_file} also has "
+                         f"{unsupported} tensors (quantization='none' dequantizes them)")
+    return quantization or "gguf+dense"
+
+
+def _unsupported(reader: Any) -> list[str]:
+    """The types of a GGUF file's matrices that are neither dense nor kept in blocks."""
+    types = {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
+    return sorted(types - set(GGUF_NATIVE_TYPES) - set(_DENSE_TYPES))

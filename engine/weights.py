@@ -1,20 +1,57 @@
 """Streaming a model's weights: HF safetensors directories (single or sharded) and GGUF files
-(dequantized through transformers' GGUF support). Finding the model is engine/model_source.py.
+(dequantized through transformers' GGUF support, or with their Q8_0/Q4_0/Q4_1 tensors kept in their
+blocks as `GGUFWeight`s). Finding the model is engine/model_source.py.
 """
 from __future__ import annotations
 
 import glob
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from engine.model_source import GGUF_NATIVE_ARCHITECTURES
+from kernels.reference import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
 
-def iterate_weights(path: str, gguf_file: str | None, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF parameter name, tensor) for every tensor of the checkpoint."""
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    """A 2-D weight [rows, cols] kept in its GGUF blocks: `blocks` is uint8 [rows, cols / 32 * block
+    bytes] of type `qtype` (kernels/reference.py: the layouts). Rows are output features; a shard
+    of the input features (tensor parallelism) must fall on block boundaries."""
+    blocks: torch.Tensor
+    qtype: str
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.cols
+
+    def narrow(self, dim: int, start: int, size: int) -> GGUFWeight:
+        if dim == 0:
+            return GGUFWeight(self.blocks.narrow(0, start, size), self.qtype, self.cols)
+        if start % GGUF_BLOCK or size % GGUF_BLOCK:
+            raise ValueError(f"a {self.qtype} weight splits its {self.cols} input features only at its "
+                             f"{GGUF_BLOCK}-feature blocks: tensor_parallel_size must divide {self.cols // GGUF_BLOCK}")
+        per = GGUF_BLOCK_BYTES[self.qtype]
+        return GGUFWeight(self.blocks.narrow(1, start // GGUF_BLOCK * per, size // GGUF_BLOCK * per),
+                          self.qtype, size)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_gguf(self.blocks, self.qtype, dtype)
+
+
+def iterate_weights(path: str, gguf_file: str | None, hf_config: Any, keep_quantized: bool = False
+                    ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """Yield (HF parameter name, tensor) for every tensor of the checkpoint; with `keep_quantized`,
+    a GGUF file's Q8_0/Q4_0/Q4_1 matrices come as GGUFWeights (their blocks), the rest dequantized."""
     if gguf_file is not None:
-        yield from _gguf_weights(os.path.join(path, gguf_file), hf_config)
+        if keep_quantized:
+            yield from _gguf_native_weights(os.path.join(path, gguf_file), hf_config)
+        else:
+            yield from _gguf_weights(os.path.join(path, gguf_file), hf_config)
         return
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -37,3 +74,40 @@ def _gguf_weights(file: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor
         skeleton = AutoModelForCausalLM.from_config(hf_config)
     parsed = load_gguf_checkpoint(file, return_tensors=True, model_to_load=skeleton)
     yield from parsed["tensors"].items()
+
+
+def _gguf_native_weights(file: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    import numpy as np  # noqa: PLC0415
+    from gguf import GGUFReader, dequantize  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map  # noqa: PLC0415
+
+    reader = GGUFReader(file)
+    arch_field = reader.fields.get("general.architecture")
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field is not None else "?"
+    if arch not in GGUF_NATIVE_ARCHITECTURES:
+        raise ValueError(f"quantization='gguf' keeps the blocks of {GGUF_NATIVE_ARCHITECTURES} GGUF files; "
+                         f"this one is {arch!r} (quantization='none' dequantizes it)")
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(
+        config={"num_attention_heads": heads, "num_key_value_heads": kv_heads})
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    for tensor in reader.tensors:
+        if tensor.name not in names:
+            continue
+        qtype = tensor.tensor_type.name
+        if qtype in GGUF_BLOCK_BYTES and len(tensor.shape) == 2:
+            blocks = torch.from_numpy(np.array(tensor.data))          # [rows, row bytes], a copy
+            if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+                # llama.cpp's converter interleaves the rotary halves of each head's rows; undo it
+                # (transformers' LlamaTensorProcessor does the same to the dequantized rows).
+                n = heads if ".attn_q." in tensor.name else kv_heads
+                rows, width = blocks.shape
+                blocks = blocks.reshape(n, rows // n // 2, 2, width).transpose(1, 2).reshape(rows, width)
+            yield names[tensor.name], GGUFWeight(blocks.contiguous(), qtype, int(tensor.shape[0]))
+        else:
+            weights = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
+                                        tensor_key_mapping=names, parsed_parameters={"tensors": {}}).weights
+            yield names[tensor.name], torch.from_numpy(np.copy(weights))

@@ -85,7 +85,8 @@ class Worker:
         cls = get_model_class(mc.architecture)
         with torch.device(self.device):
             model = cls(mc.hf_config, mc.torch_dtype, mc.max_model_len)
-        model.load_weights(iterate_weights(mc.model, mc.gguf_file, mc.hf_config))
+        model.load_weights(iterate_weights(mc.model, mc.gguf_file, mc.hf_config, mc.quantization != "none"),
+                           dense_copies=mc.quantization == "gguf+dense")
         model.eval()
         self.runner = ModelRunner(model, self.config.cache_config.block_size, self.device, mc.seed,
                                   self.config.parallel_config.pipeline_micro_batches)

@@ -38,13 +38,13 @@ import torch.nn.functional as F
 
 from engine.errors import BuildError
 from kernels import reference
-from kernels.reference import copy_blocks, gather_blocks, gather_kv, swap_blocks
+from kernels.reference import GGUF_BLOCK_BYTES, copy_blocks, gather_blocks, gather_kv, swap_blocks
 
-__all__ = ["apply_rotary", "copy_blocks", "decode_attention", "gather_blocks", "gather_kv",
+__all__ = ["apply_rotary", "copy_blocks", "decode_attention", "gather_blocks", "gather_kv", "gguf_linear",
            "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = tuple(os.path.join(CSRC, name) for name in ("cpu_ops.cpp", "prefill_attention.cpp"))
+SOURCES = tuple(os.path.join(CSRC, name) for name in ("cpu_ops.cpp", "prefill_attention.cpp", "gguf_linear.cpp"))
 HEADERS = (os.path.join(CSRC, "common.h"),)
 # Head sizes and dtypes the C++ attention kernels are instantiated for; others run the reference.
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
@@ -171,6 +171,24 @@ def has_amx(dtype: torch.dtype) -> bool:
     except AttributeError:           # another torch
         pass
     return False
+
+
+# GGUF weights: below this many rows of x the C++ kernel multiplies the blocks directly (its time is
+# the weight's bytes plus their decoding, which grows with the rows); from here on the weight is
+# dequantized to x's dtype (C++) for oneDNN's GEMM. Measured crossing: 8-16 rows (PERFORMANCE §9).
+GGUF_DEQUANT_MIN_ROWS = 12
+_GGUF_TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+
+
+def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """kernels.reference.gguf_linear's contract: the C++ kernel for few rows, else dequantize + GEMM."""
+    if qtype not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"GGUF type must be one of {sorted(GGUF_BLOCK_BYTES)}; got {qtype!r}")
+    if x.dtype not in DTYPES:
+        return reference.gguf_linear(x, blocks, qtype)
+    if x.shape[0] >= GGUF_DEQUANT_MIN_ROWS:
+        return F.linear(x, torch.ops.pdserve_cpu.gguf_dequantize(blocks, _GGUF_TYPE_IDS[qtype], x.dtype))
+    return torch.ops.pdserve_cpu.gguf_linear(x, blocks, _GGUF_TYPE_IDS[qtype])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -212,3 +212,40 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# --- GGUF quantized weights ---------------------------------------------------------------------
+# Each row of a quantized weight [out_features, in_features] is a run of blocks of 32 input
+# features, stored as in the GGUF file (llama.cpp's ggml-common.h):
+#   Q8_0: fp16 scale d, 32 int8 q             (34 bytes): w = d * q
+#   Q4_0: fp16 scale d, 16 bytes of nibbles   (18 bytes): w = d * (q - 8)
+#   Q4_1: fp16 scale d, fp16 min m, 16 bytes  (20 bytes): w = d * q + m
+# Byte j of the nibbles holds element j in its low half and element j + 16 in its high half.
+GGUF_BLOCK = 32
+GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+def dequantize_gguf(blocks: torch.Tensor, qtype: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight [rows, blocks_per_row * 32] that uint8 `blocks` [rows, blocks_per_row * block bytes]
+    of GGUF type `qtype` hold, computed in fp32 as llama.cpp does, then rounded to `dtype`."""
+    if qtype not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"GGUF type must be one of {sorted(GGUF_BLOCK_BYTES)}; got {qtype!r}")
+    rows = blocks.shape[0]
+    b = blocks.view(rows, -1, GGUF_BLOCK_BYTES[qtype])
+    d = b[..., 0:2].contiguous().view(torch.float16).float()                  # [rows, n, 1]
+    if qtype == "Q8_0":
+        w = b[..., 2:].contiguous().view(torch.int8).float() * d
+    else:
+        qs = b[..., 4:] if qtype == "Q4_1" else b[..., 2:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)                            # [rows, n, 32]
+        if qtype == "Q4_0":
+            w = d * (q.to(torch.int8) - 8).float()
+        else:
+            w = d * q.float() + b[..., 2:4].contiguous().view(torch.float16).float()
+    return w.reshape(rows, -1).to(dtype)
+
+
+def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """x [M, in_features] times the GGUF weight's transpose, in fp32 (the weight dequantized exactly
+    as llama.cpp does, x widened), rounded to x's dtype: the oracle of the compiled kernels."""
+    return F.linear(x.float(), dequantize_gguf(blocks, qtype)).to(x.dtype)

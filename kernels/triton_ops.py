@@ -1,10 +1,11 @@
 """The Triton kernel set, with the same names and contracts as kernels.reference (which
 kernels.dispatch returns on CUDA). Block gathers and CPU <-> GPU swaps are plain copies and stay
-with the reference's torch implementation, as do silu-and-mul (one elementwise op after the GEMM)
-and the row argmax (torch's reduction)."""
+with the reference's torch implementation, as do silu-and-mul (one elementwise op after the GEMM),
+the row argmax (torch's reduction) and GGUF linears (dequantize, then cuBLAS: GGUF blocks are a
+CPU format here; GPU quantization is int8/fp8)."""
 from __future__ import annotations
 
-from kernels.reference import argmax_rows, gather_blocks, gather_kv, silu_and_mul, swap_blocks
+from kernels.reference import argmax_rows, gather_blocks, gather_kv, gguf_linear, silu_and_mul, swap_blocks
 from kernels.triton_attention import decode_attention, pack_prefill, prefill_attention
 from kernels.triton_cache import copy_blocks, write_kv
 from kernels.triton_layers import apply_rotary, rms_norm
@@ -14,4 +15,5 @@ from kernels.triton_layers import apply_rotary, rms_norm
 CUDA_GRAPHS = True
 
 __all__ = ["CUDA_GRAPHS", "apply_rotary", "argmax_rows", "copy_blocks", "decode_attention", "gather_blocks",
-           "gather_kv", "pack_prefill", "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]
+           "gather_kv", "gguf_linear", "pack_prefill", "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks",
+           "write_kv"]

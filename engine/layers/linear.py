@@ -22,8 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.parallel_state import get_parallel_state, tp_all_reduce
+from engine.weights import GGUFWeight
 from kernels.cpu_ops import has_amx
+from kernels.dispatch import kernels_for
+from kernels.reference import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
 
+# quantization="gguf+dense": from this many rows on, a GGUF layer multiplies its dense copy (oneDNN,
+# prepacked) instead of its blocks; below it the blocks' kernel is faster (docs/PERFORMANCE.md §9).
+GGUF_DENSE_MIN_ROWS = 6
 # At or above this many rows, a bf16/fp16 matmul on CPU may run as fp32 GEMM on upcast operands:
 # below ~64 rows the weight upcast costs more than a faster GEMM could save.
 CPU_FP32_MIN_ROWS = 96
@@ -171,6 +177,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class Linear(nn.Module):
+    """y = x W^T + b. The weight is dense in the model's dtype, or, after `quantize_as`, kept in a
+    GGUF file's blocks (uint8 [output_size, input_size / 32 * block bytes]; `qtype` names the type),
+    multiplied by the kernel set's `gguf_linear`."""
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -183,8 +193,31 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.packed: torch.Tensor | None = None
+        self.qtype: str | None = None
+        self.dtype = dtype
+        self.dense: torch.Tensor | None = None      # a GGUF layer's dense copy (quantization="gguf+dense")
 
-    def process_weights_after_loading(self) -> None:
+    def quantize_as(self, qtype: str) -> None:
+        """Hold the weight in GGUF blocks of `qtype` from now on (before its tensors are loaded)."""
+        if qtype not in GGUF_BLOCK_BYTES:
+            raise ValueError(f"GGUF type must be one of {sorted(GGUF_BLOCK_BYTES)}; got {qtype!r}")
+        if self.input_size % GGUF_BLOCK:
+            raise ValueError(f"a {qtype} weight needs input features in blocks of {GGUF_BLOCK}; this layer has "
+                             f"{self.input_size} (with tensor parallelism: tensor_parallel_size must divide "
+                             f"the input features / {GGUF_BLOCK})")
+        self.qtype = qtype
+        row_bytes = self.input_size // GGUF_BLOCK * GGUF_BLOCK_BYTES[qtype]
+        self.weight = nn.Parameter(torch.empty(self.output_size, row_bytes, dtype=torch.uint8), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def process_weights_after_loading(self, dense_copy: bool = False) -> None:
+        """Prepack the weight for oneDNN; a GGUF weight only with `dense_copy` (then a dense copy
+        in the model's dtype serves batches of GGUF_DENSE_MIN_ROWS rows or more)."""
+        if self.qtype is not None:
+            if dense_copy:
+                self.dense = dequantize_gguf(self.weight.data, self.qtype, self.dtype)
+                self.packed = prepack(self.dense)
+            return
         self.packed = prepack(self.weight)
         if self.packed is not None and self.weight.dtype != torch.float32:
             cpu_fp32_gemm(self.weight.dtype)          # time the two GEMMs now, not in the first prefill
@@ -192,8 +225,18 @@ class Linear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         _copy_checked(param.data, loaded)
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias) on this rank's weight, dense or quantized."""
+        if self.qtype is None:
+            return linear(x, self.weight, bias, self.packed)
+        if self.dense is not None and x.numel() >= GGUF_DENSE_MIN_ROWS * self.input_size:
+            return linear(x, self.dense, bias, self.packed)
+        out = kernels_for(x).gguf_linear(x.reshape(-1, x.shape[-1]), self.weight, self.qtype)
+        out = out.reshape(*x.shape[:-1], self.output_size)
+        return out if bias is None else out + bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(Linear):
@@ -273,13 +316,13 @@ class RowParallelLinear(Linear):
         if param.dim() == 1:                  # the bias is not split
             _copy_checked(param.data, loaded)
             return
-        size = param.shape[1]
+        size = self.input_size
         _copy_checked(param.data, _shard(loaded, 1, self.tp_rank * size, size, self.tp_size * size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, self.packed)
-        out = tp_all_reduce(linear(x, self.weight, None, self.packed))
+            return self.matmul(x, self.bias)
+        out = tp_all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias
 
 
@@ -300,7 +343,12 @@ def _shard(loaded: torch.Tensor, dim: int, start: int, size: int, expected_total
     return loaded.narrow(dim, start, size)
 
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor | GGUFWeight) -> None:
+    if isinstance(src, GGUFWeight):
+        if dst.dtype != torch.uint8:
+            raise ValueError(f"a {src.qtype} checkpoint tensor cannot load into a dense parameter: the layer "
+                             f"must be quantized first (Linear.quantize_as)")
+        src = src.blocks
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint tensor has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(src)

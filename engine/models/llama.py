@@ -22,13 +22,14 @@ from engine.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    linear,
     prepack,
 )
 from engine.layers.rmsnorm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.parallel_state import get_parallel_state, pp_layer_range
+from engine.weights import GGUFWeight
 from kernels.dispatch import kernels_for
+from kernels.reference import dequantize_gguf
 
 
 class LlamaAttention(nn.Module):
@@ -147,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         `model_dtype`: leave them in the model's dtype (what a greedy argmax needs, on one rank)."""
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
         packed = self.tied_packed if self.lm_head is None else self.head_packed
-        local = linear(hidden, head.weight, None, packed)
+        local = head.logits(hidden, packed)
         if local.dtype != torch.float32 and not model_dtype:
             local = local.float() if out is None else out[:local.shape[0], :local.shape[1]].copy_(local)
         return head.gather_logits(local)
@@ -156,8 +157,10 @@ class LlamaForCausalLM(nn.Module):
     _fused = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors; raise ValueError if any parameter was left unloaded."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFWeight]],
+                     dense_copies: bool = False) -> None:
+        """Load HF-named tensors (GGUFWeights: kept in their blocks; with `dense_copies` each such layer
+        also keeps its weight dense for large batches); ValueError if any parameter was left unloaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
@@ -177,17 +180,44 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(name)
             if param is None:
                 continue                      # e.g. unused buffers some checkpoints carry
-            param.weight_loader(param, tensor.to(param.dtype), shard)
+            if isinstance(tensor, GGUFWeight):
+                param = params[name] = self._quantized_param(name, param, tensor.qtype)
+            else:
+                tensor = tensor.to(param.dtype)
+            param.weight_loader(param, tensor, shard)
             loaded.add(name if shard is None else f"{name}:{shard}")
         missing = [n for n in params if n not in loaded and not any(k.startswith(n + ":") for k in loaded)]
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {missing[:5]}")
         for module in self.modules():
             if isinstance(module, Linear):
-                module.process_weights_after_loading()
-        self.head_packed = prepack(self.lm_head.weight) if self.lm_head is not None else None
+                module.process_weights_after_loading(dense_copies)
+        self.head_packed = _head_packed(self.lm_head, dense_copies) if self.lm_head is not None else None
         if self.lm_head is None and self.is_last_stage:
-            self.tied_packed = prepack(self.embed_tokens.weight)
+            self.tied_packed = _head_packed(self.embed_tokens, dense_copies)
+
+    def _quantized_param(self, name: str, param: nn.Parameter, qtype: str) -> nn.Parameter:
+        """The parameter `name` as GGUF blocks of `qtype`: its layer switches to them on the first
+        such tensor (a fused layer's shards must share one type)."""
+        module = self.get_submodule(name.rsplit(".", 1)[0])
+        if not isinstance(module, (Linear, VocabParallelEmbedding)) or not name.endswith(".weight"):
+            raise ValueError(f"{name}: a {qtype} tensor where pdserve keeps dense weights")
+        if module.qtype is None:
+            module.quantize_as(qtype)
+        elif module.qtype != qtype:
+            raise ValueError(f"{name}: the shards of one fused layer must share a GGUF type; got {qtype} after "
+                             f"{module.qtype} (quantization='none' dequantizes them)")
+        return module.weight
+
+
+def _head_packed(head: VocabParallelEmbedding, dense_copies: bool) -> torch.Tensor | None:
+    """The LM head's prepacked dense weight (a GGUF head's: of its dense copy, with `dense_copies`)."""
+    if head.qtype is None:
+        return prepack(head.weight)
+    if not dense_copies:
+        return None
+    head.dense = dequantize_gguf(head.weight.data, head.qtype, head.dtype)
+    return prepack(head.dense)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

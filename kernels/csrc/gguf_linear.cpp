@@ -1,0 +1,308 @@
+// pdserve CPU GGUF linear: x [M, K] times a weight [N, K] kept in its GGUF blocks (Q8_0, Q4_0, Q4_1;
+// kernels.reference.dequantize_gguf says the layouts), the contract of kernels.reference.gguf_linear:
+// x times the fp32 dequantized weight.
+//
+// Decode reads every weight once per step, so its time is the weight's bytes (4-bit blocks are about
+// a quarter of bf16's) plus the work of decoding them. A block's dot product with x is factored:
+//   sum_j (d q_j + m) x_j = d * sum_j q_j x_j + m * sum_j x_j
+// so the 32 integers q_j multiply x directly (exact in fp32: q has at most 8 bits) and the scale and
+// minimum apply once per block; sum_j x_j is computed once per row of x and block. Q4_0 subtracts
+// its 8 from the integers. With a bf16 x on a CPU with AVX512-BF16, the integers become bf16 (exact)
+// and `vdpbf16ps` takes 32 products per instruction; otherwise fp32 FMAs take 16. Each output row is
+// walked block by block against up to kRows rows of x at once (a block is decoded once for them
+// all); threads take ranges of output rows. Only the order of the sums differs from the reference.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "common.h"
+
+namespace {
+
+constexpr int kRows = 8;
+// Weight rows read ahead of the one being multiplied (software prefetch): without it a decode-sized
+// call streams its blocks from memory at about a quarter of the bandwidth oneDNN reaches.
+constexpr int64_t kPrefetchRows = 8;   // rows of x per pass over a weight row (their accumulators stay in registers)
+
+typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
+typedef int8_t i8x16 __attribute__((vector_size(16), aligned(1)));
+
+enum class Quant { Q8_0, Q4_0, Q4_1 };
+
+template <Quant Q>
+constexpr int64_t block_bytes() {
+  return Q == Quant::Q8_0 ? 34 : Q == Quant::Q4_0 ? 18 : 20;
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// Bytes to fp32 lanes through 32-bit integers. GCC scalarizes the conversion of signed bytes (and
+// of any bytes straight to floats), so AVX-512 says it explicitly.
+inline f32x16 to_f32(u8x16 q) {
+#ifdef __AVX512F__
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(reinterpret_cast<const __m128i&>(q)));
+  return reinterpret_cast<const f32x16&>(f);
+#else
+  return __builtin_convertvector(__builtin_convertvector(q, i32x16), f32x16);
+#endif
+}
+inline f32x16 to_f32(i8x16 q) {
+#ifdef __AVX512F__
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(reinterpret_cast<const __m128i&>(q)));
+  return reinterpret_cast<const f32x16&>(f);
+#else
+  return __builtin_convertvector(__builtin_convertvector(q, i32x16), f32x16);
+#endif
+}
+
+// The block's 32 integers as fp32: lo = elements 0-15, hi = 16-31 (Q4_0: q - 8).
+template <Quant Q>
+inline void block_ints(const uint8_t* blk, f32x16& lo, f32x16& hi) {
+  if constexpr (Q == Quant::Q8_0) {
+    i8x16 a, b;
+    std::memcpy(&a, blk + 2, 16);
+    std::memcpy(&b, blk + 18, 16);
+    lo = to_f32(a);
+    hi = to_f32(b);
+  } else {
+    u8x16 qs;
+    std::memcpy(&qs, blk + (Q == Quant::Q4_1 ? 4 : 2), 16);
+    lo = to_f32(static_cast<u8x16>(qs & 0x0F));
+    hi = to_f32(static_cast<u8x16>(qs >> 4));
+    if constexpr (Q == Quant::Q4_0) {
+      lo -= 8.0f;
+      hi -= 8.0f;
+    }
+  }
+}
+
+// Rows [m0, m0 + R) of x (fp32 [M][K]) against weight rows [n0, n1): out[m][n].
+template <typename T, Quant Q, int R>
+void rows_pass(const float* x, const float* xsum, int64_t K, const uint8_t* w, int64_t row_bytes, T* out,
+               int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+  const int64_t num_blocks = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    if (n + kPrefetchRows < n1)
+      for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + kPrefetchRows * row_bytes + o);
+    f32x16 acc[R] = {};
+    float mins[R] = {};
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* blk = row + b * block_bytes<Q>();
+      f32x16 lo, hi;
+      block_ints<Q>(blk, lo, hi);
+      const float d = half_at(blk);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + (m0 + r) * K + b * 32;
+        acc[r] += (lo * load16(xr) + hi * load16(xr + 16)) * d;
+      }
+      if constexpr (Q == Quant::Q4_1) {
+        const float m = half_at(blk + 2);
+        for (int r = 0; r < R; ++r) mins[r] += m * xsum[(m0 + r) * num_blocks + b];
+      }
+    }
+    for (int r = 0; r < R; ++r) out[(m0 + r) * N + n] = static_cast<T>(hsum16(acc[r]) + mins[r]);
+  }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The block's 32 integers as bf16 (exact), in element order.
+template <Quant Q>
+inline __m512bh block_ints_bf16(const uint8_t* blk) {
+  if constexpr (Q == Quant::Q8_0) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(blk + 2);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  } else {
+    // Nibbles to 32 words (elements 0-15 from the low halves, 16-31 from the high), then a table.
+    static const __m512i table = [] {
+      alignas(64) uint16_t t[32] = {};
+      for (int i = 0; i < 16; ++i) {
+        const float v = static_cast<float>(Q == Quant::Q4_0 ? i - 8 : i);
+        uint32_t bits;
+        std::memcpy(&bits, &v, 4);
+        t[i] = static_cast<uint16_t>(bits >> 16);        // small integers: exact in bf16
+      }
+      return _mm512_load_si512(t);
+    }();
+    const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(blk + (Q == Quant::Q4_1 ? 4 : 2))));
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(words, _mm256_set1_epi16(15))),
+                                            _mm256_srli_epi16(words, 4), 1);
+    return reinterpret_cast<const __m512bh&>(static_cast<const __m512i&>(_mm512_permutexvar_epi16(both, table)));
+  }
+}
+
+// As rows_pass, for bf16 x (bf16 [M][K]) with vdpbf16ps. xsum_t is [num_blocks][Mpad] here (a
+// block's sums for consecutive rows side by side: one vector load per block for up to 8 rows).
+template <Quant Q, int R>
+void rows_pass_bf16(const c10::BFloat16* x, const float* xsum_t, int64_t Mpad, int64_t K, const uint8_t* w,
+                    int64_t row_bytes, c10::BFloat16* out, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+  const int64_t num_blocks = K / 32;
+  const c10::BFloat16* xr = x + m0 * K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    if (n + kPrefetchRows < n1)
+      for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + kPrefetchRows * row_bytes + o);
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    __m256 mins = _mm256_setzero_ps();
+    const c10::BFloat16* xb = xr;
+    for (int64_t b = 0; b < num_blocks; ++b, xb += 32) {
+      const uint8_t* blk = row + b * block_bytes<Q>();
+      const __m512bh q = block_ints_bf16<Q>(blk);
+      const __m512 d = _mm512_set1_ps(half_at(blk));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_loadu_si512(xb + r * K);
+        acc[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q, reinterpret_cast<const __m512bh&>(xv)),
+                                 d, acc[r]);
+      }
+      if constexpr (Q == Quant::Q4_1)
+        mins = _mm256_fmadd_ps(_mm256_set1_ps(half_at(blk + 2)), _mm256_loadu_ps(xsum_t + b * Mpad + m0), mins);
+    }
+    alignas(32) float m8[8];
+    _mm256_store_ps(m8, mins);
+    for (int r = 0; r < R; ++r) out[(m0 + r) * N + n] = c10::BFloat16(_mm512_reduce_add_ps(acc[r]) + m8[r]);
+  }
+}
+constexpr bool kHasBf16Dot = true;
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
+
+template <typename T, Quant Q, int R>
+void tail_pass(int rows, const float* x, const T* xt, const float* xsum, int64_t Mpad, int64_t K, const uint8_t* w,
+               int64_t row_bytes, T* out, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+  if constexpr (R > 0) {
+    if (rows != R) return tail_pass<T, Q, R - 1>(rows, x, xt, xsum, Mpad, K, w, row_bytes, out, N, m0, n0, n1);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      return rows_pass_bf16<Q, R>(xt, xsum, Mpad, K, w, row_bytes, out, N, m0, n0, n1);
+#endif
+    rows_pass<T, Q, R>(x, xsum, K, w, row_bytes, out, N, m0, n0, n1);
+  }
+}
+
+template <typename T, Quant Q>
+void gguf_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0), row_bytes = blocks.size(1), nb = K / 32;
+  const T* xp = x.const_data_ptr<T>();
+  const bool bf16_dot = kHasBf16Dot && std::is_same_v<T, c10::BFloat16>;
+  // x as fp32 (exactly: bf16/fp16 widen without rounding) unless the bf16 dot reads it as it is, and
+  // each block's sum of x for the Q4_1 minimum: [M][nb] for the fp32 path, [nb][Mpad] for the bf16 one.
+  const int64_t Mpad = (M + kRows - 1) / kRows * kRows;
+  std::vector<float> xf(bf16_dot ? 0 : static_cast<size_t>(M * K)), xsum(static_cast<size_t>(Mpad * nb));
+  for (int64_t i = 0; i < M * K; ++i) {
+    const float v = to_float(xp[i]);
+    if (!bf16_dot) xf[i] = v;
+    if (Q == Quant::Q4_1) xsum[bf16_dot ? (i % K / 32) * Mpad + i / K : i / 32] += v;
+  }
+  const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
+  T* op = out.mutable_data_ptr<T>();
+  // Ranges of output rows per thread: ~16 KB of weight blocks each, so a thread streams memory.
+  const int64_t grain = std::max<int64_t>(1, 16384 / row_bytes);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+      tail_pass<T, Q, kRows>(rows, xf.data(), xp, xsum.data(), Mpad, K, wp, row_bytes, op, N, m0, n0, n1);
+    }
+  });
+}
+
+// The weight dequantized into `out` [N, K] of type T (kernels.reference.dequantize_gguf: fp32, then
+// rounded to T), for the GEMM that batches of many rows take.
+template <typename T, Quant Q>
+void dequant_impl(const at::Tensor& blocks, at::Tensor& out) {
+  const int64_t N = blocks.size(0), row_bytes = blocks.size(1), nb = row_bytes / block_bytes<Q>();
+  const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
+  T* op = out.mutable_data_ptr<T>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / row_bytes), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = wp + n * row_bytes + b * block_bytes<Q>();
+        f32x16 lo, hi;
+        block_ints<Q>(blk, lo, hi);
+        const float d = half_at(blk), m = Q == Quant::Q4_1 ? half_at(blk + 2) : 0.f;
+        T* o = op + n * nb * 32 + b * 32;
+        store16(o, lo * d + m);          // q d is exact in fp32, so one rounding either way
+        store16(o + 16, hi * d + m);
+      }
+  });
+}
+
+at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t qtype, at::ScalarType dtype) {
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.dim() == 2 && blocks.scalar_type() == at::kByte,
+              "gguf_dequantize: blocks must be a CPU uint8 [N, row bytes] tensor");
+  TORCH_CHECK(qtype >= 0 && qtype <= 2, "gguf_dequantize: qtype must be 0 (Q8_0), 1 (Q4_0) or 2 (Q4_1); got ", qtype);
+  const int64_t bytes = qtype == 0 ? 34 : qtype == 1 ? 18 : 20;
+  TORCH_CHECK(blocks.size(1) % bytes == 0, "gguf_dequantize: rows of ", blocks.size(1), " bytes are not whole blocks");
+  const at::Tensor bc = blocks.contiguous();
+  at::Tensor out = at::empty({blocks.size(0), blocks.size(1) / bytes * 32}, blocks.options().dtype(dtype));
+  auto with_quant = [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    switch (qtype) {
+      case 0: dequant_impl<T, Quant::Q8_0>(bc, out); break;
+      case 1: dequant_impl<T, Quant::Q4_0>(bc, out); break;
+      default: dequant_impl<T, Quant::Q4_1>(bc, out); break;
+    }
+  };
+  switch (dtype) {
+    case at::kFloat: with_quant(TypeTag<float>{}); break;
+    case at::kBFloat16: with_quant(TypeTag<c10::BFloat16>{}); break;
+    case at::kHalf: with_quant(TypeTag<c10::Half>{}); break;
+    default: TORCH_CHECK(false, "gguf_dequantize: dtype must be float32, bfloat16 or float16; got ", dtype);
+  }
+  return out;
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
+  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "gguf_linear: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2 && blocks.scalar_type() == at::kByte,
+              "gguf_linear: x must be [M, K] and blocks uint8 [N, row bytes]");
+  TORCH_CHECK(qtype >= 0 && qtype <= 2, "gguf_linear: qtype must be 0 (Q8_0), 1 (Q4_0) or 2 (Q4_1); got ", qtype);
+  const int64_t bytes = qtype == 0 ? 34 : qtype == 1 ? 18 : 20;
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % 32 == 0 && blocks.size(1) == K / 32 * bytes, "gguf_linear: x has ", K,
+              " features but the blocks' rows hold ", blocks.size(1), " bytes (", bytes, " per 32 features)");
+  const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
+  at::Tensor out = at::empty({x.size(0), blocks.size(0)}, x.options());
+  if (x.size(0) == 0 || blocks.size(0) == 0) return out;
+  auto with_quant = [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    switch (qtype) {
+      case 0: gguf_impl<T, Quant::Q8_0>(xc, bc, out); break;
+      case 1: gguf_impl<T, Quant::Q4_0>(xc, bc, out); break;
+      default: gguf_impl<T, Quant::Q4_1>(xc, bc, out); break;
+    }
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: with_quant(TypeTag<float>{}); break;
+    case at::kBFloat16: with_quant(TypeTag<c10::BFloat16>{}); break;
+    case at::kHalf: with_quant(TypeTag<c10::Half>{}); break;
+    default: TORCH_CHECK(false, "gguf_linear: dtype must be float32, bfloat16 or float16; got ", x.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("gguf_linear(Tensor x, Tensor blocks, int qtype) -> Tensor");
+  m.def("gguf_dequantize(Tensor blocks, int qtype, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_dequantize", &gguf_dequantize);
+}

@@ -1,0 +1,184 @@
+"""GGUF weights kept in their blocks: the dequantization against the gguf package's, the compiled
+linear against dequantize-then-matmul, the loader's mapping against transformers', the choice of
+`quantization`, and the embedded model served from its Q4_1 blocks token-identical to the same
+weights dequantized."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.model_source import embedded_model_path, resolve_model, resolve_quantization
+from engine.weights import GGUFWeight, iterate_weights
+from kernels import cpu_ops, reference
+
+TYPES = ["Q8_0", "Q4_0", "Q4_1"]
+
+
+def quantized(rows: int, cols: int, qtype: str, seed: int = 0) -> torch.Tensor:
+    """Random weights quantized by the gguf package (llama.cpp's own quantizers, in numpy)."""
+    import gguf
+
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.1
+    return torch.from_numpy(gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, qtype)))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_matches_the_gguf_package(qtype):
+    import gguf
+
+    blocks = quantized(7, 96, qtype)
+    ours = reference.dequantize_gguf(blocks, qtype)
+    theirs = gguf.quants.dequantize(blocks.numpy(), getattr(gguf.GGMLQuantizationType, qtype))
+    assert ours.shape == (7, 96) and np.array_equal(ours.numpy(), theirs)
+    assert torch.equal(reference.dequantize_gguf(blocks, qtype, torch.bfloat16), ours.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compiled_linear_matches_dequantize_then_matmul(qtype, dtype):
+    """Rows below GGUF_DEQUANT_MIN_ROWS run the C++ kernel (any count: whole passes of 8 rows and
+    the rest), from it on dequantize + GEMM; an odd number of output rows."""
+    cpu_ops.load()
+    blocks = quantized(37, 128, qtype, seed=1)
+    for rows in (1, 3, 8, 13, cpu_ops.GGUF_DEQUANT_MIN_ROWS):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        out = cpu_ops.gguf_linear(x, blocks, qtype)
+        ref = reference.gguf_linear(x.float(), blocks, qtype)   # fp32 oracle of the same products
+        assert out.dtype == dtype and out.shape == (rows, 37)
+        tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+        if dtype != torch.float32:      # the kernel multiplies the weights rounded to x's dtype
+            ref = reference.gguf_linear(x, blocks, qtype).float()
+        assert ((out.float() - ref).norm() / ref.norm()).item() < tol
+
+
+def test_compiled_linear_refuses_bad_shapes():
+    cpu_ops.load()
+    blocks = quantized(4, 64, "Q4_1")
+    with pytest.raises(RuntimeError, match="x has 96 features but the blocks' rows hold 40 bytes"):
+        torch.ops.pdserve_cpu.gguf_linear(torch.randn(2, 96), blocks, 2)
+    with pytest.raises(ValueError, match="GGUF type must be one of"):
+        cpu_ops.gguf_linear(torch.randn(2, 64), blocks, "Q5_K")
+
+
+def test_gguf_weight_shards_on_block_boundaries():
+    w = GGUFWeight(quantized(6, 128, "Q8_0"), "Q8_0", 128)
+    assert w.shape == (6, 128)
+    assert torch.equal(w.narrow(0, 2, 3).dequantize(), w.dequantize()[2:5])
+    assert torch.equal(w.narrow(1, 64, 64).dequantize(), w.dequantize()[:, 64:])
+    with pytest.raises(ValueError, match="tensor_parallel_size must divide 4"):
+        w.narrow(1, 48, 48)
+
+
+def test_native_loader_matches_transformers_dequantization():
+    """Every tensor of the embedded GGUF, kept in blocks, dequantizes to exactly what transformers'
+    GGUF loader yields (names, the llama row order of attn_q/attn_k, values)."""
+    path, gguf_file, hf_config = resolve_model(None)
+    dense = dict(iterate_weights(path, gguf_file, hf_config))
+    native = dict(iterate_weights(path, gguf_file, hf_config, keep_quantized=True))
+    assert set(native) == set(dense)
+    kinds = {type(v).__name__ for v in native.values()}
+    assert kinds == {"GGUFWeight", "Tensor"}
+    for name, value in native.items():
+        got = value.dequantize() if isinstance(value, GGUFWeight) else value
+        assert torch.equal(got.float(), dense[name].float()), name
+
+
+def test_quantization_choice(tiny_llama):
+    path, gguf_file, _ = resolve_model(None)
+    assert resolve_quantization(None, path, gguf_file, on_gpu=False) == "gguf+dense"     # auto on CPU
+    assert resolve_quantization(None, path, gguf_file, on_gpu=True) == "none"
+    for explicit in ("gguf", "gguf+dense", "none"):
+        assert resolve_quantization(explicit, path, gguf_file, on_gpu=False) == explicit
+    assert resolve_quantization(None, tiny_llama, None, on_gpu=False) == "none"
+    with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf model file"):
+        resolve_quantization("gguf", tiny_llama, None, on_gpu=False)
+    with pytest.raises(ValueError, match="quantization must be one of \\('gguf', 'gguf\\+dense', 'none'\\)"):
+        LLM(tiny_llama, quantization="int4")
+
+
+def test_unsupported_gguf_type_is_refused(tmp_path):
+    """A file with a tensor type the kernels lack: 'gguf' refuses it naming the type, auto falls
+    back to dequantizing."""
+    import gguf
+
+    file = tmp_path / "q5.gguf"
+    writer = gguf.GGUFWriter(str(file), "llama")
+    w = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    writer.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+    writer.add_tensor("blk.0.attn_k.weight", gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1),
+                      raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="also has \\['Q5_0'\\] tensors"):
+        resolve_quantization("gguf", str(tmp_path), file.name, on_gpu=False)
+    assert resolve_quantization(None, str(tmp_path), file.name, on_gpu=False) == "none"
+
+
+def test_embedded_model_from_its_blocks_equals_dequantized_weights():
+    """The embedded Q4_1 model served from its blocks gives the same greedy tokens (fp32) as the same
+    weights dequantized at load, whether large batches take the blocks (dequantize + GEMM) or a
+    dense copy: a batch with a long prefill and 9 decoding rows, then 3 rows (the blocks' kernel)."""
+    assert embedded_model_path()
+    prompts = [[1, 504, 3458, 282, 4055, 314, 253], [1, 9690, 198, 2683, 2], list(range(100, 300))]
+    prompts += [[1, 30 + i, 700 + 3 * i] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for quantization in ("gguf", "gguf+dense", "none"):
+        llm = LLM(dtype="float32", quantization=quantization, max_model_len=512)
+        assert llm.llm_engine.config.model_config.quantization == quantization
+        outs[quantization] = [[r.outputs[0].token_ids for r in llm.generate(
+            [{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)] for batch in (prompts, prompts[:3])]
+        if quantization != "none":
+            model = llm.llm_engine.executor.worker.runner.model
+            qkv = model.layers[0].self_attn.qkv_proj
+            assert qkv.qtype == "Q4_1" and qkv.weight.dtype == torch.uint8
+            assert model.embed_tokens.qtype == "Q8_0"
+            assert (qkv.dense is not None) == (quantization == "gguf+dense")
+        del llm
+    assert outs["gguf"] == outs["none"] and outs["gguf+dense"] == outs["none"]
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_compiled_dequantize_is_exact(qtype):
+    cpu_ops.load()
+    blocks = quantized(9, 160, qtype, seed=2)
+    qid = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}[qtype]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(torch.ops.pdserve_cpu.gguf_dequantize(blocks, qid, dtype),
+                           reference.dequantize_gguf(blocks, qtype, dtype))
+
+
+def test_tensor_parallel_shards_of_gguf_weights():
+    """Column-parallel layers split the blocks' rows, row-parallel ones their input features on block
+    boundaries; each rank's shard equals the same shard of the dense weight; a split inside a block
+    is refused naming tensor_parallel_size."""
+    from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+    from engine.parallel_state import ParallelState, reset_parallel_state, set_parallel_state
+
+    gate, up = (GGUFWeight(quantized(64, 128, "Q4_1", seed=s), "Q4_1", 128) for s in (3, 4))
+    down = GGUFWeight(quantized(128, 64 * 2, "Q8_0", seed=5), "Q8_0", 128)
+    try:
+        for rank in (0, 1):
+            set_parallel_state(ParallelState(tp_rank=rank, tp_size=2))
+            merged = MergedColumnParallelLinear(128, [64, 64])
+            merged.quantize_as("Q4_1")
+            merged.weight_loader(merged.weight, gate, 0)
+            merged.weight_loader(merged.weight, up, 1)
+            want = torch.cat([gate.dequantize()[rank * 32:(rank + 1) * 32], up.dequantize()[rank * 32:(rank + 1) * 32]])
+            assert torch.equal(reference.dequantize_gguf(merged.weight.data, "Q4_1"), want)
+            row = RowParallelLinear(128, 128)
+            row.quantize_as("Q8_0")
+            row.weight_loader(row.weight, down)
+            assert torch.equal(reference.dequantize_gguf(row.weight.data, "Q8_0"),
+                               down.dequantize()[:, rank * 64:(rank + 1) * 64])
+        set_parallel_state(ParallelState(tp_rank=0, tp_size=8))     # 16 input features per rank
+        row = RowParallelLinear(128, 128)
+        with pytest.raises(ValueError, match="tensor_parallel_size must divide"):
+            row.quantize_as("Q8_0")
+    finally:
+        reset_parallel_state()
