@@ -8,10 +8,10 @@ the same file on the same threads, side by side in one run.
 
 Every request decodes `--tokens` greedy tokens (`ignore_eos`) after a 5-token prompt, all of a
 batch submitted at once; tok/s is the batch's output tokens over its wall time, prompt included.
-The three pdserve engines live in this process and alternate round by round (best of `--rounds`).
-llama.cpp (llama-cpp-python, which compiles llama.cpp on install: not a pdserve dependency) runs
-in its own process with `n_threads` = `--threads`, the same prompt and token count, best of
-`--rounds`. Nothing is asserted.
+The three pdserve engines live in this process; llama.cpp (llama-cpp-python, which compiles
+llama.cpp on install: not a pdserve dependency) runs in a process of its own each round, with
+`n_threads` = `--threads`, the same prompt and token count. Each round runs llama.cpp, then every
+batch size on every engine; each figure is its best round. Nothing is asserted.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ path, prompt = sys.argv[1], json.loads(sys.argv[5])
 tokens, threads, rounds = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
 best = 0.0
-for _ in range(rounds + 1):
+for _ in range(rounds):
     llm.reset()
     start, n = time.perf_counter(), 0
     for tok in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
@@ -45,7 +45,7 @@ print("RESULT", json.dumps({"tok_s": best}))
 """
 
 
-def pdserve_runs(args: argparse.Namespace) -> dict[str, dict[int, float]]:
+def run_all(args: argparse.Namespace) -> tuple[dict[str, dict[int, float]], float | None]:
     import torch
 
     from engine import LLM, SamplingParams
@@ -56,26 +56,30 @@ def pdserve_runs(args: argparse.Namespace) -> dict[str, dict[int, float]]:
                for name, q in (("bf16 weights", "none"), ("GGUF blocks", "gguf"), ("blocks+dense", "gguf+dense"))}
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     best: dict[str, dict[int, float]] = {name: {} for name in engines}
+    llama = None
     for llm in engines.values():                     # warm-up
         llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=4), use_tqdm=False)
-    for batch in batches:
-        prompts = [{"prompt_token_ids": PROMPT[:-1] + [PROMPT[-1] + i]} for i in range(batch)]
-        for _ in range(args.rounds):
+    for _ in range(args.rounds):
+        one = llama_cpp_run(args)
+        llama = None if one is None else max(llama or 0.0, one)
+        for batch in batches:
+            prompts = [{"prompt_token_ids": PROMPT[:-1] + [PROMPT[-1] + i]} for i in range(batch)]
             for name, llm in engines.items():
                 start = time.perf_counter()
                 llm.generate(prompts, params, use_tqdm=False)
                 tok_s = batch * args.tokens / (time.perf_counter() - start)
                 best[name][batch] = max(best[name].get(batch, 0.0), tok_s)
-    return best
+    return best, llama
 
 
 def llama_cpp_run(args: argparse.Namespace) -> float | None:
+    """llama.cpp's best of two single-stream runs in a fresh process (None without --llama-python)."""
     if args.llama_python is None:
         return None
     from engine.model_source import embedded_model_path
 
     out = subprocess.run([args.llama_python, "-c", LLAMA_CPP, embedded_model_path(), str(args.tokens),
-                          str(args.threads), str(args.rounds), json.dumps(PROMPT)],
+                          str(args.threads), "2", json.dumps(PROMPT)],
                          capture_output=True, text=True, timeout=600)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -93,8 +97,7 @@ def main() -> None:
     ap.add_argument("--llama-python", default=None, help="a python that imports llama_cpp")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    llama = llama_cpp_run(args)
-    best = pdserve_runs(args)
+    best, llama = run_all(args)
     print(f"{'engine':<16}" + "".join(f"{'batch ' + str(b):>12}" for b in best["bf16 weights"]))
     for name, row in best.items():
         print(f"{name:<16}" + "".join(f"{v:>12.1f}" for v in row.values()))

@@ -143,6 +143,55 @@ inline __m512bh block_ints_bf16(const uint8_t* blk) {
   }
 }
 
+// Two consecutive 4-bit blocks at once: their integers as bf16, lo = [A 0-15, B 0-15] and
+// hi = [A 16-31, B 16-31] (x is permuted to match: pair_x), and their scales as [dA x8, dB x8]
+// for the sums vdpbf16ps leaves in lanes 0-7 (A) and 8-15 (B).
+template <Quant Q>
+inline void pair_ints_bf16(const uint8_t* blk, __m512bh& lo, __m512bh& hi, __m512& d) {
+  constexpr int64_t off = Q == Quant::Q4_1 ? 4 : 2;
+  static const __m512i table = [] {
+    alignas(64) uint16_t t[32] = {};
+    for (int i = 0; i < 16; ++i) {
+      const float v = static_cast<float>(Q == Quant::Q4_0 ? i - 8 : i);
+      uint32_t bits;
+      std::memcpy(&bits, &v, 4);
+      t[i] = static_cast<uint16_t>(bits >> 16);
+    }
+    return _mm512_load_si512(t);
+  }();
+  const __m256i bytes = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + block_bytes<Q>() + off)), 1);
+  const __m512i words = _mm512_cvtepu8_epi16(bytes);
+  const __m512i l = _mm512_permutexvar_epi16(_mm512_and_si512(words, _mm512_set1_epi16(15)), table);
+  const __m512i h = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+  lo = reinterpret_cast<const __m512bh&>(l);
+  hi = reinterpret_cast<const __m512bh&>(h);
+  uint16_t da, db;
+  std::memcpy(&da, blk, 2);
+  std::memcpy(&db, blk + block_bytes<Q>(), 2);
+  const __m128 two = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(da | (static_cast<uint32_t>(db) << 16))));
+  d = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                            _mm512_castps128_ps512(two));
+}
+
+// x's rows with each pair of 4-bit blocks' elements in pair_ints_bf16's order ([A 0-15, B 0-15,
+// A 16-31, B 16-31]); an odd last block stays as it is.
+inline void pair_x(const c10::BFloat16* x, int64_t M, int64_t K, c10::BFloat16* out) {
+  const int64_t pairs = K / 64;
+  for (int64_t m = 0; m < M; ++m) {
+    const c10::BFloat16* src = x + m * K;
+    c10::BFloat16* dst = out + m * K;
+    for (int64_t p = 0; p < pairs; ++p, src += 64, dst += 64) {
+      std::memcpy(dst, src, 32);
+      std::memcpy(dst + 16, src + 32, 32);
+      std::memcpy(dst + 32, src + 16, 32);
+      std::memcpy(dst + 48, src + 48, 32);
+    }
+    std::memcpy(dst, src, (K - pairs * 64) * sizeof(c10::BFloat16));
+  }
+}
+
 // As rows_pass, for bf16 x (bf16 [M][K]) with vdpbf16ps. xsum_t is [num_blocks][Mpad] here (a
 // block's sums for consecutive rows side by side: one vector load per block for up to 8 rows).
 template <Quant Q, int R>
@@ -158,7 +207,29 @@ void rows_pass_bf16(const c10::BFloat16* x, const float* xsum_t, int64_t Mpad, i
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     __m256 mins = _mm256_setzero_ps();
     const c10::BFloat16* xb = xr;
-    for (int64_t b = 0; b < num_blocks; ++b, xb += 32) {
+    int64_t b = 0;
+    if constexpr (Q != Quant::Q8_0) {          // x is in pair_x's order: two blocks per step
+      for (; b + 1 < num_blocks; b += 2, xb += 64) {
+        const uint8_t* blk = row + b * block_bytes<Q>();
+        __m512bh lo, hi;
+        __m512 d;
+        pair_ints_bf16<Q>(blk, lo, hi, d);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512i xl = _mm512_loadu_si512(xb + r * K), xh = _mm512_loadu_si512(xb + r * K + 32);
+          const __m512 dot = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), lo,
+                                                               reinterpret_cast<const __m512bh&>(xl)),
+                                              hi, reinterpret_cast<const __m512bh&>(xh));
+          acc[r] = _mm512_fmadd_ps(dot, d, acc[r]);
+        }
+        if constexpr (Q == Quant::Q4_1) {
+          mins = _mm256_fmadd_ps(_mm256_set1_ps(half_at(blk + 2)), _mm256_loadu_ps(xsum_t + b * Mpad + m0), mins);
+          mins = _mm256_fmadd_ps(_mm256_set1_ps(half_at(blk + block_bytes<Q>() + 2)),
+                                 _mm256_loadu_ps(xsum_t + (b + 1) * Mpad + m0), mins);
+        }
+      }
+    }
+    for (; b < num_blocks; ++b, xb += 32) {
       const uint8_t* blk = row + b * block_bytes<Q>();
       const __m512bh q = block_ints_bf16<Q>(blk);
       const __m512 d = _mm512_set1_ps(half_at(blk));
@@ -208,6 +279,15 @@ void gguf_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
     if (!bf16_dot) xf[i] = v;
     if (Q == Quant::Q4_1) xsum[bf16_dot ? (i % K / 32) * Mpad + i / K : i / 32] += v;
   }
+  // The bf16 dot of 4-bit blocks reads x in pair order.
+  std::vector<T> xpairs;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && Q != Quant::Q8_0) {
+    xpairs.resize(static_cast<size_t>(M * K));
+    pair_x(xp, M, K, xpairs.data());
+    xp = xpairs.data();
+  }
+#endif
   const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
   T* op = out.mutable_data_ptr<T>();
   // Ranges of output rows per thread: ~16 KB of weight blocks each, so a thread streams memory.
