@@ -82,10 +82,11 @@ def resolve_quantization(quantization: str | None, path: str, gguf_file: str | N
     batches, dequantize + GEMM for larger ones. "gguf+dense" also keeps each weight dense in the
     model's dtype (prepacked for oneDNN) for batches of GGUF_DENSE_MIN_ROWS rows or more: the
     blocks are 1.7x faster at batch 1, the dense GEMM 2x faster from ~12 rows (docs/PERFORMANCE.md
-    §9). "none" dequantizes at load. Auto: "gguf+dense" for such a file on CPU, else "none"."""
+    §9). "none" dequantizes at load. Auto: "gguf+dense" for such a file on a CPU with AVX512-BF16
+    (where the block kernel was measured faster: `fast_block_kernels`), else "none"."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None (auto); got {quantization!r}")
-    if quantization == "none" or (quantization is None and (gguf_file is None or on_gpu)):
+    if quantization == "none" or (quantization is None and (gguf_file is None or on_gpu or not fast_block_kernels())):
         return "none"
     if gguf_file is None:
         raise ValueError(f"quantization={quantization!r} needs a .gguf model file; {path!r} is a checkpoint "
@@ -105,6 +106,21 @@ def resolve_quantization(quantization: str | None, path: str, gguf_file: str | N
         raise ValueError(f"quantization={quantization!r} keeps {GGUF_NATIVE_TYPES} blocks; {gguf_file} also has "
                          f"{unsupported} tensors (quantization='none' dequantizes them)")
     return quantization or "gguf+dense"
+
+
+def fast_block_kernels() -> bool:
+    """Whether this CPU has the instructions the GGUF block kernel is fast with (AVX512-BF16's
+    `vdpbf16ps`). On an AVX2-only CPU its portable path decoded the embedded model at 0.64x its
+    bf16 weights' speed (0.93x fp32's), so auto leaves such files dequantized there
+    (docs/PERFORMANCE.md §9). Read from /proc/cpuinfo: configs import without torch."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512_bf16" in line.split()
+    except OSError:
+        pass
+    return False
 
 
 def _unsupported(reader: Any) -> list[str]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model_source import embedded_model_path, resolve_model, resolve_quantization
+from engine.model_source import embedded_model_path, fast_block_kernels, resolve_model, resolve_quantization
 from engine.weights import GGUFWeight, iterate_weights
 from kernels import cpu_ops, reference
 
@@ -88,7 +88,8 @@ def test_native_loader_matches_transformers_dequantization():
 
 def test_quantization_choice(tiny_llama):
     path, gguf_file, _ = resolve_model(None)
-    assert resolve_quantization(None, path, gguf_file, on_gpu=False) == "gguf+dense"     # auto on CPU
+    auto = "gguf+dense" if fast_block_kernels() else "none"      # auto on CPU: blocks where they are fast
+    assert resolve_quantization(None, path, gguf_file, on_gpu=False) == auto
     assert resolve_quantization(None, path, gguf_file, on_gpu=True) == "none"
     for explicit in ("gguf", "gguf+dense", "none"):
         assert resolve_quantization(explicit, path, gguf_file, on_gpu=False) == explicit
