@@ -1,14 +1,15 @@
 """Decode throughput of the embedded GGUF model: its weights dequantized to bf16 (`quantization="none"`),
-kept in their GGUF blocks only (`"gguf"`), and in blocks plus a dense copy for large batches
-(`"gguf+dense"`, the CPU default), at several batch sizes, and llama.cpp's single-stream decode of
-the same file on the same threads, side by side in one run.
+kept in their GGUF blocks only (`"gguf"`), in blocks plus a dense copy for large batches
+(`"gguf+dense"`), and dequantized with an fp8 KV cache (`kv_cache_dtype="fp8"`), at several batch
+sizes, and llama.cpp's single-stream decode of the same file on the same threads, side by side in
+one run. (fp8's quality: benchmarks/quality.py.)
 
     .venv/bin/python benchmarks/quant.py [--batch 1,16,64] [--tokens 128] [--rounds 3] \\
         [--llama-python /path/with/llama_cpp/bin/python] [--json out.json]
 
 Every request decodes `--tokens` greedy tokens (`ignore_eos`) after a 5-token prompt, all of a
 batch submitted at once; tok/s is the batch's output tokens over its wall time, prompt included.
-The three pdserve engines live in this process; llama.cpp (llama-cpp-python, which compiles
+The four pdserve engines live in this process; llama.cpp (llama-cpp-python, which compiles
 llama.cpp on install: not a pdserve dependency) runs in a process of its own each round, with
 `n_threads` = `--threads`, the same prompt and token count. Each round runs llama.cpp, then every
 batch size on every engine; each figure is its best round. Nothing is asserted.
@@ -52,8 +53,10 @@ def run_all(args: argparse.Namespace) -> tuple[dict[str, dict[int, float]], floa
 
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch.split(",")]
-    engines = {name: LLM(None, dtype=args.dtype, quantization=q, max_model_len=1024, max_num_seqs=max(batches))
-               for name, q in (("bf16 weights", "none"), ("GGUF blocks", "gguf"), ("blocks+dense", "gguf+dense"))}
+    engines = {name: LLM(None, dtype=args.dtype, quantization=q, kv_cache_dtype=kv, max_model_len=1024,
+                         max_num_seqs=max(batches))
+               for name, q, kv in (("bf16 weights", "none", "auto"), ("GGUF blocks", "gguf", "auto"),
+                                   ("blocks+dense", "gguf+dense", "auto"), ("fp8 KV cache", "none", "fp8"))}
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     best: dict[str, dict[int, float]] = {name: {} for name in engines}
     llama = None
@@ -104,7 +107,7 @@ def main() -> None:
     if llama is not None:
         print(f"{'llama.cpp':<16}{llama:>12.1f}   (single stream, same GGUF file, {args.threads} threads)")
     dense = best["bf16 weights"]
-    for name in ("GGUF blocks", "blocks+dense"):
+    for name in ("GGUF blocks", "blocks+dense", "fp8 KV cache"):
         row = best[name]
         print(f"{name} / bf16: " + ", ".join(f"batch {b}: {row[b] / dense[b]:.2f}" for b in row)
               + (f"; batch {min(row)} / llama.cpp: {row[min(row)] / llama:.2f}" if llama else ""))

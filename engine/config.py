@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.model_source import QUANTIZATIONS, architecture_of, resolve_model, resolve_quantization
+from engine.model_source import QUANTIZATIONS, architecture_of, kv_cache_scales, resolve_model, resolve_quantization
 
 # Accepted names -> the canonical one (torch's attribute name); a record keeps names, not torch
 # dtypes, so that configs import without torch.
@@ -20,6 +20,11 @@ _DTYPES = {
     "float16": "float16", "fp16": "float16", "half": "float16",
 }
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}     # bytes per element
+# kv_cache_dtype: "auto" (the model's dtype) or fp8 e4m3 (vLLM's names; "fp8" is e4m3), stored as
+# torch's float8_e4m3fn with a scale per layer for K and one for V (kernels/reference.py: quantize_kv).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+FP8_KV_DTYPE = "float8_e4m3fn"
+KV_DTYPE_SIZES = {**DTYPE_SIZES, FP8_KV_DTYPE: 1}
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CONNECTORS = ("nixl", "torch_dist")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -64,6 +69,10 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None                 # None: from kv_cache_memory_bytes / free memory
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"                     # one of KV_CACHE_DTYPES
+    # fp8: calibrate per-layer K/V scales at load on a fixed text (engine/kv_scales.py); None (auto):
+    # where the checkpoint has no scales of its own
+    calculate_kv_scales: bool | None = None
     preemption_mode: str = "recompute"               # one of PREEMPTION_MODES
     swap_space_bytes: int = 256 << 20                # CPU block pool for swap preemption
     scheduling_policy: str = "fcfs"                  # "fcfs" | "priority"
@@ -106,6 +115,8 @@ class EngineArgs:
             raise ValueError(f"num_kv_blocks must be >= 1; got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0; got {self.kv_cache_memory_bytes}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}; got {self.kv_cache_dtype!r}")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0; got {self.swap_space_bytes}")
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
@@ -194,6 +205,15 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = EngineArgs.enable_prefix_caching
     swap_space_bytes: int = EngineArgs.swap_space_bytes     # CPU block pool for swap preemption
+    cache_dtype: str | None = None           # None: the model's dtype; or FP8_KV_DTYPE (EngineConfig.kv_dtype)
+    # fp8: each layer's (K scale, V scale) from the checkpoint (or, with calculate_kv_scales, as
+    # the worker calibrated them at load); () for all 1.0
+    kv_scales: tuple[tuple[float, float], ...] = ()
+    calculate_kv_scales: bool = False        # fp8: calibrate the scales at load (engine/kv_scales.py)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.cache_dtype == FP8_KV_DTYPE
 
 
 @dataclass(frozen=True)
@@ -306,6 +326,11 @@ class EngineConfig:
     kv_transfer_config: KVTransferConfig | None = None
     speculative_config: SpeculativeConfig | None = None
 
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache tensors' dtype name (torch's): the model's, or fp8 (kv_cache_dtype)."""
+        return self.cache_config.cache_dtype or self.model_config.dtype
+
     def model_info(self) -> ModelInfo:
         """What a frontend needs to know of the model this engine serves."""
         mc = self.model_config
@@ -364,6 +389,12 @@ class EngineConfig:
             dtype=resolve_dtype(dtype, config_dtype), max_model_len=max_model_len, seed=seed,
             quantization=resolve_quantization(args.quantization, path, gguf_file, args.worker_num_gpus > 0),
             cuda_graph_sizes=graph_sizes)
+        fp8 = args.kv_cache_dtype != "auto"
+        kv_scales = kv_cache_scales(path, gguf_file, hf_config) if fp8 else ()
+        if fp8 and args.calculate_kv_scales is not False and pipeline_parallel_size > 1 and not kv_scales:
+            raise ValueError("calculate_kv_scales calibrates on one pipeline stage only; with "
+                             "pipeline_parallel_size > 1 and kv_cache_dtype='fp8' pass calculate_kv_scales=False "
+                             "(scales 1.0) or a checkpoint with k_scale/v_scale tensors")
         spec_config = None
         if speculative_config is not None:
             spec_config = SpeculativeConfig.create(speculative_config, model_config)
@@ -372,7 +403,10 @@ class EngineConfig:
             cache_config=CacheConfig(
                 block_size=block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                enable_prefix_caching=args.enable_prefix_caching, swap_space_bytes=args.swap_space_bytes),
+                enable_prefix_caching=args.enable_prefix_caching, swap_space_bytes=args.swap_space_bytes,
+                cache_dtype=FP8_KV_DTYPE if fp8 else None, kv_scales=kv_scales,
+                calculate_kv_scales=bool(fp8 and (args.calculate_kv_scales or (args.calculate_kv_scales is None
+                                                                             and not kv_scales)))),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,

@@ -28,6 +28,7 @@ class _Executor:
     a connector), reached through the step messages."""
 
     kv: KVWorkerGroup | None = None
+    kv_scales: tuple[tuple[float, float], ...] = ()    # the fp8 cache's scales the ranks use (Worker.kv_scales)
     _kv_fresh = False                 # a step's reports arrived since the last kv_poll
 
     def _exchange(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]
@@ -72,6 +73,7 @@ class InProcessExecutor(_Executor):
         assert pc.world_size == 1, "more than one rank needs the RayExecutor"
         self.worker = Worker(config, "cuda" if pc.worker_num_gpus else "cpu")
         self.worker.load_model()
+        self.kv_scales = self.worker.kv_scales()
         self.num_blocks, self.num_cpu_blocks = self.worker.determine_num_blocks()
         self.worker.init_cache(self.num_blocks, self.num_cpu_blocks)
         if self.worker.kv_connector is not None:
@@ -129,6 +131,7 @@ class RayExecutor(_Executor):
             host, port = ray.get(self.workers[0].rendezvous_address.remote())
             self._run("init_distributed", f"tcp://{host}:{port}")
             self._run("load_model")
+            self.kv_scales = self._run("kv_scales")[0]        # (TP ranks agree: kv_scales.py)
             sizes = self._run("determine_num_blocks")
             self.num_blocks = min(n for n, _ in sizes)
             self.num_cpu_blocks = min(c for _, c in sizes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 from engine.config import EngineConfig
@@ -38,6 +39,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(mc.model, mc.gguf_file)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc.hf_config, mc.model)
         self.executor = make_executor(config)
+        if self.executor.kv_scales != config.cache_config.kv_scales:    # fp8 scales calibrated at load
+            config = self.config = replace(config, cache_config=replace(config.cache_config,
+                                                                        kv_scales=self.executor.kv_scales))
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_blocks, config.cache_config.block_size,
             config.cache_config.enable_prefix_caching, self.executor.num_cpu_blocks)

@@ -127,3 +127,38 @@ def _unsupported(reader: Any) -> list[str]:
     """The types of a GGUF file's matrices that are neither dense nor kept in blocks."""
     types = {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
     return sorted(types - set(GGUF_NATIVE_TYPES) - set(_DENSE_TYPES))
+
+
+# Where fp8 checkpoints keep a layer's KV-cache scales (vLLM reads the same names): one per K and
+# per V, or one for both (older checkpoints), or as the K/V projections' output scales (ModelOpt).
+_KV_SCALE_NAMES = {"self_attn.k_scale": (0,), "self_attn.v_scale": (1,), "self_attn.kv_scale": (0, 1),
+                   "self_attn.k_proj.output_scale": (0,), "self_attn.v_proj.output_scale": (1,)}
+
+
+def kv_cache_scales(path: str, gguf_file: str | None, hf_config: Any) -> tuple[tuple[float, float], ...]:
+    """Each layer's (K scale, V scale) for an fp8 KV cache, from the checkpoint's safetensors files
+    (only those tensors are read); () when it has none (every scale 1.0, vLLM's default). A
+    stored value x = K / k_scale, and K = x * k_scale on load."""
+    if gguf_file is not None:
+        return ()
+    from safetensors import safe_open  # noqa: PLC0415
+
+    num_layers = hf_config.num_hidden_layers
+    scales = [[1.0, 1.0] for _ in range(num_layers)]
+    found = False
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".safetensors"):
+            continue
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            for key in f.keys():
+                parts = key.removeprefix("model.").split(".", 2)
+                if parts[0] != "layers" or len(parts) < 3 or parts[2] not in _KV_SCALE_NAMES:
+                    continue
+                value = float(f.get_tensor(key).float().reshape(-1)[0])
+                if not value > 0 or value == float("inf"):
+                    raise ValueError(f"kv_cache_dtype='fp8': {key} in {name} must be a positive finite scale; "
+                                     f"got {value}")
+                for i in _KV_SCALE_NAMES[parts[2]]:
+                    scales[int(parts[1])][i] = value
+                found = True
+    return tuple((k, v) for k, v in scales) if found else ()

@@ -11,12 +11,15 @@ import os
 import pickle
 import socket
 import traceback
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 import engine.step_channel as step_channel
-from engine.config import DTYPE_SIZES, EngineConfig
+from engine.config import KV_DTYPE_SIZES, EngineConfig
+from engine.kv_scales import calibrate_kv_scales
+from engine.layers.attention import Attention
 from engine.model_runner import ModelRunner
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
@@ -90,10 +93,23 @@ class Worker:
         model.eval()
         self.runner = ModelRunner(model, self.config.cache_config.block_size, self.device, mc.seed,
                                   self.config.parallel_config.pipeline_micro_batches)
+        cc = self.config.cache_config
+        if cc.is_fp8 and cc.calculate_kv_scales:
+            scales = calibrate_kv_scales(self.runner, mc.model, mc.gguf_file, mc.vocab_size, mc.max_model_len)
+            self.config = replace(self.config, cache_config=replace(cc, kv_scales=scales))
+        if self.config.cache_config.kv_scales:
+            start, _ = pp_layer_range(mc.num_layers, get_parallel_state().pp_rank, get_parallel_state().pp_size)
+            for i, attn in enumerate(m for m in model.modules() if isinstance(m, Attention)):
+                attn.k_scale, attn.v_scale = self.config.cache_config.kv_scales[start + i]
+
+    def kv_scales(self) -> tuple[tuple[float, float], ...]:
+        """The fp8 cache's per-layer (K, V) scales this rank uses (from the checkpoint, or calibrated
+        at load), () for all 1.0."""
+        return self.config.cache_config.kv_scales
 
     def bytes_per_block(self) -> int:
         mc, cc = self.config.model_config, self.config.cache_config
-        return (2 * cc.block_size * self.num_local_kv_heads() * mc.head_dim * DTYPE_SIZES[mc.dtype]
+        return (2 * cc.block_size * self.num_local_kv_heads() * mc.head_dim * KV_DTYPE_SIZES[self.config.kv_dtype]
                 * self.num_local_layers())
 
     def determine_num_blocks(self) -> tuple[int, int]:
@@ -124,8 +140,9 @@ class Worker:
         shape = (2, num_blocks, cc.block_size, heads, mc.head_dim)
         cpu_shape = (2, num_cpu_blocks, cc.block_size, heads, mc.head_dim)
         assert self.runner is not None
-        self.runner.kv_caches = [torch.zeros(shape, dtype=mc.torch_dtype, device=self.device) for _ in range(layers)]
-        self.runner.cpu_caches = [torch.zeros(cpu_shape, dtype=mc.torch_dtype, device="cpu")
+        dtype = getattr(torch, self.config.kv_dtype)
+        self.runner.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
+        self.runner.cpu_caches = [torch.zeros(cpu_shape, dtype=dtype, device="cpu")
                                   for _ in range(layers)] if num_cpu_blocks else []
         self.runner.capture_cuda_graphs(mc.cuda_graph_sizes, mc.max_model_len)
         if self.config.kv_transfer_config is not None:

@@ -38,7 +38,16 @@ import torch.nn.functional as F
 
 from engine.errors import BuildError
 from kernels import reference
-from kernels.reference import GGUF_BLOCK_BYTES, copy_blocks, gather_blocks, gather_kv, swap_blocks
+from kernels.reference import (
+    FP8_DTYPE,
+    GGUF_BLOCK_BYTES,
+    copy_blocks,
+    dequantize_kv,
+    gather_blocks,
+    gather_kv,
+    quantize_kv,
+    swap_blocks,
+)
 
 __all__ = ["apply_rotary", "copy_blocks", "decode_attention", "gather_blocks", "gather_kv", "gguf_linear",
            "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]
@@ -55,12 +64,23 @@ SDPA_MIN_QUERY_LEN = 128
 
 
 
+def _kernel_reads(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the C++ attention kernels take this query and cache (else the reference runs): a head
+    size and dtype they are built for, and a contiguous cache in the query's dtype or fp8."""
+    return (query.shape[-1] in HEAD_DIMS and query.dtype in DTYPES and kv_cache.is_contiguous()
+            and kv_cache.dtype in (query.dtype, FP8_DTYPE))
+
+
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """kernels.reference.decode_attention's contract, computed in fp32 from the paged cache directly."""
-    if query.shape[-1] not in HEAD_DIMS or query.dtype not in DTYPES or not kv_cache.is_contiguous():
-        return reference.decode_attention(query, kv_cache, block_tables, seq_lens, scale)
-    return torch.ops.pdserve_cpu.paged_decode(query, kv_cache, block_tables, seq_lens, float(scale))
+                     seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0
+                     ) -> torch.Tensor:
+    """kernels.reference.decode_attention's contract, computed in fp32 from the paged cache directly
+    (an fp8 cache's values widened as they are read, k_scale folded into the query's scale and
+    v_scale into the output's normalization)."""
+    if not _kernel_reads(query, kv_cache):
+        return reference.decode_attention(query, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+    return torch.ops.pdserve_cpu.paged_decode(query, kv_cache, block_tables, seq_lens, float(scale),
+                                              float(k_scale), float(v_scale))
 
 
 class PackedPrefill:
@@ -81,18 +101,20 @@ def pack_prefill(block_tables: list[torch.Tensor], query_lens: list[int], seq_le
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[torch.Tensor],
                       query_lens: list[int], seq_lens: list[int], scale: float,
-                      packed: PackedPrefill | None = None) -> torch.Tensor:
+                      packed: PackedPrefill | None = None, k_scale: float = 1.0, v_scale: float = 1.0
+                      ) -> torch.Tensor:
     """kernels.reference.prefill_attention's contract, computed in fp32 from the paged cache directly;
     on a CPU with AMX for a bf16/fp16 query, segments of SDPA_MIN_QUERY_LEN rows or more go to
     SDPA instead (see `sdpa_segments`)."""
-    if (query.shape[-1] not in HEAD_DIMS or query.dtype not in DTYPES or not kv_cache.is_contiguous()
-            or not block_tables):
-        return reference.prefill_attention(query, kv_cache, block_tables, query_lens, seq_lens, scale)
+    if not _kernel_reads(query, kv_cache) or not block_tables:
+        return reference.prefill_attention(query, kv_cache, block_tables, query_lens, seq_lens, scale, None,
+                                           k_scale, v_scale)
+    scales = (float(scale), float(k_scale), float(v_scale))
     large = sdpa_segments(query.dtype, query_lens)
     if not large:
         packed = packed or PackedPrefill(block_tables, query_lens, seq_lens)
         return torch.ops.pdserve_cpu.paged_prefill(query, kv_cache, packed.tables, packed.query_lens,
-                                                   packed.seq_lens, float(scale))
+                                                   packed.seq_lens, *scales)
     _check_segments(query, kv_cache, block_tables, query_lens, seq_lens)
     out = torch.empty_like(query)
     starts = [0]
@@ -101,13 +123,13 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     rest = [i for i in range(len(query_lens)) if i not in large]
     for i in large:
         rows = slice(starts[i], starts[i + 1])
-        out[rows] = _sdpa_segment(query[rows], kv_cache, block_tables[i], seq_lens[i], scale)
+        out[rows] = _sdpa_segment(query[rows], kv_cache, block_tables[i], seq_lens[i], *scales)
     if rest:
         rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rest])
         out[rows] = torch.ops.pdserve_cpu.paged_prefill(
             query[rows], kv_cache, torch.nn.utils.rnn.pad_sequence([block_tables[i].long() for i in rest],
                                                                    batch_first=True),
-            torch.tensor([query_lens[i] for i in rest]), torch.tensor([seq_lens[i] for i in rest]), float(scale))
+            torch.tensor([query_lens[i] for i in rest]), torch.tensor([seq_lens[i] for i in rest]), *scales)
     return out
 
 
@@ -145,11 +167,12 @@ def _check_segments(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: l
 
 
 def _sdpa_segment(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
-                  scale: float) -> torch.Tensor:
+                  scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
     """One segment's causal attention by SDPA over its K/V gathered from the paged cache, in the
     query's dtype: query [q_len, H, D] holds the last q_len of seq_len positions."""
     q_len = query.shape[0]
     k, v = gather_kv(kv_cache, block_table, seq_len)              # [seq_len, kvh, d]
+    k, v = dequantize_kv(k, k_scale, query.dtype), dequantize_kv(v, v_scale, query.dtype)
     # 4-D inputs: 3-D ones fall back to SDPA's slow math kernel on CPU.
     q, k, v = query.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if q_len == seq_len:
@@ -222,11 +245,16 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.pdserve_cpu.argmax_rows(x)
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """kernels.reference.write_kv's contract; slots < 0 (padding rows) are skipped."""
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """kernels.reference.write_kv's contract; slots < 0 (padding rows) are skipped. An fp8 cache's
+    rows are quantized by kernels.reference.quantize_kv and written as bytes."""
+    if kv_cache.dtype == FP8_DTYPE and kv_cache.is_contiguous():
+        key, value = quantize_kv(key, k_scale).view(torch.uint8), quantize_kv(value, v_scale).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
     rows_ok = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (key, value))
-    if kv_cache.dtype not in DTYPES or not kv_cache.is_contiguous() or not rows_ok:
-        return reference.write_kv(key, value, kv_cache, slot_mapping)
+    if kv_cache.dtype not in (*DTYPES, torch.uint8) or not kv_cache.is_contiguous() or not rows_ok:
+        return reference.write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     torch.ops.pdserve_cpu.write_kv(key, value, kv_cache, slot_mapping)
 
 

@@ -2,18 +2,50 @@
 
 KV cache layout (per layer): `[2, num_blocks, block_size, num_kv_heads, head_dim]`; the slot of token i
 of a sequence is `block_table[i // block_size] * block_size + i % block_size`.
+
+An fp8 cache (`torch.float8_e4m3fn`, kv_cache_dtype="fp8") stores K / k_scale and V / v_scale,
+saturated to e4m3's +-448 and rounded to nearest even (`quantize_kv`); attention reads K as the
+stored value times k_scale (`dequantize_kv`) and likewise V. The attention and write kernels take
+the layer's scales as `k_scale` / `v_scale` (1.0, and ignored, for a cache in the model's dtype).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0             # e4m3fn's largest finite value
+
+
+def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale as fp8 e4m3 (computed in fp32, saturated to +-FP8_MAX, rounded to nearest even):
+    what an fp8 cache stores. Every kernel set writes through this."""
+    x = x.float()
+    if scale != 1.0:
+        x = x / scale
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache values as `dtype` (fp8: times the layer's scale; exact in fp32/bf16/fp16 at scale 1)."""
+    if x.dtype != FP8_DTYPE:
+        return x.to(dtype)
+    x = x.to(dtype)
+    return x * scale if scale != 1.0 else x
+
+
+def raw(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache as bytes where it is fp8 (torch lacks index_copy_ and friends for fp8), else itself."""
+    return kv_cache.view(torch.uint8) if kv_cache.dtype == FP8_DTYPE else kv_cache
+
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store new K/V rows into their slots. key/value: [num_tokens, num_kv_heads, head_dim]."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    if kv_cache.dtype == FP8_DTYPE:
+        key, value = quantize_kv(key, k_scale).view(torch.uint8), quantize_kv(value, v_scale).view(torch.uint8)
+    flat = raw(kv_cache).view(2, num_blocks * block_size, num_kv_heads, head_dim)
     flat[0].index_copy_(0, slot_mapping, key)
     flat[1].index_copy_(0, slot_mapping, value)
 
@@ -49,8 +81,8 @@ def pack_prefill(block_tables: list[torch.Tensor], query_lens: list[int], seq_le
 
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[torch.Tensor],
-                      query_lens: list[int], seq_lens: list[int], scale: float, packed: object = None
-                      ) -> torch.Tensor:
+                      query_lens: list[int], seq_lens: list[int], scale: float, packed: object = None,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of variable-length query segments against paged K/V.
 
     query: [num_tokens, num_heads, head_dim], the segments laid end to end. Segment i holds the last
@@ -70,8 +102,8 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     for block_table, q_len, seq_len in zip(block_tables, query_lens, seq_lens):
         q = query[start:start + q_len].transpose(0, 1).to(compute_dtype)    # [H, q_len, d]
         k, v = gather_kv(kv_cache, block_table, seq_len)  # [seq_len, kvh, d]
-        k = k.transpose(0, 1)[None].to(compute_dtype)    # [1, kvh, seq_len, d]
-        v = v.transpose(0, 1)[None].to(compute_dtype)
+        k = dequantize_kv(k.transpose(0, 1)[None], k_scale, compute_dtype)    # [1, kvh, seq_len, d]
+        v = dequantize_kv(v.transpose(0, 1)[None], v_scale, compute_dtype)
         # 4-D inputs: 3-D ones fall back to SDPA's slow math kernel on CPU.
         if q_len == seq_len:
             o = F.scaled_dot_product_attention(q[None], k, v, is_causal=True, scale=scale, enable_gqa=True)[0]
@@ -90,7 +122,8 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
 
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0
+                     ) -> torch.Tensor:
     """One query token per sequence against its paged K/V.
 
     query: [batch, num_heads, head_dim]; block_tables: [batch, max_blocks] (padded with any valid
@@ -102,14 +135,14 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     """
     batch = query.shape[0]
     if batch < DECODE_GROUP_MIN_BATCH or query.device.type != "cpu":    # (no host sync on a GPU)
-        return _decode_padded(query, kv_cache, block_tables, seq_lens, scale)
+        return _decode_padded(query, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale)
     bounds = _decode_groups(seq_lens.tolist(), kv_cache.shape[2])
     if len(bounds) == 1:
-        return _decode_padded(query, kv_cache, block_tables, seq_lens, scale)
+        return _decode_padded(query, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale)
     out = torch.empty_like(query)
     for start, end, num_blocks in bounds:
         out[start:end] = _decode_padded(query[start:end], kv_cache, block_tables[start:end, :num_blocks],
-                                        seq_lens[start:end], scale)
+                                        seq_lens[start:end], scale, k_scale, v_scale)
     return out
 
 
@@ -138,7 +171,7 @@ def _decode_groups(lens: list[int], block_size: int) -> list[tuple[int, int, int
 
 
 def _decode_padded(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                   seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                   seq_lens: torch.Tensor, scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
     batch, max_blocks = block_tables.shape
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     group = query.shape[1] // num_kv_heads
@@ -148,8 +181,9 @@ def _decode_padded(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]   # [B, max_len]
     # The `group` query heads sharing a KV head are that head's rows: [B, kvh, group, d]. SDPA with
     # a mask and enable_gqa instead is 4-6x slower on CPU in bf16.
+    k, v = dequantize_kv(kv[0], k_scale, query.dtype), dequantize_kv(kv[1], v_scale, query.dtype)
     out = F.scaled_dot_product_attention(
-        query.view(batch, num_kv_heads, group, head_dim), kv[0], kv[1], attn_mask=mask[:, None, None, :],
+        query.view(batch, num_kv_heads, group, head_dim), k, v, attn_mask=mask[:, None, None, :],
         scale=scale)                                      # [B, kvh, group, d]
     return out.reshape(batch, num_kv_heads * group, head_dim)
 
@@ -161,6 +195,7 @@ def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> 
     src = torch.tensor([s for s, _ in pairs], device=kv_caches[0].device)
     dst = torch.tensor([d for _, d in pairs], device=kv_caches[0].device)
     for kv_cache in kv_caches:
+        kv_cache = raw(kv_cache)
         kv_cache[:, dst] = kv_cache[:, src]
 
 
@@ -172,6 +207,7 @@ def swap_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor],
     src = torch.tensor([s for s, _ in pairs])
     dst = torch.tensor([d for _, d in pairs])
     for src_cache, dst_cache in zip(src_caches, dst_caches, strict=True):
+        src_cache, dst_cache = raw(src_cache), raw(dst_cache)
         moved = src_cache[:, src.to(src_cache.device)].to(dst_cache.device, non_blocking=True)
         dst_cache[:, dst.to(dst_cache.device)] = moved
 

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import FP8_DTYPE
+
 # Context tokens per decode program at the least; below this a partition's fixed cost dominates.
 MIN_PARTITION_TOKENS = 256
 PROGRAMS_PER_SM = 2         # decode splits the context until about this many programs per SM
@@ -53,9 +55,20 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _load_kv(ptr, mask, like, FP8: tl.constexpr):
+    """Cache values as `like`'s dtype; an fp8 cache (read as bytes) widened exactly as the C++
+    kernels do it: e4m3's bits under fp16's, converted, times 2^8 (its scale is applied by the caller)."""
+    if FP8:
+        b = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+        h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+        return (h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(like.dtype)
+    return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
 def _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_row_ptr, t, seq_len, q_pos, kvh, d, dmask,
                  stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                 BOUNDED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+                 BOUNDED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
     """One online-softmax step over the TILE tokens from position t: scores of q against their
     keys, running max m and sum l rescaled, values accumulated. BOUNDED masks positions >= seq_len,
     CAUSAL positions after each query row's q_pos; a tile with neither needs no mask at all."""
@@ -68,7 +81,7 @@ def _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_row_ptr, t, seq_len, q_pos, k
         page = tl.load(table_row_ptr + pos // BLOCK_SIZE)
         kv_mask = dmask[None, :]
     off = page.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
-    k = tl.load(k_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    k = _load_kv(k_ptr + off[:, None] + d[None, :], kv_mask, q, FP8)
     s = _dot(q, tl.trans(k), IEEE).to(tl.float32) * scale
     if CAUSAL:
         s = tl.where((pos[None, :] <= q_pos[:, None]) & pmask[None, :], s, float("-inf"))
@@ -78,7 +91,7 @@ def _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_row_ptr, t, seq_len, q_pos, k
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m - m_new)
     l = l * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = _load_kv(v_ptr + off[:, None] + d[None, :], kv_mask, q, FP8)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE).to(tl.float32)
     return m_new, l, acc
 
@@ -86,11 +99,11 @@ def _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_row_ptr, t, seq_len, q_pos, k
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_o_ptr, part_ml_ptr,
                    stride_qb, stride_qh, stride_ob, stride_oh,
-                   stride_kb, stride_ks, stride_kh, stride_tb, scale,
+                   stride_kb, stride_ks, stride_kh, stride_tb, scale, v_scale,
                    num_heads, num_splits, tiles_per_split,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                   SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                   SPLIT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -110,7 +123,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_o_ptr
     for t in range(start, end, TILE):
         m, l, acc = _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_ptr + b * stride_tb, t, seq_len, 0, kvh,
                                  d, dmask, stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE, TILE,
-                                 True, False, IEEE)
+                                 True, False, IEEE, FP8)
+    acc = acc * v_scale                 # an fp8 cache's V scale (1.0 otherwise)
     if SPLIT:
         # Unnormalized partial output and its (m, l): [batch, heads, splits, ...].
         row = (b * num_heads + heads) * num_splits + split      # (b, head, split)
@@ -162,8 +176,16 @@ def decode_partitions(batch: int, num_kv_heads: int, max_len: int, block_size: i
     return triton.cdiv(tiles, per_split), per_split
 
 
+def _cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """K and V pools as the kernels read them (an fp8 cache as bytes), and whether it is fp8."""
+    fp8 = kv_cache.dtype == FP8_DTYPE
+    cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
+    return cache[0], cache[1], fp8
+
+
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0
+                     ) -> torch.Tensor:
     """Same contract as kernels.reference.decode_attention; a seq_len of 0 gives a zero row."""
     batch, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -174,7 +196,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     d_pad = triton.next_power_of_2(head_dim)
     max_len = block_tables.shape[1] * block_size
     splits, per_split = decode_partitions(batch, num_kv_heads, max_len, block_size, query.device)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache, v_cache, fp8 = _cache_views(kv_cache)
     if splits > 1:
         part_o = torch.empty(batch * num_heads * splits * d_pad, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(batch * num_heads * splits * 2, dtype=torch.float32, device=query.device)
@@ -182,11 +204,11 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
         part_o = part_ml = out      # unused
     common = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
                   D_PAD=d_pad, BLOCK_SIZE=block_size, TILE=_tile(block_size),
-                  IEEE=query.dtype == torch.float32)
+                  IEEE=query.dtype == torch.float32, FP8=fp8)
     _decode_kernel[(batch, num_kv_heads, splits)](
         query, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), scale,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), scale * k_scale, v_scale,
         num_heads, splits, per_split, SPLIT=splits > 1, **common, **DECODE_LAUNCH)
     if splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -198,10 +220,10 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, q_start_ptr, q_len_ptr, seq_len_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_kb, stride_ks, stride_kh, stride_tb, scale,
+                    stride_kb, stride_ks, stride_kh, stride_tb, scale, v_scale,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
-                    IEEE: tl.constexpr):
+                    IEEE: tl.constexpr, FP8: tl.constexpr):
     tile = tl.program_id(0)
     seg = tl.program_id(1)
     h = tl.program_id(2)
@@ -230,13 +252,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, q_start_ptr, q_len_pt
     for t in range(0, full_end, TILE):
         m, l, acc = _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_row, t, seq_len, q_pos, kvh, d, dmask,
                                  stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE, TILE, False, False,
-                                 IEEE)
+                                 IEEE, FP8)
     hi = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)
     for t in range(full_end, hi, TILE):
         m, l, acc = _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_row, t, seq_len, q_pos, kvh, d, dmask,
                                  stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE, TILE, True, True,
-                                 IEEE)
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+                                 IEEE, FP8)
+    out = acc * v_scale / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
@@ -269,7 +291,8 @@ def pack_prefill(block_tables: list[torch.Tensor], query_lens: list[int], seq_le
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[torch.Tensor],
                       query_lens: list[int], seq_lens: list[int], scale: float,
-                      packed: PackedPrefill | None = None) -> torch.Tensor:
+                      packed: PackedPrefill | None = None, k_scale: float = 1.0, v_scale: float = 1.0
+                      ) -> torch.Tensor:
     """Same contract as kernels.reference.prefill_attention."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -277,13 +300,13 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     if not query_lens:
         return out
     pk = packed or PackedPrefill(block_tables, query_lens, seq_lens, query.device)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache, v_cache, fp8 = _cache_views(kv_cache)
     grid = (triton.cdiv(pk.max_q_len, PREFILL_BLOCK_M), len(query_lens), num_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, out, pk.tables, pk.q_starts, pk.q_lens, pk.seq_lens,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), pk.tables.stride(0), scale,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), pk.tables.stride(0), scale * k_scale, v_scale,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M, TILE=_tile(block_size),
-        IEEE=query.dtype == torch.float32, **PREFILL_LAUNCH)
+        IEEE=query.dtype == torch.float32, FP8=fp8, **PREFILL_LAUNCH)
     return out

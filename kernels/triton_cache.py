@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import FP8_DTYPE, quantize_kv
+
 
 @triton.jit
 def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
@@ -30,11 +32,15 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Same contract as kernels.reference.write_kv; a negative slot is skipped (padding)."""
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Same contract as kernels.reference.write_kv; a negative slot is skipped (padding). An fp8
+    cache's rows are quantized by kernels.reference.quantize_kv and stored as bytes."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    if kv_cache.dtype == FP8_DTYPE:
+        key, value = quantize_kv(key, k_scale).view(torch.uint8), quantize_kv(value, v_scale).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1
     _write_kv_kernel[(num_tokens,)](
@@ -71,6 +77,7 @@ def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> 
     dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=device)
     for kv_cache in kv_caches:
         assert kv_cache.is_contiguous()
+        kv_cache = kv_cache.view(torch.uint8) if kv_cache.dtype == FP8_DTYPE else kv_cache
         num_blocks = kv_cache.shape[1]
         block_elems = kv_cache[0, 0].numel()
         grid = (len(pairs), 2, triton.cdiv(block_elems, COPY_CHUNK))

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.config import DTYPE_SIZES
+from engine.config import KV_DTYPE_SIZES
 from engine.errors import KVLayoutMismatch
 
 if TYPE_CHECKING:
@@ -22,19 +22,23 @@ class KVLayout:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: str
+    dtype: str            # the cache's dtype; for fp8 with scales other than 1.0, also a digest of them
     tp_rank: int = 0
     tp_size: int = 1
 
     @classmethod
     def from_config(cls, config: EngineConfig, tp_rank: int = 0) -> KVLayout:
         mc = config.model_config
+        dtype = config.kv_dtype
+        scales = config.cache_config.kv_scales
+        if scales:      # an fp8 cache's bytes mean the same only under the same per-layer scales
+            dtype += ":scales-" + hashlib.sha256(json.dumps(scales).encode()).hexdigest()[:12]
         raw = {k: v for k, v in mc.hf_config.to_dict().items()
                if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")}
         digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
         return cls(model=f"{mc.architecture}:{digest}", num_layers=mc.num_layers,
                    block_size=config.cache_config.block_size, num_kv_heads=mc.num_kv_heads,
-                   head_dim=mc.head_dim, dtype=mc.dtype, tp_rank=tp_rank,
+                   head_dim=mc.head_dim, dtype=dtype, tp_rank=tp_rank,
                    tp_size=config.parallel_config.tensor_parallel_size)
 
     @property
@@ -81,7 +85,7 @@ class KVLayout:
     @property
     def head_bytes(self) -> int:
         """Bytes of one head of one token's K (or V)."""
-        return self.head_dim * DTYPE_SIZES[self.dtype]
+        return self.head_dim * KV_DTYPE_SIZES[self.dtype.split(":")[0]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,8 @@ def scatter_blocks(cache: torch.Tensor, index: torch.Tensor, heads: slice | None
     scatter at about half the speed of the gather (index_select), more slowly again with two
     threads; NumPy's fancy assignment of whole rows runs near the gather's speed."""
     if cache.device.type != "cpu":
+        if cache.dtype == torch.float8_e4m3fn:        # (no index_copy_ for fp8: move its bytes)
+            cache, received = cache.view(torch.uint8), received.view(torch.uint8)
         if heads is None:
             cache.index_copy_(1, index, received)
         else:

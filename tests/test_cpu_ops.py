@@ -310,3 +310,67 @@ def test_a_failed_compile_reports_the_compiler_error(monkeypatch, tmp_path):
     with pytest.raises(cpu_ops.BuildError, match="error: no luck"):
         cpu_ops.build(path)
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [f"{(tmp_path / 'cache' / path).name}.lock"]
+
+
+# --- fp8 KV cache (kv_cache_dtype="fp8") ----------------------------------------------------------
+def fp8_cache(cache: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
+    """`cache`'s K and V as an fp8 cache stores them (kernels.reference.quantize_kv)."""
+    return torch.stack([reference.quantize_kv(cache[0] * 3, k_scale), reference.quantize_kv(cache[1], v_scale)])
+
+
+def test_fp8_values_widen_exactly_in_the_kernels():
+    """Every finite e4m3 value (subnormals, +-448, -0) read by the C++ decode kernel as torch widens
+    it: one token whose V holds sixteen of them, attended alone (its weight is exactly 1)."""
+    values = torch.arange(256, dtype=torch.uint8)
+    values = values[(values & 0x7F) != 0x7F]                          # 254 finite values
+    rows = torch.cat([values, torch.zeros(2, dtype=torch.uint8)]).view(-1, 16)
+    for row in rows:
+        cache = torch.zeros(2, 1, 16, 1, 16, dtype=torch.float8_e4m3fn)
+        cache.view(torch.uint8)[1, 0, 0, 0] = row
+        out = cpu_ops.decode_attention(torch.ones(1, 1, 16), cache, torch.tensor([[0]]), torch.tensor([1]), 1.0)
+        assert torch.equal(out[0, 0], row.view(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 2.5)])
+def test_fp8_decode_and_prefill_match_the_reference(dtype, scales):
+    """The C++ kernels on an fp8 cache (K and V scales folded into the query's scale and the output)
+    against the reference, which widens the cache to the query's dtype times the scales."""
+    k_scale, v_scale = scales
+    query, cache, tables, seq_lens = paged_batch([1, 15, 17, 49, 300], 9, 3, 64, 16, torch.float32)
+    cache = fp8_cache(cache, k_scale, v_scale)
+    query = query.to(dtype)
+    out = cpu_ops.decode_attention(query, cache, tables, seq_lens, 0.125, k_scale, v_scale)
+    ref = reference.decode_attention(query.float(), cache, tables, seq_lens, 0.125, k_scale, v_scale)
+    assert out.dtype == dtype and rel_err(out, ref) < TOLERANCE[dtype]
+    query, cache, ptables = prefill_batch(PREFILL_QUERY_LENS, PREFILL_SEQ_LENS, 9, 3, 64, 16, torch.float32)
+    cache = fp8_cache(cache, k_scale, v_scale)
+    query = query.to(dtype)
+    out = cpu_ops.prefill_attention(query, cache, ptables, PREFILL_QUERY_LENS, PREFILL_SEQ_LENS, 0.125, None,
+                                    k_scale, v_scale)
+    ref = reference.prefill_attention(query.float(), cache, ptables, PREFILL_QUERY_LENS, PREFILL_SEQ_LENS, 0.125,
+                                      None, k_scale, v_scale)
+    assert out.dtype == dtype and rel_err(out, ref) < TOLERANCE[dtype]
+
+
+def test_fp8_write_quantizes_saturates_and_copies_blocks():
+    """The slot write stores quantize_kv's bytes (x / scale, saturated at +-448) in every kernel set;
+    copy and swap move fp8 blocks as bytes."""
+    g = torch.Generator().manual_seed(5)
+    cache = torch.zeros(2, 8, 16, 2, 32, dtype=torch.float8_e4m3fn)
+    key = torch.randn(5, 2, 32, generator=g).bfloat16() * 300         # some beyond 448 * 0.5
+    value = torch.randn(5, 2, 32, generator=g).bfloat16()
+    slots = torch.tensor([3, 40, -1, 100, 17])
+    expected = cache.clone()
+    real = slots >= 0
+    reference.write_kv(key[real], value[real], expected, slots[real], 0.5, 2.0)
+    cpu_ops.write_kv(key, value, cache, slots, 0.5, 2.0)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    stored = cache.view(2, -1, 2, 32)[0, 3].float()
+    assert stored.abs().max() == 448.0 and not stored.isnan().any()
+    assert torch.equal(stored, (key[0].float() / 0.5).clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    reference.copy_blocks([cache], [(0, 5)])
+    assert torch.equal(cache[:, 5].view(torch.uint8), cache[:, 0].view(torch.uint8))
+    cpu = torch.zeros_like(cache)
+    reference.swap_blocks([cache], [cpu], [(6, 1)])
+    assert torch.equal(cpu[:, 1].view(torch.uint8), cache[:, 6].view(torch.uint8))

@@ -115,6 +115,33 @@ def test_write_kv_skips_padding_and_copy_blocks_matches_reference():
     assert torch.equal(cache, expected)
 
 
+def test_fp8_cache_write_decode_prefill_and_copy_match_reference():
+    """kv_cache_dtype="fp8": the write quantizes (kernels.reference.quantize_kv), the attention
+    kernels widen the bytes and apply the K/V scales, copies move bytes; all as the reference."""
+    num_kv_heads, head_dim, block_size, k_scale, v_scale = 2, HEAD_DIM, 16, 0.5, 2.0
+    seq_lens, query_lens = [37, 70, 5], [37, 21, 1]
+    dense, tables, g = paged(seq_lens, num_kv_heads, head_dim, block_size, torch.float32)
+    cache = torch.stack([reference.quantize_kv(dense[0], k_scale), reference.quantize_kv(dense[1], v_scale)])
+    q = torch.randn(sum(query_lens), num_kv_heads * 4, head_dim, generator=g).to(DEVICE)
+    out = tri.prefill_attention(q, cache, tables, query_lens, seq_lens, 0.15, None, k_scale, v_scale)
+    ref = reference.prefill_attention(q, cache, tables, query_lens, seq_lens, 0.15, None, k_scale, v_scale)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    lens = torch.tensor(seq_lens, device=DEVICE)
+    qd = q[:len(seq_lens)].contiguous()
+    out = tri.decode_attention(qd, cache, padded(tables), lens, 0.15, k_scale, v_scale)
+    ref = reference.decode_attention(qd, cache, padded(tables), lens, 0.15, k_scale, v_scale)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    key = torch.randn(4, num_kv_heads, head_dim, generator=g).to(DEVICE) * 400
+    value = torch.randn(4, num_kv_heads, head_dim, generator=g).to(DEVICE)
+    slots = torch.tensor([3, -1, 100, 17], device=DEVICE)
+    expected = cache.clone()
+    reference.write_kv(key[slots >= 0], value[slots >= 0], expected, slots[slots >= 0], k_scale, v_scale)
+    tri.write_kv(key, value, cache, slots, k_scale, v_scale)
+    reference.copy_blocks([expected], [(1, 4)])
+    tri.copy_blocks([cache], [(1, 4)])
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_matches_reference(with_residual):
     g = torch.Generator().manual_seed(1)

@@ -257,6 +257,32 @@ def test_pulled_blocks_are_what_decode_uses(tiny_llama, connector):
     settle(p, d)
 
 
+def test_pd_with_fp8_kv_matches_one_fp8_engine(tiny_llama, connector):
+    """kv_cache_dtype="fp8" on both sides: D's greedy output equals a single fp8 engine's, and the
+    blocks D decodes from hold P's fp8 bytes (scales calibrated at load agree on both sides)."""
+    sizes = [17, 300]
+    ids_list = [prompt(n, salt=20 + n) for n in sizes]
+    single = make_engine(tiny_llama, None, kv_cache_dtype="fp8")
+    want = [run_one(single, f"f{n}", ids).outputs[0].token_ids for n, ids in zip(sizes, ids_list)]
+    p = make_engine(tiny_llama, connector, kv_cache_dtype="fp8")
+    d = make_engine(tiny_llama, connector, kv_cache_dtype="fp8")
+    assert p.config.cache_config.kv_scales == d.config.cache_config.kv_scales != ()
+    assert p.executor.worker.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    for n, ids, expected in zip(sizes, ids_list, want):
+        params = prefill(p, f"r{n}", ids)
+        num_full = len(ids) // 16
+        sent = [cache[:, params["remote_block_ids"][:num_full]].view(torch.uint8).clone()
+                for cache in p.executor.worker.runner.kv_caches]
+        out = run_one(d, f"r{n}", ids, GREEDY, params, others=(p,))
+        assert out.outputs[0].token_ids == expected, n
+        settle(p, d)
+        hashes = [bytes.fromhex(h) for h in params["remote_block_hashes"][:num_full]]
+        d_blocks = [d.kv_cache_manager.block_pool.cached[h].block_id for h in hashes]
+        for got, expected_bytes in zip(d.executor.worker.runner.kv_caches, sent, strict=True):
+            assert torch.equal(got[:, d_blocks].view(torch.uint8), expected_bytes)
+    assert d.stats()["kv_load_failures"] == 0
+
+
 # --- faults: each ends with zero blocks held on both sides ---------------------------------------------
 def test_abort_on_prefill_before_pull_falls_back_to_recompute(tiny_llama, connector):
     ids = prompt(80, salt=5)
@@ -329,6 +355,7 @@ def test_layout_mismatch_refused_at_handshake(tiny_llama, tiny_qwen2, connector)
     params = prefill(p, "x", ids)
     cases = [(make_engine(tiny_llama, connector, block_size=8), "block_size"),
              (make_engine(tiny_llama, connector, dtype="bfloat16"), "dtype"),
+             (make_engine(tiny_llama, connector, kv_cache_dtype="fp8"), "dtype"),
              (make_engine(tiny_qwen2, connector), "model")]
     for d, field in cases:
         with pytest.raises(KVLayoutMismatch, match=f"prefill engine's {field} is"):

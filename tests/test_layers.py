@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("kernels", ["kernels.*", "engine.parallel_state", "engine.weights"]),
     ("kv_transfer", ["kv_transfer.*"]),
     ("model", ["engine.layers.*", "engine.models.*", "engine.model_runner", "engine.cuda_graph",
-               "engine.worker", "engine.step_channel", "engine.step_delta"]),
+               "engine.worker", "engine.kv_scales", "engine.step_channel", "engine.step_delta"]),
     ("distributed", ["engine.ray_cluster", "engine.executor"]),
     ("engine", ["engine.block_pool", "engine.kv_cache_manager", "engine.kv_loads", "engine.scheduler",
                 "engine.spec_decode", "engine.spec_decode.*", "engine.output_processor", "engine.llm_engine",

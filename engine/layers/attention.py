@@ -62,20 +62,22 @@ class AttentionBackend:
         return meta
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """query: [T, H, d]; key/value: [T, kvh, d]; returns [T, H, d]."""
+               meta: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        """query: [T, H, d]; key/value: [T, kvh, d]; returns [T, H, d]. k_scale/v_scale: an fp8
+        cache's scales (kernels/reference.py)."""
         k = self.kernels
-        k.write_kv(key, value, kv_cache, meta.slot_mapping)
+        k.write_kv(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         num_decode = meta.num_decode_tokens
         if num_decode == query.shape[0]:
-            return k.decode_attention(query, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+            return k.decode_attention(query, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+                                      k_scale, v_scale)
         out = torch.empty_like(query)
         if num_decode:
             out[:num_decode] = k.decode_attention(query[:num_decode], kv_cache, meta.decode_block_tables,
-                                                  meta.decode_seq_lens, scale)
+                                                  meta.decode_seq_lens, scale, k_scale, v_scale)
         out[num_decode:] = k.prefill_attention(query[num_decode:], kv_cache, meta.prefill_block_tables,
                                                meta.prefill_query_lens, meta.prefill_seq_lens, scale,
-                                               meta.prefill_packed)
+                                               meta.prefill_packed, k_scale, v_scale)
         return out
 
 
@@ -91,9 +93,12 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        # An fp8 KV cache's scales for this layer (EngineConfig.cache_config.kv_scales; set by the
+        # worker): stored K = K / k_scale, V likewise.
+        self.k_scale, self.v_scale = 1.0, 1.0
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """query: [T, H, d]; key/value: [T, kvh, d]; returns [T, H, d]."""
         backend = self.backend or _default_backend(kernels_for(query), query.device.type)
-        return backend.attend(query, key, value, kv_cache, meta, self.scale)
+        return backend.attend(query, key, value, kv_cache, meta, self.scale, self.k_scale, self.v_scale)

@@ -6,10 +6,11 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <cmath>
@@ -34,6 +35,7 @@ inline float to_float(c10::BFloat16 x) {
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef float f32x16u __attribute__((vector_size(64), aligned(4)));   // for unaligned loads
 typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
@@ -69,6 +71,30 @@ inline f32x16 load16(const T* p) {
 #else
     const u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
     return reinterpret_cast<const f32x16&>(wide);
+#endif
+  } else if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
+    // e4m3 -> fp16 bits: the sign to bit 15, exponent and mantissa (7 bits) shifted under fp16's
+    // (5-bit exponent, 10-bit mantissa), which is the value times 2^(7 - 15); the fp16 -> fp32
+    // conversion is exact (e4m3's subnormals are fp16 subnormals: no flush), and * 256 undoes the
+    // exponent bias difference. (0x7F, e4m3's NaN, reads as 480: the write path never stores NaN
+    // from finite input, saturating at +-448.)
+    const u16x16 w = __builtin_convertvector(*reinterpret_cast<const u8x16*>(p), u16x16);
+    const u16x16 h = ((w & 0x80) << 8) | ((w & 0x7F) << 7);
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_cvtph_ps(reinterpret_cast<const __m256i&>(h));
+    return reinterpret_cast<const f32x16&>(f) * 256.0f;
+#elif defined(__F16C__)
+    const __m256i h256 = reinterpret_cast<const __m256i&>(h);
+    const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h256));
+    const __m256 hi = _mm256_cvtph_ps(_mm256_extractf128_si256(h256, 1));
+    f32x16 v;
+    std::memcpy(&v, &lo, sizeof lo);
+    std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+    return v * 256.0f;
+#else
+    f32x16 v;
+    for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(c10::Half(h[i], c10::Half::from_bits())) * 256.0f;
+    return v;
 #endif
   } else {
     f32x16 v;
@@ -189,7 +215,8 @@ inline void check_block_tables(const char* op, const at::Tensor& tables, const a
 inline void check_attention_inputs(const char* op, const at::Tensor& query, const at::Tensor& kv_cache) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), op, ": CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, op, ": query [tokens, heads, head_dim], kv_cache 5-D");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), op, ": query and kv_cache dtypes differ");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() || kv_cache.scalar_type() == at::kFloat8_e4m3fn, op,
+              ": kv_cache must have the query's dtype or float8_e4m3fn");
   TORCH_CHECK(kv_cache.is_contiguous(), op, ": kv_cache must be contiguous");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0 && query.size(2) == kv_cache.size(4), op,
               ": query heads/head_dim do not match the cache");
@@ -221,26 +248,33 @@ struct TypeTag {
   using type = T;
 };
 
-// Calls f(TypeTag<T>{}, std::integral_constant<int, D>{}) for query's dtype T and head size D: the
-// dtypes and head sizes the kernels are built for (kernels/cpu_ops.py: DTYPES, HEAD_DIMS; others
-// run the reference).
+// Calls f(TypeTag<T>{}, TypeTag<C>{}, std::integral_constant<int, D>{}) for query's dtype T, the
+// cache's element type C (T, or fp8 e4m3) and head size D: the dtypes and head sizes the kernels
+// are built for (kernels/cpu_ops.py: DTYPES, HEAD_DIMS; others run the reference).
 template <typename F>
-void dispatch_dtype_and_head_dim(const char* op, const at::Tensor& query, F&& f) {
-  auto with_dim = [&](auto tag) {
+void dispatch_dtype_and_head_dim(const char* op, const at::Tensor& query, const at::Tensor& kv_cache, F&& f) {
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  auto with_dim = [&](auto tag, auto cache_tag) {
     switch (query.size(2)) {
-      case 16: f(tag, std::integral_constant<int, 16>{}); break;
-      case 32: f(tag, std::integral_constant<int, 32>{}); break;
-      case 64: f(tag, std::integral_constant<int, 64>{}); break;
-      case 96: f(tag, std::integral_constant<int, 96>{}); break;
-      case 128: f(tag, std::integral_constant<int, 128>{}); break;
-      case 256: f(tag, std::integral_constant<int, 256>{}); break;
+      case 16: f(tag, cache_tag, std::integral_constant<int, 16>{}); break;
+      case 32: f(tag, cache_tag, std::integral_constant<int, 32>{}); break;
+      case 64: f(tag, cache_tag, std::integral_constant<int, 64>{}); break;
+      case 96: f(tag, cache_tag, std::integral_constant<int, 96>{}); break;
+      case 128: f(tag, cache_tag, std::integral_constant<int, 128>{}); break;
+      case 256: f(tag, cache_tag, std::integral_constant<int, 256>{}); break;
       default: TORCH_CHECK(false, op, ": head_dim must be one of 16, 32, 64, 96, 128, 256; got ", query.size(2));
     }
   };
+  auto with_cache = [&](auto tag) {
+    if (fp8)
+      with_dim(tag, TypeTag<c10::Float8_e4m3fn>{});
+    else
+      with_dim(tag, tag);
+  };
   switch (query.scalar_type()) {
-    case at::kFloat: with_dim(TypeTag<float>{}); break;
-    case at::kBFloat16: with_dim(TypeTag<c10::BFloat16>{}); break;
-    case at::kHalf: with_dim(TypeTag<c10::Half>{}); break;
+    case at::kFloat: with_cache(TypeTag<float>{}); break;
+    case at::kBFloat16: with_cache(TypeTag<c10::BFloat16>{}); break;
+    case at::kHalf: with_cache(TypeTag<c10::Half>{}); break;
     default: TORCH_CHECK(false, op, ": dtype must be float32, bfloat16 or float16; got ", query.scalar_type());
   }
 }

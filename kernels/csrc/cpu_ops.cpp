@@ -130,9 +130,9 @@ struct Scratch {
 // cache (software prefetching of the next chunk made no difference). w.q holds the query rows
 // ([H][D], scaled, fp32). Writes each head's max, softmax denominator and unnormalized output to
 // `part`, laid out [H][D + 2]; the caller merges ranges.
-template <typename T, int D>
-void decode_range(const PagedKV<T>& kv, const int64_t* table, int64_t begin, int64_t end, int64_t num_heads,
-                  int64_t group, float* part, Scratch<T>& w) {
+template <typename C, int D>
+void decode_range(const PagedKV<C>& kv, const int64_t* table, int64_t begin, int64_t end, int64_t num_heads,
+                  int64_t group, float* part, Scratch<C>& w) {
   constexpr int V = D / 16;
   const int64_t stride = kv.token_stride;
   w.acc.assign(static_cast<size_t>(num_heads * V), f32x16{});
@@ -142,11 +142,11 @@ void decode_range(const PagedKV<T>& kv, const int64_t* table, int64_t begin, int
   for (int64_t c0 = begin; c0 < end; c0 += 16) {
     const int64_t count = std::min<int64_t>(16, end - c0);
     for (int64_t t = 0; t < count; ++t)
-      std::memcpy(w.k.data() + t * stride, kv.k + kv.row(table, c0 + t), stride * sizeof(T));
+      std::memcpy(w.k.data() + t * stride, kv.k + kv.row(table, c0 + t), stride * sizeof(C));
     for (int64_t t = 0; t < count; ++t)
-      std::memcpy(w.v.data() + t * stride, kv.v + kv.row(table, c0 + t), stride * sizeof(T));
+      std::memcpy(w.v.data() + t * stride, kv.v + kv.row(table, c0 + t), stride * sizeof(C));
     for (int64_t h = 0; h < kv.num_kv_heads; ++h)
-      chunk_group<T, D>(w.k.data(), w.v.data(), stride, count, h * D, w.q.data() + h * group * V,
+      chunk_group<C, D>(w.k.data(), w.v.data(), stride, count, h * D, w.q.data() + h * group * V,
                         w.rows.data() + h * group, w.acc.data() + h * group * V, group);
   }
   for (int64_t r = 0; r < num_heads; ++r) {
@@ -156,12 +156,14 @@ void decode_range(const PagedKV<T>& kv, const int64_t* table, int64_t begin, int
   }
 }
 
-template <typename T, int D>
+// T: the query's dtype; C: the cache's element type (T, or fp8 e4m3 read at k_scale / v_scale: the
+// K scale is folded into the query's, the V scale into the output's normalization).
+template <typename T, typename C, int D>
 void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& tables,
-                 const at::Tensor& lens, double scale, at::Tensor& out) {
+                 const at::Tensor& lens, double scale, double k_scale, double v_scale, at::Tensor& out) {
   constexpr int V = D / 16;
   const int64_t batch = query.size(0), num_heads = query.size(1);
-  const PagedKV<T> kv(kv_cache);
+  const PagedKV<C> kv(kv_cache);
   const int64_t group = num_heads / kv.num_kv_heads, max_blocks = tables.size(1);
   const T* q_ptr = query.const_data_ptr<T>();
   const int64_t* table_ptr = tables.const_data_ptr<int64_t>();
@@ -189,7 +191,7 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
   const auto assigned = assign_longest_first(num_items, at::get_num_threads(), cost);
 
   at::parallel_for(0, static_cast<int64_t>(assigned.size()), 1, [&](int64_t first, int64_t last) {
-    Scratch<T> w;
+    Scratch<C> w;
     w.q.resize(static_cast<size_t>(num_heads * V));
     for (int64_t t = first; t < last; ++t)
       for (const int64_t item : assigned[t]) {
@@ -202,8 +204,9 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
         }
         const T* qb = q_ptr + b * num_heads * D;
         float* qf = reinterpret_cast<float*>(w.q.data());
-        for (int64_t j = 0; j < num_heads * D; ++j) qf[j] = to_float(qb[j]) * static_cast<float>(scale);
-        decode_range<T, D>(kv, table_ptr + b * max_blocks, begin, end, num_heads, group, part, w);
+        const float q_scale = static_cast<float>(scale * k_scale);
+        for (int64_t j = 0; j < num_heads * D; ++j) qf[j] = to_float(qb[j]) * q_scale;
+        decode_range<C, D>(kv, table_ptr + b * max_blocks, begin, end, num_heads, group, part, w);
       }
   });
 
@@ -225,7 +228,7 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
           for (int j = 0; j < D; ++j) acc[j] += scale_s * p[j];
         }
         T* o = out_ptr + (b * num_heads + r) * D;
-        const float inv = denom > 0.f ? 1.f / denom : 0.f;    // an empty row (length 0) gives zeros
+        const float inv = denom > 0.f ? static_cast<float>(v_scale) / denom : 0.f;    // length 0: zeros
         for (int j = 0; j < D; ++j) o[j] = static_cast<T>(acc[j] * inv);
       }
     }
@@ -233,7 +236,7 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
 }
 
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                        const at::Tensor& seq_lens, double scale) {
+                        const at::Tensor& seq_lens, double scale, double k_scale, double v_scale) {
   check_attention_inputs("paged_decode", query, kv_cache);
   const at::Tensor q = query.contiguous();
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
@@ -242,8 +245,9 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, con
   check_block_tables("paged_decode", tables, lens, kv_cache.size(2), kv_cache.size(1));
   at::Tensor out = at::empty_like(q);
   if (q.size(0) == 0) return out;
-  dispatch_dtype_and_head_dim("paged_decode", q, [&](auto type, auto dim) {
-    decode_impl<typename decltype(type)::type, decltype(dim)::value>(q, kv_cache, tables, lens, scale, out);
+  dispatch_dtype_and_head_dim("paged_decode", q, kv_cache, [&](auto type, auto cache, auto dim) {
+    decode_impl<typename decltype(type)::type, typename decltype(cache)::type, decltype(dim)::value>(
+        q, kv_cache, tables, lens, scale, k_scale, v_scale, out);
   });
   return out;
 }
@@ -522,7 +526,8 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
-  m.def("paged_decode(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+  m.def("paged_decode(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "
+        "float k_scale, float v_scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");

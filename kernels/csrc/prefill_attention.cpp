@@ -54,11 +54,14 @@ struct PrefillScratch {
   std::vector<float> k, v;      // [16][D]: the current chunk in fp32
 };
 
-template <typename T, int D>
+// T: the query's dtype; C: the cache's element type (T, or fp8 e4m3 read at k_scale / v_scale,
+// folded into the query's scale and the output's normalization).
+template <typename T, typename C, int D>
 void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& tables,
-                  const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                  const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale, double k_scale,
+                  double v_scale, at::Tensor& out) {
   const int64_t num_heads = query.size(1), num_segments = query_lens.size(0);
-  const PagedKV<T> kv(kv_cache);
+  const PagedKV<C> kv(kv_cache);
   const int64_t num_kv_heads = kv.num_kv_heads, group = num_heads / num_kv_heads, max_blocks = tables.size(1);
   const T* q_ptr = query.const_data_ptr<T>();
   const int64_t* table_ptr = tables.const_data_ptr<int64_t>();
@@ -106,7 +109,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
           for (int64_t i = 0; i < kLanes; ++i) {
             const T* row = q_ptr + ((tile.first_row_of_segment + tile.row0 + std::min(i, rows - 1)) * num_heads +
                                     h * group + g) * D;
-            for (int d = 0; d < D; ++d) qf[d * kLanes + i] = to_float(row[d]) * static_cast<float>(scale);
+            for (int d = 0; d < D; ++d) qf[d * kLanes + i] = to_float(row[d]) * static_cast<float>(scale * k_scale);
           }
         }
         std::fill(w.o.begin(), w.o.end(), f32x16{});
@@ -123,8 +126,8 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
               continue;
             }
             const int64_t row = kv.row(table, c0 + j) + h * D;
-            const T* kr = kv.k + row;
-            const T* vr = kv.v + row;
+            const C* kr = kv.k + row;
+            const C* vr = kv.v + row;
             for (int d0 = 0; d0 < D; d0 += 16) {
               const f32x16 kx = load16(kr + d0), vv = load16(vr + d0);
               std::memcpy(kd + d0, &kx, sizeof kx);
@@ -153,7 +156,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
           }
         }
         for (int64_t g = 0; g < group; ++g) {
-          const f32x16 inv = 1.0f / w.denom[g];
+          const f32x16 inv = static_cast<float>(v_scale) / w.denom[g];
           const float* of = reinterpret_cast<const float*>(w.o.data() + g * D);
           for (int64_t i = 0; i < rows; ++i) {
             T* o = out_ptr + ((tile.first_row_of_segment + tile.row0 + i) * num_heads + h * group + g) * D;
@@ -165,7 +168,8 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
 }
 
 at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                         const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale) {
+                         const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale, double k_scale,
+                         double v_scale) {
   check_attention_inputs("paged_prefill", query, kv_cache);
   const at::Tensor q = query.contiguous();
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
@@ -184,8 +188,9 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, co
   check_block_tables("paged_prefill", tables, slens, kv_cache.size(2), kv_cache.size(1));
   at::Tensor out = at::empty_like(q);
   if (q.size(0) == 0) return out;
-  dispatch_dtype_and_head_dim("paged_prefill", q, [&](auto type, auto dim) {
-    prefill_impl<typename decltype(type)::type, decltype(dim)::value>(q, kv_cache, tables, qlens, slens, scale, out);
+  dispatch_dtype_and_head_dim("paged_prefill", q, kv_cache, [&](auto type, auto cache, auto dim) {
+    prefill_impl<typename decltype(type)::type, typename decltype(cache)::type, decltype(dim)::value>(
+        q, kv_cache, tables, qlens, slens, scale, k_scale, v_scale, out);
   });
   return out;
 }
@@ -194,7 +199,7 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, co
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("paged_prefill(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor query_lens, Tensor seq_lens, "
-        "float scale) -> Tensor");
+        "float scale, float k_scale, float v_scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("paged_prefill", &paged_prefill); }

@@ -1,0 +1,97 @@
+"""Quality of a lossy path against the exact one, teacher-forced on real text: each position's
+next-token distribution from the same model over the same tokens, one path against the other.
+
+`python benchmarks/quality.py` prints, for the embedded model on the first `--tokens` tokens of
+tests/data/pride_and_prejudice_ch1-3.txt (public domain), the top-1 agreement and the mean
+KL(exact || lossy) of the fp8 KV cache (kv_cache_dtype="fp8") against the model's own cache dtype.
+The text goes through the model in chunks of `--chunk` tokens, so every chunk after the first
+attends to a prefix read back from the (fp8) cache, as chunked prefill and decode do.
+tests/test_quant.py asserts issue 26's bounds with the same functions.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data",
+                    "pride_and_prejudice_ch1-3.txt")
+
+
+@dataclass(frozen=True)
+class Agreement:
+    tokens: int
+    top1: float            # share of positions where both paths' argmax agree
+    mean_kl: float         # mean over positions of KL(reference || candidate), in nats
+    max_kl: float
+
+
+def text_ids(model: str | None, num_tokens: int) -> list[int]:
+    """The first `num_tokens` token ids of the shipped text under the model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from engine.model_source import resolve_model
+
+    path, gguf_file, _ = resolve_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    with open(TEXT) as f:
+        ids = tokenizer(f.read())["input_ids"]
+    if len(ids) < num_tokens:
+        raise ValueError(f"{TEXT} holds {len(ids)} tokens; asked for {num_tokens}")
+    return ids[:num_tokens]
+
+
+@torch.inference_mode()
+def teacher_forced_logprobs(ids: list[int], chunk: int, model: str | None = None, **engine_args) -> torch.Tensor:
+    """Log-probabilities [len(ids), vocab] (fp32) of each next token, from one engine's model runner
+    and KV cache built by `EngineConfig.create(model, **engine_args)`, the text in chunks."""
+    from engine.config import EngineConfig
+    from engine.worker import Worker
+
+    config = EngineConfig.create(model, max_model_len=max(len(ids), 16), **engine_args)
+    worker = Worker(config)
+    worker.load_model()
+    block_size = config.cache_config.block_size
+    num_blocks = -(-len(ids) // block_size)
+    worker.init_cache(num_blocks, 0)
+    runner = worker.runner
+    table = torch.arange(num_blocks)
+    out = []
+    for start in range(0, len(ids), chunk):
+        end = min(len(ids), start + chunk)
+        positions = torch.arange(start, end)
+        meta = runner.attention.metadata(slot_mapping=positions, prefill_block_tables=[table],
+                                         prefill_query_lens=[end - start], prefill_seq_lens=[end])
+        hidden = runner.model(torch.tensor(ids[start:end]), positions, runner.kv_caches, meta)
+        out.append(torch.log_softmax(runner.model.compute_logits(hidden).float(), dim=-1))
+    return torch.cat(out)
+
+
+def agreement(reference: torch.Tensor, candidate: torch.Tensor) -> Agreement:
+    """Top-1 agreement and KL(reference || candidate) per position of two [T, vocab] logprob tensors."""
+    kl = (reference.exp() * (reference - candidate)).sum(-1)
+    top1 = (reference.argmax(-1) == candidate.argmax(-1)).float().mean().item()
+    return Agreement(reference.shape[0], top1, kl.mean().item(), kl.max().item())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    ids = text_ids(None, args.tokens)
+    exact = teacher_forced_logprobs(ids, args.chunk, dtype=args.dtype)
+    fp8 = teacher_forced_logprobs(ids, args.chunk, dtype=args.dtype, kv_cache_dtype="fp8")
+    a = agreement(exact, fp8)
+    print(f"fp8 KV cache vs {args.dtype} cache, {a.tokens} tokens: top-1 agreement {a.top1:.4f}, "
+          f"mean KL {a.mean_kl:.5f} nats (max {a.max_kl:.4f})")
+
+
+if __name__ == "__main__":
+    main()
