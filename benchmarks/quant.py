@@ -55,7 +55,7 @@ def run_all(args: argparse.Namespace) -> tuple[dict[str, dict[int, float]], floa
     batches = [int(b) for b in args.batch.split(",")]
     engines = {name: LLM(None, dtype=args.dtype, quantization=q, kv_cache_dtype=kv, max_model_len=1024,
                          max_num_seqs=max(batches))
-               for name, q, kv in (("bf16 weights", "none", "auto"), ("GGUF blocks", "gguf", "auto"),
+               for name, q, kv in (("dense weights", "none", "auto"), ("GGUF blocks", "gguf", "auto"),
                                    ("blocks+dense", "gguf+dense", "auto"), ("fp8 KV cache", "none", "fp8"))}
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     best: dict[str, dict[int, float]] = {name: {} for name in engines}
@@ -101,15 +101,15 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     best, llama = run_all(args)
-    print(f"{'engine':<16}" + "".join(f"{'batch ' + str(b):>12}" for b in best["bf16 weights"]))
+    print(f"{'engine':<16}" + "".join(f"{'batch ' + str(b):>12}" for b in best["dense weights"]))
     for name, row in best.items():
         print(f"{name:<16}" + "".join(f"{v:>12.1f}" for v in row.values()))
     if llama is not None:
         print(f"{'llama.cpp':<16}{llama:>12.1f}   (single stream, same GGUF file, {args.threads} threads)")
-    dense = best["bf16 weights"]
+    dense = best["dense weights"]
     for name in ("GGUF blocks", "blocks+dense", "fp8 KV cache"):
         row = best[name]
-        print(f"{name} / bf16: " + ", ".join(f"batch {b}: {row[b] / dense[b]:.2f}" for b in row)
+        print(f"{name} / dense: " + ", ".join(f"batch {b}: {row[b] / dense[b]:.2f}" for b in row)
               + (f"; batch {min(row)} / llama.cpp: {row[min(row)] / llama:.2f}" if llama else ""))
     if args.json:
         with open(args.json, "w") as f:

@@ -82,8 +82,8 @@ def resolve_quantization(quantization: str | None, path: str, gguf_file: str | N
     batches, dequantize + GEMM for larger ones. "gguf+dense" also keeps each weight dense in the
     model's dtype (prepacked for oneDNN) for batches of GGUF_DENSE_MIN_ROWS rows or more: the
     blocks are 1.7x faster at batch 1, the dense GEMM 2x faster from ~12 rows (docs/PERFORMANCE.md
-    §9). "none" dequantizes at load. Auto: "gguf+dense" for such a file on a CPU with AVX512-BF16
-    (where the block kernel was measured faster: `fast_block_kernels`), else "none"."""
+    §9). "none" dequantizes at load. Auto: "gguf+dense" for such a file on a CPU where the block
+    kernel was measured faster (AVX512-BF16, or AVX2: `fast_block_kernels`), else "none"."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None (auto); got {quantization!r}")
     if quantization == "none" or (quantization is None and (gguf_file is None or on_gpu or not fast_block_kernels())):
@@ -109,15 +109,17 @@ def resolve_quantization(quantization: str | None, path: str, gguf_file: str | N
 
 
 def fast_block_kernels() -> bool:
-    """Whether this CPU has the instructions the GGUF block kernel is fast with (AVX512-BF16's
-    `vdpbf16ps`). On an AVX2-only CPU its portable path decoded the embedded model at 0.64x its
-    bf16 weights' speed (0.93x fp32's), so auto leaves such files dequantized there
-    (docs/PERFORMANCE.md §9). Read from /proc/cpuinfo: configs import without torch."""
+    """Whether this CPU has what the GGUF block kernel was measured fast with: AVX512-BF16
+    (`vdpbf16ps`), or AVX2 with FMA and F16C (explicit byte -> float conversions; without them
+    GCC scalarized the block decoding and the blocks ran at 0.64x dense bf16 weights). Elsewhere
+    (other ISAs, older x86) auto leaves GGUF files dequantized (docs/PERFORMANCE.md §9). Read
+    from /proc/cpuinfo: configs import without torch."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return "avx512_bf16" in line.split()
+                    flags = set(line.split())
+                    return "avx512_bf16" in flags or {"avx2", "fma", "f16c"} <= flags
     except OSError:
         pass
     return False

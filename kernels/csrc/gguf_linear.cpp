@@ -25,7 +25,6 @@ constexpr int kRows = 8;
 // call streams its blocks from memory at about a quarter of the bandwidth oneDNN reaches.
 constexpr int64_t kPrefetchRows = 8;   // rows of x per pass over a weight row (their accumulators stay in registers)
 
-typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
 typedef int8_t i8x16 __attribute__((vector_size(16), aligned(1)));
 
 enum class Quant { Q8_0, Q4_0, Q4_1 };
@@ -46,23 +45,28 @@ inline float half_at(const uint8_t* p) {
 }
 
 // Bytes to fp32 lanes through 32-bit integers. GCC scalarizes the conversion of signed bytes (and
-// of any bytes straight to floats), so AVX-512 says it explicitly.
-inline f32x16 to_f32(u8x16 q) {
-#ifdef __AVX512F__
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(reinterpret_cast<const __m128i&>(q)));
+// of any bytes straight to floats), so AVX-512 and AVX2 say it explicitly.
+template <bool Signed, typename V>
+inline f32x16 to_f32(V q) {
+#if defined(__AVX512F__)
+  const __m128i b = reinterpret_cast<const __m128i&>(q);
+  const __m512 f = _mm512_cvtepi32_ps(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
   return reinterpret_cast<const f32x16&>(f);
+#elif defined(__AVX2__)
+  const __m128i b = reinterpret_cast<const __m128i&>(q);
+  const __m128i b_hi = _mm_unpackhi_epi64(b, b);
+  const __m256 lo = _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  const __m256 hi = _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(b_hi) : _mm256_cvtepu8_epi32(b_hi));
+  f32x16 v;
+  std::memcpy(&v, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  return v;
 #else
   return __builtin_convertvector(__builtin_convertvector(q, i32x16), f32x16);
 #endif
 }
-inline f32x16 to_f32(i8x16 q) {
-#ifdef __AVX512F__
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(reinterpret_cast<const __m128i&>(q)));
-  return reinterpret_cast<const f32x16&>(f);
-#else
-  return __builtin_convertvector(__builtin_convertvector(q, i32x16), f32x16);
-#endif
-}
+inline f32x16 to_f32(u8x16 q) { return to_f32<false>(q); }
+inline f32x16 to_f32(i8x16 q) { return to_f32<true>(q); }
 
 // The block's 32 integers as fp32: lo = elements 0-15, hi = 16-31 (Q4_0: q - 8).
 template <Quant Q>
