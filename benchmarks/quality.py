@@ -3,7 +3,9 @@ next-token distribution from the same model over the same tokens, one path again
 
 `python benchmarks/quality.py` prints, for the embedded model on the first `--tokens` tokens of
 tests/data/pride_and_prejudice_ch1-3.txt (public domain), the top-1 agreement and the mean
-KL(exact || lossy) of the fp8 KV cache (kv_cache_dtype="fp8") against the model's own cache dtype.
+KL(exact || lossy) of the fp8 KV cache (kv_cache_dtype="fp8") against the model's own cache dtype,
+and of the model's weights requantized to Q8_0 (`requantize_gguf`, run from their blocks) against
+the same weights dequantized (the model ships as Q4_1 only: its Q4_1 values are the exact ones).
 The text goes through the model in chunks of `--chunk` tokens, so every chunk after the first
 attends to a prefix read back from the (fp8) cache, as chunked prefill and decode do.
 tests/test_quant.py asserts issue 26's bounds with the same functions.
@@ -79,6 +81,38 @@ def agreement(reference: torch.Tensor, candidate: torch.Tensor) -> Agreement:
     return Agreement(reference.shape[0], top1, kl.mean().item(), kl.max().item())
 
 
+def requantize_gguf(src: str, dst: str, qtype: str = "Q8_0") -> str:
+    """A copy of GGUF file `src` at `dst` whose quantized matrices are requantized to `qtype`
+    (dequantized to fp32, then quantized by the gguf package, llama.cpp's quantizers in numpy);
+    metadata and dense tensors copied as they are. Returns `dst`."""
+    import gguf
+
+    target = getattr(gguf.GGMLQuantizationType, qtype)
+    reader = gguf.GGUFReader(src)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    writer = gguf.GGUFWriter(dst, arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    tensors = []
+    for t in reader.tensors:
+        data, kind = t.data, t.tensor_type
+        if kind not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                        gguf.GGMLQuantizationType.BF16):
+            data, kind = gguf.quants.quantize(gguf.quants.dequantize(data, kind), target), target
+        tensors.append((t.name, data, kind))
+        writer.add_tensor_info(t.name, data.shape, data.dtype, data.nbytes, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, data, _ in tensors:
+        writer.write_tensor_data(data, tensor_endianess=reader.endianess)
+    writer.close()
+    return dst
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2000)
@@ -91,6 +125,16 @@ def main() -> None:
     a = agreement(exact, fp8)
     print(f"fp8 KV cache vs {args.dtype} cache, {a.tokens} tokens: top-1 agreement {a.top1:.4f}, "
           f"mean KL {a.mean_kl:.5f} nats (max {a.max_kl:.4f})")
+    import tempfile
+
+    from engine.model_source import embedded_model_path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        q8 = requantize_gguf(embedded_model_path(), os.path.join(tmp, "q8_0.gguf"))
+        blocks = teacher_forced_logprobs(ids, args.chunk, q8, dtype=args.dtype, quantization="gguf")
+    a = agreement(exact, blocks)
+    print(f"Q8_0 weights (from their blocks) vs the Q4_1 weights dequantized, {a.tokens} tokens: top-1 "
+          f"agreement {a.top1:.4f}, mean KL {a.mean_kl:.5f} nats (max {a.max_kl:.4f})")
 
 
 if __name__ == "__main__":

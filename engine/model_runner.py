@@ -40,7 +40,8 @@ class ModelRunner:
         self.kernels = get_kernels(device)
         self.attention = AttentionBackend(self.kernels, device)
         bind_kernels(model, self.kernels, self.attention)
-        self.model_dtype = next(model.parameters()).dtype
+        # The activations' dtype: that of the first floating-point parameter (GGUF layers hold uint8 blocks).
+        self.model_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.kv_caches: list[torch.Tensor] = []     # per layer [2, num_blocks, block_size, kvh, d]
         self.cpu_caches: list[torch.Tensor] = []    # the swap pool, same layout
         # Draws for requests without their own seed.

@@ -1,7 +1,8 @@
 """The fp8 KV cache (kv_cache_dtype="fp8"): twice bf16's blocks in the same memory, the engine's
 paths on it (prefix hits, swap preemption, every block freed), the scales (from the checkpoint, or
 calibrated at load, and what calibration saves a model whose keys exceed e4m3's range), the bad
-arguments, and its measured quality on real text against the exact cache. The kernels themselves
+arguments, and its measured quality on real text against the exact cache (and, beside it, that of
+Q8_0 weights against the weights they requantize). The kernels themselves
 are checked against the reference in test_cpu_ops.py and test_kernels.py, the P/D transfer in
 test_kv_transfer.py."""
 from __future__ import annotations
@@ -107,6 +108,15 @@ def test_checkpoint_scales_are_read_and_name_the_layout(tiny_llama, tmp_path):
     assert len(dtypes) == 3 and KVLayout.from_config(unit).dtype == "float8_e4m3fn"
 
 
+def test_fp8_cache_beside_gguf_blocks():
+    """The embedded model with its weights in GGUF blocks (uint8 parameters beside the float ones)
+    calibrates and serves an fp8 cache in its activations' dtype."""
+    llm = LLM(None, dtype="float32", quantization="gguf", kv_cache_dtype="fp8", max_model_len=256)
+    assert llm.llm_engine.executor.worker.runner.model_dtype == torch.float32
+    assert llm.llm_engine.config.cache_config.kv_scales
+    assert len(run(llm, [[1, 504, 3458, 282, 4055]])[0]) == GREEDY.max_tokens
+
+
 def test_bad_fp8_arguments_name_the_field(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3'\)"):
         LLM(tiny_llama, kv_cache_dtype="int8")
@@ -133,13 +143,32 @@ def test_calibration_keeps_keys_beyond_e4m3s_range(tiny_llama, tmp_path):
     assert kept.top1 > saturated.top1
 
 
-def test_fp8_quality_on_real_text():
-    """Issue 26's measure on the embedded model (fp32), teacher-forced over the first 1,024 tokens
-    of tests/data/pride_and_prejudice_ch1-3.txt in chunks of 256: mean KL(exact || fp8) <= 0.02.
-    Top-1 agreement measured 0.954-0.960 (PERFORMANCE §10; the issue asks 0.97, which this 135M
-    model's near-ties do not allow: even all-bf16 arithmetic agrees with fp32 on 0.982)."""
+@pytest.fixture(scope="module")
+def real_text():
+    """The first 1,024 tokens of tests/data/pride_and_prejudice_ch1-3.txt and the embedded model's
+    exact (fp32 weights as the file holds them, fp32 cache) next-token log-probabilities."""
     ids = quality.text_ids(None, 1024)
-    exact = quality.teacher_forced_logprobs(ids, 256, dtype="float32")
-    fp8 = quality.teacher_forced_logprobs(ids, 256, dtype="float32", kv_cache_dtype="fp8")
+    return ids, quality.teacher_forced_logprobs(ids, 256, dtype="float32", quantization="none")
+
+
+def test_fp8_quality_on_real_text(real_text):
+    """Issue 26's measure, teacher-forced in chunks of 256: mean KL(exact || fp8) <= 0.02. Top-1
+    agreement measured 0.948-0.960 (PERFORMANCE §10; the issue asks 0.97, which this 135M model's
+    near-ties do not allow: even all-bf16 arithmetic agrees with fp32 on 0.982)."""
+    ids, exact = real_text
+    fp8 = quality.teacher_forced_logprobs(ids, 256, dtype="float32", quantization="none", kv_cache_dtype="fp8")
     a = quality.agreement(exact, fp8)
-    assert a.mean_kl <= 0.02 and a.top1 >= 0.94, a
+    assert a.mean_kl <= 0.02 and a.top1 >= 0.93, a         # (top-1: a floor below the measured, not a target)
+
+
+def test_q8_0_weights_quality_on_real_text(real_text, tmp_path):
+    """The model's weights requantized to Q8_0 and run from their blocks, against the same Q4_1
+    weights dequantized: mean KL <= 0.005 (issue 26's bound; top-1 measured 0.990 on 512 tokens and
+    0.980 on 2,000, PERFORMANCE §10: below the issue's 0.99 for the same near-ties as fp8's)."""
+    from engine.model_source import embedded_model_path
+
+    ids, exact = real_text
+    q8 = quality.requantize_gguf(embedded_model_path(), str(tmp_path / "q8_0.gguf"))
+    blocks = quality.teacher_forced_logprobs(ids, 256, q8, dtype="float32", quantization="gguf")
+    a = quality.agreement(exact, blocks)
+    assert a.mean_kl <= 0.005 and a.top1 >= 0.97, a
