@@ -10,43 +10,22 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.model_source import QUANTIZATIONS, architecture_of, kv_cache_scales, resolve_model, resolve_quantization
+from engine.dtypes import FP8_KV_DTYPE, KV_CACHE_DTYPES, resolve_dtype
+from engine.model_source import (
+    QUANTIZATIONS,
+    architecture_of,
+    check_parallel_fit,
+    kv_cache_scales,
+    resolve_model,
+    resolve_quantization,
+)
 
-# Accepted names -> the canonical one (torch's attribute name); a record keeps names, not torch
-# dtypes, so that configs import without torch.
-_DTYPES = {
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-}
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}     # bytes per element
-# kv_cache_dtype: "auto" (the model's dtype) or fp8 e4m3 (vLLM's names; "fp8" is e4m3), stored as
-# torch's float8_e4m3fn with a scale per layer for K and one for V (kernels/reference.py: quantize_kv).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-FP8_KV_DTYPE = "float8_e4m3fn"
-KV_DTYPE_SIZES = {**DTYPE_SIZES, FP8_KV_DTYPE: 1}
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CONNECTORS = ("nixl", "torch_dist")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 SPEC_METHODS = ("ngram", "draft_model")
 BATCHING_MODES = ("continuous", "static")
 _SPEC_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
-
-
-def resolve_dtype(dtype: Any, config_dtype: Any) -> str:
-    """Map a user dtype ("auto", a name, or a torch.dtype) to its canonical name (float32, bfloat16
-    or float16); "auto" takes the model config's (`config_dtype`, a name or a torch.dtype), else
-    float32."""
-    if not isinstance(dtype, str):                  # a torch.dtype
-        name = str(dtype).removeprefix("torch.")
-        if name not in DTYPE_SIZES:
-            raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {dtype}")
-        return name
-    if dtype == "auto":
-        return _DTYPES.get(str(config_dtype).removeprefix("torch."), "float32")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16'; got {dtype!r}")
-    return _DTYPES[dtype]
 
 
 @dataclass(frozen=True)
@@ -370,7 +349,7 @@ class EngineConfig:
         dtype, seed, speculative_config = args.dtype, args.seed, args.speculative_config
 
         path, gguf_file, hf_config = resolve_model(model)
-        _check_parallel_fit(hf_config, tensor_parallel_size, pipeline_parallel_size)
+        check_parallel_fit(hf_config, tensor_parallel_size, pipeline_parallel_size)
         derived_len = getattr(hf_config, "max_position_embeddings", None) or 2048
         if max_model_len is None:
             max_model_len = derived_len
@@ -431,20 +410,3 @@ class ModelInfo:
     max_model_len: int
     block_size: int
     max_num_seqs: int
-
-
-def _check_parallel_fit(hf_config: Any, tp: int, pp: int) -> None:
-    """ValueError unless the model splits evenly into `tp` shards and `pp` stages."""
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    if heads % tp:
-        raise ValueError(f"tensor_parallel_size must divide num_attention_heads ({heads}); got {tp}")
-    if kv_heads % tp and tp % kv_heads:
-        raise ValueError(f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv_heads}) must divide "
-                         f"one another")
-    if hf_config.intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size must divide intermediate_size ({hf_config.intermediate_size}); "
-                         f"got {tp}")
-    if pp > hf_config.num_hidden_layers:
-        raise ValueError(f"pipeline_parallel_size must be <= num_hidden_layers ({hf_config.num_hidden_layers}); "
-                         f"got {pp}")

@@ -164,3 +164,20 @@ def kv_cache_scales(path: str, gguf_file: str | None, hf_config: Any) -> tuple[t
                     scales[int(parts[1])][i] = value
                 found = True
     return tuple((k, v) for k, v in scales) if found else ()
+
+
+def check_parallel_fit(hf_config: Any, tp: int, pp: int) -> None:
+    """ValueError unless the model splits evenly into `tp` shards and `pp` stages."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size must divide num_attention_heads ({heads}); got {tp}")
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv_heads}) must divide "
+                         f"one another")
+    if hf_config.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size must divide intermediate_size ({hf_config.intermediate_size}); "
+                         f"got {tp}")
+    if pp > hf_config.num_hidden_layers:
+        raise ValueError(f"pipeline_parallel_size must be <= num_hidden_layers ({hf_config.num_hidden_layers}); "
+                         f"got {pp}")

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 import engine.step_channel as step_channel
-from engine.config import KV_DTYPE_SIZES, EngineConfig
+from engine.config import EngineConfig
+from engine.dtypes import KV_DTYPE_SIZES
 from engine.kv_scales import calibrate_kv_scales
 from engine.layers.attention import Attention
 from engine.model_runner import ModelRunner

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.config import KV_DTYPE_SIZES
+from engine.dtypes import KV_DTYPE_SIZES
 from engine.errors import KVLayoutMismatch
 
 if TYPE_CHECKING:

@@ -19,10 +19,10 @@ PACKAGES = ("engine", "kernels", "kv_transfer", "router", "cluster", "pdserve_pr
 # Bottom to top. A module may import modules of its own layer or of layers below.
 LAYERS: list[tuple[str, list[str]]] = [
     ("records", [  # plain records and checks: configs, requests, params, outputs, hashing, errors, wire schema
-        "engine.config", "engine.model_source", "engine.errors", "engine.hashing", "engine.sampling_params",
-        "engine.outputs", "engine.request", "kv_transfer", "kv_transfer.params", "kv_transfer.layout",
-        "pdserve_proto", "pdserve_proto.kv_events", "engine.tokenizer", "kernels", "engine.layers",
-        "engine.models", "router", "cluster"]),
+        "engine.config", "engine.dtypes", "engine.model_source", "engine.errors", "engine.hashing",
+        "engine.sampling_params", "engine.outputs", "engine.request", "kv_transfer", "kv_transfer.params",
+        "kv_transfer.layout", "pdserve_proto", "pdserve_proto.kv_events", "engine.tokenizer", "kernels",
+        "engine.layers", "engine.models", "router", "cluster"]),
     ("kernels", ["kernels.*", "engine.parallel_state", "engine.weights"]),
     ("kv_transfer", ["kv_transfer.*"]),
     ("model", ["engine.layers.*", "engine.models.*", "engine.model_runner", "engine.cuda_graph",

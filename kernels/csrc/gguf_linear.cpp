@@ -119,6 +119,23 @@ void rows_pass(const float* x, const float* xsum, int64_t K, const uint8_t* w, i
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// A 4-bit type's sixteen nibble values as bf16 words (Q4_0: q - 8; small integers: exact in bf16),
+// a permutexvar table.
+template <Quant Q>
+inline __m512i nibble_table() {
+  static const __m512i table = [] {
+    alignas(64) uint16_t t[32] = {};
+    for (int i = 0; i < 16; ++i) {
+      const float v = static_cast<float>(Q == Quant::Q4_0 ? i - 8 : i);
+      uint32_t bits;
+      std::memcpy(&bits, &v, 4);
+      t[i] = static_cast<uint16_t>(bits >> 16);
+    }
+    return _mm512_load_si512(t);
+  }();
+  return table;
+}
+
 // The block's 32 integers as bf16 (exact), in element order.
 template <Quant Q>
 inline __m512bh block_ints_bf16(const uint8_t* blk) {
@@ -129,16 +146,7 @@ inline __m512bh block_ints_bf16(const uint8_t* blk) {
     return _mm512_cvtne2ps_pbh(hi, lo);
   } else {
     // Nibbles to 32 words (elements 0-15 from the low halves, 16-31 from the high), then a table.
-    static const __m512i table = [] {
-      alignas(64) uint16_t t[32] = {};
-      for (int i = 0; i < 16; ++i) {
-        const float v = static_cast<float>(Q == Quant::Q4_0 ? i - 8 : i);
-        uint32_t bits;
-        std::memcpy(&bits, &v, 4);
-        t[i] = static_cast<uint16_t>(bits >> 16);        // small integers: exact in bf16
-      }
-      return _mm512_load_si512(t);
-    }();
+    const __m512i table = nibble_table<Q>();
     const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(
         reinterpret_cast<const __m128i*>(blk + (Q == Quant::Q4_1 ? 4 : 2))));
     const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(words, _mm256_set1_epi16(15))),
@@ -153,16 +161,7 @@ inline __m512bh block_ints_bf16(const uint8_t* blk) {
 template <Quant Q>
 inline void pair_ints_bf16(const uint8_t* blk, __m512bh& lo, __m512bh& hi, __m512& d) {
   constexpr int64_t off = Q == Quant::Q4_1 ? 4 : 2;
-  static const __m512i table = [] {
-    alignas(64) uint16_t t[32] = {};
-    for (int i = 0; i < 16; ++i) {
-      const float v = static_cast<float>(Q == Quant::Q4_0 ? i - 8 : i);
-      uint32_t bits;
-      std::memcpy(&bits, &v, 4);
-      t[i] = static_cast<uint16_t>(bits >> 16);
-    }
-    return _mm512_load_si512(t);
-  }();
+  const __m512i table = nibble_table<Q>();
   const __m256i bytes = _mm256_inserti128_si256(
       _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off))),
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + block_bytes<Q>() + off)), 1);
