@@ -45,7 +45,7 @@ from kernels.reference import (
     dequantize_kv,
     gather_blocks,
     gather_kv,
-    quantize_kv,
+    quantize_kv_rows,
     swap_blocks,
 )
 
@@ -250,7 +250,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     """kernels.reference.write_kv's contract; slots < 0 (padding rows) are skipped. An fp8 cache's
     rows are quantized by kernels.reference.quantize_kv and written as bytes."""
     if kv_cache.dtype == FP8_DTYPE and kv_cache.is_contiguous():
-        key, value = quantize_kv(key, k_scale).view(torch.uint8), quantize_kv(value, v_scale).view(torch.uint8)
+        key, value = quantize_kv_rows(key, value, k_scale, v_scale)
         kv_cache = kv_cache.view(torch.uint8)
     rows_ok = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (key, value))
     if kv_cache.dtype not in (*DTYPES, torch.uint8) or not kv_cache.is_contiguous() or not rows_ok:

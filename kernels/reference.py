@@ -26,6 +26,13 @@ def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def quantize_kv_rows(key: torch.Tensor, value: torch.Tensor, k_scale: float, v_scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's K and V rows as an fp8 cache stores them, viewed as bytes (what every kernel set's
+    slot write copies into an fp8 cache's uint8 view)."""
+    return quantize_kv(key, k_scale).view(torch.uint8), quantize_kv(value, v_scale).view(torch.uint8)
+
+
 def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Cache values as `dtype` (fp8: times the layer's scale; exact in fp32/bf16/fp16 at scale 1)."""
     if x.dtype != FP8_DTYPE:
@@ -44,7 +51,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     """Store new K/V rows into their slots. key/value: [num_tokens, num_kv_heads, head_dim]."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     if kv_cache.dtype == FP8_DTYPE:
-        key, value = quantize_kv(key, k_scale).view(torch.uint8), quantize_kv(value, v_scale).view(torch.uint8)
+        key, value = quantize_kv_rows(key, value, k_scale, v_scale)
     flat = raw(kv_cache).view(2, num_blocks * block_size, num_kv_heads, head_dim)
     flat[0].index_copy_(0, slot_mapping, key)
     flat[1].index_copy_(0, slot_mapping, value)

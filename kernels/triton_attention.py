@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import FP8_DTYPE
+from kernels.reference import FP8_DTYPE, raw
 
 # Context tokens per decode program at the least; below this a partition's fixed cost dominates.
 MIN_PARTITION_TOKENS = 256
@@ -178,9 +178,8 @@ def decode_partitions(batch: int, num_kv_heads: int, max_len: int, block_size: i
 
 def _cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """K and V pools as the kernels read them (an fp8 cache as bytes), and whether it is fp8."""
-    fp8 = kv_cache.dtype == FP8_DTYPE
-    cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
-    return cache[0], cache[1], fp8
+    cache = raw(kv_cache)
+    return cache[0], cache[1], kv_cache.dtype == FP8_DTYPE
 
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

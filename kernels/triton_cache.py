@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import FP8_DTYPE, quantize_kv
+from kernels.reference import FP8_DTYPE, quantize_kv_rows, raw
 
 
 @triton.jit
@@ -39,8 +39,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     if num_tokens == 0:
         return
     if kv_cache.dtype == FP8_DTYPE:
-        key, value = quantize_kv(key, k_scale).view(torch.uint8), quantize_kv(value, v_scale).view(torch.uint8)
-        kv_cache = kv_cache.view(torch.uint8)
+        key, value = quantize_kv_rows(key, value, k_scale, v_scale)
+        kv_cache = raw(kv_cache)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1
     _write_kv_kernel[(num_tokens,)](
@@ -77,7 +77,7 @@ def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> 
     dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=device)
     for kv_cache in kv_caches:
         assert kv_cache.is_contiguous()
-        kv_cache = kv_cache.view(torch.uint8) if kv_cache.dtype == FP8_DTYPE else kv_cache
+        kv_cache = raw(kv_cache)
         num_blocks = kv_cache.shape[1]
         block_elems = kv_cache[0, 0].numel()
         grid = (len(pairs), 2, triton.cdiv(block_elems, COPY_CHUNK))
