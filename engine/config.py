@@ -145,7 +145,7 @@ class ModelConfig:
     dtype: str                  # float32 | bfloat16 | float16 (`torch_dtype` for the torch object)
     max_model_len: int
     seed: int = 0
-    quantization: str = "none"  # "gguf"/"gguf+dense": GGUF weights kept in their blocks (resolve_quantization)
+    quantization: str = "none"  # one of model_source.QUANTIZATIONS (resolve_quantization)
     # CUDA graphs of the decode step, one per batch size here (empty: eager); see engine/cuda_graph.py.
     cuda_graph_sizes: tuple[int, ...] = ()
 
@@ -366,7 +366,8 @@ class EngineConfig:
         model_config = ModelConfig(
             model=path, gguf_file=gguf_file, hf_config=hf_config,
             dtype=resolve_dtype(dtype, config_dtype), max_model_len=max_model_len, seed=seed,
-            quantization=resolve_quantization(args.quantization, path, gguf_file, args.worker_num_gpus > 0),
+            quantization=resolve_quantization(args.quantization, path, gguf_file, hf_config,
+                                              args.worker_num_gpus > 0),
             cuda_graph_sizes=graph_sizes)
         fp8 = args.kv_cache_dtype != "auto"
         kv_scales = kv_cache_scales(path, gguf_file, hf_config) if fp8 else ()

@@ -42,6 +42,10 @@ class GGUFWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_gguf(self.blocks, self.qtype, dtype)
 
+    def rows(self) -> torch.Tensor:
+        """The blocks, the form a quantized layer holds."""
+        return self.blocks
+
 
 def iterate_weights(path: str, gguf_file: str | None, hf_config: Any, keep_quantized: bool = False
                     ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:

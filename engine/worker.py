@@ -25,8 +25,8 @@ from engine.model_runner import ModelRunner
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.parallel_state import get_parallel_state, init_parallel_state, pp_layer_range
+from engine.quant_checkpoint import model_weights
 from engine.step_delta import StepDecoder
-from engine.weights import iterate_weights
 from kv_transfer.base import KVConnectorWorker
 from kv_transfer.factory import create_connector_worker
 from kv_transfer.layout import KVLayout
@@ -89,8 +89,7 @@ class Worker:
         cls = get_model_class(mc.architecture)
         with torch.device(self.device):
             model = cls(mc.hf_config, mc.torch_dtype, mc.max_model_len)
-        model.load_weights(iterate_weights(mc.model, mc.gguf_file, mc.hf_config, mc.quantization != "none"),
-                           dense_copies=mc.quantization == "gguf+dense")
+        model.load_weights(model_weights(mc), dense_copies=mc.quantization.endswith("+dense"))
         model.eval()
         self.runner = ModelRunner(model, self.config.cache_config.block_size, self.device, mc.seed,
                                   self.config.parallel_config.pipeline_micro_batches)

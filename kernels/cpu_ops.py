@@ -43,13 +43,14 @@ from kernels.reference import (
     GGUF_BLOCK_BYTES,
     copy_blocks,
     dequantize_kv,
+    fp8_linear_scaled_mm,
     gather_blocks,
     gather_kv,
     quantize_kv_rows,
     swap_blocks,
 )
 
-__all__ = ["apply_rotary", "copy_blocks", "decode_attention", "gather_blocks", "gather_kv", "gguf_linear",
+__all__ = ["apply_rotary", "copy_blocks", "decode_attention", "fp8_linear", "gather_blocks", "gather_kv", "gguf_linear",
            "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
@@ -212,6 +213,11 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tens
     if x.shape[0] >= GGUF_DEQUANT_MIN_ROWS:
         return F.linear(x, torch.ops.pdserve_cpu.gguf_dequantize(blocks, _GGUF_TYPE_IDS[qtype], x.dtype))
     return torch.ops.pdserve_cpu.gguf_linear(x, blocks, _GGUF_TYPE_IDS[qtype])
+
+
+# fp8 weights: torch._scaled_mm, which oneDNN runs on CPU (slowly: ~30x a bf16 GEMV at one row on an
+# AVX2 EPYC, so auto never picks fp8 on CPU; docs/PERFORMANCE.md §10).
+fp8_linear = fp8_linear_scaled_mm
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -292,3 +292,32 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tens
     """x [M, in_features] times the GGUF weight's transpose, in fp32 (the weight dequantized exactly
     as llama.cpp does, x widened), rounded to x's dtype: the oracle of the compiled kernels."""
     return F.linear(x.float(), dequantize_gguf(blocks, qtype)).to(x.dtype)
+
+
+# --- fp8 weights --------------------------------------------------------------------------------
+# An fp8 linear holds its weight [out_features, in_features] as e4m3 with an fp32 scale per output
+# feature (w = q * scale). Its input is quantized per row at run time: each row of x divided by its
+# amax / 448 (`quantize_fp8_rows`), so that a row with outliers does not flatten the others.
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as e4m3 with an fp32 scale per row [M, 1] (amax / 448; tiny for an all-zero row)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times an e4m3 weight [N, K] (fp32 scales [N]): x quantized per row, the product of
+    the dequantized operands in fp32, rounded to x's dtype. The oracle of `fp8_linear_scaled_mm`."""
+    xq, x_scale = quantize_fp8_rows(x)
+    return F.linear(xq.float() * x_scale, weight.float() * scale.reshape(-1, 1)).to(x.dtype)
+
+
+def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`fp8_linear` on torch._scaled_mm: an fp8 x fp8 GEMM with fp32 accumulation and the row and
+    column scales applied to its output (cuBLASLt on CUDA with compute capability 8.9 or more,
+    oneDNN on CPU). Row-wise scales need a bf16 output on CUDA; it is rounded to x's dtype."""
+    xq, x_scale = quantize_fp8_rows(x)
+    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+    return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1).float(),
+                            out_dtype=out_dtype).to(x.dtype)

@@ -153,6 +153,24 @@ def test_rms_norm_matches_reference(with_residual):
     assert rel_err(out, ref_out) < 1e-6
 
 
+def test_q8_0_linear_matches_reference():
+    """The W8A16 kernel on Q8_0 blocks (GGUF files, int8 checkpoints) against dequantize-then-matmul
+    in fp32: batch 1 and a ragged batch over a ragged number of weight rows."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 70, 96
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).to(torch.float16)
+    blocks = torch.cat([scales.view(torch.uint8).reshape(n, -1, 2), q.view(torch.uint8).reshape(n, -1, 32)], dim=2)
+    blocks = blocks.reshape(n, -1).to(DEVICE)
+    dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if CUDA else [])
+    for rows in (1, 19):
+        for dtype in dtypes:
+            x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+            out = tri.gguf_linear(x, blocks, "Q8_0")
+            assert out.dtype == dtype and out.shape == (rows, n)
+            assert rel_err(out, reference.gguf_linear(x, blocks, "Q8_0")) < TOLERANCE[dtype]
+
+
 def test_rotary_matches_reference_bitwise():
     """On strided views of one fused QKV projection, as the model passes them."""
     g = torch.Generator().manual_seed(2)

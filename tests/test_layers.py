@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "engine.sampling_params", "engine.outputs", "engine.request", "kv_transfer", "kv_transfer.params",
         "kv_transfer.layout", "pdserve_proto", "pdserve_proto.kv_events", "engine.tokenizer", "kernels",
         "engine.layers", "engine.models", "router", "cluster"]),
-    ("kernels", ["kernels.*", "engine.parallel_state", "engine.weights"]),
+    ("kernels", ["kernels.*", "engine.parallel_state", "engine.weights", "engine.quant_checkpoint"]),
     ("kv_transfer", ["kv_transfer.*"]),
     ("model", ["engine.layers.*", "engine.models.*", "engine.model_runner", "engine.cuda_graph",
                "engine.worker", "engine.kv_scales", "engine.step_channel", "engine.step_delta"]),

@@ -87,16 +87,22 @@ def test_native_loader_matches_transformers_dequantization():
 
 
 def test_quantization_choice(tiny_llama):
-    path, gguf_file, _ = resolve_model(None)
+    path, gguf_file, config = resolve_model(None)
     auto = "gguf+dense" if fast_block_kernels() else "none"      # auto on CPU: blocks where they are fast
-    assert resolve_quantization(None, path, gguf_file, on_gpu=False) == auto
-    assert resolve_quantization(None, path, gguf_file, on_gpu=True) == "none"
+    assert resolve_quantization(None, path, gguf_file, config, on_gpu=False) == auto
+    assert resolve_quantization(None, path, gguf_file, config, on_gpu=True) == "none"
     for explicit in ("gguf", "gguf+dense", "none"):
-        assert resolve_quantization(explicit, path, gguf_file, on_gpu=False) == explicit
-    assert resolve_quantization(None, tiny_llama, None, on_gpu=False) == "none"
+        assert resolve_quantization(explicit, path, gguf_file, config, on_gpu=False) == explicit
+    with pytest.raises(ValueError, match="quantization='int8' needs a safetensors checkpoint"):
+        resolve_quantization("int8", path, gguf_file, config, on_gpu=False)
+    dense = resolve_model(tiny_llama)[2]
+    assert resolve_quantization(None, tiny_llama, None, dense, on_gpu=False) == "none"
+    assert resolve_quantization("fp8", tiny_llama, None, dense, on_gpu=False) == "fp8"   # quantized at load
     with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf model file"):
-        resolve_quantization("gguf", tiny_llama, None, on_gpu=False)
-    with pytest.raises(ValueError, match="quantization must be one of \\('gguf', 'gguf\\+dense', 'none'\\)"):
+        resolve_quantization("gguf", tiny_llama, None, dense, on_gpu=False)
+    with pytest.raises(ValueError, match="quantization='int8' does not fit this checkpoint's dense weights"):
+        resolve_quantization("int8", tiny_llama, None, dense, on_gpu=False)
+    with pytest.raises(ValueError, match="quantization must be one of \\('gguf', 'gguf\\+dense', 'int8'"):
         LLM(tiny_llama, quantization="int4")
 
 
@@ -117,8 +123,8 @@ def test_unsupported_gguf_type_is_refused(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ValueError, match="also has \\['Q5_0'\\] tensors"):
-        resolve_quantization("gguf", str(tmp_path), file.name, on_gpu=False)
-    assert resolve_quantization(None, str(tmp_path), file.name, on_gpu=False) == "none"
+        resolve_quantization("gguf", str(tmp_path), file.name, None, on_gpu=False)
+    assert resolve_quantization(None, str(tmp_path), file.name, None, on_gpu=False) == "none"
 
 
 def test_embedded_model_from_its_blocks_equals_dequantized_weights():

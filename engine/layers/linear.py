@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.parallel_state import get_parallel_state, tp_all_reduce
+from engine.quant_checkpoint import FP8Weight, split_fp8_rows
 from engine.weights import GGUFWeight
 from kernels.cpu_ops import has_amx
 from kernels.dispatch import kernels_for
@@ -179,7 +180,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 class Linear(nn.Module):
     """y = x W^T + b. The weight is dense in the model's dtype, or, after `quantize_as`, kept in a
     GGUF file's blocks (uint8 [output_size, input_size / 32 * block bytes]; `qtype` names the type),
-    multiplied by the kernel set's `gguf_linear`."""
+    multiplied by the kernel set's `gguf_linear`, or in fp8 (`qtype` "fp8": e4m3 [output_size,
+    input_size] and `weight_scale`, fp32 per output feature), multiplied by its `fp8_linear`."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -198,7 +200,14 @@ class Linear(nn.Module):
         self.dense: torch.Tensor | None = None      # a GGUF layer's dense copy (quantization="gguf+dense")
 
     def quantize_as(self, qtype: str) -> None:
-        """Hold the weight in GGUF blocks of `qtype` from now on (before its tensors are loaded)."""
+        """Hold the weight in GGUF blocks of `qtype`, or in fp8 (qtype "fp8"), from now on (before its
+        tensors are loaded). fp8 loads as FP8Weight.rows() (the scale's bytes after each row's)."""
+        if qtype == "fp8":
+            self.qtype = qtype
+            self.weight = nn.Parameter(torch.empty(self.output_size, self.input_size + 4, dtype=torch.uint8),
+                                       requires_grad=False)
+            self.weight.weight_loader = self.weight_loader
+            return
         if qtype not in GGUF_BLOCK_BYTES:
             raise ValueError(f"GGUF type must be one of {sorted(GGUF_BLOCK_BYTES)}; got {qtype!r}")
         if self.input_size % GGUF_BLOCK:
@@ -213,6 +222,10 @@ class Linear(nn.Module):
     def process_weights_after_loading(self, dense_copy: bool = False) -> None:
         """Prepack the weight for oneDNN; a GGUF weight only with `dense_copy` (then a dense copy
         in the model's dtype serves batches of GGUF_DENSE_MIN_ROWS rows or more)."""
+        if self.qtype == "fp8":
+            weight, self.weight_scale = split_fp8_rows(self.weight.data)
+            self.weight = nn.Parameter(weight, requires_grad=False)
+            return
         if self.qtype is not None:
             if dense_copy:
                 self.dense = dequantize_gguf(self.weight.data, self.qtype, self.dtype)
@@ -229,6 +242,10 @@ class Linear(nn.Module):
         """x W^T (+ bias) on this rank's weight, dense or quantized."""
         if self.qtype is None:
             return linear(x, self.weight, bias, self.packed)
+        if self.qtype == "fp8":
+            out = kernels_for(x).fp8_linear(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale)
+            out = out.reshape(*x.shape[:-1], self.output_size)
+            return out if bias is None else out + bias
         if self.dense is not None and x.numel() >= GGUF_DENSE_MIN_ROWS * self.input_size:
             return linear(x, self.dense, bias, self.packed)
         out = kernels_for(x).gguf_linear(x.reshape(-1, x.shape[-1]), self.weight, self.qtype)
@@ -343,12 +360,12 @@ def _shard(loaded: torch.Tensor, dim: int, start: int, size: int, expected_total
     return loaded.narrow(dim, start, size)
 
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor | GGUFWeight) -> None:
-    if isinstance(src, GGUFWeight):
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor | GGUFWeight | FP8Weight) -> None:
+    if isinstance(src, (GGUFWeight, FP8Weight)):
         if dst.dtype != torch.uint8:
             raise ValueError(f"a {src.qtype} checkpoint tensor cannot load into a dense parameter: the layer "
                              f"must be quantized first (Linear.quantize_as)")
-        src = src.blocks
+        src = src.rows()
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint tensor has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(src)

@@ -27,6 +27,7 @@ from engine.layers.linear import (
 from engine.layers.rmsnorm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.parallel_state import get_parallel_state, pp_layer_range
+from engine.quant_checkpoint import FP8Weight
 from engine.weights import GGUFWeight
 from kernels.dispatch import kernels_for
 from kernels.reference import dequantize_gguf
@@ -180,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(name)
             if param is None:
                 continue                      # e.g. unused buffers some checkpoints carry
-            if isinstance(tensor, GGUFWeight):
+            if isinstance(tensor, (GGUFWeight, FP8Weight)):
                 param = params[name] = self._quantized_param(name, param, tensor.qtype)
             else:
                 tensor = tensor.to(param.dtype)
