@@ -23,6 +23,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, validate_request
 from engine.scheduler import Scheduler
 from engine.spec_decode import SpecDecodeStats, make_proposer, max_proposals
+from engine.structured_output import compiler_for
 from engine.tokenizer import eos_token_ids, load_tokenizer
 from kv_transfer.base import KVConnectorScheduler
 from kv_transfer.layout import KVLayout
@@ -121,6 +122,13 @@ class LLMEngine:
         mc = self.config.model_config
         validate_request(prompt_token_ids, params, mc.vocab_size, mc.max_model_len,
                          self.config.scheduler_config.max_num_seqs)
+        if params.structured_outputs is not None:
+            if self.config.speculative_config is not None:
+                raise ValueError("structured_outputs is not supported with speculative decoding yet; serve "
+                                 "without speculative_config for constrained requests")
+            # Compiled now (cached per schema), so that a grammar that cannot compile is refused
+            # before it is queued; the runner of this process finds it compiled.
+            compiler_for(mc.model, mc.gguf_file, mc.vocab_size, self.tokenizer).compile(params.structured_outputs)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort user requests (all their children); their blocks are freed at once."""

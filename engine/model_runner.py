@@ -21,6 +21,7 @@ from engine.layers.rejection_sampler import verify
 from engine.layers.sampler import SamplingRow, greedy_ids, sample, top_logprobs
 from engine.outputs import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from engine.parallel_state import ParallelState, get_parallel_state, pp_recv, pp_send
+from engine.structured_output import Constraints
 from kernels.dispatch import get_kernels
 
 # A pipeline micro-batch has at least this many tokens. Smaller ones do not pay: a stage reads all
@@ -52,6 +53,8 @@ class ModelRunner:
         self.token_counts: TokenCounts | None = None          # penalties' counts, made when first needed
         self.graph_runner: CudaGraphRunner | None = None     # decode steps replay CUDA graphs
         self._logits: torch.Tensor | None = None             # see _logits_buffer
+        # Structured outputs' matchers (engine/structured_output.py), set by the worker.
+        self.constraints: Constraints | None = None
 
     def capture_cuda_graphs(self, sizes: tuple[int, ...], max_model_len: int) -> bool:
         """Capture the decode step for these batch sizes (after the KV cache exists). Only where the
@@ -74,6 +77,8 @@ class ModelRunner:
         k.copy_blocks(self.kv_caches, sched.copy_blocks)
         for rid in sched.finished_ids:
             self.generators.pop(rid, None)
+        if self.constraints is not None:
+            self.constraints.release(sched.finished_ids)
             if self.token_counts is not None:
                 self.token_counts.release(rid)
         if not sched.scheduled:
@@ -153,7 +158,13 @@ class ModelRunner:
             sampling_rows = [self._sampling_row(r) for r, _ in sample_rows]
             if self.token_counts is None and any(r.params.needs_penalties for r in sampling_rows):
                 self.token_counts = TokenCounts()
+            masked: dict[int, str] = {}
+            if self.constraints is not None:
+                self.constraints.apply(logits, [(r.request_id, r.sampling_params.structured_outputs,
+                                                 r.output_token_ids) for r, _ in sample_rows], masked)
             tokens, failed = sample(logits[:num_sample], sampling_rows, self.token_counts)
+            for i, why in masked.items():
+                tokens[i], failed[i] = None, why
             for i, ((req, _), token) in enumerate(zip(sample_rows, tokens)):
                 if token is None:
                     output.failed[req.request_id] = failed[i]
@@ -267,7 +278,7 @@ def _plain_greedy(req: ScheduledRequest) -> bool:
     """The sampler would only take this row's argmax: greedy, no penalties, no logprobs, and no
     min_tokens mask left (engine/layers/sampler.py)."""
     p = req.sampling_params
-    return (p.is_greedy and not p.needs_penalties and p.logprobs is None
+    return (p.is_greedy and not p.needs_penalties and p.logprobs is None and p.structured_outputs is None
             and len(req.output_token_ids) >= p.min_tokens)
 
 

@@ -10,8 +10,10 @@ are finite, and the list fields are capped (`MAX_STOP_STRINGS` strings of at mos
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # torch.Generator.manual_seed takes [-2**63, 2**64): every such seed is accepted.
@@ -26,6 +28,65 @@ MAX_STOP_TOKEN_IDS = 256
 # output so far, only what is new since the last one (the serving path), or nothing until it ends
 # (the offline `LLM`, which reads only the final outputs).
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's `structured_outputs`): exactly one of a JSON
+    schema (`json`: a dict or its JSON text), a regular expression, a list of choices, an EBNF
+    grammar (GBNF/xgrammar syntax), or `json_object=True` (any JSON object). The engine masks every
+    token the constraint does not allow at each step (engine/structured_output.py)."""
+    json: Any = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        _check(len(given) == 1, "structured_outputs", f"exactly one of {STRUCTURED_KINDS}",
+               given or "none")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    parsed = json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json must be a JSON schema (an object); it does not "
+                                     f"parse: {e}") from e
+            else:
+                parsed = self.json
+            _check(isinstance(parsed, dict), "structured_outputs.json", "a JSON schema (an object)", type(parsed).__name__)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value != ""), f"structured_outputs.{name}",
+                   "a non-empty string", value)
+        if self.choice is not None:
+            _check(isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+                   and all(isinstance(c, str) for c in self.choice), "structured_outputs.choice",
+                   "a non-empty list of strings", self.choice)
+            object.__setattr__(self, "choice", tuple(self.choice))
+        _check(isinstance(self.json_object, bool), "structured_outputs.json_object", "true or false", self.json_object)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): what a compiled grammar is cached under."""
+        kind = self.kind
+        if kind == "json":
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+        elif kind == "choice":
+            text = json.dumps(list(self.choice))
+        elif kind == "json_object":
+            text = ""
+        else:
+            text = getattr(self, kind)
+        return kind, text
 
 
 @dataclass
@@ -52,8 +113,16 @@ class SamplingParams:
     priority: int = 0                    # lower runs first under scheduling_policy="priority"
     extra_keys: tuple = field(default_factory=tuple)  # e.g. a cache salt: part of the block hash
     output_kind: str = "cumulative"      # one of OUTPUT_KINDS
+    structured_outputs: StructuredOutputsParams | None = None   # a dict of its fields is accepted too
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_KINDS))
+            _check(not unknown, "structured_outputs", f"fields among {STRUCTURED_KINDS}", unknown)
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "None, a StructuredOutputsParams or a dict of its fields",
+               type(self.structured_outputs).__name__)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _check(isinstance(self.stop, (list, tuple)) or self.stop is None, "stop",

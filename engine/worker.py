@@ -26,6 +26,7 @@ from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.parallel_state import get_parallel_state, init_parallel_state, pp_layer_range
 from engine.quant_checkpoint import model_weights
+from engine.structured_output import Constraints
 from engine.step_delta import StepDecoder
 from kv_transfer.base import KVConnectorWorker
 from kv_transfer.factory import create_connector_worker
@@ -93,6 +94,7 @@ class Worker:
         model.eval()
         self.runner = ModelRunner(model, self.config.cache_config.block_size, self.device, mc.seed,
                                   self.config.parallel_config.pipeline_micro_batches)
+        self.runner.constraints = Constraints(mc.model, mc.gguf_file, mc.vocab_size)
         cc = self.config.cache_config
         if cc.is_fp8 and cc.calculate_kv_scales:
             scales = calibrate_kv_scales(self.runner, mc.model, mc.gguf_file, mc.vocab_size, mc.max_model_len)

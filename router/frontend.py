@@ -33,6 +33,7 @@ from engine.errors import (
 )
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams, validate_request
+from engine.structured_output import compiler_for
 from engine.tokenizer import apply_chat_template, load_tokenizer
 from router.admission import Admission, Ticket
 from router.metrics import ServingMetrics
@@ -72,7 +73,7 @@ class Frontend:
         and followed for the pools' membership (`follow_membership`). Without replicas the server
         is starting: `attach()` gives it the pools once they are up."""
         self.config = config
-        info = config.engine_config("decode").model_info()
+        info = self.info = config.engine_config("decode").model_info()
         self.vocab_size, self.max_model_len, self.max_num_seqs = info.vocab_size, info.max_model_len, info.max_num_seqs
         self.model_name = config.serving.served_model_name or _default_name(info.model, info.gguf_file)
         self.tokenizer = load_tokenizer(info.model, info.gguf_file)
@@ -151,6 +152,14 @@ class Frontend:
             validate_request(ids, params, self.vocab_size, self.max_model_len, self.max_num_seqs)
         except ValueError as e:
             raise InvalidRequestError(str(e), param="prompt") from None
+        if params.structured_outputs is not None:
+            # Compiled here (cached per schema) so that one that cannot compile is a 400 before any
+            # replica sees it.
+            try:
+                compiler_for(self.info.model, self.info.gguf_file, self.vocab_size, self.tokenizer).compile(
+                    params.structured_outputs)
+            except ValueError as e:
+                raise InvalidRequestError(str(e), param="structured_outputs") from None
 
     def admit(self, count: int) -> Ticket:
         """Admit `count` requests: a ticket to release when they end; else ServiceUnavailableError or

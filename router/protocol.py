@@ -13,12 +13,27 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.outputs import Logprob
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON valid under a schema."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Common(BaseModel):
@@ -45,9 +60,48 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # constrained output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one output constraint this request asks for, or None; ValueError naming the fields if
+        it asks for several or a malformed one."""
+        sources: dict[str, dict[str, Any]] = {}
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            sources["response_format"] = {"json_object": True}
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ValueError("response_format.json_schema.schema is required when response_format.type is "
+                                 "'json_schema'")
+            sources["response_format"] = {"json": rf.json_schema.schema_}
+        if self.structured_outputs is not None:
+            sources["structured_outputs"] = self.structured_outputs
+        legacy = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        for kind, value in legacy.items():
+            if value is not None:
+                sources[f"guided_{kind}"] = {kind: value}
+        if len(sources) > 1:
+            raise ValueError(f"only one of response_format, structured_outputs and guided_* may constrain the "
+                             f"output; got {sorted(sources)}")
+        if not sources:
+            return None
+        (field, spec), = sources.items()
+        if not isinstance(spec, dict):
+            raise ValueError(f"{field} must be an object with one of json, regex, choice, grammar, json_object")
+        try:
+            return SamplingParams(structured_outputs=spec).structured_outputs
+        except ValueError as e:
+            raise ValueError(f"{field}: {e}") from None
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        return dict(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+        return dict(structured_outputs=self.structured(), n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                     min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                     max_tokens=self.max_tokens, min_tokens=self.min_tokens, stop=self.stop,

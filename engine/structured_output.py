@@ -1,0 +1,163 @@
+"""Structured outputs: grammars compiled by xgrammar, one matcher per constrained request, and the
+token bitmask those matchers put on the logits before sampling.
+
+- `compiler_for(model, gguf_file, vocab_size)`: one xgrammar GrammarCompiler per model and process
+  (its TokenizerInfo is built once from the model's tokenizer, with the logits' width as the
+  vocabulary); `compile` turns a StructuredOutputsParams into a CompiledGrammar, cached by its
+  canonical text (xgrammar's own cache), or raises ValueError naming the field and the reason. The
+  engine compiles a request's grammar when it is added, so a bad schema is refused before it is
+  queued (HTTP 400), and the model runner of the same process then finds it compiled.
+- `Constraints` (on the rank that samples): a matcher per constrained request, kept in step with
+  the request's output tokens (advanced by the tokens sampled since the last step; rolled back, or
+  rebuilt and replayed, when the output shrank, as after a preemption by recompute), and `apply`,
+  which fills one bitmask row per constrained row and masks the batch's logits in one op. Requests
+  without a constraint cost nothing: no matcher, no mask row.
+
+xgrammar was picked over llguidance because both are on the registry as wheels and xgrammar is the
+default of vLLM and SGLang, with a CPU path for the mask (a dense int32 bitmask, 1 bit per token).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import torch
+
+from engine.sampling_params import StructuredOutputsParams
+
+# How many tokens a matcher can roll back (a preempted request that recomputes keeps its tokens, so
+# rollbacks are rare; anything longer rebuilds the matcher and replays the output).
+MAX_ROLLBACK_TOKENS = 16
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputsParams into xgrammar grammars for one tokenizer."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        import xgrammar as xgr  # noqa: PLC0415 - only constrained requests need it
+
+        self.xgr = xgr
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max(1, min(8, os.cpu_count() or 1)))
+        self.vocab_size = vocab_size
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        kind, text = spec.key
+        try:
+            # JSON without free whitespace (", " and ": " between items): a model cannot run on in
+            # blank lines inside a constrained object, as small models otherwise do.
+            if kind == "json":
+                return self.compiler.compile_json_schema(text, any_whitespace=False)
+            if kind == "json_object":
+                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind == "regex":
+                return self.compiler.compile_regex(text)
+            if kind == "choice":
+                return self.compiler.compile_grammar(self.xgr.Grammar.from_regex(_choice_regex(spec.choice)))
+            return self.compiler.compile_grammar(text)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {_first_line(e)}") from e
+
+
+def _choice_regex(choices: tuple[str, ...]) -> str:
+    specials = set("\\.^$|?*+()[]{}")
+    return "|".join("".join("\\" + c if c in specials else c for c in choice) for choice in choices)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    line = text[-1] if text else type(e).__name__
+    # xgrammar prefixes its messages with "[time] file:line: "
+    return line.split(": ", 1)[1] if line.startswith("[") and ": " in line else line
+
+
+_compilers: dict[tuple[str, str | None, int], GrammarCompiler] = {}
+_compilers_lock = threading.Lock()
+
+
+def compiler_for(model: str, gguf_file: str | None, vocab_size: int, tokenizer: Any = None) -> GrammarCompiler:
+    """The process's compiler for this model, built on first use from `tokenizer` (the engine
+    passes its own) or the model's tokenizer loaded here (a GGUF file's takes seconds to convert)."""
+    key = (model, gguf_file, vocab_size)
+    with _compilers_lock:
+        if key not in _compilers:
+            if tokenizer is None:
+                from engine.tokenizer import load_tokenizer  # noqa: PLC0415
+
+                tokenizer = load_tokenizer(model, gguf_file)
+            if tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer; this model has none")
+            _compilers[key] = GrammarCompiler(tokenizer, vocab_size)
+        return _compilers[key]
+
+
+class Constraints:
+    """The sampling rank's matchers, one per constrained request (by request id)."""
+
+    def __init__(self, model: str, gguf_file: str | None, vocab_size: int) -> None:
+        self.model, self.gguf_file, self.vocab_size = model, gguf_file, vocab_size
+        self.matchers: dict[str, tuple[Any, int]] = {}     # request id -> (matcher, tokens it has accepted)
+
+    def apply(self, logits: torch.Tensor, rows: list[tuple[str, StructuredOutputsParams, list[int]]],
+              failed: dict[int, str]) -> None:
+        """Mask `logits` [num_rows, vocab] (float32, in place): for each constrained row (index, its
+        request id, constraint and output tokens so far), every token its grammar does not allow next
+        becomes -inf. A row whose matcher cannot follow its own output is put in `failed`."""
+        constrained = [(i, rid, spec, out) for i, (rid, spec, out) in enumerate(rows) if spec is not None]
+        if not constrained:
+            return
+        compiler = compiler_for(self.model, self.gguf_file, self.vocab_size)
+        xgr = compiler.xgr
+        bitmask = xgr.allocate_token_bitmask(len(constrained), compiler.info.vocab_size)
+        index = []
+        for j, (i, rid, spec, out) in enumerate(constrained):
+            try:
+                matcher = self._synced(rid, spec, out, compiler)
+            except ValueError as e:
+                failed[i] = str(e)
+                continue
+            if matcher.is_terminated():        # past its end (ignore_eos): nothing left to constrain
+                continue
+            matcher.fill_next_token_bitmask(bitmask, j)
+            index.append(j)
+        if not index:
+            return
+        rows_t = torch.tensor([constrained[j][0] for j in index])
+        bits = bitmask[torch.tensor(index)]
+        # Bit t % 32 of word t // 32 says whether token t is allowed (xgrammar's layout).
+        allowed = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().reshape(len(index), -1)
+        width = logits.shape[1]
+        allowed = allowed[:, :width]
+        sub = logits[rows_t]
+        sub[:, :allowed.shape[1]].masked_fill_(~allowed, float("-inf"))
+        if width > allowed.shape[1]:
+            sub[:, allowed.shape[1]:] = float("-inf")
+        logits[rows_t] = sub
+
+    def _synced(self, rid: str, spec: StructuredOutputsParams, out: list[int], compiler: GrammarCompiler) -> Any:
+        """The request's matcher, having accepted exactly its output tokens `out`."""
+        entry = self.matchers.get(rid)
+        if entry is not None and entry[1] > len(out):
+            matcher, accepted = entry
+            if accepted - len(out) <= MAX_ROLLBACK_TOKENS:
+                matcher.rollback(accepted - len(out))
+                entry = (matcher, len(out))
+            else:
+                entry = None
+        if entry is None:
+            matcher = compiler.xgr.GrammarMatcher(compiler.compile(spec), max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+            entry = (matcher, 0)
+        matcher, accepted = entry
+        for token in out[accepted:]:
+            if matcher.is_terminated():
+                break
+            if not matcher.accept_token(token):
+                self.matchers.pop(rid, None)
+                raise ValueError(f"structured_outputs: token {token} does not follow the grammar")
+        self.matchers[rid] = (matcher, len(out))
+        return matcher
+
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.matchers.pop(rid, None)

@@ -1,0 +1,153 @@
+"""Structured outputs (engine/structured_output.py): sampled JSON that validates against its schema,
+regex and choice constraints, greedy constrained output equal to transformers' greedy output under
+the same grammar's mask (applied by an independent logits processor here), constrained and
+unconstrained requests in one batch, and clear errors. The HTTP side is in test_serving.py."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from conftest import hf_model
+
+from engine import LLM, SamplingParams
+from engine.sampling_params import StructuredOutputsParams
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer",
+     "minimum": 0, "maximum": 120}}, "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+     "minItems": 1, "maxItems": 3}}, "required": ["tags"]},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": -100, "maximum": 100},
+        "y": {"type": "integer", "minimum": -100, "maximum": 100}}, "required": ["x", "y"]}}, "required": ["point"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": "string", "maxLength": 12}},
+     "required": ["ok"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"status": {"const": "done"}, "count": {"type": "integer", "minimum": 1,
+     "maximum": 5}}, "required": ["status", "count"]},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {"type": "object",
+     "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}, "kind": {"enum": ["a", "b"]}},
+     "required": ["id", "kind"]}}}, "required": ["items"]},
+    {"type": "object", "properties": {"answer": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 50},
+     {"type": "string", "maxLength": 6}]}}, "required": ["answer"]},
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 14},
+     "population": {"type": "integer", "minimum": 0, "maximum": 99999}, "capital": {"type": "boolean"}},
+     "required": ["city", "population", "capital"], "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module")
+def embedded() -> LLM:
+    return LLM(None, max_model_len=1024, max_num_seqs=32)
+
+
+def chat(llm: LLM, text: str) -> str:
+    return llm.llm_engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                        add_generation_prompt=True)
+
+
+def test_sampled_json_validates_against_its_schema(embedded):
+    """Ten schemas (nested objects, arrays, enums, const, anyOf, bounds, required fields), three
+    requests each sampled at temperature 0.8 in one batch with unconstrained requests beside them:
+    every constrained output parses and validates; the unconstrained ones run as usual."""
+    prompts, params = [], []
+    for i, schema in enumerate(SCHEMAS):
+        for j in range(3):
+            prompts.append(chat(embedded, f"Reply in JSON. Case {i}.{j}."))
+            params.append(SamplingParams(temperature=0.8, seed=100 * i + j, max_tokens=200,
+                                         structured_outputs=StructuredOutputsParams(json=schema)))
+    free = [chat(embedded, "Say something."), chat(embedded, "Count to five.")]
+    outs = embedded.generate(prompts + free, params + [SamplingParams(temperature=0.8, seed=7, max_tokens=16)] * 2,
+                             use_tqdm=False)
+    for k, out in enumerate(outs[:len(prompts)]):
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop", (k, text)
+        jsonschema.validate(json.loads(text), SCHEMAS[k // 3])
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs[len(prompts):])
+    pool = embedded.llm_engine.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_regex_choice_and_json_object(embedded):
+    prompt = chat(embedded, "Give a short code, or a JSON object with one short field.")
+    sampled = SamplingParams(temperature=0.9, seed=3, max_tokens=200)
+    cases = {"regex": r"[A-Z]{2}-\d{3}", "choice": ["alpha", "beta", "gamma (c)"], "json_object": True}
+    for kind, value in cases.items():
+        params = [SamplingParams(**{**vars(sampled), "seed": s, "structured_outputs": {kind: value}}) for s in range(4)]
+        outs = [o.outputs[0] for o in embedded.generate([prompt] * 4, params, use_tqdm=False)]
+        assert all(o.finish_reason == "stop" for o in outs), [o.text for o in outs]
+        for text in (o.text for o in outs):
+            if kind == "regex":
+                assert re.fullmatch(value, text), text
+            elif kind == "choice":
+                assert text in value, text
+            else:
+                assert isinstance(json.loads(text), dict), text
+
+
+class MaskProcessor:
+    """An HF logits processor applying xgrammar's mask for one sequence (xgrammar's own apply)."""
+
+    def __init__(self, compiled, vocab_size: int, prompt_len: int) -> None:
+        import xgrammar as xgr
+
+        self.xgr, self.matcher = xgr, xgr.GrammarMatcher(compiled)
+        self.vocab_size, self.prompt_len = vocab_size, prompt_len
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] > self.prompt_len:
+            assert self.matcher.accept_token(int(input_ids[0, -1]))
+        if self.matcher.is_terminated():
+            return scores
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        self.xgr.apply_token_bitmask_inplace(scores, self.bitmask, vocab_size=self.vocab_size)
+        return scores
+
+
+def test_greedy_constrained_equals_transformers_under_the_same_mask(tiny_llama):
+    """fp32, a tiny random model: the engine's greedy tokens under a grammar equal transformers'
+    greedy tokens with the same compiled grammar's mask applied by xgrammar's own kernel."""
+    from transformers import LogitsProcessorList
+
+    from engine.model_source import resolve_model
+    from engine.structured_output import compiler_for
+
+    path, _, config = resolve_model(tiny_llama)
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=256)
+    model = hf_model(tiny_llama)
+    specs = [StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "minItems": 40}),
+             StructuredOutputsParams(regex=r"(the|a|an) [a-z ]{60,80}"),
+             StructuredOutputsParams(grammar='root ::= ("yes" | "no") " " [0-9]+ ", " root')]
+    prompts = [[1, 504, 3458, 282], [1, 9690, 198], list(range(100, 140))]
+    params = [SamplingParams(temperature=0, max_tokens=16, structured_outputs=s) for s in specs]
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    compiler = compiler_for(path, None, config.vocab_size)
+    for ids, spec, out in zip(prompts, specs, got):
+        processor = MaskProcessor(compiler.compile(spec), config.vocab_size, len(ids))
+        with torch.no_grad():
+            want = model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0, logits_processor=LogitsProcessorList([processor]))
+        tokens = out.outputs[0].token_ids           # up to the grammar's forced EOS, if it ended
+        assert len(tokens) >= 8 and tokens == want[0, len(ids):len(ids) + len(tokens)].tolist(), spec.kind
+
+
+def test_bad_constraints_name_the_field(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=256)
+    bad = [({"json": {"type": "objectx"}}, "structured_outputs.json cannot be compiled: .*objectx"),
+           ({"regex": "(unclosed"}, "structured_outputs.regex cannot be compiled"),
+           ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar cannot be compiled"),
+           ({"json": "{not json"}, "structured_outputs.json must be a JSON schema"),
+           ({"choice": []}, "structured_outputs.choice must be a non-empty list of strings"),
+           ({"json": {}, "regex": "a"}, "structured_outputs must be exactly one of"),
+           ({"jsn": {}}, "structured_outputs must be fields among")]
+    for spec, message in bad:
+        with pytest.raises(ValueError, match=message):
+            llm.generate(["hi"], SamplingParams(structured_outputs=spec), use_tqdm=False)
+    assert llm.generate(["hi"], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+    pool = llm.llm_engine.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
