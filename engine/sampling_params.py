@@ -58,7 +58,8 @@ class StructuredOutputsParams:
                                      f"parse: {e}") from e
             else:
                 parsed = self.json
-            _check(isinstance(parsed, dict), "structured_outputs.json", "a JSON schema (an object)", type(parsed).__name__)
+            _check(isinstance(parsed, dict), "structured_outputs.json", "a JSON schema (an object)",
+                   type(parsed).__name__)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, str) and value != ""), f"structured_outputs.{name}",

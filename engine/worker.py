@@ -26,8 +26,8 @@ from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.parallel_state import get_parallel_state, init_parallel_state, pp_layer_range
 from engine.quant_checkpoint import model_weights
-from engine.structured_output import Constraints
 from engine.step_delta import StepDecoder
+from engine.structured_output import Constraints
 from kv_transfer.base import KVConnectorWorker
 from kv_transfer.factory import create_connector_worker
 from kv_transfer.layout import KVLayout

@@ -38,6 +38,18 @@ _SCALARS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ign
 _REPEATED = ("stop", "stop_token_ids")
 
 
+def _structured(message: Any) -> dict[str, Any]:
+    """A StructuredOutputs message as the HTTP API's `structured_outputs` object."""
+    which = message.WhichOneof("constraint")
+    if which is None:
+        return {}                       # refused by the validation, naming structured_outputs
+    if which == "json_schema":
+        return {"json": message.json_schema}
+    if which == "choice":
+        return {"choice": list(message.choice.choices)}
+    return {which: getattr(message, which)}
+
+
 def grpc_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """(status code, details) for an ingress error; details name the offending field."""
     err: PDServeError = request_error(error)
@@ -73,6 +85,8 @@ class GenerationService:
         for name in _REPEATED:
             if len(getattr(s, name)):
                 body[name] = list(getattr(s, name))
+        if s.HasField("structured_outputs"):
+            body["structured_outputs"] = _structured(s.structured_outputs)
         return body
 
     # --- RPCs --------------------------------------------------------------------------------------

@@ -101,7 +101,8 @@ class _Common(BaseModel):
             raise ValueError(f"{field}: {e}") from None
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        return dict(structured_outputs=self.structured(), n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+        return dict(structured_outputs=self.structured(),
+                    n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                     min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                     max_tokens=self.max_tokens, min_tokens=self.min_tokens, stop=self.stop,

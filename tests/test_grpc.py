@@ -131,6 +131,19 @@ def _code(call) -> tuple[grpc.StatusCode, str]:
 
 
 @pytest.mark.ray
+def test_structured_outputs(server):
+    """A choice and a regex constraint through protobuf: the streamed text obeys it."""
+    stub, pb2 = server["stub"], server["pb2"]
+    for constraint, check in ((pb2.StructuredOutputs(choice=pb2.Choices(choices=["north", "south"])),
+                               lambda t: t in ("north", "south")),
+                              (pb2.StructuredOutputs(regex="[0-9]{4}"), lambda t: len(t) == 4 and t.isdigit())):
+        sampling = pb2.SamplingOptions(max_tokens=12, temperature=0.9, seed=5, structured_outputs=constraint)
+        text = "".join(m.text for m in stub.Generate(pb2.GenerateRequest(text="Where?", sampling=sampling),
+                                                     metadata=_md(), timeout=60))
+        assert check(text), text
+
+
+@pytest.mark.ray
 def test_error_codes(server):
     stub, pb2 = server["stub"], server["pb2"]
 
@@ -147,6 +160,9 @@ def test_error_codes(server):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in details
     code, details = _code(gen(token_ids=pb2.TokenIds(ids=[5] * 1000), sampling=pb2.SamplingOptions(max_tokens=100)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in details and "max_model_len" in details
+    bad = pb2.StructuredOutputs(json_schema='{"type": "objectx"}')
+    code, details = _code(gen(text="x", sampling=pb2.SamplingOptions(structured_outputs=bad)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "structured_outputs.json cannot be compiled" in details
     code, details = _code(gen(text="x", model="no-such-model"))
     assert code == grpc.StatusCode.NOT_FOUND and "no-such-model" in details
     for md in (_md(key=None), _md(key="wrong")):
