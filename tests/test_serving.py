@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import random
+import re
 import time
 
 import httpx
