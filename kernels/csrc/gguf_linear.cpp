@@ -118,6 +118,81 @@ void rows_pass(const float* x, const float* xsum, int64_t K, const uint8_t* w, i
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+// AVX2 without AVX-512: GCC's 16-lane vector types become pairs of ymm registers moved through the
+// stack between the conversions and the FMAs (rows_pass ran at ~0.7 elements per cycle). Here each
+// block's 32 integers are four ymm of 8 fp32 lanes, and each row of x takes four FMAs per block
+// into one accumulator, the block's scale applied once: 14 of the 16 ymm registers at 8 rows.
+
+inline __m256 ints8(__m128i bytes, bool high, bool is_signed) {
+  const __m128i b = high ? _mm_unpackhi_epi64(bytes, bytes) : bytes;
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+}
+
+// The block's 32 integers (Q4_0: q - 8) as q[0..3], elements 0-7, 8-15, 16-23, 24-31.
+template <Quant Q>
+inline void block_ints8(const uint8_t* blk, __m256 q[4]) {
+  if constexpr (Q == Quant::Q8_0) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
+    q[0] = ints8(a, false, true), q[1] = ints8(a, true, true);
+    q[2] = ints8(b, false, true), q[3] = ints8(b, true, true);
+  } else {
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Q == Quant::Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(qs, mask), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+    constexpr bool is_signed = Q == Quant::Q4_0;
+    if constexpr (is_signed) {
+      lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+      hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+    }
+    q[0] = ints8(lo, false, is_signed), q[1] = ints8(lo, true, is_signed);
+    q[2] = ints8(hi, false, is_signed), q[3] = ints8(hi, true, is_signed);
+  }
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// rows_pass's contract (x as fp32 [M][K]) on ymm registers.
+template <typename T, Quant Q, int R>
+void rows_pass_avx2(const float* x, const float* xsum, int64_t K, const uint8_t* w, int64_t row_bytes, T* out,
+                    int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+  const int64_t num_blocks = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    if (n + kPrefetchRows < n1)
+      for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + kPrefetchRows * row_bytes + o);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    float mins[R] = {};
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* blk = row + b * block_bytes<Q>();
+      __m256 q[4];
+      block_ints8<Q>(blk, q);
+      const __m256 d = _mm256_set1_ps(half_at(blk));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + (m0 + r) * K + b * 32;
+        __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xr));
+        t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xr + 8), t);
+        t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xr + 16), t);
+        t = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xr + 24), t);
+        acc[r] = _mm256_fmadd_ps(t, d, acc[r]);
+      }
+      if constexpr (Q == Quant::Q4_1) {
+        const float m = half_at(blk + 2);
+        for (int r = 0; r < R; ++r) mins[r] += m * xsum[(m0 + r) * num_blocks + b];
+      }
+    }
+    for (int r = 0; r < R; ++r) out[(m0 + r) * N + n] = static_cast<T>(hsum8(acc[r]) + mins[r]);
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // A 4-bit type's sixteen nibble values as bf16 words (Q4_0: q - 8; small integers: exact in bf16),
 // a permutexvar table.
@@ -263,6 +338,9 @@ void tail_pass(int rows, const float* x, const T* xt, const float* xsum, int64_t
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if constexpr (std::is_same_v<T, c10::BFloat16>)
       return rows_pass_bf16<Q, R>(xt, xsum, Mpad, K, w, row_bytes, out, N, m0, n0, n1);
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+    return rows_pass_avx2<T, Q, R>(x, xsum, K, w, row_bytes, out, N, m0, n0, n1);
 #endif
     rows_pass<T, Q, R>(x, xsum, K, w, row_bytes, out, N, m0, n0, n1);
   }
