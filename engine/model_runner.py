@@ -77,10 +77,10 @@ class ModelRunner:
         k.copy_blocks(self.kv_caches, sched.copy_blocks)
         for rid in sched.finished_ids:
             self.generators.pop(rid, None)
-        if self.constraints is not None:
-            self.constraints.release(sched.finished_ids)
             if self.token_counts is not None:
                 self.token_counts.release(rid)
+        if self.constraints is not None:
+            self.constraints.release(sched.finished_ids)
         if not sched.scheduled:
             return ModelRunnerOutput(sampled={})
 
