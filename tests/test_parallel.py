@@ -128,6 +128,10 @@ def test_parallel_greedy_matches_single_rank_and_hf(two_nodes, request, kind, tp
             seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
             single = LLMEngine(EngineConfig.create(path, **args))
             assert run(engine, PROMPTS[1:3], seeded) == run(single, PROMPTS[1:3], seeded)
+            # A constraint: the driver rank (a worker actor) keeps the matcher and masks the logits.
+            constrained = SamplingParams(max_tokens=12, temperature=0.9, seed=3,
+                                         structured_outputs={"regex": "[a-z]+( [a-z]+)*"})
+            assert run(engine, PROMPTS[1:3], constrained) == run(single, PROMPTS[1:3], constrained)
         assert want[:4] == hf_greedy(path, PROMPTS, GREEDY.max_tokens)
         placements = engine.executor.placements()
         by_stage: dict[int, set[str]] = {}
