@@ -5,7 +5,9 @@ unconstrained requests in one batch, and clear errors. The HTTP side is in test_
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 
 import jsonschema
 import pytest
@@ -15,29 +17,8 @@ from conftest import hf_model
 from engine import LLM, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
 
-SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer",
-     "minimum": 0, "maximum": 120}}, "required": ["name", "age"], "additionalProperties": False},
-    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
-     "minItems": 1, "maxItems": 3}}, "required": ["tags"]},
-    {"type": "object", "properties": {"point": {"type": "object", "properties": {
-        "x": {"type": "integer", "minimum": -100, "maximum": 100},
-        "y": {"type": "integer", "minimum": -100, "maximum": 100}}, "required": ["x", "y"]}}, "required": ["point"]},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": "string", "maxLength": 12}},
-     "required": ["ok"]},
-    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
-    {"type": "object", "properties": {"status": {"const": "done"}, "count": {"type": "integer", "minimum": 1,
-     "maximum": 5}}, "required": ["status", "count"]},
-    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {"type": "object",
-     "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}, "kind": {"enum": ["a", "b"]}},
-     "required": ["id", "kind"]}}}, "required": ["items"]},
-    {"type": "object", "properties": {"answer": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 50},
-     {"type": "string", "maxLength": 6}]}}, "required": ["answer"]},
-    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 14},
-     "population": {"type": "integer", "minimum": 0, "maximum": 99999}, "capital": {"type": "boolean"}},
-     "required": ["city", "population", "capital"], "additionalProperties": False},
-]
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from structured import SCHEMAS  # benchmarks/structured.py (appended to the path: it must not shadow the packages)
 
 
 @pytest.fixture(scope="module")
