@@ -10,8 +10,9 @@ token bitmask those matchers put on the logits before sampling.
 - `Constraints` (on the rank that samples): a matcher per constrained request, kept in step with
   the request's output tokens (advanced by the tokens sampled since the last step; rolled back, or
   rebuilt and replayed, when the output shrank, as after a preemption by recompute), and `apply`,
-  which fills one bitmask row per constrained row and masks the batch's logits in one op. Requests
-  without a constraint cost nothing: no matcher, no mask row.
+  which fills one bitmask row per constrained row and masks them in the batch's logits in one call
+  (xgrammar's `apply_token_bitmask_inplace`). Requests
+  without a constraint cost nothing: no matcher, and their mask rows are never applied.
 
 xgrammar was picked over llguidance because both are on the registry as wheels and xgrammar is the
 default of vLLM and SGLang, with a CPU path for the mask (a dense int32 bitmask, 1 bit per token).
@@ -98,6 +99,7 @@ class Constraints:
     def __init__(self, model: str, gguf_file: str | None, vocab_size: int) -> None:
         self.model, self.gguf_file, self.vocab_size = model, gguf_file, vocab_size
         self.matchers: dict[str, tuple[Any, int]] = {}     # request id -> (matcher, tokens it has accepted)
+        self.compiler: GrammarCompiler | None = None      # the process's, looked up on first use
 
     def apply(self, logits: torch.Tensor, rows: list[tuple[str, StructuredOutputsParams, list[int]]],
               failed: dict[int, str]) -> None:
@@ -107,11 +109,12 @@ class Constraints:
         constrained = [(i, rid, spec, out) for i, (rid, spec, out) in enumerate(rows) if spec is not None]
         if not constrained:
             return
-        compiler = compiler_for(self.model, self.gguf_file, self.vocab_size)
-        xgr = compiler.xgr
-        bitmask = xgr.allocate_token_bitmask(len(constrained), compiler.info.vocab_size)
+        compiler = self._compiler()
+        # One bitmask row per row of the batch (all tokens allowed until filled); xgrammar's own
+        # kernel masks the filled rows of the logits in one call.
+        bitmask = compiler.xgr.allocate_token_bitmask(len(rows), compiler.info.vocab_size)
         index = []
-        for j, (i, rid, spec, out) in enumerate(constrained):
+        for i, rid, spec, out in constrained:
             try:
                 matcher = self._synced(rid, spec, out, compiler)
             except ValueError as e:
@@ -119,21 +122,15 @@ class Constraints:
                 continue
             if matcher.is_terminated():        # past its end (ignore_eos): nothing left to constrain
                 continue
-            matcher.fill_next_token_bitmask(bitmask, j)
-            index.append(j)
-        if not index:
-            return
-        rows_t = torch.tensor([constrained[j][0] for j in index])
-        bits = bitmask[torch.tensor(index)]
-        # Bit t % 32 of word t // 32 says whether token t is allowed (xgrammar's layout).
-        allowed = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().reshape(len(index), -1)
-        width = logits.shape[1]
-        allowed = allowed[:, :width]
-        sub = logits[rows_t]
-        sub[:, :allowed.shape[1]].masked_fill_(~allowed, float("-inf"))
-        if width > allowed.shape[1]:
-            sub[:, allowed.shape[1]:] = float("-inf")
-        logits[rows_t] = sub
+            matcher.fill_next_token_bitmask(bitmask, i)
+            index.append(i)
+        if index:
+            compiler.xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=index)
+
+    def _compiler(self) -> GrammarCompiler:
+        if self.compiler is None:
+            self.compiler = compiler_for(self.model, self.gguf_file, self.vocab_size)
+        return self.compiler
 
     def _synced(self, rid: str, spec: StructuredOutputsParams, out: list[int], compiler: GrammarCompiler) -> Any:
         """The request's matcher, having accepted exactly its output tokens `out`."""

@@ -242,13 +242,13 @@ class Linear(nn.Module):
         """x W^T (+ bias) on this rank's weight, dense or quantized."""
         if self.qtype is None:
             return linear(x, self.weight, bias, self.packed)
-        if self.qtype == "fp8":
-            out = kernels_for(x).fp8_linear(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale)
-            out = out.reshape(*x.shape[:-1], self.output_size)
-            return out if bias is None else out + bias
         if self.dense is not None and x.numel() >= GGUF_DENSE_MIN_ROWS * self.input_size:
             return linear(x, self.dense, bias, self.packed)
-        out = kernels_for(x).gguf_linear(x.reshape(-1, x.shape[-1]), self.weight, self.qtype)
+        kernels, rows = kernels_for(x), x.reshape(-1, x.shape[-1])
+        if self.qtype == "fp8":
+            out = kernels.fp8_linear(rows, self.weight, self.weight_scale)
+        else:
+            out = kernels.gguf_linear(rows, self.weight, self.qtype)
         out = out.reshape(*x.shape[:-1], self.output_size)
         return out if bias is None else out + bias
 
