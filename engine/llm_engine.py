@@ -123,9 +123,6 @@ class LLMEngine:
         validate_request(prompt_token_ids, params, mc.vocab_size, mc.max_model_len,
                          self.config.scheduler_config.max_num_seqs)
         if params.structured_outputs is not None:
-            if self.config.speculative_config is not None:
-                raise ValueError("structured_outputs is not supported with speculative decoding yet; serve "
-                                 "without speculative_config for constrained requests")
             # Compiled now (cached per schema), so that a grammar that cannot compile is refused
             # before it is queued; the runner of this process finds it compiled.
             compiler_for(mc.model, mc.gguf_file, mc.vocab_size, self.tokenizer).compile(params.structured_outputs)

@@ -174,8 +174,15 @@ class ModelRunner:
         offset = num_sample
         for req, idx in spec_rows:
             rows = logits[offset:offset + len(idx)]
+            proposals = req.spec_token_ids
             try:
-                output.spec_sampled[req.request_id] = verify(rows, self._sampling_row(req), req.spec_token_ids)
+                spec = req.sampling_params.structured_outputs
+                if spec is not None and self.constraints is not None:
+                    # Only the proposals the grammar allows are verified: the rest count as rejected.
+                    allowed = self.constraints.apply_proposals(rows, req.request_id, spec, req.output_token_ids,
+                                                               proposals)
+                    rows, proposals = rows[:allowed + 1], proposals[:allowed]
+                output.spec_sampled[req.request_id] = verify(rows, self._sampling_row(req), proposals)
             except Exception as e:  # noqa: BLE001
                 output.failed[req.request_id] = f"verifying proposed tokens failed: {e!r}"
             offset += len(idx)

@@ -30,20 +30,23 @@ MAX_STOP_TOKEN_IDS = 256
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """A constraint on the generated text (vLLM's `structured_outputs`): exactly one of a JSON
     schema (`json`: a dict or its JSON text), a regular expression, a list of choices, an EBNF
-    grammar (GBNF/xgrammar syntax), or `json_object=True` (any JSON object). The engine masks every
-    token the constraint does not allow at each step (engine/structured_output.py)."""
+    grammar (GBNF/xgrammar syntax), `json_object=True` (any JSON object), or an xgrammar
+    `structural_tag` (a dict or its JSON text: free text with tagged, schema-checked spans, as tool
+    calls use: engine/tool_calls.py). The engine masks every token the constraint does not allow at
+    each step (engine/structured_output.py)."""
     json: Any = None
     regex: str | None = None
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
+    structural_tag: Any = None
 
     def __post_init__(self) -> None:
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
@@ -60,7 +63,9 @@ class StructuredOutputsParams:
                 parsed = self.json
             _check(isinstance(parsed, dict), "structured_outputs.json", "a JSON schema (an object)",
                    type(parsed).__name__)
-        for name in ("regex", "grammar"):
+        if isinstance(self.structural_tag, dict):
+            object.__setattr__(self, "structural_tag", json.dumps(self.structural_tag, sort_keys=True))
+        for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, str) and value != ""), f"structured_outputs.{name}",
                    "a non-empty string", value)

@@ -12,7 +12,10 @@ token bitmask those matchers put on the logits before sampling.
   rebuilt and replayed, when the output shrank, as after a preemption by recompute), and `apply`,
   which fills one bitmask row per constrained row and masks them in the batch's logits in one call
   (xgrammar's `apply_token_bitmask_inplace`). Requests
-  without a constraint cost nothing: no matcher, and their mask rows are never applied.
+  without a constraint cost nothing: no matcher, and their mask rows are never applied. With
+  speculative decoding, `apply_proposals` masks a request's verification rows: the matcher walks
+  the proposals (each row's mask is the state after the proposals before it), stops at the first
+  one the grammar refuses, and is rolled back, so only verified tokens ever stay in it.
 
 xgrammar was picked over llguidance because both are on the registry as wheels and xgrammar is the
 default of vLLM and SGLang, with a CPU path for the mask (a dense int32 bitmask, 1 bit per token).
@@ -27,8 +30,8 @@ import torch
 
 from engine.sampling_params import StructuredOutputsParams
 
-# How many tokens a matcher can roll back (a preempted request that recomputes keeps its tokens, so
-# rollbacks are rare; anything longer rebuilds the matcher and replays the output).
+# Up to how many tokens a matcher rolls back when a request's output shrank (a preempted request that
+# recomputes keeps its tokens, so this is rare); beyond, the matcher is rebuilt and replays the output.
 MAX_ROLLBACK_TOKENS = 16
 
 
@@ -56,6 +59,8 @@ class GrammarCompiler:
                 return self.compiler.compile_regex(text)
             if kind == "choice":
                 return self.compiler.compile_grammar(self.xgr.Grammar.from_regex(_choice_regex(spec.choice)))
+            if kind == "structural_tag":
+                return self.compiler.compile_structural_tag(text)
             return self.compiler.compile_grammar(text)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"structured_outputs.{kind} cannot be compiled: {_first_line(e)}") from e
@@ -127,6 +132,31 @@ class Constraints:
         if index:
             compiler.xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=index)
 
+    def apply_proposals(self, logits: torch.Tensor, rid: str, spec: StructuredOutputsParams, out: list[int],
+                        proposals: list[int]) -> int:
+        """Mask the k + 1 verification rows `logits` of one request (row j follows `out` plus
+        proposals[:j]) and return how many proposals the grammar allows in a row: rows past the
+        first proposal it refuses are left as they are, and the caller verifies only the allowed
+        prefix. The matcher is rolled back to `out`, so the tokens that verification rejects never
+        reach it; ValueError when it cannot follow `out` itself."""
+        compiler = self._compiler()
+        matcher = self._synced(rid, spec, out, compiler)
+        bitmask = compiler.xgr.allocate_token_bitmask(logits.shape[0], compiler.info.vocab_size)
+        rows, advanced = [], 0
+        for j in range(len(proposals) + 1):
+            if matcher.is_terminated():          # past its end: nothing left to constrain
+                break
+            matcher.fill_next_token_bitmask(bitmask, j)
+            rows.append(j)
+            if j == len(proposals) or not matcher.accept_token(proposals[j]):
+                break
+            advanced += 1
+        if advanced:
+            matcher.rollback(advanced)
+        if rows:
+            compiler.xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
+        return advanced
+
     def _compiler(self) -> GrammarCompiler:
         if self.compiler is None:
             self.compiler = compiler_for(self.model, self.gguf_file, self.vocab_size)
@@ -143,7 +173,7 @@ class Constraints:
             else:
                 entry = None
         if entry is None:
-            matcher = compiler.xgr.GrammarMatcher(compiler.compile(spec), max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+            matcher = compiler.xgr.GrammarMatcher(compiler.compile(spec))
             entry = (matcher, 0)
         matcher, accepted = entry
         for token in out[accepted:]:

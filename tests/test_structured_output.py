@@ -90,16 +90,22 @@ class MaskProcessor:
         return scores
 
 
-def test_greedy_constrained_equals_transformers_under_the_same_mask(tiny_llama):
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize("speculative", [None, NGRAM], ids=["plain", "ngram"])
+def test_greedy_constrained_equals_transformers_under_the_same_mask(tiny_llama, speculative):
     """fp32, a tiny random model: the engine's greedy tokens under a grammar equal transformers'
-    greedy tokens with the same compiled grammar's mask applied by xgrammar's own kernel."""
+    greedy tokens with the same compiled grammar's mask applied by xgrammar's own kernel; with
+    n-gram speculative decoding too, where each verification row gets the mask of the state after
+    the proposals before it, and proposals the grammar refuses are never verified."""
     from transformers import LogitsProcessorList
 
     from engine.model_source import resolve_model
     from engine.structured_output import compiler_for
 
     path, _, config = resolve_model(tiny_llama)
-    llm = LLM(tiny_llama, dtype="float32", max_model_len=256)
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=256, speculative_config=speculative)
     model = hf_model(tiny_llama)
     specs = [StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "minItems": 40}),
              StructuredOutputsParams(regex=r"(the|a|an) [a-z ]{60,80}"),
@@ -115,6 +121,67 @@ def test_greedy_constrained_equals_transformers_under_the_same_mask(tiny_llama):
                                   eos_token_id=None, pad_token_id=0, logits_processor=LogitsProcessorList([processor]))
         tokens = out.outputs[0].token_ids           # up to the grammar's forced EOS, if it ended
         assert len(tokens) >= 8 and tokens == want[0, len(ids):len(ids) + len(tokens)].tolist(), spec.kind
+    if speculative is not None:                      # the grammars' repeats were proposed and taken
+        stats = llm.llm_engine.spec_stats
+        assert stats.num_draft_tokens > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    pool = llm.llm_engine.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_sampled_constrained_with_speculative_decoding(tiny_llama):
+    """Sampled (temperature 0.8) under n-gram speculative decoding, beside unconstrained requests:
+    every constrained output is complete and valid, and every block comes back."""
+    schema = {"type": "object", "properties": {
+        "tag": {"enum": ["aa", "bb", "cc"]}, "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        "xs": {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 4, "maxItems": 12},
+        "s": {"type": "string", "maxLength": 6}}, "required": ["tag", "n", "xs", "s"], "additionalProperties": False}
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=512, speculative_config=NGRAM)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=300, structured_outputs={"json": schema})
+              for i in range(6)] + [SamplingParams(temperature=0.8, seed=9, max_tokens=30)] * 2
+    outs = llm.generate([{"prompt_token_ids": [1, 50 + i, 60, 70]} for i in range(8)], params, use_tqdm=False)
+    for out in outs[:6]:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert llm.llm_engine.spec_stats.num_draft_tokens > 0
+    pool = llm.llm_engine.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"max_num_batched_tokens": 20},                                           # chunked prefill
+    {"num_kv_blocks": 14, "max_num_batched_tokens": 64, "preemption_mode": "recompute"},
+    {"num_kv_blocks": 14, "max_num_batched_tokens": 64, "preemption_mode": "swap"},
+], ids=["chunked-budget20", "preempt-recompute", "preempt-swap"])
+def test_constraints_survive_chunking_preemption_and_n(tiny_llama, engine_args):
+    """Greedy constrained outputs under chunked prefill or preemption (the matcher is kept, or
+    rebuilt and replayed when the output was recomputed), with and without speculation, equal those
+    of an engine with room to spare; n=2 samples beside them are valid; the prefix cache serves
+    the shared prompt head. Every block comes back."""
+    specs = [{"json": {"type": "array", "items": {"type": "integer"}, "minItems": 12}},
+             {"regex": r"(the|a|an) [a-z ]{40,50}"},
+             {"grammar": 'root ::= ("yes" | "no") " " [0-9]+ ", " root'}]
+    head = list(range(300, 330))                                # shared by all: prefix-cache hits
+    prompts = [{"prompt_token_ids": head + [400 + i, 500 + i, 600 + i]} for i in range(9)]
+    greedy = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=specs[i % 3]) for i in range(9)]
+    sampled = SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=40, structured_outputs=specs[1])
+
+    def outputs(llm: LLM) -> list[list[int]]:
+        outs = llm.generate(prompts + [prompts[0]], greedy + [sampled], use_tqdm=False)
+        pool = llm.llm_engine.kv_cache_manager.block_pool
+        assert pool.num_free_blocks == pool.num_blocks
+        for text in (c.text for c in outs[-1].outputs):
+            assert re.fullmatch(specs[1]["regex"], text), text
+        return [o.outputs[0].token_ids for o in outs[:-1]]
+
+    base = dict(dtype="float32", max_model_len=200)
+    want = outputs(LLM(tiny_llama, **base))
+    for speculative in (None, NGRAM):
+        llm = LLM(tiny_llama, **base, **engine_args, speculative_config=speculative)
+        assert outputs(llm) == want, speculative
+        stats = llm.llm_engine.stats()
+        assert stats["prefix_cache_hits"] > 0
+        if "num_kv_blocks" in engine_args:
+            assert stats["num_preemptions"] > 0
 
 
 def test_bad_constraints_name_the_field(tiny_llama):
