@@ -12,6 +12,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
+from engine.tool_calls import ToolFormat
 
 PromptType = str | dict[str, Any]
 
@@ -71,11 +72,20 @@ class LLM:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template (with the generation prompt) to each conversation."""
+        """Apply the model's chat template (with the generation prompt) to each conversation, with
+        `tools` (OpenAI's shape) where given: `ToolFormat.of(llm.get_tokenizer()).parse(text)`
+        reads the calls out of an output (engine/tool_calls.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.llm_engine.tokenizer
-        parsed = [(None, apply_chat_template(tokenizer, conv)) for conv in conversations]  # type: ignore[arg-type]
+        fmt = ToolFormat.of(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+        parsed = []
+        for conv in conversations:
+            conv_tools = tools
+            if fmt is not None:
+                conv, conv_tools = fmt.template_inputs(list(conv), tools)  # type: ignore[arg-type]
+            parsed.append((None, apply_chat_template(tokenizer, conv, conv_tools)))  # type: ignore[arg-type]
         return self._run(parsed, self._params_list(sampling_params, len(parsed)), use_tqdm)
 
     @staticmethod

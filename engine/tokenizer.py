@@ -38,15 +38,17 @@ def eos_token_ids(tokenizer: Any | None, hf_config: Any, path: str) -> frozenset
     return frozenset(ids)
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The conversation's prompt token ids (with the generation prompt); ValueError when the model
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The conversation's prompt token ids (with the generation prompt; `tools` in OpenAI's shape,
+    for templates that render them: engine/tool_calls.py prepares both); ValueError when the model
     has no chat template or its template refuses the conversation."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template: use generate() with a plain prompt")
     from jinja2 import TemplateError  # noqa: PLC0415
 
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
     except TemplateError as e:       # the template refused the conversation (e.g. roles out of order)
         raise ValueError(f"messages: the model's chat template refused them: {e}") from None
     if isinstance(ids, dict) or hasattr(ids, "keys"):

@@ -32,9 +32,10 @@ from engine.errors import (
     ServiceUnavailableError,
 )
 from engine.outputs import Logprob
-from engine.sampling_params import SamplingParams, validate_request
+from engine.sampling_params import SamplingParams, StructuredOutputsParams, validate_request
 from engine.structured_output import compiler_for
 from engine.tokenizer import apply_chat_template, load_tokenizer
+from engine.tool_calls import ToolFormat
 from router.admission import Admission, Ticket
 from router.metrics import ServingMetrics
 from router.pd import PDRouter, RequestRouter
@@ -77,6 +78,9 @@ class Frontend:
         self.vocab_size, self.max_model_len, self.max_num_seqs = info.vocab_size, info.max_model_len, info.max_num_seqs
         self.model_name = config.serving.served_model_name or _default_name(info.model, info.gguf_file)
         self.tokenizer = load_tokenizer(info.model, info.gguf_file)
+        # How the model writes tool calls (None: no chat template, so no chat and no tools).
+        self.tool_format = (ToolFormat.of(self.tokenizer, config.serving.tool_call_parser)
+                            if getattr(self.tokenizer, "chat_template", None) else None)
         self.metrics = ServingMetrics()
         # One policy per pool: a shared one would share round-robin's counter, and with the decode
         # pool routed first on every request, the prefill pick would see every other count only.
@@ -198,9 +202,12 @@ class Frontend:
                 out.append(list(p))
         return out
 
-    def chat_prompt(self, messages: list[Any]) -> list[int]:
+    def chat_prompt(self, messages: list[Any], tools: list[dict[str, Any]] | None = None) -> list[int]:
         try:
-            return apply_chat_template(self.tokenizer, plain_messages(messages))
+            conversation = plain_messages(messages)
+            if self.tool_format is not None:
+                conversation, tools = self.tool_format.template_inputs(conversation, tools)
+            return apply_chat_template(self.tokenizer, conversation, tools)
         except ValueError as e:
             raise InvalidRequestError(str(e), param="messages") from None
 
@@ -216,14 +223,43 @@ class Frontend:
             self.validate_prompt(ids, params)
         return req, params, prompts
 
-    def prepare_chat(self, data: dict[str, Any]) -> tuple[ChatCompletionRequest, SamplingParams, list[int]]:
-        """Validate a chat completion body and apply the chat template."""
+    def prepare_chat(self, data: dict[str, Any]
+                     ) -> tuple[ChatCompletionRequest, SamplingParams, list[int], ToolFormat | None]:
+        """Validate a chat completion body and apply the chat template (with the tools unless
+        tool_choice is "none"); the last item is the format to read tool calls in, None when the
+        request offers no tools to call."""
         req: ChatCompletionRequest = self.parse(ChatCompletionRequest, data)
         self.check_model(req.model)
-        params = self.sampling_params(req)
-        ids = self.chat_prompt(req.messages)
+        tools, constraint, tool_format = self.tool_setup(req)
+        try:
+            params = req.to_sampling_params(constraint)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="tool_choice" if constraint else None) from None
+        ids = self.chat_prompt(req.messages, tools)
         self.validate_prompt(ids, params)
-        return req, params, ids
+        return req, params, ids, tool_format
+
+    def tool_setup(self, req: ChatCompletionRequest
+                   ) -> tuple[list[dict[str, Any]] | None, str | None, ToolFormat | None]:
+        """(tools for the template, the structural tag that enforces tool_choice, the format to
+        parse calls in); InvalidRequestError naming tools or tool_choice."""
+        try:
+            choice = req.effective_tool_choice()
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="tool_choice") from None
+        if choice == "none" or not req.tools:
+            return None, None, None
+        if self.tool_format is None:
+            raise InvalidRequestError("tools: this model has no chat template to give them to", param="tools")
+        tools = req.tool_list()
+        try:
+            constraint = self.tool_format.constraint(tools, choice, req.parallel_tool_calls)
+            if constraint is not None:      # a schema that cannot compile is the tools' fault
+                compiler_for(self.info.model, self.info.gguf_file, self.vocab_size, self.tokenizer).compile(
+                    StructuredOutputsParams(structural_tag=constraint))
+        except ValueError as e:
+            raise InvalidRequestError(f"tools: {e}", param="tools") from None
+        return tools, constraint, self.tool_format
 
     # --- generation --------------------------------------------------------------------------------
     async def run(self, prompts: list[list[int]], params: SamplingParams, request_id: str, ticket: Ticket

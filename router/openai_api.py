@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
+from engine.tool_calls import ToolCallStream, ToolFormat
 from router.admission import Ticket
 from router.frontend import Frontend
 from router.http import sse_response
@@ -63,14 +64,15 @@ class OpenAIAPI:
             ticket.release()
 
     async def chat(self, data: dict[str, Any]) -> Response:
-        req, params, ids = self.frontend.prepare_chat(data)
+        req, params, ids, tools = self.frontend.prepare_chat(data)
         ticket = self.frontend.admit(1)
         rid = new_id("chatcmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return sse_response(self._stream_chat(rid, ids, params, include_usage, req.logprobs, ticket), ticket)
+            return sse_response(self._stream_chat(rid, ids, params, include_usage, req.logprobs, tools, ticket),
+                                ticket)
         try:
-            return JSONResponse(await self._full_chat(rid, ids, params, req.logprobs, ticket))
+            return JSONResponse(await self._full_chat(rid, ids, params, req.logprobs, tools, ticket))
         finally:
             ticket.release()
 
@@ -117,7 +119,7 @@ class OpenAIAPI:
                    "choices": [], "usage": usage.body(sum(len(p) for p in prompts))}
 
     async def _full_chat(self, rid: str, ids: list[int], params: SamplingParams, logprobs: bool,
-                         ticket: Ticket) -> dict[str, Any]:
+                         tools: ToolFormat | None, ticket: Ticket) -> dict[str, Any]:
         choices = [ChoiceAccumulator() for _ in range(params.n)]
         usage = UsageCounter()
         async for _, delta in self.frontend.run([ids], params, rid, ticket):
@@ -127,33 +129,55 @@ class OpenAIAPI:
         out = []
         for idx, acc in enumerate(choices):
             self.frontend.count_finished(acc.finish_reason)
-            out.append({"index": idx, "message": {"role": "assistant", "content": acc.text},
-                        "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
+            message: dict[str, Any] = {"role": "assistant", "content": acc.text}
+            finish_reason = acc.finish_reason
+            if tools is not None:
+                content, calls = tools.parse(acc.text)
+                message = {"role": "assistant", "content": content, "tool_calls": [c.body() for c in calls]}
+                finish_reason = _with_tool_calls(finish_reason, bool(calls))
+            out.append({"index": idx, "message": message,
+                        "finish_reason": finish_reason, "stop_reason": acc.stop_reason,
                         "logprobs": self._chat_logprobs(acc.token_ids, acc.logprobs, params.logprobs or 0)
                         if logprobs else None})
         return {"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
                 "choices": out, "usage": usage.body(len(ids))}
 
     async def _stream_chat(self, rid: str, ids: list[int], params: SamplingParams, include_usage: bool,
-                           logprobs: bool, ticket: Ticket) -> AsyncIterator[dict]:
+                           logprobs: bool, tools: ToolFormat | None, ticket: Ticket) -> AsyncIterator[dict]:
         created = now()
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         usage = UsageCounter()
         started: set[int] = set()       # choices whose role went out: with their first token, as vLLM
+        # Per choice: its tool-call reader and how many calls it gave out (their `index` in deltas).
+        readers = {} if tools is None else {i: ToolCallStream(tools.name) for i in range(params.n)}
+        num_calls = dict.fromkeys(readers, 0)
         async for _, delta in self.frontend.run([ids], params, rid, ticket):
             usage.add(delta)
             for c in delta.choices:
                 if c.finish_reason is not None:
                     self.frontend.count_finished(c.finish_reason)
-                message: dict[str, Any] = {"content": c.text} if c.text or c.finish_reason is None else {}
+                text, finish_reason, call_deltas = c.text, c.finish_reason, []
+                if c.index in readers:
+                    text, calls = readers[c.index].feed(c.text)
+                    if c.finish_reason is not None:
+                        more_text, more_calls = readers[c.index].finish()
+                        text, calls = text + more_text, calls + more_calls
+                    for call in calls:
+                        call_deltas.append({"index": num_calls[c.index], **call.body()})
+                        num_calls[c.index] += 1
+                    if c.finish_reason is not None:
+                        finish_reason = _with_tool_calls(c.finish_reason, num_calls[c.index] > 0)
+                message: dict[str, Any] = {"content": text} if text or c.finish_reason is None else {}
                 if c.index not in started:
                     started.add(c.index)
-                    message = {"role": "assistant", "content": c.text}
+                    message = {"role": "assistant", "content": text}
+                if call_deltas:
+                    message["tool_calls"] = call_deltas
                 yield {**base, "choices": [{
                     "index": c.index, "delta": message,
                     "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs or 0)
                     if logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                    "finish_reason": finish_reason, "stop_reason": c.stop_reason}]}
         if include_usage:
             yield {**base, "choices": [], "usage": usage.body(len(ids))}
 
@@ -185,3 +209,9 @@ class OpenAIAPI:
                 "top_logprobs": [{"token": self.frontend.token_text(t, lp), "logprob": lp.logprob,
                                   "bytes": list(self.frontend.token_text(t, lp).encode())} for t, lp in top]})
         return {"content": content}
+
+
+def _with_tool_calls(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish_reason for an answer that called tools: "tool_calls" where it stopped on its
+    own (a call cut off by max_tokens stays "length")."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason

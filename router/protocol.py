@@ -94,7 +94,8 @@ class _Common(BaseModel):
             return None
         (field, spec), = sources.items()
         if not isinstance(spec, dict):
-            raise ValueError(f"{field} must be an object with one of json, regex, choice, grammar, json_object")
+            raise ValueError(f"{field} must be an object with one of json, regex, choice, grammar, json_object, "
+                             f"structural_tag")
         try:
             return SamplingParams(structured_outputs=spec).structured_outputs
         except ValueError as e:
@@ -121,10 +122,57 @@ class CompletionRequest(_Common):
         return SamplingParams(**self.sampling_kwargs(), logprobs=self.logprobs)
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallMessage(BaseModel):
+    """A call in an earlier assistant message of the conversation."""
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None     # assistant: the calls it made
+    tool_call_id: str | None = None                     # tool: the call this result answers
+
+
+# OpenAI's limits on a function's name; it also keeps the name a plain JSON string in the grammar.
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
+MAX_TOOLS = 128
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None       # a JSON schema of the arguments (None: any object)
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Common):
@@ -132,9 +180,38 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
-    def to_sampling_params(self) -> SamplingParams:
+    def tool_list(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """tool_choice with OpenAI's default ("auto" with tools, else "none"); ValueError naming
+        the field when it asks for a tool that is not offered."""
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools else "none"
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if choice.function.name not in names:
+                raise ValueError(f"tool_choice.function.name: {choice.function.name!r} is not one of the "
+                                 f"tools' names {names}")
+            return choice.model_dump()
+        if choice == "required" and not self.tools:
+            raise ValueError("tool_choice: 'required' needs a non-empty tools list")
+        return choice
+
+    def to_sampling_params(self, tool_constraint: str | None = None) -> SamplingParams:
+        """`tool_constraint`: the structural tag that enforces the tool choice (engine/tool_calls.py),
+        which takes the place of any other output constraint."""
         kwargs = self.sampling_kwargs()
+        if tool_constraint is not None:
+            if kwargs["structured_outputs"] is not None:
+                raise ValueError("tool_choice: a required, named or strict tool call cannot be combined with "
+                                 "response_format, structured_outputs or guided_*")
+            kwargs["structured_outputs"] = StructuredOutputsParams(structural_tag=tool_constraint)
         if self.max_completion_tokens is not None:
             kwargs["max_tokens"] = self.max_completion_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -143,9 +220,10 @@ class ChatCompletionRequest(_Common):
         return SamplingParams(**kwargs, logprobs=logprobs)
 
 
-def plain_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them; text content parts joined, others refused."""
-    out = []
+def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: text content parts joined (others refused), tool
+    calls and the ids of tool results in OpenAI's shape."""
+    out: list[dict[str, Any]] = []
     for m in messages:
         content = m.content
         if isinstance(content, list):      # [{"type": "text", "text": ...}, ...]
@@ -155,7 +233,14 @@ def plain_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                     raise ValueError(f"messages content part type must be 'text'; got {part.get('type')!r}")
                 parts.append(str(part.get("text", "")))
             content = "".join(parts)
-        out.append({"role": m.role, "content": content or ""})
+        message: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
 
 

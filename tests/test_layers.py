@@ -21,8 +21,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("records", [  # plain records and checks: configs, requests, params, outputs, hashing, errors, wire schema
         "engine.config", "engine.dtypes", "engine.model_source", "engine.errors", "engine.hashing",
         "engine.sampling_params", "engine.outputs", "engine.request", "kv_transfer", "kv_transfer.params",
-        "kv_transfer.layout", "pdserve_proto", "pdserve_proto.kv_events", "engine.tokenizer", "kernels",
-        "engine.layers", "engine.models", "router", "cluster"]),
+        "kv_transfer.layout", "pdserve_proto", "pdserve_proto.kv_events", "engine.tokenizer", "engine.tool_calls",
+        "kernels", "engine.layers", "engine.models", "router", "cluster"]),
     ("kernels", ["kernels.*", "engine.parallel_state", "engine.weights", "engine.quant_checkpoint",
                  "engine.structured_output"]),
     ("kv_transfer", ["kv_transfer.*"]),

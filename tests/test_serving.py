@@ -232,6 +232,73 @@ def test_structured_outputs_over_http(server, client):
                                        extra_body={"guided_regex": "a+"})
 
 
+def test_tool_calls_round_trip(server, client):
+    """tools with tool_choice "required" (the grammar makes even this random model call), streamed
+    and not: tool_calls in OpenAI's shape (the SDK assembles the streamed deltas into the same
+    calls), finish_reason "tool_calls", arguments valid under the schema; then the tool's result
+    goes back and the model answers in text. Unknown tool names, bad schemas and tool_choice
+    without tools are 400s naming the field."""
+    import jsonschema
+
+    model = server["model"]
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": params}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    done = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice=named,
+                                          max_tokens=100, temperature=0.7, seed=3)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), params)
+
+    stream = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=100, temperature=0.7, seed=4,
+                                            stream=True)
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:       # assembled as the SDK's stream helpers do
+                entry = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1
+    streamed = calls[0]
+    assert streamed["name"] in ("get_weather", "get_time") and streamed["id"].startswith("call_")
+    json.loads(streamed["arguments"])
+
+    # The result goes back (the assistant's call in OpenAI's shape, then the tool message).
+    follow = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'}]
+    answer = client.chat.completions.create(model=model, messages=follow, tools=tools, max_tokens=12,
+                                            temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=follow, tools=tools, max_tokens=12, temperature=0, stream=True) if c.choices)
+    assert text == (answer.choices[0].message.content or "")
+
+    for body, match, param in [
+        ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope' is not one of",
+         "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
+          "tool_choice": "required"}, "cannot be compiled", "tools"),
+        ({"tool_choice": "required"}, "needs a non-empty tools list", "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "should match pattern", "tools"),
+        ({"tools": tools, "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "cannot be combined with response_format", "tool_choice"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=match) as bad:
+            client.chat.completions.create(model=model, messages=messages, max_tokens=5, **body)
+        assert (bad.value.response.json()["error"]["param"] or "").startswith(param), body
+
+
 def test_disconnects_free_every_block(server, eventually_no_leaks, tiny_llama):
     """64 concurrent greedy streams through the replicas' output channels, a third dropped after
     their first tokens: every stream that runs to the end carries exactly the offline engine's

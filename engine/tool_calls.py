@@ -1,0 +1,306 @@
+"""Tool calling (OpenAI's `tools`): the tools in the prompt, the grammar that enforces a tool choice,
+and the parsers that read tool calls out of the model's text, whole or as it streams.
+
+A model family writes its calls in its own format; two are read here:
+- "hermes" (Hermes, Qwen 2.5/3, SmolLM3 and most ChatML fine-tunes): any text, then one or more
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks;
+- "llama3_json" (Llama 3.1-3.3): the whole answer is `{"name": ..., "parameters": {...}}`, several
+  separated by `;` (after `<|python_tag|>`, a special token the detokenizer drops).
+
+`ToolFormat.of(tokenizer)` picks the format from the chat template and whether the template
+renders tools itself. A template that ignores `tools` (SmolLM2's, the embedded model's) gets them in
+a system message in Hermes' words, and the conversation's earlier calls and results as Hermes text,
+as llama.cpp's server does for such models; vLLM sends the tools to the template only, where a
+template without tool support drops them without a word.
+
+`tool_choice` "required" or a named function is enforced by a grammar: xgrammar's structural tag
+for the format (`constraint`), so the output is a well-formed call to an offered tool with
+arguments valid under its `parameters` schema. "auto" leaves the model free, except that a tool
+declared `strict: true` (OpenAI's promise that arguments follow the schema) puts the same tag on
+in its triggered form: text stays free, but a call once begun must be valid.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMATS = ("hermes", "llama3_json")
+# xgrammar's builtin structural tags for each format (xgrammar.builtin_structural_tag).
+_XGRAMMAR_MODEL = {"hermes": "qwen_3", "llama3_json": "llama"}
+# Runs of whitespace inside constrained arguments: as the json constraint's any_whitespace=False,
+# this keeps a small model from running on in blank lines inside a call.
+_MAX_WHITESPACE = 1
+
+_HERMES_BEGIN, _HERMES_END = "<tool_call>", "</tool_call>"
+_SEPARATOR = {"hermes": "\n", "llama3_json": "; "}     # between parallel calls
+_PYTHON_TAG = "<|python_tag|>"
+
+_HERMES_SYSTEM = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model made: the function's name and its arguments as JSON text (OpenAI's shape)."""
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def body(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a model writes tool calls (`name`, one of FORMATS) and whether its chat template renders
+    `tools` and tool messages itself (`native`)."""
+    name: str
+    native: bool
+
+    @staticmethod
+    def of(tokenizer: Any, override: str | None = None) -> ToolFormat:
+        """The format of a tokenizer's chat template; `override` (one of FORMATS) names it instead."""
+        template = getattr(tokenizer, "chat_template", None) or ""
+        if isinstance(template, dict):           # named templates: "default", "tool_use", ...
+            template = " ".join(str(t) for t in template.values())
+        native = _renders_tools(tokenizer)
+        if override is not None:
+            if override not in FORMATS:
+                raise ValueError(f"tool_call_parser must be one of {FORMATS}; got {override!r}")
+            return ToolFormat(override, native)
+        if native and _HERMES_BEGIN not in template and (_PYTHON_TAG in template or "ipython" in template):
+            return ToolFormat("llama3_json", True)
+        return ToolFormat("hermes", native)
+
+    # --- prompt ------------------------------------------------------------------------------------
+    def template_inputs(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """(messages, tools) for the chat template. A native template gets the tools and the calls'
+        arguments as objects (what the templates index into); any other gets the tools in a system
+        message and the calls and results as Hermes text."""
+        if self.native:
+            return [_arguments_as_objects(m) for m in messages], tools or None
+        out: list[dict[str, Any]] = []
+        for m in messages:
+            role, content = m.get("role"), m.get("content") or ""
+            if role == "assistant" and m.get("tool_calls"):
+                blocks = [f"{_HERMES_BEGIN}\n{_call_json(c)}\n{_HERMES_END}" for c in m["tool_calls"]]
+                out.append({"role": "assistant", "content": "\n".join([content, *blocks] if content else blocks)})
+            elif role == "tool":
+                response = f"<tool_response>\n{content}\n</tool_response>"
+                if out and out[-1].get("tool_results"):      # consecutive results: one user turn
+                    out[-1]["content"] += "\n" + response
+                else:
+                    out.append({"role": "user", "content": response, "tool_results": True})
+            else:
+                out.append({"role": role, "content": content})
+        for m in out:
+            m.pop("tool_results", None)
+        if tools:
+            system = _HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+            if out and out[0]["role"] in ("system", "developer"):
+                out[0] = {"role": out[0]["role"], "content": f"{out[0]['content']}\n\n{system}"}
+            else:
+                out.insert(0, {"role": "system", "content": system})
+        return out, None
+
+    # --- grammar -----------------------------------------------------------------------------------
+    def constraint(self, tools: list[dict[str, Any]], tool_choice: Any, parallel_tool_calls: bool
+                   ) -> str | None:
+        """The xgrammar structural tag (JSON text) that enforces `tool_choice` over `tools`: None
+        when nothing is enforced ("none", or "auto" without a strict tool). ValueError when
+        tool_choice names no offered tool."""
+        from xgrammar.builtin_structural_tag import get_model_structural_tag  # noqa: PLC0415
+        from xgrammar.structural_tag import TagsWithSeparatorFormat, TriggeredTagsFormat  # noqa: PLC0415
+
+        if tool_choice == "none" or not tools:
+            return None
+        if tool_choice in (None, "auto") and not any(t["function"].get("strict") for t in tools):
+            return None
+        tag = get_model_structural_tag(_XGRAMMAR_MODEL[self.name], tools, tool_choice or "auto",
+                                       reasoning="disabled", max_whitespace_cnt=_MAX_WHITESPACE,
+                                       parallel_tool_calls=parallel_tool_calls)
+        if tool_choice == "required" and isinstance(tag.format, TriggeredTagsFormat):
+            # xgrammar's "required" lets text follow the calls; OpenAI's answers with calls only
+            # (content null), so only calls and the format's separator between them here.
+            tag.format = TagsWithSeparatorFormat(tags=tag.format.tags, separator=_SEPARATOR[self.name],
+                                                 at_least_one=True, stop_after_first=not parallel_tool_calls)
+        return tag.model_dump_json()
+
+    # --- parsing -----------------------------------------------------------------------------------
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole output; text that does not hold well-formed calls is all
+        content, as vLLM's parsers leave it."""
+        stream = ToolCallStream(self.name)
+        content, calls = stream.feed(text)
+        more_content, more_calls = stream.finish()
+        content += more_content
+        calls += more_calls
+        return (content if content else None), calls
+
+
+def _renders_tools(tokenizer: Any) -> bool:
+    """Whether the chat template puts `tools` in the prompt (it renders differently with one)."""
+    probe = [{"type": "function", "function": {"name": "probe_tool_x", "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        with_tools = tokenizer.apply_chat_template(messages, tools=probe, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
+        return False
+    return plain != with_tools
+
+
+def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose tool calls' `arguments` (JSON text in OpenAI's shape) are objects: the
+    templates render them with `tojson` or iterate over them."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    converted = []
+    for c in calls:
+        function = dict(c.get("function") or {})
+        args = function.get("arguments")
+        if isinstance(args, str):
+            try:
+                function["arguments"] = json.loads(args)
+            except ValueError:
+                pass                         # left as the text it is
+        converted.append({**c, "function": function})
+    return {**message, "tool_calls": converted}
+
+
+def _call_json(call: dict[str, Any]) -> str:
+    function = call.get("function") or {}
+    args = function.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    return json.dumps({"name": function.get("name"), "arguments": args}, ensure_ascii=False)
+
+
+def _as_call(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:
+    """A decoded {"name": ..., "arguments"/"parameters": {...}} as a ToolCall, else None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    if isinstance(args, str):                    # some models write the arguments as JSON text
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+_DECODER = json.JSONDecoder()
+_SEPARATORS = re.compile(r"[\s;]*")
+
+
+class ToolCallStream:
+    """Reads tool calls out of text as it streams: `feed` each text delta, then `finish` once; each
+    returns (content delta, completed calls). Text that may begin a call is held back until it is
+    known not to (a prefix of `<tool_call>`), a call goes out whole once its closing tag (or, in
+    the Llama format, its JSON object) is complete, and a block that does not parse goes out as
+    content."""
+
+    def __init__(self, fmt: str) -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"tool call format must be one of {FORMATS}; got {fmt!r}")
+        self.fmt = fmt
+        self.buffer = ""          # text not yet given out
+        self.in_call = False      # hermes: inside a <tool_call> block; llama3_json: the answer is calls
+        self.decided = False      # llama3_json: whether the answer's first character was seen
+        self.calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self.buffer += text
+        return self._hermes(final=False) if self.fmt == "hermes" else self._llama(final=False)
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        return self._hermes(final=True) if self.fmt == "hermes" else self._llama(final=True)
+
+    def _content(self, text: str) -> str:
+        # Whitespace around and between calls is the format's, not the answer's.
+        return "" if self.calls and not text.strip() else text
+
+    def _hermes(self, final: bool) -> tuple[str, list[ToolCall]]:
+        content, calls = "", []
+        while True:
+            if not self.in_call:
+                start = self.buffer.find(_HERMES_BEGIN)
+                if start < 0:
+                    keep = 0 if final else _partial_suffix(self.buffer, _HERMES_BEGIN)
+                    content += self._content(self.buffer[:len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    return content, calls
+                content += self._content(self.buffer[:start])
+                self.buffer = self.buffer[start + len(_HERMES_BEGIN):]
+                self.in_call = True
+            end = self.buffer.find(_HERMES_END)
+            if end < 0 and not final:
+                return content, calls
+            block = self.buffer if end < 0 else self.buffer[:end]
+            self.buffer = "" if end < 0 else self.buffer[end + len(_HERMES_END):]
+            self.in_call = False
+            try:
+                call = _as_call(json.loads(block), ("arguments", "parameters"))
+            except ValueError:
+                call = None
+            if call is None:
+                content += _HERMES_BEGIN + block + ("" if end < 0 else _HERMES_END)
+            else:
+                calls.append(call)
+                self.calls += 1
+            if end < 0:
+                return content, calls
+
+    def _llama(self, final: bool) -> tuple[str, list[ToolCall]]:
+        if not self.decided:
+            head = self.buffer.lstrip()
+            if head.startswith(_PYTHON_TAG):
+                head = head[len(_PYTHON_TAG):].lstrip()
+            if not final and _PYTHON_TAG.startswith(head):     # nothing yet, or maybe the tag
+                return "", []
+            self.decided, self.in_call = True, head.startswith("{")
+            if self.in_call:
+                self.buffer = head
+        if not self.in_call:
+            content, self.buffer = self.buffer, ""
+            return content, []
+        calls = []
+        while True:
+            self.buffer = self.buffer[_SEPARATORS.match(self.buffer).end():]
+            if not self.buffer:
+                return "", calls
+            try:
+                obj, end = _DECODER.raw_decode(self.buffer)
+            except ValueError:
+                if not final:
+                    return "", calls
+                obj, end = None, 0
+            call = _as_call(obj, ("parameters", "arguments"))
+            if call is None:              # not a call: the rest is the answer's text
+                self.in_call = False
+                content, self.buffer = self.buffer, ""
+                return content, calls
+            calls.append(call)
+            self.calls += 1
+            self.buffer = self.buffer[end:]
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

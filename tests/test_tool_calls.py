@@ -1,0 +1,195 @@
+"""Tool calling (engine/tool_calls.py): the readers of both formats, whole and streamed in pieces of
+every size; the format read from the chat template and the prompt each kind of template gets;
+tool_choice required / named / strict auto enforced by the grammar on the embedded model, sampled,
+with arguments that validate against their schemas. The HTTP round trip is in test_serving.py."""
+from __future__ import annotations
+
+import copy
+import json
+
+import jsonschema
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.sampling_params import StructuredOutputsParams
+from engine.tool_calls import ToolCallStream, ToolFormat
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                        "unit": {"type": "string", "enum": ["c", "f"]}},
+                       "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "add", "description": "Add two integers",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                       "required": ["a", "b"]}}},
+]
+SCHEMA = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+HERMES = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+          '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+# (format, text, content, [(name, arguments as objects)])
+CASES = [
+    ("hermes", HERMES, "Let me look.\n", [("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 1, "b": 2})]),
+    ("hermes", "A plain answer, <tool not a call>.", "A plain answer, <tool not a call>.", []),
+    ("hermes", "<tool_call>\n{not json}\n</tool_call> then text", "<tool_call>\n{not json}\n</tool_call> then text",
+     []),
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1', '<tool_call>\n{"name": "add", "arguments": {"a": 1',
+     []),                                                        # cut off by max_tokens: content
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 5}"}\n</tool_call>', None,
+     [("add", {"a": 5})]),                                        # arguments as JSON text
+    ("llama3_json", '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", '
+     '"parameters": {"city": "Oslo", "unit": "f"}}', None, [("add", {"a": 1, "b": 2}),
+                                                          ("get_weather", {"city": "Oslo", "unit": "f"})]),
+    ("llama3_json", 'It is {"name": "add"}', 'It is {"name": "add"}', []),
+    ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),    # JSON, but not a call
+]
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", CASES)
+def test_readers_whole_and_streamed(fmt, text, content, calls):
+    """Fed in pieces of every size from 1 to 9 characters, the streaming reader gives the same content
+    and calls as the whole-text parse, and both give what the text holds."""
+    got_content, got_calls = ToolFormat(fmt, native=True).parse(text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+    assert len({c.id for c in got_calls}) == len(got_calls)
+    for size in range(1, 10):
+        reader, streamed, streamed_calls = ToolCallStream(fmt), "", []
+        for i in range(0, len(text), size):
+            more, new = reader.feed(text[i:i + size])
+            streamed += more
+            streamed_calls += new
+        more, new = reader.finish()
+        assert (streamed + more or None) == content, size
+        assert [(c.name, json.loads(c.arguments)) for c in streamed_calls + new] == calls, size
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>"
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAMA_TEMPLATE = (
+    "{% for m in messages %}<|start_header_id|>{{ 'ipython' if m.role == 'tool' else m.role }}<|end_header_id|>"
+    "{{ m.content }}<|eot_id|>{% endfor %}{% if tools %}Tools: {{ tools | tojson }}{% endif %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}")
+CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+]
+
+
+def test_format_and_prompt_follow_the_chat_template(smol_tokenizer):
+    """A template that ignores tools (SmolLM2's) gets them, and the earlier call and its result, as
+    Hermes text; a template that renders tools gets them itself, with the arguments as objects;
+    Llama 3's is read as llama3_json."""
+    fmt = ToolFormat.of(smol_tokenizer)
+    assert fmt == ToolFormat("hermes", native=False)
+    messages, tools = fmt.template_inputs(copy.deepcopy(CONVERSATION), TOOLS)
+    assert tools is None and messages[0]["role"] == "system"
+    prompt = smol_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>' in prompt
+    assert '<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response><|im_end|>' in prompt
+
+    native = copy.deepcopy(smol_tokenizer)
+    native.chat_template = HERMES_TEMPLATE
+    fmt = ToolFormat.of(native)
+    assert fmt == ToolFormat("hermes", native=True)
+    messages, tools = fmt.template_inputs(copy.deepcopy(CONVERSATION), TOOLS)
+    assert tools == TOOLS and messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "c"}
+    prompt = native.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert '"name": "add"' in prompt and '"arguments": {"city": "Paris", "unit": "c"}}' in prompt
+
+    native.chat_template = LLAMA_TEMPLATE
+    assert ToolFormat.of(native) == ToolFormat("llama3_json", native=True)
+    assert ToolFormat.of(native, "hermes").name == "hermes"
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        ToolFormat.of(native, "pythonic")
+
+
+@pytest.fixture(scope="module")
+def embedded() -> LLM:
+    return LLM(None, max_model_len=2048, max_num_seqs=16)
+
+
+def _params(fmt: ToolFormat, choice, parallel: bool, seed: int, tools=TOOLS) -> SamplingParams:
+    tag = fmt.constraint(tools, choice, parallel)
+    return SamplingParams(temperature=0.8, seed=seed, max_tokens=200,
+                          structured_outputs=StructuredOutputsParams(structural_tag=tag) if tag else None)
+
+
+def test_enforced_tool_choice_gives_valid_calls(embedded):
+    """On the embedded model (which was not trained to call tools), after one example of a call,
+    sampled at temperature 0.8:
+    "required" answers with calls only, each to an offered tool with arguments valid under its
+    schema; a named function, exactly that call; parallel_tool_calls=False, exactly one call; and a
+    Every block comes back."""
+    fmt = ToolFormat.of(embedded.get_tokenizer())
+    # One call and its answer before: the model follows the example in its next turn.
+    messages = CONVERSATION + [{"role": "assistant", "content": "It is 21 degrees in Paris."},
+                               {"role": "user", "content": "And the weather in Rome? What is 2 plus 3?"}]
+    named = {"type": "function", "function": {"name": "add"}}
+    cases = [("required", True, TOOLS), ("required", False, TOOLS), (named, True, TOOLS)]
+    convs, params = [], []
+    for k, (choice, parallel, tools) in enumerate(cases):
+        for seed in range(4):
+            convs.append(messages)
+            params.append(_params(fmt, choice, parallel, 10 * k + seed, tools))
+    outs = embedded.chat(convs, params, use_tqdm=False, tools=TOOLS)
+    for i, out in enumerate(outs):
+        choice, parallel, _ = cases[i // 4]
+        text = out.outputs[0].text
+        content, calls = fmt.parse(text)
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMA[call.name])
+        assert out.outputs[0].finish_reason == "stop", (choice, text)
+        assert content is None and calls, (choice, text)
+        if not parallel or choice == named:
+            assert len(calls) == 1
+        if choice == named:
+            assert calls[0].name == "add"
+    pool = embedded.llm_engine.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_strict_tool_under_auto_checks_calls_only(embedded):
+    """A strict tool under "auto": the grammar lets any text through, and the end, but once a call
+    begins its arguments must follow the schema."""
+    import xgrammar as xgr
+
+    from engine.structured_output import compiler_for
+
+    tokenizer = embedded.get_tokenizer()
+    info = embedded.llm_engine.config.model_info()
+    compiler = compiler_for(info.model, info.gguf_file, info.vocab_size)
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+    grammar = compiler.compile(StructuredOutputsParams(structural_tag=ToolFormat.of(tokenizer).constraint(
+        strict, "auto", True)))
+
+    def accepts(text: str, end: bool) -> bool:
+        matcher = xgr.GrammarMatcher(grammar)
+        ok = all(matcher.accept_token(t) for t in tokenizer.encode(text))
+        return ok and (not end or matcher.accept_token(tokenizer.eos_token_id))
+
+    assert accepts("Any text at all, <b>even</b> {json}.", end=True)
+    assert accepts(HERMES.split("\n<tool_call>\n{\"name\": \"add\"")[0], end=True)
+    assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"city": 5', end=False)
+    assert not accepts('<tool_call>\n{"name": "nope"', end=False)
+    assert not accepts('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>', end=False)
+
+
+def test_tool_choice_errors(embedded):
+    fmt = ToolFormat.of(embedded.get_tokenizer())
+    assert fmt.constraint(TOOLS, "none", True) is None and fmt.constraint(TOOLS, "auto", True) is None
+    with pytest.raises(ValueError):
+        fmt.constraint(TOOLS, {"type": "function", "function": {"name": "nope"}}, True)
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]
+    tag = fmt.constraint(bad, "required", True)
+    with pytest.raises(ValueError, match="structured_outputs.structural_tag cannot be compiled"):
+        embedded.generate("x", SamplingParams(structured_outputs={"structural_tag": tag}), use_tqdm=False)
