@@ -3,9 +3,9 @@ JSON schema, with none, and with half of a batch constrained, at batch 1 and 16,
 and token counts (a schema that cannot end within `--tokens`: an array of at least 1,000 integers,
 so every row decodes exactly `--tokens` tokens under its mask), alternating rounds, best of
 `--rounds`; and the first request's grammar compile time (the compiler's tokenizer table built
-once per process, then each new schema). With `--validate N`, instead: N chat requests spread over
-the ten SCHEMAS below, sampled at temperature 0.8 in one batch, each output parsed and validated
-with `jsonschema`.
+once per process, then each new schema, and the structural tags that enforce a tool choice). With
+`--validate N`, instead: N chat requests spread over the ten SCHEMAS below, sampled at temperature
+0.8 in one batch, each output parsed and validated with `jsonschema`.
 
     python benchmarks/structured.py --batch 1,16 --tokens 64 --rounds 3
     python benchmarks/structured.py --validate 200
@@ -45,6 +45,19 @@ SCHEMAS = [
      "required": ["city", "population", "capital"], "additionalProperties": False},
 ]
 
+# Two function tools (tests/test_tool_calls.py offers them too).
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                        "unit": {"type": "string", "enum": ["c", "f"]}},
+                       "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "add", "description": "Add two integers",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                       "required": ["a", "b"]}}},
+]
+
 SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999999}, "minItems": 1000}
 SMALL = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                           "age": {"type": "integer"}}, "required": ["name", "age"]}
@@ -56,6 +69,7 @@ def main() -> None:
     from engine.sampling_params import StructuredOutputsParams
     from engine.structured_output import GrammarCompiler
     from engine.tokenizer import load_tokenizer
+    from engine.tool_calls import ToolFormat
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", default="1,16")
@@ -80,6 +94,18 @@ def main() -> None:
         times.append(time.perf_counter() - start)
     print(f"compiler's tokenizer table: {table_s:.2f} s; first compile of a small object schema: "
           f"{times[0] * 1e3:.1f} ms, of the long-array schema: {times[1] * 1e3:.1f} ms")
+    fmt = ToolFormat.of(tokenizer)
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+    for name, tools, choice in [("required", TOOLS, "required"), ("named", TOOLS, {"type": "function", "function": {
+            "name": "add"}}), ("auto with strict tools", strict, "auto")]:
+        spec = StructuredOutputsParams(structural_tag=fmt.constraint(tools, choice, True))
+        start = time.perf_counter()
+        compiler.compile(spec)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        compiler.compile(spec)
+        print(f"tool_choice {name} over {len(tools)} tools ({fmt.name}): first compile {first * 1e3:.1f} ms, "
+              f"cached {(time.perf_counter() - start) * 1e3:.2f} ms")
 
     llm = LLM(None, dtype=args.dtype, max_model_len=1024, max_num_seqs=64)
     prompt = llm.llm_engine.tokenizer.apply_chat_template(

@@ -45,6 +45,10 @@ class AsyncLLMEngine:
         # steps had run on another thread than the one that loaded it; 60 ms in the actor).
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self.engine = self._step_thread.submit(LLMEngine, config).result()
+        # Output constraints compile here, off the event loop (the first one also builds the
+        # tokenizer's table, about a second), so other requests' outputs keep flowing meanwhile.
+        self._grammar_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._compiling: dict[str, tuple] = {}         # request id -> its add, once compiled
         self._sinks: dict[str, Sink] = {}
         self._pending_adds: list[tuple[str, str | None, list[int], SamplingParams, dict | None]] = []
         self._pending_aborts: list[str] = []
@@ -65,17 +69,46 @@ class AsyncLLMEngine:
                kv_transfer_params: dict | None = None, prompt: str | None = None) -> None:
         """Queue a request whose outputs go to `sink` (see Sink). Raises ValueError for bad input and
         EngineDeadError if the engine is dead (nothing is queued then); a request that fails later
-        reaches its sink as an output with a failed choice (`request_error`) or as an exception."""
+        reaches its sink as an output with a failed choice (`request_error`) or as an exception
+        (an output constraint that cannot compile: its ValueError, since it compiles off the loop)."""
         if self._dead is not None:
             raise EngineDeadError("engine is dead") from self._dead
         self._ensure_loop()
         if request_id in self._sinks:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.engine.validate(list(prompt_token_ids), params)
+        self.engine.validate(list(prompt_token_ids), params, compile_constraint=False)
         self._sinks[request_id] = sink
+        add = (request_id, prompt, list(prompt_token_ids), params, kv_transfer_params)
+        if params.structured_outputs is None:
+            self._queue_add(add)
+            return
+        self._compiling[request_id] = add
+        loop = asyncio.get_running_loop()
+        future = self._grammar_thread.submit(self.engine.compile_constraint, params.structured_outputs)
+        future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._compiled, add, f))
+
+    def _queue_add(self, add: tuple) -> None:
         # The step runs in a thread: engine state is touched only by the loop, between steps.
-        self._pending_adds.append((request_id, prompt, list(prompt_token_ids), params, kv_transfer_params))
+        self._pending_adds.append(add)
         self._wakeup.set()  # type: ignore[union-attr]
+
+    def _compiled(self, add: tuple, future: Any) -> None:
+        """A request's constraint compiled (on the event loop's thread): queue it, or fail it with
+        the compiler's ValueError; nothing if it was aborted meanwhile."""
+        rid = add[0]
+        if self._compiling.get(rid) is not add:
+            return
+        del self._compiling[rid]
+        if rid not in self._sinks:           # the engine died meanwhile (its sinks were told)
+            return
+        error = future.exception()
+        if error is None:
+            self._queue_add(add)
+            return
+        sink = self._sinks.pop(rid, None)
+        if sink is not None:
+            sink(error if isinstance(error, ValueError) else
+                 RequestFailedError(f"request {rid!r} could not start: {error!r}"))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        kv_transfer_params: dict | None = None, prompt: str | None = None
@@ -103,6 +136,7 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed before the next step and its sink hears no more."""
         self._sinks.pop(request_id, None)
+        self._compiling.pop(request_id, None)
         self._pending_adds = [a for a in self._pending_adds if a[0] != request_id]
         self._pending_aborts.append(request_id)
         if self._wakeup is not None:
@@ -195,4 +229,5 @@ class AsyncLLMEngine:
                 await self._loop_task
             except asyncio.CancelledError:
                 pass
+        self._grammar_thread.shutdown(wait=False)
         self.engine.executor.shutdown()

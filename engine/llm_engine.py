@@ -20,7 +20,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.output_processor import OutputProcessor
 from engine.outputs import KVEvent, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams, validate_request
+from engine.sampling_params import SamplingParams, StructuredOutputsParams, validate_request
 from engine.scheduler import Scheduler
 from engine.spec_decode import SpecDecodeStats, make_proposer, max_proposals
 from engine.structured_output import compiler_for
@@ -117,15 +117,21 @@ class LLMEngine:
         else:
             request.remote_prefill = remote
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the field if this request cannot run on this engine."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, compile_constraint: bool = True) -> None:
+        """Raise ValueError naming the field if this request cannot run on this engine (its output
+        constraint compiled too, unless `compile_constraint` is False: the caller does that)."""
         mc = self.config.model_config
         validate_request(prompt_token_ids, params, mc.vocab_size, mc.max_model_len,
                          self.config.scheduler_config.max_num_seqs)
-        if params.structured_outputs is not None:
-            # Compiled now (cached per schema), so that a grammar that cannot compile is refused
-            # before it is queued; the runner of this process finds it compiled.
-            compiler_for(mc.model, mc.gguf_file, mc.vocab_size, self.tokenizer).compile(params.structured_outputs)
+        if params.structured_outputs is not None and compile_constraint:
+            self.compile_constraint(params.structured_outputs)
+
+    def compile_constraint(self, spec: StructuredOutputsParams) -> None:
+        """Compile an output constraint (cached per schema), so that one that cannot compile is
+        refused (ValueError) before its request is queued; the runner of this process then finds it
+        compiled. Safe on any thread (xgrammar's compiler is; it releases the GIL)."""
+        mc = self.config.model_config
+        compiler_for(mc.model, mc.gguf_file, mc.vocab_size, self.tokenizer).compile(spec)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort user requests (all their children); their blocks are freed at once."""

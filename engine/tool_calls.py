@@ -59,10 +59,12 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """How a model writes tool calls (`name`, one of FORMATS) and whether its chat template renders
-    `tools` and tool messages itself (`native`)."""
+    """How a model writes tool calls (`name`, one of FORMATS), whether its chat template renders
+    `tools` and tool messages itself (`native`), and whether the call tag is one of the tokenizer's
+    special tokens (`special_tag`: then the text must keep special tokens for calls to be read)."""
     name: str
     native: bool
+    special_tag: bool = False
 
     @staticmethod
     def of(tokenizer: Any, override: str | None = None) -> ToolFormat:
@@ -71,13 +73,14 @@ class ToolFormat:
         if isinstance(template, dict):           # named templates: "default", "tool_use", ...
             template = " ".join(str(t) for t in template.values())
         native = _renders_tools(tokenizer)
-        if override is not None:
-            if override not in FORMATS:
-                raise ValueError(f"tool_call_parser must be one of {FORMATS}; got {override!r}")
-            return ToolFormat(override, native)
-        if native and _HERMES_BEGIN not in template and (_PYTHON_TAG in template or "ipython" in template):
-            return ToolFormat("llama3_json", True)
-        return ToolFormat("hermes", native)
+        if override is not None and override not in FORMATS:
+            raise ValueError(f"tool_call_parser must be one of {FORMATS}; got {override!r}")
+        name = override or "hermes"
+        if override is None and native and _HERMES_BEGIN not in template and (
+                _PYTHON_TAG in template or "ipython" in template):
+            name = "llama3_json"
+        special = name == "hermes" and _HERMES_BEGIN in (getattr(tokenizer, "all_special_tokens", None) or ())
+        return ToolFormat(name, native, special)
 
     # --- prompt ------------------------------------------------------------------------------------
     def template_inputs(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None

@@ -156,14 +156,19 @@ class Frontend:
             validate_request(ids, params, self.vocab_size, self.max_model_len, self.max_num_seqs)
         except ValueError as e:
             raise InvalidRequestError(str(e), param="prompt") from None
-        if params.structured_outputs is not None:
-            # Compiled here (cached per schema) so that one that cannot compile is a 400 before any
-            # replica sees it.
-            try:
-                compiler_for(self.info.model, self.info.gguf_file, self.vocab_size, self.tokenizer).compile(
-                    params.structured_outputs)
-            except ValueError as e:
-                raise InvalidRequestError(str(e), param="structured_outputs") from None
+
+    async def compile_constraint(self, spec: StructuredOutputsParams | None, param: str) -> None:
+        """Compile a request's output constraint here (cached per schema), so that one that cannot
+        compile is a 400 naming `param` before any replica sees it. On a worker thread: xgrammar
+        releases the GIL, and the first compile in a process also builds the tokenizer's table
+        (about a second), which would otherwise hold up every stream through this ingress."""
+        if spec is None:
+            return
+        compiler = compiler_for(self.info.model, self.info.gguf_file, self.vocab_size, self.tokenizer)
+        try:
+            await asyncio.to_thread(compiler.compile, spec)
+        except ValueError as e:
+            raise InvalidRequestError(f"tools: {e}" if param == "tools" else str(e), param=param) from None
 
     def admit(self, count: int) -> Ticket:
         """Admit `count` requests: a ticket to release when they end; else ServiceUnavailableError or
@@ -211,8 +216,8 @@ class Frontend:
         except ValueError as e:
             raise InvalidRequestError(str(e), param="messages") from None
 
-    def prepare_completion(self, data: dict[str, Any]
-                           ) -> tuple[CompletionRequest, SamplingParams, list[list[int]]]:
+    async def prepare_completion(self, data: dict[str, Any]
+                                 ) -> tuple[CompletionRequest, SamplingParams, list[list[int]]]:
         """Validate a completion body (HTTP's, or the one a gRPC GenerateRequest maps to) and
         tokenize its prompts; InvalidRequestError naming the field."""
         req: CompletionRequest = self.parse(CompletionRequest, data)
@@ -221,10 +226,11 @@ class Frontend:
         prompts = self.completion_prompts(req.prompt)
         for ids in prompts:
             self.validate_prompt(ids, params)
+        await self.compile_constraint(params.structured_outputs, "structured_outputs")
         return req, params, prompts
 
-    def prepare_chat(self, data: dict[str, Any]
-                     ) -> tuple[ChatCompletionRequest, SamplingParams, list[int], ToolFormat | None]:
+    async def prepare_chat(self, data: dict[str, Any]
+                           ) -> tuple[ChatCompletionRequest, SamplingParams, list[int], ToolFormat | None]:
         """Validate a chat completion body and apply the chat template (with the tools unless
         tool_choice is "none"); the last item is the format to read tool calls in, None when the
         request offers no tools to call."""
@@ -235,8 +241,12 @@ class Frontend:
             params = req.to_sampling_params(constraint)
         except ValueError as e:
             raise InvalidRequestError(str(e), param="tool_choice" if constraint else None) from None
+        if tool_format is not None and tool_format.special_tag:
+            params.skip_special_tokens = False      # else the detokenizer drops the call tags
         ids = self.chat_prompt(req.messages, tools)
         self.validate_prompt(ids, params)
+        # A tool choice's grammar that cannot compile is the tools' schemas' fault.
+        await self.compile_constraint(params.structured_outputs, "tools" if constraint else "structured_outputs")
         return req, params, ids, tool_format
 
     def tool_setup(self, req: ChatCompletionRequest
@@ -254,9 +264,6 @@ class Frontend:
         tools = req.tool_list()
         try:
             constraint = self.tool_format.constraint(tools, choice, req.parallel_tool_calls)
-            if constraint is not None:      # a schema that cannot compile is the tools' fault
-                compiler_for(self.info.model, self.info.gguf_file, self.vocab_size, self.tokenizer).compile(
-                    StructuredOutputsParams(structural_tag=constraint))
         except ValueError as e:
             raise InvalidRequestError(f"tools: {e}", param="tools") from None
         return tools, constraint, self.tool_format

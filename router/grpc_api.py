@@ -96,7 +96,7 @@ class GenerationService:
         refused."""
         server = self.server
         self.check_auth(metadata)
-        req, params, prompts = server.prepare_completion(self.completion_body(request))
+        req, params, prompts = await server.prepare_completion(self.completion_body(request))
         ticket = server.admit(len(prompts))
         rid = new_id("cmpl")
         n = params.n

@@ -52,7 +52,7 @@ class OpenAIAPI:
             raise InvalidRequestError(str(e)) from None
 
     async def completions(self, data: dict[str, Any]) -> Response:
-        req, params, prompts = self.frontend.prepare_completion(data)
+        req, params, prompts = await self.frontend.prepare_completion(data)
         ticket = self.frontend.admit(len(prompts))
         rid = new_id("cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -64,7 +64,7 @@ class OpenAIAPI:
             ticket.release()
 
     async def chat(self, data: dict[str, Any]) -> Response:
-        req, params, ids, tools = self.frontend.prepare_chat(data)
+        req, params, ids, tools = await self.frontend.prepare_chat(data)
         ticket = self.frontend.admit(1)
         rid = new_id("chatcmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

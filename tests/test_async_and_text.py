@@ -42,6 +42,44 @@ def test_async_generate_streams_and_cancel_frees_blocks(tiny_llama):
     assert engine.stats()["num_requests_running"] == 0
 
 
+def test_async_constraints_compile_off_the_loop(tiny_llama):
+    """A constrained request compiles on the grammar thread while an unconstrained one streams; its
+    output follows the grammar; one that cannot compile raises ValueError before any output; one
+    aborted while compiling never starts. Every block comes back."""
+    import re
+
+    engine = AsyncLLMEngine.from_args(tiny_llama, dtype="float32")
+    regex = r"[a-z]{3}-[0-9]{2}"
+
+    async def main():
+        free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        constrained = SamplingParams(temperature=0.8, seed=1, max_tokens=30, structured_outputs={"regex": regex})
+
+        async def last(rid, ids, params):
+            outs = [out async for out in engine.generate(rid, ids, params)]
+            return outs[-1].outputs[0].text
+        texts = await asyncio.gather(last("free", [5, 6, 7], free), last("re", [8, 9], constrained))
+        assert re.fullmatch(regex, texts[1]), texts[1]
+        with pytest.raises(ValueError, match="structured_outputs.regex cannot be compiled"):
+            await last("bad", [1, 2], SamplingParams(structured_outputs={"regex": "(unclosed"}))
+        stream = engine.generate("gone", [3, 4], SamplingParams(structured_outputs={"regex": "[a-z]{4,8}x"}))
+        task = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)
+        task.cancel()                       # aborted while (or right after) its grammar compiles
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await stream.aclose()
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            if not engine.engine.has_unfinished_requests() and not engine._compiling:
+                break
+        await engine.shutdown()
+    asyncio.run(main())
+    assert engine.stats()["num_requests_running"] == 0
+    pool = engine.engine.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
 def test_incremental_detokenizer_waits_for_whole_characters(smol_tokenizer):
     text = "Le café coûte 3€ — 東京タワー 🚀🚀 done."
     ids = smol_tokenizer.encode(text, add_special_tokens=False)

@@ -232,7 +232,7 @@ def test_structured_outputs_over_http(server, client):
                                        extra_body={"guided_regex": "a+"})
 
 
-def test_tool_calls_round_trip(server, client):
+def test_tool_calls_round_trip(server, client, eventually_no_leaks):
     """tools with tool_choice "required" (the grammar makes even this random model call), streamed
     and not: tool_calls in OpenAI's shape (the SDK assembles the streamed deltas into the same
     calls), finish_reason "tool_calls", arguments valid under the schema; then the tool's result
@@ -256,6 +256,7 @@ def test_tool_calls_round_trip(server, client):
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), params)
 
+    # Streamed: by hand, and by the SDK's own stream helper (which assembles the deltas).
     stream = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice="required",
                                             parallel_tool_calls=False, max_tokens=100, temperature=0.7, seed=4,
                                             stream=True)
@@ -263,7 +264,7 @@ def test_tool_calls_round_trip(server, client):
     finish = None
     for chunk in stream:
         for c in chunk.choices:
-            for d in c.delta.tool_calls or []:       # assembled as the SDK's stream helpers do
+            for d in c.delta.tool_calls or []:
                 entry = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
                 entry["name"] += d.function.name or ""
                 entry["arguments"] += d.function.arguments or ""
@@ -272,6 +273,12 @@ def test_tool_calls_round_trip(server, client):
     streamed = calls[0]
     assert streamed["name"] in ("get_weather", "get_time") and streamed["id"].startswith("call_")
     json.loads(streamed["arguments"])
+    with client.chat.completions.stream(model=model, messages=messages, tools=tools, tool_choice=named,
+                                        max_tokens=100, temperature=0.7, seed=3) as helper:
+        final = helper.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
+        (call.function.name, call.function.arguments)]         # same seed as the whole answer above
 
     # The result goes back (the assistant's call in OpenAI's shape, then the tool message).
     follow = messages + [
@@ -297,6 +304,8 @@ def test_tool_calls_round_trip(server, client):
         with pytest.raises(openai.BadRequestError, match=match) as bad:
             client.chat.completions.create(model=model, messages=messages, max_tokens=5, **body)
         assert (bad.value.response.json()["error"]["param"] or "").startswith(param), body
+    for manager in server["managers"][:1]:
+        assert eventually_no_leaks(ray.get(manager.replicas.remote("decode")))
 
 
 def test_disconnects_free_every_block(server, eventually_no_leaks, tiny_llama):

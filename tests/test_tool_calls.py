@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import sys
 
 import jsonschema
 import pytest
@@ -14,17 +16,9 @@ from engine import LLM, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
 from engine.tool_calls import ToolCallStream, ToolFormat
 
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Get the current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                        "unit": {"type": "string", "enum": ["c", "f"]}},
-                       "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "add", "description": "Add two integers",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                       "required": ["a", "b"]}}},
-]
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from structured import TOOLS  # benchmarks/structured.py (appended to the path: it must not shadow the packages)
+
 SCHEMA = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 HERMES = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
@@ -86,8 +80,9 @@ CONVERSATION = [
 
 def test_format_and_prompt_follow_the_chat_template(smol_tokenizer):
     """A template that ignores tools (SmolLM2's) gets them, and the earlier call and its result, as
-    Hermes text; a template that renders tools gets them itself, with the arguments as objects;
-    Llama 3's is read as llama3_json."""
+    Hermes text; a template that renders tools gets them itself, with the arguments as objects; a
+    call tag that is a special token is noted (the text must keep it); Llama 3's is read as
+    llama3_json."""
     fmt = ToolFormat.of(smol_tokenizer)
     assert fmt == ToolFormat("hermes", native=False)
     messages, tools = fmt.template_inputs(copy.deepcopy(CONVERSATION), TOOLS)
@@ -105,6 +100,10 @@ def test_format_and_prompt_follow_the_chat_template(smol_tokenizer):
     assert tools == TOOLS and messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "c"}
     prompt = native.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     assert '"name": "add"' in prompt and '"arguments": {"city": "Paris", "unit": "c"}}' in prompt
+
+    assert not fmt.special_tag
+    native.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    assert ToolFormat.of(native).special_tag        # the text keeps special tokens for these
 
     native.chat_template = LLAMA_TEMPLATE
     assert ToolFormat.of(native) == ToolFormat("llama3_json", native=True)
