@@ -109,8 +109,8 @@ class ServingSpec(_Strict):
     # Serve's proxy still starts, on a free loopback port that nothing needs.
     direct_ingress: bool = False
     # How the model writes tool calls (engine/tool_calls.py FORMATS); None: read from its chat
-    # template (Hermes/Qwen `<tool_call>` blocks unless the template is Llama 3's).
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    # template (Hermes/Qwen `<tool_call>` blocks unless the template is Llama 3's or Mistral's).
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
 
     def model_post_init(self, _: Any) -> None:
         if self.direct_ingress and (self.ingress_replicas != 1 or self.grpc_port is not None):

@@ -127,6 +127,8 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         serving["host"] = args.host
     if args.port is not None:
         serving["port"] = args.port
+    if args.tool_call_parser is not None:
+        serving["tool_call_parser"] = args.tool_call_parser
     data["serving"] = serving
     pools = dict(data.get("pools", {}))
     if args.replicas is not None:
@@ -162,6 +164,8 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
                          "pools with KV transfer; 0 serves colocated)")
     ap.add_argument("--connector", choices=["nixl", "torch_dist"], default=None,
                     help="KV connector between the pools (disaggregated mode)")
+    ap.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
+                    help="how the model writes tool calls (default: read from its chat template)")
     ap.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or a local Ray)")
     ap.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a local Ray")
 

@@ -5,7 +5,10 @@ A model family writes its calls in its own format; two are read here:
 - "hermes" (Hermes, Qwen 2.5/3, SmolLM3 and most ChatML fine-tunes): any text, then one or more
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks;
 - "llama3_json" (Llama 3.1-3.3): the whole answer is `{"name": ..., "parameters": {...}}`, several
-  separated by `;` (after `<|python_tag|>`, a special token the detokenizer drops).
+  separated by `;` (after `<|python_tag|>`, a special token the detokenizer drops);
+- "mistral" (Mistral 7B v0.3, Nemo, Small 3.1): any text, then `[TOOL_CALLS]` (a special token,
+  so the text of such requests keeps special tokens) and a JSON list of `{"name", "arguments"}`;
+  call ids are 9 letters and digits, which Mistral's templates insist on when the calls come back.
 
 `ToolFormat.of(tokenizer)` picks the format from the chat template and whether the template
 renders tools itself. A template that ignores `tools` (SmolLM2's, the embedded model's) gets them in
@@ -27,7 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-FORMATS = ("hermes", "llama3_json")
+FORMATS = ("hermes", "llama3_json", "mistral")
 # xgrammar's builtin structural tags for each format (xgrammar.builtin_structural_tag).
 _XGRAMMAR_MODEL = {"hermes": "qwen_3", "llama3_json": "llama"}
 # Runs of whitespace inside constrained arguments: as the json constraint's any_whitespace=False,
@@ -37,13 +40,25 @@ _MAX_WHITESPACE = 1
 _HERMES_BEGIN, _HERMES_END = "<tool_call>", "</tool_call>"
 _SEPARATOR = {"hermes": "\n", "llama3_json": "; "}     # between parallel calls
 _PYTHON_TAG = "<|python_tag|>"
+_MISTRAL_BEGIN = "[TOOL_CALLS]"
+_BEGIN = {"hermes": _HERMES_BEGIN, "mistral": _MISTRAL_BEGIN}   # call tags that may be special tokens
 
-_HERMES_SYSTEM = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+_SYSTEM_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                "You are provided with function signatures within <tools></tools> XML tags:\n"
+                "<tools>\n{tools}\n</tools>\n\n")
+# How a template without tool support is told to call them, in each format's words.
+_SYSTEM = {
+    "hermes": _SYSTEM_HEAD + (
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'),
+    "llama3_json": _SYSTEM_HEAD + (
+        "To call a function, respond only with a JSON object in the format "
+        '{{"name": <function-name>, "parameters": <args-json-object>}}; separate several with "; ".'),
+    "mistral": _SYSTEM_HEAD + (
+        "To call functions, respond with [TOOL_CALLS] followed by a JSON list of "
+        '{{"name": <function-name>, "arguments": <args-json-object>}} objects.'),
+}
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,11 @@ class ToolCall:
     name: str
     arguments: str
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def with_short_id(self) -> ToolCall:
+        """The same call with a 9-character id of letters and digits (Mistral's templates refuse any
+        other when the call comes back in the conversation)."""
+        return ToolCall(self.name, self.arguments, uuid.uuid4().hex[:9])
 
     def body(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -76,10 +96,12 @@ class ToolFormat:
         if override is not None and override not in FORMATS:
             raise ValueError(f"tool_call_parser must be one of {FORMATS}; got {override!r}")
         name = override or "hermes"
-        if override is None and native and _HERMES_BEGIN not in template and (
-                _PYTHON_TAG in template or "ipython" in template):
-            name = "llama3_json"
-        special = name == "hermes" and _HERMES_BEGIN in (getattr(tokenizer, "all_special_tokens", None) or ())
+        if override is None and native and _HERMES_BEGIN not in template:
+            if _MISTRAL_BEGIN in template:
+                name = "mistral"
+            elif _PYTHON_TAG in template or "ipython" in template:
+                name = "llama3_json"
+        special = name in _BEGIN and _BEGIN[name] in (getattr(tokenizer, "all_special_tokens", None) or ())
         return ToolFormat(name, native, special)
 
     # --- prompt ------------------------------------------------------------------------------------
@@ -87,15 +109,16 @@ class ToolFormat:
                         ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """(messages, tools) for the chat template. A native template gets the tools and the calls'
         arguments as objects (what the templates index into); any other gets the tools in a system
-        message and the calls and results as Hermes text."""
+        message and the calls and results as text in this format (results in Hermes'
+        `<tool_response>` tags)."""
         if self.native:
             return [_arguments_as_objects(m) for m in messages], tools or None
         out: list[dict[str, Any]] = []
         for m in messages:
             role, content = m.get("role"), m.get("content") or ""
             if role == "assistant" and m.get("tool_calls"):
-                blocks = [f"{_HERMES_BEGIN}\n{_call_json(c)}\n{_HERMES_END}" for c in m["tool_calls"]]
-                out.append({"role": "assistant", "content": "\n".join([content, *blocks] if content else blocks)})
+                calls = self._calls_text(m["tool_calls"])
+                out.append({"role": "assistant", "content": f"{content}\n{calls}" if content else calls})
             elif role == "tool":
                 response = f"<tool_response>\n{content}\n</tool_response>"
                 if out and out[-1].get("tool_results"):      # consecutive results: one user turn
@@ -107,12 +130,22 @@ class ToolFormat:
         for m in out:
             m.pop("tool_results", None)
         if tools:
-            system = _HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+            system = _SYSTEM[self.name].format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
             if out and out[0]["role"] in ("system", "developer"):
                 out[0] = {"role": out[0]["role"], "content": f"{out[0]['content']}\n\n{system}"}
             else:
                 out.insert(0, {"role": "system", "content": system})
         return out, None
+
+    def _calls_text(self, calls: list[dict[str, Any]]) -> str:
+        """Earlier calls as the model would have written them."""
+        objects = [_call_object(c) for c in calls]
+        if self.name == "hermes":
+            return "\n".join(f"{_HERMES_BEGIN}\n{json.dumps(o, ensure_ascii=False)}\n{_HERMES_END}" for o in objects)
+        if self.name == "mistral":
+            return _MISTRAL_BEGIN + json.dumps(objects, ensure_ascii=False)
+        return "; ".join(json.dumps({"name": o["name"], "parameters": o["arguments"]}, ensure_ascii=False)
+                         for o in objects)
 
     # --- grammar -----------------------------------------------------------------------------------
     def constraint(self, tools: list[dict[str, Any]], tool_choice: Any, parallel_tool_calls: bool
@@ -127,6 +160,8 @@ class ToolFormat:
             return None
         if tool_choice in (None, "auto") and not any(t["function"].get("strict") for t in tools):
             return None
+        if self.name == "mistral":
+            return _mistral_tag(tools, tool_choice or "auto", parallel_tool_calls)
         tag = get_model_structural_tag(_XGRAMMAR_MODEL[self.name], tools, tool_choice or "auto",
                                        reasoning="disabled", max_whitespace_cnt=_MAX_WHITESPACE,
                                        parallel_tool_calls=parallel_tool_calls)
@@ -147,6 +182,33 @@ class ToolFormat:
         content += more_content
         calls += more_calls
         return (content if content else None), calls
+
+
+def _mistral_tag(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool) -> str:
+    """The structural tag for Mistral's `[TOOL_CALLS][{"name", "arguments"}, ...]` (xgrammar has
+    none built in): the list's items are calls to the offered tools (to the named one only when
+    forced), at most one with parallel_tool_calls off."""
+    from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag, TagFormat, TriggeredTagsFormat  # noqa: PLC0415
+
+    functions = [t["function"] for t in tools]
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        functions = [f for f in functions if f["name"] == name]
+        if not functions:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+    items = [{"type": "object", "properties": {
+        "name": {"const": f["name"]},
+        "arguments": f["parameters"] if f.get("parameters") is not None and f.get("strict") is not False
+        else {"type": "object"}}, "required": ["name", "arguments"], "additionalProperties": False}
+        for f in functions]
+    calls: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
+    if not parallel or isinstance(tool_choice, dict):
+        calls["maxItems"] = 1
+    content = JSONSchemaFormat(json_schema=calls, max_whitespace_cnt=_MAX_WHITESPACE)
+    tag = TagFormat(begin=_MISTRAL_BEGIN, content=content, end="")
+    if tool_choice == "auto":
+        return StructuralTag(format=TriggeredTagsFormat(triggers=[_MISTRAL_BEGIN], tags=[tag])).model_dump_json()
+    return StructuralTag(format=tag).model_dump_json()
 
 
 def _renders_tools(tokenizer: Any) -> bool:
@@ -181,7 +243,7 @@ def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "tool_calls": converted}
 
 
-def _call_json(call: dict[str, Any]) -> str:
+def _call_object(call: dict[str, Any]) -> dict[str, Any]:
     function = call.get("function") or {}
     args = function.get("arguments")
     if isinstance(args, str):
@@ -189,7 +251,7 @@ def _call_json(call: dict[str, Any]) -> str:
             args = json.loads(args)
         except ValueError:
             pass
-    return json.dumps({"name": function.get("name"), "arguments": args}, ensure_ascii=False)
+    return {"name": function.get("name"), "arguments": args}
 
 
 def _as_call(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:
@@ -227,10 +289,17 @@ class ToolCallStream:
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self.buffer += text
-        return self._hermes(final=False) if self.fmt == "hermes" else self._llama(final=False)
+        return self._read(final=False)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        return self._hermes(final=True) if self.fmt == "hermes" else self._llama(final=True)
+        return self._read(final=True)
+
+    def _read(self, final: bool) -> tuple[str, list[ToolCall]]:
+        if self.fmt == "hermes":
+            return self._hermes(final)
+        if self.fmt == "mistral":
+            return self._mistral(final)
+        return self._llama(final)
 
     def _content(self, text: str) -> str:
         # Whitespace around and between calls is the format's, not the answer's.
@@ -266,6 +335,40 @@ class ToolCallStream:
                 self.calls += 1
             if end < 0:
                 return content, calls
+
+    def _mistral(self, final: bool) -> tuple[str, list[ToolCall]]:
+        content, calls = "", []
+        while True:
+            if not self.in_call:
+                start = self.buffer.find(_MISTRAL_BEGIN)
+                if start < 0:
+                    keep = 0 if final else _partial_suffix(self.buffer, _MISTRAL_BEGIN)
+                    content += self._content(self.buffer[:len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    return content, calls
+                content += self._content(self.buffer[:start])
+                self.buffer = self.buffer[start + len(_MISTRAL_BEGIN):]
+                self.in_call = True
+            body = self.buffer.lstrip()
+            if not body and not final:
+                return content, calls
+            obj, end = None, 0
+            if body[:1] in ("[", "{"):           # a list of calls (or one call)
+                try:
+                    obj, end = _DECODER.raw_decode(body)
+                except ValueError:
+                    if not final:
+                        return content, calls
+            items = obj if isinstance(obj, list) else [obj]
+            parsed = [_as_call(item, ("arguments", "parameters")) for item in items]
+            self.in_call = False
+            if not parsed or None in parsed:       # not calls: the tag and the rest are text
+                content += _MISTRAL_BEGIN + self.buffer
+                self.buffer = ""
+                return content, calls
+            calls += [c.with_short_id() for c in parsed]   # type: ignore[union-attr]
+            self.calls += len(parsed)
+            self.buffer = body[end:]
 
     def _llama(self, final: bool) -> tuple[str, list[ToolCall]]:
         if not self.decided:

@@ -14,6 +14,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
+from engine.tokenizer import apply_chat_template
 from engine.tool_calls import ToolCallStream, ToolFormat
 
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -36,6 +37,12 @@ CASES = [
     ("llama3_json", '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", '
      '"parameters": {"city": "Oslo", "unit": "f"}}', None, [("add", {"a": 1, "b": 2}),
                                                           ("get_weather", {"city": "Oslo", "unit": "f"})]),
+    ("mistral", 'Sure.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", '
+     '"arguments": {"city": "Oslo", "unit": "f"}}]', "Sure.", [("add", {"a": 1, "b": 2}),
+                                                              ("get_weather", {"city": "Oslo", "unit": "f"})]),
+    ("mistral", '[TOOL_CALLS] {"name": "add", "arguments": {}}', None, [("add", {})]),
+    ("mistral", "[TOOL_CALLS] not json", "[TOOL_CALLS] not json", []),
+    ("mistral", "A [TOOL plain answer", "A [TOOL plain answer", []),
     ("llama3_json", 'It is {"name": "add"}', 'It is {"name": "add"}', []),
     ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),    # JSON, but not a call
 ]
@@ -49,6 +56,8 @@ def test_readers_whole_and_streamed(fmt, text, content, calls):
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
     assert len({c.id for c in got_calls}) == len(got_calls)
+    if fmt == "mistral":          # what Mistral's templates accept when the calls come back
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in got_calls)
     for size in range(1, 10):
         reader, streamed, streamed_calls = ToolCallStream(fmt), "", []
         for i in range(0, len(text), size):
@@ -70,6 +79,11 @@ LLAMA_TEMPLATE = (
     "{% for m in messages %}<|start_header_id|>{{ 'ipython' if m.role == 'tool' else m.role }}<|end_header_id|>"
     "{{ m.content }}<|eot_id|>{% endfor %}{% if tools %}Tools: {{ tools | tojson }}{% endif %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}")
+MISTRAL_TEMPLATE = (
+    "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}{% for m in messages %}"
+    "{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]{% elif m.tool_calls %}[TOOL_CALLS]"
+    "{{ m.tool_calls | map(attribute='function') | list | tojson }}</s>{% elif m.role == 'tool' %}"
+    "[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]{% else %}{{ m.content }}</s>{% endif %}{% endfor %}")
 CONVERSATION = [
     {"role": "user", "content": "Weather in Paris?"},
     {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
@@ -105,6 +119,12 @@ def test_format_and_prompt_follow_the_chat_template(smol_tokenizer):
     native.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
     assert ToolFormat.of(native).special_tag        # the text keeps special tokens for these
 
+    native.chat_template = MISTRAL_TEMPLATE
+    fmt = ToolFormat.of(native)
+    assert fmt.name == "mistral" and fmt.native
+    prompt = native.apply_chat_template(*fmt.template_inputs(copy.deepcopy(CONVERSATION), TOOLS), tokenize=False)
+    assert '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}]' in prompt
+
     native.chat_template = LLAMA_TEMPLATE
     assert ToolFormat.of(native) == ToolFormat("llama3_json", native=True)
     assert ToolFormat.of(native, "hermes").name == "hermes"
@@ -117,32 +137,33 @@ def embedded() -> LLM:
     return LLM(None, max_model_len=2048, max_num_seqs=16)
 
 
-def _params(fmt: ToolFormat, choice, parallel: bool, seed: int, tools=TOOLS) -> SamplingParams:
-    tag = fmt.constraint(tools, choice, parallel)
-    return SamplingParams(temperature=0.8, seed=seed, max_tokens=200,
+def _params(fmt: ToolFormat, choice, parallel: bool, seed: int, temperature: float = 0.8) -> SamplingParams:
+    tag = fmt.constraint(TOOLS, choice, parallel)
+    return SamplingParams(temperature=temperature, seed=seed, max_tokens=200,
                           structured_outputs=StructuredOutputsParams(structural_tag=tag) if tag else None)
 
 
-def test_enforced_tool_choice_gives_valid_calls(embedded):
-    """On the embedded model (which was not trained to call tools), after one example of a call,
-    sampled at temperature 0.8:
-    "required" answers with calls only, each to an offered tool with arguments valid under its
-    schema; a named function, exactly that call; parallel_tool_calls=False, exactly one call; and a
-    Every block comes back."""
-    fmt = ToolFormat.of(embedded.get_tokenizer())
+@pytest.mark.parametrize("fmt_name", ["hermes", "llama3_json", "mistral"])
+def test_enforced_tool_choice_gives_valid_calls(embedded, fmt_name):
+    """On the embedded model (which was not trained to call tools), told the format and shown one
+    call, in each format: "required" answers with calls only, each to an offered tool with arguments
+    valid under its schema; a named function, exactly that call; parallel_tool_calls=False, exactly
+    one call. Sampled at temperature 0.8, except "required" with parallel calls: a sample of this
+    small model may go on adding calls to the list (the grammar allows any number) until max_tokens,
+    so that one is greedy. Every block comes back."""
+    tokenizer = embedded.get_tokenizer()
+    fmt = ToolFormat.of(tokenizer, fmt_name)
     # One call and its answer before: the model follows the example in its next turn.
     messages = CONVERSATION + [{"role": "assistant", "content": "It is 21 degrees in Paris."},
                                {"role": "user", "content": "And the weather in Rome? What is 2 plus 3?"}]
+    prompt = apply_chat_template(tokenizer, *fmt.template_inputs(copy.deepcopy(messages), TOOLS))
     named = {"type": "function", "function": {"name": "add"}}
-    cases = [("required", True, TOOLS), ("required", False, TOOLS), (named, True, TOOLS)]
-    convs, params = [], []
-    for k, (choice, parallel, tools) in enumerate(cases):
-        for seed in range(4):
-            convs.append(messages)
-            params.append(_params(fmt, choice, parallel, 10 * k + seed, tools))
-    outs = embedded.chat(convs, params, use_tqdm=False, tools=TOOLS)
+    cases = [("required", True), ("required", False), (named, True)]
+    params = [_params(fmt, choice, parallel, 10 * k + seed, 0.0 if parallel and choice == "required" else 0.8)
+              for k, (choice, parallel) in enumerate(cases) for seed in range(2)]
+    outs = embedded.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
     for i, out in enumerate(outs):
-        choice, parallel, _ = cases[i // 4]
+        choice, parallel = cases[i // 2]
         text = out.outputs[0].text
         content, calls = fmt.parse(text)
         for call in calls:
@@ -192,3 +213,19 @@ def test_tool_choice_errors(embedded):
     tag = fmt.constraint(bad, "required", True)
     with pytest.raises(ValueError, match="structured_outputs.structural_tag cannot be compiled"):
         embedded.generate("x", SamplingParams(structured_outputs={"structural_tag": tag}), use_tqdm=False)
+
+
+def test_tool_call_parser_from_the_command_line_and_the_spec():
+    """`pdserve serve --tool-call-parser` (vLLM's flag) and `serving.tool_call_parser` name the
+    format; anything else is refused naming the allowed ones."""
+    import argparse
+
+    from cluster.config import ClusterConfig
+    from cluster.launch import add_serve_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert config_from_args(parser.parse_args(["--tool-call-parser", "mistral"])).serving.tool_call_parser == "mistral"
+    assert config_from_args(parser.parse_args([])).serving.tool_call_parser is None
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ClusterConfig.model_validate({"serving": {"tool_call_parser": "pythonic"}})
