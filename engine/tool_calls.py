@@ -305,19 +305,27 @@ class ToolCallStream:
         # Whitespace around and between calls is the format's, not the answer's.
         return "" if self.calls and not text.strip() else text
 
+    def _until(self, tag: str, final: bool) -> tuple[str, bool]:
+        """(content before the call tag, whether the tag came: the buffer then holds what follows
+        it). Text that may be the tag's beginning is held back unless `final`."""
+        start = self.buffer.find(tag)
+        if start < 0:
+            keep = 0 if final else _partial_suffix(self.buffer, tag)
+            content = self._content(self.buffer[:len(self.buffer) - keep])
+            self.buffer = self.buffer[len(self.buffer) - keep:]
+            return content, False
+        content = self._content(self.buffer[:start])
+        self.buffer = self.buffer[start + len(tag):]
+        return content, True
+
     def _hermes(self, final: bool) -> tuple[str, list[ToolCall]]:
         content, calls = "", []
         while True:
             if not self.in_call:
-                start = self.buffer.find(_HERMES_BEGIN)
-                if start < 0:
-                    keep = 0 if final else _partial_suffix(self.buffer, _HERMES_BEGIN)
-                    content += self._content(self.buffer[:len(self.buffer) - keep])
-                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                text, self.in_call = self._until(_HERMES_BEGIN, final)
+                content += text
+                if not self.in_call:
                     return content, calls
-                content += self._content(self.buffer[:start])
-                self.buffer = self.buffer[start + len(_HERMES_BEGIN):]
-                self.in_call = True
             end = self.buffer.find(_HERMES_END)
             if end < 0 and not final:
                 return content, calls
@@ -340,15 +348,10 @@ class ToolCallStream:
         content, calls = "", []
         while True:
             if not self.in_call:
-                start = self.buffer.find(_MISTRAL_BEGIN)
-                if start < 0:
-                    keep = 0 if final else _partial_suffix(self.buffer, _MISTRAL_BEGIN)
-                    content += self._content(self.buffer[:len(self.buffer) - keep])
-                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                text, self.in_call = self._until(_MISTRAL_BEGIN, final)
+                content += text
+                if not self.in_call:
                     return content, calls
-                content += self._content(self.buffer[:start])
-                self.buffer = self.buffer[start + len(_MISTRAL_BEGIN):]
-                self.in_call = True
             body = self.buffer.lstrip()
             if not body and not final:
                 return content, calls
