@@ -122,15 +122,17 @@ class CompletionRequest(_Common):
         return SamplingParams(**self.sampling_kwargs(), logprobs=self.logprobs)
 
 
+# An earlier call comes back as clients stored it (a streamed one may keep its delta `index`):
+# what else it carries is ignored rather than refused.
 class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
 class ToolCallMessage(BaseModel):
     """A call in an earlier assistant message of the conversation."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
