@@ -68,13 +68,29 @@ class ToolCall:
     arguments: str
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
+    def body(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
     def with_short_id(self) -> ToolCall:
         """The same call with a 9-character id of letters and digits (Mistral's templates refuse any
         other when the call comes back in the conversation)."""
         return ToolCall(self.name, self.arguments, uuid.uuid4().hex[:9])
 
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of the `index`-th call as it streams (OpenAI's `delta.tool_calls` entry): the first
+    carries the call's id and name, the next ones more of its arguments' text."""
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
     def body(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        function = {"arguments": self.arguments} if self.name is None else {"name": self.name,
+                                                                             "arguments": self.arguments}
+        head = {} if self.id is None else {"id": self.id, "type": "function"}
+        return {"index": self.index, **head, "function": function}
 
 
 @dataclass(frozen=True)
@@ -174,13 +190,18 @@ class ToolFormat:
 
     # --- parsing -----------------------------------------------------------------------------------
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a whole output; text that does not hold well-formed calls is all
-        content, as vLLM's parsers leave it."""
+        """(content, calls) of a whole output, read as the stream reads it: a block that does not
+        hold a call is content, as vLLM's parsers leave it."""
         stream = ToolCallStream(self.name)
-        content, calls = stream.feed(text)
-        more_content, more_calls = stream.finish()
+        content, deltas = stream.feed(text)
+        more_content, more_deltas = stream.finish()
         content += more_content
-        calls += more_calls
+        calls: list[ToolCall] = []
+        for d in deltas + more_deltas:
+            if d.id is not None:
+                calls.append(ToolCall(d.name or "", d.arguments, d.id))
+            else:
+                calls[-1] = ToolCall(calls[-1].name, calls[-1].arguments + d.arguments, calls[-1].id)
         return (content if content else None), calls
 
 
@@ -269,14 +290,18 @@ def _as_call(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:
 
 _DECODER = json.JSONDecoder()
 _SEPARATORS = re.compile(r"[\s;]*")
+# A Hermes call's beginning up to its arguments object: from here its arguments stream as written.
+_HERMES_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.:-]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 
 
 class ToolCallStream:
     """Reads tool calls out of text as it streams: `feed` each text delta, then `finish` once; each
-    returns (content delta, completed calls). Text that may begin a call is held back until it is
-    known not to (a prefix of `<tool_call>`), a call goes out whole once its closing tag (or, in
-    the Llama format, its JSON object) is complete, and a block that does not parse goes out as
-    content."""
+    returns (content delta, call deltas). Text that may begin a call is held back until it is known
+    not to (a prefix of `<tool_call>`). A Hermes call that begins `{"name": ..., "arguments": {`
+    goes out as soon as that is read, then its arguments as they are written (OpenAI's streaming);
+    any other call goes out whole once complete (its closing tag, or its JSON in the Llama and
+    Mistral formats). A block that does not hold a call goes out as content. The arguments are the
+    model's own text: a call cut off by max_tokens keeps what it had."""
 
     def __init__(self, fmt: str) -> None:
         if fmt not in FORMATS:
@@ -285,16 +310,21 @@ class ToolCallStream:
         self.buffer = ""          # text not yet given out
         self.in_call = False      # hermes: inside a <tool_call> block; llama3_json: the answer is calls
         self.decided = False      # llama3_json: whether the answer's first character was seen
-        self.calls = 0
+        self.calls = 0            # calls begun: the next one's index
+        self.args: _JsonScan | None = None   # hermes: the streaming call's arguments, once its header was read
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self.buffer += text
         return self._read(final=False)
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
         return self._read(final=True)
 
-    def _read(self, final: bool) -> tuple[str, list[ToolCall]]:
+    def _whole(self, call: ToolCall) -> ToolCallDelta:
+        self.calls += 1
+        return ToolCallDelta(self.calls - 1, call.arguments, call.id, call.name)
+
+    def _read(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
         if self.fmt == "hermes":
             return self._hermes(final)
         if self.fmt == "mistral":
@@ -318,7 +348,7 @@ class ToolCallStream:
         self.buffer = self.buffer[start + len(tag):]
         return content, True
 
-    def _hermes(self, final: bool) -> tuple[str, list[ToolCall]]:
+    def _hermes(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
         content, calls = "", []
         while True:
             if not self.in_call:
@@ -326,6 +356,25 @@ class ToolCallStream:
                 content += text
                 if not self.in_call:
                     return content, calls
+            if self.args is None and (header := _HERMES_HEADER.match(self.buffer)) is not None:
+                call = ToolCall(header.group(1), "")
+                calls.append(self._whole(call))
+                self.buffer, self.args = self.buffer[header.end():], _JsonScan()
+            if self.args is not None:
+                if not self.args.done:           # more of the arguments, as far as they go
+                    n = self.args.advance(self.buffer)
+                    if n:
+                        calls.append(ToolCallDelta(self.calls - 1, self.buffer[:n]))
+                        self.buffer = self.buffer[n:]
+                end = self.buffer.find(_HERMES_END)
+                if end < 0 and not final:
+                    return content, calls
+                # The block's end (what follows the arguments is the format's: "}\n").
+                self.buffer = "" if end < 0 else self.buffer[end + len(_HERMES_END):]
+                self.in_call, self.args = False, None
+                if end < 0:
+                    return content, calls
+                continue
             end = self.buffer.find(_HERMES_END)
             if end < 0 and not final:
                 return content, calls
@@ -339,12 +388,11 @@ class ToolCallStream:
             if call is None:
                 content += _HERMES_BEGIN + block + ("" if end < 0 else _HERMES_END)
             else:
-                calls.append(call)
-                self.calls += 1
+                calls.append(self._whole(call))
             if end < 0:
                 return content, calls
 
-    def _mistral(self, final: bool) -> tuple[str, list[ToolCall]]:
+    def _mistral(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
         content, calls = "", []
         while True:
             if not self.in_call:
@@ -369,11 +417,10 @@ class ToolCallStream:
                 content += _MISTRAL_BEGIN + self.buffer
                 self.buffer = ""
                 return content, calls
-            calls += [c.with_short_id() for c in parsed]   # type: ignore[union-attr]
-            self.calls += len(parsed)
+            calls += [self._whole(c.with_short_id()) for c in parsed]   # type: ignore[union-attr]
             self.buffer = body[end:]
 
-    def _llama(self, final: bool) -> tuple[str, list[ToolCall]]:
+    def _llama(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
         if not self.decided:
             head = self.buffer.lstrip()
             if head.startswith(_PYTHON_TAG):
@@ -402,9 +449,41 @@ class ToolCallStream:
                 self.in_call = False
                 content, self.buffer = self.buffer, ""
                 return content, calls
-            calls.append(call)
-            self.calls += 1
+            calls.append(self._whole(call))
             self.buffer = self.buffer[end:]
+
+
+class _JsonScan:
+    """Follows a JSON object as its text arrives: where it ends (its closing brace at depth 0), or
+    where it stops being JSON, at a `<` outside any string (a closing tag before the object closed)."""
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self.escaped = 0, False, False
+        self.done = False
+
+    def advance(self, text: str) -> int:
+        """How many characters of `text` (what follows the part already scanned) belong to the object."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return i + 1
+            elif ch == "<":
+                self.done = True
+                return i
+        return len(text)
 
 
 def _partial_suffix(text: str, tag: str) -> int:

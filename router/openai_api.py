@@ -148,25 +148,21 @@ class OpenAIAPI:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         usage = UsageCounter()
         started: set[int] = set()       # choices whose role went out: with their first token, as vLLM
-        # Per choice: its tool-call reader and how many calls it gave out (their `index` in deltas).
-        readers = {} if tools is None else {i: ToolCallStream(tools.name) for i in range(params.n)}
-        num_calls = dict.fromkeys(readers, 0)
+        readers = {} if tools is None else {i: ToolCallStream(tools.name) for i in range(params.n)}   # per choice
         async for _, delta in self.frontend.run([ids], params, rid, ticket):
             usage.add(delta)
             for c in delta.choices:
                 if c.finish_reason is not None:
                     self.frontend.count_finished(c.finish_reason)
                 text, finish_reason, call_deltas = c.text, c.finish_reason, []
-                if c.index in readers:
-                    text, calls = readers[c.index].feed(c.text)
+                reader = readers.get(c.index)
+                if reader is not None:
+                    text, deltas = reader.feed(c.text)
                     if c.finish_reason is not None:
-                        more_text, more_calls = readers[c.index].finish()
-                        text, calls = text + more_text, calls + more_calls
-                    for call in calls:
-                        call_deltas.append({"index": num_calls[c.index], **call.body()})
-                        num_calls[c.index] += 1
-                    if c.finish_reason is not None:
-                        finish_reason = _with_tool_calls(c.finish_reason, num_calls[c.index] > 0)
+                        more_text, more_deltas = reader.finish()
+                        text, deltas = text + more_text, deltas + more_deltas
+                        finish_reason = _with_tool_calls(c.finish_reason, reader.calls > 0)
+                    call_deltas = [d.body() for d in deltas]
                 message: dict[str, Any] = {"content": text} if text or c.finish_reason is None else {}
                 if c.index not in started:
                     started.add(c.index)

@@ -280,6 +280,11 @@ def test_tool_calls_round_trip(server, client, eventually_no_leaks):
     assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
         (call.function.name, call.function.arguments)]         # same seed as the whole answer above
 
+    pd = openai.OpenAI(base_url=f"{server['base']}/pd/v1", api_key="none", max_retries=0, timeout=120)
+    (pd_call,) = pd.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice=named,
+                                            max_tokens=100, temperature=0.7, seed=3).choices[0].message.tool_calls
+    assert (pd_call.function.name, pd_call.function.arguments) == (call.function.name, call.function.arguments)
+
     # The result goes back (the assistant's call in OpenAI's shape, then the tool message).
     follow = messages + [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},

@@ -30,8 +30,12 @@ CASES = [
     ("hermes", "A plain answer, <tool not a call>.", "A plain answer, <tool not a call>.", []),
     ("hermes", "<tool_call>\n{not json}\n</tool_call> then text", "<tool_call>\n{not json}\n</tool_call> then text",
      []),
-    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1', '<tool_call>\n{"name": "add", "arguments": {"a": 1',
-     []),                                                        # cut off by max_tokens: content
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1', None,
+     [("add", '{"a": 1')]),                                      # cut off by max_tokens: what it had
+    ("hermes", '<tool_call>\n{"arguments": {"b": "}"}, "name": "add"}\n</tool_call>', None,
+     [("add", {"b": "}"})]),                                     # name last: the call goes out whole
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"s": "a \\" } </tool_call> {"}}\n</tool_call>x', "x",
+     [("f", {"s": 'a " } </tool_call> {'})]),                    # braces and tags inside strings
     ("hermes", '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 5}"}\n</tool_call>', None,
      [("add", {"a": 5})]),                                        # arguments as JSON text
     ("llama3_json", '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", '
@@ -54,19 +58,33 @@ def test_readers_whole_and_streamed(fmt, text, content, calls):
     and calls as the whole-text parse, and both give what the text holds."""
     got_content, got_calls = ToolFormat(fmt, native=True).parse(text)
     assert got_content == content
-    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+    assert [(c.name, _args(c.arguments)) for c in got_calls] == calls
     assert len({c.id for c in got_calls}) == len(got_calls)
     if fmt == "mistral":          # what Mistral's templates accept when the calls come back
         assert all(len(c.id) == 9 and c.id.isalnum() for c in got_calls)
     for size in range(1, 10):
-        reader, streamed, streamed_calls = ToolCallStream(fmt), "", []
+        reader, streamed, deltas = ToolCallStream(fmt), "", []
         for i in range(0, len(text), size):
             more, new = reader.feed(text[i:i + size])
             streamed += more
-            streamed_calls += new
+            deltas += new
         more, new = reader.finish()
         assert (streamed + more or None) == content, size
-        assert [(c.name, json.loads(c.arguments)) for c in streamed_calls + new] == calls, size
+        assembled: dict[int, list[str]] = {}          # as the SDK assembles streamed calls
+        for d in deltas + new:
+            assert (d.id is not None and d.name is not None) == (d.index not in assembled), size
+            assembled.setdefault(d.index, [d.name, ""])[1] += d.arguments
+        assert [(name, _args(args)) for name, args in assembled.values()] == calls, size
+        assert [(c.name, c.arguments) for c in got_calls] == [tuple(v) for v in assembled.values()]
+        if size == 1 and text == HERMES:              # the arguments went out as they came
+            assert len(deltas + new) > 2 * len(calls)
+
+
+def _args(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text                     # a call cut off by max_tokens
 
 
 HERMES_TEMPLATE = (
