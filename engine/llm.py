@@ -30,6 +30,7 @@ class LLM:
         config = EngineConfig.create(model, **engine_args)
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
+        self._tool_format: ToolFormat | None = None     # how the model writes tool calls, on first chat
         # Garbage collection (or interpreter exit) lets go of the engine's resources too: with
         # TP x PP > 1 its Ray worker actors and their placement group, which would otherwise keep
         # their CPUs/GPUs until the driver exits. The finalizer holds the executor, not self.
@@ -79,7 +80,9 @@ class LLM:
         reads the calls out of an output (engine/tool_calls.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.llm_engine.tokenizer
-        fmt = ToolFormat.of(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+        if self._tool_format is None and getattr(tokenizer, "chat_template", None):
+            self._tool_format = ToolFormat.of(tokenizer)     # renders the template twice: once per LLM
+        fmt = self._tool_format
         parsed = []
         for conv in conversations:
             conv_tools = tools

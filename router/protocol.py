@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.outputs import Logprob
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.sampling_params import STRUCTURED_KINDS, SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
@@ -94,8 +94,7 @@ class _Common(BaseModel):
             return None
         (field, spec), = sources.items()
         if not isinstance(spec, dict):
-            raise ValueError(f"{field} must be an object with one of json, regex, choice, grammar, json_object, "
-                             f"structural_tag")
+            raise ValueError(f"{field} must be an object with one of {', '.join(STRUCTURED_KINDS)}")
         try:
             return SamplingParams(structured_outputs=spec).structured_outputs
         except ValueError as e:
