@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.dtypes import FP8_KV_DTYPE, KV_CACHE_DTYPES, resolve_dtype
+from engine.lora import LoRAConfig
 from engine.model_source import (
     QUANTIZATIONS,
     architecture_of,
@@ -75,6 +76,10 @@ class EngineArgs:
     max_concurrent_batches: int | None = None        # None: pipeline_parallel_size
     enforce_eager: bool = False                      # no CUDA graphs
     cuda_graph_sizes: list[int] = field(default_factory=lambda: [1, 2, 4] + list(range(8, 257, 8)))
+    enable_lora: bool = False                        # serve PEFT LoRA adapters (engine/lora.py)
+    max_loras: int = LoRAConfig.max_loras            # adapters in one batch (device slots)
+    max_lora_rank: int = LoRAConfig.max_lora_rank
+    max_cpu_loras: int | None = None                 # adapters kept in host memory; None: 4 x max_loras
 
     def __post_init__(self) -> None:
         block_size, max_num_seqs = self.block_size, self.max_num_seqs
@@ -135,6 +140,14 @@ class EngineArgs:
             resolve_dtype(self.dtype, None)         # ValueError naming the allowed names
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None (auto); got {self.quantization!r}")
+        if self.enable_lora:
+            self.lora_config()           # ValueError naming the field
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The adapter pool's configuration, None without enable_lora."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
 
 @dataclass(frozen=True)
@@ -204,6 +217,7 @@ class SchedulerConfig:
     preemption_mode: str = EngineArgs.preemption_mode      # "recompute" | "swap"
     policy: str = EngineArgs.scheduling_policy             # "fcfs" | "priority"
     batching: str = EngineArgs.batching      # "continuous" | "static" (a batch barrier: the baseline)
+    max_loras: int | None = None             # distinct adapters among running requests (None: no LoRA)
 
 
 @dataclass(frozen=True)
@@ -304,6 +318,7 @@ class EngineConfig:
     parallel_config: ParallelConfig
     kv_transfer_config: KVTransferConfig | None = None
     speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None
 
     @property
     def kv_dtype(self) -> str:
@@ -337,7 +352,8 @@ class EngineConfig:
             pipeline_micro_batches = 1 if max_concurrent_batches > 1 else pipeline_parallel_size
         # Sizes up to max_num_seqs, and the first one at or above it (a full batch replays too).
         sizes = sorted(set(args.cuda_graph_sizes))
-        graph_sizes = () if args.enforce_eager else tuple(
+        # LoRA steps run eagerly: a step's rows per adapter are not a shape a graph can replay.
+        graph_sizes = () if args.enforce_eager or args.enable_lora else tuple(
             n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] < max_num_seqs)
         kv_transfer_config = None
         if args.kv_connector is not None:
@@ -390,7 +406,8 @@ class EngineConfig:
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
-                preemption_mode=args.preemption_mode, policy=args.scheduling_policy, batching=args.batching),
+                preemption_mode=args.preemption_mode, policy=args.scheduling_policy, batching=args.batching,
+                max_loras=args.max_loras if args.enable_lora else None),
             parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size,
                                            args.worker_num_cpus, args.worker_num_gpus,
                                            args.distributed_executor_backend,
@@ -398,6 +415,7 @@ class EngineConfig:
                                            pipeline_micro_batches, max_concurrent_batches),
             kv_transfer_config=kv_transfer_config,
             speculative_config=spec_config,
+            lora_config=args.lora_config(),
         )
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.lora import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
@@ -56,15 +57,18 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (a str or {"prompt_token_ids": [...]}); outputs in input order.
+        `lora_request`: the adapter to run every prompt under, or one per prompt (None: the base
+        model); the LLM needs enable_lora=True.
 
         All prompts are validated before any runs: a bad one raises ValueError and none are queued.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        params = self._params_list(sampling_params, len(prompts))
+        params = self._with_lora(self._params_list(sampling_params, len(prompts)), lora_request)
         parsed = [self._parse_prompt(p) for p in prompts]
         return self._run(parsed, params, use_tqdm)
 
@@ -74,6 +78,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (with the generation prompt) to each conversation, with
         `tools` (OpenAI's shape) where given: `ToolFormat.of(llm.get_tokenizer()).parse(text)`
@@ -89,7 +94,8 @@ class LLM:
             if fmt is not None:
                 conv, conv_tools = fmt.template_inputs(list(conv), tools)  # type: ignore[arg-type]
             parsed.append((None, apply_chat_template(tokenizer, conv, conv_tools)))  # type: ignore[arg-type]
-        return self._run(parsed, self._params_list(sampling_params, len(parsed)), use_tqdm)
+        return self._run(parsed, self._with_lora(self._params_list(sampling_params, len(parsed)), lora_request),
+                         use_tqdm)
 
     @staticmethod
     def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -101,6 +107,17 @@ class LLM:
         if len(params) != n:
             raise ValueError(f"sampling_params must be one SamplingParams or a list of {n}; got {len(params)}")
         return params
+
+    @staticmethod
+    def _with_lora(params: list[SamplingParams],
+                   lora: LoRARequest | Sequence[LoRARequest | None] | None) -> list[SamplingParams]:
+        """Each prompt's params with its adapter (`lora_request`: one for all or one per prompt)."""
+        if lora is None:
+            return params
+        loras = [lora] * len(params) if isinstance(lora, LoRARequest) else list(lora)
+        if len(loras) != len(params):
+            raise ValueError(f"lora_request must be one LoRARequest or a list of {len(params)}; got {len(loras)}")
+        return [p if r is None else dataclasses.replace(p, lora_request=r) for p, r in zip(params, loras)]
 
     @staticmethod
     def _parse_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:

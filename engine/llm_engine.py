@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.executor import make_executor
 from engine.kv_cache_manager import KVCacheManager
+from engine.lora import LoRARequest, read_adapter
 from engine.output_processor import OutputProcessor
 from engine.outputs import KVEvent, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
@@ -38,6 +39,7 @@ class LLMEngine:
         self.config = config
         mc = config.model_config
         self.tokenizer = load_tokenizer(mc.model, mc.gguf_file)
+        self._adapters: set[tuple] = set()        # adapters read_adapter accepted (their cache keys)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc.hf_config, mc.model)
         self.executor = make_executor(config)
         if self.executor.kv_scales != config.cache_config.kv_scales:    # fp8 scales calibrated at load
@@ -125,6 +127,19 @@ class LLMEngine:
                          self.config.scheduler_config.max_num_seqs)
         if params.structured_outputs is not None and compile_constraint:
             self.compile_constraint(params.structured_outputs)
+        if params.lora_request is not None:
+            self.check_adapter(params.lora_request)
+
+    def check_adapter(self, lora: LoRARequest) -> None:
+        """Refuse (ValueError naming the field) an adapter this engine cannot run: LoRA not enabled,
+        or the PEFT directory not matching the model or max_lora_rank (read from the files' headers
+        once per adapter; the workers read the tensors when it is first scheduled)."""
+        if self.config.lora_config is None:
+            raise ValueError("lora_request: this engine serves no adapters; start it with enable_lora=True "
+                             "(--enable-lora)")
+        if lora.cache_key not in self._adapters:
+            read_adapter(lora.lora_path, self.config.model_config.hf_config, self.config.lora_config.max_lora_rank)
+            self._adapters.add(lora.cache_key)
 
     def compile_constraint(self, spec: StructuredOutputsParams) -> None:
         """Compile an output constraint (cached per schema), so that one that cannot compile is

@@ -19,6 +19,7 @@ from engine.layers.attention import AttentionBackend
 from engine.layers.penalties import TokenCounts
 from engine.layers.rejection_sampler import verify
 from engine.layers.sampler import SamplingRow, greedy_ids, sample, top_logprobs
+from engine.lora_slots import LoRASlots
 from engine.outputs import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from engine.parallel_state import ParallelState, get_parallel_state, pp_recv, pp_send
 from engine.structured_output import Constraints
@@ -55,6 +56,8 @@ class ModelRunner:
         self._logits: torch.Tensor | None = None             # see _logits_buffer
         # Structured outputs' matchers (engine/structured_output.py), set by the worker.
         self.constraints: Constraints | None = None
+        # The adapter pool (engine/lora_slots.py), set by the worker with LoRA enabled.
+        self.lora: LoRASlots | None = None
 
     def capture_cuda_graphs(self, sizes: tuple[int, ...], max_model_len: int) -> bool:
         """Capture the decode step for these batch sizes (after the KV cache exists). Only where the
@@ -124,6 +127,8 @@ class ModelRunner:
         layers, then send them on (asynchronously: the next micro-batch starts at once) or, on the
         last stage, compute logits and sample (on the driver rank)."""
         input_ids, positions, meta, sample_rows, spec_rows, lp_rows = self._prepare(batch)
+        if self.lora is not None:
+            self.lora.prepare(batch)
         intermediate = None
         if not state.is_first_stage:             # the previous stage's (hidden, residual)
             cfg = self.model.config

@@ -85,7 +85,7 @@ class Request:
         self.spec_token_ids: list[int] = []
 
         self.block_size = block_size
-        self.extra_keys = sampling_params.extra_keys
+        self.extra_keys = sampling_params.cache_keys
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
 

@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.lora import LoRARequest
+
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # torch.Generator.manual_seed takes [-2**63, 2**64): every such seed is accepted.
 SEED_MIN, SEED_MAX = INT64_MIN, (1 << 64) - 1
@@ -120,6 +122,7 @@ class SamplingParams:
     extra_keys: tuple = field(default_factory=tuple)  # e.g. a cache salt: part of the block hash
     output_kind: str = "cumulative"      # one of OUTPUT_KINDS
     structured_outputs: StructuredOutputsParams | None = None   # a dict of its fields is accepted too
+    lora_request: LoRARequest | None = None   # run under this adapter (engine/lora.py; LLM.generate's argument)
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -171,6 +174,14 @@ class SamplingParams:
         _check_int("priority", self.priority, INT64_MIN, INT64_MAX)
         _check(self.output_kind in OUTPUT_KINDS, "output_kind", f"one of {OUTPUT_KINDS}", self.output_kind)
         self.extra_keys = tuple(self.extra_keys)
+        _check(self.lora_request is None or isinstance(self.lora_request, LoRARequest), "lora_request",
+               "None or a LoRARequest", type(self.lora_request).__name__)
+
+    @property
+    def cache_keys(self) -> tuple:
+        """What the block hashes of this request's KV are keyed by besides its tokens: `extra_keys`
+        and its adapter (engine/hashing.py)."""
+        return self.extra_keys if self.lora_request is None else (*self.extra_keys, self.lora_request.cache_key)
 
     @property
     def is_greedy(self) -> bool:

@@ -176,6 +176,8 @@ class Scheduler:
                 break                       # the barrier: not before this batch has drained
             if len(self.running) + len(request.fork_children) >= self.config.max_num_seqs and self.running:
                 break
+            if self.config.max_loras is not None and not self._adapter_fits(request):
+                break                       # its adapter would be one too many in a batch
             if request.status == RequestStatus.SWAPPED:
                 mapping = self.kv.swap_in(request)
                 if mapping is None:
@@ -251,6 +253,16 @@ class Scheduler:
 
     def take_new_leased(self) -> list[Request]:
         return self.loads.take_new_leased() if self.loads is not None else []
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether `request` may run beside the running ones: at most max_loras distinct adapters
+        run at once, so that every step's adapters have a slot on the model (engine/lora_slots.py)."""
+        lora = request.sampling_params.lora_request
+        if lora is None:
+            return True
+        running = {r.sampling_params.lora_request.cache_key for r in self.running
+                   if r.sampling_params.lora_request is not None}
+        return lora.cache_key in running or len(running) < self.config.max_loras   # type: ignore[operator]
 
     def _admit(self, request: Request) -> None:
         self.waiting.popleft()

@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from engine.dtypes import KV_DTYPE_SIZES
 from engine.kv_scales import calibrate_kv_scales
 from engine.layers.attention import Attention
+from engine.lora_slots import LoRASlots
 from engine.model_runner import ModelRunner
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
@@ -95,6 +96,8 @@ class Worker:
         self.runner = ModelRunner(model, self.config.cache_config.block_size, self.device, mc.seed,
                                   self.config.parallel_config.pipeline_micro_batches)
         self.runner.constraints = Constraints(mc.model, mc.gguf_file, mc.vocab_size)
+        if self.config.lora_config is not None:
+            self.runner.lora = LoRASlots(model, self.config.lora_config, mc.torch_dtype, self.device)
         cc = self.config.cache_config
         if cc.is_fp8 and cc.calculate_kv_scales:
             scales = calibrate_kv_scales(self.runner, mc.model, mc.gguf_file, mc.vocab_size, mc.max_model_len)

@@ -180,7 +180,7 @@ class RequestRouter:
         if not candidates:
             raise NoReplicaError(f"no {self.pool} engine replica is available"
                                  + (f" ({len(self.down)} failed, being replaced)" if self.down else ""))
-        hashes = hash_block_tokens(prompt_token_ids, self.block_size, tuple(params.extra_keys))
+        hashes = hash_block_tokens(prompt_token_ids, self.block_size, params.cache_keys)
         cached = {r: self.index.num_blocks(r) for r in candidates}
         matched = self.index.match(hashes)
         decision = self.policy.choose({r: matched.get(r, 0) for r in candidates}, len(hashes), self.loads,

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.lora import LoRAStack
 from engine.parallel_state import get_parallel_state, tp_all_reduce
 from engine.quant_checkpoint import FP8Weight, split_fp8_rows
 from engine.weights import GGUFWeight
@@ -198,6 +199,7 @@ class Linear(nn.Module):
         self.qtype: str | None = None
         self.dtype = dtype
         self.dense: torch.Tensor | None = None      # a GGUF layer's dense copy (quantization="gguf+dense")
+        self.lora: LoRAStack | None = None          # adapter slots (engine/lora_slots.py), with LoRA enabled
 
     def quantize_as(self, qtype: str) -> None:
         """Hold the weight in GGUF blocks of `qtype`, or in fp8 (qtype "fp8"), from now on (before its
@@ -253,7 +255,16 @@ class Linear(nn.Module):
         return out if bias is None else out + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        out = self.matmul(x, self.bias)
+        return out if self.lora is None else self.lora.add(x, out)
+
+    def lora_subs(self) -> list[tuple[int, int]]:
+        """(offset, size) of each fused output on this rank, in checkpoint order (one: the whole)."""
+        return [(0, self.output_size)]
+
+    def lora_shard(self, sub: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of an adapter's A [r, input] and B [output, r] for fused output `sub`."""
+        return a, b
 
 
 class ColumnParallelLinear(Linear):
@@ -267,6 +278,10 @@ class ColumnParallelLinear(Linear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         size = param.shape[0]
         _copy_checked(param.data, _shard(loaded, 0, self.tp_rank * size, size, self.tp_size * size))
+
+    def lora_shard(self, sub: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        size = self.output_size
+        return a, _shard(b, 0, self.tp_rank * size, size, self.tp_size * size)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -284,13 +299,26 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         i = int(shard_id)  # type: ignore[arg-type]
-        self._load_shard(param, loaded, i, self.tp_rank)
+        self._load_shard(param, loaded, i, self._shard_index(i))
+
+    def lora_subs(self) -> list[tuple[int, int]]:
+        return list(zip(self.offsets, self.local_sizes))
+
+    def lora_shard(self, sub: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return a, self._rows(b, sub, self._shard_index(sub))
+
+    def _shard_index(self, i: int) -> int:
+        """Which slice of output `i` this rank holds."""
+        return self.tp_rank
+
+    def _rows(self, loaded: torch.Tensor, i: int, index: int) -> torch.Tensor:
+        """Slice `index` of output `i`'s full checkpoint tensor (rows)."""
+        size = self.local_sizes[i]
+        return _shard(loaded, 0, index * size, size, self.full_sizes[i])
 
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, i: int, index: int) -> None:
         """Copy slice `index` of output `i`'s checkpoint tensor to its rows in the parameter."""
-        size = self.local_sizes[i]
-        _copy_checked(param.data.narrow(0, self.offsets[i], size),
-                      _shard(loaded, 0, index * size, size, self.full_sizes[i]))
+        _copy_checked(param.data.narrow(0, self.offsets[i], self.local_sizes[i]), self._rows(loaded, i, index))
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -316,7 +344,10 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         i = "qkv".index(str(shard_id))
-        self._load_shard(param, loaded, i, self.tp_rank if i == 0 else self.kv_shard)
+        self._load_shard(param, loaded, i, self._shard_index(i))
+
+    def _shard_index(self, i: int) -> int:
+        return self.tp_rank if i == 0 else self.kv_shard
 
 
 class RowParallelLinear(Linear):
@@ -336,10 +367,17 @@ class RowParallelLinear(Linear):
         size = self.input_size
         _copy_checked(param.data, _shard(loaded, 1, self.tp_rank * size, size, self.tp_size * size))
 
+    def lora_shard(self, sub: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        size = self.input_size
+        return _shard(a, 1, self.tp_rank * size, size, self.tp_size * size), b
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.matmul(x, self.bias)
-        out = tp_all_reduce(self.matmul(x, None))
+            return super().forward(x)
+        out = self.matmul(x, None)
+        if self.lora is not None:        # this rank's partial B A x, summed with the rest below
+            out = self.lora.add(x, out)
+        out = tp_all_reduce(out)
         return out if self.bias is None else out + self.bias
 
 
