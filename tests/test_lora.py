@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import hf_model, mixed_prompts
+from conftest import hf_model, mixed_prompts, save_random_model
 
 from engine.llm import LLM
 from engine.lora import LoRARequest
@@ -107,3 +107,103 @@ def test_mixed_batch_matches_peft(tiny_llama, adapters, oracle, engine_kw):
     slots = llm.llm_engine.executor.worker.runner.lora
     if engine_kw["max_loras"] == 2:
         assert slots.loads > len(adapters)        # host copies evicted and read again
+
+
+def test_prefix_cache_is_keyed_by_adapter(tiny_llama, adapters, oracle):
+    """A prompt cached under one adapter is a hit for that adapter only: under another adapter, or
+    the base model, its blocks are computed again (and the outputs still match each oracle)."""
+    prompt = mixed_prompts(512)[-1]                      # 130 tokens: 8 full blocks
+    loras = _requests(adapters)
+    llm = LLM(tiny_llama, dtype="float32", enable_lora=True, max_lora_rank=16)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+    def run(name):
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False,
+                           lora_request=loras[name] if name else None)[0]
+        assert out.outputs[0].token_ids == oracle[name][-1], name
+        return out.num_cached_tokens
+
+    assert run("attn8") == 0
+    assert run("attn8") == 128                           # a hit under the same adapter
+    assert run("all16") == 0                             # never shared across adapters
+    assert run(None) == 0                                # nor with the base model
+    assert run("all16") == 128 and run(None) == 128
+    # The same name at another path is another adapter (unload, then load a new version).
+    moved = LoRARequest("attn8", 1, adapters["all16"])
+    assert llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False,
+                        lora_request=moved)[0].num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_adapters(tiny_llama, adapters, oracle, mode):
+    """Few KV blocks: requests of different adapters are preempted and resumed (recomputed under
+    their adapter, or swapped back), and each still matches its oracle."""
+    prompts = mixed_prompts(512)
+    loras = _requests(adapters)
+    names = [None, *adapters]
+    cases = [(i, names[(i + j) % len(names)]) for i in range(len(prompts)) for j in range(2)]
+    # 14 blocks of 16 tokens cannot hold 14 sequences of up to 140 tokens at once.
+    llm = LLM(tiny_llama, dtype="float32", enable_lora=True, max_lora_rank=16, max_loras=4, num_kv_blocks=14,
+              max_model_len=200, max_num_batched_tokens=64, preemption_mode=mode)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": prompts[i]} for i, _ in cases], params, use_tqdm=False,
+                        lora_request=[loras[n] if n else None for _, n in cases])
+    for (i, name), out in zip(cases, outs):
+        assert out.outputs[0].token_ids == oracle[name][i], (name, i)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def _edit_config(path: str, **changes) -> None:
+    config_path = os.path.join(path, "adapter_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+
+
+def test_bad_adapters_are_refused(tiny_llama, adapters, tmp_path, tmp_path_factory):
+    """Each adapter that cannot run is a ValueError naming the field, raised before anything is
+    queued; the engine then serves the next request (and the fixture checks every block is free)."""
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(tiny_llama, dtype="float32", enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+
+    def refused(lora: LoRARequest, *words: str) -> None:
+        with pytest.raises(ValueError) as err:
+            llm.generate([prompt, prompt], params, use_tqdm=False, lora_request=[None, lora])
+        for word in words:
+            assert word in str(err.value), str(err.value)
+
+    refused(LoRARequest("big", 1, adapters["all16"]), "r (16)", "max_lora_rank (8)")
+    refused(LoRARequest("none", 2, str(tmp_path / "missing")), "lora_path")
+    # An adapter of the embedding: a target pdserve does not serve.
+    emb = str(tmp_path / "emb")
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"])).save_pretrained(emb)
+    refused(LoRARequest("emb", 3, emb), "target_modules")
+    # An adapter trained on another base model: a narrower one (hidden 32 against 64).
+    from transformers import LlamaConfig
+
+    narrow = save_random_model(tmp_path_factory, LlamaConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2), "narrow", seed=5)
+    refused(LoRARequest("other", 4, make_adapter(narrow, str(tmp_path / "other"), 4, ATTENTION, seed=5)),
+            "shape must be", "another base model")
+    dora = str(tmp_path / "dora")
+    shutil.copytree(adapters["attn8"], dora)
+    _edit_config(dora, use_dora=True)
+    refused(LoRARequest("dora", 5, dora), "use_dora")
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("x", 0, dora)
+    # No LoRA on this engine.
+    plain = LLM(tiny_llama, dtype="float32")
+    with pytest.raises(ValueError, match="lora_request.*enable_lora"):
+        plain.generate(prompt, params, use_tqdm=False, lora_request=LoRARequest("a", 1, adapters["attn8"]))
+    assert llm.generate(prompt, params, use_tqdm=False,
+                        lora_request=LoRARequest("ok", 6, adapters["attn8"]))[0].outputs[0].token_ids
