@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import hf_model, mixed_prompts, save_random_model
+from conftest import make_adapter, mixed_prompts, peft_greedy, save_random_model
 
 from engine.llm import LLM
 from engine.lora import LoRARequest
@@ -17,44 +17,6 @@ from engine.sampling_params import SamplingParams
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
 NEW_TOKENS = 10
-
-
-def make_adapter(base_path: str, out_dir: str, rank: int, targets: list[str], seed: int,
-                 alpha: float | None = None, rslora: bool = False) -> str:
-    """A PEFT LoRA adapter of the model at `base_path` with random A and B (PEFT starts B at zero,
-    which would make every adapter the base model), saved as PEFT saves one."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, target_modules=targets,
-                        lora_dropout=0.0, use_rslora=rslora)
-    model = get_peft_model(base, config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-    model.save_pretrained(out_dir)
-    return out_dir
-
-
-def peft_greedy(base_path: str, adapter: str | None, prompts: list[list[int]], max_new_tokens: int):
-    """The oracle: transformers + PEFT greedy generate on `adapter` (None: the base model)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = hf_model(base_path)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32),
-                                          adapter).eval()
-    outs = []
-    for ids in prompts:
-        with torch.no_grad():
-            gen = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs.append(gen[0, len(ids):].tolist())
-    return outs
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, make_adapter, peft_greedy
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
@@ -21,6 +22,7 @@ from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [[(i * 11 + 7 + 97 * n) % 2000 + 3 for i in range(n)] for n in (1, 17, 40, 75)]
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 # --- unit: sharding without process groups -------------------------------------------------------------
@@ -246,6 +248,39 @@ def test_concurrent_pipeline_batches_match_single_rank_and_survive_abort(two_nod
         assert overlapped and aborted
         assert done == {f"a{i}": w for i, w in enumerate(want) if i != 2}
         engine.check_no_leaks()
+    finally:
+        engine.executor.shutdown()
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_lora_across_ranks_matches_peft(two_nodes, tiny_llama, tmp_path_factory, tp, pp):
+    """Adapters sharded like the weights (B's rows on column-parallel layers, A's columns on
+    row-parallel ones) and split by stage: a mixed batch (two adapters, base rows, chunked prefill)
+    gives transformers + PEFT's greedy tokens on every path."""
+    from engine.lora import LoRARequest
+
+    root = tmp_path_factory.mktemp(f"lora-tp{tp}-pp{pp}")
+    adapters = {"all16": make_adapter(tiny_llama, str(root / "all16"), 16, LORA_TARGETS, seed=7),
+                "attn8": make_adapter(tiny_llama, str(root / "attn8"), 8, LORA_TARGETS[:4], seed=8)}
+    names = [None, "all16", "attn8"]
+    cases = [(p, names[i % 3]) for i, p in enumerate(PROMPTS + PROMPTS[1:])]
+    expected = {name: peft_greedy(tiny_llama, adapters.get(name), PROMPTS, 8) for name in names}
+    config = EngineConfig.create(tiny_llama, dtype="float32", max_model_len=256, num_kv_blocks=64,
+                                 max_num_batched_tokens=24, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                 enable_lora=True, max_lora_rank=16)
+    engine = LLMEngine(config)
+    try:
+        loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(adapters.items())}
+        for i, (ids, name) in enumerate(cases):
+            engine.add_request(f"r{i}", None, ids, replace(GREEDY, lora_request=loras.get(name)))
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        for i, (ids, name) in enumerate(cases):
+            assert done[f"r{i}"] == expected[name][PROMPTS.index(ids)], (name, len(ids))
     finally:
         engine.executor.shutdown()
 
