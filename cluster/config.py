@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.config import KV_CONNECTORS, KV_LOAD_FAILURE_POLICIES, EngineArgs, EngineConfig
+from engine.lora import LoRAConfig, read_adapter
 from router.policy import POLICIES, PolicyConfig
 
 
@@ -126,6 +127,22 @@ class ServingSpec(_Strict):
                 "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(self.port + 1)}
 
 
+class LoRASpec(_Strict):
+    """LoRA adapters (engine/lora.py): `modules` are served from the start under their names (the
+    `model` a request names; listed by /v1/models with the base model as parent); the rest set
+    every engine's adapter pool. `allow_runtime_updates` opens vLLM's /v1/load_lora_adapter and
+    /v1/unload_lora_adapter (behind the API key when one is set)."""
+    modules: dict[str, str] = Field(default_factory=dict)      # name -> PEFT adapter directory
+    max_loras: int = Field(LoRAConfig.max_loras, ge=1)
+    max_lora_rank: int = Field(LoRAConfig.max_lora_rank, ge=1, le=512)
+    max_cpu_loras: int | None = Field(None, ge=1)
+    allow_runtime_updates: bool = False
+
+    def engine_args(self) -> dict[str, Any]:
+        return {"enable_lora": True, "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank,
+                "max_cpu_loras": self.max_cpu_loras}
+
+
 class ClusterConfig(_Strict):
     model: str | None = None
     # LLM(...) keywords (engine/config.py: EngineArgs, where their defaults live), checked on load.
@@ -136,6 +153,7 @@ class ClusterConfig(_Strict):
     disaggregation: DisaggregationSpec = DisaggregationSpec()
     routing: RoutingSpec = RoutingSpec()
     serving: ServingSpec = ServingSpec()
+    lora: LoRASpec | None = None                # None: no adapters
     name: str = "pdserve"                       # namespace of the manager actor
     # How long to wait for the Ray cluster to have the resources the pools need (nodes joining,
     # an autoscaler adding them) before failing with a message naming what is missing. A local Ray
@@ -173,6 +191,9 @@ class ClusterConfig(_Strict):
         if "speculative_config" in engine_set:
             raise ValueError("engine must not set speculative_config: set it on the decode pool "
                              "(pools.decode.speculative_config); prefill replicas never decode")
+        lora_keys = [k for k in engine_set if k in ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")]
+        if lora_keys:
+            raise ValueError(f"engine must not set {lora_keys}: the lora section configures adapters")
         kv_keys = [k for k in engine_set if k.startswith("kv_")]
         if kv_keys:
             raise ValueError(f"engine must not set {kv_keys}: the disaggregation section configures "
@@ -194,7 +215,16 @@ class ClusterConfig(_Strict):
                             pipeline_parallel_size=spec.pipeline_parallel_size,
                             worker_resources=dict(spec.resources))
         spec_args = {"speculative_config": spec.speculative_config} if spec.speculative_config else {}
-        return EngineConfig.from_args(self.model, replace(self.engine, **kv_args, **parallel, **spec_args))
+        lora_args = self.lora.engine_args() if self.lora is not None else {}
+        config = EngineConfig.from_args(self.model, replace(self.engine, **kv_args, **parallel, **spec_args,
+                                                            **lora_args))
+        if self.lora is not None:
+            for name, path in self.lora.modules.items():
+                try:
+                    read_adapter(path, config.model_config.hf_config, self.lora.max_lora_rank)
+                except ValueError as e:
+                    raise ValueError(f"lora.modules.{name}: {e}") from None
+        return config
 
     @classmethod
     def from_yaml(cls, path: str) -> ClusterConfig:

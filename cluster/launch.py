@@ -130,6 +130,18 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     if args.tool_call_parser is not None:
         serving["tool_call_parser"] = args.tool_call_parser
     data["serving"] = serving
+    if args.enable_lora or args.lora_modules or args.max_loras is not None or args.max_lora_rank is not None:
+        lora = dict(data.get("lora") or {})
+        for item in args.lora_modules or []:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules takes name=path items; got {item!r}")
+            lora["modules"] = {**dict(lora.get("modules", {})), name: path}
+        if args.max_loras is not None:
+            lora["max_loras"] = args.max_loras
+        if args.max_lora_rank is not None:
+            lora["max_lora_rank"] = args.max_lora_rank
+        data["lora"] = lora
     pools = dict(data.get("pools", {}))
     if args.replicas is not None:
         pools["decode"] = {**dict(pools.get("decode", {})), "replicas": args.replicas}
@@ -166,6 +178,11 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
                     help="KV connector between the pools (disaggregated mode)")
     ap.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
                     help="how the model writes tool calls (default: read from its chat template)")
+    ap.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
+    ap.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                    help="PEFT adapters to serve, each under its name (the request's `model`)")
+    ap.add_argument("--max-loras", type=int, default=None, help="adapters in one batch (default 8)")
+    ap.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank (default 16)")
     ap.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or a local Ray)")
     ap.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a local Ray")
 

@@ -207,8 +207,8 @@ class KVConnectorScheduler:
         self.num_leases = 0
         self.num_leases_expired = 0
 
-    def parse(self, params: dict[str, Any], prompt_block_hashes: list[bytes], num_prompt_tokens: int
-              ) -> RemotePrefill | None:
+    def parse(self, params: dict[str, Any], prompt_block_hashes: list[bytes], num_prompt_tokens: int,
+              adapter: str = "") -> RemotePrefill | None:
         """Validate a request's kv_transfer_params at intake (ValueError naming the field).
 
         Returns the RemotePrefill of a remotely prefilled request, None for one to be decoded
@@ -222,6 +222,11 @@ class KVConnectorScheduler:
                              "elsewhere) or do_remote_prefill (with the prefill engine's parameters)")
         remote = RemotePrefill.from_dict(params)
         self.check_handshake(remote)
+        if remote.adapter != adapter:
+            # The KV of a prompt depends on the adapter from its first token: never reuse another's.
+            raise ValueError(f"lora_request: the prompt was prefilled under "
+                             f"{repr(remote.adapter) if remote.adapter else 'the base model'} but this request runs "
+                             f"under {repr(adapter) if adapter else 'the base model'}; both must name the same adapter")
         num_full = min(len(remote.block_hashes), len(prompt_block_hashes))
         if remote.block_hashes[:num_full] != prompt_block_hashes[:num_full]:
             raise ValueError("kv_transfer_params.remote_block_hashes do not match this prompt's blocks "
@@ -302,7 +307,8 @@ class KVConnectorScheduler:
             engine_id=engine_id, request_id=request.request_id, block_ids=block_ids,
             block_hashes=list(request.block_hashes[:request.num_prompt_tokens // self.layout.block_size]),
             num_tokens=request.num_prompt_tokens, lease_slot=slot, lease_token=token,
-            lease_expires_at=expires, layout=self.layout, addresses=addresses, connector=self.config.kv_connector)
+            lease_expires_at=expires, layout=self.layout, addresses=addresses, connector=self.config.kv_connector,
+            adapter=_adapter_name(request))
         return remote.to_dict()
 
     def renew_lease(self, request_id: str, seconds: float) -> bool:
@@ -327,3 +333,9 @@ class KVConnectorScheduler:
         for lease in taken:
             self.lease_slots.free(lease.slot)
         return taken
+
+
+def _adapter_name(request: Request) -> str:
+    """The name of the LoRA adapter `request` runs under ("" for the base model)."""
+    lora = request.sampling_params.lora_request
+    return "" if lora is None else lora.lora_name

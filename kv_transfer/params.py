@@ -28,6 +28,7 @@ class RemotePrefill:
     addresses: list[dict[str, Any]]  # per P TP rank, transport-specific: how D's workers reach P's
     connector: str = ""             # P's connector ("" when built by hand without one)
     connector_version: int = CONNECTOR_VERSION
+    adapter: str = ""               # the LoRA adapter's name the prompt ran under ("": the base model)
 
     def to_dict(self) -> dict[str, Any]:
         """The kv_transfer_params dict (engine API): the protobuf `RemotePrefill` (versioned, what D
@@ -38,7 +39,7 @@ class RemotePrefill:
                 "remote_block_hashes": [h.hex() for h in self.block_hashes],
                 "remote_num_tokens": self.num_tokens, "lease_slot": self.lease_slot,
                 "lease_token": self.lease_token, "lease_expires_at": self.lease_expires_at,
-                "layout": asdict(self.layout), "addresses": self.addresses}
+                "layout": asdict(self.layout), "addresses": self.addresses, "remote_adapter": self.adapter}
 
     def handshake(self) -> Any:
         from pdserve_proto import CONTROL_SCHEMA_VERSION, pb2  # noqa: PLC0415
@@ -53,7 +54,7 @@ class RemotePrefill:
             schema_version=CONTROL_SCHEMA_VERSION, handshake=self.handshake(), engine_id=self.engine_id,
             request_id=self.request_id, block_ids=self.block_ids, block_hashes=self.block_hashes,
             num_tokens=self.num_tokens, lease_slot=self.lease_slot, lease_token=self.lease_token,
-            lease_expires_at=self.lease_expires_at)
+            lease_expires_at=self.lease_expires_at, adapter=self.adapter)
         for a in self.addresses:
             rank = msg.ranks.add()
             if "agent_metadata" in a:
@@ -103,7 +104,7 @@ class RemotePrefill:
                    block_hashes=list(msg.block_hashes), num_tokens=msg.num_tokens, lease_slot=msg.lease_slot,
                    lease_token=msg.lease_token, lease_expires_at=msg.lease_expires_at,
                    layout=KVLayout.from_proto(hs.layout), addresses=addresses, connector=hs.connector,
-                   connector_version=hs.connector_version)
+                   connector_version=hs.connector_version, adapter=msg.adapter)
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> RemotePrefill:
@@ -121,7 +122,8 @@ class RemotePrefill:
                        lease_slot=int(params["lease_slot"]), lease_token=int(params["lease_token"]),
                        lease_expires_at=float(params["lease_expires_at"]),
                        layout=KVLayout(**params["layout"]),
-                       addresses=[dict(a) for a in params["addresses"]])
+                       addresses=[dict(a) for a in params["addresses"]],
+                       adapter=str(params.get("remote_adapter", "")))
         except KeyError as e:
             raise ValueError(f"kv_transfer_params is missing {e.args[0]!r} (pass the parameters the "
                              f"prefill engine returned)") from None

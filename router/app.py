@@ -6,7 +6,8 @@
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both streaming as SSE
 ending in `data: [DONE]`), POST /tokenize, POST /detokenize, GET /health, GET /metrics
-(Prometheus), GET /openapi.json; and, beside HTTP, the gRPC Generation service through Serve's
+(Prometheus), GET /openapi.json, POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with
+`lora.allow_runtime_updates`); and, beside HTTP, the gRPC Generation service through Serve's
 gRPC proxy when `serving.grpc_port` is set.
 
 Every error uses OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`: 400 invalid
@@ -98,6 +99,14 @@ def build_app(config: ClusterConfig) -> Any:
         @fastapi_app.post("/v1/chat/completions")
         async def chat(self, request: Request) -> Response:
             return await self.api.chat(await self.api.read_json(request))
+
+        @fastapi_app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(self, request: Request) -> Response:
+            return PlainTextResponse(self.server.load_adapter(await self.api.read_json(request)))
+
+        @fastapi_app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(self, request: Request) -> Response:
+            return PlainTextResponse(self.server.unload_adapter(await self.api.read_json(request)))
 
         @fastapi_app.post("/tokenize")
         async def tokenize(self, request: Request) -> Response:

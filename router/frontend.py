@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -31,6 +32,7 @@ from engine.errors import (
     RequestFailedError,
     ServiceUnavailableError,
 )
+from engine.lora import LoRARequest, read_adapter
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams, StructuredOutputsParams, validate_request
 from engine.structured_output import compiler_for
@@ -44,7 +46,9 @@ from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     now,
     plain_messages,
     validation_message,
@@ -74,9 +78,19 @@ class Frontend:
         and followed for the pools' membership (`follow_membership`). Without replicas the server
         is starting: `attach()` gives it the pools once they are up."""
         self.config = config
-        info = self.info = config.engine_config("decode").model_info()
+        engine = config.engine_config("decode")
+        info = self.info = engine.model_info()
+        # What an adapter loaded at runtime is checked against: the model's config and the rank limit.
+        self._adapter_limits = (engine.model_config.hf_config, engine.lora_config.max_lora_rank
+                                if engine.lora_config is not None else 0)
         self.vocab_size, self.max_model_len, self.max_num_seqs = info.vocab_size, info.max_model_len, info.max_num_seqs
         self.model_name = config.serving.served_model_name or _default_name(info.model, info.gguf_file)
+        # LoRA adapters served under their own names (name -> request), from the spec and the
+        # runtime endpoints; ids count up as vLLM's do.
+        self.adapters: dict[str, LoRARequest] = {}
+        self._lora_ids = itertools.count(1)
+        for name, path in (config.lora.modules if config.lora is not None else {}).items():
+            self.adapters[name] = LoRARequest(name, next(self._lora_ids), path)
         self.tokenizer = load_tokenizer(info.model, info.gguf_file)
         # How the model writes tool calls (None: no chat template, so no chat and no tools).
         self.tool_format = (ToolFormat.of(self.tokenizer, config.serving.tool_call_parser)
@@ -134,9 +148,20 @@ class Frontend:
         if not self.is_authorized(authorization):
             raise AuthenticationError(f"invalid or missing API key ({where})")
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise NotFoundError(f"model {model!r} does not exist; this server serves {self.model_name!r}", "model")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); NotFoundError naming the
+        models this server serves."""
+        if model is None or model == self.model_name:
+            return None
+        adapter = self.adapters.get(model)
+        if adapter is None:
+            served = [self.model_name, *self.adapters]
+            raise NotFoundError(f"model {model!r} does not exist; this server serves {served}", "model")
+        return adapter
+
+    def response_model(self, params: SamplingParams) -> str:
+        """The `model` a response names: the adapter's name, or the base model's."""
+        return self.model_name if params.lora_request is None else params.lora_request.lora_name
 
     def parse(self, cls: type, data: dict[str, Any]) -> Any:
         try:
@@ -221,8 +246,9 @@ class Frontend:
         """Validate a completion body (HTTP's, or the one a gRPC GenerateRequest maps to) and
         tokenize its prompts; InvalidRequestError naming the field."""
         req: CompletionRequest = self.parse(CompletionRequest, data)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         params = self.sampling_params(req)
+        params.lora_request = lora
         prompts = self.completion_prompts(req.prompt)
         for ids in prompts:
             self.validate_prompt(ids, params)
@@ -235,12 +261,13 @@ class Frontend:
         tool_choice is "none"); the last item is the format to read tool calls in, None when the
         request offers no tools to call."""
         req: ChatCompletionRequest = self.parse(ChatCompletionRequest, data)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         tools, constraint, tool_format = self.tool_setup(req)
         try:
             params = req.to_sampling_params(constraint)
         except ValueError as e:
             raise InvalidRequestError(str(e), param="tool_choice" if constraint else None) from None
+        params.lora_request = lora
         if tool_format is not None and tool_format.special_tag:
             params.skip_special_tokens = False      # else the detokenizer drops the call tags
         ids = self.chat_prompt(req.messages, tools)
@@ -311,8 +338,45 @@ class Frontend:
 
     # --- small endpoints ---------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": now(),
-                                            "owned_by": "pdserve", "max_model_len": self.max_model_len}]}
+        created = now()
+        base = {"id": self.model_name, "object": "model", "created": created, "owned_by": "pdserve",
+                "root": self.info.model, "parent": None, "max_model_len": self.max_model_len}
+        adapters = [{**base, "id": name, "root": lora.lora_path, "parent": self.model_name}
+                    for name, lora in self.adapters.items()]
+        return {"object": "list", "data": [base, *adapters]}
+
+    def load_adapter(self, data: dict[str, Any]) -> str:
+        """vLLM's /v1/load_lora_adapter: serve the PEFT adapter at `lora_path` under `lora_name`
+        (checked here against the model and max_lora_rank; each replica reads it when a request
+        first needs it, so the path must be readable on every node). Adapters live in this ingress's
+        table: a spec with several ingress replicas lists them in `lora.modules` instead."""
+        self._check_runtime_updates()
+        req: LoadLoRAAdapterRequest = self.parse(LoadLoRAAdapterRequest, data)
+        if req.lora_name == self.model_name or req.lora_name in self.adapters:
+            raise InvalidRequestError(f"lora_name {req.lora_name!r} is already served; unload it first",
+                                      param="lora_name")
+        try:
+            read_adapter(req.lora_path, *self._adapter_limits)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="lora_path") from None
+        self.adapters[req.lora_name] = LoRARequest(req.lora_name, next(self._lora_ids), req.lora_path)
+        return f"Success: LoRA adapter '{req.lora_name}' added successfully."
+
+    def unload_adapter(self, data: dict[str, Any]) -> str:
+        """vLLM's /v1/unload_lora_adapter: stop serving `lora_name` (requests running under it
+        finish; the replicas' slots and cached blocks for it are reused as others need them)."""
+        self._check_runtime_updates()
+        req: UnloadLoRAAdapterRequest = self.parse(UnloadLoRAAdapterRequest, data)
+        if self.adapters.pop(req.lora_name, None) is None:
+            raise NotFoundError(f"lora_name {req.lora_name!r} is not loaded; loaded: {sorted(self.adapters)}",
+                                "lora_name")
+        return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
+
+    def _check_runtime_updates(self) -> None:
+        lora = self.config.lora
+        if lora is None or not lora.allow_runtime_updates:
+            raise NotFoundError("loading and unloading LoRA adapters at runtime is off; enable it with "
+                                "lora.allow_runtime_updates: true in the cluster spec")
 
     def tokenize(self, data: dict[str, Any]) -> dict[str, Any]:
         req: TokenizeRequest = self.parse(TokenizeRequest, data)

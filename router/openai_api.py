@@ -95,27 +95,27 @@ class OpenAIAPI:
                         "stop_reason": acc.stop_reason,
                         "logprobs": self._completion_logprobs(acc.token_ids, acc.logprobs)
                         if params.logprobs is not None else None})
-        return {"id": rid, "object": "text_completion", "created": now(), "model": self.model_name,
+        return {"id": rid, "object": "text_completion", "created": now(), "model": self.frontend.response_model(params),
                 "choices": out, "usage": usage.body(sum(len(p) for p in prompts))}
 
     async def _stream_completion(self, rid: str, req: CompletionRequest, prompts: list[list[int]],
                                  params: SamplingParams, include_usage: bool, ticket: Ticket
                                  ) -> AsyncIterator[dict]:
         n = params.n
-        created = now()
+        created, model = now(), self.frontend.response_model(params)
         usage = UsageCounter()
         async for i, delta in self.frontend.run(prompts, params, rid, ticket):
             usage.add(delta)
             for c in delta.choices:
                 if c.finish_reason is not None:
                     self.frontend.count_finished(c.finish_reason)
-                yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                yield {"id": rid, "object": "text_completion", "created": created, "model": model,
                        "choices": [{"index": i * n + c.index, "text": c.text, "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason,
                                     "logprobs": self._completion_logprobs(c.token_ids, c.logprobs)
                                     if params.logprobs is not None else None}]}
         if include_usage:
-            yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+            yield {"id": rid, "object": "text_completion", "created": created, "model": model,
                    "choices": [], "usage": usage.body(sum(len(p) for p in prompts))}
 
     async def _full_chat(self, rid: str, ids: list[int], params: SamplingParams, logprobs: bool,
@@ -139,13 +139,14 @@ class OpenAIAPI:
                         "finish_reason": finish_reason, "stop_reason": acc.stop_reason,
                         "logprobs": self._chat_logprobs(acc.token_ids, acc.logprobs, params.logprobs or 0)
                         if logprobs else None})
-        return {"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
+        return {"id": rid, "object": "chat.completion", "created": now(), "model": self.frontend.response_model(params),
                 "choices": out, "usage": usage.body(len(ids))}
 
     async def _stream_chat(self, rid: str, ids: list[int], params: SamplingParams, include_usage: bool,
                            logprobs: bool, tools: ToolFormat | None, ticket: Ticket) -> AsyncIterator[dict]:
         created = now()
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": self.frontend.response_model(params)}
         usage = UsageCounter()
         started: set[int] = set()       # choices whose role went out: with their first token, as vLLM
         readers = {} if tools is None else {i: ToolCallStream(tools.name) for i in range(params.n)}   # per choice

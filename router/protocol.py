@@ -259,6 +259,19 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter body."""
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None        # vLLM's; the name decides
+
+
 MAX_JSON_DEPTH = 64      # nesting of a request body's arrays and objects
 
 

@@ -283,6 +283,40 @@ def test_pd_with_fp8_kv_matches_one_fp8_engine(tiny_llama, connector):
     assert d.stats()["kv_load_failures"] == 0
 
 
+def test_pd_with_lora_matches_one_engine_and_refuses_a_mismatch(tiny_llama, connector, tmp_path):
+    """A prompt prefilled under an adapter decodes on D, under that adapter, to a single engine's
+    tokens; parameters from a prefill under another adapter (or none) are refused, naming
+    lora_request, even for a prompt shorter than one block (no block hash to tell them apart)."""
+    from dataclasses import replace
+
+    from conftest import make_adapter
+
+    from engine.lora import LoRARequest
+
+    lora = LoRARequest("a", 1, make_adapter(tiny_llama, str(tmp_path / "a"), 8, ["q_proj", "v_proj", "down_proj"],
+                                            seed=11))
+    under = replace(GREEDY, lora_request=lora)
+    lora_args = dict(enable_lora=True, max_lora_rank=8)
+    single = make_engine(tiny_llama, None, **lora_args)
+    p, d = make_engine(tiny_llama, connector, **lora_args), make_engine(tiny_llama, connector, **lora_args)
+    for n in (5, 40):
+        ids = prompt(n, salt=40 + n)
+        want = run_one(single, f"s{n}", ids, under).outputs[0].token_ids
+        assert want != run_one(single, f"b{n}", ids).outputs[0].token_ids
+        params = prefill(p, f"r{n}", ids, under)
+        assert params["remote_adapter"] == "a"
+        with pytest.raises(ValueError, match="lora_request.*prefilled under 'a'.*the base model"):
+            d.add_request(f"x{n}", None, ids, GREEDY, kv_transfer_params=params)
+        assert run_one(d, f"r{n}", ids, under, params, others=(p,)).outputs[0].token_ids == want
+        settle(p, d)
+        base = prefill(p, f"q{n}", ids)
+        with pytest.raises(ValueError, match="lora_request.*the base model.*under 'a'"):
+            d.add_request(f"y{n}", None, ids, under, kv_transfer_params=base)
+        p.abort_request(f"q{n}")            # its lease: no decode engine will pull it
+        settle(p, d)
+    assert d.stats()["kv_load_failures"] == 0
+
+
 # --- faults: each ends with zero blocks held on both sides ---------------------------------------------
 def test_abort_on_prefill_before_pull_falls_back_to_recompute(tiny_llama, connector):
     ids = prompt(80, salt=5)

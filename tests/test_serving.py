@@ -26,7 +26,17 @@ API_KEY = "test-key"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama, eventually_no_leaks):
+def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
+    """Two PEFT adapters of the tiny model: "ad1" served from the start, "ad2" loaded at runtime."""
+    from conftest import make_adapter
+
+    root = tmp_path_factory.mktemp("serving-adapters")
+    return {"ad1": make_adapter(tiny_llama, str(root / "ad1"), 8, ["q_proj", "v_proj", "o_proj", "down_proj"], seed=21),
+            "ad2": make_adapter(tiny_llama, str(root / "ad2"), 16, ["gate_proj", "up_proj", "k_proj"], seed=22)}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, adapters, eventually_no_leaks):
     from ray import serve
 
     from cluster.config import ClusterConfig
@@ -39,8 +49,10 @@ def server(tiny_llama, eventually_no_leaks):
     engine = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 16}
     # The three apps answer at once and load their pools side by side (/health says when they serve).
     serving = {"port": port, "wait_for_pools": False}
+    lora = {"modules": {"ad1": adapters["ad1"]}, "max_loras": 2}
     main = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 2, "num_cpus": 1}},
-                         serving={**serving, "api_key": API_KEY, "max_body_bytes": 1 << 20}, name="pdserve-test")
+                         serving={**serving, "api_key": API_KEY, "max_body_bytes": 1 << 20}, name="pdserve-test",
+                         lora={**lora, "allow_runtime_updates": True})
     # A second app with a one-request limit, for 429.
     limited = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 1, "num_cpus": 1}},
                             serving={**serving, "max_in_flight": 1}, name="pdserve-limited")
@@ -49,7 +61,7 @@ def server(tiny_llama, eventually_no_leaks):
     pd = ClusterConfig(model=tiny_llama, engine=engine, mode="disaggregated",
                        pools={"prefill": {"replicas": 1, "num_cpus": 1}, "decode": {"replicas": 1, "num_cpus": 1}},
                        disaggregation={"connector": "nixl", "min_remote_prefill_tokens": 32},
-                       serving=serving, name="pdserve-pd")
+                       serving=serving, name="pdserve-pd", lora=lora)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     for config, prefix in ((main, "/"), (limited, "/limited"), (pd, "/pd")):
         serve.run(build_app(config), name=config.name, route_prefix=prefix)
@@ -85,7 +97,8 @@ def client(server) -> openai.OpenAI:
 
 def test_models_health_tokenize(server, client):
     models = client.models.list()
-    assert [m.id for m in models.data] == [server["model"]]
+    assert [m.id for m in models.data] == [server["model"], "ad1"]     # the base model, then its adapter
+    assert models.data[1].model_extra["parent"] == server["model"]
     assert httpx.get(f"{server['base']}/health").json()["healthy"] is True
     tok = httpx.post(f"{server['base']}/tokenize", json={"prompt": "Hello world"}, headers=_auth()).json()
     assert tok["count"] == len(tok["tokens"]) > 0
@@ -362,6 +375,52 @@ def _metric(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in head for k, v in labels.items()):
             total += float(value)
     return total
+
+
+def test_lora_adapters_over_http(server, client, adapters, tiny_llama):
+    """`model` names an adapter: its answer is the offline engine's under that adapter (not the
+    base model's), on the colocated and the disaggregated app; adapters load and unload at runtime
+    behind the API key, where the spec allows it; every refusal is a 4xx naming the field."""
+    from engine.lora import LoRARequest
+
+    prompt = "The history of the printing press begins " + "with movable type and ink, " * 8
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=1024, enable_lora=True, max_lora_rank=16)
+    loras = {name: LoRARequest(name, i + 1, adapters[name]) for i, name in enumerate(("ad1", "ad2"))}
+    want = {name: llm.generate(prompt, params, use_tqdm=False, lora_request=loras.get(name))[0].outputs[0].text
+            for name in (None, "ad1", "ad2")}
+    assert len(set(want.values())) == 3
+    kwargs = dict(prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    out = client.completions.create(model="ad1", **kwargs)
+    assert out.model == "ad1" and out.choices[0].text == want["ad1"]
+    assert client.completions.create(model=server["model"], **kwargs).choices[0].text == want[None]
+    streamed = client.completions.create(model="ad1", stream=True, **kwargs)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want["ad1"]
+    pd_client = openai.OpenAI(base_url=f"{server['base']}/pd/v1", api_key="none", max_retries=0, timeout=120)
+    assert pd_client.completions.create(model="ad1", **kwargs).choices[0].text == want["ad1"]   # pulled KV
+    with pytest.raises(openai.NotFoundError, match="ad2"):
+        client.completions.create(model="ad2", **kwargs)
+    # Runtime loading: behind the API key, checked, then served; unloading ends it.
+    base = server["base"]
+    body = {"lora_name": "ad2", "lora_path": adapters["ad2"]}
+    assert httpx.post(f"{base}/v1/load_lora_adapter", json=body).status_code == 401
+    loaded = httpx.post(f"{base}/v1/load_lora_adapter", json=body, headers=_auth())
+    assert loaded.status_code == 200, loaded.text
+    assert "ad2" in [m.id for m in client.models.list().data]
+    assert client.completions.create(model="ad2", **kwargs).choices[0].text == want["ad2"]
+    for bad, field in (({"lora_name": "ad2", "lora_path": adapters["ad2"]}, "lora_name"),
+                       ({"lora_name": "x", "lora_path": "/nonexistent"}, "lora_path"),
+                       ({"lora_name": "x"}, "lora_path")):
+        r = httpx.post(f"{base}/v1/load_lora_adapter", json=bad, headers=_auth())
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "ad2"}, headers=_auth()).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="ad2", **kwargs)
+    assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "ad2"},
+                      headers=_auth()).status_code == 404
+    # The disaggregated app's spec does not allow runtime updates.
+    refused = httpx.post(f"{base}/pd/v1/load_lora_adapter", json=body)
+    assert refused.status_code == 404 and "allow_runtime_updates" in refused.text
 
 
 def test_disaggregated_path_matches_colocated(server, client, eventually_no_leaks):
