@@ -15,7 +15,7 @@ from the files' headers); here the tensors themselves are read.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from types import ModuleType
 
 import torch
 from safetensors.torch import load_file
@@ -36,11 +36,12 @@ AdapterKey = tuple[str, str, str]
 
 
 class LoRASlots:
-    def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device,
+                 kernels: ModuleType) -> None:
         self.model = model
         self.config = config
         self.dtype, self.device = dtype, device
-        self.context = LoRAContext()
+        self.context = LoRAContext(kernels)
         self.stacks: list[LoRAStack] = []
         for layer in model.layers:
             for path in dict.fromkeys(p for p, _ in _TARGETS.values()):
@@ -58,29 +59,27 @@ class LoRASlots:
     def prepare(self, batch: list[ScheduledRequest]) -> None:
         """Point the LoRA layers at this step's rows per adapter slot (the batch in the order its
         tokens are laid out: `ModelRunner._prepare`)."""
-        ranges: dict[int, list[tuple[int, int]]] = {}
-        needed = {_lora_of(r).cache_key for r in batch if _lora_of(r) is not None}      # type: ignore[union-attr]
+        loras = [r.sampling_params.lora_request if r.sampling_params is not None else None for r in batch]
+        needed = {lora.cache_key for lora in loras if lora is not None}
+        rows: dict[int, list[int]] = {}            # slot -> its rows, in batch order
         start = 0
-        for req in batch:
+        for req, lora in zip(batch, loras):
             n = len(req.token_ids)
-            lora = _lora_of(req)
             if lora is not None:
-                ranges.setdefault(self._slot(lora, needed), []).append((start, start + n))
+                rows.setdefault(self._slot(lora, needed), []).extend(range(start, start + n))
             start += n
-        groups: list[tuple[int, slice | torch.Tensor, int]] = []
-        for slot, spans in ranges.items():
-            merged: list[list[int]] = []
-            for a, b in spans:
-                if merged and merged[-1][1] == a:
-                    merged[-1][1] = b
-                else:
-                    merged.append([a, b])
-            if len(merged) == 1:
-                rows: slice | torch.Tensor = slice(merged[0][0], merged[0][1])
-            else:
-                rows = torch.cat([torch.arange(a, b) for a, b in merged]).to(self.device)
-            groups.append((slot, rows, self.rank_of[slot]))
-        self.context.groups = groups
+        ctx = self.context
+        ctx.num_groups = len(rows)
+        if not rows:
+            return
+        slots = list(rows)
+        ctx.rows = torch.tensor([r for slot in slots for r in rows[slot]], dtype=torch.long, device=self.device)
+        bounds = [0]
+        for slot in slots:
+            bounds.append(bounds[-1] + len(rows[slot]))
+        ctx.starts = torch.tensor(bounds, dtype=torch.long)
+        ctx.slots = torch.tensor(slots, dtype=torch.long)
+        ctx.ranks = torch.tensor([self.rank_of[slot] for slot in slots], dtype=torch.long)
 
     def _slot(self, lora: LoRARequest, needed: set[AdapterKey]) -> int:
         key = lora.cache_key
@@ -134,6 +133,3 @@ class LoRASlots:
         return held
 
 
-def _lora_of(req: ScheduledRequest) -> Any:
-    params = req.sampling_params
-    return None if params is None else params.lora_request

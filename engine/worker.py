@@ -97,7 +97,8 @@ class Worker:
                                   self.config.parallel_config.pipeline_micro_batches)
         self.runner.constraints = Constraints(mc.model, mc.gguf_file, mc.vocab_size)
         if self.config.lora_config is not None:
-            self.runner.lora = LoRASlots(model, self.config.lora_config, mc.torch_dtype, self.device)
+            self.runner.lora = LoRASlots(model, self.config.lora_config, mc.torch_dtype, self.device,
+                                         self.runner.kernels)
         cc = self.config.cache_config
         if cc.is_fp8 and cc.calculate_kv_scales:
             scales = calibrate_kv_scales(self.runner, mc.model, mc.gguf_file, mc.vocab_size, mc.max_model_len)

@@ -51,10 +51,12 @@ from kernels.reference import (
 )
 
 __all__ = ["apply_rotary", "copy_blocks", "decode_attention", "fp8_linear", "gather_blocks", "gather_kv", "gguf_linear",
+           "lora_add",
            "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = tuple(os.path.join(CSRC, name) for name in ("cpu_ops.cpp", "prefill_attention.cpp", "gguf_linear.cpp"))
+SOURCES = tuple(os.path.join(CSRC, name) for name in ("cpu_ops.cpp", "prefill_attention.cpp", "gguf_linear.cpp",
+                                                      "lora.cpp"))
 HEADERS = (os.path.join(CSRC, "common.h"),)
 # Head sizes and dtypes the C++ attention kernels are instantiated for; others run the reference.
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
@@ -242,6 +244,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.dtype not in DTYPES:
         return reference.silu_and_mul(x)
     return torch.ops.pdserve_cpu.silu_and_mul(x)
+
+
+def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, rows: torch.Tensor,
+             starts: torch.Tensor, slots: torch.Tensor, ranks: torch.Tensor, sub_offsets: torch.Tensor
+             ) -> torch.Tensor:
+    """kernels.reference.lora_add's contract in one C++ call per layer (kernels/csrc/lora.cpp): the
+    reference's four to eight small ops per adapter cost ~15 us each on a 2-core CPU, 16 adapters'
+    worth of them more than the base step's matmuls (docs/PERFORMANCE.md §13)."""
+    if x.dtype not in DTYPES or not x.is_contiguous() or not out.is_contiguous():
+        return reference.lora_add(x, out, a, bt, rows, starts, slots, ranks, sub_offsets)
+    torch.ops.pdserve_cpu.lora_add(x, out, a, bt, rows, starts, slots, ranks, sub_offsets)
+    return out
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -321,3 +321,27 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
     return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1).float(),
                             out_dtype=out_dtype).to(x.dtype)
+
+
+def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, rows: torch.Tensor,
+             starts: torch.Tensor, slots: torch.Tensor, ranks: torch.Tensor, sub_offsets: torch.Tensor
+             ) -> torch.Tensor:
+    """Batched LoRA, in place: out[t] += B_s A_s x[t] for every row t of every adapter group.
+
+    x [T, in], out [T, out]; `a` [slots, max_rank, subs, in] holds each slot's A per fused output
+    (rank j of output i is row (j, i)), `bt` [slots, max_rank, out] each slot's B transposed (and
+    scaled), zero beyond the adapter's rank. Group g is rows[starts[g]:starts[g + 1]] (indices into
+    x and out, on x's device) under slot slots[g] of rank ranks[g]; `sub_offsets` [subs + 1] splits
+    out's features into the fused outputs. starts, slots, ranks and sub_offsets are int64 CPU
+    tensors. Rows in no group are left as they are. Two matmuls per group and fused output (the
+    shrink, rounded to x's dtype, then the expand): the oracle of every kernel set's lora_add.
+    """
+    offsets, subs = sub_offsets.tolist(), a.shape[2]
+    bounds = starts.tolist()
+    for g, (slot, rank) in enumerate(zip(slots.tolist(), ranks.tolist())):
+        idx = rows[bounds[g]:bounds[g + 1]]
+        shrunk = x.index_select(0, idx) @ a[slot, :rank].reshape(rank * subs, -1).t()
+        delta = torch.cat([shrunk[:, i::subs] @ bt[slot, :rank, offsets[i]:offsets[i + 1]] for i in range(subs)],
+                          dim=1)
+        out.index_add_(0, idx, delta)
+    return out

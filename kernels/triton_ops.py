@@ -5,7 +5,7 @@ the row argmax (torch's reduction) and fp8 linears (torch._scaled_mm: cuBLASLt's
 linears (GGUF files, int8 checkpoints) have a Triton kernel for decode-sized batches."""
 from __future__ import annotations
 
-from kernels.reference import argmax_rows, gather_blocks, gather_kv, silu_and_mul, swap_blocks
+from kernels.reference import argmax_rows, gather_blocks, gather_kv, lora_add, silu_and_mul, swap_blocks
 from kernels.reference import fp8_linear_scaled_mm as fp8_linear
 from kernels.triton_attention import decode_attention, pack_prefill, prefill_attention
 from kernels.triton_cache import copy_blocks, write_kv
@@ -17,5 +17,5 @@ from kernels.triton_quant import gguf_linear
 CUDA_GRAPHS = True
 
 __all__ = ["CUDA_GRAPHS", "apply_rotary", "argmax_rows", "copy_blocks", "decode_attention", "fp8_linear",
-           "gather_blocks", "gather_kv", "gguf_linear", "pack_prefill", "prefill_attention", "rms_norm",
+           "gather_blocks", "gather_kv", "gguf_linear", "lora_add", "pack_prefill", "prefill_attention", "rms_norm",
            "silu_and_mul", "swap_blocks", "write_kv"]

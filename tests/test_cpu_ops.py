@@ -374,3 +374,45 @@ def test_fp8_write_quantizes_saturates_and_copies_blocks():
     cpu = torch.zeros_like(cache)
     reference.swap_blocks([cache], [cpu], [(6, 1)])
     assert torch.equal(cpu[:, 1].view(torch.uint8), cache[:, 6].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("subs,in_features", [([40], 72), ([32, 8, 8], 64), ([100, 100], 33)])
+def test_lora_add_matches_reference(dtype, subs, in_features):
+    """Groups of different ranks, rows out of order and split across the batch (decode rows), rows of
+    no group (the base model), fused outputs whose sizes are no multiple of 16, an input size that is
+    none either; and a group of a partly filled slot (zero past its rank)."""
+    g = torch.Generator().manual_seed(len(subs) * 100 + in_features)
+    slots, max_rank, rows_n = 5, 16, 23
+    out_total = sum(subs)
+    a = (torch.randn(slots, max_rank, len(subs), in_features, generator=g) * 0.3).to(dtype)
+    bt = (torch.randn(slots, max_rank, out_total, generator=g) * 0.3).to(dtype)
+    a[2, 8:] = 0
+    bt[2, 8:] = 0
+    x = torch.randn(rows_n, in_features, generator=g).to(dtype)
+    out = torch.randn(rows_n, out_total, generator=g).to(dtype)
+    groups = {4: [3, 17, 9], 2: list(range(10, 16)), 0: [0], 1: [22, 1, 20, 2]}      # rows 4-8 etc.: base
+    ranks = {4: 16, 2: 8, 0: 1, 1: 5}
+    rows = torch.tensor([r for rs in groups.values() for r in rs])
+    starts = torch.tensor([0, *torch.tensor([len(rs) for rs in groups.values()]).cumsum(0).tolist()])
+    args = (a, bt, rows, starts, torch.tensor(list(groups)), torch.tensor([ranks[s] for s in groups]),
+            torch.tensor([0, *torch.tensor(subs).cumsum(0).tolist()]))
+    want = reference.lora_add(x, out.clone(), *args)
+    got = cpu_ops.lora_add(x, out.clone(), *args)
+    base_rows = sorted(set(range(rows_n)) - set(rows.tolist()))
+    assert torch.equal(got[base_rows], out[base_rows]) and torch.equal(want[base_rows], out[base_rows])
+    assert rel_err(got - out.float(), want - out.float()) < {torch.float32: 1e-5}.get(dtype, 2e-2)
+    assert rel_err(got, want) < TOLERANCE[dtype] * 2
+    # In fp32, against a per-row loop of plain matmuls (a reference the kernels do not share).
+    if dtype == torch.float32:
+        offsets = args[-1].tolist()
+        for slot, rs in groups.items():
+            r = ranks[slot]
+            for row in rs:
+                shrunk = a[slot, :r].double() @ x[row].double()               # [r, subs]
+                for i in range(len(subs)):
+                    delta = bt[slot, :r, offsets[i]:offsets[i + 1]].double().t() @ shrunk[:, i]
+                    assert torch.allclose(got[row, offsets[i]:offsets[i + 1]].double(),
+                                          out[row, offsets[i]:offsets[i + 1]].double() + delta, atol=1e-4)
+    with pytest.raises(RuntimeError, match="bad slot"):
+        cpu_ops.lora_add(x, out.clone(), a, bt, rows, starts, torch.tensor([9, 2, 0, 1]), args[5], args[6])
