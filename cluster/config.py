@@ -53,13 +53,14 @@ class RoutingSpec(_Strict):
     name: Literal[POLICIES] = PolicyConfig.name     # type: ignore[valid-type]
     load_weight: float = PolicyConfig.load_weight
     imbalance_threshold: int = PolicyConfig.imbalance_threshold
+    adapter_weight: float = PolicyConfig.adapter_weight     # a LoRA request's pull to replicas that ran its adapter
     stats_interval_s: float = Field(0.5, gt=0)  # replica stats (KV usage) refresh period
 
     def model_post_init(self, _: Any) -> None:
         self.policy()
 
     def policy(self) -> PolicyConfig:
-        return PolicyConfig(self.name, self.load_weight, self.imbalance_threshold)
+        return PolicyConfig(self.name, self.load_weight, self.imbalance_threshold, self.adapter_weight)
 
 
 class DisaggregationSpec(_Strict):

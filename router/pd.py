@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -43,6 +44,10 @@ from router.channel import ReplicaChannel
 from router.metrics import ServingMetrics
 from router.policy import Decision, ReplicaLoad, RoutingPolicy
 from router.prefix_index import PrefixIndex
+
+# LoRA adapters the router remembers per replica (the most recently routed there): the engine's
+# default max_loras, so that a replica "holds" what would fit its slots.
+ADAPTERS_REMEMBERED = 8
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +70,9 @@ class RequestRouter:
         self.on_replica_failure = on_replica_failure
         self.index = PrefixIndex()
         self.loads: dict[str, ReplicaLoad] = {}
+        # LoRA adapters routed to each replica lately, least recent first (their cache keys; the
+        # replicas keep more than this in host memory, so this errs on the side of "not held").
+        self.adapters: dict[str, OrderedDict[tuple, None]] = {}
         self.down: set[str] = set()          # failed a call; not routed to until membership drops it
         self._cursors: dict[str, int] = {}
         self._followers: dict[str, asyncio.Task] = {}
@@ -78,7 +86,7 @@ class RequestRouter:
         """Follow the pool's membership: forget replicas that left (their index, load and event
         follower) and start following new ones."""
         for r in [r for r in self.replicas if r not in replicas]:
-            del self.replicas[r], self.loads[r], self._cursors[r]
+            del self.replicas[r], self.loads[r], self._cursors[r], self.adapters[r]
             self.index.remove_replica(r)
             self.down.discard(r)
             self.metrics.drop_replica(self.pool, r)
@@ -93,6 +101,7 @@ class RequestRouter:
                 continue
             self.replicas[r] = handle
             self.loads[r] = ReplicaLoad()
+            self.adapters[r] = OrderedDict()
             self._cursors[r] = 0
             self.index.add_replica(r)
             if self._stats_task is not None:
@@ -183,8 +192,16 @@ class RequestRouter:
         hashes = hash_block_tokens(prompt_token_ids, self.block_size, params.cache_keys)
         cached = {r: self.index.num_blocks(r) for r in candidates}
         matched = self.index.match(hashes)
+        lora = params.lora_request
+        held = None if lora is None else {r for r in candidates if lora.cache_key in self.adapters[r]}
         decision = self.policy.choose({r: matched.get(r, 0) for r in candidates}, len(hashes), self.loads,
-                                      cached)
+                                      cached, held)
+        if lora is not None:
+            recent = self.adapters[decision.replica_id]
+            recent[lora.cache_key] = None
+            recent.move_to_end(lora.cache_key)
+            while len(recent) > ADAPTERS_REMEMBERED:
+                recent.popitem(last=False)
         self.metrics.decisions.inc(reason=decision.reason, pool=self.pool)
         return decision
 

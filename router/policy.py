@@ -10,7 +10,9 @@ them: fresher than polled stats) plus `kv_usage` scaled to requests. When the mo
 replicas differ by more than `imbalance_threshold` requests, the least loaded wins regardless of
 prefix (a hot prefix must not pile every request onto one replica). Ties go to the replica caching
 the fewest blocks (a new prefix lands where it evicts least, as SGLang's cache-aware router balances
-by tree size), then at random.
+by tree size), then at random. A request under a LoRA adapter scores `adapter_weight` more on the
+replicas that ran that adapter lately (they hold it in a slot or in host memory: no load from disk,
+and its prefixes, whose block hashes are keyed by the adapter, are matched above anyway).
 `round_robin` and `least_load` are the baselines to compare against.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 POLICIES = ("prefix_aware", "round_robin", "least_load")
-REASONS = ("prefix_hit", "no_hit_least_cost", "imbalance", "round_robin", "least_load")
+REASONS = ("prefix_hit", "adapter_hit", "no_hit_least_cost", "imbalance", "round_robin", "least_load")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class PolicyConfig:
     name: str = "prefix_aware"
     load_weight: float = 0.5
     imbalance_threshold: int = 8
+    adapter_weight: float = 0.25
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -36,6 +39,8 @@ class PolicyConfig:
             raise ValueError(f"routing policy must be one of {POLICIES}; got {self.name!r}")
         if self.load_weight < 0:
             raise ValueError(f"load_weight must be >= 0; got {self.load_weight}")
+        if self.adapter_weight < 0:
+            raise ValueError(f"adapter_weight must be >= 0; got {self.adapter_weight}")
         if self.imbalance_threshold < 1:
             raise ValueError(f"imbalance_threshold must be >= 1; got {self.imbalance_threshold}")
 
@@ -64,9 +69,10 @@ class RoutingPolicy:
         self._rr = itertools.count()
 
     def choose(self, matched: dict[str, int], num_prompt_blocks: int, loads: dict[str, ReplicaLoad],
-               cached_blocks: dict[str, int] | None = None) -> Decision:
+               cached_blocks: dict[str, int] | None = None, holds_adapter: set[str] | None = None) -> Decision:
         """matched: replica id -> leading prompt blocks it holds (every candidate replica is a key);
-        cached_blocks: replica id -> blocks in its prefix cache (tie-breaker)."""
+        cached_blocks: replica id -> blocks in its prefix cache (tie-breaker); holds_adapter: the
+        replicas that ran the request's LoRA adapter lately (None: a request of the base model)."""
         candidates = sorted(matched)
         if not candidates:
             raise RuntimeError("no replica to route to")
@@ -81,14 +87,17 @@ class RoutingPolicy:
             return Decision(r, "imbalance", matched[r])
         max_load = max(max(load.values()), 1.0)
         blocks = max(num_prompt_blocks, 1)
-        score = {r: matched[r] / blocks - self.config.load_weight * load[r] / max_load for r in candidates}
+        held = holds_adapter or set()
+        score = {r: matched[r] / blocks - self.config.load_weight * load[r] / max_load
+                 + self.config.adapter_weight * (r in held) for r in candidates}
         best = max(score.values())
         tied = [c for c in candidates if score[c] == best]
         if cached_blocks and len(tied) > 1:
             fewest = min(cached_blocks.get(c, 0) for c in tied)
             tied = [c for c in tied if cached_blocks.get(c, 0) == fewest]
         r = self._rng.choice(tied)
-        return Decision(r, "prefix_hit" if matched[r] else "no_hit_least_cost", matched[r])
+        reason = "prefix_hit" if matched[r] else "adapter_hit" if r in held else "no_hit_least_cost"
+        return Decision(r, reason, matched[r])
 
     def _pick_min(self, candidates: Sequence[str], load: dict[str, float]) -> str:
         low = min(load[c] for c in candidates)

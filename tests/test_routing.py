@@ -43,6 +43,42 @@ def test_policy_prefers_prefix_until_load_is_imbalanced():
         PolicyConfig("random")
 
 
+def test_policy_prefers_replicas_holding_the_adapter():
+    policy = RoutingPolicy(PolicyConfig(seed=0), max_num_seqs=8)
+    idle = {"a": ReplicaLoad(), "b": ReplicaLoad()}
+    d = policy.choose({"a": 0, "b": 0}, 4, idle, holds_adapter={"b"})
+    assert (d.replica_id, d.reason) == ("b", "adapter_hit")
+    # A real prefix hit elsewhere outweighs it (half the prompt against the adapter's 0.25) ...
+    assert policy.choose({"a": 2, "b": 0}, 4, idle, holds_adapter={"b"}).replica_id == "a"
+    # ... and so does load: b busy with half of max_num_seqs more than a.
+    busy = {"a": ReplicaLoad(), "b": ReplicaLoad(in_flight=4)}
+    assert policy.choose({"a": 0, "b": 0}, 4, busy, holds_adapter={"b"}).replica_id == "a"
+    with pytest.raises(ValueError, match="adapter_weight"):
+        PolicyConfig(adapter_weight=-1)
+
+
+@pytest.mark.ray
+def test_router_keeps_an_adapter_on_its_replica_and_keys_prefixes_by_it(tiny_llama, tmp_path):
+    """Requests under one adapter follow the replica that ran it (while loads allow); the same
+    prompt under the base model or another adapter hashes to other blocks, so a replica's cached
+    blocks for one adapter never count as a prefix hit for another."""
+    from cluster.config import ClusterConfig
+    from engine.lora import LoRARequest
+    from router.frontend import Frontend
+
+    config = ClusterConfig(model=tiny_llama, pools={"decode": {"replicas": 2}})
+    router = Frontend(config, {"decode-0": None, "decode-1": None}).router
+    a, b = LoRARequest("a", 1, str(tmp_path / "a")), LoRARequest("b", 2, str(tmp_path / "b"))
+    prompt = list(range(3, 67))
+    first = router.route(prompt[:5], SamplingParams(max_tokens=1, lora_request=a)).replica_id
+    for i in range(6):
+        d = router.route([i + 7] * 5, SamplingParams(max_tokens=1, lora_request=a))
+        assert (d.replica_id, d.reason) == (first, "adapter_hit")
+    keys = {name: SamplingParams(lora_request=lora).cache_keys for name, lora in (("base", None), ("a", a), ("b", b))}
+    hashes = {name: hash_block_tokens(prompt, 16, k) for name, k in keys.items()}
+    assert len({h[0] for h in hashes.values()}) == 3
+
+
 @pytest.mark.ray
 def test_round_robin_alternates_within_each_pool(tiny_llama):
     """With 1 decode and 2 prefill replicas, every request routes in both pools: round-robin must
