@@ -2,14 +2,16 @@
 kernels.dispatch returns on CUDA). Block gathers and CPU <-> GPU swaps are plain copies and stay
 with the reference's torch implementation, as do silu-and-mul (one elementwise op after the GEMM),
 the row argmax (torch's reduction) and fp8 linears (torch._scaled_mm: cuBLASLt's fp8 GEMM). Q8_0
-linears (GGUF files, int8 checkpoints) have a Triton kernel for decode-sized batches."""
+linears (GGUF files, int8 checkpoints) have a Triton kernel for decode-sized batches, and batched LoRA
+(`lora_add`) one of its own."""
 from __future__ import annotations
 
-from kernels.reference import argmax_rows, gather_blocks, gather_kv, lora_add, silu_and_mul, swap_blocks
+from kernels.reference import argmax_rows, gather_blocks, gather_kv, silu_and_mul, swap_blocks
 from kernels.reference import fp8_linear_scaled_mm as fp8_linear
 from kernels.triton_attention import decode_attention, pack_prefill, prefill_attention
 from kernels.triton_cache import copy_blocks, write_kv
 from kernels.triton_layers import apply_rotary, rms_norm
+from kernels.triton_lora import lora_add
 from kernels.triton_quant import gguf_linear
 
 # Decode steps of this set can be captured in CUDA graphs: its K/V write skips slot -1, which the

@@ -153,6 +153,29 @@ def test_rms_norm_matches_reference(with_residual):
     assert rel_err(out, ref_out) < 1e-6
 
 
+@pytest.mark.parametrize("subs", [[40], [32, 8, 8], [100, 100]])
+def test_lora_add_matches_reference(subs):
+    """The Triton LoRA kernels against the reference: groups of different ranks, rows out of order,
+    rows of no group untouched, fused outputs and an input size that are no power of two."""
+    g = torch.Generator().manual_seed(len(subs))
+    slots, max_rank, rows_n, in_features = 4, 16, 13, 72
+    out_total = sum(subs)
+    a = (torch.randn(slots, max_rank, len(subs), in_features, generator=g) * 0.3).to(DEVICE)
+    bt = (torch.randn(slots, max_rank, out_total, generator=g) * 0.3).to(DEVICE)
+    x = torch.randn(rows_n, in_features, generator=g).to(DEVICE)
+    out = torch.randn(rows_n, out_total, generator=g).to(DEVICE)
+    groups = {3: [4, 11, 0], 1: [6, 7, 8], 0: [12]}
+    ranks = [16, 5, 1]
+    args = (a, bt, torch.tensor([r for rs in groups.values() for r in rs], device=DEVICE),
+            torch.tensor([0, 3, 6, 7]), torch.tensor(list(groups)), torch.tensor(ranks),
+            torch.tensor([0, *torch.tensor(subs).cumsum(0).tolist()]))
+    want = reference.lora_add(x, out.clone(), *args)
+    got = tri.lora_add(x, out.clone(), *args)
+    untouched = [1, 2, 3, 5, 9, 10]
+    assert torch.equal(got[untouched], out[untouched])
+    assert rel_err(got - out, want - out) < 1e-5
+
+
 def test_q8_0_linear_matches_reference():
     """The W8A16 kernel on Q8_0 blocks (GGUF files, int8 checkpoints) against dequantize-then-matmul
     in fp32: batch 1 and a ragged batch over a ragged number of weight rows."""
