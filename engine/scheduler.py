@@ -170,14 +170,21 @@ class Scheduler:
         static = self.config.batching == "static"
         if static:
             self._form_static_batch()
+        # LoRA: the adapters of the running requests; a waiting request whose adapter would be one
+        # more than max_loras stays in the queue, and the ones behind it may still run (as vLLM's).
+        adapters = self._running_adapters() if self.config.max_loras is not None else None
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
             if static and request.request_id not in self.batch_ids:
                 break                       # the barrier: not before this batch has drained
             if len(self.running) + len(request.fork_children) >= self.config.max_num_seqs and self.running:
                 break
-            if self.config.max_loras is not None and not self._adapter_fits(request):
-                break                       # its adapter would be one too many in a batch
+            lora = request.sampling_params.lora_request
+            if adapters is not None and lora is not None and lora.cache_key not in adapters:
+                if len(adapters) >= self.config.max_loras:     # type: ignore[operator]
+                    skipped.append(self.waiting.popleft())
+                    continue
             if request.status == RequestStatus.SWAPPED:
                 mapping = self.kv.swap_in(request)
                 if mapping is None:
@@ -208,8 +215,11 @@ class Scheduler:
                     request.num_cached_tokens = num_hit
             request.num_computed_tokens += num_hit
             self._admit(request)
+            if adapters is not None and lora is not None:
+                adapters.add(lora.cache_key)
             num_new[request.request_id] = n
             budget -= n
+        self.waiting.extendleft(reversed(skipped))        # back at the front, in their order
 
         assert not (swap_in and swap_out), "swap-in and swap-out never share a step"
         self.in_flight.update(num_new)
@@ -254,15 +264,11 @@ class Scheduler:
     def take_new_leased(self) -> list[Request]:
         return self.loads.take_new_leased() if self.loads is not None else []
 
-    def _adapter_fits(self, request: Request) -> bool:
-        """Whether `request` may run beside the running ones: at most max_loras distinct adapters
-        run at once, so that every step's adapters have a slot on the model (engine/lora_slots.py)."""
-        lora = request.sampling_params.lora_request
-        if lora is None:
-            return True
-        running = {r.sampling_params.lora_request.cache_key for r in self.running
-                   if r.sampling_params.lora_request is not None}
-        return lora.cache_key in running or len(running) < self.config.max_loras   # type: ignore[operator]
+    def _running_adapters(self) -> set[tuple]:
+        """The adapters of the running requests: at most max_loras run at once, so that every
+        step's adapters have a slot on the model (engine/lora_slots.py)."""
+        return {r.sampling_params.lora_request.cache_key for r in self.running
+                if r.sampling_params.lora_request is not None}
 
     def _admit(self, request: Request) -> None:
         self.waiting.popleft()

@@ -90,6 +90,8 @@ class Frontend:
         self.adapters: dict[str, LoRARequest] = {}
         self._lora_ids = itertools.count(1)
         for name, path in (config.lora.modules if config.lora is not None else {}).items():
+            if name == self.model_name:
+                raise ValueError(f"lora.modules.{name}: the base model is served under that name")
             self.adapters[name] = LoRARequest(name, next(self._lora_ids), path)
         self.tokenizer = load_tokenizer(info.model, info.gguf_file)
         # How the model writes tool calls (None: no chat template, so no chat and no tools).

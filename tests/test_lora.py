@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -113,6 +114,34 @@ def test_preemption_keeps_adapters(tiny_llama, adapters, oracle, mode):
     for (i, name), out in zip(cases, outs):
         assert out.outputs[0].token_ids == oracle[name][i], (name, i)
     assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_a_request_of_one_adapter_too_many_waits_while_others_run(tiny_llama, adapters):
+    """max_loras=1: with "attn8" running, a request under "all16" waits in the queue, and the
+    requests behind it under "attn8" (and of the base model) still start; it runs once "attn8" has
+    no request left, and every output still matches a run with room for all."""
+    from engine.llm_engine import LLMEngine
+
+    loras = _requests(adapters)
+    llm = LLM(tiny_llama, dtype="float32", enable_lora=True, max_lora_rank=16, max_loras=1)
+    engine: LLMEngine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompt = mixed_prompts(512)[2]
+    order = [("a1", "attn8"), ("b1", "all16"), ("a2", "attn8"), ("base", None)]
+    for rid, name in order:
+        engine.add_request(rid, None, prompt, replace(params, lora_request=loras.get(name)))
+    engine.step()
+    assert {r.request_id for r in engine.scheduler.running} == {"a1", "a2", "base"}
+    assert [r.request_id for r in engine.scheduler.waiting] == ["b1"]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    roomy = LLM(tiny_llama, dtype="float32", enable_lora=True, max_lora_rank=16, max_loras=4)
+    want = roomy.generate([{"prompt_token_ids": prompt}] * 4, params, use_tqdm=False,
+                          lora_request=[loras.get(name) for _, name in order])
+    assert [done[rid] for rid, _ in order] == [w.outputs[0].token_ids for w in want]
 
 
 def _edit_config(path: str, **changes) -> None:
