@@ -109,9 +109,8 @@ class LLMEngine:
         params = request.sampling_params
         if params.n != 1:
             raise ValueError(f"kv_transfer_params need n == 1; got n={params.n}")
-        lora = params.lora_request
         remote = self.kv_connector.parse(kv_transfer_params, request.block_hashes, request.num_prompt_tokens,
-                                         "" if lora is None else lora.lora_name)
+                                         params.adapter_name)
         if remote is None:
             request.remote_decode = True
             request.max_tokens = 1

@@ -17,7 +17,7 @@ import json
 import math
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -79,10 +79,9 @@ class LoRAConfig:
 class AdapterInfo:
     """What `read_adapter` found: the scaling of B A, the rank, and each tensor's name -> (layer,
     module, "A" | "B")."""
-    path: str
     rank: int
     scaling: float
-    tensors: dict[str, tuple[int, str, str]] = field(default_factory=dict)
+    tensors: dict[str, tuple[int, str, str]]
 
 
 def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
@@ -149,7 +148,7 @@ def read_adapter(path: str, hf_config: Any, max_rank: int) -> AdapterInfo:
         raise ValueError(f"lora_path: each target needs lora_A and lora_B; only one of them for {half[:3]}")
     if not tensors:
         raise ValueError(f"lora_path: {ADAPTER_WEIGHTS} holds no LoRA tensors")
-    return AdapterInfo(path=path, rank=rank, scaling=float(scaling), tensors=tensors)
+    return AdapterInfo(rank=rank, scaling=float(scaling), tensors=tensors)
 
 
 def _parse_name(name: str, num_layers: int) -> tuple[int, str, str]:

@@ -184,6 +184,11 @@ class SamplingParams:
         return self.extra_keys if self.lora_request is None else (*self.extra_keys, self.lora_request.cache_key)
 
     @property
+    def adapter_name(self) -> str:
+        """The name of the LoRA adapter this request runs under ("" for the base model)."""
+        return "" if self.lora_request is None else self.lora_request.lora_name
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
 

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import reference
+
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, rows_ptr, row_slot_ptr, row_rank_ptr, shrunk_ptr, stride_x, in_features,
@@ -62,9 +64,7 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tens
     """kernels.reference.lora_add's contract (at most three fused outputs, contiguous rows)."""
     subs = a.shape[2]
     if subs > 3 or x.stride(1) != 1 or out.stride(1) != 1 or not a.is_contiguous() or not bt.is_contiguous():
-        from kernels.reference import lora_add as reference_lora_add  # noqa: PLC0415 - only off the fast path
-
-        return reference_lora_add(x, out, a, bt, rows, starts, slots, ranks, sub_offsets)
+        return reference.lora_add(x, out, a, bt, rows, starts, slots, ranks, sub_offsets)
     num_rows = rows.shape[0]
     if num_rows == 0:
         return out

@@ -308,7 +308,7 @@ class KVConnectorScheduler:
             block_hashes=list(request.block_hashes[:request.num_prompt_tokens // self.layout.block_size]),
             num_tokens=request.num_prompt_tokens, lease_slot=slot, lease_token=token,
             lease_expires_at=expires, layout=self.layout, addresses=addresses, connector=self.config.kv_connector,
-            adapter=_adapter_name(request))
+            adapter=request.sampling_params.adapter_name)
         return remote.to_dict()
 
     def renew_lease(self, request_id: str, seconds: float) -> bool:
@@ -333,9 +333,3 @@ class KVConnectorScheduler:
         for lease in taken:
             self.lease_slots.free(lease.slot)
         return taken
-
-
-def _adapter_name(request: Request) -> str:
-    """The name of the LoRA adapter `request` runs under ("" for the base model)."""
-    lora = request.sampling_params.lora_request
-    return "" if lora is None else lora.lora_name

@@ -163,7 +163,7 @@ class Frontend:
 
     def response_model(self, params: SamplingParams) -> str:
         """The `model` a response names: the adapter's name, or the base model's."""
-        return self.model_name if params.lora_request is None else params.lora_request.lora_name
+        return params.adapter_name or self.model_name
 
     def parse(self, cls: type, data: dict[str, Any]) -> Any:
         try:
