@@ -49,28 +49,30 @@ def text_ids(model: str | None, num_tokens: int) -> list[int]:
 
 
 @torch.inference_mode()
-def teacher_forced_logprobs(ids: list[int], chunk: int, model: str | None = None, **engine_args) -> torch.Tensor:
-    """Log-probabilities [len(ids), vocab] (fp32) of each next token, from one engine's model runner
-    and KV cache built by `EngineConfig.create(model, **engine_args)`, the text in chunks."""
+def teacher_forced_logprobs(ids: list[int], chunk: int, model: str | None = None, device: str = "cpu",
+                            **engine_args) -> torch.Tensor:
+    """Log-probabilities [len(ids), vocab] (fp32, on the CPU) of each next token, from one engine's
+    model runner and KV cache on `device` built by `EngineConfig.create(model, **engine_args)`, the
+    text in chunks."""
     from engine.config import EngineConfig
     from engine.worker import Worker
 
     config = EngineConfig.create(model, max_model_len=max(len(ids), 16), **engine_args)
-    worker = Worker(config)
+    worker = Worker(config, device)
     worker.load_model()
     block_size = config.cache_config.block_size
     num_blocks = -(-len(ids) // block_size)
     worker.init_cache(num_blocks, 0)
     runner = worker.runner
-    table = torch.arange(num_blocks)
+    table = torch.arange(num_blocks, device=worker.device)
     out = []
     for start in range(0, len(ids), chunk):
         end = min(len(ids), start + chunk)
-        positions = torch.arange(start, end)
+        positions = torch.arange(start, end, device=worker.device)
         meta = runner.attention.metadata(slot_mapping=positions, prefill_block_tables=[table],
                                          prefill_query_lens=[end - start], prefill_seq_lens=[end])
-        hidden = runner.model(torch.tensor(ids[start:end]), positions, runner.kv_caches, meta)
-        out.append(torch.log_softmax(runner.model.compute_logits(hidden).float(), dim=-1))
+        hidden = runner.model(torch.tensor(ids[start:end], device=worker.device), positions, runner.kv_caches, meta)
+        out.append(torch.log_softmax(runner.model.compute_logits(hidden).float(), dim=-1).cpu())
     return torch.cat(out)
 
 

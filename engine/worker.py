@@ -29,6 +29,7 @@ from engine.parallel_state import get_parallel_state, init_parallel_state, pp_la
 from engine.quant_checkpoint import model_weights
 from engine.step_delta import StepDecoder
 from engine.structured_output import Constraints
+from kernels.dispatch import FP8_MIN_CAPABILITY, cuda_capability, has_fp8
 from kv_transfer.base import KVConnectorWorker
 from kv_transfer.factory import create_connector_worker
 from kv_transfer.layout import KVLayout
@@ -50,6 +51,11 @@ class Worker:
         self.num_threads = num_threads
         self.device = torch.device(device)
         self.rank = rank
+        if config.cache_config.is_fp8 and not has_fp8(self.device):
+            raise ValueError(f"kv_cache_dtype='fp8' needs a GPU of compute capability "
+                             f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or more (Ada, Hopper) for its e4m3 "
+                             f"kernels; {self.device} has {'.'.join(map(str, cuda_capability(self.device)))} "
+                             f"(use kv_cache_dtype='auto')")
         self.runner: ModelRunner | None = None
         self.kv_connector: KVConnectorWorker | None = None
         self.decoder = StepDecoder()          # the requests' state the Ray executor sent (step deltas)

@@ -71,3 +71,20 @@ def kernels_for(x: torch.Tensor) -> ModuleType:
 @lru_cache(maxsize=None)
 def _cached(device_type: str, choice: str) -> ModuleType:
     return get_kernels(device_type)
+
+
+# fp8 (e4m3) arithmetic on CUDA: cuBLASLt's fp8 GEMM (torch._scaled_mm) and Triton's e4m3
+# conversions need compute capability 8.9 (Ada, Hopper) or more.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def cuda_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """The CUDA device's compute capability, None for any other device."""
+    device = torch.device(device)
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def has_fp8(device: torch.device | str) -> bool:
+    """Whether fp8 GEMMs and e4m3 conversions run on `device` (CPUs: through oneDNN and torch)."""
+    capability = cuda_capability(device)
+    return capability is None or capability >= FP8_MIN_CAPABILITY

@@ -117,7 +117,7 @@ def test_fp8_cache_beside_gguf_blocks():
     assert len(run(llm, [[1, 504, 3458, 282, 4055]])[0]) == GREEDY.max_tokens
 
 
-def test_bad_fp8_arguments_name_the_field(tiny_llama, tmp_path):
+def test_bad_fp8_arguments_name_the_field(tiny_llama, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3'\)"):
         LLM(tiny_llama, kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="calculate_kv_scales calibrates on one pipeline stage"):
@@ -126,6 +126,16 @@ def test_bad_fp8_arguments_name_the_field(tiny_llama, tmp_path):
     bad = with_tensors(tiny_llama, str(tmp_path / "bad"), {"model.layers.0.self_attn.k_scale": torch.tensor(-1.0)})
     with pytest.raises(ValueError, match="self_attn.k_scale .* must be a positive finite scale"):
         EngineConfig.create(bad, kv_cache_dtype="fp8")
+    # A GPU without e4m3 kernels (compute capability below 8.9, simulated): refused by name, not
+    # left to fail in a Triton compile.
+    import engine.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "has_fp8", lambda device: False)
+    monkeypatch.setattr(worker_module, "cuda_capability", lambda device: (8, 0))
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' needs a GPU of compute capability 8\.9 or more .* "
+                                         r"has 8\.0 \(use kv_cache_dtype='auto'\)"):
+        Worker(EngineConfig.create(tiny_llama, kv_cache_dtype="fp8", calculate_kv_scales=False))
+    Worker(EngineConfig.create(tiny_llama, calculate_kv_scales=False))
 
 
 def test_calibration_keeps_keys_beyond_e4m3s_range(tiny_llama, tmp_path):

@@ -20,7 +20,7 @@ if not CUDA:
 from conftest import hf_greedy, save_random_model
 
 from engine import LLM, SamplingParams
-from kernels import cpu_ops, reference
+from kernels import cpu_ops, reference, triton_quant
 from kernels import triton_ops as tri
 from kernels.dispatch import get_kernels
 from kernels.triton_attention import decode_partitions
@@ -186,12 +186,18 @@ def test_q8_0_linear_matches_reference():
     blocks = torch.cat([scales.view(torch.uint8).reshape(n, -1, 2), q.view(torch.uint8).reshape(n, -1, 32)], dim=2)
     blocks = blocks.reshape(n, -1).to(DEVICE)
     dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if CUDA else [])
-    for rows in (1, 19):
+    for rows in (1, 19, 70):                     # 70 rows: dequantize + one GEMM (DEQUANT_MIN_ROWS)
         for dtype in dtypes:
             x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
             out = tri.gguf_linear(x, blocks, "Q8_0")
             assert out.dtype == dtype and out.shape == (rows, n)
             assert rel_err(out, reference.gguf_linear(x, blocks, "Q8_0")) < TOLERANCE[dtype]
+    # Other tiles: a partial last step of NB blocks (96 features = 3 blocks), row tiles of one block.
+    x = torch.randn(19, k, generator=g).to(DEVICE)
+    for block_n, nb in ((16, 1), (16, 2), (64, 4)):
+        out = triton_quant.q8_0_linear(x, blocks, {"BLOCK_M": 16, "BLOCK_N": block_n, "NB": nb, "num_warps": 4,
+                                                   "num_stages": 2})
+        assert rel_err(out, reference.gguf_linear(x, blocks, "Q8_0")) < TOLERANCE[torch.float32]
 
 
 def test_rotary_matches_reference_bitwise():
@@ -317,3 +323,105 @@ def test_cuda_graph_sizes_config(untokenized_model):
         EngineConfig.create(untokenized_model, cuda_graph_sizes=[0, 4])
     llm = LLM(untokenized_model, dtype="float32", max_model_len=64, cuda_graph_sizes=[1, 2])
     assert llm.llm_engine.executor.worker.runner.graph_runner is None
+
+
+# --- CUDA: quantized weights, the fp8 KV cache and LoRA in the engine (issues 26, 28) -------------
+
+def cuda_llm(path: str, **kwargs) -> LLM:
+    return LLM(path, dtype="float32", max_model_len=512, worker_num_gpus=1, cuda_graph_sizes=[1, 2, 4, 8], **kwargs)
+
+
+def cuda_prompts() -> list[list[int]]:
+    """Decode batches of 7 rows (a graph bucket of 8) and prefills of 1-200 tokens (the 130- and
+    200-token prompts take the large-batch paths)."""
+    g = torch.Generator().manual_seed(6)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in (1, 15, 17, 33, 130, 200, 64)]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["ct-pack", "gptq"])
+def test_int8_checkpoint_on_cuda_matches_transformers(untokenized_model, tmp_path, layout):
+    """W8A16 on CUDA, fp32: greedy tokens from the Triton Q8_0 kernel (decode rows, eager and replayed
+    from CUDA graphs) and dequantize + cuBLAS (prefill rows) equal transformers' on the checkpoint's
+    dequantized weights; with no quantization argument a GPU keeps the int8 blocks."""
+    from test_quant_checkpoint import write_checkpoint
+
+    path = write_checkpoint(untokenized_model, str(tmp_path / layout), layout)
+    prompts = cuda_prompts()
+    want = hf_greedy(path + "-dense", prompts, 16)
+    for eager in (True, False):
+        llm = cuda_llm(path, enforce_eager=eager)
+        qkv = llm.llm_engine.executor.worker.runner.model.layers[0].self_attn.qkv_proj
+        assert qkv.qtype == "Q8_0" and qkv.weight.is_cuda
+        assert greedy_ids(llm, prompts, 16) == want
+
+
+@gpu
+@pytest.mark.gpu
+def test_fp8_checkpoint_on_cuda(untokenized_model, tmp_path, monkeypatch):
+    """fp8 weights on CUDA: through cuBLASLt's fp8 GEMM (torch._scaled_mm) where the GPU has one
+    (compute capability 8.9+), equal to the reference product to bf16 rounding; on older GPUs
+    dequantized at load. Teacher-forced over 200 random tokens, within the CPU test's bound of the
+    exact weights (mean KL <= 0.03) and close to the CPU's fp8 path; CUDA graphs replay it."""
+    import quality
+    from test_quant_checkpoint import write_checkpoint
+
+    path = write_checkpoint(untokenized_model, str(tmp_path / "fp8"), "ct-fp8")
+    fp8_gemm = torch.cuda.get_device_capability() >= (8, 9)
+    llm = cuda_llm(path)
+    qkv = llm.llm_engine.executor.worker.runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.qtype == ("fp8" if fp8_gemm else None)
+    if fp8_gemm:
+        x = torch.randn(37, qkv.input_size, device="cuda")
+        got = reference.fp8_linear_scaled_mm(x, qkv.weight, qkv.weight_scale)
+        assert rel_err(got, reference.fp8_linear(x, qkv.weight, qkv.weight_scale)) < TOLERANCE[torch.bfloat16]
+    assert [len(t) for t in greedy_ids(llm, cuda_prompts(), 16)] == [16] * 7
+    ids = torch.randint(3, 512, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    exact = quality.teacher_forced_logprobs(ids, 64, path, device="cuda", dtype="float32", quantization="none")
+    fp8 = quality.teacher_forced_logprobs(ids, 64, path, device="cuda", dtype="float32", quantization="fp8")
+    monkeypatch.setenv("PDSERVE_KERNELS", "reference")         # (no C++ build on the GPU machine)
+    on_cpu = quality.teacher_forced_logprobs(ids, 64, path, dtype="float32", quantization="fp8")
+    against_exact, against_cpu = quality.agreement(exact, fp8), quality.agreement(on_cpu, fp8)
+    print(f"fp8 weights on CUDA: mean KL {against_exact.mean_kl:.4f} against exact, {against_cpu.mean_kl:.5f} "
+          f"against the CPU's fp8 path")
+    assert against_exact.mean_kl <= 0.03
+    assert against_cpu.mean_kl <= 0.005
+
+
+@gpu
+@pytest.mark.gpu
+def test_fp8_kv_cache_on_cuda_matches_the_reference_kernels(untokenized_model, monkeypatch):
+    """kv_cache_dtype="fp8" on CUDA: the Triton kernels (eager and in CUDA graphs) give the torch
+    reference kernels' greedy tokens on the same GPU (same matmuls, same quantized slots)."""
+    runs = {}
+    for kernels, eager in (("reference", True), ("triton", True), ("triton", False)):
+        monkeypatch.setenv("PDSERVE_KERNELS", kernels)
+        llm = cuda_llm(untokenized_model, kv_cache_dtype="fp8", calculate_kv_scales=False, enforce_eager=eager)
+        assert llm.llm_engine.executor.worker.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+        runs[kernels, eager] = greedy_ids(llm, cuda_prompts(), 16)
+    assert runs["triton", True] == runs["reference", True]
+    assert runs["triton", False] == runs["reference", True]
+
+
+@gpu
+@pytest.mark.gpu
+def test_lora_on_cuda_matches_peft(untokenized_model, tmp_path):
+    """Two adapters (ranks 8 and 16, different projections) and the base model in one batch on
+    CUDA through the Triton LoRA kernels: greedy tokens equal transformers + PEFT's."""
+    from conftest import make_adapter, peft_greedy
+
+    from engine import LoRARequest
+
+    a1 = make_adapter(untokenized_model, str(tmp_path / "a1"), 8, ["q_proj", "v_proj", "down_proj"], seed=1)
+    a2 = make_adapter(untokenized_model, str(tmp_path / "a2"), 16, ["k_proj", "o_proj", "gate_proj", "up_proj"],
+                      seed=2)
+    prompts = cuda_prompts()[:6]
+    adapters = [None, a1, a2, a1, None, a2]
+    want = [peft_greedy(untokenized_model, a, [p], 16)[0] for p, a in zip(prompts, adapters)]
+    llm = cuda_llm(untokenized_model, enable_lora=True, max_loras=2, max_lora_rank=16)
+    loras = {a1: LoRARequest("a1", 1, a1), a2: LoRARequest("a2", 2, a2)}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                        lora_request=[loras.get(a) for a in adapters])
+    assert [o.outputs[0].token_ids for o in outs] == want

@@ -262,6 +262,29 @@ def test_fp8_scaled_mm_matches_its_reference():
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
 
 
+def test_fp8_weights_dequantize_where_the_gpu_has_no_fp8_gemm(monkeypatch):
+    """On a GPU below compute capability 8.9 (simulated: the layer is told its device has no fp8
+    GEMM) an fp8 layer keeps its checkpoint's weights dequantized to the model's dtype instead of
+    failing in torch._scaled_mm at the first step; with fp8 GEMMs it keeps the e4m3 bytes."""
+    import engine.layers.linear as linear_module
+
+    g = torch.Generator().manual_seed(2)
+    weight = quantize_fp8(torch.randn(48, 64, generator=g))
+    x = torch.randn(3, 64, generator=g)
+    layers = {}
+    for fp8_gemm in (True, False):
+        monkeypatch.setattr(linear_module, "has_fp8", lambda device, ok=fp8_gemm: ok)
+        monkeypatch.setattr(linear_module, "cuda_capability", lambda device: (8, 0))
+        layer = linear_module.Linear(64, 48, dtype=torch.float32)
+        layer.quantize_as("fp8")
+        layer.weight_loader(layer.weight, weight.rows())
+        layer.process_weights_after_loading()
+        layers[fp8_gemm] = layer
+    assert layers[True].qtype == "fp8" and layers[True].weight.dtype == torch.float8_e4m3fn
+    assert layers[False].qtype is None and torch.equal(layers[False].weight, weight.dequantize(torch.float32))
+    torch.testing.assert_close(layers[False](x), x @ weight.dequantize(torch.float32).t())
+
+
 @pytest.fixture(scope="module")
 def embedded_dense(tmp_path_factory) -> str:
     """The embedded model's weights (its Q4_1 values) as a dense fp32 safetensors checkpoint."""

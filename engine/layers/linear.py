@@ -14,6 +14,7 @@ benchmarks/cpu_linear.py).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 
@@ -26,7 +27,7 @@ from engine.parallel_state import get_parallel_state, tp_all_reduce
 from engine.quant_checkpoint import FP8Weight, split_fp8_rows
 from engine.weights import GGUFWeight
 from kernels.cpu_ops import has_amx
-from kernels.dispatch import kernels_for
+from kernels.dispatch import FP8_MIN_CAPABILITY, cuda_capability, has_fp8, kernels_for
 from kernels.reference import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
 
 # quantization="gguf+dense": from this many rows on, a GGUF layer multiplies its dense copy (oneDNN,
@@ -38,6 +39,7 @@ CPU_FP32_MIN_ROWS = 96
 # fp32 GEMM is chosen only where it beats the reduced-precision GEMM by this factor at prefill size,
 # so that timing noise cannot flip the choice between runs on one machine.
 CPU_FP32_MIN_SPEEDUP = 1.25
+logger = logging.getLogger(__name__)
 # fp32 weights: oneDNN's prepacked GEMM is used from this many rows on. Below it (batch-1 decode)
 # MKL's sgemm is faster on the CPUs measured (oneDNN 0.5-0.8x at one row, docs/PERFORMANCE.md §7).
 CPU_FP32_PACKED_MIN_ROWS = 8
@@ -173,6 +175,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_fp8_dequantized(device: torch.device) -> None:
+    logger.warning("fp8 weights on %s (compute capability %s) are dequantized to the model's dtype at load: "
+                   "fp8 GEMMs need compute capability %s or more", device, cuda_capability(device),
+                   FP8_MIN_CAPABILITY)
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b with a weight from `prepack` (oneDNN; bf16/fp16: bit-identical to F.linear)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -225,8 +234,17 @@ class Linear(nn.Module):
         """Prepack the weight for oneDNN; a GGUF weight only with `dense_copy` (then a dense copy
         in the model's dtype serves batches of GGUF_DENSE_MIN_ROWS rows or more)."""
         if self.qtype == "fp8":
-            weight, self.weight_scale = split_fp8_rows(self.weight.data)
+            weight, scale = split_fp8_rows(self.weight.data)
+            if not has_fp8(weight.device):
+                # No fp8 GEMM on this GPU: serve the checkpoint's weights dequantized (weight-only
+                # arithmetic, as vLLM's W8A16 fallback there) rather than fail in the first step.
+                _warn_fp8_dequantized(weight.device)
+                self.qtype = None
+                self.weight = nn.Parameter((weight.float() * scale.reshape(-1, 1)).to(self.dtype),
+                                           requires_grad=False)
+                return
             self.weight = nn.Parameter(weight, requires_grad=False)
+            self.weight_scale = scale
             return
         if self.qtype is not None:
             if dense_copy:
