@@ -64,7 +64,7 @@ def rotating(fn, items):
 
 def weights(n: int, k: int):
     dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
-    blocks = [q8_0_blocks(w) for w in dense]
+    blocks = [triton_quant.pack_gguf(q8_0_blocks(w), "Q8_0") for w in dense]
     fp8 = [quantize_fp8(w) for w in dense]
     return dense, blocks, [(f.weight, f.scale) for f in fp8]
 
@@ -80,20 +80,19 @@ def sweep(rows_list=(1, 16, 64)) -> None:
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             cells = []
-            for block_n, nb, warps, stages in itertools.product((16, 32, 64), (4, 8), (4, 8), (2, 4)):
-                if warps == 8 and block_n < 64:
-                    continue
-                launch = {"BLOCK_M": 16 if rows <= 16 else 64, "BLOCK_N": block_n, "NB": nb,
+            for block_n, nb, split, stages in itertools.product((16, 32, 64), (4, 8), (1, 2, 4), (3,)):
+                warps = 4
+                launch = {"BLOCK_M": 16 if rows <= 16 else 64, "BLOCK_N": block_n, "NB": nb, "SPLIT_K": split,
                           "num_warps": warps, "num_stages": stages}
                 try:
                     ms = bk.bench(rotating(lambda b: triton_quant.q8_0_linear(x, b, launch), [(b,) for b in blocks]),
                                   warmup=5, rep=20)
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory or registers
-                    cells.append(f"{block_n}/{nb}/{warps}/{stages}: {type(e).__name__}")
+                    cells.append(f"{block_n}/{nb}/{split}/{stages}: {type(e).__name__}")
                     continue
-                speeds.setdefault((rows, name), {})[(block_n, nb, warps, stages)] = blocks[0].numel() / ms / 1e6
-                cells.append(f"{block_n}/{nb}/{warps}/{stages}: {blocks[0].numel() / ms / 1e6:.0f}")
-            print(f"sweep q8_0 {name} M={rows} (BLOCK_N/NB/warps/stages: GB/s): " + ", ".join(cells), flush=True)
+                speeds.setdefault((rows, name), {})[(block_n, nb, split, warps, stages)] = blocks[0].numel() / ms / 1e6
+                cells.append(f"{block_n}/{nb}/{split}/{stages}: {blocks[0].numel() / ms / 1e6:.0f}")
+            print(f"sweep q8_0 {name} M={rows} (BLOCK_N/NB/SPLIT_K/stages: GB/s): " + ", ".join(cells), flush=True)
         blocks = None
     for i, (bound, _) in enumerate(triton_quant.LAUNCH):
         low = triton_quant.LAUNCH[i - 1][0] if i else 0
@@ -101,7 +100,7 @@ def sweep(rows_list=(1, 16, 64)) -> None:
         if not cells:
             continue
         best = max(set.intersection(*(set(c) for c in cells)), key=lambda key: sum(c[key] for c in cells))
-        triton_quant.LAUNCH[i] = (bound, dict(zip(("BLOCK_N", "NB", "num_warps", "num_stages"), best)))
+        triton_quant.LAUNCH[i] = (bound, dict(zip(("BLOCK_N", "NB", "SPLIT_K", "num_warps", "num_stages"), best)))
         print(f"sweep: rows {low + 1}..{bound}: best {triton_quant.LAUNCH[i][1]} "
               f"({sum(c[best] for c in cells) / len(cells):.0f} GB/s mean)", flush=True)
 
@@ -214,55 +213,64 @@ def quantize_linears(model, qtype: str) -> None:
 
 
 def end_to_end(copy_tbs: float, quick: bool) -> list[dict]:
+    rows = []
+    for variant in ("bf16", "fp8_kv", "q8_0", "fp8"):
+        try:
+            rows += decode_steps(variant, copy_tbs, quick)
+        except Exception:  # noqa: BLE001 - report it and go on to the next variant
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+    base = {r["batch"]: r["tok_s"] for r in rows if r["variant"] == "bf16"}
+    for r in rows:
+        r["x_bf16"] = r["tok_s"] / base[r["batch"]] if r["batch"] in base else None
+    print("8B decode tok/s against bf16 weights and cache: " + ", ".join(
+        f"{r['variant']} b={r['batch']} {r['x_bf16']:.2f}x" for r in rows if r["variant"] != "bf16" and r["x_bf16"]),
+        flush=True)
+    return rows
+
+
+def decode_steps(variant: str, copy_tbs: float, quick: bool) -> list[dict]:
     from engine.cuda_graph import CudaGraphRunner
     from engine.layers.attention import Attention, AttentionMetadata
 
     context, block = 1024, bk.BLOCK
     max_len = context + block
     rows = []
-    for variant in ("bf16", "fp8_kv", "q8_0", "fp8"):
-        model = bk.llama3_8b_model(max_len)
-        if variant in ("q8_0", "fp8"):
-            quantize_linears(model, "Q8_0" if variant == "q8_0" else "fp8")
-        kv_dtype = reference.FP8_DTYPE if variant == "fp8_kv" else bk.DTYPE
-        if variant == "fp8_kv":
-            for m in model.modules():
-                if isinstance(m, Attention):
-                    m.k_scale = m.v_scale = 0.5
-        weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
-        for batch in ((1, 64) if quick else (1, 16, 64)):
-            blocks_per_seq = -(-max_len // block)
-            num_blocks = batch * blocks_per_seq
-            kv_caches = [torch.empty(2, num_blocks, block, bk.KV_HEADS, bk.HEAD_DIM, dtype=bk.DTYPE, device="cuda")
-                         .normal_().to(kv_dtype) for _ in range(32)]
-            tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq)
-            ids = torch.randint(0, 128256, (batch,), device="cuda")
-            pos = torch.full((batch,), context, device="cuda")
-            slots = tables[:, context // block] * block + context % block
-            meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch, decode_block_tables=tables,
-                                     decode_seq_lens=pos + 1)
-            with torch.inference_mode():
-                graphs = CudaGraphRunner(model, kv_caches, (batch,), blocks_per_seq, torch.device("cuda"))
-                graphs.capture()
-                ms = bk.bench(lambda: model.compute_logits(graphs.run(ids, pos, meta)).argmax(-1), warmup=10, rep=50)
-            kv_bytes = batch * (context + 1) * 32 * 2 * bk.KV_HEADS * bk.HEAD_DIM * kv_caches[0].element_size()
-            roofline_ms = (weight_bytes + kv_bytes) / (copy_tbs * 1e9)
-            row = {"variant": variant, "batch": batch, "context": context, "graph_ms": ms,
-                   "tok_s": batch / ms * 1e3, "weight_gb": weight_bytes / 1e9, "roofline_ms": roofline_ms,
-                   "of_roofline": roofline_ms / ms}
-            rows.append(row)
-            print(f"8B decode {variant:6s} b={batch:3d} ctx={context}: graphs {ms:6.2f} ms ({row['tok_s']:7.0f} tok/s, "
-                  f"{row['of_roofline']:.2f} of its roofline {roofline_ms:.2f} ms; weights {row['weight_gb']:.1f} GB)",
-                  flush=True)
-            kv_caches = graphs = None
-            torch.cuda.empty_cache()
-        model = None
+    model = bk.llama3_8b_model(max_len)
+    if variant in ("q8_0", "fp8"):
+        quantize_linears(model, "Q8_0" if variant == "q8_0" else "fp8")
+    kv_dtype = reference.FP8_DTYPE if variant == "fp8_kv" else bk.DTYPE
+    if variant == "fp8_kv":
+        for m in model.modules():
+            if isinstance(m, Attention):
+                m.k_scale = m.v_scale = 0.5
+    weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    for batch in ((1, 64) if quick else (1, 16, 64)):
+        blocks_per_seq = -(-max_len // block)
+        num_blocks = batch * blocks_per_seq
+        kv_caches = [torch.empty(2, num_blocks, block, bk.KV_HEADS, bk.HEAD_DIM, dtype=bk.DTYPE, device="cuda")
+                     .normal_().to(kv_dtype) for _ in range(32)]
+        tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq)
+        ids = torch.randint(0, 128256, (batch,), device="cuda")
+        pos = torch.full((batch,), context, device="cuda")
+        slots = tables[:, context // block] * block + context % block
+        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch, decode_block_tables=tables,
+                                 decode_seq_lens=pos + 1)
+        with torch.inference_mode():
+            graphs = CudaGraphRunner(model, kv_caches, (batch,), blocks_per_seq, torch.device("cuda"))
+            graphs.capture()
+            ms = bk.bench(lambda: model.compute_logits(graphs.run(ids, pos, meta)).argmax(-1), warmup=10, rep=50)
+        kv_bytes = batch * (context + 1) * 32 * 2 * bk.KV_HEADS * bk.HEAD_DIM * kv_caches[0].element_size()
+        roofline_ms = (weight_bytes + kv_bytes) / (copy_tbs * 1e9)
+        row = {"variant": variant, "batch": batch, "context": context, "graph_ms": ms,
+               "tok_s": batch / ms * 1e3, "weight_gb": weight_bytes / 1e9, "roofline_ms": roofline_ms,
+               "of_roofline": roofline_ms / ms}
+        rows.append(row)
+        print(f"8B decode {variant:6s} b={batch:3d} ctx={context}: graphs {ms:6.2f} ms ({row['tok_s']:7.0f} tok/s, "
+              f"{row['of_roofline']:.2f} of its roofline {roofline_ms:.2f} ms; weights {row['weight_gb']:.1f} GB)",
+              flush=True)
+        kv_caches = graphs = None
         torch.cuda.empty_cache()
-    base = {r["batch"]: r["tok_s"] for r in rows if r["variant"] == "bf16"}
-    for r in rows:
-        r["x_bf16"] = r["tok_s"] / base[r["batch"]]
-    print("8B decode tok/s against bf16 weights and cache: " + ", ".join(
-        f"{r['variant']} b={r['batch']} {r['x_bf16']:.2f}x" for r in rows if r["variant"] != "bf16"), flush=True)
     return rows
 
 

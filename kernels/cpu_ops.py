@@ -46,13 +46,13 @@ from kernels.reference import (
     fp8_linear_scaled_mm,
     gather_blocks,
     gather_kv,
+    pack_gguf,
     quantize_kv_rows,
     swap_blocks,
 )
 
 __all__ = ["apply_rotary", "copy_blocks", "decode_attention", "fp8_linear", "gather_blocks", "gather_kv", "gguf_linear",
-           "lora_add",
-           "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]
+           "lora_add", "pack_gguf", "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = tuple(os.path.join(CSRC, name) for name in ("cpu_ops.cpp", "prefill_attention.cpp", "gguf_linear.cpp",

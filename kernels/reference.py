@@ -288,6 +288,12 @@ def dequantize_gguf(blocks: torch.Tensor, qtype: str, dtype: torch.dtype = torch
     return w.reshape(rows, -1).to(dtype)
 
 
+def pack_gguf(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """A kernel set's own form of a weight's GGUF blocks, made once at load; every set's
+    `gguf_linear` takes what its `pack_gguf` returned. Here (and in the C++ set): the file's blocks."""
+    return blocks
+
+
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """x [M, in_features] times the GGUF weight's transpose, in fp32 (the weight dequantized exactly
     as llama.cpp does, x widened), rounded to x's dtype: the oracle of the compiled kernels."""

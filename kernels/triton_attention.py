@@ -58,11 +58,15 @@ def _dot(a, b, IEEE: tl.constexpr):
 def _load_kv(ptr, mask, like, FP8: tl.constexpr):
     """Cache values as `like`'s dtype; an fp8 cache (read as bytes) widened exactly as the C++
     kernels do it: e4m3's bits under fp16's, converted, times 2^8 (its scale is applied by the caller)."""
+    # One return after the branch: compiled Triton checks every return's type, including those of
+    # the branch a constexpr leaves out (the interpreter does not, so only a GPU caught this).
     if FP8:
         b = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
         h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-        return (h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(like.dtype)
-    return tl.load(ptr, mask=mask, other=0.0)
+        out = (h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(like.dtype)
+    else:
+        out = tl.load(ptr, mask=mask, other=0.0)
+    return out
 
 
 @triton.jit

@@ -12,12 +12,12 @@ from kernels.triton_attention import decode_attention, pack_prefill, prefill_att
 from kernels.triton_cache import copy_blocks, write_kv
 from kernels.triton_layers import apply_rotary, rms_norm
 from kernels.triton_lora import lora_add
-from kernels.triton_quant import gguf_linear
+from kernels.triton_quant import gguf_linear, pack_gguf
 
 # Decode steps of this set can be captured in CUDA graphs: its K/V write skips slot -1, which the
 # graphs' padded rows use, and decode's launch does not depend on the sequence lengths.
 CUDA_GRAPHS = True
 
 __all__ = ["CUDA_GRAPHS", "apply_rotary", "argmax_rows", "copy_blocks", "decode_attention", "fp8_linear",
-           "gather_blocks", "gather_kv", "gguf_linear", "lora_add", "pack_prefill", "prefill_attention", "rms_norm",
-           "silu_and_mul", "swap_blocks", "write_kv"]
+           "gather_blocks", "gather_kv", "gguf_linear", "lora_add", "pack_gguf", "pack_prefill", "prefill_attention",
+           "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]

@@ -177,26 +177,30 @@ def test_lora_add_matches_reference(subs):
 
 
 def test_q8_0_linear_matches_reference():
-    """The W8A16 kernel on Q8_0 blocks (GGUF files, int8 checkpoints) against dequantize-then-matmul
-    in fp32: batch 1 and a ragged batch over a ragged number of weight rows."""
+    """The W8A16 kernel on Q8_0 blocks (GGUF files, int8 checkpoints; reordered by pack_gguf) against
+    dequantize-then-matmul in fp32: batch 1, a ragged batch over a ragged number of weight rows, and
+    a large batch (dequantize + one GEMM); other tiles, split-K, and the blocks' dequantization."""
     g = torch.Generator().manual_seed(5)
-    n, k = 70, 96
+    n, k = 70, 160
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scales = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).to(torch.float16)
     blocks = torch.cat([scales.view(torch.uint8).reshape(n, -1, 2), q.view(torch.uint8).reshape(n, -1, 32)], dim=2)
     blocks = blocks.reshape(n, -1).to(DEVICE)
+    packed = tri.pack_gguf(blocks, "Q8_0")
+    assert packed.shape == blocks.shape and not torch.equal(packed, blocks)
+    assert torch.equal(triton_quant.dequantize_q8_0(packed, torch.float32), reference.dequantize_gguf(blocks, "Q8_0"))
     dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if CUDA else [])
     for rows in (1, 19, 70):                     # 70 rows: dequantize + one GEMM (DEQUANT_MIN_ROWS)
         for dtype in dtypes:
             x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
-            out = tri.gguf_linear(x, blocks, "Q8_0")
+            out = tri.gguf_linear(x, packed, "Q8_0")
             assert out.dtype == dtype and out.shape == (rows, n)
             assert rel_err(out, reference.gguf_linear(x, blocks, "Q8_0")) < TOLERANCE[dtype]
-    # Other tiles: a partial last step of NB blocks (96 features = 3 blocks), row tiles of one block.
+    # 160 features = 5 blocks: partial last steps of NB blocks, splits of unequal length.
     x = torch.randn(19, k, generator=g).to(DEVICE)
-    for block_n, nb in ((16, 1), (16, 2), (64, 4)):
-        out = triton_quant.q8_0_linear(x, blocks, {"BLOCK_M": 16, "BLOCK_N": block_n, "NB": nb, "num_warps": 4,
-                                                   "num_stages": 2})
+    for block_n, nb, split in ((16, 1, 1), (16, 2, 3), (64, 4, 2), (32, 8, 4)):
+        out = triton_quant.q8_0_linear(x, packed, {"BLOCK_M": 16, "BLOCK_N": block_n, "NB": nb, "SPLIT_K": split,
+                                                   "num_warps": 4, "num_stages": 2})
         assert rel_err(out, reference.gguf_linear(x, blocks, "Q8_0")) < TOLERANCE[torch.float32]
 
 
