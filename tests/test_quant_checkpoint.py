@@ -281,6 +281,12 @@ def test_fp8_weights_dequantize_where_the_gpu_has_no_fp8_gemm(monkeypatch):
         layer.process_weights_after_loading()
         layers[fp8_gemm] = layer
     assert layers[True].qtype == "fp8" and layers[True].weight.dtype == torch.float8_e4m3fn
+    # Quantized weights go where the layer was built (a worker builds on CUDA, then loads).
+    for qtype in ("fp8", "Q8_0"):
+        with torch.device("meta"):
+            layer = linear_module.Linear(64, 48)
+        layer.quantize_as(qtype)
+        assert layer.weight.device.type == "meta"
     assert layers[False].qtype is None and torch.equal(layers[False].weight, weight.dequantize(torch.float32))
     torch.testing.assert_close(layers[False](x), x @ weight.dequantize(torch.float32).t())
 

@@ -39,7 +39,8 @@ class VocabParallelEmbedding(nn.Module):
                              f"blocks of {GGUF_BLOCK}; got {qtype!r}, {self.hidden_size}")
         self.qtype = qtype
         row_bytes = self.hidden_size // GGUF_BLOCK * GGUF_BLOCK_BYTES[qtype]
-        self.weight = nn.Parameter(torch.empty(self.per_rank, row_bytes, dtype=torch.uint8), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(self.per_rank, row_bytes, dtype=torch.uint8, device=self.weight.device),
+                                   requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | GGUFWeight, shard_id: object = None) -> None:

@@ -213,10 +213,13 @@ class Linear(nn.Module):
     def quantize_as(self, qtype: str) -> None:
         """Hold the weight in GGUF blocks of `qtype`, or in fp8 (qtype "fp8"), from now on (before its
         tensors are loaded). fp8 loads as FP8Weight.rows() (the scale's bytes after each row's)."""
+        # The new weight goes on the dense one's device: the model is built on the worker's device
+        # (CUDA), its weights load outside that scope.
+        device = self.weight.device
         if qtype == "fp8":
             self.qtype = qtype
-            self.weight = nn.Parameter(torch.empty(self.output_size, self.input_size + 4, dtype=torch.uint8),
-                                       requires_grad=False)
+            self.weight = nn.Parameter(torch.empty(self.output_size, self.input_size + 4, dtype=torch.uint8,
+                                                   device=device), requires_grad=False)
             self.weight.weight_loader = self.weight_loader
             return
         if qtype not in GGUF_BLOCK_BYTES:
@@ -227,7 +230,8 @@ class Linear(nn.Module):
                              f"the input features / {GGUF_BLOCK})")
         self.qtype = qtype
         row_bytes = self.input_size // GGUF_BLOCK * GGUF_BLOCK_BYTES[qtype]
-        self.weight = nn.Parameter(torch.empty(self.output_size, row_bytes, dtype=torch.uint8), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(self.output_size, row_bytes, dtype=torch.uint8, device=device),
+                                   requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def process_weights_after_loading(self, dense_copy: bool = False) -> None:
