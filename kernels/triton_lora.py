@@ -69,8 +69,12 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tens
     if num_rows == 0:
         return out
     counts = starts[1:] - starts[:-1]
-    row_slot = torch.repeat_interleave(slots, counts).to(x.device)
-    row_rank = torch.repeat_interleave(ranks, counts).to(x.device)
+    per_row = torch.stack([torch.repeat_interleave(slots, counts), torch.repeat_interleave(ranks, counts)])
+    if x.is_cuda:
+        # From pinned memory, without blocking: a copy from pageable memory would wait for the
+        # stream's queued work in every adapted layer of the step.
+        per_row = per_row.pin_memory().to(x.device, non_blocking=True)
+    row_slot, row_rank = per_row[0], per_row[1]
     max_rank, in_features, out_features = a.shape[1], a.shape[3], bt.shape[2]
     width = max_rank * subs
     shrunk = torch.empty(num_rows, width, dtype=torch.float32, device=x.device)

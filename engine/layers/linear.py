@@ -255,8 +255,9 @@ class Linear(nn.Module):
                 self.dense = dequantize_gguf(self.weight.data, self.qtype, self.dtype)
                 self.packed = prepack(self.dense)
             # The blocks in the form this device's kernel set reads (Triton: Q8_0 rows reordered).
-            self.weight = nn.Parameter(kernels_for(self.weight).pack_gguf(self.weight.data, self.qtype),
-                                       requires_grad=False)
+            packed = kernels_for(self.weight).pack_gguf(self.weight.data, self.qtype)
+            if packed is not self.weight.data:
+                self.weight = nn.Parameter(packed, requires_grad=False)
             return
         self.packed = prepack(self.weight)
         if self.packed is not None and self.weight.dtype != torch.float32:
