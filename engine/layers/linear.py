@@ -236,7 +236,9 @@ class Linear(nn.Module):
 
     def process_weights_after_loading(self, dense_copy: bool = False) -> None:
         """Prepack the weight for oneDNN; a GGUF weight only with `dense_copy` (then a dense copy
-        in the model's dtype serves batches of GGUF_DENSE_MIN_ROWS rows or more)."""
+        in the model's dtype serves batches of GGUF_DENSE_MIN_ROWS rows or more), its blocks put in
+        the form its kernel set reads (`pack_gguf`); an fp8 weight split from its scales, or, on a
+        GPU without fp8 GEMMs, dequantized to the model's dtype."""
         if self.qtype == "fp8":
             weight, scale = split_fp8_rows(self.weight.data)
             if not has_fp8(weight.device):
