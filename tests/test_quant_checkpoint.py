@@ -281,14 +281,26 @@ def test_fp8_weights_dequantize_where_the_gpu_has_no_fp8_gemm(monkeypatch):
         layer.process_weights_after_loading()
         layers[fp8_gemm] = layer
     assert layers[True].qtype == "fp8" and layers[True].weight.dtype == torch.float8_e4m3fn
-    # Quantized weights go where the layer was built (a worker builds on CUDA, then loads).
-    for qtype in ("fp8", "Q8_0"):
-        with torch.device("meta"):
-            layer = linear_module.Linear(64, 48)
-        layer.quantize_as(qtype)
-        assert layer.weight.device.type == "meta"
     assert layers[False].qtype is None and torch.equal(layers[False].weight, weight.dequantize(torch.float32))
     torch.testing.assert_close(layers[False](x), x @ weight.dequantize(torch.float32).t())
+
+
+def test_quantized_weights_go_where_the_layer_was_built():
+    """A worker builds its model on its device (CUDA), then loads the weights outside that scope:
+    a layer switched to fp8 or GGUF blocks keeps its device (here the meta device stands for it;
+    the GPU tests of test_kernels.py run the real thing)."""
+    from engine.layers.embedding import VocabParallelEmbedding
+    from engine.layers.linear import Linear
+
+    for qtype in ("fp8", "Q8_0", "Q4_1"):
+        with torch.device("meta"):
+            layer = Linear(64, 48)
+        layer.quantize_as(qtype)
+        assert layer.weight.device.type == "meta"
+    with torch.device("meta"):
+        table = VocabParallelEmbedding(100, 64)
+    table.quantize_as("Q8_0")
+    assert table.weight.device.type == "meta"
 
 
 @pytest.fixture(scope="module")
