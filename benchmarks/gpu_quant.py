@@ -80,19 +80,18 @@ def sweep(rows_list=(1, 16, 64)) -> None:
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             cells = []
-            for block_n, nb, split, stages in itertools.product((16, 32, 64), (4, 8), (1, 2, 4), (3,)):
-                warps = 4
+            for block_n, nb, split in itertools.product((16, 32, 64), (4, 8), (1, 2, 4)):
                 launch = {"BLOCK_M": 16 if rows <= 16 else 64, "BLOCK_N": block_n, "NB": nb, "SPLIT_K": split,
-                          "num_warps": warps, "num_stages": stages}
+                          "num_warps": 4, "num_stages": 3}
                 try:
                     ms = bk.bench(rotating(lambda b: triton_quant.q8_0_linear(x, b, launch), [(b,) for b in blocks]),
                                   warmup=5, rep=20)
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory or registers
-                    cells.append(f"{block_n}/{nb}/{split}/{stages}: {type(e).__name__}")
+                    cells.append(f"{block_n}/{nb}/{split}: {type(e).__name__}")
                     continue
-                speeds.setdefault((rows, name), {})[(block_n, nb, split, warps, stages)] = blocks[0].numel() / ms / 1e6
-                cells.append(f"{block_n}/{nb}/{split}/{stages}: {blocks[0].numel() / ms / 1e6:.0f}")
-            print(f"sweep q8_0 {name} M={rows} (BLOCK_N/NB/SPLIT_K/stages: GB/s): " + ", ".join(cells), flush=True)
+                speeds.setdefault((rows, name), {})[(block_n, nb, split)] = blocks[0].numel() / ms / 1e6
+                cells.append(f"{block_n}/{nb}/{split}: {blocks[0].numel() / ms / 1e6:.0f}")
+            print(f"sweep q8_0 {name} M={rows} (BLOCK_N/NB/SPLIT_K: GB/s): " + ", ".join(cells), flush=True)
         blocks = None
     for i, (bound, _) in enumerate(triton_quant.LAUNCH):
         low = triton_quant.LAUNCH[i - 1][0] if i else 0
@@ -100,7 +99,8 @@ def sweep(rows_list=(1, 16, 64)) -> None:
         if not cells:
             continue
         best = max(set.intersection(*(set(c) for c in cells)), key=lambda key: sum(c[key] for c in cells))
-        triton_quant.LAUNCH[i] = (bound, dict(zip(("BLOCK_N", "NB", "SPLIT_K", "num_warps", "num_stages"), best)))
+        triton_quant.LAUNCH[i] = (bound, {**dict(zip(("BLOCK_N", "NB", "SPLIT_K"), best)), "num_warps": 4,
+                                          "num_stages": 3})
         print(f"sweep: rows {low + 1}..{bound}: best {triton_quant.LAUNCH[i][1]} "
               f"({sum(c[best] for c in cells) / len(cells):.0f} GB/s mean)", flush=True)
 
@@ -186,8 +186,8 @@ def lora() -> dict:
     order = torch.randperm(rows_n, device="cuda")
     args = (a, bt, order, torch.arange(0, rows_n + 1, 2), torch.arange(16), torch.full((16,), rank),
             torch.tensor([0, 4096, 5120, 6144]))
-    err = ((triton_lora.lora_add(x, out.clone(), *args).float() - reference.lora_add(x, out.clone(), *args).float())
-           .norm() / (reference.lora_add(x, out.clone(), *args).float() - out.float()).norm()).item()
+    want = reference.lora_add(x, out.clone(), *args).float()
+    err = ((triton_lora.lora_add(x, out.clone(), *args).float() - want).norm() / (want - out.float()).norm()).item()
     row = {"rows": rows_n, "adapters": 16, "rank": rank,
            "triton_ms": bk.bench(lambda: triton_lora.lora_add(x, out, *args)),
            "reference_ms": bk.bench(lambda: reference.lora_add(x, out, *args)),
@@ -204,8 +204,7 @@ def quantize_linears(model, qtype: str) -> None:
         if isinstance(module, Linear) and module.qtype is None and module.weight.dim() == 2:
             w = module.weight.data
             data = quantize_fp8(w).rows() if qtype == "fp8" else q8_0_blocks(w)
-            with torch.device("cuda"):
-                module.quantize_as(qtype)
+            module.quantize_as(qtype)
             module.weight.data.copy_(data)
             module.process_weights_after_loading()
             del w, data
@@ -231,12 +230,10 @@ def end_to_end(copy_tbs: float, quick: bool) -> list[dict]:
 
 def decode_steps(variant: str, copy_tbs: float, quick: bool) -> list[dict]:
     from engine.cuda_graph import CudaGraphRunner
-    from engine.layers.attention import Attention, AttentionMetadata
+    from engine.layers.attention import Attention
 
-    context, block = 1024, bk.BLOCK
-    max_len = context + block
-    rows = []
-    model = bk.llama3_8b_model(max_len)
+    context = 1024
+    model = bk.llama3_8b_model(context + bk.BLOCK)
     if variant in ("q8_0", "fp8"):
         quantize_linears(model, "Q8_0" if variant == "q8_0" else "fp8")
     kv_dtype = reference.FP8_DTYPE if variant == "fp8_kv" else bk.DTYPE
@@ -245,17 +242,9 @@ def decode_steps(variant: str, copy_tbs: float, quick: bool) -> list[dict]:
             if isinstance(m, Attention):
                 m.k_scale = m.v_scale = 0.5
     weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    rows = []
     for batch in ((1, 64) if quick else (1, 16, 64)):
-        blocks_per_seq = -(-max_len // block)
-        num_blocks = batch * blocks_per_seq
-        kv_caches = [torch.empty(2, num_blocks, block, bk.KV_HEADS, bk.HEAD_DIM, dtype=bk.DTYPE, device="cuda")
-                     .normal_().to(kv_dtype) for _ in range(32)]
-        tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq)
-        ids = torch.randint(0, 128256, (batch,), device="cuda")
-        pos = torch.full((batch,), context, device="cuda")
-        slots = tables[:, context // block] * block + context % block
-        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch, decode_block_tables=tables,
-                                 decode_seq_lens=pos + 1)
+        kv_caches, blocks_per_seq, ids, pos, meta = bk.decode_inputs(batch, context, kv_dtype)
         with torch.inference_mode():
             graphs = CudaGraphRunner(model, kv_caches, (batch,), blocks_per_seq, torch.device("cuda"))
             graphs.capture()

@@ -157,26 +157,34 @@ def llama3_8b_model(max_positions: int):
     return model
 
 
-def end_to_end(copy_tbs: float, quick: bool) -> list[dict]:
-    from engine.cuda_graph import CudaGraphRunner
+def decode_inputs(batch: int, context: int, kv_dtype: torch.dtype = DTYPE):
+    """One decode step of `batch` sequences of `context` tokens on the 8B model: the 32 layers' KV
+    caches (random contents and block tables, room for one block more), the blocks per sequence,
+    the token ids, positions and attention metadata -> (kv_caches, blocks_per_seq, ids, pos, meta)."""
     from engine.layers.attention import AttentionMetadata
 
+    blocks_per_seq = -(-(context + BLOCK) // BLOCK)
+    num_blocks = batch * blocks_per_seq
+    kv_caches = [torch.empty(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda").normal_()
+                 .to(kv_dtype) for _ in range(32)]
+    tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq)
+    ids = torch.randint(0, 128256, (batch,), device="cuda")
+    pos = torch.full((batch,), context, device="cuda")
+    slots = tables[:, context // BLOCK] * BLOCK + context % BLOCK
+    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch, decode_block_tables=tables,
+                             decode_seq_lens=pos + 1)
+    return kv_caches, blocks_per_seq, ids, pos, meta
+
+
+def end_to_end(copy_tbs: float, quick: bool) -> list[dict]:
+    from engine.cuda_graph import CudaGraphRunner
+
     context = 1024
-    max_len = context + BLOCK
-    model = llama3_8b_model(max_len)
+    model = llama3_8b_model(context + BLOCK)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = []
     for batch in ((1, 64) if quick else (1, 16, 64, 256)):
-        blocks_per_seq = -(-max_len // BLOCK)
-        num_blocks = batch * blocks_per_seq
-        kv_caches = [torch.empty(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda").normal_()
-                     for _ in range(32)]
-        tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq)
-        ids = torch.randint(0, 128256, (batch,), device="cuda")
-        pos = torch.full((batch,), context, device="cuda")
-        slots = tables[:, context // BLOCK] * BLOCK + context % BLOCK
-        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch, decode_block_tables=tables,
-                                 decode_seq_lens=pos + 1)
+        kv_caches, blocks_per_seq, ids, pos, meta = decode_inputs(batch, context)
 
         def step(hidden_fn):
             hidden = hidden_fn()

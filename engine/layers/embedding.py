@@ -29,7 +29,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.qtype: str | None = None
         self.dense: torch.Tensor | None = None      # a GGUF head's dense copy (quantization="gguf+dense")
-        self.logit_blocks: torch.Tensor | None = None   # a GGUF head's blocks in its kernel set's form
+        self.logit_blocks: torch.Tensor | None = None   # a GGUF head's blocks in its kernel set's form (at load)
 
     def quantize_as(self, qtype: str) -> None:
         """Keep the table in GGUF blocks of `qtype` (rows dequantized as they are looked up; the tied
@@ -70,10 +70,7 @@ class VocabParallelEmbedding(nn.Module):
             return linear(hidden, self.weight, None, packed)
         if self.dense is not None and hidden.shape[0] >= GGUF_DENSE_MIN_ROWS:
             return linear(hidden, self.dense, None, packed)
-        kernels = kernels_for(hidden)
-        if self.logit_blocks is None:         # the table's blocks as this kernel set reads them, once
-            self.logit_blocks = kernels.pack_gguf(self.weight.data, self.qtype)
-        return kernels.gguf_linear(hidden, self.logit_blocks, self.qtype)
+        return kernels_for(hidden).gguf_linear(hidden, self.logit_blocks, self.qtype)
 
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """Per-rank logits over this rank's vocabulary rows -> [N, vocab_size] on every rank."""

@@ -212,9 +212,11 @@ class LlamaForCausalLM(nn.Module):
 
 
 def _head_packed(head: VocabParallelEmbedding, dense_copies: bool) -> torch.Tensor | None:
-    """The LM head's prepacked dense weight (a GGUF head's: of its dense copy, with `dense_copies`)."""
+    """The LM head's prepacked dense weight (a GGUF head's: of its dense copy, with `dense_copies`);
+    a GGUF head also gets its blocks in its kernel set's form (`logit_blocks`)."""
     if head.qtype is None:
         return prepack(head.weight)
+    head.logit_blocks = kernels_for(head.weight).pack_gguf(head.weight.data, head.qtype)
     if not dense_copies:
         return None
     head.dense = dequantize_gguf(head.weight.data, head.qtype, head.dtype)
