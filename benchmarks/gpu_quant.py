@@ -69,8 +69,8 @@ def weights(n: int, k: int):
     return dense, blocks, [(f.weight, f.scale) for f in fp8]
 
 
-def sweep(rows_list=(1, 16, 64)) -> None:
-    """Times the W8A16 kernel's launch options at a few shapes (GB/s of blocks read) and puts the best
+def sweep(rows_list=(4, 16, 64)) -> None:
+    """Times the W8A16 tile kernel's launch options at a few shapes (GB/s of blocks read) and puts the best
     one for each of LAUNCH's row ranges (summed over the shapes) into triton_quant.LAUNCH for the
     sections after it."""
     speeds: dict[tuple[int, str], dict[tuple, float]] = {}
@@ -84,8 +84,8 @@ def sweep(rows_list=(1, 16, 64)) -> None:
                 launch = {"BLOCK_M": 16 if rows <= 16 else 64, "BLOCK_N": block_n, "NB": nb, "SPLIT_K": split,
                           "num_warps": 4, "num_stages": 3}
                 try:
-                    ms = bk.bench(rotating(lambda b: triton_quant.q8_0_linear(x, b, launch), [(b,) for b in blocks]),
-                                  warmup=5, rep=20)
+                    ms = bk.bench(rotating(lambda b: triton_quant.q8_0_linear(x, b, launch, "tile"),
+                                           [(b,) for b in blocks]), warmup=5, rep=20)
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory or registers
                     cells.append(f"{block_n}/{nb}/{split}: {type(e).__name__}")
                     continue
@@ -103,6 +103,60 @@ def sweep(rows_list=(1, 16, 64)) -> None:
                                           "num_stages": 3})
         print(f"sweep: rows {low + 1}..{bound}: best {triton_quant.LAUNCH[i][1]} "
               f"({sum(c[best] for c in cells) / len(cells):.0f} GB/s mean)", flush=True)
+
+
+def kernel_variants(rows_list=(1, 4, 16, 64)) -> list[dict]:
+    """Each W8A16 kernel (q8_0_linear's "tile" and "gemv") over a small grid of its launch options,
+    per projection shape and row count: the best time of each (GB/s of blocks read, against bf16
+    cuBLAS on the same shape) and its error against the fp32 reference on fresh inputs. (The
+    kernels' defaults came from this; a third variant then, a tile that dequantized each weight
+    into x's dtype before one wider `tl.dot`, lost to both: PERFORMANCE §14.)"""
+    grids = {
+        "tile": lambda rows: [{"BLOCK_M": triton_quant.launch_for(rows)["BLOCK_M"], "BLOCK_N": bn, "NB": nb,
+                               "SPLIT_K": sk, "num_warps": 4, "num_stages": 3}
+                              for bn, nb, sk in itertools.product((32, 64, 128), (2, 4), (1, 2, 4))],
+        "gemv": lambda rows: [] if rows > 16 else [{"BLOCK_N": bn, "NB": nb, "SPLIT_K": sk, "num_warps": 4}
+                                                   for bn, nb, sk in itertools.product((8, 16, 32, 64), (4, 8),
+                                                                                       (1, 2, 4))],
+    }
+    out = []
+    for name, (n, k) in SHAPES.items():
+        dense, blocks, _ = weights(n, k)
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            row = {"layer": name, "n": n, "k": k, "m": rows,
+                   "bf16_ms": bk.bench(rotating(lambda w: F.linear(x, w), [(w,) for w in dense]))}
+            for kernel, grid in grids.items():
+                best = None
+                for launch in grid(rows):
+                    try:
+                        ms = bk.bench(rotating(lambda b: triton_quant.q8_0_linear(x, b, launch, kernel),
+                                               [(b,) for b in blocks]), warmup=5, rep=20)
+                    except Exception as e:  # noqa: BLE001 - e.g. out of registers: next option
+                        print(f"  {kernel} {launch}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                        continue
+                    if best is None or ms < best[0]:
+                        best = (ms, launch)
+                if best is None:
+                    continue
+                xe = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                ref = xe.float() @ triton_quant.dequantize_q8_0(blocks[0], torch.float32).T
+                got = triton_quant.q8_0_linear(xe, blocks[0], best[1], kernel).float()
+                row[kernel] = {"ms": best[0], "launch": best[1], "gb_s": blocks[0].numel() / best[0] / 1e6,
+                               "rel_err": ((got - ref).norm() / ref.norm()).item()}
+            out.append(row)
+            print(f"variants {name:7s} M={rows:3d}: bf16 {row['bf16_ms'] * 1e3:7.1f} us; " + "; ".join(
+                f"{kern} {row[kern]['ms'] * 1e3:7.1f} us ({row['bf16_ms'] / row[kern]['ms']:.2f}x bf16, "
+                f"{row[kern]['gb_s']:.0f} GB/s, err {row[kern]['rel_err']:.1e}, {row[kern]['launch']})"
+                for kern in grids if kern in row), flush=True)
+        dense = blocks = None
+    for rows in rows_list:
+        cells = [r for r in out if r["m"] == rows]
+        sums = {kern: sum(r[kern]["ms"] for r in cells) for kern in grids if all(kern in r for r in cells)}
+        bf16 = sum(r["bf16_ms"] for r in cells)
+        print(f"variants M={rows}: the layer's four projections, x bf16: " +
+              ", ".join(f"{kern} {bf16 / ms:.2f}x" for kern, ms in sums.items()), flush=True)
+    return out
 
 
 def linears(copy_tbs: float, quick: bool) -> list[dict]:
@@ -211,9 +265,12 @@ def quantize_linears(model, qtype: str) -> None:
     torch.cuda.empty_cache()
 
 
-def end_to_end(copy_tbs: float, quick: bool) -> list[dict]:
+E2E_VARIANTS = ("bf16", "fp8_kv", "q8_0", "fp8")
+
+
+def end_to_end(copy_tbs: float, quick: bool, variants=E2E_VARIANTS) -> list[dict]:
     rows = []
-    for variant in ("bf16", "fp8_kv", "q8_0", "fp8"):
+    for variant in variants:
         try:
             rows += decode_steps(variant, copy_tbs, quick)
         except Exception:  # noqa: BLE001 - report it and go on to the next variant
@@ -267,8 +324,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes")
     parser.add_argument("--sweep", action="store_true", help="time the W8A16 kernel's launch options first")
+    parser.add_argument("--variants", action="store_true", help="time each W8A16 kernel variant first")
     parser.add_argument("--skip", default="", help="comma list of: linear,attention,lora,e2e")
     parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--e2e", default=",".join(E2E_VARIANTS), help="comma list of the end-to-end variants")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu_quant.py needs a CUDA GPU")
@@ -284,9 +343,12 @@ def main() -> None:
 
     if args.sweep:
         sweep()
+    if args.variants:
+        result["variants"] = kernel_variants()
+        save()
     result["launch"], result["dequant_min_rows"] = triton_quant.LAUNCH, None
     for name, fn in (("linear", lambda: linears(copy_tbs, args.quick)), ("attention", lambda: attention(args.quick)),
-                     ("lora", lora), ("e2e", lambda: end_to_end(copy_tbs, args.quick))):
+                     ("lora", lora), ("e2e", lambda: end_to_end(copy_tbs, args.quick, args.e2e.split(",")))):
         if name not in skip:
             try:
                 result[name] = fn()

@@ -8,14 +8,18 @@ fp16 scales (the same bytes, reordered once at load): in the file's layout each 
 start 2 bytes past a 16-byte boundary, which limited the GPU's loads to 2 bytes each (an H200 read
 the blocks at 0.07-0.3 of its copy rate); split, the values load 16 bytes at a time.
 
-Each program computes a [BLOCK_M, BLOCK_N] tile of the output over 1 / SPLIT_K of the input
-features. Per iteration it loads NB blocks of BLOCK_N weight rows, dequantizes them in registers
-(int8 times the block's scale in fp32, rounded to x's dtype: exact for fp32 x, a bf16 or fp16
-rounding of each weight otherwise, as a dequantize-then-matmul in x's dtype does) and adds their
-`tl.dot` with x's [BLOCK_M, NB * 32] slice to an fp32 accumulator (fp32 x stays IEEE fp32, not
-TF32); split-K partial sums are added after. Large batches dequantize the whole weight into x's
-dtype (a Triton kernel) and let cuBLAS multiply. The launch table (LAUNCH) and DEQUANT_MIN_ROWS
-come from `benchmarks/gpu_quant.py --sweep` on an H200 (docs/PERFORMANCE.md §14).
+Two kernels (chosen by `benchmarks/gpu_quant.py --variants` on an H200, docs/PERFORMANCE.md §14):
+- one row of x (single-sequence decode): `_q8_0_gemv_kernel`, no tensor cores: each program takes
+  BLOCK_N weight rows, NB blocks per step with 16-byte loads, their integers times x in fp32 summed
+  per block, times the block's scale. On Llama-3-8B's projections 1.27x bf16 cuBLAS's time (the
+  gate/up projection's blocks at 2.5 TB/s, 0.59 of the copy rate).
+- more rows: `_q8_0_linear_kernel`, a [BLOCK_M, BLOCK_N] tile of the output over 1 / SPLIT_K of
+  the input features, each 32-feature block its own `tl.dot` of x with the block's exact integers
+  (int8 is exact in bf16 and fp16; fp32 x stays IEEE fp32, not TF32) and the block's scale applied
+  to the product in fp32: no per-weight multiply and no rounding of q d to x's dtype. 0.92x bf16 at
+  4-16 rows, 0.58x at 64 (a tile that dequantized each weight into x's dtype before one wider
+  `tl.dot` ran at 0.51-0.65x and 0.46x). Split-K partial sums are added after.
+Large batches dequantize the whole weight into x's dtype (a Triton kernel) and let cuBLAS multiply.
 """
 from __future__ import annotations
 
@@ -34,12 +38,19 @@ Q8_0_BYTES = reference.GGUF_BLOCK_BYTES["Q8_0"]
 # of a Llama-3-8B layer: 306 against 352 us) and lost at 256 (0.2x against 0.5x of bf16).
 DEQUANT_MIN_ROWS = 128
 
-# (largest M, launch): the first entry whose M bound covers x's rows; BLOCK_M is the smallest of
-# 16 (tl.dot's minimum), 32, 64 that holds them. On the H200 the sweep's best at 1-16 rows and at
-# 64 rows was the same, so one entry covers all.
+# The tile kernel's (largest M, launch): the first entry whose M bound covers x's rows; BLOCK_M is
+# the smallest of 16 (tl.dot's minimum), 32, 64 that holds them. The H200 sweep's best at 4 and 16
+# rows on three of the four projections, and at 64 on two (the gate/up projection preferred
+# SPLIT_K 1 there).
 LAUNCH: list[tuple[int, dict]] = [
-    (1 << 62, {"BLOCK_N": 64, "NB": 4, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}),
+    (16, {"BLOCK_N": 64, "NB": 4, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}),
+    (1 << 62, {"BLOCK_N": 128, "NB": 2, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}),
 ]
+# The one-row kernel's launch: 8 weight rows of 8 blocks per step; split over the features in 4
+# where the output has fewer than 768 tiles of rows (the H200's best for N = 4096; for N of 6,144
+# and 28,672, one split).
+GEMV_LAUNCH = {"BLOCK_N": 8, "NB": 8, "num_warps": 4}
+GEMV_SPLIT_MAX_TILES = 768
 
 
 def pack_gguf(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -54,44 +65,69 @@ def pack_gguf(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
 
 
 @triton.jit
-def _q8_0_scales(rows, K, b, mask):
-    """The fp16 scales of blocks b ([BLOCK_N, NB] block indices) of packed rows, as fp32."""
-    at = rows + K + b * 2
-    lo = tl.load(at, mask=mask, other=0).to(tl.uint16)
-    hi = tl.load(at + 1, mask=mask, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _q8_0_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_om, stride_os, row_bytes, blocks_per_split,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, IEEE: tl.constexpr):
+    """A [BLOCK_M, BLOCK_N] tile of x W^T over blocks [split * blocks_per_split, ...): per block one
+    `tl.dot` of x with the block's integers in x's dtype, times the block's scale."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
     m_mask, n_mask = rm < M, rn < N
-    rows = w_ptr + rn.to(tl.int64) * row_bytes                           # [BLOCK_N] row starts
-    nb = tl.arange(0, NB)
+    rows = w_ptr + rn.to(tl.int64) * row_bytes
+    scales = (rows + K).to(tl.pointer_type(tl.float16))
     j = tl.arange(0, 32)
-    kk = tl.arange(0, NB * 32)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, K // 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for b0 in range(first, last, NB):
-        b = b0 + nb
-        bm = n_mask[:, None] & (b < last)[None, :]                          # [BLOCK_N, NB]
-        d = _q8_0_scales(rows[:, None], K, b[None, :], bm)
-        q = tl.load(rows[:, None, None] + b[None, :, None] * 32 + j[None, None, :], mask=bm[:, :, None], other=0)
-        w = q.to(tl.int8, bitcast=True).to(tl.float32) * d[:, :, None]     # [BLOCK_N, NB, 32]
-        w = tl.reshape(w, (BLOCK_N, NB * 32)).to(x_ptr.dtype.element_ty)
-        k = b0 * 32 + kk
-        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + k[None, :],
-                    mask=m_mask[:, None] & (k < last * 32)[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+        for i in tl.static_range(NB):
+            b = b0 + i
+            n_ok = n_mask & (rn * 0 + b < last)         # (a vector: the interpreter refuses scalar masks)
+            d = tl.load(scales + b, mask=n_ok, other=0.0).to(tl.float32)
+            q = tl.load(rows[:, None] + b * 32 + j[None, :], mask=n_ok[:, None], other=0)
+            w = q.to(tl.int8, bitcast=True).to(x_ptr.dtype.element_ty)
+            x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + b * 32 + j[None, :],
+                        mask=(m_mask & (rm * 0 + b < last))[:, None], other=0.0)
+            if IEEE:
+                p = tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                p = tl.dot(x, tl.trans(w))
+            acc += p * d[None, :]
     out = out_ptr + split * stride_os + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _q8_0_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_om, stride_os, row_bytes, blocks_per_split,
+                      BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    """Row program_id(0) of x against BLOCK_N weight rows over blocks [split * blocks_per_split, ...):
+    per step NB blocks of each row, their integers times x in fp32, summed per block, times the
+    block's scale. (x's rows are the grid's fastest axis, so programs sharing a weight tile run
+    together and read it from L2; above one row the tile kernel is faster all the same.)"""
+    m = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    n_mask = rn < N
+    rows = w_ptr + rn.to(tl.int64) * row_bytes
+    scales = (rows + K).to(tl.pointer_type(tl.float16))
+    nb = tl.arange(0, NB)
+    kk = tl.arange(0, NB * 32)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, K // 32)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    for b0 in range(first, last, NB):
+        k = b0 * 32 + kk
+        k_ok = k < last * 32
+        q = tl.load(rows[:, None] + k[None, :], mask=n_mask[:, None] & k_ok[None, :], other=0)
+        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        p = q.to(tl.int8, bitcast=True).to(tl.float32) * x[None, :]
+        per_block = tl.sum(tl.reshape(p, (BLOCK_N, NB, 32)), axis=2)
+        b = b0 + nb
+        d = tl.load(scales[:, None] + b[None, :], mask=n_mask[:, None] & (b < last)[None, :], other=0.0)
+        acc += tl.sum(per_block * d.to(tl.float32), axis=1)
+    tl.store(out_ptr + split * stride_os + m.to(tl.int64) * stride_om + rn, acc.to(out_ptr.dtype.element_ty),
+             mask=n_mask)
 
 
 @triton.jit
@@ -101,9 +137,9 @@ def _q8_0_dequantize_kernel(w_ptr, out_ptr, N, K, row_bytes, BLOCK_N: tl.constex
     j = tl.arange(0, 32)
     mask = (rn < N)[:, None] & (b < K // 32)[None, :]
     rows = w_ptr + rn.to(tl.int64) * row_bytes
-    d = _q8_0_scales(rows[:, None], K, b[None, :], mask)
+    d = tl.load((rows + K).to(tl.pointer_type(tl.float16))[:, None] + b[None, :], mask=mask, other=0.0)
     q = tl.load(rows[:, None, None] + b[None, :, None] * 32 + j[None, None, :], mask=mask[:, :, None], other=0)
-    w = q.to(tl.int8, bitcast=True).to(tl.float32) * d[:, :, None]
+    w = q.to(tl.int8, bitcast=True).to(tl.float32) * d.to(tl.float32)[:, :, None]
     out = out_ptr + rn[:, None, None].to(tl.int64) * K + b[None, :, None] * 32 + j[None, None, :]
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask[:, :, None])
 
@@ -121,14 +157,20 @@ def _check(x: torch.Tensor, packed: torch.Tensor) -> None:
         raise ValueError(f"Q8_0 blocks of {packed.shape[1]} bytes per row do not hold {x.shape[1]} input features")
 
 
-def q8_0_linear(x: torch.Tensor, packed: torch.Tensor, launch: dict | None = None) -> torch.Tensor:
-    """kernels.reference.gguf_linear(x, blocks, "Q8_0") on the Triton kernel (any row count), the
-    weight as `pack_gguf(blocks, "Q8_0")`; `launch` overrides launch_for's choice (BLOCK_M,
-    BLOCK_N, NB, SPLIT_K, num_warps, num_stages)."""
+def q8_0_linear(x: torch.Tensor, packed: torch.Tensor, launch: dict | None = None,
+                kernel: str | None = None) -> torch.Tensor:
+    """kernels.reference.gguf_linear(x, blocks, "Q8_0") on a Triton kernel (any row count), the
+    weight as `pack_gguf(blocks, "Q8_0")`. `kernel` ("gemv" or "tile"; default: gemv for one row)
+    and `launch` (BLOCK_M for the tile, BLOCK_N, NB, SPLIT_K, num_warps, num_stages) override the
+    defaults."""
     _check(x, packed)
     M, K = x.shape
     N = packed.shape[0]
     x = x.contiguous()
+    kernel = kernel or ("gemv" if M == 1 else "tile")
+    if launch is None and kernel == "gemv":
+        tiles = triton.cdiv(N, GEMV_LAUNCH["BLOCK_N"])
+        launch = {**GEMV_LAUNCH, "SPLIT_K": 4 if tiles < GEMV_SPLIT_MAX_TILES else 1}
     opts = dict(launch or launch_for(M))
     num_blocks = K // 32
     splits = max(1, min(opts.pop("SPLIT_K"), num_blocks // opts["NB"]))
@@ -136,9 +178,13 @@ def q8_0_linear(x: torch.Tensor, packed: torch.Tensor, launch: dict | None = Non
     splits = triton.cdiv(num_blocks, per_split)
     out = torch.empty(splits, M, N, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
     if M and N:
-        grid = (triton.cdiv(M, opts["BLOCK_M"]), triton.cdiv(N, opts["BLOCK_N"]), splits)
-        _q8_0_linear_kernel[grid](x, packed, out, M, N, K, x.stride(0), out.stride(1), out.stride(0), packed.stride(0),
-                                  per_split, IEEE=x.dtype == torch.float32, **opts)
+        args = (x, packed, out, M, N, K, x.stride(0), out.stride(1), out.stride(0), packed.stride(0), per_split)
+        if kernel == "gemv":
+            opts.pop("BLOCK_M", None)
+            _q8_0_gemv_kernel[(M, triton.cdiv(N, opts["BLOCK_N"]), splits)](*args, **opts)
+        else:
+            grid = (triton.cdiv(M, opts["BLOCK_M"]), triton.cdiv(N, opts["BLOCK_N"]), splits)
+            _q8_0_linear_kernel[grid](*args, IEEE=x.dtype == torch.float32, **opts)
     return out[0] if splits == 1 else out.sum(0).to(x.dtype)
 
 

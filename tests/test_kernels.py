@@ -177,9 +177,10 @@ def test_lora_add_matches_reference(subs):
 
 
 def test_q8_0_linear_matches_reference():
-    """The W8A16 kernel on Q8_0 blocks (GGUF files, int8 checkpoints; reordered by pack_gguf) against
-    dequantize-then-matmul in fp32: batch 1, a ragged batch over a ragged number of weight rows, and
-    a large batch (dequantize + one GEMM); other tiles, split-K, and the blocks' dequantization."""
+    """The W8A16 kernels on Q8_0 blocks (GGUF files, int8 checkpoints; reordered by pack_gguf) against
+    dequantize-then-matmul in fp32: batch 1 (the one-row kernel), ragged batches over a ragged number
+    of weight rows (the tile kernel), and a large batch (dequantize + one GEMM); other tiles,
+    split-K, and the blocks' dequantization."""
     g = torch.Generator().manual_seed(5)
     n, k = 70, 160
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
@@ -190,7 +191,7 @@ def test_q8_0_linear_matches_reference():
     assert packed.shape == blocks.shape and not torch.equal(packed, blocks)
     assert torch.equal(triton_quant.dequantize_q8_0(packed, torch.float32), reference.dequantize_gguf(blocks, "Q8_0"))
     dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if CUDA else [])
-    for rows in (1, 19, 70):                     # 70 rows: dequantize + one GEMM (DEQUANT_MIN_ROWS)
+    for rows in (1, 19, 70, triton_quant.DEQUANT_MIN_ROWS):
         for dtype in dtypes:
             x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
             out = tri.gguf_linear(x, packed, "Q8_0")
@@ -202,6 +203,10 @@ def test_q8_0_linear_matches_reference():
         out = triton_quant.q8_0_linear(x, packed, {"BLOCK_M": 16, "BLOCK_N": block_n, "NB": nb, "SPLIT_K": split,
                                                    "num_warps": 4, "num_stages": 2})
         assert rel_err(out, reference.gguf_linear(x, blocks, "Q8_0")) < TOLERANCE[torch.float32]
+    for rows, (block_n, nb, split) in ((1, (8, 1, 1)), (1, (8, 2, 3)), (3, (16, 4, 2)), (1, (32, 8, 4))):
+        out = triton_quant.q8_0_linear(x[:rows], packed, {"BLOCK_N": block_n, "NB": nb, "SPLIT_K": split,
+                                                          "num_warps": 4}, kernel="gemv")
+        assert rel_err(out, reference.gguf_linear(x[:rows], blocks, "Q8_0")) < TOLERANCE[torch.float32]
 
 
 def test_rotary_matches_reference_bitwise():
