@@ -199,10 +199,35 @@ def has_amx(dtype: torch.dtype) -> bool:
     return False
 
 
-# GGUF weights: below this many rows of x the C++ kernel multiplies the blocks directly (its time is
-# the weight's bytes plus their decoding, which grows with the rows); from here on the weight is
-# dequantized to x's dtype (C++) for oneDNN's GEMM. Measured crossing: 8-16 rows (PERFORMANCE §9).
-GGUF_DEQUANT_MIN_ROWS = 12
+@functools.cache
+def ymm_gguf_kernel() -> bool:
+    """Whether the C++ GGUF kernel built here is its AVX2 form (AVX2, FMA and F16C without AVX-512:
+    the library is built for this CPU, -march=native), which multiplies in fp32 on ymm registers."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return False
+    return {"avx2", "fma", "f16c"} <= flags and "avx512f" not in flags
+
+
+def gguf_dequant_min_rows() -> int:
+    """From this many rows of x on, `gguf_linear` dequantizes the weight (C++) into x's dtype for a
+    oneDNN GEMM; below it the C++ kernel multiplies the blocks (its time is the weight's bytes plus
+    their decoding, and its per-row work grows with the rows). Measured crossings (PERFORMANCE §9):
+    8-16 rows against oneDNN's bf16 AMX GEMM; beyond 64 rows on an AVX2-only CPU in fp32, where the
+    kernel runs at the dense GEMM's own FMA rate and the dequantized copy costs a pass over memory."""
+    return 64 if ymm_gguf_kernel() else 12
+
+
+def gguf_dense_min_rows() -> int:
+    """quantization="gguf+dense": from this many rows of x on, a GGUF layer multiplies its dense
+    copy (oneDNN, prepacked) instead of its blocks: 6 where the blocks' kernel is the bf16-dot or
+    portable one; 12 on an AVX2-only CPU, where the ymm kernel is 1.2-3.6x oneDNN's prepacked fp32
+    GEMM up to 8 rows and level at 12 (PERFORMANCE §9)."""
+    return 12 if ymm_gguf_kernel() else 6
+
+
 _GGUF_TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
 
 
@@ -212,7 +237,7 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tens
         raise ValueError(f"GGUF type must be one of {sorted(GGUF_BLOCK_BYTES)}; got {qtype!r}")
     if x.dtype not in DTYPES:
         return reference.gguf_linear(x, blocks, qtype)
-    if x.shape[0] >= GGUF_DEQUANT_MIN_ROWS:
+    if x.shape[0] >= gguf_dequant_min_rows():
         return F.linear(x, torch.ops.pdserve_cpu.gguf_dequantize(blocks, _GGUF_TYPE_IDS[qtype], x.dtype))
     return torch.ops.pdserve_cpu.gguf_linear(x, blocks, _GGUF_TYPE_IDS[qtype])
 

@@ -26,13 +26,14 @@ from engine.layers.lora import LoRAStack
 from engine.parallel_state import get_parallel_state, tp_all_reduce
 from engine.quant_checkpoint import FP8Weight, split_fp8_rows
 from engine.weights import GGUFWeight
-from kernels.cpu_ops import has_amx
+from kernels.cpu_ops import gguf_dense_min_rows, has_amx
 from kernels.dispatch import FP8_MIN_CAPABILITY, cuda_capability, has_fp8, kernels_for
 from kernels.reference import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
 
 # quantization="gguf+dense": from this many rows on, a GGUF layer multiplies its dense copy (oneDNN,
-# prepacked) instead of its blocks; below it the blocks' kernel is faster (docs/PERFORMANCE.md §9).
-GGUF_DENSE_MIN_ROWS = 6
+# prepacked) instead of its blocks; below it the blocks' kernel is faster (this CPU's crossing:
+# kernels.cpu_ops.gguf_dense_min_rows, docs/PERFORMANCE.md §9).
+GGUF_DENSE_MIN_ROWS = gguf_dense_min_rows()
 # At or above this many rows, a bf16/fp16 matmul on CPU may run as fp32 GEMM on upcast operands:
 # below ~64 rows the weight upcast costs more than a faster GEMM could save.
 CPU_FP32_MIN_ROWS = 96
