@@ -173,7 +173,7 @@ def linears(copy_tbs: float, quick: bool) -> list[dict]:
                                                         [(b,) for b in blocks]))
             row["q8_dequant_ms"] = bk.bench(rotating(lambda b: triton_quant.dequantized_linear(x, b, "Q8_0"),
                                                      [(b,) for b in blocks]))
-            row["fp8_ms"] = bk.bench(rotating(lambda w, s: reference.fp8_linear_scaled_mm(x, w, s), fp8))
+            row["fp8_ms"] = bk.bench(rotating(lambda w, s: triton_quant.fp8_linear(x, w, s), fp8))
             bf16_bytes = n * k * 2
             row["bf16_of_copy"] = bf16_bytes / row["bf16_ms"] / 1e9 / copy_tbs
             if "q8_triton_ms" in row:

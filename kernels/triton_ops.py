@@ -1,18 +1,17 @@
 """The Triton kernel set, with the same names and contracts as kernels.reference (which
 kernels.dispatch returns on CUDA). Block gathers and CPU <-> GPU swaps are plain copies and stay
-with the reference's torch implementation, as do silu-and-mul (one elementwise op after the GEMM),
-the row argmax (torch's reduction) and fp8 linears (torch._scaled_mm: cuBLASLt's fp8 GEMM). Q8_0
-linears (GGUF files, int8 checkpoints) have a Triton kernel for decode-sized batches, and batched LoRA
-(`lora_add`) one of its own."""
+with the reference's torch implementation, as do silu-and-mul (one elementwise op after the GEMM)
+and the row argmax (torch's reduction). fp8 linears are torch._scaled_mm (cuBLASLt's fp8 GEMM) after a
+Triton kernel quantizes x's rows. Q8_0 linears (GGUF files, int8 checkpoints) have Triton kernels
+for decode-sized batches, and batched LoRA (`lora_add`) one of its own."""
 from __future__ import annotations
 
 from kernels.reference import argmax_rows, gather_blocks, gather_kv, silu_and_mul, swap_blocks
-from kernels.reference import fp8_linear_scaled_mm as fp8_linear
 from kernels.triton_attention import decode_attention, pack_prefill, prefill_attention
 from kernels.triton_cache import copy_blocks, write_kv
 from kernels.triton_layers import apply_rotary, rms_norm
 from kernels.triton_lora import lora_add
-from kernels.triton_quant import gguf_linear, pack_gguf
+from kernels.triton_quant import fp8_linear, gguf_linear, pack_gguf
 
 # Decode steps of this set can be captured in CUDA graphs: its K/V write skips slot -1, which the
 # graphs' padded rows use, and decode's launch does not depend on the sequence lengths.

@@ -214,3 +214,47 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, qtype: str) -> torch.Tens
     if qtype != "Q8_0" or x.shape[0] >= DEQUANT_MIN_ROWS:
         return dequantized_linear(x, weight, qtype)
     return q8_0_linear(x, weight)
+
+
+@triton.jit
+def _fp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr,
+                     TINY: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    row = x_ptr + m * stride_xm
+    kk = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        v = tl.load(row + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, TINY)
+    for k0 in range(0, K, BLOCK_K):
+        v = tl.load(row + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + m * stride_qm + k0 + kk, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=k0 + kk < K)
+    tl.store(s_ptr + m, scale)
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.quantize_fp8_rows in one launch (the reference's eight elementwise and
+    reduction kernels cost more than the fp8 GEMM itself at decode sizes): the same amax / 448
+    scale per row and the same e4m3 values (IEEE division, saturation, round to nearest even) on a
+    GPU's conversion instruction."""
+    x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=reference.FP8_DTYPE, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m and k:
+        _fp8_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK_K=min(1024, triton.next_power_of_2(k)),
+                               FP8_MAX=reference.FP8_MAX, TINY=torch.finfo(torch.float32).tiny, num_warps=4)
+    return q, scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """kernels.reference.fp8_linear_scaled_mm with x quantized per row by `quantize_fp8_rows` on a
+    GPU. (Elsewhere, i.e. under TRITON_INTERPRET=1, the reference's: the interpreter's fp32 -> e4m3
+    conversion rounds values just below a power of two down to the power below.)"""
+    if not x.is_cuda:
+        return reference.fp8_linear_scaled_mm(x, weight, scale)
+    xq, x_scale = quantize_fp8_rows(x)
+    return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1).float(),
+                            out_dtype=torch.bfloat16).to(x.dtype)

@@ -9,10 +9,13 @@ size.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 
+# benchmarks/quality.py for the fp8 checkpoint test (appended: it must not shadow the packages).
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -404,6 +407,32 @@ def test_fp8_checkpoint_on_cuda(untokenized_model, tmp_path, monkeypatch):
     assert quality.agreement(logprobs["cpu", "none"], logprobs["cuda", "none"]).mean_kl < 1e-5
     assert on_cuda <= 1.2 * on_cpu
     assert across <= 0.06
+
+
+@gpu
+@pytest.mark.gpu
+def test_fp8_row_quantize_on_cuda_matches_reference():
+    """The Triton kernel that quantizes x's rows for fp8 linears: the reference's scales and e4m3
+    bytes exactly (rows of very different magnitudes, a zero row, one outlier, features not a
+    multiple of the kernel's step), and so the same fp8 GEMM. (GPU only: the interpreter's fp32 ->
+    e4m3 conversion rounds values just below a power of two down.)"""
+    from engine.quant_checkpoint import quantize_fp8
+
+    g = torch.Generator().manual_seed(11)
+    magnitudes = torch.tensor([1.0, 300.0, 1e-4, 0.0, 7.0, 2.0 ** -20])[:, None]
+    for k in (96, 1500, 4096):
+        x = torch.randn(6, k, generator=g) * magnitudes
+        x[4, 3] = 6e4
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            xc = x.to(dtype).cuda()
+            q, scale = triton_quant.quantize_fp8_rows(xc)
+            want_q, want_scale = reference.quantize_fp8_rows(xc)
+            assert torch.equal(scale, want_scale)
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), (k, dtype)
+    w = quantize_fp8(torch.randn(64, 4096, generator=g).cuda() * 0.02)
+    x = torch.randn(5, 4096, generator=g).to("cuda", torch.bfloat16)
+    want = reference.fp8_linear_scaled_mm(x, w.weight, w.scale)
+    assert torch.equal(triton_quant.fp8_linear(x, w.weight, w.scale), want)
 
 
 @gpu
