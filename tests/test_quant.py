@@ -38,9 +38,9 @@ def test_dequantize_matches_the_gguf_package(qtype):
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_compiled_linear_matches_dequantize_then_matmul(qtype, dtype):
-    """Rows below gguf_dequant_min_rows() run the C++ kernel (any count: whole passes of 8 rows
-    and the rest, which take the factored loop below 4 rows and the dequantized one from 4; blocks
-    two at a time and an odd last one), from it on dequantize + GEMM; an odd number of output rows."""
+    """Rows below gguf_dequant_min_rows() run the C++ kernel (any count: whole passes of 8 rows,
+    which on AVX2 dequantize each block once, and the rest, which take the factored loop; blocks two
+    at a time and an odd last one), from it on dequantize + GEMM; an odd number of output rows."""
     cpu_ops.load()
     for rows, cols in [(1, 128), (3, 160), (5, 96), (8, 128), (13, 160), (cpu_ops.gguf_dequant_min_rows(), 128)]:
         blocks = quantized(37, cols, qtype, seed=1)        # an even and an odd number of blocks per row
