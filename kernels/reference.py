@@ -319,11 +319,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
     return F.linear(xq.float() * x_scale, weight.float() * scale.reshape(-1, 1)).to(x.dtype)
 
 
-def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                         quantize_rows=quantize_fp8_rows) -> torch.Tensor:
     """`fp8_linear` on torch._scaled_mm: an fp8 x fp8 GEMM with fp32 accumulation and the row and
     column scales applied to its output (cuBLASLt on CUDA with compute capability 8.9 or more,
-    oneDNN on CPU). Row-wise scales need a bf16 output on CUDA; it is rounded to x's dtype."""
-    xq, x_scale = quantize_fp8_rows(x)
+    oneDNN on CPU). Row-wise scales need a bf16 output on CUDA; it is rounded to x's dtype.
+    `quantize_rows` (quantize_fp8_rows' contract) lets a kernel set quantize x its own way."""
+    xq, x_scale = quantize_rows(x)
     out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
     return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1).float(),
                             out_dtype=out_dtype).to(x.dtype)

@@ -254,8 +254,5 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
     """kernels.reference.fp8_linear_scaled_mm with x quantized per row by `quantize_fp8_rows` on a
     GPU. (Elsewhere, i.e. under TRITON_INTERPRET=1, the reference's: the interpreter's fp32 -> e4m3
     conversion rounds values just below a power of two down to the power below.)"""
-    if not x.is_cuda:
-        return reference.fp8_linear_scaled_mm(x, weight, scale)
-    xq, x_scale = quantize_fp8_rows(x)
-    return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1).float(),
-                            out_dtype=torch.bfloat16).to(x.dtype)
+    return reference.fp8_linear_scaled_mm(x, weight, scale, quantize_fp8_rows if x.is_cuda
+                                          else reference.quantize_fp8_rows)
