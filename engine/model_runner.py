@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.cpu_decode import CpuDecodePlan
 from engine.cuda_graph import CudaGraphRunner
 from engine.layers.attention import AttentionBackend
 from engine.layers.penalties import TokenCounts
@@ -53,6 +54,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.token_counts: TokenCounts | None = None          # penalties' counts, made when first needed
         self.graph_runner: CudaGraphRunner | None = None     # decode steps replay CUDA graphs
+        # CPU decode steps run as a flat plan of kernel calls (engine/cpu_decode.py): built at the
+        # first decode step (False: not yet built), once the KV cache exists; None where it does not apply.
+        self.decode_plan: CpuDecodePlan | None | bool = False
         self._logits: torch.Tensor | None = None             # see _logits_buffer
         # Structured outputs' matchers (engine/structured_output.py), set by the worker.
         self.constraints: Constraints | None = None
@@ -136,6 +140,11 @@ class ModelRunner:
         hidden = None
         if self.graph_runner is not None:
             hidden = self.graph_runner.run(input_ids, positions, meta)
+        elif meta.num_decode_tokens == input_ids.shape[0] and self.lora is None and self.device.type == "cpu":
+            if self.decode_plan is False:
+                self.decode_plan = CpuDecodePlan.build(self.model, self.kernels, self.kv_caches)
+            if self.decode_plan is not None:
+                hidden = self.decode_plan.run(input_ids, positions, self.kv_caches, meta)
         if hidden is None:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, intermediate)   # [T, hidden]
         if not state.is_last_stage:

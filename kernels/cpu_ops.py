@@ -32,6 +32,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,8 @@ from kernels.reference import (
 )
 
 __all__ = ["apply_rotary", "copy_blocks", "decode_attention", "fp8_linear", "gather_blocks", "gather_kv", "gguf_linear",
-           "lora_add", "pack_gguf", "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]
+           "gguf_rows_kernel", "lora_add", "pack_gguf", "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks",
+           "write_kv"]
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = tuple(os.path.join(CSRC, name) for name in ("cpu_ops.cpp", "prefill_attention.cpp", "gguf_linear.cpp",
@@ -240,6 +242,17 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tens
     if x.shape[0] >= gguf_dequant_min_rows():
         return F.linear(x, torch.ops.pdserve_cpu.gguf_dequantize(blocks, _GGUF_TYPE_IDS[qtype], x.dtype))
     return torch.ops.pdserve_cpu.gguf_linear(x, blocks, _GGUF_TYPE_IDS[qtype])
+
+
+def gguf_rows_kernel(blocks: torch.Tensor, qtype: str, dtype: torch.dtype
+                     ) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, int]:
+    """`gguf_linear(x, blocks, qtype)` for 2-D x of `dtype` as one call to the C++ kernel, this
+    function's checks made once, and the most rows of x it takes (fewer than
+    `gguf_dequant_min_rows`); (None, 0) where `gguf_linear` would not call the kernel."""
+    if qtype not in GGUF_BLOCK_BYTES or dtype not in DTYPES:
+        return None, 0
+    op, type_id = torch.ops.pdserve_cpu.gguf_linear, _GGUF_TYPE_IDS[qtype]
+    return (lambda x: op(x, blocks, type_id)), gguf_dequant_min_rows() - 1
 
 
 # fp8 weights: torch._scaled_mm, which oneDNN runs on CPU (slowly: ~30x a bf16 GEMV at one row on an

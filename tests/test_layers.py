@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("kernels", ["kernels.*", "engine.parallel_state", "engine.weights", "engine.quant_checkpoint",
                  "engine.structured_output"]),
     ("kv_transfer", ["kv_transfer.*"]),
-    ("model", ["engine.layers.*", "engine.models.*", "engine.model_runner", "engine.cuda_graph",
+    ("model", ["engine.layers.*", "engine.models.*", "engine.model_runner", "engine.cuda_graph", "engine.cpu_decode",
                "engine.worker", "engine.kv_scales", "engine.step_channel", "engine.step_delta", "engine.lora_slots"]),
     ("distributed", ["engine.ray_cluster", "engine.executor"]),
     ("engine", ["engine.block_pool", "engine.kv_cache_manager", "engine.kv_loads", "engine.scheduler",

@@ -17,6 +17,8 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -194,6 +196,8 @@ class Linear(nn.Module):
     multiplied by the kernel set's `gguf_linear`, or in fp8 (`qtype` "fp8": e4m3 [output_size,
     input_size] and `weight_scale`, fp32 per output feature), multiplied by its `fp8_linear`."""
 
+    kernels: ModuleType | None = None     # bound once by ModelRunner (bind_kernels); else looked up per call
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -275,13 +279,35 @@ class Linear(nn.Module):
             return linear(x, self.weight, bias, self.packed)
         if self.dense is not None and x.numel() >= GGUF_DENSE_MIN_ROWS * self.input_size:
             return linear(x, self.dense, bias, self.packed)
-        kernels, rows = kernels_for(x), x.reshape(-1, x.shape[-1])
+        kernels, rows = self.kernels or kernels_for(x), x.reshape(-1, x.shape[-1])
         if self.qtype == "fp8":
             out = kernels.fp8_linear(rows, self.weight, self.weight_scale)
         else:
             out = kernels.gguf_linear(rows, self.weight, self.qtype)
         out = out.reshape(*x.shape[:-1], self.output_size)
         return out if bias is None else out + bias
+
+    def rows_matmul(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A function of 2-D x computing `matmul(x, self.bias)`, with what matmul decides per call
+        decided once where it can be: a GGUF layer's few-row products go straight to its kernel set's
+        kernel (`gguf_rows_kernel`, where the set has one). The CPU decode plan (engine/cpu_decode.py)
+        calls such functions ~120 times a step, where matmul's own checks cost ~20 us a call."""
+        general = functools.partial(self.matmul, bias=self.bias)
+        rows_kernel = getattr(self.kernels, "gguf_rows_kernel", None)
+        kernel, max_rows = (None, 0) if self.qtype not in GGUF_BLOCK_BYTES or rows_kernel is None else (
+            rows_kernel(self.weight.data, self.qtype, self.dtype))
+        if kernel is None:
+            return general
+        if self.dense is not None:
+            max_rows = min(max_rows, GGUF_DENSE_MIN_ROWS - 1)
+        bias = self.bias
+
+        def blocks_matmul(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > max_rows:
+                return general(x)
+            out = kernel(x)
+            return out if bias is None else out + bias
+        return blocks_matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x, self.bias)
