@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.linear import CPU_FP32_MIN_ROWS, Linear, cpu_fp32_gemm, linear, prepack
+from engine.layers.linear import CPU_FP32_MIN_ROWS, Linear, cpu_fp32_gemm, linear, packed_linear, prepack
 
 
 @pytest.mark.parametrize("rows", [1, 7, CPU_FP32_MIN_ROWS - 1])
@@ -93,8 +93,14 @@ def test_fp32_prepacked_path_matches_f_linear(monkeypatch):
     packed = prepack(w)
     if packed is None:
         pytest.skip("oneDNN (mkldnn) is not available in this torch build")
-    for rows in (1, lin.CPU_FP32_PACKED_MIN_ROWS - 1, lin.CPU_FP32_PACKED_MIN_ROWS, 200):
-        x = torch.randn(rows, 64, generator=g)
-        if rows < lin.CPU_FP32_PACKED_MIN_ROWS:       # few rows: MKL's sgemm itself
-            assert torch.equal(linear(x, w, b, packed), F.linear(x, w, b))
-        torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    for min_rows in (1, lin.CPU_FP32_PACKED_MIN_ROWS):      # oneDNN faster at one row here, or not
+        monkeypatch.setattr(lin, "fp32_packed_min_rows", lambda min_rows=min_rows: min_rows)
+        for rows in (1, lin.CPU_FP32_PACKED_MIN_ROWS - 1, lin.CPU_FP32_PACKED_MIN_ROWS, 200):
+            x = torch.randn(rows, 64, generator=g)
+            if rows < min_rows:                       # few rows: MKL's sgemm itself
+                assert torch.equal(linear(x, w, b, packed), F.linear(x, w, b))
+            else:
+                assert torch.equal(linear(x, w, b, packed), packed_linear(x, packed, b))
+            torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+    assert lin.fp32_packed_min_rows() in (1, 2, lin.CPU_FP32_PACKED_MIN_ROWS)      # this CPU's own timing

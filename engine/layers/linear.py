@@ -43,8 +43,10 @@ CPU_FP32_MIN_ROWS = 96
 # so that timing noise cannot flip the choice between runs on one machine.
 CPU_FP32_MIN_SPEEDUP = 1.25
 logger = logging.getLogger(__name__)
-# fp32 weights: oneDNN's prepacked GEMM is used from this many rows on. Below it (batch-1 decode)
-# MKL's sgemm is faster on the CPUs measured (oneDNN 0.5-0.8x at one row, docs/PERFORMANCE.md §7).
+# fp32 weights: oneDNN's prepacked GEMM is used from this many rows on, unless this CPU runs it
+# faster than MKL's sgemm at one row too (`fp32_packed_min_rows`): on the CPUs first measured MKL was
+# faster below it (oneDNN 0.5-0.8x at one row, docs/PERFORMANCE.md §7); on a first-generation EPYC
+# (Zen 1) oneDNN is 1.4x sgemm at one row and 2.3x at four (§9c).
 CPU_FP32_PACKED_MIN_ROWS = 8
 
 
@@ -152,12 +154,34 @@ def _fp32_prepack_pays() -> bool:
     return sgemm > CPU_FP32_MIN_SPEEDUP * onednn
 
 
+@functools.cache
+def fp32_packed_min_rows() -> int:
+    """From how many rows an fp32 linear with a prepacked weight takes oneDNN's GEMM: the fewest of
+    1 and 2 rows at which this CPU runs it CPU_FP32_MIN_SPEEDUP times faster than F.linear (MKL's
+    sgemm), else CPU_FP32_PACKED_MIN_ROWS. Timed once per process (~0.3 s), alternating, on weights
+    cycled from memory as a model's are (cache-hot, the order differs: on a Zen 1 EPYC sgemm was
+    1.15x oneDNN at one row hot and 0.7x from memory)."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(1536, 576, generator=g) for _ in range(8)]     # 28 MB: more than a CPU's L3 slice
+    try:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    except RuntimeError:
+        return CPU_FP32_PACKED_MIN_ROWS
+    for rows in (1, 2):
+        x = torch.randn(rows, 576, generator=g)
+        sgemm, onednn = _best_alternating(lambda x=x: [F.linear(x, w) for w in weights],
+                                          lambda x=x: [packed_linear(x, p) for p in packed], rounds=2)
+        if sgemm > CPU_FP32_MIN_SPEEDUP * onednn:
+            return rows
+    return CPU_FP32_PACKED_MIN_ROWS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, with faster CPU paths.
 
     fp32 with a prepacked weight (where `prepack` found it faster) and at least
-    CPU_FP32_PACKED_MIN_ROWS rows: oneDNN's GEMM instead of MKL's sgemm, the same products summed in
+    `fp32_packed_min_rows()` rows: oneDNN's GEMM instead of MKL's sgemm, the same products summed in
     another order. bf16/fp16: many rows (prefill) on a CPU where
     `cpu_fp32_gemm` finds it faster: fp32 GEMM on upcast operands, rounded back to x's dtype.
     Products of bf16 values are exact in fp32 and oneDNN's bf16 GEMM accumulates in fp32 too, so the
@@ -167,7 +191,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
     if x.dtype == torch.float32:
-        if packed is None or x.numel() < CPU_FP32_PACKED_MIN_ROWS * x.shape[-1]:
+        if packed is None or x.numel() < fp32_packed_min_rows() * x.shape[-1]:
             return F.linear(x, weight, bias)
         return packed_linear(x, packed, bias)
     if x.numel() >= CPU_FP32_MIN_ROWS * x.shape[-1] and cpu_fp32_gemm(x.dtype):
@@ -269,6 +293,8 @@ class Linear(nn.Module):
         self.packed = prepack(self.weight)
         if self.packed is not None and self.weight.dtype != torch.float32:
             cpu_fp32_gemm(self.weight.dtype)          # time the two GEMMs now, not in the first prefill
+        elif self.packed is not None:
+            fp32_packed_min_rows()                    # likewise, not in the first decode step
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         _copy_checked(param.data, loaded)
