@@ -2,7 +2,7 @@
 process, alternating, on the embedded model (or `--model`).
 
     .venv/bin/python benchmarks/cpu_decode.py [--quantization gguf] [--dtype float32] \\
-        [--batch 1,4,16] [--tokens 64] [--rounds 2] [--threads 2]
+        [--batch 1,4,16] [--tokens 64] [--rounds 2] [--threads 2] [--quantize-activations]
 
 Every request decodes `--tokens` greedy tokens (`ignore_eos`) after a 5-token prompt, all of a batch
 submitted at once; tok/s is the batch's output tokens over its wall time. Each round runs every
@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantize-activations", action="store_true",
+                        help="GGUF blocks times int8 activations (LLM(quantize_activations=True))")
     args = parser.parse_args()
 
     import torch
@@ -39,7 +41,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch.split(",")]
     llm = LLM(args.model, dtype=args.dtype, quantization=None if args.quantization == "auto" else args.quantization,
-              max_model_len=1024, max_num_seqs=max(batches))
+              max_model_len=1024, max_num_seqs=max(batches), quantize_activations=args.quantize_activations)
     runner = llm.llm_engine.executor.worker.runner
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
 
@@ -53,6 +55,7 @@ def main() -> None:
     if not plan:
         sys.exit("no decode plan for this model and machine (engine/cpu_decode.py: CpuDecodePlan.build)")
     print(f"quantization={llm.llm_engine.config.model_config.quantization} dtype={args.dtype} "
+          f"quantize_activations={args.quantize_activations} "
           f"threads={args.threads} tokens={args.tokens}")
     print(f"{'batch':>5} {'modules tok/s':>14} {'plan tok/s':>11} {'plan / modules':>15}")
     for batch in batches:

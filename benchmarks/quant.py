@@ -1,6 +1,7 @@
 """Decode throughput of the embedded GGUF model: its weights dequantized to bf16 (`quantization="none"`),
 kept in their GGUF blocks only (`"gguf"`), in blocks plus a dense copy for large batches
-(`"gguf+dense"`), and dequantized with an fp8 KV cache (`kv_cache_dtype="fp8"`), at several batch
+(`"gguf+dense"`), the same with int8 activations (`quantize_activations=True`: llama.cpp's
+arithmetic), and dequantized with an fp8 KV cache (`kv_cache_dtype="fp8"`), at several batch
 sizes, and llama.cpp's single-stream decode of the same file on the same threads, side by side in
 one run. (fp8's quality: benchmarks/quality.py.)
 
@@ -9,7 +10,7 @@ one run. (fp8's quality: benchmarks/quality.py.)
 
 Every request decodes `--tokens` greedy tokens (`ignore_eos`) after a 5-token prompt, all of a
 batch submitted at once; tok/s is the batch's output tokens over its wall time, prompt included.
-The four pdserve engines live in this process; llama.cpp (llama-cpp-python, which compiles
+The five pdserve engines live in this process; llama.cpp (llama-cpp-python, which compiles
 llama.cpp on install: not a pdserve dependency) runs in a process of its own each round, with
 `n_threads` = `--threads`, the same prompt and token count. Each round runs llama.cpp, then every
 batch size on every engine; each figure is its best round. Nothing is asserted.
@@ -54,9 +55,12 @@ def run_all(args: argparse.Namespace) -> tuple[dict[str, dict[int, float]], floa
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch.split(",")]
     engines = {name: LLM(None, dtype=args.dtype, quantization=q, kv_cache_dtype=kv, max_model_len=1024,
-                         max_num_seqs=max(batches))
-               for name, q, kv in (("dense weights", "none", "auto"), ("GGUF blocks", "gguf", "auto"),
-                                   ("blocks+dense", "gguf+dense", "auto"), ("fp8 KV cache", "none", "fp8"))}
+                         max_num_seqs=max(batches), quantize_activations=act)
+               for name, q, kv, act in (("dense weights", "none", "auto", False),
+                                        ("GGUF blocks", "gguf", "auto", False),
+                                        ("blocks+dense", "gguf+dense", "auto", False),
+                                        ("blocks, int8 act", "gguf+dense", "auto", True),
+                                        ("fp8 KV cache", "none", "fp8", False))}
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     best: dict[str, dict[int, float]] = {name: {} for name in engines}
     llama = None
@@ -107,7 +111,7 @@ def main() -> None:
     if llama is not None:
         print(f"{'llama.cpp':<16}{llama:>12.1f}   (single stream, same GGUF file, {args.threads} threads)")
     dense = best["dense weights"]
-    for name in ("GGUF blocks", "blocks+dense", "fp8 KV cache"):
+    for name in ("GGUF blocks", "blocks+dense", "blocks, int8 act", "fp8 KV cache"):
         row = best[name]
         print(f"{name} / dense: " + ", ".join(f"batch {b}: {row[b] / dense[b]:.2f}" for b in row)
               + (f"; batch {min(row)} / llama.cpp: {row[min(row)] / llama:.2f}" if llama else ""))

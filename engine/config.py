@@ -13,6 +13,7 @@ from typing import Any
 from engine.dtypes import FP8_KV_DTYPE, KV_CACHE_DTYPES, resolve_dtype
 from engine.lora import LoRAConfig
 from engine.model_source import (
+    BLOCK_QUANTIZATIONS,
     QUANTIZATIONS,
     architecture_of,
     check_parallel_fit,
@@ -41,6 +42,9 @@ class EngineArgs:
 
     dtype: Any = "auto"                               # "auto", a name, or a torch.dtype
     quantization: str | None = None                  # None (auto) or one of QUANTIZATIONS: resolve_quantization
+    # Block-quantized weights (GGUF, int8 checkpoints) on CPU: multiply decode-sized batches by x
+    # quantized to int8 per block of 32 features, llama.cpp's arithmetic (lossy; docs/kernels.md)
+    quantize_activations: bool = False
     block_size: int = 16
     max_model_len: int | None = None                 # None: the model's max_position_embeddings
     max_num_seqs: int = 64
@@ -159,6 +163,7 @@ class ModelConfig:
     max_model_len: int
     seed: int = 0
     quantization: str = "none"  # one of model_source.QUANTIZATIONS (resolve_quantization)
+    quantize_activations: bool = False    # blocks times int8 activations (EngineArgs.quantize_activations)
     # CUDA graphs of the decode step, one per batch size here (empty: eager); see engine/cuda_graph.py.
     cuda_graph_sizes: tuple[int, ...] = ()
 
@@ -379,12 +384,15 @@ class EngineConfig:
                 f"({max_model_len}) when enable_chunked_prefill=False")
         raw = hf_config.to_dict()
         config_dtype = raw.get("dtype") or raw.get("torch_dtype")
+        quantization = resolve_quantization(args.quantization, path, gguf_file, hf_config, args.worker_num_gpus > 0)
+        if args.quantize_activations and (quantization not in BLOCK_QUANTIZATIONS or args.worker_num_gpus > 0):
+            raise ValueError(f"quantize_activations multiplies weights kept in blocks on CPU (quantization one of "
+                             f"{BLOCK_QUANTIZATIONS}, worker_num_gpus=0); this model resolved to "
+                             f"quantization={quantization!r} with worker_num_gpus={args.worker_num_gpus}")
         model_config = ModelConfig(
             model=path, gguf_file=gguf_file, hf_config=hf_config,
             dtype=resolve_dtype(dtype, config_dtype), max_model_len=max_model_len, seed=seed,
-            quantization=resolve_quantization(args.quantization, path, gguf_file, hf_config,
-                                              args.worker_num_gpus > 0),
-            cuda_graph_sizes=graph_sizes)
+            quantization=quantization, quantize_activations=args.quantize_activations, cuda_graph_sizes=graph_sizes)
         fp8 = args.kv_cache_dtype != "auto"
         kv_scales = kv_cache_scales(path, gguf_file, hf_config) if fp8 else ()
         if fp8 and args.calculate_kv_scales is not False and pipeline_parallel_size > 1 and not kv_scales:

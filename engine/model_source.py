@@ -76,6 +76,8 @@ GGUF_NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2")
 # (an fp8 checkpoint's, or a dense checkpoint's quantized at load) multiplied by torch._scaled_mm;
 # "none": every weight dense in the model's dtype.
 QUANTIZATIONS = ("gguf", "gguf+dense", "int8", "int8+dense", "fp8", "none")
+# Those whose weights stay in GGUF blocks (what quantize_activations applies to).
+BLOCK_QUANTIZATIONS = ("gguf", "gguf+dense", "int8", "int8+dense")
 _DENSE_TYPES = ("F32", "F16", "BF16")
 
 

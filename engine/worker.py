@@ -30,6 +30,7 @@ from engine.quant_checkpoint import model_weights
 from engine.step_delta import StepDecoder
 from engine.structured_output import Constraints
 from kernels.dispatch import FP8_MIN_CAPABILITY, cuda_capability, has_fp8
+from kernels.reference import GGUF_BLOCK_BYTES
 from kv_transfer.base import KVConnectorWorker
 from kv_transfer.factory import create_connector_worker
 from kv_transfer.layout import KVLayout
@@ -98,10 +99,17 @@ class Worker:
         with torch.device(self.device):
             model = cls(mc.hf_config, mc.torch_dtype, mc.max_model_len)
         model.load_weights(model_weights(mc), dense_copies=mc.quantization.endswith("+dense"))
+        if mc.quantize_activations:
+            for module in model.modules():
+                if getattr(module, "qtype", None) in GGUF_BLOCK_BYTES:
+                    module.int8_activations = True
         model.eval()
         self.runner = ModelRunner(model, self.config.cache_config.block_size, self.device, mc.seed,
                                   self.config.parallel_config.pipeline_micro_batches)
         self.runner.constraints = Constraints(mc.model, mc.gguf_file, mc.vocab_size)
+        if mc.quantize_activations and not hasattr(self.runner.kernels, "gguf_linear_int8"):
+            raise ValueError(f"quantize_activations needs the C++ CPU kernels (or the torch reference); the "
+                             f"kernel set here is {self.runner.kernels.__name__} (PDSERVE_KERNELS)")
         if self.config.lora_config is not None:
             self.runner.lora = LoRASlots(model, self.config.lora_config, mc.torch_dtype, self.device,
                                          self.runner.kernels)

@@ -52,9 +52,9 @@ from kernels.reference import (
     swap_blocks,
 )
 
-__all__ = ["apply_rotary", "copy_blocks", "decode_attention", "fp8_linear", "gather_blocks", "gather_kv", "gguf_linear",
-           "gguf_rows_kernel", "lora_add", "pack_gguf", "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks",
-           "write_kv"]
+__all__ = ["apply_rotary", "copy_blocks", "decode_attention", "fp8_linear", "gather_blocks", "gather_kv",
+           "gguf_linear", "gguf_linear_int8", "gguf_rows_kernel", "lora_add", "pack_gguf", "prefill_attention",
+           "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = tuple(os.path.join(CSRC, name) for name in ("cpu_ops.cpp", "prefill_attention.cpp", "gguf_linear.cpp",
@@ -244,14 +244,28 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tens
     return torch.ops.pdserve_cpu.gguf_linear(x, blocks, _GGUF_TYPE_IDS[qtype])
 
 
-def gguf_rows_kernel(blocks: torch.Tensor, qtype: str, dtype: torch.dtype
+def gguf_linear_int8(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """kernels.reference.gguf_linear_int8's contract in C++ (AVX2 integer dot products, `maddubs`)
+    for decode-sized batches; from `gguf_dequant_min_rows` rows on (prefill), the exact
+    `gguf_linear`: there the dequantized GEMM is faster than any per-block kernel."""
+    if qtype not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"GGUF type must be one of {sorted(GGUF_BLOCK_BYTES)}; got {qtype!r}")
+    if x.dtype not in DTYPES:
+        return reference.gguf_linear_int8(x, blocks, qtype)
+    if x.shape[0] >= gguf_dequant_min_rows():
+        return gguf_linear(x, blocks, qtype)
+    return torch.ops.pdserve_cpu.gguf_linear_int8(x, blocks, _GGUF_TYPE_IDS[qtype])
+
+
+def gguf_rows_kernel(blocks: torch.Tensor, qtype: str, dtype: torch.dtype, int8_activations: bool = False
                      ) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, int]:
-    """`gguf_linear(x, blocks, qtype)` for 2-D x of `dtype` as one call to the C++ kernel, this
-    function's checks made once, and the most rows of x it takes (fewer than
-    `gguf_dequant_min_rows`); (None, 0) where `gguf_linear` would not call the kernel."""
+    """`gguf_linear(x, blocks, qtype)` (`gguf_linear_int8` with `int8_activations`) for 2-D x of
+    `dtype` as one call to the C++ kernel, this function's checks made once, and the most rows of x
+    it takes (fewer than `gguf_dequant_min_rows`); (None, 0) where it would not call the kernel."""
     if qtype not in GGUF_BLOCK_BYTES or dtype not in DTYPES:
         return None, 0
-    op, type_id = torch.ops.pdserve_cpu.gguf_linear, _GGUF_TYPE_IDS[qtype]
+    ops = torch.ops.pdserve_cpu
+    op, type_id = ops.gguf_linear_int8 if int8_activations else ops.gguf_linear, _GGUF_TYPE_IDS[qtype]
     return (lambda x: op(x, blocks, type_id)), gguf_dequant_min_rows() - 1
 
 

@@ -300,6 +300,40 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tens
     return F.linear(x.float(), dequantize_gguf(blocks, qtype)).to(x.dtype)
 
 
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 32) quantized per block of 32 features, as llama.cpp quantizes
+    activations for its integer dot products: dx = max|x| / 127, q = round-half-even(x * (1 / dx))
+    (0 for an all-zero block). Returns q int8 [M, K / 32, 32] and dx fp32 [M, K / 32, 1]."""
+    xb = x.float().reshape(x.shape[0], -1, GGUF_BLOCK)
+    dx = xb.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
+    return torch.round(xb * inv).to(torch.int8), dx
+
+
+def gguf_linear_int8(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """`quantize_activations`: x [M, in_features] quantized per block of 32 features
+    (`quantize_rows_int8`) times the GGUF weight's integers, per block exactly in integers, then
+    scaled in fp32: sum_b dw_b dx_b sum_j q_bj qx_bj (+ Q4_1's m_b times the block's exact sum of x),
+    rounded to x's dtype. The oracle of the compiled kernel; lossy against `gguf_linear` by the
+    activations' rounding (about 0.4% of a block's largest value)."""
+    if qtype not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"GGUF type must be one of {sorted(GGUF_BLOCK_BYTES)}; got {qtype!r}")
+    qx, dx = quantize_rows_int8(x)                                           # [M, n, 32], [M, n, 1]
+    b = blocks.view(blocks.shape[0], -1, GGUF_BLOCK_BYTES[qtype])            # [N, n, bytes]
+    dw = b[..., 0:2].contiguous().view(torch.float16).float()                # [N, n, 1]
+    if qtype == "Q8_0":
+        qw = b[..., 2:].contiguous().view(torch.int8).long()
+    else:
+        qs = b[..., 4:] if qtype == "Q4_1" else b[..., 2:]
+        qw = torch.cat([qs & 0x0F, qs >> 4], dim=-1).long() - (8 if qtype == "Q4_0" else 0)
+    dots = torch.einsum("mbj,nbj->mnb", qx.long(), qw)                      # exact integers [M, N, n]
+    out = (dw[..., 0].unsqueeze(0) * dx[..., 0].unsqueeze(1) * dots.float()).sum(-1)
+    if qtype == "Q4_1":
+        mins = b[..., 2:4].contiguous().view(torch.float16).float()[..., 0]     # [N, n]
+        out = out + x.float().reshape(x.shape[0], -1, GGUF_BLOCK).sum(-1) @ mins.T
+    return out.to(x.dtype)
+
+
 # --- fp8 weights --------------------------------------------------------------------------------
 # An fp8 linear holds its weight [out_features, in_features] as e4m3 with an fp32 scale per output
 # feature (w = q * scale). Its input is quantized per row at run time: each row of x divided by its

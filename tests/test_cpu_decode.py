@@ -61,12 +61,14 @@ def test_plan_equals_the_modules(model, dtype, kv, tiny_llama, tiny_qwen2):
     assert generate(llm, prompts) == tokens
 
 
-def test_plan_equals_the_modules_on_gguf_blocks():
+@pytest.mark.parametrize("int8", [False, True])
+def test_plan_equals_the_modules_on_gguf_blocks(int8):
     """The embedded Q4_1 model with its dense copy: few rows multiply the blocks (the plan calls the
-    kernel directly), from GGUF_DENSE_MIN_ROWS on the dense copy (the layer's own matmul)."""
+    kernel directly; with quantize_activations the int8 one), from GGUF_DENSE_MIN_ROWS on the dense
+    copy (the layer's own matmul)."""
     from engine.layers.linear import GGUF_DENSE_MIN_ROWS
 
-    llm = LLM(dtype="float32", quantization="gguf+dense", max_model_len=256)
+    llm = LLM(dtype="float32", quantization="gguf+dense", max_model_len=256, quantize_activations=int8)
     plan = checked(llm)
     prompts = [[1, 30 + i, 700 + 3 * i] for i in range(GGUF_DENSE_MIN_ROWS + 1)]
     generate(llm, prompts)

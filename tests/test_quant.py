@@ -54,6 +54,34 @@ def test_compiled_linear_matches_dequantize_then_matmul(qtype, dtype):
         assert ((out.float() - ref).norm() / ref.norm()).item() < tol
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_activation_kernel_matches_its_reference(qtype, dtype):
+    """quantize_activations: the C++ kernel (x quantized to int8 per block, integer dot products)
+    against its torch oracle, every pass shape as above; from gguf_dequant_min_rows() rows on it is
+    the exact gguf_linear. The quantized x: each block's largest value maps to +-127, a zero block to
+    zeros."""
+    cpu_ops.load()
+    for rows, cols in [(1, 128), (3, 160), (8, 128), (13, 160), (cpu_ops.gguf_dequant_min_rows(), 128)]:
+        blocks = quantized(37, cols, qtype, seed=1)
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+        x[0, :32] = 0                                                      # an all-zero block
+        x = x.to(dtype)
+        out = cpu_ops.gguf_linear_int8(x, blocks, qtype)
+        assert out.dtype == dtype and out.shape == (rows, 37)
+        if rows >= cpu_ops.gguf_dequant_min_rows():
+            assert torch.equal(out, cpu_ops.gguf_linear(x, blocks, qtype))
+            continue
+        ref = reference.gguf_linear_int8(x, blocks, qtype).float()
+        tol = 1e-6 if dtype == torch.float32 else 8e-3
+        assert ((out.float() - ref).norm() / ref.norm()).item() < tol
+        exact = reference.gguf_linear(x.float(), blocks, qtype)
+        assert 1e-4 < ((ref - exact).norm() / exact.norm()).item() < 0.05          # lossy, boundedly
+    q, dx = reference.quantize_rows_int8(x.float())
+    assert torch.equal(q[0, 0], torch.zeros(32, dtype=torch.int8)) and dx[0, 0].item() == 0
+    assert torch.equal(q[:, 1:].abs().amax(-1), torch.full_like(q[:, 1:, 0], 127))
+
+
 def test_compiled_linear_refuses_bad_shapes():
     cpu_ops.load()
     blocks = quantized(4, 64, "Q4_1")
@@ -104,6 +132,11 @@ def test_quantization_choice(tiny_llama):
         resolve_quantization("int8", tiny_llama, None, dense, on_gpu=False)
     with pytest.raises(ValueError, match="quantization must be one of \\('gguf', 'gguf\\+dense', 'int8'"):
         LLM(tiny_llama, quantization="int4")
+    with pytest.raises(ValueError, match="quantize_activations multiplies weights kept in blocks on CPU .* "
+                                         "resolved to quantization='none'"):
+        LLM(tiny_llama, quantize_activations=True)
+    with pytest.raises(ValueError, match="quantize_activations .* worker_num_gpus=1"):
+        LLM(None, quantization="gguf", quantize_activations=True, worker_num_gpus=1)
 
 
 def test_unsupported_gguf_type_is_refused(tmp_path):

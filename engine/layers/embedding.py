@@ -30,6 +30,7 @@ class VocabParallelEmbedding(nn.Module):
         self.qtype: str | None = None
         self.dense: torch.Tensor | None = None      # a GGUF head's dense copy (quantization="gguf+dense")
         self.logit_blocks: torch.Tensor | None = None   # a GGUF head's blocks in its kernel set's form (at load)
+        self.int8_activations = False       # the head times int8-quantized hidden states (quantize_activations)
 
     def quantize_as(self, qtype: str) -> None:
         """Keep the table in GGUF blocks of `qtype` (rows dequantized as they are looked up; the tied
@@ -70,7 +71,9 @@ class VocabParallelEmbedding(nn.Module):
             return linear(hidden, self.weight, None, packed)
         if self.dense is not None and hidden.shape[0] >= GGUF_DENSE_MIN_ROWS:
             return linear(hidden, self.dense, None, packed)
-        return kernels_for(hidden).gguf_linear(hidden, self.logit_blocks, self.qtype)
+        kernels = kernels_for(hidden)
+        multiply = kernels.gguf_linear_int8 if self.int8_activations else kernels.gguf_linear
+        return multiply(hidden, self.logit_blocks, self.qtype)
 
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """Per-rank logits over this rank's vocabulary rows -> [N, vocab_size] on every rank."""

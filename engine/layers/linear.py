@@ -221,6 +221,9 @@ class Linear(nn.Module):
     input_size] and `weight_scale`, fp32 per output feature), multiplied by its `fp8_linear`."""
 
     kernels: ModuleType | None = None     # bound once by ModelRunner (bind_kernels); else looked up per call
+    # GGUF blocks times x quantized to int8 per block (the kernel set's `gguf_linear_int8`; set by the
+    # worker with quantize_activations)
+    int8_activations: bool = False
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -308,6 +311,8 @@ class Linear(nn.Module):
         kernels, rows = self.kernels or kernels_for(x), x.reshape(-1, x.shape[-1])
         if self.qtype == "fp8":
             out = kernels.fp8_linear(rows, self.weight, self.weight_scale)
+        elif self.int8_activations:
+            out = kernels.gguf_linear_int8(rows, self.weight, self.qtype)
         else:
             out = kernels.gguf_linear(rows, self.weight, self.qtype)
         out = out.reshape(*x.shape[:-1], self.output_size)
@@ -321,7 +326,7 @@ class Linear(nn.Module):
         general = functools.partial(self.matmul, bias=self.bias)
         rows_kernel = getattr(self.kernels, "gguf_rows_kernel", None)
         kernel, max_rows = (None, 0) if self.qtype not in GGUF_BLOCK_BYTES or rows_kernel is None else (
-            rows_kernel(self.weight.data, self.qtype, self.dtype))
+            rows_kernel(self.weight.data, self.qtype, self.dtype, self.int8_activations))
         if kernel is None:
             return general
         if self.dense is not None:

@@ -118,6 +118,14 @@ void rows_pass(const float* x, const float* xsum, int64_t K, const uint8_t* w, i
   }
 }
 
+#if defined(__AVX2__)
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 // AVX2 without AVX-512: GCC's 16-lane vector types become pairs of ymm registers moved through the
 // stack between the conversions and the FMAs (rows_pass ran at ~0.7 elements per cycle). Here each
@@ -169,12 +177,6 @@ __attribute__((always_inline)) inline void block_weights8(const uint8_t* blk, __
   } else {
     for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(w[i], d);
   }
-}
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 // rows_pass's contract (x as fp32 [M][K]) on ymm registers.
@@ -489,14 +491,167 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qt
   return out;
 }
 
+
+// ---- x quantized to int8 per block of 32 features (quantize_activations; llama.cpp's arithmetic) ----
+// Each block of a row of x: dx = max|x| / 127, qx = round-half-even(x * (1 / dx)) (0 for a zero
+// block), as kernels.reference.quantize_rows_int8 does, bit for bit. A weight block's product with
+// it is exact in int32, sum_j q_j qx_j (Q4_0: its q - 8 as sum_j q_j qx_j - 8 sum_j qx_j), then
+// dw dx times that sum in fp32, plus for Q4_1 the minimum times the block's exact sum of x.
+// maddubs multiplies 32 byte pairs per instruction where the exact path takes 8 products per FMA
+// after converting each weight to fp32: about a quarter of the arithmetic per weight.
+
+template <typename T>
+void quantize_x_int8(const T* x, int64_t M, int64_t K, int8_t* q, float* d, float* s, int32_t* qsum) {
+  const int64_t nb = K / 32;
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const T* xb = x + i * 32;
+    float amax = 0.f, sum = 0.f;
+    for (int j = 0; j < 32; ++j) {
+      const float v = to_float(xb[j]);
+      amax = std::max(amax, std::fabs(v));
+      sum += v;
+    }
+    const float dx = amax / 127.f, inv = dx != 0.f ? 1.f / dx : 0.f;
+    int32_t total = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int8_t v = static_cast<int8_t>(std::nearbyint(to_float(xb[j]) * inv));
+      q[i * 32 + j] = v;
+      total += v;
+    }
+    d[i] = dx, s[i] = sum, qsum[i] = total;
+  }
+}
+
+// Rows [m0, m0 + R) of the quantized x against weight rows [n0, n1).
+template <typename T, Quant Q, int R>
+void rows_pass_int8(const int8_t* xq, const float* xd, const float* xs, const int32_t* xqs, int64_t K,
+                    const uint8_t* w, int64_t row_bytes, T* out, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+  const int64_t nb = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    if (n + kPrefetchRows < n1)
+      for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + kPrefetchRows * row_bytes + o);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    float mins[R] = {};
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * block_bytes<Q>();
+      const float dw = half_at(blk);
+      __m256i wq;            // the block's 32 weight bytes: Q8_0 signed, 4-bit types as nibbles 0-15
+      if constexpr (Q == Quant::Q8_0) {
+        wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+      } else {
+        const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Q == Quant::Q4_1 ? 4 : 2)));
+        const __m128i mask = _mm_set1_epi8(15);
+        wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), _mm_and_si128(qs, mask));
+      }
+      const __m256i wu = Q == Quant::Q8_0 ? _mm256_sign_epi8(wq, wq) : wq;   // maddubs: unsigned first
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m0 + r) * nb + b;
+        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 32));
+        if constexpr (Q == Quant::Q8_0) xv = _mm256_sign_epi8(xv, wq);       // the weight's sign moved to x
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones);
+        const float scale = dw * xd[i];
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(dot), acc[r]);
+        if constexpr (Q == Quant::Q4_1) mins[r] += half_at(blk + 2) * xs[i];
+        if constexpr (Q == Quant::Q4_0) mins[r] += scale * static_cast<float>(-8 * xqs[i]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[(m0 + r) * N + n] = static_cast<T>(hsum8(acc[r]) + mins[r]);
+#else
+    for (int r = 0; r < R; ++r) {
+      float total = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * block_bytes<Q>();
+        const int64_t i = (m0 + r) * nb + b;
+        int32_t dot = 0;
+        for (int j = 0; j < 32; ++j) {
+          int32_t wj;
+          if constexpr (Q == Quant::Q8_0) wj = static_cast<int8_t>(blk[2 + j]);
+          else wj = j < 16 ? blk[block_bytes<Q>() - 16 + j] & 15 : blk[block_bytes<Q>() - 32 + j] >> 4;
+          dot += wj * xq[i * 32 + j];
+        }
+        const float scale = half_at(blk) * xd[i];
+        total += scale * static_cast<float>(dot);
+        if constexpr (Q == Quant::Q4_1) total += half_at(blk + 2) * xs[i];
+        if constexpr (Q == Quant::Q4_0) total += scale * static_cast<float>(-8 * xqs[i]);
+      }
+      out[(m0 + r) * N + n] = static_cast<T>(total);
+    }
+#endif
+  }
+}
+
+template <typename T, Quant Q, int R>
+void tail_pass_int8(int rows, const int8_t* xq, const float* xd, const float* xs, const int32_t* xqs, int64_t K,
+                    const uint8_t* w, int64_t row_bytes, T* out, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+  if constexpr (R > 0) {
+    if (rows != R) return tail_pass_int8<T, Q, R - 1>(rows, xq, xd, xs, xqs, K, w, row_bytes, out, N, m0, n0, n1);
+    rows_pass_int8<T, Q, R>(xq, xd, xs, xqs, K, w, row_bytes, out, N, m0, n0, n1);
+  }
+}
+
+template <typename T, Quant Q>
+void gguf_int8_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0), row_bytes = blocks.size(1), nb = K / 32;
+  std::vector<int8_t> xq(static_cast<size_t>(M * K));
+  std::vector<float> xd(static_cast<size_t>(M * nb)), xs(static_cast<size_t>(M * nb));
+  std::vector<int32_t> xqs(static_cast<size_t>(M * nb));
+  quantize_x_int8(x.const_data_ptr<T>(), M, K, xq.data(), xd.data(), xs.data(), xqs.data());
+  const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
+  T* op = out.mutable_data_ptr<T>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / row_bytes), [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+      tail_pass_int8<T, Q, kRows>(rows, xq.data(), xd.data(), xs.data(), xqs.data(), K, wp, row_bytes, op, N, m0,
+                                  n0, n1);
+    }
+  });
+}
+
+at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
+  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "gguf_linear_int8: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2 && blocks.scalar_type() == at::kByte,
+              "gguf_linear_int8: x must be [M, K] and blocks uint8 [N, row bytes]");
+  TORCH_CHECK(qtype >= 0 && qtype <= 2, "gguf_linear_int8: qtype must be 0 (Q8_0), 1 (Q4_0) or 2 (Q4_1); got ",
+              qtype);
+  const int64_t bytes = qtype == 0 ? 34 : qtype == 1 ? 18 : 20;
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % 32 == 0 && blocks.size(1) == K / 32 * bytes, "gguf_linear_int8: x has ", K,
+              " features but the blocks' rows hold ", blocks.size(1), " bytes (", bytes, " per 32 features)");
+  const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
+  at::Tensor out = at::empty({x.size(0), blocks.size(0)}, x.options());
+  if (x.size(0) == 0 || blocks.size(0) == 0) return out;
+  auto with_quant = [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    switch (qtype) {
+      case 0: gguf_int8_impl<T, Quant::Q8_0>(xc, bc, out); break;
+      case 1: gguf_int8_impl<T, Quant::Q4_0>(xc, bc, out); break;
+      default: gguf_int8_impl<T, Quant::Q4_1>(xc, bc, out); break;
+    }
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: with_quant(TypeTag<float>{}); break;
+    case at::kBFloat16: with_quant(TypeTag<c10::BFloat16>{}); break;
+    case at::kHalf: with_quant(TypeTag<c10::Half>{}); break;
+    default: TORCH_CHECK(false, "gguf_linear_int8: dtype must be float32, bfloat16 or float16; got ", x.scalar_type());
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor blocks, int qtype) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, int qtype, ScalarType dtype) -> Tensor");
+  m.def("gguf_linear_int8(Tensor x, Tensor blocks, int qtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("gguf_linear_int8", &gguf_linear_int8);
 }
