@@ -462,14 +462,17 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t qtype, at::ScalarTy
   return out;
 }
 
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
-  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "gguf_linear: CPU tensors only");
+// What both entry points share: the checks, and the dispatch to Kernel<T, Q>::run(x, blocks, out) by
+// x's dtype and the blocks' type.
+template <template <typename, Quant> class Kernel>
+at::Tensor gguf_entry(const char* name, const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
+  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), name, ": CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2 && blocks.scalar_type() == at::kByte,
-              "gguf_linear: x must be [M, K] and blocks uint8 [N, row bytes]");
-  TORCH_CHECK(qtype >= 0 && qtype <= 2, "gguf_linear: qtype must be 0 (Q8_0), 1 (Q4_0) or 2 (Q4_1); got ", qtype);
+              name, ": x must be [M, K] and blocks uint8 [N, row bytes]");
+  TORCH_CHECK(qtype >= 0 && qtype <= 2, name, ": qtype must be 0 (Q8_0), 1 (Q4_0) or 2 (Q4_1); got ", qtype);
   const int64_t bytes = qtype == 0 ? 34 : qtype == 1 ? 18 : 20;
   const int64_t K = x.size(1);
-  TORCH_CHECK(K % 32 == 0 && blocks.size(1) == K / 32 * bytes, "gguf_linear: x has ", K,
+  TORCH_CHECK(K % 32 == 0 && blocks.size(1) == K / 32 * bytes, name, ": x has ", K,
               " features but the blocks' rows hold ", blocks.size(1), " bytes (", bytes, " per 32 features)");
   const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
   at::Tensor out = at::empty({x.size(0), blocks.size(0)}, x.options());
@@ -477,18 +480,27 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qt
   auto with_quant = [&](auto tag) {
     using T = typename decltype(tag)::type;
     switch (qtype) {
-      case 0: gguf_impl<T, Quant::Q8_0>(xc, bc, out); break;
-      case 1: gguf_impl<T, Quant::Q4_0>(xc, bc, out); break;
-      default: gguf_impl<T, Quant::Q4_1>(xc, bc, out); break;
+      case 0: Kernel<T, Quant::Q8_0>::run(xc, bc, out); break;
+      case 1: Kernel<T, Quant::Q4_0>::run(xc, bc, out); break;
+      default: Kernel<T, Quant::Q4_1>::run(xc, bc, out); break;
     }
   };
   switch (x.scalar_type()) {
     case at::kFloat: with_quant(TypeTag<float>{}); break;
     case at::kBFloat16: with_quant(TypeTag<c10::BFloat16>{}); break;
     case at::kHalf: with_quant(TypeTag<c10::Half>{}); break;
-    default: TORCH_CHECK(false, "gguf_linear: dtype must be float32, bfloat16 or float16; got ", x.scalar_type());
+    default: TORCH_CHECK(false, name, ": dtype must be float32, bfloat16 or float16; got ", x.scalar_type());
   }
   return out;
+}
+
+template <typename T, Quant Q>
+struct ExactKernel {
+  static void run(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) { gguf_impl<T, Q>(x, blocks, out); }
+};
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
+  return gguf_entry<ExactKernel>("gguf_linear", x, blocks, qtype);
 }
 
 
@@ -612,34 +624,15 @@ void gguf_int8_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& o
   });
 }
 
-at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
-  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "gguf_linear_int8: CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2 && blocks.scalar_type() == at::kByte,
-              "gguf_linear_int8: x must be [M, K] and blocks uint8 [N, row bytes]");
-  TORCH_CHECK(qtype >= 0 && qtype <= 2, "gguf_linear_int8: qtype must be 0 (Q8_0), 1 (Q4_0) or 2 (Q4_1); got ",
-              qtype);
-  const int64_t bytes = qtype == 0 ? 34 : qtype == 1 ? 18 : 20;
-  const int64_t K = x.size(1);
-  TORCH_CHECK(K % 32 == 0 && blocks.size(1) == K / 32 * bytes, "gguf_linear_int8: x has ", K,
-              " features but the blocks' rows hold ", blocks.size(1), " bytes (", bytes, " per 32 features)");
-  const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
-  at::Tensor out = at::empty({x.size(0), blocks.size(0)}, x.options());
-  if (x.size(0) == 0 || blocks.size(0) == 0) return out;
-  auto with_quant = [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    switch (qtype) {
-      case 0: gguf_int8_impl<T, Quant::Q8_0>(xc, bc, out); break;
-      case 1: gguf_int8_impl<T, Quant::Q4_0>(xc, bc, out); break;
-      default: gguf_int8_impl<T, Quant::Q4_1>(xc, bc, out); break;
-    }
-  };
-  switch (x.scalar_type()) {
-    case at::kFloat: with_quant(TypeTag<float>{}); break;
-    case at::kBFloat16: with_quant(TypeTag<c10::BFloat16>{}); break;
-    case at::kHalf: with_quant(TypeTag<c10::Half>{}); break;
-    default: TORCH_CHECK(false, "gguf_linear_int8: dtype must be float32, bfloat16 or float16; got ", x.scalar_type());
+template <typename T, Quant Q>
+struct Int8Kernel {
+  static void run(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
+    gguf_int8_impl<T, Q>(x, blocks, out);
   }
-  return out;
+};
+
+at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
+  return gguf_entry<Int8Kernel>("gguf_linear_int8", x, blocks, qtype);
 }
 
 }  // namespace
