@@ -77,6 +77,7 @@ class CpuDecodePlan:
                 return None
             layers.append((layer.input_layernorm.weight, float(layer.input_layernorm.eps), a.qkv_proj.rows_matmul(),
                            [a.q_size, a.kv_size, a.kv_size], a.num_heads, a.num_kv_heads, a.head_dim, a.attn,
+                           float(a.attn.scale),
                            a.o_proj.rows_matmul(), layer.post_attention_layernorm.weight,
                            float(layer.post_attention_layernorm.eps), mlp.gate_up_proj.rows_matmul(),
                            mlp.down_proj.rows_matmul()))
@@ -92,21 +93,20 @@ class CpuDecodePlan:
         slots, tables, lens = meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens
         cos, sin = model.rotary.lookup(positions)
         hidden, residual = model.embed_tokens(input_ids), None
-        for (norm1, eps1, qkv, sizes, heads, kv_heads, head_dim, attn, o_proj, norm2, eps2, gate_up,
+        for (norm1, eps1, qkv, sizes, heads, kv_heads, head_dim, attn, scale, o_proj, norm2, eps2, gate_up,
              down), kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = rms_norm(hidden, norm1, eps1, residual)
             q, k, v = qkv(hidden).split(sizes, dim=-1)
             q, k = rotary(q.view(num, heads, head_dim), k.view(num, kv_heads, head_dim), cos, sin)
             v = v.view(num, kv_heads, head_dim)
-            k_scale, v_scale = attn.k_scale, attn.v_scale
+            k_scale, v_scale = attn.k_scale, attn.v_scale       # read per step: calibration sets them after build
             if fp8_write_kv is None:
                 write_kv(k, v, kv_cache, slots)
             else:
                 fp8_write_kv(k, v, kv_cache, slots, k_scale, v_scale)
-            out = paged_decode(q, kv_cache, tables, lens, float(attn.scale), float(k_scale), float(v_scale))
+            out = paged_decode(q, kv_cache, tables, lens, scale, float(k_scale), float(v_scale))
             hidden = o_proj(out.view(num, heads * head_dim))
             hidden, residual = rms_norm(hidden, norm2, eps2, residual)
             hidden = down(silu_and_mul(gate_up(hidden)))
         hidden, _ = rms_norm(hidden, model.norm.weight, float(model.norm.eps), residual)
         return hidden
-
