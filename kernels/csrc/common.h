@@ -38,25 +38,45 @@ typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
 typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
+// Eight fp32 lanes: one AVX2 register, where a kernel's working set of sixteen-lane vectors would
+// not fit in the sixteen registers AVX2 has (prefill_attention.cpp).
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+
+// The int32 vector with the lanes of fp32 vector V.
+template <typename V>
+struct IntLanes;
+template <>
+struct IntLanes<f32x16> {
+  using type = i32x16;
+};
+template <>
+struct IntLanes<f32x8> {
+  using type = i32x8;
+};
 
 // exp(x) to about 1 ulp: 2^(x log2 e) split into an integer power, put into the exponent bits, and a
 // degree-7 Taylor polynomial of e^f on |f| <= ln2 / 2. Above 88.37 it is inf (fp32's exp overflows
 // at 88.72; the power of two must stay below 2^128) and below -87.3 zero (where it turns subnormal).
-inline f32x16 exp_approx(f32x16 x) {
-  const f32x16 c = x < -87.3f ? f32x16{} - 87.3f : x > 88.37f ? f32x16{} + 88.37f : x;
-  const f32x16 t = c * 1.4426950408889634f;
-  const f32x16 n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
-  const f32x16 f = (t - n) * 0.6931471805599453f;
-  f32x16 p = f * (1.0f / 5040.0f) + 1.0f / 720.0f;
+// V: f32x16 or f32x8, lane by lane the same arithmetic.
+template <typename V>
+inline V exp_approx(V x) {
+  using I = typename IntLanes<V>::type;
+  const V c = x < -87.3f ? V{} - 87.3f : x > 88.37f ? V{} + 88.37f : x;
+  const V t = c * 1.4426950408889634f;
+  const V n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
+  const V f = (t - n) * 0.6931471805599453f;
+  V p = f * (1.0f / 5040.0f) + 1.0f / 720.0f;
   p = p * f + 1.0f / 120.0f;
   p = p * f + 1.0f / 24.0f;
   p = p * f + 1.0f / 6.0f;
   p = p * f + 0.5f;
   p = p * f + 1.0f;
   p = p * f + 1.0f;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  const f32x16 y = p * reinterpret_cast<const f32x16&>(bits);
-  return x < -87.3f ? f32x16{} : x > 88.37f ? f32x16{} + INFINITY : y;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  const V y = p * reinterpret_cast<const V&>(bits);
+  return x < -87.3f ? V{} : x > 88.37f ? V{} + INFINITY : y;
 }
 
 template <typename T>
@@ -173,8 +193,6 @@ inline f32x16 fold(f32x16 x, f32x16 y) {
 constexpr int kBitrev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
 // Horizontal max and sum as trees of halvings (4 levels) rather than 15 dependent scalar steps.
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
 
 inline float hmax16(f32x16 v) {
   const f32x8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);

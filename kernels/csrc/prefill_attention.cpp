@@ -3,12 +3,15 @@
 // prefill, chunked prefill and prefix hits alike). Flash-attention style, in fp32, one pass over
 // K/V with an online softmax.
 //
-// A work item is (segment, KV head, tile of 16 query positions). Its rows are the query heads that
-// share the KV head, each held transposed: one vector per head dimension with a lane per position.
-// Then the scores of sixteen keys are sixteen FMAs per head dimension with the key's element
-// broadcast, and the online softmax (causal mask, max, exp, denominator) is elementwise across
-// lanes, with no horizontal reductions. A chunk of sixteen keys and values is converted to fp32
-// once and shared by the item's heads. Items go to ATen's threads longest first.
+// A work item is (segment, KV head, tile of L query positions), L the lanes of one vector register:
+// 16 with AVX-512, 8 elsewhere. Its rows are the query heads that share the KV head, each held
+// transposed: one vector per head dimension with a lane per position. Then the scores of L keys are
+// L FMAs per head dimension with the key's element broadcast, and the online softmax (causal mask,
+// max, exp, denominator) is elementwise across lanes, with no horizontal reductions. A chunk of L
+// keys and values is converted to fp32 once and shared by the item's heads. Items go to ATen's
+// threads longest first. The inner loops keep L accumulators and two more vectors live: 18 of
+// AVX-512's 32 registers at L = 16, 10 of AVX2's 16 at L = 8 (at L = 16 on AVX2, every vector is two
+// registers and the accumulators spill: the kernel ran at a quarter of torch's SDPA on a Zen 1).
 //
 // KV cache layout (per layer): [2, num_blocks, block_size, num_kv_heads, head_dim].
 #include <ATen/Parallel.h>
@@ -20,38 +23,45 @@
 
 namespace {
 
-constexpr int kLanes = 16;   // query positions per item, and keys per chunk
+#ifdef __AVX512F__
+typedef f32x16 Lanes;
+#else
+typedef f32x8 Lanes;
+#endif
+constexpr int kLanes = sizeof(Lanes) / sizeof(float);   // query positions per item, and keys per chunk
 
-// Scores of one head's sixteen positions (q: [D] vectors, lane = position) against a chunk of
-// sixteen keys (k: [16][D] fp32): s[j] = the sixteen positions' dot products with key j.
+// Scores of one head's kLanes positions (q: [D] vectors, lane = position) against a chunk of
+// kLanes keys (k: [kLanes][D] fp32): s[j] = the positions' dot products with key j.
 template <int D>
-inline void chunk_scores(const f32x16* q, const float* k, f32x16* s) {
-  f32x16 acc[kLanes] = {};
+inline void chunk_scores(const Lanes* q, const float* k, Lanes* s) {
+  Lanes acc[kLanes] = {};
   for (int d = 0; d < D; ++d) {
-    const f32x16 qd = q[d];
+    const Lanes qd = q[d];
     for (int j = 0; j < kLanes; ++j) acc[j] += k[j * D + d] * qd;
   }
   for (int j = 0; j < kLanes; ++j) s[j] = acc[j];
 }
 
-// o ([D] vectors, lane = position) = o * alpha + sum over the chunk's keys j < count of e[j] * v[j].
+// o ([D] vectors, lane = position) = o * alpha + sum over the chunk's keys j < count of e[j] * v[j],
+// kLanes head dimensions at a time.
 template <int D>
-inline void chunk_values(const float* v, const f32x16* e, int64_t count, f32x16 alpha, f32x16* o) {
-  for (int d0 = 0; d0 < D; d0 += 16) {
-    f32x16 acc[16];
-    for (int i = 0; i < 16; ++i) acc[i] = o[d0 + i] * alpha;
+inline void chunk_values(const float* v, const Lanes* e, int64_t count, Lanes alpha, Lanes* o) {
+  static_assert(D % kLanes == 0);
+  for (int d0 = 0; d0 < D; d0 += kLanes) {
+    Lanes acc[kLanes];
+    for (int i = 0; i < kLanes; ++i) acc[i] = o[d0 + i] * alpha;
     for (int64_t j = 0; j < count; ++j)
-      for (int i = 0; i < 16; ++i) acc[i] += v[j * D + d0 + i] * e[j];
-    for (int i = 0; i < 16; ++i) o[d0 + i] = acc[i];
+      for (int i = 0; i < kLanes; ++i) acc[i] += v[j * D + d0 + i] * e[j];
+    for (int i = 0; i < kLanes; ++i) o[d0 + i] = acc[i];
   }
 }
 
 // Per-thread working memory, reused across items.
 template <int D>
 struct PrefillScratch {
-  std::vector<f32x16> q, o;     // [group][D]: scaled queries and unnormalized outputs, transposed
-  std::vector<f32x16> max, denom;   // [group]: online-softmax state per lane
-  std::vector<float> k, v;      // [16][D]: the current chunk in fp32
+  std::vector<Lanes> q, o;     // [group][D]: scaled queries and unnormalized outputs, transposed
+  std::vector<Lanes> max, denom;   // [group]: online-softmax state per lane
+  std::vector<float> k, v;      // [kLanes][D]: the current chunk in fp32
 };
 
 // T: the query's dtype; C: the cache's element type (T, or fp8 e4m3 read at k_scale / v_scale,
@@ -69,7 +79,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
   const int64_t* slen_ptr = seq_lens.const_data_ptr<int64_t>();
   T* out_ptr = out.mutable_data_ptr<T>();
 
-  // Work items: tiles of up to 16 query rows of a segment (the segment, the tile's first row within
+  // Work items: tiles of up to kLanes query rows of a segment (the segment, the tile's first row within
   // it, the segment's first row in `query`) x KV heads.
   struct Tile {
     int64_t segment, row0, first_row_of_segment;
@@ -83,7 +93,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
   };
   const int64_t num_items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
   const auto assigned = assign_longest_first(
-      num_items, at::get_num_threads(), [&](int64_t item) { return keys_end(tiles[item / num_kv_heads]) + 16; });
+      num_items, at::get_num_threads(), [&](int64_t item) { return keys_end(tiles[item / num_kv_heads]) + kLanes; });
 
   at::parallel_for(0, static_cast<int64_t>(assigned.size()), 1, [&](int64_t first, int64_t last) {
     PrefillScratch<D> w;
@@ -91,8 +101,9 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
     w.o.resize(static_cast<size_t>(group * D));
     w.k.resize(static_cast<size_t>(kLanes * D));
     w.v.resize(static_cast<size_t>(kLanes * D));
-    f32x16 e[kLanes];
-    const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    Lanes e[kLanes];
+    Lanes lane;
+    for (int i = 0; i < kLanes; ++i) lane[i] = static_cast<float>(i);
     for (int64_t t = first; t < last; ++t)
       for (const int64_t item : assigned[t]) {
         const Tile& tile = tiles[item / num_kv_heads];
@@ -102,19 +113,19 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
         const int64_t* table = table_ptr + s * max_blocks;
         // Lane i is position pos0 + i and sees keys up to it; lanes past the segment's end repeat its
         // last row (their results are not written).
-        const f32x16 limit = (lane < static_cast<float>(rows) ? lane : f32x16{} + static_cast<float>(rows - 1)) +
+        const Lanes limit = (lane < static_cast<float>(rows) ? lane : Lanes{} + static_cast<float>(rows - 1)) +
                              static_cast<float>(pos0);
         for (int64_t g = 0; g < group; ++g) {
-          float* qf = reinterpret_cast<float*>(w.q.data() + g * D);     // [D][16]
+          float* qf = reinterpret_cast<float*>(w.q.data() + g * D);     // [D][kLanes]
           for (int64_t i = 0; i < kLanes; ++i) {
             const T* row = q_ptr + ((tile.first_row_of_segment + tile.row0 + std::min(i, rows - 1)) * num_heads +
                                     h * group + g) * D;
             for (int d = 0; d < D; ++d) qf[d * kLanes + i] = to_float(row[d]) * static_cast<float>(scale * k_scale);
           }
         }
-        std::fill(w.o.begin(), w.o.end(), f32x16{});
-        w.max.assign(static_cast<size_t>(group), f32x16{} - INFINITY);
-        w.denom.assign(static_cast<size_t>(group), f32x16{});
+        std::fill(w.o.begin(), w.o.end(), Lanes{});
+        w.max.assign(static_cast<size_t>(group), Lanes{} - INFINITY);
+        w.denom.assign(static_cast<size_t>(group), Lanes{});
         for (int64_t c0 = 0; c0 < end; c0 += kLanes) {
           const int64_t count = std::min<int64_t>(kLanes, end - c0);
           for (int64_t j = 0; j < kLanes; ++j) {
@@ -135,17 +146,17 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
             }
           }
           for (int64_t g = 0; g < group; ++g) {
-            f32x16 sc[kLanes];
+            Lanes sc[kLanes];
             chunk_scores<D>(w.q.data() + g * D, w.k.data(), sc);
-            f32x16 m = w.max[g];
+            Lanes m = w.max[g];
             for (int j = 0; j < kLanes; ++j) {
-              sc[j] = static_cast<float>(c0 + j) <= limit ? sc[j] : f32x16{} - INFINITY;   // causal
+              sc[j] = static_cast<float>(c0 + j) <= limit ? sc[j] : Lanes{} - INFINITY;   // causal
               m = m > sc[j] ? m : sc[j];
             }
             // Key 0 is in every lane's range, so after the first chunk m is finite; before it the
             // old max is -inf and alpha is 0.
-            const f32x16 alpha = exp_approx(w.max[g] - m);
-            f32x16 sum = {};
+            const Lanes alpha = exp_approx(w.max[g] - m);
+            Lanes sum = {};
             for (int j = 0; j < kLanes; ++j) {
               e[j] = exp_approx(sc[j] - m);
               sum += e[j];
@@ -156,7 +167,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
           }
         }
         for (int64_t g = 0; g < group; ++g) {
-          const f32x16 inv = static_cast<float>(v_scale) / w.denom[g];
+          const Lanes inv = static_cast<float>(v_scale) / w.denom[g];
           const float* of = reinterpret_cast<const float*>(w.o.data() + g * D);
           for (int64_t i = 0; i < rows; ++i) {
             T* o = out_ptr + ((tile.first_row_of_segment + tile.row0 + i) * num_heads + h * group + g) * D;
