@@ -48,6 +48,11 @@ logger = logging.getLogger(__name__)
 # faster below it (oneDNN 0.5-0.8x at one row, docs/PERFORMANCE.md §7); on a first-generation EPYC
 # (Zen 1) oneDNN is 1.4x sgemm at one row and 2.3x at four (§9c).
 CPU_FP32_PACKED_MIN_ROWS = 8
+# ... and the factor by which oneDNN must beat sgemm at one or two rows. Lower than
+# CPU_FP32_MIN_SPEEDUP: both GEMMs are fp32, so where they are close either choice is as good, and on
+# the Zen 1 the timing measured 1.20-1.26x in six processes, which 1.25 split at random between a
+# 51.5 and a 59.9 ms batch-1 step of the embedded model (docs/PERFORMANCE.md §7j).
+CPU_FP32_ROWS_MIN_SPEEDUP = 1.1
 
 
 def cpu_fp32_gemm(dtype: torch.dtype) -> bool:
@@ -157,7 +162,7 @@ def _fp32_prepack_pays() -> bool:
 @functools.cache
 def fp32_packed_min_rows() -> int:
     """From how many rows an fp32 linear with a prepacked weight takes oneDNN's GEMM: the fewest of
-    1 and 2 rows at which this CPU runs it CPU_FP32_MIN_SPEEDUP times faster than F.linear (MKL's
+    1 and 2 rows at which this CPU runs it CPU_FP32_ROWS_MIN_SPEEDUP times faster than F.linear (MKL's
     sgemm), else CPU_FP32_PACKED_MIN_ROWS. Timed once per process (~0.3 s), alternating, on weights
     cycled from memory as a model's are (cache-hot, the order differs: on a Zen 1 EPYC sgemm was
     1.15x oneDNN at one row hot and 0.7x from memory)."""
@@ -171,7 +176,7 @@ def fp32_packed_min_rows() -> int:
         x = torch.randn(rows, 576, generator=g)
         sgemm, onednn = _best_alternating(lambda x=x: [F.linear(x, w) for w in weights],
                                           lambda x=x: [packed_linear(x, p) for p in packed], rounds=2)
-        if sgemm > CPU_FP32_MIN_SPEEDUP * onednn:
+        if sgemm > CPU_FP32_ROWS_MIN_SPEEDUP * onednn:
             return rows
     return CPU_FP32_PACKED_MIN_ROWS
 
