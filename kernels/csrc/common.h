@@ -193,7 +193,6 @@ inline f32x16 fold(f32x16 x, f32x16 y) {
 constexpr int kBitrev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
 // Horizontal max and sum as trees of halvings (4 levels) rather than 15 dependent scalar steps.
-
 inline float hmax16(f32x16 v) {
   const f32x8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
   const f32x8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);

@@ -11,7 +11,7 @@
 // keys and values is converted to fp32 once and shared by the item's heads. Items go to ATen's
 // threads longest first. The inner loops keep L accumulators and two more vectors live: 18 of
 // AVX-512's 32 registers at L = 16, 10 of AVX2's 16 at L = 8 (at L = 16 on AVX2, every vector is two
-// registers and the accumulators spill: the kernel ran at a quarter of torch's SDPA on a Zen 1).
+// registers and the accumulators spill: on a Zen 1 the kernel ran at 0.2-0.5x torch's SDPA).
 //
 // KV cache layout (per layer): [2, num_blocks, block_size, num_kv_heads, head_dim].
 #include <ATen/Parallel.h>
