@@ -46,12 +46,12 @@ logger = logging.getLogger(__name__)
 # fp32 weights: oneDNN's prepacked GEMM is used from this many rows on, unless this CPU runs it
 # faster than MKL's sgemm at one row too (`fp32_packed_min_rows`): on the CPUs first measured MKL was
 # faster below it (oneDNN 0.5-0.8x at one row, docs/PERFORMANCE.md §7); on a first-generation EPYC
-# (Zen 1) oneDNN is 1.4x sgemm at one row and 2.3x at four (§9c).
+# (Zen 1) oneDNN is 1.2-1.4x sgemm at one row and 2.3x at four (§9c, §7j).
 CPU_FP32_PACKED_MIN_ROWS = 8
 # ... and the factor by which oneDNN must beat sgemm at one or two rows. Lower than
 # CPU_FP32_MIN_SPEEDUP: both GEMMs are fp32, so where they are close either choice is as good, and on
-# the Zen 1 the timing measured 1.20-1.26x in six processes, which 1.25 split at random between a
-# 51.5 and a 59.9 ms batch-1 step of the embedded model (docs/PERFORMANCE.md §7j).
+# the Zen 1 this timing measured 1.20-1.26x in six processes, which 1.25 split at random between a
+# 51.5 and a 59.9 ms batch-1 step of the embedded model.
 CPU_FP32_ROWS_MIN_SPEEDUP = 1.1
 
 
