@@ -41,8 +41,22 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 // Eight fp32 lanes: one AVX2 register, where a kernel's working set of sixteen-lane vectors would
 // not fit in the sixteen registers AVX2 has (prefill_attention.cpp).
 typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x8u __attribute__((vector_size(32), aligned(4)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
+typedef uint8_t u8x8 __attribute__((vector_size(8), aligned(1)));
 typedef float f32x4 __attribute__((vector_size(16)));
+
+// The attention kernels' vector: as wide as one register, 16 lanes with AVX-512 and 8 elsewhere. At
+// 16 lanes on AVX2 each vector is two registers and their working sets spill (on a Zen 1 the prefill
+// kernel ran at 0.2-0.5x torch's SDPA, the decode kernel's K/V reads at a third of the AVX-512 rate).
+#ifdef __AVX512F__
+typedef f32x16 Lanes;
+#else
+typedef f32x8 Lanes;
+#endif
+constexpr int kLanes = sizeof(Lanes) / sizeof(float);
 
 // The int32 vector with the lanes of fp32 vector V.
 template <typename V>
@@ -123,6 +137,40 @@ inline f32x16 load16(const T* p) {
   }
 }
 
+// Eight lanes, the same conversions as load16.
+template <typename T>
+inline f32x8 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return *reinterpret_cast<const f32x8u*>(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const u32x8 wide = __builtin_convertvector(*reinterpret_cast<const u16x8*>(p), u32x8) << 16;
+    return reinterpret_cast<const f32x8&>(wide);
+#if defined(__F16C__)
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return reinterpret_cast<const f32x8&>(f);
+  } else if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
+    const u16x8 w = __builtin_convertvector(*reinterpret_cast<const u8x8*>(p), u16x8);
+    const u16x8 h = ((w & 0x80) << 8) | ((w & 0x7F) << 7);   // as load16
+    const __m256 f = _mm256_cvtph_ps(reinterpret_cast<const __m128i&>(h));
+    return reinterpret_cast<const f32x8&>(f) * 256.0f;
+#endif
+  } else {
+    f32x8 v;
+    for (int i = 0; i < 8; ++i) v[i] = to_float(p[i]);
+    return v;
+  }
+}
+
+// kLanes elements as a Lanes vector.
+template <typename T>
+inline Lanes load_lanes(const T* p) {
+  if constexpr (kLanes == 16)
+    return load16(p);
+  else
+    return load8(p);
+}
+
 template <typename T>
 inline void store16(T* p, f32x16 v) {
   if constexpr (std::is_same_v<T, float>) {
@@ -169,34 +217,33 @@ inline void store_n(T* p, f32x16 v, int64_t n) {
   std::memcpy(p, tmp, n * sizeof(T));
 }
 
-// One level of a 16x16 transpose-and-add: fold<W>(x, y) splits the lanes into groups of W, takes the
-// groups alternately from x and y (x's first two W-lane groups, then y's first two, then x's next
-// two, ...) and adds the second group of each pair to the first. Applied as a binary tree to sixteen
-// vectors a[0..15] (fold<8> on pairs, fold<4> on those results, then fold<2>, fold<1>), lane j of
-// the result is the sum of the lanes of a[kBitrev4[j]]: about one shuffle-add per input instead of
-// four for a horizontal sum of each.
-constexpr int fold_lane(int j, int width, int second) {
+// One level of an NxN transpose-and-add (N the vector's lanes): fold<W>(x, y) splits the lanes into
+// groups of W, takes the groups alternately from x and y (x's first two W-lane groups, then y's first
+// two, then x's next two, ...) and adds the second group of each pair to the first. Applied as a
+// binary tree to N vectors a[0..N-1] (fold<N/2> on pairs, fold<N/4> on those results, ..., fold<1>),
+// lane j of the result is the sum of the lanes of a[bitrev(j)] (j's log2(N) bits reversed): about one
+// shuffle-add per input instead of log2(N) for a horizontal sum of each.
+constexpr int fold_lane(int j, int width, int second, int lanes) {
   const int group = j / width;
-  return group % 2 * 16 + group / 2 * 2 * width + second * width + j % width;
+  return group % 2 * lanes + group / 2 * 2 * width + second * width + j % width;
 }
 
-template <int W, int... J>
-inline f32x16 fold_lanes(f32x16 x, f32x16 y, std::integer_sequence<int, J...>) {
-  return __builtin_shufflevector(x, y, fold_lane(J, W, 0)...) + __builtin_shufflevector(x, y, fold_lane(J, W, 1)...);
+template <int W, typename V, int... J>
+inline V fold_lanes(V x, V y, std::integer_sequence<int, J...>) {
+  constexpr int n = sizeof(V) / sizeof(float);
+  return __builtin_shufflevector(x, y, fold_lane(J, W, 0, n)...) + __builtin_shufflevector(x, y, fold_lane(J, W, 1, n)...);
 }
 
-template <int W>
-inline f32x16 fold(f32x16 x, f32x16 y) {
-  return fold_lanes<W>(x, y, std::make_integer_sequence<int, 16>{});
+template <int W, typename V>
+inline V fold(V x, V y) {
+  return fold_lanes<W>(x, y, std::make_integer_sequence<int, sizeof(V) / sizeof(float)>{});
 }
 
-constexpr int kBitrev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+// j's `bits` low bits in reverse order: the token whose sum the fold tree leaves in lane j.
+constexpr int bitrev(int j, int bits) { return bits == 0 ? 0 : (j & 1) << (bits - 1) | bitrev(j >> 1, bits - 1); }
 
-// Horizontal max and sum as trees of halvings (4 levels) rather than 15 dependent scalar steps.
-inline float hmax16(f32x16 v) {
-  const f32x8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  const f32x8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x8 a = lo < hi ? hi : lo;
+// Horizontal max and sum as trees of halvings rather than dependent scalar steps.
+inline float hmax(f32x8 a) {
   const f32x4 a_lo = __builtin_shufflevector(a, a, 0, 1, 2, 3), a_hi = __builtin_shufflevector(a, a, 4, 5, 6, 7);
   const f32x4 b = a_lo < a_hi ? a_hi : a_lo;
   const f32x4 b_sw = __builtin_shufflevector(b, b, 2, 3, 0, 1);
@@ -204,12 +251,21 @@ inline float hmax16(f32x16 v) {
   return std::max(c[0], c[1]);
 }
 
-inline float hsum16(f32x16 v) {
-  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+inline float hmax(f32x16 v) {
+  const f32x8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const f32x8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return hmax(lo < hi ? hi : lo);
+}
+
+inline float hsum(f32x8 a) {
   const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   const f32x4 c = b + __builtin_shufflevector(b, b, 2, 3, 0, 1);
   return c[0] + c[1];
+}
+
+inline float hsum(f32x16 v) {
+  return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
 // The attention kernels read raw memory: every block that lens[b] tokens need must be in row b of the

@@ -23,86 +23,99 @@ struct Row {
   float max, denom;
 };
 
-// R query heads (rows) of one KV head against a chunk of up to sixteen tokens (k, v: `count` token
+// The fold tree of chunk_rows below over the chunk's tokens [t0, t0 + Tokens): out[r] holds row r's
+// scores of those tokens, token t0 + bitrev(j) in lane j of each Tokens-lane group. leaf(t, d) makes
+// the R rows' dot-product vectors of token t. Depth first, so that each row keeps at most one partial
+// vector per level live (log2(kLanes) + 1), not kLanes.
+template <int R, int Tokens, typename Leaf>
+__attribute__((always_inline)) inline void score_tree(int t0, const Leaf& leaf, Lanes (&out)[R]) {
+  if constexpr (Tokens == 1) {
+    leaf(t0, out);
+  } else {
+    Lanes a[R], b[R];
+    score_tree<R, Tokens / 2>(t0, leaf, a);
+    score_tree<R, Tokens / 2>(t0 + Tokens / 2, leaf, b);
+    for (int r = 0; r < R; ++r) out[r] = fold<kLanes / Tokens>(a[r], b[r]);
+  }
+}
+
+// How chunk_rows tiles its work, by head size D: rows (query heads) per call, and the vectors of a
+// K row and of the output rows held in registers at once (K_BLOCK, V_BLOCK of D / kLanes). With
+// AVX-512's 32 registers a row tile's whole K row and outputs fit; AVX2 has 16, and holding them
+// whole spilled to the stack on every token.
+template <int D>
+struct DecodeTiling {
+  static constexpr int V = D / kLanes;
+#ifdef __AVX512F__
+  static constexpr int rows = V <= 4 ? 4 : V <= 8 ? 2 : 1;
+  static constexpr int k_block = V, v_block = V;
+#else
+  static constexpr int rows = 3;
+  static constexpr int k_block = V < 2 ? V : 2, v_block = V < 2 ? V : 2;
+#endif
+};
+
+// R query heads (rows) of one KV head against a chunk of up to kLanes tokens (k, v: `count` token
 // rows, `stride` elements apart, the KV head at `head_offset` in each): scores, then the
-// online-softmax update of each row's max, denominator and unnormalized output `acc` ([R][D/16]).
+// online-softmax update of each row's max, denominator and unnormalized output `acc` ([R][D/kLanes]).
 // Templated on R so that the rows' query and output vectors stay in registers.
 template <typename T, int D, int R>
 inline void chunk_rows(const T* k, const T* v, int64_t stride, int64_t count, int64_t head_offset,
-                       const f32x16* q, Row* rows, f32x16* acc) {
-  constexpr int V = D / 16;
-  // Each row's scores: the sixteen tokens' dot-product vectors, made in token order, go through the
-  // transpose-and-add tree as they are made, so that each row keeps at most five partial vectors live,
-  // not sixteen. Token t lands in lane kBitrev4[t] (and lane j holds token kBitrev4[j]).
-  auto leaves = [&](int t, f32x16 (*out)[2], int slot) {
+                       const Lanes* q, Row* rows, Lanes* acc) {
+  using Tiling = DecodeTiling<D>;
+  constexpr int V = Tiling::V, KB = Tiling::k_block, VB = Tiling::v_block;
+  constexpr int bits = __builtin_ctz(kLanes);
+  // Each row's scores: the tokens' dot-product vectors go through the transpose-and-add tree as they are
+  // made. Token t lands in lane bitrev(t) (and lane j holds token bitrev(j)).
+  auto leaf = [&](int t, Lanes (&d)[R]) {
     const T* kt = k + (t < count ? t : 0) * stride + head_offset;   // padding tokens (t >= count): token 0
-    f32x16 kv[V];
-    for (int i = 0; i < V; ++i) kv[i] = load16(kt + i * 16);
-    for (int r = 0; r < R; ++r) {
-      f32x16 d = q[r * V] * kv[0];
-      for (int i = 1; i < V; ++i) d += q[r * V + i] * kv[i];
-      out[r][slot] = d;
+    for (int i0 = 0; i0 < V; i0 += KB) {
+      Lanes kv[KB];
+      for (int i = 0; i < KB; ++i) kv[i] = load_lanes(kt + (i0 + i) * kLanes);
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < KB; ++i) d[r] = i0 + i == 0 ? q[r * V] * kv[0] : d[r] + q[r * V + i0 + i] * kv[i];
     }
   };
-  f32x16 scores[R];
-  f32x16 l3[R][2];
-#pragma GCC unroll 2
-  for (int i3 = 0; i3 < 2; ++i3) {
-    f32x16 l2[R][2];
-#pragma GCC unroll 2
-    for (int i2 = 0; i2 < 2; ++i2) {
-      f32x16 l1[R][2];
-#pragma GCC unroll 2
-      for (int i1 = 0; i1 < 2; ++i1) {
-        f32x16 l0[R][2];
-        leaves(8 * i3 + 4 * i2 + 2 * i1, l0, 0);
-        leaves(8 * i3 + 4 * i2 + 2 * i1 + 1, l0, 1);
-        for (int r = 0; r < R; ++r) l1[r][i1] = fold<8>(l0[r][0], l0[r][1]);
-      }
-      for (int r = 0; r < R; ++r) l2[r][i2] = fold<4>(l1[r][0], l1[r][1]);
-    }
-    for (int r = 0; r < R; ++r) l3[r][i3] = fold<2>(l2[r][0], l2[r][1]);
-  }
-  for (int r = 0; r < R; ++r) scores[r] = fold<1>(l3[r][0], l3[r][1]);
-  const f32x16 token = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};   // kBitrev4
+  Lanes scores[R];
+  score_tree<R, kLanes>(0, leaf, scores);
+  Lanes token;
+  for (int j = 0; j < kLanes; ++j) token[j] = static_cast<float>(bitrev(j, bits));
   const auto valid = token < static_cast<float>(count);
-  float p[R][16];
+  float p[R][kLanes];
   float alpha[R];
   for (int r = 0; r < R; ++r) {
-    const f32x16 s = valid ? scores[r] : f32x16{} - INFINITY;
-    const float m = std::max(rows[r].max, hmax16(s));
-    const f32x16 e = valid ? exp_approx(s - m) : f32x16{};
+    const Lanes s = valid ? scores[r] : Lanes{} - INFINITY;
+    const float m = std::max(rows[r].max, hmax(s));
+    const Lanes e = valid ? exp_approx(s - m) : Lanes{};
     alpha[r] = rows[r].max == m ? 1.f : rows[r].max == -INFINITY ? 0.f : std::exp(rows[r].max - m);
-    rows[r].denom = rows[r].denom * alpha[r] + hsum16(e);
+    rows[r].denom = rows[r].denom * alpha[r] + hsum(e);
     rows[r].max = m;
     std::memcpy(p[r], &e, sizeof e);
   }
-  f32x16 out[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < V; ++i) out[r][i] = acc[r * V + i] * alpha[r];
-  for (int64_t t = 0; t < count; ++t) {
-    const T* vt = v + t * stride + head_offset;
-    f32x16 vv[V];
-    for (int i = 0; i < V; ++i) vv[i] = load16(vt + i * 16);
+  for (int i0 = 0; i0 < V; i0 += VB) {
+    Lanes out[R][VB];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < V; ++i) out[r][i] += p[r][kBitrev4[t]] * vv[i];
+      for (int i = 0; i < VB; ++i) out[r][i] = acc[r * V + i0 + i] * alpha[r];
+    for (int64_t t = 0; t < count; ++t) {
+      const T* vt = v + t * stride + head_offset + i0 * kLanes;
+      Lanes vv[VB];
+      for (int i = 0; i < VB; ++i) vv[i] = load_lanes(vt + i * kLanes);
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < VB; ++i) out[r][i] += p[r][bitrev(t, bits)] * vv[i];
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < VB; ++i) acc[r * V + i0 + i] = out[r][i];
   }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < V; ++i) acc[r * V + i] = out[r][i];
 }
-
-// Rows per chunk_rows call: as many as keep a row tile's vectors within the 32 AVX-512 registers.
-template <int D>
-constexpr int kTileRows = D / 16 <= 4 ? 4 : D / 16 <= 8 ? 2 : 1;
 
 template <typename T, int D>
 void chunk_group(const T* k, const T* v, int64_t stride, int64_t count, int64_t head_offset,
-                 const f32x16* q, Row* rows, f32x16* acc, int64_t group) {
-  constexpr int V = D / 16;
+                 const Lanes* q, Row* rows, Lanes* acc, int64_t group) {
+  constexpr int V = D / kLanes;
   for (int64_t r = 0; r < group;) {
-    const int64_t tile = std::min<int64_t>(kTileRows<D>, group - r);
-    const f32x16* qr = q + r * V;
-    f32x16* ar = acc + r * V;
+    const int64_t tile = std::min<int64_t>(DecodeTiling<D>::rows, group - r);
+    const Lanes* qr = q + r * V;
+    Lanes* ar = acc + r * V;
     switch (tile) {
       case 4: chunk_rows<T, D, 4>(k, v, stride, count, head_offset, qr, rows + r, ar); break;
       case 3: chunk_rows<T, D, 3>(k, v, stride, count, head_offset, qr, rows + r, ar); break;
@@ -116,12 +129,12 @@ void chunk_group(const T* k, const T* v, int64_t stride, int64_t count, int64_t 
 // Per-thread working memory of decode_range, reused across work items.
 template <typename T>
 struct Scratch {
-  std::vector<f32x16> q, acc;   // [H][D/16] each
-  std::vector<Row> rows;        // [H]
-  std::vector<T> k, v;          // one chunk's K and V rows, [16][token_stride] each
+  std::vector<Lanes> q, acc;   // [H][D/kLanes] each
+  std::vector<Row> rows;       // [H]
+  std::vector<T> k, v;         // one chunk's K and V rows, [kLanes][token_stride] each
 };
 
-// Decode attention of one sequence over tokens [begin, end), all heads, in one pass over K/V, sixteen
+// Decode attention of one sequence over tokens [begin, end), all heads, in one pass over K/V, kLanes
 // tokens at a time. Each chunk's K and V rows (all KV heads of a token, contiguous in the cache) are
 // first copied in token order into w.k and w.v, so that the cache is read front to back, block by
 // block, which the hardware prefetchers follow; the heads then read their strided slices from L1 (L2
@@ -133,14 +146,14 @@ struct Scratch {
 template <typename C, int D>
 void decode_range(const PagedKV<C>& kv, const int64_t* table, int64_t begin, int64_t end, int64_t num_heads,
                   int64_t group, float* part, Scratch<C>& w) {
-  constexpr int V = D / 16;
+  constexpr int V = D / kLanes;
   const int64_t stride = kv.token_stride;
-  w.acc.assign(static_cast<size_t>(num_heads * V), f32x16{});
+  w.acc.assign(static_cast<size_t>(num_heads * V), Lanes{});
   w.rows.assign(static_cast<size_t>(num_heads), Row{-INFINITY, 0.f});
-  w.k.resize(static_cast<size_t>(16 * stride));
-  w.v.resize(static_cast<size_t>(16 * stride));
-  for (int64_t c0 = begin; c0 < end; c0 += 16) {
-    const int64_t count = std::min<int64_t>(16, end - c0);
+  w.k.resize(static_cast<size_t>(kLanes * stride));
+  w.v.resize(static_cast<size_t>(kLanes * stride));
+  for (int64_t c0 = begin; c0 < end; c0 += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, end - c0);
     for (int64_t t = 0; t < count; ++t)
       std::memcpy(w.k.data() + t * stride, kv.k + kv.row(table, c0 + t), stride * sizeof(C));
     for (int64_t t = 0; t < count; ++t)
@@ -150,7 +163,7 @@ void decode_range(const PagedKV<C>& kv, const int64_t* table, int64_t begin, int
                         w.rows.data() + h * group, w.acc.data() + h * group * V, group);
   }
   for (int64_t r = 0; r < num_heads; ++r) {
-    std::memcpy(part + r * (D + 2), w.acc.data() + r * V, sizeof(f32x16) * V);
+    std::memcpy(part + r * (D + 2), w.acc.data() + r * V, sizeof(Lanes) * V);
     part[r * (D + 2) + D] = w.rows[r].max;
     part[r * (D + 2) + D + 1] = w.rows[r].denom;
   }
@@ -161,7 +174,7 @@ void decode_range(const PagedKV<C>& kv, const int64_t* table, int64_t begin, int
 template <typename T, typename C, int D>
 void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& tables,
                  const at::Tensor& lens, double scale, double k_scale, double v_scale, at::Tensor& out) {
-  constexpr int V = D / 16;
+  constexpr int V = D / kLanes;
   const int64_t batch = query.size(0), num_heads = query.size(1);
   const PagedKV<C> kv(kv_cache);
   const int64_t group = num_heads / kv.num_kv_heads, max_blocks = tables.size(1);
@@ -284,7 +297,7 @@ void rms_norm_impl(const T* x, int64_t x_stride, const T* res, int64_t res_strid
         const f32x16 v = n == 16 ? load16(src + i) : load_n(src + i, n);
         squares += v * v;
       }
-      const float inv = 1.f / std::sqrt(hsum16(squares) / static_cast<float>(hidden) + eps);
+      const float inv = 1.f / std::sqrt(hsum(squares) / static_cast<float>(hidden) + eps);
       T* o = out + row * hidden;
       for (int64_t i = 0; i < hidden; i += 16) {
         const int64_t n = std::min<int64_t>(16, hidden - i);

@@ -114,7 +114,7 @@ void rows_pass(const float* x, const float* xsum, int64_t K, const uint8_t* w, i
         for (int r = 0; r < R; ++r) mins[r] += m * xsum[(m0 + r) * num_blocks + b];
       }
     }
-    for (int r = 0; r < R; ++r) out[(m0 + r) * N + n] = static_cast<T>(hsum16(acc[r]) + mins[r]);
+    for (int r = 0; r < R; ++r) out[(m0 + r) * N + n] = static_cast<T>(hsum(acc[r]) + mins[r]);
   }
 }
 

@@ -23,12 +23,7 @@
 
 namespace {
 
-#ifdef __AVX512F__
-typedef f32x16 Lanes;
-#else
-typedef f32x8 Lanes;
-#endif
-constexpr int kLanes = sizeof(Lanes) / sizeof(float);   // query positions per item, and keys per chunk
+// kLanes (common.h): query positions per item, and keys per chunk.
 
 // Scores of one head's kLanes positions (q: [D] vectors, lane = position) against a chunk of
 // kLanes keys (k: [kLanes][D] fp32): s[j] = the positions' dot products with key j.
