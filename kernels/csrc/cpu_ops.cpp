@@ -67,13 +67,18 @@ inline void chunk_rows(const T* k, const T* v, int64_t stride, int64_t count, in
   constexpr int bits = __builtin_ctz(kLanes);
   // Each row's scores: the tokens' dot-product vectors go through the transpose-and-add tree as they are
   // made. Token t lands in lane bitrev(t) (and lane j holds token bitrev(j)).
-  auto leaf = [&](int t, Lanes (&d)[R]) {
+  auto leaf = [&](int t, Lanes (&d)[R]) __attribute__((always_inline)) {
     const T* kt = k + (t < count ? t : 0) * stride + head_offset;   // padding tokens (t >= count): token 0
+    for (int r = 0; r < R; ++r) d[r] = Lanes{};
+#pragma GCC unroll 16
     for (int i0 = 0; i0 < V; i0 += KB) {
       Lanes kv[KB];
+#pragma GCC unroll 16
       for (int i = 0; i < KB; ++i) kv[i] = load_lanes(kt + (i0 + i) * kLanes);
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r)
-        for (int i = 0; i < KB; ++i) d[r] = i0 + i == 0 ? q[r * V] * kv[0] : d[r] + q[r * V + i0 + i] * kv[i];
+#pragma GCC unroll 16
+        for (int i = 0; i < KB; ++i) d[r] += q[r * V + i0 + i] * kv[i];
     }
   };
   Lanes scores[R];
@@ -92,6 +97,7 @@ inline void chunk_rows(const T* k, const T* v, int64_t stride, int64_t count, in
     rows[r].max = m;
     std::memcpy(p[r], &e, sizeof e);
   }
+#pragma GCC unroll 16
   for (int i0 = 0; i0 < V; i0 += VB) {
     Lanes out[R][VB];
     for (int r = 0; r < R; ++r)
