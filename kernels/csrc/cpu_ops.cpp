@@ -39,10 +39,11 @@ __attribute__((always_inline)) inline void score_tree(int t0, const Leaf& leaf, 
   }
 }
 
-// How chunk_rows tiles its work, by head size D: rows (query heads) per call, and the vectors of a
-// K row and of the output rows held in registers at once (K_BLOCK, V_BLOCK of D / kLanes). With
-// AVX-512's 32 registers a row tile's whole K row and outputs fit; AVX2 has 16, and holding them
-// whole spilled to the stack on every token.
+// How chunk_rows tiles its work, by head size D: rows (query heads) per call, and how many of the
+// D / kLanes vectors of a K row (k_block) and of each output row (v_block) are held in registers at
+// once. With AVX-512's 32 registers a row tile's whole K row and outputs fit; AVX2 has 16, and holding
+// them whole spilled to the stack on every token (tiles of 1-4 rows and blocks of 1-8 vectors all
+// measured alike there: docs/PERFORMANCE.md §7k).
 template <int D>
 struct DecodeTiling {
   static constexpr int V = D / kLanes;
