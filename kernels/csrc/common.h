@@ -1,7 +1,7 @@
-// Helpers shared by the pdserve CPU kernels (cpu_ops.cpp, prefill_attention.cpp): sixteen (and eight)
-// fp32 lanes as GCC vector types, loads and stores from fp32/bf16/fp16 (rounding to nearest even, as torch
-// does), exp to about 1 ulp, horizontal reductions; the check of a block table against the pool and
-// the assignment of work items to threads. Private to those two translation units.
+// Helpers shared by the pdserve CPU kernels (cpu_ops.cpp, prefill_attention.cpp, gguf_linear.cpp): sixteen
+// (and eight) fp32 lanes as GCC vector types, loads and stores from fp32/bf16/fp16 (rounding to nearest even,
+// as torch does), exp to about 1 ulp, horizontal reductions; the check of a block table against the pool and
+// the assignment of work items to threads. Private to those three translation units.
 #pragma once
 
 #include <ATen/core/Tensor.h>

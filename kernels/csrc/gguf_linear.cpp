@@ -118,14 +118,6 @@ void rows_pass(const float* x, const float* xsum, int64_t K, const uint8_t* w, i
   }
 }
 
-#if defined(__AVX2__)
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif
-
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 // AVX2 without AVX-512: GCC's 16-lane vector types become pairs of ymm registers moved through the
 // stack between the conversions and the FMAs (rows_pass ran at ~0.7 elements per cycle). Here each
@@ -223,7 +215,7 @@ void rows_pass_avx2(const float* x, const float* xsum, int64_t K, const uint8_t*
         }
       }
     }
-    for (int r = 0; r < R; ++r) out[(m0 + r) * N + n] = static_cast<T>(hsum8(acc[r]) + mins[r]);
+    for (int r = 0; r < R; ++r) out[(m0 + r) * N + n] = static_cast<T>(hsum(acc[r]) + mins[r]);
   }
 }
 #endif
@@ -572,7 +564,7 @@ void rows_pass_int8(const int8_t* xq, const float* xd, const float* xs, const in
         if constexpr (Q == Quant::Q4_0) mins[r] += scale * static_cast<float>(-8 * xqs[i]);
       }
     }
-    for (int r = 0; r < R; ++r) out[(m0 + r) * N + n] = static_cast<T>(hsum8(acc[r]) + mins[r]);
+    for (int r = 0; r < R; ++r) out[(m0 + r) * N + n] = static_cast<T>(hsum(acc[r]) + mins[r]);
 #else
     for (int r = 0; r < R; ++r) {
       float total = 0.f;
