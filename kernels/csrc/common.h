@@ -58,16 +58,18 @@ typedef f32x8 Lanes;
 #endif
 constexpr int kLanes = sizeof(Lanes) / sizeof(float);
 
-// The int32 vector with the lanes of fp32 vector V.
+// The int32 (and uint32) vector with the lanes of fp32 vector V.
 template <typename V>
 struct IntLanes;
 template <>
 struct IntLanes<f32x16> {
   using type = i32x16;
+  using utype = u32x16;
 };
 template <>
 struct IntLanes<f32x8> {
   using type = i32x8;
+  using utype = u32x8;
 };
 
 // exp(x) to about 1 ulp: 2^(x log2 e) split into an integer power, put into the exponent bits, and a
@@ -162,13 +164,19 @@ inline f32x8 load8(const T* p) {
   }
 }
 
-// kLanes elements as a Lanes vector.
-template <typename T>
-inline Lanes load_lanes(const T* p) {
-  if constexpr (kLanes == 16)
+// As many elements as V has lanes (V: f32x16 or f32x8).
+template <typename V, typename T>
+inline V load_v(const T* p) {
+  if constexpr (sizeof(V) == sizeof(f32x16))
     return load16(p);
   else
     return load8(p);
+}
+
+// kLanes elements as a Lanes vector.
+template <typename T>
+inline Lanes load_lanes(const T* p) {
+  return load_v<Lanes>(p);
 }
 
 template <typename T>
@@ -186,35 +194,74 @@ inline void store16(T* p, f32x16 v) {
   }
 }
 
-// v rounded to T and back: the rounding torch applies after each elementwise op in T.
+// Eight lanes, the same conversions as store16.
 template <typename T>
-inline f32x16 round_as(f32x16 v) {
+inline void store8(T* p, f32x8 v) {
   if constexpr (std::is_same_v<T, float>) {
-    return v;
+    std::memcpy(p, &v, sizeof v);
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const u32x16 bits = reinterpret_cast<const u32x16&>(v);
-    const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;   // as store16
-    return v != v ? v : reinterpret_cast<const f32x16&>(rounded);
+    u32x8 bits = reinterpret_cast<const u32x8&>(v);
+    const u32x8 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;      // as store16
+    bits = v != v ? u32x8{} + 0x7FC0u : rounded;
+    const u16x8 narrow = __builtin_convertvector(bits, u16x8);
+    std::memcpy(p, &narrow, sizeof narrow);
   } else {
-    T tmp[16];
-    store16(tmp, v);
-    return load16(tmp);
+    for (int i = 0; i < 8; ++i) p[i] = static_cast<T>(v[i]);
   }
 }
 
-// The first n (< 16) elements, zero-filled; and the store of the first n lanes.
-template <typename T>
-inline f32x16 load_n(const T* p, int64_t n) {
-  T tmp[16] = {};
-  std::memcpy(tmp, p, n * sizeof(T));
-  return load16(tmp);
+template <typename T, typename V>
+inline void store_v(T* p, V v) {
+  if constexpr (sizeof(V) == sizeof(f32x16))
+    store16(p, v);
+  else
+    store8(p, v);
 }
 
-template <typename T>
-inline void store_n(T* p, f32x16 v, int64_t n) {
-  T tmp[16];
-  store16(tmp, v);
+// v rounded to T and back: the rounding torch applies after each elementwise op in T.
+template <typename T, typename V>
+inline V round_as(V v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    using U = typename IntLanes<V>::utype;
+    const U bits = reinterpret_cast<const U&>(v);
+    const U rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;   // as store16
+    return v != v ? v : reinterpret_cast<const V&>(rounded);
+  } else {
+    T tmp[sizeof(V) / sizeof(float)];
+    store_v(tmp, v);
+    return load_v<V>(tmp);
+  }
+}
+
+// The first n (fewer than V's lanes) elements, zero-filled; and the store of the first n lanes.
+template <typename V, typename T>
+inline V load_n(const T* p, int64_t n) {
+  T tmp[sizeof(V) / sizeof(float)] = {};
+  std::memcpy(tmp, p, n * sizeof(T));
+  return load_v<V>(tmp);
+}
+
+template <typename T, typename V>
+inline void store_n(T* p, V v, int64_t n) {
+  T tmp[sizeof(V) / sizeof(float)];
+  store_v(tmp, v);
   std::memcpy(p, tmp, n * sizeof(T));
+}
+
+// n (at most V's lanes) elements: a full vector, or the first n zero-filled; and its store.
+template <typename V, typename T>
+inline V load_upto(const T* p, int64_t n) {
+  return n == static_cast<int64_t>(sizeof(V) / sizeof(float)) ? load_v<V>(p) : load_n<V>(p, n);
+}
+
+template <typename T, typename V>
+inline void store_upto(T* p, V v, int64_t n) {
+  if (n == static_cast<int64_t>(sizeof(V) / sizeof(float)))
+    store_v(p, v);
+  else
+    store_n(p, v, n);
 }
 
 // One level of an NxN transpose-and-add (N the vector's lanes): fold<W>(x, y) splits the lanes into

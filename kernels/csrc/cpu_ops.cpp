@@ -280,38 +280,51 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, con
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
-// (x + residual) normalized times weight, and x + residual; rows of `hidden` elements.
+// The elementwise kernels below work on `Lanes` (one register: 16 lanes with AVX-512, 8 with
+// AVX2). On 16-lane vectors an AVX2 build lowered their compares and selects lane by lane (scalar
+// vcmpss and vcomiss in silu's exp): silu-and-mul and RMSNorm of one row took 8 and 6 us, argmax
+// over a 49k vocabulary 3x torch's (docs/PERFORMANCE.md §7l).
+
+// (x + residual) normalized times weight, and x + residual; rows of `hidden` elements. The sum of
+// squares is kept in sixteen lanes whatever the build (two vectors of eight on AVX2, added as
+// hsum(f32x16) adds its halves), so that both builds give the same bits.
 template <typename T>
 void rms_norm_impl(const T* x, int64_t x_stride, const T* res, int64_t res_stride, const T* weight, T* out,
                    T* res_out, int64_t rows, int64_t hidden, float eps) {
+  constexpr int kParts = 16 / kLanes;
   at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / hidden), [&](int64_t first, int64_t last) {
     for (int64_t row = first; row < last; ++row) {
       const T* xr = x + row * x_stride;
       const T* src = xr;
-      f32x16 squares = {};
       if (res != nullptr) {                                   // the sum, rounded to T, is the new residual
         const T* rr = res + row * res_stride;
         T* ro = res_out + row * hidden;
-        for (int64_t i = 0; i < hidden; i += 16) {
-          const int64_t n = std::min<int64_t>(16, hidden - i);
-          const f32x16 v = n == 16 ? load16(xr + i) + load16(rr + i) : load_n(xr + i, n) + load_n(rr + i, n);
-          if (n == 16) store16(ro + i, v); else store_n(ro + i, v, n);
+        for (int64_t i = 0; i < hidden; i += kLanes) {
+          const int64_t n = std::min<int64_t>(kLanes, hidden - i);
+          store_upto(ro + i, load_upto<Lanes>(xr + i, n) + load_upto<Lanes>(rr + i, n), n);
         }
         src = ro;
       }
+      Lanes squares[kParts] = {};
       for (int64_t i = 0; i < hidden; i += 16) {
-        const int64_t n = std::min<int64_t>(16, hidden - i);
-        const f32x16 v = n == 16 ? load16(src + i) : load_n(src + i, n);
-        squares += v * v;
+        for (int p = 0; p < kParts; ++p) {
+          const int64_t n = std::min<int64_t>(kLanes, hidden - i - p * kLanes);
+          if (n <= 0) break;
+          const Lanes v = load_upto<Lanes>(src + i + p * kLanes, n);
+          squares[p] += v * v;
+        }
       }
-      const float inv = 1.f / std::sqrt(hsum(squares) / static_cast<float>(hidden) + eps);
+      float sum;
+      if constexpr (kParts == 1)
+        sum = hsum(squares[0]);
+      else
+        sum = hsum(squares[0] + squares[1]);
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
       T* o = out + row * hidden;
-      for (int64_t i = 0; i < hidden; i += 16) {
-        const int64_t n = std::min<int64_t>(16, hidden - i);
-        const f32x16 v = n == 16 ? load16(src + i) : load_n(src + i, n);
-        const f32x16 w = n == 16 ? load16(weight + i) : load_n(weight + i, n);
-        const f32x16 y = round_as<T>(w * round_as<T>(v * inv));
-        if (n == 16) store16(o + i, y); else store_n(o + i, y, n);
+      for (int64_t i = 0; i < hidden; i += kLanes) {
+        const int64_t n = std::min<int64_t>(kLanes, hidden - i);
+        const Lanes v = load_upto<Lanes>(src + i, n), w = load_upto<Lanes>(weight + i, n);
+        store_upto(o + i, round_as<T>(w * round_as<T>(v * inv)), n);
       }
     }
   });
@@ -321,19 +334,14 @@ void rms_norm_impl(const T* x, int64_t x_stride, const T* res, int64_t res_strid
 template <typename T>
 inline void rotate_row(const T* x, const T* cos, const T* sin, T* o, int64_t d) {
   const int64_t half = d / 2;
-  for (int64_t i = 0; i < half; i += 16) {
-    const int64_t n = std::min<int64_t>(16, half - i);
-    auto load = [n](const T* p) { return n == 16 ? load16(p) : load_n(p, n); };
-    const f32x16 x1 = load(x + i), x2 = load(x + half + i);
-    const f32x16 lo = round_as<T>(round_as<T>(x1 * load(cos + i)) + round_as<T>(-x2 * load(sin + i)));
-    const f32x16 hi = round_as<T>(round_as<T>(x2 * load(cos + half + i)) + round_as<T>(x1 * load(sin + half + i)));
-    if (n == 16) {
-      store16(o + i, lo);
-      store16(o + half + i, hi);
-    } else {
-      store_n(o + i, lo, n);
-      store_n(o + half + i, hi, n);
-    }
+  for (int64_t i = 0; i < half; i += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, half - i);
+    auto load = [n](const T* p) { return load_upto<Lanes>(p, n); };
+    const Lanes x1 = load(x + i), x2 = load(x + half + i);
+    const Lanes lo = round_as<T>(round_as<T>(x1 * load(cos + i)) + round_as<T>(-x2 * load(sin + i)));
+    const Lanes hi = round_as<T>(round_as<T>(x2 * load(cos + half + i)) + round_as<T>(x1 * load(sin + half + i)));
+    store_upto(o + i, lo, n);
+    store_upto(o + half + i, hi, n);
   }
 }
 
@@ -366,13 +374,11 @@ void silu_and_mul_impl(const T* x, int64_t x_stride, T* out, int64_t rows, int64
       const T* g = x + row * x_stride;
       const T* u = g + inter;
       T* o = out + row * inter;
-      for (int64_t i = 0; i < inter; i += 16) {
-        const int64_t n = std::min<int64_t>(16, inter - i);
-        const f32x16 gv = n == 16 ? load16(g + i) : load_n(g + i, n);
-        const f32x16 uv = n == 16 ? load16(u + i) : load_n(u + i, n);
-        const f32x16 silu = round_as<T>(gv / (1.f + exp_approx(-gv)));
-        const f32x16 y = round_as<T>(silu * uv);
-        if (n == 16) store16(o + i, y); else store_n(o + i, y, n);
+      for (int64_t i = 0; i < inter; i += kLanes) {
+        const int64_t n = std::min<int64_t>(kLanes, inter - i);
+        const Lanes gv = load_upto<Lanes>(g + i, n), uv = load_upto<Lanes>(u + i, n);
+        const Lanes silu = round_as<T>(gv / (1.f + exp_approx(-gv)));
+        store_upto(o + i, round_as<T>(silu * uv), n);
       }
     }
   });
@@ -486,32 +492,33 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cac
 }
 
 // Each row's argmax: the first maximum, or the first NaN where a row has one (torch's max(dim)).
-// Sixteen lanes keep their own best value and its first index; the lanes are merged at the end.
+// Each lane keeps its own best value and its first index; the lanes are merged at the end.
 // torch's CPU max over bfloat16 converts element by element: this reads the row once at memory speed
 // (greedy ids from bf16 logits of a 49k vocabulary, benchmarks/step_overhead.py).
 template <typename T>
 int64_t argmax_row(const T* x, int64_t n) {
-  f32x16 best = f32x16{} - INFINITY;
-  i32x16 best_idx{}, lane_idx;
-  for (int i = 0; i < 16; ++i) lane_idx[i] = i;
-  i32x16 nan_seen{};
+  using I = IntLanes<Lanes>::type;
+  Lanes best = Lanes{} - INFINITY;
+  I best_idx{}, lane_idx;
+  for (int i = 0; i < kLanes; ++i) lane_idx[i] = i;
+  I nan_seen{};
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const f32x16 v = load16(x + j);
+  for (; j + kLanes <= n; j += kLanes) {
+    const Lanes v = load_lanes(x + j);
     nan_seen |= v != v;
-    const i32x16 better = v > best;
+    const I better = v > best;
     best = better ? v : best;
     best_idx = better ? lane_idx : best_idx;
-    lane_idx += 16;
+    lane_idx += kLanes;
   }
-  for (int i = 0; i < 16; ++i)
+  for (int i = 0; i < kLanes; ++i)
     if (nan_seen[i]) {                         // a NaN: the first one wins (found again, rarely)
       for (int64_t k = 0; k < n; ++k)
         if (to_float(x[k]) != to_float(x[k])) return k;
     }
   float top = -INFINITY;
   int64_t top_idx = 0;
-  for (int i = 0; i < 16; ++i)
+  for (int i = 0; i < kLanes; ++i)
     if (j > 0 && (best[i] > top || (best[i] == top && best_idx[i] < top_idx))) top = best[i], top_idx = best_idx[i];
   for (; j < n; ++j) {
     const float v = to_float(x[j]);
