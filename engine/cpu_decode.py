@@ -45,10 +45,11 @@ class CpuDecodePlan:
         ops = torch.ops.pdserve_cpu
         self.rms_norm, self.rotary, self.paged_decode, self.silu_and_mul = (
             ops.rms_norm, ops.rotary, ops.paged_decode, ops.silu_and_mul)
-        # An fp8 cache's rows are quantized by their layer's scales before the byte write (in
-        # cpu_ops.write_kv); a cache in the model's dtype takes the rows as they are.
+        # A cache in the model's dtype: one C++ call from the QKV output to the attention output
+        # (rotary, the K/V write, paged decode). An fp8 cache's rows are quantized by their layer's
+        # scales before the byte write (in cpu_ops.write_kv), so there the steps stay separate.
         self.fp8_write_kv = cpu_ops.write_kv if fp8_cache else None
-        self.write_kv = ops.write_kv
+        self.attention = ops.decode_attention_qkv.default
 
     @classmethod
     def build(cls, model: nn.Module, kernels: Any, kv_caches: list[torch.Tensor]) -> CpuDecodePlan | None:
@@ -88,24 +89,25 @@ class CpuDecodePlan:
         """The final hidden states [T, hidden] of a step whose T tokens are all decodes; what
         `model(input_ids, positions, kv_caches, meta)` returns, bit for bit."""
         model, num = self.model, input_ids.shape[0]
-        rms_norm, rotary, paged_decode, silu_and_mul, write_kv, fp8_write_kv = (
-            self.rms_norm, self.rotary, self.paged_decode, self.silu_and_mul, self.write_kv, self.fp8_write_kv)
+        rms_norm, rotary, paged_decode, silu_and_mul, attention, fp8_write_kv = (
+            self.rms_norm, self.rotary, self.paged_decode, self.silu_and_mul, self.attention, self.fp8_write_kv)
         slots, tables, lens = meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens
         cos, sin = model.rotary.lookup(positions)
         hidden, residual = model.embed_tokens(input_ids), None
         for (norm1, eps1, qkv, sizes, heads, kv_heads, head_dim, attn, scale, o_proj, norm2, eps2, gate_up,
              down), kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = rms_norm(hidden, norm1, eps1, residual)
-            q, k, v = qkv(hidden).split(sizes, dim=-1)
-            q, k = rotary(q.view(num, heads, head_dim), k.view(num, kv_heads, head_dim), cos, sin)
-            v = v.view(num, kv_heads, head_dim)
             k_scale, v_scale = attn.k_scale, attn.v_scale       # read per step: calibration sets them after build
             if fp8_write_kv is None:
-                write_kv(k, v, kv_cache, slots)
+                out = attention(qkv(hidden), cos, sin, kv_cache, slots, tables, lens, heads, kv_heads, scale,
+                                float(k_scale), float(v_scale))
             else:
-                fp8_write_kv(k, v, kv_cache, slots, k_scale, v_scale)
-            out = paged_decode(q, kv_cache, tables, lens, scale, float(k_scale), float(v_scale))
-            hidden = o_proj(out.view(num, heads * head_dim))
+                q, k, v = qkv(hidden).split(sizes, dim=-1)
+                q, k = rotary(q.view(num, heads, head_dim), k.view(num, kv_heads, head_dim), cos, sin)
+                fp8_write_kv(k, v.view(num, kv_heads, head_dim), kv_cache, slots, k_scale, v_scale)
+                out = paged_decode(q, kv_cache, tables, lens, scale, float(k_scale), float(v_scale)).view(
+                    num, heads * head_dim)
+            hidden = o_proj(out)
             hidden, residual = rms_norm(hidden, norm2, eps2, residual)
             hidden = down(silu_and_mul(gate_up(hidden)))
         hidden, _ = rms_norm(hidden, model.norm.weight, float(model.norm.eps), residual)

@@ -249,6 +249,35 @@ def test_write_kv_skips_padding_and_matches_reference():
         cpu_ops.write_kv(key[:1], value[:1], cache, torch.tensor([cache.shape[1] * 16]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2)])
+def test_decode_attention_qkv_equals_its_steps(dtype, head_dim, heads, kv_heads):
+    """The decode plan's one call from the fused QKV output (rotary, K/V write, paged decode) gives
+    the bits and the cache of the three kernels called one by one; a padding slot is skipped."""
+    g = torch.Generator().manual_seed(5)
+    lens = [7, 33, 16, 1]
+    _, cache, tables, seq_lens = paged_batch(lens, heads, kv_heads, head_dim, 16, dtype)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    cos, sin = (torch.randn(len(lens), head_dim, generator=g).to(dtype) for _ in range(2))
+    slots = torch.stack([tables[i, (n - 1) // 16] * 16 + (n - 1) % 16 for i, n in enumerate(lens)])
+    slots[3] = -1
+    expected_cache = cache.clone()
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = cpu_ops.apply_rotary(q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), cos, sin)
+    cpu_ops.write_kv(k, v.view(-1, kv_heads, head_dim), expected_cache, slots)
+    expected = cpu_ops.decode_attention(q, expected_cache, tables, seq_lens, 0.3).view(len(lens), -1)
+    out = torch.ops.pdserve_cpu.decode_attention_qkv(qkv, cos, sin, cache, slots, tables, seq_lens, heads, kv_heads,
+                                                     0.3, 1.0, 1.0)
+    assert torch.equal(out, expected) and torch.equal(cache, expected_cache)
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        torch.ops.pdserve_cpu.decode_attention_qkv(qkv[:, 1:], cos, sin, cache, slots, tables, seq_lens, heads,
+                                                   kv_heads, 0.3, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="kv_cache must be"):
+        torch.ops.pdserve_cpu.decode_attention_qkv(qkv, cos, sin, cache.float() if dtype != torch.float32
+                                                   else cache.double(), slots, tables, seq_lens, heads, kv_heads,
+                                                   0.3, 1.0, 1.0)
+
+
 def test_decode_refuses_blocks_outside_the_table_or_pool():
     """The kernel reads raw memory, so a table that does not cover a length, or names a block past
     the pool, is an error rather than a read out of bounds."""

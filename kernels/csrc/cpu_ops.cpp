@@ -491,6 +491,28 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cac
   }
 }
 
+// A decode layer's attention from its fused QKV projection's output [T, (H + 2 kvh) d]: rotary on the
+// q and k views, k and v into their slots, paged decode attention; [T, H d] out. The same calls the CPU
+// decode plan made one by one from Python (split, three views, rotary, write_kv, paged_decode, a view),
+// where the calls cost ~20 us a layer against ~4 for this one (docs/PERFORMANCE.md §7l). A cache in
+// the activations' dtype only: an fp8 cache's write quantizes in Python (kernels/cpu_ops.py).
+at::Tensor decode_attention_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, double scale,
+                                double k_scale, double v_scale) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(3) == num_kv_heads && kv_cache.scalar_type() == qkv.scalar_type(),
+              "decode_attention_qkv: kv_cache must be [2, blocks, block_size, num_kv_heads, d] of qkv's dtype");
+  const int64_t tokens = qkv.size(0), d = kv_cache.size(4);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * d,
+              "decode_attention_qkv: qkv must be [T, (num_heads + 2 num_kv_heads) d] with contiguous rows");
+  const at::Tensor q = qkv.narrow(1, 0, num_heads * d).view({tokens, num_heads, d});
+  const at::Tensor k = qkv.narrow(1, num_heads * d, num_kv_heads * d).view({tokens, num_kv_heads, d});
+  const at::Tensor v = qkv.narrow(1, (num_heads + num_kv_heads) * d, num_kv_heads * d).view({tokens, num_kv_heads, d});
+  const auto [q_rot, k_rot] = rotary(q, k, cos, sin);
+  write_kv(k_rot, v, kv_cache, slot_mapping);
+  return paged_decode(q_rot, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale).view({tokens, num_heads * d});
+}
+
 // Each row's argmax: the first maximum, or the first NaN where a row has one (torch's max(dim)).
 // Each lane keeps its own best value and its first index; the lanes are merged at the end.
 // torch's CPU max over bfloat16 converts element by element: this reads the row once at memory speed
@@ -560,6 +582,9 @@ TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("decode_attention_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, float scale, float k_scale, "
+        "float v_scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
@@ -569,4 +594,5 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("write_kv", &write_kv);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("decode_attention_qkv", &decode_attention_qkv);
 }
