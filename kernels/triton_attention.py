@@ -34,6 +34,15 @@ PREFILL_BLOCK_M = 64
 # --sweep measures the alternatives.
 DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}
 PREFILL_LAUNCH = {"num_warps": 4, "num_stages": 2}
+# An fp8 cache's decode, where the context is not split (enough sequences to fill the GPU), reads
+# twice the tokens per step (the same bytes as a bf16 tile), with its own launch
+# (benchmarks/fp8_kv_variants.py on an H200: 0.7-0.8x bf16's speed at 64 sequences with the bf16
+# settings, 1.1x with these; split launches, fewer tiles each, kept the bf16 settings' lead).
+FP8_DECODE_TILE_TOKENS = 128
+FP8_DECODE_LAUNCH = {"num_warps": 4, "num_stages": 2}
+# How an fp8 cache's bytes are widened: None picks the GPU's own e4m3 conversion where it has one
+# (sm_89 and later) and bit arithmetic elsewhere; True / False force one (benchmarks and tests).
+HARDWARE_FP8: bool | None = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,6 +51,12 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4        # the interpreter: small, so CPU tests exercise the split path
+
+
+@functools.lru_cache(maxsize=None)
+def _has_fp8_conversion(device: torch.device) -> bool:
+    """Whether the GPU converts e4m3 itself (sm_89 and later); older ones keep the bit arithmetic."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @triton.jit
@@ -56,11 +71,17 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _load_kv(ptr, mask, like, FP8: tl.constexpr):
-    """Cache values as `like`'s dtype; an fp8 cache (read as bytes) widened exactly as the C++
-    kernels do it: e4m3's bits under fp16's, converted, times 2^8 (its scale is applied by the caller)."""
+    """Cache values as `like`'s dtype; an fp8 cache (read as bytes; its scale is applied by the
+    caller) widened exactly, both ways giving the same values: FP8 == 2 by the GPU's e4m3 -> fp16
+    conversion (one instruction per two values), FP8 == 1 as the C++ kernels do it: e4m3's bits
+    under fp16's, converted, times 2^8 (some ten integer and float operations per value, which
+    bounded the kernels at long contexts on an H200)."""
     # One return after the branch: compiled Triton checks every return's type, including those of
     # the branch a constexpr leaves out (the interpreter does not, so only a GPU caught this).
-    if FP8:
+    if FP8 == 2:
+        b = tl.load(ptr, mask=mask, other=0)
+        out = b.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(like.dtype)
+    elif FP8 == 1:
         b = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
         h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
         out = (h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(like.dtype)
@@ -163,27 +184,36 @@ def _decode_reduce_kernel(part_o_ptr, part_ml_ptr, out_ptr, stride_ob, stride_oh
              mask=d < HEAD_DIM)
 
 
-def _tile(block_size: int) -> int:
-    """Tokens per inner step of both kernels: TILE_TOKENS, or one block where blocks are larger."""
-    return max(TILE_TOKENS, block_size)
+def _tile(block_size: int, tokens: int = TILE_TOKENS) -> int:
+    """Tokens per inner step of both kernels: `tokens`, or one block where blocks are larger."""
+    return max(tokens, block_size)
 
 
-def decode_partitions(batch: int, num_kv_heads: int, max_len: int, block_size: int, device: torch.device
-                      ) -> tuple[int, int]:
-    """(partitions, tiles per partition) for a decode launch: split only while programs are fewer
-    than about PROGRAMS_PER_SM per multiprocessor, and keep each partition at least
-    MIN_PARTITION_TOKENS."""
-    tiles = max(1, triton.cdiv(max_len, _tile(block_size)))
+def decode_partitions(batch: int, num_kv_heads: int, max_len: int, block_size: int, device: torch.device,
+                      fp8: bool = False) -> tuple[int, int, int]:
+    """(partitions, tiles per partition, tokens per tile) for a decode launch (over an fp8 cache if
+    `fp8`): split only while programs are fewer than about PROGRAMS_PER_SM per multiprocessor, and
+    keep each partition at least MIN_PARTITION_TOKENS."""
+    tile = _tile(block_size)
+    tiles = max(1, triton.cdiv(max_len, tile))
     want = triton.cdiv(PROGRAMS_PER_SM * _num_sms(device), batch * num_kv_heads)
     splits = max(1, min(want, triton.cdiv(max_len, MIN_PARTITION_TOKENS), tiles))
+    if splits == 1 and fp8:
+        tile = _tile(block_size, FP8_DECODE_TILE_TOKENS)
+        return 1, max(1, triton.cdiv(max_len, tile)), tile
     per_split = triton.cdiv(tiles, splits)
-    return triton.cdiv(tiles, per_split), per_split
+    return triton.cdiv(tiles, per_split), per_split, tile
 
 
-def _cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """K and V pools as the kernels read them (an fp8 cache as bytes), and whether it is fp8."""
+def _cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """K and V pools as the kernels read them (an fp8 cache as bytes), and `_load_kv`'s FP8: 0 for
+    a cache in the model's dtype, else how its bytes are widened (HARDWARE_FP8)."""
     cache = raw(kv_cache)
-    return cache[0], cache[1], kv_cache.dtype == FP8_DTYPE
+    fp8 = 0
+    if kv_cache.dtype == FP8_DTYPE:
+        hardware = _has_fp8_conversion(kv_cache.device) if HARDWARE_FP8 is None else HARDWARE_FP8
+        fp8 = 2 if hardware else 1
+    return cache[0], cache[1], fp8
 
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -198,21 +228,22 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     group = num_heads // num_kv_heads
     d_pad = triton.next_power_of_2(head_dim)
     max_len = block_tables.shape[1] * block_size
-    splits, per_split = decode_partitions(batch, num_kv_heads, max_len, block_size, query.device)
     k_cache, v_cache, fp8 = _cache_views(kv_cache)
+    splits, per_split, tile = decode_partitions(batch, num_kv_heads, max_len, block_size, query.device, fp8 > 0)
     if splits > 1:
         part_o = torch.empty(batch * num_heads * splits * d_pad, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(batch * num_heads * splits * 2, dtype=torch.float32, device=query.device)
     else:
         part_o = part_ml = out      # unused
     common = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-                  D_PAD=d_pad, BLOCK_SIZE=block_size, TILE=_tile(block_size),
+                  D_PAD=d_pad, BLOCK_SIZE=block_size, TILE=tile,
                   IEEE=query.dtype == torch.float32, FP8=fp8)
     _decode_kernel[(batch, num_kv_heads, splits)](
         query, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), scale * k_scale, v_scale,
-        num_heads, splits, per_split, SPLIT=splits > 1, **common, **DECODE_LAUNCH)
+        num_heads, splits, per_split, SPLIT=splits > 1, **common,
+        **(FP8_DECODE_LAUNCH if fp8 and splits == 1 else DECODE_LAUNCH))     # decode_partitions' rule
     if splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             part_o, part_ml, out, out.stride(0), out.stride(1), num_heads, splits,

@@ -80,7 +80,7 @@ def test_decode_attention_splits_long_contexts():
     """One sequence (flash-decoding): the context is split over several partitions and merged."""
     head_dim, block_size, n = 32, 16, 700 if not CUDA else 32768
     cache, tables, g = paged([n], 1, head_dim, block_size, torch.float32)
-    splits, _ = decode_partitions(1, 1, tables[0].numel() * block_size, block_size, DEVICE)
+    splits, _, _ = decode_partitions(1, 1, tables[0].numel() * block_size, block_size, DEVICE)
     assert splits >= 3
     q = torch.randn(1, 4, head_dim, generator=g).to(DEVICE)
     seq_lens = torch.tensor([n], device=DEVICE)
@@ -143,6 +143,31 @@ def test_fp8_cache_write_decode_prefill_and_copy_match_reference():
     reference.copy_blocks([expected], [(1, 4)])
     tri.copy_blocks([cache], [(1, 4)])
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if CUDA else [torch.float32])
+def test_fp8_cache_widened_by_conversion_equals_bit_arithmetic(dtype, monkeypatch):
+    """The attention kernels' two ways of widening an fp8 cache (the GPU's e4m3 conversion, the
+    C++ kernels' bit arithmetic) give the same values, so the same outputs bit for bit; the cache
+    holds every byte but e4m3's two NaNs (which the interpreter's conversion reads as +-480)."""
+    from kernels import triton_attention
+
+    seq_lens, query_lens = [37, 70, 5], [37, 21, 1]
+    cache, tables, g = paged(seq_lens, 2, HEAD_DIM, 16, torch.float32)
+    byte = torch.randint(0, 254, cache.shape, generator=g, dtype=torch.int32)
+    byte = byte + (byte >= 127).int()       # skip 0x7F; 0xFF is above the range
+    fp8 = byte.to(torch.uint8).view(reference.FP8_DTYPE).to(DEVICE)
+    q = (torch.randn(sum(query_lens), 8, HEAD_DIM, generator=g) * 0.01).to(DEVICE, dtype)
+    qd = q[:len(seq_lens)].contiguous()
+    lens = torch.tensor(seq_lens, device=DEVICE)
+    outs = {}
+    for hardware in (False, True):
+        monkeypatch.setattr(triton_attention, "HARDWARE_FP8", hardware)
+        outs[hardware] = (tri.decode_attention(qd, fp8, padded(tables), lens, 0.2, 0.5, 2.0),
+                          tri.prefill_attention(q, fp8, tables, query_lens, seq_lens, 0.2, None, 0.5, 2.0))
+    for by_bits, by_conversion in zip(outs[False], outs[True]):
+        assert not by_bits.isnan().any()
+        assert torch.equal(by_bits, by_conversion)
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
