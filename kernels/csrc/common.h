@@ -235,33 +235,26 @@ inline V round_as(V v) {
   }
 }
 
-// The first n (fewer than V's lanes) elements, zero-filled; and the store of the first n lanes.
+// n (at most V's lanes) elements: a full vector, or the first n zero-filled; and its store.
 template <typename V, typename T>
-inline V load_n(const T* p, int64_t n) {
-  T tmp[sizeof(V) / sizeof(float)] = {};
+inline V load_upto(const T* p, int64_t n) {
+  constexpr int64_t kN = sizeof(V) / sizeof(float);
+  if (n == kN) return load_v<V>(p);
+  T tmp[kN] = {};
   std::memcpy(tmp, p, n * sizeof(T));
   return load_v<V>(tmp);
 }
 
 template <typename T, typename V>
-inline void store_n(T* p, V v, int64_t n) {
-  T tmp[sizeof(V) / sizeof(float)];
+inline void store_upto(T* p, V v, int64_t n) {
+  constexpr int64_t kN = sizeof(V) / sizeof(float);
+  if (n == kN) {
+    store_v(p, v);
+    return;
+  }
+  T tmp[kN];
   store_v(tmp, v);
   std::memcpy(p, tmp, n * sizeof(T));
-}
-
-// n (at most V's lanes) elements: a full vector, or the first n zero-filled; and its store.
-template <typename V, typename T>
-inline V load_upto(const T* p, int64_t n) {
-  return n == static_cast<int64_t>(sizeof(V) / sizeof(float)) ? load_v<V>(p) : load_n<V>(p, n);
-}
-
-template <typename T, typename V>
-inline void store_upto(T* p, V v, int64_t n) {
-  if (n == static_cast<int64_t>(sizeof(V) / sizeof(float)))
-    store_v(p, v);
-  else
-    store_n(p, v, n);
 }
 
 // One level of an NxN transpose-and-add (N the vector's lanes): fold<W>(x, y) splits the lanes into
