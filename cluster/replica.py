@@ -57,6 +57,8 @@ class StepDelta:
     metrics: dict[str, float] = field(default_factory=dict)
     kv_transfer_params: dict[str, Any] | None = None   # a prefill for a remote decode: pass these on
     error: BaseException | None = None       # the request ended with this (RequestFailedError, ...)
+    # Prompt logprobs computed this step (those asked for; the first prompt token's entry is None).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @classmethod
     def failure(cls, request_id: str, error: BaseException) -> StepDelta:
@@ -69,7 +71,7 @@ class StepDelta:
         choices = [ChoiceDelta(c.index, c.token_ids, c.text, c.logprobs, c.finish_reason, c.stop_reason)
                    for c in out.outputs]
         return cls(out.request_id, choices, out.finished, len(out.prompt_token_ids), out.num_cached_tokens,
-                   dict(out.metrics), out.kv_transfer_params, request_error(out))
+                   dict(out.metrics), out.kv_transfer_params, request_error(out), out.prompt_logprobs or None)
 
 
 def _deltas(params: SamplingParams) -> SamplingParams:

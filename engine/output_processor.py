@@ -215,8 +215,9 @@ class OutputProcessor:
 
     def make_output(self, state: RequestState, plain: bool = False) -> RequestOutput:
         """The request's output: cumulative, or only what is new for output_kind "delta" (prompt
-        logprobs are always whole); `plain` leaves out what needs the tokenizer (logprobs, prompt
-        logprobs): the output of a request whose conversion failed."""
+        logprobs too: those computed since the last output, as vLLM's DELTA outputs send them);
+        `plain` leaves out what needs the tokenizer (logprobs, prompt logprobs): the output of a
+        request whose conversion failed."""
         completions = []
         delta = state.params.output_kind == "delta"
         for i, child in enumerate(state.children):
@@ -229,9 +230,10 @@ class OutputProcessor:
         leader = state.children[0].request
         prompt_lps = None
         if state.params.prompt_logprobs is not None and not plain:
-            for d in leader.prompt_logprobs[len(state.prompt_logprobs):]:
+            sent = len(state.prompt_logprobs)
+            for d in leader.prompt_logprobs[sent:]:
                 state.prompt_logprobs.append(None if d is None else self._to_logprobs(d, None))
-            prompt_lps = list(state.prompt_logprobs)
+            prompt_lps = state.prompt_logprobs[sent:] if delta else list(state.prompt_logprobs)
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=completions, finished=state.finished, prompt_logprobs=prompt_lps,

@@ -53,13 +53,14 @@ class OpenAIAPI:
 
     async def completions(self, data: dict[str, Any]) -> Response:
         req, params, prompts = await self.frontend.prepare_completion(data)
+        echo = self._echo_texts(req, prompts) if req.echo else None
         ticket = self.frontend.admit(len(prompts))
         rid = new_id("cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return sse_response(self._stream_completion(rid, req, prompts, params, include_usage, ticket), ticket)
+            return sse_response(self._stream_completion(rid, prompts, echo, params, include_usage, ticket), ticket)
         try:
-            return JSONResponse(await self._full_completion(rid, req, prompts, params, ticket))
+            return JSONResponse(await self._full_completion(rid, prompts, echo, params, ticket))
         finally:
             ticket.release()
 
@@ -76,43 +77,63 @@ class OpenAIAPI:
         finally:
             ticket.release()
 
-    async def _full_completion(self, rid: str, req: CompletionRequest, prompts: list[list[int]],
+    def _echo_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """Each prompt as `echo` puts it before its completions: the text sent, or the ids decoded."""
+        if isinstance(req.prompt, str):
+            return [req.prompt]
+        if req.prompt and isinstance(req.prompt[0], str):
+            return list(req.prompt)
+        if self.frontend.tokenizer is None:
+            raise InvalidRequestError("echo of token-id prompts needs the tokenizer, which this server does not load",
+                                      param="echo")
+        return [self.frontend.tokenizer.decode(ids) for ids in prompts]
+
+    async def _full_completion(self, rid: str, prompts: list[list[int]], echo: list[str] | None,
                                params: SamplingParams, ticket: Ticket) -> dict[str, Any]:
         n = params.n
         choices = [ChoiceAccumulator() for _ in range(len(prompts) * n)]
+        prompt_lps: list[list] = [[] for _ in prompts]      # echo with logprobs: the prompts' own
         usage = UsageCounter()
         async for i, delta in self.frontend.run(prompts, params, rid, ticket):
             usage.add(delta)
+            prompt_lps[i] += delta.prompt_logprobs or []
             for c in delta.choices:
                 choices[i * n + c.index].add(c)
         out = []
         for idx, acc in enumerate(choices):
-            text = acc.text
-            if req.echo:
-                text = self.tokenizer.decode(prompts[idx // n]) + text
+            p = idx // n
             self.frontend.count_finished(acc.finish_reason)
-            out.append({"index": idx, "text": text, "finish_reason": acc.finish_reason,
-                        "stop_reason": acc.stop_reason,
-                        "logprobs": self._completion_logprobs(acc.token_ids, acc.logprobs)
+            out.append({"index": idx, "text": acc.text if echo is None else echo[p] + acc.text,
+                        "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
+                        "logprobs": self._completion_logprobs(acc.token_ids, acc.logprobs,
+                                                              *(() if echo is None else (prompts[p], prompt_lps[p])))
                         if params.logprobs is not None else None})
         return {"id": rid, "object": "text_completion", "created": now(), "model": self.frontend.response_model(params),
                 "choices": out, "usage": usage.body(sum(len(p) for p in prompts))}
 
-    async def _stream_completion(self, rid: str, req: CompletionRequest, prompts: list[list[int]],
+    async def _stream_completion(self, rid: str, prompts: list[list[int]], echo: list[str] | None,
                                  params: SamplingParams, include_usage: bool, ticket: Ticket
                                  ) -> AsyncIterator[dict]:
         n = params.n
         created, model = now(), self.frontend.response_model(params)
         usage = UsageCounter()
+        prompt_lps: list[list] = [[] for _ in prompts]
+        echoed: set[int] = set()        # the choices whose first chunk (which carries the echo) went out
         async for i, delta in self.frontend.run(prompts, params, rid, ticket):
             usage.add(delta)
+            prompt_lps[i] += delta.prompt_logprobs or []
             for c in delta.choices:
                 if c.finish_reason is not None:
                     self.frontend.count_finished(c.finish_reason)
+                idx, text, prompt = i * n + c.index, c.text, ()
+                if echo is not None and idx not in echoed:
+                    # A choice's first delta comes with or after the prompt's last logprobs.
+                    echoed.add(idx)
+                    text, prompt = echo[i] + text, (prompts[i], prompt_lps[i])
                 yield {"id": rid, "object": "text_completion", "created": created, "model": model,
-                       "choices": [{"index": i * n + c.index, "text": c.text, "finish_reason": c.finish_reason,
+                       "choices": [{"index": idx, "text": text, "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason,
-                                    "logprobs": self._completion_logprobs(c.token_ids, c.logprobs)
+                                    "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, *prompt)
                                     if params.logprobs is not None else None}]}
         if include_usage:
             yield {"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -179,16 +200,22 @@ class OpenAIAPI:
             yield {**base, "choices": [], "usage": usage.body(len(ids))}
 
     # --- logprobs shapes ---------------------------------------------------------------------------
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
+                             prompt_ids: list[int] = (), prompt_logprobs: list[dict[int, Logprob] | None] = ()
                              ) -> dict[str, Any]:
-        logprobs = logprobs or []
+        """OpenAI's legacy shape; with echo the prompt's tokens come first (the first has no logprob:
+        None, as in vLLM and OpenAI)."""
         tokens, token_lps, tops, offsets = [], [], [], []
         offset = 0
-        for tid, entry in zip(token_ids, logprobs):
-            text = self.frontend.token_text(tid, entry.get(tid))
-            tokens.append(text)
-            token_lps.append(entry[tid].logprob if tid in entry else None)
-            tops.append({self.frontend.token_text(t, lp): lp.logprob for t, lp in entry.items()})
+        for tid, entry in [*zip(prompt_ids, prompt_logprobs), *zip(token_ids, logprobs or [])]:
+            if entry is None:
+                tokens.append(text := self.frontend.token_text(tid))
+                token_lps.append(None)
+                tops.append(None)
+            else:
+                tokens.append(text := self.frontend.token_text(tid, entry.get(tid)))
+                token_lps.append(entry[tid].logprob if tid in entry else None)
+                tops.append({self.frontend.token_text(t, lp): lp.logprob for t, lp in entry.items()})
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

@@ -118,7 +118,13 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(16, ge=1)
 
     def to_sampling_params(self) -> SamplingParams:
-        return SamplingParams(**self.sampling_kwargs(), logprobs=self.logprobs)
+        # echo with logprobs: the prompt's tokens get theirs too (OpenAI's legacy completions, vLLM;
+        # what evaluation harnesses read to score a text's likelihood).
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        if prompt_logprobs is not None and self.n != 1:
+            raise ValueError(f"echo with logprobs needs n = 1 (the prompt's logprobs are returned once); "
+                             f"got n={self.n}")
+        return SamplingParams(**self.sampling_kwargs(), logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
 
 
 # An earlier call comes back as clients stored it (a streamed one may keep its delta `index`):

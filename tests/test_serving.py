@@ -123,6 +123,38 @@ def test_completion_matches_offline_engine_and_stream_matches(server, client, ti
     assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
+def test_echo_puts_the_prompt_first_with_its_logprobs(server, client, tiny_llama):
+    """echo=True: each prompt before its completion, whole and streamed (in the first chunk); with
+    logprobs the prompt's tokens come first with theirs (the first None), equal to the offline
+    engine's prompt logprobs: what evaluation harnesses read to score a text's likelihood."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=1024)
+    off = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=1, prompt_logprobs=1,
+                                              ignore_eos=True), use_tqdm=False)[0]
+    ids, done = off.prompt_token_ids, off.outputs[0]
+    want = [None] + [e[t].logprob for t, e in zip(ids[1:], off.prompt_logprobs[1:])]
+    want += [e[t].logprob for t, e in zip(done.token_ids, done.logprobs)]
+    kwargs = dict(model=server["model"], prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1,
+                  extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs).choices[0]
+    assert full.text == prompt + done.text
+    lp = full.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 3
+    assert lp.top_logprobs[0] is None and all(len(t) >= 1 for t in lp.top_logprobs[1:])
+    assert lp.token_logprobs[0] is None and lp.token_logprobs[1:] == pytest.approx(want[1:], abs=1e-4)
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)]
+    assert "".join(c.text for c in chunks) == full.text and chunks[0].text.startswith(prompt)
+    assert chunks[0].logprobs.tokens == lp.tokens[:len(ids) + 1]
+    assert [t for c in chunks for t in c.logprobs.token_logprobs][1:] == pytest.approx(want[1:], abs=1e-4)
+    # Token-id prompts echo their decoding; echo without logprobs adds none; n > 1 cannot have both.
+    two = client.completions.create(model=server["model"], prompt=[ids, ids[:4]], max_tokens=2, temperature=0,
+                                    echo=True)
+    assert [c.text[:len(prompt)] for c in two.choices][0] == prompt and two.choices[0].logprobs is None
+    assert two.choices[1].text.startswith(llm.get_tokenizer().decode(ids[:4]))
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs needs n = 1"):
+        client.completions.create(model=server["model"], prompt=prompt, max_tokens=2, n=2, echo=True, logprobs=1)
+
+
 def test_chat_stream_equals_non_stream_and_n2(server, client):
     messages = [{"role": "user", "content": "Name three colours."}]
     full = client.chat.completions.create(model=server["model"], messages=messages, max_tokens=20, temperature=0,
