@@ -4,6 +4,7 @@ token, as vLLM does; usage last when asked), logprobs in OpenAI's two shapes. Va
 routing and metrics are the frontend's (router/frontend.py), shared with gRPC.
 """
 # No `from __future__ import annotations`: FastAPI reads annotations at runtime.
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -58,9 +59,10 @@ class OpenAIAPI:
         rid = new_id("cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return sse_response(self._stream_completion(rid, prompts, echo, params, include_usage, ticket), ticket)
+            return sse_response(self._stream_completion(rid, prompts, echo, req.echo_only, params, include_usage,
+                                                        ticket), ticket)
         try:
-            return JSONResponse(await self._full_completion(rid, prompts, echo, params, ticket))
+            return JSONResponse(await self._full_completion(rid, prompts, echo, req.echo_only, params, ticket))
         finally:
             ticket.release()
 
@@ -88,13 +90,14 @@ class OpenAIAPI:
                                       param="echo")
         return [self.frontend.tokenizer.decode(ids) for ids in prompts]
 
-    async def _full_completion(self, rid: str, prompts: list[list[int]], echo: list[str] | None,
+    async def _full_completion(self, rid: str, prompts: list[list[int]], echo: list[str] | None, echo_only: bool,
                                params: SamplingParams, ticket: Ticket) -> dict[str, Any]:
         n = params.n
         choices = [ChoiceAccumulator() for _ in range(len(prompts) * n)]
         prompt_lps: list[list] = [[] for _ in prompts]      # echo with logprobs: the prompts' own
         usage = UsageCounter()
         async for i, delta in self.frontend.run(prompts, params, rid, ticket):
+            delta = _prompt_only(delta) if echo_only else delta
             usage.add(delta)
             prompt_lps[i] += delta.prompt_logprobs or []
             for c in delta.choices:
@@ -111,15 +114,15 @@ class OpenAIAPI:
         return {"id": rid, "object": "text_completion", "created": now(), "model": self.frontend.response_model(params),
                 "choices": out, "usage": usage.body(sum(len(p) for p in prompts))}
 
-    async def _stream_completion(self, rid: str, prompts: list[list[int]], echo: list[str] | None,
-                                 params: SamplingParams, include_usage: bool, ticket: Ticket
-                                 ) -> AsyncIterator[dict]:
+    async def _stream_completion(self, rid: str, prompts: list[list[int]], echo: list[str] | None, echo_only: bool,
+                                 params: SamplingParams, include_usage: bool, ticket: Ticket) -> AsyncIterator[dict]:
         n = params.n
         created, model = now(), self.frontend.response_model(params)
         usage = UsageCounter()
         prompt_lps: list[list] = [[] for _ in prompts]
         echoed: set[int] = set()        # the choices whose first chunk (which carries the echo) went out
         async for i, delta in self.frontend.run(prompts, params, rid, ticket):
+            delta = _prompt_only(delta) if echo_only else delta
             usage.add(delta)
             prompt_lps[i] += delta.prompt_logprobs or []
             for c in delta.choices:
@@ -233,6 +236,13 @@ class OpenAIAPI:
                 "top_logprobs": [{"token": self.frontend.token_text(t, lp), "logprob": lp.logprob,
                                   "bytes": list(self.frontend.token_text(t, lp).encode())} for t, lp in top]})
         return {"content": content}
+
+
+def _prompt_only(delta: Any) -> Any:
+    """A StepDelta of echo with max_tokens 0 (CompletionRequest.echo_only) without the one token the
+    engine sampled: its text, id, logprobs and count leave the response, the finish reason stays."""
+    return dataclasses.replace(delta, choices=[dataclasses.replace(c, token_ids=[], text="", logprobs=None)
+                                               for c in delta.choices])
 
 
 def _with_tool_calls(finish_reason: str | None, called: bool) -> str | None:

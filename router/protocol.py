@@ -115,16 +115,27 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)     # 0 only with echo: the prompt alone (below)
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) alone, as OpenAI and vLLM answer it
+        for scoring a text; the engine samples one token, which the response leaves out."""
+        return self.echo and self.max_tokens == 0
 
     def to_sampling_params(self) -> SamplingParams:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be >= 1 (0 only with echo: the prompt alone); got 0")
         # echo with logprobs: the prompt's tokens get theirs too (OpenAI's legacy completions, vLLM;
         # what evaluation harnesses read to score a text's likelihood).
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         if prompt_logprobs is not None and self.n != 1:
             raise ValueError(f"echo with logprobs needs n = 1 (the prompt's logprobs are returned once); "
                              f"got n={self.n}")
-        return SamplingParams(**self.sampling_kwargs(), logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
+        kwargs = self.sampling_kwargs()
+        if self.echo_only:
+            kwargs["max_tokens"] = 1
+        return SamplingParams(**kwargs, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
 
 
 # An earlier call comes back as clients stored it (a streamed one may keep its delta `index`):

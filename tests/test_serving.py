@@ -146,6 +146,13 @@ def test_echo_puts_the_prompt_first_with_its_logprobs(server, client, tiny_llama
     assert "".join(c.text for c in chunks) == full.text and chunks[0].text.startswith(prompt)
     assert chunks[0].logprobs.tokens == lp.tokens[:len(ids) + 1]
     assert [t for c in chunks for t in c.logprobs.token_logprobs][1:] == pytest.approx(want[1:], abs=1e-4)
+    # max_tokens 0 with echo: the prompt alone, what a text-scoring client asks; without echo a 400.
+    alone = client.completions.create(**{**kwargs, "max_tokens": 0})
+    assert alone.choices[0].text == prompt and alone.usage.completion_tokens == 0
+    assert len(alone.choices[0].logprobs.tokens) == len(ids)
+    assert alone.choices[0].logprobs.token_logprobs[1:] == pytest.approx(want[1:len(ids)], abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be >= 1"):
+        client.completions.create(model=server["model"], prompt=prompt, max_tokens=0)
     # Token-id prompts echo their decoding; echo without logprobs adds none; n > 1 cannot have both.
     two = client.completions.create(model=server["model"], prompt=[ids, ids[:4]], max_tokens=2, temperature=0,
                                     echo=True)
