@@ -116,6 +116,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None          # top-N logprobs per generated token (plus the chosen one)
     prompt_logprobs: int | None = None   # top-N logprobs per prompt token
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling (OpenAI's)
     skip_special_tokens: bool = True
     detokenize: bool = True
     priority: int = 0                    # lower runs first under scheduling_policy="priority"
@@ -169,6 +170,8 @@ class SamplingParams:
                f"at most {MAX_STOP_TOKEN_IDS} token ids", f"{len(self.stop_token_ids)} ids")
         _check(all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids",
                "non-negative token ids", self.stop_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
         if self.seed is not None:
             _check_int("seed", self.seed, SEED_MIN, SEED_MAX, " (or None)")
         _check_int("priority", self.priority, INT64_MIN, INT64_MAX)
@@ -199,6 +202,20 @@ class SamplingParams:
 
     def clone(self) -> SamplingParams:
         return SamplingParams(**{f: getattr(self, f) for f in self.__dataclass_fields__})
+
+
+def _logit_bias(bias: object) -> dict[int, float] | None:
+    """OpenAI's logit_bias as {token id: bias}: keys ints or their decimal strings (JSON's object
+    keys), values in [-100, 100] (-100 bans a token, 100 all but forces it); None when empty."""
+    _check(isinstance(bias, dict), "logit_bias", "a mapping of token ids to numbers", bias)
+    out = {}
+    for key, value in bias.items():
+        tid = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        _check(_is_int(tid) and 0 <= tid <= INT64_MAX, "logit_bias", "keyed by non-negative token ids", key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and -100 <= value <= 100
+        _check(ok, "logit_bias", "a mapping to numbers in [-100, 100]", {key: value})
+        out[tid] = float(value)
+    return out or None
 
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
@@ -251,6 +268,9 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}); got {bad[:5]}")
+    bad = [t for t in params.logit_bias or () if t >= vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias must be keyed by token ids in [0, {vocab_size}); got {bad[:5]}")
     if max_num_seqs is not None and params.n > max_num_seqs:
         raise ValueError(f"n must be <= {max_num_seqs} (max_num_seqs: the sequences that run at once); "
                          f"got {params.n}")

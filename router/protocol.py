@@ -49,6 +49,7 @@ class _Common(BaseModel):
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None      # token id (as a string, JSON's keys) -> bias in [-100, 100]
     user: str | None = None
     # extras (vLLM's names)
     top_k: int = -1
@@ -105,6 +106,7 @@ class _Common(BaseModel):
                     n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                     min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                    logit_bias=self.logit_bias,
                     max_tokens=self.max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                     stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, priority=self.priority,
                     skip_special_tokens=self.skip_special_tokens,

@@ -76,6 +76,28 @@ def test_frequency_and_presence_penalties_change_output(llm):
     assert len(set(p)) >= len(set(b))
 
 
+def test_logit_bias_matches_transformers_and_is_checked(llm, tiny_llama):
+    """logit_bias adds to the logits before the choice, as transformers' sequence_bias does for
+    one-token sequences; a biased row leaves its batch neighbour alone; 100 forces a token even when
+    sampling; keys may be JSON's strings; bad keys and values are ValueErrors naming the field."""
+    base = gen(llm, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    first = base[0].outputs[0].token_ids
+    bias = {first[0]: -5.0, first[1]: -3.5, 123: 2.5}
+    expected = hf_greedy(tiny_llama, [PROMPTS[0]], 12, sequence_bias=[[[t], b] for t, b in bias.items()])[0]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=bias),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == expected != first
+    assert out[1].outputs[0].token_ids == base[1].outputs[0].token_ids
+    forced = gen(llm, [PROMPTS[2]], SamplingParams(temperature=0.8, seed=3, max_tokens=5, logit_bias={"77": 100}))
+    assert forced[0].outputs[0].token_ids == [77] * 5
+    for bad in ({1: 101}, {"x": 1}, {-1: 1.0}, {2: float("nan")}, [1, 2]):
+        with pytest.raises(ValueError, match="logit_bias must be"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match=r"logit_bias must be keyed by token ids in \[0, "):
+        gen(llm, [PROMPTS[0]], SamplingParams(logit_bias={10**7: 1.0}))
+
+
 def test_logprobs_match_transformers(llm, tiny_llama):
     prompt = PROMPTS[0]
     out = gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=4, ignore_eos=True))[0]

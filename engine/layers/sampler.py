@@ -1,7 +1,7 @@
 """Sampler: logits of the rows that sample this step -> one token each, plus logprobs.
 
 Per row, in order: penalties (repetition over prompt + output, presence/frequency over output),
-min_tokens (EOS and stop tokens masked), then greedy argmax, or temperature -> top_k -> top_p ->
+logit_bias, min_tokens (EOS and stop tokens masked), then greedy argmax, or temperature -> top_k -> top_p ->
 min_p -> a draw among the kept candidates (`candidates`: no sort of the whole vocabulary; one
 uniform number per row, inverted through their cumulative mass). A row with a seed draws from its
 own torch.Generator, so its tokens do not depend on what else is in the batch. Logprobs are the
@@ -158,12 +158,12 @@ def _batched_penalties(logits: torch.Tensor, rows: list[SamplingRow], counts: To
 
 def apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow],
                               failed: dict[int, str] | None = None, skip_penalties: set[int] = frozenset()) -> None:
-    """Penalties (except for rows in `skip_penalties`, done already) and min_tokens masks, row by
-    row; a row that raises is recorded in `failed` (and sampled from anyway: its token is dropped)
-    when given, else the error propagates."""
+    """Penalties (except for rows in `skip_penalties`, done already), logit biases and min_tokens
+    masks, row by row; a row that raises is recorded in `failed` (and sampled from anyway: its token
+    is dropped) when given, else the error propagates."""
     for i, row in enumerate(rows):
         penalties = row.params.needs_penalties and i not in skip_penalties
-        if not penalties and len(row.output_token_ids) >= row.params.min_tokens:
+        if not penalties and not row.params.logit_bias and len(row.output_token_ids) >= row.params.min_tokens:
             continue
         if failed is None:
             _penalize_row(logits, i, row, penalties)
@@ -172,8 +172,8 @@ def apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow],
 
 
 def _penalize_row(logits: torch.Tensor, i: int, row: SamplingRow, penalties: bool = True) -> None:
-    """The per-row reference for penalties (engine/layers/penalties.py batches them) and the
-    min_tokens mask."""
+    """The per-row reference for penalties (engine/layers/penalties.py batches them), the logit
+    bias and the min_tokens mask."""
     vocab = logits.shape[-1]
     p = row.params
     if penalties and p.needs_penalties:
@@ -187,6 +187,9 @@ def _penalize_row(logits: torch.Tensor, i: int, row: SamplingRow, penalties: boo
         if len(out_ids) and (p.frequency_penalty or p.presence_penalty):
             counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    if p.logit_bias:
+        ids = [t for t in p.logit_bias if t < vocab]
+        logits[i, ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=logits.dtype)
     if len(row.output_token_ids) < p.min_tokens:
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(row.eos_token_ids))
         banned_ids = [t for t in banned if t < vocab]
