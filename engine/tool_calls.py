@@ -93,6 +93,20 @@ class ToolCallDelta:
         return {"index": self.index, **head, "function": function}
 
 
+def coalesce(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Consecutive pieces of one call joined, so that a chunk carries one entry per call (as OpenAI
+    and vLLM stream them: a client that reads each index once would otherwise lose text)."""
+    out: list[ToolCallDelta] = []
+    for d in deltas:
+        if out and out[-1].index == d.index:
+            last = out[-1]
+            d = ToolCallDelta(d.index, last.arguments + d.arguments, last.id or d.id, last.name or d.name)
+            out[-1] = d
+        else:
+            out.append(d)
+    return out
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """How a model writes tool calls (`name`, one of FORMATS), whether its chat template renders

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
-from engine.tool_calls import ToolCallStream, ToolFormat
+from engine.tool_calls import ToolCallStream, ToolFormat, coalesce
 from router.admission import Ticket
 from router.frontend import Frontend
 from router.http import sse_response
@@ -187,7 +187,9 @@ class OpenAIAPI:
                         more_text, more_deltas = reader.finish()
                         text, deltas = text + more_text, deltas + more_deltas
                         finish_reason = _with_tool_calls(c.finish_reason, reader.calls > 0)
-                    call_deltas = [d.body() for d in deltas]
+                    call_deltas = [d.body() for d in coalesce(deltas)]
+                    if not (text or call_deltas or finish_reason or logprobs) and c.index in started:
+                        continue    # text held back while a call may be starting: nothing to send (as vLLM)
                 message: dict[str, Any] = {"content": text} if text or c.finish_reason is None else {}
                 if c.index not in started:
                     started.add(c.index)

@@ -329,6 +329,9 @@ def test_tool_calls_round_trip(server, client, eventually_no_leaks):
     finish = None
     for chunk in stream:
         for c in chunk.choices:
+            indexes = [d.index for d in c.delta.tool_calls or []]
+            assert len(indexes) == len(set(indexes)), chunk        # one entry per call in a chunk
+            assert c.delta.role or c.delta.content or indexes or c.finish_reason, chunk   # no empty chunk
             for d in c.delta.tool_calls or []:
                 entry = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
                 entry["name"] += d.function.name or ""

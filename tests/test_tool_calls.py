@@ -15,7 +15,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
 from engine.tokenizer import apply_chat_template
-from engine.tool_calls import ToolCallStream, ToolFormat
+from engine.tool_calls import ToolCallStream, ToolFormat, coalesce
 
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from structured import TOOLS  # benchmarks/structured.py (appended to the path: it must not shadow the packages)
@@ -55,7 +55,8 @@ CASES = [
 @pytest.mark.parametrize("fmt,text,content,calls", CASES)
 def test_readers_whole_and_streamed(fmt, text, content, calls):
     """Fed in pieces of every size from 1 to 9 characters, the streaming reader gives the same content
-    and calls as the whole-text parse, and both give what the text holds."""
+    and calls as the whole-text parse, and both give what the text holds; each piece's call deltas,
+    coalesced as a chunk sends them, hold one entry per call."""
     got_content, got_calls = ToolFormat(fmt, native=True).parse(text)
     assert got_content == content
     assert [(c.name, _args(c.arguments)) for c in got_calls] == calls
@@ -67,8 +68,11 @@ def test_readers_whole_and_streamed(fmt, text, content, calls):
         for i in range(0, len(text), size):
             more, new = reader.feed(text[i:i + size])
             streamed += more
+            new = coalesce(new)
+            assert len({d.index for d in new}) == len(new), size
             deltas += new
         more, new = reader.finish()
+        new = coalesce(new)
         assert (streamed + more or None) == content, size
         assembled: dict[int, list[str]] = {}          # as the SDK assembles streamed calls
         for d in deltas + new:
