@@ -97,7 +97,8 @@ class Request:
         self.error: Exception | None = None     # why it ended with an error, when typed (a KV pull)
         self.logprobs: list[dict[int, float]] = []          # per output token: {token_id: logprob}
         self.logprob_ranks: list[int] = []                  # rank of the sampled token
-        self.prompt_logprobs: list[dict[int, float] | None] = []
+        # The prompt's first token has no logprob: None, even when it is the whole prompt.
+        self.prompt_logprobs: list[dict[int, float] | None] = [] if sampling_params.prompt_logprobs is None else [None]
 
     # --- token accounting -------------------------------------------------------------------------
     @property

@@ -351,8 +351,6 @@ class Scheduler:
             request.num_computed_tokens += len(sched.token_ids)
             prompt_lps = runner_output.prompt_logprobs.get(request.request_id)
             if prompt_lps is not None:
-                if not request.prompt_logprobs:
-                    request.prompt_logprobs.append(None)
                 need = request.num_prompt_tokens - len(request.prompt_logprobs)
                 request.prompt_logprobs.extend(prompt_lps[:need])
             sampled = runner_output.sampled.get(request.request_id)

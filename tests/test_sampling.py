@@ -126,6 +126,8 @@ def test_prompt_logprobs_match_transformers_with_chunking(tiny_llama):
         entry = out.prompt_logprobs[i]
         assert abs(entry[prompt[i]].logprob - ref[i - 1, prompt[i]].item()) < 1e-4
         assert len(entry) in (2, 3)
+    # A one-token prompt: its one entry, None (it was left empty).
+    assert gen(llm, [[5]], SamplingParams(max_tokens=1, prompt_logprobs=1))[0].prompt_logprobs == [None]
 
 
 def test_stop_strings_stop_tokens_and_lengths(llm, tiny_llama):
