@@ -79,9 +79,13 @@ class LLM:
         use_tqdm: bool = True,
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template (with the generation prompt) to each conversation, with
-        `tools` (OpenAI's shape) where given: `ToolFormat.of(llm.get_tokenizer()).parse(text)`
+        """Apply the model's chat template to each conversation (vLLM's options: the generation
+        prompt, or `continue_final_message`; `chat_template_kwargs` as more template variables),
+        with `tools` (OpenAI's shape) where given: `ToolFormat.of(llm.get_tokenizer()).parse(text)`
         reads the calls out of an output (engine/tool_calls.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.llm_engine.tokenizer
@@ -93,7 +97,9 @@ class LLM:
             conv_tools = tools
             if fmt is not None:
                 conv, conv_tools = fmt.template_inputs(list(conv), tools)  # type: ignore[arg-type]
-            parsed.append((None, apply_chat_template(tokenizer, conv, conv_tools)))  # type: ignore[arg-type]
+            parsed.append((None, apply_chat_template(tokenizer, conv, conv_tools,  # type: ignore[arg-type]
+                                                     add_generation_prompt, continue_final_message,
+                                                     chat_template_kwargs)))
         return self._run(parsed, self._with_lora(self._params_list(sampling_params, len(parsed)), lora_request),
                          use_tqdm)
 

@@ -38,17 +38,37 @@ def eos_token_ids(tokenizer: Any | None, hf_config: Any, path: str) -> frozenset
     return frozenset(ids)
 
 
+# Template variables that apply_chat_template sets itself: chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                      "continue_final_message", "tokenize", "return_dict", "chat_template"})
+
+
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
-                        tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """The conversation's prompt token ids (with the generation prompt; `tools` in OpenAI's shape,
-    for templates that render them: engine/tool_calls.py prepares both); ValueError when the model
-    has no chat template or its template refuses the conversation."""
+                        tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False,
+                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The conversation's prompt token ids (`tools` in OpenAI's shape, for templates that render
+    them: engine/tool_calls.py prepares both), with vLLM's chat options: the generation prompt
+    (default), or `continue_final_message` (the last message, an assistant's, left open for the
+    model to continue), and `template_kwargs` (vLLM's chat_template_kwargs: more variables for the
+    template, e.g. Qwen3's enable_thinking). ValueError naming the field when the model has no chat
+    template, the options conflict, or the template refuses the conversation."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template: use generate() with a plain prompt")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message needs add_generation_prompt=false (the last message is "
+                         "continued, not answered)")
+    if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+        raise ValueError("continue_final_message needs the last message to be the assistant's")
+    clash = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ()))
+    if clash:
+        raise ValueError(f"chat_template_kwargs must not set {clash}: those are the request's own fields")
     from jinja2 import TemplateError  # noqa: PLC0415
 
     try:
-        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message, tokenize=True,
+                                            **(template_kwargs or {}))
     except TemplateError as e:       # the template refused the conversation (e.g. roles out of order)
         raise ValueError(f"messages: the model's chat template refused them: {e}") from None
     if isinstance(ids, dict) or hasattr(ids, "keys"):

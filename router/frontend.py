@@ -44,6 +44,7 @@ from router.pd import PDRouter, RequestRouter
 from router.policy import RoutingPolicy
 from router.protocol import (
     ChatCompletionRequest,
+    ChatTemplateOptions,
     CompletionRequest,
     DetokenizeRequest,
     LoadLoRAAdapterRequest,
@@ -234,12 +235,14 @@ class Frontend:
                 out.append(list(p))
         return out
 
-    def chat_prompt(self, messages: list[Any], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def chat_prompt(self, messages: list[Any], options: ChatTemplateOptions,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         try:
             conversation = plain_messages(messages)
             if self.tool_format is not None:
                 conversation, tools = self.tool_format.template_inputs(conversation, tools)
-            return apply_chat_template(self.tokenizer, conversation, tools)
+            return apply_chat_template(self.tokenizer, conversation, tools, options.add_generation_prompt,
+                                       options.continue_final_message, options.chat_template_kwargs)
         except ValueError as e:
             raise InvalidRequestError(str(e), param="messages") from None
 
@@ -272,7 +275,7 @@ class Frontend:
         params.lora_request = lora
         if tool_format is not None and tool_format.special_tag:
             params.skip_special_tokens = False      # else the detokenizer drops the call tags
-        ids = self.chat_prompt(req.messages, tools)
+        ids = self.chat_prompt(req.messages, req, tools)
         self.validate_prompt(ids, params)
         # A tool choice's grammar that cannot compile is the tools' schemas' fault.
         await self.compile_constraint(params.structured_outputs, "tools" if constraint else "structured_outputs")
@@ -390,7 +393,7 @@ class Frontend:
         if req.prompt is not None:
             tokens = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
-            tokens = self.chat_prompt(req.messages)
+            tokens = self.chat_prompt(req.messages, req)
         return {"tokens": list(tokens), "count": len(tokens), "max_model_len": self.max_model_len}
 
     def detokenize(self, data: dict[str, Any]) -> dict[str, Any]:

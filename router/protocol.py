@@ -195,7 +195,16 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_Common):
+class ChatTemplateOptions(BaseModel):
+    """vLLM's chat-template extras, on chat completions and /tokenize (engine/tokenizer.py:
+    apply_chat_template): the generation prompt, or the last (assistant) message continued, and
+    more variables for the template (e.g. Qwen3's enable_thinking)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_Common, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -264,7 +273,7 @@ def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateOptions):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None

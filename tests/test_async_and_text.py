@@ -108,6 +108,32 @@ def test_detokenizer_reads_the_rust_tokenizer_with_the_same_text(smol_tokenizer,
         assert [fast.update([t]) for t in out] == [plain.update([t]) for t in out]
 
 
+def test_chat_template_options(smol_tokenizer):
+    """vLLM's chat extras: the generation prompt by default; continue_final_message leaves the
+    assistant's last message open; chat_template_kwargs reach the template; conflicts, a last
+    message not the assistant's and kwargs that would override the request's own are ValueErrors."""
+    import copy
+
+    from engine.tokenizer import apply_chat_template
+
+    tok = smol_tokenizer
+    conv = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "It is"}]
+    asked = tok.decode(apply_chat_template(tok, conv[:1]))
+    assert asked.endswith("Capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(apply_chat_template(tok, conv, add_generation_prompt=False, continue_final_message=True)
+                      ).endswith("<|im_start|>assistant\nIt is")
+    for kwargs, says in (({"continue_final_message": True}, "add_generation_prompt=false"),
+                         ({"add_generation_prompt": False, "continue_final_message": True, "messages": conv[:1]},
+                          "last message to be the assistant's"),
+                         ({"template_kwargs": {"tools": []}}, "chat_template_kwargs must not set")):
+        with pytest.raises(ValueError, match=says):
+            apply_chat_template(tok, kwargs.pop("messages", conv), **kwargs)
+    custom = copy.copy(tok)
+    custom.chat_template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert tok.decode(apply_chat_template(custom, conv[:1], template_kwargs={"greeting": "Hi! "})) == (
+        "Hi! Capital of France?")
+
+
 def test_embedded_model_matches_transformers_and_knows_paris():
     import os
 

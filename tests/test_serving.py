@@ -104,6 +104,17 @@ def test_models_health_tokenize(server, client):
     assert tok["count"] == len(tok["tokens"]) > 0
     text = httpx.post(f"{server['base']}/detokenize", json={"tokens": tok["tokens"]}, headers=_auth()).json()
     assert text["prompt"].endswith("Hello world")
+    # vLLM's chat-template extras: the assistant's last message continued, on /tokenize and in chat.
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}]
+    extras = {"add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"x": 1}}
+    cont = httpx.post(f"{server['base']}/tokenize", json={"messages": messages, **extras}, headers=_auth()).json()
+    text = httpx.post(f"{server['base']}/detokenize", json={"tokens": cont["tokens"]}, headers=_auth()).json()
+    assert text["prompt"].endswith("<|im_start|>assistant\nHello, I")
+    done = client.chat.completions.create(model=server["model"], messages=messages, max_tokens=2, extra_body=extras)
+    assert done.usage.prompt_tokens == cont["count"]
+    with pytest.raises(openai.BadRequestError, match="continue_final_message needs add_generation_prompt=false"):
+        client.chat.completions.create(model=server["model"], messages=messages, max_tokens=2,
+                                       extra_body={"continue_final_message": True})
 
 
 def test_completion_matches_offline_engine_and_stream_matches(server, client, tiny_llama):
