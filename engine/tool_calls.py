@@ -100,8 +100,7 @@ def coalesce(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
     for d in deltas:
         if out and out[-1].index == d.index:
             last = out[-1]
-            d = ToolCallDelta(d.index, last.arguments + d.arguments, last.id or d.id, last.name or d.name)
-            out[-1] = d
+            out[-1] = ToolCallDelta(d.index, last.arguments + d.arguments, last.id or d.id, last.name or d.name)
         else:
             out.append(d)
     return out

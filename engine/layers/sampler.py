@@ -1,11 +1,11 @@
 """Sampler: logits of the rows that sample this step -> one token each, plus logprobs.
 
 Per row, in order: penalties (repetition over prompt + output, presence/frequency over output),
-logit_bias, min_tokens (EOS and stop tokens masked), then greedy argmax, or temperature -> top_k -> top_p ->
-min_p -> a draw among the kept candidates (`candidates`: no sort of the whole vocabulary; one
-uniform number per row, inverted through their cumulative mass). A row with a seed draws from its
-own torch.Generator, so its tokens do not depend on what else is in the batch. Logprobs are the
-model's raw log-softmax (before penalties and temperature), as vLLM reports them.
+logit_bias, min_tokens (EOS and stop tokens masked), then greedy argmax, or temperature -> top_k
+-> top_p -> min_p -> a draw among the kept candidates (`candidates`: no sort of the whole
+vocabulary; one uniform number per row, inverted through their cumulative mass). A row with a
+seed draws from its own torch.Generator, so its tokens do not depend on what else is in the batch.
+Logprobs are the model's raw log-softmax (before penalties and temperature), as vLLM reports them.
 
 Isolation: the steps that read one row's own data (min_tokens masks, its draw) run row by row, and
 a row whose step raises is reported failed (`sample`'s second result) without touching the others'
