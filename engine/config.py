@@ -18,6 +18,7 @@ from engine.model_source import (
     architecture_of,
     check_parallel_fit,
     kv_cache_scales,
+    model_sampling_defaults,
     resolve_model,
     resolve_quantization,
 )
@@ -54,6 +55,9 @@ class EngineArgs:
     num_kv_blocks: int | None = None                 # None: from kv_cache_memory_bytes / free memory
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"                     # one of KV_CACHE_DTYPES
+    # vLLM's: "auto" takes the model's generation_config.json sampling fields as the defaults of
+    # requests that leave them unset (engine/model_source.py: model_sampling_defaults); "vllm": none
+    generation_config: str = "auto"
     # fp8: calibrate per-layer K/V scales at load on a fixed text (engine/kv_scales.py); None (auto):
     # where the checkpoint has no scales of its own
     calculate_kv_scales: bool | None = None
@@ -103,6 +107,9 @@ class EngineArgs:
             raise ValueError(f"num_kv_blocks must be >= 1; got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0; got {self.kv_cache_memory_bytes}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' (the model's sampling defaults) or 'vllm' (none); "
+                             f"got {self.generation_config!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}; got {self.kv_cache_dtype!r}")
         if self.swap_space_bytes < 0:
@@ -166,6 +173,8 @@ class ModelConfig:
     quantize_activations: bool = False    # blocks times int8 activations (EngineArgs.quantize_activations)
     # CUDA graphs of the decode step, one per batch size here (empty: eager); see engine/cuda_graph.py.
     cuda_graph_sizes: tuple[int, ...] = ()
+    # What requests that leave them unset sample with (EngineArgs.generation_config).
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()
 
     @property
     def torch_dtype(self) -> Any:
@@ -334,7 +343,7 @@ class EngineConfig:
         """What a frontend needs to know of the model this engine serves."""
         mc = self.model_config
         return ModelInfo(mc.model, mc.gguf_file, mc.vocab_size, mc.max_model_len, self.cache_config.block_size,
-                         self.scheduler_config.max_num_seqs)
+                         self.scheduler_config.max_num_seqs, mc.sampling_defaults)
 
     @classmethod
     def create(cls, model: str | None = None, **engine_args: Any) -> EngineConfig:
@@ -392,7 +401,8 @@ class EngineConfig:
         model_config = ModelConfig(
             model=path, gguf_file=gguf_file, hf_config=hf_config,
             dtype=resolve_dtype(dtype, config_dtype), max_model_len=max_model_len, seed=seed,
-            quantization=quantization, quantize_activations=args.quantize_activations, cuda_graph_sizes=graph_sizes)
+            quantization=quantization, quantize_activations=args.quantize_activations, cuda_graph_sizes=graph_sizes,
+            sampling_defaults=model_sampling_defaults(path, gguf_file) if args.generation_config == "auto" else ())
         fp8 = args.kv_cache_dtype != "auto"
         kv_scales = kv_cache_scales(path, gguf_file, hf_config) if fp8 else ()
         if fp8 and args.calculate_kv_scales is not False and pipeline_parallel_size > 1 and not kv_scales:
@@ -437,3 +447,4 @@ class ModelInfo:
     max_model_len: int
     block_size: int
     max_num_seqs: int
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()      # ModelConfig's

@@ -52,6 +52,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: SamplingParams'
+        defaults, with the model's generation_config.json sampling fields over them (vLLM's
+        `generation_config="auto"`; "vllm" leaves SamplingParams' own)."""
+        return SamplingParams(**dict(self.llm_engine.config.model_config.sampling_defaults))
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -103,10 +109,9 @@ class LLM:
         return self._run(parsed, self._with_lora(self._params_list(sampling_params, len(parsed)), lora_request),
                          use_tqdm)
 
-    @staticmethod
-    def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    def _params_list(self, params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams() for _ in range(n)]
+            return [self.get_default_sampling_params() for _ in range(n)]
         if isinstance(params, SamplingParams):
             return [params] * n
         params = list(params)

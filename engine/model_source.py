@@ -274,6 +274,28 @@ def kv_cache_scales(path: str, gguf_file: str | None, hf_config: Any) -> tuple[t
     return tuple((k, v) for k, v in scales) if found else ()
 
 
+# generation_config.json's sampling fields that become request defaults (vLLM's list; its
+# max_new_tokens is left out: max_tokens keeps the API's own default).
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def model_sampling_defaults(path: str, gguf_file: str | None) -> tuple[tuple[str, Any], ...]:
+    """The sampling fields an HF directory's generation_config.json sets (a GGUF file has none),
+    as (name, value) pairs, with HF's top_k of 0 (no limit) as -1; what vLLM's
+    `--generation-config auto` applies to requests that leave them unset."""
+    file = os.path.join(path, "generation_config.json")
+    if gguf_file is not None or not os.path.isfile(file):
+        return ()
+    import json  # noqa: PLC0415 - only HF directories with a generation config read it
+
+    with open(file) as f:
+        config = json.load(f)
+    found = {k: config[k] for k in SAMPLING_DEFAULT_FIELDS if config.get(k) is not None}
+    if found.get("top_k") == 0:
+        found["top_k"] = -1
+    return tuple(found.items())
+
+
 def check_parallel_fit(hf_config: Any, tp: int, pp: int) -> None:
     """ValueError unless the model splits evenly into `tp` shards and `pp` stages."""
     heads = hf_config.num_attention_heads

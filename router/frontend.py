@@ -173,9 +173,9 @@ class Frontend:
             message, param = validation_message(e)
             raise InvalidRequestError(message, param=param) from None
 
-    def sampling_params(self, req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    def sampling_params(self, req: CompletionRequest) -> SamplingParams:
         try:
-            return req.to_sampling_params()
+            return req.to_sampling_params(self.info.sampling_defaults)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
 
@@ -269,7 +269,7 @@ class Frontend:
         lora = self.check_model(req.model)
         tools, constraint, tool_format = self.tool_setup(req)
         try:
-            params = req.to_sampling_params(constraint)
+            params = req.to_sampling_params(constraint, self.info.sampling_defaults)
         except ValueError as e:
             raise InvalidRequestError(str(e), param="tool_choice" if constraint else None) from None
         params.lora_request = lora

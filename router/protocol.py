@@ -101,16 +101,20 @@ class _Common(BaseModel):
         except ValueError as e:
             raise ValueError(f"{field}: {e}") from None
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        return dict(structured_outputs=self.structured(),
-                    n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                    min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
-                    frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                    logit_bias=self.logit_bias,
-                    max_tokens=self.max_tokens, min_tokens=self.min_tokens, stop=self.stop,
-                    stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, priority=self.priority,
-                    skip_special_tokens=self.skip_special_tokens,
-                    include_stop_str_in_output=self.include_stop_str_in_output)
+    def sampling_kwargs(self, defaults: tuple[tuple[str, Any], ...] = ()) -> dict[str, Any]:
+        """SamplingParams' keywords; `defaults` (the model's, ModelInfo.sampling_defaults) fill the
+        fields this request left unset."""
+        kwargs = dict(structured_outputs=self.structured(),
+                      n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                      min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
+                      frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                      logit_bias=self.logit_bias,
+                      max_tokens=self.max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+                      stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, priority=self.priority,
+                      skip_special_tokens=self.skip_special_tokens,
+                      include_stop_str_in_output=self.include_stop_str_in_output)
+        kwargs.update((name, value) for name, value in defaults if name not in self.model_fields_set)
+        return kwargs
 
 
 class CompletionRequest(_Common):
@@ -125,7 +129,7 @@ class CompletionRequest(_Common):
         for scoring a text; the engine samples one token, which the response leaves out."""
         return self.echo and self.max_tokens == 0
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: tuple[tuple[str, Any], ...] = ()) -> SamplingParams:
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be >= 1 (0 only with echo: the prompt alone); got 0")
         # echo with logprobs: the prompt's tokens get theirs too (OpenAI's legacy completions, vLLM;
@@ -134,7 +138,7 @@ class CompletionRequest(_Common):
         if prompt_logprobs is not None and self.n != 1:
             raise ValueError(f"echo with logprobs needs n = 1 (the prompt's logprobs are returned once); "
                              f"got n={self.n}")
-        kwargs = self.sampling_kwargs()
+        kwargs = self.sampling_kwargs(defaults)
         if self.echo_only:
             kwargs["max_tokens"] = 1
         return SamplingParams(**kwargs, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
@@ -232,10 +236,11 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
             raise ValueError("tool_choice: 'required' needs a non-empty tools list")
         return choice
 
-    def to_sampling_params(self, tool_constraint: str | None = None) -> SamplingParams:
+    def to_sampling_params(self, tool_constraint: str | None = None,
+                           defaults: tuple[tuple[str, Any], ...] = ()) -> SamplingParams:
         """`tool_constraint`: the structural tag that enforces the tool choice (engine/tool_calls.py),
-        which takes the place of any other output constraint."""
-        kwargs = self.sampling_kwargs()
+        which takes the place of any other output constraint; `defaults`: see sampling_kwargs."""
+        kwargs = self.sampling_kwargs(defaults)
         if tool_constraint is not None:
             if kwargs["structured_outputs"] is not None:
                 raise ValueError("tool_choice: a required, named or strict tool call cannot be combined with "

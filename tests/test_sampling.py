@@ -98,6 +98,37 @@ def test_logit_bias_matches_transformers_and_is_checked(llm, tiny_llama):
         gen(llm, [PROMPTS[0]], SamplingParams(logit_bias={10**7: 1.0}))
 
 
+def test_generation_config_sampling_defaults(tiny_llama, tmp_path):
+    """As vLLM's generation_config="auto": the model's generation_config.json sampling fields are the
+    defaults of requests that leave them unset (LLM with no SamplingParams; the HTTP request models,
+    field by field); "vllm" ignores them."""
+    import json
+    import shutil
+
+    from router.protocol import ChatCompletionRequest, CompletionRequest
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_llama, path)
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps(
+        {**config, "temperature": 0.0, "top_k": 0, "repetition_penalty": 1.3, "max_new_tokens": 5}))
+    llm = LLM(str(path), dtype="float32")
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.repetition_penalty) == (0.0, -1, 1.3)
+    assert defaults.max_tokens == SamplingParams().max_tokens          # max_new_tokens is not taken
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], use_tqdm=False)[0].outputs[0].token_ids
+    assert out == hf_greedy(tiny_llama, [PROMPTS[0]], 16, repetition_penalty=1.3)[0]
+    assert LLM(str(path), dtype="float32", generation_config="vllm").get_default_sampling_params() == SamplingParams()
+    with pytest.raises(ValueError, match="generation_config must be"):
+        LLM(str(path), generation_config="model")
+    model_defaults = llm.llm_engine.config.model_info().sampling_defaults
+    unset = CompletionRequest(model="m", prompt="x").to_sampling_params(model_defaults)
+    assert (unset.temperature, unset.repetition_penalty) == (0.0, 1.3)
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], temperature=0.5)
+    assert (chat.to_sampling_params(None, model_defaults).temperature,
+            chat.to_sampling_params(None, model_defaults).repetition_penalty) == (0.5, 1.3)
+
+
 def test_logprobs_match_transformers(llm, tiny_llama):
     prompt = PROMPTS[0]
     out = gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=4, ignore_eos=True))[0]
