@@ -2,13 +2,13 @@
 
 `build_app(config)` applies Ray Serve to the plain classes: the protocol-neutral `Frontend`
 (router/frontend.py: auth, validation, admission, routing, metrics), the HTTP API over it
-(router/openai_api.py) and the gRPC service over it (router/grpc_api.py).
+(router/openai_api.py, router/responses_api.py) and the gRPC service over it (router/grpc_api.py).
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both streaming as SSE
-ending in `data: [DONE]`), POST /tokenize, POST /detokenize, GET /health, GET /metrics
-(Prometheus), GET /openapi.json, POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with
-`lora.allow_runtime_updates`); and, beside HTTP, the gRPC Generation service through Serve's
-gRPC proxy when `serving.grpc_port` is set.
+ending in `data: [DONE]`), POST /v1/responses (streaming typed events), POST /tokenize, POST
+/detokenize, GET /health, GET /metrics (Prometheus), GET /openapi.json, POST /v1/load_lora_adapter
+and /v1/unload_lora_adapter (with `lora.allow_runtime_updates`); and, beside HTTP, the gRPC
+Generation service through Serve's gRPC proxy when `serving.grpc_port` is set.
 
 Every error uses OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`: 400 invalid
 parameter or body (named; bodies must be JSON objects in UTF-8, nested at most
@@ -43,6 +43,7 @@ from router.frontend import Frontend
 from router.grpc_api import GenerationService, grpc_call
 from router.http import fastapi_app, openapi_schema
 from router.openai_api import OpenAIAPI
+from router.responses_api import ResponsesAPI
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ def build_app(config: ClusterConfig) -> Any:
             cfg = ClusterConfig.model_validate_json(config_json)
             self.server = Frontend(cfg)
             self.api = OpenAIAPI(self.server)
+            self.responses_api = ResponsesAPI(self.server)
             self.grpc = GenerationService(self.server)
             fastapi_app.state.server = self.server
             self._membership: asyncio.Task | None = None
@@ -99,6 +101,10 @@ def build_app(config: ClusterConfig) -> Any:
         @fastapi_app.post("/v1/chat/completions")
         async def chat(self, request: Request) -> Response:
             return await self.api.chat(await self.api.read_json(request))
+
+        @fastapi_app.post("/v1/responses")
+        async def responses(self, request: Request) -> Response:
+            return await self.responses_api.create(await self.api.read_json(request))
 
         @fastapi_app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(self, request: Request) -> Response:

@@ -24,7 +24,14 @@ from engine.errors import (
 )
 from router.admission import Ticket
 from router.frontend import request_error
-from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ResponsesRequest,
+    TokenizeRequest,
+    error_body,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +39,7 @@ logger = logging.getLogger(__name__)
 # bodies' models, so that clients and fuzzers (tests/test_hardening.py) can read the API.
 fastapi_app = FastAPI(title="pdserve", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
 BODY_MODELS: dict[str, type] = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                                "/v1/responses": ResponsesRequest,
                                 "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
@@ -86,7 +94,8 @@ fastapi_app.add_middleware(_AuthMiddleware)
 async def _route_error(request: Request, exc: StarletteHTTPException) -> Response:
     """404 (no such route) and 405 (wrong method) in OpenAI's shape."""
     if exc.status_code == 404:
-        message = f"no route {request.url.path}; see /v1/models, /v1/completions, /v1/chat/completions"
+        message = (f"no route {request.url.path}; see /v1/models, /v1/completions, /v1/chat/completions, "
+                   "/v1/responses")
         err: PDServeError = NotFoundError(message)
     elif exc.status_code == 405:
         allowed = (exc.headers or {}).get("Allow", "")
@@ -143,19 +152,23 @@ def openapi_schema(app: FastAPI = fastapi_app) -> dict[str, Any]:
     return schema
 
 
-def sse_response(chunks: AsyncIterator[dict], ticket: Ticket) -> StreamingResponse:
+def sse_response(chunks: AsyncIterator[dict], ticket: Ticket, named: bool = False) -> StreamingResponse:
     """An SSE response of `chunks`, ending in `data: [DONE]`; an error once the stream has
-    started goes in-band; the admission ticket is released however the body ends."""
+    started goes in-band; the admission ticket is released however the body ends. `named`: each
+    chunk's `type` is its event's name too (the Responses API's typed events), and no [DONE]."""
 
     async def body() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
+                event = f"event: {chunk['type']}\n" if named else ""
+                yield f"{event}data: {json.dumps(chunk)}\n\n"
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
             err = request_error(e)
-            yield f"data: {json.dumps(error_body(err.message, err.err_type, err.status, err.param))}\n\n"
+            yield ("event: error\n" if named else "") + \
+                f"data: {json.dumps(error_body(err.message, err.err_type, err.status, err.param))}\n\n"
         finally:
             ticket.release()        # also when the client left before the body started
-        yield "data: [DONE]\n\n"
+        if not named:
+            yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over the frontend: request bodies read with their limits,
 completions and chat completions answered whole or streamed (SSE: the role goes out with the first
-token, as vLLM does; usage last when asked), logprobs in OpenAI's two shapes. Validation, admission,
-routing and metrics are the frontend's (router/frontend.py), shared with gRPC.
+token, as vLLM does; usage last when asked, or in every chunk with vLLM's continuous_usage_stats),
+logprobs in OpenAI's two shapes. Validation, admission, routing and metrics are the frontend's
+(router/frontend.py), shared with gRPC; the Responses API is router/responses_api.py.
 """
 # No `from __future__ import annotations`: FastAPI reads annotations at runtime.
 import dataclasses
@@ -18,7 +19,15 @@ from engine.tool_calls import ToolCallStream, ToolFormat, coalesce
 from router.admission import Ticket
 from router.frontend import Frontend
 from router.http import sse_response
-from router.protocol import ChoiceAccumulator, CompletionRequest, UsageCounter, new_id, now, parse_json_object
+from router.protocol import (
+    ChoiceAccumulator,
+    CompletionRequest,
+    StreamOptions,
+    UsageCounter,
+    new_id,
+    now,
+    parse_json_object,
+)
 
 
 class OpenAIAPI:
@@ -57,10 +66,9 @@ class OpenAIAPI:
         echo = self._echo_texts(req, prompts) if req.echo else None
         ticket = self.frontend.admit(len(prompts))
         rid = new_id("cmpl")
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return sse_response(self._stream_completion(rid, prompts, echo, req.echo_only, params, include_usage,
-                                                        ticket), ticket)
+            return sse_response(self._stream_completion(rid, prompts, echo, req.echo_only, params,
+                                                        req.stream_options, ticket), ticket)
         try:
             return JSONResponse(await self._full_completion(rid, prompts, echo, req.echo_only, params, ticket))
         finally:
@@ -70,10 +78,9 @@ class OpenAIAPI:
         req, params, ids, tools = await self.frontend.prepare_chat(data)
         ticket = self.frontend.admit(1)
         rid = new_id("chatcmpl")
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return sse_response(self._stream_chat(rid, ids, params, include_usage, req.logprobs, tools, ticket),
-                                ticket)
+            return sse_response(self._stream_chat(rid, ids, params, req.stream_options, req.logprobs, tools,
+                                                  ticket), ticket)
         try:
             return JSONResponse(await self._full_chat(rid, ids, params, req.logprobs, tools, ticket))
         finally:
@@ -115,10 +122,13 @@ class OpenAIAPI:
                 "choices": out, "usage": usage.body(sum(len(p) for p in prompts))}
 
     async def _stream_completion(self, rid: str, prompts: list[list[int]], echo: list[str] | None, echo_only: bool,
-                                 params: SamplingParams, include_usage: bool, ticket: Ticket) -> AsyncIterator[dict]:
+                                 params: SamplingParams, options: StreamOptions | None,
+                                 ticket: Ticket) -> AsyncIterator[dict]:
         n = params.n
         created, model = now(), self.frontend.response_model(params)
         usage = UsageCounter()
+        num_prompt = sum(len(p) for p in prompts)
+        per_chunk = options is not None and options.usage_per_chunk()
         prompt_lps: list[list] = [[] for _ in prompts]
         echoed: set[int] = set()        # the choices whose first chunk (which carries the echo) went out
         async for i, delta in self.frontend.run(prompts, params, rid, ticket):
@@ -133,14 +143,15 @@ class OpenAIAPI:
                     # A choice's first delta comes with or after the prompt's last logprobs.
                     echoed.add(idx)
                     text, prompt = echo[i] + text, (prompts[i], prompt_lps[i])
-                yield {"id": rid, "object": "text_completion", "created": created, "model": model,
-                       "choices": [{"index": idx, "text": text, "finish_reason": c.finish_reason,
-                                    "stop_reason": c.stop_reason,
-                                    "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, *prompt)
-                                    if params.logprobs is not None else None}]}
-        if include_usage:
+                chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                         "choices": [{"index": idx, "text": text, "finish_reason": c.finish_reason,
+                                      "stop_reason": c.stop_reason,
+                                      "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, *prompt)
+                                      if params.logprobs is not None else None}]}
+                yield {**chunk, "usage": usage.body(num_prompt)} if per_chunk else chunk
+        if options is not None and options.include_usage:
             yield {"id": rid, "object": "text_completion", "created": created, "model": model,
-                   "choices": [], "usage": usage.body(sum(len(p) for p in prompts))}
+                   "choices": [], "usage": usage.body(num_prompt)}
 
     async def _full_chat(self, rid: str, ids: list[int], params: SamplingParams, logprobs: bool,
                          tools: ToolFormat | None, ticket: Ticket) -> dict[str, Any]:
@@ -166,9 +177,10 @@ class OpenAIAPI:
         return {"id": rid, "object": "chat.completion", "created": now(), "model": self.frontend.response_model(params),
                 "choices": out, "usage": usage.body(len(ids))}
 
-    async def _stream_chat(self, rid: str, ids: list[int], params: SamplingParams, include_usage: bool,
+    async def _stream_chat(self, rid: str, ids: list[int], params: SamplingParams, options: StreamOptions | None,
                            logprobs: bool, tools: ToolFormat | None, ticket: Ticket) -> AsyncIterator[dict]:
         created = now()
+        per_chunk = options is not None and options.usage_per_chunk()
         base = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": self.frontend.response_model(params)}
         usage = UsageCounter()
@@ -196,12 +208,13 @@ class OpenAIAPI:
                     message = {"role": "assistant", "content": text}
                 if call_deltas:
                     message["tool_calls"] = call_deltas
-                yield {**base, "choices": [{
+                chunk = {**base, "choices": [{
                     "index": c.index, "delta": message,
                     "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs or 0)
                     if logprobs else None,
                     "finish_reason": finish_reason, "stop_reason": c.stop_reason}]}
-        if include_usage:
+                yield {**chunk, "usage": usage.body(len(ids))} if per_chunk else chunk
+        if options is not None and options.include_usage:
             yield {**base, "choices": [], "usage": usage.body(len(ids))}
 
     # --- logprobs shapes ---------------------------------------------------------------------------

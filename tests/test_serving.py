@@ -132,6 +132,15 @@ def test_completion_matches_offline_engine_and_stream_matches(server, client, ti
                                             extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    # vLLM's continuous_usage_stats: the usage so far in every chunk, on both endpoints.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for create, body in ((client.completions.create, {"prompt": prompt}),
+                         (client.chat.completions.create, {"messages": [{"role": "user", "content": prompt}]})):
+        every = list(create(model=server["model"], max_tokens=5, temperature=0, stream=True, stream_options=options,
+                            extra_body={"ignore_eos": True}, **body))
+        assert [c.usage.completion_tokens for c in every] == [1, 2, 3, 4, 5, 5]
+        assert len({(c.usage.prompt_tokens, c.usage.total_tokens - c.usage.completion_tokens) for c in every}) == 1
 
 
 def test_echo_puts_the_prompt_first_with_its_logprobs(server, client, tiny_llama):
@@ -388,6 +397,95 @@ def test_tool_calls_round_trip(server, client, eventually_no_leaks):
         with pytest.raises(openai.BadRequestError, match=match) as bad:
             client.chat.completions.create(model=model, messages=messages, max_tokens=5, **body)
         assert (bad.value.response.json()["error"]["param"] or "").startswith(param), body
+    for manager in server["managers"][:1]:
+        assert eventually_no_leaks(ray.get(manager.replicas.remote("decode")))
+
+
+def test_responses_api(server, client, eventually_no_leaks):
+    """OpenAI's Responses API through the SDK's `client.responses`: the same text as the chat
+    completion of the same conversation (greedy), whole and streamed (typed events in order, which
+    the SDK's stream helper accumulates into the same response); max_output_tokens makes it
+    incomplete; function calls (forced by tool_choice) go out as function_call items and come back
+    as input with their outputs, answered as chat answers them; 400s name the Responses field."""
+    import jsonschema
+
+    model = server["model"]
+    chat = client.chat.completions.create(model=model, max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}])
+    kwargs = dict(model=model, instructions="Be brief.", input="Name three colours.", max_output_tokens=12,
+                  temperature=0)
+    resp = client.responses.create(**kwargs)
+    assert resp.output_text == chat.choices[0].message.content and resp.object == "response"
+    assert resp.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    assert resp.usage.output_tokens == chat.usage.completion_tokens
+    (item,) = resp.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+
+    events = list(client.responses.create(**kwargs, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{resp.status}"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == resp.output_text
+    assert events[-1].response.output_text == resp.output_text
+    with client.responses.stream(**kwargs) as helper:       # the SDK's accumulator takes the events in order
+        last = list(helper)[-1]
+    assert last.type == f"response.{resp.status}" and last.response.output_text == resp.output_text
+    short = client.responses.create(**{**kwargs, "max_output_tokens": 2})
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": params}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = client.responses.create(model=model, input=ask, tools=tools, tool_choice="required", temperature=0.7,
+                                     max_output_tokens=100)
+    calls = [o for o in called.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
+    jsonschema.validate(json.loads(calls[0].arguments), params)
+    streamed = [e for e in client.responses.create(model=model, input=ask, tools=tools, stream=True,
+                                                   tool_choice={"type": "function", "name": "get_weather"},
+                                                   max_output_tokens=100)
+                if e.type.startswith("response.function_call_arguments")]
+    assert streamed[-1].type == "response.function_call_arguments.done"
+    assert "".join(e.delta for e in streamed[:-1]) == streamed[-1].arguments
+    # The call and its output go back; the answer is the chat answer to the same conversation.
+    back = ask + [o.model_dump(exclude_none=True) for o in called.output]
+    back += [{"type": "function_call_output", "call_id": c.call_id, "output": '{"temp_c": 21}'} for c in calls]
+    answer = client.responses.create(model=model, input=back, tools=tools, max_output_tokens=12, temperature=0)
+    chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in tools]
+    follow = ask + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in calls]}]
+    follow += [{"role": "tool", "tool_call_id": c.call_id, "content": '{"temp_c": 21}'} for c in calls]
+    if any(o.type == "message" for o in called.output):       # text before the calls
+        follow[1]["content"] = "".join(o.content[0].text for o in called.output if o.type == "message")
+    expected = client.chat.completions.create(model=model, messages=follow, tools=chat_tools, max_tokens=12,
+                                              temperature=0).choices[0].message
+    assert answer.output_text == (expected.content or "")
+
+    for body, match, param in [
+        ({"input": []}, "input must not be empty", "input"),
+        ({"input": [{"role": "wizard", "content": "x"}]}, "input[0].role must be one of", "input[0].role"),
+        ({"input": [{"type": "input_image"}]}, "must be one of message, function_call", "input[0].type"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         "parts must be text", "input[0].content"),
+        ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+        ({"max_output_tokens": 10**6}, "max_output_tokens must be <=", "prompt"),
+        ({"previous_response_id": "resp_1"}, "stores no responses", "previous_response_id"),
+        ({"tools": [{"type": "web_search"}]}, "tools.type", "tools.type"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema is required",
+         "text.format.schema"),
+        ({"reasoning_effort": "high"}, "unknown field", "reasoning_effort"),
+    ]:
+        data = {"model": model, "input": "Hi", **body}
+        r = httpx.post(f"{server['base']}/v1/responses", json=data, headers=_auth())
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert match in err["message"] and err["param"] == param, (body, err)
     for manager in server["managers"][:1]:
         assert eventually_no_leaks(ray.get(manager.replicas.remote("decode")))
 
@@ -687,8 +785,9 @@ def test_fuzzed_requests_never_get_a_5xx(server, eventually_no_leaks):
             if mode.is_positive and isinstance(case.body, dict):
                 if "model" in case.body:          # the served model, so that valid bodies reach the engine
                     case.body["model"] = app["model"]
-                if isinstance(case.body.get("max_tokens"), int):
-                    case.body["max_tokens"] = min(case.body["max_tokens"], 64)     # bounded time
+                for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens"):
+                    if isinstance(case.body.get(key), int):
+                        case.body[key] = min(case.body[key], 16)     # bounded time: inputs are the point
             response = case.call(base_url=base, headers=_auth(), timeout=120)
             if response.status_code >= 500:
                 failures.append((case.method, case.path, case.body, response.status_code, response.text[:300]))
