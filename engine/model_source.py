@@ -4,8 +4,12 @@
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +44,73 @@ def embedded_model_path() -> str:
     return path
 
 
+def gguf_reader(file: str) -> Any:
+    """The GGUF file's reader (gguf-py), parsed once per process and version of the file: a parse
+    walks every metadata field, the tokenizer's vocabulary and merges too (~3 s for the embedded
+    model), and a load asks for it twice (the quantization check, the weights)."""
+    st = os.stat(file)
+    return _gguf_reader(os.path.abspath(file), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_reader(file: str, size: int, mtime_ns: int) -> Any:
+    from gguf import GGUFReader  # noqa: PLC0415 - only GGUF models need it
+
+    return GGUFReader(file)
+
+
+def gguf_hf_dir(path: str, gguf_file: str) -> str:
+    """A directory holding the GGUF file's HF config and tokenizer as transformers converts them
+    (config.json; tokenizer.json, tokenizer_config.json and the chat template where the file has a
+    tokenizer), converted once and kept under $PDSERVE_GGUF_CACHE (else ~/.cache/pdserve/gguf, else
+    a temp dir), keyed by the file's path, size and mtime and the transformers version. Converting
+    parses the whole file each time (~5 s for the config and ~5 for the tokenizer of the embedded
+    model, in every process that loads it: engine replicas, the ingress); the saved files load in a
+    fraction of a second and are the same config and tokenizer (tests/test_quant.py compares them).
+    Raises what AutoConfig.from_pretrained(gguf_file=...) raises for a file it cannot read."""
+    import transformers  # noqa: PLC0415 - heavy; configs import without it
+    from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415
+
+    file = os.path.abspath(os.path.join(path, gguf_file))
+    st = os.stat(file)
+    key = hashlib.sha256(f"{file}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()
+    root = _gguf_cache_root()
+    target = os.path.join(root, key[:32])
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    except (OSError, ValueError, TypeError, KeyError):
+        tokenizer = None                    # token-id prompts only (engine/tokenizer.py)
+    os.makedirs(root, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=root, prefix=".staging-")
+    try:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        config.save_pretrained(staging)
+        os.rename(staging, target)          # whole or not at all: another process may read it now
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)      # another process renamed its copy first
+        if not os.path.isfile(os.path.join(target, "config.json")):
+            raise
+    return target
+
+
+def _gguf_cache_root() -> str:
+    env = os.environ.get("PDSERVE_GGUF_CACHE")
+    if env:
+        return env
+    home = os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "gguf")
+    try:
+        os.makedirs(home, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return os.path.join(tempfile.gettempdir(), f"pdserve-gguf-{os.getuid()}")
+
+
 def resolve_model(model: str | None) -> tuple[str, str | None, Any]:
     """model (None = embedded default, a directory, or a .gguf file) -> (dir, gguf file name, HF config).
 
@@ -57,7 +128,7 @@ def resolve_model(model: str | None) -> tuple[str, str | None, Any]:
     elif not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model directory {path!r} has no config.json")
     try:
-        hf_config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
+        hf_config = AutoConfig.from_pretrained(path if gguf_file is None else gguf_hf_dir(path, gguf_file))
     except (ValueError, KeyError) as e:
         raise ValueError(f"model {model!r}: cannot read its config ({e})") from e
     architecture = architecture_of(hf_config)     # unknown architectures fail here, early
@@ -180,9 +251,7 @@ def resolve_quantization(quantization: str | None, path: str, gguf_file: str | N
     if quantization not in (None, "gguf", "gguf+dense"):
         raise ValueError(f"quantization={quantization!r} needs a safetensors checkpoint; {gguf_file} is a GGUF "
                          f"file (quantization='gguf', 'gguf+dense' or 'none')")
-    from gguf import GGUFReader  # noqa: PLC0415
-
-    reader = GGUFReader(os.path.join(path, gguf_file))
+    reader = gguf_reader(os.path.join(path, gguf_file))
     field = reader.fields.get("general.architecture")
     arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
     if quantization is None and (arch not in GGUF_NATIVE_ARCHITECTURES or _unsupported(reader)):

@@ -3,15 +3,23 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from typing import Any
+
+from engine.model_source import gguf_hf_dir
 
 
 def load_tokenizer(path: str, gguf_file: str | None) -> Any | None:
-    """The model's HF tokenizer, or None if the checkpoint ships none (token-id prompts only)."""
+    """The model's HF tokenizer, or None if the checkpoint ships none (token-id prompts only). A GGUF
+    file's comes converted once and saved (model_source.gguf_hf_dir)."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     try:
-        return AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+        if gguf_file is not None:
+            path = gguf_hf_dir(path, gguf_file)
+            if not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+                return None                 # the file has none
+        return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError, KeyError):
         return None
 

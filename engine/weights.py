@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from engine.model_source import GGUF_NATIVE_ARCHITECTURES
+from engine.model_source import GGUF_NATIVE_ARCHITECTURES, gguf_reader
 from kernels.reference import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
 
 
@@ -82,11 +82,11 @@ def _gguf_weights(file: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor
 
 def _gguf_native_weights(file: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
     import numpy as np  # noqa: PLC0415
-    from gguf import GGUFReader, dequantize  # noqa: PLC0415
+    from gguf import dequantize  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map  # noqa: PLC0415
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor  # noqa: PLC0415
 
-    reader = GGUFReader(file)
+    reader = gguf_reader(file)
     arch_field = reader.fields.get("general.architecture")
     arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field is not None else "?"
     if arch not in GGUF_NATIVE_ARCHITECTURES:
@@ -97,7 +97,7 @@ def _gguf_native_weights(file: str, hf_config: Any) -> Iterator[tuple[str, torch
         config={"num_attention_heads": heads, "num_key_value_heads": kv_heads})
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf_config)
-    names = get_gguf_hf_weights_map(skeleton, processor)
+    names = gguf_names(skeleton, processor)
     for tensor in reader.tensors:
         if tensor.name not in names:
             continue
@@ -115,3 +115,28 @@ def _gguf_native_weights(file: str, hf_config: Any) -> Iterator[tuple[str, torch
             weights = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
                                         tensor_key_mapping=names, parsed_parameters={"tensors": {}}).weights
             yield names[tensor.name], torch.from_numpy(np.copy(weights))
+
+
+def gguf_names(skeleton: Any, processor: Any) -> dict[str, str]:
+    """GGUF tensor name -> HF parameter name for a model skeleton: transformers'
+    get_gguf_hf_weights_map, without its second walk over every submodule, which builds gguf-py's
+    name table once per module (~400 times, ~5 s, for the embedded model). The full names of the
+    top-level state dict map every tensor of the architectures pdserve reads; an architecture
+    gguf-py does not name goes to transformers' walk (tests/test_quant.py compares the two)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map  # noqa: PLC0415
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map  # noqa: PLC0415
+
+    config = skeleton.config
+    arch = next((k for k, v in MODEL_ARCH_NAMES.items() if v == config.model_type), None)
+    if arch is None:
+        return get_gguf_hf_weights_map(skeleton, processor)
+    table = get_tensor_name_map(arch, config.num_hidden_layers)
+    names = {}
+    for hf_name in skeleton.state_dict():
+        name, dot, suffix = processor.preprocess_name(hf_name).rpartition(".")
+        if suffix not in ("weight", "bias"):
+            name, dot, suffix = processor.preprocess_name(hf_name), "", ""
+        gguf_name = table.get_name(name)
+        if gguf_name is not None:
+            names[gguf_name + dot + suffix] = hf_name
+    return names

@@ -114,6 +114,40 @@ def test_native_loader_matches_transformers_dequantization():
         assert torch.equal(got.float(), dense[name].float()), name
 
 
+def test_gguf_config_and_tokenizer_come_converted_once_and_unchanged(tmp_path, monkeypatch):
+    """A GGUF file's HF config and tokenizer are converted by transformers once and saved
+    (model_source.gguf_hf_dir): what loads from the saved files is what transformers converts from
+    the file: the config's fields, the vocabulary, special tokens, chat template, encodings."""
+    import os
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from engine.model_source import gguf_hf_dir
+    from engine.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("PDSERVE_GGUF_CACHE", str(tmp_path))
+    path, gguf_file = os.path.split(embedded_model_path())
+    saved = gguf_hf_dir(path, gguf_file)
+    assert os.path.dirname(saved) == str(tmp_path) and gguf_hf_dir(path, gguf_file) == saved
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(saved)]       # no staging left behind
+    config = resolve_model(None)[2].to_dict()
+    direct = AutoConfig.from_pretrained(path, gguf_file=gguf_file).to_dict()
+    assert {k: v for k, v in config.items() if k != "_name_or_path"} == {
+        k: v for k, v in direct.items() if k != "_name_or_path"}
+    tok, want = load_tokenizer(path, gguf_file), AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    assert type(tok) is type(want) and tok.get_vocab() == want.get_vocab()
+    assert tok.chat_template == want.chat_template and tok.special_tokens_map == want.special_tokens_map
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (want.bos_token_id, want.eos_token_id,
+                                                                      want.pad_token_id)
+    texts = ["Hello wörld 🌍 <|im_start|>user\n  x\t\ty", "def f(a, b):\n    return a**2 // b  # ok", " " * 5]
+    for text in texts:
+        assert tok.encode(text) == want.encode(text)
+        assert tok.decode(want.encode(text)) == want.decode(want.encode(text))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": texts[0]}]
+    assert tok.apply_chat_template(messages, add_generation_prompt=True) == want.apply_chat_template(
+        messages, add_generation_prompt=True)
+
+
 def test_quantization_choice(tiny_llama):
     path, gguf_file, config = resolve_model(None)
     auto = "gguf+dense" if fast_block_kernels() else "none"      # auto on CPU: blocks where they are fast
