@@ -305,18 +305,19 @@ def test_quantized_weights_go_where_the_layer_was_built():
 
 @pytest.fixture(scope="module")
 def embedded_dense(tmp_path_factory) -> str:
-    """The embedded model's weights (its Q4_1 values) as a dense fp32 safetensors checkpoint."""
-    from transformers import AutoTokenizer
-
+    """The embedded model's weights (its Q4_1 values) as a dense fp32 safetensors checkpoint: its
+    blocks dequantized (equal to transformers' GGUF loader, test_quant.py)."""
     from engine.model_source import resolve_model
-    from engine.weights import iterate_weights
+    from engine.tokenizer import load_tokenizer
+    from engine.weights import GGUFWeight, iterate_weights
 
     path, gguf_file, hf_config = resolve_model(None)
     out = str(tmp_path_factory.mktemp("smollm2-dense"))
-    tensors = {name: t.float().contiguous() for name, t in iterate_weights(path, gguf_file, hf_config)}
+    tensors = {name: (t.dequantize() if isinstance(t, GGUFWeight) else t).float().contiguous()
+               for name, t in iterate_weights(path, gguf_file, hf_config, keep_quantized=True)}
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     hf_config.save_pretrained(out)
-    AutoTokenizer.from_pretrained(path, gguf_file=gguf_file).save_pretrained(out)
+    load_tokenizer(path, gguf_file).save_pretrained(out)
     return out
 
 
