@@ -33,7 +33,10 @@ def prompt(n: int, salt: int = 0) -> list[int]:
 def make_engine(model: str, connector: str | None, **kwargs) -> LLMEngine:
     args = dict(dtype="float32", num_kv_blocks=64, max_model_len=512)
     if connector is not None:
-        args["kv_connector"] = connector
+        # A pull's deadline covers its first connect (a gloo pair group between two engine threads);
+        # once in a full suite run on the 2-core box, that took past the default 10 s and the pull
+        # recomputed (right tokens, one kv_load_failure). The fault tests set their own.
+        args.update(kv_connector=connector, kv_load_timeout_s=30.0)
     return LLMEngine(EngineConfig.create(model, **{**args, **kwargs}))
 
 
