@@ -10,11 +10,15 @@ batched LoRA, against bf16, on Llama-3-8B shapes with random weights (no downloa
    `--sweep` first times the W8A16 kernel's tile and launch options (its LAUNCH table came from it).
 2. Decode and prefill attention over a bf16 and an fp8 (e4m3) paged cache (its bytes widened by the
    GPU's own e4m3 conversion, as the kernels run, and by bit arithmetic, the C++ kernels' way).
+   The slot write of a step's K and V rows: into a bf16 cache, into an fp8 cache quantized in the
+   write's own launch (both conversions), and as before that (kernels.reference's quantizer, then
+   the byte store: eight small kernels more).
 3. LoRA: the Triton shrink/expand pair for 32 rows under 16 rank-16 adapters on the fused QKV
    projection, against the torch reference and against the layer's own bf16 GEMM.
 4. End to end: a 32-layer Llama-3-8B-shaped decode step (forward, logits, argmax) replayed from a
    CUDA graph at 1,024 tokens of context, with bf16 weights, an fp8 KV cache, Q8_0 weights and fp8
-   weights, against each one's roofline (weight + KV bytes over the copy rate).
+   weights, against each one's roofline (weight + KV bytes over the copy rate); also fp8_kv_bits
+   (the cache widened by bit arithmetic) and fp8_kv_unfused (its slot write as before the fusion).
 Times are medians of CUDA-event timings (triton.testing.do_bench); nothing is asserted.
 """
 from __future__ import annotations
@@ -36,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.layers.linear import Linear
 from engine.quant_checkpoint import quantize_fp8
-from kernels import reference, triton_lora, triton_quant
+from kernels import reference, triton_cache, triton_lora, triton_ops, triton_quant
 from kernels import triton_attention as ta
 
 _spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).with_name("kernels.py"))
@@ -245,6 +249,42 @@ def attention(quick: bool) -> list[dict]:
     return rows
 
 
+def unfused_fp8_write(key, value, kv_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+    """The fp8 slot write as it was before the quantization moved into the write's launch: the
+    reference's quantizer (upcast, divide, clamp, cast for K and for V), then the byte store."""
+    if kv_cache.dtype == reference.FP8_DTYPE:
+        key, value = reference.quantize_kv_rows(key, value, k_scale, v_scale)
+        kv_cache = reference.raw(kv_cache)
+    triton_cache.write_kv(key, value, kv_cache, slot_mapping)
+
+
+def slot_write(quick: bool) -> list[dict]:
+    rows = []
+    for tokens in (1, 64, 2048) if quick else (1, 16, 64, 256, 2048):
+        cache, _ = bk.paged_cache(1, max(tokens, 16) * 8)
+        fp8 = torch.zeros_like(cache, dtype=reference.FP8_DTYPE)
+        key, value = (torch.randn(tokens, bk.KV_HEADS, bk.HEAD_DIM, dtype=bk.DTYPE, device="cuda") for _ in "kv")
+        slots = torch.randperm(cache.shape[1] * cache.shape[2], device="cuda")[:tokens]
+        bf16_ms = bk.bench(lambda: triton_cache.write_kv(key, value, cache, slots))
+        written = {}
+        for hardware in (None, False):
+            ta.HARDWARE_FP8 = hardware
+            written[hardware] = (bk.bench(lambda: triton_cache.write_kv(key, value, fp8, slots, 0.5, 2.0)),
+                                 fp8.view(torch.uint8).clone())
+            fp8.view(torch.uint8).zero_()
+        ta.HARDWARE_FP8 = None
+        (fused_ms, fused), (bits_ms, bits) = written[None], written[False]
+        before_ms = bk.bench(lambda: unfused_fp8_write(key, value, fp8, slots, 0.5, 2.0))
+        if not (torch.equal(fused, bits) and torch.equal(fused, fp8.view(torch.uint8))):
+            raise AssertionError("the fused fp8 slot writes and the reference's gave different bytes")
+        rows.append({"tokens": tokens, "bf16_ms": bf16_ms, "fp8_ms": fused_ms, "fp8_bits_ms": bits_ms,
+                     "fp8_unfused_ms": before_ms})
+        print(f"slot write T={tokens:5d}: bf16 cache {bf16_ms * 1e3:6.1f} us, fp8 fused {fused_ms * 1e3:6.1f} us "
+              f"(bit arithmetic {bits_ms * 1e3:6.1f} us), fp8 as before {before_ms * 1e3:6.1f} us", flush=True)
+        cache = fp8 = None
+    return rows
+
+
 def lora() -> dict:
     n, k = SHAPES["qkv"]
     subs, slots, rank, rows_n = [4096, 1024, 1024], 16, 16, 32
@@ -288,11 +328,13 @@ def end_to_end(copy_tbs: float, quick: bool, variants=E2E_VARIANTS) -> list[dict
     rows = []
     for variant in variants:
         ta.HARDWARE_FP8 = False if variant == "fp8_kv_bits" else None
+        triton_ops.write_kv = unfused_fp8_write if variant == "fp8_kv_unfused" else triton_cache.write_kv
         try:
             rows += decode_steps(variant, copy_tbs, quick)
         except Exception:  # noqa: BLE001 - report it and go on to the next variant
             traceback.print_exc()
         ta.HARDWARE_FP8 = None
+        triton_ops.write_kv = triton_cache.write_kv
         torch.cuda.empty_cache()
     base = {r["batch"]: r["tok_s"] for r in rows if r["variant"] == "bf16"}
     for r in rows:
@@ -343,7 +385,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sizes")
     parser.add_argument("--sweep", action="store_true", help="time the W8A16 kernel's launch options first")
     parser.add_argument("--variants", action="store_true", help="time each W8A16 kernel variant first")
-    parser.add_argument("--skip", default="", help="comma list of: linear,attention,lora,e2e")
+    parser.add_argument("--skip", default="", help="comma list of: linear,attention,write,lora,e2e")
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--e2e", default=",".join(E2E_VARIANTS), help="comma list of the end-to-end variants")
     args = parser.parse_args()
@@ -366,6 +408,7 @@ def main() -> None:
         save()
     result["launch"], result["dequant_min_rows"] = triton_quant.LAUNCH, None
     for name, fn in (("linear", lambda: linears(copy_tbs, args.quick)), ("attention", lambda: attention(args.quick)),
+                     ("write", lambda: slot_write(args.quick)),
                      ("lora", lora), ("e2e", lambda: end_to_end(copy_tbs, args.quick, args.e2e.split(",")))):
         if name not in skip:
             try:

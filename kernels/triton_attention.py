@@ -205,7 +205,7 @@ def decode_partitions(batch: int, num_kv_heads: int, max_len: int, block_size: i
     return triton.cdiv(tiles, per_split), per_split, tile
 
 
-def _cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """K and V pools as the kernels read them (an fp8 cache as bytes), and `_load_kv`'s FP8: 0 for
     a cache in the model's dtype, else how its bytes are widened (HARDWARE_FP8)."""
     cache = raw(kv_cache)
@@ -228,7 +228,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     group = num_heads // num_kv_heads
     d_pad = triton.next_power_of_2(head_dim)
     max_len = block_tables.shape[1] * block_size
-    k_cache, v_cache, fp8 = _cache_views(kv_cache)
+    k_cache, v_cache, fp8 = cache_views(kv_cache)
     splits, per_split, tile = decode_partitions(batch, num_kv_heads, max_len, block_size, query.device, fp8 > 0)
     if splits > 1:
         part_o = torch.empty(batch * num_heads * splits * d_pad, dtype=torch.float32, device=query.device)
@@ -334,7 +334,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     if not query_lens:
         return out
     pk = packed or PackedPrefill(block_tables, query_lens, seq_lens, query.device)
-    k_cache, v_cache, fp8 = _cache_views(kv_cache)
+    k_cache, v_cache, fp8 = cache_views(kv_cache)
     grid = (triton.cdiv(pk.max_q_len, PREFILL_BLOCK_M), len(query_lens), num_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, out, pk.tables, pk.q_starts, pk.q_lens, pk.seq_lens,

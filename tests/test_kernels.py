@@ -145,6 +145,48 @@ def test_fp8_cache_write_decode_prefill_and_copy_match_reference():
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
 
 
+def e4m3_edge_values() -> torch.Tensor:
+    """Every finite e4m3 value, the midpoints between neighbours (ties, which round to even) and the
+    fp32 values just either side of each, zeros, values past +-448, and both signs of all of them."""
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(reference.FP8_DTYPE).float()
+    grid = grid[grid.isfinite()].unique()
+    mid = (grid[1:] + grid[:-1]) / 2
+    near = torch.cat([mid, grid]).view(torch.int32)
+    x = torch.cat([grid, mid, (near + 1).view(torch.float32), (near - 1).view(torch.float32),
+                   torch.tensor([0.0, 2.0 ** -10, 2.0 ** -12, 1e-30, 449.0, 464.0, 480.0, 1e6])])
+    x = x[x.isfinite()]                     # (0.0's bits less one are a NaN)
+    return torch.cat([x, -x, torch.tensor([float("nan")])])
+
+
+@pytest.mark.parametrize("hardware", [False, True] if CUDA else [False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if CUDA else [torch.float32])
+def test_fp8_slot_write_rounds_as_the_reference(hardware, dtype, monkeypatch):
+    """The Triton slot write quantizes in its own launch, by the GPU's conversion or (older GPUs,
+    the interpreter) by fp32 and integer arithmetic: both give quantize_kv's bytes on every e4m3
+    value, tie and neighbour, saturated and subnormal, at scale 1 and scales that move the ties;
+    a NaN stays a NaN."""
+    from kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "HARDWARE_FP8", hardware)
+    values = e4m3_edge_values().to(dtype).to(DEVICE)
+    num_kv_heads, head_dim, block_size = 2, 64, 16
+    rows = -(-values.numel() // (num_kv_heads * head_dim))
+    flat = torch.zeros(rows * num_kv_heads * head_dim, dtype=dtype, device=DEVICE)
+    flat[:values.numel()] = values
+    key = flat.view(rows, num_kv_heads, head_dim)
+    value = key.flip(0).contiguous()
+    slots = torch.randperm(rows + 5, generator=torch.Generator().manual_seed(0))[:rows].to(DEVICE)
+    for k_scale, v_scale in ((1.0, 1.0), (0.5, 3.0), (0.1, 7.0)):
+        cache = torch.zeros(2, -(-(rows + 5) // block_size), block_size, num_kv_heads, head_dim,
+                            dtype=reference.FP8_DTYPE, device=DEVICE)
+        expected = cache.clone()
+        reference.write_kv(key, value, expected, slots, k_scale, v_scale)
+        tri.write_kv(key, value, cache, slots, k_scale, v_scale)
+        nan = expected.float().isnan()
+        assert nan.sum() == 2 and cache.float().isnan().equal(nan)
+        assert torch.equal(cache.view(torch.uint8)[~nan], expected.view(torch.uint8)[~nan]), (k_scale, v_scale)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if CUDA else [torch.float32])
 def test_fp8_cache_widened_by_conversion_equals_bit_arithmetic(dtype, monkeypatch):
     """The attention kernels' two ways of widening an fp8 cache (the GPU's e4m3 conversion, the
