@@ -18,7 +18,8 @@ batched LoRA, against bf16, on Llama-3-8B shapes with random weights (no downloa
 4. End to end: a 32-layer Llama-3-8B-shaped decode step (forward, logits, argmax) replayed from a
    CUDA graph at 1,024 tokens of context, with bf16 weights, an fp8 KV cache, Q8_0 weights and fp8
    weights, against each one's roofline (weight + KV bytes over the copy rate); also fp8_kv_bits
-   (the cache widened by bit arithmetic) and fp8_kv_unfused (its slot write as before the fusion).
+   (the cache widened by bit arithmetic), fp8_kv_unfused (its slot write as before the fusion) and
+   fp8_gemm (fp8 weights through cuBLASLt's GEMM at one row too, not the Triton GEMV).
 Times are medians of CUDA-event timings (triton.testing.do_bench); nothing is asserted.
 """
 from __future__ import annotations
@@ -204,6 +205,55 @@ def linears(copy_tbs: float, quick: bool) -> list[dict]:
     return rows_out
 
 
+ROUNDS = 3
+
+
+def fp8_gemv(copy_tbs: float) -> list[dict]:
+    """One row of x times fp8 weights: bf16 cuBLAS, cuBLASLt's fp8 GEMM (x quantized by the Triton
+    row quantizer), and the Triton fp8 GEMV over its launch options; the options with the least
+    time summed over the four projections become triton_quant's defaults for what runs after."""
+    rows, sums = [], {}
+    warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    bk.bench(lambda: warm @ warm, warmup=1000, rep=1000)        # the clock up from idle first
+    for name, (n, k) in SHAPES.items():
+        dense, _, fp8 = weights(n, k)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        bf16_ms = bk.bench(rotating(lambda w: F.linear(x, w), [(w,) for w in dense]))
+        gemm_ms = bk.bench(rotating(
+            lambda w, sc: reference.fp8_linear_scaled_mm(x, w, sc, triton_quant.quantize_fp8_rows), fp8))
+        want = reference.fp8_linear(x, *fp8[0])
+        row = {"layer": name, "n": n, "k": k, "bf16_ms": bf16_ms, "fp8_gemm_ms": gemm_ms, "gemv": {}}
+        options = list(itertools.product((4, 8), (256, 512, 1024), (1, 2, 4)))
+        times = {}
+        for _ in range(ROUNDS):        # rounds over all options: single readings moved up to 3x
+            for block_n, block_k, split in options:
+                launch = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4}
+                splits = split if triton.cdiv(n, block_n) < triton_quant.FP8_GEMV_SPLIT_MAX_TILES else 1
+                got = triton_quant.fp8_gemv(x, *fp8[0], launch=launch, splits=splits)
+                if ((got.float() - want.float()).norm() / want.float().norm()).item() > 1e-2:
+                    raise AssertionError(f"fp8 GEMV {launch} splits={splits} is wrong on {name}")
+                times.setdefault(f"{block_n}/{block_k}/{split}", []).append(bk.bench(rotating(
+                    lambda w, sc: triton_quant.fp8_gemv(x, w, sc, launch=launch, splits=splits), fp8)))
+        row["gemv_all"] = times
+        for key, ms in times.items():
+            row["gemv"][key] = ms = sorted(ms)[len(ms) // 2]
+            sums[key] = sums.get(key, 0.0) + ms
+        best = min(row["gemv"], key=row["gemv"].get)
+        rows.append(row)
+        print(f"fp8 one row {name:7s} {n}x{k}: bf16 {bf16_ms * 1e3:6.1f} us; fp8 GEMM {bf16_ms / gemm_ms:.2f}x; "
+              f"fp8 GEMV best {best} (BLOCK_N/BLOCK_K/split) {bf16_ms / row['gemv'][best]:.2f}x "
+              f"({n * k / row['gemv'][best] / 1e9 / copy_tbs:.2f} of copy)", flush=True)
+        dense = fp8 = None
+    best = min(sums, key=sums.get)
+    block_n, block_k, split = map(int, best.split("/"))
+    triton_quant.FP8_GEMV_LAUNCH = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4}
+    triton_quant.FP8_GEMV_SPLIT = split
+    print(f"fp8 GEMV: best over the layer {best}: " + ", ".join(
+        f"{r['layer']} {r['bf16_ms'] / r['gemv'][best]:.2f}x (GEMM {r['bf16_ms'] / r['fp8_gemm_ms']:.2f}x)"
+        for r in rows), flush=True)
+    return rows
+
+
 def fp8_both(call) -> tuple[float, float]:
     """An fp8-cache call timed as the kernels run it (the GPU's e4m3 conversion where it has one)
     and with the bytes widened by bit arithmetic (ta.HARDWARE_FP8 = False); their outputs must be equal."""
@@ -329,12 +379,14 @@ def end_to_end(copy_tbs: float, quick: bool, variants=E2E_VARIANTS) -> list[dict
     for variant in variants:
         ta.HARDWARE_FP8 = False if variant == "fp8_kv_bits" else None
         triton_ops.write_kv = unfused_fp8_write if variant == "fp8_kv_unfused" else triton_cache.write_kv
+        triton_quant.GEMV_FP8 = variant != "fp8_gemm"
         try:
             rows += decode_steps(variant, copy_tbs, quick)
         except Exception:  # noqa: BLE001 - report it and go on to the next variant
             traceback.print_exc()
         ta.HARDWARE_FP8 = None
         triton_ops.write_kv = triton_cache.write_kv
+        triton_quant.GEMV_FP8 = True
         torch.cuda.empty_cache()
     base = {r["batch"]: r["tok_s"] for r in rows if r["variant"] == "bf16"}
     for r in rows:
@@ -351,7 +403,7 @@ def decode_steps(variant: str, copy_tbs: float, quick: bool) -> list[dict]:
 
     context = 1024
     model = bk.llama3_8b_model(context + bk.BLOCK)
-    if variant in ("q8_0", "fp8"):
+    if variant in ("q8_0", "fp8", "fp8_gemm"):
         quantize_linears(model, "Q8_0" if variant == "q8_0" else "fp8")
     kv_dtype = reference.FP8_DTYPE if variant.startswith("fp8_kv") else bk.DTYPE
     if variant.startswith("fp8_kv"):
@@ -385,7 +437,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sizes")
     parser.add_argument("--sweep", action="store_true", help="time the W8A16 kernel's launch options first")
     parser.add_argument("--variants", action="store_true", help="time each W8A16 kernel variant first")
-    parser.add_argument("--skip", default="", help="comma list of: linear,attention,write,lora,e2e")
+    parser.add_argument("--skip", default="", help="comma list of: linear,fp8gemv,attention,write,lora,e2e")
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--e2e", default=",".join(E2E_VARIANTS), help="comma list of the end-to-end variants")
     args = parser.parse_args()
@@ -407,7 +459,8 @@ def main() -> None:
         result["variants"] = kernel_variants()
         save()
     result["launch"], result["dequant_min_rows"] = triton_quant.LAUNCH, None
-    for name, fn in (("linear", lambda: linears(copy_tbs, args.quick)), ("attention", lambda: attention(args.quick)),
+    for name, fn in (("linear", lambda: linears(copy_tbs, args.quick)), ("fp8gemv", lambda: fp8_gemv(copy_tbs)),
+                     ("attention", lambda: attention(args.quick)),
                      ("write", lambda: slot_write(args.quick)),
                      ("lora", lora), ("e2e", lambda: end_to_end(copy_tbs, args.quick, args.e2e.split(",")))):
         if name not in skip:

@@ -20,6 +20,10 @@ Two kernels (chosen by `benchmarks/gpu_quant.py --variants` on an H200, docs/PER
   4-16 rows, 0.58x at 64 (a tile that dequantized each weight into x's dtype before one wider
   `tl.dot` ran at 0.51-0.65x and 0.46x). Split-K partial sums are added after.
 Large batches dequantize the whole weight into x's dtype (a Triton kernel) and let cuBLAS multiply.
+
+fp8 (e4m3) weights: x is quantized per row by one Triton kernel (`quantize_fp8_rows`); one row then
+goes through `_fp8_gemv_kernel` (cuBLASLt's fp8 GEMM was slower than bf16 there), more rows through
+`torch._scaled_mm`.
 """
 from __future__ import annotations
 
@@ -51,6 +55,8 @@ LAUNCH: list[tuple[int, dict]] = [
 # and 28,672, one split).
 GEMV_LAUNCH = {"BLOCK_N": 8, "NB": 8, "num_warps": 4}
 GEMV_SPLIT_MAX_TILES = 768
+# Whether one row of x times fp8 weights takes `fp8_gemv` (else cuBLASLt's fp8 GEMM, as more rows do).
+GEMV_FP8 = True
 
 
 def pack_gguf(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -250,9 +256,89 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+@triton.jit
+def _fp8_gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, N, K, stride_w, stride_os, per_split,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr):
+    """One quantized row of x (e4m3 values, its scale) against BLOCK_N e4m3 weight rows over
+    features [split * per_split, ...): the exact products of the widened values summed in fp32, then
+    times both scales (FINAL: rounded to the output's dtype; else a split's fp32 partial sum)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    n_mask = rn < N
+    rows = w_ptr + rn.to(tl.int64) * stride_w
+    kk = tl.arange(0, BLOCK_K)
+    first = split * per_split
+    last = tl.minimum(first + per_split, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(first, last, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < last
+        w = tl.load(rows[:, None] + k[None, :], mask=n_mask[:, None] & k_ok[None, :], other=0)
+        x = tl.load(xq_ptr + k, mask=k_ok, other=0)
+        acc += (w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                * x.to(tl.float8e4nv, bitcast=True).to(tl.float32)[None, :])
+    out = tl.sum(acc, axis=1)
+    if FINAL:
+        out = out * tl.load(xs_ptr) * tl.load(ws_ptr + rn, mask=n_mask, other=0.0)
+    tl.store(out_ptr + split * stride_os + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _fp8_gemv_reduce_kernel(part_ptr, xs_ptr, ws_ptr, out_ptr, N, stride_ps, SPLITS: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """The splits' fp32 partial sums added in split order, times both scales, in the output's dtype."""
+    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rn < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(part_ptr + s * stride_ps + rn, mask=mask, other=0.0)
+    acc = acc * tl.load(xs_ptr) * tl.load(ws_ptr + rn, mask=mask, other=0.0)
+    tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# The one-row kernel's launch (fp8 weights at single-sequence decode, where cuBLASLt's fp8 GEMM ran
+# at 0.71-0.87x bf16's time on three of Llama-3-8B's four projections on an H200, §14b), and the
+# split over the features below FP8_GEMV_SPLIT_MAX_TILES output tiles. On an H100 (§14e) single
+# readings of these ~25 us kernels moved up to 3x between rounds; by their best readings 8 rows of
+# 512 features per step, unsplit, is within a few percent of the best option on every projection
+# (1.1-1.6x bf16), and splitting gained nothing that held up, so it is off (1).
+FP8_GEMV_LAUNCH = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4}
+FP8_GEMV_SPLIT = 1
+FP8_GEMV_SPLIT_MAX_TILES = 768
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, launch: dict | None = None,
+             splits: int | None = None, quantize_rows=None) -> torch.Tensor:
+    """`kernels.reference.fp8_linear` for one row of x (on a GPU with e4m3 conversion): x quantized
+    by `quantize_rows` (default `quantize_fp8_rows`), then `_fp8_gemv_kernel`; the same products as
+    the fp8 GEMM, summed in another order. `launch` and `splits` override FP8_GEMV_*."""
+    assert x.shape[0] == 1
+    n, k = weight.shape
+    xq, x_scale = (quantize_rows or quantize_fp8_rows)(x)
+    opts = dict(launch or FP8_GEMV_LAUNCH)
+    tiles = triton.cdiv(n, opts["BLOCK_N"])
+    if splits is None:
+        splits = FP8_GEMV_SPLIT if tiles < FP8_GEMV_SPLIT_MAX_TILES else 1
+    per_split = triton.cdiv(triton.cdiv(k, splits), opts["BLOCK_K"]) * opts["BLOCK_K"]
+    splits = triton.cdiv(k, per_split)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    part = out if splits == 1 else torch.empty(splits, n, dtype=torch.float32, device=x.device)
+    w_scale = scale.reshape(-1).float().contiguous()
+    _fp8_gemv_kernel[(tiles, splits)](xq.view(torch.uint8), x_scale, weight.view(torch.uint8), w_scale, part, n, k,
+                                      weight.stride(0), part.stride(0), per_split, FINAL=splits == 1, **opts)
+    if splits > 1:
+        _fp8_gemv_reduce_kernel[(triton.cdiv(n, 1024),)](part, x_scale, w_scale, out, n, part.stride(0),
+                                                         SPLITS=splits, BLOCK=1024)
+    return out
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """kernels.reference.fp8_linear_scaled_mm with x quantized per row by `quantize_fp8_rows` on a
-    GPU. (Elsewhere, i.e. under TRITON_INTERPRET=1, the reference's: the interpreter's fp32 -> e4m3
+    """kernels.reference.fp8_linear on a GPU: one row through `fp8_gemv`, more through
+    `fp8_linear_scaled_mm` with x quantized per row by `quantize_fp8_rows`. (Elsewhere, i.e. under
+    TRITON_INTERPRET=1, the reference's fp8 GEMM and quantizer: the interpreter's fp32 -> e4m3
     conversion rounds values just below a power of two down to the power below.)"""
-    return reference.fp8_linear_scaled_mm(x, weight, scale, quantize_fp8_rows if x.is_cuda
-                                          else reference.quantize_fp8_rows)
+    if not x.is_cuda:
+        return reference.fp8_linear_scaled_mm(x, weight, scale)
+    if x.shape[0] == 1 and GEMV_FP8:
+        return fp8_gemv(x, weight, scale)
+    return reference.fp8_linear_scaled_mm(x, weight, scale, quantize_fp8_rows)

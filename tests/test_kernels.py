@@ -476,6 +476,28 @@ def test_fp8_checkpoint_on_cuda(untokenized_model, tmp_path, monkeypatch):
     assert across <= 0.06
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if CUDA else [torch.float32])
+def test_fp8_gemv_matches_reference(dtype):
+    """One row of x times fp8 weights (single-sequence decode) on the Triton GEMV: the reference's
+    product (x quantized per row, exact products summed in fp32, both scales), whole and split
+    over the features, with a feature count no launch tile divides, per-channel and per-tensor
+    scales."""
+    from engine.quant_checkpoint import quantize_fp8
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(6144, 4096), (4096, 14336), (1000, 4128)] if CUDA else [(40, 96), (300, 544)]
+    for n, k in shapes:
+        w = quantize_fp8(torch.randn(n, k, generator=g).to(DEVICE) * 0.02)
+        x = (torch.randn(1, k, generator=g) * torch.rand(1, k, generator=g) * 3).to(DEVICE, dtype)
+        for scale in (w.scale, w.scale[:1].expand(n).clone()):
+            want = reference.fp8_linear(x, w.weight, scale)
+            for splits in (1, 3, 4):
+                got = triton_quant.fp8_gemv(x, w.weight, scale, splits=splits,
+                                            quantize_rows=None if CUDA else reference.quantize_fp8_rows)
+                assert got.shape == want.shape and got.dtype == dtype
+                assert rel_err(got, want) < TOLERANCE[dtype], (n, k, splits)
+
+
 @gpu
 @pytest.mark.gpu
 def test_fp8_row_quantize_on_cuda_matches_reference():
