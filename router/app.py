@@ -6,9 +6,10 @@
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both streaming as SSE
 ending in `data: [DONE]`), POST /v1/responses (streaming typed events), POST /tokenize, POST
-/detokenize, GET /health, GET /metrics (Prometheus), GET /openapi.json, POST /v1/load_lora_adapter
-and /v1/unload_lora_adapter (with `lora.allow_runtime_updates`); and, beside HTTP, the gRPC
-Generation service through Serve's gRPC proxy when `serving.grpc_port` is set.
+/detokenize, GET /health (and /ping, as vLLM and SageMaker ask), GET /version, GET /metrics
+(Prometheus), GET /openapi.json, POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with
+`lora.allow_runtime_updates`); and, beside HTTP, the gRPC Generation service through Serve's gRPC
+proxy when `serving.grpc_port` is set.
 
 Every error uses OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`: 400 invalid
 parameter or body (named; bodies must be JSON objects in UTF-8, nested at most
@@ -29,6 +30,7 @@ Without it (what `pdserve serve` deploys) the ingress answers at once: while the
 # No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations at runtime
 # (through Serve's class-based ingress) and would take a string "Request" for a query parameter.
 import asyncio
+import importlib.metadata
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -49,6 +51,13 @@ logger = logging.getLogger(__name__)
 
 
 # --- Ray Serve wiring ------------------------------------------------------------------------------
+def pdserve_version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:      # run from a source tree never installed
+        return "unknown"
+
+
 def build_app(config: ClusterConfig) -> Any:
     """The Serve application: the ingress deployment bound to this cluster config."""
     @serve.deployment(name="openai-ingress", num_replicas=config.serving.ingress_replicas,
@@ -130,6 +139,15 @@ def build_app(config: ClusterConfig) -> Any:
             ok, pools = await self.server.health()
             return JSONResponse({"healthy": ok, "status": "ready" if ok else "degraded", "pools": pools},
                                 status_code=200 if ok else 503)
+
+        @fastapi_app.get("/ping")
+        @fastapi_app.post("/ping")
+        async def ping(self) -> Response:
+            return await self.health()
+
+        @fastapi_app.get("/version")
+        async def version(self) -> Response:
+            return JSONResponse({"version": pdserve_version()})
 
         @fastapi_app.get("/metrics")
         async def metrics(self) -> Response:

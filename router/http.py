@@ -50,8 +50,8 @@ def _server_of(scope_or_request: Any) -> Any:
 
 
 class _AuthMiddleware:
-    """With an API key, every path but /health (and /metrics when `serving.public_metrics`) needs
-    it: unknown routes and the schema too, so nothing is learned about the server without it."""
+    """With an API key, every path but /health and /ping (and /metrics when `serving.public_metrics`)
+    needs it: unknown routes and the schema too, so nothing is learned about the server without it."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -62,7 +62,7 @@ class _AuthMiddleware:
             path, root = scope["path"], scope.get("root_path", "")
             if root and path.startswith(root):
                 path = path[len(root):] or "/"
-            public = path == "/health" or (path == "/metrics" and server is not None
+            public = path in ("/health", "/ping") or (path == "/metrics" and server is not None
                                            and server.config.serving.public_metrics)
             if not public and (server is None or not server.is_authorized(_authorization(scope))):
                 err = (AuthenticationError("invalid or missing API key (Authorization: Bearer <key>)")

@@ -1,7 +1,8 @@
 """OpenAI request models (pydantic) and the conversion to SamplingParams; response shapes as dicts.
 
 Unknown fields are rejected (400 naming the field) rather than silently ignored, except the few that
-OpenAI clients send and that change nothing here (`user`, `stream_options` without usage, ...).
+OpenAI clients send and that change nothing here (`user`, `metadata`, `store`, `service_tier`, ...);
+known ones this server cannot honour are refused saying so (`UNSUPPORTED`).
 """
 from __future__ import annotations
 
@@ -55,7 +56,15 @@ class _Common(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None      # token id (as a string, JSON's keys) -> bias in [-100, 100]
+    # OpenAI's fields that change no output here, accepted as vLLM accepts them: who asks (`user`,
+    # `safety_identifier`), tags (`metadata`), OpenAI's own storage and tiers (nothing is stored;
+    # every request has the one tier), and a cache hint (prefix caching needs none).
     user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
     # extras (vLLM's names)
     top_k: int = -1
     min_p: float = Field(0.0, ge=0, le=1)
@@ -215,6 +224,7 @@ class ChatTemplateOptions(BaseModel):
 
 class ChatCompletionRequest(_Common, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
+    modalities: list[Literal["text"]] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -335,6 +345,9 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["disabled"] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    safety_identifier: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
 
     def chat_body(self) -> dict[str, Any]:
         """The chat completion this request means; InvalidRequestError naming the field at fault."""
@@ -488,13 +501,30 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+# OpenAI's (or vLLM's) request fields that this server knows and refuses, each with why: answering
+# without them would change what the client asked for.
+UNSUPPORTED = {
+    "suffix": "not supported (insertion; vLLM refuses it too)",
+    "best_of": "not supported (vLLM's V1 engine dropped it too); use n and pick by logprobs",
+    "functions": "not supported (OpenAI's deprecated form); use tools",
+    "function_call": "not supported (OpenAI's deprecated form); use tool_choice",
+    "audio": "not supported: this server generates text only",
+    "prediction": "not supported (predicted outputs)",
+    "reasoning_effort": "not supported: the served model has no reasoning modes",
+    "verbosity": "not supported",
+    "web_search_options": "not supported: this server has no web search",
+    "reasoning": "not supported: the served model has no reasoning modes",
+    "include": "not supported (no reasoning or tool outputs to include)",
+}
+
+
 def validation_message(err: ValidationError) -> tuple[str, str | None]:
     """(message naming the field and what is allowed, the field's dotted path) for a 400."""
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first.get("loc", ()) if not isinstance(p, int)) or None
     msg = first.get("msg", "invalid value")
     if first.get("type") == "extra_forbidden":
-        msg = "unknown field"
+        msg = UNSUPPORTED.get(loc or "", "unknown field")
     got = repr(first.get("input"))
     got = got if len(got) <= 200 else got[:200] + "..."
     shown = "" if first.get("type") in ("missing", "extra_forbidden") else f"; got {got}"

@@ -248,6 +248,12 @@ def test_error_codes(server, client):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], top_p=1.5)
     with pytest.raises(openai.BadRequestError, match="bogus"):
         client.completions.create(model=model, prompt="x", extra_body={"bogus": 1})
+    # OpenAI's fields that change no output here are accepted, as vLLM accepts them.
+    harmless = {"user": "u", "safety_identifier": "s", "metadata": {"team": "a"}, "store": False,
+                "service_tier": "auto", "prompt_cache_key": "k"}
+    assert client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                          modalities=["text"], **harmless).choices[0].finish_reason == "length"
+    assert client.completions.create(model=model, prompt="x", max_tokens=1, extra_body=harmless).usage
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.completions.create(model=model, prompt=[5] * 1000, max_tokens=100)
     with pytest.raises(openai.BadRequestError, match="prompt"):
@@ -479,7 +485,8 @@ def test_responses_api(server, client, eventually_no_leaks):
         ({"tools": [{"type": "web_search"}]}, "tools.type", "tools.type"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema is required",
          "text.format.schema"),
-        ({"reasoning_effort": "high"}, "unknown field", "reasoning_effort"),
+        ({"reasoning_effort": "high"}, "not supported", "reasoning_effort"),
+        ({"reasoning": {"effort": "low"}}, "not supported", "reasoning"),
     ]:
         data = {"model": model, "input": "Hi", **body}
         r = httpx.post(f"{server['base']}/v1/responses", json=data, headers=_auth())
@@ -713,7 +720,10 @@ def _bad_requests(model: str) -> list[tuple[str, str, dict, bytes | None, int, s
         post("/v1/completions", {**ok, "n": 17}, 400, "n:"),
         post("/v1/completions", {**ok, "max_tokens": 2**80}, 400, "max_tokens"),
         post("/v1/completions", {**ok, "prompt": [[1, 2]] * 300}, 400, "a batch may hold at most 256 prompts"),
-        post("/v1/completions", {**ok, "suffix": "x"}, 400, "suffix: unknown field"),
+        post("/v1/completions", {**ok, "suffix": "x"}, 400, "suffix: not supported"),
+        post("/v1/completions", {**ok, "sufix": "x"}, 400, "sufix: unknown field"),
+        post("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x"}],
+                                      "modalities": ["text", "audio"]}, 400, "modalities"),
         ("POST", "/v1/completions", js, b'{"model": "m", "prompt": "\xff"}', 400, "not valid UTF-8"),
         ("POST", "/v1/completions", js, b"[" * 2000 + b"]" * 2000, 400, "nests arrays and objects"),
         ("POST", "/v1/completions", js, b'{"model": "m", "prompt": "x", "temperature": NaN}', 400, "NaN"),
@@ -763,6 +773,8 @@ def test_malformed_inputs_are_4xx_and_harm_nobody(server):
 
     assert asyncio.run(main()) == want
     assert httpx.get(f"{base}/health").status_code == 200            # /health needs no key
+    assert httpx.get(f"{base}/ping").status_code == 200              # nor its alias (load balancers)
+    assert httpx.get(f"{base}/version", headers=_auth()).json()["version"]
     schema = httpx.get(f"{base}/openapi.json", headers=_auth()).json()
     assert "CompletionRequest" in schema["components"]["schemas"]
 
