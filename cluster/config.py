@@ -195,7 +195,7 @@ class ClusterConfig(_Strict):
         lora_keys = [k for k in engine_set if k in ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")]
         if lora_keys:
             raise ValueError(f"engine must not set {lora_keys}: the lora section configures adapters")
-        kv_keys = [k for k in engine_set if k.startswith("kv_")]
+        kv_keys = [k for k in engine_set if k.startswith("kv_") and not k.startswith("kv_cache_")]
         if kv_keys:
             raise ValueError(f"engine must not set {kv_keys}: the disaggregation section configures "
                              f"the KV connector")

@@ -5,11 +5,13 @@ Entry point of `pdserve serve` and of `ray job submit -- python -m cluster.launc
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import signal
 import sys
 import time
+from typing import Any
 
 import yaml
 
@@ -142,7 +144,22 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         if args.max_lora_rank is not None:
             lora["max_lora_rank"] = args.max_lora_rank
         data["lora"] = lora
-    pools = dict(data.get("pools", {}))
+    engine = dict(data.get("engine", {}))
+    engine.update((field, value) for field, value in vars(args).items()
+                  if field in ENGINE_FLAGS and value is not None)
+    data["engine"] = engine
+    if args.served_model_name is not None:
+        serving["served_model_name"] = args.served_model_name
+    if args.api_key is not None:
+        serving["api_key"] = args.api_key
+    pools = {name: dict(spec) for name, spec in data.get("pools", {}).items()}
+    for field in ("tensor_parallel_size", "pipeline_parallel_size", "num_gpus"):
+        if getattr(args, field) is not None:
+            for spec in pools.values():
+                spec[field] = getattr(args, field)
+    if args.speculative_config is not None:
+        pools.setdefault("decode", {})["speculative_config"] = _json_object(args.speculative_config,
+                                                                             "--speculative-config")
     if args.replicas is not None:
         pools["decode"] = {**dict(pools.get("decode", {})), "replicas": args.replicas}
     if args.prefill_replicas == 0:
@@ -156,6 +173,35 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     if args.connector is not None:
         data["disaggregation"] = {**dict(data.get("disaggregation", {})), "connector": args.connector}
     return ClusterConfig.model_validate(data)
+
+
+def _json_object(text: str, flag: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{flag} takes a JSON object; {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} takes a JSON object; got {text!r}")
+    return value
+
+
+# `pdserve serve` flags under vLLM's names for the spec's engine section (field -> (type, help)); a
+# store_true flag has type bool, a --x / --no-x pair type None.
+ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
+    "dtype": (str, "weights' and activations' dtype: auto, float32, bfloat16, float16"),
+    "max_model_len": (int, "the longest prompt + output (default: the model's)"),
+    "max_num_seqs": (int, "sequences in one batch"),
+    "max_num_batched_tokens": (int, "tokens in one step (chunked prefill's budget)"),
+    "quantization": (str, "none, gguf, gguf+dense, int8, int8+dense, fp8 (default: auto)"),
+    "kv_cache_dtype": (str, "auto or fp8 (e4m3)"),
+    "kv_cache_memory_bytes": (int, "bytes of KV cache per replica (default: from free memory)"),
+    "block_size": (int, "tokens per KV block"),
+    "seed": (int, "the engine's sampling seed"),
+    "generation_config": (str, "auto (the model's sampling defaults) or vllm (none)"),
+    "enable_prefix_caching": (None, "reuse cached prefixes' KV blocks (default on)"),
+    "enable_chunked_prefill": (None, "split long prompts over steps (default on)"),
+    "enforce_eager": (bool, "no CUDA graphs"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,6 +231,25 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank (default 16)")
     ap.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or a local Ray)")
     ap.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a local Ray")
+    ap.add_argument("--served-model-name", default=None, help="the model's name in the API (serving.served_model_name)")
+    ap.add_argument("--api-key", default=None, help="requests need `Authorization: Bearer <key>` (serving.api_key)")
+    engine = ap.add_argument_group("engine (vLLM's names; override the spec's engine section)")
+    for field, (kind, text) in ENGINE_FLAGS.items():
+        flag = "--" + field.replace("_", "-")
+        if kind is bool:
+            engine.add_argument(flag, action="store_const", const=True, default=None, help=text)
+        elif kind is None:
+            engine.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            engine.add_argument(flag, type=kind, default=None, help=text)
+    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                        help="TP ranks per replica, every pool")
+    engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
+                        help="PP stages per replica, every pool")
+    engine.add_argument("--num-gpus", type=float, default=None, help="GPUs per rank, every pool")
+    engine.add_argument("--speculative-config", default=None,
+                        help='speculative decoding of the decode pool, as JSON (e.g. \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4}\')')
 
 
 # What `pdserve serve` runs without --config: the embedded model, 1 prefill + 1 decode replica, KV

@@ -105,3 +105,37 @@ def test_a_bad_engine_field_is_refused_before_ray_starts(tmp_path, engine, named
     assert done.returncode == 2, done.stdout + done.stderr
     assert named in done.stderr and "127.0.0.1:1" not in done.stdout + done.stderr
 
+
+
+def test_vllm_named_flags_set_the_spec():
+    """`pdserve serve`'s vLLM-named flags land in the spec's engine, serving and pool sections (on
+    top of a spec file or the default), and a malformed one is refused naming the flag."""
+    import argparse
+
+    from cluster.config import ClusterConfig
+    from cluster.launch import add_serve_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    config = config_from_args(parser.parse_args([
+        "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-dtype", "fp8",
+        "--no-enable-prefix-caching", "--enforce-eager", "--seed", "3", "-tp", "2", "--served-model-name", "smol",
+        "--api-key", "k", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']))
+    engine = config.engine
+    assert (engine.dtype, engine.max_model_len, engine.max_num_seqs, engine.kv_cache_dtype, engine.seed) == (
+        "bfloat16", 1024, 8, "fp8", 3)
+    assert engine.enable_prefix_caching is False and engine.enforce_eager is True
+    assert engine.enable_chunked_prefill is True                  # untouched: the default
+    assert {name: spec.tensor_parallel_size for name, spec in config.pools.items()} == {"prefill": 2, "decode": 2}
+    assert config.pools["decode"].speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    assert (config.serving.served_model_name, config.serving.api_key) == ("smol", "k")
+    assert config_from_args(parser.parse_args([])).engine.max_num_seqs == 64    # no flags: the spec's
+    # The cache's kv_* fields are the engine's (fp8 above); the connector's belong to disaggregation.
+    with pytest.raises(ValueError, match="the disaggregation section configures"):
+        ClusterConfig.model_validate({"engine": {"kv_connector": "nixl"}})
+    with pytest.raises(ValueError, match="--speculative-config takes a JSON object"):
+        config_from_args(parser.parse_args(["--speculative-config", "ngram"]))
+    done = subprocess.run([os.path.join(os.path.dirname(sys.executable), "pdserve"), "serve", "--block-size", "7"],
+                          env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"}, cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "block_size must be a power of two" in done.stderr, done.stderr
