@@ -153,10 +153,12 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     if args.api_key is not None:
         serving["api_key"] = args.api_key
     pools = {name: dict(spec) for name, spec in data.get("pools", {}).items()}
-    for field in ("tensor_parallel_size", "pipeline_parallel_size", "num_gpus"):
-        if getattr(args, field) is not None:
+    for dest, field in (("tensor_parallel_size", "tensor_parallel_size"),
+                        ("pipeline_parallel_size", "pipeline_parallel_size"),
+                        ("cpus_per_rank", "num_cpus"), ("num_gpus", "num_gpus")):
+        if getattr(args, dest) is not None:
             for spec in pools.values():
-                spec[field] = getattr(args, field)
+                spec[field] = getattr(args, dest)
     if args.speculative_config is not None:
         pools.setdefault("decode", {})["speculative_config"] = _json_object(args.speculative_config,
                                                                              "--speculative-config")
@@ -246,6 +248,9 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
                         help="TP ranks per replica, every pool")
     engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
                         help="PP stages per replica, every pool")
+    engine.add_argument("--cpus-per-rank", type=float, default=None,
+                        help="CPUs per rank (torch threads), every pool (default 1; e.g. 2 for one colocated "
+                             "replica on a 2-core machine)")
     engine.add_argument("--num-gpus", type=float, default=None, help="GPUs per rank, every pool")
     engine.add_argument("--speculative-config", default=None,
                         help='speculative decoding of the decode pool, as JSON (e.g. \'{"method": "ngram", '
