@@ -374,14 +374,14 @@ def quantize_linears(model, qtype: str) -> None:
 E2E_VARIANTS = ("bf16", "fp8_kv", "q8_0", "fp8")     # also: fp8_kv_bits (the cache widened by bit arithmetic)
 
 
-def end_to_end(copy_tbs: float, quick: bool, variants=E2E_VARIANTS) -> list[dict]:
+def end_to_end(copy_tbs: float, batches: tuple[int, ...], variants=E2E_VARIANTS) -> list[dict]:
     rows = []
     for variant in variants:
         ta.HARDWARE_FP8 = False if variant == "fp8_kv_bits" else None
         triton_ops.write_kv = unfused_fp8_write if variant == "fp8_kv_unfused" else triton_cache.write_kv
         triton_quant.GEMV_FP8 = variant != "fp8_gemm"
         try:
-            rows += decode_steps(variant, copy_tbs, quick)
+            rows += decode_steps(variant, copy_tbs, batches)
         except Exception:  # noqa: BLE001 - report it and go on to the next variant
             traceback.print_exc()
         ta.HARDWARE_FP8 = None
@@ -397,7 +397,7 @@ def end_to_end(copy_tbs: float, quick: bool, variants=E2E_VARIANTS) -> list[dict
     return rows
 
 
-def decode_steps(variant: str, copy_tbs: float, quick: bool) -> list[dict]:
+def decode_steps(variant: str, copy_tbs: float, batches: tuple[int, ...]) -> list[dict]:
     from engine.cuda_graph import CudaGraphRunner
     from engine.layers.attention import Attention
 
@@ -412,7 +412,7 @@ def decode_steps(variant: str, copy_tbs: float, quick: bool) -> list[dict]:
                 m.k_scale = m.v_scale = 0.5
     weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
     rows = []
-    for batch in ((1, 64) if quick else (1, 16, 64)):
+    for batch in batches:
         kv_caches, blocks_per_seq, ids, pos, meta = bk.decode_inputs(batch, context, kv_dtype)
         with torch.inference_mode():
             graphs = CudaGraphRunner(model, kv_caches, (batch,), blocks_per_seq, torch.device("cuda"))
@@ -440,10 +440,13 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma list of: linear,fp8gemv,attention,write,lora,e2e")
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--e2e", default=",".join(E2E_VARIANTS), help="comma list of the end-to-end variants")
+    parser.add_argument("--e2e-batches", default=None, help="comma list of batch sizes (default 1,16,64; --quick 1,64)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu_quant.py needs a CUDA GPU")
     skip = set(args.skip.split(","))
+    batches = (tuple(map(int, args.e2e_batches.split(","))) if args.e2e_batches
+               else (1, 64) if args.quick else (1, 16, 64))
     result = {"device": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability(),
               "torch": torch.__version__, "triton": triton.__version__}
     result["copy_tb_s"] = copy_tbs = bk.copy_bandwidth()
@@ -462,7 +465,7 @@ def main() -> None:
     for name, fn in (("linear", lambda: linears(copy_tbs, args.quick)), ("fp8gemv", lambda: fp8_gemv(copy_tbs)),
                      ("attention", lambda: attention(args.quick)),
                      ("write", lambda: slot_write(args.quick)),
-                     ("lora", lora), ("e2e", lambda: end_to_end(copy_tbs, args.quick, args.e2e.split(",")))):
+                     ("lora", lora), ("e2e", lambda: end_to_end(copy_tbs, batches, args.e2e.split(",")))):
         if name not in skip:
             try:
                 result[name] = fn()
