@@ -14,7 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {"LLM": "engine.llm", "SamplingParams": "engine.sampling_params", "LoRARequest": "engine.lora",
+_EXPORTS = {"LLM": "engine.llm", "SamplingParams": "engine.sampling_params",
+            "StructuredOutputsParams": "engine.sampling_params", "LoRARequest": "engine.lora",
             "RequestOutput": "engine.outputs", "CompletionOutput": "engine.outputs"}
 __all__ = list(_EXPORTS)
 
