@@ -122,8 +122,11 @@ def shutdown(config: ClusterConfig, drain_s: float = 10.0) -> None:
 def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     """The spec file (or DEFAULT_SPEC) with the command line's overrides; ValueError names the field."""
     data = ClusterConfig.from_yaml(args.config).model_dump() if args.config else dict(DEFAULT_SPEC)
-    if args.model is not None:
-        data["model"] = args.model
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+    model = args.model if args.model is not None else args.model_tag
+    if model is not None:
+        data["model"] = model
     serving = dict(data.get("serving", {}))
     if args.host is not None:
         serving["host"] = args.host
@@ -214,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_serve_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                    help="the model, as `vllm serve MODEL` takes it (same as --model)")
     ap.add_argument("--config", default=None, help="cluster spec YAML (see cluster/config.py)")
     ap.add_argument("--model", default=None, help="overrides the spec's model")
     ap.add_argument("--host", default=None)

@@ -132,6 +132,9 @@ def test_vllm_named_flags_set_the_spec():
     assert config.pools["decode"].speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
     assert (config.serving.served_model_name, config.serving.api_key) == ("smol", "k")
     assert config_from_args(parser.parse_args([])).engine.max_num_seqs == 64    # no flags: the spec's
+    assert config_from_args(parser.parse_args(["/models/x", "--port", "9000"])).model == "/models/x"  # vllm serve M
+    with pytest.raises(ValueError, match="the model is given twice"):
+        config_from_args(parser.parse_args(["/models/x", "--model", "/models/y"]))
     # The cache's kv_* fields are the engine's (fp8 above); the connector's belong to disaggregation.
     with pytest.raises(ValueError, match="the disaggregation section configures"):
         ClusterConfig.model_validate({"engine": {"kv_connector": "nixl"}})
