@@ -47,18 +47,55 @@ def embedded_model_path() -> str:
 
 
 def gguf_reader(file: str) -> Any:
-    """The GGUF file's reader (gguf-py), parsed once per process and version of the file: a parse
-    walks every metadata field, the tokenizer's vocabulary and merges too (~3 s for the embedded
-    model), and a load asks for it twice (the quantization check, the weights)."""
+    """The GGUF file's tensors and scalar metadata: gguf-py's reader with the metadata's arrays
+    skipped (`_tensor_reader`), once per process and version of the file (a load asks twice: the
+    quantization check, the weights). The tokenizer's arrays, which pdserve reads from the converted
+    tokenizer (gguf_hf_dir), made gguf-py's full parse take ~3.5 s of every process that resolved
+    the embedded model (the launcher, the pools' manager, each replica)."""
     st = os.stat(file)
     return _gguf_reader(os.path.abspath(file), st.st_size, st.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=4)
 def _gguf_reader(file: str, size: int, mtime_ns: int) -> Any:
-    from gguf import GGUFReader  # noqa: PLC0415 - only GGUF models need it
+    return _tensor_reader()(file)
 
-    return GGUFReader(file)
+
+@functools.cache
+def _tensor_reader() -> type:
+    import struct  # noqa: PLC0415
+
+    from gguf import GGUFReader, GGUFValueType  # noqa: PLC0415 - only GGUF models need it
+
+    sizes = {int(t): GGUFReader.gguf_scalar_to_np[t]().itemsize for t in GGUFReader.gguf_scalar_to_np}
+
+    class TensorReader(GGUFReader):
+        """gguf-py's reader whose `fields` keep the scalars and strings but not the arrays: each
+        array is stepped over by its lengths instead of becoming one numpy view per element (the
+        tensors are gguf-py's own, from the same offsets)."""
+
+        def _build_fields(self, offs: int, count: int) -> int:
+            if self.byte_order != "I":      # a file of the other byte order: gguf-py's own walk
+                return super()._build_fields(offs, count)
+            buf = memoryview(self.data)
+            for _ in range(int(count)):
+                value = offs + 8 + struct.unpack_from("<Q", buf, offs)[0]      # past the key
+                if struct.unpack_from("<I", buf, value)[0] != GGUFValueType.ARRAY:
+                    offs = super()._build_fields(offs, 1)
+                    continue
+                item, n = struct.unpack_from("<IQ", buf, value + 4)
+                end = value + 16
+                if item == GGUFValueType.STRING:
+                    for _ in range(n):
+                        end += 8 + struct.unpack_from("<Q", buf, end)[0]
+                elif item in sizes:
+                    end += n * sizes[item]
+                else:                       # arrays of arrays: gguf-py's own walk
+                    end = super()._build_fields(offs, 1)
+                offs = end
+            return offs
+
+    return TensorReader
 
 
 def gguf_hf_dir(path: str, gguf_file: str) -> str:

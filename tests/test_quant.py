@@ -114,6 +114,27 @@ def test_native_loader_matches_transformers_dequantization():
         assert torch.equal(got.float(), dense[name].float()), name
 
 
+def test_gguf_reader_keeps_gguf_pys_tensors_and_scalars():
+    """model_source.gguf_reader steps over the metadata's arrays (the tokenizer's) instead of
+    parsing them: every tensor (name, type, shape, offset, bytes) and every scalar or string field
+    is gguf-py's own; only the arrays are left out."""
+    from gguf import GGUFReader, GGUFValueType
+
+    from engine.model_source import gguf_reader
+
+    path = embedded_model_path()
+    fast, full = gguf_reader(path), GGUFReader(path)
+    assert fast.data_offset == full.data_offset and len(fast.tensors) == len(full.tensors) > 0
+    for a, b in zip(fast.tensors, full.tensors):
+        assert (a.name, a.tensor_type, a.shape.tolist(), a.data_offset, a.data.shape, a.data.dtype) == (
+            b.name, b.tensor_type, b.shape.tolist(), b.data_offset, b.data.shape, b.data.dtype)
+        assert np.array_equal(a.data, b.data), a.name
+    arrays = {k for k, f in full.fields.items() if f.types[0] == GGUFValueType.ARRAY}
+    assert "tokenizer.ggml.tokens" in arrays and set(fast.fields) == set(full.fields) - arrays
+    for key, field in fast.fields.items():
+        assert [bytes(p) for p in field.parts] == [bytes(p) for p in full.fields[key].parts], key
+
+
 def test_gguf_config_and_tokenizer_come_converted_once_and_unchanged(tmp_path, monkeypatch):
     """A GGUF file's HF config and tokenizer are converted by transformers once and saved
     (model_source.gguf_hf_dir): what loads from the saved files is what transformers converts from
