@@ -6,6 +6,7 @@ records and never re-validates.
 """
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,10 @@ from engine.model_source import (
     model_sampling_defaults,
     resolve_model,
     resolve_quantization,
+    slow_half_dtype_warning,
 )
+
+logger = logging.getLogger(__name__)
 
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CONNECTORS = ("nixl", "torch_dist")
@@ -403,6 +407,9 @@ class EngineConfig:
             dtype=resolve_dtype(dtype, config_dtype), max_model_len=max_model_len, seed=seed,
             quantization=quantization, quantize_activations=args.quantize_activations, cuda_graph_sizes=graph_sizes,
             sampling_defaults=model_sampling_defaults(path, gguf_file) if args.generation_config == "auto" else ())
+        warning = slow_half_dtype_warning(model_config.dtype) if args.worker_num_gpus == 0 else None
+        if warning is not None:
+            logger.warning(warning)
         fp8 = args.kv_cache_dtype != "auto"
         kv_scales = kv_cache_scales(path, gguf_file, hf_config) if fp8 else ()
         if fp8 and args.calculate_kv_scales is not False and pipeline_parallel_size > 1 and not kv_scales:

@@ -278,3 +278,24 @@ def test_tensor_parallel_shards_of_gguf_weights():
             row.quantize_as("Q8_0")
     finally:
         reset_parallel_state()
+
+
+def test_half_precision_on_a_cpu_without_bf16_units_is_warned(tiny_llama, monkeypatch, caplog):
+    """bfloat16 / float16 on a CPU without AVX512-BF16 or AMX (several times slower than float32
+    there, PERFORMANCE §9; "auto" takes a checkpoint's bfloat16) is logged at config time, saying
+    what to pass; float32, or a CPU with the units, is not."""
+    import logging
+
+    from engine import model_source
+    from engine.config import EngineArgs, EngineConfig
+
+    avx2 = frozenset({"avx2", "fma", "f16c"})
+    monkeypatch.setattr(model_source, "cpu_flags", lambda: avx2)
+    assert "dtype='float32'" in model_source.slow_half_dtype_warning("bfloat16")
+    assert model_source.slow_half_dtype_warning("float32") is None
+    with caplog.at_level(logging.WARNING, logger="engine.config"):
+        EngineConfig.from_args(tiny_llama, EngineArgs(dtype="bfloat16", max_model_len=64))
+    assert any("runs several times slower than float32" in r.message for r in caplog.records)
+    for flags in (avx2 | {"avx512_bf16"}, avx2 | {"amx_bf16"}, frozenset()):
+        monkeypatch.setattr(model_source, "cpu_flags", lambda flags=flags: flags)
+        assert model_source.slow_half_dtype_warning("bfloat16") is None
