@@ -314,9 +314,11 @@ def _checkpoint_quantization(quantization: str | None, path: str, quant: Checkpo
                      f"{'int8, int8+dense' if have == 'int8' else 'fp8'} or none")
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags from /proc/cpuinfo (empty where there is none): configs import
-    without torch."""
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none), read once per
+    process (a config resolution asks twice: the quantization choice, the dtype warning); configs
+    import without torch."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
