@@ -2,11 +2,12 @@
 `gguf_dequant_min_rows` (kernels/cpu_ops.py) should switch on this CPU.
 
     .venv/bin/python benchmarks/cpu_gguf.py [--rows 1,4,8,12,16,32,64] [--shapes 1536x576,576x1536]
-        [--qtype Q4_1] [--dtype float32] [--library path/to/cpu_ops-*.so]
+        [--qtype Q4_1] [--dtype float32] [--copies 12] [--threads N] [--library path/to/cpu_ops-*.so]
 
 For each shape (out x in) and row count prints microseconds per call of: the blocks' kernel
-(`torch.ops.pdserve_cpu.gguf_linear`), dequantize per call + `F.linear` (what a blocks-only layer
-does from `gguf_dequant_min_rows`), and the dense weight prepacked for oneDNN through
+(`torch.ops.pdserve_cpu.gguf_linear`), the same blocks times x quantized to int8 per block
+(`gguf_linear_int8`, quantize_activations; the C++ op at every row count), dequantize per call +
+`F.linear` (what a blocks-only layer does from `gguf_dequant_min_rows`), and the dense weight prepacked for oneDNN through
 `engine.layers.linear.linear` (the dense copy of quantization="gguf+dense"). Weights are random,
 quantized by the gguf package, and cycle through `--copies` copies so that the caches hold none;
 each figure is the best of `--rounds`. `--library` loads another build of the extension (e.g. the
@@ -58,7 +59,10 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--library", default=None, help="a built cpu_ops library to load instead of this tree's")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.library:
         torch.ops.load_library(args.library)
     else:
@@ -77,9 +81,12 @@ def main() -> None:
             dequant = best_us(lambda i: F.linear(x, torch.ops.pdserve_cpu.gguf_dequantize(blocks[i], qid, dtype)),
                               args.copies, args.rounds)
             dense_us = best_us(lambda i: linear(x, dense[i], None, packed[i]), args.copies, args.rounds)
-            print(f"{args.qtype} {n}x{k} M={rows:4d}: blocks {kernel:8.0f} us, dequantize + GEMM {dequant:8.0f} us, "
-                  f"dense{' (prepacked)' if packed[0] is not None else ''} {dense_us:8.0f} us; "
-                  f"blocks / dense {dense_us / kernel:.2f}x", flush=True)
+            int8 = best_us(lambda i: torch.ops.pdserve_cpu.gguf_linear_int8(x, blocks[i], qid), args.copies,
+                           args.rounds)
+            print(f"{args.qtype} {n}x{k} M={rows:4d}: blocks {kernel:8.0f} us, int8 x {int8:8.0f} us, "
+                  f"dequantize + GEMM {dequant:8.0f} us, dense{' (prepacked)' if packed[0] is not None else ''} "
+                  f"{dense_us:8.0f} us; blocks / dense {dense_us / kernel:.2f}x, int8 / dense "
+                  f"{dense_us / int8:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -526,7 +526,50 @@ void quantize_x_int8(const T* x, int64_t M, int64_t K, int8_t* q, float* d, floa
   }
 }
 
-// Rows [m0, m0 + R) of the quantized x against weight rows [n0, n1).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// The block's 32 weight bytes as they load: Q8_0 signed, the 4-bit types as nibbles 0-15.
+template <Quant Q>
+__attribute__((always_inline)) inline __m256i weight_bytes(const uint8_t* blk) {
+  if constexpr (Q == Quant::Q8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  } else {
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Q == Quant::Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), _mm_and_si128(qs, mask));
+  }
+}
+
+// sum_j w_j qx_j of one block as eight int32 partial sums. maddubs takes its first operand unsigned:
+// a Q8_0 weight's magnitude, its sign moved to x.
+template <Quant Q>
+__attribute__((always_inline)) inline __m256i block_dot(__m256i wu, __m256i wq, const int8_t* xb) {
+  __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+  if constexpr (Q == Quant::Q8_0) xv = _mm256_sign_epi8(xv, wq);
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), _mm256_set1_epi16(1));
+}
+
+// Eight blocks' partial sums (eight vectors) to one vector of their eight totals, lane k = d[k]'s.
+__attribute__((always_inline)) inline __m256i block_totals(const __m256i d[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// Eight consecutive blocks' fp16 fields at `offset` (scale 0, Q4_1's minimum 2) as fp32 lanes.
+template <Quant Q>
+__attribute__((always_inline)) inline __m256 block_halves(const uint8_t* blk, int offset) {
+  alignas(16) uint16_t h[8];
+  for (int k = 0; k < 8; ++k) std::memcpy(&h[k], blk + k * block_bytes<Q>() + offset, 2);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+}
+#endif
+
+// Rows [m0, m0 + R) of the quantized x against weight rows [n0, n1). With AVX2, eight blocks at a
+// time: their integer dot products with a row of x are reduced to one vector of eight totals (lane k
+// block k: hadd, exact in int32), so the per-block scaling is one conversion and one FMA for eight
+// blocks (dw times dx as eight lanes, and Q4_1's minimum times the block sums of x likewise) instead
+// of a broadcast, a conversion, an FMA and scalar work per block and row. Remaining blocks go one
+// at a time.
 template <typename T, Quant Q, int R>
 void rows_pass_int8(const int8_t* xq, const float* xd, const float* xs, const int32_t* xqs, int64_t K,
                     const uint8_t* w, int64_t row_bytes, T* out, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
@@ -538,29 +581,43 @@ void rows_pass_int8(const int8_t* xq, const float* xd, const float* xs, const in
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    float mins[R] = {};
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < nb; ++b) {
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
       const uint8_t* blk = row + b * block_bytes<Q>();
-      const float dw = half_at(blk);
-      __m256i wq;            // the block's 32 weight bytes: Q8_0 signed, 4-bit types as nibbles 0-15
-      if constexpr (Q == Quant::Q8_0) {
-        wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-      } else {
-        const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Q == Quant::Q4_1 ? 4 : 2)));
-        const __m128i mask = _mm_set1_epi8(15);
-        wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), _mm_and_si128(qs, mask));
+      __m256i wq[8], wu[8];
+      for (int k = 0; k < 8; ++k) {
+        wq[k] = weight_bytes<Q>(blk + k * block_bytes<Q>());
+        wu[k] = Q == Quant::Q8_0 ? _mm256_sign_epi8(wq[k], wq[k]) : wq[k];
       }
-      const __m256i wu = Q == Quant::Q8_0 ? _mm256_sign_epi8(wq, wq) : wq;   // maddubs: unsigned first
+      const __m256 dw = block_halves<Q>(blk, 0);
+      const __m256 mw = Q == Quant::Q4_1 ? block_halves<Q>(blk, 2) : _mm256_setzero_ps();
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t i = (m0 + r) * nb + b;
-        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 32));
-        if constexpr (Q == Quant::Q8_0) xv = _mm256_sign_epi8(xv, wq);       // the weight's sign moved to x
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones);
+        __m256i d[8];
+        for (int k = 0; k < 8; ++k) d[k] = block_dot<Q>(wu[k], wq[k], xq + (i + k) * 32);
+        __m256i total = block_totals(d);
+        if constexpr (Q == Quant::Q4_0) {   // sum_j (q_j - 8) qx_j, still exact
+          const __m256i qsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xqs + i));
+          total = _mm256_sub_epi32(total, _mm256_slli_epi32(qsum, 3));
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dw, _mm256_loadu_ps(xd + i)), acc[r]);
+        if constexpr (Q == Quant::Q4_1) acc[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(xs + i), acc[r]);
+      }
+    }
+    float mins[R] = {};
+    for (; b < nb; ++b) {
+      const uint8_t* blk = row + b * block_bytes<Q>();
+      const float dw = half_at(blk), mw = Q == Quant::Q4_1 ? half_at(blk + 2) : 0.f;
+      const __m256i wq = weight_bytes<Q>(blk);
+      const __m256i wu = Q == Quant::Q8_0 ? _mm256_sign_epi8(wq, wq) : wq;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m0 + r) * nb + b;
         const float scale = dw * xd[i];
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(dot), acc[r]);
-        if constexpr (Q == Quant::Q4_1) mins[r] += half_at(blk + 2) * xs[i];
+        const __m256 dot = _mm256_cvtepi32_ps(block_dot<Q>(wu, wq, xq + i * 32));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale), dot, acc[r]);
+        if constexpr (Q == Quant::Q4_1) mins[r] += mw * xs[i];
         if constexpr (Q == Quant::Q4_0) mins[r] += scale * static_cast<float>(-8 * xqs[i]);
       }
     }
