@@ -4,7 +4,7 @@
 (router/frontend.py: auth, validation, admission, routing, metrics), the HTTP API over it
 (router/openai_api.py, router/responses_api.py) and the gRPC service over it (router/grpc_api.py).
 
-Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both streaming as SSE
+Endpoints: GET /v1/models (and /v1/models/{model}), POST /v1/completions, POST /v1/chat/completions (both streaming as SSE
 ending in `data: [DONE]`), POST /v1/responses (streaming typed events), POST /tokenize, POST
 /detokenize, GET /health (and /ping, as vLLM and SageMaker ask), GET /version, GET /metrics
 (Prometheus), GET /openapi.json, POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with
@@ -102,6 +102,11 @@ def build_app(config: ClusterConfig) -> Any:
         @fastapi_app.get("/v1/models")
         async def models(self) -> Response:
             return JSONResponse(self.server.models())
+
+        # `path`: model names such as "meta-llama/Llama-3.1-8B" hold slashes
+        @fastapi_app.get("/v1/models/{model:path}")
+        async def model(self, model: str) -> Response:
+            return JSONResponse(self.server.model(model))
 
         @fastapi_app.post("/v1/completions")
         async def completions(self, request: Request) -> Response:

@@ -350,6 +350,12 @@ class Frontend:
                     for name, lora in self.adapters.items()]
         return {"object": "list", "data": [base, *adapters]}
 
+    def model(self, name: str) -> dict[str, Any]:
+        """OpenAI's GET /v1/models/{model}: the card of the base model or an adapter this server
+        serves; NotFoundError naming the served models otherwise."""
+        self.check_model(name)
+        return next(card for card in self.models()["data"] if card["id"] == name)
+
     def load_adapter(self, data: dict[str, Any]) -> str:
         """vLLM's /v1/load_lora_adapter: serve the PEFT adapter at `lora_path` under `lora_name`
         (checked here against the model and max_lora_rank; each replica reads it when a request

@@ -70,7 +70,8 @@ class OpenAIAPI:
             return sse_response(self._stream_completion(rid, prompts, echo, req.echo_only, params,
                                                         req.stream_options, ticket), ticket)
         try:
-            return JSONResponse(await self._full_completion(rid, prompts, echo, req.echo_only, params, ticket))
+            return JSONResponse(await self._full_completion(rid, prompts, echo, req.echo_only, params, ticket,
+                                                            req.prompt_logprobs is not None))
         finally:
             ticket.release()
 
@@ -82,7 +83,8 @@ class OpenAIAPI:
             return sse_response(self._stream_chat(rid, ids, params, req.stream_options, req.logprobs, tools,
                                                   ticket), ticket)
         try:
-            return JSONResponse(await self._full_chat(rid, ids, params, req.logprobs, tools, ticket))
+            return JSONResponse(await self._full_chat(rid, ids, params, req.logprobs, tools, ticket,
+                                                      req.prompt_logprobs is not None))
         finally:
             ticket.release()
 
@@ -98,7 +100,10 @@ class OpenAIAPI:
         return [self.frontend.tokenizer.decode(ids) for ids in prompts]
 
     async def _full_completion(self, rid: str, prompts: list[list[int]], echo: list[str] | None, echo_only: bool,
-                               params: SamplingParams, ticket: Ticket) -> dict[str, Any]:
+                               params: SamplingParams, ticket: Ticket, prompt_logprobs: bool = False
+                               ) -> dict[str, Any]:
+        """The whole completion; with `prompt_logprobs` (the request's field, vLLM's) each choice
+        carries its prompt's."""
         n = params.n
         choices = [ChoiceAccumulator() for _ in range(len(prompts) * n)]
         prompt_lps: list[list] = [[] for _ in prompts]      # echo with logprobs: the prompts' own
@@ -118,6 +123,8 @@ class OpenAIAPI:
                         "logprobs": self._completion_logprobs(acc.token_ids, acc.logprobs,
                                                               *(() if echo is None else (prompts[p], prompt_lps[p])))
                         if params.logprobs is not None else None})
+            if prompt_logprobs:
+                out[-1]["prompt_logprobs"] = self._prompt_logprobs(prompt_lps[p], params.prompt_logprobs)
         return {"id": rid, "object": "text_completion", "created": now(), "model": self.frontend.response_model(params),
                 "choices": out, "usage": usage.body(sum(len(p) for p in prompts))}
 
@@ -154,11 +161,15 @@ class OpenAIAPI:
                    "choices": [], "usage": usage.body(num_prompt)}
 
     async def _full_chat(self, rid: str, ids: list[int], params: SamplingParams, logprobs: bool,
-                         tools: ToolFormat | None, ticket: Ticket) -> dict[str, Any]:
+                         tools: ToolFormat | None, ticket: Ticket, prompt_logprobs: bool = False) -> dict[str, Any]:
+        """The whole chat completion; with `prompt_logprobs` (vLLM's field) the prompt's at the top
+        level, as vLLM returns them."""
         choices = [ChoiceAccumulator() for _ in range(params.n)]
         usage = UsageCounter()
+        prompt_lps: list = []
         async for _, delta in self.frontend.run([ids], params, rid, ticket):
             usage.add(delta)
+            prompt_lps += delta.prompt_logprobs or []
             for c in delta.choices:
                 choices[c.index].add(c)
         out = []
@@ -174,8 +185,11 @@ class OpenAIAPI:
                         "finish_reason": finish_reason, "stop_reason": acc.stop_reason,
                         "logprobs": self._chat_logprobs(acc.token_ids, acc.logprobs, params.logprobs or 0)
                         if logprobs else None})
-        return {"id": rid, "object": "chat.completion", "created": now(), "model": self.frontend.response_model(params),
+        body = {"id": rid, "object": "chat.completion", "created": now(), "model": self.frontend.response_model(params),
                 "choices": out, "usage": usage.body(len(ids))}
+        if prompt_logprobs:
+            body["prompt_logprobs"] = self._prompt_logprobs(prompt_lps, params.prompt_logprobs)
+        return body
 
     async def _stream_chat(self, rid: str, ids: list[int], params: SamplingParams, options: StreamOptions | None,
                            logprobs: bool, tools: ToolFormat | None, ticket: Ticket) -> AsyncIterator[dict]:
@@ -237,6 +251,21 @@ class OpenAIAPI:
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _prompt_logprobs(self, entries: list[dict[int, Logprob] | None], num: int) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token null (the first, which nothing predicts) or
+        {token id: {logprob, rank, decoded_token}} for the `num` most likely tokens and the prompt's
+        own. The engine ranks only the top `num`: a prompt token outside them has rank null."""
+        out: list[dict[str, Any] | None] = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)
+            out.append({str(tid): {"logprob": lp.logprob, "rank": rank if rank <= num else None,
+                                   "decoded_token": self.frontend.token_text(tid, lp)}
+                        for rank, (tid, lp) in enumerate(ranked, start=1)})
+        return out
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
                        num_top: int) -> dict[str, Any]:

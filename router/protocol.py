@@ -44,7 +44,7 @@ class ResponseFormat(BaseModel):
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str
+    model: str | None = None        # OpenAI requires it; vLLM (and pdserve) default to the served model
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -75,6 +75,9 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # the top-N logprobs of every prompt token (the first: null), as `prompt_logprobs` in a
+    # completion's choices and at a chat response's top level; not streamed (as in vLLM)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     # constrained output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -118,6 +121,9 @@ class _Common(BaseModel):
     def sampling_kwargs(self, defaults: tuple[tuple[str, Any], ...] = ()) -> dict[str, Any]:
         """SamplingParams' keywords; `defaults` (the model's, ModelInfo.sampling_defaults) fill the
         fields this request left unset."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream=true (as in vLLM); send the request "
+                             "unstreamed")
         kwargs = dict(structured_outputs=self.structured(),
                       n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                       min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
@@ -126,7 +132,8 @@ class _Common(BaseModel):
                       max_tokens=self.max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                       stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, priority=self.priority,
                       skip_special_tokens=self.skip_special_tokens,
-                      include_stop_str_in_output=self.include_stop_str_in_output)
+                      include_stop_str_in_output=self.include_stop_str_in_output,
+                      prompt_logprobs=self.prompt_logprobs)
         kwargs.update((name, value) for name, value in defaults if name not in self.model_fields_set)
         return kwargs
 
@@ -148,14 +155,16 @@ class CompletionRequest(_Common):
             raise ValueError("max_tokens must be >= 1 (0 only with echo: the prompt alone); got 0")
         # echo with logprobs: the prompt's tokens get theirs too (OpenAI's legacy completions, vLLM;
         # what evaluation harnesses read to score a text's likelihood).
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        if prompt_logprobs is not None and self.n != 1:
+        echo_logprobs = self.echo and self.logprobs is not None
+        if echo_logprobs and self.n != 1:
             raise ValueError(f"echo with logprobs needs n = 1 (the prompt's logprobs are returned once); "
                              f"got n={self.n}")
         kwargs = self.sampling_kwargs(defaults)
+        if echo_logprobs and self.prompt_logprobs is None:
+            kwargs["prompt_logprobs"] = self.logprobs
         if self.echo_only:
             kwargs["max_tokens"] = 1
-        return SamplingParams(**kwargs, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
+        return SamplingParams(**kwargs, logprobs=self.logprobs)
 
 
 # An earlier call comes back as clients stored it (a streamed one may keep its delta `index`):
@@ -328,7 +337,7 @@ class FunctionChoice(BaseModel):
 
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str
+    model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)

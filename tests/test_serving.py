@@ -99,6 +99,9 @@ def test_models_health_tokenize(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [server["model"], "ad1"]     # the base model, then its adapter
     assert models.data[1].model_extra["parent"] == server["model"]
+    assert client.models.retrieve("ad1").model_extra["parent"] == server["model"]
+    with pytest.raises(openai.NotFoundError, match="model 'nope/x' does not exist"):
+        client.models.retrieve("nope/x")
     assert httpx.get(f"{server['base']}/health").json()["healthy"] is True
     tok = httpx.post(f"{server['base']}/tokenize", json={"prompt": "Hello world"}, headers=_auth()).json()
     assert tok["count"] == len(tok["tokens"]) > 0
@@ -180,6 +183,42 @@ def test_echo_puts_the_prompt_first_with_its_logprobs(server, client, tiny_llama
     assert two.choices[1].text.startswith(llm.get_tokenizer().decode(ids[:4]))
     with pytest.raises(openai.BadRequestError, match="echo with logprobs needs n = 1"):
         client.completions.create(model=server["model"], prompt=prompt, max_tokens=2, n=2, echo=True, logprobs=1)
+
+
+def test_prompt_logprobs_as_vllm_returns_them_and_no_model_field(server, client, tiny_llama):
+    """vLLM's `prompt_logprobs`: a completion's choices each carry their prompt's (the first null,
+    then the top N and the prompt's own token), equal to the offline engine's, on the colocated and
+    the disaggregated app (whose router prefills such requests on the decode replica); a chat
+    response carries them at the top level; with stream=true, or with n > 1 (the engine scores a
+    prompt once), a 400. A request without `model` is served by the base model, as vLLM serves it."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=1024)
+    off = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    ids = off.prompt_token_ids
+    for prefix in ("", "/pd"):
+        body = httpx.post(f"{server['base']}{prefix}/v1/completions", headers=_auth(), timeout=120,
+                          json={"prompt": [prompt, prompt], "max_tokens": 1, "prompt_logprobs": 2}).json()
+        assert body.get("model") == server["model"] and len(body["choices"]) == 2, body
+        for choice in body["choices"]:
+            got = choice["prompt_logprobs"]
+            assert got[0] is None and len(got) == len(ids)
+            for tid, entry, want in zip(ids[1:], got[1:], off.prompt_logprobs[1:]):
+                assert set(entry) == {str(t) for t in want}          # the top 2 and the prompt's token
+                assert entry[str(tid)]["logprob"] == pytest.approx(want[tid].logprob, abs=1e-4)
+                assert sorted(e["rank"] for e in entry.values() if e["rank"] is not None) == [1, 2]
+                assert all(e["decoded_token"] == llm.get_tokenizer().decode([int(t)]) for t, e in entry.items())
+    chat = client.chat.completions.create(model=server["model"], messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=1, extra_body={"prompt_logprobs": 0})
+    lps = chat.model_extra["prompt_logprobs"]
+    assert lps[0] is None and len(lps) == chat.usage.prompt_tokens and all(len(e) == 1 for e in lps[1:])
+    plain = client.completions.create(model=server["model"], prompt=prompt, max_tokens=1)
+    assert "prompt_logprobs" not in plain.choices[0].model_extra
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs is not available with stream=true"):
+        client.completions.create(model=server["model"], prompt=prompt, max_tokens=1, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs must be None when n > 1"):
+        client.completions.create(model=server["model"], prompt=prompt, max_tokens=1, n=2,
+                                  extra_body={"prompt_logprobs": 1})
 
 
 def test_chat_stream_equals_non_stream_and_n2(server, client):
