@@ -114,7 +114,12 @@ class LLM:
             return [self.get_default_sampling_params() for _ in range(n)]
         if isinstance(params, SamplingParams):
             return [params] * n
-        params = list(params)
+        # A dict (vLLM takes none either) would otherwise be listed as its keys.
+        params = list(params) if isinstance(params, (list, tuple)) else [params]
+        bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        if bad is not None:
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them; got "
+                             f"{type(bad).__name__} (build one: SamplingParams(**{{...}}))")
         if len(params) != n:
             raise ValueError(f"sampling_params must be one SamplingParams or a list of {n}; got {len(params)}")
         return params

@@ -39,6 +39,11 @@ def test_bad_prompts_are_refused_and_nothing_is_queued(llm):
         with pytest.raises(ValueError, match=msg):
             llm.generate([{"prompt_token_ids": [1, 2, 3]}, prompt], params, use_tqdm=False)
         assert not engine.has_unfinished_requests()
+    # sampling_params of the wrong kind: named, not an AttributeError from inside the engine
+    for params in ({"max_tokens": 3}, [SamplingParams(), {"max_tokens": 3}]):
+        with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list of them; got dict"):
+            llm.generate(["a", "b"], params, use_tqdm=False)
+        assert not engine.has_unfinished_requests()
     # Still serving.
     assert llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)
 
