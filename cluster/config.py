@@ -16,6 +16,7 @@ Every field is validated here, so a bad spec fails before any actor starts, nami
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -113,6 +114,21 @@ class ServingSpec(_Strict):
     # How the model writes tool calls (engine/tool_calls.py FORMATS); None: read from its chat
     # template (Hermes/Qwen `<tool_call>` blocks unless the template is Llama 3's or Mistral's).
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
+    # vLLM's --chat-template: a Jinja chat template, or the path of a file holding one, used in place
+    # of the tokenizer's (a base model has none). A path is read when the spec is built, so the
+    # ingress replicas get the text wherever they run.
+    chat_template: str | None = None
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template_text(cls, value: str | None) -> str | None:
+        if value is None or "{{" in value or "{%" in value:
+            return value
+        if not os.path.isfile(value):
+            raise ValueError(f"chat_template must be a Jinja template or the path of a file holding one; "
+                             f"{value!r} is neither")
+        with open(value, encoding="utf-8") as f:
+            return f.read()
 
     def model_post_init(self, _: Any) -> None:
         if self.direct_ingress and (self.ingress_replicas != 1 or self.grpc_port is not None):

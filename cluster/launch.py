@@ -134,6 +134,8 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         serving["port"] = args.port
     if args.tool_call_parser is not None:
         serving["tool_call_parser"] = args.tool_call_parser
+    if args.chat_template is not None:
+        serving["chat_template"] = args.chat_template
     data["serving"] = serving
     if args.enable_lora or args.lora_modules or args.max_loras is not None or args.max_lora_rank is not None:
         lora = dict(data.get("lora") or {})
@@ -231,6 +233,15 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
                     help="KV connector between the pools (disaggregated mode)")
     ap.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
                     help="how the model writes tool calls (default: read from its chat template)")
+    ap.add_argument("--chat-template", default=None,
+                    help="a Jinja chat template, or a file holding one, in place of the tokenizer's "
+                         "(serving.chat_template)")
+    # vLLM command lines carry these; here they change nothing, and saying so beats refusing them.
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help="accepted as vLLM takes it: tool_choice 'auto' is always on here")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="accepted as vLLM takes it: pdserve runs no code from a checkpoint (its "
+                         "architectures are built in)")
     ap.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
     ap.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                     help="PEFT adapters to serve, each under its name (the request's `model`)")

@@ -88,9 +88,11 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation (vLLM's options: the generation
-        prompt, or `continue_final_message`; `chat_template_kwargs` as more template variables),
+        """Apply the model's chat template (or `chat_template`, a Jinja template) to each
+        conversation (vLLM's options: the generation prompt, or `continue_final_message`;
+        `chat_template_kwargs` as more template variables),
         with `tools` (OpenAI's shape) where given: `ToolFormat.of(llm.get_tokenizer()).parse(text)`
         reads the calls out of an output (engine/tool_calls.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -105,7 +107,7 @@ class LLM:
                 conv, conv_tools = fmt.template_inputs(list(conv), tools)  # type: ignore[arg-type]
             parsed.append((None, apply_chat_template(tokenizer, conv, conv_tools,  # type: ignore[arg-type]
                                                      add_generation_prompt, continue_final_message,
-                                                     chat_template_kwargs)))
+                                                     chat_template_kwargs, chat_template)))
         return self._run(parsed, self._with_lora(self._params_list(sampling_params, len(parsed)), lora_request),
                          use_tqdm)
 

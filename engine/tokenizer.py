@@ -54,15 +54,20 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "docu
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
                         tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
                         continue_final_message: bool = False,
-                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                        template_kwargs: dict[str, Any] | None = None,
+                        chat_template: str | None = None) -> list[int]:
     """The conversation's prompt token ids (`tools` in OpenAI's shape, for templates that render
     them: engine/tool_calls.py prepares both), with vLLM's chat options: the generation prompt
     (default), or `continue_final_message` (the last message, an assistant's, left open for the
     model to continue), and `template_kwargs` (vLLM's chat_template_kwargs: more variables for the
-    template, e.g. Qwen3's enable_thinking). ValueError naming the field when the model has no chat
-    template, the options conflict, or the template refuses the conversation."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template: use generate() with a plain prompt")
+    template, e.g. Qwen3's enable_thinking); `chat_template` in place of the tokenizer's (vLLM's).
+    ValueError naming the field when there is no chat template, the options conflict, or the
+    template refuses the conversation."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer: send token ids")
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
+        raise ValueError("this model has no chat template: send a plain prompt, or give one (LLM.chat's "
+                         "chat_template, `pdserve serve --chat-template`, serving.chat_template)")
     if add_generation_prompt and continue_final_message:
         raise ValueError("continue_final_message needs add_generation_prompt=false (the last message is "
                          "continued, not answered)")
@@ -76,7 +81,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
     try:
         ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                             continue_final_message=continue_final_message, tokenize=True,
-                                            **(template_kwargs or {}))
+                                            chat_template=chat_template, **(template_kwargs or {}))
     except TemplateError as e:       # the template refused the conversation (e.g. roles out of order)
         raise ValueError(f"messages: the model's chat template refused them: {e}") from None
     if isinstance(ids, dict) or hasattr(ids, "keys"):

@@ -95,6 +95,8 @@ class Frontend:
                 raise ValueError(f"lora.modules.{name}: the base model is served under that name")
             self.adapters[name] = LoRARequest(name, next(self._lora_ids), path)
         self.tokenizer = load_tokenizer(info.model, info.gguf_file)
+        if config.serving.chat_template is not None and self.tokenizer is not None:
+            self.tokenizer.chat_template = config.serving.chat_template     # vLLM's --chat-template
         # How the model writes tool calls (None: no chat template, so no chat and no tools).
         self.tool_format = (ToolFormat.of(self.tokenizer, config.serving.tool_call_parser)
                             if getattr(self.tokenizer, "chat_template", None) else None)

@@ -107,6 +107,37 @@ def test_a_bad_engine_field_is_refused_before_ray_starts(tmp_path, engine, named
 
 
 
+def test_chat_template_from_a_file_or_inline(tiny_llama, tmp_path):
+    """vLLM's --chat-template: a file's template (read into the spec, so remote ingress replicas get
+    its text) or an inline one replaces the tokenizer's in the frontend, tools and /tokenize alike;
+    anything else is refused naming the field. LLM.chat takes one per call."""
+    import argparse
+
+    from cluster.config import ClusterConfig
+    from cluster.launch import add_serve_args, config_from_args
+    from engine import LLM, SamplingParams
+    from router.frontend import Frontend
+
+    template = ("{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<<assistant>>{% endif %}")
+    path = tmp_path / "plain.jinja"
+    path.write_text(template)
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    config = config_from_args(parser.parse_args(["--model", tiny_llama, "--chat-template", str(path)]))
+    assert config.serving.chat_template == template
+    assert ClusterConfig.model_validate(config.model_dump()).serving.chat_template == template
+    frontend = Frontend(config, {})
+    ids = frontend.tokenize({"messages": [{"role": "user", "content": "Hi"}]})["tokens"]
+    assert frontend.tokenizer.decode(ids) == "<<user>> Hi\n<<assistant>>"
+    with pytest.raises(ValueError, match="chat_template must be a Jinja template or the path of a file"):
+        ClusterConfig(model=tiny_llama, serving={"chat_template": str(tmp_path / "missing.jinja")})
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=256)
+    out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1), use_tqdm=False,
+                   chat_template=template)[0]
+    assert llm.get_tokenizer().decode(out.prompt_token_ids) == "<<user>> Hi\n<<assistant>>"
+
+
 def test_vllm_named_flags_set_the_spec():
     """`pdserve serve`'s vLLM-named flags land in the spec's engine, serving and pool sections (on
     top of a spec file or the default), and a malformed one is refused naming the flag."""
@@ -132,6 +163,10 @@ def test_vllm_named_flags_set_the_spec():
     assert config.pools["decode"].speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
     assert (config.serving.served_model_name, config.serving.api_key) == ("smol", "k")
     assert config_from_args(parser.parse_args([])).engine.max_num_seqs == 64    # no flags: the spec's
+    # vLLM's tool-calling command line: --enable-auto-tool-choice is accepted (always on here)
+    tools = config_from_args(parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                                "--trust-remote-code"]))
+    assert tools.serving.tool_call_parser == "hermes"
     assert config_from_args(parser.parse_args(["/models/x", "--port", "9000"])).model == "/models/x"  # vllm serve M
     with pytest.raises(ValueError, match="the model is given twice"):
         config_from_args(parser.parse_args(["/models/x", "--model", "/models/y"]))
