@@ -8,6 +8,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -140,20 +141,48 @@ def _gguf_cache_root() -> str:
     return cache_root("gguf", "PDSERVE_GGUF_CACHE")
 
 
+# A Hugging Face Hub repo id, as vLLM takes `model` ("Qwen/Qwen2.5-0.5B-Instruct").
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# What a snapshot needs: configs, tokenizer files and safetensors weights (never pickled weights).
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def is_hub_id(model: str | None) -> bool:
+    """Whether `model` names a Hugging Face Hub repo (org/name) rather than a local path."""
+    return model is not None and bool(_REPO_ID.fullmatch(model)) and not os.path.exists(os.path.expanduser(model))
+
+
+def hub_snapshot(model: str) -> str:
+    """A Hub repo id -> its snapshot directory in the Hugging Face cache (HF_HOME, HF_HUB_CACHE),
+    fetched on first use (HUB_FILES only; HF_TOKEN for gated repos; with HF_HUB_OFFLINE=1 the cache
+    alone). Each process resolves it itself, so every node of a cluster reads its own cache, as
+    vLLM's workers do. ValueError naming the model if it cannot be had."""
+    from huggingface_hub import constants, snapshot_download  # noqa: PLC0415
+
+    try:
+        return snapshot_download(model, allow_patterns=HUB_FILES, local_files_only=constants.HF_HUB_OFFLINE)
+    except Exception as e:  # noqa: BLE001 - any failure to fetch is the same answer to the user
+        raise ValueError(f"model {model!r} is not a local path, and as a Hugging Face Hub repo id it could not "
+                         f"be fetched ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
 def resolve_model(model: str | None) -> tuple[str, str | None, Any]:
-    """model (None = embedded default, a directory, or a .gguf file) -> (dir, gguf file name, HF config).
+    """model (None = embedded default, a directory, a .gguf file, or a Hub repo id: hub_snapshot)
+    -> (dir, gguf file name, HF config).
 
     Raises ValueError for a path that does not exist or an unsupported architecture.
     """
     from transformers import AutoConfig  # noqa: PLC0415
 
     path = embedded_model_path() if model is None else os.path.expanduser(model)
+    if is_hub_id(model):
+        path = hub_snapshot(model)  # type: ignore[arg-type]
     gguf_file = None
     if os.path.isfile(path) and path.endswith(".gguf"):
         path, gguf_file = os.path.split(os.path.abspath(path))
     elif not os.path.isdir(path):
-        raise ValueError(f"model must be a directory with config.json, a .gguf file, or None for the "
-                         f"embedded default; {model!r} does not exist")
+        raise ValueError(f"model must be a directory with config.json, a .gguf file, a Hugging Face Hub repo "
+                         f"id, or None for the embedded default; {model!r} does not exist")
     elif not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model directory {path!r} has no config.json")
     try:

@@ -33,6 +33,7 @@ from engine.errors import (
     ServiceUnavailableError,
 )
 from engine.lora import LoRARequest, read_adapter
+from engine.model_source import is_hub_id
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams, StructuredOutputsParams, validate_request
 from engine.structured_output import compiler_for
@@ -85,7 +86,8 @@ class Frontend:
         self._adapter_limits = (engine.model_config.hf_config, engine.lora_config.max_lora_rank
                                 if engine.lora_config is not None else 0)
         self.vocab_size, self.max_model_len, self.max_num_seqs = info.vocab_size, info.max_model_len, info.max_num_seqs
-        self.model_name = config.serving.served_model_name or _default_name(info.model, info.gguf_file)
+        self.model_name = config.serving.served_model_name or (
+            config.model if is_hub_id(config.model) else _default_name(info.model, info.gguf_file))
         # LoRA adapters served under their own names (name -> request), from the spec and the
         # runtime endpoints; ids count up as vLLM's do.
         self.adapters: dict[str, LoRARequest] = {}

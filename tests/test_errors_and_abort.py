@@ -73,6 +73,33 @@ def test_unknown_model_path_and_architecture(tmp_path, tiny_llama):
         LLM(str(bad))
 
 
+def test_hub_repo_id_loads_from_the_hf_cache(tiny_llama, tmp_path, monkeypatch):
+    """A Hugging Face Hub repo id as `model` (vLLM's way) loads the HF cache's snapshot (built here by
+    hand in huggingface_hub's layout, offline: no network in tests), and a server names the model
+    by the id; an id that cannot be had is a ValueError naming it."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from cluster.config import ClusterConfig
+    from router.frontend import Frontend
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--pdserve-test--tiny-llama"
+    shutil.copytree(tiny_llama, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = [LLM(model, dtype="float32", max_model_len=128).generate("Hello there", params, use_tqdm=False)[0]
+               for model in ("pdserve-test/tiny-llama", tiny_llama)]
+    assert outputs[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
+    assert Frontend(ClusterConfig(model="pdserve-test/tiny-llama"), {}).model_name == "pdserve-test/tiny-llama"
+    with pytest.raises(ValueError, match="'pdserve-test/absent' is not a local path, and as a Hugging Face Hub"):
+        LLM("pdserve-test/absent")
+
+
 @pytest.mark.parametrize("when", ["waiting", "mid-prefill", "decoding"])
 def test_abort_frees_blocks_and_others_continue(tiny_llama, when):
     llm = LLM(tiny_llama, dtype="float32", max_num_batched_tokens=32, max_num_seqs=3)
