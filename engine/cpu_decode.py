@@ -55,8 +55,10 @@ class CpuDecodePlan:
     def build(cls, model: nn.Module, kernels: Any, kv_caches: list[torch.Tensor]) -> CpuDecodePlan | None:
         """The plan for this model, kernel set and cache, or None where the modules must run."""
         state = get_parallel_state()
+        # Qwen3's q/k norms sit between the QKV split and the rotary embedding, inside what the
+        # plan's one attention op does: such models run the modules.
         if (not plan_enabled() or kernels is not cpu_ops or not isinstance(model, LlamaForCausalLM)
-                or state.tp_size > 1 or state.pp_size > 1 or not kv_caches):
+                or model.qk_norm or state.tp_size > 1 or state.pp_size > 1 or not kv_caches):
             return None
         dtype = model.rotary.cos.dtype
         attn = model.layers[0].self_attn

@@ -63,7 +63,7 @@ def smol_tokenizer(tmp_path_factory):
 
 
 def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -75,6 +75,9 @@ def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     elif kind == "qwen2":
         config = Qwen2Config(**common, tie_word_embeddings=True)
+    elif kind == "qwen3":
+        # per-head q/k norms, and a head_dim that is not hidden_size / heads (as Qwen3's own)
+        config = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
     elif kind == "mistral":
         # MQA: one KV head shared by every query head.
         config = MistralConfig(**{**common, "num_key_value_heads": 1}, sliding_window=None,
@@ -82,7 +85,7 @@ def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
     else:
         raise AssertionError(kind)
     out = save_random_model(tmp_path_factory, config, f"tiny-{kind}",
-                            seed={"llama": 0, "qwen2": 1, "mistral": 2}[kind])
+                            seed={"llama": 0, "qwen2": 1, "mistral": 2, "qwen3": 3}[kind])
     tokenizer.save_pretrained(out)
     return out
 
@@ -116,6 +119,11 @@ def tiny_qwen2(tmp_path_factory, smol_tokenizer) -> str:
 @pytest.fixture(scope="session")
 def tiny_mistral(tmp_path_factory, smol_tokenizer) -> str:
     return _make_model(tmp_path_factory, smol_tokenizer, "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory, smol_tokenizer) -> str:
+    return _make_model(tmp_path_factory, smol_tokenizer, "qwen3")
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])

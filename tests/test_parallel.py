@@ -113,9 +113,11 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GR
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind,tp,pp", [(kind, tp, pp) for kind in ("llama", "qwen2")
+                                        for tp, pp in ((2, 1), (1, 2), (2, 2))] + [("qwen3", 2, 1)])
 def test_parallel_greedy_matches_single_rank_and_hf(two_nodes, request, kind, tp, pp):
+    """TP and PP over two simulated nodes give the single-rank engine's greedy tokens (Qwen3: its
+    per-head q/k norms, held whole on every TP rank)."""
     path = request.getfixturevalue(f"tiny_{kind}")
     # A 24-token budget chunks the longer prompts; the repeat of prompt 3 hits the prefix cache.
     args = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=24)

@@ -1,4 +1,5 @@
-"""The Llama family: Llama (1-3.x), Mistral, Qwen2 (QKV bias), SmolLM; GQA/MQA, tied embeddings.
+"""The Llama family: Llama (1-3.x), Mistral, Qwen2 (QKV bias), Qwen3 (per-head RMSNorm of q and k
+before the rotary embedding), SmolLM; GQA/MQA, tied embeddings.
 
 Parameters keep HF names except the fused `qkv_proj` and `gate_up_proj`, which load from the HF
 q/k/v and gate/up tensors through their weight loaders (see `load_weights`). Tensor parallelism is in
@@ -34,7 +35,7 @@ from kernels.reference import dequantize_gguf
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -46,6 +47,10 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        # Qwen3: each head's q and k RMS-normalized over head_dim (weights shared by the heads, so
+        # every TP rank holds them whole)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rotary: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -54,6 +59,9 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(k.shape)
         q, k = rotary(q, k, cos, sin)
         out = self.attn(q, k, v, kv_cache, meta)          # [T, H, d]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -77,10 +85,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype, qkv_bias, o_bias)
+        self.self_attn = LlamaAttention(config, dtype, qkv_bias, o_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype)
 
@@ -94,6 +102,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    qk_norm = False         # Qwen3's per-head norms of q and k
+
     @staticmethod
     def attention_biases(config: Any) -> tuple[bool, bool]:
         """(qkv bias, o_proj bias) for this architecture."""
@@ -112,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
                              if needs_embedding else None)
         qkv_bias, o_bias = self.attention_biases(config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, qkv_bias, o_bias)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, qkv_bias, o_bias, self.qk_norm)
                                     for _ in range(self.start_layer, self.end_layer))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last_stage else None
         head_dim = self.layers[0].self_attn.head_dim
@@ -231,3 +241,13 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def attention_biases(config: Any) -> tuple[bool, bool]:
         return True, False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int) -> None:
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("use_sliding_window: Qwen3's sliding-window attention is not supported (its "
+                             "released checkpoints leave it off)")
+        super().__init__(config, dtype, max_positions)

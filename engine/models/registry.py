@@ -4,12 +4,13 @@ from __future__ import annotations
 from torch import nn
 
 from engine.model_source import SUPPORTED_ARCHITECTURES
-from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 assert tuple(MODEL_REGISTRY) == SUPPORTED_ARCHITECTURES, "engine/model_source.py names what is registered here"
 
