@@ -22,6 +22,7 @@ from engine.model_source import (
     model_sampling_defaults,
     resolve_model,
     resolve_quantization,
+    sliding_window,
     slow_half_dtype_warning,
 )
 
@@ -385,10 +386,14 @@ class EngineConfig:
         path, gguf_file, hf_config = resolve_model(model)
         check_parallel_fit(hf_config, tensor_parallel_size, pipeline_parallel_size)
         derived_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+        window, why = sliding_window(hf_config), ""
+        if window is not None and window < derived_len:
+            # pdserve attends to the whole context: up to the window that is what the model does too
+            derived_len, why = window, " (its sliding attention window; pdserve attends to whole contexts)"
         if max_model_len is None:
             max_model_len = derived_len
         elif not 1 <= max_model_len <= derived_len:
-            raise ValueError(f"max_model_len must be in [1, {derived_len}] for this model; got {max_model_len}")
+            raise ValueError(f"max_model_len must be in [1, {derived_len}] for this model{why}; got {max_model_len}")
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, max_model_len)
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:

@@ -147,6 +147,17 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 
 
+def sliding_window(hf_config: Any) -> int | None:
+    """The tokens a layer attends to, where the model limits them (Mistral's `sliding_window`;
+    Qwen2/3's only with `use_sliding_window`, which their configs carry off); None: the whole context."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0:
+        return None
+    if getattr(hf_config, "model_type", "") in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
+        return None
+    return window
+
+
 def is_hub_id(model: str | None) -> bool:
     """Whether `model` names a Hugging Face Hub repo (org/name) rather than a local path."""
     return model is not None and bool(_REPO_ID.fullmatch(model)) and not os.path.exists(os.path.expanduser(model))
