@@ -114,6 +114,9 @@ class ServingSpec(_Strict):
     # How the model writes tool calls (engine/tool_calls.py FORMATS); None: read from its chat
     # template (Hermes/Qwen `<tool_call>` blocks unless the template is Llama 3's or Mistral's).
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
+    # vLLM's --reasoning-parser: a thinking model's `<think>...</think>` returned apart from the
+    # content, as the chat message's `reasoning` (engine/reasoning.py)
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
     # vLLM's --chat-template: a Jinja chat template, or the path of a file holding one, used in place
     # of the tokenizer's (a base model has none). A path is read when the spec is built, so the
     # ingress replicas get the text wherever they run.

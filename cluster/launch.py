@@ -136,6 +136,8 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         serving["tool_call_parser"] = args.tool_call_parser
     if args.chat_template is not None:
         serving["chat_template"] = args.chat_template
+    if args.reasoning_parser is not None:
+        serving["reasoning_parser"] = args.reasoning_parser
     data["serving"] = serving
     if args.enable_lora or args.lora_modules or args.max_loras is not None or args.max_lora_rank is not None:
         lora = dict(data.get("lora") or {})
@@ -233,6 +235,9 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
                     help="KV connector between the pools (disaggregated mode)")
     ap.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
                     help="how the model writes tool calls (default: read from its chat template)")
+    ap.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
+                    help="return a thinking model's <think>...</think> as the chat message's `reasoning` "
+                         "(serving.reasoning_parser)")
     ap.add_argument("--chat-template", default=None,
                     help="a Jinja chat template, or a file holding one, in place of the tokenizer's "
                          "(serving.chat_template)")

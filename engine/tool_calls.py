@@ -353,7 +353,7 @@ class ToolCallStream:
         it). Text that may be the tag's beginning is held back unless `final`."""
         start = self.buffer.find(tag)
         if start < 0:
-            keep = 0 if final else _partial_suffix(self.buffer, tag)
+            keep = 0 if final else partial_suffix(self.buffer, tag)
             content = self._content(self.buffer[:len(self.buffer) - keep])
             self.buffer = self.buffer[len(self.buffer) - keep:]
             return content, False
@@ -499,7 +499,7 @@ class _JsonScan:
         return len(text)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper beginning of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

@@ -34,6 +34,7 @@ from engine.errors import (
 )
 from engine.lora import LoRARequest, read_adapter
 from engine.model_source import is_hub_id
+from engine.reasoning import thinks
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams, StructuredOutputsParams, validate_request
 from engine.structured_output import compiler_for
@@ -284,6 +285,12 @@ class Frontend:
         # A tool choice's grammar that cannot compile is the tools' schemas' fault.
         await self.compile_constraint(params.structured_outputs, "tools" if constraint else "structured_outputs")
         return req, params, ids, tool_format
+
+    def thinking(self, req: ChatCompletionRequest) -> bool | None:
+        """With a reasoning parser (serving.reasoning_parser), whether this request's answer starts in
+        reasoning (engine/reasoning.py); None without one."""
+        parser = self.config.serving.reasoning_parser
+        return None if parser is None else thinks(parser, req.chat_template_kwargs)
 
     def tool_setup(self, req: ChatCompletionRequest
                    ) -> tuple[list[dict[str, Any]] | None, str | None, ToolFormat | None]:

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
+from engine.reasoning import ReasoningStream, split_reasoning
 from engine.tool_calls import ToolCallStream, ToolFormat, coalesce
 from router.admission import Ticket
 from router.frontend import Frontend
@@ -77,14 +78,15 @@ class OpenAIAPI:
 
     async def chat(self, data: dict[str, Any]) -> Response:
         req, params, ids, tools = await self.frontend.prepare_chat(data)
+        thinking = self.frontend.thinking(req)
         ticket = self.frontend.admit(1)
         rid = new_id("chatcmpl")
         if req.stream:
             return sse_response(self._stream_chat(rid, ids, params, req.stream_options, req.logprobs, tools,
-                                                  ticket), ticket)
+                                                  ticket, thinking), ticket)
         try:
             return JSONResponse(await self._full_chat(rid, ids, params, req.logprobs, tools, ticket,
-                                                      req.prompt_logprobs is not None))
+                                                      req.prompt_logprobs is not None, thinking))
         finally:
             ticket.release()
 
@@ -161,9 +163,11 @@ class OpenAIAPI:
                    "choices": [], "usage": usage.body(num_prompt)}
 
     async def _full_chat(self, rid: str, ids: list[int], params: SamplingParams, logprobs: bool,
-                         tools: ToolFormat | None, ticket: Ticket, prompt_logprobs: bool = False) -> dict[str, Any]:
+                         tools: ToolFormat | None, ticket: Ticket, prompt_logprobs: bool = False,
+                         thinking: bool | None = None) -> dict[str, Any]:
         """The whole chat completion; with `prompt_logprobs` (vLLM's field) the prompt's at the top
-        level, as vLLM returns them."""
+        level, as vLLM returns them; with a reasoning parser (`thinking` not None: whether the answer
+        starts in reasoning) the reasoning apart from the content."""
         choices = [ChoiceAccumulator() for _ in range(params.n)]
         usage = UsageCounter()
         prompt_lps: list = []
@@ -175,12 +179,15 @@ class OpenAIAPI:
         out = []
         for idx, acc in enumerate(choices):
             self.frontend.count_finished(acc.finish_reason)
-            message: dict[str, Any] = {"role": "assistant", "content": acc.text}
+            reasoning, text = (None, acc.text) if thinking is None else split_reasoning(acc.text, thinking)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
             finish_reason = acc.finish_reason
             if tools is not None:
-                content, calls = tools.parse(acc.text)
+                content, calls = tools.parse(text or "")
                 message = {"role": "assistant", "content": content, "tool_calls": [c.body() for c in calls]}
                 finish_reason = _with_tool_calls(finish_reason, bool(calls))
+            if thinking is not None:
+                message["reasoning"] = reasoning
             out.append({"index": idx, "message": message,
                         "finish_reason": finish_reason, "stop_reason": acc.stop_reason,
                         "logprobs": self._chat_logprobs(acc.token_ids, acc.logprobs, params.logprobs or 0)
@@ -192,34 +199,46 @@ class OpenAIAPI:
         return body
 
     async def _stream_chat(self, rid: str, ids: list[int], params: SamplingParams, options: StreamOptions | None,
-                           logprobs: bool, tools: ToolFormat | None, ticket: Ticket) -> AsyncIterator[dict]:
+                           logprobs: bool, tools: ToolFormat | None, ticket: Ticket,
+                           thinking: bool | None = None) -> AsyncIterator[dict]:
         created = now()
         per_chunk = options is not None and options.usage_per_chunk()
         base = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": self.frontend.response_model(params)}
         usage = UsageCounter()
         started: set[int] = set()       # choices whose role went out: with their first token, as vLLM
-        readers = {} if tools is None else {i: ToolCallStream(tools.name) for i in range(params.n)}   # per choice
+        # per choice: the reasoning split first, then tool calls read out of the content
+        readers = {} if tools is None else {i: ToolCallStream(tools.name) for i in range(params.n)}
+        thinkers = {} if thinking is None else {i: ReasoningStream(thinking) for i in range(params.n)}
         async for _, delta in self.frontend.run([ids], params, rid, ticket):
             usage.add(delta)
             for c in delta.choices:
                 if c.finish_reason is not None:
                     self.frontend.count_finished(c.finish_reason)
-                text, finish_reason, call_deltas = c.text, c.finish_reason, []
-                reader = readers.get(c.index)
+                text, finish_reason, call_deltas, reasoning = c.text, c.finish_reason, [], ""
+                thinker, reader = thinkers.get(c.index), readers.get(c.index)
+                if thinker is not None:
+                    reasoning, text = thinker.feed(c.text)
+                    if c.finish_reason is not None:
+                        more_reasoning, more_text = thinker.finish()
+                        reasoning, text = reasoning + more_reasoning, text + more_text
                 if reader is not None:
-                    text, deltas = reader.feed(c.text)
+                    text, deltas = reader.feed(text)
                     if c.finish_reason is not None:
                         more_text, more_deltas = reader.finish()
                         text, deltas = text + more_text, deltas + more_deltas
                         finish_reason = _with_tool_calls(c.finish_reason, reader.calls > 0)
                     call_deltas = [d.body() for d in coalesce(deltas)]
-                    if not (text or call_deltas or finish_reason or logprobs) and c.index in started:
-                        continue    # text held back while a call may be starting: nothing to send (as vLLM)
-                message: dict[str, Any] = {"content": text} if text or c.finish_reason is None else {}
+                if ((reader or thinker) and c.index in started
+                        and not (text or reasoning or call_deltas or finish_reason or logprobs)):
+                    continue    # text held back while a tag may be starting: nothing to send (as vLLM)
+                message: dict[str, Any] = ({"content": text} if text or (c.finish_reason is None and not reasoning)
+                                           else {})
                 if c.index not in started:
                     started.add(c.index)
                     message = {"role": "assistant", "content": text}
+                if reasoning:
+                    message["reasoning"] = reasoning
                 if call_deltas:
                     message["tool_calls"] = call_deltas
                 chunk = {**base, "choices": [{

@@ -53,9 +53,10 @@ def server(tiny_llama, adapters, eventually_no_leaks):
     main = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 2, "num_cpus": 1}},
                          serving={**serving, "api_key": API_KEY, "max_body_bytes": 1 << 20}, name="pdserve-test",
                          lora={**lora, "allow_runtime_updates": True})
-    # A second app with a one-request limit, for 429.
+    # A second app with a one-request limit, for 429, and a reasoning parser.
     limited = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 1, "num_cpus": 1}},
-                            serving={**serving, "max_in_flight": 1}, name="pdserve-limited")
+                            serving={**serving, "max_in_flight": 1, "reasoning_parser": "qwen3"},
+                            name="pdserve-limited")
     # A third, disaggregated: 1 prefill + 1 decode replica, KV pulled over NIXL; prompts with fewer
     # than 32 uncached tokens are prefilled on the decode replica.
     pd = ClusterConfig(model=tiny_llama, engine=engine, mode="disaggregated",
@@ -318,6 +319,26 @@ def test_error_codes(server, client):
     held.close()
     # and the server keeps answering
     assert client.completions.create(model=model, prompt="still here", max_tokens=2).choices[0].text is not None
+
+
+def test_reasoning_parser_returns_the_thinking_apart(server):
+    """serving.reasoning_parser (vLLM's --reasoning-parser qwen3; on the /limited app): an answer made
+    (by a regex constraint) to think first comes back with the text inside <think> as the message's
+    `reasoning` and the rest as its content, streamed alike; with thinking turned off in the
+    template (Qwen3's enable_thinking), all of it is content."""
+    c = openai.OpenAI(base_url=f"{server['base']}/limited/v1", api_key="none", max_retries=0)
+    kwargs = dict(model=server["model"], messages=[{"role": "user", "content": "Think, then answer."}],
+                  max_tokens=40, temperature=0, extra_body={"guided_regex": "<think>[a-z]{2,8}</think>[a-z]{2,8}"})
+    full = c.chat.completions.create(**kwargs).choices[0].message
+    reasoning = full.model_extra["reasoning"]
+    assert re.fullmatch("[a-z]{2,8}", reasoning) and re.fullmatch("[a-z]{2,8}", full.content)
+    chunks = [ch.choices[0].delta for ch in c.chat.completions.create(**kwargs, stream=True) if ch.choices]
+    assert "".join(d.model_extra.get("reasoning") or "" for d in chunks) == reasoning
+    assert "".join(d.content or "" for d in chunks) == full.content
+    off = c.chat.completions.create(**{**kwargs, "extra_body": {**kwargs["extra_body"],
+                                                               "chat_template_kwargs": {"enable_thinking": False}}})
+    assert off.choices[0].message.content == f"<think>{reasoning}</think>{full.content}"
+    assert off.choices[0].message.model_extra["reasoning"] is None
 
 
 def test_structured_outputs_over_http(server, client):

@@ -251,3 +251,29 @@ def test_tool_call_parser_from_the_command_line_and_the_spec():
     assert config_from_args(parser.parse_args([])).serving.tool_call_parser is None
     with pytest.raises(ValueError, match="tool_call_parser"):
         ClusterConfig.model_validate({"serving": {"tool_call_parser": "pythonic"}})
+
+
+@pytest.mark.parametrize("text,thinking,want", [
+    ("<think>\nabc\n</think>\n\nhello", True, ("\nabc\n", "\n\nhello")),
+    ("abc</think>x", True, ("abc", "x")),                   # the template opened the block
+    ("<think>abc", True, ("abc", None)),                    # cut off while thinking
+    ("plain", True, ("plain", None)),                       # no end tag: all reasoning (vLLM's rule)
+    ("<think></think>", True, (None, None)),
+    ("  <think>a</think>b", True, ("a", "b")),
+    ("<think>x</think>y", False, (None, "<think>x</think>y")),   # Qwen3 with enable_thinking false
+    ("a </thin k> b</think>c", True, ("a </thin k> b", "c")),
+])
+def test_reasoning_split_whole_and_streamed(text, thinking, want):
+    """engine/reasoning.py: <think>...</think> apart from the content, vLLM's rule; streamed one
+    character at a time (a tag split anywhere) and in one piece, the same split."""
+    from engine.reasoning import ReasoningStream, split_reasoning, thinks
+
+    assert split_reasoning(text, thinking) == want
+    stream, parts = ReasoningStream(thinking), [("", "")]
+    parts += [stream.feed(ch) for ch in text] + [stream.finish()]
+    joined = tuple("".join(p[i] for p in parts) or None for i in (0, 1))
+    assert joined == want
+    assert thinks("qwen3", None) and not thinks("qwen3", {"enable_thinking": False})
+    assert thinks("deepseek_r1", {"enable_thinking": False})
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        thinks("granite", None)
