@@ -9,7 +9,8 @@ it holds every layer's weights and norms in a flat tuple and calls the C++ kerne
 the checks their wrappers make per call made here once (dtypes, head size, the cache's layout).
 
 It runs only steps in which every token is a decode (prefill and mixed steps take the modules), on
-one rank (no TP or PP), without LoRA, on the C++ CPU kernel set, for the Llama family's layer
+one rank (no TP or PP), without LoRA, on the C++ CPU kernel set, for the Llama family's layer (with
+Qwen3's per-head q/k norms)
 (engine/models/llama.py: LlamaDecoderLayer, whose forward this mirrors call for call, so the two
 give bit-identical hidden states: tests/test_cpu_decode.py). Where any of that does not hold,
 `build` returns None and the modules run. `PDSERVE_CPU_DECODE_PLAN=0` turns it off.
@@ -47,22 +48,23 @@ class CpuDecodePlan:
             ops.rms_norm, ops.rotary, ops.paged_decode, ops.silu_and_mul)
         # A cache in the model's dtype: one C++ call from the QKV output to the attention output
         # (rotary, the K/V write, paged decode). An fp8 cache's rows are quantized by their layer's
-        # scales before the byte write (in cpu_ops.write_kv), so there the steps stay separate.
-        self.fp8_write_kv = cpu_ops.write_kv if fp8_cache else None
+        # scales before the byte write (in cpu_ops.write_kv), and Qwen3 normalizes q and k before
+        # the rotary embedding, so there the steps stay separate.
+        self.fp8_cache, self.write_kv = fp8_cache, cpu_ops.write_kv
         self.attention = ops.decode_attention_qkv.default
 
     @classmethod
     def build(cls, model: nn.Module, kernels: Any, kv_caches: list[torch.Tensor]) -> CpuDecodePlan | None:
         """The plan for this model, kernel set and cache, or None where the modules must run."""
         state = get_parallel_state()
-        # Qwen3's q/k norms sit between the QKV split and the rotary embedding, inside what the
-        # plan's one attention op does: such models run the modules.
         if (not plan_enabled() or kernels is not cpu_ops or not isinstance(model, LlamaForCausalLM)
-                or model.qk_norm or state.tp_size > 1 or state.pp_size > 1 or not kv_caches):
+                or state.tp_size > 1 or state.pp_size > 1 or not kv_caches):
             return None
         dtype = model.rotary.cos.dtype
         attn = model.layers[0].self_attn
-        norms = [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms = [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm,
+                                                        layer.self_attn.q_norm, layer.self_attn.k_norm)
+                 if n is not None]
         cache = kv_caches[0]
         # What the kernel wrappers check per call (kernels/cpu_ops.py), checked once: every call
         # below would take the C++ kernel there too.
@@ -83,7 +85,8 @@ class CpuDecodePlan:
                            float(a.attn.scale),
                            a.o_proj.rows_matmul(), layer.post_attention_layernorm.weight,
                            float(layer.post_attention_layernorm.eps), mlp.gate_up_proj.rows_matmul(),
-                           mlp.down_proj.rows_matmul()))
+                           mlp.down_proj.rows_matmul(),
+                           None if a.q_norm is None else (a.q_norm.weight, a.k_norm.weight, float(a.q_norm.eps))))
         return cls(model, layers, fp8_cache=cache.dtype != dtype)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -91,22 +94,26 @@ class CpuDecodePlan:
         """The final hidden states [T, hidden] of a step whose T tokens are all decodes; what
         `model(input_ids, positions, kv_caches, meta)` returns, bit for bit."""
         model, num = self.model, input_ids.shape[0]
-        rms_norm, rotary, paged_decode, silu_and_mul, attention, fp8_write_kv = (
-            self.rms_norm, self.rotary, self.paged_decode, self.silu_and_mul, self.attention, self.fp8_write_kv)
+        rms_norm, rotary, paged_decode, silu_and_mul, attention, write_kv = (
+            self.rms_norm, self.rotary, self.paged_decode, self.silu_and_mul, self.attention, self.write_kv)
         slots, tables, lens = meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens
         cos, sin = model.rotary.lookup(positions)
         hidden, residual = model.embed_tokens(input_ids), None
         for (norm1, eps1, qkv, sizes, heads, kv_heads, head_dim, attn, scale, o_proj, norm2, eps2, gate_up,
-             down), kv_cache in zip(self.layers, kv_caches, strict=True):
+             down, qk_norms), kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = rms_norm(hidden, norm1, eps1, residual)
             k_scale, v_scale = attn.k_scale, attn.v_scale       # read per step: calibration sets them after build
-            if fp8_write_kv is None:
+            if not self.fp8_cache and qk_norms is None:
                 out = attention(qkv(hidden), cos, sin, kv_cache, slots, tables, lens, heads, kv_heads, scale,
                                 float(k_scale), float(v_scale))
             else:
                 q, k, v = qkv(hidden).split(sizes, dim=-1)
+                if qk_norms is not None:                   # Qwen3: each head's q and k RMS-normalized
+                    q_norm, k_norm, qk_eps = qk_norms
+                    q = rms_norm(q.reshape(-1, head_dim), q_norm, qk_eps, None)[0]
+                    k = rms_norm(k.reshape(-1, head_dim), k_norm, qk_eps, None)[0]
                 q, k = rotary(q.view(num, heads, head_dim), k.view(num, kv_heads, head_dim), cos, sin)
-                fp8_write_kv(k, v.view(num, kv_heads, head_dim), kv_cache, slots, k_scale, v_scale)
+                write_kv(k, v.view(num, kv_heads, head_dim), kv_cache, slots, k_scale, v_scale)
                 out = paged_decode(q, kv_cache, tables, lens, scale, float(k_scale), float(v_scale)).view(
                     num, heads * head_dim)
             hidden = o_proj(out)

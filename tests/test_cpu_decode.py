@@ -47,10 +47,12 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("model,dtype,kv", [("llama", "float32", "auto"), ("qwen2", "float32", "auto"),
-                                            ("llama", "bfloat16", "auto"), ("qwen2", "float32", "fp8")])
-def test_plan_equals_the_modules(model, dtype, kv, tiny_llama, tiny_qwen2):
-    """Mixed-length prompts, so that decode steps of several sizes run beside prefill ones."""
-    path = {"llama": tiny_llama, "qwen2": tiny_qwen2}[model]
+                                            ("llama", "bfloat16", "auto"), ("qwen2", "float32", "fp8"),
+                                            ("qwen3", "float32", "auto")])
+def test_plan_equals_the_modules(model, dtype, kv, request):
+    """Mixed-length prompts, so that decode steps of several sizes run beside prefill ones (Qwen3:
+    its per-head q/k norms between the QKV split and the rotary embedding)."""
+    path = request.getfixturevalue(f"tiny_{model}")
     llm = LLM(path, dtype=dtype, kv_cache_dtype=kv, max_model_len=256, max_num_batched_tokens=96)
     plan = checked(llm)
     prompts = mixed_prompts(1000, seed=3)

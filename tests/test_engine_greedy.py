@@ -74,13 +74,13 @@ def test_mistral_mqa_matches_transformers(tiny_mistral):
 @pytest.mark.parametrize("kernels", ["cpu", "reference"])
 def test_qwen3_qk_norm_matches_transformers(tiny_qwen3, kernels, monkeypatch):
     """Qwen3 (q and k RMS-normalized per head before the rotary embedding; head_dim 32 where
-    hidden / heads is 16), chunked prefill and decode, each CPU kernel set; the CPU decode plan,
-    which fuses what lies between the QKV split and attention, steps aside for it."""
+    hidden / heads is 16), chunked prefill and decode (through the CPU decode plan with the C++
+    kernels), each CPU kernel set."""
     monkeypatch.setenv("PDSERVE_KERNELS", kernels)
     prompts = mixed_prompts(1000, seed=4)[:6]
     llm = LLM(tiny_qwen3, dtype="float32", max_num_batched_tokens=24, max_model_len=512)
     assert run(llm, prompts) == hf_greedy(tiny_qwen3, prompts, MAX_TOKENS)
-    assert llm.llm_engine.executor.worker.runner.decode_plan is None       # built at the first decode
+    assert (llm.llm_engine.executor.worker.runner.decode_plan is not None) == (kernels == "cpu")
 
 
 def test_prefix_cache_hits_keep_output(tiny_llama, oracle):
