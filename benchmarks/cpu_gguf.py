@@ -7,8 +7,9 @@
 For each shape (out x in) and row count prints microseconds per call of: the blocks' kernel
 (`torch.ops.pdserve_cpu.gguf_linear`), the same blocks times x quantized to int8 per block
 (`gguf_linear_int8`, quantize_activations; the C++ op at every row count), dequantize per call +
-`F.linear` (what a blocks-only layer does from `gguf_dequant_min_rows`), and the dense weight prepacked for oneDNN through
-`engine.layers.linear.linear` (the dense copy of quantization="gguf+dense"). Weights are random,
+`F.linear` (what a blocks-only layer does from `gguf_dequant_min_rows`), and the dense weight
+prepacked for oneDNN through `engine.layers.linear.linear` (the dense copy of
+quantization="gguf+dense"). Weights are random,
 quantized by the gguf package, and cycle through `--copies` copies so that the caches hold none;
 each figure is the best of `--rounds`. `--library` loads another build of the extension (e.g. the
 previous commit's, from ~/.cache/pdserve/kernels) instead of this tree's, for an A/B in

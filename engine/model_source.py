@@ -153,7 +153,8 @@ def sliding_window(hf_config: Any) -> int | None:
     window = getattr(hf_config, "sliding_window", None)
     if not isinstance(window, int) or window <= 0:
         return None
-    if getattr(hf_config, "model_type", "") in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
+    qwen = getattr(hf_config, "model_type", "") in ("qwen2", "qwen3")
+    if qwen and not getattr(hf_config, "use_sliding_window", False):
         return None
     return window
 

@@ -4,12 +4,12 @@
 (router/frontend.py: auth, validation, admission, routing, metrics), the HTTP API over it
 (router/openai_api.py, router/responses_api.py) and the gRPC service over it (router/grpc_api.py).
 
-Endpoints: GET /v1/models (and /v1/models/{model}), POST /v1/completions, POST /v1/chat/completions (both streaming as SSE
-ending in `data: [DONE]`), POST /v1/responses (streaming typed events), POST /tokenize, POST
-/detokenize, GET /health (and /ping, as vLLM and SageMaker ask), GET /version, GET /metrics
-(Prometheus), GET /openapi.json, POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with
-`lora.allow_runtime_updates`); and, beside HTTP, the gRPC Generation service through Serve's gRPC
-proxy when `serving.grpc_port` is set.
+Endpoints: GET /v1/models (and /v1/models/{model}), POST /v1/completions, POST /v1/chat/completions
+(both streaming as SSE ending in `data: [DONE]`), POST /v1/responses (streaming typed events), POST
+/tokenize, POST /detokenize, GET /health (and /ping, as vLLM and SageMaker ask), GET /version, GET
+/metrics (Prometheus), GET /openapi.json, POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+(with `lora.allow_runtime_updates`); and, beside HTTP, the gRPC Generation service through Serve's
+gRPC proxy when `serving.grpc_port` is set.
 
 Every error uses OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`: 400 invalid
 parameter or body (named; bodies must be JSON objects in UTF-8, nested at most

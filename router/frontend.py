@@ -34,8 +34,8 @@ from engine.errors import (
 )
 from engine.lora import LoRARequest, read_adapter
 from engine.model_source import is_hub_id
-from engine.reasoning import thinks
 from engine.outputs import Logprob
+from engine.reasoning import thinks
 from engine.sampling_params import SamplingParams, StructuredOutputsParams, validate_request
 from engine.structured_output import compiler_for
 from engine.tokenizer import apply_chat_template, load_tokenizer

@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
 from engine.outputs import Logprob
-from engine.sampling_params import SamplingParams
 from engine.reasoning import ReasoningStream, split_reasoning
+from engine.sampling_params import SamplingParams
 from engine.tool_calls import ToolCallStream, ToolFormat, coalesce
 from router.admission import Ticket
 from router.frontend import Frontend
