@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "engine.config", "engine.dtypes", "engine.model_source", "engine.cache_dirs", "engine.errors", "engine.hashing",
         "engine.sampling_params", "engine.outputs", "engine.request", "kv_transfer", "kv_transfer.params",
         "kv_transfer.layout", "pdserve_proto", "pdserve_proto.kv_events", "engine.tokenizer", "engine.tool_calls",
-        "engine.lora",
+        "engine.reasoning", "engine.lora",
         "kernels", "engine.layers", "engine.models", "router", "cluster"]),
     ("kernels", ["kernels.*", "engine.parallel_state", "engine.weights", "engine.quant_checkpoint",
                  "engine.structured_output"]),
