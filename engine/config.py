@@ -386,7 +386,8 @@ class EngineConfig:
         path, gguf_file, hf_config = resolve_model(model)
         check_parallel_fit(hf_config, tensor_parallel_size, pipeline_parallel_size)
         derived_len = getattr(hf_config, "max_position_embeddings", None) or 2048
-        window, why = sliding_window(hf_config), ""
+        # A GGUF file carries no window: a converted Mistral config's 4,096 is transformers' default.
+        window, why = (sliding_window(hf_config) if gguf_file is None else None), ""
         if window is not None and window < derived_len:
             # pdserve attends to the whole context: up to the window that is what the model does too
             derived_len, why = window, " (its sliding attention window; pdserve attends to whole contexts)"

@@ -245,9 +245,3 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
-
-    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int) -> None:
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("use_sliding_window: Qwen3's sliding-window attention is not supported (its "
-                             "released checkpoints leave it off)")
-        super().__init__(config, dtype, max_positions)
