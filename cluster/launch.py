@@ -18,6 +18,7 @@ import yaml
 from cluster.config import ClusterConfig
 from engine.errors import PlacementError, StartupError
 from engine.ray_cluster import init_ray
+from engine.reasoning import PARSERS
 
 
 class Stopped(BaseException):
@@ -235,7 +236,7 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
                     help="KV connector between the pools (disaggregated mode)")
     ap.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
                     help="how the model writes tool calls (default: read from its chat template)")
-    ap.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
+    ap.add_argument("--reasoning-parser", choices=PARSERS, default=None,
                     help="return a thinking model's <think>...</think> as the chat message's `reasoning` "
                          "(serving.reasoning_parser)")
     ap.add_argument("--chat-template", default=None,

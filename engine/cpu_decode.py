@@ -94,8 +94,9 @@ class CpuDecodePlan:
         """The final hidden states [T, hidden] of a step whose T tokens are all decodes; what
         `model(input_ids, positions, kv_caches, meta)` returns, bit for bit."""
         model, num = self.model, input_ids.shape[0]
-        rms_norm, rotary, paged_decode, silu_and_mul, attention, write_kv = (
-            self.rms_norm, self.rotary, self.paged_decode, self.silu_and_mul, self.attention, self.write_kv)
+        rms_norm, rotary, paged_decode, silu_and_mul, attention, write_kv, fp8_cache = (
+            self.rms_norm, self.rotary, self.paged_decode, self.silu_and_mul, self.attention, self.write_kv,
+            self.fp8_cache)
         slots, tables, lens = meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens
         cos, sin = model.rotary.lookup(positions)
         hidden, residual = model.embed_tokens(input_ids), None
@@ -103,7 +104,7 @@ class CpuDecodePlan:
              down, qk_norms), kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = rms_norm(hidden, norm1, eps1, residual)
             k_scale, v_scale = attn.k_scale, attn.v_scale       # read per step: calibration sets them after build
-            if not self.fp8_cache and qk_norms is None:
+            if not fp8_cache and qk_norms is None:
                 out = attention(qkv(hidden), cos, sin, kv_cache, slots, tables, lens, heads, kv_heads, scale,
                                 float(k_scale), float(v_scale))
             else:

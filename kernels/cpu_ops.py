@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from engine.cache_dirs import cache_root
 from engine.errors import BuildError
+from engine.model_source import cpu_flags
 from kernels import reference
 from kernels.reference import (
     FP8_DTYPE,
@@ -202,15 +203,10 @@ def has_amx(dtype: torch.dtype) -> bool:
     return False
 
 
-@functools.cache
 def ymm_gguf_kernel() -> bool:
     """Whether the C++ GGUF kernel built here is its AVX2 form (AVX2, FMA and F16C without AVX-512:
     the library is built for this CPU, -march=native), which multiplies in fp32 on ymm registers."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((set(line.split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return False
+    flags = cpu_flags()
     return {"avx2", "fma", "f16c"} <= flags and "avx512f" not in flags
 
 
