@@ -48,11 +48,12 @@ def worker(args: argparse.Namespace) -> None:
     if args.engine == "vllm":
         from vllm import LLM, SamplingParams
         llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.num_prompts, max_model_len=max_len(args),
-                  seed=0)
+                  max_num_batched_tokens=args.max_num_batched_tokens, seed=0)
     else:
         sys.path.insert(0, str(HERE.parent))
         from engine import LLM, SamplingParams
-        llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_prompts, max_model_len=max_len(args))
+        llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_prompts, max_model_len=max_len(args),
+                  max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
     start = time.perf_counter()
@@ -67,7 +68,8 @@ def worker(args: argparse.Namespace) -> None:
 def run_one(engine: str, python: str, args: argparse.Namespace, model: str) -> dict:
     cmd = [python, str(Path(__file__).resolve()), "--engine", engine, "--model", model, "--dtype", args.dtype,
            "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
-           "--output-len", str(args.output_len), "--seed", str(args.seed)]
+           "--output-len", str(args.output_len), "--seed", str(args.seed),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     env = dict(os.environ)
     if engine == "vllm":
         venv = str(Path(python).parent.parent)     # not resolved: a venv's python links outside it
@@ -93,6 +95,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="both engines' token budget per step (vLLM's LLM defaults to 4,096 on CPU, its server "
+                         "and pdserve to 2,048)")
     args = ap.parse_args()
     if args.engine:
         worker(args)
