@@ -117,6 +117,13 @@ class ServingSpec(_Strict):
     # vLLM's --reasoning-parser: a thinking model's `<think>...</think>` returned apart from the
     # content, as the chat message's `reasoning` (engine/reasoning.py)
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
+    # Under a reasoning parser, a request's structured-output constraint (response_format, tool_choice
+    # "required" or named, ...) starts after the thinking (`</think>`), as vLLM's does; true
+    # constrains the thinking too (vLLM's structured_outputs_config.enable_in_reasoning).
+    structured_outputs_in_reasoning: bool = False
+    # The prefix of /metrics' names: "vllm" exports them as vLLM names them (vllm:num_requests_waiting,
+    # vllm:kv_cache_usage_perc, ...), for dashboards, autoscalers and gateways built for vLLM.
+    metrics_prefix: Literal["pdserve", "vllm"] = "pdserve"
     # vLLM's --chat-template: a Jinja chat template, or the path of a file holding one, used in place
     # of the tokenizer's (a base model has none). A path is read when the spec is built, so the
     # ingress replicas get the text wherever they run.

@@ -139,6 +139,8 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         serving["chat_template"] = args.chat_template
     if args.reasoning_parser is not None:
         serving["reasoning_parser"] = args.reasoning_parser
+    if args.structured_outputs_in_reasoning:
+        serving["structured_outputs_in_reasoning"] = True
     data["serving"] = serving
     if args.enable_lora or args.lora_modules or args.max_loras is not None or args.max_lora_rank is not None:
         lora = dict(data.get("lora") or {})
@@ -239,6 +241,9 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--reasoning-parser", choices=PARSERS, default=None,
                     help="return a thinking model's <think>...</think> as the chat message's `reasoning` "
                          "(serving.reasoning_parser)")
+    ap.add_argument("--structured-outputs-in-reasoning", action="store_true",
+                    help="under a reasoning parser, constrain the thinking too (default: a structured output "
+                         "starts after </think>; serving.structured_outputs_in_reasoning)")
     ap.add_argument("--chat-template", default=None,
                     help="a Jinja chat template, or a file holding one, in place of the tokenizer's "
                          "(serving.chat_template)")

@@ -26,6 +26,7 @@ SEED_MIN, SEED_MAX = INT64_MIN, (1 << 64) - 1
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_START_AFTER_TOKENS = 64         # structured_outputs.start_after: searched for in the output each step
 # What the engine returns for a request each step it advances (vLLM's RequestOutputKind): the whole
 # output so far, only what is new since the last one (the serving path), or nothing until it ends
 # (the offline `LLM`, which reads only the final outputs).
@@ -42,13 +43,19 @@ class StructuredOutputsParams:
     grammar (GBNF/xgrammar syntax), `json_object=True` (any JSON object), or an xgrammar
     `structural_tag` (a dict or its JSON text: free text with tagged, schema-checked spans, as tool
     calls use: engine/tool_calls.py). The engine masks every token the constraint does not allow at
-    each step (engine/structured_output.py)."""
+    each step (engine/structured_output.py).
+
+    `start_after` (token ids): the constraint starts after the first place the output holds these
+    tokens in a row, and the output is free until then: a thinking model's `</think>`, which the
+    server sets under a reasoning parser so that the model thinks freely and the constraint shapes
+    the answer (vLLM's default). Empty: constrained from the first token."""
     json: Any = None
     regex: str | None = None
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
     structural_tag: Any = None
+    start_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
@@ -77,6 +84,11 @@ class StructuredOutputsParams:
                    "a non-empty list of strings", self.choice)
             object.__setattr__(self, "choice", tuple(self.choice))
         _check(isinstance(self.json_object, bool), "structured_outputs.json_object", "true or false", self.json_object)
+        _check(isinstance(self.start_after, (list, tuple)) and len(self.start_after) <= MAX_START_AFTER_TOKENS
+               and all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.start_after),
+               "structured_outputs.start_after", f"a list of at most {MAX_START_AFTER_TOKENS} token ids",
+               self.start_after)
+        object.__setattr__(self, "start_after", tuple(self.start_after))
 
     @property
     def kind(self) -> str:
@@ -127,8 +139,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
-            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_KINDS))
-            _check(not unknown, "structured_outputs", f"fields among {STRUCTURED_KINDS}", unknown)
+            fields = (*STRUCTURED_KINDS, "start_after")
+            unknown = sorted(set(self.structured_outputs) - set(fields))
+            _check(not unknown, "structured_outputs", f"fields among {fields}", unknown)
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", "None, a StructuredOutputsParams or a dict of its fields",
@@ -268,6 +281,10 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}); got {bad[:5]}")
+    spec = params.structured_outputs
+    bad = [t for t in spec.start_after if t >= vocab_size] if spec is not None else []
+    if bad:
+        raise ValueError(f"structured_outputs.start_after must be token ids in [0, {vocab_size}); got {bad[:5]}")
     bad = [t for t in params.logit_bias or () if t >= vocab_size]
     if bad:
         raise ValueError(f"logit_bias must be keyed by token ids in [0, {vocab_size}); got {bad[:5]}")

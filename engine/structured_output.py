@@ -15,7 +15,10 @@ token bitmask those matchers put on the logits before sampling.
   without a constraint cost nothing: no matcher, and their mask rows are never applied. With
   speculative decoding, `apply_proposals` masks a request's verification rows: the matcher walks
   the proposals (each row's mask is the state after the proposals before it), stops at the first
-  one the grammar refuses, and is rolled back, so only verified tokens ever stay in it.
+  one the grammar refuses, and is rolled back, so only verified tokens ever stay in it. A
+  constraint with `start_after` (a thinking model's `</think>`) covers only the output after the
+  first place it holds those tokens: until then its rows are left free and its proposals are
+  verified up to the one that completes them.
 
 xgrammar was picked over llguidance because both are on the registry as wheels and xgrammar is the
 default of vLLM and SGLang, with a CPU path for the mask (a dense int32 bitmask, 1 bit per token).
@@ -104,6 +107,9 @@ class Constraints:
     def __init__(self, model: str, gguf_file: str | None, vocab_size: int) -> None:
         self.model, self.gguf_file, self.vocab_size = model, gguf_file, vocab_size
         self.matchers: dict[str, tuple[Any, int]] = {}     # request id -> (matcher, tokens it has accepted)
+        # request id -> (where its constrained part starts, or None while its start_after has not
+        # appeared; how much of the output was searched for it)
+        self.starts: dict[str, tuple[int | None, int]] = {}
         self.compiler: GrammarCompiler | None = None      # the process's, looked up on first use
 
     def apply(self, logits: torch.Tensor, rows: list[tuple[str, StructuredOutputsParams, list[int]]],
@@ -120,8 +126,11 @@ class Constraints:
         bitmask = compiler.xgr.allocate_token_bitmask(len(rows), compiler.info.vocab_size)
         index = []
         for i, rid, spec, out in constrained:
+            part = self._constrained_part(rid, spec, out)
+            if part is None:                   # still before its start_after: free
+                continue
             try:
-                matcher = self._synced(rid, spec, out, compiler)
+                matcher = self._synced(rid, spec, part, compiler)
             except ValueError as e:
                 failed[i] = str(e)
                 continue
@@ -139,8 +148,14 @@ class Constraints:
         first proposal it refuses are left as they are, and the caller verifies only the allowed
         prefix. The matcher is rolled back to `out`, so the tokens that verification rejects never
         reach it; ValueError when it cannot follow `out` itself."""
+        part = self._constrained_part(rid, spec, out)
+        if part is None:
+            # Free until start_after: the proposals are verified up to the one that completes it, so
+            # the tokens after it are always sampled under the constraint, a step later.
+            end = _find_end(out + list(proposals), spec.start_after, max(0, len(out) - len(spec.start_after) + 1))
+            return len(proposals) if end is None else end - len(out) - 1
         compiler = self._compiler()
-        matcher = self._synced(rid, spec, out, compiler)
+        matcher = self._synced(rid, spec, part, compiler)
         bitmask = compiler.xgr.allocate_token_bitmask(logits.shape[0], compiler.info.vocab_size)
         rows, advanced = [], 0
         for j in range(len(proposals) + 1):
@@ -161,6 +176,23 @@ class Constraints:
         if self.compiler is None:
             self.compiler = compiler_for(self.model, self.gguf_file, self.vocab_size)
         return self.compiler
+
+    def _constrained_part(self, rid: str, spec: StructuredOutputsParams, out: list[int]) -> list[int] | None:
+        """The output tokens the constraint covers: all of `out`, or those after the first
+        `spec.start_after` in it; None while that has not appeared. The search resumes where the
+        last one stopped; an output that shrank below it (a preemption by recompute) is searched
+        anew, and a start that moved drops the matcher."""
+        marker = spec.start_after
+        if not marker:
+            return out
+        start, searched = self.starts.get(rid, (None, 0))
+        if start is None or start > len(out) or searched > len(out):
+            found = _find_end(out, marker, 0 if searched > len(out) else max(0, searched - len(marker) + 1))
+            if found != start:
+                self.matchers.pop(rid, None)
+            start = found
+            self.starts[rid] = (start, len(out))
+        return None if start is None else out[start:]
 
     def _synced(self, rid: str, spec: StructuredOutputsParams, out: list[int], compiler: GrammarCompiler) -> Any:
         """The request's matcher, having accepted exactly its output tokens `out`."""
@@ -188,3 +220,20 @@ class Constraints:
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.matchers.pop(rid, None)
+            self.starts.pop(rid, None)
+
+
+def _find_end(tokens: list[int], marker: tuple[int, ...], begin: int = 0) -> int | None:
+    """The index just past the first `marker` in `tokens` that starts at `begin` or later; None if
+    there is none."""
+    n = len(marker)
+    first = marker[0]
+    i = begin
+    while True:
+        try:
+            i = tokens.index(first, i, len(tokens) - n + 1)
+        except ValueError:
+            return None
+        if tuple(tokens[i:i + n]) == marker:
+            return i + n
+        i += 1

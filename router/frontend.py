@@ -12,10 +12,12 @@ only maps those errors' attributes to its own status.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import itertools
 import logging
 import os
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -35,7 +37,7 @@ from engine.errors import (
 from engine.lora import LoRARequest, read_adapter
 from engine.model_source import is_hub_id
 from engine.outputs import Logprob
-from engine.reasoning import thinks
+from engine.reasoning import THINK_END, thinks
 from engine.sampling_params import SamplingParams, StructuredOutputsParams, validate_request
 from engine.structured_output import compiler_for
 from engine.tokenizer import apply_chat_template, load_tokenizer
@@ -280,6 +282,11 @@ class Frontend:
         params.lora_request = lora
         if tool_format is not None and tool_format.special_tag:
             params.skip_special_tokens = False      # else the detokenizer drops the call tags
+        if (params.structured_outputs is not None and not params.structured_outputs.start_after
+                and not self.config.serving.structured_outputs_in_reasoning and self.thinking(req)):
+            # The model thinks freely; the constraint shapes what follows `</think>` (vLLM's rule).
+            params.structured_outputs = dataclasses.replace(params.structured_outputs,
+                                                            start_after=self.think_end_ids())
         ids = self.chat_prompt(req.messages, req, tools)
         self.validate_prompt(ids, params)
         # A tool choice's grammar that cannot compile is the tools' schemas' fault.
@@ -291,6 +298,10 @@ class Frontend:
         reasoning (engine/reasoning.py); None without one."""
         parser = self.config.serving.reasoning_parser
         return None if parser is None else thinks(parser, req.chat_template_kwargs)
+
+    def think_end_ids(self) -> tuple[int, ...]:
+        """The token ids of `</think>` (one special token in Qwen3's and DeepSeek-R1's vocabularies)."""
+        return tuple(self.tokenizer.encode(THINK_END, add_special_tokens=False))
 
     def tool_setup(self, req: ChatCompletionRequest
                    ) -> tuple[list[dict[str, Any]] | None, str | None, ToolFormat | None]:
@@ -446,7 +457,13 @@ class Frontend:
 
     async def render_metrics(self) -> str:
         await self.router.refresh_stats()
-        return self.metrics.render()
+        text = self.metrics.render()
+        prefix = self.config.serving.metrics_prefix
+        return text if prefix == "pdserve" else _METRIC_NAME.sub(rf"\g<1>{prefix}:", text)
+
+
+# A metric's name where it starts a sample line or a HELP / TYPE comment.
+_METRIC_NAME = re.compile(r"^((?:# (?:HELP|TYPE) )?)pdserve:", re.MULTILINE)
 
 
 def _default_name(model: str, gguf_file: str | None) -> str:

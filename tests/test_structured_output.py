@@ -147,6 +147,57 @@ def test_sampled_constrained_with_speculative_decoding(tiny_llama):
     assert pool.num_free_blocks == pool.num_blocks
 
 
+@pytest.mark.parametrize("speculative", [None, NGRAM], ids=["plain", "ngram"])
+def test_start_after_leaves_the_output_free_until_its_tokens(tiny_llama, speculative):
+    """structured_outputs.start_after (what a reasoning parser sets to `</think>`): greedy output is
+    the unconstrained output up to the first place it holds those tokens, then exactly what the
+    constraint gives a prompt that ends there; tokens that never come leave it all free. With n-gram
+    speculation too, whose proposals may complete the marker."""
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=256, speculative_config=speculative)
+    prompt, regex = [1, 504, 3458, 282], r"(the|a|an) [a-z ]{30,40}"
+    free = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=40),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    cut = next(k for k in range(4, 12) if tuple(free[k - 2:k]) not in zip(free[:k - 2], free[1:k - 1]))
+    marker = tuple(free[cut - 2:cut])                  # first seen ending at `cut`
+    never = next(t for t in range(1000, 2000) if t not in free)
+    specs = [{"regex": regex, "start_after": marker}, {"regex": regex, "start_after": [never]}, {"regex": regex}]
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": prompt}] * 2 + [{"prompt_token_ids": prompt + free[:cut]}],
+        [SamplingParams(temperature=0, max_tokens=40 if i < 2 else 40 - cut, structured_outputs=s)
+         for i, s in enumerate(specs)], use_tqdm=False)]
+    assert got[0][:cut] == free[:cut] and got[0][cut:] == got[2], (free, got)
+    assert re.fullmatch(regex, llm.get_tokenizer().decode(got[2], skip_special_tokens=True)) and got[0] != free
+    assert got[1] == free
+    pool = llm.llm_engine.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+    with pytest.raises(ValueError, match=r"structured_outputs.start_after must be token ids in \[0, "):
+        llm.generate(["hi"], SamplingParams(structured_outputs={"regex": "a", "start_after": [10 ** 9]}))
+
+
+def test_start_after_with_proposals(tiny_llama):
+    """Constraints.apply_proposals under start_after: before the marker the verification rows stay
+    unmasked and only the proposals before the one that completes it are verified (what follows it
+    is sampled under the constraint, a step later); once the output holds it, the rows are masked."""
+    from transformers import AutoTokenizer
+
+    from engine.model_source import resolve_model
+    from engine.structured_output import Constraints
+
+    path, _, config = resolve_model(tiny_llama)
+    constraints = Constraints(path, None, config.vocab_size)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    spec = StructuredOutputsParams(choice=["yes", "no"], start_after=(7, 8))
+    rows = torch.zeros(5, config.vocab_size)
+    assert constraints.apply_proposals(rows, "a", spec, [1, 2, 7], [8, 3, 4, 5]) == 0
+    assert constraints.apply_proposals(rows, "a", spec, [1, 2], [7, 8, 3, 4]) == 1
+    assert constraints.apply_proposals(rows, "a", spec, [1, 2], [7, 3, 4, 5]) == 4
+    assert torch.isfinite(rows).all()
+    assert constraints.apply_proposals(rows, "a", spec, [1, 2, 7, 8], [3, 4, 5, 6]) == 0
+    allowed = [tokenizer.decode([t]) for t in torch.isfinite(rows[0]).nonzero().flatten().tolist()]
+    assert 0 < len(allowed) < 10 and all("yes".startswith(t) or "no".startswith(t) for t in allowed), allowed
+    assert torch.isfinite(rows[1:]).all()
+
+
 @pytest.mark.parametrize("engine_args", [
     {"max_num_batched_tokens": 20},                                           # chunked prefill
     {"num_kv_blocks": 14, "max_num_batched_tokens": 64, "preemption_mode": "recompute"},

@@ -277,3 +277,32 @@ def test_reasoning_split_whole_and_streamed(text, thinking, want):
     assert thinks("deepseek_r1", {"enable_thinking": False})
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         thinks("granite", None)
+
+
+def test_reasoning_parser_starts_constraints_after_the_thinking(tiny_llama):
+    """Under a reasoning parser the ingress makes a request's constraint (response_format here, a
+    forced tool choice alike) start after `</think>` (structured_outputs.start_after), as vLLM does;
+    not when the template closed the thinking (enable_thinking false), nor with
+    serving.structured_outputs_in_reasoning, nor without a parser."""
+    import asyncio
+
+    from cluster.config import ClusterConfig
+    from router.frontend import Frontend
+
+    body = {"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json_object"}}
+    off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+
+    def start_after(serving: dict, data: dict) -> tuple[int, ...]:
+        frontend = Frontend(ClusterConfig(model=tiny_llama, serving=serving), {})
+        _, params, _, _ = asyncio.run(frontend.prepare_chat(data))
+        assert params.structured_outputs.json_object
+        return params.structured_outputs.start_after
+
+    frontend = Frontend(ClusterConfig(model=tiny_llama), {})
+    marker = frontend.think_end_ids()
+    assert frontend.tokenizer.decode(list(marker)) == "</think>"
+    assert start_after({"reasoning_parser": "qwen3"}, body) == marker
+    assert start_after({"reasoning_parser": "deepseek_r1"}, off) == marker
+    assert start_after({"reasoning_parser": "qwen3"}, off) == ()
+    assert start_after({"reasoning_parser": "qwen3", "structured_outputs_in_reasoning": True}, body) == ()
+    assert start_after({}, body) == ()
