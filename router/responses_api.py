@@ -1,11 +1,12 @@
 """OpenAI's Responses API (`POST /v1/responses`, what the `openai` SDK's `client.responses` calls),
-as vLLM serves it for a model without reasoning: text and function calls, whole or streamed as
-typed events, on the chat path. A request is read in its own shape (fields named as the Responses
-API names them), turned into the chat completion it means (instructions as the system message,
-input items as messages, function calls and their outputs as the assistant's tool calls and tool
-messages, `text.format` as `response_format`), and run through the frontend as a chat completion
-is: the same validation, chat template, tool-call grammar, admission and routing. Nothing is stored
-(`store` is accepted and answered false; `previous_response_id` is refused), as vLLM by default.
+as vLLM serves it: text, function calls and, under a reasoning parser, the thinking as a `reasoning`
+item, whole or streamed as typed events, on the chat path. A request is read in its own shape
+(fields named as the Responses API names them), turned into the chat completion it means
+(instructions as the system message, input items as messages, function calls and their outputs as
+the assistant's tool calls and tool messages, `text.format` as `response_format`), and run through
+the frontend as a chat completion is: the same validation, chat template, tool-call grammar,
+admission and routing. Nothing is stored (`store` is accepted and answered false;
+`previous_response_id` is refused), as vLLM by default.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from engine.errors import InvalidRequestError
+from engine.reasoning import ReasoningStream
 from engine.tool_calls import ToolCallDelta, ToolCallStream, ToolFormat, coalesce
 from router.frontend import Frontend
 from router.http import sse_response
@@ -46,11 +48,11 @@ class ResponsesAPI:
         req: ResponsesRequest = self.frontend.parse(ResponsesRequest, data)
         chat = req.chat_body()
         try:
-            _, params, ids, tools = await self.frontend.prepare_chat(chat)
+            chat_req, params, ids, tools = await self.frontend.prepare_chat(chat)
         except InvalidRequestError as e:
             raise _renamed(e) from None
         ticket = self.frontend.admit(1)
-        run = _Run(self, req, params, ids, tools)
+        run = _Run(self, req, params, ids, tools, self.frontend.thinking(chat_req))
         events = run.events(self.frontend.run([ids], params, run.id, ticket))
         if req.stream:
             return sse_response(events, ticket, named=True)
@@ -63,15 +65,18 @@ class ResponsesAPI:
 
 
 class _Run:
-    """One response as it is generated: its output items (a message, function calls) opened and
-    closed in order, and the events that say so (sequence-numbered)."""
+    """One response as it is generated: its output items (reasoning, a message, function calls)
+    opened and closed in order, and the events that say so (sequence-numbered). `thinking`: None
+    without a reasoning parser, else whether the answer starts in reasoning."""
 
     def __init__(self, api: ResponsesAPI, req: ResponsesRequest, params: Any, ids: list[int],
-                 tools: ToolFormat | None) -> None:
+                 tools: ToolFormat | None, thinking: bool | None = None) -> None:
         self.api, self.req, self.params, self.prompt_tokens = api, req, params, len(ids)
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = now()
         self.reader = ToolCallStream(tools.name) if tools is not None else None
+        self.thinker = ReasoningStream(thinking) if thinking is not None else None
+        self.reasoning_tokens = 0       # of the chunks that began in the thinking
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None        # the item being written
         self.call_index: int | None = None             # which call the open function_call item is
@@ -85,7 +90,16 @@ class _Run:
         async for _, delta in deltas:
             self.usage.add(delta)
             for c in delta.choices:
-                text, calls = c.text, []
+                text, calls, reasoning = c.text, [], ""
+                if self.thinker is not None:
+                    if self.thinker.in_reasoning:
+                        self.reasoning_tokens += len(c.token_ids)
+                    reasoning, text = self.thinker.feed(c.text)
+                    if c.finish_reason is not None:
+                        more_reasoning, more_text = self.thinker.finish()
+                        reasoning, text = reasoning + more_reasoning, text + more_text
+                for event in self._reasoning(reasoning):
+                    yield event
                 if self.reader is not None:
                     text, calls = self.reader.feed(c.text)
                     if c.finish_reason is not None:
@@ -130,7 +144,8 @@ class _Run:
     def _usage(self) -> dict[str, Any]:
         body = self.usage.body(self.prompt_tokens)
         return {"input_tokens": body["prompt_tokens"], "input_tokens_details": body["prompt_tokens_details"],
-                "output_tokens": body["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": body["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                 "total_tokens": body["total_tokens"]}
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -138,22 +153,37 @@ class _Run:
         return {"type": kind, "sequence_number": self.seq - 1, **fields}
 
     def _text(self, text: str) -> list[dict[str, Any]]:
+        return self._part_delta("message", text)
+
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+        return self._part_delta("reasoning", text)
+
+    def _part_delta(self, kind: str, text: str) -> list[dict[str, Any]]:
+        """`text` added to the open message's output_text or reasoning item's reasoning_text (one
+        opened, and the open item closed, when it is not of that kind)."""
         if not text:
             return []
         events = []
-        if self.open is None or self.open["type"] != "message":
+        if self.open is None or self.open["type"] != kind:
             events += self._close()
-            item = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress",
-                    "role": "assistant", "content": []}
+            if kind == "message":
+                item = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress",
+                        "role": "assistant", "content": []}
+                part = {"type": "output_text", "text": "", "annotations": []}
+            else:
+                item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "status": "in_progress",
+                        "summary": [], "content": []}
+                part = {"type": "reasoning_text", "text": ""}
             events += self._add(item)
             events.append(self._event("response.content_part.added", item_id=item["id"],
-                                      output_index=len(self.output) - 1, content_index=0,
-                                      part={"type": "output_text", "text": "", "annotations": []}))
-            item["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+                                      output_index=len(self.output) - 1, content_index=0, part=dict(part)))
+            item["content"].append({**part, "logprobs": []} if kind == "message" else part)
         item = self.open
         item["content"][0]["text"] += text
-        events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=len(self.output) - 1,
-                                  content_index=0, delta=text, logprobs=[]))
+        delta_event = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        extra = {"logprobs": []} if kind == "message" else {}
+        events.append(self._event(delta_event, item_id=item["id"], output_index=len(self.output) - 1,
+                                  content_index=0, delta=text, **extra))
         return events
 
     def _call(self, d: ToolCallDelta) -> list[dict[str, Any]]:
@@ -184,10 +214,14 @@ class _Run:
             return []
         index, events = len(self.output) - 1, []
         item["status"] = "completed"
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
-            events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                      content_index=0, text=part["text"], logprobs=[]))
+            if item["type"] == "message":
+                events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                          content_index=0, text=part["text"], logprobs=[]))
+            else:
+                events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                          content_index=0, text=part["text"]))
             events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                       content_index=0, part=part))
         else:
