@@ -53,9 +53,11 @@ def server(tiny_llama, adapters, eventually_no_leaks):
     main = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 2, "num_cpus": 1}},
                          serving={**serving, "api_key": API_KEY, "max_body_bytes": 1 << 20}, name="pdserve-test",
                          lora={**lora, "allow_runtime_updates": True})
-    # A second app with a one-request limit, for 429, and a reasoning parser.
+    # A second app with a one-request limit, for 429, a reasoning parser whose constraints apply to
+    # the thinking too (so that one can make the tiny model think), and vLLM's metric names.
     limited = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 1, "num_cpus": 1}},
-                            serving={**serving, "max_in_flight": 1, "reasoning_parser": "qwen3"},
+                            serving={**serving, "max_in_flight": 1, "reasoning_parser": "qwen3",
+                                     "structured_outputs_in_reasoning": True, "metrics_prefix": "vllm"},
                             name="pdserve-limited")
     # A third, disaggregated: 1 prefill + 1 decode replica, KV pulled over NIXL; prompts with fewer
     # than 32 uncached tokens are prefilled on the decode replica.
@@ -323,9 +325,10 @@ def test_error_codes(server, client):
 
 def test_reasoning_parser_returns_the_thinking_apart(server):
     """serving.reasoning_parser (vLLM's --reasoning-parser qwen3; on the /limited app): an answer made
-    (by a regex constraint) to think first comes back with the text inside <think> as the message's
-    `reasoning` and the rest as its content, streamed alike; with thinking turned off in the
-    template (Qwen3's enable_thinking), all of it is content."""
+    (by a regex constraint, which structured_outputs_in_reasoning applies to the thinking too) to
+    think first comes back with the text inside <think> as the message's `reasoning` and the rest as
+    its content, streamed alike; with thinking turned off in the template (Qwen3's enable_thinking),
+    all of it is content."""
     c = openai.OpenAI(base_url=f"{server['base']}/limited/v1", api_key="none", max_retries=0)
     kwargs = dict(model=server["model"], messages=[{"role": "user", "content": "Think, then answer."}],
                   max_tokens=40, temperature=0, extra_body={"guided_regex": "<think>[a-z]{2,8}</think>[a-z]{2,8}"})
@@ -339,6 +342,78 @@ def test_reasoning_parser_returns_the_thinking_apart(server):
                                                                "chat_template_kwargs": {"enable_thinking": False}}})
     assert off.choices[0].message.content == f"<think>{reasoning}</think>{full.content}"
     assert off.choices[0].message.model_extra["reasoning"] is None
+
+
+def test_responses_api_returns_the_thinking_as_a_reasoning_item(server):
+    """Under a reasoning parser (the /limited app) the Responses API returns the thinking as a
+    `reasoning` item (vLLM's shape: reasoning_text content, streamed as response.reasoning_text.*
+    events), the same text as the chat message's `reasoning`; the tiny model never closes its
+    thinking, so all of its answer is reasoning (vLLM's rule), and counted so in the usage."""
+    c = openai.OpenAI(base_url=f"{server['base']}/limited/v1", api_key="none", max_retries=0)
+    chat = c.chat.completions.create(model=server["model"], messages=[{"role": "user", "content": "Say it."}],
+                                     max_tokens=10, temperature=0)
+    kwargs = dict(model=server["model"], input="Say it.", max_output_tokens=10, temperature=0)
+    resp = c.responses.create(**kwargs)
+    (item,) = resp.output
+    assert item.type == "reasoning" and item.content[0].type == "reasoning_text" and item.status == "completed"
+    assert item.content[0].text == chat.choices[0].message.model_extra["reasoning"] and resp.output_text == ""
+    assert resp.usage.output_tokens_details.reasoning_tokens == resp.usage.output_tokens == 10
+    events = list(c.responses.create(**kwargs, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == item.content[0].text
+
+
+def test_metrics_under_vllm_names(server):
+    """serving.metrics_prefix "vllm" (the /limited app): /metrics names its series as vLLM does, for
+    what scrapes vLLM (autoscalers, gateways): the engine's gauges and the ingress's histograms."""
+    c = openai.OpenAI(base_url=f"{server['base']}/limited/v1", api_key="none", max_retries=0)
+    c.completions.create(model=server["model"], prompt="count", max_tokens=2)
+    text = httpx.get(f"{server['base']}/limited/metrics").text
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_count", "vllm:generation_tokens_total"):
+        assert name in names, sorted(names)
+    assert all(n.startswith("vllm:") for n in names) and "# TYPE vllm:kv_cache_usage_perc gauge" in text
+
+
+def test_responses_reasoning_then_message_events():
+    """A Responses run (router/responses_api.py) fed chunks that split `<think>...</think>` anywhere:
+    a reasoning item then a message item, every event and the response valid for the openai SDK's
+    types, the deltas adding up to the items' texts, the thinking's chunks counted as reasoning."""
+    from types import SimpleNamespace
+
+    from pydantic import TypeAdapter
+
+    from router.protocol import ResponsesRequest
+    from router.responses_api import _Run
+
+    frontend = SimpleNamespace(count_finished=lambda reason: None, response_model=lambda params: "m")
+    run = _Run(SimpleNamespace(frontend=frontend), ResponsesRequest(model="m", input="hi"),
+               SamplingParams(max_tokens=8), [1, 2, 3], None, thinking=True)
+    chunks = ["<thi", "nk>so ", "I think</th", "ink>\n\nHel", "lo"]
+
+    async def deltas():
+        for i, text in enumerate(chunks):
+            choice = SimpleNamespace(text=text, token_ids=[0], finish_reason="stop" if i == len(chunks) - 1 else None)
+            yield 0, SimpleNamespace(choices=[choice], num_cached_tokens=0)
+
+    async def collect():
+        return [e async for e in run.events(deltas())]
+
+    events = asyncio.run(collect())
+    usage = events[-1]["response"]["usage"]
+    adapter = TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    for e in events:     # (the SDK's usage type wants OpenAI's cache_write_tokens, which no server here sends)
+        adapter.validate_python({**e, "response": {**e["response"], "usage": None}} if "response" in e else e)
+    final = openai.types.responses.Response.model_validate({**events[-1]["response"], "usage": None})
+    assert [o.type for o in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == "so I think" and final.output_text == "\n\nHello"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "so I think"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "\n\nHello"
+    assert usage["output_tokens_details"]["reasoning_tokens"] == 4 and usage["output_tokens"] == 5
 
 
 def test_structured_outputs_over_http(server, client):
