@@ -357,9 +357,15 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     prompt_cache_key: str | None = None
+    # Extra outputs to include: none exist here, so only an empty list (which the OpenAI Agents
+    # SDK sends on every call) is accepted.
+    include: list[Any] | None = None
 
     def chat_body(self) -> dict[str, Any]:
         """The chat completion this request means; InvalidRequestError naming the field at fault."""
+        if self.include:
+            raise InvalidRequestError(f"include: not supported (no reasoning content, logprobs or tool outputs to "
+                                      f"include); send [] or leave it out; got {self.include!r:.200}", param="include")
         if self.previous_response_id is not None:
             raise InvalidRequestError("previous_response_id: this server stores no responses; send the whole "
                                       "conversation as input", param="previous_response_id")
@@ -523,7 +529,6 @@ UNSUPPORTED = {
     "verbosity": "not supported",
     "web_search_options": "not supported: this server has no web search",
     "reasoning": "not supported: the served model has no reasoning modes",
-    "include": "not supported (no reasoning or tool outputs to include)",
 }
 
 

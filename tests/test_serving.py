@@ -575,6 +575,8 @@ def test_responses_api(server, client, eventually_no_leaks):
     with client.responses.stream(**kwargs) as helper:       # the SDK's accumulator takes the events in order
         last = list(helper)[-1]
     assert last.type == f"response.{resp.status}" and last.response.output_text == resp.output_text
+    # The OpenAI Agents SDK sends an empty `include` on every call.
+    assert client.responses.create(**kwargs, include=[]).output_text == resp.output_text
     short = client.responses.create(**{**kwargs, "max_output_tokens": 2})
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
 
@@ -622,6 +624,7 @@ def test_responses_api(server, client, eventually_no_leaks):
          "text.format.schema"),
         ({"reasoning_effort": "high"}, "not supported", "reasoning_effort"),
         ({"reasoning": {"effort": "low"}}, "not supported", "reasoning"),
+        ({"include": ["reasoning.encrypted_content"]}, "include: not supported", "include"),
     ]:
         data = {"model": model, "input": "Hi", **body}
         r = httpx.post(f"{server['base']}/v1/responses", json=data, headers=_auth())
