@@ -186,6 +186,13 @@ class Frontend:
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
 
+    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: max_model_len's worth)."""
+        if keep is None:
+            return ids
+        keep = self.max_model_len if keep == -1 else keep
+        return ids[len(ids) - keep:] if len(ids) > keep else ids
+
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         try:
             validate_request(ids, params, self.vocab_size, self.max_model_len, self.max_num_seqs)
@@ -261,7 +268,7 @@ class Frontend:
         lora = self.check_model(req.model)
         params = self.sampling_params(req)
         params.lora_request = lora
-        prompts = self.completion_prompts(req.prompt)
+        prompts = [self.truncated(ids, req.truncate_prompt_tokens) for ids in self.completion_prompts(req.prompt)]
         for ids in prompts:
             self.validate_prompt(ids, params)
         await self.compile_constraint(params.structured_outputs, "structured_outputs")
@@ -287,7 +294,7 @@ class Frontend:
             # The model thinks freely; the constraint shapes what follows `</think>` (vLLM's rule).
             params.structured_outputs = dataclasses.replace(params.structured_outputs,
                                                             start_after=self.think_end_ids())
-        ids = self.chat_prompt(req.messages, req, tools)
+        ids = self.truncated(self.chat_prompt(req.messages, req, tools), req.truncate_prompt_tokens)
         self.validate_prompt(ids, params)
         # A tool choice's grammar that cannot compile is the tools' schemas' fault.
         await self.compile_constraint(params.structured_outputs, "tools" if constraint else "structured_outputs")

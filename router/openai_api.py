@@ -21,9 +21,9 @@ from router.admission import Ticket
 from router.frontend import Frontend
 from router.http import sse_response
 from router.protocol import (
+    ChatCompletionRequest,
     ChoiceAccumulator,
     CompletionRequest,
-    StreamOptions,
     UsageCounter,
     new_id,
     now,
@@ -68,11 +68,9 @@ class OpenAIAPI:
         ticket = self.frontend.admit(len(prompts))
         rid = new_id("cmpl")
         if req.stream:
-            return sse_response(self._stream_completion(rid, prompts, echo, req.echo_only, params,
-                                                        req.stream_options, ticket), ticket)
+            return sse_response(self._stream_completion(rid, req, prompts, echo, params, ticket), ticket)
         try:
-            return JSONResponse(await self._full_completion(rid, prompts, echo, req.echo_only, params, ticket,
-                                                            req.prompt_logprobs is not None))
+            return JSONResponse(await self._full_completion(rid, req, prompts, echo, params, ticket))
         finally:
             ticket.release()
 
@@ -82,36 +80,34 @@ class OpenAIAPI:
         ticket = self.frontend.admit(1)
         rid = new_id("chatcmpl")
         if req.stream:
-            return sse_response(self._stream_chat(rid, ids, params, req.stream_options, req.logprobs, tools,
-                                                  ticket, thinking), ticket)
+            return sse_response(self._stream_chat(rid, req, ids, params, tools, ticket, thinking), ticket)
         try:
-            return JSONResponse(await self._full_chat(rid, ids, params, req.logprobs, tools, ticket,
-                                                      req.prompt_logprobs is not None, thinking))
+            return JSONResponse(await self._full_chat(rid, req, ids, params, tools, ticket, thinking))
         finally:
             ticket.release()
 
     def _echo_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
-        """Each prompt as `echo` puts it before its completions: the text sent, or the ids decoded."""
-        if isinstance(req.prompt, str):
+        """Each prompt as `echo` puts it before its completions: the text sent, or the ids decoded
+        (always when truncate_prompt_tokens may have cut the text)."""
+        if req.truncate_prompt_tokens is None and isinstance(req.prompt, str):
             return [req.prompt]
-        if req.prompt and isinstance(req.prompt[0], str):
+        if req.truncate_prompt_tokens is None and req.prompt and isinstance(req.prompt[0], str):
             return list(req.prompt)
         if self.frontend.tokenizer is None:
             raise InvalidRequestError("echo of token-id prompts needs the tokenizer, which this server does not load",
                                       param="echo")
         return [self.frontend.tokenizer.decode(ids) for ids in prompts]
 
-    async def _full_completion(self, rid: str, prompts: list[list[int]], echo: list[str] | None, echo_only: bool,
-                               params: SamplingParams, ticket: Ticket, prompt_logprobs: bool = False
-                               ) -> dict[str, Any]:
-        """The whole completion; with `prompt_logprobs` (the request's field, vLLM's) each choice
-        carries its prompt's."""
+    async def _full_completion(self, rid: str, req: CompletionRequest, prompts: list[list[int]],
+                               echo: list[str] | None, params: SamplingParams, ticket: Ticket) -> dict[str, Any]:
+        """The whole completion; with the request's `prompt_logprobs` (vLLM's) each choice carries its
+        prompt's, with `return_token_ids` (vLLM's) its prompt's and its own token ids."""
         n = params.n
         choices = [ChoiceAccumulator() for _ in range(len(prompts) * n)]
         prompt_lps: list[list] = [[] for _ in prompts]      # echo with logprobs: the prompts' own
         usage = UsageCounter()
         async for i, delta in self.frontend.run(prompts, params, rid, ticket):
-            delta = _prompt_only(delta) if echo_only else delta
+            delta = _prompt_only(delta) if req.echo_only else delta
             usage.add(delta)
             prompt_lps[i] += delta.prompt_logprobs or []
             for c in delta.choices:
@@ -125,49 +121,53 @@ class OpenAIAPI:
                         "logprobs": self._completion_logprobs(acc.token_ids, acc.logprobs,
                                                               *(() if echo is None else (prompts[p], prompt_lps[p])))
                         if params.logprobs is not None else None})
-            if prompt_logprobs:
+            if req.prompt_logprobs is not None:
                 out[-1]["prompt_logprobs"] = self._prompt_logprobs(prompt_lps[p], params.prompt_logprobs)
+            if req.return_token_ids:
+                out[-1].update(prompt_token_ids=prompts[p], token_ids=acc.token_ids)
         return {"id": rid, "object": "text_completion", "created": now(), "model": self.frontend.response_model(params),
                 "choices": out, "usage": usage.body(sum(len(p) for p in prompts))}
 
-    async def _stream_completion(self, rid: str, prompts: list[list[int]], echo: list[str] | None, echo_only: bool,
-                                 params: SamplingParams, options: StreamOptions | None,
-                                 ticket: Ticket) -> AsyncIterator[dict]:
-        n = params.n
+    async def _stream_completion(self, rid: str, req: CompletionRequest, prompts: list[list[int]],
+                                 echo: list[str] | None, params: SamplingParams, ticket: Ticket) -> AsyncIterator[dict]:
+        n, options = params.n, req.stream_options
         created, model = now(), self.frontend.response_model(params)
         usage = UsageCounter()
         num_prompt = sum(len(p) for p in prompts)
         per_chunk = options is not None and options.usage_per_chunk()
         prompt_lps: list[list] = [[] for _ in prompts]
-        echoed: set[int] = set()        # the choices whose first chunk (which carries the echo) went out
+        started: set[int] = set()       # the choices whose first chunk (the echo, the prompt's ids) went out
         async for i, delta in self.frontend.run(prompts, params, rid, ticket):
-            delta = _prompt_only(delta) if echo_only else delta
+            delta = _prompt_only(delta) if req.echo_only else delta
             usage.add(delta)
             prompt_lps[i] += delta.prompt_logprobs or []
             for c in delta.choices:
                 if c.finish_reason is not None:
                     self.frontend.count_finished(c.finish_reason)
                 idx, text, prompt = i * n + c.index, c.text, ()
-                if echo is not None and idx not in echoed:
+                first = idx not in started
+                started.add(idx)
+                if echo is not None and first:
                     # A choice's first delta comes with or after the prompt's last logprobs.
-                    echoed.add(idx)
                     text, prompt = echo[i] + text, (prompts[i], prompt_lps[i])
+                choice = {"index": idx, "text": text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                          "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, *prompt)
+                          if params.logprobs is not None else None}
+                if req.return_token_ids:
+                    choice.update({"prompt_token_ids": prompts[i]} if first else {}, token_ids=c.token_ids)
                 chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                         "choices": [{"index": idx, "text": text, "finish_reason": c.finish_reason,
-                                      "stop_reason": c.stop_reason,
-                                      "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, *prompt)
-                                      if params.logprobs is not None else None}]}
+                         "choices": [choice]}
                 yield {**chunk, "usage": usage.body(num_prompt)} if per_chunk else chunk
         if options is not None and options.include_usage:
             yield {"id": rid, "object": "text_completion", "created": created, "model": model,
                    "choices": [], "usage": usage.body(num_prompt)}
 
-    async def _full_chat(self, rid: str, ids: list[int], params: SamplingParams, logprobs: bool,
-                         tools: ToolFormat | None, ticket: Ticket, prompt_logprobs: bool = False,
-                         thinking: bool | None = None) -> dict[str, Any]:
-        """The whole chat completion; with `prompt_logprobs` (vLLM's field) the prompt's at the top
-        level, as vLLM returns them; with a reasoning parser (`thinking` not None: whether the answer
-        starts in reasoning) the reasoning apart from the content."""
+    async def _full_chat(self, rid: str, req: ChatCompletionRequest, ids: list[int], params: SamplingParams,
+                         tools: ToolFormat | None, ticket: Ticket, thinking: bool | None = None) -> dict[str, Any]:
+        """The whole chat completion; with the request's `prompt_logprobs` (vLLM's) the prompt's at
+        the top level, as vLLM returns them, with `return_token_ids` (vLLM's) the prompt's ids there
+        and each choice's own; with a reasoning parser (`thinking` not None: whether the answer starts
+        in reasoning) the reasoning apart from the content."""
         choices = [ChoiceAccumulator() for _ in range(params.n)]
         usage = UsageCounter()
         prompt_lps: list = []
@@ -191,17 +191,21 @@ class OpenAIAPI:
             out.append({"index": idx, "message": message,
                         "finish_reason": finish_reason, "stop_reason": acc.stop_reason,
                         "logprobs": self._chat_logprobs(acc.token_ids, acc.logprobs, params.logprobs or 0)
-                        if logprobs else None})
+                        if req.logprobs else None})
+            if req.return_token_ids:
+                out[-1]["token_ids"] = acc.token_ids
         body = {"id": rid, "object": "chat.completion", "created": now(), "model": self.frontend.response_model(params),
                 "choices": out, "usage": usage.body(len(ids))}
-        if prompt_logprobs:
+        if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = self._prompt_logprobs(prompt_lps, params.prompt_logprobs)
+        if req.return_token_ids:
+            body["prompt_token_ids"] = ids
         return body
 
-    async def _stream_chat(self, rid: str, ids: list[int], params: SamplingParams, options: StreamOptions | None,
-                           logprobs: bool, tools: ToolFormat | None, ticket: Ticket,
-                           thinking: bool | None = None) -> AsyncIterator[dict]:
-        created = now()
+    async def _stream_chat(self, rid: str, req: ChatCompletionRequest, ids: list[int], params: SamplingParams,
+                           tools: ToolFormat | None, ticket: Ticket, thinking: bool | None = None
+                           ) -> AsyncIterator[dict]:
+        created, options, logprobs, token_ids = now(), req.stream_options, req.logprobs, req.return_token_ids
         per_chunk = options is not None and options.usage_per_chunk()
         base = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": self.frontend.response_model(params)}
@@ -230,10 +234,11 @@ class OpenAIAPI:
                         finish_reason = _with_tool_calls(c.finish_reason, reader.calls > 0)
                     call_deltas = [d.body() for d in coalesce(deltas)]
                 if ((reader or thinker) and c.index in started
-                        and not (text or reasoning or call_deltas or finish_reason or logprobs)):
+                        and not (text or reasoning or call_deltas or finish_reason or logprobs or token_ids)):
                     continue    # text held back while a tag may be starting: nothing to send (as vLLM)
                 message: dict[str, Any] = ({"content": text} if text or (c.finish_reason is None and not reasoning)
                                            else {})
+                first = not started
                 if c.index not in started:
                     started.add(c.index)
                     message = {"role": "assistant", "content": text}
@@ -246,6 +251,10 @@ class OpenAIAPI:
                     "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs or 0)
                     if logprobs else None,
                     "finish_reason": finish_reason, "stop_reason": c.stop_reason}]}
+                if token_ids:               # vLLM's: the prompt's ids in the first chunk, each choice's own
+                    chunk["choices"][0]["token_ids"] = c.token_ids
+                    if first:
+                        chunk["prompt_token_ids"] = ids
                 yield {**chunk, "usage": usage.body(len(ids))} if per_chunk else chunk
         if options is not None and options.include_usage:
             yield {**base, "choices": [], "usage": usage.body(len(ids))}

@@ -75,6 +75,14 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # the prompt's token ids and each choice's own in the response (vLLM's; what RL rollouts read
+    # to train on exactly the tokens that were sampled)
+    return_token_ids: bool = False
+    # the prefix cache keys this request's blocks by the salt too, so requests without the same salt
+    # (another tenant) neither reuse nor time its cached prompt (vLLM's)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    # keep only the prompt's last k tokens (vLLM's; -1: as many as max_model_len holds)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # the top-N logprobs of every prompt token (the first: null), as `prompt_logprobs` in a
     # completion's choices and at a chat response's top level; not streamed (as in vLLM)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
@@ -133,7 +141,8 @@ class _Common(BaseModel):
                       stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, priority=self.priority,
                       skip_special_tokens=self.skip_special_tokens,
                       include_stop_str_in_output=self.include_stop_str_in_output,
-                      prompt_logprobs=self.prompt_logprobs)
+                      prompt_logprobs=self.prompt_logprobs,
+                      extra_keys=() if self.cache_salt is None else (("cache_salt", self.cache_salt),))
         kwargs.update((name, value) for name, value in defaults if name not in self.model_fields_set)
         return kwargs
 

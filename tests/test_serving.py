@@ -366,6 +366,57 @@ def test_responses_api_returns_the_thinking_as_a_reasoning_item(server):
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == item.content[0].text
 
 
+def test_vllm_token_ids_salt_and_truncation(server, client):
+    """vLLM's request extras: `return_token_ids` (the prompt's ids and each choice's, whole and
+    streamed, chat and completions: the ids /tokenize gives and the ones the text decodes from),
+    `truncate_prompt_tokens` (the prompt's last k tokens: the same greedy answer as those ids sent
+    alone) and `cache_salt` (a salt's cached prompt is reused by the same salt only)."""
+    model = server["model"]
+    base = server["base"]
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ids = httpx.post(f"{base}/tokenize", json={"messages": messages}, headers=_auth()).json()["tokens"]
+    extra = {"return_token_ids": True}
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                          extra_body=extra)
+    out = chat.choices[0].model_extra["token_ids"]
+    assert chat.model_extra["prompt_token_ids"] == ids and len(out) == chat.usage.completion_tokens
+    assert httpx.post(f"{base}/detokenize", json={"tokens": out}, headers=_auth()).json()["prompt"] == \
+        chat.choices[0].message.content
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                                 stream=True, extra_body=extra))
+    assert chunks[0].model_extra["prompt_token_ids"] == ids
+    assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+    assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == out
+    prompt = "The colours of the rainbow are"
+    pids = httpx.post(f"{base}/tokenize", json={"prompt": prompt}, headers=_auth()).json()["tokens"]
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0, extra_body=extra)
+    assert whole.choices[0].model_extra["prompt_token_ids"] == pids
+    streamed = list(client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0,
+                                              stream=True, extra_body=extra))
+    assert streamed[0].choices[0].model_extra["prompt_token_ids"] == pids
+    assert [t for c in streamed for t in c.choices[0].model_extra["token_ids"]] == \
+        whole.choices[0].model_extra["token_ids"]
+
+    cut = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 3, **extra})
+    alone = client.completions.create(model=model, prompt=pids[-3:], max_tokens=5, temperature=0)
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].model_extra["prompt_token_ids"] == pids[-3:]
+    assert cut.choices[0].text == alone.choices[0].text
+
+    long_prompt = "Salted prompt, " + " ".join(f"word{i}" for i in range(80))
+
+    def cached(salt: str | None) -> int:
+        body = {} if salt is None else {"cache_salt": salt}
+        r = client.completions.create(model=model, prompt=long_prompt, max_tokens=1, extra_body=body)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0 and cached("tenant-a") > 0
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    bad = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "x", "cache_salt": ""},
+                     headers=_auth())
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
 def test_metrics_under_vllm_names(server):
     """serving.metrics_prefix "vllm" (the /limited app): /metrics names its series as vLLM does, for
     what scrapes vLLM (autoscalers, gateways): the engine's gauges and the ingress's histograms."""
