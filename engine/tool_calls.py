@@ -505,3 +505,13 @@ def partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+def read_through(stream: Any, text: str, final: bool) -> tuple[Any, Any]:
+    """`stream.feed(text)` (a ToolCallStream or a ReasoningStream: two parts back), and when `final`
+    its `finish()` too, each part of the two joined."""
+    first, second = stream.feed(text)
+    if not final:
+        return first, second
+    more_first, more_second = stream.finish()
+    return first + more_first, second + more_second

@@ -16,7 +16,7 @@ from engine.errors import InvalidRequestError, PayloadTooLargeError, Unsupported
 from engine.outputs import Logprob
 from engine.reasoning import ReasoningStream, split_reasoning
 from engine.sampling_params import SamplingParams
-from engine.tool_calls import ToolCallStream, ToolFormat, coalesce
+from engine.tool_calls import ToolCallStream, ToolFormat, coalesce, read_through
 from router.admission import Ticket
 from router.frontend import Frontend
 from router.http import sse_response
@@ -221,16 +221,12 @@ class OpenAIAPI:
                     self.frontend.count_finished(c.finish_reason)
                 text, finish_reason, call_deltas, reasoning = c.text, c.finish_reason, [], ""
                 thinker, reader = thinkers.get(c.index), readers.get(c.index)
+                final = c.finish_reason is not None
                 if thinker is not None:
-                    reasoning, text = thinker.feed(c.text)
-                    if c.finish_reason is not None:
-                        more_reasoning, more_text = thinker.finish()
-                        reasoning, text = reasoning + more_reasoning, text + more_text
+                    reasoning, text = read_through(thinker, text, final)
                 if reader is not None:
-                    text, deltas = reader.feed(text)
-                    if c.finish_reason is not None:
-                        more_text, more_deltas = reader.finish()
-                        text, deltas = text + more_text, deltas + more_deltas
+                    text, deltas = read_through(reader, text, final)
+                    if final:
                         finish_reason = _with_tool_calls(c.finish_reason, reader.calls > 0)
                     call_deltas = [d.body() for d in coalesce(deltas)]
                 if ((reader or thinker) and c.index in started

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.errors import InvalidRequestError
 from engine.reasoning import ReasoningStream
-from engine.tool_calls import ToolCallDelta, ToolCallStream, ToolFormat, coalesce
+from engine.tool_calls import ToolCallDelta, ToolCallStream, ToolFormat, coalesce, read_through
 from router.frontend import Frontend
 from router.http import sse_response
 from router.protocol import FunctionChoice, ResponsesRequest, UsageCounter, now
@@ -90,21 +90,15 @@ class _Run:
         async for _, delta in deltas:
             self.usage.add(delta)
             for c in delta.choices:
-                text, calls, reasoning = c.text, [], ""
+                text, calls, reasoning, final = c.text, [], "", c.finish_reason is not None
                 if self.thinker is not None:
                     if self.thinker.in_reasoning:
                         self.reasoning_tokens += len(c.token_ids)
-                    reasoning, text = self.thinker.feed(c.text)
-                    if c.finish_reason is not None:
-                        more_reasoning, more_text = self.thinker.finish()
-                        reasoning, text = reasoning + more_reasoning, text + more_text
+                    reasoning, text = read_through(self.thinker, text, final)
                 for event in self._reasoning(reasoning):
                     yield event
-                if self.reader is not None:
-                    text, calls = self.reader.feed(c.text)
-                    if c.finish_reason is not None:
-                        more_text, more_calls = self.reader.finish()
-                        text, calls = text + more_text, calls + more_calls
+                if self.reader is not None:         # tool calls are read from the content
+                    text, calls = read_through(self.reader, text, final)
                 for event in self._text(text):
                     yield event
                 for d in coalesce(calls):

@@ -466,6 +466,17 @@ def test_responses_reasoning_then_message_events():
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "\n\nHello"
     assert usage["output_tokens_details"]["reasoning_tokens"] == 4 and usage["output_tokens"] == 5
 
+    # With tools, the calls are read from the content only (hermes format: <tool_call> blocks).
+    run = _Run(SimpleNamespace(frontend=frontend), ResponsesRequest(model="m", input="hi"),
+               SamplingParams(max_tokens=8), [1, 2, 3], SimpleNamespace(name="hermes"), thinking=True)
+    chunks = ["<think>a <tool_call> is", " next</think>", '<tool_call>\n{"name": "f", ',
+              '"arguments": {"a": 1}}\n</tool_call>']
+    events = asyncio.run(collect())
+    final = openai.types.responses.Response.model_validate({**events[-1]["response"], "usage": None})
+    assert [o.type for o in final.output] == ["reasoning", "function_call"]
+    assert final.output[0].content[0].text == "a <tool_call> is next"
+    assert (final.output[1].name, json.loads(final.output[1].arguments)) == ("f", {"a": 1})
+
 
 def test_structured_outputs_over_http(server, client):
     """The openai SDK's parse() with a pydantic model (response_format json_schema, strict), a
