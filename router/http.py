@@ -28,10 +28,10 @@ from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ResponsesRequest,
     TokenizeRequest,
     error_body,
 )
+from router.responses_request import ResponsesRequest
 
 logger = logging.getLogger(__name__)
 

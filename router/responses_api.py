@@ -23,7 +23,8 @@ from engine.reasoning import ReasoningStream
 from engine.tool_calls import ToolCallDelta, ToolCallStream, ToolFormat, coalesce, read_through
 from router.frontend import Frontend
 from router.http import sse_response
-from router.protocol import FunctionChoice, ResponsesRequest, UsageCounter, now
+from router.protocol import UsageCounter, now
+from router.responses_request import FunctionChoice, ResponsesRequest
 
 # What the chat path calls a field, and what a Responses client sent it as (for its 400s).
 _CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}

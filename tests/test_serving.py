@@ -438,8 +438,8 @@ def test_responses_reasoning_then_message_events():
 
     from pydantic import TypeAdapter
 
-    from router.protocol import ResponsesRequest
     from router.responses_api import _Run
+    from router.responses_request import ResponsesRequest
 
     frontend = SimpleNamespace(count_finished=lambda reason: None, response_model=lambda params: "m")
     run = _Run(SimpleNamespace(frontend=frontend), ResponsesRequest(model="m", input="hi"),
