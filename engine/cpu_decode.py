@@ -9,11 +9,10 @@ it holds every layer's weights and norms in a flat tuple and calls the C++ kerne
 the checks their wrappers make per call made here once (dtypes, head size, the cache's layout).
 
 It runs only steps in which every token is a decode (prefill and mixed steps take the modules), on
-one rank (no TP or PP), without LoRA, on the C++ CPU kernel set, for the Llama family's layer (with
-Qwen3's per-head q/k norms)
-(engine/models/llama.py: LlamaDecoderLayer, whose forward this mirrors call for call, so the two
-give bit-identical hidden states: tests/test_cpu_decode.py). Where any of that does not hold,
-`build` returns None and the modules run. `PDSERVE_CPU_DECODE_PLAN=0` turns it off.
+one rank (no TP or PP), without LoRA, on the C++ CPU kernel set, for the Llama family's layer,
+Qwen3's per-head q/k norms included (engine/models/llama.py: LlamaDecoderLayer, whose forward this
+mirrors call for call, so the two give bit-identical hidden states: tests/test_cpu_decode.py).
+Where any of that does not hold, `build` returns None and the modules run. `PDSERVE_CPU_DECODE_PLAN=0` turns it off.
 """
 from __future__ import annotations
 

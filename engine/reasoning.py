@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.tool_calls import partial_suffix
+from engine.tool_calls import partial_suffix, read_through
 
 PARSERS = ("deepseek_r1", "qwen3")
 THINK_START, THINK_END = "<think>", "</think>"
@@ -66,7 +66,5 @@ class ReasoningStream:
 
 def split_reasoning(text: str, thinking: bool = True) -> tuple[str | None, str | None]:
     """(reasoning, content) of a whole answer, read as the stream reads it; None for an empty part."""
-    stream = ReasoningStream(thinking)
-    reasoning, content = stream.feed(text)
-    more_reasoning, more_content = stream.finish()
-    return (reasoning + more_reasoning) or None, (content + more_content) or None
+    reasoning, content = read_through(ReasoningStream(thinking), text, final=True)
+    return reasoning or None, content or None

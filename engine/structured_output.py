@@ -126,11 +126,11 @@ class Constraints:
         bitmask = compiler.xgr.allocate_token_bitmask(len(rows), compiler.info.vocab_size)
         index = []
         for i, rid, spec, out in constrained:
-            part = self._constrained_part(rid, spec, out)
-            if part is None:                   # still before its start_after: free
+            start = self._constrained_start(rid, spec, out)
+            if start is None:                  # still before its start_after: free
                 continue
             try:
-                matcher = self._synced(rid, spec, part, compiler)
+                matcher = self._synced(rid, spec, out, compiler, start)
             except ValueError as e:
                 failed[i] = str(e)
                 continue
@@ -148,14 +148,16 @@ class Constraints:
         first proposal it refuses are left as they are, and the caller verifies only the allowed
         prefix. The matcher is rolled back to `out`, so the tokens that verification rejects never
         reach it; ValueError when it cannot follow `out` itself."""
-        part = self._constrained_part(rid, spec, out)
-        if part is None:
+        start = self._constrained_start(rid, spec, out)
+        if start is None:
             # Free until start_after: the proposals are verified up to the one that completes it, so
-            # the tokens after it are always sampled under the constraint, a step later.
-            end = _find_end(out + list(proposals), spec.start_after, max(0, len(out) - len(spec.start_after) + 1))
-            return len(proposals) if end is None else end - len(out) - 1
+            # the tokens after it are always sampled under the constraint, a step later. Only the
+            # output's last tokens can begin a marker that the proposals complete.
+            tail = out[max(0, len(out) - len(spec.start_after) + 1):]
+            end = _find_end(tail + list(proposals), spec.start_after)
+            return len(proposals) if end is None else end - len(tail) - 1
         compiler = self._compiler()
-        matcher = self._synced(rid, spec, part, compiler)
+        matcher = self._synced(rid, spec, out, compiler, start)
         bitmask = compiler.xgr.allocate_token_bitmask(logits.shape[0], compiler.info.vocab_size)
         rows, advanced = [], 0
         for j in range(len(proposals) + 1):
@@ -177,14 +179,14 @@ class Constraints:
             self.compiler = compiler_for(self.model, self.gguf_file, self.vocab_size)
         return self.compiler
 
-    def _constrained_part(self, rid: str, spec: StructuredOutputsParams, out: list[int]) -> list[int] | None:
-        """The output tokens the constraint covers: all of `out`, or those after the first
-        `spec.start_after` in it; None while that has not appeared. The search resumes where the
-        last one stopped; an output that shrank below it (a preemption by recompute) is searched
-        anew, and a start that moved drops the matcher."""
+    def _constrained_start(self, rid: str, spec: StructuredOutputsParams, out: list[int]) -> int | None:
+        """Where in `out` the constraint starts: 0, or just after the first `spec.start_after` in
+        it; None while that has not appeared. The search resumes where the last one stopped; an
+        output that shrank below it (a preemption by recompute) is searched anew, and a start that
+        moved drops the matcher."""
         marker = spec.start_after
         if not marker:
-            return out
+            return 0
         start, searched = self.starts.get(rid, (None, 0))
         if start is None or start > len(out) or searched > len(out):
             found = _find_end(out, marker, 0 if searched > len(out) else max(0, searched - len(marker) + 1))
@@ -192,29 +194,31 @@ class Constraints:
                 self.matchers.pop(rid, None)
             start = found
             self.starts[rid] = (start, len(out))
-        return None if start is None else out[start:]
+        return start
 
-    def _synced(self, rid: str, spec: StructuredOutputsParams, out: list[int], compiler: GrammarCompiler) -> Any:
-        """The request's matcher, having accepted exactly its output tokens `out`."""
+    def _synced(self, rid: str, spec: StructuredOutputsParams, out: list[int], compiler: GrammarCompiler,
+                start: int = 0) -> Any:
+        """The request's matcher, having accepted exactly its output tokens `out[start:]`."""
+        length = len(out) - start
         entry = self.matchers.get(rid)
-        if entry is not None and entry[1] > len(out):
+        if entry is not None and entry[1] > length:
             matcher, accepted = entry
-            if accepted - len(out) <= MAX_ROLLBACK_TOKENS:
-                matcher.rollback(accepted - len(out))
-                entry = (matcher, len(out))
+            if accepted - length <= MAX_ROLLBACK_TOKENS:
+                matcher.rollback(accepted - length)
+                entry = (matcher, length)
             else:
                 entry = None
         if entry is None:
             matcher = compiler.xgr.GrammarMatcher(compiler.compile(spec))
             entry = (matcher, 0)
         matcher, accepted = entry
-        for token in out[accepted:]:
+        for token in out[start + accepted:]:
             if matcher.is_terminated():
                 break
             if not matcher.accept_token(token):
                 self.matchers.pop(rid, None)
                 raise ValueError(f"structured_outputs: token {token} does not follow the grammar")
-        self.matchers[rid] = (matcher, len(out))
+        self.matchers[rid] = (matcher, length)
         return matcher
 
     def release(self, request_ids: list[str]) -> None:

@@ -203,9 +203,11 @@ def has_amx(dtype: torch.dtype) -> bool:
     return False
 
 
+@functools.cache
 def ymm_gguf_kernel() -> bool:
     """Whether the C++ GGUF kernel built here is its AVX2 form (AVX2, FMA and F16C without AVX-512:
-    the library is built for this CPU, -march=native), which multiplies in fp32 on ymm registers."""
+    the library is built for this CPU, -march=native), which multiplies in fp32 on ymm registers.
+    Cached: `gguf_linear` asks on every call."""
     flags = cpu_flags()
     return {"avx2", "fma", "f16c"} <= flags and "avx512f" not in flags
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import itertools
 import logging
@@ -293,7 +294,7 @@ class Frontend:
                 and not self.config.serving.structured_outputs_in_reasoning and self.thinking(req)):
             # The model thinks freely; the constraint shapes what follows `</think>` (vLLM's rule).
             params.structured_outputs = dataclasses.replace(params.structured_outputs,
-                                                            start_after=self.think_end_ids())
+                                                            start_after=self.think_end_ids)
         ids = self.truncated(self.chat_prompt(req.messages, req, tools), req.truncate_prompt_tokens)
         self.validate_prompt(ids, params)
         # A tool choice's grammar that cannot compile is the tools' schemas' fault.
@@ -306,8 +307,10 @@ class Frontend:
         parser = self.config.serving.reasoning_parser
         return None if parser is None else thinks(parser, req.chat_template_kwargs)
 
+    @functools.cached_property
     def think_end_ids(self) -> tuple[int, ...]:
-        """The token ids of `</think>` (one special token in Qwen3's and DeepSeek-R1's vocabularies)."""
+        """The token ids of `</think>` (one special token in Qwen3's and DeepSeek-R1's vocabularies),
+        encoded once per process rather than per request."""
         return tuple(self.tokenizer.encode(THINK_END, add_special_tokens=False))
 
     def tool_setup(self, req: ChatCompletionRequest

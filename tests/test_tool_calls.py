@@ -299,7 +299,7 @@ def test_reasoning_parser_starts_constraints_after_the_thinking(tiny_llama):
         return params.structured_outputs.start_after
 
     frontend = Frontend(ClusterConfig(model=tiny_llama), {})
-    marker = frontend.think_end_ids()
+    marker = frontend.think_end_ids
     assert frontend.tokenizer.decode(list(marker)) == "</think>"
     assert start_after({"reasoning_parser": "qwen3"}, body) == marker
     assert start_after({"reasoning_parser": "deepseek_r1"}, off) == marker
