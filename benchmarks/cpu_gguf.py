@@ -8,7 +8,7 @@ For each shape (out x in) and row count prints microseconds per call of: the blo
 (`torch.ops.pdserve_cpu.gguf_linear`), the same blocks times x quantized to int8 per block
 (`gguf_linear_int8`, quantize_activations; the C++ op at every row count), dequantize per call +
 `F.linear` (what a blocks-only layer does from `gguf_dequant_min_rows`), and the dense weight
-prepacked for oneDNN through `engine.layers.linear.linear` (the dense copy of
+prepacked for oneDNN through `engine.model.layers.linear.linear` (the dense copy of
 quantization="gguf+dense"). Weights are random,
 quantized by the gguf package, and cycle through `--copies` copies so that the caches hold none;
 each figure is the best of `--rounds`. `--library` loads another build of the extension (e.g. the
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.layers.linear import linear, prepack
+from engine.model.layers.cpu_gemm import linear, prepack
 from kernels import cpu_ops, reference
 
 QTYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}

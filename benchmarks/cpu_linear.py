@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/cpu_linear.py            # the embedded model's shapes
 
 For each row count M prints microseconds per call of: plain `F.linear` in bf16, the oneDNN-prepacked
-bf16 weight, and fp32 GEMM on operands upcast per call (what `engine.layers.linear.linear` does at
+bf16 weight, and fp32 GEMM on operands upcast per call (what `engine.model.layers.linear.linear` does at
 M >= CPU_FP32_MIN_ROWS where `cpu_fp32_gemm` times it faster on this CPU), and the ratio plain / chosen
 path.
 """
@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.nn.functional as F
 
-from engine.layers.linear import cpu_fp32_gemm, linear, packed_linear, prepack
+from engine.model.layers.cpu_gemm import cpu_fp32_gemm, linear, packed_linear, prepack
 
 
 def per_call_us(fn, repeat: int) -> float:

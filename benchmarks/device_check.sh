@@ -13,7 +13,7 @@ shift || true
   python3 -c "import torch, triton, transformers, peft; print(torch.__version__, triton.__version__, transformers.__version__, peft.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 if [ "$select" != "none" ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -s -p no:cacheprovider --timeout 240 tests/test_kernels.py \
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -s -p no:cacheprovider --timeout 240 tests/kernels/test_kernels.py \
     ${select:+-k "$select"} >"$OUT/tests.txt" 2>&1
   echo "pytest exit $?"; grep -E "passed|failed|error|fp8 weights on CUDA" "$OUT/tests.txt" | tail -8
 fi

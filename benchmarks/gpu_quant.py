@@ -39,8 +39,8 @@ import triton
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.layers.linear import Linear
-from engine.quant_checkpoint import quantize_fp8
+from engine.loading.quant_checkpoint import quantize_fp8
+from engine.model.layers.linear import Linear
 from kernels import reference, triton_cache, triton_lora, triton_ops, triton_quant
 from kernels import triton_attention as ta
 
@@ -398,8 +398,8 @@ def end_to_end(copy_tbs: float, batches: tuple[int, ...], variants=E2E_VARIANTS)
 
 
 def decode_steps(variant: str, copy_tbs: float, batches: tuple[int, ...]) -> list[dict]:
-    from engine.cuda_graph import CudaGraphRunner
-    from engine.layers.attention import Attention
+    from engine.model.layers.attention import Attention
+    from engine.worker.cuda_graph import CudaGraphRunner
 
     context = 1024
     model = bk.llama3_8b_model(context + bk.BLOCK)

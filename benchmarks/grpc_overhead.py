@@ -110,10 +110,10 @@ def main() -> None:
     import ray
     from ray import serve
 
+    from cluster.app import build_app
     from cluster.config import ClusterConfig
     from cluster.launch import grpc_start_options, init_ray
     from cluster.manager import MANAGER_NAME
-    from router.app import build_app
 
     model = make_tiny_llama(tempfile.mkdtemp(prefix="pdserve-tiny-"))
     init_ray(num_cpus=args.num_cpus)

@@ -144,7 +144,7 @@ def sweep() -> None:
 def llama3_8b_model(max_positions: int):
     from transformers import LlamaConfig
 
-    from engine.models.llama import LlamaForCausalLM
+    from engine.model.models.llama import LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, rope_theta=500000.0,
@@ -161,7 +161,7 @@ def decode_inputs(batch: int, context: int, kv_dtype: torch.dtype = DTYPE):
     """One decode step of `batch` sequences of `context` tokens on the 8B model: the 32 layers' KV
     caches (random contents and block tables, room for one block more), the blocks per sequence,
     the token ids, positions and attention metadata -> (kv_caches, blocks_per_seq, ids, pos, meta)."""
-    from engine.layers.attention import AttentionMetadata
+    from engine.model.layers.attention import AttentionMetadata
 
     blocks_per_seq = -(-(context + BLOCK) // BLOCK)
     num_blocks = batch * blocks_per_seq
@@ -177,7 +177,7 @@ def decode_inputs(batch: int, context: int, kv_dtype: torch.dtype = DTYPE):
 
 
 def end_to_end(copy_tbs: float, quick: bool) -> list[dict]:
-    from engine.cuda_graph import CudaGraphRunner
+    from engine.worker.cuda_graph import CudaGraphRunner
 
     context = 1024
     model = llama3_8b_model(context + BLOCK)

@@ -33,7 +33,7 @@ def write_adapter(path: str, hf_config, rank: int, targets: list[str], seed: int
     import torch
     from safetensors.torch import save_file
 
-    from engine.lora import module_shapes
+    from records.lora import module_shapes
 
     shapes = module_shapes(hf_config)
     g = torch.Generator().manual_seed(seed)
@@ -69,7 +69,7 @@ def main() -> None:
     import torch
 
     from engine import LLM, SamplingParams
-    from engine.lora import LoRARequest
+    from records.lora import LoRARequest
 
     torch.set_num_threads(args.threads)
     counts = [int(n) for n in args.adapters.split(",")]

@@ -26,16 +26,16 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import torch
 
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from records.config import EngineConfig
+from records.sampling_params import SamplingParams
 
 
 def tiny_model(path: str) -> str:
     """A 2-layer random Llama with the embedded model's tokenizer, saved under `path`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from engine.model_source import embedded_model_path
+    from records.model_source import embedded_model_path
 
     gguf = embedded_model_path()
     tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))

@@ -8,7 +8,7 @@ and of the model's weights requantized to Q8_0 (`requantize_gguf`, run from thei
 the same weights dequantized (the model ships as Q4_1 only: its Q4_1 values are the exact ones).
 The text goes through the model in chunks of `--chunk` tokens, so every chunk after the first
 attends to a prefix read back from the (fp8) cache, as chunked prefill and decode do.
-tests/test_quant.py asserts issue 26's bounds with the same functions.
+tests/engine/test_quant.py asserts issue 26's bounds with the same functions.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def text_ids(model: str | None, num_tokens: int) -> list[int]:
     """The first `num_tokens` token ids of the shipped text under the model's tokenizer."""
     from transformers import AutoTokenizer
 
-    from engine.model_source import resolve_model
+    from records.model_source import resolve_model
 
     path, gguf_file, _ = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
@@ -54,8 +54,8 @@ def teacher_forced_logprobs(ids: list[int], chunk: int, model: str | None = None
     """Log-probabilities [len(ids), vocab] (fp32, on the CPU) of each next token, from one engine's
     model runner and KV cache on `device` built by `EngineConfig.create(model, **engine_args)`, the
     text in chunks."""
-    from engine.config import EngineConfig
-    from engine.worker import Worker
+    from engine.worker.worker import Worker
+    from records.config import EngineConfig
 
     config = EngineConfig.create(model, max_model_len=max(len(ids), 16), **engine_args)
     worker = Worker(config, device)
@@ -129,7 +129,7 @@ def main() -> None:
           f"mean KL {a.mean_kl:.5f} nats (max {a.max_kl:.4f})")
     import tempfile
 
-    from engine.model_source import embedded_model_path
+    from records.model_source import embedded_model_path
 
     with tempfile.TemporaryDirectory() as tmp:
         q8 = requantize_gguf(embedded_model_path(), os.path.join(tmp, "q8_0.gguf"))

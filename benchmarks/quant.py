@@ -83,7 +83,7 @@ def llama_cpp_run(args: argparse.Namespace) -> float | None:
     """llama.cpp's best of two single-stream runs in a fresh process (None without --llama-python)."""
     if args.llama_python is None:
         return None
-    from engine.model_source import embedded_model_path
+    from records.model_source import embedded_model_path
 
     out = subprocess.run([args.llama_python, "-c", LLAMA_CPP, embedded_model_path(), str(args.tokens),
                           str(args.threads), "2", json.dumps(PROMPT)],

@@ -21,7 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine import LLM, SamplingParams
-from engine.tokenizer import apply_chat_template
+from engine.text.tokenizer import apply_chat_template
 
 PASSAGES = [
     "The Amazon rainforest covers much of the Amazon basin of South America. The basin covers seven "

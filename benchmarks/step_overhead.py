@@ -28,7 +28,7 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the repo: 
 
 from offline import make_prompts
 
-import engine.model_runner as model_runner
+import engine.worker.model_runner as model_runner
 from engine import LLM, SamplingParams
 
 PARTS = ["schedule", "prepare", "forward", "logits", "sample", "update", "outputs"]
@@ -42,7 +42,7 @@ def make_tiny_model(out: str, hidden: int = 256, layers: int = 2, heads: int | N
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from engine.model_source import embedded_model_path
+    from records.model_source import embedded_model_path
 
     path = embedded_model_path()
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

@@ -20,7 +20,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Ten schemas of the kinds issue 27 names (nested objects, arrays, enums, const, anyOf, bounds,
-# required fields); tests/test_structured_output.py samples them too.
+# required fields); tests/engine/test_structured_output.py samples them too.
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer",
      "minimum": 0, "maximum": 120}}, "required": ["name", "age"], "additionalProperties": False},
@@ -45,7 +45,7 @@ SCHEMAS = [
      "required": ["city", "population", "capital"], "additionalProperties": False},
 ]
 
-# Two function tools (tests/test_tool_calls.py offers them too).
+# Two function tools (tests/engine/test_tool_calls.py offers them too).
 TOOLS = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "Get the current weather in a city",
@@ -65,11 +65,11 @@ SMALL = {"type": "object", "properties": {"name": {"type": "string", "maxLength"
 
 def main() -> None:
     from engine import LLM, SamplingParams
-    from engine.model_source import resolve_model
-    from engine.sampling_params import StructuredOutputsParams
-    from engine.structured_output import GrammarCompiler
-    from engine.tokenizer import load_tokenizer
-    from engine.tool_calls import ToolFormat
+    from engine.sample.structured_output import GrammarCompiler
+    from engine.text.tokenizer import load_tokenizer
+    from engine.text.tool_calls import ToolFormat
+    from records.model_source import resolve_model
+    from records.sampling_params import StructuredOutputsParams
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", default="1,16")

@@ -9,7 +9,7 @@
    blocks (start_load -> loaded). Baseline: the same bytes as ONE contiguous buffer over the same
    transport (a one-descriptor NIXL READ between plain agents; one gloo send/recv). Every copy is
    checked by SHA-256. Reported: median GB/s, scattered/raw (target >= 0.8), the untimed first pull.
-2. TTFT on the embedded model, in-process as in tests/test_kv_transfer.py: a plain engine's (no
+2. TTFT on the embedded model, in-process as in tests/kv_transfer/test_kv_transfer.py: a plain engine's (no
    connector) prefill of a --prompt-len prompt (max_tokens=1) vs P's prefill (do_remote_decode) then D's
    add_request -> first token (pull + one-token step; P is stepped alongside). Engines idle-poll like
    AsyncLLMEngine; prefix caches are reset between runs; round 0 of every loop is an untimed warm-up.
@@ -39,12 +39,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.config import KVTransferConfig
 from kv_transfer.base import KVConnectorWorker
 from kv_transfer.factory import create_connector_worker
-from kv_transfer.layout import KVLayout
 from kv_transfer.leases import LeaseSlots
-from kv_transfer.params import LoadSpec, RemotePrefill
+from pdserve_proto.transfer import from_params, to_params
+from records.config import KVTransferConfig
+from records.kv_layout import KVLayout
+from records.transfer import LoadSpec, RemotePrefill
 
 LAYOUT = KVLayout(model="bench", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="bfloat16")
 TIMEOUT_S = 300.0
@@ -90,7 +91,7 @@ def prefill_side(connector: str, blocks: int, repeats: int, to_p: Any, to_d: Any
         worker.leases.hold(slot, token, ids)
         remote = RemotePrefill(worker.engine_id, f"req{i}", ids, [], blocks * LAYOUT.block_size, slot, token,
                                time.time() + 600, LAYOUT, [worker.address()])
-        to_d.put((remote.to_dict(), digest(worker.gather_blocks(ids))))
+        to_d.put((to_params(remote), digest(worker.gather_blocks(ids))))
         released = done = False
         deadline = time.monotonic() + TIMEOUT_S
         while not (released and done):                 # torch_dist serves the pull inside poll()
@@ -126,7 +127,7 @@ def decode_side(connector: str, blocks: int, repeats: int, to_p: Any, to_d: Any)
     scattered = []
     for i in range(repeats + 1):
         params, want = to_d.get(timeout=TIMEOUT_S)
-        remote = RemotePrefill.from_dict(params)
+        remote = from_params(params)
         ids = rng.sample(range(worker.num_blocks), blocks)
         for cache in worker.kv_caches:
             cache[:, ids] = 0
@@ -231,9 +232,9 @@ def bench_throughput(connector: str, blocks: int, repeats: int) -> dict[str, Any
 
 def bench_ttft(connectors: list[str], prompt_len: int, repeats: int, dtype: str) -> list[dict[str, Any]]:
     from engine.async_engine import IDLE_POLL_S
-    from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from records.config import EngineConfig
+    from records.sampling_params import SamplingParams
 
     ids = [(i * 7 + 3) % 30000 + 5 for i in range(prompt_len)]
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_serve(args)
 
     from engine.llm import LLM  # noqa: PLC0415 (slow import after argument errors)
-    from engine.sampling_params import SamplingParams  # noqa: PLC0415
+    from records.sampling_params import SamplingParams  # noqa: PLC0415
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)

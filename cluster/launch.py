@@ -16,9 +16,9 @@ from typing import Any
 import yaml
 
 from cluster.config import ClusterConfig
-from engine.errors import PlacementError, StartupError
-from engine.ray_cluster import init_ray
-from engine.reasoning import PARSERS
+from engine.executor.ray_cluster import init_ray
+from engine.text.reasoning import PARSERS
+from records.errors import PlacementError, StartupError
 
 
 class Stopped(BaseException):
@@ -47,9 +47,9 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
     import ray  # noqa: PLC0415
     from ray import serve  # noqa: PLC0415
 
+    from cluster.app import build_app  # noqa: PLC0415
     from cluster.manager import get_or_create_manager  # noqa: PLC0415
     from cluster.placement import check_placement  # noqa: PLC0415
-    from router.app import build_app  # noqa: PLC0415
 
     check_placement(config)     # (run_serve resolved every pool's engine config before Ray started)
     di_env = config.serving.direct_ingress_env()

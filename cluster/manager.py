@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -23,7 +24,7 @@ import ray
 from cluster.config import ClusterConfig
 from cluster.placement import check_placement
 from cluster.pool import EnginePool
-from engine.errors import StartupError
+from records.errors import StartupError
 
 MANAGER_NAME = "pdserve-manager"
 # Beyond the placement timeout, the time a placed replica's worker process may take to start (a
@@ -153,3 +154,14 @@ def get_or_create_manager(config: ClusterConfig) -> Any:
     return ray.remote(ClusterManager).options(
         name=MANAGER_NAME, namespace=config.name, get_if_exists=True, lifetime="detached",
         num_cpus=0, max_concurrency=1000).remote(config)
+
+
+@dataclass(frozen=True)
+class ManagerLink:
+    """How an ingress replica reaches the cluster's manager: `link()` is its handle, the actor
+    created on first use (namespace = the spec's name). The launcher hands it to the ingress
+    (cluster/app.py), so that router/ never imports cluster/; it travels as the spec's JSON."""
+    config_json: str
+
+    def __call__(self) -> Any:
+        return get_or_create_manager(ClusterConfig.model_validate_json(self.config_json))

@@ -1,6 +1,6 @@
 """Placement of the pools on the Ray cluster: what each replica takes (`replica_bundles`), and
 whether the cluster can hold every pool (`check_placement`, failing with a message naming what is
-missing). One engine's own stages are placed by engine/ray_cluster.py (`create_engine_placement`).
+missing). One engine's own stages are placed by engine/executor/ray_cluster.py (`create_engine_placement`).
 """
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from engine.errors import PlacementError
-from engine.ray_cluster import stage_bundle
+from engine.executor.ray_cluster import stage_bundle
+from records.errors import PlacementError
 
 if TYPE_CHECKING:
     from cluster.config import ClusterConfig, PoolSpec

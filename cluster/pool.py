@@ -27,8 +27,8 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from cluster.config import PoolSpec
 from cluster.placement import REPLICA_ACTOR_CPUS, fmt_resources, replica_bundles
 from cluster.replica import EngineReplica
-from engine.config import EngineConfig
-from engine.errors import PlacementError
+from records.config import EngineConfig
+from records.errors import PlacementError
 
 logger = logging.getLogger(__name__)
 

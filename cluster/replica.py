@@ -22,56 +22,18 @@ import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine.async_engine import AsyncLLMEngine, request_error
-from engine.config import EngineConfig
-from engine.outputs import AllCleared, BlockStored, KVEvent, Logprob, RequestOutput
-from engine.sampling_params import SamplingParams
 from pdserve_proto.kv_events import encode_kv_events
+from records.config import EngineConfig
+from records.outputs import AllCleared, BlockStored, KVEvent, RequestOutput, StepDelta
+from records.sampling_params import SamplingParams
 
 MAX_EVENT_LOG = 100_000
 # An idle channel sends an empty message this often, so a channel whose ingress is gone is noticed
 # (and its requests aborted) even when none of them advances.
 CHANNEL_HEARTBEAT_S = 10.0
-
-
-@dataclass(slots=True)
-class ChoiceDelta:
-    index: int
-    token_ids: list[int]                      # produced this step
-    text: str                                 # text added this step
-    logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass(slots=True)
-class StepDelta:
-    request_id: str
-    choices: list[ChoiceDelta]
-    finished: bool
-    num_prompt_tokens: int
-    num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
-    kv_transfer_params: dict[str, Any] | None = None   # a prefill for a remote decode: pass these on
-    error: BaseException | None = None       # the request ended with this (RequestFailedError, ...)
-    # Prompt logprobs computed this step (those asked for; the first prompt token's entry is None).
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-
-    @classmethod
-    def failure(cls, request_id: str, error: BaseException) -> StepDelta:
-        return cls(request_id, [], True, 0, error=error)
-
-    @classmethod
-    def of(cls, out: RequestOutput) -> StepDelta:
-        """The wire form of an engine output of kind "delta" (the choices that advanced, each with
-        only what is new)."""
-        choices = [ChoiceDelta(c.index, c.token_ids, c.text, c.logprobs, c.finish_reason, c.stop_reason)
-                   for c in out.outputs]
-        return cls(out.request_id, choices, out.finished, len(out.prompt_token_ids), out.num_cached_tokens,
-                   dict(out.metrics), out.kv_transfer_params, request_error(out), out.prompt_logprobs or None)
 
 
 def _deltas(params: SamplingParams) -> SamplingParams:
@@ -157,7 +119,8 @@ class EngineReplica:
         box = self._outboxes.setdefault(ingress_id, _Outbox())     # the channel may open just after
 
         def sink(item: RequestOutput | BaseException) -> None:
-            box.put(StepDelta.failure(request_id, item) if isinstance(item, BaseException) else StepDelta.of(item))
+            box.put(StepDelta.failure(request_id, item) if isinstance(item, BaseException)
+                    else StepDelta.of_output(item, request_error(item)))
 
         self.engine.submit(request_id, prompt_token_ids, _deltas(params), sink, kv_transfer_params)
         box.request_ids.add(request_id)
@@ -167,7 +130,7 @@ class EngineReplica:
         """Stream one request's StepDeltas on their own; closing the stream early aborts the request
         (its blocks are freed)."""
         async for out in self.engine.generate(request_id, prompt_token_ids, _deltas(params), kv_transfer_params):
-            yield StepDelta.of(out)
+            yield StepDelta.of_output(out, request_error(out))
 
     def abort(self, request_ids: str | list[str]) -> None:
         """Abort requests, or end the lease on the blocks of one prefilled for a remote decode."""

@@ -5,18 +5,18 @@
     out = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0))
 
 The names below load on first use (PEP 562), so that importing a record module such as
-`engine.config` or `engine.sampling_params` (what the HTTP ingress needs) does not import the
+`records.config` or `records.sampling_params` (what the HTTP ingress needs) does not import the
 model, the executor and the workers. Nothing inside pdserve imports through this package
-(tests/test_layers.py checks it).
+(tests/unit/test_layers.py checks it).
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-_EXPORTS = {"LLM": "engine.llm", "SamplingParams": "engine.sampling_params",
-            "StructuredOutputsParams": "engine.sampling_params", "LoRARequest": "engine.lora",
-            "RequestOutput": "engine.outputs", "CompletionOutput": "engine.outputs"}
+_EXPORTS = {"LLM": "engine.llm", "SamplingParams": "records.sampling_params",
+            "StructuredOutputsParams": "records.sampling_params", "LoRARequest": "records.lora",
+            "RequestOutput": "records.outputs", "CompletionOutput": "records.outputs"}
 __all__ = list(_EXPORTS)
 
 

@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.errors import EngineDeadError, RequestFailedError
 from engine.llm_engine import LLMEngine
-from engine.outputs import KVEvent, RequestOutput
-from engine.sampling_params import SamplingParams
+from records.config import EngineConfig
+from records.errors import EngineDeadError, RequestFailedError
+from records.outputs import KVEvent, RequestOutput
+from records.sampling_params import SamplingParams
 
 IDLE_POLL_S = 0.002
 # Where a request's outputs go: each RequestOutput as the engine makes it, or the exception that ended

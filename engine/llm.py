@@ -7,13 +7,13 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.lora import LoRARequest
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import apply_chat_template
-from engine.tool_calls import ToolFormat
+from engine.text.tokenizer import apply_chat_template
+from engine.text.tool_calls import ToolFormat
+from records.config import EngineConfig
+from records.lora import LoRARequest
+from records.outputs import RequestOutput
+from records.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
 
@@ -94,7 +94,7 @@ class LLM:
         conversation (vLLM's options: the generation prompt, or `continue_final_message`;
         `chat_template_kwargs` as more template variables),
         with `tools` (OpenAI's shape) where given: `ToolFormat.of(llm.get_tokenizer()).parse(text)`
-        reads the calls out of an output (engine/tool_calls.py)."""
+        reads the calls out of an output (engine/text/tool_calls.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.llm_engine.tokenizer
         if self._tool_format is None and getattr(tokenizer, "chat_template", None):

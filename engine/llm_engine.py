@@ -13,21 +13,21 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.errors import EngineDeadError
-from engine.executor import make_executor
-from engine.kv_cache_manager import KVCacheManager
-from engine.lora import LoRARequest, read_adapter
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.scheduler import Scheduler
+from engine.executor.executor import make_executor
 from engine.output_processor import OutputProcessor
-from engine.outputs import KVEvent, ModelRunnerOutput, RequestOutput, SchedulerOutput
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams, StructuredOutputsParams, validate_request
-from engine.scheduler import Scheduler
+from engine.sample.structured_output import compiler_for
 from engine.spec_decode import SpecDecodeStats, make_proposer, max_proposals
-from engine.structured_output import compiler_for
-from engine.tokenizer import eos_token_ids, load_tokenizer
+from engine.text.tokenizer import eos_token_ids, load_tokenizer
 from kv_transfer.base import KVConnectorScheduler
-from kv_transfer.layout import KVLayout
+from records.config import EngineConfig
+from records.errors import EngineDeadError
+from records.kv_layout import KVLayout
+from records.lora import LoRARequest, read_adapter
+from records.outputs import KVEvent, ModelRunnerOutput, RequestOutput, SchedulerOutput
+from records.request import Request, RequestStatus
+from records.sampling_params import SamplingParams, StructuredOutputsParams, validate_request
 
 # Steps in a row that may fail (each failing only its own requests) before the engine is declared
 # dead: one failure is a request's or a transient fault; a run of them is the engine's own.

@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.request import FINISH_REASONS, Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import IncrementalDetokenizer
+from engine.text.tokenizer import IncrementalDetokenizer
+from records.outputs import CompletionOutput, Logprob, RequestOutput
+from records.request import FINISH_REASONS, Request, RequestStatus
+from records.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -37,9 +37,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.cache_dirs import cache_root
-from engine.errors import BuildError
-from engine.model_source import cpu_flags
 from kernels import reference
 from kernels.reference import (
     FP8_DTYPE,
@@ -53,6 +50,9 @@ from kernels.reference import (
     quantize_kv_rows,
     swap_blocks,
 )
+from records.cache_dirs import cache_root
+from records.cpu_flags import cpu_flags
+from records.errors import BuildError
 
 __all__ = ["apply_rotary", "copy_blocks", "decode_attention", "fp8_linear", "gather_blocks", "gather_kv",
            "gguf_linear", "gguf_linear_int8", "gguf_rows_kernel", "lora_add", "pack_gguf", "prefill_attention",

@@ -82,7 +82,7 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
 def pack_prefill(block_tables: list[torch.Tensor], query_lens: list[int], seq_lens: list[int],
                  device: torch.device) -> None:
     """A step's prefill segments in the form this kernel set's `prefill_attention` reads them,
-    built once per step (engine/layers/attention.py: AttentionBackend) and passed to every layer
+    built once per step (engine/model/layers/attention.py: AttentionBackend) and passed to every layer
     as `packed`. The reference reads the lists themselves: nothing to build."""
     return None
 

@@ -1,6 +1,6 @@
 """Triton W8A16: x [M, K] times a weight kept as Q8_0 (kernels/reference.py: per 32 input features,
 32 int8 values and their fp16 scale), the form of a GGUF Q8_0 file's weights and of an int8
-checkpoint's (engine/quant_checkpoint.py). Decode reads each weight byte once per step, so int8
+checkpoint's (engine/loading/quant_checkpoint.py). Decode reads each weight byte once per step, so int8
 blocks move about half of bf16's bytes.
 
 `pack_gguf` first splits each row of the file's 34-byte blocks into the row's int8 values, then its

@@ -7,16 +7,17 @@ Two roles, as in vLLM's v1 connector:
 - worker side (`KVConnectorWorker`, one per rank; NIXL in `nixl.py`, torch.distributed in
   `torch_dist.py`): registers the KV tensors, moves blocks, reports finished sends and receives.
 
-Beside them: `layout.py` (the KV layout both engines must share, and the TP head mapping),
-`params.py` (the transfer records: RemotePrefill, LoadSpec, TransferReport), `leases.py` (lease
-slots, tokens and the words remote readers check), `worker_group.py` (the engine's view of its
-ranks' worker sides).
+Beside them: `leases.py` (lease slots, tokens and the words remote readers check),
+`worker_group.py` (the engine's view of its ranks' worker sides); the records they exchange live
+below them: records/kv_layout.py (the KV layout both engines must share, and the TP head mapping),
+records/transfer.py (RemotePrefill, LoadSpec, TransferReport), and their wire form in
+pdserve_proto/transfer.py.
 
 The protocol (pull model):
 1. Prefill engine P runs a request with `kv_transfer_params={"do_remote_decode": True}` and
    `max_tokens=1`. When it finishes, its blocks are not freed: P's worker takes a *lease* on them (a
-   slot in its lease table holding a fresh token) and P returns `RemotePrefill.to_dict()` with its
-   output.
+   slot in its lease table holding a fresh token) and P returns its `RemotePrefill` as
+   kv_transfer_params (pdserve_proto/transfer.py: `to_params`) with its output.
    Those parameters are a dict (the engine API) whose "pdserve_kv" entry is the protobuf
    `RemotePrefill` of pdserve_proto/pdserve.proto: schema version, handshake (connector, its
    protocol version, KV layout), blocks, lease and transport address. D refuses another schema
@@ -42,14 +43,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.errors import KVLayoutMismatch
-from kv_transfer.layout import HeadSlice, KVLayout, head_slices
 from kv_transfer.leases import Lease, LeaseSlots, LeaseTable
-from kv_transfer.params import CONNECTOR_VERSION, LoadSpec, RemotePrefill, TransferReport
+from pdserve_proto.transfer import from_params, to_params
+from records.errors import KVLayoutMismatch
+from records.kv_layout import HeadSlice, KVLayout, head_slices
+from records.transfer import CONNECTOR_VERSION, LoadSpec, RemotePrefill, TransferReport
 
 if TYPE_CHECKING:
-    from engine.config import KVTransferConfig
-    from engine.request import Request
+    from records.config import KVTransferConfig
+    from records.request import Request
 
 
 def advertised_host(host: str) -> str:
@@ -220,7 +222,7 @@ class KVConnectorScheduler:
         if not params.get("do_remote_prefill"):
             raise ValueError("kv_transfer_params must set do_remote_decode (prefill here, decode "
                              "elsewhere) or do_remote_prefill (with the prefill engine's parameters)")
-        remote = RemotePrefill.from_dict(params)
+        remote = from_params(params)
         self.check_handshake(remote)
         if remote.adapter != adapter:
             # The KV of a prompt depends on the adapter from its first token: never reuse another's.
@@ -292,7 +294,7 @@ class KVConnectorScheduler:
     def wants_lease(self, request: Request) -> bool:
         """A finished request keeps its blocks for a remote decode only if it was asked to and it
         ended by its one-token cap (a stop on the first token leaves nothing to decode)."""
-        from engine.request import RequestStatus  # noqa: PLC0415 (engine imports this module)
+        from records.request import RequestStatus  # noqa: PLC0415 (engine imports this module)
 
         return request.remote_decode and request.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
@@ -309,7 +311,7 @@ class KVConnectorScheduler:
             num_tokens=request.num_prompt_tokens, lease_slot=slot, lease_token=token,
             lease_expires_at=expires, layout=self.layout, addresses=addresses, connector=self.config.kv_connector,
             adapter=request.sampling_params.adapter_name)
-        return remote.to_dict()
+        return to_params(remote)
 
     def renew_lease(self, request_id: str, seconds: float) -> bool:
         lease = self.leases.get(request_id)

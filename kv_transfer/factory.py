@@ -1,9 +1,10 @@
 """Connector by name: `kv_connector` in the engine config -> the worker side of that transport."""
 from __future__ import annotations
 
-from engine.config import KV_CONNECTORS, KVTransferConfig
 from kv_transfer.base import KVConnectorWorker
-from kv_transfer.layout import KVLayout
+from records.config import KVTransferConfig
+from records.engine_args import KV_CONNECTORS
+from records.kv_layout import KVLayout
 
 
 def create_connector_worker(config: KVTransferConfig, layout: KVLayout) -> KVConnectorWorker:

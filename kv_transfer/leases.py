@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.request import Request
+    from records.request import Request
 
 # Leases one prefill worker can hold at once (one slot each); beyond that a finished prefill frees
 # its blocks at once and returns no transfer parameters (the decode side then computes the prompt).

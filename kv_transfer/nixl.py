@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.config import KVTransferConfig
 from kv_transfer.base import KVConnectorWorker, advertised_host
-from kv_transfer.layout import HeadSlice, KVLayout
-from kv_transfer.params import LoadSpec, RemotePrefill, TransferReport
+from records.config import KVTransferConfig
+from records.kv_layout import HeadSlice, KVLayout
+from records.transfer import LoadSpec, RemotePrefill, TransferReport
 
 logger = logging.getLogger(__name__)
 

@@ -35,11 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.config import KVTransferConfig
-from engine.errors import LeaseGoneError
 from kv_transfer.base import KVConnectorWorker, advertised_host
-from kv_transfer.layout import HeadSlice, KVLayout
-from kv_transfer.params import LoadSpec, RemotePrefill, TransferReport
+from records.config import KVTransferConfig
+from records.errors import LeaseGoneError
+from records.kv_layout import HeadSlice, KVLayout
+from records.transfer import LoadSpec, RemotePrefill, TransferReport
 
 logger = logging.getLogger(__name__)
 

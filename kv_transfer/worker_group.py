@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kv_transfer.params import LoadSpec, RemotePrefill, TransferReport
+from records.transfer import LoadSpec, RemotePrefill, TransferReport
 
 
 class KVWorkerGroup:

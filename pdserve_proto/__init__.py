@@ -24,8 +24,8 @@ import sys
 import tempfile
 from types import ModuleType
 
-from engine.cache_dirs import cache_root
-from engine.errors import SchemaVersionMismatch
+from records.cache_dirs import cache_root
+from records.errors import SchemaVersionMismatch
 
 # Version of the control-plane messages (KVHandshake, RemotePrefill, KVEventBatch): readers refuse
 # any other. Bump it when their fields change meaning.

@@ -1,5 +1,15 @@
-"""Shared fixtures: tiny random HF models on disk (with the embedded model's tokenizer), the HF
-oracle, and a block-accounting check after every test."""
+"""Shared fixtures: tiny random HF models on disk (with the embedded model's tokenizer) and a
+block-accounting check after every test; and how the suite is laid out over pytest-xdist's workers.
+The helpers the tests share (the transformers oracle, model and adapter makers, prompts, ports) are
+in tests/helpers.py.
+
+`make test` runs the suite as two pytest processes side by side: the tests marked `ray` or
+`cluster`, one after another (they share one local Ray, and some start and stop Ray clusters of
+their own: `ray stop` ends every Ray process of the user), and every other test beside them. On two
+cores the processes that Ray and Serve start mostly wait, and the CPU-bound engine and kernel tests
+fill that time. A test that starts Ray without the marker fails (`ray_only_where_marked`), so the
+split stays true.
+"""
 from __future__ import annotations
 
 import os
@@ -7,10 +17,34 @@ import os
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import sys
+
 import pytest
-import torch
+from helpers import save_random_model
 
 from engine.llm_engine import LLMEngine
+
+# Markers of tests that need Ray (a local instance, or a cluster of their own).
+RAY_MARKERS = ("ray", "cluster")
+
+
+def _needs_ray(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(m) is not None for m in RAY_MARKERS)
+
+
+def _ray_is_initialized() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+@pytest.fixture(autouse=True)
+def ray_only_where_marked(request):
+    """A test without the `ray` or `cluster` marker must not start Ray: it runs beside the Ray
+    tests (see the module docstring)."""
+    before = _ray_is_initialized()
+    yield
+    if not before and not _needs_ray(request.node) and _ray_is_initialized():
+        pytest.fail(f"{request.node.nodeid} started Ray without the `ray` marker")
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +87,7 @@ def smol_tokenizer(tmp_path_factory):
     """The embedded model's tokenizer, saved once as a plain HF tokenizer directory."""
     from transformers import AutoTokenizer
 
-    from engine.model_source import embedded_model_path
+    from records.model_source import embedded_model_path
 
     path = embedded_model_path()
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
@@ -90,22 +124,6 @@ def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
     return out
 
 
-def save_random_model(tmp_path_factory, config, name: str, seed: int, std: float = 0.15) -> str:
-    """A transformers model of this config with random fp32 weights, saved as safetensors; matrices
-    drawn with a larger std than HF's 0.02 init, so logits are peaked and well separated."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, std)
-    out = tmp_path_factory.mktemp(name)
-    model.save_pretrained(out, safe_serialization=True)
-    return str(out)
-
-
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, smol_tokenizer) -> str:
     return _make_model(tmp_path_factory, smol_tokenizer, "llama")
@@ -131,68 +149,3 @@ def tiny_model(request) -> str:
     return request.getfixturevalue(f"tiny_{request.param}")
 
 
-_hf_cache: dict[str, object] = {}
-
-
-def hf_model(path: str):
-    from transformers import AutoModelForCausalLM
-
-    if path not in _hf_cache:
-        _hf_cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return _hf_cache[path]
-
-
-def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> list[list[int]]:
-    """The oracle: transformers' greedy generate, one prompt at a time (no padding), EOS ignored."""
-    model = hf_model(path)
-    outs = []
-    for ids in prompts:
-        with torch.no_grad():
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
-        outs.append(gen[0, len(ids):].tolist())
-    return outs
-
-
-def mixed_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
-    """Prompt lengths: 1 token, block boundaries (15, 16, 17, 32, 33) and > 100 tokens."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 32, 33, 130)]
-
-
-def make_adapter(base_path: str, out_dir: str, rank: int, targets: list[str], seed: int,
-                 alpha: float | None = None, rslora: bool = False) -> str:
-    """A PEFT LoRA adapter of the model at `base_path` with random A and B (PEFT starts B at zero,
-    which would make every adapter the base model), saved as PEFT saves one."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, target_modules=targets,
-                        lora_dropout=0.0, use_rslora=rslora)
-    model = get_peft_model(base, config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-    model.save_pretrained(out_dir)
-    return out_dir
-
-
-def peft_greedy(base_path: str, adapter: str | None, prompts: list[list[int]], max_new_tokens: int):
-    """The oracle: transformers + PEFT greedy generate on `adapter` (None: the base model)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = hf_model(base_path)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32),
-                                          adapter).eval()
-    outs = []
-    for ids in prompts:
-        with torch.no_grad():
-            gen = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs.append(gen[0, len(ids):].tolist())
-    return outs

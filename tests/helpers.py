@@ -1,11 +1,18 @@
-"""What the tests that start servers share: a free loopback port, and waiting for /health."""
+"""What the tests share: the oracle (transformers' greedy generate, with or without a PEFT adapter),
+tiny random models and adapters saved as their libraries save them, prompts of telling lengths, and
+for the tests that start servers a free loopback port and waiting for /health."""
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable
 
 import httpx
+import torch
+
+# The repository's root (tests/ is one level down): what the tests run commands and read files in.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
@@ -30,3 +37,86 @@ def wait_healthy(base: str, timeout_s: float = 180.0, check: Callable[[], None] 
             pass
         assert time.monotonic() < deadline, f"{base} never became healthy within {timeout_s:g} s"
         time.sleep(poll_s)
+
+
+def save_random_model(tmp_path_factory, config, name: str, seed: int, std: float = 0.15) -> str:
+    """A transformers model of this config with random fp32 weights, saved as safetensors; matrices
+    drawn with a larger std than HF's 0.02 init, so logits are peaked and well separated."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, std)
+    out = tmp_path_factory.mktemp(name)
+    model.save_pretrained(out, safe_serialization=True)
+    return str(out)
+
+
+_hf_cache: dict[str, object] = {}
+
+
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    if path not in _hf_cache:
+        _hf_cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return _hf_cache[path]
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> list[list[int]]:
+    """The oracle: transformers' greedy generate, one prompt at a time (no padding), EOS ignored."""
+    model = hf_model(path)
+    outs = []
+    for ids in prompts:
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+        outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+def mixed_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompt lengths: 1 token, block boundaries (15, 16, 17, 32, 33) and > 100 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 32, 33, 130)]
+
+
+def make_adapter(base_path: str, out_dir: str, rank: int, targets: list[str], seed: int,
+                 alpha: float | None = None, rslora: bool = False) -> str:
+    """A PEFT LoRA adapter of the model at `base_path` with random A and B (PEFT starts B at zero,
+    which would make every adapter the base model), saved as PEFT saves one."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, target_modules=targets,
+                        lora_dropout=0.0, use_rslora=rslora)
+    model = get_peft_model(base, config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def peft_greedy(base_path: str, adapter: str | None, prompts: list[list[int]], max_new_tokens: int):
+    """The oracle: transformers + PEFT greedy generate on `adapter` (None: the base model)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = hf_model(base_path)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32),
+                                          adapter).eval()
+    outs = []
+    for ids in prompts:
+        with torch.no_grad():
+            gen = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs.append(gen[0, len(ids):].tolist())
+    return outs

@@ -7,7 +7,7 @@ The flow of one speculative step (vLLM v1's design):
 2. The scheduler schedules such a request for 1 + k tokens (its last token and the proposals), all
    counted against the token budget, and allocates their slots. Proposals that do not fit the
    budget, max_model_len or the free blocks are dropped (speculation never preempts).
-3. The runner computes logits at all 1 + k positions and `engine.layers.rejection_sampler.verify` emits the
+3. The runner computes logits at all 1 + k positions and `engine.sample.rejection_sampler.verify` emits the
    accepted proposals plus one target token (ModelRunnerOutput.spec_sampled).
 4. The scheduler appends the emitted tokens one by one, applying stop tokens, min/max_tokens and
    max_model_len to each, and sets num_computed_tokens back past the rejected proposals: their KV
@@ -21,10 +21,10 @@ from collections.abc import Container
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.config import EngineConfig
-from engine.request import Request, RequestStatus
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram import NgramProposer
+from records.config import EngineConfig
+from records.request import Request, RequestStatus
 
 
 class Proposer(Protocol):

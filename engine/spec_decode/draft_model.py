@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Container
 from dataclasses import dataclass, field, replace
 
-from engine.config import CacheConfig, EngineConfig, ParallelConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import ScheduledRequest, SchedulerOutput
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.worker import Worker
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.worker.worker import Worker
+from records.config import CacheConfig, EngineConfig, ParallelConfig
+from records.outputs import ScheduledRequest, SchedulerOutput
+from records.request import Request
+from records.sampling_params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0, max_tokens=None)
 

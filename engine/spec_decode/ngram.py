@@ -10,8 +10,8 @@ from collections.abc import Container
 
 import numpy as np
 
-from engine.config import SpeculativeConfig
-from engine.request import Request
+from records.config import SpeculativeConfig
+from records.request import Request
 
 
 class NgramProposer:

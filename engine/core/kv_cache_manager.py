@@ -1,0 +1,208 @@
+"""KVCacheManager: which physical blocks each request holds, prefix-cache lookups, CoW forks, swap.
+
+Ownership: the manager holds one reference per (request, block). `free(request)` drops them all;
+blocks shared with a fork sibling or cached for a prefix survive until their last reference goes.
+"Does not fit now" is returned as None, never raised: the scheduler answers it by preempting.
+"""
+from __future__ import annotations
+
+from engine.core.block_pool import BlockPool, KVCacheBlock
+from records.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_cpu_blocks: int = 0) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}       # leading blocks already registered as cached
+        # CPU pool for swap preemption: block ids only; the worker owns the tensors.
+        self.num_cpu_blocks = num_cpu_blocks
+        self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.swapped: dict[str, list[int]] = {}           # request id -> its CPU block ids
+        self.pending_copies: list[tuple[int, int]] = []   # CoW copies for the next step
+        self.prefix_cache_queries = 0                     # tokens looked up
+        self.prefix_cache_hits = 0                        # tokens found
+
+    # --- queries --------------------------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- prefix cache -----------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of the request's leading full blocks that are cached; (blocks, num tokens).
+
+        Capped so that at least the last token is recomputed (its logits are needed). Takes no
+        reference and counts nothing: pass the blocks to `allocate_slots`, and call
+        `record_prefix_lookup` once the request is admitted.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        limit = request.num_tokens if request.compute_limit is None else request.compute_limit
+        max_blocks = (limit - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_query_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    # --- allocation -------------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       cache: bool = True) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        `new_computed_blocks` are prefix-cache hits (from `get_computed_blocks`) that this call
+        references; the caller then advances `num_computed_tokens` past them. A write into a block
+        shared with a fork sibling first copies it (copy-on-write; the copy is queued in
+        `pending_copies`). Blocks are registered in the prefix cache as they are allocated (the step
+        that fills them runs before any later request can read them); `cache=False` defers that for
+        blocks filled from elsewhere (a remote pull): call `cache_full_blocks` once they hold their
+        KV. Returns the newly allocated blocks, or None if they do not fit (then nothing changed).
+        """
+        if num_new_tokens == 1 and not new_computed_blocks:
+            # A decode step's usual case, answered without the general bookkeeping (a few µs per
+            # request per step): the token lands in the request's own partial last block.
+            blocks = self.req_to_blocks.get(request.request_id)
+            pos = request.num_computed_tokens
+            last = pos // self.block_size
+            if blocks and pos % self.block_size and last < len(blocks) and blocks[last].ref_cnt == 1:
+                if cache:
+                    self.cache_full_blocks(request, pos + 1)
+                return []
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = self.num_blocks_for(num_computed + num_new_tokens)
+        num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
+        # The first write lands inside an existing partial block shared with a sibling: copy it.
+        cow_index = None
+        if num_new_tokens > 0 and num_computed % self.block_size and not new_computed_blocks:
+            last = num_computed // self.block_size
+            if last < len(blocks) and blocks[last].ref_cnt > 1:
+                cow_index = last
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        needed = num_new_blocks + (cow_index is not None) + num_evictable_hits
+        if needed > self.block_pool.num_free_blocks:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+
+        self.block_pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        if cow_index is not None:
+            [copy] = self.block_pool.get_new_blocks(1)
+            self.pending_copies.append((blocks[cow_index].block_id, copy.block_id))
+            self.block_pool.free_blocks([blocks[cow_index]])
+            blocks[cow_index] = copy
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        blocks.extend(new_blocks)
+        if cache:
+            self.cache_full_blocks(request, num_computed + num_new_tokens)
+        return new_blocks
+
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the blocks that will be full once `num_tokens` tokens are computed."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        start = self.num_cached_blocks.get(rid, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        if end > start:
+            blocks = self.req_to_blocks[rid]
+            self.block_pool.cache_blocks(blocks[start:end], request.block_hashes[start:end])
+            self.num_cached_blocks[rid] = end
+
+    def uncache_from(self, request: Request, num_computed_tokens: int) -> None:
+        """Take the request's blocks that are not fully computed (from token `num_computed_tokens`
+        on) out of the prefix cache: their KV was never written (a failed step)."""
+        rid = request.request_id
+        first = num_computed_tokens // self.block_size
+        self.block_pool.uncache(self.req_to_blocks.get(rid, [])[first:])
+        if self.num_cached_blocks.get(rid, 0) > first:
+            self.num_cached_blocks[rid] = first
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references (device and CPU). Tail blocks are freed first, so they are
+        evicted before the shared prefix blocks."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, [])
+        self.block_pool.free_blocks(list(reversed(blocks)))
+        self.num_cached_blocks.pop(rid, None)
+        self.free_cpu_blocks.extend(self.swapped.pop(rid, []))
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` references to all of `parent`'s blocks (copy-on-write on the next write)."""
+        blocks = self.req_to_blocks[parent.request_id]
+        for block in blocks:
+            block.ref_cnt += 1
+        self.req_to_blocks[child.request_id] = list(blocks)
+        self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    # --- swap -------------------------------------------------------------------------------------
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to the CPU pool; returns (device, cpu) copies, or None if the
+        CPU pool is too small (the caller then recomputes instead)."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid, [])
+        num_used = self.num_blocks_for(request.num_computed_tokens)
+        if num_used > len(self.free_cpu_blocks):
+            return None
+        cpu_ids = [self.free_cpu_blocks.pop() for _ in range(num_used)]
+        mapping = [(b.block_id, c) for b, c in zip(blocks[:num_used], cpu_ids)]
+        self.free(request)
+        self.swapped[rid] = cpu_ids
+        return mapping
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
+        """Bring a swapped request's blocks back; returns (cpu, device) copies or None if the device
+        pool lacks room now."""
+        rid = request.request_id
+        cpu_ids = self.swapped[rid]
+        if len(cpu_ids) > self.block_pool.num_free_blocks:
+            return None
+        blocks = self.block_pool.get_new_blocks(len(cpu_ids))
+        self.req_to_blocks[rid] = blocks
+        del self.swapped[rid]
+        self.free_cpu_blocks.extend(cpu_ids)
+        self.num_cached_blocks[rid] = 0
+        self.cache_full_blocks(request, request.num_computed_tokens)
+        return [(c, b.block_id) for c, b in zip(cpu_ids, blocks)]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def take_events(self):
+        return self.block_pool.take_events()
+
+    def check_no_leaks(self) -> None:
+        """Raise AssertionError unless every block is free (for tests and shutdown)."""
+        assert not self.req_to_blocks, f"requests still hold blocks: {list(self.req_to_blocks)}"
+        assert not self.swapped, f"requests still hold CPU blocks: {list(self.swapped)}"
+        held = [b for b in self.block_pool.blocks if b.ref_cnt]
+        assert not held, f"blocks still referenced: {held[:8]}"
+        assert self.block_pool.num_free_blocks == self.block_pool.num_blocks
+        assert len(self.free_cpu_blocks) == self.num_cpu_blocks

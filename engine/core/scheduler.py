@@ -1,0 +1,423 @@
+"""Scheduler: iteration-level continuous batching under a token budget.
+
+There are no prefill and decode phases: every step, each request catches its computed tokens up to
+its token count, within `max_num_batched_tokens` (chunked prefill lets a long prompt take several
+steps while decodes ride along). RUNNING requests go first, in order; then WAITING ones (FCFS, or by
+priority), unless something was preempted this step. When blocks run out the newest (or lowest
+priority) running request is preempted: by recompute (its blocks are freed and it starts over) or by
+swap (its blocks are copied to the CPU pool and copied back when it resumes).
+
+With a KV connector (prefill/decode split) a remotely prefilled request is admitted into
+WAITING_FOR_REMOTE_KVS instead: its blocks are allocated, their pull is queued, and it rejoins the
+queue's front once they arrive (or starts over locally if the pull fails). A request to be decoded
+remotely keeps its blocks when it finishes; the engine puts them under a lease. engine/core/kv_loads.py
+keeps that bookkeeping.
+
+Speculative decoding (engine/spec_decode/): a running decode with proposed tokens is scheduled for
+1 + k tokens within the budget; the proposals are dropped rather than preempt anything. After the
+step, the emitted tokens are appended one by one (each checked for stop, min/max tokens) and
+num_computed_tokens is set back past the rejected proposals.
+
+Static batching (`batching="static"`, the baseline continuous batching is measured against): a batch
+is the first `max_num_seqs` waiting requests at the moment the previous batch has drained; until
+every one of them has finished, no other request is admitted (members preempted or pulling KV stay
+members). Steps still run under the token budget, so a batch's prompts may take several steps.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_loads import KVLoads
+from records.config import SchedulerConfig
+from records.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from records.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from kv_transfer.base import KVConnectorScheduler
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 connector: KVConnectorScheduler | None = None, load_failure_policy: str = "recompute",
+                 max_concurrent_batches: int = 1) -> None:
+        self.config = config
+        # Pipeline stages: up to this many batches run at once (stage s on one while stage s + 1
+        # runs another). A request is in at most one of them (`in_flight` until its output is back),
+        # and each batch takes at most 1/max_concurrent_batches of the running requests, so decodes
+        # split into batches that alternate through the stages.
+        self.max_concurrent_batches = max_concurrent_batches
+        self.in_flight: set[str] = set()
+        self.kv = kv_cache_manager
+        self.loads = (KVLoads(connector, kv_cache_manager, load_failure_policy)
+                      if connector is not None else None)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.pending_forks: dict[str, Request] = {}     # children waiting for their leader's prompt
+        self.finished_ids: list[str] = []               # freed since the last schedule()
+        self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0             # prompt positions run through the model here
+        self.batch_ids: set[str] = set()                # static batching: the current batch
+
+    # --- intake -----------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request. A request with `fork_children` is an n > 1 leader: it computes the prompt
+        but its last token, then its children get references to those blocks (copy-on-write)."""
+        self.requests[request.request_id] = request
+        for child in request.fork_children:
+            self.requests[child.request_id] = child
+            self.pending_forks[child.request_id] = child
+        if request.fork_children:
+            request.compute_limit = request.num_prompt_tokens - 1
+            if request.compute_limit == 0:     # nothing to share
+                self._fork(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if self.config.policy == "priority":
+            key = (request.priority, request.arrival_time)
+            i = next((i for i, r in enumerate(self.waiting) if (r.priority, r.arrival_time) > key),
+                     len(self.waiting))
+            self.waiting.insert(i, request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """End requests (abort, stop string) wherever they are and free their blocks."""
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_FORK:
+                del self.pending_forks[rid]
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                assert self.loads is not None
+                self.loads.abort(request, status)    # the pull may still write into its blocks
+                self.finished_ids.append(rid)
+                del self.requests[rid]
+                continue
+            else:
+                self.waiting.remove(request)
+                if request.remote_prefill is not None and self.loads is not None:
+                    self.loads.drop_unstarted(request)
+            self._free(request, status)
+
+    def _free(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if self.loads is None or not self.loads.keep_for_lease(request):
+            self.kv.free(request)
+        self.finished_ids.append(request.request_id)
+        del self.requests[request.request_id]
+        # A leader that ends before forking takes its waiting children with it (only an abort can
+        # do that: the leader samples nothing before the fork).
+        for child in request.fork_children:
+            if child.request_id in self.pending_forks:
+                del self.pending_forks[child.request_id]
+                self._free(child, status)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request runs, waits, pulls KV, or holds blocks under a lease."""
+        return bool(self.requests or (self.loads is not None
+                                      and (self.loads.aborted or self.loads.connector.leases)))
+
+    # --- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating their blocks (may preempt)."""
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+        num_new: dict[str, int] = {}
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        preempted: list[str] = []
+
+        drafts: dict[str, list[int]] = {}
+        share = -(-len(self.running) // self.max_concurrent_batches)     # running requests per batch
+        i = 0
+        while i < len(self.running) and budget > 0 and len(num_new) < share:
+            request = self.running[i]
+            if request.request_id in self.in_flight:
+                i += 1
+                continue
+            proposed, request.spec_token_ids = request.spec_token_ids, []    # consumed (or dropped)
+            n = min(request.num_tokens_to_compute + len(proposed), budget,
+                    self.config.max_model_len - request.num_computed_tokens)
+            if n <= 0 or (not chunked and n < request.num_tokens_to_compute):
+                i += 1
+                continue
+            num_drafts = n - min(n, request.num_tokens_to_compute)
+            if num_drafts and self.kv.allocate_slots(request, n) is None:
+                n, num_drafts = n - num_drafts, 0    # no room for the proposals: never preempt for them
+            while not num_drafts and self.kv.allocate_slots(request, n) is None:
+                victim = self._pick_victim(i)
+                self._preempt(victim, swap_out)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue          # it preempted itself; the list shrank under i
+            num_new[request.request_id] = n
+            if num_drafts:
+                drafts[request.request_id] = proposed[:num_drafts]
+            budget -= n
+            i += 1
+
+        static = self.config.batching == "static"
+        if static:
+            self._form_static_batch()
+        # LoRA: the adapters of the running requests; a waiting request whose adapter would be one
+        # more than max_loras stays in the queue, and the ones behind it may still run (as vLLM's).
+        adapters = self._running_adapters() if self.config.max_loras is not None else None
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and not preempted:
+            request = self.waiting[0]
+            if static and request.request_id not in self.batch_ids:
+                break                       # the barrier: not before this batch has drained
+            if len(self.running) + len(request.fork_children) >= self.config.max_num_seqs and self.running:
+                break
+            lora = request.sampling_params.lora_request
+            if adapters is not None and lora is not None and lora.cache_key not in adapters:
+                if len(adapters) >= self.config.max_loras:     # type: ignore[operator]
+                    skipped.append(self.waiting.popleft())
+                    continue
+            if request.status == RequestStatus.SWAPPED:
+                mapping = self.kv.swap_in(request)
+                if mapping is None:
+                    break
+                swap_in.extend(mapping)
+                hits, num_hit = [], 0
+            elif request.num_computed_tokens == 0:
+                hits, num_hit = self.kv.get_computed_blocks(request)
+                if request.remote_prefill is not None and self.loads is not None:
+                    pulling = self.loads.start(request, hits, num_hit)
+                    if pulling is None:
+                        break               # no room for its blocks yet
+                    if pulling:
+                        self.waiting.popleft()
+                        continue            # costs no token budget
+            else:
+                hits, num_hit = [], 0
+            n = min(request.num_tokens_to_compute - num_hit, budget)
+            fits = chunked or n == request.num_tokens_to_compute - num_hit
+            if not fits or self.kv.allocate_slots(request, n, hits) is None:
+                if request.status == RequestStatus.SWAPPED:
+                    # Swapped in but no room to compute yet: run it next step.
+                    self._admit(request)
+                break
+            if request.num_computed_tokens == 0:
+                self.kv.record_prefix_lookup(request.num_tokens, num_hit)
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = num_hit
+            request.num_computed_tokens += num_hit
+            self._admit(request)
+            if adapters is not None and lora is not None:
+                adapters.add(lora.cache_key)
+            num_new[request.request_id] = n
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))        # back at the front, in their order
+
+        assert not (swap_in and swap_out), "swap-in and swap-out never share a step"
+        self.in_flight.update(num_new)
+        return SchedulerOutput(
+            scheduled=[self._describe(self.requests[rid], n, drafts.get(rid, []))
+                       for rid, n in num_new.items()],
+            num_batched_tokens=sum(num_new.values()),
+            swap_out=swap_out, swap_in=swap_in, copy_blocks=self.kv.take_pending_copies(),
+            preempted_ids=preempted, finished_ids=self._take_finished_ids())
+
+    def _form_static_batch(self) -> None:
+        """Static batching: once no member of the current batch is left, the first waiting requests
+        (up to max_num_seqs sequences, n > 1 children included) become the next batch; members are
+        kept at the queue's front (a priority queue may have put a newcomer before them)."""
+        if any(rid in self.requests for rid in self.batch_ids):
+            if self.waiting and self.waiting[0].request_id not in self.batch_ids:
+                members = [r for r in self.waiting if r.request_id in self.batch_ids]
+                if members:
+                    others = [r for r in self.waiting if r.request_id not in self.batch_ids]
+                    self.waiting = deque(members + others)
+            return
+        self.batch_ids = set()
+        num_seqs = 0
+        for request in self.waiting:
+            num_seqs += 1 + len(request.fork_children)
+            if num_seqs > self.config.max_num_seqs and self.batch_ids:
+                break
+            self.batch_ids.add(request.request_id)
+            self.batch_ids.update(child.request_id for child in request.fork_children)
+
+    def finish_loads(self, loaded: list[str], failed: list[tuple[str, str]]) -> list[Request]:
+        """Apply finished pulls (KVLoads.finish): loaded requests, and failed ones that start over,
+        rejoin the queue's front; returns the requests that ended with an error."""
+        assert self.loads is not None
+        requeue, errored = self.loads.finish(loaded, failed)
+        for request in requeue:
+            self._enqueue(request, front=True)
+        for request in errored:
+            self._free(request, RequestStatus.FINISHED_ERROR)
+        return errored
+
+    def take_new_leased(self) -> list[Request]:
+        return self.loads.take_new_leased() if self.loads is not None else []
+
+    def _running_adapters(self) -> set[tuple]:
+        """The adapters of the running requests: at most max_loras run at once, so that every
+        step's adapters have a slot on the model (engine/worker/lora_slots.py)."""
+        return {r.sampling_params.lora_request.cache_key for r in self.running
+                if r.sampling_params.lora_request is not None}
+
+    def _admit(self, request: Request) -> None:
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _pick_victim(self, current: int) -> Request:
+        """Newest running request (FCFS) or the lowest priority one, among those not yet scheduled
+        this step (index >= current) and not in a batch still running (its blocks are being
+        written). The request at `current` is always a candidate."""
+        candidates = [r for r in self.running[current:] if r.request_id not in self.in_flight]
+        if self.config.policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
+
+    def _preempt(self, request: Request, swap_out: list[tuple[int, int]]) -> None:
+        self.running.remove(request)
+        mapping = None
+        if self.config.preemption_mode == "swap":
+            mapping = self.kv.swap_out(request)
+        if mapping is not None:
+            swap_out.extend(mapping)
+            request.status = RequestStatus.SWAPPED
+        else:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(request, front=True)
+
+    def _describe(self, request: Request, n: int, spec_token_ids: list[int]) -> ScheduledRequest:
+        """The runner's view of `n` tokens of `request`, the last len(spec_token_ids) proposals."""
+        start = request.num_computed_tokens
+        end = start + n - len(spec_token_ids)
+        self.num_prompt_tokens_computed += max(0, min(end, request.num_prompt_tokens) - start)
+        do_sample = request.compute_limit is None and end == request.num_tokens
+        prompt_lp_from = None
+        if (request.sampling_params.prompt_logprobs is not None
+                and start < request.num_prompt_tokens - 1
+                and len(request.prompt_logprobs) < request.num_prompt_tokens):
+            prompt_lp_from = start
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end] + spec_token_ids,
+            start=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            do_sample=do_sample,
+            spec_token_ids=spec_token_ids,
+            prompt_logprobs_from=prompt_lp_from,
+            # The request's own objects, not copies: the runner reads them before the scheduler
+            # changes them, and the Ray executor sends each once (engine/worker/step_delta.py).
+            sampling_params=request.sampling_params,
+            seed=request.seed,
+            output_token_ids=request.output_token_ids,
+            prompt_token_ids=request.prompt_token_ids,
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    def _take_finished_ids(self) -> list[str]:
+        ids, self.finished_ids = self.finished_ids, []
+        return ids
+
+    # --- after the step ---------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, stop finished requests (freeing their
+        blocks) and fork n > 1 leaders whose prompt is done. Returns the requests with news."""
+        updated: list[Request] = []
+        self.in_flight.difference_update(s.request_id for s in scheduler_output.scheduled)
+        for sched in scheduler_output.scheduled:
+            request = self.requests.get(sched.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue        # aborted during the step
+            reason = runner_output.failed.get(request.request_id)
+            if reason is not None:
+                updated.extend(self._fail(request, reason))
+                continue
+            request.num_computed_tokens += len(sched.token_ids)
+            prompt_lps = runner_output.prompt_logprobs.get(request.request_id)
+            if prompt_lps is not None:
+                need = request.num_prompt_tokens - len(request.prompt_logprobs)
+                request.prompt_logprobs.extend(prompt_lps[:need])
+            sampled = runner_output.sampled.get(request.request_id)
+            emitted = [sampled] if sampled is not None else runner_output.spec_sampled.get(request.request_id, [])
+            if sched.spec_token_ids:
+                # Roll back past the rejected proposals: their KV slots lie beyond the computed
+                # length (never read) and are rewritten when those positions are computed again.
+                request.num_computed_tokens -= len(sched.spec_token_ids) + 1 - len(emitted)
+            for token in emitted:
+                request.append_output_token(token.token_id)
+                if token.top_logprobs is not None:
+                    request.logprobs.append(token.top_logprobs)
+                    request.logprob_ranks.append(token.rank)
+                self._check_stop(request, token.token_id)
+                if request.is_finished:
+                    break            # the rest of an accepted run comes after the stop
+            if emitted:
+                updated.append(request)
+            if request.compute_limit is not None and request.num_computed_tokens == request.compute_limit:
+                self._fork(request)
+        return updated
+
+    def _fail(self, request: Request, reason: str) -> list[Request]:
+        """End a running request that its step could not serve, with the n > 1 children still
+        waiting for its prompt; returns them all. Its blocks past the computed tokens may have been
+        registered in the prefix cache before their KV was written (blocks are cached as they are
+        allocated): they leave the cache before they are freed, so no later request hits KV that
+        was never computed."""
+        ended = [request, *(c for c in request.fork_children if c.request_id in self.pending_forks)]
+        for r in ended:
+            r.stop_reason = reason
+        self.kv.uncache_from(request, request.num_computed_tokens)
+        self.running.remove(request)
+        self._free(request, RequestStatus.FINISHED_ERROR)
+        return ended
+
+    def _check_stop(self, request: Request, token_id: int) -> None:
+        params = request.sampling_params
+        status = None
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token_id in params.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+        if status is None and (request.num_output_tokens >= request.max_tokens
+                               or request.num_tokens >= self.config.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH_CAPPED
+        if status is not None:
+            self.running.remove(request)
+            self._free(request, status)
+
+    def _fork(self, leader: Request) -> None:
+        """Hand the leader's prompt blocks to its pending children; all continue independently."""
+        leader.compute_limit = None
+        for child in leader.fork_children:
+            if self.pending_forks.pop(child.request_id, None) is None:
+                continue
+            if leader.num_computed_tokens:
+                self.kv.fork(leader, child)
+            child.num_computed_tokens = leader.num_computed_tokens
+            child.num_cached_tokens = leader.num_cached_tokens
+            if leader.status == RequestStatus.RUNNING:
+                # They hold KV now: run beside the leader (they were counted at its admission).
+                child.status = RequestStatus.RUNNING
+                self.running.append(child)
+            else:
+                child.status = RequestStatus.WAITING
+                self._enqueue(child)
+        leader.fork_children = []

@@ -1,0 +1,244 @@
+"""Executors drive the ranks of one engine: `InProcessExecutor` runs the single rank in this
+process; `RayExecutor` runs one worker actor per TP x PP rank. `make_executor` picks by world size."""
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+from engine.worker.step_channel import StepChannel
+from engine.worker.step_delta import StepEncoder
+from engine.worker.worker import Worker
+from kv_transfer.worker_group import KVWorkerGroup
+from records.config import EngineConfig
+from records.errors import ChannelClosed, EngineDeadError
+from records.outputs import ModelRunnerOutput, SchedulerOutput
+from records.transfer import TransferReport
+
+
+def make_executor(config: EngineConfig) -> InProcessExecutor | RayExecutor:
+    """The Ray executor for more than one rank or when asked for ("ray"), else in-process."""
+    pc = config.parallel_config
+    if pc.world_size == 1 and pc.distributed_executor_backend != "ray":
+        return InProcessExecutor(config)
+    return RayExecutor(config)
+
+
+class _Executor:
+    """What both executors share: the KV connector's worker sides of the ranks (`kv`, None without
+    a connector), reached through the step messages."""
+
+    kv: KVWorkerGroup | None = None
+    kv_scales: tuple[tuple[float, float], ...] = ()    # the fp8 cache's scales the ranks use (Worker.kv_scales)
+    _kv_fresh = False                 # a step's reports arrived since the last kv_poll
+
+    def _exchange(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]
+                  ) -> tuple[ModelRunnerOutput | None, list[TransferReport | None]]:
+        """One step message to every rank: the driver's output and each rank's transfer report."""
+        raise NotImplementedError
+
+    def _step(self, sched: SchedulerOutput | None) -> ModelRunnerOutput | None:
+        output, reports = self._exchange(sched, self.kv.take_ops() if self.kv is not None else [])
+        if self.kv is not None:
+            self.kv.collect(reports)
+            self._kv_fresh = True
+        return output
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        output = self._step(sched)
+        assert output is not None
+        return output
+
+    def kv_poll(self) -> TransferReport:
+        """Transfers finished since the last call: from the last step's replies, or from a step
+        message without a model step when none ran since."""
+        assert self.kv is not None
+        if not self._kv_fresh:
+            self._step(None)
+        self._kv_fresh = False
+        return self.kv.take_report()
+
+    def kv_blocks(self, block_ids: list[int]) -> list[Any]:
+        """Every rank's heads of these blocks (Worker.kv_blocks), in rank order (for checks)."""
+        raise NotImplementedError
+
+    def kv_flush(self) -> None:
+        """Send the queued KV orders now (new leases must be live before their parameters leave)."""
+        if self.kv is not None and self.kv.ops:
+            self._step(None)
+
+
+class InProcessExecutor(_Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        pc = config.parallel_config
+        assert pc.world_size == 1, "more than one rank needs the RayExecutor"
+        self.worker = Worker(config, "cuda" if pc.worker_num_gpus else "cpu")
+        self.worker.load_model()
+        self.kv_scales = self.worker.kv_scales()
+        self.num_blocks, self.num_cpu_blocks = self.worker.determine_num_blocks()
+        self.worker.init_cache(self.num_blocks, self.num_cpu_blocks)
+        if self.worker.kv_connector is not None:
+            engine_id, address = self.worker.kv_address()
+            self.kv = KVWorkerGroup(engine_id, [address])
+
+    def kv_blocks(self, block_ids: list[int]) -> list[Any]:
+        return [self.worker.kv_blocks(block_ids)]
+
+    def _exchange(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]
+                  ) -> tuple[ModelRunnerOutput | None, list[TransferReport | None]]:
+        output, report = self.worker.step(sched, kv_ops, isolate_failures=True)
+        return output, [report]
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+class RayExecutor(_Executor):
+    """One `Worker` actor per rank in a placement group (cluster/placement.py: a stage's TP ranks on
+    one node, stages spread over nodes). Setup goes through Ray calls; then every worker runs
+    `serve_steps`, connected to this executor's StepChannel, and each step's SchedulerOutput goes
+    out as a delta (engine/worker/step_delta.py: O(batch) bytes on a decode step), serialized once and the
+    same bytes written to every worker's connection; the driver rank (TP 0 of the last stage)
+    answers with the sampled tokens. A dead worker fails the step with
+    EngineDeadError as soon as its connection closes or Ray reports it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        import ray  # noqa: PLC0415
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
+
+        from engine.executor.ray_cluster import create_engine_placement, init_ray  # noqa: PLC0415 (imports Ray)
+
+        if not ray.is_initialized():
+            init_ray()
+        pc = config.parallel_config
+        tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        self.placement_group = create_engine_placement(tp, pp, pc.worker_num_cpus, pc.worker_num_gpus,
+                                                       dict(pc.worker_resources))
+        device = "cuda" if pc.worker_num_gpus else "cpu"
+        threads = max(1, int(pc.worker_num_cpus))
+        # Everything but `placement` runs on the actor's one default thread: torch work split over
+        # two threads slows every later step (OpenMP; see engine/async_engine.py). `placement`, in
+        # its own group, answers while serve_steps holds the default thread.
+        actor = ray.remote(concurrency_groups={"control": 1})(Worker)
+        self.workers = [
+            actor.options(num_cpus=pc.worker_num_cpus, num_gpus=pc.worker_num_gpus,
+                          resources=dict(pc.worker_resources),
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(
+                              self.placement_group, placement_group_bundle_index=rank // tp),
+                          ).remote(config, device, rank, threads)
+            for rank in range(tp * pp)]
+        self.driver = (pp - 1) * tp
+        try:
+            host, port = ray.get(self.workers[0].rendezvous_address.remote())
+            self._run("init_distributed", f"tcp://{host}:{port}")
+            self._run("load_model")
+            self.kv_scales = self._run("kv_scales")[0]        # (TP ranks agree: kv_scales.py)
+            sizes = self._run("determine_num_blocks")
+            self.num_blocks = min(n for n, _ in sizes)
+            self.num_cpu_blocks = min(c for _, c in sizes)
+            self._run("init_cache", self.num_blocks, self.num_cpu_blocks)
+            if config.kv_transfer_config is not None:       # PP == 1 (config): rank == TP rank
+                ids, addresses = zip(*self._run("kv_address"))
+                self.kv = KVWorkerGroup(ids[0], list(addresses))
+            self.encoder = StepEncoder()
+            self.channel = StepChannel(ray.util.get_node_ip_address())
+            self._loops = [w.serve_steps.remote(*self.channel.address) for w in self.workers]
+            self.channel.accept(len(self.workers), 120.0, self._dead_worker)
+        except ChannelClosed as e:
+            self.shutdown()
+            raise EngineDeadError(f"a worker of this engine failed to connect: {e}") from e
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _dead_worker(self) -> str | None:
+        """Why the engine cannot go on, if a worker's step loop has ended (its actor died, or the loop
+        raised); None while they all run."""
+        import ray  # noqa: PLC0415
+
+        done, _ = ray.wait(self._loops, num_returns=len(self._loops), timeout=0)
+        for ref in done:
+            rank = self._loops.index(ref)
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - reported as the reason
+                return f"worker rank {rank} died: {e}"
+            return f"worker rank {rank} stopped serving steps"
+        return None
+
+    def _run(self, method: str, *args: Any) -> list[Any]:
+        """Call `method` on every worker at once; results in rank order."""
+        return self._wait([getattr(w, method).remote(*args) for w in self.workers])
+
+    @staticmethod
+    def _wait(refs: list[Any]) -> list[Any]:
+        """Results of `refs`; raise EngineDeadError once any worker is reported dead (the others may
+        be blocked in a collective with it and never answer). Waits for all at once, looking at the
+        finished ones every second, so the usual step costs one wait and one get."""
+        import ray  # noqa: PLC0415
+
+        try:
+            pending = list(refs)
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+                if pending and ready:
+                    ray.get(ready)              # raises if one of them failed
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as e:
+            raise EngineDeadError(f"a worker of this engine died: {e}") from e
+
+    def _exchange(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]
+                  ) -> tuple[ModelRunnerOutput | None, list[TransferReport | None]]:
+        self._send(sched, kv_ops)
+        return self._receive()
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Send a step without waiting for it (pipeline stages: the workers run the steps in the
+        order sent; `collect` returns their outputs in that order). Engines with a KV connector,
+        which has one PP stage, step through execute_model."""
+        self._send(sched, [])
+
+    def collect(self) -> ModelRunnerOutput:
+        """The output of the oldest step sent with `submit` (blocks until it is done)."""
+        output, _ = self._receive()
+        assert output is not None
+        return output
+
+    def _send(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]) -> None:
+        try:
+            delta = None if sched is None else self.encoder.encode(sched)   # Worker.execute_serialized
+            self.channel.broadcast(pickle.dumps((delta, kv_ops), protocol=pickle.HIGHEST_PROTOCOL))
+        except ChannelClosed as e:
+            raise EngineDeadError(f"a worker of this engine died: {e}") from e
+
+    def _receive(self) -> tuple[ModelRunnerOutput | None, list[TransferReport | None]]:
+        try:
+            replies = self.channel.gather(self._dead_worker)
+        except ChannelClosed as e:
+            raise EngineDeadError(f"a worker of this engine died: {e}") from e
+        results = [pickle.loads(reply) for reply in replies]
+        for rank, (ok, value) in enumerate(results):
+            if not ok:       # the ranks may now be out of step with each other: the engine stops
+                raise EngineDeadError(f"worker rank {rank} failed a step:\n{value}")
+        return results[self.driver][1][0], [report for _, (_, report) in results]
+
+    def kv_blocks(self, block_ids: list[int]) -> list[Any]:
+        return self._wait([w.kv_blocks.options(concurrency_group="control").remote(block_ids)
+                           for w in self.workers])
+
+    def placements(self) -> list[dict[str, Any]]:
+        return self._wait([w.placement.options(concurrency_group="control").remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        import ray  # noqa: PLC0415
+        from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
+
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()           # the workers' step loops end
+            self.channel = None
+
+        for worker in getattr(self, "workers", []):
+            ray.kill(worker)
+        self.workers = []
+        if getattr(self, "placement_group", None) is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None

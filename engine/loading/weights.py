@@ -1,0 +1,143 @@
+"""Streaming a model's weights: HF safetensors directories (single or sharded) and GGUF files
+(dequantized through transformers' GGUF support, or with their Q8_0/Q4_0/Q4_1 tensors kept in their
+blocks as `GGUFWeight`s). Finding the model is records/model_source.py.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kernels.reference import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
+from records.gguf_file import gguf_reader
+from records.quantization import GGUF_NATIVE_ARCHITECTURES
+
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    """A 2-D weight [rows, cols] kept in its GGUF blocks: `blocks` is uint8 [rows, cols / 32 * block
+    bytes] of type `qtype` (kernels/reference.py: the layouts). Rows are output features; a shard
+    of the input features (tensor parallelism) must fall on block boundaries."""
+    blocks: torch.Tensor
+    qtype: str
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.cols
+
+    def narrow(self, dim: int, start: int, size: int) -> GGUFWeight:
+        if dim == 0:
+            return GGUFWeight(self.blocks.narrow(0, start, size), self.qtype, self.cols)
+        if start % GGUF_BLOCK or size % GGUF_BLOCK:
+            raise ValueError(f"a {self.qtype} weight splits its {self.cols} input features only at its "
+                             f"{GGUF_BLOCK}-feature blocks: tensor_parallel_size must divide {self.cols // GGUF_BLOCK}")
+        per = GGUF_BLOCK_BYTES[self.qtype]
+        return GGUFWeight(self.blocks.narrow(1, start // GGUF_BLOCK * per, size // GGUF_BLOCK * per),
+                          self.qtype, size)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_gguf(self.blocks, self.qtype, dtype)
+
+    def rows(self) -> torch.Tensor:
+        """The blocks, the form a quantized layer holds."""
+        return self.blocks
+
+
+def iterate_weights(path: str, gguf_file: str | None, hf_config: Any, keep_quantized: bool = False
+                    ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """Yield (HF parameter name, tensor) for every tensor of the checkpoint; with `keep_quantized`,
+    a GGUF file's Q8_0/Q4_0/Q4_1 matrices come as GGUFWeights (their blocks), the rest dequantized."""
+    if gguf_file is not None:
+        if keep_quantized:
+            yield from _gguf_native_weights(os.path.join(path, gguf_file), hf_config)
+        else:
+            yield from _gguf_weights(os.path.join(path, gguf_file), hf_config)
+        return
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model directory {path!r} has no *.safetensors files")
+    from safetensors import safe_open  # noqa: PLC0415
+
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _gguf_weights(file: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: PLC0415
+
+    # transformers maps GGUF tensor names to HF names through a model skeleton; build it on the
+    # meta device so nothing is allocated.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    parsed = load_gguf_checkpoint(file, return_tensors=True, model_to_load=skeleton)
+    yield from parsed["tensors"].items()
+
+
+def _gguf_native_weights(file: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    import numpy as np  # noqa: PLC0415
+    from gguf import dequantize  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor  # noqa: PLC0415
+
+    reader = gguf_reader(file)
+    arch_field = reader.fields.get("general.architecture")
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field is not None else "?"
+    if arch not in GGUF_NATIVE_ARCHITECTURES:
+        raise ValueError(f"quantization='gguf' keeps the blocks of {GGUF_NATIVE_ARCHITECTURES} GGUF files; "
+                         f"this one is {arch!r} (quantization='none' dequantizes it)")
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(
+        config={"num_attention_heads": heads, "num_key_value_heads": kv_heads})
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    names = gguf_names(skeleton, processor)
+    for tensor in reader.tensors:
+        if tensor.name not in names:
+            continue
+        qtype = tensor.tensor_type.name
+        if qtype in GGUF_BLOCK_BYTES and len(tensor.shape) == 2:
+            blocks = torch.from_numpy(np.array(tensor.data))          # [rows, row bytes], a copy
+            if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+                # llama.cpp's converter interleaves the rotary halves of each head's rows; undo it
+                # (transformers' LlamaTensorProcessor does the same to the dequantized rows).
+                n = heads if ".attn_q." in tensor.name else kv_heads
+                rows, width = blocks.shape
+                blocks = blocks.reshape(n, rows // n // 2, 2, width).transpose(1, 2).reshape(rows, width)
+            yield names[tensor.name], GGUFWeight(blocks.contiguous(), qtype, int(tensor.shape[0]))
+        else:
+            weights = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
+                                        tensor_key_mapping=names, parsed_parameters={"tensors": {}}).weights
+            yield names[tensor.name], torch.from_numpy(np.copy(weights))
+
+
+def gguf_names(skeleton: Any, processor: Any) -> dict[str, str]:
+    """GGUF tensor name -> HF parameter name for a model skeleton: transformers'
+    get_gguf_hf_weights_map, without its second walk over every submodule, which builds gguf-py's
+    name table once per module (~400 times, ~5 s, for the embedded model). The full names of the
+    top-level state dict map every tensor of the architectures pdserve reads; an architecture
+    gguf-py does not name goes to transformers' walk (tests/engine/test_quant.py compares the two)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map  # noqa: PLC0415
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map  # noqa: PLC0415
+
+    config = skeleton.config
+    arch = next((k for k, v in MODEL_ARCH_NAMES.items() if v == config.model_type), None)
+    if arch is None:
+        return get_gguf_hf_weights_map(skeleton, processor)
+    table = get_tensor_name_map(arch, config.num_hidden_layers)
+    names = {}
+    for hf_name in skeleton.state_dict():
+        name, dot, suffix = processor.preprocess_name(hf_name).rpartition(".")
+        if suffix not in ("weight", "bias"):
+            name, dot, suffix = processor.preprocess_name(hf_name), "", ""
+        gguf_name = table.get_name(name)
+        if gguf_name is not None:
+            names[gguf_name + dot + suffix] = hf_name
+    return names

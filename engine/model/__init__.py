@@ -1,0 +1,2 @@
+"""The model: TP-aware layers (`layers/`), architectures (`models/`) and this process's parallel
+state (ranks and collectives)."""

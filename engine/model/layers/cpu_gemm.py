@@ -1,0 +1,195 @@
+"""CPU GEMM paths for the linear layers: `linear()` is `F.linear` with the faster of exact-enough
+paths, chosen by the number of rows and by what this CPU was timed to do faster (once per process):
+oneDNN-prepacked weights (`prepack`, `packed_linear`), fp32 GEMM on upcast operands for
+prefill-sized bf16/fp16 batches (`cpu_fp32_gemm`). benchmarks/cpu_linear.py prints both sides.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_ops import has_amx
+
+# At or above this many rows, a bf16/fp16 matmul on CPU may run as fp32 GEMM on upcast operands:
+# below ~64 rows the weight upcast costs more than a faster GEMM could save.
+CPU_FP32_MIN_ROWS = 96
+
+
+# fp32 GEMM is chosen only where it beats the reduced-precision GEMM by this factor at prefill size,
+# so that timing noise cannot flip the choice between runs on one machine.
+CPU_FP32_MIN_SPEEDUP = 1.25
+
+
+# fp32 weights: oneDNN's prepacked GEMM is used from this many rows on, unless this CPU runs it
+# faster than MKL's sgemm at one row too (`fp32_packed_min_rows`): on the CPUs first measured MKL was
+# faster below it (oneDNN 0.5-0.8x at one row, docs/PERFORMANCE.md §7); on a first-generation EPYC
+# (Zen 1) oneDNN is 1.2-1.4x sgemm at one row and 2.3x at four (§9c, §7j).
+CPU_FP32_PACKED_MIN_ROWS = 8
+
+
+# ... and the factor by which oneDNN must beat sgemm at one or two rows. Lower than
+# CPU_FP32_MIN_SPEEDUP: both GEMMs are fp32, so where they are close either choice is as good, and on
+# the Zen 1 this timing measured 1.20-1.26x in six processes, which 1.25 split at random between a
+# 51.5 and a 59.9 ms batch-1 step of the embedded model.
+CPU_FP32_ROWS_MIN_SPEEDUP = 1.1
+
+
+def cpu_fp32_gemm(dtype: torch.dtype) -> bool:
+    """Whether prefill-sized (>= CPU_FP32_MIN_ROWS rows) CPU matmuls with `dtype` weights run in fp32.
+
+    `PDSERVE_CPU_FP32_GEMM=1|0` forces the choice; the default `auto` times both once per process
+    and dtype (~0.3 s), except on CPUs with AMX for the dtype, where the reduced-precision GEMM
+    always wins. CPUs differ by 2-3x in opposite directions here: on the Xeons with AVX512-BF16 but
+    no AMX, oneDNN's bf16 brgemm reaches ~150 GFLOP/s against ~270 for MKL's sgemm, while on AMD
+    Zen 4 bf16 is ~3x faster than sgemm, and with AMX-BF16 2.5x faster at prefill sizes
+    (benchmarks/cpu_linear.py prints both).
+    """
+    value = os.environ.get("PDSERVE_CPU_FP32_GEMM", "auto")
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"PDSERVE_CPU_FP32_GEMM must be auto, 0 or 1; got {value!r}")
+    return value == "1" or (value == "auto" and _fp32_gemm_is_faster(dtype))
+
+
+@functools.cache
+def _fp32_gemm_is_faster(dtype: torch.dtype) -> bool:
+    if has_amx(dtype):
+        # oneDNN's AMX GEMM in bf16/fp16 is several times any fp32 GEMM on the same cores: timing
+        # is not needed, and a timing taken while other processes start (a server beside another)
+        # once picked fp32 here and made every prefill 2.5x slower (docs/PERFORMANCE.md §7h).
+        return False
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(1536, 576, generator=g).to(dtype)        # a small model's MLP projection
+    x = torch.randn(256, 576, generator=g).to(dtype)
+    packed = prepack(weight)
+
+    def native() -> None:
+        if packed is None:
+            F.linear(x, weight)
+        else:
+            packed_linear(x, packed)
+
+    def fp32() -> None:
+        F.linear(x.float(), weight.float()).to(dtype)
+
+    native_s, fp32_s = _best_alternating(native, fp32, rounds=3)
+    return native_s > CPU_FP32_MIN_SPEEDUP * fp32_s
+
+
+def _best_alternating(first, second, rounds: int) -> tuple[float, float]:
+    """Each function's best `_best_of` over `rounds` rounds that alternate the two, so that a burst
+    of load elsewhere (another process starting) cannot decide between them."""
+    first_s = second_s = float("inf")
+    for _ in range(rounds):
+        first_s = min(first_s, _best_of(first))
+        second_s = min(second_s, _best_of(second))
+    return first_s, second_s
+
+
+def _best_of(fn, rounds: int = 5, calls: int = 3) -> float:
+    """Fastest of `rounds` timings of `calls` calls each, after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def cpu_prepack_enabled() -> bool:
+    """Whether CPU linears keep a oneDNN-prepacked copy of their weights (`PDSERVE_CPU_PREPACK`,
+    default on): 1.2-1.7x faster few-row (decode) bf16 matmuls, 1.5-3.3x fp32 ones where oneDNN
+    beats MKL, for twice the linear weights' memory."""
+    value = os.environ.get("PDSERVE_CPU_PREPACK", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"PDSERVE_CPU_PREPACK must be 0 or 1; got {value!r}")
+    return value == "1"
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """A oneDNN-blocked copy of a CPU weight for `linear()`, or None where it does not apply: bf16 and
+    fp16 weights always (where oneDNN has the path), fp32 weights where this CPU runs oneDNN's
+    prepacked fp32 GEMM faster than F.linear (`_fp32_prepack_pays`)."""
+    if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+            or not torch.backends.mkldnn.is_available() or not cpu_prepack_enabled()):
+        return None
+    if weight.dtype == torch.float32 and not _fp32_prepack_pays():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    except RuntimeError:     # oneDNN's bf16/fp16 path needs AVX-512 or AVX-NE-CONVERT: F.linear then
+        return None
+
+
+@functools.cache
+def _fp32_prepack_pays() -> bool:
+    """Whether oneDNN's prepacked fp32 GEMM beats F.linear (MKL's sgemm) on this CPU by
+    CPU_FP32_MIN_SPEEDUP at decode sizes (timed once per process, ~0.1 s). It does by 1.5-3.3x on an
+    AVX2-only EPYC (docs/PERFORMANCE.md §7); CPUs differ, so it is measured, not assumed."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(1536, 576, generator=g)                  # a small model's MLP projection
+    x = torch.randn(16, 576, generator=g)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    except RuntimeError:
+        return False
+    sgemm, onednn = _best_alternating(lambda: F.linear(x, weight), lambda: packed_linear(x, packed), rounds=4)
+    return sgemm > CPU_FP32_MIN_SPEEDUP * onednn
+
+
+@functools.cache
+def fp32_packed_min_rows() -> int:
+    """From how many rows an fp32 linear with a prepacked weight takes oneDNN's GEMM: the fewest of
+    1 and 2 rows at which this CPU runs it CPU_FP32_ROWS_MIN_SPEEDUP times faster than F.linear (MKL's
+    sgemm), else CPU_FP32_PACKED_MIN_ROWS. Timed once per process (~0.3 s), alternating, on weights
+    cycled from memory as a model's are (cache-hot, the order differs: on a Zen 1 EPYC sgemm was
+    1.15x oneDNN at one row hot and 0.7x from memory)."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(1536, 576, generator=g) for _ in range(8)]     # 28 MB: more than a CPU's L3 slice
+    try:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    except RuntimeError:
+        return CPU_FP32_PACKED_MIN_ROWS
+    for rows in (1, 2):
+        x = torch.randn(rows, 576, generator=g)
+        sgemm, onednn = _best_alternating(lambda x=x: [F.linear(x, w) for w in weights],
+                                          lambda x=x: [packed_linear(x, p) for p in packed], rounds=2)
+        if sgemm > CPU_FP32_ROWS_MIN_SPEEDUP * onednn:
+            return rows
+    return CPU_FP32_PACKED_MIN_ROWS
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, with faster CPU paths.
+
+    fp32 with a prepacked weight (where `prepack` found it faster) and at least
+    `fp32_packed_min_rows()` rows: oneDNN's GEMM instead of MKL's sgemm, the same products summed in
+    another order. bf16/fp16: many rows (prefill) on a CPU where
+    `cpu_fp32_gemm` finds it faster: fp32 GEMM on upcast operands, rounded back to x's dtype.
+    Products of bf16 values are exact in fp32 and oneDNN's bf16 GEMM accumulates in fp32 too, so the
+    two differ only in summation order. Otherwise: the prepacked weight, the same oneDNN kernel as
+    F.linear without reordering the weight on every call (bit-identical to F.linear).
+    """
+    if x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    if x.dtype == torch.float32:
+        if packed is None or x.numel() < fp32_packed_min_rows() * x.shape[-1]:
+            return F.linear(x, weight, bias)
+        return packed_linear(x, packed, bias)
+    if x.numel() >= CPU_FP32_MIN_ROWS * x.shape[-1] and cpu_fp32_gemm(x.dtype):
+        b = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), b).to(x.dtype)
+    if packed is not None:
+        return packed_linear(x, packed, bias)
+    return F.linear(x, weight, bias)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b with a weight from `prepack` (oneDNN; bf16/fp16: bit-identical to F.linear)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -1,1 +1,0 @@
-"""Model implementations, looked up by HF architecture name in `registry`."""

@@ -1,0 +1,2 @@
+"""Sampling: the sampler, penalties, the rejection sampler of speculative decoding, and the
+structured-output grammars that mask the logits."""

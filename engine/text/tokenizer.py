@@ -1,0 +1,150 @@
+"""Tokenizer loading, chat templates and incremental detokenization."""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from typing import Any
+
+from records.gguf_file import gguf_hf_dir
+
+
+def load_tokenizer(path: str, gguf_file: str | None) -> Any | None:
+    """The model's HF tokenizer, or None if the checkpoint ships none (token-id prompts only). A GGUF
+    file's comes converted once and saved (records/gguf_file.py: gguf_hf_dir)."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    try:
+        if gguf_file is not None:
+            path = gguf_hf_dir(path, gguf_file)
+            if not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+                return None                 # the file has none
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def eos_token_ids(tokenizer: Any | None, hf_config: Any, path: str) -> frozenset[int]:
+    """EOS ids from the tokenizer, the model config and generation_config.json."""
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    try:
+        from transformers import GenerationConfig  # noqa: PLC0415
+
+        add(GenerationConfig.from_pretrained(path).eos_token_id)
+    except (OSError, ValueError):
+        pass
+    return frozenset(ids)
+
+
+# Template variables that apply_chat_template sets itself: chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                      "continue_final_message", "tokenize", "return_dict", "chat_template"})
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
+                        tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False,
+                        template_kwargs: dict[str, Any] | None = None,
+                        chat_template: str | None = None) -> list[int]:
+    """The conversation's prompt token ids (`tools` in OpenAI's shape, for templates that render
+    them: engine/text/tool_calls.py prepares both), with vLLM's chat options: the generation prompt
+    (default), or `continue_final_message` (the last message, an assistant's, left open for the
+    model to continue), and `template_kwargs` (vLLM's chat_template_kwargs: more variables for the
+    template, e.g. Qwen3's enable_thinking); `chat_template` in place of the tokenizer's (vLLM's).
+    ValueError naming the field when there is no chat template, the options conflict, or the
+    template refuses the conversation."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer: send token ids")
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
+        raise ValueError("this model has no chat template: send a plain prompt, or give one (LLM.chat's "
+                         "chat_template, `pdserve serve --chat-template`, serving.chat_template)")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message needs add_generation_prompt=false (the last message is "
+                         "continued, not answered)")
+    if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+        raise ValueError("continue_final_message needs the last message to be the assistant's")
+    clash = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ()))
+    if clash:
+        raise ValueError(f"chat_template_kwargs must not set {clash}: those are the request's own fields")
+    from jinja2 import TemplateError  # noqa: PLC0415
+
+    try:
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message, tokenize=True,
+                                            chat_template=chat_template, **(template_kwargs or {}))
+    except TemplateError as e:       # the template refused the conversation (e.g. roles out of order)
+        raise ValueError(f"messages: the model's chat template refused them: {e}") from None
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a small window (from `prefix_offset`) and emits only what was added since the last call,
+    holding back text that ends in U+FFFD: a multi-byte character split across tokens appears only
+    once all of its bytes have arrived.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        # Start from a few prompt tokens so the first output token decodes with its left context
+        # (a leading space, for instance).
+        self.context = list(prompt_token_ids[-5:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.context)
+        self.output_text = ""
+
+        # The Rust tokenizer itself where the HF decode only wraps it: the wrapper's argument
+        # conversion and checks were four fifths of the time per token (docs/PERFORMANCE.md §8).
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._backend = backend if backend is not None and _decode_wraps_backend(type(tokenizer)) else None
+
+    def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def update(self, new_token_ids: list[int]) -> str:
+        """Append tokens; returns the new text (possibly empty) and extends `output_text`."""
+        self.token_ids.extend(new_token_ids)
+        self.context.extend(new_token_ids)
+        prefix_text = self._decode(self.context[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.context[self.prefix_offset:])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        delta = full_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.context)
+        self.output_text += delta
+        return delta
+
+
+
+@functools.cache
+def _decode_wraps_backend(cls: type) -> bool:
+    """Whether `cls.decode` (without clean-up) only wraps its Rust tokenizer's `decode`: fast
+    tokenizers that do not override `_decode`."""
+    for module, name in (("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
+                         ("transformers.tokenization_utils_fast", "PreTrainedTokenizerFast")):
+        try:
+            base = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        if issubclass(cls, base) and cls._decode is base._decode:
+            return True
+    return False

@@ -1,0 +1,324 @@
+"""ModelRunner: turns a SchedulerOutput into input tensors, runs the model once, samples.
+
+Batch layout: decode requests (one new token) first, then prefill segments, so attention handles
+all decodes in one batched call. With pipeline stages a step's requests run as several micro-batches
+(`pipeline_micro_batches`, default pp_size), so that stage s + 1 works on one while stage s runs the
+next. Logits are computed only for rows that sample (the last token of a
+request whose KV is now complete; with speculative decoding, also each proposed token's row, which
+engine/sample/rejection_sampler.py verifies) and for rows that want prompt logprobs.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.model.layers.attention import AttentionBackend
+from engine.model.parallel_state import ParallelState, get_parallel_state, pp_recv, pp_send
+from engine.sample.penalties import TokenCounts
+from engine.sample.rejection_sampler import verify
+from engine.sample.sampler import SamplingRow, greedy_ids, sample, top_logprobs
+from engine.sample.structured_output import Constraints
+from engine.worker.cpu_decode import CpuDecodePlan
+from engine.worker.cuda_graph import CudaGraphRunner
+from engine.worker.lora_slots import LoRASlots
+from kernels.dispatch import get_kernels
+from records.outputs import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
+
+# A pipeline micro-batch has at least this many tokens. Smaller ones do not pay: a stage reads all
+# its weights once per micro-batch, and below about this many rows the matmuls are bound by those
+# reads (decode), so splitting a decode step doubles each stage's time while it overlaps at most
+# two stages (benchmarks/parallel.py: PP=2 decode-heavy, 0.70x of PP=1 split against 1.10x unsplit).
+MIN_MICRO_BATCH_TOKENS = 128
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, block_size: int, device: torch.device, seed: int = 0,
+                 micro_batches: int = 1) -> None:
+        self.model = model
+        self.micro_batches = micro_batches       # per step, with pipeline stages
+        self.block_size = block_size
+        self.device = device
+        self.kernels = get_kernels(device)
+        self.attention = AttentionBackend(self.kernels, device)
+        bind_kernels(model, self.kernels, self.attention)
+        # The activations' dtype: that of the first floating-point parameter (GGUF layers hold uint8 blocks).
+        self.model_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        self.kv_caches: list[torch.Tensor] = []     # per layer [2, num_blocks, block_size, kvh, d]
+        self.cpu_caches: list[torch.Tensor] = []    # the swap pool, same layout
+        # Draws for requests without their own seed.
+        self.generator = torch.Generator().manual_seed(seed)
+        # Seeded requests' generators, made from their seed when first sampled and kept until they
+        # finish (across preemptions, as the request's own stream), on whichever rank samples.
+        self.generators: dict[str, torch.Generator] = {}
+        self.token_counts: TokenCounts | None = None          # penalties' counts, made when first needed
+        self.graph_runner: CudaGraphRunner | None = None     # decode steps replay CUDA graphs
+        # CPU decode steps run as a flat plan of kernel calls (engine/worker/cpu_decode.py): built at the
+        # first decode step (False: not yet built), once the KV cache exists; None where it does not apply.
+        self.decode_plan: CpuDecodePlan | None | bool = False
+        self._logits: torch.Tensor | None = None             # see _logits_buffer
+        # Structured outputs' matchers (engine/sample/structured_output.py), set by the worker.
+        self.constraints: Constraints | None = None
+        # The adapter pool (engine/worker/lora_slots.py), set by the worker with LoRA enabled.
+        self.lora: LoRASlots | None = None
+
+    def capture_cuda_graphs(self, sizes: tuple[int, ...], max_model_len: int) -> bool:
+        """Capture the decode step for these batch sizes (after the KV cache exists). Only where the
+        attention backend can (CUDA, Triton kernels: padded rows rely on its slot -1) and on a single
+        rank; returns whether graphs are in use."""
+        state = get_parallel_state()
+        if not sizes or not self.attention.can_capture_cuda_graphs or state.tp_size > 1 or state.pp_size > 1:
+            return False
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graph_runner = CudaGraphRunner(self.model, self.kv_caches, sizes, max_blocks, self.device)
+        self.graph_runner.capture()
+        return True
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step. Returns the sampled tokens on the driver rank, None on other ranks."""
+        k = self.kernels
+        k.swap_blocks(self.kv_caches, self.cpu_caches, sched.swap_out)
+        k.swap_blocks(self.cpu_caches, self.kv_caches, sched.swap_in)
+        k.copy_blocks(self.kv_caches, sched.copy_blocks)
+        for rid in sched.finished_ids:
+            self.generators.pop(rid, None)
+            if self.token_counts is not None:
+                self.token_counts.release(rid)
+        if self.constraints is not None:
+            self.constraints.release(sched.finished_ids)
+        if not sched.scheduled:
+            return ModelRunnerOutput(sampled={})
+
+        state = get_parallel_state()
+        output = ModelRunnerOutput(sampled={})
+        sends: list[tuple[Any, torch.Tensor]] = []      # (work, tensor) of async sends to wait on
+        num = 1
+        if state.pp_size > 1:
+            tokens = sum(len(r.token_ids) for r in sched.scheduled)
+            num = max(1, min(self.micro_batches, tokens // MIN_MICRO_BATCH_TOKENS))
+        for group in self._micro_batches(sched.scheduled, num):
+            part = self._run_micro_batch(group, state, sends)
+            if part is not None:
+                output.sampled.update(part.sampled)
+                output.spec_sampled.update(part.spec_sampled)
+                output.prompt_logprobs.update(part.prompt_logprobs)
+                output.failed.update(part.failed)
+        for work, _ in sends:
+            work.wait()
+        return output if state.is_last_stage and state.is_driver else None
+
+    @staticmethod
+    def _micro_batches(scheduled: list[ScheduledRequest], num: int) -> list[list[ScheduledRequest]]:
+        """The step's requests in `num` micro-batches of about equal token counts (pipeline
+        parallelism: stage s runs micro-batch m + 1 while stage s + 1 runs m), each with its decodes
+        first so attention handles them in one batched call. Deterministic: every rank splits the
+        same SchedulerOutput the same way."""
+        if num <= 1 or len(scheduled) < 2:
+            return [sorted(scheduled, key=_batch_order)]
+        groups: list[list[ScheduledRequest]] = [[] for _ in range(min(num, len(scheduled)))]
+        loads = [0] * len(groups)
+        for req in sorted(scheduled, key=lambda r: -len(r.token_ids)):
+            i = loads.index(min(loads))
+            groups[i].append(req)
+            loads[i] += len(req.token_ids)
+        return [sorted(g, key=_batch_order) for g in groups]
+
+    def _run_micro_batch(self, batch: list[ScheduledRequest], state: ParallelState,
+                         sends: list[tuple[Any, torch.Tensor]]) -> ModelRunnerOutput | None:
+        """This rank's part of one micro-batch: receive the previous stage's activations, run its
+        layers, then send them on (asynchronously: the next micro-batch starts at once) or, on the
+        last stage, compute logits and sample (on the driver rank)."""
+        input_ids, positions, meta, sample_rows, spec_rows, lp_rows = self._prepare(batch)
+        if self.lora is not None:
+            self.lora.prepare(batch)
+        intermediate = None
+        if not state.is_first_stage:             # the previous stage's (hidden, residual)
+            cfg = self.model.config
+            intermediate = pp_recv((2, input_ids.shape[0], cfg.hidden_size), self.model_dtype, self.device)
+        hidden = None
+        if self.graph_runner is not None:
+            hidden = self.graph_runner.run(input_ids, positions, meta)
+        elif meta.num_decode_tokens == input_ids.shape[0] and self.lora is None and self.device.type == "cpu":
+            if self.decode_plan is False:
+                self.decode_plan = CpuDecodePlan.build(self.model, self.kernels, self.kv_caches)
+            if self.decode_plan is not None:
+                hidden = self.decode_plan.run(input_ids, positions, self.kv_caches, meta)
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, intermediate)   # [T, hidden]
+        if not state.is_last_stage:
+            hidden = hidden.contiguous()
+            sends.append((pp_send(hidden), hidden))     # the tensor lives until its send is done
+            return None
+
+        row_index = ([i for _, i in sample_rows] + [i for _, idx in spec_rows for i in idx]
+                     + [i for _, idx in lp_rows for i in idx])
+        if not row_index:                                  # only partial prefill chunks here
+            return None
+        rows = hidden[torch.tensor(row_index, device=hidden.device)]
+        if not spec_rows and not lp_rows and state.tp_size == 1 and all(_plain_greedy(r) for r, _ in sample_rows):
+            # Every row takes its argmax and nothing else: from the model-dtype logits (a bf16 value
+            # and its float32 copy order the same), without the float32 copy, the sampler's per-row
+            # work or the full logits crossing to the host (tiny model, batch 256: 8.6 against 14.3 ms).
+            ids = greedy_ids(self.model.compute_logits(rows, model_dtype=True)).tolist()
+            return ModelRunnerOutput(sampled={req.request_id: SampledToken(t) for (req, _), t in zip(sample_rows, ids)})
+        logits = self.model.compute_logits(rows, self._logits_buffer(len(row_index))).cpu()
+        if not state.is_driver:                  # TP ranks > 0 only took part in the logits gather
+            return None
+        num_sample = len(sample_rows)
+        output = ModelRunnerOutput(sampled={})
+        if sample_rows:
+            sampling_rows = [self._sampling_row(r) for r, _ in sample_rows]
+            if self.token_counts is None and any(r.params.needs_penalties for r in sampling_rows):
+                self.token_counts = TokenCounts()
+            masked: dict[int, str] = {}
+            if self.constraints is not None:
+                self.constraints.apply(logits, [(r.request_id, r.sampling_params.structured_outputs,
+                                                 r.output_token_ids) for r, _ in sample_rows], masked)
+            tokens, failed = sample(logits[:num_sample], sampling_rows, self.token_counts)
+            for i, why in masked.items():
+                tokens[i], failed[i] = None, why
+            for i, ((req, _), token) in enumerate(zip(sample_rows, tokens)):
+                if token is None:
+                    output.failed[req.request_id] = failed[i]
+                else:
+                    output.sampled[req.request_id] = token
+        # A request's own verification or prompt logprobs that raise fail that request only.
+        offset = num_sample
+        for req, idx in spec_rows:
+            rows = logits[offset:offset + len(idx)]
+            proposals = req.spec_token_ids
+            try:
+                spec = req.sampling_params.structured_outputs
+                if spec is not None and self.constraints is not None:
+                    # Only the proposals the grammar allows are verified: the rest count as rejected.
+                    allowed = self.constraints.apply_proposals(rows, req.request_id, spec, req.output_token_ids,
+                                                               proposals)
+                    rows, proposals = rows[:allowed + 1], proposals[:allowed]
+                output.spec_sampled[req.request_id] = verify(rows, self._sampling_row(req), proposals)
+            except Exception as e:  # noqa: BLE001
+                output.failed[req.request_id] = f"verifying proposed tokens failed: {e!r}"
+            offset += len(idx)
+        for req, idx in lp_rows:
+            rows = logits[offset:offset + len(idx)]
+            try:
+                output.prompt_logprobs[req.request_id] = self._prompt_logprobs(req, rows)
+            except Exception as e:  # noqa: BLE001
+                output.failed[req.request_id] = f"computing prompt logprobs failed: {e!r}"
+            offset += len(idx)
+        return output
+
+    def _logits_buffer(self, rows: int) -> torch.Tensor | None:
+        """A float32 buffer for `rows` rows of this rank's logits, kept across steps (grown by
+        half again when too small). Allocating them fresh each step cost more than the LM head at
+        batch 256 on CPU: glibc maps allocations over 32 MiB anew each time, and the step then
+        page-faults through them (benchmarks/step_overhead.py, docs/PERFORMANCE.md §8)."""
+        if self.model_dtype == torch.float32:
+            return None
+        head = self.model.lm_head if self.model.lm_head is not None else self.model.embed_tokens
+        if self._logits is None or self._logits.shape[0] < rows:
+            size = rows if self._logits is None else max(rows, self._logits.shape[0] * 3 // 2)
+            self._logits = torch.empty(size, head.weight.shape[0], dtype=torch.float32, device=self.device)
+        return self._logits
+
+    def _prepare(self, batch: list[ScheduledRequest]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[tuple[ScheduledRequest, int]] = []
+        spec_rows: list[tuple[ScheduledRequest, list[int]]] = []    # the rows of 1 + k positions
+        lp_rows: list[tuple[ScheduledRequest, list[int]]] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefill_tables: list[torch.Tensor] = []
+        prefill_query_lens: list[int] = []
+        prefill_seq_lens: list[int] = []
+        for req in batch:
+            n = len(req.token_ids)
+            base = len(input_ids)
+            pos = range(req.start, req.start + n)
+            input_ids.extend(req.token_ids)
+            positions.extend(pos)
+            table = req.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(req.start + 1)
+            else:
+                prefill_tables.append(torch.tensor(table, dtype=torch.long, device=self.device))
+                prefill_query_lens.append(n)
+                prefill_seq_lens.append(req.start + n)
+            if req.do_sample and req.spec_token_ids:
+                spec_rows.append((req, list(range(base + n - 1 - len(req.spec_token_ids), base + n))))
+            elif req.do_sample:
+                sample_rows.append((req, base + n - 1))
+            if req.prompt_logprobs_from is not None:
+                # Logits at position p score prompt token p + 1.
+                last = min(req.start + n, len(req.prompt_token_ids) - 1)
+                lp_rows.append((req, [base + p - req.start for p in range(req.start, last)]))
+        decode_block_tables = decode_seq_lens = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
+                                               dtype=torch.long, device=self.device)
+            decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
+        meta = self.attention.metadata(torch.tensor(slots, dtype=torch.long, device=self.device),
+                                       decode_block_tables, decode_seq_lens, prefill_tables, prefill_query_lens,
+                                       prefill_seq_lens)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return ids, pos_t, meta, sample_rows, spec_rows, lp_rows
+
+    def _sampling_row(self, req: ScheduledRequest) -> SamplingRow:
+        generator = self.generator
+        if req.seed is not None:
+            generator = self.generators.get(req.request_id)
+            if generator is None:
+                generator = self.generators[req.request_id] = torch.Generator().manual_seed(req.seed)
+        return SamplingRow(req.sampling_params, generator, req.prompt_token_ids,
+                           req.output_token_ids, req.eos_token_ids, req.request_id)
+
+    @staticmethod
+    def _prompt_logprobs(req: ScheduledRequest, logits: torch.Tensor) -> list[dict[int, float]]:
+        """Logprob (and top-N) of each prompt token scored by this chunk's logits."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        first = req.prompt_logprobs_from + 1
+        targets = req.prompt_token_ids[first:first + logits.shape[0]]
+        num = req.sampling_params.prompt_logprobs
+        out = []
+        for row, target in zip(logprobs, targets):
+            entry = top_logprobs(row, num)
+            entry[target] = row[target].item()
+            out.append(entry)
+        return out
+
+
+def _plain_greedy(req: ScheduledRequest) -> bool:
+    """The sampler would only take this row's argmax: greedy, no penalties or logit bias, no
+    logprobs, and no min_tokens mask left (engine/sample/sampler.py)."""
+    p = req.sampling_params
+    return (p.is_greedy and not p.needs_penalties and not p.logit_bias and p.logprobs is None
+            and p.structured_outputs is None
+            and len(req.output_token_ids) >= p.min_tokens)
+
+
+def bind_kernels(model: nn.Module, kernels: Any, attention: AttentionBackend) -> None:
+    """Give every layer that calls kernels (those with a `kernels` class attribute) this kernel set,
+    and every attention layer (a `backend` class attribute) this backend, chosen once per model, so
+    the forward pass does not look them up per call (an environment read and a device check, about
+    150 times per step of the embedded model)."""
+    for module in model.modules():
+        if hasattr(type(module), "kernels"):
+            module.kernels = kernels
+        if hasattr(type(module), "backend"):
+            module.backend = attention
+
+
+def _batch_order(req: ScheduledRequest) -> tuple[bool, int]:
+    """Decodes first (one batched attention call), shortest context first: the pure-torch reference
+    splits a length-sorted decode batch into groups of similar length to pad less (kernels/reference.py;
+    the C++ CPU kernel and the Triton one read each sequence's own blocks and need no order)."""
+    is_decode = len(req.token_ids) == 1
+    return not is_decode, req.start if is_decode else 0

@@ -1,0 +1,243 @@
+"""Worker: one rank. Owns the device, the model's weights (its shard), the KV cache tensors of its
+layers and heads, and the runner.
+
+Its public methods are the RPC surface an executor calls (in-process, or on a Ray actor, where
+`init_distributed` first joins the engine's process group).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import traceback
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+import engine.worker.step_channel as step_channel
+from engine.loading.quant_checkpoint import model_weights
+from engine.model.layers.attention import Attention
+from engine.model.models.registry import get_model_class
+from engine.model.parallel_state import get_parallel_state, init_parallel_state, pp_layer_range
+from engine.sample.structured_output import Constraints
+from engine.worker.kv_scales import calibrate_kv_scales
+from engine.worker.lora_slots import LoRASlots
+from engine.worker.model_runner import ModelRunner
+from engine.worker.step_delta import StepDecoder
+from kernels.dispatch import FP8_MIN_CAPABILITY, cuda_capability, has_fp8
+from kernels.reference import GGUF_BLOCK_BYTES
+from kv_transfer.base import KVConnectorWorker
+from kv_transfer.factory import create_connector_worker
+from records.config import EngineConfig
+from records.dtypes import KV_DTYPE_SIZES
+from records.kv_layout import KVLayout
+from records.outputs import ModelRunnerOutput, SchedulerOutput
+from records.transfer import TransferReport
+
+logger = logging.getLogger(__name__)
+
+# Default KV budget when neither num_kv_blocks nor kv_cache_memory_bytes is given.
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, device: str | torch.device = "cpu", rank: int = 0,
+                 num_threads: int | None = None) -> None:
+        if num_threads:
+            # A 1-CPU Ray actor runs torch single-threaded unless told otherwise.
+            torch.set_num_threads(num_threads)
+        self.config = config
+        self.num_threads = num_threads
+        self.device = torch.device(device)
+        self.rank = rank
+        if config.cache_config.is_fp8 and not has_fp8(self.device):
+            raise ValueError(f"kv_cache_dtype='fp8' needs a GPU of compute capability "
+                             f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or more (Ada, Hopper) for its e4m3 "
+                             f"kernels; {self.device} has {'.'.join(map(str, cuda_capability(self.device)))} "
+                             f"(use kv_cache_dtype='auto')")
+        self.runner: ModelRunner | None = None
+        self.kv_connector: KVConnectorWorker | None = None
+        self.decoder = StepDecoder()          # the requests' state the Ray executor sent (step deltas)
+
+    # --- joining the engine's ranks (Ray executor only) -------------------------------------------
+    def rendezvous_address(self) -> tuple[str, int]:
+        """An address and free port on this node for the process group's store (asked of rank 0)."""
+        import ray  # noqa: PLC0415
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_distributed(self, init_method: str) -> None:
+        pc = self.config.parallel_config
+        init_parallel_state(self.rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
+                            self.device)
+
+    def placement(self) -> dict[str, Any]:
+        """Where this rank runs (for placement checks and logs)."""
+        import ray  # noqa: PLC0415
+
+        state = get_parallel_state()
+        return {"rank": self.rank, "tp_rank": state.tp_rank, "pp_rank": state.pp_rank, "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
+                "num_threads": torch.get_num_threads()}
+
+    def num_local_layers(self) -> int:
+        state = get_parallel_state()
+        start, end = pp_layer_range(self.config.model_config.num_layers, state.pp_rank, state.pp_size)
+        return end - start
+
+    def num_local_kv_heads(self) -> int:
+        return max(1, self.config.model_config.num_kv_heads // get_parallel_state().tp_size)
+
+    def load_model(self) -> None:
+        mc = self.config.model_config
+        cls = get_model_class(mc.architecture)
+        with torch.device(self.device):
+            model = cls(mc.hf_config, mc.torch_dtype, mc.max_model_len)
+        model.load_weights(model_weights(mc), dense_copies=mc.quantization.endswith("+dense"))
+        if mc.quantize_activations:
+            for module in model.modules():
+                if getattr(module, "qtype", None) in GGUF_BLOCK_BYTES:
+                    module.int8_activations = True
+        model.eval()
+        self.runner = ModelRunner(model, self.config.cache_config.block_size, self.device, mc.seed,
+                                  self.config.parallel_config.pipeline_micro_batches)
+        self.runner.constraints = Constraints(mc.model, mc.gguf_file, mc.vocab_size)
+        if mc.quantize_activations and not hasattr(self.runner.kernels, "gguf_linear_int8"):
+            raise ValueError(f"quantize_activations needs the C++ CPU kernels (or the torch reference); the "
+                             f"kernel set here is {self.runner.kernels.__name__} (PDSERVE_KERNELS)")
+        if self.config.lora_config is not None:
+            self.runner.lora = LoRASlots(model, self.config.lora_config, mc.torch_dtype, self.device,
+                                         self.runner.kernels)
+        cc = self.config.cache_config
+        if cc.is_fp8 and cc.calculate_kv_scales:
+            scales = calibrate_kv_scales(self.runner, mc.model, mc.gguf_file, mc.vocab_size, mc.max_model_len)
+            self.config = replace(self.config, cache_config=replace(cc, kv_scales=scales))
+        if self.config.cache_config.kv_scales:
+            start, _ = pp_layer_range(mc.num_layers, get_parallel_state().pp_rank, get_parallel_state().pp_size)
+            for i, attn in enumerate(m for m in model.modules() if isinstance(m, Attention)):
+                attn.k_scale, attn.v_scale = self.config.cache_config.kv_scales[start + i]
+
+    def kv_scales(self) -> tuple[tuple[float, float], ...]:
+        """The fp8 cache's per-layer (K, V) scales this rank uses (from the checkpoint, or calibrated
+        at load), () for all 1.0."""
+        return self.config.cache_config.kv_scales
+
+    def bytes_per_block(self) -> int:
+        mc, cc = self.config.model_config, self.config.cache_config
+        return (2 * cc.block_size * self.num_local_kv_heads() * mc.head_dim * KV_DTYPE_SIZES[self.config.kv_dtype]
+                * self.num_local_layers())
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """(device blocks, CPU swap blocks) from the cache config."""
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        per_block = self.bytes_per_block()
+        if cc.num_kv_blocks is not None:
+            num_blocks = cc.num_kv_blocks
+        elif cc.kv_cache_memory_bytes is not None:
+            num_blocks = cc.kv_cache_memory_bytes // per_block
+        else:
+            # Enough for max_num_seqs full-length sequences, capped by the default budget.
+            wanted = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size)
+            num_blocks = min(wanted, DEFAULT_KV_CACHE_BYTES // per_block)
+        if num_blocks * cc.block_size < sc.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks x {cc.block_size} tokens, less than one "
+                f"sequence of max_model_len={sc.max_model_len}; raise num_kv_blocks / "
+                f"kv_cache_memory_bytes or lower max_model_len")
+        num_cpu_blocks = cc.swap_space_bytes // per_block if sc.preemption_mode == "swap" else 0
+        return num_blocks, num_cpu_blocks
+
+    def init_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocate zeroed KV tensors (zeros: padded slots must never hold NaN, attention masks them
+        with a zero weight and 0 * NaN is NaN)."""
+        mc, cc = self.config.model_config, self.config.cache_config
+        heads, layers = self.num_local_kv_heads(), self.num_local_layers()
+        shape = (2, num_blocks, cc.block_size, heads, mc.head_dim)
+        cpu_shape = (2, num_cpu_blocks, cc.block_size, heads, mc.head_dim)
+        assert self.runner is not None
+        dtype = getattr(torch, self.config.kv_dtype)
+        self.runner.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
+        self.runner.cpu_caches = [torch.zeros(cpu_shape, dtype=dtype, device="cpu")
+                                  for _ in range(layers)] if num_cpu_blocks else []
+        self.runner.capture_cuda_graphs(mc.cuda_graph_sizes, mc.max_model_len)
+        if self.config.kv_transfer_config is not None:
+            self.kv_connector = create_connector_worker(
+                self.config.kv_transfer_config,
+                KVLayout.from_config(self.config, get_parallel_state().tp_rank))
+            self.kv_connector.register_kv_caches(self.runner.kv_caches)
+
+    def kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """This rank's heads of these blocks in every layer, [layers, 2, n, block_size, heads, d], on
+        the CPU (for checks: what a transfer moved; engines with a KV connector)."""
+        assert self.kv_connector is not None
+        return self.kv_connector.gather_blocks(block_ids).cpu()
+
+    def kv_address(self) -> tuple[str, dict[str, Any]]:
+        """(engine id, address) of this rank's connector worker (after init_cache)."""
+        assert self.kv_connector is not None
+        return self.kv_connector.engine_id, self.kv_connector.address()
+
+    def step(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]], isolate_failures: bool = False
+             ) -> tuple[ModelRunnerOutput | None, TransferReport | None]:
+        """One step message: the engine's KV connector orders (before the forward pass: a lease
+        ended here is refused before its blocks can be rewritten), the model step if there is one,
+        then this rank's transfer report.
+
+        `isolate_failures` (a single-rank engine only: with several ranks one rank's failure leaves
+        the others out of step): a model step that raises becomes an output in which each of the
+        step's requests failed, and the transfer report still goes out."""
+        if self.kv_connector is not None:
+            self.kv_connector.apply(kv_ops)
+        output = None
+        if sched is not None:
+            try:
+                output = self.execute_model(sched)
+            except Exception as e:
+                if not isolate_failures:
+                    raise
+                logger.exception("engine step failed; failing its %d request(s)", len(sched.scheduled))
+                output = ModelRunnerOutput.for_failed_step(sched, e)
+        return output, (self.kv_connector.poll() if self.kv_connector is not None else None)
+
+    def execute_serialized(self, payload: bytes) -> tuple[ModelRunnerOutput | None, TransferReport | None]:
+        """`step` on a pickled (step delta or None, KV orders) (the Ray executor's one message per
+        step, engine/worker/step_delta.py)."""
+        assert self.runner is not None
+        delta, kv_ops = pickle.loads(payload)
+        return self.step(None if delta is None else self.decoder.decode(delta), kv_ops)
+
+    def serve_steps(self, host: str, port: int) -> None:
+        """Run steps from the engine's StepChannel until it closes (the Ray executor's step loop,
+        engine/worker/step_channel.py): each frame is a pickled (step delta or None, KV orders), each
+        reply `(True, (output, transfer report))` (output None off the driver rank) or
+        `(False, traceback)`."""
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        sock = step_channel.connect(host, port, self.rank)
+        try:
+            while True:
+                try:
+                    payload = step_channel.recv_frame(sock)
+                except step_channel.ChannelClosed:
+                    return
+                try:
+                    reply = (True, self.execute_serialized(payload))
+                except Exception:  # noqa: BLE001 - reported to the engine, which stops
+                    reply = (False, traceback.format_exc())
+                step_channel.send_frame(sock, pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        finally:
+            sock.close()
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step; the output on the driver rank (TP 0 of the last stage), None elsewhere."""
+        assert self.runner is not None
+        return self.runner.execute(sched)
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()

@@ -1,0 +1,324 @@
+"""Frozen configuration records for one engine replica.
+
+`EngineConfig.create()` is where user-facing keyword arguments (as taken by `LLM`) are validated and
+resolved against the model's own config (max_model_len, dtype); everything downstream reads these
+records and never re-validates.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from records.cpu_flags import slow_half_dtype_warning
+from records.dtypes import FP8_KV_DTYPE, resolve_dtype
+from records.engine_args import SPEC_KEYS, SPEC_METHODS, EngineArgs
+from records.lora import LoRAConfig
+from records.model_source import (
+    architecture_of,
+    check_parallel_fit,
+    model_sampling_defaults,
+    resolve_model,
+    sliding_window,
+)
+from records.quantization import BLOCK_QUANTIZATIONS, kv_cache_scales, resolve_quantization
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str                  # directory, .gguf file, or the embedded default's path
+    gguf_file: str | None       # file name inside `model` when loading GGUF
+    hf_config: Any              # transformers PretrainedConfig
+    dtype: str                  # float32 | bfloat16 | float16 (`torch_dtype` for the torch object)
+    max_model_len: int
+    seed: int = 0
+    quantization: str = "none"  # one of model_source.QUANTIZATIONS (resolve_quantization)
+    quantize_activations: bool = False    # blocks times int8 activations (EngineArgs.quantize_activations)
+    # CUDA graphs of the decode step, one per batch size here (empty: eager); see engine/worker/cuda_graph.py.
+    cuda_graph_sizes: tuple[int, ...] = ()
+    # What requests that leave them unset sample with (EngineArgs.generation_config).
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def torch_dtype(self) -> Any:
+        import torch  # noqa: PLC0415 - configs are records that import without torch; the model side asks
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def architecture(self) -> str:
+        return architecture_of(self.hf_config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        hd = getattr(self.hf_config, "head_dim", None)
+        return hd or self.hf_config.hidden_size // self.hf_config.num_attention_heads
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = EngineArgs.block_size
+    num_kv_blocks: int | None = None         # resolved by the worker from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = EngineArgs.enable_prefix_caching
+    swap_space_bytes: int = EngineArgs.swap_space_bytes     # CPU block pool for swap preemption
+    cache_dtype: str | None = None           # None: the model's dtype; or FP8_KV_DTYPE (EngineConfig.kv_dtype)
+    # fp8: each layer's (K scale, V scale) from the checkpoint (or, with calculate_kv_scales, as
+    # the worker calibrated them at load); () for all 1.0
+    kv_scales: tuple[tuple[float, float], ...] = ()
+    calculate_kv_scales: bool = False        # fp8: calibrate the scales at load (engine/worker/kv_scales.py)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.cache_dtype == FP8_KV_DTYPE
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = EngineArgs.max_num_seqs
+    max_num_batched_tokens: int = 2048       # resolved by EngineConfig.from_args
+    max_model_len: int = 2048                # resolved from the model
+    enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill
+    preemption_mode: str = EngineArgs.preemption_mode      # "recompute" | "swap"
+    policy: str = EngineArgs.scheduling_policy             # "fcfs" | "priority"
+    batching: str = EngineArgs.batching      # "continuous" | "static" (a batch barrier: the baseline)
+    max_loras: int | None = None             # distinct adapters among running requests (None: no LoRA)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    worker_num_cpus: float = EngineArgs.worker_num_cpus   # per rank actor (torch gets that many threads)
+    worker_num_gpus: float = EngineArgs.worker_num_gpus   # per rank actor; > 0 runs the ranks on CUDA
+    distributed_executor_backend: str | None = None   # "ray" forces worker actors even for one rank
+    worker_resources: tuple[tuple[str, float], ...] = ()   # custom Ray resources per rank actor
+    pipeline_micro_batches: int = 1          # micro-batches per step (the stages overlap on them)
+    max_concurrent_batches: int = 1          # batches of disjoint requests in the stages at once
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """How this engine moves KV blocks to and from other engines (prefill/decode disaggregation).
+
+    Every engine with a connector plays both roles: it can prefill for a remote decode (its blocks
+    then wait under a lease) and decode a remotely prefilled request (it pulls the blocks)."""
+    kv_connector: str                        # one of KV_CONNECTORS
+    engine_id: str                           # unique per engine; names its NIXL agent / store peer
+    kv_host: str = EngineArgs.kv_host        # address other engines reach this one at ("auto": this
+                                             # Ray node's IP, or 127.0.0.1 outside Ray)
+    lease_s: float = EngineArgs.kv_lease_s   # how long a prefill keeps its blocks for the decode side
+    load_timeout_s: float = EngineArgs.kv_load_timeout_s    # a pull not done by then fails (then: policy)
+    # "recompute": prefill locally; "fail": finish with an error
+    load_failure_policy: str = EngineArgs.kv_load_failure_policy
+    # Test-only fault injection: {"fail_loads": True} or {"load_delay_s": float}.
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def extra_value(self, key: str, default: Any = None) -> Any:
+        return dict(self.extra).get(key, default)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec_decode/): each decode step verifies up to
+    `num_speculative_tokens` proposed tokens in one target forward pass.
+
+    "ngram" proposes the tokens that followed the latest earlier occurrence of the sequence's last
+    n tokens (n from prompt_lookup_max down to prompt_lookup_min); "draft_model" runs `model` (same
+    vocabulary) greedily for k steps over its own paged KV cache."""
+    method: str                                  # one of SPEC_METHODS
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    draft_model_config: ModelConfig | None = None   # method == "draft_model" only
+
+    @classmethod
+    def create(cls, spec: dict[str, Any], target: ModelConfig) -> SpeculativeConfig:
+        """Validate the user's `speculative_config` dict (ValueError naming the field)."""
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict or None; got {type(spec).__name__}")
+        unknown = sorted(set(spec) - set(SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config keys must be among {SPEC_KEYS}; got {unknown}")
+        method = spec.get("method")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}; got {method!r}")
+        k = spec.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 16]; "
+                             f"got {k!r}")
+        lo = spec.get("prompt_lookup_min", cls.prompt_lookup_min)
+        if not isinstance(lo, int) or lo < 1:
+            raise ValueError(f"speculative_config.prompt_lookup_min must be an integer >= 1; got {lo!r}")
+        hi = spec.get("prompt_lookup_max", max(lo, cls.prompt_lookup_max))
+        if not isinstance(hi, int) or hi < lo:
+            raise ValueError(f"speculative_config.prompt_lookup_max must be an integer >= prompt_lookup_min "
+                             f"({lo}); got {hi!r}")
+        draft = None
+        if method == "draft_model":
+            if not spec.get("model"):
+                raise ValueError("speculative_config.model must name the draft model when method is "
+                                 "'draft_model'")
+            path, gguf_file, hf_config = resolve_model(spec["model"])
+            if hf_config.vocab_size != target.vocab_size:
+                raise ValueError(f"speculative_config.model must share the target's vocabulary "
+                                 f"({target.vocab_size} tokens); it has {hf_config.vocab_size}")
+            draft = ModelConfig(model=path, gguf_file=gguf_file, hf_config=hf_config, dtype=target.dtype,
+                                max_model_len=target.max_model_len, seed=target.seed)
+        elif spec.get("model") is not None:
+            raise ValueError("speculative_config.model must be None when method is 'ngram'")
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
+                   draft_model_config=draft)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    kv_transfer_config: KVTransferConfig | None = None
+    speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache tensors' dtype name (torch's): the model's, or fp8 (kv_cache_dtype)."""
+        return self.cache_config.cache_dtype or self.model_config.dtype
+
+    def model_info(self) -> ModelInfo:
+        """What a frontend needs to know of the model this engine serves."""
+        mc = self.model_config
+        return ModelInfo(mc.model, mc.gguf_file, mc.vocab_size, mc.max_model_len, self.cache_config.block_size,
+                         self.scheduler_config.max_num_seqs, mc.sampling_defaults)
+
+    @classmethod
+    def create(cls, model: str | None = None, **engine_args: Any) -> EngineConfig:
+        """Check the user's arguments (`EngineArgs`' fields, vLLM's names) and resolve them against
+        the model's config."""
+        return cls.from_args(model, EngineArgs(**engine_args))
+
+    @classmethod
+    def from_args(cls, model: str | None, args: EngineArgs) -> EngineConfig:
+        """Resolve checked arguments against the model's config (ValueError naming the field when
+        the model does not allow them: max_model_len, the parallel split, a draft model)."""
+        block_size, max_num_seqs, max_model_len = args.block_size, args.max_num_seqs, args.max_model_len
+        tensor_parallel_size, pipeline_parallel_size = args.tensor_parallel_size, args.pipeline_parallel_size
+        max_num_batched_tokens, enable_chunked_prefill = args.max_num_batched_tokens, args.enable_chunked_prefill
+        max_concurrent_batches = args.max_concurrent_batches or pipeline_parallel_size
+        pipeline_micro_batches = args.pipeline_micro_batches
+        if pipeline_micro_batches is None:
+            # Concurrent batches already keep every stage busy; splitting each of them again only
+            # adds per-micro-batch weight reads (benchmarks/parallel.py).
+            pipeline_micro_batches = 1 if max_concurrent_batches > 1 else pipeline_parallel_size
+        # Sizes up to max_num_seqs, and the first one at or above it (a full batch replays too).
+        sizes = sorted(set(args.cuda_graph_sizes))
+        # LoRA steps run eagerly: a step's rows per adapter are not a shape a graph can replay.
+        graph_sizes = () if args.enforce_eager or args.enable_lora else tuple(
+            n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] < max_num_seqs)
+        kv_transfer_config = None
+        if args.kv_connector is not None:
+            kv_transfer_config = KVTransferConfig(
+                kv_connector=args.kv_connector, engine_id=args.kv_engine_id or uuid.uuid4().hex[:12],
+                kv_host=args.kv_host, lease_s=args.kv_lease_s, load_timeout_s=args.kv_load_timeout_s,
+                load_failure_policy=args.kv_load_failure_policy,
+                extra=tuple(sorted((args.kv_connector_extra or {}).items())))
+        dtype, seed, speculative_config = args.dtype, args.seed, args.speculative_config
+
+        path, gguf_file, hf_config = resolve_model(model)
+        check_parallel_fit(hf_config, tensor_parallel_size, pipeline_parallel_size)
+        derived_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+        # A GGUF file carries no window: a converted Mistral config's 4,096 is transformers' default.
+        window, why = (sliding_window(hf_config) if gguf_file is None else None), ""
+        if window is not None and window < derived_len:
+            # pdserve attends to the whole context: up to the window that is what the model does too
+            derived_len, why = window, " (its sliding attention window; pdserve attends to whole contexts)"
+        if max_model_len is None:
+            max_model_len = derived_len
+        elif not 1 <= max_model_len <= derived_len:
+            raise ValueError(f"max_model_len must be in [1, {derived_len}] for this model{why}; got {max_model_len}")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, max_model_len)
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
+                f"({max_model_len}) when enable_chunked_prefill=False")
+        raw = hf_config.to_dict()
+        config_dtype = raw.get("dtype") or raw.get("torch_dtype")
+        quantization = resolve_quantization(args.quantization, path, gguf_file, hf_config, args.worker_num_gpus > 0)
+        if args.quantize_activations and (quantization not in BLOCK_QUANTIZATIONS or args.worker_num_gpus > 0):
+            raise ValueError(f"quantize_activations multiplies weights kept in blocks on CPU (quantization one of "
+                             f"{BLOCK_QUANTIZATIONS}, worker_num_gpus=0); this model resolved to "
+                             f"quantization={quantization!r} with worker_num_gpus={args.worker_num_gpus}")
+        model_config = ModelConfig(
+            model=path, gguf_file=gguf_file, hf_config=hf_config,
+            dtype=resolve_dtype(dtype, config_dtype), max_model_len=max_model_len, seed=seed,
+            quantization=quantization, quantize_activations=args.quantize_activations, cuda_graph_sizes=graph_sizes,
+            sampling_defaults=model_sampling_defaults(path, gguf_file) if args.generation_config == "auto" else ())
+        warning = slow_half_dtype_warning(model_config.dtype) if args.worker_num_gpus == 0 else None
+        if warning is not None:
+            logger.warning(warning)
+        fp8 = args.kv_cache_dtype != "auto"
+        kv_scales = kv_cache_scales(path, gguf_file, hf_config) if fp8 else ()
+        if fp8 and args.calculate_kv_scales is not False and pipeline_parallel_size > 1 and not kv_scales:
+            raise ValueError("calculate_kv_scales calibrates on one pipeline stage only; with "
+                             "pipeline_parallel_size > 1 and kv_cache_dtype='fp8' pass calculate_kv_scales=False "
+                             "(scales 1.0) or a checkpoint with k_scale/v_scale tensors")
+        spec_config = None
+        if speculative_config is not None:
+            spec_config = SpeculativeConfig.create(speculative_config, model_config)
+        return cls(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=block_size, num_kv_blocks=args.num_kv_blocks,
+                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                enable_prefix_caching=args.enable_prefix_caching, swap_space_bytes=args.swap_space_bytes,
+                cache_dtype=FP8_KV_DTYPE if fp8 else None, kv_scales=kv_scales,
+                calculate_kv_scales=bool(fp8 and (args.calculate_kv_scales or (args.calculate_kv_scales is None
+                                                                             and not kv_scales)))),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
+                preemption_mode=args.preemption_mode, policy=args.scheduling_policy, batching=args.batching,
+                max_loras=args.max_loras if args.enable_lora else None),
+            parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size,
+                                           args.worker_num_cpus, args.worker_num_gpus,
+                                           args.distributed_executor_backend,
+                                           tuple(sorted((args.worker_resources or {}).items())),
+                                           pipeline_micro_batches, max_concurrent_batches),
+            kv_transfer_config=kv_transfer_config,
+            speculative_config=spec_config,
+            lora_config=args.lora_config(),
+        )
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model as the HTTP/gRPC frontend sees it: enough to tokenize and validate requests and
+    to route them by prefix blocks, with no engine internals."""
+    model: str                  # directory or the GGUF file's directory (the tokenizer's path)
+    gguf_file: str | None
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()      # ModelConfig's

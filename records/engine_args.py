@@ -1,0 +1,148 @@
+"""The engine's user arguments (`EngineArgs`): `LLM(...)`'s keywords and the cluster spec's `engine`
+section, with vLLM's names and their defaults stated once; records/config.py resolves them against
+the model into the frozen configs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from records.dtypes import KV_CACHE_DTYPES, resolve_dtype
+from records.lora import LoRAConfig
+from records.quantization import QUANTIZATIONS
+
+PREEMPTION_MODES = ("recompute", "swap")
+KV_CONNECTORS = ("nixl", "torch_dist")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+SPEC_METHODS = ("ngram", "draft_model")
+BATCHING_MODES = ("continuous", "static")
+SPEC_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The engine's user arguments: `LLM(...)`'s keywords and the cluster spec's `engine` section
+    (vLLM's names), with their defaults stated once, here. Everything that needs no model is
+    checked on construction (ValueError naming the field), so a cluster spec with a bad engine
+    field is refused when it is loaded; `EngineConfig.from_args` resolves the rest against the
+    model (max_model_len, the parallel split, a draft model)."""
+    # Pydantic validates the spec's `engine` section into this (field types; no unknown fields).
+    __pydantic_config__ = {"extra": "forbid", "arbitrary_types_allowed": True}
+
+    dtype: Any = "auto"                               # "auto", a name, or a torch.dtype
+    quantization: str | None = None                  # None (auto) or one of QUANTIZATIONS: resolve_quantization
+    # Block-quantized weights (GGUF, int8 checkpoints) on CPU: multiply decode-sized batches by x
+    # quantized to int8 per block of 32 features, llama.cpp's arithmetic (lossy; docs/kernels.md)
+    quantize_activations: bool = False
+    block_size: int = 16
+    max_model_len: int | None = None                 # None: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None        # None: 2048 (with chunked prefill)
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None                 # None: from kv_cache_memory_bytes / free memory
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"                     # one of KV_CACHE_DTYPES
+    # vLLM's: "auto" takes the model's generation_config.json sampling fields as the defaults of
+    # requests that leave them unset (records/model_source.py: model_sampling_defaults); "vllm": none
+    generation_config: str = "auto"
+    # fp8: calibrate per-layer K/V scales at load on a fixed text (engine/worker/kv_scales.py); None (auto):
+    # where the checkpoint has no scales of its own
+    calculate_kv_scales: bool | None = None
+    preemption_mode: str = "recompute"               # one of PREEMPTION_MODES
+    swap_space_bytes: int = 256 << 20                # CPU block pool for swap preemption
+    scheduling_policy: str = "fcfs"                  # "fcfs" | "priority"
+    batching: str = "continuous"                     # one of BATCHING_MODES
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    kv_connector: str | None = None                  # one of KV_CONNECTORS: P/D disaggregation
+    kv_engine_id: str | None = None
+    kv_host: str = "auto"
+    kv_lease_s: float = 30.0
+    kv_load_timeout_s: float = 10.0
+    kv_load_failure_policy: str = "recompute"        # one of KV_LOAD_FAILURE_POLICIES
+    kv_connector_extra: dict[str, Any] | None = None  # test-only fault injection
+    worker_num_cpus: float = 1.0
+    worker_num_gpus: float = 0.0
+    distributed_executor_backend: str | None = None  # "ray" forces worker actors even for one rank
+    worker_resources: dict[str, float] | None = None
+    speculative_config: dict[str, Any] | None = None  # see SpeculativeConfig.create
+    pipeline_micro_batches: int | None = None        # None: 1 with concurrent batches, else PP
+    max_concurrent_batches: int | None = None        # None: pipeline_parallel_size
+    enforce_eager: bool = False                      # no CUDA graphs
+    cuda_graph_sizes: list[int] = field(default_factory=lambda: [1, 2, 4] + list(range(8, 257, 8)))
+    enable_lora: bool = False                        # serve PEFT LoRA adapters (records/lora.py)
+    max_loras: int = LoRAConfig.max_loras            # adapters in one batch (device slots)
+    max_lora_rank: int = LoRAConfig.max_lora_rank
+    max_cpu_loras: int | None = None                 # adapters kept in host memory; None: 4 x max_loras
+
+    def __post_init__(self) -> None:
+        block_size, max_num_seqs = self.block_size, self.max_num_seqs
+        if block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128]; got {block_size}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1; got {max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}; got {self.preemption_mode!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority'; got {self.scheduling_policy!r}")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {BATCHING_MODES}; got {self.batching!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1; got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0; got {self.kv_cache_memory_bytes}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' (the model's sampling defaults) or 'vllm' (none); "
+                             f"got {self.generation_config!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}; got {self.kv_cache_dtype!r}")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0; got {self.swap_space_bytes}")
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if tp < 1 or pp < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        concurrent = self.max_concurrent_batches
+        if concurrent is not None and not 1 <= concurrent <= max(1, pp):
+            raise ValueError(f"max_concurrent_batches must be in [1, pipeline_parallel_size={pp}] (default: "
+                             f"pipeline_parallel_size); got {concurrent}")
+        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
+            raise ValueError(f"pipeline_micro_batches must be >= 1 (default: 1 with concurrent batches, "
+                             f"else pipeline_parallel_size); got {self.pipeline_micro_batches}")
+        if self.distributed_executor_backend not in (None, "ray"):
+            raise ValueError(f"distributed_executor_backend must be None or 'ray'; got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.worker_num_cpus <= 0 or self.worker_num_gpus < 0:
+            raise ValueError(f"worker_num_cpus must be > 0 and worker_num_gpus >= 0; got "
+                             f"{self.worker_num_cpus}, {self.worker_num_gpus}")
+        sizes = self.cuda_graph_sizes
+        if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
+            raise ValueError(f"cuda_graph_sizes must be positive integers; got {sizes!r}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
+        if self.kv_connector is not None:
+            if pp > 1:
+                raise ValueError("kv_connector needs pipeline_parallel_size == 1 (KV transfer moves each TP "
+                                 "rank's heads; stages holding different layers are not supported)")
+            if self.kv_connector not in KV_CONNECTORS:
+                raise ValueError(f"kv_connector must be one of {KV_CONNECTORS} or None; got {self.kv_connector!r}")
+            if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+                raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}; "
+                                 f"got {self.kv_load_failure_policy!r}")
+            if self.kv_lease_s <= 0 or self.kv_load_timeout_s <= 0:
+                raise ValueError(f"kv_lease_s and kv_load_timeout_s must be > 0; got {self.kv_lease_s}, "
+                                 f"{self.kv_load_timeout_s}")
+        if isinstance(self.dtype, str):
+            resolve_dtype(self.dtype, None)         # ValueError naming the allowed names
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None (auto); got {self.quantization!r}")
+        if self.enable_lora:
+            self.lora_config()           # ValueError naming the field
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The adapter pool's configuration, None without enable_lora."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)

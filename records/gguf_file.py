@@ -1,0 +1,107 @@
+"""A GGUF model file: its tensors and scalar metadata read once per process (`gguf_reader`), and
+its HF config and tokenizer as transformers converts them, saved once (`gguf_hf_dir`).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from records.cache_dirs import cache_root
+
+
+def gguf_reader(file: str) -> Any:
+    """The GGUF file's tensors and scalar metadata: gguf-py's reader with the metadata's arrays
+    skipped (`_tensor_reader`), once per process and version of the file (a load asks twice: the
+    quantization check, the weights). The tokenizer's arrays, which pdserve reads from the converted
+    tokenizer (gguf_hf_dir), made gguf-py's full parse take ~3.5 s of every process that resolved
+    the embedded model (the launcher, the pools' manager, each replica)."""
+    st = os.stat(file)
+    return _gguf_reader(os.path.abspath(file), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_reader(file: str, size: int, mtime_ns: int) -> Any:
+    return _tensor_reader()(file)
+
+
+@functools.cache
+def _tensor_reader() -> type:
+    import struct  # noqa: PLC0415
+
+    from gguf import GGUFReader, GGUFValueType  # noqa: PLC0415 - only GGUF models need it
+
+    sizes = {int(t): GGUFReader.gguf_scalar_to_np[t]().itemsize for t in GGUFReader.gguf_scalar_to_np}
+
+    class TensorReader(GGUFReader):
+        """gguf-py's reader whose `fields` keep the scalars and strings but not the arrays: each
+        array is stepped over by its lengths instead of becoming one numpy view per element (the
+        tensors are gguf-py's own, from the same offsets)."""
+
+        def _build_fields(self, offs: int, count: int) -> int:
+            if self.byte_order != "I":      # a file of the other byte order: gguf-py's own walk
+                return super()._build_fields(offs, count)
+            buf = memoryview(self.data)
+            for _ in range(int(count)):
+                value = offs + 8 + struct.unpack_from("<Q", buf, offs)[0]      # past the key
+                if struct.unpack_from("<I", buf, value)[0] != GGUFValueType.ARRAY:
+                    offs = super()._build_fields(offs, 1)
+                    continue
+                item, n = struct.unpack_from("<IQ", buf, value + 4)
+                end = value + 16
+                if item == GGUFValueType.STRING:
+                    for _ in range(n):
+                        end += 8 + struct.unpack_from("<Q", buf, end)[0]
+                elif item in sizes:
+                    end += n * sizes[item]
+                else:                       # arrays of arrays: gguf-py's own walk
+                    end = super()._build_fields(offs, 1)
+                offs = end
+            return offs
+
+    return TensorReader
+
+
+def gguf_hf_dir(path: str, gguf_file: str) -> str:
+    """A directory holding the GGUF file's HF config and tokenizer as transformers converts them
+    (config.json; tokenizer.json, tokenizer_config.json and the chat template where the file has a
+    tokenizer), converted once and kept under $PDSERVE_GGUF_CACHE (else ~/.cache/pdserve/gguf, else
+    a temp dir), keyed by the file's path, size and mtime and the transformers version. Converting
+    parses the whole file each time (~5 s for the config and ~5 for the tokenizer of the embedded
+    model, in every process that loads it: engine replicas, the ingress); the saved files load in a
+    fraction of a second and are the same config and tokenizer (tests/test_quant.py compares them).
+    Raises what AutoConfig.from_pretrained(gguf_file=...) raises for a file it cannot read."""
+    import transformers  # noqa: PLC0415 - heavy; configs import without it
+    from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415
+
+    file = os.path.abspath(os.path.join(path, gguf_file))
+    st = os.stat(file)
+    key = hashlib.sha256(f"{file}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()
+    root = _gguf_cache_root()
+    target = os.path.join(root, key[:32])
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    except (OSError, ValueError, TypeError, KeyError):
+        tokenizer = None                    # token-id prompts only (engine/text/tokenizer.py)
+    os.makedirs(root, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=root, prefix=".staging-")
+    try:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        config.save_pretrained(staging)
+        os.rename(staging, target)          # whole or not at all: another process may read it now
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)      # another process renamed its copy first
+        if not os.path.isfile(os.path.join(target, "config.json")):
+            raise
+    return target
+
+
+def _gguf_cache_root() -> str:
+    return cache_root("gguf", "PDSERVE_GGUF_CACHE")

@@ -1,0 +1,157 @@
+"""Request: one sequence's token bookkeeping as the scheduler sees it.
+
+A request owns its token ids (prompt + output), how many of them have KV computed, and its block
+hashes (extended as blocks fill). Its KV blocks are owned by the KVCacheManager, keyed by request id.
+With n > 1 the first child prefills the prompt and the others are forked from it (copy-on-write).
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+from records.hashing import BlockHash, hash_block_tokens
+from records.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from records.transfer import RemotePrefill
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    WAITING_FOR_FORK = enum.auto()        # an n > 1 child waiting for its sibling's prompt KV
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()               # blocks freed; recomputes on resume
+    SWAPPED = enum.auto()                 # blocks in the CPU pool; swapped in on resume
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # blocks allocated; their KV is being pulled from a prefill engine
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()          # its KV pull failed under load_failure_policy="fail"
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        block_size: int,
+        max_tokens: int,
+        arrival_time: float | None = None,
+        parent_id: str | None = None,
+        index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id or request_id    # the user's request id (n > 1 children share it)
+        self.index = index                          # which of the n completions this is
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.max_tokens = max_tokens                # resolved: never None
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.priority = sampling_params.priority
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0                  # prefix-cache hit at first schedule
+        self.num_preemptions = 0
+        # Tokens beyond this are not computed yet (prompt[:-1] while this request is the prefill
+        # leader of an n > 1 fork); None means no cap.
+        self.compute_limit: int | None = None
+        self.fork_children: list[Request] = []
+        # Prefill/decode split: KV to pull from a prefill engine before running (decode side), or
+        # keep the blocks under a lease for a decode engine when done (prefill side).
+        self.remote_prefill: RemotePrefill | None = None
+        self.remote_decode = False
+        # Speculative decoding: tokens proposed to follow all_token_ids, verified (and consumed) by
+        # the next step that schedules this request; never part of all_token_ids or its hashes.
+        self.spec_token_ids: list[int] = []
+
+        self.block_size = block_size
+        self.extra_keys = sampling_params.cache_keys
+        self.block_hashes: list[BlockHash] = []
+        self._update_block_hashes()
+
+        seed = sampling_params.seed
+        # The seed of this request's own random stream (the runner keeps the generator): children
+        # of a seeded n > 1 request draw distinct but reproducible streams (wrapped into
+        # manual_seed's range: any validated seed works, small ones map to themselves).
+        self.seed: int | None = None if seed is None else (seed + index * 1_000_003) % (1 << 64)
+        self.error: Exception | None = None     # why it ended with an error, when typed (a KV pull)
+        self.logprobs: list[dict[int, float]] = []          # per output token: {token_id: logprob}
+        self.logprob_ranks: list[int] = []                  # rank of the sampled token
+        # The prompt's first token has no logprob: None, even when it is the whole prompt.
+        self.prompt_logprobs: list[dict[int, float] | None] = [] if sampling_params.prompt_logprobs is None else [None]
+
+    # --- token accounting -------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens whose KV must still be computed (limited while a fork is pending)."""
+        target = self.num_tokens if self.compute_limit is None else self.compute_limit
+        return target - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.num_tokens % self.block_size == 0:
+            self._update_block_hashes()
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens (and their logprobs) beyond the first `num_output_tokens`: the tokens
+        of a speculative run that came after a stop string. Only for a finished request (its KV
+        blocks are freed already)."""
+        assert self.is_finished
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
+        del self.logprobs[num_output_tokens:]
+        del self.logprob_ranks[num_output_tokens:]
+        del self.block_hashes[self.num_tokens // self.block_size:]
+
+    def _update_block_hashes(self) -> None:
+        parent = self.block_hashes[-1] if self.block_hashes else None
+        self.block_hashes.extend(hash_block_tokens(
+            self.all_token_ids, self.block_size, self.extra_keys, parent, len(self.block_hashes)))
+
+    def fork(self, request_id: str, index: int) -> Request:
+        """A copy sharing this request's prompt, for an n > 1 sibling (its KV is forked separately)."""
+        child = Request(request_id, self.prompt_token_ids, self.sampling_params, self.eos_token_ids,
+                        self.block_size, self.max_tokens, self.arrival_time, self.parent_id, index)
+        child.status = RequestStatus.WAITING_FOR_FORK
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

@@ -1,0 +1,182 @@
+"""The OpenAI-compatible HTTP ingress: a Ray Serve deployment wrapping a FastAPI app.
+
+`ingress_app(spec, manager_link)` applies Ray Serve to the plain classes: the protocol-neutral `Frontend`
+(router/ingress/frontend.py: auth, validation, admission, routing, metrics), the HTTP API over it
+(router/ingress/openai_api.py, router/ingress/responses_api.py) and the gRPC service over it
+(router/ingress/grpc_api.py).
+
+Endpoints: GET /v1/models (and /v1/models/{model}), POST /v1/completions, POST /v1/chat/completions
+(both streaming as SSE ending in `data: [DONE]`), POST /v1/responses (streaming typed events), POST
+/tokenize, POST /detokenize, GET /health (and /ping, as vLLM and SageMaker ask), GET /version, GET
+/metrics (Prometheus), GET /openapi.json, POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+(with `lora.allow_runtime_updates`); and, beside HTTP, the gRPC Generation service through Serve's
+gRPC proxy when `serving.grpc_port` is set.
+
+Every error uses OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`: 400 invalid
+parameter or body (named; bodies must be JSON objects in UTF-8, nested at most
+`protocol.MAX_JSON_DEPTH` deep), 401 bad API key, 404 unknown model or route, 405 wrong method, 413
+body too large, 415 a body that is not `application/json`, 429 too many requests in flight, 500 a
+request that failed while it ran, 503 no replica (or still starting). With an API key set,
+everything but /health needs it (/metrics too, unless `serving.public_metrics`). Admission is
+counted by tickets that every exit path releases (router/ingress/admission.py). A client that disconnects
+aborts its request on the replica, which frees the request's blocks. The pieces: records/errors.py
+(every error, with its HTTP status and gRPC code), router/ingress/http.py (the FastAPI app: key middleware,
+exception handlers, OpenAPI, SSE), router/ingress/protocol.py (request and response records).
+
+Startup: with `serving.wait_for_pools` (the default) the ingress replica is ready to Serve only once
+the pools serve, so the app's RUNNING status means ready (RayService upgrades switch on it).
+Without it (what `pdserve serve` deploys) the ingress answers at once: while the pools start,
+/health is 503 with the reason (and the reason a start failed, once it has), and requests are 503.
+"""
+# No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations at runtime
+# (through Serve's class-based ingress) and would take a string "Request" for a query parameter.
+import asyncio
+import importlib.metadata
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from ray import serve
+
+from engine.executor.ray_cluster import keep_serve_replica_on_loopback
+from records.serving import IngressSpec
+from router.ingress.frontend import Frontend
+from router.ingress.grpc_api import GenerationService, grpc_call
+from router.ingress.http import fastapi_app, openapi_schema
+from router.ingress.openai_api import OpenAIAPI
+from router.ingress.responses_api import ResponsesAPI
+
+logger = logging.getLogger(__name__)
+
+
+# --- Ray Serve wiring ------------------------------------------------------------------------------
+def pdserve_version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:      # run from a source tree never installed
+        return "unknown"
+
+
+def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
+    """The Serve application: the ingress deployment bound to this spec. `manager_link()` returns
+    the handle of the cluster's manager (creating it on first use), which owns the pools; the
+    launcher (cluster/app.py) hands it over, so that this package never imports cluster/."""
+    @serve.deployment(name="openai-ingress", num_replicas=spec.serving.ingress_replicas,
+                      ray_actor_options={"num_cpus": spec.serving.ingress_num_cpus},
+                      max_ongoing_requests=max(spec.serving.max_in_flight * 2, 100))
+    @serve.ingress(fastapi_app)
+    class OpenAIIngress:
+        async def __init__(self, spec_json: str, manager_link: Callable[[], Any]) -> None:
+            # The pools come up in the background; with serving.wait_for_pools this replica is ready
+            # (to Serve) only once they serve, else it answers at once (/health says why not ready).
+            keep_serve_replica_on_loopback()
+            spec = IngressSpec.model_validate_json(spec_json)
+            self.server = Frontend(spec)
+            self.api = OpenAIAPI(self.server)
+            self.responses_api = ResponsesAPI(self.server)
+            self.grpc = GenerationService(self.server)
+            fastapi_app.state.server = self.server
+            self._membership: asyncio.Task | None = None
+            self._startup = asyncio.get_running_loop().create_task(self._start(manager_link))
+            if spec.serving.wait_for_pools:
+                await self._startup
+                if self.server.not_ready is not None:
+                    raise RuntimeError(f"the engine pools did not start: {self.server.not_ready}")
+
+        async def _start(self, manager_link: Callable[[], Any]) -> None:
+            try:
+                manager = manager_link()
+                await manager.ready.remote()
+                _, pools = await manager.membership.remote()
+            except Exception as e:  # noqa: BLE001 - reported by /health
+                cause = getattr(e, "cause", None) or e
+                self.server.not_ready = f"failed: {cause}"
+                logger.error("the engine pools failed to start: %s", cause)
+                return
+            self.server.attach(manager, pools)
+            self._membership = asyncio.get_running_loop().create_task(self.server.follow_membership())
+
+        @fastapi_app.get("/v1/models")
+        async def models(self) -> Response:
+            return JSONResponse(self.server.preparer.models())
+
+        # `path`: model names such as "meta-llama/Llama-3.1-8B" hold slashes
+        @fastapi_app.get("/v1/models/{model:path}")
+        async def model(self, model: str) -> Response:
+            return JSONResponse(self.server.preparer.model(model))
+
+        @fastapi_app.post("/v1/completions")
+        async def completions(self, request: Request) -> Response:
+            return await self.api.completions(await self.api.read_json(request))
+
+        @fastapi_app.post("/v1/chat/completions")
+        async def chat(self, request: Request) -> Response:
+            return await self.api.chat(await self.api.read_json(request))
+
+        @fastapi_app.post("/v1/responses")
+        async def responses(self, request: Request) -> Response:
+            return await self.responses_api.create(await self.api.read_json(request))
+
+        @fastapi_app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(self, request: Request) -> Response:
+            return PlainTextResponse(self.server.preparer.load_adapter(await self.api.read_json(request)))
+
+        @fastapi_app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(self, request: Request) -> Response:
+            return PlainTextResponse(self.server.preparer.unload_adapter(await self.api.read_json(request)))
+
+        @fastapi_app.post("/tokenize")
+        async def tokenize(self, request: Request) -> Response:
+            return JSONResponse(self.server.preparer.tokenize(await self.api.read_json(request)))
+
+        @fastapi_app.post("/detokenize")
+        async def detokenize(self, request: Request) -> Response:
+            return JSONResponse(self.server.preparer.detokenize(await self.api.read_json(request)))
+
+        @fastapi_app.get("/health")
+        async def health(self) -> Response:
+            if self.server.not_ready is not None:
+                status, _, reason = self.server.not_ready.partition(": ")
+                return JSONResponse({"healthy": False, "status": status, "reason": reason}, status_code=503)
+            ok, pools = await self.server.health()
+            return JSONResponse({"healthy": ok, "status": "ready" if ok else "degraded", "pools": pools},
+                                status_code=200 if ok else 503)
+
+        @fastapi_app.get("/ping")
+        @fastapi_app.post("/ping")
+        async def ping(self) -> Response:
+            return await self.health()
+
+        @fastapi_app.get("/version")
+        async def version(self) -> Response:
+            return JSONResponse({"version": pdserve_version()})
+
+        @fastapi_app.get("/metrics")
+        async def metrics(self) -> Response:
+            return PlainTextResponse(await self.server.render_metrics(),
+                                     media_type="text/plain; version=0.0.4")
+
+        @fastapi_app.get("/openapi.json")
+        async def openapi(self, request: Request) -> Response:
+            return JSONResponse(openapi_schema(request.app))
+
+        # --- gRPC (Serve's gRPC proxy calls the methods named like the RPCs) ---------------------
+        async def Generate(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:  # noqa: N802
+            async with grpc_call(self.server, grpc_context) as metadata:
+                async for message in self.grpc.generate(request, metadata):
+                    yield message
+
+        async def Tokenize(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+            async with grpc_call(self.server, grpc_context) as metadata:
+                return self.grpc.tokenize(request, metadata)
+
+        async def Models(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+            async with grpc_call(self.server, grpc_context) as metadata:
+                return self.grpc.models(metadata)
+
+        async def Health(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+            return await self.grpc.health()
+
+    return OpenAIIngress.bind(spec.model_dump_json(), manager_link)

@@ -1,0 +1,199 @@
+"""The protocol-neutral frontend: what the HTTP API (router/ingress/openai_api.py) and the gRPC service
+(router/ingress/grpc_api.py) share, so that neither copies the other.
+
+`Frontend` holds the request preparer (router/ingress/preparer.py: parsing, validation, the chat
+template, tokenization, one `Prepared` record out), the routers of the pools, admission and
+metrics. It checks the API key, admits (tickets that every exit path releases:
+router/ingress/admission.py), fans a request's prompts out to the router and merges their deltas
+(`run`), follows the pools' membership and answers health and metrics. A request's failure while
+it runs becomes a `PDServeError` here (`request_error`), so each protocol only maps those errors'
+attributes to its own status.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+from records.errors import (
+    AuthenticationError,
+    NoReplicaError,
+    PDServeError,
+    RateLimitError,
+    RequestFailedError,
+    ServiceUnavailableError,
+)
+from records.outputs import StepDelta
+from records.sampling_params import SamplingParams
+from records.serving import IngressSpec
+from router.ingress.admission import Admission, Ticket
+from router.ingress.preparer import RequestPreparer
+from router.routing.metrics import ServingMetrics
+from router.routing.pd import PDRouter, RequestRouter
+from router.routing.policy import RoutingPolicy
+
+logger = logging.getLogger(__name__)
+
+
+def request_error(error: BaseException) -> PDServeError:
+    """The error a failed request answers with (its stream, once started, carries it in-band)."""
+    if isinstance(error, PDServeError):
+        return error
+    cause = getattr(error, "cause", None)      # a Ray task error: what the replica raised
+    if isinstance(cause, PDServeError):
+        return cause
+    logger.error("request failed", exc_info=error)
+    return RequestFailedError(f"generation failed: {type(cause or error).__name__}: {cause or error}")
+
+
+class Frontend:
+    """Everything the ingress does that does not depend on the protocol or on how it is deployed,
+    once a request is prepared (`preparer`, router/ingress/preparer.py): the API key, admission,
+    running a request's prompts through the routers, metrics, health and the pools' membership."""
+
+    def __init__(self, config: IngressSpec, replicas: dict[str, Any] | None = None,
+                 prefill_replicas: dict[str, Any] | None = None, manager: Any = None) -> None:
+        """replicas: the decode pool's actor handles; prefill_replicas: the prefill pool's (only in
+        disaggregated mode); manager: the ClusterManager's handle, told about replicas that fail
+        and followed for the pools' membership (`follow_membership`). Without replicas the server
+        is starting: `attach()` gives it the pools once they are up."""
+        self.config = config
+        self.preparer = RequestPreparer(config)
+        info = self.preparer.info
+        self.metrics = ServingMetrics()
+        # One policy per pool: a shared one would share round-robin's counter, and with the decode
+        # pool routed first on every request, the prefill pick would see every other count only.
+        def policy() -> RoutingPolicy:
+            return RoutingPolicy(config.routing.policy(), info.max_num_seqs)
+        self.manager = manager
+        report = lambda replica_id: self.manager.report_failure.remote(replica_id)  # noqa: E731
+        on_failure = report if manager is not None else None
+        decode = RequestRouter("decode", replicas or {}, info.block_size, policy(), self.metrics,
+                               config.routing.stats_interval_s, on_failure)
+        self.pools: dict[str, RequestRouter] = {"decode": decode}
+        self.router: RequestRouter | PDRouter = decode
+        if config.mode == "disaggregated":
+            prefill = RequestRouter("prefill", prefill_replicas or {}, info.block_size, policy(),
+                                    self.metrics, config.routing.stats_interval_s, on_failure)
+            self.pools["prefill"] = prefill
+            self.router = PDRouter(prefill, decode, self.metrics,
+                                   config.min_remote_prefill_tokens)
+        self.admission = Admission(config.serving.max_in_flight, lambda n: self.metrics.in_flight.set(n))
+        # None once serving; else why not yet ("starting: ...") or why never ("failed: ...").
+        self.not_ready: str | None = None if replicas else "starting: the engine pools are loading"
+        self.api_key = config.serving.api_key
+        env = config.serving.api_key_env
+        if env is not None and self.api_key is None:
+            self.api_key = os.environ.get(env)
+            if not self.api_key:      # fail closed: never serve openly because a Secret is missing
+                raise ValueError(f"serving.api_key_env names {env!r}, which is not set in the ingress's "
+                                 f"environment")
+
+    def attach(self, manager: Any, pools: dict[str, dict[str, Any]]) -> None:
+        """Start serving: the manager and the pools' replicas (pool -> replica id -> handle)."""
+        self.manager = manager
+        for name, router in self.pools.items():
+            router.on_replica_failure = lambda replica_id: self.manager.report_failure.remote(replica_id)
+            router.set_replicas(pools.get(name, {}))
+        self.router.start()
+        self.not_ready = None
+
+    @property
+    def in_flight(self) -> int:
+        return self.admission.in_flight
+
+    # --- checks ------------------------------------------------------------------------------------
+    def is_authorized(self, authorization: str) -> bool:
+        """Whether an `Authorization` header (or gRPC metadata) value carries the API key."""
+        if self.api_key is None:
+            return True
+        return hmac.compare_digest(authorization.encode(), f"Bearer {self.api_key}".encode())
+
+    def check_key(self, authorization: str, where: str = "Authorization: Bearer <key>") -> None:
+        if not self.is_authorized(authorization):
+            raise AuthenticationError(f"invalid or missing API key ({where})")
+
+    def admit(self, count: int) -> Ticket:
+        """Admit `count` requests: a ticket to release when they end; else ServiceUnavailableError or
+        RateLimitError."""
+        if self.not_ready is not None:
+            raise ServiceUnavailableError(f"the server is not ready ({self.not_ready})")
+        if not self.router.replicas:
+            raise NoReplicaError("no engine replica is available")
+        ticket = self.admission.admit(count)
+        if ticket is None:
+            raise RateLimitError(f"{self.in_flight} requests in flight; the limit is "
+                                 f"{self.config.serving.max_in_flight}: retry later")
+        return ticket
+
+    # --- generation --------------------------------------------------------------------------------
+    async def run(self, prompts: list[list[int]], params: SamplingParams, request_id: str, ticket: Ticket
+                  ) -> AsyncIterator[tuple[int, StepDelta]]:
+        """Stream (prompt index, StepDelta) over all prompts of one HTTP request; releases `ticket`
+        when it ends, however it ends."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, ids: list[int]) -> None:
+            try:
+                async for delta in self.router.generate(f"{request_id}-{i}", ids, params):
+                    queue.put_nowait((i, delta))
+            except Exception as e:  # noqa: BLE001 - surfaced to the consumer below
+                queue.put_nowait((i, e))
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise request_error(item) from None
+                yield i, item
+        finally:
+            # Nothing here may come after an await: a cancelled request is cancelled again at each.
+            ticket.release()
+            for t in tasks:                 # a disconnect cancels the pumps, which abort on the replicas
+                t.cancel()
+
+    def count_finished(self, reason: str | None) -> None:
+        self.metrics.requests.inc(finished_reason=reason or "abort")
+
+    async def health(self) -> tuple[bool, dict[str, dict[str, bool]]]:
+        """Ready when every pool has at least one healthy replica; pool -> replica id -> healthy."""
+        stats = await self.router.refresh_stats()
+        detail = {name: {r: bool(stats.get(r, {}).get("healthy", False)) and r not in pool.down
+                         for r in pool.replicas} for name, pool in self.pools.items()}
+        return all(any(replicas.values()) for replicas in detail.values()), detail
+
+    async def follow_membership(self) -> None:
+        """Keep each pool's router in line with the manager's pools (long poll): replicas dropped
+        for failing health checks leave, replacements join."""
+        version = -1
+        while True:
+            try:
+                version, pools = await self.manager.membership.remote(version, 5.0)
+            except Exception:
+                logger.exception("following the pools' membership failed")
+                await asyncio.sleep(1.0)
+                continue
+            for name, replicas in pools.items():
+                if name in self.pools:
+                    self.pools[name].set_replicas(replicas)
+
+    async def render_metrics(self) -> str:
+        await self.router.refresh_stats()
+        text = self.metrics.render()
+        prefix = self.config.serving.metrics_prefix
+        return text if prefix == "pdserve" else _METRIC_NAME.sub(rf"\g<1>{prefix}:", text)
+
+
+# A metric's name where it starts a sample line or a HELP / TYPE comment.
+_METRIC_NAME = re.compile(r"^((?:# (?:HELP|TYPE) )?)pdserve:", re.MULTILINE)

@@ -1,0 +1,323 @@
+"""The OpenAI-compatible HTTP API over the frontend: request bodies read with their limits,
+completions and chat completions answered whole or streamed (SSE: the role goes out with the first
+token, as vLLM does; usage last when asked, or in every chunk with vLLM's continuous_usage_stats),
+logprobs in OpenAI's two shapes. Validation, admission, routing and metrics are the frontend's
+(router/ingress/frontend.py), shared with gRPC; the Responses API is router/ingress/responses_api.py.
+"""
+# No `from __future__ import annotations`: FastAPI reads annotations at runtime.
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.text.reasoning import ReasoningStream, split_reasoning
+from engine.text.tool_calls import ToolFormat
+from engine.text.tool_parser import ToolCallStream, coalesce, read_through
+from records.errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
+from records.outputs import Logprob, StepDelta
+from records.sampling_params import SamplingParams
+from router.ingress.admission import Ticket
+from router.ingress.frontend import Frontend
+from router.ingress.http import sse_response
+from router.ingress.protocol import (
+    ChatCompletionRequest,
+    ChoiceAccumulator,
+    CompletionRequest,
+    UsageCounter,
+    new_id,
+    now,
+    parse_json_object,
+)
+
+
+class OpenAIAPI:
+    """The HTTP endpoints' bodies: JSON in, JSON or an SSE stream out."""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self.preparer = frontend.preparer
+
+    @property
+    def model_name(self) -> str:
+        return self.preparer.model_name
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        """The body as a JSON object; PayloadTooLargeError, UnsupportedMediaTypeError or
+        InvalidRequestError saying what is wrong with it."""
+        ctype = request.headers.get("content-type")
+        if ctype is not None:
+            mime = ctype.split(";")[0].strip().lower()
+            if mime != "application/json" and not mime.endswith("+json"):
+                raise UnsupportedMediaTypeError(f"Content-Type must be application/json; got {mime!r}",
+                                                "content-type")
+        limit = self.frontend.config.serving.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLargeError(f"request body is {declared} bytes; the limit is {limit}")
+        body = await request.body()
+        if len(body) > limit:
+            raise PayloadTooLargeError(f"request body is {len(body)} bytes; the limit is {limit}")
+        try:
+            return parse_json_object(body)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+
+    async def completions(self, data: dict[str, Any]) -> Response:
+        prep = await self.preparer.prepare_completion(data)
+        req, params, prompts = prep.request, prep.params, prep.prompts
+        echo = self._echo_texts(req, prompts) if req.echo else None
+        ticket = self.frontend.admit(len(prompts))
+        rid = new_id("cmpl")
+        if req.stream:
+            return sse_response(self._stream_completion(rid, req, prompts, echo, params, ticket), ticket)
+        try:
+            return JSONResponse(await self._full_completion(rid, req, prompts, echo, params, ticket))
+        finally:
+            ticket.release()
+
+    async def chat(self, data: dict[str, Any]) -> Response:
+        prep = await self.preparer.prepare_chat(data)
+        req, params, ids, tools = prep.request, prep.params, prep.prompts[0], prep.tool_format
+        thinking = self.preparer.thinking(req)
+        ticket = self.frontend.admit(1)
+        rid = new_id("chatcmpl")
+        if req.stream:
+            return sse_response(self._stream_chat(rid, req, ids, params, tools, ticket, thinking), ticket)
+        try:
+            return JSONResponse(await self._full_chat(rid, req, ids, params, tools, ticket, thinking))
+        finally:
+            ticket.release()
+
+    def _echo_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """Each prompt as `echo` puts it before its completions: the text sent, or the ids decoded
+        (always when truncate_prompt_tokens may have cut the text)."""
+        if req.truncate_prompt_tokens is None and isinstance(req.prompt, str):
+            return [req.prompt]
+        if req.truncate_prompt_tokens is None and req.prompt and isinstance(req.prompt[0], str):
+            return list(req.prompt)
+        if self.preparer.tokenizer is None:
+            raise InvalidRequestError("echo of token-id prompts needs the tokenizer, which this server does not load",
+                                      param="echo")
+        return [self.preparer.tokenizer.decode(ids) for ids in prompts]
+
+    async def _full_completion(self, rid: str, req: CompletionRequest, prompts: list[list[int]],
+                               echo: list[str] | None, params: SamplingParams, ticket: Ticket) -> dict[str, Any]:
+        """The whole completion; with the request's `prompt_logprobs` (vLLM's) each choice carries its
+        prompt's, with `return_token_ids` (vLLM's) its prompt's and its own token ids."""
+        n = params.n
+        choices = [ChoiceAccumulator() for _ in range(len(prompts) * n)]
+        prompt_lps: list[list] = [[] for _ in prompts]      # echo with logprobs: the prompts' own
+        usage = UsageCounter()
+        async for i, delta in self.frontend.run(prompts, params, rid, ticket):
+            delta = _prompt_only(delta) if req.echo_only else delta
+            usage.add(delta)
+            prompt_lps[i] += delta.prompt_logprobs or []
+            for c in delta.choices:
+                choices[i * n + c.index].add(c)
+        out = []
+        for idx, acc in enumerate(choices):
+            p = idx // n
+            self.frontend.count_finished(acc.finish_reason)
+            out.append({"index": idx, "text": acc.text if echo is None else echo[p] + acc.text,
+                        "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
+                        "logprobs": self._completion_logprobs(acc.token_ids, acc.logprobs,
+                                                              *(() if echo is None else (prompts[p], prompt_lps[p])))
+                        if params.logprobs is not None else None})
+            if req.prompt_logprobs is not None:
+                out[-1]["prompt_logprobs"] = self._prompt_logprobs(prompt_lps[p], params.prompt_logprobs)
+            if req.return_token_ids:
+                out[-1].update(prompt_token_ids=prompts[p], token_ids=acc.token_ids)
+        return {"id": rid, "object": "text_completion", "created": now(), "model": self.preparer.response_model(params),
+                "choices": out, "usage": usage.body(sum(len(p) for p in prompts))}
+
+    async def _stream_completion(self, rid: str, req: CompletionRequest, prompts: list[list[int]],
+                                 echo: list[str] | None, params: SamplingParams, ticket: Ticket) -> AsyncIterator[dict]:
+        n, options = params.n, req.stream_options
+        created, model = now(), self.preparer.response_model(params)
+        usage = UsageCounter()
+        num_prompt = sum(len(p) for p in prompts)
+        per_chunk = options is not None and options.usage_per_chunk()
+        prompt_lps: list[list] = [[] for _ in prompts]
+        started: set[int] = set()       # the choices whose first chunk (the echo, the prompt's ids) went out
+        async for i, delta in self.frontend.run(prompts, params, rid, ticket):
+            delta = _prompt_only(delta) if req.echo_only else delta
+            usage.add(delta)
+            prompt_lps[i] += delta.prompt_logprobs or []
+            for c in delta.choices:
+                if c.finish_reason is not None:
+                    self.frontend.count_finished(c.finish_reason)
+                idx, text, prompt = i * n + c.index, c.text, ()
+                first = idx not in started
+                started.add(idx)
+                if echo is not None and first:
+                    # A choice's first delta comes with or after the prompt's last logprobs.
+                    text, prompt = echo[i] + text, (prompts[i], prompt_lps[i])
+                choice = {"index": idx, "text": text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                          "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, *prompt)
+                          if params.logprobs is not None else None}
+                if req.return_token_ids:
+                    choice.update({"prompt_token_ids": prompts[i]} if first else {}, token_ids=c.token_ids)
+                chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                         "choices": [choice]}
+                yield {**chunk, "usage": usage.body(num_prompt)} if per_chunk else chunk
+        if options is not None and options.include_usage:
+            yield {"id": rid, "object": "text_completion", "created": created, "model": model,
+                   "choices": [], "usage": usage.body(num_prompt)}
+
+    async def _full_chat(self, rid: str, req: ChatCompletionRequest, ids: list[int], params: SamplingParams,
+                         tools: ToolFormat | None, ticket: Ticket, thinking: bool | None = None) -> dict[str, Any]:
+        """The whole chat completion; with the request's `prompt_logprobs` (vLLM's) the prompt's at
+        the top level, as vLLM returns them, with `return_token_ids` (vLLM's) the prompt's ids there
+        and each choice's own; with a reasoning parser (`thinking` not None: whether the answer starts
+        in reasoning) the reasoning apart from the content."""
+        choices = [ChoiceAccumulator() for _ in range(params.n)]
+        usage = UsageCounter()
+        prompt_lps: list = []
+        async for _, delta in self.frontend.run([ids], params, rid, ticket):
+            usage.add(delta)
+            prompt_lps += delta.prompt_logprobs or []
+            for c in delta.choices:
+                choices[c.index].add(c)
+        out = []
+        for idx, acc in enumerate(choices):
+            self.frontend.count_finished(acc.finish_reason)
+            reasoning, text = (None, acc.text) if thinking is None else split_reasoning(acc.text, thinking)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish_reason = acc.finish_reason
+            if tools is not None:
+                content, calls = tools.parse(text or "")
+                message = {"role": "assistant", "content": content, "tool_calls": [c.body() for c in calls]}
+                finish_reason = _with_tool_calls(finish_reason, bool(calls))
+            if thinking is not None:
+                message["reasoning"] = reasoning
+            out.append({"index": idx, "message": message,
+                        "finish_reason": finish_reason, "stop_reason": acc.stop_reason,
+                        "logprobs": self._chat_logprobs(acc.token_ids, acc.logprobs, params.logprobs or 0)
+                        if req.logprobs else None})
+            if req.return_token_ids:
+                out[-1]["token_ids"] = acc.token_ids
+        body = {"id": rid, "object": "chat.completion", "created": now(), "model": self.preparer.response_model(params),
+                "choices": out, "usage": usage.body(len(ids))}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(prompt_lps, params.prompt_logprobs)
+        if req.return_token_ids:
+            body["prompt_token_ids"] = ids
+        return body
+
+    async def _stream_chat(self, rid: str, req: ChatCompletionRequest, ids: list[int], params: SamplingParams,
+                           tools: ToolFormat | None, ticket: Ticket, thinking: bool | None = None
+                           ) -> AsyncIterator[dict]:
+        created, options, logprobs, token_ids = now(), req.stream_options, req.logprobs, req.return_token_ids
+        per_chunk = options is not None and options.usage_per_chunk()
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": self.preparer.response_model(params)}
+        usage = UsageCounter()
+        started: set[int] = set()       # choices whose role went out: with their first token, as vLLM
+        # per choice: the reasoning split first, then tool calls read out of the content
+        readers = {} if tools is None else {i: ToolCallStream(tools.name) for i in range(params.n)}
+        thinkers = {} if thinking is None else {i: ReasoningStream(thinking) for i in range(params.n)}
+        async for _, delta in self.frontend.run([ids], params, rid, ticket):
+            usage.add(delta)
+            for c in delta.choices:
+                if c.finish_reason is not None:
+                    self.frontend.count_finished(c.finish_reason)
+                text, finish_reason, call_deltas, reasoning = c.text, c.finish_reason, [], ""
+                thinker, reader = thinkers.get(c.index), readers.get(c.index)
+                final = c.finish_reason is not None
+                if thinker is not None:
+                    reasoning, text = read_through(thinker, text, final)
+                if reader is not None:
+                    text, deltas = read_through(reader, text, final)
+                    if final:
+                        finish_reason = _with_tool_calls(c.finish_reason, reader.calls > 0)
+                    call_deltas = [d.body() for d in coalesce(deltas)]
+                if ((reader or thinker) and c.index in started
+                        and not (text or reasoning or call_deltas or finish_reason or logprobs or token_ids)):
+                    continue    # text held back while a tag may be starting: nothing to send (as vLLM)
+                message: dict[str, Any] = ({"content": text} if text or (c.finish_reason is None and not reasoning)
+                                           else {})
+                first = not started
+                if c.index not in started:
+                    started.add(c.index)
+                    message = {"role": "assistant", "content": text}
+                if reasoning:
+                    message["reasoning"] = reasoning
+                if call_deltas:
+                    message["tool_calls"] = call_deltas
+                chunk = {**base, "choices": [{
+                    "index": c.index, "delta": message,
+                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs or 0)
+                    if logprobs else None,
+                    "finish_reason": finish_reason, "stop_reason": c.stop_reason}]}
+                if token_ids:               # vLLM's: the prompt's ids in the first chunk, each choice's own
+                    chunk["choices"][0]["token_ids"] = c.token_ids
+                    if first:
+                        chunk["prompt_token_ids"] = ids
+                yield {**chunk, "usage": usage.body(len(ids))} if per_chunk else chunk
+        if options is not None and options.include_usage:
+            yield {**base, "choices": [], "usage": usage.body(len(ids))}
+
+    # --- logprobs shapes ---------------------------------------------------------------------------
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
+                             prompt_ids: list[int] = (), prompt_logprobs: list[dict[int, Logprob] | None] = ()
+                             ) -> dict[str, Any]:
+        """OpenAI's legacy shape; with echo the prompt's tokens come first (the first has no logprob:
+        None, as in vLLM and OpenAI)."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = 0
+        for tid, entry in [*zip(prompt_ids, prompt_logprobs), *zip(token_ids, logprobs or [])]:
+            if entry is None:
+                tokens.append(text := self.preparer.token_text(tid))
+                token_lps.append(None)
+                tops.append(None)
+            else:
+                tokens.append(text := self.preparer.token_text(tid, entry.get(tid)))
+                token_lps.append(entry[tid].logprob if tid in entry else None)
+                tops.append({self.preparer.token_text(t, lp): lp.logprob for t, lp in entry.items()})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _prompt_logprobs(self, entries: list[dict[int, Logprob] | None], num: int) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token null (the first, which nothing predicts) or
+        {token id: {logprob, rank, decoded_token}} for the `num` most likely tokens and the prompt's
+        own. The engine ranks only the top `num`: a prompt token outside them has rank null."""
+        out: list[dict[str, Any] | None] = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)
+            out.append({str(tid): {"logprob": lp.logprob, "rank": rank if rank <= num else None,
+                                   "decoded_token": self.preparer.token_text(tid, lp)}
+                        for rank, (tid, lp) in enumerate(ranked, start=1)})
+        return out
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
+                       num_top: int) -> dict[str, Any]:
+        """OpenAI chat shape: the chosen token's logprob and the `num_top` most likely tokens."""
+        content = []
+        for tid, entry in zip(token_ids, logprobs or []):
+            text = self.preparer.token_text(tid, entry.get(tid))
+            chosen = entry.get(tid)
+            top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:num_top]
+            content.append({
+                "token": text, "logprob": chosen.logprob if chosen else None, "bytes": list(text.encode()),
+                "top_logprobs": [{"token": self.preparer.token_text(t, lp), "logprob": lp.logprob,
+                                  "bytes": list(self.preparer.token_text(t, lp).encode())} for t, lp in top]})
+        return {"content": content}
+
+
+def _prompt_only(delta: StepDelta) -> StepDelta:
+    """A StepDelta of echo with max_tokens 0 (CompletionRequest.echo_only) without the one token the
+    engine sampled: its text, id, logprobs and count leave the response, the finish reason stays."""
+    return dataclasses.replace(delta, choices=[dataclasses.replace(c, token_ids=[], text="", logprobs=None)
+                                               for c in delta.choices])
+
+
+def _with_tool_calls(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish_reason for an answer that called tools: "tool_calls" where it stopped on its
+    own (a call cut off by max_tokens stays "length")."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason

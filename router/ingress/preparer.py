@@ -1,0 +1,322 @@
+"""Request preparation: a request body in, one `Prepared` record out (the parsed request, its
+sampling parameters, its prompts as token ids, the format its tool calls come in), or an
+InvalidRequestError / NotFoundError naming the field. `RequestPreparer` holds what that takes: the
+model's tokenizer, limits and sampling defaults (a `ModelInfo`, resolved where the ingress runs),
+the chat template and tool-call format, and the LoRA adapters served by name; it also answers the
+small calls that need only those (models, tokenize, detokenize, adapter loading). Shared by the HTTP
+and gRPC APIs through the frontend (router/ingress/frontend.py), which admits and runs what this
+prepares.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from engine.sample.structured_output import compiler_for
+from engine.text.reasoning import THINK_END, thinks
+from engine.text.tokenizer import apply_chat_template, load_tokenizer
+from engine.text.tool_calls import ToolFormat
+from records.errors import InvalidRequestError, NotFoundError
+from records.lora import LoRARequest, read_adapter
+from records.model_source import is_hub_id
+from records.outputs import Logprob
+from records.sampling_params import SamplingParams, StructuredOutputsParams, validate_request
+from records.serving import IngressSpec
+from router.ingress.protocol import (
+    ChatCompletionRequest,
+    ChatTemplateOptions,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadLoRAAdapterRequest,
+    TokenizeRequest,
+    UnloadLoRAAdapterRequest,
+    now,
+    plain_messages,
+    validation_message,
+)
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A validated request, ready to admit and run: `prompts` are token ids (one per prompt of a
+    completion; a chat's one); `tool_format` is the format to read tool calls in, None when the
+    request offers no tools to call."""
+    request: Any                    # CompletionRequest | ChatCompletionRequest
+    params: SamplingParams
+    prompts: list[list[int]]
+    tool_format: ToolFormat | None = None
+
+
+class RequestPreparer:
+    """Turns request bodies into `Prepared` records for one served model (and its adapters)."""
+
+    def __init__(self, config: IngressSpec) -> None:
+        self.config = config
+        engine = config.engine_config()
+        info = self.info = engine.model_info()
+        # What an adapter loaded at runtime is checked against: the model's config and the rank limit.
+        self._adapter_limits = (engine.model_config.hf_config, engine.lora_config.max_lora_rank
+                                if engine.lora_config is not None else 0)
+        self.vocab_size, self.max_model_len, self.max_num_seqs = info.vocab_size, info.max_model_len, info.max_num_seqs
+        self.model_name = config.serving.served_model_name or (
+            config.model if is_hub_id(config.model) else _default_name(info.model, info.gguf_file))
+        # LoRA adapters served under their own names (name -> request), from the spec and the
+        # runtime endpoints; ids count up as vLLM's do.
+        self.adapters: dict[str, LoRARequest] = {}
+        self._lora_ids = itertools.count(1)
+        for name, path in (config.lora.modules if config.lora is not None else {}).items():
+            if name == self.model_name:
+                raise ValueError(f"lora.modules.{name}: the base model is served under that name")
+            self.adapters[name] = LoRARequest(name, next(self._lora_ids), path)
+        self.tokenizer = load_tokenizer(info.model, info.gguf_file)
+        if config.serving.chat_template is not None and self.tokenizer is not None:
+            self.tokenizer.chat_template = config.serving.chat_template     # vLLM's --chat-template
+        # How the model writes tool calls (None: no chat template, so no chat and no tools).
+        self.tool_format = (ToolFormat.of(self.tokenizer, config.serving.tool_call_parser)
+                            if getattr(self.tokenizer, "chat_template", None) else None)
+
+    # --- checks ------------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); NotFoundError naming the
+        models this server serves."""
+        if model is None or model == self.model_name:
+            return None
+        adapter = self.adapters.get(model)
+        if adapter is None:
+            served = [self.model_name, *self.adapters]
+            raise NotFoundError(f"model {model!r} does not exist; this server serves {served}", "model")
+        return adapter
+
+    def response_model(self, params: SamplingParams) -> str:
+        """The `model` a response names: the adapter's name, or the base model's."""
+        return params.adapter_name or self.model_name
+
+    def parse(self, cls: type, data: dict[str, Any]) -> Any:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            message, param = validation_message(e)
+            raise InvalidRequestError(message, param=param) from None
+
+    def sampling_params(self, req: CompletionRequest) -> SamplingParams:
+        try:
+            return req.to_sampling_params(self.info.sampling_defaults)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+
+    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: max_model_len's worth)."""
+        if keep is None:
+            return ids
+        keep = self.max_model_len if keep == -1 else keep
+        return ids[len(ids) - keep:] if len(ids) > keep else ids
+
+    def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        try:
+            validate_request(ids, params, self.vocab_size, self.max_model_len, self.max_num_seqs)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="prompt") from None
+
+    async def compile_constraint(self, spec: StructuredOutputsParams | None, param: str) -> None:
+        """Compile a request's output constraint here (cached per schema), so that one that cannot
+        compile is a 400 naming `param` before any replica sees it. On a worker thread: xgrammar
+        releases the GIL, and the first compile in a process also builds the tokenizer's table
+        (about a second), which would otherwise hold up every stream through this ingress."""
+        if spec is None:
+            return
+        compiler = compiler_for(self.info.model, self.info.gguf_file, self.vocab_size, self.tokenizer)
+        try:
+            await asyncio.to_thread(compiler.compile, spec)
+        except ValueError as e:
+            raise InvalidRequestError(f"tools: {e}" if param == "tools" else str(e), param=param) from None
+
+    # --- prompts -----------------------------------------------------------------------------------
+    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        limit = self.config.serving.max_in_flight
+        if len(prompts) > limit:
+            raise InvalidRequestError(f"prompt: a batch may hold at most {limit} prompts (serving.max_in_flight); "
+                                 f"got {len(prompts)}", param="prompt")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise InvalidRequestError("this model has no tokenizer: send token ids", param="prompt")
+                out.append(self.tokenizer.encode(p))
+            else:
+                out.append(list(p))
+        return out
+
+    def chat_prompt(self, messages: list[Any], options: ChatTemplateOptions,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        try:
+            conversation = plain_messages(messages)
+            if self.tool_format is not None:
+                conversation, tools = self.tool_format.template_inputs(conversation, tools)
+            return apply_chat_template(self.tokenizer, conversation, tools, options.add_generation_prompt,
+                                       options.continue_final_message, options.chat_template_kwargs)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="messages") from None
+
+    async def prepare_completion(self, data: dict[str, Any]) -> Prepared:
+        """Validate a completion body (HTTP's, or the one a gRPC GenerateRequest maps to) and
+        tokenize its prompts; InvalidRequestError naming the field."""
+        req: CompletionRequest = self.parse(CompletionRequest, data)
+        lora = self.check_model(req.model)
+        params = self.sampling_params(req)
+        params.lora_request = lora
+        prompts = [self.truncated(ids, req.truncate_prompt_tokens) for ids in self.completion_prompts(req.prompt)]
+        for ids in prompts:
+            self.validate_prompt(ids, params)
+        await self.compile_constraint(params.structured_outputs, "structured_outputs")
+        return Prepared(req, params, prompts)
+
+    async def prepare_chat(self, data: dict[str, Any]) -> Prepared:
+        """Validate a chat completion body and apply the chat template (with the tools unless
+        tool_choice is "none"): one prompt."""
+        req: ChatCompletionRequest = self.parse(ChatCompletionRequest, data)
+        lora = self.check_model(req.model)
+        tools, constraint, tool_format = self.tool_setup(req)
+        try:
+            params = req.to_sampling_params(constraint, self.info.sampling_defaults)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="tool_choice" if constraint else None) from None
+        params.lora_request = lora
+        if tool_format is not None and tool_format.special_tag:
+            params.skip_special_tokens = False      # else the detokenizer drops the call tags
+        if (params.structured_outputs is not None and not params.structured_outputs.start_after
+                and not self.config.serving.structured_outputs_in_reasoning and self.thinking(req)):
+            # The model thinks freely; the constraint shapes what follows `</think>` (vLLM's rule).
+            params.structured_outputs = dataclasses.replace(params.structured_outputs,
+                                                            start_after=self.think_end_ids)
+        ids = self.truncated(self.chat_prompt(req.messages, req, tools), req.truncate_prompt_tokens)
+        self.validate_prompt(ids, params)
+        # A tool choice's grammar that cannot compile is the tools' schemas' fault.
+        await self.compile_constraint(params.structured_outputs, "tools" if constraint else "structured_outputs")
+        return Prepared(req, params, [ids], tool_format)
+
+    def thinking(self, req: ChatCompletionRequest) -> bool | None:
+        """With a reasoning parser (serving.reasoning_parser), whether this request's answer starts in
+        reasoning (engine/text/reasoning.py); None without one."""
+        parser = self.config.serving.reasoning_parser
+        return None if parser is None else thinks(parser, req.chat_template_kwargs)
+
+    @functools.cached_property
+    def think_end_ids(self) -> tuple[int, ...]:
+        """The token ids of `</think>` (one special token in Qwen3's and DeepSeek-R1's vocabularies),
+        encoded once per process rather than per request."""
+        return tuple(self.tokenizer.encode(THINK_END, add_special_tokens=False))
+
+    def tool_setup(self, req: ChatCompletionRequest
+                   ) -> tuple[list[dict[str, Any]] | None, str | None, ToolFormat | None]:
+        """(tools for the template, the structural tag that enforces tool_choice, the format to
+        parse calls in); InvalidRequestError naming tools or tool_choice."""
+        try:
+            choice = req.effective_tool_choice()
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="tool_choice") from None
+        if choice == "none" or not req.tools:
+            return None, None, None
+        if self.tool_format is None:
+            raise InvalidRequestError("tools: this model has no chat template to give them to", param="tools")
+        tools = req.tool_list()
+        try:
+            constraint = self.tool_format.constraint(tools, choice, req.parallel_tool_calls)
+        except ValueError as e:
+            raise InvalidRequestError(f"tools: {e}", param="tools") from None
+        return tools, constraint, self.tool_format
+
+    def token_text(self, token_id: int, lp: Logprob | None = None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    # --- small endpoints ---------------------------------------------------------------------------
+    def models(self) -> dict[str, Any]:
+        created = now()
+        base = {"id": self.model_name, "object": "model", "created": created, "owned_by": "pdserve",
+                "root": self.info.model, "parent": None, "max_model_len": self.max_model_len}
+        adapters = [{**base, "id": name, "root": lora.lora_path, "parent": self.model_name}
+                    for name, lora in self.adapters.items()]
+        return {"object": "list", "data": [base, *adapters]}
+
+    def model(self, name: str) -> dict[str, Any]:
+        """OpenAI's GET /v1/models/{model}: the card of the base model or an adapter this server
+        serves; NotFoundError naming the served models otherwise."""
+        self.check_model(name)
+        return next(card for card in self.models()["data"] if card["id"] == name)
+
+    def load_adapter(self, data: dict[str, Any]) -> str:
+        """vLLM's /v1/load_lora_adapter: serve the PEFT adapter at `lora_path` under `lora_name`
+        (checked here against the model and max_lora_rank; each replica reads it when a request
+        first needs it, so the path must be readable on every node). Adapters live in this ingress's
+        table: a spec with several ingress replicas lists them in `lora.modules` instead."""
+        self._check_runtime_updates()
+        req: LoadLoRAAdapterRequest = self.parse(LoadLoRAAdapterRequest, data)
+        if req.lora_name == self.model_name or req.lora_name in self.adapters:
+            raise InvalidRequestError(f"lora_name {req.lora_name!r} is already served; unload it first",
+                                      param="lora_name")
+        try:
+            read_adapter(req.lora_path, *self._adapter_limits)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="lora_path") from None
+        self.adapters[req.lora_name] = LoRARequest(req.lora_name, next(self._lora_ids), req.lora_path)
+        return f"Success: LoRA adapter '{req.lora_name}' added successfully."
+
+    def unload_adapter(self, data: dict[str, Any]) -> str:
+        """vLLM's /v1/unload_lora_adapter: stop serving `lora_name` (requests running under it
+        finish; the replicas' slots and cached blocks for it are reused as others need them)."""
+        self._check_runtime_updates()
+        req: UnloadLoRAAdapterRequest = self.parse(UnloadLoRAAdapterRequest, data)
+        if self.adapters.pop(req.lora_name, None) is None:
+            raise NotFoundError(f"lora_name {req.lora_name!r} is not loaded; loaded: {sorted(self.adapters)}",
+                                "lora_name")
+        return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
+
+    def _check_runtime_updates(self) -> None:
+        lora = self.config.lora
+        if lora is None or not lora.allow_runtime_updates:
+            raise NotFoundError("loading and unloading LoRA adapters at runtime is off; enable it with "
+                                "lora.allow_runtime_updates: true in the cluster spec")
+
+    def tokenize(self, data: dict[str, Any]) -> dict[str, Any]:
+        req: TokenizeRequest = self.parse(TokenizeRequest, data)
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer")
+        if req.prompt is not None:
+            tokens = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            tokens = self.chat_prompt(req.messages, req)
+        return {"tokens": list(tokens), "count": len(tokens), "max_model_len": self.max_model_len}
+
+    def detokenize(self, data: dict[str, Any]) -> dict[str, Any]:
+        req: DetokenizeRequest = self.parse(DetokenizeRequest, data)
+        self.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"tokens must be integers in [0, {self.vocab_size}); got {bad[:5]}",
+                                      param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+
+def _default_name(model: str, gguf_file: str | None) -> str:
+    if gguf_file:
+        return gguf_file.removesuffix(".gguf")
+    return os.path.basename(os.path.normpath(model))

@@ -1,0 +1,81 @@
+"""ReplicaChannel: the ingress end of one engine replica's output channel (cluster/replica.py).
+
+One per (ingress, replica) pair instead of one Ray stream per request: the ingress submits each
+request with a plain call and receives every engine step's deltas for all of its requests on that
+replica as one message, which a single task here hands to the requests' queues. A request whose
+consumer stops early (client disconnect) is aborted on the replica at once; the replica aborts
+everything of an ingress whose channel closes. When the replica dies, every request on the channel
+gets the Ray error (the router re-routes those that streamed nothing yet).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from records.outputs import StepDelta
+from records.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaChannel:
+    def __init__(self, handle: Any, ingress_id: str) -> None:
+        """handle: the replica's Ray actor handle; ingress_id: unique per ingress process."""
+        self.handle = handle
+        self.ingress_id = ingress_id
+        self.queues: dict[str, asyncio.Queue] = {}     # request id -> its deltas (or the channel's error)
+        self._receiver: asyncio.Task | None = None
+
+    async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     kv_transfer_params: dict | None = None) -> AsyncIterator[StepDelta]:
+        """Run one request on the replica and stream its StepDeltas. Raises what the replica raised
+        on submit (ValueError for bad input), the error a delta carries (RequestFailedError,
+        EngineDeadError, ...), or the Ray error of a dead replica. Stopping early aborts it."""
+        self._open()
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = queue
+        finished = False
+        try:
+            await self.handle.submit.remote(self.ingress_id, request_id, prompt_token_ids, params,
+                                            kv_transfer_params)
+            while not finished:
+                delta = await queue.get()
+                if isinstance(delta, BaseException):
+                    raise delta
+                if delta.error is not None:
+                    finished = True
+                    raise delta.error
+                finished = delta.finished
+                yield delta
+        finally:
+            del self.queues[request_id]
+            if not finished:
+                self.handle.abort.remote(request_id)
+
+    def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+            self._receiver = None
+
+    def _open(self) -> None:
+        if self._receiver is None or self._receiver.done():
+            self._receiver = asyncio.get_running_loop().create_task(self._receive())
+
+    async def _receive(self) -> None:
+        try:
+            stream = self.handle.open_channel.options(num_returns="streaming").remote(self.ingress_id)
+            async for ref in stream:
+                for delta in await ref:
+                    queue = self.queues.get(delta.request_id)
+                    if queue is not None:
+                        queue.put_nowait(delta)
+            error: BaseException = ConnectionError("the replica closed its output channel")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the replica is gone: every request on it learns why
+            error = e
+        logger.warning("the output channel to a replica ended: %s", type(error).__name__)
+        for queue in self.queues.values():
+            queue.put_nowait(error)

@@ -1,0 +1,333 @@
+"""Request orchestration over the engine pools: pick replicas, stream StepDeltas, clean up.
+
+`RequestRouter` routes within one pool: the prefix-aware policy picks the replica that already holds
+the longest run of the prompt's leading blocks unless load says otherwise. Colocated mode is one
+such router over a pool of full engines.
+
+`PDRouter` adds the prefill/decode split over two pools (DESIGN: data flow, step 3). It picks the
+decode replica first (where the tokens will stream from, and whose prefix cache counts); if the
+prompt's uncached part there is shorter than `min_remote_prefill_tokens` (or the request wants n > 1
+or prompt logprobs), D prefills it itself: conditional disaggregation. Otherwise the chosen prefill
+replica runs it with max_tokens=1 and leases its blocks; D gets the returned transfer parameters,
+pulls what it lacks, and decodes. D's output is what streams (its first token is recomputed from
+the pulled KV, so it is identical to a single engine's under greedy or seeded sampling). A client
+that goes away while P prefills aborts it there; after that the lease is D's to release.
+
+Tokens come back over one output channel per replica (router/routing/channel.py): every engine step's
+deltas for all of this router's requests on a replica arrive as one message.
+
+The router keeps its per-replica view fresh in the background: a long poll per replica on its KV
+event log (`EngineReplica.kv_events_since` answers after the first replica step with events, so they arrive
+within a step and idle replicas cost nothing; the batches travel as protobuf `KVEventBatch`, and a
+replica of another schema version has its events refused, with an error logged) and stats every
+`stats_interval_s`; in-flight counts
+are its own.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from pdserve_proto.kv_events import decode_kv_events
+from records.errors import NoReplicaError, ReplicaDiedError, SchemaVersionMismatch
+from records.hashing import hash_block_tokens
+from records.outputs import StepDelta
+from records.sampling_params import SamplingParams
+from router.routing.channel import ReplicaChannel
+from router.routing.metrics import ServingMetrics
+from router.routing.policy import Decision, ReplicaLoad, RoutingPolicy
+from router.routing.prefix_index import PrefixIndex
+
+# LoRA adapters the router remembers per replica (the most recently routed there): the engine's
+# default max_loras, so that a replica "holds" what would fit its slots.
+ADAPTERS_REMEMBERED = 8
+
+logger = logging.getLogger(__name__)
+
+
+
+
+class RequestRouter:
+    def __init__(self, pool: str, replicas: dict[str, Any], block_size: int, policy: RoutingPolicy,
+                 metrics: ServingMetrics, stats_interval_s: float = 0.5,
+                 on_replica_failure: Callable[[str], None] | None = None) -> None:
+        """replicas: replica id -> Ray actor handle of an EngineReplica; on_replica_failure: called
+        with a replica's id when a call to it failed because its actor is gone (the ingress tells the
+        manager, which replaces it)."""
+        self.pool = pool
+        self.replicas: dict[str, Any] = {}
+        self.block_size = block_size
+        self.policy = policy
+        self.metrics = metrics
+        self.stats_interval_s = stats_interval_s
+        self.on_replica_failure = on_replica_failure
+        self.index = PrefixIndex()
+        self.loads: dict[str, ReplicaLoad] = {}
+        # LoRA adapters routed to each replica lately, least recent first (their cache keys; the
+        # replicas keep more than this in host memory, so this errs on the side of "not held").
+        self.adapters: dict[str, OrderedDict[tuple, None]] = {}
+        self.down: set[str] = set()          # failed a call; not routed to until membership drops it
+        self._cursors: dict[str, int] = {}
+        self._followers: dict[str, asyncio.Task] = {}
+        # This router's output channels, one per replica (opened on the first request to it).
+        self.ingress_id = f"{pool}-{uuid.uuid4().hex[:12]}"
+        self._channels: dict[str, ReplicaChannel] = {}
+        self._stats_task: asyncio.Task | None = None
+        self.set_replicas(replicas)
+
+    def set_replicas(self, replicas: dict[str, Any]) -> None:
+        """Follow the pool's membership: forget replicas that left (their index, load and event
+        follower) and start following new ones."""
+        for r in [r for r in self.replicas if r not in replicas]:
+            del self.replicas[r], self.loads[r], self._cursors[r], self.adapters[r]
+            self.index.remove_replica(r)
+            self.down.discard(r)
+            self.metrics.drop_replica(self.pool, r)
+            channel = self._channels.pop(r, None)
+            if channel is not None:
+                channel.close()
+            task = self._followers.pop(r, None)
+            if task is not None:
+                task.cancel()
+        for r, handle in replicas.items():
+            if r in self.replicas:
+                continue
+            self.replicas[r] = handle
+            self.loads[r] = ReplicaLoad()
+            self.adapters[r] = OrderedDict()
+            self._cursors[r] = 0
+            self.index.add_replica(r)
+            if self._stats_task is not None:
+                self._followers[r] = asyncio.get_running_loop().create_task(self._follow_events(r))
+
+    @property
+    def available(self) -> list[str]:
+        return [r for r in self.replicas if r not in self.down]
+
+    def mark_down(self, replica_id: str, error: BaseException) -> None:
+        if replica_id in self.down or replica_id not in self.replicas:
+            return
+        logger.warning("%s replica %s failed a call (%s): not routing to it", self.pool, replica_id,
+                       type(error).__name__)
+        self.down.add(replica_id)
+        self.metrics.errors.inc(code=f"replica_down_{self.pool}")
+        if self.on_replica_failure is not None:
+            self.on_replica_failure(replica_id)
+
+    # --- background view of the replicas -----------------------------------------------------------
+    def start(self) -> None:
+        """Start the background view: one long-poll loop per replica for KV events, one for stats."""
+        if self._stats_task is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._stats_task = loop.create_task(self._poll_stats())
+        self._followers = {r: loop.create_task(self._follow_events(r)) for r in self.replicas}
+
+    async def _follow_events(self, replica_id: str) -> None:
+        handle = self.replicas[replica_id]
+        while True:
+            try:
+                cursor, events = decode_kv_events(
+                    await handle.kv_events_since.remote(self._cursors[replica_id], 1.0))
+                self._cursors[replica_id] = cursor
+                self.index.apply(replica_id, events)
+            except RayActorError as e:    # gone: membership will drop it
+                self.mark_down(replica_id, e)
+                await asyncio.sleep(1.0)
+            except SchemaVersionMismatch as e:  # another pdserve version: its events are not applied
+                logger.error("refusing KV events of %s replica %s: %s", self.pool, replica_id, e)
+                self.metrics.errors.inc(code="kv_events_schema_mismatch")
+                await asyncio.sleep(5.0)
+            except Exception:
+                logger.exception("following KV events of %s failed", replica_id)
+                await asyncio.sleep(1.0)
+
+    async def _poll_stats(self) -> None:
+        while True:
+            try:
+                await self.refresh_stats()
+            except Exception:
+                logger.exception("polling replica stats failed")
+            await asyncio.sleep(self.stats_interval_s)
+
+    async def sync_events(self) -> None:
+        """Apply every replica's new KV events to the prefix index."""
+        ids = list(self.replicas)
+        results = await asyncio.gather(
+            *[self.replicas[r].kv_events_since.remote(self._cursors[r]) for r in ids], return_exceptions=True)
+        for r, res in zip(ids, results):
+            if isinstance(res, BaseException):
+                continue
+            self._cursors[r], events = decode_kv_events(res)
+            self.index.apply(r, events)
+
+    async def refresh_stats(self) -> dict[str, dict]:
+        """Poll replica stats (KV usage feeds the policy) and publish them as metrics."""
+        ids = list(self.replicas)
+        results = await asyncio.gather(*[self.replicas[r].stats.remote() for r in ids], return_exceptions=True)
+        out = {}
+        for r, res in zip(ids, results):
+            if isinstance(res, RayActorError) and not isinstance(res, ActorUnavailableError):
+                self.mark_down(r, res)
+            if isinstance(res, BaseException) or r not in self.replicas:
+                continue
+            out[r] = res
+            self.loads[r].kv_usage = float(res.get("kv_cache_usage_perc", 0.0))
+            self.metrics.set_engine_stats(self.pool, r, res)
+        return out
+
+    # --- one request -------------------------------------------------------------------------------
+    def route(self, prompt_token_ids: list[int], params: SamplingParams) -> Decision:
+        candidates = self.available
+        if not candidates:
+            raise NoReplicaError(f"no {self.pool} engine replica is available"
+                                 + (f" ({len(self.down)} failed, being replaced)" if self.down else ""))
+        hashes = hash_block_tokens(prompt_token_ids, self.block_size, params.cache_keys)
+        cached = {r: self.index.num_blocks(r) for r in candidates}
+        matched = self.index.match(hashes)
+        lora = params.lora_request
+        held = None if lora is None else {r for r in candidates if lora.cache_key in self.adapters[r]}
+        decision = self.policy.choose({r: matched.get(r, 0) for r in candidates}, len(hashes), self.loads,
+                                      cached, held)
+        if lora is not None:
+            recent = self.adapters[decision.replica_id]
+            recent[lora.cache_key] = None
+            recent.move_to_end(lora.cache_key)
+            while len(recent) > ADAPTERS_REMEMBERED:
+                recent.popitem(last=False)
+        self.metrics.decisions.inc(reason=decision.reason, pool=self.pool)
+        return decision
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       decision: Decision | None = None, kv_transfer_params: dict | None = None
+                       ) -> AsyncIterator[StepDelta]:
+        """Stream the chosen replica's StepDeltas (routing first unless `decision` is given). If the
+        consumer stops early (client disconnect), the request is aborted on the replica, which
+        frees its blocks. If the replica dies before it streamed anything, the request goes to
+        another one; after that, it fails with ReplicaDiedError."""
+        decision = decision or self.route(prompt_token_ids, params)
+        while True:
+            streamed = False
+            try:
+                async for delta in self._stream(decision.replica_id, request_id, prompt_token_ids, params,
+                                                kv_transfer_params):
+                    streamed = True
+                    yield delta
+                return
+            except RayActorError as e:
+                self.mark_down(decision.replica_id, e)
+                if streamed:
+                    raise ReplicaDiedError(
+                        f"{self.pool} engine replica {decision.replica_id} died while running request "
+                        f"{request_id}; retry the request") from None
+                decision = self.route(prompt_token_ids, params)      # NoReplicaError when none is left
+
+    async def _stream(self, replica_id: str, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams, kv_transfer_params: dict | None) -> AsyncIterator[StepDelta]:
+        channel = self._channels.get(replica_id)
+        if channel is None:
+            channel = self._channels[replica_id] = ReplicaChannel(self.replicas[replica_id], self.ingress_id)
+        load = self.loads[replica_id]
+        load.in_flight += 1
+        start = time.monotonic()
+        last = None
+        finished = False
+        try:
+            async for delta in channel.stream(request_id, prompt_token_ids, params, kv_transfer_params):
+                now = time.monotonic()
+                new_tokens = sum(len(c.token_ids) for c in delta.choices)
+                if new_tokens:
+                    if last is None:
+                        self.metrics.ttft.observe(now - start, pool=self.pool)
+                    else:
+                        self.metrics.itl.observe(now - last, pool=self.pool)
+                    last = now
+                finished = delta.finished
+                yield delta
+            if finished:
+                self.metrics.e2e.observe(time.monotonic() - start, pool=self.pool)
+        finally:
+            load.in_flight -= 1
+
+    def stop(self) -> None:
+        for task in [*self._followers.values(), self._stats_task]:
+            if task is not None:
+                task.cancel()
+        for channel in self._channels.values():
+            channel.close()
+        self._followers, self._stats_task, self._channels = {}, None, {}
+
+
+class PDRouter:
+    """Prefill/decode orchestration over two pools (see the module docstring)."""
+
+    def __init__(self, prefill: RequestRouter, decode: RequestRouter, metrics: ServingMetrics,
+                 min_remote_prefill_tokens: int = 256) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.metrics = metrics
+        self.min_remote_prefill_tokens = min_remote_prefill_tokens
+
+    @property
+    def replicas(self) -> dict[str, Any]:
+        """Every replica of both pools (ids are unique: they carry the pool name)."""
+        return {**self.prefill.replicas, **self.decode.replicas}
+
+    def start(self) -> None:
+        self.prefill.start()
+        self.decode.start()
+
+    def stop(self) -> None:
+        self.prefill.stop()
+        self.decode.stop()
+
+    async def refresh_stats(self) -> dict[str, dict]:
+        prefill, decode = await asyncio.gather(self.prefill.refresh_stats(), self.decode.refresh_stats())
+        return {**prefill, **decode}
+
+    def wants_remote_prefill(self, num_prompt_tokens: int, params: SamplingParams,
+                             decode_decision: Decision) -> bool:
+        if params.n != 1 or params.prompt_logprobs is not None or not self.prefill.replicas:
+            return False
+        uncached = num_prompt_tokens - decode_decision.matched_blocks * self.decode.block_size
+        return uncached >= self.min_remote_prefill_tokens
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[StepDelta]:
+        """Stream the decode replica's StepDeltas, after a remote prefill when it pays."""
+        d_decision = self.decode.route(prompt_token_ids, params)
+        kv_params = None
+        if self.wants_remote_prefill(len(prompt_token_ids), params, d_decision):
+            self.metrics.decisions.inc(reason="remote_prefill", pool="pd")
+            kv_params = await self._prefill(request_id, prompt_token_ids, params)
+        else:
+            self.metrics.decisions.inc(reason="local_prefill", pool="pd")
+        async for delta in self.decode.generate(request_id, prompt_token_ids, params, d_decision, kv_params):
+            yield delta
+
+    async def _prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                       ) -> dict | None:
+        """Run the prompt on a prefill replica; its transfer parameters, or None when it leased
+        nothing (its first token ended the request, or its lease table was full) or no prefill
+        replica could run it: then D computes the prompt itself."""
+        p_params = dataclasses.replace(params, max_tokens=1, min_tokens=0, n=1, logprobs=None)
+        last = None
+        try:
+            async for delta in self.prefill.generate(request_id, prompt_token_ids, p_params,
+                                                     kv_transfer_params={"do_remote_decode": True}):
+                last = delta
+        except NoReplicaError:          # every prefill replica failed it or is being replaced
+            self.metrics.decisions.inc(reason="prefill_unavailable", pool="pd")
+            return None
+        if last is None or last.kv_transfer_params is None:
+            self.metrics.decisions.inc(reason="prefill_not_leased", pool="pd")
+            return None
+        return last.kv_transfer_params

@@ -1,0 +1,86 @@
+"""Routing policies: pick one replica of a pool for a prompt.
+
+`prefix_aware` (default) scores each replica by how much of the prompt it already holds against how
+loaded it is:
+
+    score = matched_blocks / prompt_blocks - load_weight * load / max_load
+
+where load is the requests the router has in flight there (waiting + running, as the router sees
+them: fresher than polled stats) plus `kv_usage` scaled to requests. When the most and least loaded
+replicas differ by more than `imbalance_threshold` requests, the least loaded wins regardless of
+prefix (a hot prefix must not pile every request onto one replica). Ties go to the replica caching
+the fewest blocks (a new prefix lands where it evicts least, as SGLang's cache-aware router balances
+by tree size), then at random. A request under a LoRA adapter scores `adapter_weight` more on the
+replicas that ran that adapter lately (they hold it in a slot or in host memory: no load from disk,
+and its prefixes, whose block hashes are keyed by the adapter, are matched above anyway).
+`round_robin` and `least_load` are the baselines to compare against.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from records.serving import PolicyConfig
+
+REASONS = ("prefix_hit", "adapter_hit", "no_hit_least_cost", "imbalance", "round_robin", "least_load")
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    in_flight: int = 0          # requests routed there and not finished
+    kv_usage: float = 0.0       # fraction of its KV blocks in use (from its stats)
+
+    def value(self, max_num_seqs: int) -> float:
+        return self.in_flight + self.kv_usage * max_num_seqs
+
+
+@dataclass(slots=True)
+class Decision:
+    replica_id: str
+    reason: str                 # one of REASONS
+    matched_blocks: int = 0
+
+
+class RoutingPolicy:
+    def __init__(self, config: PolicyConfig | None = None, max_num_seqs: int = 64) -> None:
+        self.config = config or PolicyConfig()
+        self.max_num_seqs = max_num_seqs
+        self._rng = random.Random(self.config.seed)
+        self._rr = itertools.count()
+
+    def choose(self, matched: dict[str, int], num_prompt_blocks: int, loads: dict[str, ReplicaLoad],
+               cached_blocks: dict[str, int] | None = None, holds_adapter: set[str] | None = None) -> Decision:
+        """matched: replica id -> leading prompt blocks it holds (every candidate replica is a key);
+        cached_blocks: replica id -> blocks in its prefix cache (tie-breaker); holds_adapter: the
+        replicas that ran the request's LoRA adapter lately (None: a request of the base model)."""
+        candidates = sorted(matched)
+        if not candidates:
+            raise RuntimeError("no replica to route to")
+        name = self.config.name
+        if name == "round_robin":
+            return Decision(candidates[next(self._rr) % len(candidates)], "round_robin")
+        load = {r: loads.get(r, ReplicaLoad()).value(self.max_num_seqs) for r in candidates}
+        if name == "least_load":
+            return Decision(self._pick_min(candidates, load), "least_load")
+        if max(load.values()) - min(load.values()) > self.config.imbalance_threshold:
+            r = self._pick_min(candidates, load)
+            return Decision(r, "imbalance", matched[r])
+        max_load = max(max(load.values()), 1.0)
+        blocks = max(num_prompt_blocks, 1)
+        held = holds_adapter or set()
+        score = {r: matched[r] / blocks - self.config.load_weight * load[r] / max_load
+                 + self.config.adapter_weight * (r in held) for r in candidates}
+        best = max(score.values())
+        tied = [c for c in candidates if score[c] == best]
+        if cached_blocks and len(tied) > 1:
+            fewest = min(cached_blocks.get(c, 0) for c in tied)
+            tied = [c for c in tied if cached_blocks.get(c, 0) == fewest]
+        r = self._rng.choice(tied)
+        reason = "prefix_hit" if matched[r] else "adapter_hit" if r in held else "no_hit_least_cost"
+        return Decision(r, reason, matched[r])
+
+    def _pick_min(self, candidates: Sequence[str], load: dict[str, float]) -> str:
+        low = min(load[c] for c in candidates)
+        return self._rng.choice([c for c in candidates if load[c] == low])

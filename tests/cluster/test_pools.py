@@ -1,0 +1,430 @@
+"""Pools that heal, and a launcher that fails fast and shuts down cleanly.
+
+- Placement: a spec that the Ray cluster can never hold is refused with a message naming the pool
+  and the resource (unit), and `python -m cluster.launch` exits with it instead of hanging on a
+  pending actor; a replica that Ray cannot place now (another workload holds the CPUs) fails the
+  start within the timeout, naming the resource; a spec with an unknown field exits before Ray
+  starts.
+- Replacement: on a real Serve app (127.0.0.1) with two decode replicas, killing one replica's actor
+  leaves the service answering (requests routed to the dead replica go to the other one), the pool
+  starts a replacement that joins the routing, and a request that was streaming from a replica
+  when it died ends with a clear 503 error.
+- `pdserve serve` (no config: 1 prefill + 1 decode replica over NIXL) answers a completion and the
+  serving benchmarks (benchmarks/serve.py, benchmarks/compare.py) and, on SIGINT to its process
+  group (Ctrl-C), exits 0 leaving no Ray process behind; with `serving.direct_ingress` the
+  ingress replica itself listens on the port.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+from helpers import REPO, free_port, wait_healthy
+
+from cluster.config import ClusterConfig
+from cluster.placement import placement_problems, replica_bundles
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env["PATH"] = f"{os.path.dirname(sys.executable)}:{env.get('PATH', '')}"
+    return env
+
+
+# --- spec (unit) -----------------------------------------------------------------------------------
+def test_direct_ingress_spec():
+    serving = ClusterConfig(serving={"port": 8123, "direct_ingress": True}).serving
+    assert serving.direct_ingress_env() == {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+                                            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "8123",
+                                            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "8124"}
+    assert ClusterConfig().serving.direct_ingress_env() == {}
+    for bad in ({"ingress_replicas": 2}, {"grpc_port": 9000}):
+        with pytest.raises(ValueError, match="direct_ingress needs ingress_replicas = 1 and no grpc_port"):
+            ClusterConfig(serving={"direct_ingress": True, **bad})
+
+
+# --- placement (unit) ------------------------------------------------------------------------------
+def test_placement_problems_name_the_pool_and_resource():
+    gpu_pool = ClusterConfig(pools={"decode": {"replicas": 2, "num_gpus": 1}})
+    cpu_node = {"CPU": 16.0, "memory": 1e10}
+    problems = placement_problems(gpu_pool, [cpu_node])
+    assert any("pools.decode" in p and "GPU: 1" in p for p in problems), problems
+    assert any("need 2 GPU in all; the cluster has 0" in p for p in problems), problems
+    assert placement_problems(gpu_pool, [{"CPU": 4.0, "GPU": 1.0}, {"CPU": 4.0, "GPU": 1.0}]) == []
+    # Each replica fits a node, but three do not fit two GPUs.
+    three = ClusterConfig(pools={"decode": {"replicas": 3, "num_gpus": 1}})
+    assert placement_problems(three, [{"CPU": 4.0, "GPU": 2.0}]) == [
+        "the pools need 3 GPU in all; the cluster has 2"]
+
+
+def test_placement_of_multi_rank_pools_and_custom_resources():
+    # TP=4 ranks of 1 GPU must share a node: 4 GPUs in all, but never 4 on one node.
+    tp4 = ClusterConfig(pools={"decode": {"tensor_parallel_size": 4, "num_gpus": 1, "num_cpus": 2}})
+    assert replica_bundles(tp4.pools["decode"]) == [{"CPU": 0.1}, {"CPU": 8.0, "GPU": 4.0}]
+    two_nodes = [{"CPU": 16.0, "GPU": 2.0}, {"CPU": 16.0, "GPU": 2.0}]
+    assert any("no node can hold" in p and "GPU: 4" in p for p in placement_problems(tp4, two_nodes))
+    # PP=2 stages of TP=2 may use one node each.
+    pp2 = ClusterConfig(pools={"decode": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+                                          "num_gpus": 1}})
+    assert placement_problems(pp2, two_nodes) == []
+    # A pool pinned by a custom resource that no node offers.
+    pinned = ClusterConfig(mode="disaggregated", pools={
+        "prefill": {"resources": {"pdserve_prefill": 1}}, "decode": {"resources": {"pdserve_decode": 1}}})
+    problems = placement_problems(pinned, [{"CPU": 8.0, "pdserve_decode": 100.0}])
+    assert any(p.startswith("pools.prefill") and "pdserve_prefill" in p for p in problems), problems
+    assert not any(p.startswith("pools.decode") for p in problems), problems
+
+
+def test_unknown_field_fails_before_ray_starts(tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("pools:\n  decode: {replicas: 1, gpus: 1}\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "cluster.launch", "--config", str(spec)], env=_env(),
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "pools.decode.gpus" in done.stderr and "Extra inputs are not permitted" in done.stderr
+    assert "Traceback" not in done.stderr and "Started a local Ray" not in done.stderr + done.stdout
+    assert time.monotonic() - start < 60
+
+
+def _descendants(pid: int) -> list:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _wait_gone(procs: list, timeout: float) -> list[str]:
+    """The processes among `procs` still alive after `timeout` s, as 'pid name' strings."""
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [f"{p.pid} {p.name()}" for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.ray
+def test_impossible_placement_fails_fast(tmp_path, tiny_llama):
+    spec = tmp_path / "gpu.yaml"
+    spec.write_text(f"model: {tiny_llama}\npools:\n  decode: {{replicas: 1, num_gpus: 1}}\n")
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.launch", "--config", str(spec), "--num-cpus", "2",
+                             "--port", str(free_port())], env=_env(), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, err[-3000:]
+    assert "pdserve: error: the Ray cluster cannot hold the pools" in err
+    assert "pools.decode: no node can hold {CPU: 1, GPU: 1}" in err and "the cluster has 0" in err
+    assert time.monotonic() - start < 150
+
+
+# --- replacement on a live Serve app ---------------------------------------------------------------
+@pytest.mark.ray
+def test_a_replica_that_cannot_be_placed_fails_naming_the_resource(tiny_llama):
+    """The cluster's total would hold the pool, but another workload holds the CPUs: the start fails
+    within the placement timeout naming what a replica needs and what is free (never a pending
+    actor forever)."""
+    import ray
+
+    from cluster.config import ClusterConfig
+    from cluster.launch import init_ray
+    from cluster.pool import EnginePool
+    from records.errors import PlacementError
+
+    init_ray(num_cpus=8)
+    free = ray.available_resources().get("CPU", 0.0)
+    blocker = ray.remote(num_cpus=max(free - 0.5, 0.01))(type("Blocker", (), {"ping": lambda self: 1})).remote()
+    ray.get(blocker.ping.remote())
+    config = ClusterConfig(model=tiny_llama, engine={"dtype": "float32"}, pools={"decode": {"num_cpus": 1}})
+    pool = EnginePool("decode", config.pools["decode"], config.engine_config(), "pdserve-unplaced")
+    pool.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(PlacementError, match=r"pools.decode: replica decode-0 was not placed within 3 s: "
+                                                 r"one replica needs \{CPU: 1\}; the cluster has \{CPU: 0\.[0-9]+"):
+            asyncio.run(pool.wait_ready(place_timeout_s=3.0))
+        assert time.monotonic() - start < 30
+    finally:
+        pool.shutdown()
+        ray.kill(blocker)
+
+
+@pytest.fixture(scope="module")
+def heal(tiny_llama, eventually_no_leaks):
+    ray = pytest.importorskip("ray", reason="needs ray[serve] (make setup installs it)")
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.launch import init_ray
+    from cluster.manager import MANAGER_NAME
+
+    init_ray(num_cpus=8)
+    port = free_port()
+    config = ClusterConfig(model=tiny_llama, engine={"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 8},
+                           pools={"decode": {"replicas": 2, "num_cpus": 1}}, serving={"port": port},
+                           name="pdserve-heal")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(config), name=config.name, route_prefix="/heal")
+    base = f"http://127.0.0.1:{port}/heal"
+    manager = ray.get_actor(MANAGER_NAME, namespace=config.name)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    yield {"base": base, "manager": manager, "client": client, "model": client.models.list().data[0].id}
+    assert eventually_no_leaks(ray.get(manager.replicas.remote("decode"))), \
+        "a replica kept requests or blocks after the tests"
+    serve.shutdown()            # also its HTTP proxy, which holds this module's port
+    ray.get(manager.shutdown.remote())
+    ray.kill(manager)
+
+
+def _wait_for_membership(manager, gone: str, size: int, timeout: float = 120.0) -> dict:
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        _, pools = ray.get(manager.membership.remote())
+        if gone not in pools["decode"] and len(pools["decode"]) == size:
+            return pools["decode"]
+        assert time.monotonic() < deadline, f"the pool was not healed: {ray.get(manager.pool_status.remote())}"
+        time.sleep(0.5)
+
+
+@pytest.mark.ray
+def test_killed_replica_is_replaced_while_the_service_keeps_answering(heal):
+    import ray
+
+    manager, client = heal["manager"], heal["client"]
+    _, pools = ray.get(manager.membership.remote())
+    before = pools["decode"]
+    victim = sorted(before)[0]
+    ray.kill(before[victim], no_restart=True)
+    # Requests keep succeeding: one routed to the dead replica fails there before any output and
+    # is sent to the live one.
+    # The prompts span full KV blocks, so the survivor ends up caching some and the replacement (which
+    # caches none) wins the policy's tie-break below, not a coin flip.
+    story = "tell me about the history of the old city, its rivers, bridges and markets. " * 3
+    for i in range(6):
+        out = client.completions.create(model=heal["model"], prompt=f"request {i}: {story}", max_tokens=4,
+                                        temperature=0.0, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 4
+    now = _wait_for_membership(manager, victim, 2)
+    replacement = (set(now) - set(before)).pop()
+    status = ray.get(manager.pool_status.remote())["decode"]
+    assert status["replaced"] == 1 and victim not in status["replicas"], status
+
+    deadline = time.monotonic() + 30
+    while True:          # the ingress follows the membership: the replacement is routed to
+        health = httpx.get(f"{heal['base']}/health", timeout=10)
+        if health.status_code == 200 and set(health.json()["pools"]["decode"]) == set(now):
+            break
+        assert time.monotonic() < deadline, health.text
+        time.sleep(0.5)
+    assert all(health.json()["pools"]["decode"].values())
+    survivor = (set(now) - {replacement}).pop()
+    _, events = ray.get(now[survivor].kv_event_records_since.remote(0))
+    assert any(type(e).__name__ == "BlockStored" and e.block_hashes for e in events), events
+    for i in range(4):       # distinct prompts, no cache hit: ties go to the replica caching least
+        client.completions.create(model=heal["model"], prompt=f"another {i} prompt entirely", max_tokens=2,
+                                  temperature=0.0)
+    assert ray.get(now[replacement].stats.remote())["prompt_tokens"] > 0
+
+
+@pytest.mark.ray
+def test_request_streaming_from_a_dying_replica_fails_clearly(heal):
+    import ray
+
+    manager, client = heal["manager"], heal["client"]
+    stream = client.completions.create(model=heal["model"], prompt="Count slowly:", max_tokens=1800,
+                                       temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    _, pools = ray.get(manager.membership.remote())
+    running = [r for r, h in pools["decode"].items() if ray.get(h.stats.remote())["num_requests_running"]]
+    assert len(running) == 1, running
+    ray.kill(pools["decode"][running[0]], no_restart=True)
+    with pytest.raises(openai.APIError, match=f"replica {running[0]} died while running request"):
+        for _ in chunks:
+            pass
+    _wait_for_membership(manager, running[0], 2)
+    out = client.completions.create(model=heal["model"], prompt="still there?", max_tokens=3, temperature=0.0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+
+
+# --- pdserve serve and Ctrl-C ----------------------------------------------------------------------
+@pytest.mark.ray
+def _start_pdserve(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "pdserve"), "serve", *args],
+                            env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float = 240) -> None:
+    def running() -> None:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+    wait_healthy(base, timeout_s, running, poll_s=1.0)
+
+
+def _stop_with_sigint(proc: subprocess.Popen, ray_procs: list) -> str:
+    os.killpg(proc.pid, signal.SIGINT)          # what Ctrl-C in a terminal sends
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-3000:]
+    assert "pdserve: shutting down (SIGINT)" in output
+    assert _wait_gone(ray_procs, 30) == []
+    return output
+
+
+@pytest.mark.ray
+def test_pdserve_serve_answers_and_sigint_leaves_no_ray_process(tiny_llama, tmp_path):
+    port = free_port()
+    # No --num-cpus: the defaults (1 prefill + 1 decode replica of 1 CPU, the ingress) must fit the
+    # local Ray it starts on a 2-core machine.
+    proc = _start_pdserve("--model", tiny_llama, "--port", str(port))
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, base)
+        health = httpx.get(f"{base}/health").json()
+        assert set(health["pools"]) == {"prefill", "decode"}, health
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+        out = client.completions.create(model=client.models.list().data[0].id, prompt="Hello", max_tokens=5,
+                                        temperature=0.0, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 5
+        # The serving benchmark against it: token-id prompts, then a multi-turn text workload.
+        bench = subprocess.run(
+            [sys.executable, "benchmarks/serve.py", "--base-url", base, "--num-prompts", "6", "--warmup", "1",
+             "--input-len", "20:300", "--output-len", "6", "--concurrency", "3", "--quiet",
+             "--scrape-metric", "pdserve:prompt_tokens_computed_total",
+             "--result", str(tmp_path / "bench.json")], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert bench.returncode == 0, bench.stderr[-3000:]
+        summary = json.loads((tmp_path / "bench.json").read_text())["summary"]
+        assert summary["completed"] == 6 and summary["output_tokens"] == 36 and summary["ttft_ms"]["p99"] > 0
+        # Random prompts share no block: every prompt token is computed once, on P or on D, and D
+        # computes the last token again of a prompt it pulled (its first token comes from there).
+        computed = summary["metrics_total"]["pdserve:prompt_tokens_computed_total"]
+        assert summary["input_tokens"] <= computed <= summary["input_tokens"] + 6, summary["metrics_delta"]
+        assert summary["itl_ms"]["median"] > 0 and summary["request_throughput"] > 0
+        compared = subprocess.run(
+            [sys.executable, "benchmarks/compare.py", "--a", base, "--b", base, "--dataset", "multiturn",
+             "--num-prompts", "2", "--turns", "2", "--warmup", "0", "--input-len", "5:10", "--output-len", "4",
+             "--request-rate", "4", "--quiet", "--result", str(tmp_path / "cmp.json")],
+            cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert compared.returncode == 0, compared.stderr[-3000:]
+        rounds = json.loads((tmp_path / "cmp.json").read_text())["rounds"][0]
+        assert [r["completed"] for r in rounds.values()] == [4, 4] and "request_throughput" in compared.stdout
+        ray_procs = _descendants(proc.pid)
+        names = {p.name() for p in ray_procs}
+        assert {"gcs_server", "raylet"} <= names, names
+        # A local server listens on loopback only: Ray's GCS, raylet, agents, every worker, Serve.
+        exposed = _listening_beyond_loopback([psutil.Process(proc.pid), *ray_procs])
+        assert exposed == [], exposed
+        _stop_with_sigint(proc, ray_procs)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.ray
+def test_direct_ingress_serves_the_port_from_the_ingress_replica(tiny_llama, tmp_path):
+    """serving.direct_ingress: the ingress replica itself listens on the port (no Serve proxy on
+    the token path), streams with the role on the first token, and a dropped stream leaks nothing."""
+    port = free_port()
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"model: {tiny_llama}\nengine: {{dtype: float32, max_model_len: 256}}\nmode: colocated\n"
+                    f"serving: {{port: {port}, direct_ingress: true}}\n")
+    proc = _start_pdserve("--config", str(spec))
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, base)
+        ray_procs = _descendants(proc.pid)
+        owners = [p.name() for p in ray_procs for c in _listening(p) if c.laddr.port == port]
+        assert owners and all("ServeReplica" in name for name in owners), owners
+        assert _listening_beyond_loopback([psutil.Process(proc.pid), *ray_procs]) == []
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        chunks = list(client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0.0,
+            stream=True, extra_body={"ignore_eos": True}))
+        first = next(c for c in chunks if c.choices)
+        assert first.choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
+                          json={"model": model, "prompt": "Hello", "max_tokens": 200, "stream": True,
+                                "ignore_eos": True}) as dropped:
+            next(dropped.iter_lines())              # one event, then the client goes away
+        deadline = time.monotonic() + 30
+        while _metric(base, "pdserve:requests_in_flight") != 0:
+            assert time.monotonic() < deadline, "the dropped stream stayed in flight"
+            time.sleep(0.5)
+        _stop_with_sigint(proc, ray_procs)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _metric(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + " ", name + "{")))
+
+
+def _listening(p: psutil.Process) -> list:
+    try:
+        return [c for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    except psutil.Error:
+        return []
+
+
+def _listening_beyond_loopback(procs: list) -> list[str]:
+    return [f"{p.name()} {c.laddr.ip}:{c.laddr.port}" for p in procs for c in _listening(p)
+            if not (c.laddr.ip.startswith("127.") or c.laddr.ip in ("::1", "::ffff:127.0.0.1"))]
+
+
+@pytest.mark.ray
+def test_sigint_during_startup_exits_cleanly(tiny_llama):
+    """Ctrl-C while the pools are still loading: the launcher tears down what it started and exits 0."""
+    port = free_port()
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "pdserve"), "serve", "--model", tiny_llama,
+                             "--port", str(port)], env=_env(), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        seen = []
+        for line in proc.stdout:                    # the app is deployed; the pools are loading
+            seen.append(line)
+            if line.startswith("pdserve: starting on"):
+                break
+        assert proc.poll() is None, "".join(seen)[-3000:]
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)     # answers, and says why not ready
+        assert health.status_code == 503 and health.json()["status"] == "starting", health.text
+        ray_procs = _descendants(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, ("".join(seen) + output)[-3000:]
+        assert "pdserve: shutting down (SIGINT)" in output and "Traceback" not in output, output[-3000:]
+        assert "pdserve: serving on" not in output
+        assert _wait_gone([p for p in ray_procs if p.is_running()], 30) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_api_key_from_environment_fails_closed(tiny_llama, monkeypatch):
+    from router.ingress.frontend import Frontend
+
+    config = ClusterConfig(model=tiny_llama, serving={"api_key_env": "PDSERVE_TEST_KEY"})
+    monkeypatch.delenv("PDSERVE_TEST_KEY", raising=False)
+    with pytest.raises(ValueError, match="serving.api_key_env names 'PDSERVE_TEST_KEY', which is not set"):
+        Frontend(config.ingress_spec(), {})
+    monkeypatch.setenv("PDSERVE_TEST_KEY", "s3cret")
+    server = Frontend(config.ingress_spec(), {})
+    assert server.is_authorized("Bearer s3cret")
+    assert not server.is_authorized("Bearer wrong")

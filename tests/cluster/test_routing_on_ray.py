@@ -1,0 +1,153 @@
+"""Routing over real engine replica actors on a local Ray: an adapter kept on its replica, round-robin
+within each pool, prefix-aware routing against round-robin on the same replicas (metrics decide),
+and a router that moves off a dead replica and follows the pools' membership."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from records.hashing import hash_block_tokens
+from records.sampling_params import SamplingParams
+from records.serving import PolicyConfig
+from router.routing.metrics import ServingMetrics
+from router.routing.policy import Decision, RoutingPolicy
+
+
+@pytest.mark.ray
+def test_router_keeps_an_adapter_on_its_replica_and_keys_prefixes_by_it(tiny_llama, tmp_path):
+    """Requests under one adapter follow the replica that ran it (while loads allow); the same
+    prompt under the base model or another adapter hashes to other blocks, so a replica's cached
+    blocks for one adapter never count as a prefix hit for another."""
+    from cluster.config import ClusterConfig
+    from records.lora import LoRARequest
+    from router.ingress.frontend import Frontend
+
+    config = ClusterConfig(model=tiny_llama, pools={"decode": {"replicas": 2}})
+    router = Frontend(config.ingress_spec(), {"decode-0": None, "decode-1": None}).router
+    a, b = LoRARequest("a", 1, str(tmp_path / "a")), LoRARequest("b", 2, str(tmp_path / "b"))
+    prompt = list(range(3, 67))
+    first = router.route(prompt[:5], SamplingParams(max_tokens=1, lora_request=a)).replica_id
+    for i in range(6):
+        d = router.route([i + 7] * 5, SamplingParams(max_tokens=1, lora_request=a))
+        assert (d.replica_id, d.reason) == (first, "adapter_hit")
+    keys = {name: SamplingParams(lora_request=lora).cache_keys for name, lora in (("base", None), ("a", a), ("b", b))}
+    hashes = {name: hash_block_tokens(prompt, 16, k) for name, k in keys.items()}
+    assert len({h[0] for h in hashes.values()}) == 3
+
+
+@pytest.mark.ray
+def test_round_robin_alternates_within_each_pool(tiny_llama):
+    """With 1 decode and 2 prefill replicas, every request routes in both pools: round-robin must
+    still alternate the prefill replicas (a policy shared by both pools sent every prefill to one)."""
+    from cluster.config import ClusterConfig
+    from router.ingress.frontend import Frontend
+
+    config = ClusterConfig(model=tiny_llama, mode="disaggregated", routing={"name": "round_robin"},
+                           pools={"prefill": {"replicas": 2}, "decode": {}})
+    pd = Frontend(config.ingress_spec(), {"decode-0": None}, {"prefill-0": None, "prefill-1": None}).router
+    params = SamplingParams(max_tokens=1)
+    picks = []
+    for _ in range(4):
+        pd.decode.route(list(range(40)), params)
+        picks.append(pd.prefill.route(list(range(40)), params).replica_id)
+    assert picks == ["prefill-0", "prefill-1"] * 2
+
+
+@pytest.mark.ray
+def test_prefix_aware_routing_beats_round_robin(tiny_llama):
+    ray = pytest.importorskip("ray", reason="needs ray (make setup installs it)")
+    from cluster.launch import init_ray
+    from cluster.replica import EngineReplica
+    from records.config import EngineConfig
+    from router.routing.pd import RequestRouter
+
+    init_ray(num_cpus=8)
+    # Each replica's KV pool holds about two tenants' system prompts: round-robin sends all four
+    # tenants to both replicas and they evict each other; prefix-aware routing keeps two per replica.
+    config = EngineConfig.create(tiny_llama, dtype="float32", max_model_len=1024, num_kv_blocks=96)
+    actor = ray.remote(EngineReplica)
+    replicas = {f"r{i}": actor.options(num_cpus=1).remote(config, f"r{i}", 1) for i in range(2)}
+    ray.get([h.info.remote() for h in replicas.values()])
+    rng = random.Random(0)
+    vocab = config.model_config.vocab_size
+    systems = [[rng.randrange(3, vocab) for _ in range(600)] for _ in range(4)]
+    questions = [(t, [rng.randrange(3, vocab) for _ in range(rng.randrange(8, 24))]) for t in range(4)
+                 for _ in range(6)]
+    rng.shuffle(questions)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    async def run(policy_name: str) -> tuple[ServingMetrics, float, RequestRouter]:
+        ray.get([h.reset_prefix_cache.remote() for h in replicas.values()])
+        metrics = ServingMetrics()
+        router = RequestRouter("decode", replicas, 16, RoutingPolicy(PolicyConfig(policy_name, seed=0)), metrics)
+        before = await router.refresh_stats()
+        held_before: list[bool] = []
+        for i, (tenant, q) in enumerate(questions):
+            await router.sync_events()                # what the background poller does
+            prompt = systems[tenant] + q
+            decision = router.route(prompt, params)
+            first_blocks = hash_block_tokens(prompt, 16)[:37]
+            held_before.append(router.index.holds(decision.replica_id, first_blocks[-1]))
+            async for _ in router.generate(f"{policy_name}-{i}", prompt, params, decision):
+                pass
+        after = await router.refresh_stats()
+        computed = sum((after[r]["prompt_tokens"] - before[r]["prompt_tokens"])
+                       - (after[r]["prefix_cache_hits"] - before[r]["prefix_cache_hits"]) for r in replicas)
+        repeats = [held for i, held in enumerate(held_before)
+                   if questions[i][0] in {t for t, _ in questions[:i]}]
+        return metrics, computed, sum(repeats) / len(repeats)
+
+    prefix_metrics, prefix_computed, prefix_hit_rate = asyncio.run(run("prefix_aware"))
+    _, rr_computed, rr_hit_rate = asyncio.run(run("round_robin"))
+    print(f"\nprefix_aware: {prefix_hit_rate:.0%} of repeats on a replica holding their prefix, "
+          f"{prefix_computed} prefill tokens computed; round_robin: {rr_hit_rate:.0%}, {rr_computed}")
+    assert prefix_hit_rate >= 0.9, prefix_hit_rate
+    assert prefix_metrics.decisions.get(reason="prefix_hit", pool="decode") >= 0.9 * (len(questions) - 4)
+    assert prefix_computed * 2 < rr_computed, (prefix_computed, rr_computed)
+    assert all(ray.get([h.check_no_leaks.remote() for h in replicas.values()]))
+    for h in replicas.values():
+        ray.kill(h)
+
+
+@pytest.mark.ray
+def test_router_moves_off_a_dead_replica_and_follows_membership(tiny_llama):
+    ray = pytest.importorskip("ray", reason="needs ray (make setup installs it)")
+    from cluster.launch import init_ray
+    from cluster.replica import EngineReplica
+    from records.config import EngineConfig
+    from records.errors import NoReplicaError
+    from router.routing.pd import RequestRouter
+
+    init_ray(num_cpus=8)
+    config = EngineConfig.create(tiny_llama, dtype="float32", max_model_len=256)
+    actor = ray.remote(EngineReplica)
+    dead = actor.options(num_cpus=0.1).remote(config, "a", 1)
+    ray.kill(dead, no_restart=True)
+    live = actor.options(num_cpus=1).remote(config, "b", 1)
+    ray.get(live.info.remote())
+    reported: list[str] = []
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def run() -> None:
+        router = RequestRouter("decode", {"a": dead, "b": live}, 16,
+                               RoutingPolicy(PolicyConfig("round_robin")), ServingMetrics(),
+                               on_replica_failure=reported.append)
+        # Sent to "a", the request fails there before any output and goes to "b".
+        deltas = [d async for d in router.generate("r0", [5, 6, 7], params, Decision("a", "round_robin"))]
+        assert sum(len(c.token_ids) for d in deltas for c in d.choices) == 3
+        assert reported == ["a"] and router.available == ["b"]
+        assert {router.route([5, 6, 7], params).replica_id for _ in range(4)} == {"b"}   # not a candidate
+        router.start()
+        router.set_replicas({"b": live})                              # the manager dropped "a"
+        assert set(router.replicas) == set(router.loads) == {"b"} and not router.down
+        assert set(router._followers) == {"b"} and "a" not in router.index.replica_ids
+        router.set_replicas({})
+        with pytest.raises(NoReplicaError, match="no decode engine replica is available"):
+            router.route([5, 6, 7], params)
+        router.stop()
+
+    asyncio.run(run())
+    assert ray.get(live.check_no_leaks.remote())
+    ray.kill(live)

@@ -1,0 +1,380 @@
+"""Sampling parameters: seeds, filters, penalties, logprobs, stops, lengths, n."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import hf_greedy, hf_model
+
+from engine import LLM, SamplingParams
+
+PROMPTS = [list(range(20, 45)), list(range(300, 310)), list(range(500, 560))]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, dtype="float32")
+
+
+def gen(llm, prompts, params):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = gen(llm, [PROMPTS[0]], params)[0].outputs[0].token_ids
+    unseeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    batched = gen(llm, [PROMPTS[1], PROMPTS[0], PROMPTS[2]], [unseeded, params, unseeded])
+    assert batched[1].outputs[0].token_ids == alone
+    other_seed = gen(llm, [PROMPTS[0]], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16,
+                                                        ignore_eos=True))[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_seeded_n_children_differ_but_reproduce(llm):
+    params = SamplingParams(n=3, temperature=1.5, seed=7, max_tokens=12, ignore_eos=True)
+    a = [c.token_ids for c in gen(llm, [PROMPTS[0]], params)[0].outputs]
+    b = [c.token_ids for c in gen(llm, [PROMPTS[0]], params)[0].outputs]
+    assert a == b and len({tuple(t) for t in a}) == 3
+
+
+def test_top_k_one_and_tiny_min_p_top_p_are_greedy(llm, tiny_llama):
+    expected = hf_greedy(tiny_llama, PROMPTS, 10)
+    for params in (SamplingParams(temperature=1.0, top_k=1, max_tokens=10, ignore_eos=True, seed=0),
+                   SamplingParams(temperature=0.8, top_p=1e-6, max_tokens=10, ignore_eos=True, seed=0),
+                   SamplingParams(temperature=1.0, min_p=1.0, max_tokens=10, ignore_eos=True, seed=0)):
+        assert [o.outputs[0].token_ids for o in gen(llm, PROMPTS, params)] == expected
+
+
+def test_sampling_follows_the_distribution(llm, tiny_llama):
+    """The first sampled token's empirical distribution matches softmax(logits / T)."""
+    prompt = PROMPTS[1]
+    with torch.no_grad():
+        logits = hf_model(tiny_llama)(torch.tensor([prompt])).logits[0, -1]
+    probs = torch.softmax(logits / 2.0, dim=-1)
+    params = [SamplingParams(temperature=2.0, max_tokens=1, seed=s, top_k=5) for s in range(400)]
+    outs = gen(llm, [prompt] * 400, params)
+    counts = torch.bincount(torch.tensor([o.outputs[0].token_ids[0] for o in outs]), minlength=len(probs))
+    top5 = probs.topk(5)
+    expected = top5.values / top5.values.sum()
+    observed = counts[top5.indices].float() / 400
+    assert counts.sum() == counts[top5.indices].sum()          # never outside the top 5
+    assert torch.allclose(observed, expected, atol=0.08), (observed, expected)
+
+
+def test_repetition_penalty_matches_transformers(llm, tiny_llama):
+    params = SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=15, ignore_eos=True)
+    expected = hf_greedy(tiny_llama, PROMPTS, 15, repetition_penalty=1.3)
+    assert [o.outputs[0].token_ids for o in gen(llm, PROMPTS, params)] == expected
+
+
+def test_frequency_and_presence_penalties_change_output(llm):
+    base = gen(llm, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    pen = gen(llm, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                frequency_penalty=2.0, presence_penalty=2.0))
+    b, p = base[0].outputs[0].token_ids, pen[0].outputs[0].token_ids
+    assert b != p
+    assert len(set(p)) >= len(set(b))
+
+
+def test_logit_bias_matches_transformers_and_is_checked(llm, tiny_llama):
+    """logit_bias adds to the logits before the choice, as transformers' sequence_bias does for
+    one-token sequences; a biased row leaves its batch neighbour alone; 100 forces a token even when
+    sampling; keys may be JSON's strings; bad keys and values are ValueErrors naming the field."""
+    base = gen(llm, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    first = base[0].outputs[0].token_ids
+    bias = {first[0]: -5.0, first[1]: -3.5, 123: 2.5}
+    expected = hf_greedy(tiny_llama, [PROMPTS[0]], 12, sequence_bias=[[[t], b] for t, b in bias.items()])[0]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=bias),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == expected != first
+    assert out[1].outputs[0].token_ids == base[1].outputs[0].token_ids
+    forced = gen(llm, [PROMPTS[2]], SamplingParams(temperature=0.8, seed=3, max_tokens=5, logit_bias={"77": 100}))
+    assert forced[0].outputs[0].token_ids == [77] * 5
+    for bad in ({1: 101}, {"x": 1}, {-1: 1.0}, {2: float("nan")}, [1, 2]):
+        with pytest.raises(ValueError, match="logit_bias must be"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match=r"logit_bias must be keyed by token ids in \[0, "):
+        gen(llm, [PROMPTS[0]], SamplingParams(logit_bias={10**7: 1.0}))
+
+
+def test_generation_config_sampling_defaults(tiny_llama, tmp_path):
+    """As vLLM's generation_config="auto": the model's generation_config.json sampling fields are the
+    defaults of requests that leave them unset (LLM with no SamplingParams; the HTTP request models,
+    field by field); "vllm" ignores them."""
+    import json
+    import shutil
+
+    from router.ingress.protocol import ChatCompletionRequest, CompletionRequest
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_llama, path)
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps(
+        {**config, "temperature": 0.0, "top_k": 0, "repetition_penalty": 1.3, "max_new_tokens": 5}))
+    llm = LLM(str(path), dtype="float32")
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.repetition_penalty) == (0.0, -1, 1.3)
+    assert defaults.max_tokens == SamplingParams().max_tokens          # max_new_tokens is not taken
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], use_tqdm=False)[0].outputs[0].token_ids
+    assert out == hf_greedy(tiny_llama, [PROMPTS[0]], 16, repetition_penalty=1.3)[0]
+    assert LLM(str(path), dtype="float32", generation_config="vllm").get_default_sampling_params() == SamplingParams()
+    with pytest.raises(ValueError, match="generation_config must be"):
+        LLM(str(path), generation_config="model")
+    model_defaults = llm.llm_engine.config.model_info().sampling_defaults
+    unset = CompletionRequest(model="m", prompt="x").to_sampling_params(model_defaults)
+    assert (unset.temperature, unset.repetition_penalty) == (0.0, 1.3)
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], temperature=0.5)
+    assert (chat.to_sampling_params(None, model_defaults).temperature,
+            chat.to_sampling_params(None, model_defaults).repetition_penalty) == (0.5, 1.3)
+
+
+def test_logprobs_match_transformers(llm, tiny_llama):
+    prompt = PROMPTS[0]
+    out = gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=4, ignore_eos=True))[0]
+    comp = out.outputs[0]
+    with torch.no_grad():
+        full = torch.tensor([prompt + comp.token_ids])
+        ref = torch.log_softmax(hf_model(tiny_llama)(full).logits[0].float(), dim=-1)
+    for step, (token, entry) in enumerate(zip(comp.token_ids, comp.logprobs)):
+        row = ref[len(prompt) - 1 + step]
+        top = row.topk(4)
+        assert set(entry) == set(top.indices.tolist()) | {token}
+        assert entry[token].rank == 1
+        for tid, lp in entry.items():
+            assert abs(lp.logprob - row[tid].item()) < 1e-4
+    assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(comp.logprobs, comp.token_ids)))
+
+
+def test_prompt_logprobs_match_transformers_with_chunking(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", max_num_batched_tokens=16)
+    prompt = PROMPTS[2]                                   # 60 tokens: 4 chunks
+    out = gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(tiny_llama)(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i in range(1, len(prompt)):
+        entry = out.prompt_logprobs[i]
+        assert abs(entry[prompt[i]].logprob - ref[i - 1, prompt[i]].item()) < 1e-4
+        assert len(entry) in (2, 3)
+    # A one-token prompt: its one entry, None (it was left empty).
+    assert gen(llm, [[5]], SamplingParams(max_tokens=1, prompt_logprobs=1))[0].prompt_logprobs == [None]
+
+
+def test_stop_strings_stop_tokens_and_lengths(llm, tiny_llama):
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full = gen(llm, [PROMPTS[0]], params)[0].outputs[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 20
+    text = full.text
+    assert text == tok.decode(full.token_ids, skip_special_tokens=True)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cut = text.find(stop)
+    stopped = gen(llm, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                     stop=[stop]))[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stopped.text == text[:cut]
+    kept = gen(llm, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=stop,
+                                                  include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == text[:cut + len(stop)]
+    token = full.token_ids[5]
+    by_token = gen(llm, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                      stop_token_ids=[token]))[0].outputs[0]
+    first = full.token_ids.index(token)
+    assert by_token.token_ids == full.token_ids[:first + 1]
+    assert by_token.finish_reason == "stop" and by_token.stop_reason == token
+
+
+def test_eos_and_min_tokens(llm):
+    eos = min(llm.llm_engine.eos_token_ids)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    full = gen(llm, [PROMPTS[1]], params)[0].outputs[0].token_ids
+    # Make the 4th greedy token a stop token: with min_tokens=6 it is masked, so generation goes on.
+    stop_tok = full[3]
+    early = gen(llm, [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok]))
+    assert len(early[0].outputs[0].token_ids) == 4
+    late = gen(llm, [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok],
+                                                  min_tokens=6))[0].outputs[0]
+    assert stop_tok not in late.token_ids[:6] and len(late.token_ids) >= 6
+    assert eos in llm.llm_engine.eos_token_ids
+
+
+def test_max_tokens_none_runs_to_max_model_len(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=48)
+    out = gen(llm, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 48 - len(PROMPTS[0])
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_greedy_ids_is_argmax_with_first_maximum():
+    from engine.sample.sampler import greedy_ids
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 1001, generator=g)
+    logits[3, [10, 500, 900]] = 50.0                       # ties: the first maximum, as argmax
+    logits[5, :] = 0.0
+    assert torch.equal(greedy_ids(logits), logits.argmax(dim=-1))
+    assert greedy_ids(logits)[3].item() == 10 and greedy_ids(logits)[5].item() == 0
+
+
+def test_low_precision_logits_go_through_a_kept_float32_buffer(tiny_llama):
+    """A bf16 model's float32 logits are converted into the runner's buffer, kept across steps and
+    grown when a step has more rows; the values are those of a fresh conversion."""
+    llm = LLM(tiny_llama, dtype="bfloat16")
+    runner = llm.llm_engine.executor.worker.runner
+    hidden = torch.randn(5, runner.model.config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+    fresh = runner.model.compute_logits(hidden)
+    buffered = runner.model.compute_logits(hidden, runner._logits_buffer(5))
+    assert fresh.dtype == buffered.dtype == torch.float32 and torch.equal(fresh, buffered)
+    kept = runner._logits_buffer(3)
+    assert kept.data_ptr() == runner._logits_buffer(5).data_ptr() and kept.shape[0] >= 5
+    assert runner._logits_buffer(40).shape[0] >= 40
+    out = gen(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    alone = gen(llm, [PROMPTS[2]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+    assert out[2].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_plain_greedy_rows_skip_the_sampler_with_the_same_tokens(tiny_llama):
+    """A bf16 step whose rows all just take their argmax reads it from the bf16 logits (no float32
+    copy, no sampler); asking for logprobs sends the same requests through the sampler instead:
+    the tokens agree, and so do the two ways of taking the argmax."""
+    llm = LLM(tiny_llama, dtype="bfloat16")
+    plain = gen(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    sampled = gen(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0))
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in sampled]
+    from engine.sample.sampler import greedy_ids
+
+    model = llm.llm_engine.executor.worker.runner.model
+    hidden = torch.randn(64, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).bfloat16()
+    low = model.compute_logits(hidden, model_dtype=True)
+    assert low.dtype == torch.bfloat16
+    assert torch.equal(greedy_ids(low), greedy_ids(model.compute_logits(hidden)))
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_k=5), dict(top_k=700, top_p=0.95), dict(min_p=0.05),
+                                dict(top_p=0.999), dict(top_k=3, top_p=0.5, min_p=0.2), dict(),
+                                dict(top_k=1000, top_p=0.9, min_p=0.3)])
+def test_candidates_keep_what_the_full_sort_keeps(kw):
+    """`candidates` (topk, growing k) against `filtered_probs` (a sort of the whole vocabulary): the
+    same tokens kept with the same renormalized probabilities, row by row; and a row's candidates do
+    not depend on the rows beside it."""
+    from engine.sample.sampler import candidates, filtered_probs
+
+    g = torch.Generator().manual_seed(len(str(kw)))
+    logits = torch.randn(6, 5000, generator=g) * torch.tensor([0.5, 1.0, 2.0, 4.0, 8.0, 0.1])[:, None]
+    params = [SamplingParams(temperature=1.0, **kw)] * 6
+    vals, ids, sizes = candidates(logits, params)
+    expected = filtered_probs(logits.clone(), params)
+    for r in range(6):
+        kept = torch.zeros(5000)
+        kept[ids[r, :sizes[r]]] = vals[r, :sizes[r]]
+        assert torch.equal(kept > 0, expected[r] > 0)
+        torch.testing.assert_close(kept / kept.sum(), expected[r], rtol=1e-4, atol=1e-7)
+    others = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2)]
+    alone = candidates(logits[3:4], params[3:4])
+    mixed = candidates(torch.cat([logits[:1], logits[3:4], logits[1:2]]), [others[0], params[3], others[1]])
+    n = alone[2][0]
+    assert mixed[2][1] == n and torch.equal(mixed[1][1, :n], alone[1][0, :n])
+    assert torch.equal(mixed[0][1, :n], alone[0][0, :n])
+
+
+def test_candidates_renormalize_top_p_over_a_large_top_k_even_when_min_p_ends_early():
+    """Three likely tokens and a flat tail: min_p keeps only the three (so the cut is known inside
+    the first 64), but top_p must still be measured against the top 1000's mass (0.92), not 1."""
+    from engine.sample.sampler import candidates, filtered_probs
+
+    probs = torch.full((5000,), 0.1 / 4997)
+    probs[:3] = torch.tensor([0.31, 0.30, 0.29])
+    params = [SamplingParams(temperature=1.0, top_k=1000, top_p=0.63, min_p=0.5)]
+    vals, ids, sizes = candidates(probs.log()[None, :], params)
+    expected = filtered_probs(probs.log()[None, :], params)
+    assert sizes == [2] and int((expected[0] > 0).sum()) == 2 and set(ids[0, :2].tolist()) == {0, 1}
+
+
+def test_batched_penalties_equal_the_per_row_reference_across_steps():
+    """TokenCounts kept across steps (outputs growing, one shrinking, one request released and its
+    slot reused, min_tokens masks beside): the penalized logits equal the per-row reference's
+    exactly, for rows with and without each penalty."""
+    from engine.sample.penalties import TokenCounts
+    from engine.sample.sampler import SamplingRow, _batched_penalties, apply_penalties_and_masks
+
+    vocab, gen = 300, torch.Generator().manual_seed(0)
+    params = [SamplingParams(repetition_penalty=1.3), SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4),
+              SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.2, min_tokens=5),
+              SamplingParams(), SamplingParams(presence_penalty=1.5, min_tokens=2, stop_token_ids=[7])]
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (40, 3, 25, 10, 60)]
+    outputs: list[list[int]] = [[] for _ in params]
+    keys = [f"r{i}" for i in range(len(params))]
+    counts = TokenCounts()
+    for step in range(12):
+        if step == 6:
+            outputs[1] = outputs[1][:2]                    # shrank: recounted
+        if step == 8:
+            counts.release("r0")                           # freed; a new request takes its slot
+            keys[0], outputs[0] = "r5", []
+        rows = [SamplingRow(p, None, pr, out, frozenset({0}), k)
+                for p, pr, out, k in zip(params, prompts, outputs, keys)]
+        logits = torch.randn(len(rows), vocab, generator=gen) * 3
+        expected = logits.clone()
+        apply_penalties_and_masks(expected, rows)
+        done = _batched_penalties(logits, rows, counts)
+        assert done == {0, 1, 2, 4}
+        apply_penalties_and_masks(logits, rows, {}, skip_penalties=done)
+        assert torch.equal(logits, expected), step
+        for out in outputs:
+            out.extend(torch.randint(0, vocab, (int(torch.randint(1, 3, (), generator=gen)),), generator=gen).tolist())
+    assert len(counts) == 4
+
+
+def test_penalties_through_the_engine_match_the_per_row_path(tiny_llama, monkeypatch):
+    """Greedy with every penalty, batched in the runner against the per-row path: same tokens."""
+    import engine.sample.sampler as sampler
+
+    params = SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.4, frequency_penalty=0.6,
+                            presence_penalty=0.3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    llm = LLM(tiny_llama, dtype="float32")
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.llm_engine.executor.worker.runner.token_counts is not None
+    monkeypatch.setattr(sampler, "_batched_penalties", lambda logits, rows, counts: set())
+    llm = LLM(tiny_llama, dtype="float32")
+    per_row = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert batched == per_row
+
+
+def test_logprob_records_for_the_batch_equal_the_per_row_ones():
+    """Rows asking 0, 1 and 5 logprobs beside rows asking none (greedy and seeded): the batched
+    records equal to_sampled's on each row's own log-softmax, and rows that ask nothing get none."""
+    from engine.sample.sampler import SamplingRow, sample, to_sampled
+
+    gen = torch.Generator().manual_seed(3)
+    params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.9, seed=1, logprobs=0), SamplingParams(temperature=0.7, seed=2),
+              SamplingParams(temperature=0, logprobs=1)]
+    logits = torch.randn(len(params), 500, generator=gen) * 2
+    raw = torch.log_softmax(logits, dim=-1)
+    rows = [SamplingRow(p, torch.Generator().manual_seed(i), [1, 2], [], frozenset()) for i, p in enumerate(params)]
+    tokens, failed = sample(logits.clone(), rows)
+    assert not failed
+    for i, (p, token) in enumerate(zip(params, tokens)):
+        assert token == to_sampled(token.token_id, p, raw[i] if p.logprobs is not None else None)
+    assert tokens[1].top_logprobs is None and tokens[0].rank >= 1 and len(tokens[0].top_logprobs) >= 5
+
+
+def test_degenerate_distributions_take_the_most_likely_token():
+    """Scaled logits that overflow (temperature 1e-300, or an inf logit) leave no distribution to
+    draw from: such a row takes its argmax instead of failing, and its neighbours still draw."""
+    from engine.sample.sampler import SamplingRow, sample
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 300, generator=gen)
+    logits[1, 17] = float("inf")
+    params = [SamplingParams(temperature=1e-300, seed=1), SamplingParams(temperature=0.8, seed=2),
+              SamplingParams(temperature=1e-300, top_p=0.5, top_k=5, seed=3), SamplingParams(temperature=1.0, seed=4)]
+    rows = [SamplingRow(p, torch.Generator().manual_seed(i), [1], [], frozenset()) for i, p in enumerate(params)]
+    tokens, failed = sample(logits.clone(), rows)
+    assert not failed
+    assert [t.token_id for t in tokens[:3]] == [int(logits[0].argmax()), 17, int(logits[2].argmax())]
+    assert 0 <= tokens[3].token_id < 300
+

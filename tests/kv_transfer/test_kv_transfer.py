@@ -1,0 +1,572 @@
+"""KV transfer between engines (prefill P -> decode D) through both connectors.
+
+In-process tests run P and D as two engines stepped alternately (the transports still go through
+their real channels: UCX for NIXL, a TCPStore and a gloo pair group for torch.distributed); the Ray
+tests put them in separate actor processes. Every test ends with block accounting at zero on both
+sides (the conftest fixture checks every engine made)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from engine.llm_engine import LLMEngine
+from kv_transfer.base import KVConnectorScheduler
+from kv_transfer.leases import LeaseSlots, LeaseTable
+from kv_transfer.torch_dist import scatter_blocks
+from records.config import EngineConfig
+from records.errors import KVLayoutMismatch, KVTransferError
+from records.kv_layout import KVLayout
+from records.outputs import RequestOutput
+from records.sampling_params import SamplingParams
+
+CONNECTORS = ["torch_dist", "nixl"]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+DEADLINE_S = 60.0
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(i * 7 + 3 + salt * 131) % 1000 + 5 for i in range(n)]
+
+
+def make_engine(model: str, connector: str | None, **kwargs) -> LLMEngine:
+    args = dict(dtype="float32", num_kv_blocks=64, max_model_len=512)
+    if connector is not None:
+        # A pull's deadline covers its first connect (a gloo pair group between two engine threads);
+        # once in a full suite run on the 2-core box, that took past the default 10 s and the pull
+        # recomputed (right tokens, one kv_load_failure). The fault tests set their own.
+        args.update(kv_connector=connector, kv_load_timeout_s=30.0)
+    return LLMEngine(EngineConfig.create(model, **{**args, **kwargs}))
+
+
+def run_one(engine: LLMEngine, rid: str, ids: list[int], params: SamplingParams = GREEDY,
+            kv_transfer_params: dict | None = None, others: tuple[LLMEngine, ...] = ()) -> RequestOutput:
+    """Step `engine` (and `others`, so their transfers progress) until request `rid` finishes."""
+    engine.add_request(rid, None, ids, params, kv_transfer_params=kv_transfer_params)
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out
+        for other in others:
+            other.step()
+        assert time.monotonic() < deadline, "request hung"
+
+
+def settle(*engines: LLMEngine) -> None:
+    """Step every engine until none has work left (leases released, pulls ended)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while any(e.has_unfinished_requests() for e in engines):
+        for e in engines:
+            e.step()
+        time.sleep(0.001)
+        assert time.monotonic() < deadline, "transfers never settled"
+
+
+def prefill(p: LLMEngine, rid: str, ids: list[int], params: SamplingParams = GREEDY) -> dict:
+    out = run_one(p, rid, ids, params, {"do_remote_decode": True})
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 1
+    assert out.kv_transfer_params is not None
+    return out.kv_transfer_params
+
+
+def reference(model: str, ids_list: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    engine = make_engine(model, None)
+    return [run_one(engine, f"ref{i}", ids, params).outputs[0].token_ids for i, ids in enumerate(ids_list)]
+
+
+@pytest.fixture(params=CONNECTORS)
+def connector(request) -> str:
+    if request.param == "nixl":
+        pytest.importorskip("nixl", reason="needs nixl: make setup installs it (pip install --no-deps "
+                                           "nixl==1.5.1 nixl-cu13==1.5.1)")
+    return request.param
+
+
+# --- unit: records and the lease table -----------------------------------------------------------------
+def test_layout_mismatch_names_the_field(tiny_llama):
+    config = EngineConfig.create(tiny_llama, dtype="float32", max_model_len=512)
+    layout = KVLayout.from_config(config)
+    other = KVLayout.from_config(EngineConfig.create(tiny_llama, dtype="float32", block_size=8, max_model_len=512))
+    with pytest.raises(KVLayoutMismatch, match="block_size is 8 but this engine's is 16"):
+        layout.check_compatible(other)
+    layout.check_compatible(KVLayout.from_config(config))
+
+
+def test_lease_slots_and_table():
+    """The engine's slots hand out unique tokens; a rank's table mirrors them and clears its word on
+    release, so a reader holding an old token sees the lease gone."""
+    slots, table = LeaseSlots(num_slots=2), LeaseTable(num_slots=2)
+    slot_a, token_a = slots.take()
+    slot_b, token_b = slots.take()
+    assert slots.take() is None                          # full
+    table.hold(slot_a, token_a, [1, 2])
+    table.hold(slot_b, token_b, [3])
+    assert token_a != token_b and table.is_live(slot_a, token_a)
+    table.release(slot_a)
+    slots.free(slot_a)
+    assert not table.is_live(slot_a, token_a) and int(table.words[slot_a]) == 0
+    slot_c, token_c = slots.take()
+    table.hold(slot_c, token_c, [5])
+    assert slot_c == slot_a and token_c != token_a and not table.is_live(slot_a, token_a)
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 64), (torch.float32, 8), (torch.float16, 3)])
+@pytest.mark.parametrize("heads", [None, slice(1, 3)])
+def test_scatter_blocks_matches_index_copy(dtype, head_dim, heads):
+    """The CPU scatter (NumPy over the cache's bytes) writes exactly what torch's indexing would."""
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 40, 4, 4, head_dim, generator=gen).to(dtype)
+    index = torch.randperm(40, generator=gen)[:13]
+    width = 4 if heads is None else heads.stop - heads.start
+    received = torch.randn(2, 13, 4, width, head_dim, generator=gen).to(dtype)
+    want = cache.clone()
+    if heads is None:
+        want.index_copy_(1, index, received)
+    else:
+        want[:, index, :, heads] = received
+    scatter_blocks(cache, index, heads, received)
+    assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("heads,src_tp,dst_tp,want", [
+    (2, 1, 1, [[(0, 0, 0, 2)]]),
+    (2, 2, 2, [[(0, 0, 0, 1)], [(1, 0, 0, 1)]]),
+    (2, 1, 2, [[(0, 0, 0, 1)], [(0, 1, 0, 1)]]),                  # each decode rank: half of P's heads
+    (2, 2, 1, [[(0, 0, 0, 1), (1, 0, 1, 1)]]),                   # one decode rank: both prefill ranks
+    (4, 4, 2, [[(0, 0, 0, 1), (1, 0, 1, 1)], [(2, 0, 0, 1), (3, 0, 1, 1)]]),
+    (2, 4, 4, [[(0, 0, 0, 1)], [(1, 0, 0, 1)], [(2, 0, 0, 1)], [(3, 0, 0, 1)]]),   # replicated heads
+    (2, 4, 1, [[(0, 0, 0, 1), (2, 0, 1, 1)]]),                    # a replicated head from its first holder
+    (2, 1, 4, [[(0, 0, 0, 1)], [(0, 0, 0, 1)], [(0, 1, 0, 1)], [(0, 1, 0, 1)]]),
+])
+def test_head_slices(heads, src_tp, dst_tp, want):
+    """Which prefill ranks hold each decode rank's KV heads, checked by hand and against a
+    head-by-head reassembly."""
+    from records.kv_layout import head_slices
+
+    def layout(tp, rank=0):
+        return KVLayout("m", 2, 16, heads, 8, "float32", rank, tp)
+
+    got = [[(s.src_rank, s.src_start, s.dst_start, s.count) for s in head_slices(layout(src_tp), layout(dst_tp, r))]
+           for r in range(dst_tp)]
+    assert got == want
+    for r in range(dst_tp):
+        dst = layout(dst_tp, r)
+        placed = {}
+        for s in head_slices(layout(src_tp), dst):
+            for i in range(s.count):
+                placed[s.dst_start + i] = layout(src_tp, s.src_rank).rank_heads(s.src_rank)[s.src_start + i]
+        assert [placed[i] for i in range(dst.local_kv_heads)] == list(dst.rank_heads(r))
+
+
+def test_worker_group_waits_for_every_rank():
+    """A pull is done only when every rank has finished it: one rank's failure is held back until
+    the other rank stops writing, then reported as a failure naming the rank."""
+    from kv_transfer.worker_group import KVWorkerGroup
+    from records.transfer import LoadSpec, TransferReport
+
+    group = KVWorkerGroup("e", [{}, {}])
+    for rid in ("a", "b"):
+        group.start_load(LoadSpec(rid, None, [1], [2], 0.0))
+    group.hold_lease(3, 99, [4, 5])
+    assert [op[0] for op in group.take_ops()] == ["load", "load", "hold"] and group.has_pending()
+    group.collect([TransferReport(loaded=["a"]), TransferReport(failed=[("b", "boom")])])
+    assert group.take_report() == TransferReport()              # rank 1 has not finished a, rank 0 b
+    group.collect([TransferReport(loaded=["b"], released=[(3, 99)]), TransferReport(loaded=["a"])])
+    report = group.take_report()
+    assert report.loaded == ["a"] and report.failed == [("b", "rank 1: boom")]
+    assert report.released == [(3, 99)] and not group.has_pending()
+
+
+def test_bad_transfer_params_are_refused(tiny_llama):
+    d = make_engine(tiny_llama, "torch_dist")
+    plain = make_engine(tiny_llama, None)
+    with pytest.raises(ValueError, match="need a KV connector"):
+        plain.add_request("a", None, prompt(20), GREEDY, kv_transfer_params={"do_remote_decode": True})
+    with pytest.raises(ValueError, match="missing 'remote_engine_id'"):
+        d.add_request("a", None, prompt(20), GREEDY, kv_transfer_params={"do_remote_prefill": True})
+    with pytest.raises(ValueError, match="n == 1"):
+        d.add_request("a", None, prompt(20), SamplingParams(n=2, max_tokens=3),
+                      kv_transfer_params={"do_remote_decode": True})
+    with pytest.raises(ValueError, match="do_remote_decode .* or do_remote_prefill"):
+        d.add_request("a", None, prompt(20), GREEDY, kv_transfer_params={"foo": 1})
+    assert not d.has_unfinished_requests()
+
+
+# --- P -> D through each connector ----------------------------------------------------------------------
+def test_pd_output_matches_one_engine(tiny_llama, connector):
+    """Prompts of 1, 16, 17 and 300 tokens: D's greedy output equals a single engine's; D pulls
+    exactly the blocks holding the prompt but its last token."""
+    sizes = [1, 16, 17, 300]
+    ids_list = [prompt(n, salt=n) for n in sizes]
+    want = reference(tiny_llama, ids_list)
+    p, d = make_engine(tiny_llama, connector), make_engine(tiny_llama, connector)
+    for n, ids, expected in zip(sizes, ids_list, want):
+        before = d.stats()["kv_blocks_pulled"]
+        params = prefill(p, f"r{n}", ids)
+        assert len(params["remote_block_ids"]) == -(-n // 16)
+        out = run_one(d, f"r{n}", ids, GREEDY, params, others=(p,))
+        assert out.outputs[0].token_ids == expected, n
+        assert d.stats()["kv_blocks_pulled"] - before == -(-(n - 1) // 16)
+        settle(p, d)
+    assert d.stats()["kv_load_failures"] == 0
+    assert p.stats()["kv_leases"] == 4 and p.stats()["kv_leases_expired"] == 0
+
+
+def test_decode_side_pulls_only_blocks_it_lacks(tiny_llama, connector):
+    shared = prompt(64, salt=1)
+    ids_a, ids_b = shared + prompt(40, salt=2), shared + prompt(70, salt=3)
+    want = reference(tiny_llama, [ids_a, ids_b])
+    p, d = make_engine(tiny_llama, connector), make_engine(tiny_llama, connector)
+    # D computes ids_a itself, so it caches the 64-token shared prefix (4 blocks).
+    assert run_one(d, "a", ids_a).outputs[0].token_ids == want[0]
+    params = prefill(p, "b", ids_b)
+    out = run_one(d, "b", ids_b, GREEDY, params, others=(p,))
+    assert out.outputs[0].token_ids == want[1]
+    total_blocks = -(-(len(ids_b) - 1) // 16)
+    assert d.stats()["kv_blocks_pulled"] == total_blocks - 4
+    assert out.num_cached_tokens == 64
+    settle(p, d)
+
+
+def test_pulled_blocks_are_what_decode_uses(tiny_llama, connector):
+    """The pulled bytes equal P's, and they are what D decodes from: noise written into P's leased
+    blocks changes D's output (so a passing test cannot be D silently recomputing)."""
+    ids = prompt(100, salt=4)
+    [want] = reference(tiny_llama, [ids])
+    p, d = make_engine(tiny_llama, connector), make_engine(tiny_llama, connector)
+    params = prefill(p, "x", ids)
+    num_full = len(ids) // 16
+    p_blocks = params["remote_block_ids"][:num_full]
+    sent = [cache[:, p_blocks].clone() for cache in p.executor.worker.runner.kv_caches]
+    out = run_one(d, "x", ids, GREEDY, params, others=(p,))
+    assert out.outputs[0].token_ids == want
+    settle(p, d)
+    # D registered the pulled full blocks in its prefix cache under the prompt's hashes.
+    hashes = [bytes.fromhex(h) for h in params["remote_block_hashes"][:num_full]]
+    d_blocks = [d.kv_cache_manager.block_pool.cached[h].block_id for h in hashes]
+    for got, expected in zip(d.executor.worker.runner.kv_caches, sent, strict=True):
+        assert torch.equal(got[:, d_blocks], expected)
+    assert d.reset_prefix_cache() and p.reset_prefix_cache()
+
+    params = prefill(p, "y", ids)
+    leased = params["remote_block_ids"][:-1]
+    for cache in p.executor.worker.runner.kv_caches:
+        cache[:, leased] = torch.randn_like(cache[:, leased])
+    out = run_one(d, "y", ids, GREEDY, params, others=(p,))
+    assert out.outputs[0].token_ids != want, "noise in the pulled blocks did not change the output"
+    assert d.stats()["kv_load_failures"] == 0
+    settle(p, d)
+
+
+def test_pd_with_fp8_kv_matches_one_fp8_engine(tiny_llama, connector):
+    """kv_cache_dtype="fp8" on both sides: D's greedy output equals a single fp8 engine's, and the
+    blocks D decodes from hold P's fp8 bytes (scales calibrated at load agree on both sides)."""
+    sizes = [17, 300]
+    ids_list = [prompt(n, salt=20 + n) for n in sizes]
+    single = make_engine(tiny_llama, None, kv_cache_dtype="fp8")
+    want = [run_one(single, f"f{n}", ids).outputs[0].token_ids for n, ids in zip(sizes, ids_list)]
+    p = make_engine(tiny_llama, connector, kv_cache_dtype="fp8")
+    d = make_engine(tiny_llama, connector, kv_cache_dtype="fp8")
+    assert p.config.cache_config.kv_scales == d.config.cache_config.kv_scales != ()
+    assert p.executor.worker.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    for n, ids, expected in zip(sizes, ids_list, want):
+        params = prefill(p, f"r{n}", ids)
+        num_full = len(ids) // 16
+        sent = [cache[:, params["remote_block_ids"][:num_full]].view(torch.uint8).clone()
+                for cache in p.executor.worker.runner.kv_caches]
+        out = run_one(d, f"r{n}", ids, GREEDY, params, others=(p,))
+        assert out.outputs[0].token_ids == expected, n
+        settle(p, d)
+        hashes = [bytes.fromhex(h) for h in params["remote_block_hashes"][:num_full]]
+        d_blocks = [d.kv_cache_manager.block_pool.cached[h].block_id for h in hashes]
+        for got, expected_bytes in zip(d.executor.worker.runner.kv_caches, sent, strict=True):
+            assert torch.equal(got[:, d_blocks].view(torch.uint8), expected_bytes)
+    assert d.stats()["kv_load_failures"] == 0
+
+
+def test_pd_with_lora_matches_one_engine_and_refuses_a_mismatch(tiny_llama, connector, tmp_path):
+    """A prompt prefilled under an adapter decodes on D, under that adapter, to a single engine's
+    tokens; parameters from a prefill under another adapter (or none) are refused, naming
+    lora_request, even for a prompt shorter than one block (no block hash to tell them apart)."""
+    from dataclasses import replace
+
+    from helpers import make_adapter
+
+    from records.lora import LoRARequest
+
+    lora = LoRARequest("a", 1, make_adapter(tiny_llama, str(tmp_path / "a"), 8, ["q_proj", "v_proj", "down_proj"],
+                                            seed=11))
+    under = replace(GREEDY, lora_request=lora)
+    lora_args = dict(enable_lora=True, max_lora_rank=8)
+    single = make_engine(tiny_llama, None, **lora_args)
+    p, d = make_engine(tiny_llama, connector, **lora_args), make_engine(tiny_llama, connector, **lora_args)
+    for n in (5, 40):
+        ids = prompt(n, salt=40 + n)
+        want = run_one(single, f"s{n}", ids, under).outputs[0].token_ids
+        assert want != run_one(single, f"b{n}", ids).outputs[0].token_ids
+        params = prefill(p, f"r{n}", ids, under)
+        assert params["remote_adapter"] == "a"
+        with pytest.raises(ValueError, match="lora_request.*prefilled under 'a'.*the base model"):
+            d.add_request(f"x{n}", None, ids, GREEDY, kv_transfer_params=params)
+        assert run_one(d, f"r{n}", ids, under, params, others=(p,)).outputs[0].token_ids == want
+        settle(p, d)
+        base = prefill(p, f"q{n}", ids)
+        with pytest.raises(ValueError, match="lora_request.*the base model.*under 'a'"):
+            d.add_request(f"y{n}", None, ids, under, kv_transfer_params=base)
+        p.abort_request(f"q{n}")            # its lease: no decode engine will pull it
+        settle(p, d)
+    assert d.stats()["kv_load_failures"] == 0
+
+
+# --- faults: each ends with zero blocks held on both sides ---------------------------------------------
+def test_abort_on_prefill_before_pull_falls_back_to_recompute(tiny_llama, connector):
+    ids = prompt(80, salt=5)
+    [want] = reference(tiny_llama, [ids])
+    p, d = make_engine(tiny_llama, connector), make_engine(tiny_llama, connector)
+    params = prefill(p, "x", ids)
+    p.abort_request("x")
+    # Reuse P's freed blocks for another prompt before D pulls: stale bytes would be wrong bytes.
+    run_one(p, "other", prompt(200, salt=6))
+    settle(p)
+    out = run_one(d, "x", ids, GREEDY, params, others=(p,))
+    assert out.outputs[0].token_ids == want
+    assert d.stats()["kv_load_failures"] == 1
+    settle(p, d)
+
+
+def test_abort_on_decode_during_pull(tiny_llama, connector):
+    p = make_engine(tiny_llama, connector)
+    d = make_engine(tiny_llama, connector, kv_connector_extra={"load_delay_s": 0.3})
+    ids = prompt(90, salt=7)
+    params = prefill(p, "x", ids)
+    d.add_request("x", None, ids, GREEDY, kv_transfer_params=params)
+    d.step()
+    assert d.stats()["num_requests_waiting_for_kv"] == 1
+    d.abort_request("x")
+    assert d.has_unfinished_requests()           # blocks stay until the pull ends
+    settle(p, d)
+    assert p.stats()["kv_leases_active"] == 0 and d.stats()["num_free_kv_blocks"] == 64
+
+
+def test_lease_expiry_frees_prefill_blocks(tiny_llama, connector):
+    p = make_engine(tiny_llama, connector, kv_lease_s=0.3)
+    prefill(p, "x", prompt(50, salt=8))
+    assert p.stats()["kv_leases_active"] == 1 and p.stats()["num_free_kv_blocks"] < 64
+    settle(p)                                     # D never pulls
+    assert p.stats()["kv_leases_expired"] == 1 and p.stats()["num_free_kv_blocks"] == 64
+
+
+@pytest.mark.parametrize("fault", [{"fail_loads": True}, {"load_delay_s": 1.0}])
+def test_failed_or_timed_out_pull_recomputes(tiny_llama, connector, fault):
+    ids = prompt(120, salt=9)
+    [want] = reference(tiny_llama, [ids])
+    p = make_engine(tiny_llama, connector)
+    d = make_engine(tiny_llama, connector, kv_load_timeout_s=0.3, kv_connector_extra=fault)
+    params = prefill(p, "x", ids)
+    out = run_one(d, "x", ids, GREEDY, params, others=(p,))
+    assert out.outputs[0].token_ids == want
+    assert d.stats()["kv_load_failures"] == 1
+    p.abort_request("x")                          # the router's job when D gave up
+    settle(p, d)
+
+
+def test_failure_policy_fail_ends_the_request_with_an_error(tiny_llama, connector):
+    p = make_engine(tiny_llama, connector)
+    d = make_engine(tiny_llama, connector, kv_load_failure_policy="fail",
+                    kv_connector_extra={"fail_loads": True})
+    ids = prompt(40, salt=10)
+    params = prefill(p, "x", ids)
+    out = run_one(d, "x", ids, GREEDY, params, others=(p,))
+    assert out.outputs[0].finish_reason == "error" and "injected" in out.outputs[0].stop_reason
+    # Another request on D is unaffected.
+    assert run_one(d, "y", prompt(30, salt=11)).outputs[0].finish_reason == "length"
+    p.abort_request("x")
+    settle(p, d)
+
+
+def test_layout_mismatch_refused_at_handshake(tiny_llama, tiny_qwen2, connector):
+    p = make_engine(tiny_llama, connector)
+    ids = prompt(40, salt=12)
+    params = prefill(p, "x", ids)
+    cases = [(make_engine(tiny_llama, connector, block_size=8), "block_size"),
+             (make_engine(tiny_llama, connector, dtype="bfloat16"), "dtype"),
+             (make_engine(tiny_llama, connector, kv_cache_dtype="fp8"), "dtype"),
+             (make_engine(tiny_qwen2, connector), "model")]
+    for d, field in cases:
+        with pytest.raises(KVLayoutMismatch, match=f"prefill engine's {field} is"):
+            d.add_request("x", None, ids, GREEDY, kv_transfer_params=params)
+        assert not d.has_unfinished_requests()
+    p.abort_request("x")
+    settle(p)
+
+
+def test_async_engine_raises_kv_transfer_error(tiny_llama):
+    import asyncio
+
+    from engine.async_engine import AsyncLLMEngine
+
+    async def main() -> None:
+        d = AsyncLLMEngine(EngineConfig.create(
+            tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=512, kv_connector="torch_dist",
+            kv_load_failure_policy="fail", kv_connector_extra={"fail_loads": True}))
+        p = AsyncLLMEngine(EngineConfig.create(tiny_llama, dtype="float32", num_kv_blocks=64,
+                                               max_model_len=512, kv_connector="torch_dist"))
+        ids = prompt(40, salt=13)
+        outs = [o async for o in p.generate("x", ids, SamplingParams(max_tokens=1, temperature=0.0),
+                                            {"do_remote_decode": True})]
+        params = outs[-1].kv_transfer_params
+        with pytest.raises(KVTransferError, match="injected failure"):
+            async for _ in d.generate("x", ids, GREEDY, params):
+                pass
+        p.abort("x")
+        for engine in (p, d):
+            while engine.engine.has_unfinished_requests():
+                await asyncio.sleep(0.01)
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_stats_expose_transfer_counters(tiny_llama):
+    engine = make_engine(tiny_llama, "torch_dist")
+    stats = engine.stats()
+    for key in ("kv_loads", "kv_load_failures", "kv_blocks_pulled", "kv_leases", "kv_leases_active",
+                "kv_leases_expired", "num_requests_waiting_for_kv"):
+        assert stats[key] == 0
+    assert isinstance(engine.kv_connector, KVConnectorScheduler)
+
+
+# --- separate processes (Ray actors) -------------------------------------------------------------------
+def global_blocks(engine: LLMEngine, block_ids: list[int]) -> torch.Tensor:
+    """All KV heads of these blocks, reassembled from the engine's TP ranks (tp <= num_kv_heads)."""
+    return torch.cat(engine.executor.kv_blocks(block_ids), dim=-2)
+
+
+@pytest.fixture(scope="module", params=CONNECTORS)
+def tp_engines(request, tiny_llama):
+    """Engines whose TP ranks run in Ray worker actors, built on first use and shared by the tests
+    of one connector: engines(role, tp)."""
+    pytest.importorskip("ray", reason="needs ray (make setup installs it)")
+    if request.param == "nixl":
+        pytest.importorskip("nixl", reason="needs nixl: make setup installs it")
+    from cluster.launch import init_ray
+
+    init_ray(num_cpus=8)
+    built: dict[tuple[str, int], LLMEngine] = {}
+
+    def engines(role: str, tp: int) -> LLMEngine:
+        if (role, tp) not in built:
+            # Half a CPU per rank: these engines live until the module ends (six ranks with NIXL)
+            # and must leave room for test_pd_across_ray_actors' three replica actors.
+            built[role, tp] = make_engine(tiny_llama, request.param, tensor_parallel_size=tp,
+                                          distributed_executor_backend="ray", worker_num_cpus=0.5)
+        return built[role, tp]
+
+    yield engines
+    for engine in built.values():
+        engine.executor.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("tp_p,tp_d,sizes", [(2, 2, [1, 16, 17, 300]), (1, 2, [17, 300]), (2, 1, [17, 300])])
+def test_pd_with_tensor_parallel_engines(tiny_llama, tp_engines, tp_p, tp_d, sizes):
+    """Equal and different TP sizes (heads sharded differently on the two sides): every decode
+    rank pulls the heads it keeps; greedy output is token-identical to transformers, D's blocks hold
+    exactly P's bytes (every head of every layer), a shared prefix already on D is not pulled
+    again, and both sides end with every block free."""
+    p, d = tp_engines("p", tp_p), tp_engines("d", tp_d)
+    assert p.reset_prefix_cache() and d.reset_prefix_cache()
+    ids_list = [prompt(n, salt=40 + n) for n in sizes]
+    shared = [*ids_list[-1][:64], *prompt(40, salt=77)]        # 4 full blocks in common with the last
+    want = reference(tiny_llama, [*ids_list, shared])
+    failures = d.stats()["kv_load_failures"]
+    for n, ids, expected in zip(sizes, ids_list, want):
+        before = d.stats()["kv_blocks_pulled"]
+        params = prefill(p, f"r{n}", ids)
+        num_full = n // 16
+        sent = global_blocks(p, params["remote_block_ids"][:num_full])
+        out = run_one(d, f"r{n}", ids, GREEDY, params, others=(p,))
+        assert out.outputs[0].token_ids == expected, n
+        assert d.stats()["kv_blocks_pulled"] - before == -(-(n - 1) // 16)
+        hashes = [bytes.fromhex(h) for h in params["remote_block_hashes"][:num_full]]
+        d_blocks = [d.kv_cache_manager.block_pool.cached[h].block_id for h in hashes]
+        pulled = min(num_full * 16, n - 1)          # D computes the prompt's last token itself
+        got = global_blocks(d, d_blocks)
+        assert torch.equal(got.flatten(2, 3)[:, :, :pulled], sent.flatten(2, 3)[:, :, :pulled]), n
+        settle(p, d)
+    before = d.stats()["kv_blocks_pulled"]
+    params = prefill(p, "shared", shared)
+    out = run_one(d, "shared", shared, GREEDY, params, others=(p,))
+    assert out.outputs[0].token_ids == want[-1]
+    assert d.stats()["kv_blocks_pulled"] - before == -(-(len(shared) - 1) // 16) - 4
+    settle(p, d)
+    assert d.stats()["kv_load_failures"] == failures and p.stats()["kv_leases_expired"] == 0
+    p.check_no_leaks()
+    d.check_no_leaks()
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("conn", CONNECTORS)
+def test_pd_across_ray_actors(tiny_llama, conn):
+    """P and D in separate actor processes: identical greedy output; then P is killed after handing
+    out its parameters, and a decode engine that never reached P before falls back to computing the
+    prompt (identical output again). (One that has pulled from P before may still succeed over NIXL:
+    UCX's shared-memory mapping of P's registered memory outlives P's process, with the data and the
+    lease word as P left them, which is why the test uses a fresh one.)"""
+    ray = pytest.importorskip("ray", reason="needs ray (make setup installs it)")
+    if conn == "nixl":
+        pytest.importorskip("nixl", reason="needs nixl: make setup installs it")
+    from cluster.launch import init_ray
+    from cluster.replica import EngineReplica
+
+    init_ray(num_cpus=8)
+    sizes = [1, 16, 17, 300]
+    ids_list = [prompt(n, salt=20 + n) for n in sizes]
+    last = prompt(150, salt=99)
+    want = reference(tiny_llama, [*ids_list, last])
+    config = EngineConfig.create(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=512,
+                                 kv_connector=conn, kv_load_timeout_s=5.0)
+    actor = ray.remote(EngineReplica).options(num_cpus=1, max_concurrency=100)
+    p, d, fresh = actor.remote(config, "p", 1), actor.remote(config, "d", 1), actor.remote(config, "d2", 1)
+
+    def generate(handle, rid, ids, params, kv):
+        return [delta for delta in ray.get(list(handle.generate.options(num_returns="streaming")
+                                                .remote(rid, ids, params, kv)), timeout=DEADLINE_S)]
+
+    try:
+        # All three started (an actor left pending for CPUs would hang the first stream below).
+        ray.get([h.info.remote() for h in (p, d, fresh)], timeout=DEADLINE_S)
+        for n, ids, expected in zip(sizes, ids_list, want):
+            [first] = generate(p, f"r{n}", ids, SamplingParams(max_tokens=1, temperature=0.0),
+                               {"do_remote_decode": True})
+            deltas = generate(d, f"r{n}", ids, GREEDY, first.kv_transfer_params)
+            assert [t for x in deltas for c in x.choices for t in c.token_ids] == expected, n
+        stats = ray.get(d.stats.remote())
+        assert stats["kv_load_failures"] == 0
+        assert stats["kv_blocks_pulled"] == sum(-(-(n - 1) // 16) for n in sizes)
+
+        [first] = generate(p, "last", last, SamplingParams(max_tokens=1, temperature=0.0),
+                           {"do_remote_decode": True})
+        ray.kill(p)
+        deadline = time.monotonic() + DEADLINE_S
+        while True:                                   # ray.kill returns before the process is gone
+            try:
+                ray.get(p.info.remote(), timeout=5)
+            except ray.exceptions.RayActorError:
+                break
+            except ray.exceptions.GetTimeoutError:
+                pass
+            assert time.monotonic() < deadline, "the prefill actor would not die"
+            time.sleep(0.05)
+        deltas = generate(fresh, "last", last, GREEDY, first.kv_transfer_params)
+        assert [t for x in deltas for c in x.choices for t in c.token_ids] == want[-1]
+        assert ray.get(fresh.stats.remote())["kv_load_failures"] == 1
+        deadline = time.monotonic() + DEADLINE_S
+        while not (ray.get(d.check_no_leaks.remote()) and ray.get(fresh.check_no_leaks.remote())):
+            assert time.monotonic() < deadline, "decode side kept blocks"
+            time.sleep(0.05)
+    finally:
+        for handle in (p, d, fresh):
+            ray.kill(handle)

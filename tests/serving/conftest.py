@@ -1,0 +1,129 @@
+"""The apps every serving test talks to, started once for the package on a local Ray: one Serve
+instance on 127.0.0.1 (HTTP, and gRPC through Serve's proxy) with four apps of a tiny model, whose
+pools load side by side:
+
+- "/" main: two decode replicas, an API key, a 1 MiB body limit, a LoRA adapter served from the
+  start and runtime adapter loading;
+- "/limited": one replica admitting one request at a time (429 / RESOURCE_EXHAUSTED), a reasoning
+  parser whose constraints apply to the thinking too (so that one can make the tiny model think),
+  and vLLM's metric names;
+- "/pd": disaggregated, one prefill and one decode replica with KV pulled over NIXL; prompts with
+  fewer than 32 uncached tokens are prefilled on the decode replica;
+- "/grpc": one replica with its own key, for the gRPC tests.
+
+At the end every replica must hold no request and no KV block.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from helpers import free_port, make_adapter, wait_healthy
+
+from serving.apps import API_KEY, GRPC_KEY, GRPC_MAIN, LIMITED, auth, grpc_metadata
+
+ray = pytest.importorskip("ray", reason="the serving tests need ray[serve] (make setup installs it)")
+
+
+@pytest.fixture(scope="package")
+def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
+    """Two PEFT adapters of the tiny model: "ad1" served from the start, "ad2" loaded at runtime."""
+    root = tmp_path_factory.mktemp("serving-adapters")
+    return {"ad1": make_adapter(tiny_llama, str(root / "ad1"), 8, ["q_proj", "v_proj", "o_proj", "down_proj"], seed=21),
+            "ad2": make_adapter(tiny_llama, str(root / "ad2"), 16, ["gate_proj", "up_proj", "k_proj"], seed=22)}
+
+
+@pytest.fixture(scope="package")
+def apps(tiny_llama, adapters, eventually_no_leaks):
+    """Start the four apps; yield (http port, gRPC port, app name -> its manager's handle)."""
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.config import ClusterConfig
+    from cluster.launch import grpc_start_options, init_ray
+    from cluster.manager import MANAGER_NAME
+
+    init_ray(num_cpus=8)
+    port, grpc_port = free_port(), free_port()
+    engine = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 16}
+    # The apps answer at once and load their pools side by side (/health says when they serve).
+    serving = {"port": port, "grpc_port": grpc_port, "wait_for_pools": False}
+    lora = {"modules": {"ad1": adapters["ad1"]}, "max_loras": 2}
+    main = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 2, "num_cpus": 1}},
+                         serving={**serving, "api_key": API_KEY, "max_body_bytes": 1 << 20}, name="pdserve-test",
+                         lora={**lora, "allow_runtime_updates": True})
+    limited = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 1, "num_cpus": 1}},
+                            serving={**serving, "max_in_flight": 1, "reasoning_parser": "qwen3",
+                                     "structured_outputs_in_reasoning": True, "metrics_prefix": "vllm"},
+                            name=LIMITED)
+    pd = ClusterConfig(model=tiny_llama, engine=engine, mode="disaggregated",
+                       pools={"prefill": {"replicas": 1, "num_cpus": 1}, "decode": {"replicas": 1, "num_cpus": 1}},
+                       disaggregation={"connector": "nixl", "min_remote_prefill_tokens": 32},
+                       serving=serving, name="pdserve-pd", lora=lora)
+    grpc_app = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 1, "num_cpus": 1}},
+                             serving={**serving, "api_key": GRPC_KEY}, name=GRPC_MAIN)
+    configs = {"main": (main, "/"), "limited": (limited, "/limited"), "pd": (pd, "/pd"), "grpc": (grpc_app, "/grpc")}
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, **grpc_start_options(main))
+    for config, prefix in configs.values():
+        serve.run(build_app(config), name=config.name, route_prefix=prefix)
+    base = f"http://127.0.0.1:{port}"
+    for _, prefix in configs.values():
+        wait_healthy(f"{base}{prefix.rstrip('/')}")
+    managers = {name: ray.get_actor(MANAGER_NAME, namespace=config.name) for name, (config, _) in configs.items()}
+    yield port, grpc_port, managers
+    for name, manager in managers.items():      # block accounting on every replica: nothing left behind
+        pools = ray.get(manager.membership.remote())[1]
+        replicas = {r: h for pool in pools.values() for r, h in pool.items()}
+        assert eventually_no_leaks(replicas), f"a replica of the {name} app kept requests or blocks after the tests"
+    serve.shutdown()
+    for manager in managers.values():
+        ray.get(manager.shutdown.remote())
+        ray.kill(manager)
+
+
+@pytest.fixture(scope="package")
+def server(apps) -> dict:
+    """The HTTP side: base URL, port, each app's replicas (app -> replica id -> handle), the main,
+    limited and disaggregated apps' managers, and the served model's name."""
+    port, _, managers = apps
+    base = f"http://127.0.0.1:{port}"
+    replicas = {}
+    for name in ("main", "limited", "pd"):
+        _, pools = ray.get(managers[name].membership.remote())
+        replicas[name] = {r: h for pool in pools.values() for r, h in pool.items()}
+    return {"base": base, "port": port, "replicas": replicas,
+            "managers": [managers["main"], managers["limited"], managers["pd"]],
+            "model": json.loads(httpx.get(f"{base}/v1/models", headers=auth()).text)["data"][0]["id"]}
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server['base']}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="package")
+def grpc_server(apps) -> dict:
+    """The gRPC side: a stub on the proxy's port (metadata picks the app: serving.apps.grpc_metadata),
+    the messages module, the gRPC app's HTTP base, and the gRPC and limited apps' managers."""
+    grpc = pytest.importorskip("grpc")
+    from pdserve_proto import pb2, pb2_grpc
+
+    port, grpc_port, managers = apps
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    stub = pb2_grpc.GenerationStub(channel)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if stub.Health(pb2.HealthRequest(), metadata=grpc_metadata(), timeout=10).healthy:
+                break
+        except grpc.RpcError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
+    yield {"stub": stub, "pb2": pb2, "http": f"http://127.0.0.1:{port}/grpc",
+           "managers": [managers["grpc"], managers["limited"]],
+           "model": stub.Models(pb2.ModelsRequest(), metadata=grpc_metadata()).models[0].id}
+    channel.close()

@@ -1,0 +1,172 @@
+"""The ingress's other endpoints on the shared apps (tests/serving/conftest.py): models, health,
+tokenize and detokenize, error codes (400, 401, 404, 413, 429), /metrics under vLLM's names, LoRA
+adapters served by name and loaded at runtime, and the disaggregated path against the colocated."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from serving.apps import auth, metric
+
+ray = pytest.importorskip("ray", reason="the serving tests need ray[serve] (make setup installs it)")
+pytestmark = pytest.mark.ray
+
+
+def test_models_health_tokenize(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server["model"], "ad1"]     # the base model, then its adapter
+    assert models.data[1].model_extra["parent"] == server["model"]
+    assert client.models.retrieve("ad1").model_extra["parent"] == server["model"]
+    with pytest.raises(openai.NotFoundError, match="model 'nope/x' does not exist"):
+        client.models.retrieve("nope/x")
+    assert httpx.get(f"{server['base']}/health").json()["healthy"] is True
+    tok = httpx.post(f"{server['base']}/tokenize", json={"prompt": "Hello world"}, headers=auth()).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    text = httpx.post(f"{server['base']}/detokenize", json={"tokens": tok["tokens"]}, headers=auth()).json()
+    assert text["prompt"].endswith("Hello world")
+    # vLLM's chat-template extras: the assistant's last message continued, on /tokenize and in chat.
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}]
+    extras = {"add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"x": 1}}
+    cont = httpx.post(f"{server['base']}/tokenize", json={"messages": messages, **extras}, headers=auth()).json()
+    text = httpx.post(f"{server['base']}/detokenize", json={"tokens": cont["tokens"]}, headers=auth()).json()
+    assert text["prompt"].endswith("<|im_start|>assistant\nHello, I")
+    done = client.chat.completions.create(model=server["model"], messages=messages, max_tokens=2, extra_body=extras)
+    assert done.usage.prompt_tokens == cont["count"]
+    with pytest.raises(openai.BadRequestError, match="continue_final_message needs add_generation_prompt=false"):
+        client.chat.completions.create(model=server["model"], messages=messages, max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+
+
+def test_error_codes(server, client):
+    model = server["model"]
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=model, prompt="x", temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], top_p=1.5)
+    with pytest.raises(openai.BadRequestError, match="bogus"):
+        client.completions.create(model=model, prompt="x", extra_body={"bogus": 1})
+    # OpenAI's fields that change no output here are accepted, as vLLM accepts them.
+    harmless = {"user": "u", "safety_identifier": "s", "metadata": {"team": "a"}, "store": False,
+                "service_tier": "auto", "prompt_cache_key": "k"}
+    assert client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                          modalities=["text"], **harmless).choices[0].finish_reason == "length"
+    assert client.completions.create(model=model, prompt="x", max_tokens=1, extra_body=harmless).usage
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model=model, prompt=[5] * 1000, max_tokens=100)
+    with pytest.raises(openai.BadRequestError, match="prompt"):
+        client.completions.create(model=model, prompt="")
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="no-such-model", prompt="x")
+    bad_key = openai.OpenAI(base_url=f"{server['base']}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.models.list()
+    with pytest.raises(openai.APIStatusError) as big:
+        client.completions.create(model=model, prompt="x" * (2 << 20))
+    assert big.value.status_code == 413
+    body = big.value.response.json()["error"]
+    assert set(body) >= {"message", "type", "code"} and body["code"] == 413
+
+    # 429 from the app that admits one request at a time, while one stream is held open.
+    limited = openai.OpenAI(base_url=f"{server['base']}/limited/v1", api_key="none", max_retries=0)
+    held = limited.completions.create(model=model, prompt="hold", max_tokens=200, stream=True,
+                                      extra_body={"ignore_eos": True})
+    next(iter(held))
+    with pytest.raises(openai.RateLimitError):
+        limited.completions.create(model=model, prompt="x", max_tokens=2)
+    held.close()
+    # and the server keeps answering
+    assert client.completions.create(model=model, prompt="still here", max_tokens=2).choices[0].text is not None
+
+
+def test_metrics_under_vllm_names(server):
+    """serving.metrics_prefix "vllm" (the /limited app): /metrics names its series as vLLM does, for
+    what scrapes vLLM (autoscalers, gateways): the engine's gauges and the ingress's histograms."""
+    c = openai.OpenAI(base_url=f"{server['base']}/limited/v1", api_key="none", max_retries=0)
+    c.completions.create(model=server["model"], prompt="count", max_tokens=2)
+    text = httpx.get(f"{server['base']}/limited/metrics").text
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_count", "vllm:generation_tokens_total"):
+        assert name in names, sorted(names)
+    assert all(n.startswith("vllm:") for n in names) and "# TYPE vllm:kv_cache_usage_perc gauge" in text
+
+
+def test_lora_adapters_over_http(server, client, adapters, tiny_llama):
+    """`model` names an adapter: its answer is the offline engine's under that adapter (not the
+    base model's), on the colocated and the disaggregated app; adapters load and unload at runtime
+    behind the API key, where the spec allows it; every refusal is a 4xx naming the field."""
+    from records.lora import LoRARequest
+
+    prompt = "The history of the printing press begins " + "with movable type and ink, " * 8
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=1024, enable_lora=True, max_lora_rank=16)
+    loras = {name: LoRARequest(name, i + 1, adapters[name]) for i, name in enumerate(("ad1", "ad2"))}
+    want = {name: llm.generate(prompt, params, use_tqdm=False, lora_request=loras.get(name))[0].outputs[0].text
+            for name in (None, "ad1", "ad2")}
+    assert len(set(want.values())) == 3
+    kwargs = dict(prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    out = client.completions.create(model="ad1", **kwargs)
+    assert out.model == "ad1" and out.choices[0].text == want["ad1"]
+    assert client.completions.create(model=server["model"], **kwargs).choices[0].text == want[None]
+    streamed = client.completions.create(model="ad1", stream=True, **kwargs)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want["ad1"]
+    pd_client = openai.OpenAI(base_url=f"{server['base']}/pd/v1", api_key="none", max_retries=0, timeout=120)
+    assert pd_client.completions.create(model="ad1", **kwargs).choices[0].text == want["ad1"]   # pulled KV
+    with pytest.raises(openai.NotFoundError, match="ad2"):
+        client.completions.create(model="ad2", **kwargs)
+    # Runtime loading: behind the API key, checked, then served; unloading ends it.
+    base = server["base"]
+    body = {"lora_name": "ad2", "lora_path": adapters["ad2"]}
+    assert httpx.post(f"{base}/v1/load_lora_adapter", json=body).status_code == 401
+    loaded = httpx.post(f"{base}/v1/load_lora_adapter", json=body, headers=auth())
+    assert loaded.status_code == 200, loaded.text
+    assert "ad2" in [m.id for m in client.models.list().data]
+    assert client.completions.create(model="ad2", **kwargs).choices[0].text == want["ad2"]
+    for bad, field in (({"lora_name": "ad2", "lora_path": adapters["ad2"]}, "lora_name"),
+                       ({"lora_name": "x", "lora_path": "/nonexistent"}, "lora_path"),
+                       ({"lora_name": "x"}, "lora_path")):
+        r = httpx.post(f"{base}/v1/load_lora_adapter", json=bad, headers=auth())
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "ad2"}, headers=auth()).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="ad2", **kwargs)
+    assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "ad2"},
+                      headers=auth()).status_code == 404
+    # The disaggregated app's spec does not allow runtime updates.
+    refused = httpx.post(f"{base}/pd/v1/load_lora_adapter", json=body)
+    assert refused.status_code == 404 and "allow_runtime_updates" in refused.text
+
+
+def test_disaggregated_path_matches_colocated(server, client, eventually_no_leaks):
+    """Long prompts go prefill -> transfer -> decode, short ones stay on the decode replica; both give
+    the colocated app's greedy output, streamed or not; every block is freed on both pools."""
+    pd_client = openai.OpenAI(base_url=f"{server['base']}/pd/v1", api_key="none", max_retries=0, timeout=120)
+    long_prompt = "The history of the printing press begins " + "with movable type and ink, " * 20
+    short_prompt = "Hello there"
+    kwargs = dict(model=server["model"], max_tokens=12, temperature=0.0)
+    for prompt in (long_prompt, short_prompt):
+        before = httpx.get(f"{server['base']}/pd/metrics").text
+        want = client.completions.create(prompt=prompt, **kwargs).choices[0].text
+        got = pd_client.completions.create(prompt=prompt, **kwargs).choices[0].text
+        streamed = "".join(c.choices[0].text for c in pd_client.completions.create(prompt=prompt, stream=True, **kwargs)
+                           if c.choices)
+        assert got == want and streamed == want, prompt
+        after = httpx.get(f"{server['base']}/pd/metrics").text
+        remote = (metric(after, "pdserve:router_decisions_total", reason="remote_prefill")
+                  - metric(before, "pdserve:router_decisions_total", reason="remote_prefill"))
+        local = (metric(after, "pdserve:router_decisions_total", reason="local_prefill")
+                 - metric(before, "pdserve:router_decisions_total", reason="local_prefill"))
+        if prompt is long_prompt:
+            # The second request's prompt is in the decode replica's cache only after the first
+            # pull; with a 32-token threshold the cached part keeps it local.
+            assert remote >= 1, after
+        else:
+            assert (remote, local) == (0, 2)
+    metrics = httpx.get(f"{server['base']}/pd/metrics").text
+    assert metric(metrics, "pdserve:kv_blocks_transferred_total", pool="decode") > 0
+    assert metric(metrics, "pdserve:kv_load_failures_total") == 0
+    manager = server["managers"][-1]
+    replicas = {**ray.get(manager.replicas.remote("decode")), **ray.get(manager.replicas.remote("prefill"))}
+    assert eventually_no_leaks(replicas)

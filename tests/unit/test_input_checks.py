@@ -1,0 +1,99 @@
+"""Hardening below the HTTP layer, unit: SamplingParams and validate_request refuse every value that
+would break a step (ints that do not fit int64, seeds outside torch's range, non-finite floats, too
+many stop strings, token ids outside the vocabulary); request bodies that are not UTF-8 JSON objects
+of bounded depth; admission tickets that release once; metrics that forget replaced replicas.
+
+The engine side is tests/engine/test_hardening.py; the HTTP side (abort storms, malformed requests,
+schemathesis fuzzing) runs on the live apps of tests/serving/."""
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+
+from engine import SamplingParams
+from records.sampling_params import validate_request
+from router.ingress.admission import Admission
+from router.ingress.protocol import MAX_JSON_DEPTH, parse_json_object
+
+
+# --- unit -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,field", [
+    ({"top_k": 2**70, "temperature": 1.0}, "top_k"), ({"seed": 2**64}, "seed"), ({"seed": -2**63 - 1}, "seed"),
+    ({"temperature": float("inf")}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"max_tokens": 2**63}, "max_tokens"), ({"min_tokens": 2**63}, "min_tokens"), ({"priority": 2**70}, "priority"),
+    ({"n": 2**64}, "n"), ({"stop": ["x"] * 1000}, "stop"), ({"stop": ["y" * 257]}, "stop"),
+    ({"stop_token_ids": [2**70]}, "stop_token_ids"), ({"stop_token_ids": list(range(300))}, "stop_token_ids"),
+    ({"logprobs": True}, "logprobs"), ({"stop": 5}, "stop"),
+])
+def test_sampling_params_refuse_what_would_break_a_step(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        SamplingParams(**kwargs)
+
+
+def test_edge_values_that_are_accepted():
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1          # torch's seed range, all of it
+    assert SamplingParams(seed=-2**63, top_k=2**63 - 1, stop=["z" * 256] * 32).top_k == 2**63 - 1
+
+
+def test_validate_request_knows_the_model():
+    params = SamplingParams(stop_token_ids=[5, 1000])
+    with pytest.raises(ValueError, match=r"stop_token_ids must be token ids in \[0, 1000\)"):
+        validate_request([1, 2], params, vocab_size=1000, max_model_len=64)
+    with pytest.raises(ValueError, match="n must be <= 4"):
+        validate_request([1, 2], SamplingParams(n=5), 1000, 64, max_num_seqs=4)
+    with pytest.raises(ValueError, match="min_tokens must be <= 62"):
+        validate_request([1, 2], SamplingParams(min_tokens=63, max_tokens=None), 1000, 64)
+
+
+@pytest.mark.parametrize("body,message", [
+    (b'{"model": "m", "prompt": "\xff\xfe"}', "not valid UTF-8"),
+    (b'{"temperature": NaN}', "NaN is not a JSON number"),
+    (b'{"temperature": Infinity}', "Infinity is not a JSON number"),
+    (b"[" * 2000 + b"]" * 2000, "nests arrays and objects more than"),
+    (b'{"a": ' + b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH + b"}", "nests arrays and objects more than"),
+    (b'[1, 2]', "must be a JSON object; got list"),
+    (b'{"model": ', "not valid JSON"),
+])
+def test_bodies_that_are_refused(body, message):
+    with pytest.raises(ValueError, match=message):
+        parse_json_object(body)
+
+
+def test_bodies_that_are_accepted():
+    nested = {"a": json.loads("[" * (MAX_JSON_DEPTH - 2) + "]" * (MAX_JSON_DEPTH - 2))}
+    assert parse_json_object(json.dumps(nested).encode()) == nested
+    assert parse_json_object(b"") == {} and parse_json_object('{"p": "café"}'.encode()) == {"p": "café"}
+
+
+def test_admission_tickets_release_exactly_once():
+    seen = []
+    admission = Admission(3, seen.append)
+    a = admission.admit(2)
+    assert a is not None and admission.admit(2) is None and admission.in_flight == 2
+    a.release()
+    a.release()                                   # idempotent
+    assert admission.in_flight == 0 and seen == [2, 0]
+    b = admission.admit(3)
+    assert b is not None and admission.in_flight == 3
+    del b                                         # dropped unreleased: garbage collection releases it
+    gc.collect()
+    assert admission.in_flight == 0
+
+
+def test_series_of_removed_replicas_are_dropped():
+    from records.serving import PolicyConfig
+    from router.routing.metrics import ServingMetrics
+    from router.routing.pd import RequestRouter
+    from router.routing.policy import RoutingPolicy
+
+    metrics = ServingMetrics()
+    router = RequestRouter("prefill", {"prefill-0": object(), "prefill-1": object()}, 16,
+                           RoutingPolicy(PolicyConfig("prefix_aware", 0.5, 8), 8), metrics)
+    for r in router.replicas:
+        metrics.set_engine_stats("prefill", r, {"num_requests_running": 1, "prompt_tokens": 10})
+    router.set_replicas({"prefill-1": router.replicas["prefill-1"]})
+    text = metrics.render()
+    assert 'replica="prefill-1"' in text and 'replica="prefill-0"' not in text

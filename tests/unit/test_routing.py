@@ -1,0 +1,83 @@
+"""The prefix index and the routing policies (unit), and the cluster spec's validation."""
+from __future__ import annotations
+
+import pytest
+
+from records.hashing import hash_block_tokens
+from records.outputs import AllCleared, BlockRemoved, BlockStored
+from records.serving import PolicyConfig
+from router.routing.policy import ReplicaLoad, RoutingPolicy
+from router.routing.prefix_index import PrefixIndex
+
+
+def test_prefix_index_follows_events_exactly():
+    h = hash_block_tokens(list(range(64)), 16)
+    index = PrefixIndex()
+    index.apply("a", [BlockStored(h[:3])])
+    index.apply("b", [BlockStored(h), BlockRemoved([h[1]])])
+    assert index.match(h) == {"a": 3, "b": 1}
+    index.apply("a", [AllCleared(), BlockStored(h[:1])])
+    assert index.match(h) == {"a": 1, "b": 1}
+    index.remove_replica("b")
+    assert index.match(h) == {"a": 1}
+
+
+def test_policy_prefers_prefix_until_load_is_imbalanced():
+    policy = RoutingPolicy(PolicyConfig(seed=0, imbalance_threshold=4), max_num_seqs=8)
+    idle = {"a": ReplicaLoad(), "b": ReplicaLoad()}
+    d = policy.choose({"a": 0, "b": 5}, 6, idle)
+    assert (d.replica_id, d.reason, d.matched_blocks) == ("b", "prefix_hit", 5)
+    busy = {"a": ReplicaLoad(), "b": ReplicaLoad(in_flight=6)}
+    assert policy.choose({"a": 0, "b": 5}, 6, busy).reason == "imbalance"
+    assert policy.choose({"a": 0, "b": 5}, 6, busy).replica_id == "a"
+    seen = {RoutingPolicy(PolicyConfig(seed=s)).choose({"a": 0, "b": 0}, 2, idle).replica_id for s in range(20)}
+    assert seen == {"a", "b"}                                   # ties break at random
+    rr = RoutingPolicy(PolicyConfig("round_robin"))
+    assert [rr.choose({"a": 9, "b": 0}, 9, idle).replica_id for _ in range(4)] == ["a", "b", "a", "b"]
+    with pytest.raises(ValueError, match="routing policy must be one of"):
+        PolicyConfig("random")
+
+
+def test_policy_prefers_replicas_holding_the_adapter():
+    policy = RoutingPolicy(PolicyConfig(seed=0), max_num_seqs=8)
+    idle = {"a": ReplicaLoad(), "b": ReplicaLoad()}
+    d = policy.choose({"a": 0, "b": 0}, 4, idle, holds_adapter={"b"})
+    assert (d.replica_id, d.reason) == ("b", "adapter_hit")
+    # A real prefix hit elsewhere outweighs it (half the prompt against the adapter's 0.25) ...
+    assert policy.choose({"a": 2, "b": 0}, 4, idle, holds_adapter={"b"}).replica_id == "a"
+    # ... and so does load: b busy with half of max_num_seqs more than a.
+    busy = {"a": ReplicaLoad(), "b": ReplicaLoad(in_flight=4)}
+    assert policy.choose({"a": 0, "b": 0}, 4, busy, holds_adapter={"b"}).replica_id == "a"
+    with pytest.raises(ValueError, match="adapter_weight"):
+        PolicyConfig(adapter_weight=-1)
+
+
+def test_cluster_spec_validates_and_loads_yaml(tmp_path, tiny_llama):
+    from pydantic import ValidationError
+
+    from cluster.config import ClusterConfig
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("pools: {decode: {replicas: 3}}\nrouting: {name: least_load}\nserving: {port: 9000}\n")
+    config = ClusterConfig.from_yaml(str(spec))
+    assert (config.pools["decode"].replicas, config.routing.name, config.serving.port) == (3, "least_load", 9000)
+    with pytest.raises(ValidationError, match="routing.name"):
+        ClusterConfig(routing={"name": "random"})
+    with pytest.raises(ValidationError, match="replicas"):
+        ClusterConfig(pools={"decode": {"replicas": 0}})
+    with pytest.raises(ValidationError, match="needs a 'prefill' pool"):
+        ClusterConfig(mode="disaggregated")
+    with pytest.raises(ValidationError, match="mode is 'colocated'"):
+        ClusterConfig(pools={"prefill": {}, "decode": {}})
+    with pytest.raises(ValidationError, match="disaggregation.connector"):
+        ClusterConfig(mode="disaggregated", pools={"prefill": {}, "decode": {}},
+                      disaggregation={"connector": "tcp"})
+    with pytest.raises(ValidationError, match="kv_connector"):
+        ClusterConfig(engine={"kv_connector": "nixl"})
+    pd = ClusterConfig(mode="disaggregated", pools={"prefill": {}, "decode": {}},
+                       disaggregation={"connector": "torch_dist", "min_remote_prefill_tokens": 64})
+    assert pd.disaggregation.engine_args()["kv_connector"] == "torch_dist"
+    static = ClusterConfig(model=tiny_llama, engine={"batching": "static"})
+    assert static.engine_config().scheduler_config.batching == "static"
+    with pytest.raises(ValueError, match="batching must be one of"):
+        ClusterConfig(model=tiny_llama, engine={"batching": "barrier"})
