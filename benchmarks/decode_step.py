@@ -6,7 +6,7 @@ LLM()'s defaults and prefix caching off.
 Each batch of random `--context`-token prompts is generated twice, to 1 token (the prefill) and to
 1 + `--tokens` tokens (greedy, `ignore_eos`); the step time is the difference over `--tokens`, best
 of `--rounds`. Attention over a long context is where the paged decode kernel shows
-(docs/PERFORMANCE.md §7k). Nothing is asserted.
+(docs/perf/journal.md §7k). Nothing is asserted.
 """
 from __future__ import annotations
 

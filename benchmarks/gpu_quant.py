@@ -116,7 +116,7 @@ def kernel_variants(rows_list=(1, 4, 16, 64)) -> list[dict]:
     per projection shape and row count: the best time of each (GB/s of blocks read, against bf16
     cuBLAS on the same shape) and its error against the fp32 reference on fresh inputs. (The
     kernels' defaults came from this; a third variant then, a tile that dequantized each weight
-    into x's dtype before one wider `tl.dot`, lost to both: PERFORMANCE §14.)"""
+    into x's dtype before one wider `tl.dot`, lost to both: docs/perf/journal.md §14.)"""
     grids = {
         "tile": lambda rows: [{"BLOCK_M": triton_quant.launch_for(rows)["BLOCK_M"], "BLOCK_N": bn, "NB": nb,
                                "SPLIT_K": sk, "num_warps": 4, "num_stages": 3}

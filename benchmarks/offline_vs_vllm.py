@@ -7,7 +7,7 @@ each run in its own process (the two cannot share one), alternating, best of N e
 `--model tiny` builds benchmarks/step_overhead.py's overhead-bound model (2 layers, hidden 256, the
 embedded model's 49k vocabulary); both engines load it in `--dtype`. vLLM runs with its CPU
 settings (`VLLM_CPU_KVCACHE_SPACE`, `VLLM_CPU_OMP_THREADS_BIND`, and the tcmalloc / Intel OpenMP
-preloads its docs ask for, where found: docs/PERFORMANCE.md §1). Model load and warm-up are not
+preloads its docs ask for, where found: docs/perf/journal.md §1). Model load and warm-up are not
 timed; every request decodes `--output-len` greedy tokens (`ignore_eos`), all submitted at once.
 """
 from __future__ import annotations

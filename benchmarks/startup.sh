@@ -2,7 +2,7 @@
 # How long `pdserve serve` (make serve's topology, the embedded model) takes to answer: seconds to
 # /health 200, then one Responses call. Run from the repository root with nothing on port 8000;
 # `PDSERVE_GGUF_CACHE=$(mktemp -d) bash benchmarks/startup.sh cold` measures an empty GGUF cache.
-# docs/PERFORMANCE.md §15.
+# docs/perf/journal.md §15.
 set -e
 label=${1:-run}
 export RAY_USAGE_STATS_ENABLED=0

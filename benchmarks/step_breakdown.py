@@ -5,7 +5,7 @@ strings, building the outputs), for a decode-heavy batch run offline in this pro
     .venv/bin/python benchmarks/step_breakdown.py --dtype bfloat16 --batch 1,16,64
 
 The output work is what vLLM moves to its frontend process; this says what it costs here, per
-output token and as a share of the step (docs/PERFORMANCE.md §7).
+output token and as a share of the step (docs/perf/journal.md §7).
 """
 from __future__ import annotations
 

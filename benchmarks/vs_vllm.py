@@ -9,7 +9,7 @@ prefix-cache hit):
 - decode-heavy: 16-32 prompt tokens, 128 output tokens;
 - prefill-heavy: 512-1024 prompt tokens, 16 output tokens.
 A cell sends `--prompts-per-stream` x its concurrency timed requests (at least `--min-prompts`).
-Start both servers first; docs/PERFORMANCE.md §1 says how vLLM's CPU build is installed and started.
+Start both servers first; docs/perf/journal.md §1 says how vLLM's CPU build is installed and started.
 """
 from __future__ import annotations
 

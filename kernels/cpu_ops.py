@@ -145,7 +145,7 @@ def sdpa_segments(dtype: torch.dtype, query_lens: list[int]) -> list[int]:
     least SDPA_MIN_QUERY_LEN rows, on a CPU with AMX for a bf16/fp16 dtype. There SDPA's flash
     kernel does its two matmuls on AMX tiles (oneDNN brgemm) and is 1.4-2x the C++ kernel, whose
     FMAs are fp32 AVX-512 (benchmarks/cpu_attention.py); without AMX its bf16 path is slower than
-    the C++ kernel, and for short segments its per-call cost is (docs/PERFORMANCE.md §7i).
+    the C++ kernel, and for short segments its per-call cost is (docs/perf/journal.md §7i).
     `PDSERVE_CPU_PREFILL_SDPA=auto|0|1` overrides the CPU check (0: never; 1: as with AMX)."""
     value = os.environ.get("PDSERVE_CPU_PREFILL_SDPA", "auto")
     if value not in ("auto", "0", "1"):
@@ -215,7 +215,7 @@ def ymm_gguf_kernel() -> bool:
 def gguf_dequant_min_rows() -> int:
     """From this many rows of x on, `gguf_linear` dequantizes the weight (C++) into x's dtype for a
     oneDNN GEMM; below it the C++ kernel multiplies the blocks (its time is the weight's bytes plus
-    their decoding, and its per-row work grows with the rows). Measured crossings (PERFORMANCE §9):
+    their decoding, and its per-row work grows with the rows). Measured crossings (docs/perf/journal.md §9):
     8-16 rows against oneDNN's bf16 AMX GEMM; beyond 64 rows on an AVX2-only CPU in fp32, where the
     kernel runs at the dense GEMM's own FMA rate and the dequantized copy costs a pass over memory."""
     return 64 if ymm_gguf_kernel() else 12
@@ -225,7 +225,7 @@ def gguf_dense_min_rows() -> int:
     """quantization="gguf+dense": from this many rows of x on, a GGUF layer multiplies its dense
     copy (oneDNN, prepacked) instead of its blocks: 6 where the blocks' kernel is the bf16-dot or
     portable one; 12 on an AVX2-only CPU, where the ymm kernel is 1.2-3.6x oneDNN's prepacked fp32
-    GEMM up to 8 rows and level at 12 (PERFORMANCE §9)."""
+    GEMM up to 8 rows and level at 12 (docs/perf/journal.md §9)."""
     return 12 if ymm_gguf_kernel() else 6
 
 
@@ -269,7 +269,7 @@ def gguf_rows_kernel(blocks: torch.Tensor, qtype: str, dtype: torch.dtype, int8_
 
 
 # fp8 weights: torch._scaled_mm, which oneDNN runs on CPU (slowly: ~30x a bf16 GEMV at one row on an
-# AVX2 EPYC, so auto never picks fp8 on CPU; docs/PERFORMANCE.md §10).
+# AVX2 EPYC, so auto never picks fp8 on CPU; docs/perf/journal.md §10).
 fp8_linear = fp8_linear_scaled_mm
 
 
@@ -302,7 +302,7 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tens
              ) -> torch.Tensor:
     """kernels.reference.lora_add's contract in one C++ call per layer (kernels/csrc/lora.cpp): the
     reference's four to eight small ops per adapter cost ~15 us each on a 2-core CPU, 16 adapters'
-    worth of them more than the base step's matmuls (docs/PERFORMANCE.md §13)."""
+    worth of them more than the base step's matmuls (docs/perf/journal.md §13)."""
     if x.dtype not in DTYPES or not x.is_contiguous() or not out.is_contiguous():
         return reference.lora_add(x, out, a, bt, rows, starts, slots, ranks, sub_offsets)
     torch.ops.pdserve_cpu.lora_add(x, out, a, bt, rows, starts, slots, ranks, sub_offsets)

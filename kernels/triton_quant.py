@@ -8,7 +8,7 @@ fp16 scales (the same bytes, reordered once at load): in the file's layout each 
 start 2 bytes past a 16-byte boundary, which limited the GPU's loads to 2 bytes each (an H200 read
 the blocks at 0.07-0.3 of its copy rate); split, the values load 16 bytes at a time.
 
-Two kernels (chosen by `benchmarks/gpu_quant.py --variants` on an H200, docs/PERFORMANCE.md §14):
+Two kernels (chosen by `benchmarks/gpu_quant.py --variants` on an H200, docs/perf/journal.md §14):
 - one row of x (single-sequence decode): `_q8_0_gemv_kernel`, no tensor cores: each program takes
   BLOCK_N weight rows, NB blocks per step with 16-byte loads, their integers times x in fp32 summed
   per block, times the block's scale. On Llama-3-8B's projections 1.27x bf16 cuBLAS's time (the

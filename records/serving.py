@@ -98,7 +98,7 @@ class ServingSpec(_Strict):
     # does not let us narrow: keep the port firewalled (or set api_key, which gRPC enforces too).
     grpc_port: int | None = Field(None, ge=1, le=65535)
     # The ingress replica serves HTTP on `port` itself (Ray Serve's direct ingress) instead of behind
-    # Serve's HTTP proxy: one process fewer on every streamed token's path (docs/PERFORMANCE.md §7).
+    # Serve's HTTP proxy: one process fewer on every streamed token's path (docs/perf/journal.md §7).
     # Ray reads it from the environment of the cluster's processes: `pdserve serve` sets that for
     # the Ray it starts; a cluster you start yourself needs `direct_ingress_env()` in its environment.
     # Serve's proxy still starts, on a free loopback port that nothing needs.

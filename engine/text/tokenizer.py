@@ -109,7 +109,7 @@ class IncrementalDetokenizer:
         self.output_text = ""
 
         # The Rust tokenizer itself where the HF decode only wraps it: the wrapper's argument
-        # conversion and checks were four fifths of the time per token (docs/PERFORMANCE.md §8).
+        # conversion and checks were four fifths of the time per token (docs/perf/journal.md §8).
         backend = getattr(tokenizer, "_tokenizer", None)
         self._backend = backend if backend is not None and _decode_wraps_backend(type(tokenizer)) else None
 

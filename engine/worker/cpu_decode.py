@@ -4,7 +4,7 @@ At small batch a CPU decode step of a small model spends as much time in Python 
 each of the embedded model's 30 layers makes eleven module calls, each linear looks up its kernel
 set and checks its input, each kernel wrapper re-checks dtypes and strides, and every `self.x` of
 a module goes through `nn.Module.__getattr__`. On a 2-core AMD EPYC that was ~10 ms of a 33 ms
-batch-1 step (docs/PERFORMANCE.md §9c). `CpuDecodePlan` resolves all of that once, when it is built:
+batch-1 step (docs/perf/journal.md §9c). `CpuDecodePlan` resolves all of that once, when it is built:
 it holds every layer's weights and norms in a flat tuple and calls the C++ kernels directly, with
 the checks their wrappers make per call made here once (dtypes, head size, the cache's layout).
 

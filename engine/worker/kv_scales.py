@@ -3,7 +3,7 @@
 An e4m3 value keeps 3 mantissa bits over 2^-6..448 (subnormals down to 2^-9). A layer whose K or V
 stays far below 1 (the embedded model's first layer: V's median 0.02) loses most of its precision
 at scale 1.0, vLLM's default for checkpoints without scales: teacher-forced on real text the
-embedded model agreed with its exact cache on 95.4% of next tokens (docs/PERFORMANCE.md §10). So,
+embedded model agreed with its exact cache on 95.4% of next tokens (docs/perf/journal.md §10). So,
 unless the checkpoint brings scales, the worker runs the model once at load over a fixed text
 (CALIBRATION_TEXT, or seeded token ids for a model without a tokenizer), in a temporary cache of
 the model's dtype, and sets each layer's scale from the largest |K| and |V| it saw, with vLLM's

@@ -213,7 +213,7 @@ class ModelRunner:
         """A float32 buffer for `rows` rows of this rank's logits, kept across steps (grown by
         half again when too small). Allocating them fresh each step cost more than the LM head at
         batch 256 on CPU: glibc maps allocations over 32 MiB anew each time, and the step then
-        page-faults through them (benchmarks/step_overhead.py, docs/PERFORMANCE.md §8)."""
+        page-faults through them (benchmarks/step_overhead.py, docs/perf/journal.md §8)."""
         if self.model_dtype == torch.float32:
             return None
         head = self.model.lm_head if self.model.lm_head is not None else self.model.embed_tokens

@@ -43,7 +43,7 @@ __attribute__((always_inline)) inline void score_tree(int t0, const Leaf& leaf, 
 // D / kLanes vectors of a K row (k_block) and of each output row (v_block) are held in registers at
 // once. With AVX-512's 32 registers a row tile's whole K row and outputs fit; AVX2 has 16, and holding
 // them whole spilled to the stack on every token (tiles of 1-4 rows and blocks of 1-8 vectors all
-// measured alike there: docs/PERFORMANCE.md §7k).
+// measured alike there: docs/perf/journal.md §7k).
 template <int D>
 struct DecodeTiling {
   static constexpr int V = D / kLanes;
@@ -283,7 +283,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, con
 // The elementwise kernels below work on `Lanes` (one register: 16 lanes with AVX-512, 8 with
 // AVX2). On 16-lane vectors an AVX2 build lowered their compares and selects lane by lane (scalar
 // vcmpss and vcomiss in silu's exp): silu-and-mul and RMSNorm of one row took 8 and 6 us, argmax
-// over a 49k vocabulary 3x torch's (docs/PERFORMANCE.md §7l).
+// over a 49k vocabulary 3x torch's (docs/perf/journal.md §7l).
 
 // (x + residual) normalized times weight, and x + residual; rows of `hidden` elements. The sum of
 // squares is kept in sixteen lanes whatever the build (two vectors of eight on AVX2, added as
@@ -494,7 +494,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cac
 // A decode layer's attention from its fused QKV projection's output [T, (H + 2 kvh) d]: rotary on the
 // q and k views, k and v into their slots, paged decode attention; [T, H d] out. The same calls the CPU
 // decode plan made one by one from Python (split, three views, rotary, write_kv, paged_decode, a view),
-// where the calls cost ~20 us a layer against ~4 for this one (docs/PERFORMANCE.md §7l). A cache in
+// where the calls cost ~20 us a layer against ~4 for this one (docs/perf/journal.md §7l). A cache in
 // the activations' dtype only: an fp8 cache's write quantizes in Python (kernels/cpu_ops.py).
 at::Tensor decode_attention_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                 at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,

@@ -163,7 +163,7 @@ def real_text():
 
 def test_fp8_quality_on_real_text(real_text):
     """Issue 26's measure, teacher-forced in chunks of 256: mean KL(exact || fp8) <= 0.02. Top-1
-    agreement measured 0.948-0.960 (PERFORMANCE §10; the issue asks 0.97, which this 135M model's
+    agreement measured 0.948-0.960 (docs/perf/journal.md §10; the issue asks 0.97, which this 135M model's
     near-ties do not allow: even all-bf16 arithmetic agrees with fp32 on 0.982)."""
     ids, exact = real_text
     fp8 = quality.teacher_forced_logprobs(ids, 256, dtype="float32", quantization="none", kv_cache_dtype="fp8")
@@ -174,7 +174,7 @@ def test_fp8_quality_on_real_text(real_text):
 def test_q8_0_weights_quality_on_real_text(real_text, tmp_path):
     """The model's weights requantized to Q8_0 and run from their blocks, against the same Q4_1
     weights dequantized: mean KL <= 0.005 (issue 26's bound; top-1 measured 0.990 on 512 tokens and
-    0.980 on 2,000, PERFORMANCE §10: below the issue's 0.99 for the same near-ties as fp8's)."""
+    0.980 on 2,000, docs/perf/journal.md §10: below the issue's 0.99 for the same near-ties as fp8's)."""
     from records.model_source import embedded_model_path
 
     ids, exact = real_text
@@ -188,7 +188,7 @@ def test_int8_activations_quality_on_real_text(real_text):
     """quantize_activations (llama.cpp's arithmetic: x quantized to int8 per block of 32) on the
     embedded Q4_1 blocks, teacher-forced in chunks of 8 rows (decode-sized, so every product takes
     the int8 kernel) over the first 512 tokens, against the exact fp32 path. Measured: top-1 0.918,
-    mean KL 0.017 here; 0.927 / 0.014 on 1,024 tokens, 0.924 / 0.013 on 2,000 (PERFORMANCE §9c): this
+    mean KL 0.017 here; 0.927 / 0.014 on 1,024 tokens, 0.924 / 0.013 on 2,000 (docs/perf/journal.md §9c): this
     model's near-ties feel 8-bit activations as they feel the fp8 cache."""
     ids, exact = real_text
     int8 = quality.teacher_forced_logprobs(ids[:512], 8, dtype="float32", quantization="gguf",

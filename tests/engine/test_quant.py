@@ -286,7 +286,7 @@ def test_tensor_parallel_shards_of_gguf_weights():
 
 def test_half_precision_on_a_cpu_without_bf16_units_is_warned(tiny_llama, monkeypatch, caplog):
     """bfloat16 / float16 on a CPU without AVX512-BF16 or AMX (several times slower than float32
-    there, PERFORMANCE §9; "auto" takes a checkpoint's bfloat16) is logged at config time, saying
+    there, docs/perf/journal.md §9; "auto" takes a checkpoint's bfloat16) is logged at config time, saying
     what to pass; float32, or a CPU with the units, is not."""
     import logging
 

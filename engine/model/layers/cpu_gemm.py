@@ -26,7 +26,7 @@ CPU_FP32_MIN_SPEEDUP = 1.25
 
 # fp32 weights: oneDNN's prepacked GEMM is used from this many rows on, unless this CPU runs it
 # faster than MKL's sgemm at one row too (`fp32_packed_min_rows`): on the CPUs first measured MKL was
-# faster below it (oneDNN 0.5-0.8x at one row, docs/PERFORMANCE.md §7); on a first-generation EPYC
+# faster below it (oneDNN 0.5-0.8x at one row, docs/perf/journal.md §7); on a first-generation EPYC
 # (Zen 1) oneDNN is 1.2-1.4x sgemm at one row and 2.3x at four (§9c, §7j).
 CPU_FP32_PACKED_MIN_ROWS = 8
 
@@ -59,7 +59,7 @@ def _fp32_gemm_is_faster(dtype: torch.dtype) -> bool:
     if has_amx(dtype):
         # oneDNN's AMX GEMM in bf16/fp16 is several times any fp32 GEMM on the same cores: timing
         # is not needed, and a timing taken while other processes start (a server beside another)
-        # once picked fp32 here and made every prefill 2.5x slower (docs/PERFORMANCE.md §7h).
+        # once picked fp32 here and made every prefill 2.5x slower (docs/perf/journal.md §7h).
         return False
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(1536, 576, generator=g).to(dtype)        # a small model's MLP projection
@@ -130,7 +130,7 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 def _fp32_prepack_pays() -> bool:
     """Whether oneDNN's prepacked fp32 GEMM beats F.linear (MKL's sgemm) on this CPU by
     CPU_FP32_MIN_SPEEDUP at decode sizes (timed once per process, ~0.1 s). It does by 1.5-3.3x on an
-    AVX2-only EPYC (docs/PERFORMANCE.md §7); CPUs differ, so it is measured, not assumed."""
+    AVX2-only EPYC (docs/perf/journal.md §7); CPUs differ, so it is measured, not assumed."""
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(1536, 576, generator=g)                  # a small model's MLP projection
     x = torch.randn(16, 576, generator=g)

@@ -31,7 +31,7 @@ from kernels.reference import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
 
 # quantization="gguf+dense": from this many rows on, a GGUF layer multiplies its dense copy (oneDNN,
 # prepacked) instead of its blocks; below it the blocks' kernel is faster (this CPU's crossing:
-# kernels.cpu_ops.gguf_dense_min_rows, docs/PERFORMANCE.md §9).
+# kernels.cpu_ops.gguf_dense_min_rows, docs/perf/journal.md §9).
 GGUF_DENSE_MIN_ROWS = gguf_dense_min_rows()
 logger = logging.getLogger(__name__)
 
