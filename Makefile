@@ -37,22 +37,25 @@ serve: setup
 	$(VENV)/bin/pdserve serve --host 127.0.0.1 --port 8000 --prefill-replicas 1 --replicas 1
 
 # The whole suite (what CI runs), as two pytest processes side by side: the tests marked `ray` or
-# `cluster` one after another (they share a local Ray; some start and stop Ray clusters of their own),
-# and every other test beside them, whose report follows (tests/conftest.py says why). Fails if either fails.
+# `cluster`, one after another (they share a local Ray; some start and stop Ray clusters of their
+# own), and every other test beside them on one torch thread at the lowest priority, whose report
+# follows. Fails if either fails. docs/testing.md says why this split and these settings.
 PYTEST := $(PY) -m pytest -q
+NO_RAY := -m "not ray and not cluster and not slow"
 test: setup
 	$(VENV)/bin/ruff check .
 	@tmp=$$(mktemp -d); \
-	$(PYTEST) --basetemp=$$tmp/others -m "not ray and not cluster and not slow" tests > $$tmp/others.log 2>&1 & \
+	OMP_NUM_THREADS=1 nice -n 19 $(PYTEST) --basetemp=$$tmp/others $(NO_RAY) tests > $$tmp/others.log 2>&1 & \
 	others=$$!; \
 	$(PYTEST) --basetemp=$$tmp/ray -m "(ray or cluster) and not slow" tests; ray=$$?; \
 	wait $$others; others_rc=$$?; \
 	echo "=== the tests without Ray, run beside the tests above ==="; cat $$tmp/others.log; rm -rf $$tmp; \
 	test $$ray = 0 -a $$others_rc = 0
 
-# The edit loop: records, engine and kernels, no Ray, a file per worker (a few minutes).
+# The edit loop: records, engine and kernels, no Ray: two workers of one torch thread each, a file
+# per worker (two threads each would fight for the two cores: twice the CPU time).
 test-fast: setup
-	$(PYTEST) -n 2 --dist loadfile -m "not ray and not cluster and not slow" tests/unit tests/engine tests/kernels
+	OMP_NUM_THREADS=1 $(PYTEST) -n 2 --dist loadfile $(NO_RAY) tests/unit tests/engine tests/kernels
 
 bench: setup
 	$(PY) benchmarks/offline.py

@@ -1,1 +1,2 @@
-"""Ray actors, pools, placement and the `pdserve` command line."""
+"""The composition root: the cluster spec, replica actors, pools, the manager, placement, the Serve
+application of a spec (`app.py`), launch and the `pdserve` command line."""

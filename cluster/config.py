@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from records.config import EngineConfig
 from records.engine_args import EngineArgs
@@ -30,15 +30,12 @@ from records.serving import (
     LoRASpec,
     RoutingSpec,
     ServingSpec,
+    StrictSpec,
     check_lora_modules,
 )
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class PoolSpec(_Strict):
+class PoolSpec(StrictSpec):
     replicas: int = Field(1, ge=1, le=64)
     num_cpus: float = Field(1.0, gt=0)          # per rank (the replica actor, or each worker actor
     num_gpus: float = Field(0.0, ge=0)          # with TP x PP > 1); torch uses this many threads
@@ -55,7 +52,7 @@ class PoolSpec(_Strict):
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-class ClusterConfig(_Strict):
+class ClusterConfig(StrictSpec):
     model: str | None = None
     # LLM(...) keywords (records/engine_args.py: EngineArgs, where their defaults live), checked on load.
     engine: EngineArgs = Field(default_factory=EngineArgs)

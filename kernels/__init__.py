@@ -1,1 +1,3 @@
-"""Attention and cache kernels: pure-torch references (CPU path and oracle) and Triton on CUDA."""
+"""Attention, cache, norm, rotary, quantized-linear and LoRA kernels: the pure-torch reference (the
+CPU fallback and every kernel's oracle), the C++ CPU kernels (`cpu_ops`, `csrc/`) and Triton on
+CUDA; `dispatch` picks the set."""

@@ -72,7 +72,7 @@ def gguf_hf_dir(path: str, gguf_file: str) -> str:
     a temp dir), keyed by the file's path, size and mtime and the transformers version. Converting
     parses the whole file each time (~5 s for the config and ~5 for the tokenizer of the embedded
     model, in every process that loads it: engine replicas, the ingress); the saved files load in a
-    fraction of a second and are the same config and tokenizer (tests/test_quant.py compares them).
+    fraction of a second and are the same config and tokenizer (tests/engine/test_quant.py compares them).
     Raises what AutoConfig.from_pretrained(gguf_file=...) raises for a file it cannot read."""
     import transformers  # noqa: PLC0415 - heavy; configs import without it
     from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415

@@ -17,6 +17,7 @@ from records.lora import LoRAConfig, read_adapter
 
 POLICIES = ("prefix_aware", "round_robin", "least_load")
 
+
 @dataclass(frozen=True)
 class PolicyConfig:
     """How router/routing/policy.py's RoutingPolicy weighs prefix overlap against load."""
@@ -37,12 +38,14 @@ class PolicyConfig:
             raise ValueError(f"imbalance_threshold must be >= 1; got {self.imbalance_threshold}")
 
 
-class _Strict(BaseModel):
+class StrictSpec(BaseModel):
+    """A section of the spec: unknown fields refused, frozen once built."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class RoutingSpec(_Strict):
-    """The routing policy (router/routing/policy.py; PolicyConfig above holds the defaults and the checks)."""
+class RoutingSpec(StrictSpec):
+    """The routing policy (router/routing/policy.py; PolicyConfig above holds the defaults and the
+    checks)."""
     name: Literal[POLICIES] = PolicyConfig.name     # type: ignore[valid-type]
     load_weight: float = PolicyConfig.load_weight
     imbalance_threshold: int = PolicyConfig.imbalance_threshold
@@ -56,7 +59,7 @@ class RoutingSpec(_Strict):
         return PolicyConfig(self.name, self.load_weight, self.imbalance_threshold, self.adapter_weight)
 
 
-class DisaggregationSpec(_Strict):
+class DisaggregationSpec(StrictSpec):
     """The KV connector of both pools (records/engine_args.py: EngineArgs' kv_* fields hold the defaults
     and the checks)."""
     connector: Literal[KV_CONNECTORS] = "nixl"      # type: ignore[valid-type]
@@ -74,7 +77,7 @@ class DisaggregationSpec(_Strict):
                 "kv_load_timeout_s": self.load_timeout_s, "kv_load_failure_policy": self.load_failure_policy}
 
 
-class ServingSpec(_Strict):
+class ServingSpec(StrictSpec):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     served_model_name: str | None = None        # default: the model's directory or file name
@@ -146,7 +149,7 @@ class ServingSpec(_Strict):
                 "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(self.port + 1)}
 
 
-class LoRASpec(_Strict):
+class LoRASpec(StrictSpec):
     """LoRA adapters (records/lora.py): `modules` are served from the start under their names (the
     `model` a request names; listed by /v1/models with the base model as parent); the rest set
     every engine's adapter pool. `allow_runtime_updates` opens vLLM's /v1/load_lora_adapter and
@@ -162,7 +165,7 @@ class LoRASpec(_Strict):
                 "max_cpu_loras": self.max_cpu_loras}
 
 
-class IngressSpec(_Strict):
+class IngressSpec(StrictSpec):
     """What an ingress replica needs of the cluster spec, handed to it by the launcher
     (cluster/config.py: `ClusterConfig.ingress_spec`): the model and the decode pool's engine
     arguments (each ingress resolves them where it runs: the tokenizer, limits and defaults), the
