@@ -12,7 +12,10 @@
               max_in_flight: 256}
     placement_timeout_s: 60     # wait this long for the cluster to fit the pools, then fail naming why
 
-Every field is validated here, so a bad spec fails before any actor starts, naming the field.
+Every field is validated here, so a bad spec fails before any actor starts, naming the field. The
+sections the ingress reads (serving, routing, disaggregation, lora) are records/serving.py's; the
+pools and the whole are here, with what each pool's engines and the ingress get
+(`engine_config`, `ingress_spec`).
 """
 from __future__ import annotations
 

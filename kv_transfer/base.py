@@ -39,19 +39,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kv_transfer.leases import Lease, LeaseSlots, LeaseTable
 from pdserve_proto.transfer import from_params, to_params
+from records.config import KVTransferConfig
 from records.errors import KVLayoutMismatch
 from records.kv_layout import HeadSlice, KVLayout, head_slices
+from records.request import Request, RequestStatus
 from records.transfer import CONNECTOR_VERSION, LoadSpec, RemotePrefill, TransferReport
-
-if TYPE_CHECKING:
-    from records.config import KVTransferConfig
-    from records.request import Request
 
 
 def advertised_host(host: str) -> str:
@@ -294,8 +292,6 @@ class KVConnectorScheduler:
     def wants_lease(self, request: Request) -> bool:
         """A finished request keeps its blocks for a remote decode only if it was asked to and it
         ended by its one-token cap (a stop on the first token leaves nothing to decode)."""
-        from records.request import RequestStatus  # noqa: PLC0415 (engine imports this module)
-
         return request.remote_decode and request.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
     def add_lease(self, request: Request, block_ids: list[int], slot: int, token: int,

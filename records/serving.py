@@ -106,7 +106,7 @@ class ServingSpec(StrictSpec):
     # the Ray it starts; a cluster you start yourself needs `direct_ingress_env()` in its environment.
     # Serve's proxy still starts, on a free loopback port that nothing needs.
     direct_ingress: bool = False
-    # How the model writes tool calls (engine/text/tool_calls.py FORMATS); None: read from its chat
+    # How the model writes tool calls (engine/text/tool_parser.py FORMATS); None: read from its chat
     # template (Hermes/Qwen `<tool_call>` blocks unless the template is Llama 3's or Mistral's).
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
     # vLLM's --reasoning-parser: a thinking model's `<think>...</think>` returned apart from the

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP ingress: a Ray Serve deployment wrapping a FastAPI app.
 
-`ingress_app(spec, manager_link)` applies Ray Serve to the plain classes: the protocol-neutral `Frontend`
-(router/ingress/frontend.py: auth, validation, admission, routing, metrics), the HTTP API over it
+`ingress_app(spec, manager_link)` applies Ray Serve to the plain classes: the protocol-neutral
+`Frontend` (router/ingress/frontend.py: auth, admission, routing, metrics; its `RequestPreparer`,
+router/ingress/preparer.py, validates and tokenizes), the HTTP API over it
 (router/ingress/openai_api.py, router/ingress/responses_api.py) and the gRPC service over it
 (router/ingress/grpc_api.py).
 
