@@ -6,10 +6,18 @@ replica as one message, which a single task here hands to the requests' queues. 
 consumer stops early (client disconnect) is aborted on the replica at once; the replica aborts
 everything of an ingress whose channel closes. When the replica dies, every request on the channel
 gets the Ray error (the router re-routes those that streamed nothing yet).
+
+The channel and the aborts are sent outside the calling request's context. Ray ties an actor call
+to the task that made it, and Serve cancels an HTTP request's task when its client goes away,
+together with every call made in its context. A channel opened in a request's context was closed
+with that request, failing every other request on the replica; an abort sent from the cancelled
+request's `finally` arrived in our runs, but Ray's own tests clear the context before such a call,
+and so does this.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -52,7 +60,7 @@ class ReplicaChannel:
         finally:
             del self.queues[request_id]
             if not finished:
-                self.handle.abort.remote(request_id)
+                contextvars.Context().run(self.handle.abort.remote, request_id)
 
     def close(self) -> None:
         if self._receiver is not None:
@@ -61,7 +69,8 @@ class ReplicaChannel:
 
     def _open(self) -> None:
         if self._receiver is None or self._receiver.done():
-            self._receiver = asyncio.get_running_loop().create_task(self._receive())
+            self._receiver = asyncio.get_running_loop().create_task(self._receive(),
+                                                                    context=contextvars.Context())
 
     async def _receive(self) -> None:
         try:

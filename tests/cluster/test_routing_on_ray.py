@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -151,3 +152,58 @@ def test_router_moves_off_a_dead_replica_and_follows_membership(tiny_llama):
     asyncio.run(run())
     assert ray.get(live.check_no_leaks.remote())
     ray.kill(live)
+
+
+@pytest.mark.ray
+def test_a_cancelled_request_takes_nothing_else_with_it(tiny_llama, eventually_no_leaks):
+    """Ray cancels an actor call together with every call made in its context, and Serve cancels a
+    request's call when its client goes away. The request that opened the router's output channel
+    to a replica is cancelled while another streams on it: the other request streams to its end,
+    and the cancelled one is aborted on the replica (it does not run on to max_tokens)."""
+    ray = pytest.importorskip("ray", reason="needs ray (make setup installs it)")
+    from cluster.launch import init_ray
+    from cluster.replica import EngineReplica
+    from records.config import EngineConfig
+
+    init_ray(num_cpus=8)
+    config = EngineConfig.create(tiny_llama, dtype="float32", max_model_len=2048)
+    replica = ray.remote(EngineReplica).options(num_cpus=1).remote(config, "r", 1)
+    ray.get(replica.info.remote())
+
+    @ray.remote
+    class Ingress:
+        """What the ingress does per request: stream one through a RequestRouter."""
+
+        def __init__(self, handle) -> None:
+            from router.routing.pd import RequestRouter
+
+            self.router = RequestRouter("decode", {"r": handle}, 16, RoutingPolicy(PolicyConfig("round_robin")),
+                                        ServingMetrics())
+            self.tokens: dict[str, int] = {}
+
+        async def stream(self, request_id: str, max_tokens: int) -> int:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            self.tokens[request_id] = 0
+            async for delta in self.router.generate(request_id, [5, 6, 7], params):
+                self.tokens[request_id] += sum(len(c.token_ids) for c in delta.choices)
+            return self.tokens[request_id]
+
+        def progress(self) -> dict[str, int]:
+            return dict(self.tokens)
+
+    ingress = Ingress.remote(replica)
+    first = ingress.stream.remote("first", 2000)         # opens the channel to the replica
+    while ray.get(ingress.progress.remote()).get("first", 0) == 0:
+        time.sleep(0.01)
+    other = ingress.stream.remote("other", 1000)
+    while ray.get(ingress.progress.remote()).get("other", 0) == 0:
+        time.sleep(0.01)
+    ray.cancel(first)
+    assert ray.get(other) == 1000
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        ray.get(first)
+    ran = ray.get(ingress.progress.remote())["first"]
+    assert eventually_no_leaks({"r": replica})
+    assert ray.get(replica.stats.remote())["generation_tokens"] < 2000 + 1000, f"first ran on ({ran} streamed)"
+    ray.kill(ingress)
+    ray.kill(replica)
