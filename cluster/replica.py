@@ -149,14 +149,20 @@ class EngineReplica:
         """Forget every cached block (refused while requests hold blocks); emits AllCleared."""
         return self.engine.engine.reset_prefix_cache()
 
+    def leaks(self) -> str | None:
+        """What is left behind, in words (a request in the engine or on a channel, a pull, a lease,
+        a held KV block), or None when nothing is."""
+        try:
+            self.engine.engine.check_no_leaks()
+        except AssertionError as e:
+            return str(e) or "KV blocks are not all free"
+        left = sorted(rid for box in self._outboxes.values() for rid in box.request_ids)
+        return f"requests still on a channel: {left}" if left else None
+
     def check_no_leaks(self) -> bool:
         """True when no request is left (in the engine or on a channel) and every KV block is free
         (for tests and drains)."""
-        try:
-            self.engine.engine.check_no_leaks()
-        except AssertionError:
-            return False
-        return not any(box.request_ids for box in self._outboxes.values())
+        return self.leaks() is None
 
     async def kv_events_since(self, cursor: int, wait_s: float = 0.0) -> bytes:
         """Events after `cursor` (0 at the start) and the cursor to pass next time, as a protobuf

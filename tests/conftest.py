@@ -63,21 +63,36 @@ def block_accounting(monkeypatch):
         engine.check_no_leaks()
 
 
+class Leaks:
+    """What each replica left behind (replica id -> its `leaks()` words); true when nothing is,
+    so that `assert eventually_no_leaks(...)` names what was left when it fails."""
+
+    def __init__(self, left: dict[str, str]) -> None:
+        self.left = left
+
+    def __bool__(self) -> bool:
+        return not self.left
+
+    def __repr__(self) -> str:
+        return f"Leaks({self.left})"
+
+
 @pytest.fixture(scope="session")
 def eventually_no_leaks():
-    """Block accounting for engine replica actors: `check(replicas, timeout)` is True once every
-    replica (id -> actor handle) reports no request left and every KV block free."""
+    """Block accounting for engine replica actors: `check(replicas, timeout)` is true (a `Leaks`)
+    once every replica (id -> actor handle) reports no request left and every KV block free."""
     import time
 
-    def check(replicas: dict, timeout: float = 30.0) -> bool:
+    def check(replicas: dict, timeout: float = 30.0) -> Leaks:
         import ray
 
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(ray.get([h.check_no_leaks.remote() for h in replicas.values()])):
-                return True
+        while True:
+            words = ray.get([h.leaks.remote() for h in replicas.values()])
+            leaks = Leaks({r: w for r, w in zip(replicas, words) if w is not None})
+            if leaks or time.monotonic() > deadline:
+                return leaks
             time.sleep(0.2)
-        return False
 
     return check
 

@@ -77,7 +77,8 @@ def apps(tiny_llama, adapters, eventually_no_leaks):
     for name, manager in managers.items():      # block accounting on every replica: nothing left behind
         pools = ray.get(manager.membership.remote())[1]
         replicas = {r: h for pool in pools.values() for r, h in pool.items()}
-        assert eventually_no_leaks(replicas), f"a replica of the {name} app kept requests or blocks after the tests"
+        leaks = eventually_no_leaks(replicas)
+        assert leaks, f"a replica of the {name} app kept requests or blocks after the tests: {leaks}"
     serve.shutdown()
     for manager in managers.values():
         ray.get(manager.shutdown.remote())
