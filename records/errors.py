@@ -65,6 +65,12 @@ class ServiceUnavailableError(PDServeError):
     status, err_type, grpc_code = 503, "service_unavailable", "UNAVAILABLE"
 
 
+class ClientClosedError(PDServeError):
+    """The client went away before its answer was complete (nginx's 499): nobody reads the answer;
+    the status is for the error counter, where a disconnect is not a server error."""
+    status, err_type, grpc_code = 499, "client_closed_request", "CANCELLED"
+
+
 class NoReplicaError(ServiceUnavailableError):
     """No healthy replica can take the request."""
 

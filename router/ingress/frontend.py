@@ -19,8 +19,11 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ray.exceptions import TaskCancelledError
+
 from records.errors import (
     AuthenticationError,
+    ClientClosedError,
     NoReplicaError,
     PDServeError,
     RateLimitError,
@@ -43,6 +46,9 @@ def request_error(error: BaseException) -> PDServeError:
     """The error a failed request answers with (its stream, once started, carries it in-band)."""
     if isinstance(error, PDServeError):
         return error
+    if isinstance(error, TaskCancelledError):
+        # Serve cancelled the request's task: its client went away (no server fault, no traceback).
+        return ClientClosedError("the client closed the connection")
     cause = getattr(error, "cause", None)      # a Ray task error: what the replica raised
     if isinstance(cause, PDServeError):
         return cause

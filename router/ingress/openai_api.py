@@ -11,11 +11,17 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from engine.text.reasoning import ReasoningStream, split_reasoning
 from engine.text.tool_calls import ToolFormat
 from engine.text.tool_parser import ToolCallStream, coalesce, read_through
-from records.errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
+from records.errors import (
+    ClientClosedError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    UnsupportedMediaTypeError,
+)
 from records.outputs import Logprob, StepDelta
 from records.sampling_params import SamplingParams
 from router.ingress.admission import Ticket
@@ -56,7 +62,10 @@ class OpenAIAPI:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise PayloadTooLargeError(f"request body is {declared} bytes; the limit is {limit}")
-        body = await request.body()
+        try:
+            body = await request.body()
+        except ClientDisconnect:
+            raise ClientClosedError("the client closed the connection before its body arrived") from None
         if len(body) > limit:
             raise PayloadTooLargeError(f"request body is {len(body)} bytes; the limit is {limit}")
         try:

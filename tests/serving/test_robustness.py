@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from serving.apps import API_KEY, auth, gauge
+from serving.apps import API_KEY, auth, gauge, metric
 
 ray = pytest.importorskip("ray", reason="the serving tests need ray[serve] (make setup installs it)")
 pytestmark = pytest.mark.ray
@@ -93,8 +93,8 @@ async def _raw_request(port: int, path: str, body: dict, rng: random.Random) -> 
 def test_abort_storm_leaks_nothing(server, eventually_no_leaks):
     """240 requests (streamed and not, chat and completions, n = 1 and 2, long prompts prefilled
     remotely and short ones locally) to the disaggregated app, 24 at a time, dropped at random
-    points: afterwards nothing is in flight, a new request is admitted, and both pools hold no
-    request and no block."""
+    points: afterwards nothing is in flight, no disconnect counted as a server error (500), a new
+    request is admitted, and both pools hold no request and no block."""
     app = {"port": server["port"], "model": server["model"], "base": f"{server['base']}/pd",
            "replicas": server["replicas"]["pd"]}
     rng = random.Random(22)
@@ -118,6 +118,11 @@ def test_abort_storm_leaks_nothing(server, eventually_no_leaks):
 
         return await asyncio.gather(*[one(i) for i in range(240)])
 
+    def server_errors() -> float:
+        return metric(httpx.get(f"{app['base']}/metrics", headers=auth(), timeout=30).text,
+                      "pdserve:request_errors_total", code="500")
+
+    errors_before = server_errors()
     modes = asyncio.run(storm())
     assert {"sent", "status", "chunks", "end"} <= set(modes)
     deadline = time.monotonic() + 60
@@ -125,6 +130,7 @@ def test_abort_storm_leaks_nothing(server, eventually_no_leaks):
         assert time.monotonic() < deadline, f"{in_flight} requests still counted in flight"
         time.sleep(0.5)
     assert eventually_no_leaks(app["replicas"], timeout=60)
+    assert server_errors() == errors_before, "a client that went away was counted as a server error"
     ok = httpx.post(f"{app['base']}/v1/completions", headers=auth(), timeout=120,
                     json={"model": app["model"], "prompt": "still admitted", "max_tokens": 3})
     assert ok.status_code == 200, ok.text
