@@ -34,7 +34,7 @@ from records.serving import (
     RoutingSpec,
     ServingSpec,
     StrictSpec,
-    check_lora_modules,
+    resolve_engine_config,
 )
 
 
@@ -131,10 +131,8 @@ class ClusterConfig(StrictSpec):
 
     def engine_config(self, pool: str = "decode") -> EngineConfig:
         """The engine config of one pool's replicas (`engine_args`), resolved against the model's
-        own config (ValueError naming the field when the model does not allow a setting)."""
-        config = EngineConfig.from_args(self.model, self.engine_args(pool))
-        check_lora_modules(self.lora, config)
-        return config
+        own config and the spec's adapters (records/serving.py: `resolve_engine_config`)."""
+        return resolve_engine_config(self.model, self.engine_args(pool), self.lora)
 
     def ingress_spec(self) -> IngressSpec:
         """What the ingress reads of this spec (records/serving.py), handed to it by the launcher."""

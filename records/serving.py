@@ -180,18 +180,19 @@ class IngressSpec(StrictSpec):
     lora: LoRASpec | None
 
     def engine_config(self) -> EngineConfig:
-        """The decode pool's engine config, resolved against the model's own config here, with the
-        spec's adapters checked against it."""
-        config = EngineConfig.from_args(self.model, self.engine)
-        check_lora_modules(self.lora, config)
-        return config
+        """The decode pool's engine config, resolved here (see `resolve_engine_config`)."""
+        return resolve_engine_config(self.model, self.engine, self.lora)
 
 
-def check_lora_modules(lora: LoRASpec | None, config: EngineConfig) -> None:
-    """ValueError naming `lora.modules.<name>` when an adapter does not fit the model or the rank
-    limit (read from its config and safetensors header)."""
+def resolve_engine_config(model: str | None, args: EngineArgs, lora: LoRASpec | None) -> EngineConfig:
+    """The engine config of `args`, resolved against the model's own config (ValueError naming the
+    field when the model does not allow a setting), with the spec's adapters checked against it:
+    ValueError naming `lora.modules.<name>` when one does not fit the model or the rank limit (read
+    from its config and safetensors header)."""
+    config = EngineConfig.from_args(model, args)
     for name, path in (lora.modules if lora is not None else {}).items():
         try:
             read_adapter(path, config.model_config.hf_config, lora.max_lora_rank)
         except ValueError as e:
             raise ValueError(f"lora.modules.{name}: {e}") from None
+    return config
