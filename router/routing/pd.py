@@ -17,11 +17,10 @@ Tokens come back over one output channel per replica (router/routing/channel.py)
 deltas for all of this router's requests on a replica arrive as one message.
 
 The router keeps its per-replica view fresh in the background: a long poll per replica on its KV
-event log (`EngineReplica.kv_events_since` answers after the first replica step with events, so they arrive
-within a step and idle replicas cost nothing; the batches travel as protobuf `KVEventBatch`, and a
-replica of another schema version has its events refused, with an error logged) and stats every
-`stats_interval_s`; in-flight counts
-are its own.
+event log (`EngineReplica.kv_events_since` answers after the first replica step with events, so
+they arrive within a step and idle replicas cost nothing; the batches travel as protobuf
+`KVEventBatch`, and a replica of another schema version has its events refused, with an error
+logged) and stats every `stats_interval_s`; in-flight counts are its own.
 """
 from __future__ import annotations
 
@@ -51,8 +50,6 @@ from router.routing.prefix_index import PrefixIndex
 ADAPTERS_REMEMBERED = 8
 
 logger = logging.getLogger(__name__)
-
-
 
 
 class RequestRouter:
