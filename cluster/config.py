@@ -44,6 +44,9 @@ class PoolSpec(StrictSpec):
     num_gpus: float = Field(0.0, ge=0)          # with TP x PP > 1); torch uses this many threads
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
+    # Layers per pipeline stage (default: an even split); the pools of a disaggregated deployment may
+    # split differently: each decode stage pulls its layers from the prefill stages that hold them.
+    pp_layer_partition: list[int] | None = None
     # Custom Ray resources per rank, to pin a pool to its nodes: a KubeRay worker group started with
     # `resources: {"pdserve_prefill": 1000}` takes the pool with `resources: {pdserve_prefill: 1}`.
     resources: dict[str, float] = Field(default_factory=dict)
@@ -79,10 +82,6 @@ class ClusterConfig(StrictSpec):
             raise ValueError("mode 'disaggregated' needs a 'prefill' pool beside 'decode'")
         if self.mode == "colocated" and "prefill" in self.pools:
             raise ValueError("pools has 'prefill' but mode is 'colocated'; set mode: disaggregated")
-        if self.mode == "disaggregated" and any(p.pipeline_parallel_size > 1 for p in self.pools.values()):
-            raise ValueError("mode 'disaggregated' needs pipeline_parallel_size = 1 in every pool: KV "
-                             "transfer moves each TP rank's heads (the pools' TP sizes may differ), not "
-                             "pipeline stages")
         if self.pools.get("prefill") is not None and self.pools["prefill"].speculative_config is not None:
             raise ValueError("pools.prefill.speculative_config: only the decode pool decodes; set "
                              "pools.decode.speculative_config")
@@ -96,8 +95,8 @@ class ClusterConfig(StrictSpec):
         defaults = EngineArgs()     # a dumped spec (the JSON the actors get) holds every field
         engine_set = [k for k, v in engine.items() if not hasattr(defaults, k) or getattr(defaults, k) != v]
         parallel_keys = [k for k in engine_set if k in (
-            "tensor_parallel_size", "pipeline_parallel_size", "worker_num_cpus", "worker_num_gpus",
-            "worker_resources", "distributed_executor_backend")]
+            "tensor_parallel_size", "pipeline_parallel_size", "pp_layer_partition", "worker_num_cpus",
+            "worker_num_gpus", "worker_resources", "distributed_executor_backend")]
         if parallel_keys:
             raise ValueError(f"engine must not set {parallel_keys}: set them per pool (pools.<name>)")
         if "speculative_config" in engine_set:
@@ -124,6 +123,7 @@ class ClusterConfig(StrictSpec):
         if spec.world_size > 1:
             parallel.update(tensor_parallel_size=spec.tensor_parallel_size,
                             pipeline_parallel_size=spec.pipeline_parallel_size,
+                            pp_layer_partition=spec.pp_layer_partition,
                             worker_resources=dict(spec.resources))
         spec_args = {"speculative_config": spec.speculative_config} if spec.speculative_config else {}
         lora_args = self.lora.engine_args() if self.lora is not None else {}

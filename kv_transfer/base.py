@@ -47,7 +47,7 @@ from kv_transfer.leases import Lease, LeaseSlots, LeaseTable
 from pdserve_proto.transfer import from_params, to_params
 from records.config import KVTransferConfig
 from records.errors import KVLayoutMismatch
-from records.kv_layout import HeadSlice, KVLayout, head_slices
+from records.kv_layout import KVLayout, KVSource, kv_sources
 from records.request import Request, RequestStatus
 from records.transfer import CONNECTOR_VERSION, LoadSpec, RemotePrefill, TransferReport
 
@@ -70,8 +70,9 @@ def advertised_host(host: str) -> str:
 
 # --- worker side ------------------------------------------------------------------------------------
 class KVConnectorWorker:
-    """Worker side of a connector, one per TP rank. All methods run on the rank's step thread, between
-    steps; transports may use their own threads for the bytes, never for engine state.
+    """Worker side of a connector, one per rank (every TP rank of every pipeline stage). All methods
+    run on the rank's step thread, between steps; transports may use their own threads for the
+    bytes, never for engine state.
 
     Subclasses implement `address`, `_start_load`, `release_remote`, `_poll` and `shutdown`."""
 
@@ -80,7 +81,7 @@ class KVConnectorWorker:
     def __init__(self, config: KVTransferConfig, layout: KVLayout) -> None:
         self.config = config
         self.layout = layout
-        self.rank = layout.tp_rank
+        self.rank = layout.rank              # in its engine, stage-major
         # Unique per worker incarnation (replicas of a pool share one config and its engine_id).
         self.engine_id = f"{config.engine_id}-{uuid.uuid4().hex[:8]}"
         self.leases = LeaseTable()
@@ -122,14 +123,15 @@ class KVConnectorWorker:
             self.leases.release(slot)
 
     # D side.
-    def source_heads(self, remote: RemotePrefill) -> list[HeadSlice]:
-        """The prefill ranks this rank pulls from, and which heads; KVLayoutMismatch if the remote
-        engine's parameters name no address for one of them."""
-        slices = head_slices(remote.layout, self.layout)
-        if any(s.src_rank >= len(remote.addresses) for s in slices):
-            raise KVLayoutMismatch(f"kv_transfer_params carry {len(remote.addresses)} rank addresses for a "
-                                   f"prefill engine of tensor_parallel_size {remote.layout.tp_size}")
-        return slices
+    def pull_sources(self, remote: RemotePrefill) -> list[KVSource]:
+        """The prefill ranks this rank pulls from, with which of its layers and heads each holds;
+        KVLayoutMismatch if the remote engine's parameters name no address for one of them."""
+        parts = kv_sources(remote.layout, self.layout)
+        if len(remote.addresses) != remote.layout.world_size:
+            raise KVLayoutMismatch(
+                f"kv_transfer_params carry {len(remote.addresses)} rank addresses for a prefill engine of "
+                f"tensor_parallel_size {remote.layout.tp_size} x pipeline_parallel_size {remote.layout.pp_size}")
+        return parts
 
     def start_load(self, spec: LoadSpec) -> None:
         """Begin pulling `spec.remote_block_ids` into `spec.local_block_ids` (returns at once; the
@@ -172,7 +174,7 @@ class KVConnectorWorker:
 
     # Shared helpers for the transports.
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """The blocks' K and V in every layer, contiguous: [num_layers, 2, n, block_size, kvh, d]
+        """The blocks' K and V in each of this rank's layers, contiguous: [layers, 2, n, block_size, kvh, d]
         (for checks and benchmarks; the transports move blocks without this copy)."""
         first = self.kv_caches[0]
         index = torch.tensor(block_ids, dtype=torch.long, device=first.device)
@@ -183,7 +185,7 @@ class KVConnectorWorker:
 
     def gathered_shape(self, num_blocks: int) -> tuple[int, ...]:
         lay = self.layout
-        return (lay.num_layers, 2, num_blocks, lay.block_size, lay.local_kv_heads, lay.head_dim)
+        return (len(lay.layers), 2, num_blocks, lay.block_size, lay.local_kv_heads, lay.head_dim)
 
 
 # --- scheduler side ---------------------------------------------------------------------------------

@@ -10,9 +10,12 @@ lease's token, the prefill side had not released the blocks while they were read
 before a released block can be rewritten), so the data is valid. Once all its ranks are done, the
 decode engine's rank 0 notifies the prefill engine's rank 0, which frees them.
 
-With equal TP sizes a rank reads whole blocks of its peer rank. When the sizes differ, a rank's
-heads are a strided part of the other side's blocks: it reads them with one descriptor per (layer,
-K/V, block, token), built per pull (many more, smaller reads: the price of the NHD block layout).
+With pipeline stages, each decode rank reads only its own layers, from the prefill rank(s) of the
+stage(s) that hold them (`kv_sources`), all ranks of all stages at once; the two sides' layer
+ranges may split differently. With equal TP sizes a rank reads whole blocks of its peer rank. When
+the sizes differ, a rank's heads are a strided part of the other side's blocks: it reads them with
+one descriptor per (layer, K/V, block, token), built per pull (many more, smaller reads: the price
+of the NHD block layout).
 
 Install (no CUDA torch is pulled in): `pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1 numpy`
 (`make setup` does it).
@@ -31,7 +34,7 @@ import torch
 
 from kv_transfer.base import KVConnectorWorker, advertised_host
 from records.config import KVTransferConfig
-from records.kv_layout import HeadSlice, KVLayout
+from records.kv_layout import KVLayout, KVSource
 from records.transfer import LoadSpec, RemotePrefill, TransferReport
 
 logger = logging.getLogger(__name__)
@@ -122,12 +125,14 @@ class NixlConnectorWorker(KVConnectorWorker):
         addrs = base + np.arange(count, dtype=np.int64) * 8
         return np.stack([addrs, np.full_like(addrs, 8), np.zeros_like(addrs)], 1)
 
-    def _indices(self, block_ids: list[int], num_blocks: int) -> np.ndarray:
-        """Descriptor indices of these blocks' K and V in every layer."""
+    @staticmethod
+    def _indices(block_ids: list[int], num_blocks: int, layers: range) -> np.ndarray:
+        """Descriptor indices of these blocks' K and V in these layers (indices into the rank's
+        own KV tensors)."""
         ids = np.asarray(block_ids, dtype=np.int64)
         per_layer = np.concatenate([ids, num_blocks + ids])
-        layers = np.arange(self.layout.num_layers, dtype=np.int64)[:, None] * (2 * num_blocks)
-        return (layers + per_layer[None, :]).reshape(-1)
+        first = np.arange(layers.start, layers.stop, dtype=np.int64)[:, None] * (2 * num_blocks)
+        return (first + per_layer[None, :]).reshape(-1)
 
     def _sliced_descs(self, bases: list[int], num_blocks: int, block_ids: list[int], heads_per_token: int,
                       first_head: int, count: int, device_id: int) -> np.ndarray:
@@ -170,23 +175,25 @@ class NixlConnectorWorker(KVConnectorWorker):
         return known
 
     # --- D side ----------------------------------------------------------------------------------
-    def _read(self, spec: LoadSpec, source: _Remote, part: HeadSlice) -> Any:
-        """Start READing this source rank's part of the blocks: whole blocks through the prepared
-        lists, or (TP sizes differ) the part's heads of every token."""
-        remote = spec.remote
-        if part.covers(remote.layout, self.layout):
+    def _read(self, spec: LoadSpec, source: _Remote, part: KVSource) -> Any:
+        """Start READing this source rank's part of the blocks (its layers that are this rank's):
+        whole blocks through the prepared lists, or (TP sizes differ) the part's heads of every
+        token."""
+        remote, heads = spec.remote, part.heads
+        if heads.covers(remote.layout, self.layout):
             handle = self.agent.make_prepped_xfer(
-                "READ", self.local_blocks, self._indices(spec.local_block_ids, self.num_blocks),
-                source.blocks, self._indices(spec.remote_block_ids, source.num_blocks))
+                "READ", self.local_blocks, self._indices(spec.local_block_ids, self.num_blocks, part.dst_layers),
+                source.blocks, self._indices(spec.remote_block_ids, source.num_blocks, part.src_layers))
         else:
             mem, dev = self._mem(self.kv_caches[0])
-            local = self._sliced_descs([t.data_ptr() for t in self.kv_caches], self.num_blocks,
-                                       spec.local_block_ids, self.layout.local_kv_heads, part.dst_start,
-                                       part.count, dev)
+            mine = [self.kv_caches[i].data_ptr() for i in part.dst_layers]
+            local = self._sliced_descs(mine, self.num_blocks, spec.local_block_ids, self.layout.local_kv_heads,
+                                       heads.dst_start, heads.count, dev)
             address = source.address
-            theirs = self._sliced_descs([int(a) for a in address["kv_addrs"]], source.num_blocks,
-                                        spec.remote_block_ids, remote.layout.local_kv_heads, part.src_start,
-                                        part.count, int(address["device_id"]))
+            theirs = [int(address["kv_addrs"][i]) for i in part.src_layers]
+            theirs = self._sliced_descs(theirs, source.num_blocks, spec.remote_block_ids,
+                                        remote.layout.local_kv_heads, heads.src_start, heads.count,
+                                        int(address["device_id"]))
             handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, mem),
                                                 self.agent.get_xfer_descs(theirs, address["mem"]), source.agent)
         if self.agent.transfer(handle) == "ERR":
@@ -197,7 +204,7 @@ class NixlConnectorWorker(KVConnectorWorker):
     def _start_load(self, spec: LoadSpec) -> None:
         load = _Load(spec, [], [], "blocks")
         try:
-            for part in self.source_heads(spec.remote):
+            for part in self.pull_sources(spec.remote):
                 source = self._remote(spec.remote, part.src_rank)
                 load.handles.append(self._read(spec, source, part))
                 load.sources.append(source)

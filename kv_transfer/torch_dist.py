@@ -1,7 +1,9 @@
 """torch.distributed connector: blocks move point-to-point over a two-rank process group per
-(prefill worker, decode worker) pair: gloo on CPU, NCCL on GPU. Each TP rank is a worker of its own:
-decode rank r pulls from the prefill ranks that hold its heads (rank r when the TP sizes are equal;
-otherwise the pull names the heads, and the prefill side sends just those).
+(prefill worker, decode worker) pair: gloo on CPU, NCCL on GPU. Each rank (TP rank of a pipeline
+stage) is a worker of its own: a decode rank pulls its own layers from the prefill ranks of the
+stages that hold them, and within those its heads (one pair per source rank, all at once; with
+equal TP sizes whole blocks of the peer rank, otherwise the pull names the heads, and the prefill
+side sends just those).
 
 Each worker hosts a TCPStore (its `address()`); the store's queue is its control inbox. A decode
 worker D reaching prefill worker P for the first time pushes `connect` into P's inbox and both build a
@@ -38,7 +40,7 @@ import torch.distributed as dist
 from kv_transfer.base import KVConnectorWorker, advertised_host
 from records.config import KVTransferConfig
 from records.errors import LeaseGoneError
-from records.kv_layout import HeadSlice, KVLayout
+from records.kv_layout import KVLayout, KVSource
 from records.transfer import LoadSpec, RemotePrefill, TransferReport
 
 logger = logging.getLogger(__name__)
@@ -158,7 +160,7 @@ class TorchDistConnectorWorker(KVConnectorWorker):
     def _start_load(self, spec: LoadSpec) -> None:
         pull = _Pull(spec)
         try:
-            parts = self.source_heads(spec.remote)
+            parts = self.pull_sources(spec.remote)
         except Exception as e:  # noqa: BLE001 - reported as a failed pull
             self._injected_failures.append((spec.request_id, f"{type(e).__name__}: {e}"))
             return
@@ -167,17 +169,18 @@ class TorchDistConnectorWorker(KVConnectorWorker):
             pull.parts.append((pair, pair.thread.submit(self._pull, pair, pull, part)))
         self.pulls[spec.request_id] = pull
 
-    def _pull(self, pair: _Pair, pull: _Pull, part: HeadSlice) -> None:
-        """On the pair's thread: ask for the blocks (this part's heads of them), receive and scatter
-        them layer by layer."""
+    def _pull(self, pair: _Pair, pull: _Pull, source: KVSource) -> None:
+        """On the pair's thread: ask for the blocks (the source's layers that are this rank's, this
+        part's heads of them), receive and scatter them layer by layer."""
         if pair.group is None:
             raise ConnectionError("no connection to the prefill engine")
-        spec, remote = pull.spec, pull.spec.remote
+        spec, remote, part = pull.spec, pull.spec.remote, source.heads
         whole = part.covers(remote.layout, self.layout)
         try:
             pair.client.queue_push(INBOX, json.dumps({
                 "op": "pull", "key": pair.key, "slot": remote.lease_slot, "token": remote.lease_token,
-                "block_ids": spec.remote_block_ids, "heads": None if whole else [part.src_start, part.count]}))
+                "block_ids": spec.remote_block_ids, "heads": None if whole else [part.src_start, part.count],
+                "layers": [source.src_layers.start, source.src_layers.stop]}))
             status = torch.zeros(1, dtype=torch.int64)
             pair.group.recv([status], 0, 0).wait()
             if int(status[0]) != OK:
@@ -188,10 +191,11 @@ class TorchDistConnectorWorker(KVConnectorWorker):
             size = self._layer_bytes(n, part.count)
             bufs = [pair.staging(0, size, device), pair.staging(1, size, device)]
             heads = slice(part.dst_start, part.dst_start + part.count)
+            caches = [self.kv_caches[i] for i in source.dst_layers]
             work = pair.group.recv([bufs[0]], 0, 0)
-            for layer, cache in enumerate(self.kv_caches):
+            for layer, cache in enumerate(caches):
                 work.wait()
-                if layer + 1 < len(self.kv_caches):
+                if layer + 1 < len(caches):
                     work = pair.group.recv([bufs[(layer + 1) % 2]], 0, 0)
                 with pair.lock:
                     if pull.cancelled:
@@ -225,21 +229,31 @@ class TorchDistConnectorWorker(KVConnectorWorker):
             self.released = []
         now = time.monotonic()
         for rid, pull in list(self.pulls.items()):
+            errors = [e for _, future in pull.parts if future.done() and (e := future.exception()) is not None]
             if all(future.done() for _, future in pull.parts):
                 del self.pulls[rid]
-                errors = [e for _, future in pull.parts if (e := future.exception()) is not None]
                 if not errors:
                     report.loaded.append(rid)
                 else:
                     report.failed.append((rid, "; ".join(f"{type(e).__name__}: {e}" for e in errors)))
-            elif now > pull.spec.deadline:
-                for pair, _ in pull.parts:
-                    with pair.lock:          # from here on its thread writes none of our blocks
-                        pull.cancelled = True
-                    pair.broken = True
+            elif errors or now > pull.spec.deadline:
+                # One part failed (e.g. one prefill stage is gone) or time is up: the pull fails as
+                # a whole now, the parts still running are cancelled.
+                self._cancel(pull)
                 del self.pulls[rid]
-                report.failed.append((rid, f"timed out after {self.config.load_timeout_s} s"))
+                why = "; ".join(f"{type(e).__name__}: {e}" for e in errors)
+                report.failed.append((rid, why or f"timed out after {self.config.load_timeout_s} s"))
         return report
+
+    @staticmethod
+    def _cancel(pull: _Pull) -> None:
+        """Stop a pull's parts from writing into its blocks (then the engine may free them). Their
+        pairs are dropped: a thread may still be waiting on the wire for the cancelled data."""
+        for pair, future in pull.parts:
+            with pair.lock:          # from here on its thread writes none of our blocks
+                pull.cancelled = True
+            if not future.done():
+                pair.broken = True
 
     def _serve_inbox(self) -> None:
         """P side: answer connects, pulls and releases queued by decode workers."""
@@ -305,8 +319,9 @@ class TorchDistConnectorWorker(KVConnectorWorker):
             size = self._layer_bytes(n, count)
             bufs = [pair.staging(0, size, device), pair.staging(1, size, device)]
             work = None
-            for layer in range(len(self.kv_caches)):
-                buf = bufs[layer % 2]
+            layers = range(*message.get("layers") or (0, len(self.kv_caches)))
+            for i, layer in enumerate(layers):
+                buf = bufs[i % 2]
                 live = live and self._gather_layer(layer, index, heads, self._layer_view(buf, n, count),
                                                    slot, token)
                 if work is not None:

@@ -18,13 +18,15 @@ from records.transfer import RemotePrefill
 def layout_to_proto(layout: KVLayout) -> Any:
     return pb2.KVLayout(model=layout.model, num_layers=layout.num_layers, block_size=layout.block_size,
                         num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
-                        tp_rank=layout.tp_rank, tp_size=layout.tp_size)
+                        tp_rank=layout.tp_rank, tp_size=layout.tp_size, pp_rank=layout.pp_rank,
+                        pp_size=layout.pp_size, layer_partition=list(layout.layer_partition))
 
 
 def layout_from_proto(msg: Any) -> KVLayout:
     return KVLayout(model=msg.model, num_layers=msg.num_layers, block_size=msg.block_size,
                     num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim, dtype=msg.dtype,
-                    tp_rank=msg.tp_rank, tp_size=msg.tp_size)
+                    tp_rank=msg.tp_rank, tp_size=msg.tp_size, pp_rank=msg.pp_rank, pp_size=msg.pp_size or 1,
+                    layer_partition=tuple(msg.layer_partition))
 
 
 def handshake(remote: RemotePrefill) -> Any:
@@ -114,9 +116,11 @@ def decode_remote_prefill(data: bytes) -> RemotePrefill:
         else:
             addresses.append({})
     hs = msg.handshake
-    if addresses and len(addresses) != hs.layout.tp_size:
+    world = hs.layout.tp_size * (hs.layout.pp_size or 1)
+    if addresses and len(addresses) != world:
         raise ValueError(f"kv_transfer_params.pdserve_kv carries {len(addresses)} rank addresses for a "
-                         f"prefill engine of tensor_parallel_size {hs.layout.tp_size}")
+                         f"prefill engine of tensor_parallel_size {hs.layout.tp_size} x pipeline_parallel_size "
+                         f"{hs.layout.pp_size or 1}")
     return RemotePrefill(engine_id=msg.engine_id, request_id=msg.request_id, block_ids=list(msg.block_ids),
                          block_hashes=list(msg.block_hashes), num_tokens=msg.num_tokens,
                          lease_slot=msg.lease_slot, lease_token=msg.lease_token,

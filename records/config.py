@@ -19,6 +19,7 @@ from records.model_source import (
     architecture_of,
     check_parallel_fit,
     model_sampling_defaults,
+    resolve_layer_partition,
     resolve_model,
     sliding_window,
 )
@@ -110,6 +111,7 @@ class ParallelConfig:
     worker_resources: tuple[tuple[str, float], ...] = ()   # custom Ray resources per rank actor
     pipeline_micro_batches: int = 1          # micro-batches per step (the stages overlap on them)
     max_concurrent_batches: int = 1          # batches of disjoint requests in the stages at once
+    layer_partition: tuple[int, ...] = ()    # layers per stage (resolved: always set by from_args)
 
     @property
     def world_size(self) -> int:
@@ -224,7 +226,7 @@ class EngineConfig:
         block_size, max_num_seqs, max_model_len = args.block_size, args.max_num_seqs, args.max_model_len
         tensor_parallel_size, pipeline_parallel_size = args.tensor_parallel_size, args.pipeline_parallel_size
         max_num_batched_tokens, enable_chunked_prefill = args.max_num_batched_tokens, args.enable_chunked_prefill
-        max_concurrent_batches = args.max_concurrent_batches or pipeline_parallel_size
+        max_concurrent_batches = args.max_concurrent_batches or (1 if args.kv_connector else pipeline_parallel_size)
         pipeline_micro_batches = args.pipeline_micro_batches
         if pipeline_micro_batches is None:
             # Concurrent batches already keep every stage busy; splitting each of them again only
@@ -246,6 +248,8 @@ class EngineConfig:
 
         path, gguf_file, hf_config = resolve_model(model)
         check_parallel_fit(hf_config, tensor_parallel_size, pipeline_parallel_size)
+        layer_partition = resolve_layer_partition(hf_config.num_hidden_layers, pipeline_parallel_size,
+                                                  args.pp_layer_partition)
         derived_len = getattr(hf_config, "max_position_embeddings", None) or 2048
         # A GGUF file carries no window: a converted Mistral config's 4,096 is transformers' default.
         window, why = (sliding_window(hf_config) if gguf_file is None else None), ""
@@ -304,7 +308,7 @@ class EngineConfig:
                                            args.worker_num_cpus, args.worker_num_gpus,
                                            args.distributed_executor_backend,
                                            tuple(sorted((args.worker_resources or {}).items())),
-                                           pipeline_micro_batches, max_concurrent_batches),
+                                           pipeline_micro_batches, max_concurrent_batches, layer_partition),
             kv_transfer_config=kv_transfer_config,
             speculative_config=spec_config,
             lora_config=args.lora_config(),

@@ -55,6 +55,8 @@ class EngineArgs:
     seed: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Layers per pipeline stage (a list, or "10,20"); None: $PDSERVE_PP_LAYER_PARTITION, else even
+    pp_layer_partition: list[int] | str | None = None
     kv_connector: str | None = None                  # one of KV_CONNECTORS: P/D disaggregation
     kv_engine_id: str | None = None
     kv_host: str = "auto"
@@ -68,7 +70,7 @@ class EngineArgs:
     worker_resources: dict[str, float] | None = None
     speculative_config: dict[str, Any] | None = None  # see SpeculativeConfig.create
     pipeline_micro_batches: int | None = None        # None: 1 with concurrent batches, else PP
-    max_concurrent_batches: int | None = None        # None: pipeline_parallel_size
+    max_concurrent_batches: int | None = None        # None: pipeline_parallel_size (1 with a kv_connector)
     enforce_eager: bool = False                      # no CUDA graphs
     cuda_graph_sizes: list[int] = field(default_factory=lambda: [1, 2, 4] + list(range(8, 257, 8)))
     enable_lora: bool = False                        # serve PEFT LoRA adapters (records/lora.py)
@@ -123,9 +125,12 @@ class EngineArgs:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
         if self.kv_connector is not None:
-            if pp > 1:
-                raise ValueError("kv_connector needs pipeline_parallel_size == 1 (KV transfer moves each TP "
-                                 "rank's heads; stages holding different layers are not supported)")
+            if concurrent is not None and concurrent > 1:
+                # A lease must be live on every rank before its parameters leave, and a pull's
+                # outcome comes back with a step's replies: both need the stages' replies in order
+                # with the engine's own messages, which batches still in the stages would delay.
+                raise ValueError(f"max_concurrent_batches must be 1 with a kv_connector (pipeline stages "
+                                 f"still overlap on micro-batches: pipeline_micro_batches); got {concurrent}")
             if self.kv_connector not in KV_CONNECTORS:
                 raise ValueError(f"kv_connector must be one of {KV_CONNECTORS} or None; got {self.kv_connector!r}")
             if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:

@@ -1,5 +1,6 @@
-"""The KV layout two engines must share to exchange blocks, and how their TP ranks' heads map
-onto each other (`head_slices`: which source ranks hold the heads a destination rank keeps)."""
+"""The KV layout two engines must share to exchange blocks, and how their ranks map onto each
+other: by layer across pipeline stages (each stage holds a range of the layers) and by head across
+TP ranks (`kv_sources`: which source ranks hold the layers and heads a destination rank keeps)."""
 from __future__ import annotations
 
 import hashlib
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from records.dtypes import KV_DTYPE_SIZES
 from records.errors import KVLayoutMismatch
+from records.model_source import even_layer_partition
 
 if TYPE_CHECKING:
     from records.config import EngineConfig
@@ -25,9 +27,15 @@ class KVLayout:
     dtype: str            # the cache's dtype; for fp8 with scales other than 1.0, also a digest of them
     tp_rank: int = 0
     tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    layer_partition: tuple[int, ...] = ()   # layers per pipeline stage; () = the even split
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_partition", tuple(int(n) for n in self.layer_partition))
 
     @classmethod
-    def from_config(cls, config: EngineConfig, tp_rank: int = 0) -> KVLayout:
+    def from_config(cls, config: EngineConfig, tp_rank: int = 0, pp_rank: int = 0) -> KVLayout:
         mc = config.model_config
         dtype = config.kv_dtype
         scales = config.cache_config.kv_scales
@@ -39,7 +47,34 @@ class KVLayout:
         return cls(model=f"{mc.architecture}:{digest}", num_layers=mc.num_layers,
                    block_size=config.cache_config.block_size, num_kv_heads=mc.num_kv_heads,
                    head_dim=mc.head_dim, dtype=dtype, tp_rank=tp_rank,
-                   tp_size=config.parallel_config.tensor_parallel_size)
+                   tp_size=config.parallel_config.tensor_parallel_size, pp_rank=pp_rank,
+                   pp_size=config.parallel_config.pipeline_parallel_size,
+                   layer_partition=config.parallel_config.layer_partition)
+
+    @property
+    def rank(self) -> int:
+        """This rank's number in its engine (stage-major, as engine/model/parallel_state.py)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def partition(self) -> tuple[int, ...]:
+        """Layers per pipeline stage."""
+        return self.layer_partition or tuple(even_layer_partition(self.num_layers, self.pp_size))
+
+    def stage_layers(self, stage: int) -> range:
+        """The global layer numbers pipeline stage `stage` holds."""
+        sizes = self.partition
+        start = sum(sizes[:stage])
+        return range(start, start + sizes[stage])
+
+    @property
+    def layers(self) -> range:
+        """The global layer numbers this rank holds (its KV tensors, in order)."""
+        return self.stage_layers(self.pp_rank)
 
     @property
     def local_kv_heads(self) -> int:
@@ -55,14 +90,25 @@ class KVLayout:
         return range(rank * per, (rank + 1) * per)
 
     def check_compatible(self, remote: KVLayout) -> None:
-        """Raise KVLayoutMismatch naming the first field on which the remote engine differs. TP sizes
-        may differ: each rank pulls the heads it keeps (`head_slices`)."""
+        """Raise KVLayoutMismatch naming the first field on which the remote engine differs, or the
+        field of its layout that cannot be mapped onto this one. TP sizes, PP sizes and layer splits
+        may differ: each rank pulls the layers and heads it keeps (`kv_sources`)."""
         for name in ("model", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype"):
             mine, theirs = getattr(self, name), getattr(remote, name)
             if mine != theirs:
                 raise KVLayoutMismatch(
                     f"kv_transfer_params: the prefill engine's {name} is {theirs!r} but this engine's "
                     f"is {mine!r}; prefill and decode engines must have the same {name}")
+        sizes = remote.partition
+        if len(sizes) != remote.pp_size or sum(sizes) != remote.num_layers or min(sizes) < 1:
+            raise KVLayoutMismatch(
+                f"kv_transfer_params: the prefill engine's layer_partition {list(sizes)} does not split its "
+                f"{remote.num_layers} layers into its pipeline_parallel_size={remote.pp_size} stages; its "
+                f"layers cannot be mapped onto this engine's")
+        if remote.tp_size < 1 or (remote.num_kv_heads % remote.tp_size and remote.tp_size % remote.num_kv_heads):
+            raise KVLayoutMismatch(
+                f"kv_transfer_params: the prefill engine's tensor_parallel_size {remote.tp_size} does not "
+                f"split its {remote.num_kv_heads} KV heads; its heads cannot be mapped onto this engine's")
 
     @property
     def block_bytes(self) -> int:
@@ -86,6 +132,42 @@ class HeadSlice:
     def covers(self, src: KVLayout, dst: KVLayout) -> bool:
         """True when it moves whole blocks (every head of both ranks)."""
         return self.count == src.local_kv_heads == dst.local_kv_heads
+
+
+@dataclass(frozen=True, slots=True)
+class KVSource:
+    """One part of a destination rank's pull: the `heads` part of layers `layers` (global numbers),
+    held by the source engine's rank `src_rank` (stage-major)."""
+    src_rank: int
+    layers: range
+    heads: HeadSlice
+    src_first: int          # global number of the source rank's first layer
+    dst_first: int          # global number of the destination rank's first layer
+
+    @property
+    def src_layers(self) -> range:
+        """`layers` as indices into the source rank's KV tensors."""
+        return range(self.layers.start - self.src_first, self.layers.stop - self.src_first)
+
+    @property
+    def dst_layers(self) -> range:
+        """`layers` as indices into the destination rank's KV tensors."""
+        return range(self.layers.start - self.dst_first, self.layers.stop - self.dst_first)
+
+
+def kv_sources(src: KVLayout, dst: KVLayout) -> list[KVSource]:
+    """Where destination rank `dst` (its stage's layers, its TP rank's heads) finds its KV among the
+    source engine's ranks: for each source stage whose layers overlap its own, the source TP ranks
+    of that stage that hold its heads (`head_slices`). Every part is a distinct source rank."""
+    mine = dst.layers
+    parts = []
+    for stage in range(src.pp_size):
+        theirs = src.stage_layers(stage)
+        lo, hi = max(mine.start, theirs.start), min(mine.stop, theirs.stop)
+        if lo < hi:
+            parts += [KVSource(stage * src.tp_size + h.src_rank, range(lo, hi), h, theirs.start, mine.start)
+                      for h in head_slices(src, dst)]
+    return parts
 
 
 def head_slices(src: KVLayout, dst: KVLayout) -> list[HeadSlice]:

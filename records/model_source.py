@@ -134,6 +134,31 @@ def model_sampling_defaults(path: str, gguf_file: str | None) -> tuple[tuple[str
     return tuple(found.items())
 
 
+def even_layer_partition(num_layers: int, pp_size: int) -> list[int]:
+    """Layers per pipeline stage, split evenly, earlier stages taking the remainder."""
+    base, extra = divmod(num_layers, pp_size)
+    return [base + (1 if i < extra else 0) for i in range(pp_size)]
+
+
+def resolve_layer_partition(num_layers: int, pp_size: int, requested: Any = None) -> tuple[int, ...]:
+    """Layers per pipeline stage: `requested` (pp_layer_partition: a list, or "10,20"), else
+    $PDSERVE_PP_LAYER_PARTITION, else the even split; ValueError naming the field unless it lists
+    `pp_size` positive counts summing to `num_layers`."""
+    name, value = "pp_layer_partition", requested
+    if value is None and os.environ.get("PDSERVE_PP_LAYER_PARTITION"):
+        name, value = "PDSERVE_PP_LAYER_PARTITION", os.environ["PDSERVE_PP_LAYER_PARTITION"]
+    if value is None:
+        return tuple(even_layer_partition(num_layers, pp_size))
+    try:
+        sizes = [int(x) for x in (value.split(",") if isinstance(value, str) else value)]
+    except (TypeError, ValueError):
+        sizes = []
+    if len(sizes) != pp_size or sum(sizes) != num_layers or min(sizes) < 1:
+        raise ValueError(f"{name} must list {pp_size} positive layer counts (one per pipeline stage) summing "
+                         f"to num_hidden_layers={num_layers}; got {value!r}")
+    return tuple(sizes)
+
+
 def check_parallel_fit(hf_config: Any, tp: int, pp: int) -> None:
     """ValueError unless the model splits evenly into `tp` shards and `pp` stages."""
     heads = hf_config.num_attention_heads

@@ -10,7 +10,9 @@ from records.kv_layout import KVLayout
 
 # Version of the connectors' own protocol (lease words, notifications, staging layout): both ends
 # of a transfer must run the same one. Checked with the layout in the handshake.
-CONNECTOR_VERSION = 2     # 2: the decode engine releases the lease once all its ranks pulled
+# 2: the decode engine releases the lease once all its ranks pulled; 3: pipeline stages (addresses
+# for every rank, stage-major; a torch_dist pull names its layers)
+CONNECTOR_VERSION = 3
 
 
 @dataclass(slots=True)
@@ -24,8 +26,8 @@ class RemotePrefill:
     lease_slot: int
     lease_token: int
     lease_expires_at: float         # time.time() on P (nodes' clocks agree within LEASE_MARGIN_S)
-    layout: KVLayout                # P's layout (tp_rank 0 of P's TP group)
-    addresses: list[dict[str, Any]]  # per P TP rank, transport-specific: how D's workers reach P's
+    layout: KVLayout                # P's layout (its rank 0's: TP rank 0 of stage 0)
+    addresses: list[dict[str, Any]]  # per P rank (stage-major), transport-specific: how D's workers reach P's
     connector: str = ""             # P's connector ("" when built by hand without one)
     connector_version: int = CONNECTOR_VERSION
     adapter: str = ""               # the LoRA adapter's name the prompt ran under ("": the base model)

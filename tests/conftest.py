@@ -117,7 +117,10 @@ def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    if kind == "llama":
+    if kind == "llama4":
+        # four layers: pipeline stages that split them in different ways (1+3 against 2+2)
+        common["num_hidden_layers"] = 4
+    if kind in ("llama", "llama4"):
         # llama3 rope scaling and untied embeddings.
         config = LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0,
                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -134,7 +137,7 @@ def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
     else:
         raise AssertionError(kind)
     out = save_random_model(tmp_path_factory, config, f"tiny-{kind}",
-                            seed={"llama": 0, "qwen2": 1, "mistral": 2, "qwen3": 3}[kind])
+                            seed={"llama": 0, "qwen2": 1, "mistral": 2, "qwen3": 3, "llama4": 4}[kind])
     tokenizer.save_pretrained(out)
     return out
 
@@ -142,6 +145,11 @@ def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, smol_tokenizer) -> str:
     return _make_model(tmp_path_factory, smol_tokenizer, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama4(tmp_path_factory, smol_tokenizer) -> str:
+    return _make_model(tmp_path_factory, smol_tokenizer, "llama4")
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,11 @@ tiny random models and adapters saved as their libraries save them, prompts of t
 for the tests that start servers a free loopback port and waiting for /health."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import torch
@@ -37,6 +38,36 @@ def wait_healthy(base: str, timeout_s: float = 180.0, check: Callable[[], None] 
             pass
         assert time.monotonic() < deadline, f"{base} never became healthy within {timeout_s:g} s"
         time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def simulated_cluster(num_nodes: int, cpus_per_node: float, namespace: str) -> Iterator[object]:
+    """A Ray cluster of `num_nodes` simulated nodes on loopback (`ray.cluster_utils.Cluster`, each
+    node its own raylet with its own resources), this process connected to it; shut down on exit.
+    A Ray this process had joined before is left first."""
+    import ray
+    import ray._private.ray_constants as ray_constants
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, "node_ip_address": "127.0.0.1"})
+    for _ in range(num_nodes - 1):
+        cluster.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1")
+    # ray.init rewrites a 127.0.0.1 address to this machine's outward IP, where the simulated nodes
+    # do not listen; with "clusters" off it keeps loopback (the nodes all run here anyway).
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(address=cluster.address, namespace=namespace)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+    try:
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 def save_random_model(tmp_path_factory, config, name: str, seed: int, std: float = 0.15) -> str:

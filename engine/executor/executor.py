@@ -5,6 +5,8 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+import torch
+
 from engine.worker.step_channel import StepChannel
 from engine.worker.step_delta import StepEncoder
 from engine.worker.worker import Worker
@@ -127,6 +129,7 @@ class RayExecutor(_Executor):
                           ).remote(config, device, rank, threads)
             for rank in range(tp * pp)]
         self.driver = (pp - 1) * tp
+        self.kv_dtype = config.kv_dtype
         try:
             host, port = ray.get(self.workers[0].rendezvous_address.remote())
             self._run("init_distributed", f"tcp://{host}:{port}")
@@ -136,7 +139,7 @@ class RayExecutor(_Executor):
             self.num_blocks = min(n for n, _ in sizes)
             self.num_cpu_blocks = min(c for _, c in sizes)
             self._run("init_cache", self.num_blocks, self.num_cpu_blocks)
-            if config.kv_transfer_config is not None:       # PP == 1 (config): rank == TP rank
+            if config.kv_transfer_config is not None:       # every rank of every stage, stage-major
                 ids, addresses = zip(*self._run("kv_address"))
                 self.kv = KVWorkerGroup(ids[0], list(addresses))
             self.encoder = StepEncoder()
@@ -194,7 +197,7 @@ class RayExecutor(_Executor):
     def submit(self, sched: SchedulerOutput) -> None:
         """Send a step without waiting for it (pipeline stages: the workers run the steps in the
         order sent; `collect` returns their outputs in that order). Engines with a KV connector,
-        which has one PP stage, step through execute_model."""
+        which keep one batch in the stages (records/engine_args.py), step through execute_model."""
         self._send(sched, [])
 
     def collect(self) -> ModelRunnerOutput:
@@ -222,8 +225,9 @@ class RayExecutor(_Executor):
         return results[self.driver][1][0], [report for _, (_, report) in results]
 
     def kv_blocks(self, block_ids: list[int]) -> list[Any]:
-        return self._wait([w.kv_blocks.options(concurrency_group="control").remote(block_ids)
-                           for w in self.workers])
+        dtype = getattr(torch, self.kv_dtype)
+        return [raw.view(dtype) for raw in self._wait([
+            w.kv_block_bytes.options(concurrency_group="control").remote(block_ids) for w in self.workers])]
 
     def placements(self) -> list[dict[str, Any]]:
         return self._wait([w.placement.options(concurrency_group="control").remote() for w in self.workers])

@@ -7,13 +7,14 @@ every collective here is the identity. Backend: NCCL on CUDA, gloo on CPU.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from records.model_source import even_layer_partition
 
 
 @dataclass(slots=True)
@@ -24,6 +25,7 @@ class ParallelState:
     pp_rank: int = 0
     pp_size: int = 1
     tp_group: Any = None
+    layer_partition: tuple[int, ...] = ()     # layers per stage (ParallelConfig); () = an even split
 
     @property
     def is_first_stage(self) -> bool:
@@ -55,7 +57,7 @@ def get_parallel_state() -> ParallelState:
 
 
 def init_parallel_state(rank: int, tp_size: int, pp_size: int, init_method: str, device: torch.device,
-                        timeout_s: float = 300.0) -> ParallelState:
+                        timeout_s: float = 300.0, layer_partition: tuple[int, ...] = ()) -> ParallelState:
     """Join the engine's process group and build the TP group of this rank's stage. Every rank
     creates every stage's group, in the same order (torch.distributed requires it)."""
     global _state
@@ -68,7 +70,7 @@ def init_parallel_state(rank: int, tp_size: int, pp_size: int, init_method: str,
         if stage == rank // tp_size:
             tp_group = group
     _state = ParallelState(rank=rank, tp_rank=rank % tp_size, tp_size=tp_size, pp_rank=rank // tp_size,
-                           pp_size=pp_size, tp_group=tp_group)
+                           pp_size=pp_size, tp_group=tp_group, layer_partition=tuple(layer_partition))
     return _state
 
 
@@ -107,18 +109,11 @@ def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """The [start, end) of this stage's layers: an even split, earlier stages taking the remainder;
-    overridable with PDSERVE_PP_LAYER_PARTITION="10,20" (layers per stage)."""
-    override = os.environ.get("PDSERVE_PP_LAYER_PARTITION")
-    if override:
-        sizes = [int(x) for x in override.split(",")]
-        if len(sizes) != pp_size or sum(sizes) != num_layers or min(sizes) < 1:
-            raise ValueError(f"PDSERVE_PP_LAYER_PARTITION must list {pp_size} positive layer counts "
-                             f"summing to {num_layers}; got {override!r}")
-    else:
-        base, extra = divmod(num_layers, pp_size)
-        sizes = [base + (1 if i < extra else 0) for i in range(pp_size)]
+def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int, partition: tuple[int, ...] = ()
+                   ) -> tuple[int, int]:
+    """The [start, end) of stage `pp_rank`'s layers: `partition` (layers per stage, as the engine
+    config resolved it: ParallelConfig.layer_partition), or the even split."""
+    sizes = list(partition) or even_layer_partition(num_layers, pp_size)
     start = sum(sizes[:pp_rank])
     return start, start + sizes[pp_rank]
 

@@ -74,7 +74,7 @@ class Worker:
     def init_distributed(self, init_method: str) -> None:
         pc = self.config.parallel_config
         init_parallel_state(self.rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
-                            self.device)
+                            self.device, layer_partition=pc.layer_partition)
 
     def placement(self) -> dict[str, Any]:
         """Where this rank runs (for placement checks and logs)."""
@@ -87,7 +87,8 @@ class Worker:
 
     def num_local_layers(self) -> int:
         state = get_parallel_state()
-        start, end = pp_layer_range(self.config.model_config.num_layers, state.pp_rank, state.pp_size)
+        start, end = pp_layer_range(self.config.model_config.num_layers, state.pp_rank, state.pp_size,
+                                    self.config.parallel_config.layer_partition)
         return end - start
 
     def num_local_kv_heads(self) -> int:
@@ -118,7 +119,9 @@ class Worker:
             scales = calibrate_kv_scales(self.runner, mc.model, mc.gguf_file, mc.vocab_size, mc.max_model_len)
             self.config = replace(self.config, cache_config=replace(cc, kv_scales=scales))
         if self.config.cache_config.kv_scales:
-            start, _ = pp_layer_range(mc.num_layers, get_parallel_state().pp_rank, get_parallel_state().pp_size)
+            state = get_parallel_state()
+            start, _ = pp_layer_range(mc.num_layers, state.pp_rank, state.pp_size,
+                                      self.config.parallel_config.layer_partition)
             for i, attn in enumerate(m for m in model.modules() if isinstance(m, Attention)):
                 attn.k_scale, attn.v_scale = self.config.cache_config.kv_scales[start + i]
 
@@ -168,7 +171,7 @@ class Worker:
         if self.config.kv_transfer_config is not None:
             self.kv_connector = create_connector_worker(
                 self.config.kv_transfer_config,
-                KVLayout.from_config(self.config, get_parallel_state().tp_rank))
+                KVLayout.from_config(self.config, get_parallel_state().tp_rank, get_parallel_state().pp_rank))
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
 
     def kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -176,6 +179,10 @@ class Worker:
         the CPU (for checks: what a transfer moved; engines with a KV connector)."""
         assert self.kv_connector is not None
         return self.kv_connector.gather_blocks(block_ids).cpu()
+
+    def kv_block_bytes(self, block_ids: list[int]) -> torch.Tensor:
+        """`kv_blocks` as raw bytes (uint8): what goes through Ray, which cannot unpickle fp8."""
+        return self.kv_blocks(block_ids).view(torch.uint8)
 
     def kv_address(self) -> tuple[str, dict[str, Any]]:
         """(engine id, address) of this rank's connector worker (after init_cache)."""

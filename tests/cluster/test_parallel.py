@@ -11,13 +11,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import hf_greedy, make_adapter, peft_greedy
+from helpers import hf_greedy, make_adapter, peft_greedy, simulated_cluster
 
 from engine.llm_engine import LLMEngine
 from engine.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.model.parallel_state import ParallelState, pp_layer_range, reset_parallel_state, set_parallel_state
 from records.config import EngineConfig
 from records.errors import EngineDeadError
+from records.model_source import resolve_layer_partition
 from records.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -57,13 +58,22 @@ def test_tp_shards_reassemble_the_full_weights():
     assert torch.equal(torch.cat([s[2] for s in shards], dim=1), down)
 
 
-def test_pp_layer_split_and_override(monkeypatch):
+def test_pp_layer_split_and_override(monkeypatch, tiny_llama):
     assert [pp_layer_range(30, r, 4) for r in range(4)] == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    assert pp_layer_range(30, 1, 2, (1, 29)) == (1, 30)
+    assert resolve_layer_partition(30, 2, "1,29") == resolve_layer_partition(30, 2, [1, 29]) == (1, 29)
     monkeypatch.setenv("PDSERVE_PP_LAYER_PARTITION", "1,29")
-    assert pp_layer_range(30, 1, 2) == (1, 30)
+    assert resolve_layer_partition(30, 2) == (1, 29)
+    assert resolve_layer_partition(30, 2, [15, 15]) == (15, 15)       # the argument wins
     monkeypatch.setenv("PDSERVE_PP_LAYER_PARTITION", "1,2")
     with pytest.raises(ValueError, match="PDSERVE_PP_LAYER_PARTITION"):
-        pp_layer_range(30, 0, 2)
+        resolve_layer_partition(30, 2)
+    monkeypatch.delenv("PDSERVE_PP_LAYER_PARTITION")
+    for bad in ([2, 0], [1], "x,1"):
+        with pytest.raises(ValueError, match="pp_layer_partition must list 2 positive layer counts"):
+            EngineConfig.create(tiny_llama, pipeline_parallel_size=2, pp_layer_partition=bad)
+    config = EngineConfig.create(tiny_llama, pipeline_parallel_size=2)
+    assert config.parallel_config.layer_partition == (1, 1)
 
 
 def test_parallel_sizes_are_validated(tiny_llama):
@@ -71,34 +81,19 @@ def test_parallel_sizes_are_validated(tiny_llama):
         EngineConfig.create(tiny_llama, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be <= num_hidden_layers"):
         EngineConfig.create(tiny_llama, pipeline_parallel_size=3)
-    with pytest.raises(ValueError, match="kv_connector needs pipeline_parallel_size == 1"):
-        EngineConfig.create(tiny_llama, pipeline_parallel_size=2, kv_connector="nixl")
+    with pytest.raises(ValueError, match="max_concurrent_batches must be 1 with a kv_connector"):
+        EngineConfig.create(tiny_llama, pipeline_parallel_size=2, kv_connector="nixl", max_concurrent_batches=2)
+    config = EngineConfig.create(tiny_llama, pipeline_parallel_size=2, kv_connector="nixl")
+    assert (config.parallel_config.max_concurrent_batches, config.parallel_config.pipeline_micro_batches) == (1, 2)
     EngineConfig.create(tiny_llama, tensor_parallel_size=2, kv_connector="nixl")
 
 
 # --- on a simulated two-node cluster --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def two_nodes():
-    ray = pytest.importorskip("ray", reason="needs ray (make setup installs it)")
-    import ray._private.ray_constants as ray_constants
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "node_ip_address": "127.0.0.1"})
-    cluster.add_node(num_cpus=4, node_ip_address="127.0.0.1")
-    # ray.init rewrites a 127.0.0.1 address to this machine's outward IP, where the simulated nodes
-    # do not listen; with "clusters" off it keeps loopback (the nodes all run here anyway).
-    saved = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        ray.init(address=cluster.address, namespace="pdserve-test-parallel")
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved
-    cluster.wait_for_nodes()
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    pytest.importorskip("ray", reason="needs ray (make setup installs it)")
+    with simulated_cluster(2, 4, "pdserve-test-parallel") as cluster:
+        yield cluster
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -386,10 +381,17 @@ def test_cluster_spec_parallel_fields():
 
     with pytest.raises(ValidationError, match="set them per pool"):
         ClusterConfig(engine={"tensor_parallel_size": 2})
-    with pytest.raises(ValidationError, match="pipeline_parallel_size = 1 in every pool"):
-        ClusterConfig(mode="disaggregated", pools={"prefill": {"pipeline_parallel_size": 2}, "decode": {}})
+    with pytest.raises(ValidationError, match="set them per pool"):
+        ClusterConfig(engine={"pp_layer_partition": [1, 1]})
     spec = ClusterConfig(mode="disaggregated", pools={"prefill": {"tensor_parallel_size": 2}, "decode": {}})
     assert spec.pools["prefill"].world_size == 2
+    # The card's shape: both pools pipelined (split differently), KV moving stage by stage.
+    spec = ClusterConfig(mode="disaggregated", pools={
+        "prefill": {"pipeline_parallel_size": 2},
+        "decode": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "pp_layer_partition": [1, 3]}})
+    args = spec.engine_args("decode")
+    assert (args.pipeline_parallel_size, args.pp_layer_partition, args.kv_connector) == (2, [1, 3], "nixl")
+    assert spec.engine_args("prefill").pp_layer_partition is None
     assert ClusterConfig(pools={"decode": {"pipeline_parallel_size": 2}}).pools["decode"].world_size == 2
 
 

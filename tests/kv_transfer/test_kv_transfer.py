@@ -10,6 +10,18 @@ import time
 
 import pytest
 import torch
+from transfer_helpers import (
+    CONNECTORS,
+    DEADLINE_S,
+    GREEDY,
+    global_blocks,
+    make_engine,
+    prefill,
+    prompt,
+    reference,
+    run_one,
+    settle,
+)
 
 from engine.llm_engine import LLMEngine
 from kv_transfer.base import KVConnectorScheduler
@@ -18,65 +30,7 @@ from kv_transfer.torch_dist import scatter_blocks
 from records.config import EngineConfig
 from records.errors import KVLayoutMismatch, KVTransferError
 from records.kv_layout import KVLayout
-from records.outputs import RequestOutput
 from records.sampling_params import SamplingParams
-
-CONNECTORS = ["torch_dist", "nixl"]
-GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-# A hang guard, not a deadline: make test runs these files at nice 19 beside the Ray tests, where
-# a process can wait tens of seconds for a core.
-DEADLINE_S = 300.0
-
-
-def prompt(n: int, salt: int = 0) -> list[int]:
-    return [(i * 7 + 3 + salt * 131) % 1000 + 5 for i in range(n)]
-
-
-def make_engine(model: str, connector: str | None, **kwargs) -> LLMEngine:
-    args = dict(dtype="float32", num_kv_blocks=64, max_model_len=512)
-    if connector is not None:
-        # A pull's deadline covers its first connect (a gloo pair group between two engine threads).
-        # In make test this file runs at nice 19 beside the Ray tests: there a first connect took
-        # past the default 10 s, and later past 30 s, and the pull recomputed (right tokens, one
-        # kv_load_failure). The fault tests set their own.
-        args.update(kv_connector=connector, kv_load_timeout_s=DEADLINE_S)
-    return LLMEngine(EngineConfig.create(model, **{**args, **kwargs}))
-
-
-def run_one(engine: LLMEngine, rid: str, ids: list[int], params: SamplingParams = GREEDY,
-            kv_transfer_params: dict | None = None, others: tuple[LLMEngine, ...] = ()) -> RequestOutput:
-    """Step `engine` (and `others`, so their transfers progress) until request `rid` finishes."""
-    engine.add_request(rid, None, ids, params, kv_transfer_params=kv_transfer_params)
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        for out in engine.step():
-            if out.request_id == rid and out.finished:
-                return out
-        for other in others:
-            other.step()
-        assert time.monotonic() < deadline, "request hung"
-
-
-def settle(*engines: LLMEngine) -> None:
-    """Step every engine until none has work left (leases released, pulls ended)."""
-    deadline = time.monotonic() + DEADLINE_S
-    while any(e.has_unfinished_requests() for e in engines):
-        for e in engines:
-            e.step()
-        time.sleep(0.001)
-        assert time.monotonic() < deadline, "transfers never settled"
-
-
-def prefill(p: LLMEngine, rid: str, ids: list[int], params: SamplingParams = GREEDY) -> dict:
-    out = run_one(p, rid, ids, params, {"do_remote_decode": True})
-    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 1
-    assert out.kv_transfer_params is not None
-    return out.kv_transfer_params
-
-
-def reference(model: str, ids_list: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
-    engine = make_engine(model, None)
-    return [run_one(engine, f"ref{i}", ids, params).outputs[0].token_ids for i, ids in enumerate(ids_list)]
 
 
 @pytest.fixture(params=CONNECTORS)
@@ -442,21 +396,12 @@ def test_stats_expose_transfer_counters(tiny_llama):
 
 
 # --- separate processes (Ray actors) -------------------------------------------------------------------
-def global_blocks(engine: LLMEngine, block_ids: list[int]) -> torch.Tensor:
-    """All KV heads of these blocks, reassembled from the engine's TP ranks (tp <= num_kv_heads)."""
-    return torch.cat(engine.executor.kv_blocks(block_ids), dim=-2)
-
-
 @pytest.fixture(scope="module", params=CONNECTORS)
-def tp_engines(request, tiny_llama):
+def tp_engines(request, tiny_llama, ray_nodes):
     """Engines whose TP ranks run in Ray worker actors, built on first use and shared by the tests
     of one connector: engines(role, tp)."""
-    pytest.importorskip("ray", reason="needs ray (make setup installs it)")
     if request.param == "nixl":
         pytest.importorskip("nixl", reason="needs nixl: make setup installs it")
-    from cluster.launch import init_ray
-
-    init_ray(num_cpus=8)
     built: dict[tuple[str, int], LLMEngine] = {}
 
     def engines(role: str, tp: int) -> LLMEngine:
@@ -512,19 +457,18 @@ def test_pd_with_tensor_parallel_engines(tiny_llama, tp_engines, tp_p, tp_d, siz
 
 @pytest.mark.ray
 @pytest.mark.parametrize("conn", CONNECTORS)
-def test_pd_across_ray_actors(tiny_llama, conn):
+def test_pd_across_ray_actors(tiny_llama, conn, ray_nodes):
     """P and D in separate actor processes: identical greedy output; then P is killed after handing
     out its parameters, and a decode engine that never reached P before falls back to computing the
     prompt (identical output again). (One that has pulled from P before may still succeed over NIXL:
     UCX's shared-memory mapping of P's registered memory outlives P's process, with the data and the
     lease word as P left them, which is why the test uses a fresh one.)"""
-    ray = pytest.importorskip("ray", reason="needs ray (make setup installs it)")
+    import ray
+
     if conn == "nixl":
         pytest.importorskip("nixl", reason="needs nixl: make setup installs it")
-    from cluster.launch import init_ray
     from cluster.replica import EngineReplica
 
-    init_ray(num_cpus=8)
     sizes = [1, 16, 17, 300]
     ids_list = [prompt(n, salt=20 + n) for n in sizes]
     last = prompt(150, salt=99)

@@ -110,7 +110,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         state = get_parallel_state()
         self.is_first_stage, self.is_last_stage = state.is_first_stage, state.is_last_stage
-        self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, state.pp_rank, state.pp_size)
+        self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, state.pp_rank, state.pp_size,
+                                                          state.layer_partition)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # The last stage needs the embedding too when the LM head is tied to it.
         needs_embedding = self.is_first_stage or (self.is_last_stage and self.tie_word_embeddings)
