@@ -90,8 +90,6 @@ def test_chart_renders_every_values_file_and_lints_clean():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"mode": "disaggregated", "pools": {"decode": {"pipeline_parallel_size": 2}}},
-     "needs pipeline_parallel_size = 1"),
     ({"pools": {"decode": {"num_gpus": 1, "replicas": 3, "worker": {"gpus": 2, "pods": 1}}}},
      "needs 3 GPUs"),
     ({"mode": "colocated", "pools": {"decode": {"num_gpus": 1, "tensor_parallel_size": 4,
@@ -335,6 +333,9 @@ def test_chart_serve_config_builds_the_app(rendered):
     values = _values(name) or {}
     assert spec.mode == values.get("mode", "disaggregated")
     assert set(spec.pools) == ({"prefill", "decode"} if spec.mode == "disaggregated" else {"decode"})
+    if name == "values-pipelined.yaml":          # the card's shape: both pools TP inside, PP across nodes
+        assert spec.mode == "disaggregated"
+        assert all((p.tensor_parallel_size, p.pipeline_parallel_size) == (8, 2) for p in spec.pools.values())
 
 
 def test_plain_rayservice_serve_config_builds_the_app():
@@ -389,9 +390,11 @@ def test_serve_builder_rejects_bad_args():
     build_serve_app("cluster.app:build_app", {"mode": "colocated"})
     with pytest.raises(ValueError, match="replicaz"):           # pydantic's ValidationError
         build_serve_app("cluster.app:build_app", {"pools": {"decode": {"replicaz": 2}}})
-    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+    with pytest.raises(ValueError, match="pp_layer_partition"):
         build_serve_app("cluster.app:build_app", {"mode": "disaggregated", "pools": {
-            "prefill": {}, "decode": {"pipeline_parallel_size": 2}}})
+            "prefill": {}, "decode": {"pipeline_parallel_size": 2, "pp_layer_partition": "1,1"}}})
+    build_serve_app("cluster.app:build_app", {"mode": "disaggregated", "pools": {
+        "prefill": {}, "decode": {"pipeline_parallel_size": 2}}})
 
 
 # --- pools pinned to worker groups, GPUs, CPUs, API key, model, shm --------------------------------

@@ -94,9 +94,6 @@ The spec itself is validated again by ClusterConfig when Serve builds the applic
 {{- $w := $p.worker -}}
 {{- $tp := $p.tensor_parallel_size | default 1 | int -}}
 {{- $pp := $p.pipeline_parallel_size | default 1 | int -}}
-{{- if and (eq $v.mode "disaggregated") (gt $pp 1) -}}
-{{- fail (printf "pools.%s: mode disaggregated needs pipeline_parallel_size = 1 (KV transfer moves each TP rank's heads, not pipeline stages); use mode colocated for PP" $name) -}}
-{{- end -}}
 {{- if hasKey ($w.rayStartParams | default dict) "resources" -}}
 {{- fail (printf "pools.%s.worker.rayStartParams.resources is set by the chart (the pool's pdserve_%s resource)" $name $name) -}}
 {{- end -}}
