@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,6 +70,25 @@ def advertised_host(host: str) -> str:
 
 
 
+MAX_PULL_LOG = 4096       # finished pulls a rank keeps until taken (the oldest go first)
+
+
+@dataclass(frozen=True, slots=True)
+class PullRecord:
+    """One rank's part of one pull, as that rank saw it: from the engine's order to the poll that
+    saw it end (time.time(): comparable across the ranks of one machine)."""
+    request_id: str
+    rank: int
+    start: float
+    end: float
+    num_bytes: int
+    ok: bool
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
 # --- worker side ------------------------------------------------------------------------------------
 class KVConnectorWorker:
     """Worker side of a connector, one per rank (every TP rank of every pipeline stage). All methods
@@ -88,6 +109,9 @@ class KVConnectorWorker:
         self.kv_caches: list[torch.Tensor] = []    # per layer [2, num_blocks, block_size, kvh, d]
         self._injected_failures: list[tuple[str, str]] = []
         self._delayed: list[tuple[float, LoadSpec]] = []
+        self._pulls_started: dict[str, tuple[float, int]] = {}    # rid -> (time.time(), bytes)
+        # A deque: appended on the step thread, taken from another (a Ray worker's control thread).
+        self.pull_log: deque[PullRecord] = deque(maxlen=MAX_PULL_LOG)
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Make these tensors readable by remote engines (called once, after allocation)."""
@@ -136,6 +160,7 @@ class KVConnectorWorker:
     def start_load(self, spec: LoadSpec) -> None:
         """Begin pulling `spec.remote_block_ids` into `spec.local_block_ids` (returns at once; the
         outcome arrives through `poll`). The local blocks must stay allocated until then."""
+        self._pulls_started[spec.request_id] = (time.time(), self._pull_bytes(spec))
         if self.config.extra_value("fail_loads"):
             self._injected_failures.append((spec.request_id, "injected failure"))
         elif self.config.extra_value("load_delay_s"):
@@ -146,6 +171,16 @@ class KVConnectorWorker:
 
     def _start_load(self, spec: LoadSpec) -> None:
         raise NotImplementedError
+
+    def _pull_bytes(self, spec: LoadSpec) -> int:
+        """Bytes this rank pulls for `spec`: K and V of its blocks in its layers, its heads."""
+        lay = self.layout
+        return 2 * len(spec.local_block_ids) * len(lay.layers) * lay.block_size * lay.local_kv_heads * lay.head_bytes
+
+    def take_pull_log(self) -> list[PullRecord]:
+        """This rank's pulls finished since the last call (for benchmarks and metrics); safe from
+        another thread than the step thread."""
+        return [self.pull_log.popleft() for _ in range(len(self.pull_log))]
 
     def release_remote(self, remote: RemotePrefill) -> None:
         """Tell the prefill engine (its rank 0) that this engine is done with the leased blocks."""
@@ -164,6 +199,11 @@ class KVConnectorWorker:
         if self._injected_failures:
             report.failed.extend(self._injected_failures)
             self._injected_failures = []
+        end = time.time()
+        for rid, ok in [(rid, True) for rid in report.loaded] + [(rid, False) for rid, _ in report.failed]:
+            started = self._pulls_started.pop(rid, None)
+            if started is not None:
+                self.pull_log.append(PullRecord(rid, self.rank, started[0], end, started[1], ok))
         return report
 
     def _poll(self) -> TransferReport:

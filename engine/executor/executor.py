@@ -63,6 +63,10 @@ class _Executor:
         """Every rank's heads of these blocks (Worker.kv_blocks), in rank order (for checks)."""
         raise NotImplementedError
 
+    def kv_pull_log(self) -> list[Any]:
+        """Every rank's finished pulls since the last call (PullRecord), in rank order."""
+        raise NotImplementedError
+
     def kv_flush(self) -> None:
         """Send the queued KV orders now (new leases must be live before their parameters leave)."""
         if self.kv is not None and self.kv.ops:
@@ -84,6 +88,9 @@ class InProcessExecutor(_Executor):
 
     def kv_blocks(self, block_ids: list[int]) -> list[Any]:
         return [self.worker.kv_blocks(block_ids)]
+
+    def kv_pull_log(self) -> list[Any]:
+        return self.worker.kv_pull_log()
 
     def _exchange(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]
                   ) -> tuple[ModelRunnerOutput | None, list[TransferReport | None]]:
@@ -228,6 +235,10 @@ class RayExecutor(_Executor):
         dtype = getattr(torch, self.kv_dtype)
         return [raw.view(dtype) for raw in self._wait([
             w.kv_block_bytes.options(concurrency_group="control").remote(block_ids) for w in self.workers])]
+
+    def kv_pull_log(self) -> list[Any]:
+        return [r for log in self._wait([w.kv_pull_log.options(concurrency_group="control").remote()
+                                         for w in self.workers]) for r in log]
 
     def placements(self) -> list[dict[str, Any]]:
         return self._wait([w.placement.options(concurrency_group="control").remote() for w in self.workers])

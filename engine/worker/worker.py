@@ -180,6 +180,11 @@ class Worker:
         assert self.kv_connector is not None
         return self.kv_connector.gather_blocks(block_ids).cpu()
 
+    def kv_pull_log(self) -> list[Any]:
+        """This rank's finished pulls since the last call (KVConnectorWorker.take_pull_log)."""
+        assert self.kv_connector is not None
+        return self.kv_connector.take_pull_log()
+
     def kv_block_bytes(self, block_ids: list[int]) -> torch.Tensor:
         """`kv_blocks` as raw bytes (uint8): what goes through Ray, which cannot unpickle fp8."""
         return self.kv_blocks(block_ids).view(torch.uint8)

@@ -156,7 +156,14 @@ def test_pd_between_pipelined_engines(pp_engines, single_pd_reference, lora_a, p
         out = run_one(d, f"r{i}", ids, params, kv, others=(p,))
         assert out.outputs[0].token_ids == single_pd_reference(ids, params.lora_request), i
         cached = 4 if i == len(cases) - 1 else 0            # the last shares base's first 4 blocks
-        assert d.stats()["kv_blocks_pulled"] - before == -(-(len(ids) - 1) // 16) - cached, i
+        num_pulled = -(-(len(ids) - 1) // 16) - cached
+        assert d.stats()["kv_blocks_pulled"] - before == num_pulled, i
+        # Every decode rank pulled its part; the parts add up to the blocks' every layer and head.
+        log = [r for r in d.executor.kv_pull_log() if r.request_id == f"r{i}"]
+        assert sorted(r.rank for r in log) == (list(range(d_shape[0] * d_shape[1])) if num_pulled else [])
+        assert all(r.ok for r in log)
+        # K/V x tokens x layers x heads x head_dim x fp32
+        assert sum(r.num_bytes for r in log) == num_pulled * 2 * 16 * 4 * 2 * 16 * 4
         hashes = [bytes.fromhex(h) for h in kv["remote_block_hashes"][:num_full]]
         d_blocks = [d.kv_cache_manager.block_pool.cached[h].block_id for h in hashes]
         pulled = min(num_full * 16, len(ids) - 1)          # D computes the prompt's last token itself
