@@ -138,8 +138,7 @@ class ClusterConfig(StrictSpec):
         """What the ingress reads of this spec (records/serving.py), handed to it by the launcher."""
         return IngressSpec(name=self.name, model=self.model, engine=self.engine_args("decode"), mode=self.mode,
                            serving=self.serving, routing=self.routing,
-                           min_remote_prefill_tokens=self.disaggregation.min_remote_prefill_tokens,
-                           lora=self.lora)
+                           disaggregation=self.disaggregation, lora=self.lora)
 
     @classmethod
     def from_yaml(cls, path: str) -> ClusterConfig:

@@ -65,6 +65,9 @@ class DisaggregationSpec(StrictSpec):
     connector: Literal[KV_CONNECTORS] = "nixl"      # type: ignore[valid-type]
     # Prompts with fewer uncached tokens (on the chosen decode replica) are prefilled there.
     min_remote_prefill_tokens: int = Field(256, ge=1)
+    # Load-aware: a longer prompt is prefilled on the decode replica too when the prefill replica's
+    # backlog of prompt tokens exceeds this factor times the decode replica's own (null: never).
+    prefill_backlog_factor: float | None = Field(1.0, ge=0)
     lease_s: float = EngineArgs.kv_lease_s          # how long a prefill keeps its blocks for the decode side
     load_timeout_s: float = EngineArgs.kv_load_timeout_s
     load_failure_policy: Literal[KV_LOAD_FAILURE_POLICIES] = EngineArgs.kv_load_failure_policy  # type: ignore[valid-type]
@@ -176,7 +179,7 @@ class IngressSpec(StrictSpec):
     mode: Literal["colocated", "disaggregated"]
     serving: ServingSpec
     routing: RoutingSpec
-    min_remote_prefill_tokens: int
+    disaggregation: DisaggregationSpec
     lora: LoRASpec | None
 
     def engine_config(self) -> EngineConfig:

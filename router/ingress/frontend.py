@@ -86,8 +86,8 @@ class Frontend:
             prefill = RequestRouter("prefill", prefill_replicas or {}, info.block_size, policy(),
                                     self.metrics, config.routing.stats_interval_s, on_failure)
             self.pools["prefill"] = prefill
-            self.router = PDRouter(prefill, decode, self.metrics,
-                                   config.min_remote_prefill_tokens)
+            self.router = PDRouter(prefill, decode, self.metrics, config.disaggregation.min_remote_prefill_tokens,
+                                   config.disaggregation.prefill_backlog_factor)
         self.admission = Admission(config.serving.max_in_flight, lambda n: self.metrics.in_flight.set(n))
         # None once serving; else why not yet ("starting: ...") or why never ("failed: ...").
         self.not_ready: str | None = None if replicas else "starting: the engine pools are loading"

@@ -7,11 +7,13 @@ such router over a pool of full engines.
 `PDRouter` adds the prefill/decode split over two pools (DESIGN: data flow, step 3). It picks the
 decode replica first (where the tokens will stream from, and whose prefix cache counts); if the
 prompt's uncached part there is shorter than `min_remote_prefill_tokens` (or the request wants n > 1
-or prompt logprobs), D prefills it itself: conditional disaggregation. Otherwise the chosen prefill
-replica runs it with max_tokens=1 and leases its blocks; D gets the returned transfer parameters,
-pulls what it lacks, and decodes. D's output is what streams (its first token is recomputed from
-the pulled KV, so it is identical to a single engine's under greedy or seeded sampling). A client
-that goes away while P prefills aborts it there; after that the lease is D's to release.
+or prompt logprobs), D prefills it itself: conditional disaggregation. It also does when the chosen
+prefill replica's backlog of prompt tokens is longer than D's own (`prefill_is_backlogged`, as
+Dynamo's disaggregated router weighs its prefill queue). Otherwise the chosen prefill replica runs
+it with max_tokens=1 and leases its blocks; D gets the returned transfer parameters, pulls what it
+lacks, and decodes. D's output is what streams (its first token is recomputed from the pulled KV,
+so it is identical to a single engine's under greedy or seeded sampling). A client that goes away
+while P prefills aborts it there; after that the lease is D's to release.
 
 Tokens come back over one output channel per replica (router/routing/channel.py): every engine step's
 deltas for all of this router's requests on a replica arrive as one message.
@@ -203,19 +205,27 @@ class RequestRouter:
         self.metrics.decisions.inc(reason=decision.reason, pool=self.pool)
         return decision
 
+    def uncached_tokens(self, num_prompt_tokens: int, decision: Decision) -> int:
+        """Prompt tokens the chosen replica would compute (those past its prefix-cache hit)."""
+        return max(0, num_prompt_tokens - decision.matched_blocks * self.block_size)
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       decision: Decision | None = None, kv_transfer_params: dict | None = None
-                       ) -> AsyncIterator[StepDelta]:
+                       decision: Decision | None = None, kv_transfer_params: dict | None = None,
+                       prefill_tokens: int | None = None) -> AsyncIterator[StepDelta]:
         """Stream the chosen replica's StepDeltas (routing first unless `decision` is given). If the
         consumer stops early (client disconnect), the request is aborted on the replica, which
         frees its blocks. If the replica dies before it streamed anything, the request goes to
-        another one; after that, it fails with ReplicaDiedError."""
+        another one; after that, it fails with ReplicaDiedError. `prefill_tokens`: the prompt
+        tokens the replica computes before the first token (default: those past its cache hit),
+        counted in its backlog until then (`ReplicaLoad.prefill_tokens`)."""
         decision = decision or self.route(prompt_token_ids, params)
         while True:
             streamed = False
+            backlog = self.uncached_tokens(len(prompt_token_ids), decision) if prefill_tokens is None \
+                else prefill_tokens
             try:
                 async for delta in self._stream(decision.replica_id, request_id, prompt_token_ids, params,
-                                                kv_transfer_params):
+                                                kv_transfer_params, backlog):
                     streamed = True
                     yield delta
                 return
@@ -228,12 +238,14 @@ class RequestRouter:
                 decision = self.route(prompt_token_ids, params)      # NoReplicaError when none is left
 
     async def _stream(self, replica_id: str, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, kv_transfer_params: dict | None) -> AsyncIterator[StepDelta]:
+                      params: SamplingParams, kv_transfer_params: dict | None, prefill_tokens: int = 0
+                      ) -> AsyncIterator[StepDelta]:
         channel = self._channels.get(replica_id)
         if channel is None:
             channel = self._channels[replica_id] = ReplicaChannel(self.replicas[replica_id], self.ingress_id)
         load = self.loads[replica_id]
         load.in_flight += 1
+        load.prefill_tokens += prefill_tokens
         start = time.monotonic()
         last = None
         finished = False
@@ -241,6 +253,9 @@ class RequestRouter:
             async for delta in channel.stream(request_id, prompt_token_ids, params, kv_transfer_params):
                 now = time.monotonic()
                 new_tokens = sum(len(c.token_ids) for c in delta.choices)
+                if new_tokens or delta.finished:
+                    load.prefill_tokens -= prefill_tokens      # its prompt is done
+                    prefill_tokens = 0
                 if new_tokens:
                     if last is None:
                         self.metrics.ttft.observe(now - start, pool=self.pool)
@@ -253,6 +268,7 @@ class RequestRouter:
                 self.metrics.e2e.observe(time.monotonic() - start, pool=self.pool)
         finally:
             load.in_flight -= 1
+            load.prefill_tokens -= prefill_tokens
 
     def stop(self) -> None:
         for task in [*self._followers.values(), self._stats_task]:
@@ -267,11 +283,12 @@ class PDRouter:
     """Prefill/decode orchestration over two pools (see the module docstring)."""
 
     def __init__(self, prefill: RequestRouter, decode: RequestRouter, metrics: ServingMetrics,
-                 min_remote_prefill_tokens: int = 256) -> None:
+                 min_remote_prefill_tokens: int = 256, prefill_backlog_factor: float | None = 1.0) -> None:
         self.prefill = prefill
         self.decode = decode
         self.metrics = metrics
         self.min_remote_prefill_tokens = min_remote_prefill_tokens
+        self.prefill_backlog_factor = prefill_backlog_factor
 
     @property
     def replicas(self) -> dict[str, Any]:
@@ -292,34 +309,63 @@ class PDRouter:
 
     def wants_remote_prefill(self, num_prompt_tokens: int, params: SamplingParams,
                              decode_decision: Decision) -> bool:
-        if params.n != 1 or params.prompt_logprobs is not None or not self.prefill.replicas:
+        """Whether the prompt is worth a remote prefill at all: enough of it is uncached on the
+        chosen decode replica (and the request is one the prefill pool can run)."""
+        if params.n != 1 or params.prompt_logprobs is not None or not self.prefill.available:
             return False
-        uncached = num_prompt_tokens - decode_decision.matched_blocks * self.decode.block_size
-        return uncached >= self.min_remote_prefill_tokens
+        return self.decode.uncached_tokens(num_prompt_tokens, decode_decision) >= self.min_remote_prefill_tokens
+
+    def prefill_is_backlogged(self, num_prompt_tokens: int, p_decision: Decision, d_decision: Decision) -> bool:
+        """Load-aware conditional disaggregation: True when the decode replica would get through
+        the prompt sooner itself. Each side's backlog is the uncached prompt tokens this router has
+        sent it that have not produced their first token yet, plus this prompt's uncached part there;
+        the prompt stays on the decode replica when the prefill replica's backlog exceeds
+        `prefill_backlog_factor` times the decode replica's (a saturated prefill pool never stalls
+        prompts the decode replica could prefill itself sooner; an idle one takes every long
+        prompt). None turns the check off (always remote past min_remote_prefill_tokens)."""
+        if self.prefill_backlog_factor is None:
+            return False
+        p_backlog = (self.prefill.loads[p_decision.replica_id].prefill_tokens
+                     + self.prefill.uncached_tokens(num_prompt_tokens, p_decision))
+        d_backlog = (self.decode.loads[d_decision.replica_id].prefill_tokens
+                     + self.decode.uncached_tokens(num_prompt_tokens, d_decision))
+        return p_backlog > self.prefill_backlog_factor * d_backlog
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[StepDelta]:
         """Stream the decode replica's StepDeltas, after a remote prefill when it pays."""
         d_decision = self.decode.route(prompt_token_ids, params)
         kv_params = None
-        if self.wants_remote_prefill(len(prompt_token_ids), params, d_decision):
-            self.metrics.decisions.inc(reason="remote_prefill", pool="pd")
-            kv_params = await self._prefill(request_id, prompt_token_ids, params)
+        remote = self.wants_remote_prefill(len(prompt_token_ids), params, d_decision)
+        if remote:
+            p_decision = self.prefill.route(prompt_token_ids, self._prefill_params(params))
+            if self.prefill_is_backlogged(len(prompt_token_ids), p_decision, d_decision):
+                self.metrics.decisions.inc(reason="local_prefill_backlog", pool="pd")
+                remote = False
+            else:
+                self.metrics.decisions.inc(reason="remote_prefill", pool="pd")
+                kv_params = await self._prefill(request_id, prompt_token_ids, params, p_decision)
         else:
             self.metrics.decisions.inc(reason="local_prefill", pool="pd")
-        async for delta in self.decode.generate(request_id, prompt_token_ids, params, d_decision, kv_params):
+        # After a remote prefill the decode replica computes one token (and pulls the rest).
+        async for delta in self.decode.generate(request_id, prompt_token_ids, params, d_decision, kv_params,
+                                                prefill_tokens=1 if kv_params is not None else None):
             yield delta
 
-    async def _prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                       ) -> dict | None:
-        """Run the prompt on a prefill replica; its transfer parameters, or None when it leased
-        nothing (its first token ended the request, or its lease table was full) or no prefill
-        replica could run it: then D computes the prompt itself."""
-        p_params = dataclasses.replace(params, max_tokens=1, min_tokens=0, n=1, logprobs=None)
+    @staticmethod
+    def _prefill_params(params: SamplingParams) -> SamplingParams:
+        """What the prefill replica runs: the prompt, to its first token."""
+        return dataclasses.replace(params, max_tokens=1, min_tokens=0, n=1, logprobs=None)
+
+    async def _prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       decision: Decision) -> dict | None:
+        """Run the prompt on the chosen prefill replica; its transfer parameters, or None when it
+        leased nothing (its first token ended the request, or its lease table was full) or no
+        prefill replica could run it: then D computes the prompt itself."""
         last = None
         try:
-            async for delta in self.prefill.generate(request_id, prompt_token_ids, p_params,
-                                                     kv_transfer_params={"do_remote_decode": True}):
+            async for delta in self.prefill.generate(request_id, prompt_token_ids, self._prefill_params(params),
+                                                     decision, kv_transfer_params={"do_remote_decode": True}):
                 last = delta
         except NoReplicaError:          # every prefill replica failed it or is being replaced
             self.metrics.decisions.inc(reason="prefill_unavailable", pool="pd")

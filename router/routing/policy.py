@@ -31,6 +31,7 @@ REASONS = ("prefix_hit", "adapter_hit", "no_hit_least_cost", "imbalance", "round
 class ReplicaLoad:
     in_flight: int = 0          # requests routed there and not finished
     kv_usage: float = 0.0       # fraction of its KV blocks in use (from its stats)
+    prefill_tokens: int = 0     # uncached prompt tokens routed there whose first token has not come back
 
     def value(self, max_num_seqs: int) -> float:
         return self.in_flight + self.kv_usage * max_num_seqs

@@ -81,3 +81,51 @@ def test_cluster_spec_validates_and_loads_yaml(tmp_path, tiny_llama):
     assert static.engine_config().scheduler_config.batching == "static"
     with pytest.raises(ValueError, match="batching must be one of"):
         ClusterConfig(model=tiny_llama, engine={"batching": "barrier"})
+
+
+def test_a_backlogged_prefill_pool_leaves_prompts_to_the_decode_replica(tiny_llama):
+    """Load-aware conditional disaggregation: a long prompt goes to the prefill pool unless the
+    prefill replica's backlog of prompt tokens (this prompt's included) exceeds the decode replica's
+    own by `prefill_backlog_factor`; the backlogs count a prompt from routing to its first token."""
+    import asyncio
+
+    from cluster.config import ClusterConfig
+    from records.outputs import ChoiceDelta, StepDelta
+    from records.sampling_params import SamplingParams
+    from router.ingress.frontend import Frontend
+
+    config = ClusterConfig(model=tiny_llama, mode="disaggregated", pools={"prefill": {}, "decode": {}},
+                           disaggregation={"min_remote_prefill_tokens": 64})
+    pd = Frontend(config.ingress_spec(), {"decode-0": None}, {"prefill-0": None}).router
+    assert pd.prefill_backlog_factor == 1.0
+    params = SamplingParams(max_tokens=4)
+    ids = list(range(5, 389))                                  # 384 tokens, 24 blocks, none cached
+    d, p = pd.decode.route(ids, params), pd.prefill.route(ids, params)
+    p_load, d_load = pd.prefill.loads["prefill-0"], pd.decode.loads["decode-0"]
+    assert pd.wants_remote_prefill(len(ids), params, d) and not pd.wants_remote_prefill(40, params, d)
+    assert not pd.prefill_is_backlogged(len(ids), p, d)        # both idle: 384 vs 384, remote
+    p_load.prefill_tokens = 384                                # one prompt queued on P
+    assert pd.prefill_is_backlogged(len(ids), p, d)            # 768 > 384: D takes it
+    d_load.prefill_tokens = 384                                # and one on D
+    assert not pd.prefill_is_backlogged(len(ids), p, d)        # 768 vs 768: remote again
+    pd.prefill_backlog_factor = 3.0
+    p_load.prefill_tokens, d_load.prefill_tokens = 700, 0
+    assert not pd.prefill_is_backlogged(len(ids), p, d)        # 1084 <= 3 x 384
+    pd.prefill_backlog_factor = None
+    p_load.prefill_tokens = 10 ** 6
+    assert not pd.prefill_is_backlogged(len(ids), p, d)        # the check off
+    p_load.prefill_tokens = 0
+
+    class Channel:                                             # a replica streaming 3 tokens, one per step
+        async def stream(self, *args):
+            assert d_load.prefill_tokens == 384 and d_load.in_flight == 1
+            for i in range(3):
+                yield StepDelta("r", [ChoiceDelta(0, [7], "x")], i == 2, len(ids))
+                assert d_load.prefill_tokens == 0               # the first token ended the prompt's part
+
+    async def run() -> int:
+        pd.decode._channels["decode-0"] = Channel()
+        return len([delta async for delta in pd.decode.generate("r", ids, params, d)])
+
+    assert asyncio.run(run()) == 3
+    assert (d_load.prefill_tokens, d_load.in_flight) == (0, 0)
