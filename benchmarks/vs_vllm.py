@@ -7,7 +7,9 @@ each cell a `compare.py` run (A and B alternating over rounds), then one table o
 Workloads (random token-id prompts, `ignore_eos`, fresh prompts every round so no round is a
 prefix-cache hit):
 - decode-heavy: 16-32 prompt tokens, 128 output tokens;
-- prefill-heavy: 512-1024 prompt tokens, 16 output tokens.
+- prefill-heavy: 512-1024 prompt tokens, 16 output tokens;
+- random-384x64: 384 prompt tokens, 64 output tokens (`vllm bench serve --dataset-name random`'s
+  shape as users run it first).
 A cell sends `--prompts-per-stream` x its concurrency timed requests (at least `--min-prompts`).
 Start both servers first; docs/perf/journal.md §1 says how vLLM's CPU build is installed and started.
 """
@@ -26,6 +28,8 @@ import compare
 WORKLOADS = {
     "decode-heavy": ["--input-len", "16:32", "--output-len", "128"],
     "prefill-heavy": ["--input-len", "512:1024", "--output-len", "16"],
+    # `vllm bench serve`'s random dataset as users run it first (384 in / 64 out)
+    "random-384x64": ["--input-len", "384", "--output-len", "64"],
 }
 COLUMNS = [("output_token_throughput", "tok/s"), ("ttft_ms.median", "TTFT p50 ms"),
            ("itl_ms.median", "ITL p50 ms"), ("itl_ms.p99", "ITL p99 ms")]
