@@ -14,7 +14,6 @@ from transfer_helpers import (
     CONNECTORS,
     DEADLINE_S,
     GREEDY,
-    global_blocks,
     make_engine,
     prefill,
     prompt,
@@ -23,7 +22,6 @@ from transfer_helpers import (
     settle,
 )
 
-from engine.llm_engine import LLMEngine
 from kv_transfer.base import KVConnectorScheduler
 from kv_transfer.leases import LeaseSlots, LeaseTable
 from kv_transfer.torch_dist import scatter_blocks
@@ -396,65 +394,6 @@ def test_stats_expose_transfer_counters(tiny_llama):
 
 
 # --- separate processes (Ray actors) -------------------------------------------------------------------
-@pytest.fixture(scope="module", params=CONNECTORS)
-def tp_engines(request, tiny_llama, ray_nodes):
-    """Engines whose TP ranks run in Ray worker actors, built on first use and shared by the tests
-    of one connector: engines(role, tp)."""
-    if request.param == "nixl":
-        pytest.importorskip("nixl", reason="needs nixl: make setup installs it")
-    built: dict[tuple[str, int], LLMEngine] = {}
-
-    def engines(role: str, tp: int) -> LLMEngine:
-        if (role, tp) not in built:
-            # Half a CPU per rank: these engines live until the module ends (six ranks with NIXL)
-            # and must leave room for test_pd_across_ray_actors' three replica actors.
-            built[role, tp] = make_engine(tiny_llama, request.param, tensor_parallel_size=tp,
-                                          distributed_executor_backend="ray", worker_num_cpus=0.5)
-        return built[role, tp]
-
-    yield engines
-    for engine in built.values():
-        engine.executor.shutdown()
-
-
-@pytest.mark.ray
-@pytest.mark.parametrize("tp_p,tp_d,sizes", [(2, 2, [1, 16, 17, 300]), (1, 2, [17, 300]), (2, 1, [17, 300])])
-def test_pd_with_tensor_parallel_engines(tiny_llama, tp_engines, tp_p, tp_d, sizes):
-    """Equal and different TP sizes (heads sharded differently on the two sides): every decode
-    rank pulls the heads it keeps; greedy output is token-identical to transformers, D's blocks hold
-    exactly P's bytes (every head of every layer), a shared prefix already on D is not pulled
-    again, and both sides end with every block free."""
-    p, d = tp_engines("p", tp_p), tp_engines("d", tp_d)
-    assert p.reset_prefix_cache() and d.reset_prefix_cache()
-    ids_list = [prompt(n, salt=40 + n) for n in sizes]
-    shared = [*ids_list[-1][:64], *prompt(40, salt=77)]        # 4 full blocks in common with the last
-    want = reference(tiny_llama, [*ids_list, shared])
-    failures = d.stats()["kv_load_failures"]
-    for n, ids, expected in zip(sizes, ids_list, want):
-        before = d.stats()["kv_blocks_pulled"]
-        params = prefill(p, f"r{n}", ids)
-        num_full = n // 16
-        sent = global_blocks(p, params["remote_block_ids"][:num_full])
-        out = run_one(d, f"r{n}", ids, GREEDY, params, others=(p,))
-        assert out.outputs[0].token_ids == expected, n
-        assert d.stats()["kv_blocks_pulled"] - before == -(-(n - 1) // 16)
-        hashes = [bytes.fromhex(h) for h in params["remote_block_hashes"][:num_full]]
-        d_blocks = [d.kv_cache_manager.block_pool.cached[h].block_id for h in hashes]
-        pulled = min(num_full * 16, n - 1)          # D computes the prompt's last token itself
-        got = global_blocks(d, d_blocks)
-        assert torch.equal(got.flatten(2, 3)[:, :, :pulled], sent.flatten(2, 3)[:, :, :pulled]), n
-        settle(p, d)
-    before = d.stats()["kv_blocks_pulled"]
-    params = prefill(p, "shared", shared)
-    out = run_one(d, "shared", shared, GREEDY, params, others=(p,))
-    assert out.outputs[0].token_ids == want[-1]
-    assert d.stats()["kv_blocks_pulled"] - before == -(-(len(shared) - 1) // 16) - 4
-    settle(p, d)
-    assert d.stats()["kv_load_failures"] == failures and p.stats()["kv_leases_expired"] == 0
-    p.check_no_leaks()
-    d.check_no_leaks()
-
-
 @pytest.mark.ray
 @pytest.mark.parametrize("conn", CONNECTORS)
 def test_pd_across_ray_actors(tiny_llama, conn, ray_nodes):

@@ -2,8 +2,9 @@
 that hold them, and within those its own heads, over both connectors, on a simulated three-node
 cluster (each stage's TP ranks on one node, the stages on different nodes).
 
-The shapes are the card's (TP inside a node, PP across nodes, both sides, sized differently); the
-model has four layers so that two pipelined engines can split them differently (2+2 against 1+3).
+The shapes are the card's (TP inside a node, PP across nodes, both sides, sized differently), and
+TP 2 on both sides; the model has four layers so that two pipelined engines can split them
+differently (2+2 against 1+3).
 Greedy output (fp32) must equal one colocated engine's with chunked prefill on P, prefix hits on D
 and a LoRA adapter; D's blocks must hold exactly P's bytes in every layer and head; a killed
 prefill stage fails the pull as a whole (recompute or error, per policy); nothing leaks."""
@@ -32,8 +33,8 @@ from records.errors import KVLayoutMismatch
 from records.kv_layout import KVLayout, kv_sources
 from records.lora import LoRARequest
 
-# (P tp, P pp), (D tp, D pp): the issue's five pairs.
-SHAPES = [((1, 2), (1, 1)), ((1, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 1), (1, 2)), ((1, 2), (1, 2))]
+# (P tp, P pp), (D tp, D pp): the issue's five pairs, and equal TP > 1 (whole blocks of the peer rank).
+SHAPES = [((1, 2), (1, 1)), ((1, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 1), (1, 2)), ((1, 2), (1, 2)), ((2, 1), (2, 1))]
 D_SPLIT = [1, 3]          # a pipelined decode engine splits the 4 layers unlike P's even 2+2
 LORA = dict(enable_lora=True, max_lora_rank=8)
 
