@@ -14,6 +14,7 @@ from transfer_helpers import (
     CONNECTORS,
     DEADLINE_S,
     GREEDY,
+    kill_actor,
     make_engine,
     prefill,
     prompt,
@@ -435,17 +436,7 @@ def test_pd_across_ray_actors(tiny_llama, conn, ray_nodes):
 
         [first] = generate(p, "last", last, SamplingParams(max_tokens=1, temperature=0.0),
                            {"do_remote_decode": True})
-        ray.kill(p)
-        deadline = time.monotonic() + DEADLINE_S
-        while True:                                   # ray.kill returns before the process is gone
-            try:
-                ray.get(p.info.remote(), timeout=5)
-            except ray.exceptions.RayActorError:
-                break
-            except ray.exceptions.GetTimeoutError:
-                pass
-            assert time.monotonic() < deadline, "the prefill actor would not die"
-            time.sleep(0.05)
+        kill_actor(p, "info")
         deltas = generate(fresh, "last", last, GREEDY, first.kv_transfer_params)
         assert [t for x in deltas for c in x.choices for t in c.token_ids] == want[-1]
         assert ray.get(fresh.stats.remote())["kv_load_failures"] == 1

@@ -78,3 +78,22 @@ def global_blocks(engine: LLMEngine, block_ids: list[int]) -> torch.Tensor:
     tp = engine.config.parallel_config.tensor_parallel_size
     stages = [torch.cat(ranks[s:s + tp], dim=-2) for s in range(0, len(ranks), tp)]
     return torch.cat(stages, dim=0)
+
+
+def kill_actor(actor, probe: str) -> None:
+    """`ray.kill` the actor and wait until a call of its method `probe` fails with RayActorError
+    (ray.kill returns before the process is gone)."""
+    import ray
+
+    ray.kill(actor)
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        try:
+            ray.get(getattr(actor, probe).remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        assert time.monotonic() < deadline, "the actor would not die"
+        time.sleep(0.05)
+
