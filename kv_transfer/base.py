@@ -9,7 +9,8 @@ Two roles, as in vLLM's v1 connector:
 
 Beside them: `leases.py` (lease slots, tokens and the words remote readers check),
 `worker_group.py` (the engine's view of its ranks' worker sides); the records they exchange live
-below them: records/kv_layout.py (the KV layout both engines must share, and the TP head mapping),
+below them: records/kv_layout.py (the KV layout both engines must share, and how their ranks map
+by layer across pipeline stages and by head across TP ranks: `kv_sources`),
 records/transfer.py (RemotePrefill, LoadSpec, TransferReport), and their wire form in
 pdserve_proto/transfer.py.
 
@@ -26,10 +27,11 @@ The protocol (pull model):
    cache, allocates blocks for the rest of the prompt but its last token (recomputed: its logits give
    the first output token), and queues a pull of just those blocks. The request waits in
    WAITING_FOR_REMOTE_KVS while other requests keep stepping.
-3. D's worker pulls the blocks, then reads P's lease word again: if the token is unchanged, P had not
-   released the blocks during the pull (P clears the word before a released block can be rewritten),
-   so the data is valid. Once every rank of D has finished, D's engine tells P it is done (D's rank 0
-   to P's rank 0).
+3. Each of D's ranks (every TP rank of every pipeline stage) pulls its layers and heads of the
+   blocks from the P ranks that hold them, then reads those ranks' lease words again: if the token
+   is unchanged, P had not released the blocks during the pull (P clears the word before a released
+   block can be rewritten), so the data is valid. Once every rank of D has finished (a failure on
+   any fails the pull as a whole), D's engine tells P it is done (D's rank 0 to P's rank 0).
 4. P frees the blocks on that notice, on abort, or when the lease expires. D falls back to computing
    the prompt itself (`load_failure_policy="recompute"`) or fails the request (`"fail"`) when the
    pull fails, times out or finds the lease gone. No step ever waits on the other engine, and every
