@@ -397,18 +397,19 @@ def test_stats_expose_transfer_counters(tiny_llama):
 # --- separate processes (Ray actors) -------------------------------------------------------------------
 @pytest.mark.ray
 @pytest.mark.parametrize("conn", CONNECTORS)
-def test_pd_across_ray_actors(tiny_llama, conn, ray_nodes):
+def test_pd_across_ray_actors(tiny_llama, conn):
     """P and D in separate actor processes: identical greedy output; then P is killed after handing
     out its parameters, and a decode engine that never reached P before falls back to computing the
     prompt (identical output again). (One that has pulled from P before may still succeed over NIXL:
     UCX's shared-memory mapping of P's registered memory outlives P's process, with the data and the
     lease word as P left them, which is why the test uses a fresh one.)"""
-    import ray
-
+    ray = pytest.importorskip("ray", reason="needs ray (make setup installs it)")
     if conn == "nixl":
         pytest.importorskip("nixl", reason="needs nixl: make setup installs it")
+    from cluster.launch import init_ray
     from cluster.replica import EngineReplica
 
+    init_ray(num_cpus=8)
     sizes = [1, 16, 17, 300]
     ids_list = [prompt(n, salt=20 + n) for n in sizes]
     last = prompt(150, salt=99)

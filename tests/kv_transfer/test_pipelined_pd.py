@@ -7,15 +7,25 @@ TP 2 on both sides; the model has four layers so that two pipelined engines can 
 differently (2+2 against 1+3).
 Greedy output (fp32) must equal one colocated engine's with chunked prefill on P, prefix hits on D
 and a LoRA adapter; D's blocks must hold exactly P's bytes in every layer and head; a killed
-prefill stage fails the pull as a whole (recompute or error, per policy); nothing leaks."""
+prefill stage fails the pull as a whole (recompute or error, per policy); nothing leaks. And the
+card's shape served end to end: `cluster.launch` (what `pdserve serve` runs) deploys a
+disaggregated spec of the embedded model whose pools run pipeline stages on different nodes, and
+the official `openai` client gets one colocated engine's tokens and text.
+
+The simulated cluster is this module's (`ray_nodes`): the folder's other Ray test needs one node,
+and a cluster fixture shared by the folder would outlive it (a folder without __init__.py is no
+pytest package, and package scope then means the session)."""
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import replace
 
+import httpx
+import openai
 import pytest
 import torch
-from helpers import make_adapter
+from helpers import free_port, make_adapter, simulated_cluster
 from transfer_helpers import (
     CONNECTORS,
     DEADLINE_S,
@@ -33,6 +43,7 @@ from engine.llm_engine import LLMEngine
 from records.errors import KVLayoutMismatch
 from records.kv_layout import KVLayout, kv_sources
 from records.lora import LoRARequest
+from records.sampling_params import SamplingParams
 
 # (P tp, P pp), (D tp, D pp): the issue's five pairs, and equal TP > 1 (whole blocks of the peer rank).
 SHAPES = [((1, 2), (1, 1)), ((1, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 1), (1, 2)), ((1, 2), (1, 2)), ((2, 1), (2, 1))]
@@ -85,6 +96,15 @@ def test_handshake_names_what_cannot_be_mapped():
 
 
 # --- P -> D between pipelined engines on the simulated cluster ----------------------------------------
+@pytest.fixture(scope="module")
+def ray_nodes():
+    """Three simulated nodes of 4 CPUs on loopback, each its own raylet: a stage's ranks share a
+    node, a replica's stages go to different nodes."""
+    pytest.importorskip("ray", reason="needs ray (make setup installs it)")
+    with simulated_cluster(3, 4, "pdserve-test-pipelined-pd") as cluster:
+        yield cluster
+
+
 @pytest.fixture(scope="module", params=CONNECTORS)
 def pp_engines(request, tiny_llama4, ray_nodes):
     """Engines built on first use and shared by the tests of one connector: engines(role, tp, pp).
@@ -246,3 +266,61 @@ def test_killed_prefill_stage_mid_pull(tiny_llama4, ray_nodes, block_accounting,
         p.executor.shutdown()
     # The dead engine is discarded whole, as its replica would be: its blocks went with its workers.
     block_accounting.remove(p)
+
+
+# --- the card's shape served -----------------------------------------------------------------------
+PROMPTS = ["The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz "
+           "combined movable metal type, oil-based ink and a wooden press adapted from wine making. "
+           "Within fifty years presses were running in more than two hundred cities, and",
+           "A short list of reasons to learn a second language: it trains memory, it opens other "
+           "literatures, it helps when travelling, and"]
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("connector", ["nixl"])    # the default (torch_dist: the tests above)
+def test_serve_disaggregated_with_pipelined_pools(ray_nodes, connector):
+    """Both pools run two stages, split differently (15+15 and 12+18): each replica's stages on two
+    nodes, the same tokens and text as one engine, the KV moved stage by stage."""
+    if connector == "nixl":
+        pytest.importorskip("nixl", reason="needs nixl: make setup installs it")
+    from cluster.config import ClusterConfig
+    from cluster.launch import serve_cluster, shutdown
+    from engine.llm import LLM
+
+    engine = dict(max_model_len=512, max_num_seqs=8, kv_cache_memory_bytes=48 << 20)
+    port = free_port()
+    config = ClusterConfig(
+        engine=engine, mode="disaggregated",
+        # 30 layers: 15 + 15 on the prefill side, 12 + 18 on the decode side
+        pools={"prefill": {"pipeline_parallel_size": 2},
+               "decode": {"pipeline_parallel_size": 2, "pp_layer_partition": [12, 18]}},
+        disaggregation={"connector": connector, "min_remote_prefill_tokens": 16, "load_timeout_s": 300},
+        serving={"port": port, "wait_for_pools": False}, placement_timeout_s=120, name="pdserve-pp-serve")
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    with LLM(None, **engine) as llm:                        # one colocated engine: the reference
+        want = [(o.outputs[0].text, o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)]
+    from ray.util import placement_group_table
+
+    earlier = set(placement_group_table())           # the other tests' engines may still be up
+    try:
+        serve_cluster(config, blocking=False)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=300)
+        model = client.models.list().data[0].id
+        for prompt, (text, token_ids) in zip(PROMPTS, want):
+            out = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0.0,
+                                            extra_body={"return_token_ids": True})
+            assert out.choices[0].text == text
+            assert out.choices[0].model_extra["token_ids"] == token_ids
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60).text
+
+        def total(name: str) -> float:
+            return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", metrics, re.M))
+
+        assert total("pdserve:kv_blocks_transferred_total") > 0, metrics      # the KV moved stage by stage
+        assert total("pdserve:kv_load_failures_total") == 0
+        # Each replica's two stages sit on two different nodes.
+        spread = [g for pg, g in placement_group_table().items()
+                  if pg not in earlier and g["state"] == "CREATED" and g["strategy"] == "STRICT_SPREAD"]
+        assert [len(set(g["bundles_to_node_id"].values())) for g in spread] == [2, 2], spread
+    finally:
+        shutdown(config)
