@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -76,12 +77,50 @@ def scatter_blocks(cache: torch.Tensor, index: torch.Tensor, heads: slice | None
 
 
 
+class _PairThread:
+    """One daemon thread running a pair's work in order (a single-worker executor). Daemon, unlike
+    ThreadPoolExecutor's: a pair group that never forms (a peer gone mid-handshake) may block its
+    thread past every timeout, and interpreter exit joins every executor thread, so one stuck
+    pair would keep a finished process from exiting."""
+
+    def __init__(self) -> None:
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = self._cancel = False
+        threading.Thread(target=self._run, daemon=True, name="pdserve-kv-pair").start()
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        future: Future = Future()
+        if self._closed:
+            future.set_exception(RuntimeError("the pair's thread was shut down"))
+        else:
+            self._work.put((future, fn, args))
+        return future
+
+    def shutdown(self, wait: bool = False, cancel_futures: bool = False) -> None:
+        """End the thread after the work already queued, or (`cancel_futures`) after the work
+        running now, cancelling the rest. Never waits (`wait` is ThreadPoolExecutor's argument)."""
+        self._closed, self._cancel = True, cancel_futures
+        self._work.put(None)
+
+    def _run(self) -> None:
+        while (item := self._work.get()) is not None:
+            future, fn, args = item
+            if self._cancel:
+                future.cancel()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(e)
+
+
 @dataclass(slots=True)
 class _Pair:
     """One peer engine: its pair group, built and used on the pair's own thread."""
     key: str                                  # unique per pair incarnation: PrefixStore namespace
     rank: int
-    thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1))
+    thread: _PairThread = field(default_factory=_PairThread)
     group: Any = None
     client: Any = None                        # D side: the TCPStore client of P's inbox
     broken: bool = False

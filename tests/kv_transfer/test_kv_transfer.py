@@ -86,6 +86,33 @@ def test_scatter_blocks_matches_index_copy(dtype, head_dim, heads):
     assert torch.equal(cache, want)
 
 
+def test_pair_threads_run_in_order_and_never_hold_up_exit():
+    """A torch_dist pair's work runs in order on one daemon thread (a pair group that never forms
+    must not keep a finished process from exiting); shutdown cancels what has not started."""
+    import threading
+
+    from kv_transfer.torch_dist import _PairThread
+
+    worker = _PairThread()
+    gate, order = threading.Event(), []
+    first = worker.submit(gate.wait, 30)
+    rest = [worker.submit(order.append, i) for i in range(3)]
+    assert [t.daemon for t in threading.enumerate() if t.name == "pdserve-kv-pair"] and not first.done()
+    gate.set()
+    assert [f.result(timeout=30) for f in rest] == [None] * 3 and order == [0, 1, 2]
+    assert isinstance(worker.submit(lambda: 1 / 0).exception(timeout=30), ZeroDivisionError)
+    gate.clear()
+    started = threading.Event()
+    running = worker.submit(lambda: started.set() or gate.wait(30))
+    queued = worker.submit(order.append, 3)
+    assert started.wait(30)
+    worker.shutdown(wait=False, cancel_futures=True)
+    gate.set()
+    assert running.result(timeout=30) and queued.cancelled() and order == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="shut down"):
+        worker.submit(order.append, 4).result(timeout=30)
+
+
 @pytest.mark.parametrize("heads,src_tp,dst_tp,want", [
     (2, 1, 1, [[(0, 0, 0, 2)]]),
     (2, 2, 2, [[(0, 0, 0, 1)], [(1, 0, 0, 1)]]),
