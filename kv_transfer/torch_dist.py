@@ -122,7 +122,7 @@ class _Pair:
     rank: int
     thread: _PairThread = field(default_factory=_PairThread)
     group: Any = None
-    client: Any = None                        # D side: the TCPStore client of P's inbox
+    client: Any = None                        # a TCPStore client of P's store (D: P's inbox too)
     broken: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)   # D: guards writes into blocks
     buffers: list[torch.Tensor] = field(default_factory=list)      # two staging buffers, reused
@@ -315,8 +315,14 @@ class TorchDistConnectorWorker(KVConnectorWorker):
                 pair.thread.submit(self._send, pair, message)
 
     def _accept(self, pair: _Pair) -> None:
+        """On the pair's thread: P's side of the pair group, over a connection of its own to this
+        worker's store. Not over `self.store`, which is one socket that the engine thread polls
+        the inbox through meanwhile: used from two threads at once, a TCPStore object's requests
+        and replies can cross (two ranks rendezvousing through one object, measured, waited out
+        the whole timeout; a make test run saw a first pull's connect hang past 300 s)."""
         try:
-            pair.group = self._new_group(self.store, pair.key, 0)
+            pair.client = dist.TCPStore(self.host, self.store.port, is_master=False, timeout=self.timeout)
+            pair.group = self._new_group(pair.client, pair.key, 0)
         except Exception:
             pair.broken = True
             raise
