@@ -240,7 +240,7 @@ def test_killed_prefill_stage_mid_pull(tiny_llama4, ray_nodes, block_accounting,
     p = make_engine(tiny_llama4, conn, pipeline_parallel_size=2, worker_num_cpus=0.5)
     # Fresh decode engines that never reached P (see test_pd_across_ray_actors on UCX's mappings),
     # their pulls started 2 s late so that the kill lands between their plan and their reads.
-    late = dict(kv_load_timeout_s=15.0, kv_connector_extra={"load_delay_s": 2.0})
+    late = dict(kv_load_timeout_s=6.0, kv_connector_extra={"load_delay_s": 2.0})
     recompute = make_engine(tiny_llama4, conn, **late)
     fail = make_engine(tiny_llama4, conn, kv_load_failure_policy="fail", **late)
     try:
