@@ -86,10 +86,6 @@ class PullRecord:
     num_bytes: int
     ok: bool
 
-    @property
-    def seconds(self) -> float:
-        return self.end - self.start
-
 
 # --- worker side ------------------------------------------------------------------------------------
 class KVConnectorWorker:
@@ -176,8 +172,7 @@ class KVConnectorWorker:
 
     def _pull_bytes(self, spec: LoadSpec) -> int:
         """Bytes this rank pulls for `spec`: K and V of its blocks in its layers, its heads."""
-        lay = self.layout
-        return 2 * len(spec.local_block_ids) * len(lay.layers) * lay.block_size * lay.local_kv_heads * lay.head_bytes
+        return 2 * len(spec.local_block_ids) * len(self.layout.layers) * self.layout.block_bytes
 
     def take_pull_log(self) -> list[PullRecord]:
         """This rank's pulls finished since the last call (for benchmarks and metrics); safe from

@@ -85,10 +85,14 @@ class Worker:
                 "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
                 "num_threads": torch.get_num_threads()}
 
-    def num_local_layers(self) -> int:
+    def layer_range(self) -> tuple[int, int]:
+        """[start, end) of the model's layers this rank's stage holds."""
         state = get_parallel_state()
-        start, end = pp_layer_range(self.config.model_config.num_layers, state.pp_rank, state.pp_size,
-                                    self.config.parallel_config.layer_partition)
+        return pp_layer_range(self.config.model_config.num_layers, state.pp_rank, state.pp_size,
+                              self.config.parallel_config.layer_partition)
+
+    def num_local_layers(self) -> int:
+        start, end = self.layer_range()
         return end - start
 
     def num_local_kv_heads(self) -> int:
@@ -119,9 +123,7 @@ class Worker:
             scales = calibrate_kv_scales(self.runner, mc.model, mc.gguf_file, mc.vocab_size, mc.max_model_len)
             self.config = replace(self.config, cache_config=replace(cc, kv_scales=scales))
         if self.config.cache_config.kv_scales:
-            state = get_parallel_state()
-            start, _ = pp_layer_range(mc.num_layers, state.pp_rank, state.pp_size,
-                                      self.config.parallel_config.layer_partition)
+            start, _ = self.layer_range()
             for i, attn in enumerate(m for m in model.modules() if isinstance(m, Attention)):
                 attn.k_scale, attn.v_scale = self.config.cache_config.kv_scales[start + i]
 

@@ -338,13 +338,14 @@ class PDRouter:
         kv_params = None
         remote = self.wants_remote_prefill(len(prompt_token_ids), params, d_decision)
         if remote:
-            p_decision = self.prefill.route(prompt_token_ids, self._prefill_params(params))
+            p_params = self._prefill_params(params)
+            p_decision = self.prefill.route(prompt_token_ids, p_params)
             if self.prefill_is_backlogged(len(prompt_token_ids), p_decision, d_decision):
                 self.metrics.decisions.inc(reason="local_prefill_backlog", pool="pd")
                 remote = False
             else:
                 self.metrics.decisions.inc(reason="remote_prefill", pool="pd")
-                kv_params = await self._prefill(request_id, prompt_token_ids, params, p_decision)
+                kv_params = await self._prefill(request_id, prompt_token_ids, p_params, p_decision)
         else:
             self.metrics.decisions.inc(reason="local_prefill", pool="pd")
         # After a remote prefill the decode replica computes one token (and pulls the rest).
@@ -357,14 +358,14 @@ class PDRouter:
         """What the prefill replica runs: the prompt, to its first token."""
         return dataclasses.replace(params, max_tokens=1, min_tokens=0, n=1, logprobs=None)
 
-    async def _prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    async def _prefill(self, request_id: str, prompt_token_ids: list[int], p_params: SamplingParams,
                        decision: Decision) -> dict | None:
-        """Run the prompt on the chosen prefill replica; its transfer parameters, or None when it
-        leased nothing (its first token ended the request, or its lease table was full) or no
-        prefill replica could run it: then D computes the prompt itself."""
+        """Run the prompt (`p_params`: `_prefill_params`) on the chosen prefill replica; its transfer
+        parameters, or None when it leased nothing (its first token ended the request, or its lease
+        table was full) or no prefill replica could run it: then D computes the prompt itself."""
         last = None
         try:
-            async for delta in self.prefill.generate(request_id, prompt_token_ids, self._prefill_params(params),
+            async for delta in self.prefill.generate(request_id, prompt_token_ids, p_params,
                                                      decision, kv_transfer_params={"do_remote_decode": True}):
                 last = delta
         except NoReplicaError:          # every prefill replica failed it or is being replaced
