@@ -19,6 +19,7 @@ from engine.llm_engine import LLMEngine
 from records.config import EngineConfig
 from records.errors import EngineDeadError, RequestFailedError
 from records.outputs import KVEvent, RequestOutput
+from records.request import Continuation
 from records.sampling_params import SamplingParams
 
 IDLE_POLL_S = 0.002
@@ -50,7 +51,8 @@ class AsyncLLMEngine:
         self._grammar_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._compiling: dict[str, tuple] = {}         # request id -> its add, once compiled
         self._sinks: dict[str, Sink] = {}
-        self._pending_adds: list[tuple[str, str | None, list[int], SamplingParams, dict | None]] = []
+        self._pending_adds: list[tuple[str, str | None, list[int], SamplingParams, dict | None,
+                                       Continuation | None]] = []
         self._pending_aborts: list[str] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -66,8 +68,10 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,
-               kv_transfer_params: dict | None = None, prompt: str | None = None) -> None:
-        """Queue a request whose outputs go to `sink` (see Sink). Raises ValueError for bad input and
+               kv_transfer_params: dict | None = None, prompt: str | None = None,
+               continuation: Continuation | None = None) -> None:
+        """Queue a request whose outputs go to `sink` (see Sink); `continuation`: it resumes after
+        tokens another replica generated (LLMEngine.add_request). Raises ValueError for bad input and
         EngineDeadError if the engine is dead (nothing is queued then); a request that fails later
         reaches its sink as an output with a failed choice (`request_error`) or as an exception
         (an output constraint that cannot compile: its ValueError, since it compiles off the loop)."""
@@ -78,7 +82,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.engine.validate(list(prompt_token_ids), params, compile_constraint=False)
         self._sinks[request_id] = sink
-        add = (request_id, prompt, list(prompt_token_ids), params, kv_transfer_params)
+        add = (request_id, prompt, list(prompt_token_ids), params, kv_transfer_params, continuation)
         if params.structured_outputs is None:
             self._queue_add(add)
             return
@@ -111,13 +115,14 @@ class AsyncLLMEngine:
                  RequestFailedError(f"request {rid!r} could not start: {error!r}"))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       kv_transfer_params: dict | None = None, prompt: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       kv_transfer_params: dict | None = None, prompt: str | None = None,
+                       continuation: Continuation | None = None) -> AsyncIterator[RequestOutput]:
         """Stream outputs for one request. Raises ValueError for bad input (before any output),
         RequestFailedError if this request failed while it ran (the engine goes on), and
         EngineDeadError if the engine fails. Closing or cancelling the iterator aborts the request."""
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.submit(request_id, prompt_token_ids, params, queue.put_nowait, kv_transfer_params, prompt)
+        self.submit(request_id, prompt_token_ids, params, queue.put_nowait, kv_transfer_params, prompt,
+                    continuation)
         finished = False
         try:
             while not finished:
@@ -175,9 +180,10 @@ class AsyncLLMEngine:
             while True:
                 if self._pending_adds:
                     adds, self._pending_adds = self._pending_adds, []
-                    for rid, prompt, ids, params, kv_params in adds:
+                    for rid, prompt, ids, params, kv_params, continuation in adds:
                         try:
-                            self.engine.add_request(rid, prompt, ids, params, kv_transfer_params=kv_params)
+                            self.engine.add_request(rid, prompt, ids, params, kv_transfer_params=kv_params,
+                                                    continuation=continuation)
                         except Exception as e:  # noqa: BLE001 - e.g. a layout mismatch: this request only
                             sink = self._sinks.pop(rid, None)
                             if sink is not None:

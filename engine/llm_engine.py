@@ -26,7 +26,7 @@ from records.errors import EngineDeadError
 from records.kv_layout import KVLayout
 from records.lora import LoRARequest, read_adapter
 from records.outputs import KVEvent, ModelRunnerOutput, RequestOutput, SchedulerOutput
-from records.request import Request, RequestStatus
+from records.request import Continuation, Request, RequestStatus
 from records.sampling_params import SamplingParams, StructuredOutputsParams, validate_request
 
 # Steps in a row that may fail (each failing only its own requests) before the engine is declared
@@ -68,12 +68,15 @@ class LLMEngine:
     # --- intake -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                     params: SamplingParams, arrival_time: float | None = None,
-                    kv_transfer_params: dict[str, Any] | None = None) -> None:
+                    kv_transfer_params: dict[str, Any] | None = None,
+                    continuation: Continuation | None = None) -> None:
         """Validate and queue a request. Raises ValueError for bad input; nothing is queued then.
 
         `kv_transfer_params`: `{"do_remote_decode": True}` prefills here (max_tokens forced to 1)
         and leases the blocks for a decode engine (the output carries the parameters to pass it);
-        the parameters a prefill engine returned pull the prompt's KV from it instead of computing."""
+        the parameters a prefill engine returned pull the prompt's KV from it instead of computing.
+        `continuation`: the request resumes after tokens another replica generated (records/request.py);
+        its outputs carry only what comes after them."""
         if request_id in self.output.states or (self.kv_connector is not None
                                          and request_id in self.kv_connector.leases):
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -95,10 +98,28 @@ class LLMEngine:
         leader.fork_children = [leader.fork(rid, i) for i, rid in enumerate(ids[1:], start=1)]
         if kv_transfer_params:
             self._attach_transfer(leader, kv_transfer_params)
+        if continuation is not None:
+            self._check_continuation(prompt_token_ids, params, max_tokens, continuation,
+                                     kv_transfer_params is not None)
+            leader.resume(continuation.token_ids)
         children = [leader, *leader.fork_children]
-        self.output.add(request_id, prompt, prompt_token_ids, params, children, arrival)
+        self.output.add(request_id, prompt, prompt_token_ids, params, children, arrival, continuation)
         self.scheduler.add_request(leader)
         self.num_prompt_tokens += len(prompt_token_ids)
+
+    def _check_continuation(self, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
+                            continuation: Continuation, transfer: bool) -> None:
+        if params.n != 1 or params.prompt_logprobs is not None or transfer:
+            raise ValueError("continuation needs n == 1, prompt_logprobs None and no kv_transfer_params")
+        tokens = continuation.token_ids
+        vocab = self.config.model_config.vocab_size
+        if not tokens or any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
+            raise ValueError(f"continuation.token_ids must be a non-empty list of token ids in [0, {vocab})")
+        if len(tokens) >= max_tokens:
+            raise ValueError(f"continuation.token_ids has {len(tokens)} tokens; the request's max_tokens "
+                             f"({max_tokens}) leaves none to generate")
+        if continuation.num_chars < 0:
+            raise ValueError(f"continuation.num_chars must be >= 0; got {continuation.num_chars}")
 
     def _attach_transfer(self, request: Request, kv_transfer_params: dict[str, Any]) -> None:
         if self.kv_connector is None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from engine.text.tokenizer import IncrementalDetokenizer
 from records.outputs import CompletionOutput, Logprob, RequestOutput
-from records.request import FINISH_REASONS, Request, RequestStatus
+from records.request import FINISH_REASONS, Continuation, Request, RequestStatus
 from records.sampling_params import SamplingParams
 
 
@@ -97,9 +97,11 @@ class OutputProcessor:
         self.num_generation_tokens = 0
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            children: list[Request], arrival: float) -> None:
+            children: list[Request], arrival: float, continuation: Continuation | None = None) -> None:
         state = RequestState(request_id, prompt, prompt_token_ids, params,
                              [ChoiceState(r, self._detokenizer(r)) for r in children], arrival)
+        if continuation is not None:
+            self._resume(state.children[0], continuation)
         self.states[request_id] = state
         for i, r in enumerate(children):
             self.child_to_state[r.request_id] = (state, i)
@@ -158,6 +160,19 @@ class OutputProcessor:
         output = self.make_output(state)
         self.forget(state)
         return output
+
+    @staticmethod
+    def _resume(child: ChoiceState, continuation: Continuation) -> None:
+        """A continued request (its Request resumed already): its detokenizer replays the tokens
+        the client has, one at a time as they were first produced (so the text is the same), and
+        nothing before `num_chars` of that text or before those tokens goes out again."""
+        if child.detokenizer is not None:
+            child.text = "".join(child.detokenizer.update([t]) for t in continuation.token_ids)
+        k = len(continuation.token_ids)
+        child.num_seen = child.sent_tokens = k
+        child.sent_chars = min(continuation.num_chars, len(child.text))
+        if child.request.sampling_params.logprobs is not None:
+            child.logprobs = [{} for _ in range(k)]     # sent by the replica that produced them
 
     def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
         if self.tokenizer is None or not request.sampling_params.detokenize:

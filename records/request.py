@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from records.hashing import BlockHash, hash_block_tokens
@@ -15,6 +16,18 @@ from records.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from records.transfer import RemotePrefill
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """A request resumed on another replica after the one running it was lost (the router's
+    migration): the output tokens its client already has, and how many characters of their text it
+    was sent (a tail held back for a possible stop string is sent from here). The resuming engine
+    computes the prompt and these tokens (a prefix-cache hit where it has them), then generates on
+    as the lost one would have: max_tokens, min_tokens, penalties, stop strings and a seeded stream
+    count these tokens as its own."""
+    token_ids: tuple[int, ...]
+    num_chars: int = 0
 
 
 class RequestStatus(enum.IntEnum):
@@ -128,6 +141,18 @@ class Request:
         self.all_token_ids.append(token_id)
         if self.num_tokens % self.block_size == 0:
             self._update_block_hashes()
+
+    def resume(self, token_ids: tuple[int, ...] | list[int]) -> None:
+        """Take `token_ids` as output already generated (a Continuation, before the request is
+        scheduled): their KV is computed with the prompt's, as after a preemption by recompute.
+        Their logprobs went out from the replica that generated them: empty entries keep the lists
+        aligned with the output."""
+        assert not self.output_token_ids and self.num_computed_tokens == 0
+        for token_id in token_ids:
+            self.append_output_token(token_id)
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = [{} for _ in token_ids]
+            self.logprob_ranks = [0] * len(token_ids)
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop output tokens (and their logprobs) beyond the first `num_output_tokens`: the tokens

@@ -277,6 +277,11 @@ class ModelRunner:
             generator = self.generators.get(req.request_id)
             if generator is None:
                 generator = self.generators[req.request_id] = torch.Generator().manual_seed(req.seed)
+                # A request resumed after tokens another replica generated (records/request.py:
+                # Continuation) drew once per token there: skip as many, so its stream goes on
+                # where the lost replica's stopped (a request's own tokens all come after this).
+                for _ in req.output_token_ids:
+                    torch.rand((), generator=generator, dtype=torch.float64)
         return SamplingRow(req.sampling_params, generator, req.prompt_token_ids,
                            req.output_token_ids, req.eos_token_ids, req.request_id)
 
