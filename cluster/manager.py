@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,8 @@ from cluster.pool import EnginePool
 from records.errors import StartupError
 
 MANAGER_NAME = "pdserve-manager"
+# The resource Ray gives the head node alone.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 # Beyond the placement timeout, the time a placed replica's worker process may take to start (a
 # loaded machine starts a Python worker in seconds, not minutes).
 ACTOR_START_GRACE_S = 30.0
@@ -43,7 +46,9 @@ class ClusterManager:
         self.health_check_period_s = health_check_period_s
         self.placement_timeout_s = (config.placement_timeout_s if check_placement_timeout_s is None
                                     else check_placement_timeout_s)
-        self.version = 0
+        # Membership versions grow across restarts of this actor too (an ingress that saw version v
+        # of the manager before never mistakes a newer view for the one it has).
+        self.version = time.time_ns() // 1000
         self.phase = "starting"              # starting -> ready | failed
         self.reason: str | None = None       # why it failed
         self._startup: asyncio.Task | None = None
@@ -74,6 +79,16 @@ class ClusterManager:
 
     async def _start_up(self) -> None:
         try:
+            # A manager that restarted (its process or node died) or was made again finds the
+            # replicas of its spec alive (they are detached) and takes them over; the health checks
+            # replace the rest. Only a cluster with none starts its pools.
+            adopted = [r for pool in self.pools.values() for r in await pool.adopt()]
+            if adopted:
+                self.phase = "ready"
+                self._changed, self._wake = asyncio.Event(), asyncio.Event()
+                self._wake.set()                                 # check (and refill) the pools now
+                self._monitor = asyncio.get_running_loop().create_task(self._check_forever())
+                return
             await asyncio.to_thread(check_placement, self.config, self.placement_timeout_s)
             for pool in self.pools.values():
                 pool.start()
@@ -125,7 +140,9 @@ class ClusterManager:
 
     async def membership(self, version: int = -1, wait_s: float = 0.0) -> tuple[int, dict[str, dict[str, Any]]]:
         """(version, pool -> replica id -> handle). A long poll: when `version` is current, wait up to
-        `wait_s` for a change first."""
+        `wait_s` for a change first. A manager that just restarted answers once it has adopted
+        its replicas (never with empty pools meanwhile)."""
+        await asyncio.shield(self._start())
         if version == self.version and wait_s > 0 and self._changed is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), wait_s)
@@ -150,10 +167,15 @@ class ClusterManager:
 
 
 def get_or_create_manager(config: ClusterConfig) -> Any:
-    """The cluster's manager actor, created on first call (namespace = config.name)."""
+    """The cluster's manager actor, created on first call (namespace = config.name).
+
+    It runs on the head node (whose loss is the Ray cluster's: the GCS lives there), and Ray
+    restarts it whenever its process dies; the restarted actor adopts the pools' replicas
+    (`ClusterManager._start_up`). Calls made while it restarts wait for it."""
     return ray.remote(ClusterManager).options(
         name=MANAGER_NAME, namespace=config.name, get_if_exists=True, lifetime="detached",
-        num_cpus=0, max_concurrency=1000).remote(config)
+        num_cpus=0, resources={HEAD_NODE_RESOURCE: 0.001}, max_restarts=-1, max_task_retries=-1,
+        max_concurrency=1000).remote(config)
 
 
 @dataclass(frozen=True)

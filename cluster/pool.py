@@ -17,6 +17,7 @@ bumps `generation`, which is what the ingress follows (`ClusterManager.membershi
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -56,13 +57,58 @@ class EnginePool:
         self._next_index += 1
         single = self.spec.world_size == 1
         threads = max(1, int(self.spec.num_cpus)) if single else 1
+        # Detached: a replica outlives the manager that made it (a restarted manager adopts it),
+        # and the pool kills it itself (drop, shutdown).
         handle = ray.remote(EngineReplica).options(
-            name=f"{self.namespace}-{replica_id}", max_concurrency=1000,
+            name=self._actor_name(replica_id), namespace=self.namespace, lifetime="detached",
+            max_concurrency=1000,
             num_cpus=self.spec.num_cpus if single else REPLICA_ACTOR_CPUS,
             num_gpus=self.spec.num_gpus if single else 0,
             resources=dict(self.spec.resources) if single else {},
-        ).remote(self.engine_config, replica_id, threads, load=False)
+        ).remote(self.engine_config, replica_id, threads, load=False, tag=self.tag)
         return replica_id, handle
+
+    def _actor_name(self, replica_id: str) -> str:
+        return f"{self.namespace}-{replica_id}"
+
+    @property
+    def tag(self) -> str:
+        """What the replicas of this pool and spec carry (`EngineReplica.info()["tag"]`): a manager
+        adopts only replicas with its own tag."""
+        digest = hashlib.sha256(f"{self.spec.model_dump_json()}{self.engine_config!r}".encode()).hexdigest()
+        return f"{self.name}:{digest[:16]}"
+
+    async def adopt(self) -> list[str]:
+        """Take over this pool's live replicas from a manager that is gone (found by their names;
+        those of another spec, with another tag, are killed): loaded ones serve at once, loading
+        ones join when loaded. Returns the ids adopted."""
+        prefix = self._actor_name(f"{self.name}-")
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == self.namespace and a["name"].startswith(prefix)
+                 and a["name"][len(prefix):].isdigit()]
+        adopted = []
+        for name in sorted(names, key=lambda n: int(n[len(prefix):])):
+            replica_id = name[len(self.namespace) + 1:]
+            self._next_index = max(self._next_index, int(name[len(prefix):]) + 1)
+            try:
+                handle = ray.get_actor(name, namespace=self.namespace)
+                info = await asyncio.wait_for(handle.info.remote(), self.check_timeout_s)
+            except Exception as e:  # noqa: BLE001 - dead or unreachable: the health check replaces it
+                logger.warning("pool %s: not adopting %s: %s", self.name, replica_id, type(e).__name__)
+                continue
+            if info.get("tag") != self.tag:
+                logger.warning("pool %s: killing %s, a replica of another spec", self.name, replica_id)
+                ray.kill(handle, no_restart=True)
+                continue
+            if info["loaded"]:
+                self.replicas[replica_id] = handle
+            else:
+                self._bring_up_later(replica_id, handle)
+            adopted.append(replica_id)
+        if adopted:
+            logger.warning("pool %s: adopted replicas %s", self.name, adopted)
+            self.on_change()
+        return adopted
 
     def start(self) -> None:
         for _ in range(self.spec.replicas):
@@ -132,7 +178,9 @@ class EnginePool:
         self.on_change()
 
     def _start_replacement(self) -> None:
-        replica_id, handle = self._spawn()
+        self._bring_up_later(*self._spawn())
+
+    def _bring_up_later(self, replica_id: str, handle: Any) -> None:
         self.starting[replica_id] = handle
         task = asyncio.get_running_loop().create_task(self._bring_up(replica_id, handle))
         self._tasks.add(task)

@@ -28,6 +28,7 @@ from engine.async_engine import AsyncLLMEngine, request_error
 from pdserve_proto.kv_events import encode_kv_events
 from records.config import EngineConfig
 from records.outputs import AllCleared, BlockStored, KVEvent, RequestOutput, StepDelta
+from records.request import Continuation
 from records.sampling_params import SamplingParams
 
 MAX_EVENT_LOG = 100_000
@@ -59,10 +60,12 @@ class _Outbox:
 
 class EngineReplica:
     def __init__(self, config: EngineConfig, replica_id: str = "replica-0", num_threads: int | None = None,
-                 load: bool = True) -> None:
+                 load: bool = True, tag: str = "") -> None:
         """`load=False` defers loading the model to `load()`: an actor built that way answers
         `info()` as soon as Ray has placed it, so a pool tells "not placed" (a resource the cluster
-        lacks, reported within the placement timeout) from "still loading" (as long as it takes)."""
+        lacks, reported within the placement timeout) from "still loading" (as long as it takes).
+        `tag`: what its pool knows it by (a restarted manager adopts the replicas of its own spec)."""
+        self.tag = tag
         if num_threads:
             # A Ray actor with num_cpus=1 runs torch single-threaded unless told otherwise.
             import torch  # noqa: PLC0415
@@ -87,6 +90,7 @@ class EngineReplica:
         mc, cc = self.config.model_config, self.config.cache_config
         kvt = self.config.kv_transfer_config
         return {"replica_id": self.replica_id, "pid": os.getpid(), "loaded": self.engine is not None,
+                "tag": self.tag,
                 "block_size": cc.block_size,
                 "kv_connector": kvt.kv_connector if kvt else None,
                 "max_model_len": mc.max_model_len, "max_num_seqs": self.config.scheduler_config.max_num_seqs}
@@ -113,16 +117,18 @@ class EngineReplica:
             self._outboxes.pop(ingress_id, None)
 
     def submit(self, ingress_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               kv_transfer_params: dict | None = None) -> None:
-        """Start a request whose deltas go to `ingress_id`'s channel. Raises ValueError for bad input
-        and EngineDeadError for a dead engine (nothing runs then)."""
+               kv_transfer_params: dict | None = None, continuation: Continuation | None = None) -> None:
+        """Start a request whose deltas go to `ingress_id`'s channel (`continuation`: a stream
+        migrated from a lost replica, resumed after the tokens it sent). Raises ValueError for bad
+        input and EngineDeadError for a dead engine (nothing runs then)."""
         box = self._outboxes.setdefault(ingress_id, _Outbox())     # the channel may open just after
 
         def sink(item: RequestOutput | BaseException) -> None:
             box.put(StepDelta.failure(request_id, item) if isinstance(item, BaseException)
                     else StepDelta.of_output(item, request_error(item)))
 
-        self.engine.submit(request_id, prompt_token_ids, _deltas(params), sink, kv_transfer_params)
+        self.engine.submit(request_id, prompt_token_ids, _deltas(params), sink, kv_transfer_params,
+                           continuation=continuation)
         box.request_ids.add(request_id)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

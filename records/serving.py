@@ -51,6 +51,10 @@ class RoutingSpec(StrictSpec):
     imbalance_threshold: int = PolicyConfig.imbalance_threshold
     adapter_weight: float = PolicyConfig.adapter_weight     # a LoRA request's pull to replicas that ran its adapter
     stats_interval_s: float = Field(0.5, gt=0)  # replica stats (KV usage) refresh period
+    # How many times one stream may move to another replica of its pool when its own is lost (node
+    # loss, actor or engine death): the new replica resumes after the tokens already streamed. 0
+    # ends such a stream with an error at once (as Dynamo's migration_limit 0).
+    max_migrations: int = Field(3, ge=0)
 
     def model_post_init(self, _: Any) -> None:
         self.policy()

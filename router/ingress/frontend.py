@@ -78,13 +78,14 @@ class Frontend:
         self.manager = manager
         report = lambda replica_id: self.manager.report_failure.remote(replica_id)  # noqa: E731
         on_failure = report if manager is not None else None
+        migrations = config.routing.max_migrations
         decode = RequestRouter("decode", replicas or {}, info.block_size, policy(), self.metrics,
-                               config.routing.stats_interval_s, on_failure)
+                               config.routing.stats_interval_s, on_failure, migrations)
         self.pools: dict[str, RequestRouter] = {"decode": decode}
         self.router: RequestRouter | PDRouter = decode
         if config.mode == "disaggregated":
             prefill = RequestRouter("prefill", prefill_replicas or {}, info.block_size, policy(),
-                                    self.metrics, config.routing.stats_interval_s, on_failure)
+                                    self.metrics, config.routing.stats_interval_s, on_failure, migrations)
             self.pools["prefill"] = prefill
             self.router = PDRouter(prefill, decode, self.metrics, config.disaggregation.min_remote_prefill_tokens,
                                    config.disaggregation.prefill_backlog_factor)

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from records.outputs import StepDelta
+from records.request import Continuation
 from records.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,10 @@ class ReplicaChannel:
         self._receiver: asyncio.Task | None = None
 
     async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     kv_transfer_params: dict | None = None) -> AsyncIterator[StepDelta]:
-        """Run one request on the replica and stream its StepDeltas. Raises what the replica raised
+                     kv_transfer_params: dict | None = None, continuation: Continuation | None = None
+                     ) -> AsyncIterator[StepDelta]:
+        """Run one request on the replica and stream its StepDeltas (`continuation`: resumed after
+        tokens a lost replica sent, EngineReplica.submit). Raises what the replica raised
         on submit (ValueError for bad input), the error a delta carries (RequestFailedError,
         EngineDeadError, ...), or the Ray error of a dead replica. Stopping early aborts it."""
         self._open()
@@ -47,7 +50,7 @@ class ReplicaChannel:
         finished = False
         try:
             await self.handle.submit.remote(self.ingress_id, request_id, prompt_token_ids, params,
-                                            kv_transfer_params)
+                                            kv_transfer_params, continuation)
             while not finished:
                 delta = await queue.get()
                 if isinstance(delta, BaseException):

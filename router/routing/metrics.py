@@ -167,6 +167,13 @@ class ServingMetrics:
         self.errors = r.counter("pdserve:request_errors_total", "Rejected or failed requests by status code.")
         self.decisions = r.counter("pdserve:router_decisions_total", "Routing decisions by reason.")
         self.in_flight = r.gauge("pdserve:requests_in_flight", "Requests the ingress is serving.")
+        self.migrations = r.counter("pdserve:request_migrations_total",
+                                    "Streams moved to another replica after theirs was lost, by pool.")
+        self.migration_failures = r.counter(
+            "pdserve:request_migration_failures_total",
+            "Streams that ended with an error when their replica was lost, by pool and reason "
+            "(limit: past routing.max_migrations; no_replica: none left; not_migratable: n > 1 or "
+            "prompt logprobs already streaming).")
 
     def set_engine_stats(self, pool: str, replica: str, stats: dict) -> None:
         for key, metric in self.engine.items():

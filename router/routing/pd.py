@@ -35,12 +35,13 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, ObjectLostError, RayActorError
 
 from pdserve_proto.kv_events import decode_kv_events
-from records.errors import NoReplicaError, ReplicaDiedError, SchemaVersionMismatch
+from records.errors import EngineDeadError, NoReplicaError, ReplicaDiedError, SchemaVersionMismatch
 from records.hashing import hash_block_tokens
 from records.outputs import StepDelta
+from records.request import Continuation
 from records.sampling_params import SamplingParams
 from router.routing.channel import ReplicaChannel
 from router.routing.metrics import ServingMetrics
@@ -57,11 +58,13 @@ logger = logging.getLogger(__name__)
 class RequestRouter:
     def __init__(self, pool: str, replicas: dict[str, Any], block_size: int, policy: RoutingPolicy,
                  metrics: ServingMetrics, stats_interval_s: float = 0.5,
-                 on_replica_failure: Callable[[str], None] | None = None) -> None:
+                 on_replica_failure: Callable[[str], None] | None = None, max_migrations: int = 3) -> None:
         """replicas: replica id -> Ray actor handle of an EngineReplica; on_replica_failure: called
         with a replica's id when a call to it failed because its actor is gone (the ingress tells the
-        manager, which replaces it)."""
+        manager, which replaces it); max_migrations: how many times one stream may move to another
+        replica when its own is lost (`generate`)."""
         self.pool = pool
+        self.max_migrations = max_migrations
         self.replicas: dict[str, Any] = {}
         self.block_size = block_size
         self.policy = policy
@@ -214,31 +217,74 @@ class RequestRouter:
                        prefill_tokens: int | None = None) -> AsyncIterator[StepDelta]:
         """Stream the chosen replica's StepDeltas (routing first unless `decision` is given). If the
         consumer stops early (client disconnect), the request is aborted on the replica, which
-        frees its blocks. If the replica dies before it streamed anything, the request goes to
-        another one; after that, it fails with ReplicaDiedError. `prefill_tokens`: the prompt
-        tokens the replica computes before the first token (default: those past its cache hit),
-        counted in its backlog until then (`ReplicaLoad.prefill_tokens`)."""
+        frees its blocks. `prefill_tokens`: the prompt tokens the replica computes before the first
+        token (default: those past its cache hit), counted in its backlog until then
+        (`ReplicaLoad.prefill_tokens`).
+
+        A replica lost under the request (its actor or node died, its engine stopped): if it had
+        streamed nothing, the request goes to another replica as it was. Mid-stream, the stream
+        migrates, up to `max_migrations` times: another replica resumes it after the tokens already
+        streamed (records/request.py: Continuation; it computes the prompt and those tokens itself,
+        from its prefix cache where it holds them) and the consumer reads on, one stream. Past the
+        limit, with no replica left, or for a stream that cannot resume (n > 1, prompt logprobs
+        partly streamed) it ends with ReplicaDiedError naming the replica."""
         decision = decision or self.route(prompt_token_ids, params)
+        progress = _Progress()
+        started = time.monotonic()
         while True:
-            streamed = False
-            backlog = self.uncached_tokens(len(prompt_token_ids), decision) if prefill_tokens is None \
-                else prefill_tokens
+            continuation = progress.continuation()
+            if continuation is not None:
+                backlog = self.uncached_tokens(len(prompt_token_ids) + len(continuation.token_ids), decision)
+            elif prefill_tokens is None:
+                backlog = self.uncached_tokens(len(prompt_token_ids), decision)
+            else:
+                backlog = prefill_tokens
             try:
                 async for delta in self._stream(decision.replica_id, request_id, prompt_token_ids, params,
-                                                kv_transfer_params, backlog):
-                    streamed = True
-                    yield delta
+                                                kv_transfer_params, backlog, continuation, started):
+                    progress.add(delta)
+                    # The resuming replica's cache hit covers tokens the client already has.
+                    yield delta if continuation is None else dataclasses.replace(delta, num_cached_tokens=0)
                 return
-            except RayActorError as e:
+            except Exception as e:
+                if not replica_lost(e):
+                    raise
                 self.mark_down(decision.replica_id, e)
-                if streamed:
-                    raise ReplicaDiedError(
-                        f"{self.pool} engine replica {decision.replica_id} died while running request "
-                        f"{request_id}; retry the request") from None
+                lost = decision.replica_id
+            if not progress.streamed:
                 decision = self.route(prompt_token_ids, params)      # NoReplicaError when none is left
+                continue
+            decision, params = self._migrate(request_id, lost, prompt_token_ids, params, progress)
+            kv_transfer_params = None           # the resuming replica computes the prompt itself
+
+    def _migrate(self, request_id: str, lost: str, prompt_token_ids: list[int], params: SamplingParams,
+                 progress: _Progress) -> tuple[Decision, SamplingParams]:
+        """Where a stream whose replica was lost goes on, and the params it resumes with; raises
+        ReplicaDiedError when it cannot (the reason counted in the metrics)."""
+        def fail(reason: str, why: str) -> ReplicaDiedError:
+            self.metrics.migration_failures.inc(pool=self.pool, reason=reason)
+            return ReplicaDiedError(f"{self.pool} engine replica {lost} died while running request "
+                                    f"{request_id}{why}; retry the request")
+
+        if params.n != 1 or (progress.prompt_logprobs and not progress.token_ids):
+            raise fail("not_migratable", " (a stream with n > 1 or prompt logprobs under way cannot move)")
+        if progress.migrations >= self.max_migrations:
+            raise fail("limit", f" after {progress.migrations} migrations (routing.max_migrations)")
+        if params.prompt_logprobs is not None:          # all streamed before the first token
+            params = dataclasses.replace(params, prompt_logprobs=None)
+        try:
+            decision = self.route(prompt_token_ids + progress.token_ids, params)
+        except NoReplicaError:
+            raise fail("no_replica", " and no other replica is available") from None
+        progress.migrations += 1
+        self.metrics.migrations.inc(pool=self.pool)
+        logger.warning("%s request %s: replica %s lost after %d tokens; resuming on %s", self.pool, request_id,
+                       lost, len(progress.token_ids), decision.replica_id)
+        return decision, params
 
     async def _stream(self, replica_id: str, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, kv_transfer_params: dict | None, prefill_tokens: int = 0
+                      params: SamplingParams, kv_transfer_params: dict | None, prefill_tokens: int = 0,
+                      continuation: Continuation | None = None, started: float | None = None
                       ) -> AsyncIterator[StepDelta]:
         channel = self._channels.get(replica_id)
         if channel is None:
@@ -246,11 +292,13 @@ class RequestRouter:
         load = self.loads[replica_id]
         load.in_flight += 1
         load.prefill_tokens += prefill_tokens
-        start = time.monotonic()
-        last = None
+        start = time.monotonic() if started is None else started
+        # A resumed stream's first token is not the request's (its time to first token went out).
+        last = None if continuation is None else time.monotonic()
         finished = False
         try:
-            async for delta in channel.stream(request_id, prompt_token_ids, params, kv_transfer_params):
+            async for delta in channel.stream(request_id, prompt_token_ids, params, kv_transfer_params,
+                                              continuation):
                 now = time.monotonic()
                 new_tokens = sum(len(c.token_ids) for c in delta.choices)
                 if new_tokens or delta.finished:
@@ -277,6 +325,33 @@ class RequestRouter:
         for channel in self._channels.values():
             channel.close()
         self._followers, self._stats_task, self._channels = {}, None, {}
+
+
+def replica_lost(error: BaseException) -> bool:
+    """Whether a request failed because its replica is gone (its actor or node died, its output
+    channel broke, its engine stopped), rather than for something of the request's own."""
+    return isinstance(error, (RayActorError, ObjectLostError, EngineDeadError, ConnectionError))
+
+
+@dataclasses.dataclass
+class _Progress:
+    """What the consumer of one stream has had so far (its first choice): what a migration resumes."""
+    streamed: bool = False
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_chars: int = 0
+    prompt_logprobs: bool = False
+    migrations: int = 0
+
+    def add(self, delta: StepDelta) -> None:
+        self.streamed = True
+        self.prompt_logprobs = self.prompt_logprobs or bool(delta.prompt_logprobs)
+        for c in delta.choices:
+            if c.index == 0:
+                self.token_ids += c.token_ids
+                self.num_chars += len(c.text)
+
+    def continuation(self) -> Continuation | None:
+        return Continuation(tuple(self.token_ids), self.num_chars) if self.token_ids else None
 
 
 class PDRouter:

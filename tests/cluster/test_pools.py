@@ -8,7 +8,8 @@
 - Replacement: on a real Serve app (127.0.0.1) with two decode replicas, killing one replica's actor
   leaves the service answering (requests routed to the dead replica go to the other one), the pool
   starts a replacement that joins the routing, and a request that was streaming from a replica
-  when it died ends with a clear 503 error.
+  when it died goes on from the other one, reading as one stream. A manager whose process dies
+  is restarted by Ray and adopts the live replicas, and heals the pool afterwards.
 - `pdserve serve` (no config: 1 prefill + 1 decode replica over NIXL) answers a completion and the
   serving benchmarks (benchmarks/serve.py, benchmarks/compare.py) and, on SIGINT to its process
   group (Ctrl-C), exits 0 leaving no Ray process behind; with `serving.direct_ingress` the
@@ -239,25 +240,61 @@ def test_killed_replica_is_replaced_while_the_service_keeps_answering(heal):
 
 
 @pytest.mark.ray
-def test_request_streaming_from_a_dying_replica_fails_clearly(heal):
+def test_a_stream_whose_replica_dies_migrates_and_reads_as_one(heal):
+    """The replica streaming a request is killed mid-decode: the stream goes on from another replica
+    (resumed after the tokens already sent), and the client reads the same text, token count and
+    finish reason as an uninterrupted run; the migration is counted in /metrics."""
     import ray
 
     manager, client = heal["manager"], heal["client"]
-    stream = client.completions.create(model=heal["model"], prompt="Count slowly:", max_tokens=1800,
-                                       temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    kwargs = dict(model=heal["model"], prompt="Count slowly:", max_tokens=1500, temperature=0.0,
+                  extra_body={"ignore_eos": True})
+    expected = client.completions.create(**kwargs).choices[0].text
+    stream = client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
     chunks = iter(stream)
-    next(chunks)
+    text = [next(chunks).choices[0].text]
     _, pools = ray.get(manager.membership.remote())
     running = [r for r, h in pools["decode"].items() if ray.get(h.stats.remote())["num_requests_running"]]
     assert len(running) == 1, running
     ray.kill(pools["decode"][running[0]], no_restart=True)
-    with pytest.raises(openai.APIError, match=f"replica {running[0]} died while running request"):
-        for _ in chunks:
-            pass
+    finish, usage = None, None
+    for chunk in chunks:
+        if chunk.choices:
+            text.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    assert "".join(text) == expected
+    assert (finish, usage.completion_tokens) == ("length", 1500)
+    metrics = httpx.get(f"{heal['base']}/metrics", timeout=10).text
+    assert 'pdserve:request_migrations_total{pool="decode"} 1' in metrics, metrics
     _wait_for_membership(manager, running[0], 2)
-    out = client.completions.create(model=heal["model"], prompt="still there?", max_tokens=3, temperature=0.0,
+
+
+@pytest.mark.ray
+def test_a_restarted_manager_adopts_the_replicas_and_heals_on(heal):
+    """The manager's process dies (Ray restarts it): the restarted manager takes over the live
+    replicas (same processes, none restarted) while the service keeps answering, and heals the
+    pool afterwards (a replica killed then is replaced)."""
+    import ray
+
+    manager, client = heal["manager"], heal["client"]
+    _, pools = ray.get(manager.membership.remote())
+    pids = {r: ray.get(h.info.remote())["pid"] for r, h in pools["decode"].items()}
+    stream = client.completions.create(model=heal["model"], prompt="Count:", max_tokens=300, temperature=0.0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    ray.kill(manager, no_restart=False)                       # its process dies; Ray starts it again
+    out = client.completions.create(model=heal["model"], prompt="meanwhile", max_tokens=3, temperature=0.0,
                                     extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 3
+    assert sum(1 for _ in chunks) > 0                         # the stream went on
+    _, after = ray.get(manager.membership.remote())
+    assert {r: ray.get(h.info.remote())["pid"] for r, h in after["decode"].items()} == pids
+    victim = sorted(after["decode"])[0]
+    ray.kill(after["decode"][victim], no_restart=True)
+    healed = _wait_for_membership(manager, victim, 2)
+    assert victim not in healed and len(healed) == 2
 
 
 # --- pdserve serve and Ctrl-C ----------------------------------------------------------------------

@@ -129,3 +129,70 @@ def test_a_backlogged_prefill_pool_leaves_prompts_to_the_decode_replica(tiny_lla
 
     assert asyncio.run(run()) == 3
     assert (d_load.prefill_tokens, d_load.in_flight) == (0, 0)
+
+
+def test_a_stream_whose_replica_is_lost_migrates_and_fails_clearly_past_the_limit(tiny_llama):
+    """RequestRouter.generate: a replica lost mid-stream (its channel broke, its engine stopped) has
+    the stream resumed on another replica after the tokens already sent (their text's length too);
+    the consumer reads one stream. With no replica left, past routing.max_migrations, or with
+    n > 1 it ends with ReplicaDiedError saying why, and each outcome is counted."""
+    import asyncio
+    import dataclasses
+
+    from cluster.config import ClusterConfig
+    from records.errors import EngineDeadError, ReplicaDiedError
+    from records.outputs import ChoiceDelta, StepDelta
+    from records.request import Continuation
+    from records.sampling_params import SamplingParams
+    from router.ingress.frontend import Frontend
+
+    config = ClusterConfig(model=tiny_llama, pools={"decode": {"replicas": 2}}, routing={"max_migrations": 2})
+    router = Frontend(config.ingress_spec(), {"decode-0": None, "decode-1": None}).router
+    ids, params = list(range(5, 40)), SamplingParams(max_tokens=6)
+    resumed = []
+
+    class Channel:
+        """Streams tokens 100, 101, ... from where the continuation leaves off; dies after `dies_after`."""
+        def __init__(self, dies_after: int | None, error: BaseException) -> None:
+            self.dies_after, self.error = dies_after, error
+
+        async def stream(self, rid, prompt, p, kv, continuation=None):
+            resumed.append(continuation)
+            done = len(continuation.token_ids) if continuation else 0
+            for n, i in enumerate(range(done, 6)):
+                if n == self.dies_after:
+                    raise self.error
+                yield StepDelta(rid, [ChoiceDelta(0, [100 + i], f"t{i} ")], i == 5, len(prompt))
+
+    async def run(channels: dict, p: SamplingParams = params) -> list[int]:
+        router.down.clear()
+        router._channels = dict(channels)
+        first = sorted(channels)[0]
+        decision = dataclasses.replace(router.route(ids, p), replica_id=first)
+        return [t async for d in router.generate("r", ids, p, decision) for t in d.choices[0].token_ids]
+
+    chans = {"decode-0": Channel(2, ConnectionError("the replica closed its output channel")),
+             "decode-1": Channel(None, RuntimeError())}
+    assert asyncio.run(run(chans)) == [100, 101, 102, 103, 104, 105]
+    assert resumed == [None, Continuation((100, 101), 6)]
+    assert router.down == {"decode-0"} and router.metrics.migrations.get(pool="decode") == 1
+    # Both replicas die in turn: none is left for a second migration.
+    def dying() -> dict:
+        return {"decode-0": Channel(1, EngineDeadError("engine is dead")), "decode-1": Channel(1, ConnectionError())}
+
+    resumed.clear()
+    with pytest.raises(ReplicaDiedError, match="replica decode-1 died while running request r and no other "
+                                               "replica is available"):
+        asyncio.run(run(dying()))
+    assert resumed == [None, Continuation((100,), 3)]
+    assert router.metrics.migration_failures.get(pool="decode", reason="no_replica") == 1
+    router.max_migrations = 0                                  # past the limit at once
+    with pytest.raises(ReplicaDiedError, match=r"replica decode-0 died while running request r after 0 "
+                                               r"migrations \(routing.max_migrations\)"):
+        asyncio.run(run(dying()))
+    router.max_migrations = 2
+    with pytest.raises(ReplicaDiedError, match=r"n > 1 .* cannot move"):
+        asyncio.run(run(dying(), dataclasses.replace(params, n=2)))
+    assert router.metrics.migration_failures.get(pool="decode", reason="not_migratable") == 1
+    assert router.metrics.migrations.get(pool="decode") == 2
+    assert all(load.in_flight == 0 and load.prefill_tokens == 0 for load in router.loads.values())
