@@ -37,6 +37,10 @@ def placement_problems(config: ClusterConfig, nodes: list[dict[str, float]]) -> 
     replica pending forever."""
     problems = []
     needed: dict[str, float] = {"CPU": required_ingress_cpus(config)}
+    ingress = {"CPU": config.serving.ingress_num_cpus, **config.serving.ingress_resources}
+    if not any(all(node.get(k, 0.0) >= v for k, v in ingress.items()) for node in nodes):
+        problems.append(f"serving: no node can hold an ingress replica's {fmt_resources(ingress)} "
+                        f"(ingress_num_cpus, ingress_resources)")
     for name, spec in config.pools.items():
         for bundle in replica_bundles(spec):
             if not any(all(node.get(k, 0.0) >= v for k, v in bundle.items()) for node in nodes):

@@ -103,6 +103,10 @@ class ServingSpec(StrictSpec):
     max_body_bytes: int = Field(4 << 20, ge=1024)
     ingress_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.1, gt=0)
+    # Custom resources an ingress replica needs (Ray's `resources`): what pins it to some nodes. A
+    # stream passes through its ingress replica, and one whose node is lost ends there (the engine
+    # side migrates, the client's connection cannot): keep ingresses off the nodes you expect to lose.
+    ingress_resources: dict[str, float] = Field(default_factory=dict)
     # The gRPC Generation service (pdserve_proto/pdserve.proto) through Serve's gRPC proxy on this
     # port; None serves HTTP only. Serve's gRPC proxy listens on every interface ([::]), which Ray
     # does not let us narrow: keep the port firewalled (or set api_key, which gRPC enforces too).

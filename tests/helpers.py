@@ -41,17 +41,19 @@ def wait_healthy(base: str, timeout_s: float = 180.0, check: Callable[[], None] 
 
 
 @contextlib.contextmanager
-def simulated_cluster(num_nodes: int, cpus_per_node: float, namespace: str) -> Iterator[object]:
+def simulated_cluster(num_nodes: int, cpus_per_node: float, namespace: str,
+                      head_resources: dict[str, float] | None = None) -> Iterator[object]:
     """A Ray cluster of `num_nodes` simulated nodes on loopback (`ray.cluster_utils.Cluster`, each
-    node its own raylet with its own resources), this process connected to it; shut down on exit.
-    A Ray this process had joined before is left first."""
+    node its own raylet with its own resources; the head node has `head_resources` too), this
+    process connected to it; shut down on exit. A Ray this process had joined before is left first."""
     import ray
     import ray._private.ray_constants as ray_constants
     from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, "node_ip_address": "127.0.0.1"})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, "node_ip_address": "127.0.0.1",
+                                                            "resources": dict(head_resources or {})})
     for _ in range(num_nodes - 1):
         cluster.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1")
     # ray.init rewrites a 127.0.0.1 address to this machine's outward IP, where the simulated nodes

@@ -65,7 +65,8 @@ def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
     the handle of the cluster's manager (creating it on first use), which owns the pools; the
     launcher (cluster/app.py) hands it over, so that this package never imports cluster/."""
     @serve.deployment(name="openai-ingress", num_replicas=spec.serving.ingress_replicas,
-                      ray_actor_options={"num_cpus": spec.serving.ingress_num_cpus},
+                      ray_actor_options={"num_cpus": spec.serving.ingress_num_cpus,
+                                         "resources": dict(spec.serving.ingress_resources)},
                       max_ongoing_requests=max(spec.serving.max_in_flight * 2, 100))
     @serve.ingress(fastapi_app)
     class OpenAIIngress:

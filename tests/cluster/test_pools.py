@@ -62,6 +62,11 @@ def test_placement_problems_name_the_pool_and_resource():
     assert any("pools.decode" in p and "GPU: 1" in p for p in problems), problems
     assert any("need 2 GPU in all; the cluster has 0" in p for p in problems), problems
     assert placement_problems(gpu_pool, [{"CPU": 4.0, "GPU": 1.0}, {"CPU": 4.0, "GPU": 1.0}]) == []
+    pinned = ClusterConfig(serving={"ingress_resources": {"frontend": 0.01}})
+    assert placement_problems(pinned, [cpu_node]) == [
+        "serving: no node can hold an ingress replica's {CPU: 0.1, frontend: 0.01} (ingress_num_cpus, "
+        "ingress_resources)"]
+    assert placement_problems(pinned, [cpu_node, {"CPU": 1.0, "frontend": 1.0}]) == []
     # Each replica fits a node, but three do not fit two GPUs.
     three = ClusterConfig(pools={"decode": {"replicas": 3, "num_gpus": 1}})
     assert placement_problems(three, [{"CPU": 4.0, "GPU": 2.0}]) == [

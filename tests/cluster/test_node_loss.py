@@ -1,0 +1,221 @@
+"""Losing a node the way it happens, on a simulated multi-node Ray cluster (`ray.cluster_utils`,
+each node its own raylet on loopback): the node's processes are killed at once (its raylet
+included, no goodbye to the GCS), while the official `openai` client streams from a real Serve app.
+
+- Colocated: 32 greedy streams over 2 decode replicas on two nodes; one node dies mid-decode. Every
+  stream completes, with one engine's text and token count (its streams migrated to the other
+  replica); the survivor holds no request or block afterwards; a node added later gets the
+  replacement and the pool is whole again.
+- Pipelined: 2 decode replicas of two stages each, every stage on a node of its own; the node of
+  one replica's second stage dies mid-decode. That replica is torn down whole (its other stage's
+  worker and its placement group go with it), its streams finish on the other replica, and the
+  replacement is placed on what is left plus a node added for it.
+
+Engine nodes carry an `engine` resource (one stage or replica per node); the head node holds the
+manager, Serve and the ingress (pinned there by `serving.ingress_resources`: a client's stream
+passes through its ingress replica, which no engine-side migration can replace)."""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+from helpers import free_port, simulated_cluster
+
+from records.sampling_params import SamplingParams
+
+ENGINE = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 32}
+SERVING = {"wait_for_pools": False, "ingress_resources": {"frontend": 0.01}}
+HEAL_TIMEOUT_S = 180.0
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    """The head node only (manager, ingress, Serve); the tests add and remove engine nodes."""
+    pytest.importorskip("ray", reason="needs ray (make setup installs it)")
+    with simulated_cluster(1, 3, "pdserve-test-node-loss", head_resources={"frontend": 1}) as cluster:
+        yield cluster
+
+
+def add_engine_node(cluster, num_cpus: float = 2) -> object:
+    node = cluster.add_node(num_cpus=num_cpus, resources={"engine": 1}, node_ip_address="127.0.0.1")
+    cluster.wait_for_nodes()
+    return node
+
+
+def kill_node(cluster, node) -> None:
+    """Kill every process of the node at once, its raylet included (no graceful unregistering)."""
+    cluster.remove_node(node, allow_graceful=False)
+
+
+def actor_nodes() -> dict[str, str]:
+    """Live actor name (or class, for unnamed worker ranks) -> node id."""
+    from ray.util.state import list_actors
+
+    return {a.name or f"{a.class_name}:{a.actor_id}": a.node_id
+            for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)}
+
+
+def expected_outputs(model: str, prompts: list[str], max_tokens: int) -> list[str]:
+    """One colocated engine's greedy text for each prompt (the oracle of the served runs)."""
+    from engine.llm import LLM
+
+    with LLM(model, **ENGINE) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return [o.outputs[0].text for o in outs]
+
+
+async def stream_all(base: str, prompts: list[str], max_tokens: int, on_all_started) -> list[tuple[str, int, str]]:
+    """Stream every prompt at once; `on_all_started()` runs (in a thread) once each stream has
+    had a token. Returns (text, completion tokens, finish reason) per prompt."""
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
+    model = (await client.models.list()).data[0].id
+    started = asyncio.Event()
+    count = 0
+
+    async def one(prompt: str) -> tuple[str, int, str]:
+        nonlocal count
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        text, usage, finish, first = [], None, None, True
+        async for chunk in stream:
+            if chunk.choices:
+                text.append(chunk.choices[0].text)
+                finish = chunk.choices[0].finish_reason or finish
+                if first:
+                    first, count = False, count + 1
+                    if count == len(prompts):
+                        started.set()
+            usage = chunk.usage or usage
+        return "".join(text), usage.completion_tokens, finish
+
+    tasks = [asyncio.create_task(one(p)) for p in prompts]
+    await started.wait()
+    await asyncio.to_thread(on_all_started)
+    return await asyncio.gather(*tasks)
+
+
+def wait_for_pool(manager, pool: str, size: int, without: set[str]) -> dict:
+    import ray
+
+    deadline = time.monotonic() + HEAL_TIMEOUT_S
+    while True:
+        _, pools = ray.get(manager.membership.remote())
+        if len(pools[pool]) == size and not without & set(pools[pool]):
+            return pools[pool]
+        assert time.monotonic() < deadline, f"the pool was not healed: {ray.get(manager.pool_status.remote())}"
+        time.sleep(0.5)
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=60).text
+    return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+
+
+def served(nodes, config):
+    """Deploy `config` on the simulated cluster; (base URL, its manager)."""
+    import ray
+
+    from cluster.launch import serve_cluster
+    from cluster.manager import MANAGER_NAME
+
+    serve_cluster(config, blocking=False)
+    return f"http://127.0.0.1:{config.serving.port}", ray.get_actor(MANAGER_NAME, namespace=config.name)
+
+
+PROMPTS = [f"Stream {i} of the node loss test tells a story about the river number {i}:" for i in range(32)]
+
+
+@pytest.mark.ray
+def test_a_node_lost_mid_decode_loses_no_stream(nodes, tiny_llama, eventually_no_leaks):
+    import ray
+
+    from cluster.config import ClusterConfig
+    from cluster.launch import shutdown
+
+    max_tokens = 300
+    want = expected_outputs(tiny_llama, PROMPTS, max_tokens)
+    engine_nodes = [add_engine_node(nodes), add_engine_node(nodes)]
+    config = ClusterConfig(model=tiny_llama, engine=ENGINE, pools={"decode": {"replicas": 2, "num_cpus": 1, "resources": {"engine": 1}}},
+                           serving=SERVING | {"port": free_port()}, placement_timeout_s=120,
+                           name="pdserve-node-loss")
+    try:
+        base, manager = served(nodes, config)
+        _, pools = ray.get(manager.membership.remote())
+        where = actor_nodes()
+        on_node = {where[f"{config.name}-{r}"]: r for r in pools["decode"]}
+        assert len(on_node) == 2                                  # one replica per node
+        victim = engine_nodes[0]
+        lost = on_node[victim.node_id]
+
+        results = asyncio.run(stream_all(base, PROMPTS, max_tokens, lambda: kill_node(nodes, victim)))
+        assert [r[0] for r in results] == want
+        assert {(r[1], r[2]) for r in results} == {(max_tokens, "length")}
+        assert metric(base, "pdserve:request_migrations_total") >= 1
+        survivor = {r: h for r, h in pools["decode"].items() if r != lost}
+        assert eventually_no_leaks(survivor)
+
+        # The pool heals onto a node added afterwards.
+        replacement_node = add_engine_node(nodes)
+        healed = wait_for_pool(manager, "decode", 2, {lost})
+        (new,) = set(healed) - set(survivor)
+        assert actor_nodes()[f"{config.name}-{new}"] == replacement_node.node_id
+        assert ray.get(manager.pool_status.remote())["decode"]["replaced"] == 1
+    finally:
+        shutdown(config)
+        for node in nodes.worker_nodes.copy():
+            nodes.remove_node(node)
+
+
+@pytest.mark.ray
+def test_a_pipeline_stage_node_lost_mid_decode(nodes, tiny_llama, eventually_no_leaks):
+    import ray
+    from ray.util import placement_group_table
+
+    from cluster.config import ClusterConfig
+    from cluster.launch import shutdown
+
+    max_tokens = 200
+    prompts = PROMPTS[:8]
+    want = expected_outputs(tiny_llama, prompts, max_tokens)
+    engine_nodes = [add_engine_node(nodes) for _ in range(4)]
+    config = ClusterConfig(model=tiny_llama, engine=ENGINE, pools={"decode": {"replicas": 2, "num_cpus": 1, "resources": {"engine": 1},
+                                                            "pipeline_parallel_size": 2}},
+                           serving=SERVING | {"port": free_port()}, placement_timeout_s=120,
+                           name="pdserve-stage-loss")
+    try:
+        base, manager = served(nodes, config)
+        _, pools = ray.get(manager.membership.remote())
+        groups = {pg: g for pg, g in placement_group_table().items() if g["state"] == "CREATED"}
+        assert len(groups) == 2
+        # The node of one replica's last stage (bundle 2: the replica actor's bundle comes first).
+        victim_id = next(iter(groups.values()))["bundles_to_node_id"][2]
+        victim = next(n for n in engine_nodes if n.node_id == victim_id)
+
+        results = asyncio.run(stream_all(base, prompts, max_tokens, lambda: kill_node(nodes, victim)))
+        assert [r[0] for r in results] == want
+        assert {(r[1], r[2]) for r in results} == {(max_tokens, "length")}
+        assert metric(base, "pdserve:request_migrations_total") >= 1
+
+        add_engine_node(nodes)                         # with the broken replica's other node: room for one
+        healed = wait_for_pool(manager, "decode", 2, set())
+        lost = set(pools["decode"]) - set(healed)
+        assert len(lost) == 1, (pools["decode"], healed)
+        assert eventually_no_leaks(healed)
+        # Only the live replicas' placement groups remain: the lost one went whole.
+        deadline = time.monotonic() + 60
+        while len([g for g in placement_group_table().values() if g["state"] == "CREATED"]) != 2:
+            assert time.monotonic() < deadline, placement_group_table()
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
+        out = client.completions.create(model=client.models.list().data[0].id, prompt=prompts[0],
+                                        max_tokens=max_tokens, temperature=0.0, extra_body={"ignore_eos": True})
+        assert out.choices[0].text == want[0]
+    finally:
+        shutdown(config)
+        for node in nodes.worker_nodes.copy():
+            nodes.remove_node(node)
