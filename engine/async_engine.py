@@ -199,7 +199,8 @@ class AsyncLLMEngine:
                     await self._wakeup.wait()
                     continue
                 step = loop.run_in_executor(self._step_thread, self.engine.step)
-                self._deliver(done)              # while the next step runs
+                delivered, done = done, []       # (never again below, should the step raise)
+                self._deliver(delivered)         # while the next step runs
                 done = await step
                 if self._step_signal is not None:
                     signal, self._step_signal = self._step_signal, None

@@ -192,8 +192,9 @@ def test_a_pipeline_stage_node_lost_mid_decode(nodes, tiny_llama, eventually_no_
         _, pools = ray.get(manager.membership.remote())
         groups = {pg: g for pg, g in placement_group_table().items() if g["state"] == "CREATED"}
         assert len(groups) == 2
-        # The node of one replica's last stage (bundle 2: the replica actor's bundle comes first).
-        victim_id = next(iter(groups.values()))["bundles_to_node_id"][2]
+        # The node of one replica's last stage (its placement group's last bundle).
+        bundles = next(iter(groups.values()))["bundles_to_node_id"]
+        victim_id = bundles[max(bundles, key=int)]
         victim = next(n for n in engine_nodes if n.node_id == victim_id)
 
         results = asyncio.run(stream_all(base, prompts, max_tokens, lambda: kill_node(nodes, victim)))

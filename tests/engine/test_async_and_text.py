@@ -42,6 +42,36 @@ def test_async_generate_streams_and_cancel_frees_blocks(tiny_llama):
     assert engine.stats()["num_requests_running"] == 0
 
 
+def test_an_engine_that_dies_sends_each_token_once_then_the_error(tiny_llama):
+    """A step raises mid-stream: the consumer gets every token of the steps before exactly once
+    (the last step's outputs went out while the failing step ran: once, not again with the error),
+    then EngineDeadError. A migrated stream resumes after exactly those tokens."""
+    from records.errors import EngineDeadError
+
+    engine = AsyncLLMEngine.from_args(tiny_llama, dtype="float32")
+    step, calls = engine.engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("a worker died")
+        return step()
+
+    engine.engine.step = failing_step
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind="delta")
+    want = LLM(tiny_llama, dtype="float32").generate([{"prompt_token_ids": list(range(10, 40))}], params,
+                                                     use_tqdm=False)[0].outputs[0].token_ids
+
+    async def main() -> list[int]:
+        got = []
+        with pytest.raises(EngineDeadError):
+            async for out in engine.generate("a", list(range(10, 40)), params):
+                got += out.outputs[0].token_ids
+        return got
+
+    assert asyncio.run(main()) == want[:5]
+
+
 def test_async_constraints_compile_off_the_loop(tiny_llama):
     """A constrained request compiles on the grammar thread while an unconstrained one streams; its
     output follows the grammar; one that cannot compile raises ValueError before any output; one
