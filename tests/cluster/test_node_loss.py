@@ -10,6 +10,8 @@ included, no goodbye to the GCS), while the official `openai` client streams fro
   one replica's second stage dies mid-decode. That replica is torn down whole (its other stage's
   worker and its placement group go with it), its streams finish on the other replica, and the
   replacement is placed on what is left plus a node added for it.
+- P/D: the node of a pipelined prefill engine's stage dies while a decode engine pulls from it:
+  the pull fails as a whole and the request recomputes or fails, per policy.
 
 Engine nodes carry an `engine` resource (one stage or replica per node); the head node holds the
 manager, Serve and the ingress (pinned there by `serving.ingress_resources`: a client's stream
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from dataclasses import replace as dataclasses_replace
 
 import httpx
 import openai
@@ -28,7 +31,8 @@ from helpers import free_port, simulated_cluster
 from records.sampling_params import SamplingParams
 
 ENGINE = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 32}
-SERVING = {"wait_for_pools": False, "ingress_resources": {"frontend": 0.01}}
+# One port for the module's apps: Serve's proxy keeps the port it started with.
+SERVING = {"wait_for_pools": False, "ingress_resources": {"frontend": 0.01}, "port": free_port()}
 HEAL_TIMEOUT_S = 180.0
 
 
@@ -68,9 +72,11 @@ def expected_outputs(model: str, prompts: list[str], max_tokens: int) -> list[st
     return [o.outputs[0].text for o in outs]
 
 
-async def stream_all(base: str, prompts: list[str], max_tokens: int, on_all_started) -> list[tuple[str, int, str]]:
-    """Stream every prompt at once; `on_all_started()` runs (in a thread) once each stream has
-    had a token. Returns (text, completion tokens, finish reason) per prompt."""
+async def stream_all(base: str, prompts: list[str], max_tokens: int, on_started, when: str = "all"
+                     ) -> list[tuple[str, int, str]]:
+    """Stream every prompt at once; `on_started()` runs (in a thread) once each stream has had a
+    token (`when` "all"), or at once ("now"). Returns (text, completion tokens,
+    finish reason) per prompt."""
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
     model = (await client.models.list()).data[0].id
     started = asyncio.Event()
@@ -94,8 +100,9 @@ async def stream_all(base: str, prompts: list[str], max_tokens: int, on_all_star
         return "".join(text), usage.completion_tokens, finish
 
     tasks = [asyncio.create_task(one(p)) for p in prompts]
-    await started.wait()
-    await asyncio.to_thread(on_all_started)
+    if when == "all":
+        await started.wait()
+    await asyncio.to_thread(on_started)
     return await asyncio.gather(*tasks)
 
 
@@ -140,8 +147,9 @@ def test_a_node_lost_mid_decode_loses_no_stream(nodes, tiny_llama, eventually_no
     max_tokens = 300
     want = expected_outputs(tiny_llama, PROMPTS, max_tokens)
     engine_nodes = [add_engine_node(nodes), add_engine_node(nodes)]
-    config = ClusterConfig(model=tiny_llama, engine=ENGINE, pools={"decode": {"replicas": 2, "num_cpus": 1, "resources": {"engine": 1}}},
-                           serving=SERVING | {"port": free_port()}, placement_timeout_s=120,
+    pool = {"replicas": 2, "num_cpus": 1, "resources": {"engine": 1}}
+    config = ClusterConfig(model=tiny_llama, engine=ENGINE, pools={"decode": pool},
+                           serving=SERVING, placement_timeout_s=120,
                            name="pdserve-node-loss")
     try:
         base, manager = served(nodes, config)
@@ -183,9 +191,9 @@ def test_a_pipeline_stage_node_lost_mid_decode(nodes, tiny_llama, eventually_no_
     prompts = PROMPTS[:8]
     want = expected_outputs(tiny_llama, prompts, max_tokens)
     engine_nodes = [add_engine_node(nodes) for _ in range(4)]
-    config = ClusterConfig(model=tiny_llama, engine=ENGINE, pools={"decode": {"replicas": 2, "num_cpus": 1, "resources": {"engine": 1},
-                                                            "pipeline_parallel_size": 2}},
-                           serving=SERVING | {"port": free_port()}, placement_timeout_s=120,
+    pool = {"replicas": 2, "num_cpus": 1, "resources": {"engine": 1}, "pipeline_parallel_size": 2}
+    config = ClusterConfig(model=tiny_llama, engine=ENGINE, pools={"decode": pool},
+                           serving=SERVING, placement_timeout_s=120,
                            name="pdserve-stage-loss")
     try:
         base, manager = served(nodes, config)
@@ -220,3 +228,65 @@ def test_a_pipeline_stage_node_lost_mid_decode(nodes, tiny_llama, eventually_no_
         shutdown(config)
         for node in nodes.worker_nodes.copy():
             nodes.remove_node(node)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_prefill_node_lost_mid_pull(nodes, tiny_llama, block_accounting, policy):
+    """P/D over NIXL: the prefill engine's two stages on two nodes, the decode engine here (on the
+    head). D has planned its pull of a prompt P prefilled and leased (it starts 2 s late, so the
+    loss lands in it) when the node of P's second stage dies: the pull fails as a whole, and D
+    recomputes the prompt (policy recompute: one engine's tokens) or ends the request with an error
+    naming the pull (policy fail); it serves on and holds no block."""
+    pytest.importorskip("nixl", reason="needs nixl: make setup installs it")
+    from ray.util import placement_group_table
+
+    from engine.llm_engine import LLMEngine
+    from records.config import EngineConfig
+
+    def engine(**kwargs) -> LLMEngine:
+        return LLMEngine(EngineConfig.create(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=512,
+                                             kv_connector="nixl", **kwargs))
+
+    def run(e: LLMEngine, rid: str, ids: list[int], params: SamplingParams, kv: dict | None = None):
+        e.add_request(rid, None, ids, params, kv_transfer_params=kv)
+        deadline = time.monotonic() + HEAL_TIMEOUT_S
+        while True:
+            for out in e.step():
+                if out.request_id == rid and out.finished:
+                    return out
+            assert time.monotonic() < deadline, "request hung"
+
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    ids = [(i * 7 + 3) % 1000 + 5 for i in range(100)]
+    engine_nodes = [add_engine_node(nodes) for _ in range(2)]
+    earlier = set(placement_group_table())
+    p = engine(pipeline_parallel_size=2, worker_resources={"engine": 1})
+    d = engine(kv_load_timeout_s=30.0, kv_load_failure_policy=policy, kv_connector_extra={"load_delay_s": 2.0})
+    try:
+        want = run(d, "local", ids, greedy).outputs[0].token_ids
+        kv = run(p, "x", ids, dataclasses_replace(greedy, max_tokens=1), {"do_remote_decode": True}).kv_transfer_params
+        d.add_request("x", None, ids, greedy, kv_transfer_params=kv)
+        d.step()                                           # plans the pull
+        assert d.stats()["num_requests_waiting_for_kv"] == 1
+        (group,) = [g for pg, g in placement_group_table().items() if pg not in earlier]
+        bundles = group["bundles_to_node_id"]
+        kill_node(nodes, next(n for n in engine_nodes if n.node_id == bundles[max(bundles, key=int)]))
+        deadline = time.monotonic() + HEAL_TIMEOUT_S
+        out = None
+        while out is None:
+            out = next((o for o in d.step() if o.request_id == "x" and o.finished), None)
+            assert time.monotonic() < deadline, "request hung"
+        assert d.stats()["kv_load_failures"] == 1
+        if policy == "recompute":
+            assert out.outputs[0].token_ids == want
+        else:
+            assert out.outputs[0].finish_reason == "error" and "KV" in out.outputs[0].stop_reason
+        assert run(d, "after", ids[:30], greedy).outputs[0].finish_reason == "length"
+        while d.has_unfinished_requests():
+            d.step()
+    finally:
+        p.executor.shutdown()
+        for node in nodes.worker_nodes.copy():
+            nodes.remove_node(node)
+    block_accounting.remove(p)          # the dead engine is discarded whole, as its replica would be
