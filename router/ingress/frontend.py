@@ -197,6 +197,11 @@ class Frontend:
 
     async def render_metrics(self) -> str:
         await self.router.refresh_stats()
+        if self.manager is not None:
+            try:
+                self.metrics.set_pool_status(await asyncio.wait_for(self.manager.pool_status.remote(), 2.0))
+            except Exception as e:  # noqa: BLE001 - a restarting manager: the last values stand
+                logger.warning("the pools' status is unavailable: %s", type(e).__name__)
         text = self.metrics.render()
         prefix = self.config.serving.metrics_prefix
         return text if prefix == "pdserve" else _METRIC_NAME.sub(rf"\g<1>{prefix}:", text)

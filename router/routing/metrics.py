@@ -167,6 +167,12 @@ class ServingMetrics:
         self.errors = r.counter("pdserve:request_errors_total", "Rejected or failed requests by status code.")
         self.decisions = r.counter("pdserve:router_decisions_total", "Routing decisions by reason.")
         self.in_flight = r.gauge("pdserve:requests_in_flight", "Requests the ingress is serving.")
+        self.pool_replicas = r.gauge("pdserve:pool_replicas",
+                                     "Engine replicas per pool: serving, starting (replacements loading) "
+                                     "and the target, as the manager reports them.")
+        self.replaced = r.counter("pdserve:replicas_replaced_total",
+                                  "Replicas the manager dropped and replaced (actor or node died, engine "
+                                  "stopped, missed health checks), per pool, since the manager started.")
         self.migrations = r.counter("pdserve:request_migrations_total",
                                     "Streams moved to another replica after theirs was lost, by pool.")
         self.migration_failures = r.counter(
@@ -174,6 +180,14 @@ class ServingMetrics:
             "Streams that ended with an error when their replica was lost, by pool and reason "
             "(limit: past routing.max_migrations; no_replica: none left; not_migratable: n > 1 or "
             "prompt logprobs already streaming).")
+
+    def set_pool_status(self, status: dict[str, dict]) -> None:
+        """The manager's view of the pools (`ClusterManager.pool_status()`)."""
+        for pool, st in status.items():
+            for state, value in (("serving", len(st["replicas"])), ("starting", len(st["starting"])),
+                                 ("target", st["target"])):
+                self.pool_replicas.set(value, pool=pool, state=state)
+            self.replaced.values[_key({"pool": pool})] = float(st["replaced"])
 
     def set_engine_stats(self, pool: str, replica: str, stats: dict) -> None:
         for key, metric in self.engine.items():

@@ -565,6 +565,16 @@ def test_chart_colocated_tp_renders_only_the_decode_group(chart, crd_schemas):
     check_pods(service, spec, docs, values={**yaml.safe_load((CHART / "values.yaml").read_text()), **values})
 
 
+def test_chart_turns_on_gcs_fault_tolerance_with_an_external_redis(chart, crd_schemas):
+    values = {"gcsFaultTolerance": {"redisAddress": "redis.default.svc:6379", "redisPasswordSecret": "redis-auth"}}
+    service = one(render(chart, values), "RayService")
+    crd_validate(service, crd_schemas)
+    assert cluster_of(service)["gcsFaultToleranceOptions"] == {
+        "redisAddress": "redis.default.svc:6379",
+        "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis-auth", "key": "password"}}}}
+    assert "gcsFaultToleranceOptions" not in cluster_of(one(render(chart, {}), "RayService"))
+
+
 def test_chart_passes_speculative_config_to_the_decode_pool(chart):
     docs = render(chart, {"pools": {"decode": {"speculative_config": {
         "method": "ngram", "num_speculative_tokens": 3}}}})

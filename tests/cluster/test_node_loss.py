@@ -123,15 +123,18 @@ def metric(base: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M))
 
 
-def served(nodes, config):
-    """Deploy `config` on the simulated cluster; (base URL, its manager)."""
+def served(tiny_llama: str, name: str, pool: dict):
+    """Deploy a decode pool of `pool` on the simulated cluster; (its spec, base URL, manager)."""
     import ray
 
+    from cluster.config import ClusterConfig
     from cluster.launch import serve_cluster
     from cluster.manager import MANAGER_NAME
 
+    config = ClusterConfig(model=tiny_llama, engine=ENGINE, pools={"decode": pool}, serving=SERVING,
+                           placement_timeout_s=120, name=name)
     serve_cluster(config, blocking=False)
-    return f"http://127.0.0.1:{config.serving.port}", ray.get_actor(MANAGER_NAME, namespace=config.name)
+    return config, f"http://127.0.0.1:{config.serving.port}", ray.get_actor(MANAGER_NAME, namespace=name)
 
 
 PROMPTS = [f"Stream {i} of the node loss test tells a story about the river number {i}:" for i in range(32)]
@@ -141,18 +144,15 @@ PROMPTS = [f"Stream {i} of the node loss test tells a story about the river numb
 def test_a_node_lost_mid_decode_loses_no_stream(nodes, tiny_llama, eventually_no_leaks):
     import ray
 
-    from cluster.config import ClusterConfig
     from cluster.launch import shutdown
 
     max_tokens = 300
     want = expected_outputs(tiny_llama, PROMPTS, max_tokens)
     engine_nodes = [add_engine_node(nodes), add_engine_node(nodes)]
-    pool = {"replicas": 2, "num_cpus": 1, "resources": {"engine": 1}}
-    config = ClusterConfig(model=tiny_llama, engine=ENGINE, pools={"decode": pool},
-                           serving=SERVING, placement_timeout_s=120,
-                           name="pdserve-node-loss")
+    config = None
     try:
-        base, manager = served(nodes, config)
+        config, base, manager = served(tiny_llama, "pdserve-node-loss",
+                                       {"replicas": 2, "num_cpus": 1, "resources": {"engine": 1}})
         _, pools = ray.get(manager.membership.remote())
         where = actor_nodes()
         on_node = {where[f"{config.name}-{r}"]: r for r in pools["decode"]}
@@ -174,7 +174,8 @@ def test_a_node_lost_mid_decode_loses_no_stream(nodes, tiny_llama, eventually_no
         assert actor_nodes()[f"{config.name}-{new}"] == replacement_node.node_id
         assert ray.get(manager.pool_status.remote())["decode"]["replaced"] == 1
     finally:
-        shutdown(config)
+        if config is not None:
+            shutdown(config)
         for node in nodes.worker_nodes.copy():
             nodes.remove_node(node)
 
@@ -184,19 +185,16 @@ def test_a_pipeline_stage_node_lost_mid_decode(nodes, tiny_llama, eventually_no_
     import ray
     from ray.util import placement_group_table
 
-    from cluster.config import ClusterConfig
     from cluster.launch import shutdown
 
     max_tokens = 200
     prompts = PROMPTS[:8]
     want = expected_outputs(tiny_llama, prompts, max_tokens)
     engine_nodes = [add_engine_node(nodes) for _ in range(4)]
-    pool = {"replicas": 2, "num_cpus": 1, "resources": {"engine": 1}, "pipeline_parallel_size": 2}
-    config = ClusterConfig(model=tiny_llama, engine=ENGINE, pools={"decode": pool},
-                           serving=SERVING, placement_timeout_s=120,
-                           name="pdserve-stage-loss")
+    config = None
     try:
-        base, manager = served(nodes, config)
+        config, base, manager = served(tiny_llama, "pdserve-stage-loss", {
+            "replicas": 2, "num_cpus": 1, "resources": {"engine": 1}, "pipeline_parallel_size": 2})
         _, pools = ray.get(manager.membership.remote())
         groups = {pg: g for pg, g in placement_group_table().items() if g["state"] == "CREATED"}
         assert len(groups) == 2
@@ -225,7 +223,8 @@ def test_a_pipeline_stage_node_lost_mid_decode(nodes, tiny_llama, eventually_no_
                                         max_tokens=max_tokens, temperature=0.0, extra_body={"ignore_eos": True})
         assert out.choices[0].text == want[0]
     finally:
-        shutdown(config)
+        if config is not None:
+            shutdown(config)
         for node in nodes.worker_nodes.copy():
             nodes.remove_node(node)
 

@@ -226,6 +226,8 @@ def test_killed_replica_is_replaced_while_the_service_keeps_answering(heal):
     replacement = (set(now) - set(before)).pop()
     status = ray.get(manager.pool_status.remote())["decode"]
     assert status["replaced"] == 1 and victim not in status["replicas"], status
+    metrics = httpx.get(f"{heal['base']}/metrics", timeout=10).text
+    assert 'pdserve:replicas_replaced_total{pool="decode"} 1' in metrics, metrics
 
     deadline = time.monotonic() + 30
     while True:          # the ingress follows the membership: the replacement is routed to
@@ -272,6 +274,7 @@ def test_a_stream_whose_replica_dies_migrates_and_reads_as_one(heal):
     assert (finish, usage.completion_tokens) == ("length", 1500)
     metrics = httpx.get(f"{heal['base']}/metrics", timeout=10).text
     assert 'pdserve:request_migrations_total{pool="decode"} 1' in metrics, metrics
+    assert 'pdserve:pool_replicas{pool="decode",state="target"} 2' in metrics, metrics
     _wait_for_membership(manager, running[0], 2)
 
 
