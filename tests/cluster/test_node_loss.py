@@ -233,7 +233,7 @@ def test_a_pipeline_stage_node_lost_mid_decode(nodes, tiny_llama, eventually_no_
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_a_prefill_node_lost_mid_pull(nodes, tiny_llama, block_accounting, policy):
     """P/D over NIXL: the prefill engine's two stages on two nodes, the decode engine here (on the
-    head). D has planned its pull of a prompt P prefilled and leased (it starts 2 s late, so the
+    head). D has planned its pull of a prompt P prefilled and leased (it starts 4 s late, so the
     loss lands in it) when the node of P's second stage dies: the pull fails as a whole, and D
     recomputes the prompt (policy recompute: one engine's tokens) or ends the request with an error
     naming the pull (policy fail); it serves on and holds no block."""
@@ -261,7 +261,7 @@ def test_a_prefill_node_lost_mid_pull(nodes, tiny_llama, block_accounting, polic
     engine_nodes = [add_engine_node(nodes) for _ in range(2)]
     earlier = set(placement_group_table())
     p = engine(pipeline_parallel_size=2, worker_resources={"engine": 1})
-    d = engine(kv_load_timeout_s=30.0, kv_load_failure_policy=policy, kv_connector_extra={"load_delay_s": 2.0})
+    d = engine(kv_load_timeout_s=30.0, kv_load_failure_policy=policy, kv_connector_extra={"load_delay_s": 4.0})
     try:
         want = run(d, "local", ids, greedy).outputs[0].token_ids
         kv = run(p, "x", ids, dataclasses_replace(greedy, max_tokens=1), {"do_remote_decode": True}).kv_transfer_params
