@@ -10,6 +10,10 @@ health-checks the pools every `health_check_period_s` (or at once when an ingres
 that failed it) and replaces dead replicas. Ingress replicas follow the membership with a long poll
 (`membership(version, wait_s)`), so a dropped replica stops getting requests and a replacement
 starts getting them without a restart of the ingress.
+
+It runs on the head node, and Ray restarts it when its process dies (`get_or_create_manager`). The
+replicas are detached actors, so they outlive it: a restarted manager adopts the live replicas of
+its spec (`EnginePool.adopt`) instead of starting the pools, and heals on from there.
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ that lives and dies with the replica.
 
 Health: `check_health()` asks every replica for its stats. A replica whose actor died, whose engine
 reports itself dead, or that misses `max_missed` checks in a row is killed and dropped at once (the
-routers stop sending it requests; what it was running fails with a clear error at the ingress), and
+routers stop sending it requests; the streams it was running migrate to other replicas at the
+ingress, router/routing/pd.py), and
 a replacement with a fresh id (`decode-2`, ...) is started; it joins the pool when its model has
 loaded. A replacement that fails to start is retried at the next check. Every change of membership
 bumps `generation`, which is what the ingress follows (`ClusterManager.membership`).

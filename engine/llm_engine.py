@@ -96,19 +96,18 @@ class LLMEngine:
         leader = Request(ids[0], prompt_token_ids, params, self.eos_token_ids, bs, max_tokens, arrival,
                          parent_id=request_id, index=0)
         leader.fork_children = [leader.fork(rid, i) for i, rid in enumerate(ids[1:], start=1)]
+        if continuation is not None:
+            self._check_continuation(params, max_tokens, continuation, bool(kv_transfer_params))
+            leader.resume(continuation.token_ids)
         if kv_transfer_params:
             self._attach_transfer(leader, kv_transfer_params)
-        if continuation is not None:
-            self._check_continuation(prompt_token_ids, params, max_tokens, continuation,
-                                     kv_transfer_params is not None)
-            leader.resume(continuation.token_ids)
         children = [leader, *leader.fork_children]
         self.output.add(request_id, prompt, prompt_token_ids, params, children, arrival, continuation)
         self.scheduler.add_request(leader)
         self.num_prompt_tokens += len(prompt_token_ids)
 
-    def _check_continuation(self, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
-                            continuation: Continuation, transfer: bool) -> None:
+    def _check_continuation(self, params: SamplingParams, max_tokens: int, continuation: Continuation,
+                            transfer: bool) -> None:
         if params.n != 1 or params.prompt_logprobs is not None or transfer:
             raise ValueError("continuation needs n == 1, prompt_logprobs None and no kv_transfer_params")
         tokens = continuation.token_ids

@@ -2,7 +2,8 @@
 migration sends when the replica running a stream is lost: the new engine computes the prompt and
 the tokens already sent, and goes on exactly as the lost one would have. Checked against the same
 engine's uninterrupted run at several cut points (a block boundary, a stop string spanning the cut,
-seeded sampling, penalties, logprobs); bad continuations are refused naming the field."""
+seeded sampling, penalties, logprobs, an output constraint); bad continuations are refused naming
+the field."""
 from __future__ import annotations
 
 import dataclasses
@@ -86,6 +87,20 @@ def test_a_stop_string_spanning_the_cut_and_held_back_text(engine):
         r_tokens, r_text, r_finish = joined(rest)
         assert expected[:c.num_chars] + r_text == expected, k
         assert (r_finish, rest[-1].stop_reason) == ("stop", stop), k
+
+
+def test_a_continued_request_keeps_to_its_output_constraint(engine):
+    """The grammar's matcher catches up with the tokens already sent, then constrains the rest."""
+    from records.sampling_params import StructuredOutputsParams
+
+    spec = StructuredOutputsParams(regex=r"(the|a|an) [a-z ]{30,40}")
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec)
+    whole = run(engine, "so", params)
+    tokens, text, finish = joined(whole)
+    assert finish == "stop" and 32 <= len(text) <= 44, text
+    c = cut(whole, 4)
+    rest = run(engine, "so-cont", params, c)
+    assert list(c.token_ids) + joined(rest)[0] == tokens and text[:c.num_chars] + joined(rest)[1] == text
 
 
 def test_logprobs_of_a_continued_request_are_those_of_its_new_tokens(engine):
