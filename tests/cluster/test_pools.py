@@ -171,20 +171,21 @@ def heal(tiny_llama, eventually_no_leaks):
     from ray import serve
 
     from cluster.app import build_app
-    from cluster.launch import init_ray
+    from cluster.launch import grpc_start_options, init_ray
     from cluster.manager import MANAGER_NAME
 
     init_ray(num_cpus=8)
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     config = ClusterConfig(model=tiny_llama, engine={"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 8},
-                           pools={"decode": {"replicas": 2, "num_cpus": 1}}, serving={"port": port},
-                           name="pdserve-heal")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+                           pools={"decode": {"replicas": 2, "num_cpus": 1}},
+                           serving={"port": port, "grpc_port": grpc_port}, name="pdserve-heal")
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, **grpc_start_options(config))
     serve.run(build_app(config), name=config.name, route_prefix="/heal")
     base = f"http://127.0.0.1:{port}/heal"
     manager = ray.get_actor(MANAGER_NAME, namespace=config.name)
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
-    yield {"base": base, "manager": manager, "client": client, "model": client.models.list().data[0].id}
+    yield {"base": base, "manager": manager, "client": client, "model": client.models.list().data[0].id,
+           "grpc_port": grpc_port, "name": config.name}
     assert eventually_no_leaks(ray.get(manager.replicas.remote("decode"))), \
         "a replica kept requests or blocks after the tests"
     serve.shutdown()            # also its HTTP proxy, which holds this module's port
@@ -251,8 +252,6 @@ def test_a_stream_whose_replica_dies_migrates_and_reads_as_one(heal):
     """The replica streaming a request is killed mid-decode: the stream goes on from another replica
     (resumed after the tokens already sent), and the client reads the same text, token count and
     finish reason as an uninterrupted run; the migration is counted in /metrics."""
-    import ray
-
     manager, client = heal["manager"], heal["client"]
     kwargs = dict(model=heal["model"], prompt="Count slowly:", max_tokens=1500, temperature=0.0,
                   extra_body={"ignore_eos": True})
@@ -260,10 +259,7 @@ def test_a_stream_whose_replica_dies_migrates_and_reads_as_one(heal):
     stream = client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
     chunks = iter(stream)
     text = [next(chunks).choices[0].text]
-    _, pools = ray.get(manager.membership.remote())
-    running = [r for r, h in pools["decode"].items() if ray.get(h.stats.remote())["num_requests_running"]]
-    assert len(running) == 1, running
-    ray.kill(pools["decode"][running[0]], no_restart=True)
+    lost = _kill_the_running_replica(manager)
     finish, usage = None, None
     for chunk in chunks:
         if chunk.choices:
@@ -275,7 +271,49 @@ def test_a_stream_whose_replica_dies_migrates_and_reads_as_one(heal):
     metrics = httpx.get(f"{heal['base']}/metrics", timeout=10).text
     assert 'pdserve:request_migrations_total{pool="decode"} 1' in metrics, metrics
     assert 'pdserve:pool_replicas{pool="decode",state="target"} 2' in metrics, metrics
-    _wait_for_membership(manager, running[0], 2)
+    _wait_for_membership(manager, lost, 2)
+
+
+def _kill_the_running_replica(manager) -> str:
+    import ray
+
+    _, pools = ray.get(manager.membership.remote())
+    running = [r for r, h in pools["decode"].items() if ray.get(h.stats.remote())["num_requests_running"]]
+    assert len(running) == 1, running
+    ray.kill(pools["decode"][running[0]], no_restart=True)
+    return running[0]
+
+
+@pytest.mark.ray
+def test_a_grpc_stream_whose_replica_dies_migrates_too(heal):
+    """The same over gRPC: one stream, the uninterrupted run's text and token count."""
+    grpc = pytest.importorskip("grpc")
+    from pdserve_proto import pb2, pb2_grpc
+
+    manager, client = heal["manager"], heal["client"]
+    expected = client.completions.create(model=heal["model"], prompt="Count on:", max_tokens=1500, temperature=0.0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+    request = pb2.GenerateRequest(text="Count on:", sampling=pb2.SamplingOptions(
+        temperature=0, max_tokens=1500, ignore_eos=True))
+    metadata = [("application", heal["name"])]
+    with grpc.insecure_channel(f"127.0.0.1:{heal['grpc_port']}") as channel:
+        stub = pb2_grpc.GenerationStub(channel)
+        deadline = time.monotonic() + 60
+        while True:                         # Serve's gRPC proxy may still be starting
+            try:
+                if stub.Health(pb2.HealthRequest(), metadata=metadata, timeout=10).healthy:
+                    break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "the gRPC proxy never answered"
+            time.sleep(0.5)
+        messages = stub.Generate(request, metadata=metadata, timeout=300)
+        first = next(messages)
+        lost = _kill_the_running_replica(manager)
+        rest = list(messages)
+    tokens = [m for m in [first, *rest] if m.index == 0]
+    assert "".join(m.text for m in tokens) == expected
+    assert tokens[-1].finish_reason == "length" and rest[-1].usage.completion_tokens == 1500
+    _wait_for_membership(manager, lost, 2)
 
 
 @pytest.mark.ray
