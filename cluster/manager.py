@@ -154,8 +154,21 @@ class ClusterManager:
 
     def pool_status(self) -> dict[str, dict[str, Any]]:
         return {name: {"replicas": sorted(pool.replicas), "starting": sorted(pool.starting),
-                       "replaced": pool.replaced, "target": pool.spec.replicas}
+                       "draining": sorted(pool.draining), "replaced": pool.replaced, "target": pool.target}
                 for name, pool in self.pools.items()}
+
+    async def scale(self, pool: str, replicas: int, drain_timeout_s: float = 60.0) -> dict[str, Any]:
+        """Resize a pool by hand (`pdserve scale`): replicas join when loaded; those removed are
+        drained (out of routing at once, killed once their requests and leases end or after
+        `drain_timeout_s`, when their streams migrate). Returns what it did."""
+        if pool not in self.pools:
+            raise ValueError(f"pool must be one of {sorted(self.pools)}; got {pool!r}")
+        if drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0; got {drain_timeout_s}")
+        await asyncio.shield(self._start())
+        if self.phase != "ready":
+            raise StartupError(f"the pools are not serving ({self.phase}: {self.reason})")
+        return await self.pools[pool].scale(replicas, drain_timeout_s)
 
     async def shutdown(self, drain_s: float = 0.0) -> None:
         """Stop checking, let running requests finish for up to `drain_s`, then kill every replica."""

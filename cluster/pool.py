@@ -48,6 +48,8 @@ class EnginePool:
         self.on_change = on_change or (lambda: None)
         self.replicas: dict[str, Any] = {}       # replica id -> actor handle, serving
         self.starting: dict[str, Any] = {}       # replacements still loading their model
+        self.draining: dict[str, Any] = {}       # taken out of routing, finishing what they run
+        self.target = spec.replicas              # the replica count kept (`scale` changes it)
         self.missed: dict[str, int] = {}
         self.replaced = 0                        # replicas dropped for failing health checks
         self._next_index = 0
@@ -112,7 +114,7 @@ class EnginePool:
         return adopted
 
     def start(self) -> None:
-        for _ in range(self.spec.replicas):
+        for _ in range(self.target):
             replica_id, handle = self._spawn()
             self.replicas[replica_id] = handle
 
@@ -160,7 +162,7 @@ class EnginePool:
             if reason is not None and replica_id in self.replicas:
                 self.drop(replica_id, reason)
                 dropped.append(replica_id)
-        for _ in range(self.spec.replicas - len(self.replicas) - len(self.starting)):
+        for _ in range(self.target - len(self.replicas) - len(self.starting)):
             self._start_replacement()
         return dropped
 
@@ -183,9 +185,7 @@ class EnginePool:
 
     def _bring_up_later(self, replica_id: str, handle: Any) -> None:
         self.starting[replica_id] = handle
-        task = asyncio.get_running_loop().create_task(self._bring_up(replica_id, handle))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn_task(self._bring_up(replica_id, handle))
 
     async def _bring_up(self, replica_id: str, handle: Any) -> None:
         try:
@@ -202,6 +202,70 @@ class EnginePool:
             self.replicas[replica_id] = handle
             logger.warning("pool %s: replacement %s is serving", self.name, replica_id)
             self.on_change()
+
+    # --- size --------------------------------------------------------------------------------------
+    async def scale(self, replicas: int, drain_timeout_s: float) -> dict[str, Any]:
+        """Keep `replicas` replicas from now on (at least one). Growing starts replicas (they join
+        when loaded); shrinking cancels replicas still loading first, then drains the serving ones
+        running the fewest requests (`drain_replica`). Returns what it did."""
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1 (a pool never goes to zero); got {replicas}")
+        self.target = replicas
+        started, cancelled, draining = [], [], []
+        for _ in range(replicas - len(self.replicas) - len(self.starting)):
+            self._start_replacement()
+            started.append(next(reversed(self.starting)))
+        while len(self.replicas) + len(self.starting) > replicas and self.starting:
+            replica_id, handle = self.starting.popitem()
+            _kill(handle)
+            cancelled.append(replica_id)
+        excess = len(self.replicas) - replicas
+        if excess > 0:
+            ids = list(self.replicas)
+            stats = await asyncio.gather(*[self.replicas[r].stats.remote() for r in ids], return_exceptions=True)
+            busy = {r: s.get("num_requests_running", 0) + s.get("num_requests_waiting", 0)
+                    if isinstance(s, dict) else -1 for r, s in zip(ids, stats)}   # a failing one goes first
+            for replica_id in sorted(ids, key=lambda r: busy[r])[:excess]:
+                self._spawn_task(self.drain_replica(replica_id, drain_timeout_s))
+                draining.append(replica_id)
+        logger.warning("pool %s: scaled to %d replicas (started %s, cancelled %s, draining %s)", self.name,
+                       replicas, started, cancelled, draining)
+        return {"target": replicas, "started": started, "cancelled": cancelled, "draining": draining}
+
+    async def drain_replica(self, replica_id: str, timeout_s: float) -> bool:
+        """Take a replica out of routing at once (the ingresses stop sending it requests; the
+        streams it runs go on), wait up to `timeout_s` for its requests and leases to end, then kill
+        it; streams still running then migrate to other replicas at the ingress. True if it
+        emptied in time."""
+        handle = self.replicas.pop(replica_id, None)
+        if handle is None:
+            return False
+        self.draining[replica_id] = handle
+        self.missed.pop(replica_id, None)
+        self.on_change()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        emptied = False
+        while loop.time() < deadline:
+            try:
+                s = await asyncio.wait_for(handle.stats.remote(), self.check_timeout_s)
+            except Exception:  # noqa: BLE001 - it died meanwhile: nothing left to wait for
+                break
+            if s.get("num_requests_running", 0) + s.get("num_requests_waiting", 0) + \
+                    s.get("kv_leases_active", 0) == 0:
+                emptied = True
+                break
+            await asyncio.sleep(0.2)
+        self.draining.pop(replica_id, None)
+        _kill(handle)
+        logger.warning("pool %s: drained replica %s (%s)", self.name, replica_id,
+                       "empty" if emptied else f"after {timeout_s:g} s: its streams migrate")
+        return emptied
+
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # --- shutdown ----------------------------------------------------------------------------------
     async def drain(self, timeout_s: float) -> bool:
@@ -222,10 +286,15 @@ class EnginePool:
     def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for handle in [*self.replicas.values(), *self.starting.values()]:
-            try:
-                ray.kill(handle, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+        for handle in [*self.replicas.values(), *self.starting.values(), *self.draining.values()]:
+            _kill(handle)
         self.replicas.clear()
         self.starting.clear()
+        self.draining.clear()
+
+
+def _kill(handle: Any) -> None:
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass

@@ -34,6 +34,18 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     return True
 
 
+def connect_ray(address: str = "auto") -> None:
+    """Join a running Ray cluster as a tool's driver (`pdserve scale`, `pdserve status`): "auto"
+    finds the one on this machine. A local Ray that `pdserve serve` started listens on 127.0.0.1
+    only (see init_ray): joining it in single-machine mode keeps that address, which Ray would
+    otherwise resolve to the host's reachable IP, where nothing listens."""
+    if ray.is_initialized():
+        return
+    if address == "auto" or address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
+        _single_machine_mode()
+    ray.init(address=address, namespace="pdserve", logging_level="ERROR", log_to_driver=False)
+
+
 def keep_serve_replica_on_loopback() -> None:
     """In a Serve replica of a single-machine Ray (see init_ray): bind the replica's inter-deployment
     gRPC server to 127.0.0.1 instead of every interface. Ray 2.60 opens it on "[::]:0" with no

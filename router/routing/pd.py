@@ -82,19 +82,24 @@ class RequestRouter:
         # This router's output channels, one per replica (opened on the first request to it).
         self.ingress_id = f"{pool}-{uuid.uuid4().hex[:12]}"
         self._channels: dict[str, ReplicaChannel] = {}
+        self._leaving: dict[str, ReplicaChannel] = {}    # of replicas that left, until their streams end
         self._stats_task: asyncio.Task | None = None
         self.set_replicas(replicas)
 
     def set_replicas(self, replicas: dict[str, Any]) -> None:
         """Follow the pool's membership: forget replicas that left (their index, load and event
-        follower) and start following new ones."""
+        follower) and start following new ones. The channel of one that left while streams run
+        on it (a replica draining) stays open until they end."""
         for r in [r for r in self.replicas if r not in replicas]:
-            del self.replicas[r], self.loads[r], self._cursors[r], self.adapters[r]
+            load = self.loads.pop(r)
+            del self.replicas[r], self._cursors[r], self.adapters[r]
             self.index.remove_replica(r)
             self.down.discard(r)
             self.metrics.drop_replica(self.pool, r)
             channel = self._channels.pop(r, None)
-            if channel is not None:
+            if channel is not None and load.in_flight > 0:
+                self._leaving[r] = channel
+            elif channel is not None:
                 channel.close()
             task = self._followers.pop(r, None)
             if task is not None:
@@ -317,14 +322,16 @@ class RequestRouter:
         finally:
             load.in_flight -= 1
             load.prefill_tokens -= prefill_tokens
+            if load.in_flight == 0 and replica_id in self._leaving:
+                self._leaving.pop(replica_id).close()
 
     def stop(self) -> None:
         for task in [*self._followers.values(), self._stats_task]:
             if task is not None:
                 task.cancel()
-        for channel in self._channels.values():
+        for channel in [*self._channels.values(), *self._leaving.values()]:
             channel.close()
-        self._followers, self._stats_task, self._channels = {}, None, {}
+        self._followers, self._stats_task, self._channels, self._leaving = {}, None, {}, {}
 
 
 def replica_lost(error: BaseException) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -341,6 +342,81 @@ def test_a_restarted_manager_adopts_the_replicas_and_heals_on(heal):
     ray.kill(after["decode"][victim], no_restart=True)
     healed = _wait_for_membership(manager, victim, 2)
     assert victim not in healed and len(healed) == 2
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("drain_timeout", [60.0, 0.0], ids=["drained", "migrated"])
+def test_pdserve_scale_down_during_streams_cuts_none(heal, tiny_llama, capsys, drain_timeout):
+    """`pdserve scale decode 1` while 16 greedy streams run on 2 replicas: the replica removed is
+    drained (out of routing at once, its streams finish there) or, given no time to drain, killed
+    at once (its streams migrate); all 16 complete with an undisturbed run's text. `pdserve status`
+    shows the pool; scaling back to 2 starts a replica."""
+    import ray
+
+    from cluster.cli import main
+    from engine.llm import LLM
+    from records.sampling_params import SamplingParams
+
+    manager, model = heal["manager"], heal["model"]
+    # Prompts no replica has cached, so that the streams spread over both (the oracle runs here).
+    prompts = [f"Stream {i} ({drain_timeout}): the bridges of the old city, one by one," for i in range(16)]
+    with LLM(tiny_llama, dtype="float32", max_model_len=2048) as llm:
+        want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(
+            max_tokens=300, temperature=0.0, ignore_eos=True), use_tqdm=False)]
+
+    def migrations() -> float:
+        text = httpx.get(f"{heal['base']}/metrics", timeout=10).text
+        found = re.search(r'^pdserve:request_migrations_total\{pool="decode"\} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    before = migrations()
+
+    async def streams() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{heal['base']}/v1", api_key="none", max_retries=0, timeout=300)
+        started = asyncio.Event()
+        count = 0
+
+        async def one(prompt: str) -> str:
+            nonlocal count
+            text = []
+            async for chunk in await client.completions.create(model=model, prompt=prompt, max_tokens=300,
+                                                               temperature=0.0, stream=True,
+                                                               extra_body={"ignore_eos": True}):
+                if chunk.choices and chunk.choices[0].text:
+                    if not text:
+                        count += 1
+                        if count == len(prompts):
+                            started.set()
+                    text.append(chunk.choices[0].text)
+            return "".join(text)
+
+        tasks = [asyncio.create_task(one(p)) for p in prompts]
+        await started.wait()
+        _, pools = ray.get(manager.membership.remote())
+        running = [ray.get(h.stats.remote())["num_requests_running"] for h in pools["decode"].values()]
+        assert len(running) == 2 and min(running) > 0, running      # the replica removed has streams
+        code = await asyncio.to_thread(main, ["scale", "decode", "1", "--name", heal["name"],
+                                              "--drain-timeout", str(drain_timeout)])
+        assert code == 0
+        return await asyncio.gather(*tasks)
+
+    assert asyncio.run(streams()) == want
+    # Drained, the removed replica's streams finished there; killed at once, they moved.
+    assert (migrations() > before) == (drain_timeout == 0.0)
+    deadline = time.monotonic() + 120
+    while (st := ray.get(manager.pool_status.remote())["decode"])["draining"] or len(st["replicas"]) != 1:
+        assert time.monotonic() < deadline, st
+        time.sleep(0.2)
+    capsys.readouterr()
+    assert main(["status", "--name", heal["name"]]) == 0
+    assert capsys.readouterr().out.startswith(f"decode: 1/1 serving {st['replicas'][0]}")
+    assert main(["scale", "decode", "0", "--name", heal["name"]]) == 2
+    assert "replicas must be >= 1" in capsys.readouterr().err
+    assert main(["scale", "decode", "2", "--name", heal["name"]]) == 0
+    deadline = time.monotonic() + 120
+    while len(ray.get(manager.membership.remote())[1]["decode"]) != 2:
+        assert time.monotonic() < deadline, ray.get(manager.pool_status.remote())
+        time.sleep(0.5)
 
 
 # --- pdserve serve and Ctrl-C ----------------------------------------------------------------------
