@@ -10,7 +10,7 @@ that lives and dies with the replica.
 Health: `check_health()` asks every replica for its stats. A replica whose actor died, whose engine
 reports itself dead, or that misses `max_missed` checks in a row is killed and dropped at once (the
 routers stop sending it requests; the streams it was running migrate to other replicas at the
-ingress, router/routing/pd.py), and
+ingress, router/routing/pool_router.py), and
 a replacement with a fresh id (`decode-2`, ...) is started; it joins the pool when its model has
 loaded. A replacement that fails to start is retried at the next check. Every change of membership
 bumps `generation`, which is what the ingress follows (`ClusterManager.membership`).
@@ -50,6 +50,10 @@ class EnginePool:
         self.starting: dict[str, Any] = {}       # replacements still loading their model
         self.draining: dict[str, Any] = {}       # taken out of routing, finishing what they run
         self.target = spec.replicas              # the replica count kept (`scale` changes it)
+        # What the replicas of this pool and spec carry (`EngineReplica.info()["tag"]`): a manager
+        # adopts only replicas with its own tag.
+        digest = hashlib.sha256(f"{spec.model_dump_json()}{engine_config!r}".encode()).hexdigest()
+        self.tag = f"{name}:{digest[:16]}"
         self.missed: dict[str, int] = {}
         self.replaced = 0                        # replicas dropped for failing health checks
         self._next_index = 0
@@ -73,13 +77,6 @@ class EnginePool:
 
     def _actor_name(self, replica_id: str) -> str:
         return f"{self.namespace}-{replica_id}"
-
-    @property
-    def tag(self) -> str:
-        """What the replicas of this pool and spec carry (`EngineReplica.info()["tag"]`): a manager
-        adopts only replicas with its own tag."""
-        digest = hashlib.sha256(f"{self.spec.model_dump_json()}{self.engine_config!r}".encode()).hexdigest()
-        return f"{self.name}:{digest[:16]}"
 
     async def adopt(self) -> list[str]:
         """Take over this pool's live replicas from a manager that is gone (found by their names;

@@ -36,8 +36,9 @@ from records.serving import IngressSpec
 from router.ingress.admission import Admission, Ticket
 from router.ingress.preparer import RequestPreparer
 from router.routing.metrics import ServingMetrics
-from router.routing.pd import PDRouter, RequestRouter
+from router.routing.pd import PDRouter
 from router.routing.policy import RoutingPolicy
+from router.routing.pool_router import RequestRouter
 
 logger = logging.getLogger(__name__)
 

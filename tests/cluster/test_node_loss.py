@@ -19,6 +19,7 @@ passes through its ingress replica, which no engine-side migration can replace).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from dataclasses import replace as dataclasses_replace
@@ -123,18 +124,29 @@ def metric(base: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M))
 
 
-def served(tiny_llama: str, name: str, pool: dict):
-    """Deploy a decode pool of `pool` on the simulated cluster; (its spec, base URL, manager)."""
+@contextlib.contextmanager
+def served(nodes, tiny_llama: str, name: str, pool: dict):
+    """A decode pool of `pool` deployed on the simulated cluster: (its spec, base URL, manager);
+    on exit the deployment is shut down and every engine node removed."""
     import ray
 
     from cluster.config import ClusterConfig
-    from cluster.launch import serve_cluster
+    from cluster.launch import serve_cluster, shutdown
     from cluster.manager import MANAGER_NAME
 
     config = ClusterConfig(model=tiny_llama, engine=ENGINE, pools={"decode": pool}, serving=SERVING,
                            placement_timeout_s=120, name=name)
-    serve_cluster(config, blocking=False)
-    return config, f"http://127.0.0.1:{config.serving.port}", ray.get_actor(MANAGER_NAME, namespace=name)
+    try:
+        serve_cluster(config, blocking=False)
+        yield config, f"http://127.0.0.1:{config.serving.port}", ray.get_actor(MANAGER_NAME, namespace=name)
+    finally:
+        shutdown(config)
+        remove_engine_nodes(nodes)
+
+
+def remove_engine_nodes(cluster) -> None:
+    for node in cluster.worker_nodes.copy():
+        cluster.remove_node(node)
 
 
 PROMPTS = [f"Stream {i} of the node loss test tells a story about the river number {i}:" for i in range(32)]
@@ -144,15 +156,12 @@ PROMPTS = [f"Stream {i} of the node loss test tells a story about the river numb
 def test_a_node_lost_mid_decode_loses_no_stream(nodes, tiny_llama, eventually_no_leaks):
     import ray
 
-    from cluster.launch import shutdown
 
     max_tokens = 300
     want = expected_outputs(tiny_llama, PROMPTS, max_tokens)
     engine_nodes = [add_engine_node(nodes), add_engine_node(nodes)]
-    config = None
-    try:
-        config, base, manager = served(tiny_llama, "pdserve-node-loss",
-                                       {"replicas": 2, "num_cpus": 1, "resources": {"engine": 1}})
+    with served(nodes, tiny_llama, "pdserve-node-loss",
+                {"replicas": 2, "num_cpus": 1, "resources": {"engine": 1}}) as (config, base, manager):
         _, pools = ray.get(manager.membership.remote())
         where = actor_nodes()
         on_node = {where[f"{config.name}-{r}"]: r for r in pools["decode"]}
@@ -173,11 +182,6 @@ def test_a_node_lost_mid_decode_loses_no_stream(nodes, tiny_llama, eventually_no
         (new,) = set(healed) - set(survivor)
         assert actor_nodes()[f"{config.name}-{new}"] == replacement_node.node_id
         assert ray.get(manager.pool_status.remote())["decode"]["replaced"] == 1
-    finally:
-        if config is not None:
-            shutdown(config)
-        for node in nodes.worker_nodes.copy():
-            nodes.remove_node(node)
 
 
 @pytest.mark.ray
@@ -185,16 +189,13 @@ def test_a_pipeline_stage_node_lost_mid_decode(nodes, tiny_llama, eventually_no_
     import ray
     from ray.util import placement_group_table
 
-    from cluster.launch import shutdown
 
     max_tokens = 200
     prompts = PROMPTS[:8]
     want = expected_outputs(tiny_llama, prompts, max_tokens)
     engine_nodes = [add_engine_node(nodes) for _ in range(4)]
-    config = None
-    try:
-        config, base, manager = served(tiny_llama, "pdserve-stage-loss", {
-            "replicas": 2, "num_cpus": 1, "resources": {"engine": 1}, "pipeline_parallel_size": 2})
+    with served(nodes, tiny_llama, "pdserve-stage-loss", {"replicas": 2, "num_cpus": 1, "resources": {"engine": 1},
+                                                          "pipeline_parallel_size": 2}) as (config, base, manager):
         _, pools = ray.get(manager.membership.remote())
         groups = {pg: g for pg, g in placement_group_table().items() if g["state"] == "CREATED"}
         assert len(groups) == 2
@@ -222,11 +223,6 @@ def test_a_pipeline_stage_node_lost_mid_decode(nodes, tiny_llama, eventually_no_
         out = client.completions.create(model=client.models.list().data[0].id, prompt=prompts[0],
                                         max_tokens=max_tokens, temperature=0.0, extra_body={"ignore_eos": True})
         assert out.choices[0].text == want[0]
-    finally:
-        if config is not None:
-            shutdown(config)
-        for node in nodes.worker_nodes.copy():
-            nodes.remove_node(node)
 
 
 @pytest.mark.ray
@@ -286,6 +282,5 @@ def test_a_prefill_node_lost_mid_pull(nodes, tiny_llama, block_accounting, polic
             d.step()
     finally:
         p.executor.shutdown()
-        for node in nodes.worker_nodes.copy():
-            nodes.remove_node(node)
+        remove_engine_nodes(nodes)
     block_accounting.remove(p)          # the dead engine is discarded whole, as its replica would be

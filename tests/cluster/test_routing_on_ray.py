@@ -62,7 +62,7 @@ def test_prefix_aware_routing_beats_round_robin(tiny_llama):
     from cluster.launch import init_ray
     from cluster.replica import EngineReplica
     from records.config import EngineConfig
-    from router.routing.pd import RequestRouter
+    from router.routing.pool_router import RequestRouter
 
     init_ray(num_cpus=8)
     # Each replica's KV pool holds about two tenants' system prompts: round-robin sends all four
@@ -119,7 +119,7 @@ def test_router_moves_off_a_dead_replica_and_follows_membership(tiny_llama):
     from cluster.replica import EngineReplica
     from records.config import EngineConfig
     from records.errors import NoReplicaError
-    from router.routing.pd import RequestRouter
+    from router.routing.pool_router import RequestRouter
 
     init_ray(num_cpus=8)
     config = EngineConfig.create(tiny_llama, dtype="float32", max_model_len=256)
@@ -175,7 +175,7 @@ def test_a_cancelled_request_takes_nothing_else_with_it(tiny_llama, eventually_n
         """What the ingress does per request: stream one through a RequestRouter."""
 
         def __init__(self, handle) -> None:
-            from router.routing.pd import RequestRouter
+            from router.routing.pool_router import RequestRouter
 
             self.router = RequestRouter("decode", {"r": handle}, 16, RoutingPolicy(PolicyConfig("round_robin")),
                                         ServingMetrics())

@@ -86,8 +86,8 @@ def test_admission_tickets_release_exactly_once():
 def test_series_of_removed_replicas_are_dropped():
     from records.serving import PolicyConfig
     from router.routing.metrics import ServingMetrics
-    from router.routing.pd import RequestRouter
     from router.routing.policy import RoutingPolicy
+    from router.routing.pool_router import RequestRouter
 
     metrics = ServingMetrics()
     router = RequestRouter("prefill", {"prefill-0": object(), "prefill-1": object()}, 16,

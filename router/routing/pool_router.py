@@ -1,0 +1,351 @@
+"""RequestRouter: routing within one engine pool, and what a request's stream meets on its way.
+
+The prefix-aware policy picks the replica that already holds the longest run of the prompt's
+leading blocks unless load says otherwise. Colocated mode is one such router over a pool of full
+engines; router/routing/pd.py puts one over each pool of the prefill/decode split.
+
+Tokens come back over one output channel per replica (router/routing/channel.py): every engine step's
+deltas for all of this router's requests on a replica arrive as one message. A replica lost under a
+stream has the stream migrate to another replica of the pool (`RequestRouter.generate`).
+
+The router keeps its per-replica view fresh in the background: a long poll per replica on its KV
+event log (`EngineReplica.kv_events_since` answers after the first replica step with events, so
+they arrive within a step and idle replicas cost nothing; the batches travel as protobuf
+`KVEventBatch`, and a replica of another schema version has its events refused, with an error
+logged) and stats every `stats_interval_s`; in-flight counts are its own.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ray.exceptions import ActorUnavailableError, ObjectLostError, RayActorError
+
+from pdserve_proto.kv_events import decode_kv_events
+from records.errors import EngineDeadError, NoReplicaError, ReplicaDiedError, SchemaVersionMismatch
+from records.hashing import hash_block_tokens
+from records.outputs import StepDelta
+from records.request import Continuation
+from records.sampling_params import SamplingParams
+from router.routing.channel import ReplicaChannel
+from router.routing.metrics import ServingMetrics
+from router.routing.policy import Decision, ReplicaLoad, RoutingPolicy
+from router.routing.prefix_index import PrefixIndex
+
+# LoRA adapters the router remembers per replica (the most recently routed there): the engine's
+# default max_loras, so that a replica "holds" what would fit its slots.
+ADAPTERS_REMEMBERED = 8
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRouter:
+    def __init__(self, pool: str, replicas: dict[str, Any], block_size: int, policy: RoutingPolicy,
+                 metrics: ServingMetrics, stats_interval_s: float = 0.5,
+                 on_replica_failure: Callable[[str], None] | None = None, max_migrations: int = 3) -> None:
+        """replicas: replica id -> Ray actor handle of an EngineReplica; on_replica_failure: called
+        with a replica's id when a call to it failed because its actor is gone (the ingress tells the
+        manager, which replaces it); max_migrations: how many times one stream may move to another
+        replica when its own is lost (`generate`)."""
+        self.pool = pool
+        self.max_migrations = max_migrations
+        self.replicas: dict[str, Any] = {}
+        self.block_size = block_size
+        self.policy = policy
+        self.metrics = metrics
+        self.stats_interval_s = stats_interval_s
+        self.on_replica_failure = on_replica_failure
+        self.index = PrefixIndex()
+        self.loads: dict[str, ReplicaLoad] = {}
+        # LoRA adapters routed to each replica lately, least recent first (their cache keys; the
+        # replicas keep more than this in host memory, so this errs on the side of "not held").
+        self.adapters: dict[str, OrderedDict[tuple, None]] = {}
+        self.down: set[str] = set()          # failed a call; not routed to until membership drops it
+        self._cursors: dict[str, int] = {}
+        self._followers: dict[str, asyncio.Task] = {}
+        # This router's output channels, one per replica (opened on the first request to it).
+        self.ingress_id = f"{pool}-{uuid.uuid4().hex[:12]}"
+        self._channels: dict[str, ReplicaChannel] = {}
+        self._leaving: dict[str, ReplicaChannel] = {}    # of replicas that left, until their streams end
+        self._stats_task: asyncio.Task | None = None
+        self.set_replicas(replicas)
+
+    def set_replicas(self, replicas: dict[str, Any]) -> None:
+        """Follow the pool's membership: forget replicas that left (their index, load and event
+        follower) and start following new ones. The channel of one that left while streams run
+        on it (a replica draining) stays open until they end."""
+        for r in [r for r in self.replicas if r not in replicas]:
+            load = self.loads.pop(r)
+            del self.replicas[r], self._cursors[r], self.adapters[r]
+            self.index.remove_replica(r)
+            self.down.discard(r)
+            self.metrics.drop_replica(self.pool, r)
+            channel = self._channels.pop(r, None)
+            if channel is not None and load.in_flight > 0:
+                self._leaving[r] = channel
+            elif channel is not None:
+                channel.close()
+            task = self._followers.pop(r, None)
+            if task is not None:
+                task.cancel()
+        for r, handle in replicas.items():
+            if r in self.replicas:
+                continue
+            self.replicas[r] = handle
+            self.loads[r] = ReplicaLoad()
+            self.adapters[r] = OrderedDict()
+            self._cursors[r] = 0
+            self.index.add_replica(r)
+            if self._stats_task is not None:
+                self._followers[r] = asyncio.get_running_loop().create_task(self._follow_events(r))
+
+    @property
+    def available(self) -> list[str]:
+        return [r for r in self.replicas if r not in self.down]
+
+    def mark_down(self, replica_id: str, error: BaseException) -> None:
+        if replica_id in self.down or replica_id not in self.replicas:
+            return
+        logger.warning("%s replica %s failed a call (%s): not routing to it", self.pool, replica_id,
+                       type(error).__name__)
+        self.down.add(replica_id)
+        self.metrics.errors.inc(code=f"replica_down_{self.pool}")
+        if self.on_replica_failure is not None:
+            self.on_replica_failure(replica_id)
+
+    # --- background view of the replicas -----------------------------------------------------------
+    def start(self) -> None:
+        """Start the background view: one long-poll loop per replica for KV events, one for stats."""
+        if self._stats_task is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._stats_task = loop.create_task(self._poll_stats())
+        self._followers = {r: loop.create_task(self._follow_events(r)) for r in self.replicas}
+
+    async def _follow_events(self, replica_id: str) -> None:
+        handle = self.replicas[replica_id]
+        while True:
+            try:
+                cursor, events = decode_kv_events(
+                    await handle.kv_events_since.remote(self._cursors[replica_id], 1.0))
+                self._cursors[replica_id] = cursor
+                self.index.apply(replica_id, events)
+            except RayActorError as e:    # gone: membership will drop it
+                self.mark_down(replica_id, e)
+                await asyncio.sleep(1.0)
+            except SchemaVersionMismatch as e:  # another pdserve version: its events are not applied
+                logger.error("refusing KV events of %s replica %s: %s", self.pool, replica_id, e)
+                self.metrics.errors.inc(code="kv_events_schema_mismatch")
+                await asyncio.sleep(5.0)
+            except Exception:
+                logger.exception("following KV events of %s failed", replica_id)
+                await asyncio.sleep(1.0)
+
+    async def _poll_stats(self) -> None:
+        while True:
+            try:
+                await self.refresh_stats()
+            except Exception:
+                logger.exception("polling replica stats failed")
+            await asyncio.sleep(self.stats_interval_s)
+
+    async def sync_events(self) -> None:
+        """Apply every replica's new KV events to the prefix index."""
+        ids = list(self.replicas)
+        results = await asyncio.gather(
+            *[self.replicas[r].kv_events_since.remote(self._cursors[r]) for r in ids], return_exceptions=True)
+        for r, res in zip(ids, results):
+            if isinstance(res, BaseException):
+                continue
+            self._cursors[r], events = decode_kv_events(res)
+            self.index.apply(r, events)
+
+    async def refresh_stats(self) -> dict[str, dict]:
+        """Poll replica stats (KV usage feeds the policy) and publish them as metrics."""
+        ids = list(self.replicas)
+        results = await asyncio.gather(*[self.replicas[r].stats.remote() for r in ids], return_exceptions=True)
+        out = {}
+        for r, res in zip(ids, results):
+            if isinstance(res, RayActorError) and not isinstance(res, ActorUnavailableError):
+                self.mark_down(r, res)
+            if isinstance(res, BaseException) or r not in self.replicas:
+                continue
+            out[r] = res
+            self.loads[r].kv_usage = float(res.get("kv_cache_usage_perc", 0.0))
+            self.metrics.set_engine_stats(self.pool, r, res)
+        return out
+
+    # --- one request -------------------------------------------------------------------------------
+    def route(self, prompt_token_ids: list[int], params: SamplingParams) -> Decision:
+        candidates = self.available
+        if not candidates:
+            raise NoReplicaError(f"no {self.pool} engine replica is available"
+                                 + (f" ({len(self.down)} failed, being replaced)" if self.down else ""))
+        hashes = hash_block_tokens(prompt_token_ids, self.block_size, params.cache_keys)
+        cached = {r: self.index.num_blocks(r) for r in candidates}
+        matched = self.index.match(hashes)
+        lora = params.lora_request
+        held = None if lora is None else {r for r in candidates if lora.cache_key in self.adapters[r]}
+        decision = self.policy.choose({r: matched.get(r, 0) for r in candidates}, len(hashes), self.loads,
+                                      cached, held)
+        if lora is not None:
+            recent = self.adapters[decision.replica_id]
+            recent[lora.cache_key] = None
+            recent.move_to_end(lora.cache_key)
+            while len(recent) > ADAPTERS_REMEMBERED:
+                recent.popitem(last=False)
+        self.metrics.decisions.inc(reason=decision.reason, pool=self.pool)
+        return decision
+
+    def uncached_tokens(self, num_prompt_tokens: int, decision: Decision) -> int:
+        """Prompt tokens the chosen replica would compute (those past its prefix-cache hit)."""
+        return max(0, num_prompt_tokens - decision.matched_blocks * self.block_size)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       decision: Decision | None = None, kv_transfer_params: dict | None = None,
+                       prefill_tokens: int | None = None) -> AsyncIterator[StepDelta]:
+        """Stream the chosen replica's StepDeltas (routing first unless `decision` is given). If the
+        consumer stops early (client disconnect), the request is aborted on the replica, which
+        frees its blocks. `prefill_tokens`: the prompt tokens the replica computes before the first
+        token (default: those past its cache hit), counted in its backlog until then
+        (`ReplicaLoad.prefill_tokens`).
+
+        A replica lost under the request (its actor or node died, its engine stopped): if it had
+        streamed nothing, the request goes to another replica as it was. Mid-stream, the stream
+        migrates, up to `max_migrations` times: another replica resumes it after the tokens already
+        streamed (records/request.py: Continuation; it computes the prompt and those tokens itself,
+        from its prefix cache where it holds them) and the consumer reads on, one stream. Past the
+        limit, with no replica left, or for a stream that cannot resume (n > 1, prompt logprobs
+        partly streamed) it ends with ReplicaDiedError naming the replica."""
+        decision = decision or self.route(prompt_token_ids, params)
+        progress = _Progress()
+        started = time.monotonic()
+        while True:
+            continuation = progress.continuation()
+            if continuation is not None:
+                backlog = self.uncached_tokens(len(prompt_token_ids) + len(continuation.token_ids), decision)
+            elif prefill_tokens is None:
+                backlog = self.uncached_tokens(len(prompt_token_ids), decision)
+            else:
+                backlog = prefill_tokens
+            try:
+                async for delta in self._stream(decision.replica_id, request_id, prompt_token_ids, params,
+                                                kv_transfer_params, backlog, continuation, started):
+                    progress.add(delta)
+                    # The resuming replica's cache hit covers tokens the client already has.
+                    yield delta if continuation is None else dataclasses.replace(delta, num_cached_tokens=0)
+                return
+            except Exception as e:
+                if not replica_lost(e):
+                    raise
+                self.mark_down(decision.replica_id, e)
+                lost = decision.replica_id
+            if not progress.streamed:
+                decision = self.route(prompt_token_ids, params)      # NoReplicaError when none is left
+                continue
+            decision, params = self._migrate(request_id, lost, prompt_token_ids, params, progress)
+            kv_transfer_params = None           # the resuming replica computes the prompt itself
+
+    def _migrate(self, request_id: str, lost: str, prompt_token_ids: list[int], params: SamplingParams,
+                 progress: _Progress) -> tuple[Decision, SamplingParams]:
+        """Where a stream whose replica was lost goes on, and the params it resumes with; raises
+        ReplicaDiedError when it cannot (the reason counted in the metrics)."""
+        def fail(reason: str, why: str) -> ReplicaDiedError:
+            self.metrics.migration_failures.inc(pool=self.pool, reason=reason)
+            return ReplicaDiedError(f"{self.pool} engine replica {lost} died while running request "
+                                    f"{request_id}{why}; retry the request")
+
+        if params.n != 1 or (progress.prompt_logprobs and not progress.token_ids):
+            raise fail("not_migratable", " (a stream with n > 1 or prompt logprobs under way cannot move)")
+        if progress.migrations >= self.max_migrations:
+            raise fail("limit", f" after {progress.migrations} migrations (routing.max_migrations)")
+        if params.prompt_logprobs is not None:          # all streamed before the first token
+            params = dataclasses.replace(params, prompt_logprobs=None)
+        try:
+            decision = self.route(prompt_token_ids + progress.token_ids, params)
+        except NoReplicaError:
+            raise fail("no_replica", " and no other replica is available") from None
+        progress.migrations += 1
+        self.metrics.migrations.inc(pool=self.pool)
+        logger.warning("%s request %s: replica %s lost after %d tokens; resuming on %s", self.pool, request_id,
+                       lost, len(progress.token_ids), decision.replica_id)
+        return decision, params
+
+    async def _stream(self, replica_id: str, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams, kv_transfer_params: dict | None, prefill_tokens: int = 0,
+                      continuation: Continuation | None = None, started: float | None = None
+                      ) -> AsyncIterator[StepDelta]:
+        channel = self._channels.get(replica_id)
+        if channel is None:
+            channel = self._channels[replica_id] = ReplicaChannel(self.replicas[replica_id], self.ingress_id)
+        load = self.loads[replica_id]
+        load.in_flight += 1
+        load.prefill_tokens += prefill_tokens
+        start = time.monotonic() if started is None else started
+        # A resumed stream's first token is not the request's (its time to first token went out).
+        last = None if continuation is None else time.monotonic()
+        finished = False
+        try:
+            async for delta in channel.stream(request_id, prompt_token_ids, params, kv_transfer_params,
+                                              continuation):
+                now = time.monotonic()
+                new_tokens = sum(len(c.token_ids) for c in delta.choices)
+                if new_tokens or delta.finished:
+                    load.prefill_tokens -= prefill_tokens      # its prompt is done
+                    prefill_tokens = 0
+                if new_tokens:
+                    if last is None:
+                        self.metrics.ttft.observe(now - start, pool=self.pool)
+                    else:
+                        self.metrics.itl.observe(now - last, pool=self.pool)
+                    last = now
+                finished = delta.finished
+                yield delta
+            if finished:
+                self.metrics.e2e.observe(time.monotonic() - start, pool=self.pool)
+        finally:
+            load.in_flight -= 1
+            load.prefill_tokens -= prefill_tokens
+            if load.in_flight == 0 and replica_id in self._leaving:
+                self._leaving.pop(replica_id).close()
+
+    def stop(self) -> None:
+        for task in [*self._followers.values(), self._stats_task]:
+            if task is not None:
+                task.cancel()
+        for channel in [*self._channels.values(), *self._leaving.values()]:
+            channel.close()
+        self._followers, self._stats_task, self._channels, self._leaving = {}, None, {}, {}
+
+
+def replica_lost(error: BaseException) -> bool:
+    """Whether a request failed because its replica is gone (its actor or node died, its output
+    channel broke, its engine stopped), rather than for something of the request's own."""
+    return isinstance(error, (RayActorError, ObjectLostError, EngineDeadError, ConnectionError))
+
+
+@dataclasses.dataclass
+class _Progress:
+    """What the consumer of one stream has had so far (its first choice): what a migration resumes."""
+    streamed: bool = False
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_chars: int = 0
+    prompt_logprobs: bool = False
+    migrations: int = 0
+
+    def add(self, delta: StepDelta) -> None:
+        self.streamed = True
+        self.prompt_logprobs = self.prompt_logprobs or bool(delta.prompt_logprobs)
+        for c in delta.choices:
+            if c.index == 0:
+                self.token_ids += c.token_ids
+                self.num_chars += len(c.text)
+
+    def continuation(self) -> Continuation | None:
+        return Continuation(tuple(self.token_ids), self.num_chars) if self.token_ids else None
