@@ -4,12 +4,16 @@
     pdserve generate "prompt" [--model PATH] [--max-tokens N] [--temperature T]      # offline, in-process
     pdserve scale POOL N [--drain-timeout S] [--address ADDR] [--name NAME]         # resize a running pool
     pdserve status [--json] [--address ADDR] [--name NAME]                          # pools and replicas
+    pdserve apply SPEC.yaml [--address ADDR]                                        # update a deployment's spec
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,13 +40,19 @@ def main(argv: list[str] | None = None) -> int:
                        help="seconds a removed replica may finish its requests before its streams migrate")
     status = sub.add_parser("status", help="the pools of a running deployment")
     status.add_argument("--json", action="store_true")
-    for p in (scale, status):
+    apply = sub.add_parser("apply", help="update a running deployment to this spec in place (pools resized "
+                                         "or replaced rolling, no stream cut)")
+    apply.add_argument("spec", help="the spec (YAML) of the deployment; its `name` says which")
+    apply.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the update")
+    apply.add_argument("--route-prefix", default="/", help="the app's route prefix (default: /)")
+    for p in (scale, status, apply):
         p.add_argument("--address", default="auto", help="the Ray cluster (default: the local one)")
+    for p in (scale, status):
         p.add_argument("--name", default="pdserve", help="the deployment's spec name (default: pdserve)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return run_serve(args)
-    if args.command in ("scale", "status"):
+    if args.command in ("scale", "status", "apply"):
         return control(args)
 
     from engine.llm import LLM  # noqa: PLC0415 (slow import after argument errors)
@@ -63,14 +73,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def control(args: argparse.Namespace) -> int:
-    """`pdserve scale` and `pdserve status`: ask the deployment's manager actor."""
-    import json  # noqa: PLC0415
-
+    """`pdserve scale`, `status` and `apply`: ask the deployment's manager actor."""
     import ray  # noqa: PLC0415
 
     from cluster.manager import MANAGER_NAME  # noqa: PLC0415
     from engine.executor.ray_cluster import connect_ray  # noqa: PLC0415
 
+    config = None
+    if args.command == "apply":
+        from cluster.config import ClusterConfig  # noqa: PLC0415
+
+        try:
+            config = ClusterConfig.from_yaml(args.spec)
+        except (OSError, ValueError) as e:
+            print(f"pdserve: error: {args.spec}: {e}", file=sys.stderr)
+            return 2
+        args.name = config.name
     try:
         connect_ray(args.address)
     except ConnectionError as e:
@@ -84,21 +102,79 @@ def control(args: argparse.Namespace) -> int:
     try:
         if args.command == "scale":
             out = ray.get(manager.scale.remote(args.pool, args.replicas, args.drain_timeout), timeout=120)
+        elif args.command == "apply":
+            out = apply_spec(config, manager, args.timeout, args.route_prefix)
         else:
-            out = ray.get(manager.pool_status.remote(), timeout=60)
-    except (ValueError, ray.exceptions.RayTaskError) as e:
+            out = {**ray.get(manager.describe.remote(), timeout=60), "ingress": _ingress_replicas(args.name)}
+    except (ValueError, TimeoutError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as e:
         cause = getattr(e, "cause", None) or e
         print(f"pdserve: error: {cause}", file=sys.stderr)
         return 2
     if args.command == "status" and not args.json:
-        for pool, st in out.items():
-            print(f"{pool}: {len(st['replicas'])}/{st['target']} serving {' '.join(st['replicas'])}"
-                  + (f"; starting {' '.join(st['starting'])}" if st["starting"] else "")
-                  + (f"; draining {' '.join(st['draining'])}" if st["draining"] else "")
-                  + f"; replaced {st['replaced']}")
+        print(format_status(out))
     else:
         print(json.dumps(out, indent=2))
     return 0
+
+
+def apply_spec(config: Any, manager: Any, timeout_s: float, route_prefix: str = "/") -> dict:
+    """Hand `config` to the manager (it reconciles the pools) and redeploy the Serve app with it
+    (Serve rolls the ingress replicas, which read the serving and routing sections); then wait
+    until the manager serves it."""
+    import ray  # noqa: PLC0415
+    from ray import serve  # noqa: PLC0415
+
+    from cluster.app import build_app  # noqa: PLC0415
+    from cluster.manager import fingerprint  # noqa: PLC0415
+
+    want = fingerprint(config)
+    # The pools first (what this prints), then the ingress replicas, whose own `apply` finds it done.
+    out = ray.get(manager.apply.remote(config.model_dump_json()), timeout=timeout_s)
+    serve.run(build_app(config), name=config.name, route_prefix=route_prefix, blocking=False)
+    deadline = time.monotonic() + timeout_s
+    while (st := ray.get(manager.describe.remote(), timeout=60))["fingerprint"] != want or st["updating"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the deployment did not take spec {want} within {timeout_s:g} s: {st['updating']}")
+        time.sleep(1.0)
+    return out
+
+
+def _ingress_replicas(app_name: str) -> dict[str, int] | None:
+    """Serve's count of the app's ingress replicas by state (None when Serve does not run it)."""
+    from ray import serve  # noqa: PLC0415
+
+    try:
+        app = serve.status().applications.get(app_name)
+    except Exception:  # noqa: BLE001 - Serve is not running here
+        return None
+    if app is None:
+        return None
+    return {str(state): n for d in app.deployments.values() for state, n in d.replica_states.items()}
+
+
+def format_status(out: dict) -> str:
+    lines = [f"deployment {out['name']} (spec {out['fingerprint']}): {out['phase']}"
+             + (f" ({out['reason']})" if out.get("reason") else "")
+             + (f"; {out['updating']}" if out.get("updating") else "")]
+    if out.get("ingress") is not None:
+        lines.append("ingress: " + ", ".join(f"{n} {state.lower()}" for state, n in out["ingress"].items()))
+    for pool, st in out["pools"].items():
+        lo, hi = st["bounds"]
+        lines.append(f"{pool}: {len(st['replicas'])}/{st['target']} serving (bounds {lo}..{hi}; "
+                     f"replaced {st['replaced']})")
+        for r in st["detail"]:
+            usage = f"KV {r['kv_usage']:.0%}" if r["kv_usage"] is not None else "KV -"
+            lines.append(f"  {r['id']:<12} {r['state']:<9} {r['layout']:<9} node {(r['node'] or '-')[:12]:<12} "
+                         f"{usage:<8} running {_dash(r['running'])} waiting {_dash(r['waiting'])}")
+        last = (st.get("planner") or {}).get("last")
+        if last is not None:
+            lines.append(f"  planner: {last['action']} ({last['reason']}); "
+                         f"changes {st['planner']['decisions']}")
+    return "\n".join(lines)
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,13 @@
     serving: {host: 127.0.0.1, port: 8000, grpc_port: null, api_key: null, public_metrics: false,
               max_in_flight: 256}
     placement_timeout_s: 60     # wait this long for the cluster to fit the pools, then fail naming why
+    drain_timeout_s: 60         # a replica leaving (scale-down, spec update) finishes its streams this long
+
+A pool may autoscale between bounds (cluster/planner.py):
+
+    pools:
+      decode: {replicas: 1, autoscaling: {min_replicas: 1, max_replicas: 4, itl_slo_ms: 50,
+                                          target_running_requests: 16}}
 
 Every field is validated here, so a bad spec fails before any actor starts, naming the field. The
 sections the ingress reads (serving, routing, disaggregation, lora) are records/serving.py's; the
@@ -37,9 +44,41 @@ from records.serving import (
     resolve_engine_config,
 )
 
+MAX_REPLICAS = 64
+
+
+class AutoscalingSpec(StrictSpec):
+    """A pool's planner (cluster/planner.py): the bounds it keeps the pool within and the targets it
+    scales for (at least one). Load targets are per replica: the pool wants as many replicas as its
+    load over the target; latency targets (the p90 over `window_s`, measured by the engines) add a
+    replica while missed and allow one fewer once under `downscale_ratio` of the target. A pool
+    grows when every plan of the last `upscale_delay_s` wanted more, shrinks when every plan of the
+    last `downscale_delay_s` wanted fewer, and changes at most once per `cooldown_s`."""
+    min_replicas: int = Field(1, ge=1, le=MAX_REPLICAS)
+    max_replicas: int = Field(1, ge=1, le=MAX_REPLICAS)
+    ttft_slo_ms: float | None = Field(None, gt=0)            # time to first token, p90
+    itl_slo_ms: float | None = Field(None, gt=0)             # inter-token latency, p90
+    target_queued_prompt_tokens: int | None = Field(None, ge=1)   # prompt tokens waiting to be run
+    target_running_requests: float | None = Field(None, gt=0)     # requests running or waiting
+    target_kv_usage: float | None = Field(None, gt=0, le=1)       # fraction of the KV blocks in use
+    window_s: float = Field(30.0, gt=0)
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+    cooldown_s: float = Field(30.0, ge=0)
+    downscale_ratio: float = Field(0.5, gt=0, lt=1)
+
+    def model_post_init(self, _: Any) -> None:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        if not any(v is not None for v in (self.ttft_slo_ms, self.itl_slo_ms, self.target_queued_prompt_tokens,
+                                           self.target_running_requests, self.target_kv_usage)):
+            raise ValueError("autoscaling needs a target: one or more of ttft_slo_ms, itl_slo_ms, "
+                             "target_queued_prompt_tokens, target_running_requests, target_kv_usage")
+
 
 class PoolSpec(StrictSpec):
-    replicas: int = Field(1, ge=1, le=64)
+    # The replicas it starts with (and keeps, without autoscaling); `pdserve scale` changes that.
+    replicas: int = Field(1, ge=1, le=MAX_REPLICAS)
     num_cpus: float = Field(1.0, gt=0)          # per rank (the replica actor, or each worker actor
     num_gpus: float = Field(0.0, ge=0)          # with TP x PP > 1); torch uses this many threads
     tensor_parallel_size: int = Field(1, ge=1)
@@ -52,6 +91,23 @@ class PoolSpec(StrictSpec):
     resources: dict[str, float] = Field(default_factory=dict)
     # Speculative decoding (LLM's speculative_config), for the pool that decodes: decode only.
     speculative_config: dict[str, Any] | None = None
+    autoscaling: AutoscalingSpec | None = None      # None: a fixed size
+
+    def model_post_init(self, _: Any) -> None:
+        a = self.autoscaling
+        if a is not None and not a.min_replicas <= self.replicas <= a.max_replicas:
+            raise ValueError(f"replicas ({self.replicas}) must lie within autoscaling's min_replicas "
+                             f"({a.min_replicas}) and max_replicas ({a.max_replicas})")
+
+    def bounds(self) -> tuple[int, int]:
+        """The replica counts this pool may have (`pdserve scale`, the planner)."""
+        a = self.autoscaling
+        return (a.min_replicas, a.max_replicas) if a is not None else (1, MAX_REPLICAS)
+
+    def identity(self) -> str:
+        """What its replicas are made of: the spec less its size and autoscaling (a change of
+        those resizes the pool; any other change replaces its replicas)."""
+        return self.model_dump_json(exclude={"replicas", "autoscaling"})
 
     @property
     def world_size(self) -> int:
@@ -74,6 +130,9 @@ class ClusterConfig(StrictSpec):
     # an autoscaler adding them) before failing with a message naming what is missing. A local Ray
     # started by `pdserve serve` never grows, so there the check does not wait.
     placement_timeout_s: float = Field(60.0, ge=0)
+    # How long a replica leaving its pool (scaled down by hand or by the planner, or replaced by a
+    # spec update) may finish its streams; those still running then migrate to another replica.
+    drain_timeout_s: float = Field(60.0, ge=0)
 
     def model_post_init(self, _: Any) -> None:
         if "decode" not in self.pools:

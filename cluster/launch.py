@@ -60,6 +60,8 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
                            "--address, which sets them for the Ray it starts)")
     faulthandler.register(signal.SIGUSR1)      # `kill -USR1 <pid>` prints every thread's stack
     manager = get_or_create_manager(config)
+    # A manager of this name may serve another spec (an earlier deployment): this one replaces it.
+    ray.get(manager.apply.remote(config.model_dump_json()), timeout=600)
     # With direct ingress the ingress replica takes the port; Serve's proxy, which still starts,
     # gets any free one.
     proxy_port = 0 if config.serving.direct_ingress else config.serving.port

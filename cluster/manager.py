@@ -14,22 +14,41 @@ starts getting them without a restart of the ingress.
 It runs on the head node, and Ray restarts it when its process dies (`get_or_create_manager`). The
 replicas are detached actors, so they outlive it: a restarted manager adopts the live replicas of
 its spec (`EnginePool.adopt`) instead of starting the pools, and heals on from there.
+
+The spec it serves is the last one applied (`apply`, which every ingress replica and the launcher
+call with theirs: a stale manager is never silently reused). A changed spec is reconciled in place:
+a pool whose replicas are made the same (`PoolSpec.identity`, the engine config) is only resized;
+the others are replaced rolling (`EnginePool.bring_up_new`: the new replicas load beside the old,
+then serve, and the old drain), the pools of a disaggregated spec together, so that a prefill
+replica never hands KV to a decode replica of another model. The spec and the pools' sizes are kept
+in Ray's internal KV (the GCS), so a restarted manager serves what was last applied and scaled.
+
+Pools with `autoscaling` have a planner (cluster/planner.py): at each health check it reads what the
+replicas reported, decides, and resizes the pool; its decisions are logged with their reason and
+counted in `pool_status()`. Whenever a pool's size changes, the manager asks Ray's autoscaler for
+room for every pool's replicas (`request_resources`): on a cluster that grows (KubeRay's in-tree
+autoscaler), a replica that does not fit brings a node up.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
 
 from cluster.config import ClusterConfig
-from cluster.placement import check_placement
-from cluster.pool import EnginePool
+from cluster.placement import check_placement, replica_bundles
+from cluster.planner import Planner, PoolSample
+from cluster.pool import EnginePool, pool_tag
 from records.errors import StartupError
+from records.histogram import delta
 
 MANAGER_NAME = "pdserve-manager"
 # The resource Ray gives the head node alone.
@@ -37,8 +56,15 @@ HEAD_NODE_RESOURCE = "node:__internal_head__"
 # Beyond the placement timeout, the time a placed replica's worker process may take to start (a
 # loaded machine starts a Python worker in seconds, not minutes).
 ACTOR_START_GRACE_S = 30.0
+# Where the manager keeps the spec last applied and the pools' sizes (Ray's internal KV, namespace =
+# the spec's name).
+STATE_KEY = b"pdserve-manager-state"
 logger = logging.getLogger(__name__)
 
+
+def fingerprint(config: ClusterConfig) -> str:
+    """A short digest of a whole spec: equal specs, equal fingerprints."""
+    return hashlib.sha256(config.model_dump_json().encode()).hexdigest()[:16]
 
 
 class ClusterManager:
@@ -59,13 +85,41 @@ class ClusterManager:
         self._changed: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self._monitor: asyncio.Task | None = None
+        self._apply_lock: asyncio.Lock | None = None
+        self.updating: str | None = None         # what an `apply` under way does, in words
+        self.pools: dict[str, EnginePool] = {}
+        self.planners: dict[str, Planner] = {}
+        self.decisions: dict[str, dict] = {}      # pool -> the planner's last decision
+        self.decision_counts: Counter = Counter()  # (pool, action) -> changes made
+        self._hist_seen: dict[tuple[str, str], list[int]] = {}
+        # A manager Ray restarted serves the spec last applied, at the sizes last set.
+        stored = _load_state(config.name)
+        try:
+            self._configure(ClusterConfig.model_validate_json(stored["spec"]) if stored else config)
+        except ValueError as e:     # a spec of another pdserve version: start from the one given
+            logger.warning("not using the stored spec: %s", e)
+            stored = None
+            self._configure(config)
+        for name, target in (stored or {}).get("targets", {}).items():
+            if name in self.pools:
+                self.pools[name].target = target
+
+    def _configure(self, config: ClusterConfig) -> None:
+        """Take `config` as the spec, with pools not started yet."""
+        self.config = config
+        self.fingerprint = fingerprint(config)
         self.pools = {name: EnginePool(name, spec, config.engine_config(name), config.name,
                                        on_change=self._bump)
                       for name, spec in config.pools.items()}
+        self.planners = {name: Planner(spec.autoscaling) for name, spec in config.pools.items()
+                         if spec.autoscaling is not None}
 
-    async def ready(self) -> dict[str, list[dict]]:
+    async def ready(self, spec_json: str | None = None) -> dict[str, list[dict]]:
         """Start the pools if not yet started and wait until every replica has loaded; pool ->
-        replica infos. Raises StartupError when they cannot start."""
+        replica infos. Raises StartupError when they cannot start. `spec_json`: the spec the caller
+        serves, applied first (`apply`)."""
+        if spec_json is not None:
+            await self.apply(spec_json)
         await asyncio.shield(self._start())
         if self.phase == "failed":
             raise StartupError(self.reason)
@@ -120,11 +174,66 @@ class ClusterManager:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.health_check_period_s)
             self._wake.clear()
-            for pool in self.pools.values():
+            for pool in list(self.pools.values()):
                 try:
                     await pool.check_health()
                 except Exception:
                     logger.exception("health check of pool %s failed", pool.name)
+            try:
+                await self._plan(time.monotonic())
+            except Exception:
+                logger.exception("planning failed")
+
+    # --- the planner -------------------------------------------------------------------------------
+    def sample(self, name: str, now: float) -> PoolSample:
+        """What the pool's serving replicas reported at the last health check, as one sample."""
+        pool = self.pools[name]
+        stats = [pool.stats[r] for r in pool.replicas if r in pool.stats]
+        hist = {}
+        for field in ("ttft", "itl"):
+            parts = []
+            for r in pool.replicas:
+                counts = pool.stats.get(r, {}).get(f"{field}_histogram")
+                if counts is not None:
+                    parts.append(delta(counts, self._hist_seen.get((r, field))))
+                    self._hist_seen[(r, field)] = counts
+            hist[field] = tuple(map(sum, zip(*parts))) if parts else ()
+        return PoolSample(
+            t=now, serving=len(pool.replicas), starting=len(pool.starting) + len(pool.incoming),
+            running=sum(s.get("num_requests_running", 0) for s in stats),
+            waiting=sum(s.get("num_requests_waiting", 0) for s in stats),
+            queued_prompt_tokens=sum(s.get("num_prompt_tokens_queued", 0) for s in stats),
+            kv_usage=sum(s.get("kv_cache_usage_perc", 0.0) for s in stats) / max(1, len(stats)),
+            ttft=hist["ttft"], itl=hist["itl"])
+
+    async def _plan(self, now: float) -> None:
+        """One plan of every autoscaled pool, acted on (not while a spec is being applied)."""
+        for name, planner in self.planners.items():
+            if self.updating is not None or name not in self.pools:
+                continue
+            planner.observe(self.sample(name, now))
+            pool = self.pools[name]
+            decision = planner.plan(pool.target, now)
+            self.decisions[name] = {**asdict(decision), "t": time.time()}
+            if decision.action == "hold":
+                continue
+            logger.warning("planner: pool %s %s from %d to %d replicas: %s", name, decision.action,
+                           pool.target, decision.replicas, decision.reason)
+            self.decision_counts[(name, decision.action)] += 1
+            await pool.scale(decision.replicas, self.config.drain_timeout_s)
+            self._resized()
+
+    def _resized(self) -> None:
+        """After a pool's size changed: remember it, and ask the autoscaler for room."""
+        _save_state(self.config.name, self.config, {n: p.target for n, p in self.pools.items()})
+        bundles = [b for name, pool in self.pools.items()
+                   for _ in range(pool.target) for b in replica_bundles(pool.spec)]
+        try:
+            from ray.autoscaler.sdk import request_resources  # noqa: PLC0415 - the autoscaler's SDK, here only
+
+            request_resources(bundles=bundles)
+        except Exception as e:  # noqa: BLE001 - a Ray without an autoscaler: the pending actors wait
+            logger.warning("asking the autoscaler for %d bundles failed: %s", len(bundles), e)
 
     async def check_health(self) -> dict[str, list[str]]:
         """Run one health check of every pool now; pool -> replica ids dropped."""
@@ -153,9 +262,23 @@ class ClusterManager:
         return self.version, {name: dict(pool.replicas) for name, pool in self.pools.items()}
 
     def pool_status(self) -> dict[str, dict[str, Any]]:
-        return {name: {"replicas": sorted(pool.replicas), "starting": sorted(pool.starting),
-                       "draining": sorted(pool.draining), "replaced": pool.replaced, "target": pool.target}
-                for name, pool in self.pools.items()}
+        """Pool -> its replicas by state, target, bounds, replicas replaced, every replica's detail
+        (`EnginePool.replica_status`) and, when autoscaled, the planner's last decision and counts."""
+        out = {}
+        for name, pool in self.pools.items():
+            st = {"replicas": sorted(pool.replicas), "starting": sorted([*pool.starting, *pool.incoming]),
+                  "draining": sorted(pool.draining), "replaced": pool.replaced, "target": pool.target,
+                  "bounds": list(pool.spec.bounds()), "detail": pool.replica_status()}
+            if name in self.planners:
+                st["planner"] = {"last": self.decisions.get(name),
+                                 "decisions": {a: self.decision_counts[(name, a)] for a in ("up", "down")}}
+            out[name] = st
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        """`pdserve status`: the spec's name and fingerprint, the phase, an update under way, the pools."""
+        return {"name": self.config.name, "fingerprint": self.fingerprint, "phase": self.phase,
+                "reason": self.reason, "updating": self.updating, "pools": self.pool_status()}
 
     async def scale(self, pool: str, replicas: int, drain_timeout_s: float = 60.0) -> dict[str, Any]:
         """Resize a pool by hand (`pdserve scale`): replicas join when loaded; those removed are
@@ -165,10 +288,85 @@ class ClusterManager:
             raise ValueError(f"pool must be one of {sorted(self.pools)}; got {pool!r}")
         if drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0; got {drain_timeout_s}")
+        lo, hi = self.pools[pool].spec.bounds()
+        if not lo <= replicas <= hi:
+            raise ValueError(f"replicas must be within {lo}..{hi} for pool {pool!r} (its spec's bounds: "
+                             f"autoscaling min_replicas..max_replicas, else 1..64); got {replicas}")
         await asyncio.shield(self._start())
         if self.phase != "ready":
             raise StartupError(f"the pools are not serving ({self.phase}: {self.reason})")
-        return await self.pools[pool].scale(replicas, drain_timeout_s)
+        out = await self.pools[pool].scale(replicas, drain_timeout_s)
+        if pool in self.planners:
+            self.planners[pool].changed(time.monotonic())
+        self._resized()
+        return out
+
+    # --- spec updates -------------------------------------------------------------------------------
+    async def apply(self, spec_json: str) -> dict[str, Any]:
+        """Serve this spec from now on (what an ingress replica or the launcher calls with its own).
+        The same spec does nothing; before the pools start it replaces the spec; once they serve,
+        it reconciles them in place (the module's docstring). Returns what it did."""
+        new = ClusterConfig.model_validate_json(spec_json)
+        if new.name != self.config.name:
+            raise ValueError(f"name must be {self.config.name!r} (this manager's); got {new.name!r}")
+        if self._apply_lock is None:
+            self._apply_lock = asyncio.Lock()
+        async with self._apply_lock:
+            old_fp = self.fingerprint
+            if fingerprint(new) == old_fp:
+                return {"changed": False, "fingerprint": old_fp}
+            logger.warning("spec %s replaces spec %s", fingerprint(new), old_fp)
+            if self._startup is None or self.phase == "failed":      # no pools serve yet
+                self._configure(new)
+                self._startup, self.phase, self.reason = None, "starting", None
+                _save_state(new.name, new, {n: p.target for n, p in self.pools.items()})
+                return {"changed": True, "from": old_fp, "fingerprint": self.fingerprint, "pools": {}}
+            await asyncio.shield(self._startup)
+            self.updating = f"applying spec {fingerprint(new)}"
+            try:
+                done = await self._reconcile(new)
+            finally:
+                self.updating = None
+            self._resized()
+            return {"changed": True, "from": old_fp, "fingerprint": self.fingerprint, "pools": done}
+
+    async def _reconcile(self, new: ClusterConfig) -> dict[str, str]:
+        old, drain_s = self.config, new.drain_timeout_s
+        done: dict[str, str] = {}
+        engine_configs = {name: await asyncio.to_thread(new.engine_config, name) for name in new.pools}
+        replace = {name: spec for name, spec in new.pools.items() if name in self.pools
+                   and pool_tag(name, spec, engine_configs[name]) != self.pools[name].tag}
+        # Replaced pools: the new replicas of all of them load first (the old serve meanwhile); if
+        # one cannot start, nothing changes and this raises.
+        await asyncio.gather(*[self.pools[name].bring_up_new(spec, engine_configs[name], self.placement_timeout_s
+                                                             + ACTOR_START_GRACE_S)
+                               for name, spec in replace.items()])
+        for name, spec in replace.items():
+            done[name] = f"replaced {', '.join(self.pools[name].swap_in(spec, engine_configs[name], drain_s))}"
+        for name in [n for n in self.pools if n not in new.pools]:          # pools the spec dropped
+            pool = self.pools.pop(name)
+            await asyncio.gather(*[pool.drain_replica(r, drain_s) for r in list(pool.replicas)])
+            pool.shutdown()
+            done[name] = "removed"
+        for name, spec in new.pools.items():
+            pool = self.pools.get(name)
+            if pool is None:                                                 # pools the spec added
+                pool = self.pools[name] = EnginePool(name, spec, engine_configs[name], new.name, on_change=self._bump)
+                pool.target = 0
+            lo, hi = spec.bounds()
+            same_size = name in old.pools and old.pools[name].replicas == spec.replicas
+            target = min(max(pool.target, lo), hi) if same_size and pool.target else spec.replicas
+            pool.spec = spec
+            if target != pool.target:
+                await pool.scale(target, drain_s)
+                done.setdefault(name, f"resized to {target}")
+        self.config, self.fingerprint = new, fingerprint(new)
+        self.planners = {name: (self.planners[name] if name in self.planners
+                                and self.planners[name].spec == spec.autoscaling else Planner(spec.autoscaling))
+                         for name, spec in new.pools.items() if spec.autoscaling is not None}
+        _save_state(new.name, new, {n: p.target for n, p in self.pools.items()})
+        logger.warning("spec %s applied: %s", self.fingerprint, done or "nothing to change in the pools")
+        return done
 
     async def shutdown(self, drain_s: float = 0.0) -> None:
         """Stop checking, let running requests finish for up to `drain_s`, then kill every replica."""
@@ -181,6 +379,33 @@ class ClusterManager:
             await asyncio.gather(*[pool.drain(drain_s) for pool in self.pools.values()])
         for pool in self.pools.values():
             pool.shutdown()
+        _save_state(self.config.name, None, {})
+
+
+def _load_state(namespace: str) -> dict | None:
+    """The spec last applied and the pools' sizes, as a manager of this namespace left them."""
+    from ray.experimental.internal_kv import _internal_kv_get  # noqa: PLC0415 - Ray's KV, in the actor only
+
+    try:
+        raw = _internal_kv_get(STATE_KEY, namespace=namespace)
+        return json.loads(raw) if raw else None
+    except Exception as e:  # noqa: BLE001 - unreadable: start from the spec given
+        logger.warning("the stored manager state is unreadable: %s", e)
+        return None
+
+
+def _save_state(namespace: str, config: ClusterConfig | None, targets: dict[str, int]) -> None:
+    """Keep (or with `config` None, forget) the spec and the pools' sizes in Ray's internal KV."""
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put  # noqa: PLC0415
+
+    try:
+        if config is None:
+            _internal_kv_del(STATE_KEY, namespace=namespace)
+        else:
+            _internal_kv_put(STATE_KEY, json.dumps({"spec": config.model_dump_json(), "targets": targets}),
+                             overwrite=True, namespace=namespace)
+    except Exception as e:  # noqa: BLE001 - Ray is going away
+        logger.warning("keeping the manager state failed: %s", e)
 
 
 def get_or_create_manager(config: ClusterConfig) -> Any:

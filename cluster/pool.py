@@ -49,30 +49,35 @@ class EnginePool:
         self.replicas: dict[str, Any] = {}       # replica id -> actor handle, serving
         self.starting: dict[str, Any] = {}       # replacements still loading their model
         self.draining: dict[str, Any] = {}       # taken out of routing, finishing what they run
+        self.incoming: dict[str, Any] = {}       # a rolling replace's new replicas, loading
         self.target = spec.replicas              # the replica count kept (`scale` changes it)
         # What the replicas of this pool and spec carry (`EngineReplica.info()["tag"]`): a manager
         # adopts only replicas with its own tag.
-        digest = hashlib.sha256(f"{spec.model_dump_json()}{engine_config!r}".encode()).hexdigest()
-        self.tag = f"{name}:{digest[:16]}"
+        self.tag = pool_tag(name, spec, engine_config)
+        self.stats: dict[str, dict] = {}         # replica id -> its last stats (health checks)
+        self.nodes: dict[str, str] = {}          # replica id -> the node its actor runs on
         self.missed: dict[str, int] = {}
         self.replaced = 0                        # replicas dropped for failing health checks
         self._next_index = 0
         self._tasks: set[asyncio.Task] = set()
 
-    def _spawn(self) -> tuple[str, Any]:
+    def _spawn(self, spec: PoolSpec | None = None, engine_config: EngineConfig | None = None) -> tuple[str, Any]:
+        """A new replica actor (of this pool's spec, or of `spec` and `engine_config`: a rolling
+        replace's); it loads its model when asked to (`load`)."""
+        spec, engine_config = spec or self.spec, engine_config or self.engine_config
         replica_id = f"{self.name}-{self._next_index}"
         self._next_index += 1
-        single = self.spec.world_size == 1
-        threads = max(1, int(self.spec.num_cpus)) if single else 1
+        single = spec.world_size == 1
+        threads = max(1, int(spec.num_cpus)) if single else 1
         # Detached: a replica outlives the manager that made it (a restarted manager adopts it),
         # and the pool kills it itself (drop, shutdown).
         handle = ray.remote(EngineReplica).options(
             name=self._actor_name(replica_id), namespace=self.namespace, lifetime="detached",
             max_concurrency=1000,
-            num_cpus=self.spec.num_cpus if single else REPLICA_ACTOR_CPUS,
-            num_gpus=self.spec.num_gpus if single else 0,
-            resources=dict(self.spec.resources) if single else {},
-        ).remote(self.engine_config, replica_id, threads, load=False, tag=self.tag)
+            num_cpus=spec.num_cpus if single else REPLICA_ACTOR_CPUS,
+            num_gpus=spec.num_gpus if single else 0,
+            resources=dict(spec.resources) if single else {},
+        ).remote(engine_config, replica_id, threads, load=False, tag=pool_tag(self.name, spec, engine_config))
         return replica_id, handle
 
     def _actor_name(self, replica_id: str) -> str:
@@ -100,6 +105,7 @@ class EnginePool:
                 logger.warning("pool %s: killing %s, a replica of another spec", self.name, replica_id)
                 ray.kill(handle, no_restart=True)
                 continue
+            self.nodes[replica_id] = info.get("node_id", "")
             if info["loaded"]:
                 self.replicas[replica_id] = handle
             else:
@@ -125,7 +131,8 @@ class EnginePool:
 
     async def _wait_one(self, replica_id: str, handle: Any, place_timeout_s: float | None) -> dict:
         try:
-            await asyncio.wait_for(handle.info.remote(), place_timeout_s)    # its constructor ran
+            info = await asyncio.wait_for(handle.info.remote(), place_timeout_s)    # its constructor ran
+            self.nodes[replica_id] = info.get("node_id", "")
         except asyncio.TimeoutError:
             needs = ", ".join(fmt_resources(b) for b in replica_bundles(self.spec))
             free = {k: v for k, v in ray.available_resources().items()
@@ -156,6 +163,7 @@ class EnginePool:
                 reason = "its engine stopped (engine dead)"
             else:
                 self.missed.pop(replica_id, None)
+                self.stats[replica_id] = res
             if reason is not None and replica_id in self.replicas:
                 self.drop(replica_id, reason)
                 dropped.append(replica_id)
@@ -169,7 +177,7 @@ class EnginePool:
         if handle is None:
             return
         logger.warning("pool %s: replacing replica %s: %s", self.name, replica_id, reason)
-        self.missed.pop(replica_id, None)
+        self._forget(replica_id)
         self.replaced += 1
         try:
             ray.kill(handle, no_restart=True)
@@ -186,6 +194,8 @@ class EnginePool:
 
     async def _bring_up(self, replica_id: str, handle: Any) -> None:
         try:
+            info = await handle.info.remote()            # placed (Ray may keep it pending for a node)
+            self.nodes[replica_id] = info.get("node_id", "")
             await handle.load.remote()
         except Exception:
             logger.exception("pool %s: replacement %s failed to start", self.name, replica_id)
@@ -214,6 +224,7 @@ class EnginePool:
             started.append(next(reversed(self.starting)))
         while len(self.replicas) + len(self.starting) > replicas and self.starting:
             replica_id, handle = self.starting.popitem()
+            self._forget(replica_id)
             _kill(handle)
             cancelled.append(replica_id)
         excess = len(self.replicas) - replicas
@@ -234,7 +245,7 @@ class EnginePool:
         streams it runs go on), wait up to `timeout_s` for its requests and leases to end, then kill
         it; streams still running then migrate to other replicas at the ingress. True if it
         emptied in time."""
-        handle = self.replicas.pop(replica_id, None)
+        handle = self.replicas.pop(replica_id, None) or self.draining.get(replica_id)
         if handle is None:
             return False
         self.draining[replica_id] = handle
@@ -254,10 +265,67 @@ class EnginePool:
                 break
             await asyncio.sleep(0.2)
         self.draining.pop(replica_id, None)
+        self._forget(replica_id)
         _kill(handle)
         logger.warning("pool %s: drained replica %s (%s)", self.name, replica_id,
                        "empty" if emptied else f"after {timeout_s:g} s: its streams migrate")
         return emptied
+
+    def _forget(self, replica_id: str) -> None:
+        for table in (self.missed, self.stats, self.nodes):
+            table.pop(replica_id, None)
+
+    # --- rolling replace -----------------------------------------------------------------------------
+    async def bring_up_new(self, spec: PoolSpec, engine_config: EngineConfig, place_timeout_s: float) -> None:
+        """The first half of a rolling replace (a changed spec): start `target` replicas of the new
+        spec beside the serving ones and wait until every one has loaded. They do not serve until
+        `swap_in`; if one cannot start, all of them go and this raises (the old ones serve on)."""
+        for _ in range(self.target):
+            replica_id, handle = self._spawn(spec, engine_config)
+            self.incoming[replica_id] = handle
+        try:
+            await asyncio.gather(*[self._wait_one(r, h, place_timeout_s) for r, h in self.incoming.items()])
+        except BaseException:
+            for replica_id, handle in self.incoming.items():
+                self._forget(replica_id)
+                _kill(handle)
+            self.incoming.clear()
+            raise
+
+    def swap_in(self, spec: PoolSpec, engine_config: EngineConfig, drain_timeout_s: float) -> list[str]:
+        """The second half: the new replicas serve and the old ones drain (out of routing at once;
+        killed once empty, or after `drain_timeout_s`, when their streams migrate). Returns the ids
+        draining."""
+        old = dict(self.replicas)
+        for replica_id, handle in self.starting.items():     # replacements of the old spec
+            self._forget(replica_id)
+            _kill(handle)
+        self.starting.clear()
+        self.spec, self.engine_config = spec, engine_config
+        self.tag = pool_tag(self.name, spec, engine_config)
+        self.replicas = dict(self.incoming)
+        self.incoming.clear()
+        self.draining.update(old)
+        for replica_id in old:
+            self._spawn_task(self.drain_replica(replica_id, drain_timeout_s))
+        self.on_change()
+        return sorted(old)
+
+    def replica_status(self) -> list[dict[str, Any]]:
+        """Every replica with its state (pending: not placed yet; starting: loading; serving;
+        draining), node, layout and last stats, for `pdserve status`."""
+        layout = f"TP{self.spec.tensor_parallel_size}xPP{self.spec.pipeline_parallel_size}"
+        rows = []
+        for state, table in (("serving", self.replicas), ("starting", self.starting),
+                             ("starting", self.incoming), ("draining", self.draining)):
+            for replica_id in table:
+                st = self.stats.get(replica_id, {})
+                placed = replica_id in self.nodes
+                rows.append({"id": replica_id, "state": state if placed or state != "starting" else "pending",
+                             "node": self.nodes.get(replica_id), "layout": layout,
+                             "kv_usage": st.get("kv_cache_usage_perc"), "running": st.get("num_requests_running"),
+                             "waiting": st.get("num_requests_waiting")})
+        return rows
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -283,11 +351,17 @@ class EnginePool:
     def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for handle in [*self.replicas.values(), *self.starting.values(), *self.draining.values()]:
-            _kill(handle)
-        self.replicas.clear()
-        self.starting.clear()
-        self.draining.clear()
+        for table in (self.replicas, self.starting, self.draining, self.incoming):
+            for handle in table.values():
+                _kill(handle)
+            table.clear()
+
+
+def pool_tag(name: str, spec: PoolSpec, engine_config: EngineConfig) -> str:
+    """What a pool's replicas are made of, as a short digest (`PoolSpec.identity()` and the engine
+    config): replicas with equal tags are interchangeable."""
+    digest = hashlib.sha256(f"{spec.identity()}{engine_config!r}".encode()).hexdigest()
+    return f"{name}:{digest[:16]}"
 
 
 def _kill(handle: Any) -> None:

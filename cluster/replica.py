@@ -37,6 +37,13 @@ MAX_EVENT_LOG = 100_000
 CHANNEL_HEARTBEAT_S = 10.0
 
 
+def _node_id() -> str | None:
+    """The Ray node this runs on (None outside Ray)."""
+    import ray  # noqa: PLC0415 - the class is plain; Ray only where it runs as an actor
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
 def _deltas(params: SamplingParams) -> SamplingParams:
     """The request's params asking the engine for deltas (each step's output holds only what is new)."""
     return params if params.output_kind == "delta" else dataclasses.replace(params, output_kind="delta")
@@ -90,7 +97,7 @@ class EngineReplica:
         mc, cc = self.config.model_config, self.config.cache_config
         kvt = self.config.kv_transfer_config
         return {"replica_id": self.replica_id, "pid": os.getpid(), "loaded": self.engine is not None,
-                "tag": self.tag,
+                "tag": self.tag, "node_id": _node_id(),
                 "block_size": cc.block_size,
                 "kv_connector": kvt.kv_connector if kvt else None,
                 "max_model_len": mc.max_model_len, "max_num_seqs": self.config.scheduler_config.max_num_seqs}

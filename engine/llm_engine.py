@@ -301,7 +301,12 @@ class LLMEngine:
         return {
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
+            # Prompt tokens admitted but not yet run through the model (a prefill pool's queue).
+            "num_prompt_tokens_queued": sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                                            for q in (self.scheduler.waiting, self.scheduler.running) for r in q),
             "kv_cache_usage_perc": kv.usage,
+            "ttft_histogram": list(self.output.ttft.counts),     # records/histogram.py's buckets
+            "itl_histogram": list(self.output.itl.counts),
             "num_kv_blocks": kv.block_pool.num_blocks,
             "num_free_kv_blocks": kv.num_free_blocks,
             "prefix_cache_queries": kv.prefix_cache_queries,

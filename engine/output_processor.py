@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.text.tokenizer import IncrementalDetokenizer
+from records.histogram import LatencyHistogram
 from records.outputs import CompletionOutput, Logprob, RequestOutput
 from records.request import FINISH_REASONS, Continuation, Request, RequestStatus
 from records.sampling_params import SamplingParams
@@ -73,6 +74,7 @@ class RequestState:
     children: list[ChoiceState]
     arrival_time: float
     first_token_time: float | None = None
+    last_token_time: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     kv_transfer_params: dict[str, Any] | None = None    # set when its blocks are leased
@@ -95,6 +97,11 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
         self.child_to_state: dict[str, tuple[RequestState, int]] = {}
         self.num_generation_tokens = 0
+        # Since the engine started: arrival to first token, and between a request's steps that gave it
+        # tokens (per request, not per token: a speculative step's tokens come together), read by the
+        # manager's planner through the engine's stats (records/histogram.py).
+        self.ttft = LatencyHistogram()
+        self.itl = LatencyHistogram()
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
             children: list[Request], arrival: float, continuation: Continuation | None = None) -> None:
@@ -130,6 +137,10 @@ class OutputProcessor:
             state, i = entry
             if state.first_token_time is None:
                 state.first_token_time = now
+                self.ttft.observe(now - state.arrival_time)
+            elif state.request_id not in touched:
+                self.itl.observe(now - state.last_token_time)
+            state.last_token_time = now
             try:
                 self.num_generation_tokens += self.process_tokens(state.children[i])
             except Exception as e:  # noqa: BLE001 - e.g. its detokenization: this request only

@@ -103,6 +103,10 @@ class ServingSpec(StrictSpec):
     max_body_bytes: int = Field(4 << 20, ge=1024)
     ingress_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.1, gt=0)
+    # How long an ingress replica Serve stops (an update of the spec rolls them, a scale-down) may
+    # finish the streams passing through it (Serve's graceful_shutdown_timeout_s; it ends sooner
+    # once they are done).
+    ingress_drain_timeout_s: float = Field(60.0, ge=0)
     # Custom resources an ingress replica needs (Ray's `resources`): what pins it to some nodes. A
     # stream passes through its ingress replica, and one whose node is lost ends there (the engine
     # side migrates, the client's connection cannot): keep ingresses off the nodes you expect to lose.

@@ -67,7 +67,8 @@ def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
     @serve.deployment(name="openai-ingress", num_replicas=spec.serving.ingress_replicas,
                       ray_actor_options={"num_cpus": spec.serving.ingress_num_cpus,
                                          "resources": dict(spec.serving.ingress_resources)},
-                      max_ongoing_requests=max(spec.serving.max_in_flight * 2, 100))
+                      max_ongoing_requests=max(spec.serving.max_in_flight * 2, 100),
+                      graceful_shutdown_timeout_s=spec.serving.ingress_drain_timeout_s)
     @serve.ingress(fastapi_app)
     class OpenAIIngress:
         async def __init__(self, spec_json: str, manager_link: Callable[[], Any]) -> None:
@@ -90,7 +91,9 @@ def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
         async def _start(self, manager_link: Callable[[], Any]) -> None:
             try:
                 manager = manager_link()
-                await manager.ready.remote()
+                # The spec this ingress serves: the manager reconciles its pools to it (a RayService
+                # update of serveConfigV2 reaches the pools this way); None: whatever it serves.
+                await manager.ready.remote(getattr(manager_link, "config_json", None))
                 _, pools = await manager.membership.remote()
             except Exception as e:  # noqa: BLE001 - reported by /health
                 cause = getattr(e, "cause", None) or e
@@ -159,6 +162,14 @@ def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
         async def metrics(self) -> Response:
             return PlainTextResponse(await self.server.render_metrics(),
                                      media_type="text/plain; version=0.0.4")
+
+        @fastapi_app.get("/admin/status", include_in_schema=False)        # not OpenAI's API
+        async def admin_status(self) -> Response:
+            return JSONResponse(await self.server.admin_status())
+
+        @fastapi_app.post("/admin/scale", include_in_schema=False)
+        async def admin_scale(self, request: Request) -> Response:
+            return JSONResponse(await self.server.admin_scale(await self.api.read_json(request)))
 
         @fastapi_app.get("/openapi.json")
         async def openapi(self, request: Request) -> Response:

@@ -24,6 +24,7 @@ from ray.exceptions import TaskCancelledError
 from records.errors import (
     AuthenticationError,
     ClientClosedError,
+    InvalidRequestError,
     NoReplicaError,
     PDServeError,
     RateLimitError,
@@ -195,6 +196,34 @@ class Frontend:
             for name, replicas in pools.items():
                 if name in self.pools:
                     self.pools[name].set_replicas(replicas)
+
+    # --- the admin API (behind the API key, as every path but /health) ----------------------------
+    async def admin_status(self) -> dict[str, Any]:
+        """What `pdserve status --json` prints: the spec's fingerprint, the pools, every replica."""
+        return await self._manager().describe.remote()
+
+    async def admin_scale(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Resize a pool as `pdserve scale` does: {"pool", "replicas", "drain_timeout_s" (60)}."""
+        pool, replicas, drain = body.get("pool"), body.get("replicas"), body.get("drain_timeout_s", 60.0)
+        if pool not in self.pools:
+            raise InvalidRequestError(f"pool must be one of {sorted(self.pools)}; got {pool!r}", param="pool")
+        if not isinstance(replicas, int) or isinstance(replicas, bool):
+            raise InvalidRequestError(f"replicas must be an integer; got {replicas!r}", param="replicas")
+        if not isinstance(drain, (int, float)) or isinstance(drain, bool) or drain < 0:
+            raise InvalidRequestError(f"drain_timeout_s must be a number >= 0; got {drain!r}",
+                                      param="drain_timeout_s")
+        try:
+            return await self._manager().scale.remote(pool, replicas, float(drain))
+        except Exception as e:
+            cause = getattr(e, "cause", None) or e
+            if isinstance(cause, ValueError):            # out of the pool's bounds
+                raise InvalidRequestError(str(cause), param="replicas") from None
+            raise
+
+    def _manager(self) -> Any:
+        if self.manager is None:
+            raise ServiceUnavailableError(f"the engine pools are not attached ({self.not_ready or 'starting'})")
+        return self.manager
 
     async def render_metrics(self) -> str:
         await self.router.refresh_stats()

@@ -168,8 +168,11 @@ class ServingMetrics:
         self.decisions = r.counter("pdserve:router_decisions_total", "Routing decisions by reason.")
         self.in_flight = r.gauge("pdserve:requests_in_flight", "Requests the ingress is serving.")
         self.pool_replicas = r.gauge("pdserve:pool_replicas",
-                                     "Engine replicas per pool: serving, starting (replacements loading) "
-                                     "and the target, as the manager reports them.")
+                                     "Engine replicas per pool: serving, starting (pending or loading), "
+                                     "draining, and the target, as the manager reports them.")
+        self.planner_decisions = r.counter("pdserve:planner_decisions_total",
+                                           "Pool size changes by the planner (autoscaling), by pool and "
+                                           "action (up, down), since the manager started.")
         self.replaced = r.counter("pdserve:replicas_replaced_total",
                                   "Replicas the manager dropped and replaced (actor or node died, engine "
                                   "stopped, missed health checks), per pool, since the manager started.")
@@ -185,9 +188,11 @@ class ServingMetrics:
         """The manager's view of the pools (`ClusterManager.pool_status()`)."""
         for pool, st in status.items():
             for state, value in (("serving", len(st["replicas"])), ("starting", len(st["starting"])),
-                                 ("target", st["target"])):
+                                 ("draining", len(st["draining"])), ("target", st["target"])):
                 self.pool_replicas.set(value, pool=pool, state=state)
             self.replaced.values[_key({"pool": pool})] = float(st["replaced"])
+            for action, count in st.get("planner", {}).get("decisions", {}).items():
+                self.planner_decisions.values[_key({"pool": pool, "action": action})] = float(count)
 
     def set_engine_stats(self, pool: str, replica: str, stats: dict) -> None:
         for key, metric in self.engine.items():

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 import re
+import threading
 import time
 from dataclasses import replace as dataclasses_replace
 
@@ -284,3 +287,86 @@ def test_a_prefill_node_lost_mid_pull(nodes, tiny_llama, block_accounting, polic
         p.executor.shutdown()
         remove_engine_nodes(nodes)
     block_accounting.remove(p)          # the dead engine is discarded whole, as its replica would be
+
+
+RAMP_PROMPTS = [f"Request {i} of the ramp asks about the harbour number {i}:" for i in range(6)]
+
+
+@pytest.mark.ray
+def test_an_autoscaled_pool_follows_a_load_ramp_onto_a_node_added_for_it(nodes, tiny_llama, eventually_no_leaks):
+    """A decode pool autoscaled on running requests (1..2 replicas) under a ramp low -> high -> low:
+    at the high plateau the planner asks for a second replica, which waits for a node (and asks
+    Ray's autoscaler for one: `request_resources`); a node added then takes it and it serves; once
+    the load is gone the pool shrinks back by a drain. Every request completes with a colocated
+    engine's text, and the replica left holds no request or block."""
+    import ray
+    from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    max_tokens = 48
+    want = dict(zip(RAMP_PROMPTS, expected_outputs(tiny_llama, RAMP_PROMPTS, max_tokens)))
+    add_engine_node(nodes)
+    autoscaling = {"min_replicas": 1, "max_replicas": 2, "target_running_requests": 4, "window_s": 2,
+                   "upscale_delay_s": 2, "downscale_delay_s": 4, "cooldown_s": 2}
+    with served(nodes, tiny_llama, "pdserve-ramp", {"replicas": 1, "num_cpus": 1, "resources": {"engine": 1},
+                                                    "autoscaling": autoscaling}) as (config, base, manager):
+        wait_for_pool(manager, "decode", 1, set())
+        done: list[tuple[str, str]] = []
+
+        async def requests(prompts: list[str], concurrency: int, stop: threading.Event | None) -> None:
+            """`concurrency` clients, each sending the prompts in turn: once (stop None) or until `stop`."""
+            client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
+            model = (await client.models.list()).data[0].id
+
+            async def loop(i: int) -> None:
+                for n in itertools.count():
+                    if (stop is None and n == len(prompts)) or (stop is not None and stop.is_set()):
+                        return
+                    prompt = prompts[(i + n) % len(prompts)]
+                    out = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                                          temperature=0.0, extra_body={"ignore_eos": True})
+                    done.append((prompt, out.choices[0].text))
+
+            await asyncio.gather(*[loop(i) for i in range(concurrency)])
+
+        asyncio.run(requests(RAMP_PROMPTS[:2], 1, None))                 # low: one at a time
+        assert ray.get(manager.pool_status.remote())["decode"]["target"] == 1
+        stop = threading.Event()                                          # high: 12 at once, until told
+        high = threading.Thread(target=lambda: asyncio.run(requests(RAMP_PROMPTS, 12, stop)))
+        high.start()
+        try:
+            pending = wait_for(manager, lambda st: any(r["state"] == "pending" for r in st["detail"]),
+                               "a pending replica")
+            # The planner's reason, and the autoscaler asked for room for both replicas.
+            assert pending["planner"]["decisions"]["up"] == 1 and "requests running or waiting" in \
+                pending["planner"]["last"]["reason"], pending["planner"]
+            asked = [b for b in json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)) if "engine" in b]
+            assert asked == [{"CPU": 1.0, "engine": 1.0}] * 2, asked
+            node = add_engine_node(nodes)              # (Ray's node setup wants the main thread)
+            grown = wait_for_pool(manager, "decode", 2, set())
+            new = next(r for r in grown if r not in {d["id"] for d in pending["detail"] if d["state"] == "serving"})
+            assert actor_nodes()[f"{config.name}-{new}"] == node.node_id
+            wait_for(manager, lambda st: any(r["id"] == new and (r["running"] or 0) > 0 for r in st["detail"]),
+                     "the new replica running requests")
+        finally:
+            stop.set()
+            high.join()
+        # Low again: the pool drains back to its minimum.
+        shrunk = wait_for(manager, lambda st: st["target"] == 1 and len(st["replicas"]) == 1 and not st["draining"],
+                          "the pool back at 1 replica")
+        assert shrunk["planner"]["decisions"] == {"up": 1, "down": 1}
+        assert len(done) > 12 and all(text == want[prompt] for prompt, text in done)
+        _, pools = ray.get(manager.membership.remote())
+        assert eventually_no_leaks(pools["decode"])
+        assert metric(base, "pdserve:planner_decisions_total") == 2
+
+
+def wait_for(manager, cond, what: str) -> dict:
+    """The decode pool's status once `cond(status)` holds (within the heal timeout)."""
+    import ray
+
+    deadline = time.monotonic() + HEAL_TIMEOUT_S
+    while not cond(st := ray.get(manager.pool_status.remote())["decode"]):
+        assert time.monotonic() < deadline, f"no {what}: {st}"
+        time.sleep(0.25)
+    return st

@@ -186,7 +186,7 @@ def heal(tiny_llama, eventually_no_leaks):
     manager = ray.get_actor(MANAGER_NAME, namespace=config.name)
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
     yield {"base": base, "manager": manager, "client": client, "model": client.models.list().data[0].id,
-           "grpc_port": grpc_port, "name": config.name}
+           "grpc_port": grpc_port, "name": config.name, "config": config}
     assert eventually_no_leaks(ray.get(manager.replicas.remote("decode"))), \
         "a replica kept requests or blocks after the tests"
     serve.shutdown()            # also its HTTP proxy, which holds this module's port
@@ -409,13 +409,93 @@ def test_pdserve_scale_down_during_streams_cuts_none(heal, tiny_llama, capsys, d
         time.sleep(0.2)
     capsys.readouterr()
     assert main(["status", "--name", heal["name"]]) == 0
-    assert capsys.readouterr().out.startswith(f"decode: 1/1 serving {st['replicas'][0]}")
+    out = capsys.readouterr().out
+    assert "decode: 1/1 serving (bounds 1..64; replaced" in out and f"  {st['replicas'][0]} " in out, out
+    assert "ingress: 1 running" in out, out
     assert main(["scale", "decode", "0", "--name", heal["name"]]) == 2
-    assert "replicas must be >= 1" in capsys.readouterr().err
+    assert "replicas must be within 1..64 for pool 'decode'" in capsys.readouterr().err
     assert main(["scale", "decode", "2", "--name", heal["name"]]) == 0
     deadline = time.monotonic() + 120
     while len(ray.get(manager.membership.remote())[1]["decode"]) != 2:
         assert time.monotonic() < deadline, ray.get(manager.pool_status.remote())
+        time.sleep(0.5)
+
+
+@pytest.mark.ray
+def test_a_spec_applied_in_place_resizes_or_rolls_the_pool_and_cuts_no_stream(heal, tiny_llama, tmp_path, capsys):
+    """`pdserve apply` of a changed spec on a running deployment, while greedy streams run: a new
+    size and routing weight resize the pool (the serving replicas are not restarted) and roll the
+    ingress; a changed engine field replaces every replica rolling (the new ones load first, the old
+    drain). No stream fails or changes; a restarted manager serves the spec last applied."""
+    import ray
+    import yaml
+
+    from cluster.cli import main
+    from cluster.manager import fingerprint
+    from engine.llm import LLM
+    from records.sampling_params import SamplingParams
+
+    manager, model = heal["manager"], heal["model"]
+    prompts = [f"Applied spec {i}: the lighthouse keeper wrote" for i in range(6)]
+    with LLM(tiny_llama, dtype="float32", max_model_len=2048) as llm:
+        want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(
+            max_tokens=120, temperature=0.0, ignore_eos=True), use_tqdm=False)]
+
+    def apply_during_streams(config: ClusterConfig) -> dict:
+        path = tmp_path / f"{fingerprint(config)}.yaml"
+        path.write_text(yaml.safe_dump(json.loads(config.model_dump_json())))
+
+        async def run() -> list[str]:
+            client = openai.AsyncOpenAI(base_url=f"{heal['base']}/v1", api_key="none", max_retries=0, timeout=300)
+
+            async def one(prompt: str) -> str:
+                text = []
+                async for chunk in await client.completions.create(model=model, prompt=prompt, max_tokens=120,
+                                                                   temperature=0.0, stream=True,
+                                                                   extra_body={"ignore_eos": True}):
+                    text.extend(c.text for c in chunk.choices)
+                return "".join(text)
+
+            tasks = [asyncio.create_task(one(p)) for p in prompts]
+            await asyncio.sleep(0.5)
+            assert await asyncio.to_thread(main, ["apply", str(path), "--route-prefix", "/heal"]) == 0
+            return await asyncio.gather(*tasks)
+
+        assert asyncio.run(run()) == want
+        status = ray.get(manager.describe.remote())
+        assert status["fingerprint"] == fingerprint(config) and status["updating"] is None
+        return status
+
+    def pids() -> dict[str, int]:
+        _, pools = ray.get(manager.membership.remote())
+        return {r: ray.get(h.info.remote())["pid"] for r, h in pools["decode"].items()}
+
+    before = pids()
+    old = heal["config"].model_dump()
+    resized = ClusterConfig.model_validate({**old, "pools": {"decode": {**old["pools"]["decode"], "replicas": 3}},
+                                            "routing": {**old["routing"], "load_weight": 0.9}})
+    capsys.readouterr()
+    status = apply_during_streams(resized)
+    assert '"pools": {\n    "decode": "resized to 3"' in capsys.readouterr().out
+    deadline = time.monotonic() + 120
+    while len(now := pids()) != 3:
+        assert time.monotonic() < deadline, status
+        time.sleep(0.5)
+    assert {r: now[r] for r in before} == before           # the serving replicas were not restarted
+    # A manager Ray restarts serves the spec last applied, at its size (kept in the GCS).
+    ray.kill(manager, no_restart=False)
+    assert ray.get(manager.describe.remote())["fingerprint"] == fingerprint(resized)
+    assert pids() == now
+
+    rolled = ClusterConfig.model_validate({**resized.model_dump(), "engine": {**old["engine"], "max_num_seqs": 6}})
+    apply_during_streams(rolled)
+    after = pids()
+    assert len(after) == 3 and not set(after) & set(now), (now, after)
+    assert all(ray.get(h.info.remote())["max_num_seqs"] == 6
+               for h in ray.get(manager.membership.remote())[1]["decode"].values())
+    deadline = time.monotonic() + 120
+    while ray.get(manager.pool_status.remote())["decode"]["draining"]:     # the old ones drain, then go
+        assert time.monotonic() < deadline
         time.sleep(0.5)
 
 

@@ -98,6 +98,11 @@ def test_prefix_cache_hits_keep_output(tiny_llama, oracle):
     # Without preemption, every prompt token is either a prefix-cache hit or computed, once.
     final = llm.llm_engine.stats()
     assert final["prompt_tokens_computed"] == final["prompt_tokens"] - final["prefix_cache_hits"]
+    # The latency histograms the planner reads: one first token per request, then one interval per
+    # later step of each (every step of these gave one token); nothing queued once done.
+    finished = 2 * len(prompts) + 1
+    assert sum(final["ttft_histogram"]) == finished
+    assert sum(final["itl_histogram"]) == finished * (MAX_TOKENS - 1) and final["num_prompt_tokens_queued"] == 0
     assert after["prompt_tokens_computed"] - stats["prompt_tokens_computed"] == \
         sum(map(len, prompts)) - (after["prefix_cache_hits"] - stats["prefix_cache_hits"]) < sum(map(len, prompts))
 
