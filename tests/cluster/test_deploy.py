@@ -101,6 +101,13 @@ def test_chart_renders_every_values_file_and_lints_clean():
     ({"pools": {"decode": {"replica": 2}}}, "replica"),                   # values.schema.json
     ({"modle": {"source": "embedded"}}, "modle"),
     ({"disaggregation": {"connector": "rdma"}}, "connector"),
+    ({"pools": {"decode": {"worker": {"maxPods": 3}}}}, "minPods/maxPods need autoscaler.enabled"),
+    ({"autoscaler": {"enabled": True}, "pools": {"decode": {"worker": {"pods": 4, "maxPods": 3}}}},
+     "pods (4) must lie within minPods (4) and maxPods (3)"),
+    ({"autoscaler": {"enabled": True}, "pools": {"decode": {
+        "num_gpus": 1, "autoscaling": {"max_replicas": 4, "itl_slo_ms": 50},
+        "worker": {"gpus": 1, "pods": 1, "maxPods": 3}}}}, "needs 4 GPUs"),
+    ({"autoscaler": {"upscalingMode": "Fast"}}, "upscalingMode"),
 ])
 def test_chart_refuses_bad_values(chart, values, message):
     with pytest.raises(helm.HelmError, match=re.escape(message)):
@@ -573,6 +580,26 @@ def test_chart_turns_on_gcs_fault_tolerance_with_an_external_redis(chart, crd_sc
         "redisAddress": "redis.default.svc:6379",
         "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis-auth", "key": "password"}}}}
     assert "gcsFaultToleranceOptions" not in cluster_of(one(render(chart, {}), "RayService"))
+
+
+def test_chart_enables_kuberays_autoscaler_with_pods_per_pool(chart, crd_schemas):
+    """values-autoscaling.yaml: the in-tree autoscaler on, each worker group between its minPods and
+    maxPods, the pools' planners (autoscaling) and the drain timeout in the spec; valid against
+    the CRD. By default the autoscaler is off and every group is fixed at `pods`."""
+    service = one(render(chart, _values("values-autoscaling.yaml")), "RayService")
+    crd_validate(service, crd_schemas)
+    cluster = cluster_of(service)
+    assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["autoscalerOptions"]["upscalingMode"] == "Default"
+    assert cluster["autoscalerOptions"]["idleTimeoutSeconds"] == 300
+    groups = {g["groupName"]: (g["replicas"], g["minReplicas"], g["maxReplicas"]) for g in cluster["workerGroupSpecs"]}
+    assert groups == {"prefill": (1, 1, 4), "decode": (2, 2, 8)}
+    (spec,) = check_serve_config(service)
+    assert spec.pools["decode"].autoscaling.itl_slo_ms == 40 and spec.pools["decode"].bounds() == (2, 8)
+    assert spec.pools["prefill"].autoscaling.ttft_slo_ms == 500 and spec.drain_timeout_s == 120
+    fixed = cluster_of(one(render(chart, {}), "RayService"))
+    assert fixed["enableInTreeAutoscaling"] is False and "autoscalerOptions" not in fixed
+    assert all(g["minReplicas"] == g["maxReplicas"] == g["replicas"] for g in fixed["workerGroupSpecs"])
 
 
 def test_chart_passes_speculative_config_to_the_decode_pool(chart):

@@ -100,6 +100,20 @@ The spec itself is validated again by ClusterConfig when Serve builds the applic
 {{- if lt (int $w.pods) 1 -}}
 {{- fail (printf "pools.%s.worker.pods must be at least 1" $name) -}}
 {{- end -}}
+{{- $minPods := $w.minPods | default $w.pods | int -}}
+{{- $maxPods := $w.maxPods | default $w.pods | int -}}
+{{- if or (hasKey $w "minPods") (hasKey $w "maxPods") -}}
+{{- if not $v.autoscaler.enabled -}}
+{{- fail (printf "pools.%s.worker.minPods/maxPods need autoscaler.enabled (without it the group keeps `pods`)" $name) -}}
+{{- end -}}
+{{- if not (and (le $minPods (int $w.pods)) (le (int $w.pods) $maxPods)) -}}
+{{- fail (printf "pools.%s.worker: pods (%d) must lie within minPods (%d) and maxPods (%d)" $name (int $w.pods) $minPods $maxPods) -}}
+{{- end -}}
+{{- end -}}
+{{- $replicas := $p.replicas | default 1 | int -}}
+{{- with $p.autoscaling -}}
+{{- $replicas = max $replicas (.max_replicas | default 1 | int) -}}
+{{- end -}}
 {{- $rankGpus := $p.num_gpus | default 0 | float64 -}}
 {{- $podGpus := $w.gpus | default 0 | float64 -}}
 {{- if gt $rankGpus 0.0 -}}
@@ -107,10 +121,10 @@ The spec itself is validated again by ClusterConfig when Serve builds the applic
 {{- if lt $podGpus $stageGpus -}}
 {{- fail (printf "pools.%s: a pipeline stage takes %v GPUs (tensor_parallel_size x num_gpus) but worker.gpus is %v: the TP ranks of a stage must share a pod" $name $stageGpus $podGpus) -}}
 {{- end -}}
-{{- $needed := mulf $stageGpus $pp ($p.replicas | default 1) -}}
-{{- $have := mulf $podGpus $w.pods -}}
+{{- $needed := mulf $stageGpus $pp $replicas -}}
+{{- $have := mulf $podGpus $maxPods -}}
 {{- if lt $have $needed -}}
-{{- fail (printf "pools.%s needs %v GPUs (replicas x TP x PP x num_gpus) but its worker group has %v (pods x gpus)" $name $needed $have) -}}
+{{- fail (printf "pools.%s needs %v GPUs (replicas, or autoscaling.max_replicas, x TP x PP x num_gpus) but its worker group has %v (maxPods x gpus)" $name $needed $have) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -147,7 +161,8 @@ The spec itself is validated again by ClusterConfig when Serve builds the applic
       "routing" (deepCopy ($v.routing | default dict))
       "serving" $serving
       "name" $v.name
-      "placement_timeout_s" $v.placementTimeoutS -}}
+      "placement_timeout_s" $v.placementTimeoutS
+      "drain_timeout_s" $v.drainTimeoutS -}}
 {{- toYaml $spec -}}
 {{- end -}}
 
