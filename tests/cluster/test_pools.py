@@ -524,19 +524,36 @@ def _stop_with_sigint(proc: subprocess.Popen, ray_procs: list) -> str:
 
 @pytest.mark.ray
 def test_pdserve_serve_answers_and_sigint_leaves_no_ray_process(tiny_llama, tmp_path):
+    """`pdserve serve` with the default pools (1 prefill + 1 decode replica, which must fit the
+    local Ray it starts on a 2-core machine: no --num-cpus) and serving.direct_ingress (the ingress
+    replica itself listens on the port: no Serve proxy on the token path): it answers, the serving
+    benchmarks run against it, everything listens on loopback only, a dropped stream leaks nothing,
+    and Ctrl-C leaves no Ray process."""
     port = free_port()
-    # No --num-cpus: the defaults (1 prefill + 1 decode replica of 1 CPU, the ingress) must fit the
-    # local Ray it starts on a 2-core machine.
-    proc = _start_pdserve("--model", tiny_llama, "--port", str(port))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"model: {tiny_llama}\nmode: disaggregated\npools: {{prefill: {{}}, decode: {{}}}}\n"
+                    f"serving: {{port: {port}, direct_ingress: true}}\n")
+    proc = _start_pdserve("--config", str(spec))
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_healthy(proc, base)
         health = httpx.get(f"{base}/health").json()
         assert set(health["pools"]) == {"prefill", "decode"}, health
+        ray_procs = _descendants(proc.pid)
+        owners = [p.name() for p in ray_procs for c in _listening(p) if c.laddr.port == port]
+        assert owners and all("ServeReplica" in name for name in owners), owners
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
-        out = client.completions.create(model=client.models.list().data[0].id, prompt="Hello", max_tokens=5,
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt="Hello", max_tokens=5,
                                         temperature=0.0, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 5
+        chunks = list(client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0.0,
+            stream=True, extra_body={"ignore_eos": True}))
+        first = next(c for c in chunks if c.choices)
+        assert first.choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         # The serving benchmark against it: token-id prompts, then a multi-turn text workload.
         bench = subprocess.run(
             [sys.executable, "benchmarks/serve.py", "--base-url", base, "--num-prompts", "6", "--warmup", "1",
@@ -559,43 +576,6 @@ def test_pdserve_serve_answers_and_sigint_leaves_no_ray_process(tiny_llama, tmp_
         assert compared.returncode == 0, compared.stderr[-3000:]
         rounds = json.loads((tmp_path / "cmp.json").read_text())["rounds"][0]
         assert [r["completed"] for r in rounds.values()] == [4, 4] and "request_throughput" in compared.stdout
-        ray_procs = _descendants(proc.pid)
-        names = {p.name() for p in ray_procs}
-        assert {"gcs_server", "raylet"} <= names, names
-        # A local server listens on loopback only: Ray's GCS, raylet, agents, every worker, Serve.
-        exposed = _listening_beyond_loopback([psutil.Process(proc.pid), *ray_procs])
-        assert exposed == [], exposed
-        _stop_with_sigint(proc, ray_procs)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-@pytest.mark.ray
-def test_direct_ingress_serves_the_port_from_the_ingress_replica(tiny_llama, tmp_path):
-    """serving.direct_ingress: the ingress replica itself listens on the port (no Serve proxy on
-    the token path), streams with the role on the first token, and a dropped stream leaks nothing."""
-    port = free_port()
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(f"model: {tiny_llama}\nengine: {{dtype: float32, max_model_len: 256}}\nmode: colocated\n"
-                    f"serving: {{port: {port}, direct_ingress: true}}\n")
-    proc = _start_pdserve("--config", str(spec))
-    try:
-        base = f"http://127.0.0.1:{port}"
-        _wait_healthy(proc, base)
-        ray_procs = _descendants(proc.pid)
-        owners = [p.name() for p in ray_procs for c in _listening(p) if c.laddr.port == port]
-        assert owners and all("ServeReplica" in name for name in owners), owners
-        assert _listening_beyond_loopback([psutil.Process(proc.pid), *ray_procs]) == []
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
-        chunks = list(client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0.0,
-            stream=True, extra_body={"ignore_eos": True}))
-        first = next(c for c in chunks if c.choices)
-        assert first.choices[0].delta.role == "assistant"
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
                           json={"model": model, "prompt": "Hello", "max_tokens": 200, "stream": True,
                                 "ignore_eos": True}) as dropped:
@@ -604,6 +584,12 @@ def test_direct_ingress_serves_the_port_from_the_ingress_replica(tiny_llama, tmp
         while _metric(base, "pdserve:requests_in_flight") != 0:
             assert time.monotonic() < deadline, "the dropped stream stayed in flight"
             time.sleep(0.5)
+        ray_procs = _descendants(proc.pid)
+        names = {p.name() for p in ray_procs}
+        assert {"gcs_server", "raylet"} <= names, names
+        # A local server listens on loopback only: Ray's GCS, raylet, agents, every worker, Serve.
+        exposed = _listening_beyond_loopback([psutil.Process(proc.pid), *ray_procs])
+        assert exposed == [], exposed
         _stop_with_sigint(proc, ray_procs)
     finally:
         if proc.poll() is None:
