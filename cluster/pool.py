@@ -1,5 +1,7 @@
 """EnginePool: the engine replica actors of one pool (prefill or decode): created, health-checked,
-replaced when they die, drained on shutdown.
+replaced when they die, resized (`scale`: new replicas join when loaded, removed ones drain),
+replaced rolling when the spec changes what they are made of (`bring_up_new`, `swap_in`), drained
+on shutdown.
 
 Ray is applied here: each replica is `ray.remote(EngineReplica)` with the pool's CPUs/GPUs (and
 custom resources that pin it to its nodes), and torch in it gets as many threads as CPUs it was

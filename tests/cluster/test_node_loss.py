@@ -160,7 +160,7 @@ def test_a_node_lost_mid_decode_loses_no_stream(nodes, tiny_llama, eventually_no
     import ray
 
 
-    max_tokens = 300
+    max_tokens = 200
     want = expected_outputs(tiny_llama, PROMPTS, max_tokens)
     engine_nodes = [add_engine_node(nodes), add_engine_node(nodes)]
     with served(nodes, tiny_llama, "pdserve-node-loss",
@@ -193,7 +193,7 @@ def test_a_pipeline_stage_node_lost_mid_decode(nodes, tiny_llama, eventually_no_
     from ray.util import placement_group_table
 
 
-    max_tokens = 200
+    max_tokens = 120
     prompts = PROMPTS[:8]
     want = expected_outputs(tiny_llama, prompts, max_tokens)
     engine_nodes = [add_engine_node(nodes) for _ in range(4)]
@@ -229,13 +229,12 @@ def test_a_pipeline_stage_node_lost_mid_decode(nodes, tiny_llama, eventually_no_
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_a_prefill_node_lost_mid_pull(nodes, tiny_llama, block_accounting, policy):
-    """P/D over NIXL: the prefill engine's two stages on two nodes, the decode engine here (on the
-    head). D has planned its pull of a prompt P prefilled and leased (it starts 4 s late, so the
-    loss lands in it) when the node of P's second stage dies: the pull fails as a whole, and D
-    recomputes the prompt (policy recompute: one engine's tokens) or ends the request with an error
-    naming the pull (policy fail); it serves on and holds no block."""
+def test_a_prefill_node_lost_mid_pull(nodes, tiny_llama, block_accounting):
+    """P/D over NIXL: the prefill engine's two stages on two nodes, two decode engines here (on the
+    head), of policy recompute and fail. Each has planned its pull of a prompt P prefilled and
+    leased (they start 4 s late, so the loss lands in them) when the node of P's second stage dies:
+    the pull fails as a whole, and D recomputes the prompt (recompute: one engine's tokens) or ends
+    the request with an error naming the pull (fail); each serves on and holds no block."""
     pytest.importorskip("nixl", reason="needs nixl: make setup installs it")
     from ray.util import placement_group_table
 
@@ -260,29 +259,34 @@ def test_a_prefill_node_lost_mid_pull(nodes, tiny_llama, block_accounting, polic
     engine_nodes = [add_engine_node(nodes) for _ in range(2)]
     earlier = set(placement_group_table())
     p = engine(pipeline_parallel_size=2, worker_resources={"engine": 1})
-    d = engine(kv_load_timeout_s=30.0, kv_load_failure_policy=policy, kv_connector_extra={"load_delay_s": 4.0})
+    late = {"kv_load_timeout_s": 30.0, "kv_connector_extra": {"load_delay_s": 4.0}}
+    ds = {policy: engine(kv_load_failure_policy=policy, **late) for policy in ("recompute", "fail")}
     try:
-        want = run(d, "local", ids, greedy).outputs[0].token_ids
-        kv = run(p, "x", ids, dataclasses_replace(greedy, max_tokens=1), {"do_remote_decode": True}).kv_transfer_params
-        d.add_request("x", None, ids, greedy, kv_transfer_params=kv)
-        d.step()                                           # plans the pull
-        assert d.stats()["num_requests_waiting_for_kv"] == 1
+        want = run(ds["recompute"], "local", ids, greedy).outputs[0].token_ids
+        for policy, d in ds.items():
+            kv = run(p, policy, ids, dataclasses_replace(greedy, max_tokens=1),
+                     {"do_remote_decode": True}).kv_transfer_params
+            d.add_request("x", None, ids, greedy, kv_transfer_params=kv)
+            d.step()                                           # plans the pull
+            assert d.stats()["num_requests_waiting_for_kv"] == 1
         (group,) = [g for pg, g in placement_group_table().items() if pg not in earlier]
         bundles = group["bundles_to_node_id"]
         kill_node(nodes, next(n for n in engine_nodes if n.node_id == bundles[max(bundles, key=int)]))
         deadline = time.monotonic() + HEAL_TIMEOUT_S
-        out = None
-        while out is None:
-            out = next((o for o in d.step() if o.request_id == "x" and o.finished), None)
+        outs = {}
+        while len(outs) < len(ds):
+            for policy, d in ds.items():
+                if policy not in outs:
+                    outs.update((policy, o) for o in d.step() if o.request_id == "x" and o.finished)
             assert time.monotonic() < deadline, "request hung"
-        assert d.stats()["kv_load_failures"] == 1
-        if policy == "recompute":
-            assert out.outputs[0].token_ids == want
-        else:
-            assert out.outputs[0].finish_reason == "error" and "KV" in out.outputs[0].stop_reason
-        assert run(d, "after", ids[:30], greedy).outputs[0].finish_reason == "length"
-        while d.has_unfinished_requests():
-            d.step()
+        assert outs["recompute"].outputs[0].token_ids == want
+        failed = outs["fail"].outputs[0]
+        assert failed.finish_reason == "error" and "KV" in failed.stop_reason
+        for d in ds.values():
+            assert d.stats()["kv_load_failures"] == 1
+            assert run(d, "after", ids[:30], greedy).outputs[0].finish_reason == "length"
+            while d.has_unfinished_requests():
+                d.step()
     finally:
         p.executor.shutdown()
         remove_engine_nodes(nodes)
@@ -303,11 +307,11 @@ def test_an_autoscaled_pool_follows_a_load_ramp_onto_a_node_added_for_it(nodes, 
     from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
     from ray.experimental.internal_kv import _internal_kv_get
 
-    max_tokens = 48
+    max_tokens = 32
     want = dict(zip(RAMP_PROMPTS, expected_outputs(tiny_llama, RAMP_PROMPTS, max_tokens)))
     add_engine_node(nodes)
     autoscaling = {"min_replicas": 1, "max_replicas": 2, "target_running_requests": 4, "window_s": 2,
-                   "upscale_delay_s": 2, "downscale_delay_s": 4, "cooldown_s": 2}
+                   "upscale_delay_s": 2, "downscale_delay_s": 2, "cooldown_s": 2}
     with served(nodes, tiny_llama, "pdserve-ramp", {"replicas": 1, "num_cpus": 1, "resources": {"engine": 1},
                                                     "autoscaling": autoscaling}) as (config, base, manager):
         wait_for_pool(manager, "decode", 1, set())

@@ -362,7 +362,7 @@ def test_pdserve_scale_down_during_streams_cuts_none(heal, tiny_llama, capsys, d
     prompts = [f"Stream {i} ({drain_timeout}): the bridges of the old city, one by one," for i in range(16)]
     with LLM(tiny_llama, dtype="float32", max_model_len=2048) as llm:
         want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(
-            max_tokens=300, temperature=0.0, ignore_eos=True), use_tqdm=False)]
+            max_tokens=200, temperature=0.0, ignore_eos=True), use_tqdm=False)]
 
     def migrations() -> float:
         text = httpx.get(f"{heal['base']}/metrics", timeout=10).text
@@ -379,7 +379,7 @@ def test_pdserve_scale_down_during_streams_cuts_none(heal, tiny_llama, capsys, d
         async def one(prompt: str) -> str:
             nonlocal count
             text = []
-            async for chunk in await client.completions.create(model=model, prompt=prompt, max_tokens=300,
+            async for chunk in await client.completions.create(model=model, prompt=prompt, max_tokens=200,
                                                                temperature=0.0, stream=True,
                                                                extra_body={"ignore_eos": True}):
                 if chunk.choices and chunk.choices[0].text:
@@ -414,7 +414,16 @@ def test_pdserve_scale_down_during_streams_cuts_none(heal, tiny_llama, capsys, d
     assert "ingress: 1 running" in out, out
     assert main(["scale", "decode", "0", "--name", heal["name"]]) == 2
     assert "replicas must be within 1..64 for pool 'decode'" in capsys.readouterr().err
-    assert main(["scale", "decode", "2", "--name", heal["name"]]) == 0
+    # The same over HTTP: /admin/status, and /admin/scale refusing bad bodies by field.
+    assert httpx.get(f"{heal['base']}/admin/status", timeout=30).json()["pools"]["decode"]["target"] == 1
+    for body, field, says in [({"pool": "decode", "replicas": 0}, "replicas", "replicas must be within 1..64"),
+                              ({"pool": "prefill", "replicas": 2}, "pool", "pool must be one of ['decode']"),
+                              ({"pool": "decode", "replicas": "2"}, "replicas", "must be an integer")]:
+        r = httpx.post(f"{heal['base']}/admin/scale", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field and says in r.json()["error"]["message"], \
+            r.text
+    r = httpx.post(f"{heal['base']}/admin/scale", json={"pool": "decode", "replicas": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["target"] == 2 and len(r.json()["started"]) == 1, r.text
     deadline = time.monotonic() + 120
     while len(ray.get(manager.membership.remote())[1]["decode"]) != 2:
         assert time.monotonic() < deadline, ray.get(manager.pool_status.remote())
@@ -436,10 +445,10 @@ def test_a_spec_applied_in_place_resizes_or_rolls_the_pool_and_cuts_no_stream(he
     from records.sampling_params import SamplingParams
 
     manager, model = heal["manager"], heal["model"]
-    prompts = [f"Applied spec {i}: the lighthouse keeper wrote" for i in range(6)]
+    prompts = [f"Applied spec {i}: the lighthouse keeper wrote" for i in range(4)]
     with LLM(tiny_llama, dtype="float32", max_model_len=2048) as llm:
         want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(
-            max_tokens=120, temperature=0.0, ignore_eos=True), use_tqdm=False)]
+            max_tokens=80, temperature=0.0, ignore_eos=True), use_tqdm=False)]
 
     def apply_during_streams(config: ClusterConfig) -> dict:
         path = tmp_path / f"{fingerprint(config)}.yaml"
@@ -450,7 +459,7 @@ def test_a_spec_applied_in_place_resizes_or_rolls_the_pool_and_cuts_no_stream(he
 
             async def one(prompt: str) -> str:
                 text = []
-                async for chunk in await client.completions.create(model=model, prompt=prompt, max_tokens=120,
+                async for chunk in await client.completions.create(model=model, prompt=prompt, max_tokens=80,
                                                                    temperature=0.0, stream=True,
                                                                    extra_body={"ignore_eos": True}):
                     text.extend(c.text for c in chunk.choices)
