@@ -5,6 +5,7 @@ after?
 
     .venv/bin/python benchmarks/autoscale_ramp.py                       # ~5 minutes
     .venv/bin/python benchmarks/autoscale_ramp.py --phases 10,30,20     # shorter
+    python3 benchmarks/autoscale_ramp.py --max-replicas 4 --num-cpus 2 --high 32   # a 16-core machine
 
 Each variant: a fresh deployment (colocated, decode replicas of 1 CPU, one torch thread each; the
 autoscaled one 1..--max-replicas with `itl_slo_ms` and short delays), then --low concurrent
@@ -79,14 +80,15 @@ async def ramp(base: str, phases: list[tuple[str, int, float]], max_tokens: int)
     return samples
 
 
-def run_variant(label: str, model: str | None, pool: dict, phases, max_tokens: int, port: int) -> dict:
+def run_variant(label: str, model: str | None, pool: dict, phases, max_tokens: int, port: int,
+                engine: dict) -> dict:
     import ray
 
     from cluster.config import ClusterConfig
     from cluster.launch import serve_cluster, shutdown
     from cluster.manager import MANAGER_NAME
 
-    config = ClusterConfig(model=model, engine={"max_model_len": 1024, "max_num_seqs": 64}, mode="colocated",
+    config = ClusterConfig(model=model, engine=engine, mode="colocated",
                            pools={"decode": pool}, serving={"port": port, "wait_for_pools": False},
                            name=f"ramp-{label}")
     serve_cluster(config, blocking=False)
@@ -131,7 +133,11 @@ def main() -> None:
     ap.add_argument("--phases", default="20,60,40", help="seconds of low, high, low")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-replicas", type=int, default=2)
-    ap.add_argument("--itl-slo-ms", type=float, default=60.0)
+    ap.add_argument("--itl-slo-ms", type=float, default=None, help="the planner's ITL target (p90; default 60)")
+    ap.add_argument("--ttft-slo-ms", type=float, default=None, help="the planner's TTFT target (p90)")
+    ap.add_argument("--num-cpus", type=float, default=1.0, help="CPUs (torch threads) per replica")
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="KV blocks per replica (a small pool makes KV memory, not the cores, the limit)")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--result", default=None, help="write the report as JSON here")
     args = ap.parse_args()
@@ -140,20 +146,27 @@ def main() -> None:
 
     low, high, low2 = (float(x) for x in args.phases.split(","))
     phases = [("low", args.low, low), ("high", args.high, high), ("low_again", args.low, low2)]
-    init_ray(num_cpus=args.max_replicas + 1)
+    init_ray(num_cpus=int(args.max_replicas * args.num_cpus) + 1)
+    if args.itl_slo_ms is None and args.ttft_slo_ms is None:
+        args.itl_slo_ms = 60.0
     autoscaling = {"min_replicas": 1, "max_replicas": args.max_replicas, "itl_slo_ms": args.itl_slo_ms,
-                   "window_s": 10, "upscale_delay_s": 4, "downscale_delay_s": 10, "cooldown_s": 6}
+                   "ttft_slo_ms": args.ttft_slo_ms, "window_s": 10, "upscale_delay_s": 4, "downscale_delay_s": 10,
+                   "cooldown_s": 6}
+    engine = {"max_model_len": 512 if args.num_kv_blocks else 1024, "max_num_seqs": 64,
+              "num_kv_blocks": args.num_kv_blocks}
+    pool = {"replicas": 1, "num_cpus": args.num_cpus}
     report = {"args": vars(args), "variants": [
-        run_variant("fixed", args.model, {"replicas": 1, "num_cpus": 1}, phases, args.max_tokens, args.port),
-        run_variant("autoscaled", args.model, {"replicas": 1, "num_cpus": 1, "autoscaling": autoscaling},
-                    phases, args.max_tokens, args.port)]}
+        run_variant("fixed", args.model, pool, phases, args.max_tokens, args.port, engine),
+        run_variant("autoscaled", args.model, {**pool, "autoscaling": autoscaling}, phases, args.max_tokens,
+                    args.port, engine)]}
     for v in report["variants"]:
         print(f"== {v['label']}: pool changes (t s, target, serving) {v['pool_changes']}")
         for name, p in v["phases"].items():
             print(f"   {name:<10} ITL p50 {p['itl_p50_ms']} ms p90 {p['itl_p90_ms']} ms, TTFT p90 "
                   f"{p['ttft_p90_ms']} ms; {p['completed']} completed, {p['failed']} failed")
-    fixed, auto = (v["phases"]["high"]["itl_p90_ms"] for v in report["variants"])
-    print(f"high plateau ITL p90: fixed {fixed} ms, autoscaled {auto} ms (target {args.itl_slo_ms:g} ms)")
+    for key, target in (("itl", args.itl_slo_ms), ("ttft", args.ttft_slo_ms)):
+        fixed, auto = (v["phases"]["high"][f"{key}_p90_ms"] for v in report["variants"])
+        print(f"high plateau {key.upper()} p90: fixed {fixed} ms, autoscaled {auto} ms (target {target} ms)")
     if args.result:
         with open(args.result, "w") as f:
             json.dump(report, f, indent=2)
