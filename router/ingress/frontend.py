@@ -205,7 +205,7 @@ class Frontend:
     async def admin_scale(self, body: dict[str, Any]) -> dict[str, Any]:
         """Resize a pool as `pdserve scale` does: {"pool", "replicas", "drain_timeout_s" (60)}."""
         pool, replicas, drain = body.get("pool"), body.get("replicas"), body.get("drain_timeout_s", 60.0)
-        if pool not in self.pools:
+        if not isinstance(pool, str) or pool not in self.pools:
             raise InvalidRequestError(f"pool must be one of {sorted(self.pools)}; got {pool!r}", param="pool")
         if not isinstance(replicas, int) or isinstance(replicas, bool):
             raise InvalidRequestError(f"replicas must be an integer; got {replicas!r}", param="replicas")

@@ -418,6 +418,7 @@ def test_pdserve_scale_down_during_streams_cuts_none(heal, tiny_llama, capsys, d
     assert httpx.get(f"{heal['base']}/admin/status", timeout=30).json()["pools"]["decode"]["target"] == 1
     for body, field, says in [({"pool": "decode", "replicas": 0}, "replicas", "replicas must be within 1..64"),
                               ({"pool": "prefill", "replicas": 2}, "pool", "pool must be one of ['decode']"),
+                              ({"pool": ["decode"], "replicas": 2}, "pool", "pool must be one of ['decode']"),
                               ({"pool": "decode", "replicas": "2"}, "replicas", "must be an integer")]:
         r = httpx.post(f"{heal['base']}/admin/scale", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == field and says in r.json()["error"]["message"], \
