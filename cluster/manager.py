@@ -311,18 +311,19 @@ class ClusterManager:
             raise ValueError(f"name must be {self.config.name!r} (this manager's); got {new.name!r}")
         if self._apply_lock is None:
             self._apply_lock = asyncio.Lock()
+        new_fp = fingerprint(new)
         async with self._apply_lock:
             old_fp = self.fingerprint
-            if fingerprint(new) == old_fp:
+            if new_fp == old_fp:
                 return {"changed": False, "fingerprint": old_fp}
-            logger.warning("spec %s replaces spec %s", fingerprint(new), old_fp)
+            logger.warning("spec %s replaces spec %s", new_fp, old_fp)
             if self._startup is None or self.phase == "failed":      # no pools serve yet
                 self._configure(new)
                 self._startup, self.phase, self.reason = None, "starting", None
                 _save_state(new.name, new, {n: p.target for n, p in self.pools.items()})
                 return {"changed": True, "from": old_fp, "fingerprint": self.fingerprint, "pools": {}}
             await asyncio.shield(self._startup)
-            self.updating = f"applying spec {fingerprint(new)}"
+            self.updating = f"applying spec {new_fp}"
             try:
                 done = await self._reconcile(new)
             finally:
@@ -364,7 +365,6 @@ class ClusterManager:
         self.planners = {name: (self.planners[name] if name in self.planners
                                 and self.planners[name].spec == spec.autoscaling else Planner(spec.autoscaling))
                          for name, spec in new.pools.items() if spec.autoscaling is not None}
-        _save_state(new.name, new, {n: p.target for n, p in self.pools.items()})
         logger.warning("spec %s applied: %s", self.fingerprint, done or "nothing to change in the pools")
         return done
 
