@@ -76,6 +76,24 @@ class AutoscalingSpec(StrictSpec):
                              "target_queued_prompt_tokens, target_running_requests, target_kv_usage")
 
 
+class KVOffloadingSpec(StrictSpec):
+    """A pool's offload tier for evicted prefix blocks (engine/core/kv_tier.py), over the engine
+    section's kv_offloading_* for this pool's replicas."""
+    enabled: bool = True
+    size_gib: float | None = Field(None, gt=0)        # host memory (None: engine.kv_offloading_size)
+    disk_path: str | None = None                      # a local directory for the disk tier
+    disk_size_gib: float | None = Field(None, gt=0)
+
+    def engine_args(self, engine: EngineArgs) -> dict[str, Any]:
+        if not self.enabled:
+            return {"kv_offloading_size": None, "kv_offloading_backend": None, "kv_offloading_disk_path": None,
+                    "kv_offloading_disk_size": None}
+        out: dict[str, Any] = {"kv_offloading_size": self.size_gib or engine.kv_offloading_size}
+        if self.disk_path is not None or self.disk_size_gib is not None:
+            out.update(kv_offloading_disk_path=self.disk_path, kv_offloading_disk_size=self.disk_size_gib)
+        return out
+
+
 class PoolSpec(StrictSpec):
     # The replicas it starts with (and keeps, without autoscaling); `pdserve scale` changes that.
     replicas: int = Field(1, ge=1, le=MAX_REPLICAS)
@@ -92,6 +110,7 @@ class PoolSpec(StrictSpec):
     # Speculative decoding (LLM's speculative_config), for the pool that decodes: decode only.
     speculative_config: dict[str, Any] | None = None
     autoscaling: AutoscalingSpec | None = None      # None: a fixed size
+    kv_offloading: KVOffloadingSpec | None = None   # None: the engine section's kv_offloading_*
 
     def model_post_init(self, _: Any) -> None:
         a = self.autoscaling
@@ -141,6 +160,12 @@ class ClusterConfig(StrictSpec):
             raise ValueError("mode 'disaggregated' needs a 'prefill' pool beside 'decode'")
         if self.mode == "colocated" and "prefill" in self.pools:
             raise ValueError("pools has 'prefill' but mode is 'colocated'; set mode: disaggregated")
+        for name, pool in self.pools.items():
+            if pool.kv_offloading is not None and pool.kv_offloading.enabled:
+                if pool.kv_offloading.size_gib is None and self.engine.kv_offloading_size is None:
+                    raise ValueError(f"pools.{name}.kv_offloading: size_gib (or the engine section's "
+                                     f"kv_offloading_size) is needed")
+                EngineArgs(**{**vars(self.engine), **pool.kv_offloading.engine_args(self.engine)})
         if self.pools.get("prefill") is not None and self.pools["prefill"].speculative_config is not None:
             raise ValueError("pools.prefill.speculative_config: only the decode pool decodes; set "
                              "pools.decode.speculative_config")
@@ -164,7 +189,7 @@ class ClusterConfig(StrictSpec):
         lora_keys = [k for k in engine_set if k in ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")]
         if lora_keys:
             raise ValueError(f"engine must not set {lora_keys}: the lora section configures adapters")
-        kv_keys = [k for k in engine_set if k.startswith("kv_") and not k.startswith("kv_cache_")]
+        kv_keys = [k for k in engine_set if k.startswith("kv_") and not k.startswith(("kv_cache_", "kv_offloading_"))]
         if kv_keys:
             raise ValueError(f"engine must not set {kv_keys}: the disaggregation section configures "
                              f"the KV connector")
@@ -172,10 +197,11 @@ class ClusterConfig(StrictSpec):
 
     def engine_args(self, pool: str = "decode") -> EngineArgs:
         """The engine arguments of one pool's replicas: the engine section, the pool's parallelism
-        and speculative decoding, and in disaggregated mode the KV connector (every engine can play
-        either role of a transfer)."""
+        and speculative decoding, its offload tier, and in disaggregated mode (or with peer prefix
+        pulls) the KV connector (every engine can play either role of a transfer)."""
         spec = self.pools[pool]
-        kv_args = self.disaggregation.engine_args() if self.mode == "disaggregated" else {}
+        connector = self.mode == "disaggregated" or self.routing.peer_prefix_pulls
+        kv_args = self.disaggregation.engine_args() if connector else {}
         # With one rank the replica actor is the rank (it holds the pool's CPUs/GPUs and runs on CUDA
         # when it has a GPU); with more, the engine places worker actors with these per rank.
         parallel: dict[str, Any] = {"worker_num_cpus": spec.num_cpus, "worker_num_gpus": spec.num_gpus}
@@ -186,7 +212,8 @@ class ClusterConfig(StrictSpec):
                             worker_resources=dict(spec.resources))
         spec_args = {"speculative_config": spec.speculative_config} if spec.speculative_config else {}
         lora_args = self.lora.engine_args() if self.lora is not None else {}
-        return replace(self.engine, **kv_args, **parallel, **spec_args, **lora_args)
+        tier_args = spec.kv_offloading.engine_args(self.engine) if spec.kv_offloading is not None else {}
+        return replace(self.engine, **kv_args, **parallel, **spec_args, **lora_args, **tier_args)
 
     def engine_config(self, pool: str = "decode") -> EngineConfig:
         """The engine config of one pool's replicas (`engine_args`), resolved against the model's

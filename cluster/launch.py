@@ -215,6 +215,10 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "enable_prefix_caching": (None, "reuse cached prefixes' KV blocks (default on)"),
     "enable_chunked_prefill": (None, "split long prompts over steps (default on)"),
     "enforce_eager": (bool, "no CUDA graphs"),
+    "kv_offloading_size": (float, "GiB of host memory per replica for evicted prefix blocks (the offload tier)"),
+    "kv_offloading_backend": (str, "the offload tier's backend: native"),
+    "kv_offloading_disk_path": (str, "a local directory for the offload tier's disk store"),
+    "kv_offloading_disk_size": (float, "GiB of the disk store (with --kv-offloading-disk-path)"),
 }
 
 

@@ -27,7 +27,7 @@ from typing import Any
 from engine.async_engine import AsyncLLMEngine, request_error
 from pdserve_proto.kv_events import encode_kv_events
 from records.config import EngineConfig
-from records.outputs import AllCleared, BlockStored, KVEvent, RequestOutput, StepDelta
+from records.outputs import KVEvent, RequestOutput, StepDelta
 from records.request import Continuation
 from records.sampling_params import SamplingParams
 
@@ -155,6 +155,11 @@ class EngineReplica:
     def renew_lease(self, request_id: str, seconds: float) -> bool:
         return self.engine.renew_lease(request_id, seconds)
 
+    async def lease_prefix(self, block_hashes: list[bytes], adapter: str = "") -> dict[str, Any] | None:
+        """Lease the leading run of these blocks this replica's pool holds, for a peer replica to
+        pull (LLMEngine.lease_prefix): its kv_transfer_params, or None."""
+        return await self.engine.lease_prefix(block_hashes, adapter)
+
     def stats(self) -> dict[str, Any]:
         return {**self.engine.stats(), "replica_id": self.replica_id, "healthy": self.engine.is_healthy}
 
@@ -203,6 +208,5 @@ class EngineReplica:
             self._log_start += drop
         end = self._log_start + len(self._log)
         if cursor < self._log_start:
-            cached = list(self.engine.engine.kv_cache_manager.block_pool.cached)
-            return end, [AllCleared(), BlockStored(cached)]
+            return end, self.engine.engine.kv_cache_manager.block_pool.snapshot()
         return end, self._log[cursor - self._log_start:]

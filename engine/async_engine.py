@@ -54,6 +54,7 @@ class AsyncLLMEngine:
         self._pending_adds: list[tuple[str, str | None, list[int], SamplingParams, dict | None,
                                        Continuation | None]] = []
         self._pending_aborts: list[str] = []
+        self._pending_calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
@@ -192,6 +193,17 @@ class AsyncLLMEngine:
                 if self._pending_aborts:
                     aborts, self._pending_aborts = self._pending_aborts, []
                     self.engine.abort_request(aborts)
+                if self._pending_calls:
+                    calls, self._pending_calls = self._pending_calls, []
+                    for fn, future in calls:
+                        try:
+                            result = await loop.run_in_executor(self._step_thread, fn)
+                        except Exception as e:  # noqa: BLE001 - the caller's to handle
+                            if not future.done():
+                                future.set_exception(e)
+                        else:
+                            if not future.done():
+                                future.set_result(result)
                 if not self.engine.has_unfinished_requests():
                     self._deliver(done)
                     done = []
@@ -216,6 +228,10 @@ class AsyncLLMEngine:
             sinks, self._sinks = self._sinks, {}
             for sink in sinks.values():
                 sink(EngineDeadError(f"engine step failed: {e!r}"))
+            calls, self._pending_calls = self._pending_calls, []
+            for _, future in calls:
+                if not future.done():
+                    future.set_exception(EngineDeadError(f"engine step failed: {e!r}"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -228,6 +244,22 @@ class AsyncLLMEngine:
 
     def renew_lease(self, request_id: str, seconds: float) -> bool:
         return self.engine.renew_lease(request_id, seconds)
+
+    async def between_steps(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the engine's thread between two steps (what changes the engine's blocks
+        from outside a step: a prefix lease for a peer replica) and return its result."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine step failed: {self._dead!r}")
+        self._ensure_loop()
+        future = asyncio.get_running_loop().create_future()
+        self._pending_calls.append((fn, future))
+        assert self._wakeup is not None
+        self._wakeup.set()
+        return await future
+
+    async def lease_prefix(self, block_hashes: list[bytes], adapter: str = "") -> dict[str, Any] | None:
+        """LLMEngine.lease_prefix, between steps."""
+        return await self.between_steps(lambda: self.engine.lease_prefix(block_hashes, adapter))
 
     async def shutdown(self) -> None:
         if self._loop_task is not None:

@@ -9,6 +9,7 @@ of the connector (kv_transfer/base.py) at the start of each step.
 from __future__ import annotations
 
 import time
+import uuid
 from collections import deque
 from dataclasses import replace
 from typing import Any
@@ -47,7 +48,7 @@ class LLMEngine:
                                                                         kv_scales=self.executor.kv_scales))
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_blocks, config.cache_config.block_size,
-            config.cache_config.enable_prefix_caching, self.executor.num_cpu_blocks)
+            config.cache_config.enable_prefix_caching, self.executor.num_cpu_blocks, self.executor.tier_slots)
         kvt = config.kv_transfer_config
         self.kv_connector: KVConnectorScheduler | None = None
         self.kv_worker = self.executor.kv           # every rank's worker side (None without a connector)
@@ -64,6 +65,7 @@ class LLMEngine:
         self.num_failed_steps = 0           # steps in a row that raised (ModelRunnerOutput.step_error)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish_requests)
         self.num_prompt_tokens = 0
+        self.num_prefix_leases = 0          # prefixes leased to peer replicas (lease_prefix)
 
     # --- intake -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
@@ -291,6 +293,32 @@ class LLMEngine:
             self.output.set_transfer_params(request.request_id, params)
         self.executor.kv_flush()     # every rank holds the new leases before their parameters leave
 
+    def lease_prefix(self, block_hashes: list[bytes], adapter: str = "") -> dict[str, Any] | None:
+        """Lease the leading run of `block_hashes` this engine's pool holds, for a peer replica to
+        pull instead of computing them (the router decides: router/routing/pool_router.py). Returns
+        the kv_transfer_params to give the peer's request (as a prefill engine's, for
+        `num_tokens` = the run's tokens), or None when there is nothing to lease (no connector, no
+        such blocks, the lease table full). The blocks stay referenced until the peer releases the
+        lease, or it expires."""
+        if self.kv_connector is None or self.kv_worker is None:
+            return None
+        kv = self.kv_cache_manager
+        blocks = kv.cached_run(list(block_hashes))
+        if not blocks:
+            return None
+        taken = self.kv_connector.lease_slots.take()
+        if taken is None:
+            return None
+        holder = kv.hold(f"peer-prefix-{uuid.uuid4().hex[:16]}", blocks)
+        block_ids = [b.block_id for b in blocks]
+        self.kv_worker.hold_lease(*taken, block_ids)
+        params = self.kv_connector.add_prefix_lease(
+            holder, block_ids, list(block_hashes[:len(blocks)]), len(blocks) * kv.block_size, adapter, *taken,
+            self.kv_worker.addresses, self.kv_worker.engine_id)
+        self.executor.kv_flush()     # every rank holds the lease before its parameters leave
+        self.num_prefix_leases += 1
+        return params
+
     def renew_lease(self, request_id: str, seconds: float) -> bool:
         """Keep a leased request's blocks at least `seconds` longer; False if it holds no lease."""
         return self.kv_connector is not None and self.kv_connector.renew_lease(request_id, seconds)
@@ -317,7 +345,19 @@ class LLMEngine:
             "generation_tokens": self.output.num_generation_tokens,
             **(self.spec_stats.as_dict() if self.proposer is not None else {}),
             **(self._transfer_stats() if self.kv_connector is not None else {}),
+            **(self._tier_stats() if kv.tier is not None else {}),
         }
+
+    def _tier_stats(self) -> dict[str, Any]:
+        """The offload tier: blocks held per medium, its counters, and the workers' bytes and
+        seconds (summed over the ranks)."""
+        tier = self.kv_cache_manager.tier
+        assert tier is not None
+        worker = self.executor.tier_stats()
+        return {"kv_tier_host_blocks": len(tier.entries["host"]), "kv_tier_disk_blocks": len(tier.entries["disk"]),
+                "kv_tier_host_slots": tier.num_slots["host"], "kv_tier_disk_slots": tier.num_slots["disk"],
+                **{f"kv_tier_{k}": v for k, v in tier.stats.as_dict().items()},
+                **{f"kv_tier_{k}": v for k, v in worker.items()}}
 
     def _transfer_stats(self) -> dict[str, Any]:
         c, loads = self.kv_connector, self.scheduler.loads
@@ -325,6 +365,7 @@ class LLMEngine:
         return {"kv_loads": c.num_loads, "kv_load_failures": c.num_load_failures,
                 "kv_blocks_pulled": c.num_blocks_pulled, "kv_leases": c.num_leases,
                 "kv_leases_active": len(c.leases), "kv_leases_expired": c.num_leases_expired,
+                "kv_prefix_leases": self.num_prefix_leases,
                 "num_requests_waiting_for_kv": len(loads.loading)}
 
     def take_kv_events(self) -> list[KVEvent]:

@@ -52,7 +52,7 @@ from pdserve_proto.transfer import from_params, to_params
 from records.config import KVTransferConfig
 from records.errors import KVLayoutMismatch
 from records.kv_layout import KVLayout, KVSource, kv_sources
-from records.request import Request, RequestStatus
+from records.request import BlockHolder, Request, RequestStatus
 from records.transfer import CONNECTOR_VERSION, LoadSpec, RemotePrefill, TransferReport
 
 
@@ -337,15 +337,22 @@ class KVConnectorScheduler:
                   addresses: list[dict[str, Any]], engine_id: str) -> dict[str, Any]:
         """Record the lease (a slot from `lease_slots`) and return the transfer parameters for the
         decode side."""
+        hashes = list(request.block_hashes[:request.num_prompt_tokens // self.layout.block_size])
+        return self.add_prefix_lease(request, block_ids, hashes, request.num_prompt_tokens,
+                                     request.sampling_params.adapter_name, slot, token, addresses, engine_id)
+
+    def add_prefix_lease(self, holder: Request | BlockHolder, block_ids: list[int], block_hashes: list[bytes],
+                         num_tokens: int, adapter: str, slot: int, token: int, addresses: list[dict[str, Any]],
+                         engine_id: str) -> dict[str, Any]:
+        """`add_lease` for blocks held by `holder` (a finished prefill, or cached prefix blocks a
+        peer replica pulls): `num_tokens` of KV, `block_hashes` its full blocks' hashes."""
         expires = time.time() + self.config.lease_s
-        self.leases[request.request_id] = Lease(request, slot, token, expires)
+        self.leases[holder.request_id] = Lease(holder, slot, token, expires)
         self.num_leases += 1
         remote = RemotePrefill(
-            engine_id=engine_id, request_id=request.request_id, block_ids=block_ids,
-            block_hashes=list(request.block_hashes[:request.num_prompt_tokens // self.layout.block_size]),
-            num_tokens=request.num_prompt_tokens, lease_slot=slot, lease_token=token,
-            lease_expires_at=expires, layout=self.layout, addresses=addresses, connector=self.config.kv_connector,
-            adapter=request.sampling_params.adapter_name)
+            engine_id=engine_id, request_id=holder.request_id, block_ids=block_ids, block_hashes=block_hashes,
+            num_tokens=num_tokens, lease_slot=slot, lease_token=token, lease_expires_at=expires,
+            layout=self.layout, addresses=addresses, connector=self.config.kv_connector, adapter=adapter)
         return to_params(remote)
 
     def renew_lease(self, request_id: str, seconds: float) -> bool:

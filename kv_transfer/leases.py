@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from records.request import Request
+    from records.request import BlockHolder, Request
 
 # Leases one prefill worker can hold at once (one slot each); beyond that a finished prefill frees
 # its blocks at once and returns no transfer parameters (the decode side then computes the prompt).
@@ -19,7 +19,7 @@ MAX_LEASES = 4096
 
 @dataclass(slots=True)
 class Lease:
-    request: Request
+    request: Request | BlockHolder      # what holds the blocks (freed when the lease ends)
     slot: int
     token: int
     expires_at: float               # time.time()

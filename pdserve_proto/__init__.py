@@ -29,7 +29,7 @@ from records.errors import SchemaVersionMismatch
 
 # Version of the control-plane messages (KVHandshake, RemotePrefill, KVEventBatch): readers refuse
 # any other. Bump it when their fields change meaning.
-CONTROL_SCHEMA_VERSION = 2      # 2: per-rank addresses in RemotePrefill (TP-aware KV transfer)
+CONTROL_SCHEMA_VERSION = 3      # 2: per-rank addresses in RemotePrefill; 3: KV events name their medium
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 PROTO_PATH = os.path.join(_HERE, "pdserve.proto")

@@ -9,17 +9,18 @@ from collections.abc import Sequence
 from google.protobuf.message import DecodeError
 
 from pdserve_proto import CONTROL_SCHEMA_VERSION, check_version, pb2
-from records.outputs import AllCleared, BlockRemoved, BlockStored, KVEvent
+from records.outputs import MEDIA, AllCleared, BlockRemoved, BlockStored, KVEvent
 
 
 def encode_kv_events(cursor: int, events: Sequence[KVEvent], replica_id: str = "") -> bytes:
     """`events` (in the engine's order) and the cursor to pass next time, as KVEventBatch bytes."""
     batch = pb2.KVEventBatch(schema_version=CONTROL_SCHEMA_VERSION, replica_id=replica_id, cursor=cursor)
     for event in events:
-        if isinstance(event, BlockStored):
-            batch.events.add().stored.hashes.extend(event.block_hashes)
-        elif isinstance(event, BlockRemoved):
-            batch.events.add().removed.hashes.extend(event.block_hashes)
+        if isinstance(event, (BlockStored, BlockRemoved)):
+            hashes = (batch.events.add().stored if isinstance(event, BlockStored) else batch.events.add().removed)
+            hashes.hashes.extend(event.block_hashes)
+            if event.medium != "pool":
+                hashes.medium = event.medium
         elif isinstance(event, AllCleared):
             batch.events.add().all_cleared.SetInParent()
         else:
@@ -40,11 +41,18 @@ def decode_kv_events(data: bytes) -> tuple[int, list[KVEvent]]:
     for e in batch.events:
         kind = e.WhichOneof("kind")
         if kind == "stored":
-            events.append(BlockStored(list(e.stored.hashes)))
+            events.append(BlockStored(list(e.stored.hashes), _medium(e.stored.medium, batch.replica_id)))
         elif kind == "removed":
-            events.append(BlockRemoved(list(e.removed.hashes)))
+            events.append(BlockRemoved(list(e.removed.hashes), _medium(e.removed.medium, batch.replica_id)))
         elif kind == "all_cleared":
             events.append(AllCleared())
         else:
             raise ValueError(f"KV events from replica {batch.replica_id or '?'}: an event of unknown kind")
     return batch.cursor, events
+
+
+def _medium(name: str, replica_id: str) -> str:
+    medium = name or "pool"
+    if medium not in MEDIA:
+        raise ValueError(f"KV events from replica {replica_id or '?'}: medium {name!r} is not one of {MEDIA}")
+    return medium

@@ -13,7 +13,7 @@ from typing import Any
 
 from records.cpu_flags import slow_half_dtype_warning
 from records.dtypes import FP8_KV_DTYPE, resolve_dtype
-from records.engine_args import SPEC_KEYS, SPEC_METHODS, EngineArgs
+from records.engine_args import GIB, SPEC_KEYS, SPEC_METHODS, EngineArgs
 from records.lora import LoRAConfig
 from records.model_source import (
     architecture_of,
@@ -83,6 +83,11 @@ class CacheConfig:
     # the worker calibrated them at load); () for all 1.0
     kv_scales: tuple[tuple[float, float], ...] = ()
     calculate_kv_scales: bool = False        # fp8: calibrate the scales at load (engine/worker/kv_scales.py)
+    # The offload tier (engine/core/kv_tier.py): bytes of host memory and of local disk for evicted
+    # prefix blocks, summed over the engine's ranks; 0 host bytes: no tier.
+    offload_host_bytes: int = 0
+    offload_disk_bytes: int = 0
+    offload_disk_path: str | None = None
 
     @property
     def is_fp8(self) -> bool:
@@ -296,6 +301,9 @@ class EngineConfig:
                 block_size=block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 enable_prefix_caching=args.enable_prefix_caching, swap_space_bytes=args.swap_space_bytes,
+                offload_host_bytes=int((args.kv_offloading_size or 0) * GIB),
+                offload_disk_bytes=int((args.kv_offloading_disk_size or 0) * GIB),
+                offload_disk_path=args.kv_offloading_disk_path,
                 cache_dtype=FP8_KV_DTYPE if fp8 else None, kv_scales=kv_scales,
                 calculate_kv_scales=bool(fp8 and (args.calculate_kv_scales or (args.calculate_kv_scales is None
                                                                              and not kv_scales)))),

@@ -12,6 +12,8 @@ from records.quantization import QUANTIZATIONS
 
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CONNECTORS = ("nixl", "torch_dist")
+KV_OFFLOADING_BACKENDS = ("native",)         # vLLM's other one, "lmcache", is LMCache's own engine
+GIB = 1 << 30
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 SPEC_METHODS = ("ngram", "draft_model")
 BATCHING_MODES = ("continuous", "static")
@@ -50,6 +52,12 @@ class EngineArgs:
     calculate_kv_scales: bool | None = None
     preemption_mode: str = "recompute"               # one of PREEMPTION_MODES
     swap_space_bytes: int = 256 << 20                # CPU block pool for swap preemption
+    # vLLM's KV offloading: GiB of host memory for evicted prefix blocks (summed over the ranks) and
+    # its backend (only "native"); pdserve's disk tier below it: a directory and GiB.
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None         # one of KV_OFFLOADING_BACKENDS (None: native)
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_size: float | None = None
     scheduling_policy: str = "fcfs"                  # "fcfs" | "priority"
     batching: str = "continuous"                     # one of BATCHING_MODES
     seed: int = 0
@@ -103,6 +111,7 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}; got {self.kv_cache_dtype!r}")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0; got {self.swap_space_bytes}")
+        self._check_offloading()
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         if tp < 1 or pp < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
@@ -145,6 +154,28 @@ class EngineArgs:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None (auto); got {self.quantization!r}")
         if self.enable_lora:
             self.lora_config()           # ValueError naming the field
+
+    def _check_offloading(self) -> None:
+        size, backend = self.kv_offloading_size, self.kv_offloading_backend
+        disk_path, disk_size = self.kv_offloading_disk_path, self.kv_offloading_disk_size
+        if backend is not None and backend not in KV_OFFLOADING_BACKENDS:
+            raise ValueError(f"kv_offloading_backend must be one of {KV_OFFLOADING_BACKENDS}; got {backend!r}")
+        if size is None:
+            if backend is not None or disk_path is not None or disk_size is not None:
+                raise ValueError("kv_offloading_size (GiB of host memory) is needed with kv_offloading_backend "
+                                 "and with the disk tier (kv_offloading_disk_path, kv_offloading_disk_size)")
+            return
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+            raise ValueError(f"kv_offloading_size must be a number of GiB > 0; got {size!r}")
+        if (disk_path is None) != (disk_size is None):
+            raise ValueError("kv_offloading_disk_path and kv_offloading_disk_size go together (the disk tier's "
+                             "directory and GiB)")
+        if disk_size is not None and (isinstance(disk_size, bool) or not isinstance(disk_size, (int, float))
+                                      or not disk_size > 0):
+            raise ValueError(f"kv_offloading_disk_size must be a number of GiB > 0; got {disk_size!r}")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size keeps evicted prefix-cache blocks: it needs "
+                             "enable_prefix_caching=True")
 
     def lora_config(self) -> LoRAConfig | None:
         """The adapter pool's configuration, None without enable_lora."""

@@ -12,14 +12,22 @@ if TYPE_CHECKING:
 
 
 # --- KV events (engine -> router) ------------------------------------------------------------------
+# Where a cached block lives: the engine's block pool, or a copy in its offload tier (host memory,
+# local disk: engine/core/kv_tier.py). A router scores a tier hit below a pool hit (a load, not a
+# lookup) and above a miss (a load, not a computation).
+MEDIA = ("pool", "host", "disk")
+
+
 @dataclass(slots=True)
 class BlockStored:
     block_hashes: list[BlockHash]
+    medium: str = "pool"
 
 
 @dataclass(slots=True)
 class BlockRemoved:
     block_hashes: list[BlockHash]
+    medium: str = "pool"
 
 
 @dataclass(slots=True)
@@ -61,10 +69,16 @@ class SchedulerOutput:
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)   # freed since the last step
+    # The offload tier's orders (engine/core/kv_tier.py): saves of evicted blocks and demotions of
+    # host copies to disk run first, in this order (before anything writes a block); loads of tier
+    # hits into new blocks run last, after the swaps and copies.
+    tier_saves: list[tuple] = field(default_factory=list)
+    tier_loads: list[tuple] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.swap_out and not self.swap_in and not self.copy_blocks
+        return not (self.scheduled or self.swap_out or self.swap_in or self.copy_blocks or self.tier_saves
+                    or self.tier_loads)
 
 
 # --- model runner -> engine ------------------------------------------------------------------------
@@ -87,6 +101,9 @@ class ModelRunnerOutput:
     # -> why. The scheduler ends them with an error; the other requests of the step go on.
     failed: dict[str, str] = field(default_factory=dict)
     step_error: str | None = None          # set when the whole step raised (every request failed)
+    # Offload-tier orders of the step that failed on some rank (SchedulerOutput.tier_saves/loads,
+    # as sent): a request whose tier load failed starts over; a failed save's copy is forgotten.
+    tier_failed: list[tuple] = field(default_factory=list)
 
     @classmethod
     def for_failed_step(cls, sched: SchedulerOutput, error: BaseException) -> ModelRunnerOutput:

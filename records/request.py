@@ -180,3 +180,10 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens})")
+
+
+@dataclass(slots=True)
+class BlockHolder:
+    """KV blocks held for something other than a request (a prefix leased to a peer replica):
+    `KVCacheManager.hold` returns one, and `free` takes it like a request."""
+    request_id: str

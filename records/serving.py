@@ -26,6 +26,7 @@ class PolicyConfig:
     imbalance_threshold: int = 8
     adapter_weight: float = 0.25
     seed: int | None = None
+    tier_weight: float = 0.5        # a block in a replica's offload tier, against one in its pool
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -34,6 +35,8 @@ class PolicyConfig:
             raise ValueError(f"load_weight must be >= 0; got {self.load_weight}")
         if self.adapter_weight < 0:
             raise ValueError(f"adapter_weight must be >= 0; got {self.adapter_weight}")
+        if not 0 <= self.tier_weight <= 1:
+            raise ValueError(f"tier_weight must be in [0, 1]; got {self.tier_weight}")
         if self.imbalance_threshold < 1:
             raise ValueError(f"imbalance_threshold must be >= 1; got {self.imbalance_threshold}")
 
@@ -50,17 +53,25 @@ class RoutingSpec(StrictSpec):
     load_weight: float = PolicyConfig.load_weight
     imbalance_threshold: int = PolicyConfig.imbalance_threshold
     adapter_weight: float = PolicyConfig.adapter_weight     # a LoRA request's pull to replicas that ran its adapter
+    tier_weight: float = PolicyConfig.tier_weight     # a block in the offload tier, against one in the pool
     stats_interval_s: float = Field(0.5, gt=0)  # replica stats (KV usage) refresh period
     # How many times one stream may move to another replica of its pool when its own is lost (node
     # loss, actor or engine death): the new replica resumes after the tokens already streamed. 0
     # ends such a stream with an error at once (as Dynamo's migration_limit 0).
     max_migrations: int = Field(3, ge=0)
+    # Peer prefix pulls: a replica sent a prompt whose prefix another replica of the (decode or
+    # colocated) pool holds cached pulls those blocks over the KV connector instead of computing
+    # them, when the peer holds at least min_peer_pull_tokens more of it (the replicas then get the
+    # disaggregation section's connector in colocated mode too).
+    peer_prefix_pulls: bool = False
+    min_peer_pull_tokens: int = Field(128, ge=1)
 
     def model_post_init(self, _: Any) -> None:
         self.policy()
 
     def policy(self) -> PolicyConfig:
-        return PolicyConfig(self.name, self.load_weight, self.imbalance_threshold, self.adapter_weight)
+        return PolicyConfig(self.name, self.load_weight, self.imbalance_threshold, self.adapter_weight,
+                            tier_weight=self.tier_weight)
 
 
 class DisaggregationSpec(StrictSpec):

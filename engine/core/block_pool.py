@@ -7,6 +7,7 @@ Each change to the cached set is recorded as a KV event for the router.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from records.hashing import BlockHash
@@ -72,6 +73,10 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.events: list[KVEvent] = []
+        # The offload tier (engine/core/kv_tier.py): told of each cached block before it is reused,
+        # and what else it holds, for snapshots of the event log.
+        self.on_evict: Callable[[Sequence[tuple[int, BlockHash]]], None] | None = None
+        self.snapshot_extra: Callable[[], list[KVEvent]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -96,17 +101,19 @@ class BlockPool:
         """Pop `num_blocks` from the head of the free queue, evicting their cache entries."""
         assert num_blocks <= self.num_free_blocks, f"asked {num_blocks}, free {self.num_free_blocks}"
         blocks = []
-        evicted: list[BlockHash] = []
+        evicted: list[tuple[int, BlockHash]] = []
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
-                evicted.append(block.block_hash)
+                evicted.append((block.block_id, block.block_hash))
                 del self.cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
             blocks.append(block)
         if evicted:
-            self._record(BlockRemoved(evicted))
+            self._record(BlockRemoved([h for _, h in evicted]))
+            if self.on_evict is not None:
+                self.on_evict(evicted)
         return blocks
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
@@ -155,7 +162,12 @@ class BlockPool:
     def _record(self, event: KVEvent) -> None:
         self.events.append(event)
         if len(self.events) > MAX_UNREAD_EVENTS:
-            self.events = [AllCleared(), BlockStored(list(self.cached))]
+            self.events = self.snapshot()
+
+    def snapshot(self) -> list[KVEvent]:
+        """Events that bring a reader's view of this cache (and its tier) in line from any state."""
+        extra = self.snapshot_extra() if self.snapshot_extra is not None else []
+        return [AllCleared(), BlockStored(list(self.cached)), *extra]
 
     def take_events(self) -> list[KVEvent]:
         events, self.events = self.events, []

@@ -3,19 +3,29 @@
 Ownership: the manager holds one reference per (request, block). `free(request)` drops them all;
 blocks shared with a fork sibling or cached for a prefix survive until their last reference goes.
 "Does not fit now" is returned as None, never raised: the scheduler answers it by preempting.
+With an offload tier (engine/core/kv_tier.py) evicted prefix blocks are kept beyond the pool, and
+`tier_hits` finds the ones a lookup can load back.
 """
 from __future__ import annotations
 
 from engine.core.block_pool import BlockPool, KVCacheBlock
-from records.request import Request
+from engine.core.kv_tier import KVTier
+from records.hashing import BlockHash
+from records.request import BlockHolder, Request
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, tier_slots: tuple[int, int] = (0, 0)) -> None:
+        """tier_slots: (host, disk) slots of the offload tier; (0, 0): none (prefix caching only)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.tier: KVTier | None = None
+        if enable_caching and tier_slots[0] > 0:
+            self.tier = KVTier(*tier_slots, record=self.block_pool._record)
+            self.block_pool.on_evict = self.tier.offload
+            self.block_pool.snapshot_extra = self.tier.snapshot
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}       # leading blocks already registered as cached
         # CPU pool for swap preemption: block ids only; the worker owns the tensors.
@@ -60,6 +70,37 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def tier_hits(self, request: Request, num_pool_hits: int, max_blocks: int
+                  ) -> tuple[list[BlockHash], list[tuple[str, int]]]:
+        """The request's blocks after its `num_pool_hits` leading pool hits that the offload tier
+        holds (the leading run of them, at most `max_blocks`, and never the block of its last
+        token): (their hashes, their (medium, slot))."""
+        if self.tier is None or max_blocks <= 0 or request.sampling_params.prompt_logprobs is not None:
+            return [], []
+        limit = request.num_tokens if request.compute_limit is None else request.compute_limit
+        end = min((limit - 1) // self.block_size, num_pool_hits + max_blocks)
+        hashes = request.block_hashes[num_pool_hits:end]
+        found = self.tier.hits(hashes)
+        return hashes[:len(found)], found
+
+    def cached_run(self, block_hashes: list[BlockHash]) -> list[KVCacheBlock]:
+        """The pool's blocks of the leading run of `block_hashes` it holds (no reference taken)."""
+        blocks = []
+        for block_hash in block_hashes:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def hold(self, holder_id: str, blocks: list[KVCacheBlock]) -> BlockHolder:
+        """Take a reference on cached blocks for `holder_id` (freed by `free(holder)`)."""
+        assert holder_id not in self.req_to_blocks, holder_id
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[holder_id] = list(blocks)
+        self.num_cached_blocks[holder_id] = len(blocks)
+        return BlockHolder(holder_id)
 
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_query_tokens
@@ -141,7 +182,7 @@ class KVCacheManager:
         if self.num_cached_blocks.get(rid, 0) > first:
             self.num_cached_blocks[rid] = first
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request | BlockHolder) -> None:
         """Drop the request's references (device and CPU). Tail blocks are freed first, so they are
         evicted before the shared prefix blocks."""
         rid = request.request_id
@@ -193,7 +234,12 @@ class KVCacheManager:
         return [(c, b.block_id) for c, b in zip(cpu_ids, blocks)]
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        """Forget every cached block, in the pool and the tier (refused while blocks are in use)."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.tier is not None:
+            self.tier.clear()
+        return True
 
     def take_events(self):
         return self.block_pool.take_events()
@@ -206,3 +252,7 @@ class KVCacheManager:
         assert not held, f"blocks still referenced: {held[:8]}"
         assert self.block_pool.num_free_blocks == self.block_pool.num_blocks
         assert len(self.free_cpu_blocks) == self.num_cpu_blocks
+        if self.tier is not None:         # every tier slot is either free or holds one block
+            for medium, entries in self.tier.entries.items():
+                slots = sorted([*entries.values(), *self.tier.free[medium]])
+                assert slots == list(range(self.tier.num_slots[medium])), f"{medium} tier slots leaked"

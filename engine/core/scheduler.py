@@ -60,6 +60,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0             # prompt positions run through the model here
         self.batch_ids: set[str] = set()                # static batching: the current batch
+        self.tier_loading: dict[str, list[int]] = {}    # request id -> blocks its step loads from the tier
+        self.restarted: list[str] = []                  # tier load failed: start over (told to the workers)
 
     # --- intake -----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -202,13 +204,29 @@ class Scheduler:
                         continue            # costs no token budget
             else:
                 hits, num_hit = [], 0
-            n = min(request.num_tokens_to_compute - num_hit, budget)
-            fits = chunked or n == request.num_tokens_to_compute - num_hit
-            if not fits or self.kv.allocate_slots(request, n, hits) is None:
+            # Blocks after the pool's hits that the offload tier holds: loaded, not recomputed.
+            tier_hashes, tier_found = [], []
+            if request.num_computed_tokens == 0 and request.status != RequestStatus.SWAPPED:
+                tier_hashes, tier_found = self.kv.tier_hits(request, len(hits), self.kv.num_free_blocks)
+            admitted = False
+            for tier in ((tier_hashes, tier_found), ([], [])) if tier_found else (([], []),):
+                num_tier = len(tier[1]) * self.kv.block_size
+                n = min(request.num_tokens_to_compute - num_hit - num_tier, budget)
+                fits = chunked or n == request.num_tokens_to_compute - num_hit - num_tier
+                # Blocks loaded from the tier are cached once their step is back (the load may fail).
+                if fits and self.kv.allocate_slots(request, num_tier + n, hits, cache=not tier[1]) is not None:
+                    tier_hashes, tier_found, admitted = *tier, True
+                    break
+            if not admitted:
                 if request.status == RequestStatus.SWAPPED:
                     # Swapped in but no room to compute yet: run it next step.
                     self._admit(request)
                 break
+            if tier_found:
+                targets = self.kv.block_ids(request.request_id)[len(hits):len(hits) + len(tier_found)]
+                self.kv.tier.load(tier_hashes, tier_found, targets)
+                self.tier_loading[request.request_id] = targets
+                num_hit += num_tier
             if request.num_computed_tokens == 0:
                 self.kv.record_prefix_lookup(request.num_tokens, num_hit)
                 if request.num_preemptions == 0:
@@ -223,12 +241,15 @@ class Scheduler:
 
         assert not (swap_in and swap_out), "swap-in and swap-out never share a step"
         self.in_flight.update(num_new)
+        tier_saves, tier_loads = self.kv.tier.take_orders() if self.kv.tier is not None else ([], [])
+        restarted, self.restarted = self.restarted, []
         return SchedulerOutput(
             scheduled=[self._describe(self.requests[rid], n, drafts.get(rid, []))
                        for rid, n in num_new.items()],
             num_batched_tokens=sum(num_new.values()),
             swap_out=swap_out, swap_in=swap_in, copy_blocks=self.kv.take_pending_copies(),
-            preempted_ids=preempted, finished_ids=self._take_finished_ids())
+            preempted_ids=preempted + restarted, finished_ids=self._take_finished_ids(),
+            tier_saves=tier_saves, tier_loads=tier_loads)
 
     def _form_static_batch(self) -> None:
         """Static batching: once no member of the current batch is left, the first waiting requests
@@ -340,7 +361,12 @@ class Scheduler:
         blocks) and fork n > 1 leaders whose prompt is done. Returns the requests with news."""
         updated: list[Request] = []
         self.in_flight.difference_update(s.request_id for s in scheduler_output.scheduled)
+        failed_loads = set()
+        if runner_output.tier_failed and self.kv.tier is not None:
+            self.kv.tier.forget_failed(runner_output.tier_failed)
+            failed_loads = {order[3] for order in runner_output.tier_failed if order[0] == "load"}
         for sched in scheduler_output.scheduled:
+            loaded = self.tier_loading.pop(sched.request_id, None)
             request = self.requests.get(sched.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue        # aborted during the step
@@ -348,7 +374,12 @@ class Scheduler:
             if reason is not None:
                 updated.extend(self._fail(request, reason))
                 continue
+            if loaded is not None and failed_loads.intersection(loaded):
+                self._restart(request)
+                continue
             request.num_computed_tokens += len(sched.token_ids)
+            if loaded is not None:       # its tier blocks hold their KV: cache them and the step's
+                self.kv.cache_full_blocks(request, request.num_computed_tokens)
             prompt_lps = runner_output.prompt_logprobs.get(request.request_id)
             if prompt_lps is not None:
                 need = request.num_prompt_tokens - len(request.prompt_logprobs)
@@ -386,6 +417,18 @@ class Scheduler:
         self.running.remove(request)
         self._free(request, RequestStatus.FINISHED_ERROR)
         return ended
+
+    def _restart(self, request: Request) -> None:
+        """A request whose blocks from the offload tier did not load: its step's output is void;
+        free its blocks and compute its prompt again (the failed copies are forgotten, so its next
+        lookup misses them)."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = request.num_cached_tokens = 0
+        request.spec_token_ids = []
+        request.status = RequestStatus.PREEMPTED
+        self.restarted.append(request.request_id)
+        self._enqueue(request, front=True)
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params

@@ -31,6 +31,7 @@ class _Executor:
 
     kv: KVWorkerGroup | None = None
     kv_scales: tuple[tuple[float, float], ...] = ()    # the fp8 cache's scales the ranks use (Worker.kv_scales)
+    tier_slots: tuple[int, int] = (0, 0)     # the offload tier's (host, disk) slots (Worker.tier_slots)
     _kv_fresh = False                 # a step's reports arrived since the last kv_poll
 
     def _exchange(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]
@@ -81,7 +82,8 @@ class InProcessExecutor(_Executor):
         self.worker.load_model()
         self.kv_scales = self.worker.kv_scales()
         self.num_blocks, self.num_cpu_blocks = self.worker.determine_num_blocks()
-        self.worker.init_cache(self.num_blocks, self.num_cpu_blocks)
+        self.tier_slots = self.worker.tier_slots()
+        self.worker.init_cache(self.num_blocks, self.num_cpu_blocks, *self.tier_slots)
         if self.worker.kv_connector is not None:
             engine_id, address = self.worker.kv_address()
             self.kv = KVWorkerGroup(engine_id, [address])
@@ -91,6 +93,9 @@ class InProcessExecutor(_Executor):
 
     def kv_pull_log(self) -> list[Any]:
         return self.worker.kv_pull_log()
+
+    def tier_stats(self) -> dict[str, float]:
+        return self.worker.tier_stats()
 
     def _exchange(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]
                   ) -> tuple[ModelRunnerOutput | None, list[TransferReport | None]]:
@@ -145,7 +150,9 @@ class RayExecutor(_Executor):
             sizes = self._run("determine_num_blocks")
             self.num_blocks = min(n for n, _ in sizes)
             self.num_cpu_blocks = min(c for _, c in sizes)
-            self._run("init_cache", self.num_blocks, self.num_cpu_blocks)
+            slots = self._run("tier_slots")
+            self.tier_slots = (min(h for h, _ in slots), min(d for _, d in slots))
+            self._run("init_cache", self.num_blocks, self.num_cpu_blocks, *self.tier_slots)
             if config.kv_transfer_config is not None:       # every rank of every stage, stage-major
                 ids, addresses = zip(*self._run("kv_address"))
                 self.kv = KVWorkerGroup(ids[0], list(addresses))
@@ -229,7 +236,11 @@ class RayExecutor(_Executor):
         for rank, (ok, value) in enumerate(results):
             if not ok:       # the ranks may now be out of step with each other: the engine stops
                 raise EngineDeadError(f"worker rank {rank} failed a step:\n{value}")
-        return results[self.driver][1][0], [report for _, (_, report) in results]
+        output = results[self.driver][1][0]
+        for rank, (_, (other, _)) in enumerate(results):   # offload-tier orders failed on any rank
+            if rank != self.driver and other is not None and other.tier_failed and output is not None:
+                output.tier_failed.extend(o for o in other.tier_failed if o not in output.tier_failed)
+        return output, [report for _, (_, report) in results]
 
     def kv_blocks(self, block_ids: list[int]) -> list[Any]:
         dtype = getattr(torch, self.kv_dtype)
@@ -239,6 +250,14 @@ class RayExecutor(_Executor):
     def kv_pull_log(self) -> list[Any]:
         return [r for log in self._wait([w.kv_pull_log.options(concurrency_group="control").remote()
                                          for w in self.workers]) for r in log]
+
+    def tier_stats(self) -> dict[str, float]:
+        """The offload tier's counters, summed over the ranks."""
+        total: dict[str, float] = {}
+        for stats in self._wait([w.tier_stats.options(concurrency_group="control").remote() for w in self.workers]):
+            for k, v in stats.items():
+                total[k] = total.get(k, 0) + v
+        return total
 
     def placements(self) -> list[dict[str, Any]]:
         return self._wait([w.placement.options(concurrency_group="control").remote() for w in self.workers])

@@ -47,6 +47,8 @@ class ModelRunner:
         self.model_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.kv_caches: list[torch.Tensor] = []     # per layer [2, num_blocks, block_size, kvh, d]
         self.cpu_caches: list[torch.Tensor] = []    # the swap pool, same layout
+        self.tier_store: Any = None                 # engine/worker/kv_tier_store.py, set by the worker
+        self._tier_failed: list[tuple] = []
         # Draws for requests without their own seed.
         self.generator = torch.Generator().manual_seed(seed)
         # Seeded requests' generators, made from their seed when first sampled and kept until they
@@ -82,6 +84,8 @@ class ModelRunner:
         k.swap_blocks(self.kv_caches, self.cpu_caches, sched.swap_out)
         k.swap_blocks(self.cpu_caches, self.kv_caches, sched.swap_in)
         k.copy_blocks(self.kv_caches, sched.copy_blocks)
+        if sched.tier_loads:     # after the swaps and copies: into new blocks nothing else writes
+            self._tier_failed += self.tier_store.run(sched.tier_loads)
         for rid in sched.finished_ids:
             self.generators.pop(rid, None)
             if self.token_counts is not None:
@@ -108,6 +112,11 @@ class ModelRunner:
         for work, _ in sends:
             work.wait()
         return output if state.is_last_stage and state.is_driver else None
+
+    def take_tier_failed(self) -> list[tuple]:
+        """The offload tier's loads that failed since the last call (the worker reports them)."""
+        failed, self._tier_failed = self._tier_failed, []
+        return failed
 
     @staticmethod
     def _micro_batches(scheduled: list[ScheduledRequest], num: int) -> list[list[ScheduledRequest]]:

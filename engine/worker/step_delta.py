@@ -96,7 +96,7 @@ class StepEncoder:
             sent.num_output_tokens = len(outputs)
             requests.append((*step, kept, appended, before, outputs[before:]))
         return (requests, sched.num_batched_tokens, sched.swap_out, sched.swap_in, sched.copy_blocks,
-                sched.preempted_ids, sched.finished_ids)
+                sched.preempted_ids, sched.finished_ids, sched.tier_saves, sched.tier_loads)
 
 
 class StepDecoder:
@@ -109,7 +109,7 @@ class StepDecoder:
         return len(self._held)
 
     def decode(self, message: tuple) -> SchedulerOutput:
-        requests, num_batched, swap_out, swap_in, copy_blocks, preempted, finished = message
+        requests, num_batched, swap_out, swap_in, copy_blocks, preempted, finished, tier_saves, tier_loads = message
         for rid in finished:
             self._held.pop(rid, None)
         for rid in preempted:
@@ -137,7 +137,7 @@ class StepDecoder:
             scheduled.append(self._request(rid, token_ids, start, do_sample, spec, lp_from, held))
         return SchedulerOutput(scheduled=scheduled, num_batched_tokens=num_batched, swap_out=swap_out,
                                swap_in=swap_in, copy_blocks=copy_blocks, preempted_ids=preempted,
-                               finished_ids=finished)
+                               finished_ids=finished, tier_saves=tier_saves, tier_loads=tier_loads)
 
     @staticmethod
     def _request(rid: str, token_ids: list[int], start: int, do_sample: bool, spec: list[int],

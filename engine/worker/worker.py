@@ -23,6 +23,7 @@ from engine.model.models.registry import get_model_class
 from engine.model.parallel_state import get_parallel_state, init_parallel_state, pp_layer_range
 from engine.sample.structured_output import Constraints
 from engine.worker.kv_scales import calibrate_kv_scales
+from engine.worker.kv_tier_store import TierStore
 from engine.worker.lora_slots import LoRASlots
 from engine.worker.model_runner import ModelRunner
 from engine.worker.step_delta import StepDecoder
@@ -59,6 +60,7 @@ class Worker:
                              f"(use kv_cache_dtype='auto')")
         self.runner: ModelRunner | None = None
         self.kv_connector: KVConnectorWorker | None = None
+        self.tier_store: TierStore | None = None       # the offload tier's bytes (kv_offloading_size)
         self.decoder = StepDecoder()          # the requests' state the Ray executor sent (step deltas)
 
     # --- joining the engine's ranks (Ray executor only) -------------------------------------------
@@ -157,9 +159,17 @@ class Worker:
         num_cpu_blocks = cc.swap_space_bytes // per_block if sc.preemption_mode == "swap" else 0
         return num_blocks, num_cpu_blocks
 
-    def init_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+    def tier_slots(self) -> tuple[int, int]:
+        """(host, disk) slots of the offload tier: its sizes are the engine's, summed over its ranks
+        (vLLM's kv_offloading_size), and a slot holds one block on every rank."""
+        cc, pc = self.config.cache_config, self.config.parallel_config
+        per_block = self.bytes_per_block() * pc.world_size
+        return cc.offload_host_bytes // per_block, cc.offload_disk_bytes // per_block
+
+    def init_cache(self, num_blocks: int, num_cpu_blocks: int, num_host_slots: int = 0,
+                   num_disk_slots: int = 0) -> None:
         """Allocate zeroed KV tensors (zeros: padded slots must never hold NaN, attention masks them
-        with a zero weight and 0 * NaN is NaN)."""
+        with a zero weight and 0 * NaN is NaN), and the offload tier's stores when it has slots."""
         mc, cc = self.config.model_config, self.config.cache_config
         heads, layers = self.num_local_kv_heads(), self.num_local_layers()
         shape = (2, num_blocks, cc.block_size, heads, mc.head_dim)
@@ -170,6 +180,9 @@ class Worker:
         self.runner.cpu_caches = [torch.zeros(cpu_shape, dtype=dtype, device="cpu")
                                   for _ in range(layers)] if num_cpu_blocks else []
         self.runner.capture_cuda_graphs(mc.cuda_graph_sizes, mc.max_model_len)
+        if num_host_slots:
+            self.tier_store = self.runner.tier_store = TierStore(
+                self.runner.kv_caches, num_host_slots, num_disk_slots, cc.offload_disk_path, self.rank)
         if self.config.kv_transfer_config is not None:
             self.kv_connector = create_connector_worker(
                 self.config.kv_transfer_config,
@@ -204,7 +217,15 @@ class Worker:
 
         `isolate_failures` (a single-rank engine only: with several ranks one rank's failure leaves
         the others out of step): a model step that raises becomes an output in which each of the
-        step's requests failed, and the transfer report still goes out."""
+        step's requests failed, and the transfer report still goes out.
+
+        The offload tier's saves run first of all (a pull ordered here may write into a block the
+        tier still has to copy); its failed orders go back in the output (on every rank that has
+        any: the executor gathers them)."""
+        tier_failed = []
+        if sched is not None and sched.tier_saves:
+            assert self.tier_store is not None
+            tier_failed = self.tier_store.run(sched.tier_saves)
         if self.kv_connector is not None:
             self.kv_connector.apply(kv_ops)
         output = None
@@ -216,6 +237,10 @@ class Worker:
                     raise
                 logger.exception("engine step failed; failing its %d request(s)", len(sched.scheduled))
                 output = ModelRunnerOutput.for_failed_step(sched, e)
+            tier_failed += self.runner.take_tier_failed() if self.runner is not None else []
+            if tier_failed:
+                output = output if output is not None else ModelRunnerOutput(sampled={})
+                output.tier_failed.extend(tier_failed)
         return output, (self.kv_connector.poll() if self.kv_connector is not None else None)
 
     def execute_serialized(self, payload: bytes) -> tuple[ModelRunnerOutput | None, TransferReport | None]:
@@ -252,6 +277,12 @@ class Worker:
         assert self.runner is not None
         return self.runner.execute(sched)
 
+    def tier_stats(self) -> dict[str, float]:
+        """This rank's offload-tier counters (TierStore.stats); {} without a tier."""
+        return self.tier_store.stats() if self.tier_store is not None else {}
+
     def shutdown(self) -> None:
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+        if self.tier_store is not None:
+            self.tier_store.shutdown()

@@ -81,8 +81,9 @@ class Frontend:
         report = lambda replica_id: self.manager.report_failure.remote(replica_id)  # noqa: E731
         on_failure = report if manager is not None else None
         migrations = config.routing.max_migrations
+        peers = config.routing.min_peer_pull_tokens if config.routing.peer_prefix_pulls else None
         decode = RequestRouter("decode", replicas or {}, info.block_size, policy(), self.metrics,
-                               config.routing.stats_interval_s, on_failure, migrations)
+                               config.routing.stats_interval_s, on_failure, migrations, peers)
         self.pools: dict[str, RequestRouter] = {"decode": decode}
         self.router: RequestRouter | PDRouter = decode
         if config.mode == "disaggregated":

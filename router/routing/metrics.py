@@ -176,6 +176,12 @@ class ServingMetrics:
         self.replaced = r.counter("pdserve:replicas_replaced_total",
                                   "Replicas the manager dropped and replaced (actor or node died, engine "
                                   "stopped, missed health checks), per pool, since the manager started.")
+        self.peer_pulls = r.counter("pdserve:peer_prefix_pulls_total",
+                                    "Prefixes a replica was sent to pull from a peer replica of its pool instead of "
+                                    "computing them, by outcome (leased: the peer leased its blocks; missed: it no "
+                                    "longer held them; failed: the peer could not be asked)")
+        self.peer_pull_blocks = r.counter("pdserve:peer_prefix_pull_blocks_total",
+                                          "KV blocks leased by peer replicas for prefix pulls")
         self.migrations = r.counter("pdserve:request_migrations_total",
                                     "Streams moved to another replica after theirs was lost, by pool.")
         self.migration_failures = r.counter(

@@ -3,14 +3,16 @@
 `prefix_aware` (default) scores each replica by how much of the prompt it already holds against how
 loaded it is:
 
-    score = matched_blocks / prompt_blocks - load_weight * load / max_load
+    score = (matched_blocks + tier_weight * tier_blocks) / prompt_blocks - load_weight * load / max_load
 
 where load is the requests the router has in flight there (waiting + running, as the router sees
 them: fresher than polled stats) plus `kv_usage` scaled to requests. When the most and least loaded
 replicas differ by more than `imbalance_threshold` requests, the least loaded wins regardless of
 prefix (a hot prefix must not pile every request onto one replica). Ties go to the replica caching
 the fewest blocks (a new prefix lands where it evicts least, as SGLang's cache-aware router balances
-by tree size), then at random. A request under a LoRA adapter scores `adapter_weight` more on the
+by tree size), then at random. `tier_blocks` are the blocks after the pool's run that the replica's
+offload tier holds: it loads them (worth `tier_weight` of a pool hit: more than a miss, which is
+computed, less than a hit, which costs nothing). A request under a LoRA adapter scores `adapter_weight` more on the
 replicas that ran that adapter lately (they hold it in a slot or in host memory: no load from disk,
 and its prefixes, whose block hashes are keyed by the adapter, are matched above anyway).
 `round_robin` and `least_load` are the baselines to compare against.
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 from records.serving import PolicyConfig
 
-REASONS = ("prefix_hit", "adapter_hit", "no_hit_least_cost", "imbalance", "round_robin", "least_load")
+REASONS = ("prefix_hit", "tier_hit", "adapter_hit", "no_hit_least_cost", "imbalance", "round_robin", "least_load")
 
 
 @dataclass(slots=True)
@@ -42,6 +44,10 @@ class Decision:
     replica_id: str
     reason: str                 # one of REASONS
     matched_blocks: int = 0
+    tier_blocks: int = 0        # after the matched ones, in the replica's offload tier
+    # A peer replica of the pool whose cache holds more of the prompt: (its id, the hashes of the
+    # leading blocks it holds), for the chosen replica to pull (RequestRouter.generate).
+    peer: tuple[str, list[bytes]] | None = None
 
 
 class RoutingPolicy:
@@ -52,10 +58,12 @@ class RoutingPolicy:
         self._rr = itertools.count()
 
     def choose(self, matched: dict[str, int], num_prompt_blocks: int, loads: dict[str, ReplicaLoad],
-               cached_blocks: dict[str, int] | None = None, holds_adapter: set[str] | None = None) -> Decision:
+               cached_blocks: dict[str, int] | None = None, holds_adapter: set[str] | None = None,
+               tier_matched: dict[str, int] | None = None) -> Decision:
         """matched: replica id -> leading prompt blocks it holds (every candidate replica is a key);
         cached_blocks: replica id -> blocks in its prefix cache (tie-breaker); holds_adapter: the
-        replicas that ran the request's LoRA adapter lately (None: a request of the base model)."""
+        replicas that ran the request's LoRA adapter lately (None: a request of the base model);
+        tier_matched: replica id -> blocks after those its offload tier holds."""
         candidates = sorted(matched)
         if not candidates:
             raise RuntimeError("no replica to route to")
@@ -65,13 +73,15 @@ class RoutingPolicy:
         load = {r: loads.get(r, ReplicaLoad()).value(self.max_num_seqs) for r in candidates}
         if name == "least_load":
             return Decision(self._pick_min(candidates, load), "least_load")
+        tiers = tier_matched or {}
         if max(load.values()) - min(load.values()) > self.config.imbalance_threshold:
             r = self._pick_min(candidates, load)
-            return Decision(r, "imbalance", matched[r])
+            return Decision(r, "imbalance", matched[r], tiers.get(r, 0))
         max_load = max(max(load.values()), 1.0)
         blocks = max(num_prompt_blocks, 1)
         held = holds_adapter or set()
-        score = {r: matched[r] / blocks - self.config.load_weight * load[r] / max_load
+        score = {r: (matched[r] + self.config.tier_weight * tiers.get(r, 0)) / blocks
+                 - self.config.load_weight * load[r] / max_load
                  + self.config.adapter_weight * (r in held) for r in candidates}
         best = max(score.values())
         tied = [c for c in candidates if score[c] == best]
@@ -79,8 +89,9 @@ class RoutingPolicy:
             fewest = min(cached_blocks.get(c, 0) for c in tied)
             tied = [c for c in tied if cached_blocks.get(c, 0) == fewest]
         r = self._rng.choice(tied)
-        reason = "prefix_hit" if matched[r] else "adapter_hit" if r in held else "no_hit_least_cost"
-        return Decision(r, reason, matched[r])
+        reason = ("prefix_hit" if matched[r] else "tier_hit" if tiers.get(r) else "adapter_hit" if r in held
+                  else "no_hit_least_cost")
+        return Decision(r, reason, matched[r], tiers.get(r, 0))
 
     def _pick_min(self, candidates: Sequence[str], load: dict[str, float]) -> str:
         low = min(load[c] for c in candidates)

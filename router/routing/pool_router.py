@@ -48,13 +48,17 @@ logger = logging.getLogger(__name__)
 class RequestRouter:
     def __init__(self, pool: str, replicas: dict[str, Any], block_size: int, policy: RoutingPolicy,
                  metrics: ServingMetrics, stats_interval_s: float = 0.5,
-                 on_replica_failure: Callable[[str], None] | None = None, max_migrations: int = 3) -> None:
+                 on_replica_failure: Callable[[str], None] | None = None, max_migrations: int = 3,
+                 min_peer_pull_tokens: int | None = None) -> None:
         """replicas: replica id -> Ray actor handle of an EngineReplica; on_replica_failure: called
         with a replica's id when a call to it failed because its actor is gone (the ingress tells the
         manager, which replaces it); max_migrations: how many times one stream may move to another
-        replica when its own is lost (`generate`)."""
+        replica when its own is lost (`generate`); min_peer_pull_tokens: prefix tokens another
+        replica must hold beyond the chosen one's for it to pull them from that peer (None: never;
+        the replicas need a KV connector)."""
         self.pool = pool
         self.max_migrations = max_migrations
+        self.min_peer_pull_tokens = min_peer_pull_tokens
         self.replicas: dict[str, Any] = {}
         self.block_size = block_size
         self.policy = policy
@@ -192,8 +196,11 @@ class RequestRouter:
         matched = self.index.match(hashes)
         lora = params.lora_request
         held = None if lora is None else {r for r in candidates if lora.cache_key in self.adapters[r]}
+        tiers = self.index.match_tiers(hashes, matched)
         decision = self.policy.choose({r: matched.get(r, 0) for r in candidates}, len(hashes), self.loads,
-                                      cached, held)
+                                      cached, held, tiers)
+        if self.min_peer_pull_tokens is not None and params.n == 1 and params.prompt_logprobs is None:
+            decision.peer = self._peer_for(decision, matched, candidates, hashes)
         if lora is not None:
             recent = self.adapters[decision.replica_id]
             recent[lora.cache_key] = None
@@ -203,9 +210,42 @@ class RequestRouter:
         self.metrics.decisions.inc(reason=decision.reason, pool=self.pool)
         return decision
 
+    def _peer_for(self, decision: Decision, matched: dict[str, int], candidates: list[str],
+                  hashes: list[bytes]) -> tuple[str, list[bytes]] | None:
+        """The replica whose pool holds the longest run of the prompt's blocks, when it holds at
+        least `min_peer_pull_tokens` more than the chosen replica has (in its pool and tier): the
+        chosen one pulls them rather than computing them (the peer stays free for its own work)."""
+        have = decision.matched_blocks + decision.tier_blocks
+        best = max((r for r in candidates if r != decision.replica_id), key=lambda r: matched.get(r, 0), default=None)
+        if best is None or (matched.get(best, 0) - have) * self.block_size < (self.min_peer_pull_tokens or 0):
+            return None
+        return best, hashes[:matched[best]]
+
+    async def _lease_from_peer(self, decision: Decision, params: SamplingParams) -> dict | None:
+        """Ask the decision's peer to lease its prefix blocks; their kv_transfer_params, or None
+        (then the chosen replica computes the prompt, as without peers)."""
+        assert decision.peer is not None
+        peer, hashes = decision.peer
+        handle = self.replicas.get(peer)
+        if handle is None:
+            return None
+        try:
+            kv_params = await handle.lease_prefix.remote(hashes, params.adapter_name)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot answer only costs the pull
+            if replica_lost(e):
+                self.mark_down(peer, e)
+            self.metrics.peer_pulls.inc(pool=self.pool, outcome="failed")
+            return None
+        if kv_params is None:
+            self.metrics.peer_pulls.inc(pool=self.pool, outcome="missed")
+            return None
+        self.metrics.peer_pulls.inc(pool=self.pool, outcome="leased")
+        self.metrics.peer_pull_blocks.inc(len(kv_params["remote_block_ids"]), pool=self.pool)
+        return kv_params
+
     def uncached_tokens(self, num_prompt_tokens: int, decision: Decision) -> int:
-        """Prompt tokens the chosen replica would compute (those past its prefix-cache hit)."""
-        return max(0, num_prompt_tokens - decision.matched_blocks * self.block_size)
+        """Prompt tokens the chosen replica would compute (those past its prefix-cache and tier hits)."""
+        return max(0, num_prompt_tokens - (decision.matched_blocks + decision.tier_blocks) * self.block_size)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        decision: Decision | None = None, kv_transfer_params: dict | None = None,
@@ -224,6 +264,8 @@ class RequestRouter:
         limit, with no replica left, or for a stream that cannot resume (n > 1, prompt logprobs
         partly streamed) it ends with ReplicaDiedError naming the replica."""
         decision = decision or self.route(prompt_token_ids, params)
+        if kv_transfer_params is None and decision.peer is not None:
+            kv_transfer_params = await self._lease_from_peer(decision, params)
         progress = _Progress()
         started = time.monotonic()
         while True:

@@ -28,6 +28,7 @@ from kv_transfer.leases import LeaseSlots, LeaseTable
 from kv_transfer.torch_dist import scatter_blocks
 from records.config import EngineConfig
 from records.errors import KVLayoutMismatch, KVTransferError
+from records.hashing import hash_block_tokens
 from records.kv_layout import KVLayout
 from records.sampling_params import SamplingParams
 
@@ -211,6 +212,37 @@ def test_decode_side_pulls_only_blocks_it_lacks(tiny_llama, connector):
     assert d.stats()["kv_blocks_pulled"] == total_blocks - 4
     assert out.num_cached_tokens == 64
     settle(p, d)
+
+
+def test_peer_prefix_pull_matches_one_engine(tiny_llama, connector):
+    """A replica pulls the prefix another replica holds cached (`lease_prefix`) instead of computing
+    it, and computes the rest: output identical to one engine's; the lease ends when the pull does.
+    Nothing cached: nothing leased. A peer gone mid-pull, or a failed pull: the prompt is
+    recomputed, same output."""
+    shared = prompt(100, salt=4)
+    ids = [shared + prompt(30, salt=5), shared + prompt(50, salt=6), shared + prompt(20, salt=7)]
+    want = reference(tiny_llama, ids)
+    a, b = make_engine(tiny_llama, connector), make_engine(tiny_llama, connector)
+    assert run_one(a, "a", ids[0]).outputs[0].token_ids == want[0]
+    assert a.lease_prefix(hash_block_tokens(prompt(40, salt=9), 16)) is None
+    params = a.lease_prefix(hash_block_tokens(ids[1], 16))
+    assert params["remote_num_tokens"] == 96 and len(params["remote_block_ids"]) == 6    # the shared blocks
+    computed = b.stats()["prompt_tokens_computed"]
+    out = run_one(b, "b", ids[1], GREEDY, params, others=(a,))
+    assert out.outputs[0].token_ids == want[1]
+    assert b.stats()["kv_blocks_pulled"] == 6 and b.stats()["prompt_tokens_computed"] - computed == len(ids[1]) - 96
+    settle(a, b)
+    assert a.stats()["kv_prefix_leases"] == 1 and a.stats()["kv_leases_active"] == 0
+    # A peer that lets go of the blocks before the pull (its lease ended: it restarted, or the
+    # lease expired): the pull finds the lease gone and the prompt is computed.
+    params = a.lease_prefix(hash_block_tokens(ids[2], 16))
+    a.abort_request(params["remote_request_id"])
+    a.step()
+    assert a.stats()["kv_leases_active"] == 0
+    c = make_engine(tiny_llama, connector)
+    out = run_one(c, "c", ids[2], GREEDY, params, others=(a,))
+    assert out.outputs[0].token_ids == want[2] and c.stats()["kv_load_failures"] == 1
+    settle(a, c)
 
 
 def test_pulled_blocks_are_what_decode_uses(tiny_llama, connector):
