@@ -25,7 +25,9 @@ class LLM:
         """`engine_args` are `EngineConfig.create`'s keywords (vLLM's names: dtype, block_size,
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
         enable_prefix_caching, num_kv_blocks, kv_cache_memory_bytes, preemption_mode,
-        swap_space_bytes, scheduling_policy, seed, tensor_parallel_size, pipeline_parallel_size,
+        swap_space_bytes, kv_offloading_size (GiB of host memory for evicted prefix blocks),
+        kv_offloading_disk_path / kv_offloading_disk_size (GiB), scheduling_policy, seed,
+        tensor_parallel_size, pipeline_parallel_size,
         speculative_config={"method": "ngram" | "draft_model", "num_speculative_tokens": k,
         "model": draft path (draft_model), "prompt_lookup_min": 2, "prompt_lookup_max": 4})."""
         config = EngineConfig.create(model, **engine_args)

@@ -27,7 +27,7 @@ from records.errors import EngineDeadError
 from records.kv_layout import KVLayout
 from records.lora import LoRARequest, read_adapter
 from records.outputs import KVEvent, ModelRunnerOutput, RequestOutput, SchedulerOutput
-from records.request import Continuation, Request, RequestStatus
+from records.request import PEER_PREFIX, Continuation, Request, RequestStatus
 from records.sampling_params import SamplingParams, StructuredOutputsParams, validate_request
 
 # Steps in a row that may fail (each failing only its own requests) before the engine is declared
@@ -136,6 +136,13 @@ class LLMEngine:
         if remote is None:
             request.remote_decode = True
             request.max_tokens = 1
+            peer = kv_transfer_params.get("peer_prefix")
+            if peer is not None:       # its prefix pulled from a peer (a peer's lease_prefix)
+                if not isinstance(peer, dict) or not peer.get("do_remote_prefill"):
+                    raise ValueError("kv_transfer_params.peer_prefix must be the kv_transfer_params a peer's "
+                                     "lease_prefix returned")
+                request.remote_prefill = self.kv_connector.parse(peer, request.block_hashes, request.num_prompt_tokens,
+                                                                 params.adapter_name)
         elif params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs must be None with do_remote_prefill (the prompt's KV "
                              "is pulled, not computed here)")
@@ -294,22 +301,29 @@ class LLMEngine:
         self.executor.kv_flush()     # every rank holds the new leases before their parameters leave
 
     def lease_prefix(self, block_hashes: list[bytes], adapter: str = "") -> dict[str, Any] | None:
-        """Lease the leading run of `block_hashes` this engine's pool holds, for a peer replica to
-        pull instead of computing them (the router decides: router/routing/pool_router.py). Returns
-        the kv_transfer_params to give the peer's request (as a prefill engine's, for
-        `num_tokens` = the run's tokens), or None when there is nothing to lease (no connector, no
-        such blocks, the lease table full). The blocks stay referenced until the peer releases the
-        lease, or it expires."""
-        if self.kv_connector is None or self.kv_worker is None:
+        """Lease the leading run of `block_hashes` this engine holds, in its pool or (loaded back
+        into the pool first, now) its offload tier, for a peer replica to pull instead of computing
+        them (the router decides: router/routing/pool_router.py). Returns the kv_transfer_params to
+        give the peer's request (as a prefill engine's, for `num_tokens` = the run's tokens), or
+        None when there is nothing to lease (no connector, no such blocks, the lease table full).
+        The blocks stay referenced until the peer releases the lease, or it expires. Runs between
+        steps (an engine with a connector keeps one batch in flight)."""
+        if self.kv_connector is None or self.kv_worker is None or not self.kv_connector.lease_slots.num_free:
             return None
-        kv = self.kv_cache_manager
-        blocks = kv.cached_run(list(block_hashes))
-        if not blocks:
+        kv, hashes = self.kv_cache_manager, list(block_hashes)
+        holder, num_pool = kv.hold_prefix(f"{PEER_PREFIX}{uuid.uuid4().hex[:16]}", hashes)
+        failed: set[int] = set()
+        if kv.tier is not None and (kv.tier.saves or kv.tier.loads):    # the tier's blocks: load them now
+            saves, loads = kv.tier.take_orders()
+            out = self.executor.execute_model(SchedulerOutput([], 0, tier_saves=saves, tier_loads=loads))
+            kv.tier.forget_failed(out.tier_failed)
+            failed = {order[3] for order in out.tier_failed if order[0] == "load"}
+        if kv.confirm_prefix(holder, hashes, failed) == 0:
+            kv.free(holder)
             return None
         taken = self.kv_connector.lease_slots.take()
-        if taken is None:
-            return None
-        holder = kv.hold(f"peer-prefix-{uuid.uuid4().hex[:16]}", blocks)
+        assert taken is not None
+        blocks = kv.req_to_blocks[holder.request_id]
         block_ids = [b.block_id for b in blocks]
         self.kv_worker.hold_lease(*taken, block_ids)
         params = self.kv_connector.add_prefix_lease(
@@ -379,6 +393,7 @@ class LLMEngine:
         assert not self.scheduler.requests, f"unfinished requests: {list(self.scheduler.requests)}"
         loads = self.scheduler.loads
         assert loads is None or not loads.aborted, f"pulls outstanding: {list(loads.aborted)}"
+        assert not self.scheduler.tier_loading, f"tier loads outstanding: {list(self.scheduler.tier_loading)}"
         if self.kv_connector is not None:
             assert not self.kv_connector.leases, f"leases held: {list(self.kv_connector.leases)}"
         self.kv_cache_manager.check_no_leaks()

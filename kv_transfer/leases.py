@@ -33,6 +33,11 @@ class LeaseSlots:
         self._free = list(range(num_slots - 1, -1, -1))
         self._next_token = random.getrandbits(40) << 20 | 1
 
+    @property
+    def num_free(self) -> int:
+        """Slots not leased."""
+        return len(self._free)
+
     def take(self) -> tuple[int, int] | None:
         if not self._free:
             return None

@@ -182,6 +182,10 @@ class Request:
                 f"computed={self.num_computed_tokens})")
 
 
+# The request id a peer's prefix lease carries (LLMEngine.lease_prefix): what a pull of it is.
+PEER_PREFIX = "peer-prefix-"
+
+
 @dataclass(slots=True)
 class BlockHolder:
     """KV blocks held for something other than a request (a prefix leased to a peer replica):

@@ -94,13 +94,37 @@ class KVCacheManager:
             blocks.append(block)
         return blocks
 
-    def hold(self, holder_id: str, blocks: list[KVCacheBlock]) -> BlockHolder:
-        """Take a reference on cached blocks for `holder_id` (freed by `free(holder)`)."""
+    def hold_prefix(self, holder_id: str, block_hashes: list[BlockHash]) -> tuple[BlockHolder, int]:
+        """Take references for `holder_id` (freed by `free(holder)`) on the leading run of
+        `block_hashes` the pool holds and, past it, the run the offload tier holds: those get new
+        blocks and are queued as tier loads (run the tier's orders, then `confirm_prefix`).
+        Returns (the holder, blocks from the pool)."""
         assert holder_id not in self.req_to_blocks, holder_id
-        self.block_pool.touch(blocks)
-        self.req_to_blocks[holder_id] = list(blocks)
-        self.num_cached_blocks[holder_id] = len(blocks)
-        return BlockHolder(holder_id)
+        blocks = self.cached_run(block_hashes)
+        num_pool = len(blocks)
+        self.block_pool.touch(blocks)        # first: allocating for the tier's blocks must not evict them
+        if self.tier is not None and num_pool < len(block_hashes):
+            hashes = block_hashes[num_pool:]
+            found = self.tier.hits(hashes)[:self.block_pool.num_free_blocks]
+            if found:
+                new = self.block_pool.get_new_blocks(len(found))
+                self.tier.load(hashes[:len(found)], found, [b.block_id for b in new])
+                blocks += new
+        self.req_to_blocks[holder_id] = blocks
+        self.num_cached_blocks[holder_id] = num_pool
+        return BlockHolder(holder_id), num_pool
+
+    def confirm_prefix(self, holder: BlockHolder, block_hashes: list[BlockHash], failed_block_ids: set[int]) -> int:
+        """After `hold_prefix`'s tier loads ran: keep the leading run of blocks that loaded (cached
+        under their hashes), free the rest; returns the blocks held."""
+        blocks = self.req_to_blocks[holder.request_id]
+        start = self.num_cached_blocks[holder.request_id]
+        good = next((i for i in range(start, len(blocks)) if blocks[i].block_id in failed_block_ids), len(blocks))
+        self.block_pool.free_blocks(list(reversed(blocks[good:])))
+        del blocks[good:]
+        self.block_pool.cache_blocks(blocks[start:good], list(block_hashes[start:good]))
+        self.num_cached_blocks[holder.request_id] = good
+        return good
 
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_query_tokens

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from engine.core.kv_cache_manager import KVCacheManager
 from records.errors import KVTransferError
-from records.request import Request, RequestStatus
+from records.request import PEER_PREFIX, Request, RequestStatus
 
 if TYPE_CHECKING:
     from kv_transfer.base import KVConnectorScheduler
@@ -89,13 +89,15 @@ class KVLoads:
             # Every rank is done with P's blocks (or gave up): P may free them (best effort: P may
             # be gone, and then its lease has ended anyway).
             self.connector.plan_release(request)
+            # A peer's cached prefix (lease_prefix) is an optimization: losing it always recomputes.
+            peer = request.remote_prefill is not None and request.remote_prefill.request_id.startswith(PEER_PREFIX)
             request.remote_prefill = None
             if reason is not None:
                 self.connector.num_load_failures += 1
             if reason is None:
                 request.num_computed_tokens += num_external
                 self.kv.cache_full_blocks(request, request.num_computed_tokens)
-            elif self.failure_policy == "recompute":
+            elif self.failure_policy == "recompute" or peer:
                 self.kv.free(request)
                 request.num_computed_tokens = request.num_cached_tokens = 0
             else:

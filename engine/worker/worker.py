@@ -164,7 +164,13 @@ class Worker:
         (vLLM's kv_offloading_size), and a slot holds one block on every rank."""
         cc, pc = self.config.cache_config, self.config.parallel_config
         per_block = self.bytes_per_block() * pc.world_size
-        return cc.offload_host_bytes // per_block, cc.offload_disk_bytes // per_block
+        slots = cc.offload_host_bytes // per_block, cc.offload_disk_bytes // per_block
+        for name, size, n in (("kv_offloading_size", cc.offload_host_bytes, slots[0]),
+                              ("kv_offloading_disk_size", cc.offload_disk_bytes, slots[1])):
+            if size and not n:
+                raise ValueError(f"{name} ({size / (1 << 30):.6g} GiB) holds no KV block of this model "
+                                 f"({per_block} bytes over its ranks); raise it")
+        return slots
 
     def init_cache(self, num_blocks: int, num_cpu_blocks: int, num_host_slots: int = 0,
                    num_disk_slots: int = 0) -> None:

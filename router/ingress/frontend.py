@@ -88,7 +88,7 @@ class Frontend:
         self.router: RequestRouter | PDRouter = decode
         if config.mode == "disaggregated":
             prefill = RequestRouter("prefill", prefill_replicas or {}, info.block_size, policy(),
-                                    self.metrics, config.routing.stats_interval_s, on_failure, migrations)
+                                    self.metrics, config.routing.stats_interval_s, on_failure, migrations, peers)
             self.pools["prefill"] = prefill
             self.router = PDRouter(prefill, decode, self.metrics, config.disaggregation.min_remote_prefill_tokens,
                                    config.disaggregation.prefill_backlog_factor)

@@ -153,6 +153,28 @@ class ServingMetrics:
                              "Prefilled requests whose blocks wait under a lease for a decode replica."),
         "kv_leases_expired": ("pdserve:kv_leases_expired_total", "counter",
                               "Leases that ran out before a decode replica pulled or released them."),
+        "kv_prefix_leases": ("pdserve:kv_prefix_leases_total", "counter",
+                             "Cached prefixes leased to a peer replica to pull (peer prefix pulls)."),
+        # The offload tier (engine/core/kv_tier.py): what it holds and what it moved.
+        "kv_tier_host_blocks": ("pdserve:kv_offload_host_blocks", "gauge", "Blocks the host tier holds."),
+        "kv_tier_disk_blocks": ("pdserve:kv_offload_disk_blocks", "gauge", "Blocks the disk tier holds."),
+        "kv_tier_host_hit_blocks": ("pdserve:kv_offload_host_hit_blocks_total", "counter",
+                                    "Blocks loaded back from the host tier instead of recomputed."),
+        "kv_tier_disk_hit_blocks": ("pdserve:kv_offload_disk_hit_blocks_total", "counter",
+                                    "Blocks loaded back from the disk tier instead of recomputed."),
+        "kv_tier_blocks_saved": ("pdserve:kv_offload_blocks_saved_total", "counter",
+                                 "Evicted pool blocks copied to the host tier."),
+        "kv_tier_blocks_demoted": ("pdserve:kv_offload_blocks_demoted_total", "counter",
+                                   "Host-tier blocks moved to the disk tier."),
+        "kv_tier_load_failures": ("pdserve:kv_offload_load_failures_total", "counter",
+                                  "Tier loads that failed (their requests recomputed the prompt)."),
+        "kv_tier_bytes_saved": ("pdserve:kv_offload_saved_bytes_total", "counter", "Bytes copied to the host tier."),
+        "kv_tier_bytes_loaded": ("pdserve:kv_offload_loaded_bytes_total", "counter",
+                                 "Bytes loaded back from the tier."),
+        "kv_tier_bytes_written_to_disk": ("pdserve:kv_offload_disk_written_bytes_total", "counter",
+                                          "Bytes written to the disk tier."),
+        "kv_tier_seconds": ("pdserve:kv_offload_seconds_total", "counter",
+                            "Seconds engine steps spent copying blocks to and from the tier."),
     }
 
     def __init__(self) -> None:

@@ -200,7 +200,8 @@ class RequestRouter:
         decision = self.policy.choose({r: matched.get(r, 0) for r in candidates}, len(hashes), self.loads,
                                       cached, held, tiers)
         if self.min_peer_pull_tokens is not None and params.n == 1 and params.prompt_logprobs is None:
-            decision.peer = self._peer_for(decision, matched, candidates, hashes)
+            decision.peer = self._peer_for(decision, {r: matched.get(r, 0) + tiers.get(r, 0) for r in candidates},
+                                           hashes)
         if lora is not None:
             recent = self.adapters[decision.replica_id]
             recent[lora.cache_key] = None
@@ -210,16 +211,17 @@ class RequestRouter:
         self.metrics.decisions.inc(reason=decision.reason, pool=self.pool)
         return decision
 
-    def _peer_for(self, decision: Decision, matched: dict[str, int], candidates: list[str],
-                  hashes: list[bytes]) -> tuple[str, list[bytes]] | None:
-        """The replica whose pool holds the longest run of the prompt's blocks, when it holds at
-        least `min_peer_pull_tokens` more than the chosen replica has (in its pool and tier): the
-        chosen one pulls them rather than computing them (the peer stays free for its own work)."""
-        have = decision.matched_blocks + decision.tier_blocks
-        best = max((r for r in candidates if r != decision.replica_id), key=lambda r: matched.get(r, 0), default=None)
-        if best is None or (matched.get(best, 0) - have) * self.block_size < (self.min_peer_pull_tokens or 0):
+    def _peer_for(self, decision: Decision, held: dict[str, int], hashes: list[bytes]
+                  ) -> tuple[str, list[bytes]] | None:
+        """The replica holding the longest run of the prompt's blocks (`held`: in its pool, then its
+        tier, which it loads back before leasing), when that is at least `min_peer_pull_tokens`
+        more than the chosen replica holds: the chosen one pulls them rather than computing them
+        (the peer stays free for its own work)."""
+        mine = held.pop(decision.replica_id, 0)
+        best = max(held, key=lambda r: held[r], default=None)
+        if best is None or (held[best] - mine) * self.block_size < (self.min_peer_pull_tokens or 0):
             return None
-        return best, hashes[:matched[best]]
+        return best, hashes[:held[best]]
 
     async def _lease_from_peer(self, decision: Decision, params: SamplingParams) -> dict | None:
         """Ask the decision's peer to lease its prefix blocks; their kv_transfer_params, or None
@@ -264,8 +266,11 @@ class RequestRouter:
         limit, with no replica left, or for a stream that cannot resume (n > 1, prompt logprobs
         partly streamed) it ends with ReplicaDiedError naming the replica."""
         decision = decision or self.route(prompt_token_ids, params)
-        if kv_transfer_params is None and decision.peer is not None:
-            kv_transfer_params = await self._lease_from_peer(decision, params)
+        if decision.peer is not None and not (kv_transfer_params or {}).get("do_remote_prefill"):
+            leased = await self._lease_from_peer(decision, params)
+            if leased is not None:         # a prefill for a decode replica pulls its prefix too
+                kv_transfer_params = leased if kv_transfer_params is None else {**kv_transfer_params,
+                                                                                "peer_prefix": leased}
         progress = _Progress()
         started = time.monotonic()
         while True:

@@ -220,7 +220,8 @@ def test_peer_prefix_pull_matches_one_engine(tiny_llama, connector):
     Nothing cached: nothing leased. A peer gone mid-pull, or a failed pull: the prompt is
     recomputed, same output."""
     shared = prompt(100, salt=4)
-    ids = [shared + prompt(30, salt=5), shared + prompt(50, salt=6), shared + prompt(20, salt=7)]
+    ids = [shared + prompt(30, salt=5), shared + prompt(50, salt=6), shared + prompt(20, salt=7),
+           shared + prompt(40, salt=8)]
     want = reference(tiny_llama, ids)
     a, b = make_engine(tiny_llama, connector), make_engine(tiny_llama, connector)
     assert run_one(a, "a", ids[0]).outputs[0].token_ids == want[0]
@@ -239,10 +240,46 @@ def test_peer_prefix_pull_matches_one_engine(tiny_llama, connector):
     a.abort_request(params["remote_request_id"])
     a.step()
     assert a.stats()["kv_leases_active"] == 0
-    c = make_engine(tiny_llama, connector)
+    c = make_engine(tiny_llama, connector, kv_load_failure_policy="fail")    # a peer's pull recomputes anyway
     out = run_one(c, "c", ids[2], GREEDY, params, others=(a,))
     assert out.outputs[0].token_ids == want[2] and c.stats()["kv_load_failures"] == 1
     settle(a, c)
+    # Within a prefill pool: a prefill for a remote decode pulls its prefix from a peer first.
+    d = make_engine(tiny_llama, connector)
+    peer = a.lease_prefix(hash_block_tokens(ids[3], 16))
+    leased = prefill_with(d, "d", ids[3], {"do_remote_decode": True, "peer_prefix": peer}, others=(a,))
+    assert d.stats()["kv_blocks_pulled"] == 6 and d.stats()["kv_leases"] == 1
+    out = run_one(c, "d", ids[3], GREEDY, leased, others=(d, a))
+    assert out.outputs[0].token_ids == want[3]
+    settle(a, c, d)
+    with pytest.raises(ValueError, match="peer_prefix must be"):
+        d.add_request("x", None, ids[3], GREEDY, kv_transfer_params={"do_remote_decode": True, "peer_prefix": 1})
+
+
+def test_peer_prefix_from_the_peers_offload_tier(tiny_llama, connector):
+    """A prefix the peer's pool has evicted into its offload tier: lease_prefix loads it back into
+    the pool first, then leases it; the puller's output is one engine's."""
+    shared = prompt(100, salt=4)
+    ids = [shared + prompt(30, salt=5), prompt(300, salt=11), shared + prompt(50, salt=6)]
+    want = reference(tiny_llama, [ids[2]])
+    a = make_engine(tiny_llama, connector, num_kv_blocks=24, max_model_len=384,
+                    kv_offloading_size=64 * 8192 / (1 << 30))
+    b = make_engine(tiny_llama, connector)
+    run_one(a, "a", ids[0])
+    run_one(a, "evict", ids[1])      # 20 of the pool's 24 blocks: the prefix's last blocks (freed first) leave it
+    hashes = hash_block_tokens(ids[2], 16)
+    assert len(a.kv_cache_manager.cached_run(hashes)) == 4       # the shared prefix's other 2 are in the tier
+    params = a.lease_prefix(hashes)
+    assert len(params["remote_block_ids"]) == 6 and a.stats()["kv_tier_host_hit_blocks"] == 2
+    out = run_one(b, "b", ids[2], GREEDY, params, others=(a,))
+    assert out.outputs[0].token_ids == want[0] and b.stats()["kv_blocks_pulled"] == 6
+    settle(a, b)
+
+
+def prefill_with(engine, rid: str, ids: list[int], kv: dict, others=()) -> dict:
+    out = run_one(engine, rid, ids, GREEDY, kv, others=others)
+    assert out.kv_transfer_params is not None
+    return out.kv_transfer_params
 
 
 def test_pulled_blocks_are_what_decode_uses(tiny_llama, connector):

@@ -52,6 +52,77 @@ def test_policy_prefers_replicas_holding_the_adapter():
         PolicyConfig(adapter_weight=-1)
 
 
+def test_tier_hits_score_between_a_pool_hit_and_a_miss_and_peers_lend_their_prefix(tiny_llama):
+    """The index follows each medium's events; the policy weighs a tier block at tier_weight of a
+    pool block; with peer pulls on, a replica chosen for load that lacks the prefix another holds
+    is sent with that peer's lease (its kv_transfer_params), which the router asks for."""
+    import asyncio
+
+    from cluster.config import ClusterConfig
+    from records.outputs import ChoiceDelta, StepDelta
+    from records.sampling_params import SamplingParams
+    from router.ingress.frontend import Frontend
+
+    h = hash_block_tokens(list(range(96)), 16)
+    index = PrefixIndex()
+    index.apply("a", [BlockStored(h[:2]), BlockStored(h[2:5], "host"), BlockStored(h[5:], "disk")])
+    index.apply("b", [BlockStored(h[:1]), BlockStored(h[3:], "host")])        # a gap at block 1
+    pool = index.match(h)
+    assert pool == {"a": 2, "b": 1} and index.match_tiers(h, pool) == {"a": 4, "b": 0}
+    index.apply("a", [BlockRemoved(h[2:3], "host"), AllCleared()])
+    assert index.match_tiers(h, index.match(h)) == {"a": 0, "b": 0} and index.num_tier_blocks("a") == 0
+    policy = RoutingPolicy(PolicyConfig(seed=0), max_num_seqs=8)
+    idle = {"a": ReplicaLoad(), "b": ReplicaLoad()}
+    d = policy.choose({"a": 0, "b": 2}, 6, idle, tier_matched={"a": 5, "b": 0})   # 2.5 against 2
+    assert (d.replica_id, d.reason, d.tier_blocks) == ("a", "tier_hit", 5)
+    assert policy.choose({"a": 0, "b": 3}, 6, idle, tier_matched={"a": 5, "b": 0}).replica_id == "b"
+    with pytest.raises(ValueError, match="tier_weight"):
+        PolicyConfig(tier_weight=2)
+
+    config = ClusterConfig(model=tiny_llama, routing={"peer_prefix_pulls": True, "min_peer_pull_tokens": 32})
+    assert config.engine_args("decode").kv_connector == "nixl"           # peers pull over the connector
+    router = Frontend(config.ingress_spec(), {"decode-0": None, "decode-1": None}).router
+    ids = list(range(5, 105))
+    hashes = hash_block_tokens(ids, 16)
+    router.index.apply("decode-0", [BlockStored(hashes)])
+    params = SamplingParams(max_tokens=2)
+    router.loads["decode-0"].in_flight = 9                                # busy: decode-1 wins on load
+    d = router.route(ids, params)
+    assert d.replica_id == "decode-1" and d.peer == ("decode-0", hashes)
+    router.index.apply("decode-1", [BlockStored(hashes[:5])])             # 1 block short: < 32 tokens
+    assert router.route(ids, params).peer is None
+    sent = {}
+
+    class Remote:
+        def __init__(self, fn):
+            self.remote = fn
+
+    class Peer:                                                           # decode-0's lease_prefix
+        lease_prefix = Remote(lambda hs, adapter: _done({"do_remote_prefill": True, "remote_block_ids": [1] * len(hs)}))
+
+    class Channel:
+        async def stream(self, rid, prompt, p, kv_params, continuation):
+            sent["kv"] = kv_params
+            yield StepDelta(rid, [ChoiceDelta(0, [7], "x")], True, len(ids))
+
+    async def run() -> None:
+        router.replicas["decode-0"] = Peer()
+        router._channels["decode-1"] = Channel()
+        [_ async for _ in router.generate("r", ids, params, d)]
+
+    asyncio.run(run())
+    assert sent["kv"]["remote_block_ids"] == [1] * 6
+    assert router.metrics.peer_pulls.get(pool="decode", outcome="leased") == 1
+
+
+async def _result(value):
+    return value
+
+
+def _done(value):
+    return _result(value)
+
+
 def test_cluster_spec_validates_and_loads_yaml(tmp_path, tiny_llama):
     from pydantic import ValidationError
 
