@@ -155,10 +155,11 @@ def run_variant(label: str, args: argparse.Namespace, engine: dict, routing: dic
 
 
 def crossover(args: argparse.Namespace) -> list[dict]:
-    """Where a pull pays: time to first token of a prompt whose first `n` tokens another engine holds,
-    pulled over NIXL (lease_prefix, pull, compute the rest) against computed, and loaded from the
-    host tier, in this process on the embedded model (one torch thread, engines stepped alternately,
-    as tests/kv_transfer/ does). Medians of --repeats, after a warm-up."""
+    """Where a pull pays: time to first token of a prompt of `n` prefix tokens and a 16-token question
+    when another engine holds the prefix (pulled over NIXL: lease_prefix, pull, compute the question),
+    against computing it all, and against loading the prefix from the host tier, in this process
+    on the embedded model (one torch thread, engines stepped alternately, as tests/kv_transfer/
+    does). Medians of --repeats, after a warm-up."""
     import statistics
 
     import torch
@@ -194,17 +195,18 @@ def crossover(args: argparse.Namespace) -> list[dict]:
         times: dict[str, list[float]] = {"computed": [], "pulled": [], "tier": []}
         for rep in range(args.repeats + 1):
             text = " ".join(words[(rep * 131 + n) % 5000:][:n * 2])
-            ids = here.tokenizer.encode(text)[:n] + [17] * 16     # n prefix tokens and a 16-token question
+            prefix = here.tokenizer.encode(text)[:n]
+            ids, other = prefix + [17] * 16, prefix + [23] * 16   # one prefix, two 16-token questions
             here.reset_prefix_cache()
             peer.reset_prefix_cache()
             computed = first_token(here, f"c{n}-{rep}", ids)
-            first_token(peer, f"p{n}-{rep}", ids)                  # the peer caches the prefix
+            first_token(peer, f"p{n}-{rep}", other)                # the peer caches the prefix
             here.reset_prefix_cache()
             kv = peer.lease_prefix(hash_block_tokens(ids, 16))
             pulled = first_token(here, f"l{n}-{rep}", ids, kv, (peer,))
             # The tier: evict the prefix from here's pool (fill it with another prompt), then ask again.
             here.reset_prefix_cache()
-            first_token(here, f"t{n}-{rep}", ids)
+            first_token(here, f"t{n}-{rep}", other)
             first_token(here, f"f{n}-{rep}", [(7 * i) % 5000 + 9 for i in range(2000)])   # 125 of 160 blocks
             tier = first_token(here, f"u{n}-{rep}", ids)
             if rep:                                                 # rep 0 warms up
