@@ -156,8 +156,8 @@ class EngineReplica:
         return self.engine.renew_lease(request_id, seconds)
 
     async def lease_prefix(self, block_hashes: list[bytes], adapter: str = "") -> dict[str, Any] | None:
-        """Lease the leading run of these blocks this replica's pool holds, for a peer replica to
-        pull (LLMEngine.lease_prefix): its kv_transfer_params, or None."""
+        """Lease the leading run of these blocks this replica holds (its pool, then its offload
+        tier), for a peer replica to pull (LLMEngine.lease_prefix): its kv_transfer_params, or None."""
         return await self.engine.lease_prefix(block_hashes, adapter)
 
     def stats(self) -> dict[str, Any]:

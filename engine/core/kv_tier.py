@@ -20,7 +20,7 @@ passes wrong KV to the model.
 
 Saves and demotions run first, in the order given (a block is read before this step writes it; a
 host slot is demoted before a save overwrites it); loads run after the step's swaps and copies. A
-slot a load of this step reads is pinned until the orders are taken, so no save reuses it first.
+slot a lookup of this step found is pinned until the orders are taken, so no save reuses it first.
 Each change is a KV event with its medium ("host" or "disk"), so routers know what the tier holds.
 """
 from __future__ import annotations
@@ -83,13 +83,16 @@ class KVTier:
         return None
 
     def hits(self, block_hashes: Sequence[BlockHash]) -> list[tuple[str, int]]:
-        """(medium, slot) of the leading run of `block_hashes` the tier holds."""
+        """(medium, slot) of the leading run of `block_hashes` the tier holds. Those slots are
+        pinned until this step's orders are taken: the allocation that follows a lookup evicts pool
+        blocks, whose saves must not push these copies out before `load` reads them."""
         out = []
         for block_hash in block_hashes:
             found = self.where(block_hash)
             if found is None:
                 break
             out.append(found)
+        self.pinned.update(out)
         return out
 
     def snapshot(self) -> list[KVEvent]:

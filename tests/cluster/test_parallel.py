@@ -250,6 +250,30 @@ def test_concurrent_pipeline_batches_match_single_rank_and_survive_abort(two_nod
 
 
 @pytest.mark.cluster
+def test_offload_tier_across_ranks_matches_single_rank(two_nodes, tiny_llama, tmp_path):
+    """TP=2 x PP=2 with a host + disk tier: every rank saves, demotes and loads its own layers and
+    heads of each block (the orders ride on the step), and a tenant's second turn loads its prompt
+    from the tier, token-identical to the single rank without one."""
+    args = dict(dtype="float32", max_model_len=256, num_kv_blocks=24)
+    prompts = [[(i * 13 + 5 + 211 * t) % 2000 + 3 for i in range(200)] for t in range(3)]   # 13 blocks each
+    single = LLMEngine(EngineConfig.create(tiny_llama, **args))
+    want = [run(single, [p]) for p in prompts]
+    slot = 8192 / (1 << 30)          # a block's bytes over the ranks (2 layers x 2 KV heads of 16, fp32)
+    engine = LLMEngine(EngineConfig.create(tiny_llama, tensor_parallel_size=2, pipeline_parallel_size=2,
+                                           kv_offloading_size=8 * slot, kv_offloading_disk_path=str(tmp_path),
+                                           kv_offloading_disk_size=64 * slot, **args))
+    try:
+        assert engine.executor.tier_slots == (8, 64)
+        assert [run(engine, [p]) for p in prompts * 2] == want * 2
+        stats = engine.stats()
+        assert stats["kv_tier_host_hit_blocks"] + stats["kv_tier_disk_hit_blocks"] >= 3 * 12
+        assert stats["kv_tier_disk_hit_blocks"] > 0 and stats["kv_tier_load_failures"] == 0
+        engine.check_no_leaks()
+    finally:
+        engine.executor.shutdown()
+
+
+@pytest.mark.cluster
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_lora_across_ranks_matches_peft(two_nodes, tiny_llama, tmp_path_factory, tp, pp):
     """Adapters sharded like the weights (B's rows on column-parallel layers, A's columns on

@@ -72,6 +72,26 @@ def test_manager_offloads_what_the_pool_evicts_and_finds_tier_hits():
     assert index.match_tiers(again.block_hashes, index.match(again.block_hashes)) == {"r": 3}
 
 
+def test_a_lookups_copies_outlive_the_evictions_of_its_own_allocation():
+    """The blocks a lookup found in the tier are pinned: allocating the request's blocks evicts pool
+    blocks whose saves would otherwise push those very copies out of a full host store."""
+    kv = KVCacheManager(4, 4, True, tier_slots=(3, 0))
+    make = lambda rid, tokens: Request(rid, list(tokens), SamplingParams(), frozenset({0}), 4, max_tokens=8)  # noqa: E731
+    a, b = make("a", range(13)), make("b", range(100, 113))
+    for r in (a, b):                      # b's allocation pushes a's three blocks into the host store
+        assert kv.allocate_slots(r, 13) is not None
+        kv.free(r)
+    kv.tier.take_orders()
+    again = make("c", range(13))
+    hashes, found = kv.tier_hits(again, 0, 4)
+    assert len(found) == 3
+    assert kv.allocate_slots(again, 13, [], cache=False) is not None     # evicts b's three blocks
+    kv.tier.load(hashes, found, kv.block_ids("c")[:3])
+    saves, loads = kv.tier.take_orders()
+    assert saves == [] and [o[1:3] for o in loads] == found             # b's copies were not kept
+    kv.free(again)
+
+
 def test_offloading_arguments_are_checked():
     with pytest.raises(ValueError, match="kv_offloading_backend must be one of \\('native',\\)"):
         EngineArgs(kv_offloading_size=1, kv_offloading_backend="lmcache")
