@@ -134,9 +134,17 @@ class EngineReplica:
             box.put(StepDelta.failure(request_id, item) if isinstance(item, BaseException)
                     else StepDelta.of_output(item, request_error(item)))
 
-        self.engine.submit(request_id, prompt_token_ids, _deltas(params), sink, kv_transfer_params,
-                           continuation=continuation)
+        # Counted before the engine can answer (a sink may run before submit returns), and dropped
+        # again if nothing runs: a leftover id would be a request the channel waits on forever.
         box.request_ids.add(request_id)
+        try:
+            queued = self.engine.submit(request_id, prompt_token_ids, _deltas(params), sink, kv_transfer_params,
+                                        continuation=continuation)
+        except BaseException:
+            box.request_ids.discard(request_id)
+            raise
+        if not queued:                   # its abort came first: the ingress gave up on it already
+            box.request_ids.discard(request_id)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        kv_transfer_params: dict | None = None) -> AsyncIterator[StepDelta]:

@@ -70,27 +70,33 @@ class AsyncLLMEngine:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,
                kv_transfer_params: dict | None = None, prompt: str | None = None,
-               continuation: Continuation | None = None) -> None:
+               continuation: Continuation | None = None) -> bool:
         """Queue a request whose outputs go to `sink` (see Sink); `continuation`: it resumes after
         tokens another replica generated (LLMEngine.add_request). Raises ValueError for bad input and
         EngineDeadError if the engine is dead (nothing is queued then); a request that fails later
         reaches its sink as an output with a failed choice (`request_error`) or as an exception
-        (an output constraint that cannot compile: its ValueError, since it compiles off the loop)."""
+        (an output constraint that cannot compile: its ValueError, since it compiles off the loop).
+        Returns False, queueing nothing, when an abort of this request id came first and is still
+        pending (a caller's abort can overtake its submit: they travel as separate calls)."""
         if self._dead is not None:
             raise EngineDeadError("engine is dead") from self._dead
         self._ensure_loop()
         if request_id in self._sinks:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if request_id in self._pending_aborts:
+            self._pending_aborts.remove(request_id)
+            return False
         self.engine.validate(list(prompt_token_ids), params, compile_constraint=False)
         self._sinks[request_id] = sink
         add = (request_id, prompt, list(prompt_token_ids), params, kv_transfer_params, continuation)
         if params.structured_outputs is None:
             self._queue_add(add)
-            return
+            return True
         self._compiling[request_id] = add
         loop = asyncio.get_running_loop()
         future = self._grammar_thread.submit(self.engine.compile_constraint, params.structured_outputs)
         future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._compiled, add, f))
+        return True
 
     def _queue_add(self, add: tuple) -> None:
         # The step runs in a thread: engine state is touched only by the loop, between steps.
@@ -122,8 +128,9 @@ class AsyncLLMEngine:
         RequestFailedError if this request failed while it ran (the engine goes on), and
         EngineDeadError if the engine fails. Closing or cancelling the iterator aborts the request."""
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.submit(request_id, prompt_token_ids, params, queue.put_nowait, kv_transfer_params, prompt,
-                    continuation)
+        if not self.submit(request_id, prompt_token_ids, params, queue.put_nowait, kv_transfer_params, prompt,
+                           continuation):
+            return                          # aborted before it started
         finished = False
         try:
             while not finished:

@@ -14,6 +14,31 @@ from engine.async_engine import AsyncLLMEngine
 from engine.text.tokenizer import IncrementalDetokenizer
 
 
+def test_an_abort_that_overtakes_its_submit_leaves_nothing_on_the_channel(tiny_llama):
+    """A replica's abort and submit of one request are separate calls and may arrive in either
+    order. Abort first: the request never runs and its channel does not wait for it (it was left
+    counted there, and the abort storm's accounting found it); the other requests run."""
+    from cluster.replica import EngineReplica
+    from records.config import EngineConfig
+
+    async def main():
+        replica = EngineReplica(EngineConfig.create(tiny_llama, dtype="float32", max_model_len=128), "r")
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        replica.abort("x")
+        replica.submit("ingress", "x", [5, 6, 7], params)
+        replica.submit("ingress", "y", [5, 6, 7], params)
+        box = replica._outboxes["ingress"]
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if not box.request_ids:
+                break
+        assert replica.leaks() is None
+        assert [d.request_id for d in box.deltas if d.finished] == ["y"]
+        await replica.engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_async_generate_streams_and_cancel_frees_blocks(tiny_llama):
     engine = AsyncLLMEngine.from_args(tiny_llama, dtype="float32")
 
