@@ -21,7 +21,8 @@ num_computed_tokens is set back past the rejected proposals.
 Static batching (`batching="static"`, the baseline continuous batching is measured against): a batch
 is the first `max_num_seqs` waiting requests at the moment the previous batch has drained; until
 every one of them has finished, no other request is admitted (members preempted or pulling KV stay
-members). Steps still run under the token budget, so a batch's prompts may take several steps.
+members). Steps still run under the token budget, so a batch's prompts may take several steps
+(engine/core/static_batch.py).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_loads import KVLoads
+from engine.core.static_batch import form_static_batch
 from records.config import SchedulerConfig
 from records.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from records.request import Request, RequestStatus
@@ -171,7 +173,8 @@ class Scheduler:
 
         static = self.config.batching == "static"
         if static:
-            self._form_static_batch()
+            self.waiting, self.batch_ids = form_static_batch(self.waiting, self.requests, self.batch_ids,
+                                                             self.config.max_num_seqs)
         # LoRA: the adapters of the running requests; a waiting request whose adapter would be one
         # more than max_loras stays in the queue, and the ones behind it may still run (as vLLM's).
         adapters = self._running_adapters() if self.config.max_loras is not None else None
@@ -250,26 +253,6 @@ class Scheduler:
             swap_out=swap_out, swap_in=swap_in, copy_blocks=self.kv.take_pending_copies(),
             preempted_ids=preempted + restarted, finished_ids=self._take_finished_ids(),
             tier_saves=tier_saves, tier_loads=tier_loads)
-
-    def _form_static_batch(self) -> None:
-        """Static batching: once no member of the current batch is left, the first waiting requests
-        (up to max_num_seqs sequences, n > 1 children included) become the next batch; members are
-        kept at the queue's front (a priority queue may have put a newcomer before them)."""
-        if any(rid in self.requests for rid in self.batch_ids):
-            if self.waiting and self.waiting[0].request_id not in self.batch_ids:
-                members = [r for r in self.waiting if r.request_id in self.batch_ids]
-                if members:
-                    others = [r for r in self.waiting if r.request_id not in self.batch_ids]
-                    self.waiting = deque(members + others)
-            return
-        self.batch_ids = set()
-        num_seqs = 0
-        for request in self.waiting:
-            num_seqs += 1 + len(request.fork_children)
-            if num_seqs > self.config.max_num_seqs and self.batch_ids:
-                break
-            self.batch_ids.add(request.request_id)
-            self.batch_ids.update(child.request_id for child in request.fork_children)
 
     def finish_loads(self, loaded: list[str], failed: list[tuple[str, str]]) -> list[Request]:
         """Apply finished pulls (KVLoads.finish): loaded requests, and failed ones that start over,
