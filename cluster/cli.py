@@ -105,7 +105,8 @@ def control(args: argparse.Namespace) -> int:
         elif args.command == "apply":
             out = apply_spec(config, manager, args.timeout, args.route_prefix)
         else:
-            out = {**ray.get(manager.describe.remote(), timeout=60), "ingress": _ingress_replicas(args.name)}
+            out = {**ray.get(manager.describe.remote(), timeout=60), "ingress": _ingress_replicas(args.name),
+                   "ingress_observed": _ingress_observed(args.name)}
     except (ValueError, TimeoutError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as e:
         cause = getattr(e, "cause", None) or e
         print(f"pdserve: error: {cause}", file=sys.stderr)
@@ -152,12 +153,33 @@ def _ingress_replicas(app_name: str) -> dict[str, int] | None:
     return {str(state): n for d in app.deployments.values() for state, n in d.replica_states.items()}
 
 
+def _ingress_observed(app_name: str) -> dict | None:
+    """What one of the app's ingress replicas saw (routing decisions, peer pulls, its tracing);
+    None when Serve does not run the app here or it does not answer."""
+    from ray import serve  # noqa: PLC0415
+
+    try:
+        return serve.get_app_handle(app_name).observability.remote().result(timeout_s=30)
+    except Exception:  # noqa: BLE001 - no Serve app of that name (a bare manager), or it is starting
+        return None
+
+
 def format_status(out: dict) -> str:
     lines = [f"deployment {out['name']} (spec {out['fingerprint']}): {out['phase']}"
              + (f" ({out['reason']})" if out.get("reason") else "")
              + (f"; {out['updating']}" if out.get("updating") else "")]
     if out.get("ingress") is not None:
         lines.append("ingress: " + ", ".join(f"{n} {state.lower()}" for state, n in out["ingress"].items()))
+    tracing = out.get("tracing") or {}
+    lines.append(f"tracing: {tracing.get('otlp_traces_endpoint') or 'off'}; request log: "
+                 f"{'on' if tracing.get('log_requests') else 'off'}")
+    seen = out.get("ingress_observed")
+    if seen:
+        for pool, reasons in sorted(seen["routing_decisions"].items()):
+            lines.append(f"routing ({pool}): " + ", ".join(f"{r} {n}" for r, n in sorted(reasons.items())))
+        pulls = seen["peer_prefix_pulls"]
+        if pulls:
+            lines.append("peer prefix pulls: " + ", ".join(f"{o} {n}" for o, n in sorted(pulls.items())))
     for pool, st in out["pools"].items():
         lo, hi = st["bounds"]
         lines.append(f"{pool}: {len(st['replicas'])}/{st['target']} serving (bounds {lo}..{hi}; "
@@ -166,11 +188,22 @@ def format_status(out: dict) -> str:
             usage = f"KV {r['kv_usage']:.0%}" if r["kv_usage"] is not None else "KV -"
             lines.append(f"  {r['id']:<12} {r['state']:<9} {r['layout']:<9} node {(r['node'] or '-')[:12]:<12} "
                          f"{usage:<8} running {_dash(r['running'])} waiting {_dash(r['waiting'])}")
+            latency = r.get("latency") or {}
+            if latency.get("ttft_s", {}).get("count"):
+                lines.append("    " + "; ".join(
+                    f"{name[:-2].upper()} p50/p90/p99 " + "/".join(_ms(v[p]) for p in ("p50", "p90", "p99"))
+                    for name, v in latency.items() if v["count"]))
+            for medium, (held, slots) in (r.get("kv_tier") or {}).items():
+                lines.append(f"    KV tier {medium}: {held}/{slots} blocks")
         last = (st.get("planner") or {}).get("last")
         if last is not None:
             lines.append(f"  planner: {last['action']} ({last['reason']}); "
                          f"changes {st['planner']['decisions']}")
     return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}ms"
 
 
 def _dash(value: Any) -> str:

@@ -213,7 +213,9 @@ class ClusterConfig(StrictSpec):
         spec_args = {"speculative_config": spec.speculative_config} if spec.speculative_config else {}
         lora_args = self.lora.engine_args() if self.lora is not None else {}
         tier_args = spec.kv_offloading.engine_args(self.engine) if spec.kv_offloading is not None else {}
-        return replace(self.engine, **kv_args, **parallel, **spec_args, **lora_args, **tier_args)
+        endpoint = self.serving.otlp_traces_endpoint
+        trace_args = {"otlp_traces_endpoint": endpoint} if endpoint else {}
+        return replace(self.engine, **kv_args, **parallel, **spec_args, **lora_args, **tier_args, **trace_args)
 
     def engine_config(self, pool: str = "decode") -> EngineConfig:
         """The engine config of one pool's replicas (`engine_args`), resolved against the model's

@@ -143,6 +143,12 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         serving["reasoning_parser"] = args.reasoning_parser
     if args.structured_outputs_in_reasoning:
         serving["structured_outputs_in_reasoning"] = True
+    if args.otlp_traces_endpoint is not None:
+        serving["otlp_traces_endpoint"] = args.otlp_traces_endpoint
+    if args.enable_log_requests:
+        serving["log_requests"] = True
+    if args.log_request_prompts:
+        serving.update(log_requests=True, log_request_prompts=True)
     data["serving"] = serving
     if args.enable_lora or args.lora_modules or args.max_loras is not None or args.max_lora_rank is not None:
         lora = dict(data.get("lora") or {})
@@ -268,6 +274,14 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a local Ray")
     ap.add_argument("--served-model-name", default=None, help="the model's name in the API (serving.served_model_name)")
     ap.add_argument("--api-key", default=None, help="requests need `Authorization: Bearer <key>` (serving.api_key)")
+    ap.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                    help="export a span per hop of each request over OTLP to this collector, e.g. "
+                         "http://127.0.0.1:4317 (serving.otlp_traces_endpoint; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL "
+                         "grpc or http/protobuf)")
+    ap.add_argument("--enable-log-requests", action="store_true",
+                    help="a JSON log line per request as it ends, without its text (serving.log_requests)")
+    ap.add_argument("--log-request-prompts", action="store_true",
+                    help="put the prompts' text in those lines too (serving.log_request_prompts)")
     engine = ap.add_argument_group("engine (vLLM's names; override the spec's engine section)")
     for field, (kind, text) in ENGINE_FLAGS.items():
         flag = "--" + field.replace("_", "-")

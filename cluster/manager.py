@@ -277,8 +277,11 @@ class ClusterManager:
 
     def describe(self) -> dict[str, Any]:
         """`pdserve status`: the spec's name and fingerprint, the phase, an update under way, the pools."""
+        serving = self.config.serving
         return {"name": self.config.name, "fingerprint": self.fingerprint, "phase": self.phase,
-                "reason": self.reason, "updating": self.updating, "pools": self.pool_status()}
+                "reason": self.reason, "updating": self.updating, "mode": self.config.mode,
+                "tracing": {"otlp_traces_endpoint": serving.otlp_traces_endpoint, "log_requests": serving.log_requests},
+                "pools": self.pool_status()}
 
     async def scale(self, pool: str, replicas: int, drain_timeout_s: float = 60.0) -> dict[str, Any]:
         """Resize a pool by hand (`pdserve scale`): replicas join when loaded; those removed are

@@ -33,6 +33,7 @@ from cluster.placement import REPLICA_ACTOR_CPUS, fmt_resources, replica_bundles
 from cluster.replica import EngineReplica
 from records.config import EngineConfig
 from records.errors import PlacementError
+from records.histogram import LATENCY_BUCKETS_S, VLLM_REQUEST_LATENCY_BUCKETS, quantile
 
 logger = logging.getLogger(__name__)
 
@@ -326,7 +327,8 @@ class EnginePool:
                 rows.append({"id": replica_id, "state": state if placed or state != "starting" else "pending",
                              "node": self.nodes.get(replica_id), "layout": layout,
                              "kv_usage": st.get("kv_cache_usage_perc"), "running": st.get("num_requests_running"),
-                             "waiting": st.get("num_requests_waiting")})
+                             "waiting": st.get("num_requests_waiting"), "latency": replica_latency(st),
+                             "kv_tier": replica_tier(st)})
         return rows
 
     def _spawn_task(self, coro: Any) -> None:
@@ -371,3 +373,37 @@ def _kill(handle: Any) -> None:
         ray.kill(handle, no_restart=True)
     except Exception:  # noqa: BLE001 - already gone
         pass
+
+
+PERCENTILES = (0.5, 0.9, 0.99)
+
+
+def replica_latency(stats: dict[str, Any]) -> dict[str, dict[str, float | None]] | None:
+    """A replica's time to first token, inter-token latency and queue time since it started, at
+    the 50th, 90th and 99th percentiles (seconds, read off its histograms: records/histogram.py),
+    and how many it counted; None before its first stats."""
+    if "ttft_histogram" not in stats:
+        return None
+    queue = stats.get("histograms", {}).get("request_queue_time_seconds")
+    series = {"ttft_s": (stats["ttft_histogram"], LATENCY_BUCKETS_S),
+              "itl_s": (stats["itl_histogram"], LATENCY_BUCKETS_S)}
+    if queue is not None:
+        series["queue_s"] = (queue[0], VLLM_REQUEST_LATENCY_BUCKETS)
+    out: dict[str, dict[str, float | None]] = {}
+    for name, (counts, buckets) in series.items():
+        out[name] = {f"p{round(q * 100)}": _round(quantile(counts, q, buckets)) for q in PERCENTILES}
+        out[name]["count"] = sum(counts)
+    return out
+
+
+def replica_tier(stats: dict[str, Any]) -> dict[str, list[int]] | None:
+    """The offload tier's blocks held and slots per medium ({"host": [held, slots], ...}), None
+    without a tier."""
+    if "kv_tier_host_slots" not in stats:
+        return None
+    return {medium: [stats[f"kv_tier_{medium}_blocks"], stats[f"kv_tier_{medium}_slots"]]
+            for medium in ("host", "disk") if stats.get(f"kv_tier_{medium}_slots")}
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)

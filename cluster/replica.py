@@ -91,6 +91,10 @@ class EngineReplica:
         """Load the model and size the KV cache (once); returns `info()`."""
         if self.engine is None:
             self.engine = AsyncLLMEngine(self.config)
+            # On each of its requests' spans (engine/telemetry.py): which replica, pool and node.
+            self.engine.engine.telemetry.attributes.update({
+                "pdserve.replica": self.replica_id, "pdserve.pool": self.replica_id.rpartition("-")[0],
+                "pdserve.node": _node_id() or ""})
         return self.info()
 
     def info(self) -> dict[str, Any]:
@@ -124,10 +128,12 @@ class EngineReplica:
             self._outboxes.pop(ingress_id, None)
 
     def submit(self, ingress_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               kv_transfer_params: dict | None = None, continuation: Continuation | None = None) -> None:
+               kv_transfer_params: dict | None = None, continuation: Continuation | None = None,
+               trace_context: dict[str, str] | None = None) -> None:
         """Start a request whose deltas go to `ingress_id`'s channel (`continuation`: a stream
-        migrated from a lost replica, resumed after the tokens it sent). Raises ValueError for bad
-        input and EngineDeadError for a dead engine (nothing runs then)."""
+        migrated from a lost replica, resumed after the tokens it sent; `trace_context`: the W3C
+        carrier its spans go under). Raises ValueError for bad input and EngineDeadError for a dead
+        engine (nothing runs then)."""
         box = self._outboxes.setdefault(ingress_id, _Outbox())     # the channel may open just after
 
         def sink(item: RequestOutput | BaseException) -> None:
@@ -139,7 +145,7 @@ class EngineReplica:
         box.request_ids.add(request_id)
         try:
             queued = self.engine.submit(request_id, prompt_token_ids, _deltas(params), sink, kv_transfer_params,
-                                        continuation=continuation)
+                                        continuation=continuation, trace_context=trace_context)
         except BaseException:
             box.request_ids.discard(request_id)
             raise

@@ -11,10 +11,12 @@ step k's outputs to their sinks while it runs (the sinks only read the outputs, 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import engine.tracing as tracing
 from engine.llm_engine import LLMEngine
 from records.config import EngineConfig
 from records.errors import EngineDeadError, RequestFailedError
@@ -70,12 +72,13 @@ class AsyncLLMEngine:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,
                kv_transfer_params: dict | None = None, prompt: str | None = None,
-               continuation: Continuation | None = None) -> bool:
+               continuation: Continuation | None = None, trace_context: dict[str, str] | None = None) -> bool:
         """Queue a request whose outputs go to `sink` (see Sink); `continuation`: it resumes after
-        tokens another replica generated (LLMEngine.add_request). Raises ValueError for bad input and
-        EngineDeadError if the engine is dead (nothing is queued then); a request that fails later
-        reaches its sink as an output with a failed choice (`request_error`) or as an exception
-        (an output constraint that cannot compile: its ValueError, since it compiles off the loop).
+        tokens another replica generated; `trace_context`: its trace's W3C carrier
+        (LLMEngine.add_request). Raises ValueError for bad input and EngineDeadError if the engine
+        is dead (nothing is queued then); a request that fails later reaches its sink as an output
+        with a failed choice (`request_error`) or as an exception (an output constraint that cannot
+        compile: its ValueError, since it compiles off the loop).
         Returns False, queueing nothing, when an abort of this request id came first and is still
         pending (a caller's abort can overtake its submit: they travel as separate calls)."""
         if self._dead is not None:
@@ -88,7 +91,9 @@ class AsyncLLMEngine:
             return False
         self.engine.validate(list(prompt_token_ids), params, compile_constraint=False)
         self._sinks[request_id] = sink
-        add = (request_id, prompt, list(prompt_token_ids), params, kv_transfer_params, continuation)
+        # It arrives now: the wait for the loop to take it in is part of its queue time.
+        add = (request_id, prompt, list(prompt_token_ids), params, kv_transfer_params, continuation, trace_context,
+               time.monotonic())
         if params.structured_outputs is None:
             self._queue_add(add)
             return True
@@ -188,10 +193,9 @@ class AsyncLLMEngine:
             while True:
                 if self._pending_adds:
                     adds, self._pending_adds = self._pending_adds, []
-                    for rid, prompt, ids, params, kv_params, continuation in adds:
+                    for rid, prompt, ids, params, kv_params, continuation, trace, arrival in adds:
                         try:
-                            self.engine.add_request(rid, prompt, ids, params, kv_transfer_params=kv_params,
-                                                    continuation=continuation)
+                            self.engine.add_request(rid, prompt, ids, params, arrival, kv_params, continuation, trace)
                         except Exception as e:  # noqa: BLE001 - e.g. a layout mismatch: this request only
                             sink = self._sinks.pop(rid, None)
                             if sink is not None:
@@ -277,3 +281,4 @@ class AsyncLLMEngine:
                 pass
         self._grammar_thread.shutdown(wait=False)
         self.engine.executor.shutdown()
+        tracing.flush()

@@ -14,12 +14,14 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
+import engine.tracing as tracing
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.executor.executor import make_executor
 from engine.output_processor import OutputProcessor
 from engine.sample.structured_output import compiler_for
 from engine.spec_decode import SpecDecodeStats, make_proposer, max_proposals
+from engine.telemetry import RequestTelemetry, kv_block_bytes
 from engine.text.tokenizer import eos_token_ids, load_tokenizer
 from kv_transfer.base import KVConnectorScheduler
 from records.config import EngineConfig
@@ -39,6 +41,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model_config
+        tracing.configure(config.otlp_traces_endpoint)
         self.tokenizer = load_tokenizer(mc.model, mc.gguf_file)
         self._adapters: set[tuple] = set()        # adapters read_adapter accepted (their cache keys)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc.hf_config, mc.model)
@@ -64,6 +67,7 @@ class LLMEngine:
         self.last_step_idle = False         # the last step scheduled nothing (only transfers pending)
         self.num_failed_steps = 0           # steps in a row that raised (ModelRunnerOutput.step_error)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish_requests)
+        self.telemetry = self.output.telemetry = RequestTelemetry(mc.max_model_len, kv_block_bytes(config))
         self.num_prompt_tokens = 0
         self.num_prefix_leases = 0          # prefixes leased to peer replicas (lease_prefix)
 
@@ -71,14 +75,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                     params: SamplingParams, arrival_time: float | None = None,
                     kv_transfer_params: dict[str, Any] | None = None,
-                    continuation: Continuation | None = None) -> None:
+                    continuation: Continuation | None = None, trace_context: dict[str, str] | None = None) -> None:
         """Validate and queue a request. Raises ValueError for bad input; nothing is queued then.
 
         `kv_transfer_params`: `{"do_remote_decode": True}` prefills here (max_tokens forced to 1)
         and leases the blocks for a decode engine (the output carries the parameters to pass it);
         the parameters a prefill engine returned pull the prompt's KV from it instead of computing.
         `continuation`: the request resumes after tokens another replica generated (records/request.py);
-        its outputs carry only what comes after them."""
+        its outputs carry only what comes after them. `trace_context`: a W3C trace-context carrier
+        (`traceparent`); when this process traces, the request's spans go under it (engine/telemetry.py)."""
         if request_id in self.output.states or (self.kv_connector is not None
                                          and request_id in self.kv_connector.leases):
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -104,7 +109,7 @@ class LLMEngine:
         if kv_transfer_params:
             self._attach_transfer(leader, kv_transfer_params)
         children = [leader, *leader.fork_children]
-        self.output.add(request_id, prompt, prompt_token_ids, params, children, arrival, continuation)
+        self.output.add(request_id, prompt, prompt_token_ids, params, children, arrival, continuation, trace_context)
         self.scheduler.add_request(leader)
         self.num_prompt_tokens += len(prompt_token_ids)
 
@@ -230,6 +235,7 @@ class LLMEngine:
 
     def _apply(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
         """The step's sampled tokens into the requests: outputs for those that advanced."""
+        self.telemetry.step(sched.num_batched_tokens)
         if runner_out.spec_sampled:          # only speculative steps pay for the count
             for scheduled in sched.scheduled:
                 emitted = runner_out.spec_sampled.get(scheduled.request_id)
@@ -349,6 +355,7 @@ class LLMEngine:
             "kv_cache_usage_perc": kv.usage,
             "ttft_histogram": list(self.output.ttft.counts),     # records/histogram.py's buckets
             "itl_histogram": list(self.output.itl.counts),
+            "histograms": self.telemetry.reading(),             # records/histogram.py: engine_histograms
             "num_kv_blocks": kv.block_pool.num_blocks,
             "num_free_kv_blocks": kv.num_free_blocks,
             "prefix_cache_queries": kv.prefix_cache_queries,

@@ -78,6 +78,8 @@ class RequestState:
     metrics: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     kv_transfer_params: dict[str, Any] | None = None    # set when its blocks are leased
+    trace_context: dict[str, str] | None = None          # W3C carrier: its spans' parent (engine/tracing.py)
+    detokenize_s: float | None = None                    # time spent detokenizing (traced requests only)
 
     @property
     def finished(self) -> bool:
@@ -102,11 +104,15 @@ class OutputProcessor:
         # manager's planner through the engine's stats (records/histogram.py).
         self.ttft = LatencyHistogram()
         self.itl = LatencyHistogram()
+        # engine/telemetry.py's RequestTelemetry, told of every request that ends (set by the engine)
+        self.telemetry: Any = None
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            children: list[Request], arrival: float, continuation: Continuation | None = None) -> None:
+            children: list[Request], arrival: float, continuation: Continuation | None = None,
+            trace_context: dict[str, str] | None = None) -> None:
         state = RequestState(request_id, prompt, prompt_token_ids, params,
-                             [ChoiceState(r, self._detokenizer(r)) for r in children], arrival)
+                             [ChoiceState(r, self._detokenizer(r)) for r in children], arrival,
+                             trace_context=trace_context, detokenize_s=None if trace_context is None else 0.0)
         if continuation is not None:
             self._resume(state.children[0], continuation)
         self.states[request_id] = state
@@ -142,7 +148,12 @@ class OutputProcessor:
                 self.itl.observe(now - state.last_token_time)
             state.last_token_time = now
             try:
-                self.num_generation_tokens += self.process_tokens(state.children[i])
+                if state.detokenize_s is None:
+                    self.num_generation_tokens += self.process_tokens(state.children[i])
+                else:
+                    began = time.perf_counter()
+                    self.num_generation_tokens += self.process_tokens(state.children[i])
+                    state.detokenize_s += time.perf_counter() - began
             except Exception as e:  # noqa: BLE001 - e.g. its detokenization: this request only
                 self.fail(state, f"processing its output failed: {e!r}")
             touched[state.request_id] = state
@@ -288,6 +299,8 @@ class OutputProcessor:
         return out
 
     def forget(self, state: RequestState) -> None:
+        if self.telemetry is not None and self.states.get(state.request_id) is state:
+            self.telemetry.finished(state, time.monotonic())
         self.states.pop(state.request_id, None)
         for child in state.children:
             self.child_to_state.pop(child.request.request_id, None)

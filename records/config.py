@@ -206,6 +206,7 @@ class EngineConfig:
     kv_transfer_config: KVTransferConfig | None = None
     speculative_config: SpeculativeConfig | None = None
     lora_config: LoRAConfig | None = None
+    otlp_traces_endpoint: str | None = None     # engine/tracing.py: None traces nothing
 
     @property
     def kv_dtype(self) -> str:
@@ -319,7 +320,7 @@ class EngineConfig:
                                            pipeline_micro_batches, max_concurrent_batches, layer_partition),
             kv_transfer_config=kv_transfer_config,
             speculative_config=spec_config,
-            lora_config=args.lora_config(),
+            lora_config=args.lora_config(), otlp_traces_endpoint=args.otlp_traces_endpoint,
         )
 
 

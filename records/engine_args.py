@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlparse
 
 from records.dtypes import KV_CACHE_DTYPES, resolve_dtype
 from records.lora import LoRAConfig
@@ -78,6 +79,8 @@ class EngineArgs:
     worker_resources: dict[str, float] | None = None
     speculative_config: dict[str, Any] | None = None  # see SpeculativeConfig.create
     pipeline_micro_batches: int | None = None        # None: 1 with concurrent batches, else PP
+    # vLLM's: export each request's spans over OTLP to this collector (engine/tracing.py)
+    otlp_traces_endpoint: str | None = None
     max_concurrent_batches: int | None = None        # None: pipeline_parallel_size (1 with a kv_connector)
     enforce_eager: bool = False                      # no CUDA graphs
     cuda_graph_sizes: list[int] = field(default_factory=lambda: [1, 2, 4] + list(range(8, 257, 8)))
@@ -112,6 +115,7 @@ class EngineArgs:
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0; got {self.swap_space_bytes}")
         self._check_offloading()
+        self._check_tracing()
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         if tp < 1 or pp < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
@@ -155,6 +159,10 @@ class EngineArgs:
         if self.enable_lora:
             self.lora_config()           # ValueError naming the field
 
+    def _check_tracing(self) -> None:
+        if self.otlp_traces_endpoint is not None:
+            check_otlp_endpoint(self.otlp_traces_endpoint)
+
     def _check_offloading(self) -> None:
         size, backend = self.kv_offloading_size, self.kv_offloading_backend
         disk_path, disk_size = self.kv_offloading_disk_path, self.kv_offloading_disk_size
@@ -182,3 +190,19 @@ class EngineArgs:
         if not self.enable_lora:
             return None
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+
+
+def check_otlp_endpoint(endpoint: str) -> str:
+    """An OTLP collector's address as vLLM's --otlp-traces-endpoint takes it (`host:port` or an
+    http(s) URL); ValueError naming the field otherwise."""
+    if not isinstance(endpoint, str) or not endpoint.strip() or any(c.isspace() for c in endpoint):
+        raise ValueError(f"otlp_traces_endpoint must be an OTLP collector's address such as "
+                         f"http://127.0.0.1:4317 or 127.0.0.1:4317; got {endpoint!r}")
+    url = urlparse(endpoint if "://" in endpoint else f"//{endpoint}")
+    try:
+        url.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        url = None
+    if url is None or url.scheme not in ("", "http", "https") or not url.hostname:
+        raise ValueError(f"otlp_traces_endpoint must be host:port or an http(s) URL; got {endpoint!r}")
+    return endpoint

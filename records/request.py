@@ -96,6 +96,15 @@ class Request:
         # Speculative decoding: tokens proposed to follow all_token_ids, verified (and consumed) by
         # the next step that schedules this request; never part of all_token_ids or its hashes.
         self.spec_token_ids: list[int] = []
+        # Its timeline beyond arrival, for the engine's per-request histograms and trace spans
+        # (engine/telemetry.py): first scheduled (its queue time ends there), and its KV pull from a
+        # prefill replica or a peer (start, end; the blocks; why it failed).
+        self.scheduled_time: float | None = None
+        self.pull_start: float | None = None
+        self.pull_end: float | None = None
+        self.pull_blocks = 0
+        self.pull_tokens = 0
+        self.pull_error: str | None = None
 
         self.block_size = block_size
         self.extra_keys = sampling_params.cache_keys

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from records.config import EngineConfig
-from records.engine_args import KV_CONNECTORS, KV_LOAD_FAILURE_POLICIES, EngineArgs
+from records.engine_args import KV_CONNECTORS, KV_LOAD_FAILURE_POLICIES, EngineArgs, check_otlp_endpoint
 from records.lora import LoRAConfig, read_adapter
 
 POLICIES = ("prefix_aware", "round_robin", "least_load")
@@ -145,10 +145,24 @@ class ServingSpec(StrictSpec):
     # The prefix of /metrics' names: "vllm" exports them as vLLM names them (vllm:num_requests_waiting,
     # vllm:kv_cache_usage_perc, ...), for dashboards, autoscalers and gateways built for vLLM.
     metrics_prefix: Literal["pdserve", "vllm"] = "pdserve"
+    # vLLM's --otlp-traces-endpoint: every process (ingress and engine replicas) exports a span per
+    # hop of each request over OTLP to this collector (engine/tracing.py; the protocol and the rest
+    # from the standard OTEL_EXPORTER_OTLP_* variables); None traces nothing.
+    otlp_traces_endpoint: str | None = None
+    # One structured log line (JSON, logger `pdserve.requests`) per request as it ends: id, model and
+    # adapter, tokens, cached tokens, TTFT, end-to-end time, replicas, P/D or colocated, finish
+    # reason. Never the prompt's text, unless `log_request_prompts`.
+    log_requests: bool = False
+    log_request_prompts: bool = False
     # vLLM's --chat-template: a Jinja chat template, or the path of a file holding one, used in place
     # of the tokenizer's (a base model has none). A path is read when the spec is built, so the
     # ingress replicas get the text wherever they run.
     chat_template: str | None = None
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _otlp_endpoint(cls, value: str | None) -> str | None:
+        return value if value is None else check_otlp_endpoint(value)
 
     @field_validator("chat_template")
     @classmethod

@@ -12,6 +12,7 @@ finish, so the request's status changes stay in one place.
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from engine.core.kv_cache_manager import KVCacheManager
@@ -47,6 +48,9 @@ class KVLoads:
         request.num_cached_tokens = request.num_computed_tokens = num_hit
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.loading[request.request_id] = (request, num_external)
+        request.pull_start = request.scheduled_time = time.monotonic()
+        request.pull_blocks = -(-num_external // self.kv.block_size)
+        request.pull_tokens = num_external
         self.connector.plan_load(request, self.kv.block_ids(request.request_id), num_hit, num_external)
         return True
 
@@ -92,8 +96,10 @@ class KVLoads:
             # A peer's cached prefix (lease_prefix) is an optimization: losing it always recomputes.
             peer = request.remote_prefill is not None and request.remote_prefill.request_id.startswith(PEER_PREFIX)
             request.remote_prefill = None
+            request.pull_end = time.monotonic()
             if reason is not None:
                 self.connector.num_load_failures += 1
+                request.pull_error = reason
             if reason is None:
                 request.num_computed_tokens += num_external
                 self.kv.cache_full_blocks(request, request.num_computed_tokens)

@@ -26,6 +26,7 @@ members). Steps still run under the token budget, so a batch's prompts may take 
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -277,6 +278,8 @@ class Scheduler:
     def _admit(self, request: Request) -> None:
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
+        if request.scheduled_time is None:
+            request.scheduled_time = time.monotonic()
         self.running.append(request)
 
     def _pick_victim(self, current: int) -> Request:

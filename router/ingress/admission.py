@@ -11,21 +11,28 @@ streaming body that never started) releases itself when it is garbage collected.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.routing.request_trace import RequestTrace
 
 
 class Ticket:
     """`count` admitted requests; `release()` gives them back once, however often it is called."""
 
-    __slots__ = ("_admission", "count")
+    __slots__ = ("_admission", "count", "trace")
 
     def __init__(self, admission: Admission, count: int) -> None:
         self._admission: Admission | None = admission
         self.count = count
+        self.trace: RequestTrace | None = None     # held until released (router/routing/request_trace.py)
 
     def release(self) -> None:
         admission, self._admission = self._admission, None
         if admission is not None:
             admission._release(self.count)
+            if self.trace is not None:
+                self.trace.release()
 
     @property
     def released(self) -> bool:

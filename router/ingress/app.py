@@ -114,15 +114,18 @@ def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
 
         @fastapi_app.post("/v1/completions")
         async def completions(self, request: Request) -> Response:
-            return await self.api.completions(await self.api.read_json(request))
+            with self.server.observe(request.headers, "/v1/completions"):
+                return await self.api.completions(await self.api.read_json(request))
 
         @fastapi_app.post("/v1/chat/completions")
         async def chat(self, request: Request) -> Response:
-            return await self.api.chat(await self.api.read_json(request))
+            with self.server.observe(request.headers, "/v1/chat/completions"):
+                return await self.api.chat(await self.api.read_json(request))
 
         @fastapi_app.post("/v1/responses")
         async def responses(self, request: Request) -> Response:
-            return await self.responses_api.create(await self.api.read_json(request))
+            with self.server.observe(request.headers, "/v1/responses"):
+                return await self.responses_api.create(await self.api.read_json(request))
 
         @fastapi_app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(self, request: Request) -> Response:
@@ -163,6 +166,10 @@ def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
             return PlainTextResponse(await self.server.render_metrics(),
                                      media_type="text/plain; version=0.0.4")
 
+        def observability(self) -> dict:
+            """`pdserve status`: what this ingress replica saw (Frontend.observability)."""
+            return self.server.observability()
+
         @fastapi_app.get("/admin/status", include_in_schema=False)        # not OpenAI's API
         async def admin_status(self) -> Response:
             return JSONResponse(await self.server.admin_status())
@@ -178,8 +185,9 @@ def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
         # --- gRPC (Serve's gRPC proxy calls the methods named like the RPCs) ---------------------
         async def Generate(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:  # noqa: N802
             async with grpc_call(self.server, grpc_context) as metadata:
-                async for message in self.grpc.generate(request, metadata):
-                    yield message
+                with self.server.observe(dict(metadata), "pdserve.Generation/Generate"):
+                    async for message in self.grpc.generate(request, metadata):
+                        yield message
 
         async def Tokenize(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
             async with grpc_call(self.server, grpc_context) as metadata:

@@ -12,15 +12,18 @@ attributes to its own status.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
 import re
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 from ray.exceptions import TaskCancelledError
 
+import engine.tracing as tracing
 from records.errors import (
     AuthenticationError,
     ClientClosedError,
@@ -40,6 +43,7 @@ from router.routing.metrics import ServingMetrics
 from router.routing.pd import PDRouter
 from router.routing.policy import RoutingPolicy
 from router.routing.pool_router import RequestRouter
+from router.routing.request_trace import CURRENT, RequestTrace, log_requests_to_stderr
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +74,12 @@ class Frontend:
         and followed for the pools' membership (`follow_membership`). Without replicas the server
         is starting: `attach()` gives it the pools once they are up."""
         self.config = config
+        tracing.configure(config.serving.otlp_traces_endpoint, "ingress")
+        if config.serving.log_requests:
+            log_requests_to_stderr()
         self.preparer = RequestPreparer(config)
         info = self.preparer.info
-        self.metrics = ServingMetrics()
+        self.metrics = ServingMetrics(info.max_model_len)
         # One policy per pool: a shared one would share round-robin's counter, and with the decode
         # pool routed first on every request, the prefill pick would see every other count only.
         def policy() -> RoutingPolicy:
@@ -134,11 +141,43 @@ class Frontend:
             raise ServiceUnavailableError(f"the server is not ready ({self.not_ready})")
         if not self.router.replicas:
             raise NoReplicaError("no engine replica is available")
+        trace = CURRENT.get()
+        began = time.monotonic()
+        if trace is not None:
+            trace.child("pdserve.prepare", trace.start, began)
         ticket = self.admission.admit(count)
+        if trace is not None:
+            trace.child("pdserve.admission", began, attributes={"pdserve.in_flight": self.in_flight,
+                                                                 "pdserve.admitted": ticket is not None})
         if ticket is None:
             raise RateLimitError(f"{self.in_flight} requests in flight; the limit is "
                                  f"{self.config.serving.max_in_flight}: retry later")
+        if trace is not None:
+            ticket.trace = trace
+            trace.hold()
         return ticket
+
+    @contextlib.contextmanager
+    def observe(self, headers: Mapping[str, str], route: str) -> Iterator[RequestTrace | None]:
+        """Around one API call: its RequestTrace (router/routing/request_trace.py) when tracing is
+        on or requests are logged, else None. `headers`: the HTTP headers or gRPC metadata (the
+        client's `traceparent`)."""
+        serving = self.config.serving
+        if not tracing.enabled() and not serving.log_requests:
+            yield None
+            return
+        tokenizer = self.preparer.tokenizer
+        describe = tokenizer.decode if serving.log_request_prompts and tokenizer is not None else None
+        trace = RequestTrace(route, tracing.carrier_from(headers), serving.log_requests, describe)
+        token = CURRENT.set(trace)
+        try:
+            yield trace
+        except BaseException as e:
+            trace.failed(request_error(e) if isinstance(e, Exception) else e)
+            raise
+        finally:
+            CURRENT.reset(token)
+            trace.release()
 
     # --- generation --------------------------------------------------------------------------------
     async def run(self, prompts: list[list[int]], params: SamplingParams, request_id: str, ticket: Ticket
@@ -146,10 +185,15 @@ class Frontend:
         """Stream (prompt index, StepDelta) over all prompts of one HTTP request; releases `ticket`
         when it ends, however it ends."""
         queue: asyncio.Queue = asyncio.Queue()
+        trace = ticket.trace
+        if trace is not None:
+            trace.started(request_id, prompts, self.preparer.model_name, params.adapter_name or None)
 
         async def pump(i: int, ids: list[int]) -> None:
             try:
-                async for delta in self.router.generate(f"{request_id}-{i}", ids, params):
+                async for delta in self.router.generate(f"{request_id}-{i}", ids, params, trace=trace):
+                    if trace is not None:
+                        trace.delta(delta)
                     queue.put_nowait((i, delta))
             except Exception as e:  # noqa: BLE001 - surfaced to the consumer below
                 queue.put_nowait((i, e))
@@ -165,7 +209,10 @@ class Frontend:
                     remaining -= 1
                     continue
                 if isinstance(item, BaseException):
-                    raise request_error(item) from None
+                    error = request_error(item)
+                    if trace is not None:
+                        trace.failed(error)
+                    raise error from None
                 yield i, item
         finally:
             # Nothing here may come after an await: a cancelled request is cancelled again at each.
@@ -200,8 +247,20 @@ class Frontend:
 
     # --- the admin API (behind the API key, as every path but /health) ----------------------------
     async def admin_status(self) -> dict[str, Any]:
-        """What `pdserve status --json` prints: the spec's fingerprint, the pools, every replica."""
-        return await self._manager().describe.remote()
+        """What `pdserve status --json` prints: the spec's fingerprint, the pools, every replica,
+        and this ingress replica's `observability()`."""
+        return {**await self._manager().describe.remote(), "ingress_observed": self.observability()}
+
+    def observability(self) -> dict[str, Any]:
+        """What this ingress replica saw: routing decisions by pool and reason, peer prefix pulls by
+        outcome, requests in flight, and where its spans go (since it started)."""
+        decisions: dict[str, dict[str, int]] = {}
+        for key, value in self.metrics.decisions.values.items():
+            labels = dict(key)
+            decisions.setdefault(labels.get("pool", ""), {})[labels.get("reason", "")] = int(value)
+        pulls = {dict(k).get("outcome", ""): int(v) for k, v in self.metrics.peer_pulls.values.items()}
+        return {"routing_decisions": decisions, "peer_prefix_pulls": pulls, "requests_in_flight": self.in_flight,
+                "otlp_traces_endpoint": tracing.endpoint(), "log_requests": self.config.serving.log_requests}
 
     async def admin_scale(self, body: dict[str, Any]) -> dict[str, Any]:
         """Resize a pool as `pdserve scale` does: {"pool", "replicas", "drain_timeout_s" (60)}."""

@@ -38,19 +38,20 @@ class ReplicaChannel:
         self._receiver: asyncio.Task | None = None
 
     async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     kv_transfer_params: dict | None = None, continuation: Continuation | None = None
-                     ) -> AsyncIterator[StepDelta]:
+                     kv_transfer_params: dict | None = None, continuation: Continuation | None = None,
+                     trace_context: dict[str, str] | None = None) -> AsyncIterator[StepDelta]:
         """Run one request on the replica and stream its StepDeltas (`continuation`: resumed after
-        tokens a lost replica sent, EngineReplica.submit). Raises what the replica raised
-        on submit (ValueError for bad input), the error a delta carries (RequestFailedError,
-        EngineDeadError, ...), or the Ray error of a dead replica. Stopping early aborts it."""
+        tokens a lost replica sent; `trace_context`: the W3C carrier of its trace; EngineReplica.submit).
+        Raises what the replica raised on submit (ValueError for bad input), the error a delta
+        carries (RequestFailedError, EngineDeadError, ...), or the Ray error of a dead replica.
+        Stopping early aborts it."""
         self._open()
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         finished = False
         try:
             await self.handle.submit.remote(self.ingress_id, request_id, prompt_token_ids, params,
-                                            kv_transfer_params, continuation)
+                                            kv_transfer_params, continuation, trace_context)
             while not finished:
                 delta = await queue.get()
                 if isinstance(delta, BaseException):

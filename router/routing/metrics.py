@@ -9,6 +9,14 @@ import bisect
 import math
 from collections.abc import Sequence
 
+from records.histogram import (
+    VLLM_ITL_BUCKETS,
+    VLLM_REQUEST_LATENCY_BUCKETS,
+    VLLM_TTFT_BUCKETS,
+    buckets_1_2_5,
+    engine_histograms,
+)
+
 LabelKey = tuple[tuple[str, str], ...]
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -177,14 +185,39 @@ class ServingMetrics:
                             "Seconds engine steps spent copying blocks to and from the tier."),
     }
 
-    def __init__(self) -> None:
+    # engine stats "histograms" key -> help (records/histogram.py: engine_histograms gives the buckets)
+    ENGINE_HISTOGRAMS = {
+        "request_queue_time_seconds": "Time requests waited in the engine's queue (arrival to first scheduled).",
+        "request_prefill_time_seconds": "Time from first scheduled to the first token (a KV pull included).",
+        "request_decode_time_seconds": "Time from the first token to the last.",
+        "request_inference_time_seconds": "Time from first scheduled to the last token.",
+        "request_time_per_output_token_seconds": "Mean time per output token of each request, after the first.",
+        "request_prompt_tokens": "Prompt tokens per request.",
+        "request_generation_tokens": "Generated tokens per request (all n choices).",
+        "request_params_n": "The n parameter of requests.",
+        "request_params_max_tokens": "The max_tokens parameter of requests (resolved).",
+        "iteration_tokens_total": "Tokens scheduled per engine step.",
+        "kv_pull_seconds": "Time a KV pull from a prefill replica or a peer took (counted by the puller).",
+        "kv_pull_bytes": "Bytes a KV pull moved (counted by the puller).",
+    }
+
+    def __init__(self, max_model_len: int = 2048) -> None:
         r = self.registry = Registry()
         self.engine: dict[str, Counter] = {}
         for key, (name, kind, doc) in self.ENGINE_SERIES.items():
             self.engine[key] = r.counter(name, doc) if kind == "counter" else r.gauge(name, doc)
-        self.ttft = r.histogram("pdserve:time_to_first_token_seconds", "Time to first token.")
-        self.itl = r.histogram("pdserve:inter_token_latency_seconds", "Time between streamed tokens.")
-        self.e2e = r.histogram("pdserve:e2e_request_latency_seconds", "End-to-end request latency.")
+        # Per replica, from the engines' stats (cumulative readings, set at each scrape).
+        self.engine_hist = {key: r.histogram(f"pdserve:{key}", self.ENGINE_HISTOGRAMS[key], buckets)
+                            for key, buckets in engine_histograms(max_model_len).items()}
+        # Measured here, per pool and replica, as a client sees them (P/D hops included).
+        self.ttft = r.histogram("pdserve:time_to_first_token_seconds", "Time to first token.", VLLM_TTFT_BUCKETS)
+        self.itl = r.histogram("pdserve:inter_token_latency_seconds", "Time between streamed tokens.",
+                               VLLM_ITL_BUCKETS)
+        self.e2e = r.histogram("pdserve:e2e_request_latency_seconds", "End-to-end request latency.",
+                               VLLM_REQUEST_LATENCY_BUCKETS)
+        self.prefix_hit_tokens = r.histogram("pdserve:router_prefix_hit_tokens",
+                                             "Prompt tokens the chosen replica held in its prefix cache, per "
+                                             "routing decision (by pool).", buckets_1_2_5(max_model_len))
         self.requests = r.counter("pdserve:request_success_total", "Finished requests by finish reason.")
         self.errors = r.counter("pdserve:request_errors_total", "Rejected or failed requests by status code.")
         self.decisions = r.counter("pdserve:router_decisions_total", "Routing decisions by reason.")
@@ -223,15 +256,22 @@ class ServingMetrics:
                 self.planner_decisions.values[_key({"pool": pool, "action": action})] = float(count)
 
     def set_engine_stats(self, pool: str, replica: str, stats: dict) -> None:
-        for key, metric in self.engine.items():
-            if key in stats:
-                metric.values[_key({"pool": pool, "replica": replica})] = float(stats[key])
+        key = _key({"pool": pool, "replica": replica})
+        for name, metric in self.engine.items():
+            if name in stats:
+                metric.values[key] = float(stats[name])
+        for name, (counts, total) in stats.get("histograms", {}).items():
+            hist = self.engine_hist.get(name)
+            if hist is not None and len(counts) == len(hist.buckets) + 1:
+                hist.series[key] = (list(counts), [float(total)])
 
     def drop_replica(self, pool: str, replica: str) -> None:
         """Forget a replica that left its pool (replaced or drained): its series stop being exported."""
         key = _key({"pool": pool, "replica": replica})
         for metric in self.engine.values():
             metric.values.pop(key, None)
+        for hist in self.engine_hist.values():
+            hist.series.pop(key, None)
 
     def render(self) -> str:
         return self.registry.render()

@@ -25,6 +25,7 @@ from records.sampling_params import SamplingParams
 from router.routing.metrics import ServingMetrics
 from router.routing.policy import Decision
 from router.routing.pool_router import RequestRouter
+from router.routing.request_trace import RequestTrace
 
 
 class PDRouter:
@@ -79,26 +80,27 @@ class PDRouter:
                      + self.decode.uncached_tokens(num_prompt_tokens, d_decision))
         return p_backlog > self.prefill_backlog_factor * d_backlog
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[StepDelta]:
-        """Stream the decode replica's StepDeltas, after a remote prefill when it pays."""
-        d_decision = self.decode.route(prompt_token_ids, params)
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       trace: RequestTrace | None = None) -> AsyncIterator[StepDelta]:
+        """Stream the decode replica's StepDeltas, after a remote prefill when it pays. `trace`:
+        the request's, told of every decision (router/routing/request_trace.py)."""
+        d_decision = self.decode.route(prompt_token_ids, params, trace)
         kv_params = None
-        remote = self.wants_remote_prefill(len(prompt_token_ids), params, d_decision)
-        if remote:
+        if self.wants_remote_prefill(len(prompt_token_ids), params, d_decision):
             p_params = self._prefill_params(params)
-            p_decision = self.prefill.route(prompt_token_ids, p_params)
-            if self.prefill_is_backlogged(len(prompt_token_ids), p_decision, d_decision):
-                self.metrics.decisions.inc(reason="local_prefill_backlog", pool="pd")
-                remote = False
-            else:
-                self.metrics.decisions.inc(reason="remote_prefill", pool="pd")
-                kv_params = await self._prefill(request_id, prompt_token_ids, p_params, p_decision)
+            p_decision = self.prefill.route(prompt_token_ids, p_params, trace)
+            reason = ("local_prefill_backlog" if self.prefill_is_backlogged(len(prompt_token_ids), p_decision,
+                                                                             d_decision) else "remote_prefill")
         else:
-            self.metrics.decisions.inc(reason="local_prefill", pool="pd")
+            reason = "local_prefill"
+        self.metrics.decisions.inc(reason=reason, pool="pd")
+        if trace is not None:
+            trace.disaggregated(reason)
+        if reason == "remote_prefill":
+            kv_params = await self._prefill(request_id, prompt_token_ids, p_params, p_decision, trace)
         # After a remote prefill the decode replica computes one token (and pulls the rest).
         async for delta in self.decode.generate(request_id, prompt_token_ids, params, d_decision, kv_params,
-                                                prefill_tokens=1 if kv_params is not None else None):
+                                                prefill_tokens=1 if kv_params is not None else None, trace=trace):
             yield delta
 
     @staticmethod
@@ -107,14 +109,14 @@ class PDRouter:
         return dataclasses.replace(params, max_tokens=1, min_tokens=0, n=1, logprobs=None)
 
     async def _prefill(self, request_id: str, prompt_token_ids: list[int], p_params: SamplingParams,
-                       decision: Decision) -> dict | None:
+                       decision: Decision, trace: RequestTrace | None = None) -> dict | None:
         """Run the prompt (`p_params`: `_prefill_params`) on the chosen prefill replica; its transfer
         parameters, or None when it leased nothing (its first token ended the request, or its lease
         table was full) or no prefill replica could run it: then D computes the prompt itself."""
         last = None
         try:
-            async for delta in self.prefill.generate(request_id, prompt_token_ids, p_params,
-                                                     decision, kv_transfer_params={"do_remote_decode": True}):
+            async for delta in self.prefill.generate(request_id, prompt_token_ids, p_params, decision,
+                                                     kv_transfer_params={"do_remote_decode": True}, trace=trace):
                 last = delta
         except NoReplicaError:          # every prefill replica failed it or is being replaced
             self.metrics.decisions.inc(reason="prefill_unavailable", pool="pd")

@@ -37,6 +37,7 @@ from router.routing.channel import ReplicaChannel
 from router.routing.metrics import ServingMetrics
 from router.routing.policy import Decision, ReplicaLoad, RoutingPolicy
 from router.routing.prefix_index import PrefixIndex
+from router.routing.request_trace import RequestTrace
 
 # LoRA adapters the router remembers per replica (the most recently routed there): the engine's
 # default max_loras, so that a replica "holds" what would fit its slots.
@@ -186,7 +187,11 @@ class RequestRouter:
         return out
 
     # --- one request -------------------------------------------------------------------------------
-    def route(self, prompt_token_ids: list[int], params: SamplingParams) -> Decision:
+    def route(self, prompt_token_ids: list[int], params: SamplingParams, trace: RequestTrace | None = None
+              ) -> Decision:
+        """Choose the replica for a prompt (the policy over the prefix index, loads, adapters, tiers;
+        a peer to pull a prefix from). `trace`: the request's, given a span of the decision."""
+        began = time.monotonic()
         candidates = self.available
         if not candidates:
             raise NoReplicaError(f"no {self.pool} engine replica is available"
@@ -209,6 +214,9 @@ class RequestRouter:
             while len(recent) > ADAPTERS_REMEMBERED:
                 recent.popitem(last=False)
         self.metrics.decisions.inc(reason=decision.reason, pool=self.pool)
+        self.metrics.prefix_hit_tokens.observe(decision.matched_blocks * self.block_size, pool=self.pool)
+        if trace is not None:
+            trace.routed(self.pool, decision, began, self.block_size)
         return decision
 
     def _peer_for(self, decision: Decision, held: dict[str, int], hashes: list[bytes]
@@ -251,7 +259,8 @@ class RequestRouter:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        decision: Decision | None = None, kv_transfer_params: dict | None = None,
-                       prefill_tokens: int | None = None) -> AsyncIterator[StepDelta]:
+                       prefill_tokens: int | None = None, trace: RequestTrace | None = None
+                       ) -> AsyncIterator[StepDelta]:
         """Stream the chosen replica's StepDeltas (routing first unless `decision` is given). If the
         consumer stops early (client disconnect), the request is aborted on the replica, which
         frees its blocks. `prefill_tokens`: the prompt tokens the replica computes before the first
@@ -264,8 +273,10 @@ class RequestRouter:
         streamed (records/request.py: Continuation; it computes the prompt and those tokens itself,
         from its prefix cache where it holds them) and the consumer reads on, one stream. Past the
         limit, with no replica left, or for a stream that cannot resume (n > 1, prompt logprobs
-        partly streamed) it ends with ReplicaDiedError naming the replica."""
-        decision = decision or self.route(prompt_token_ids, params)
+        partly streamed) it ends with ReplicaDiedError naming the replica. `trace`: the request's
+        (router/routing/request_trace.py): its decisions get spans, and the replica its carrier."""
+        decision = decision or self.route(prompt_token_ids, params, trace)
+        carrier = trace.carrier() if trace is not None else None
         if decision.peer is not None and not (kv_transfer_params or {}).get("do_remote_prefill"):
             leased = await self._lease_from_peer(decision, params)
             if leased is not None:         # a prefill for a decode replica pulls its prefix too
@@ -283,7 +294,7 @@ class RequestRouter:
                 backlog = prefill_tokens
             try:
                 async for delta in self._stream(decision.replica_id, request_id, prompt_token_ids, params,
-                                                kv_transfer_params, backlog, continuation, started):
+                                                kv_transfer_params, backlog, continuation, started, carrier):
                     progress.add(delta)
                     # The resuming replica's cache hit covers tokens the client already has.
                     yield delta if continuation is None else dataclasses.replace(delta, num_cached_tokens=0)
@@ -294,13 +305,13 @@ class RequestRouter:
                 self.mark_down(decision.replica_id, e)
                 lost = decision.replica_id
             if not progress.streamed:
-                decision = self.route(prompt_token_ids, params)      # NoReplicaError when none is left
+                decision = self.route(prompt_token_ids, params, trace)      # NoReplicaError when none is left
                 continue
-            decision, params = self._migrate(request_id, lost, prompt_token_ids, params, progress)
+            decision, params = self._migrate(request_id, lost, prompt_token_ids, params, progress, trace)
             kv_transfer_params = None           # the resuming replica computes the prompt itself
 
     def _migrate(self, request_id: str, lost: str, prompt_token_ids: list[int], params: SamplingParams,
-                 progress: _Progress) -> tuple[Decision, SamplingParams]:
+                 progress: _Progress, trace: RequestTrace | None = None) -> tuple[Decision, SamplingParams]:
         """Where a stream whose replica was lost goes on, and the params it resumes with; raises
         ReplicaDiedError when it cannot (the reason counted in the metrics)."""
         def fail(reason: str, why: str) -> ReplicaDiedError:
@@ -315,7 +326,7 @@ class RequestRouter:
         if params.prompt_logprobs is not None:          # all streamed before the first token
             params = dataclasses.replace(params, prompt_logprobs=None)
         try:
-            decision = self.route(prompt_token_ids + progress.token_ids, params)
+            decision = self.route(prompt_token_ids + progress.token_ids, params, trace)
         except NoReplicaError:
             raise fail("no_replica", " and no other replica is available") from None
         progress.migrations += 1
@@ -326,8 +337,8 @@ class RequestRouter:
 
     async def _stream(self, replica_id: str, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, kv_transfer_params: dict | None, prefill_tokens: int = 0,
-                      continuation: Continuation | None = None, started: float | None = None
-                      ) -> AsyncIterator[StepDelta]:
+                      continuation: Continuation | None = None, started: float | None = None,
+                      carrier: dict[str, str] | None = None) -> AsyncIterator[StepDelta]:
         channel = self._channels.get(replica_id)
         if channel is None:
             channel = self._channels[replica_id] = ReplicaChannel(self.replicas[replica_id], self.ingress_id)
@@ -340,7 +351,7 @@ class RequestRouter:
         finished = False
         try:
             async for delta in channel.stream(request_id, prompt_token_ids, params, kv_transfer_params,
-                                              continuation):
+                                              continuation, carrier):
                 now = time.monotonic()
                 new_tokens = sum(len(c.token_ids) for c in delta.choices)
                 if new_tokens or delta.finished:
@@ -348,14 +359,14 @@ class RequestRouter:
                     prefill_tokens = 0
                 if new_tokens:
                     if last is None:
-                        self.metrics.ttft.observe(now - start, pool=self.pool)
+                        self.metrics.ttft.observe(now - start, pool=self.pool, replica=replica_id)
                     else:
-                        self.metrics.itl.observe(now - last, pool=self.pool)
+                        self.metrics.itl.observe(now - last, pool=self.pool, replica=replica_id)
                     last = now
                 finished = delta.finished
                 yield delta
             if finished:
-                self.metrics.e2e.observe(time.monotonic() - start, pool=self.pool)
+                self.metrics.e2e.observe(time.monotonic() - start, pool=self.pool, replica=replica_id)
         finally:
             load.in_flight -= 1
             load.prefill_tokens -= prefill_tokens

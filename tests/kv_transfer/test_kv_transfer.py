@@ -544,3 +544,48 @@ def test_pd_across_ray_actors(tiny_llama, conn):
     finally:
         for handle in (p, d, fresh):
             ray.kill(handle)
+
+
+
+def test_pd_hops_join_one_trace_with_the_pull_measured(tiny_llama):
+    """A prefill engine and a decode engine given the same trace context (as the ingress gives its
+    request span's): P records its hop (queue, prefill), D its hop with the KV pull (its blocks and
+    bytes as the engine counts them), the one-token prefill after it, and decode; the decode side's
+    pull histograms count it."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    import engine.tracing as tracing
+    from engine.telemetry import kv_block_bytes
+
+    exporter = InMemorySpanExporter()
+    tracing.use_exporter(exporter)
+    try:
+        carrier = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+        p, d = make_engine(tiny_llama, "torch_dist"), make_engine(tiny_llama, "torch_dist")
+        ids = prompt(100, salt=9)
+        params = prefill(p, "r", ids, trace_context=carrier)
+        out = run_one(d, "r", ids, GREEDY, params, others=(p,), trace_context=carrier)
+        assert out.outputs[0].token_ids == reference(tiny_llama, [ids])[0]
+        settle(p, d)
+        spans = exporter.get_finished_spans()
+    finally:
+        tracing.shutdown()
+    hops = [s for s in spans if s.name == "pdserve.engine"]
+    assert len(hops) == 2 and {format(h.parent.span_id, "016x") for h in hops} == {"00f067aa0ba902b7"}
+    assert {format(s.context.trace_id, "032x") for s in spans} == {"4bf92f3577b34da6a3ce929d0e0e4736"}
+    roles = {h.attributes["pdserve.kv_role"]: h for h in hops}
+    p_hop, d_hop = roles["prefill_for_remote_decode"], roles["decode_after_pull"]
+    under = {h.context.span_id: sorted(s.name for s in spans if s.parent and s.parent.span_id == h.context.span_id)
+             for h in hops}
+    assert under[p_hop.context.span_id] == ["pdserve.detokenize", "pdserve.prefill", "pdserve.queue"]
+    assert under[d_hop.context.span_id] == ["pdserve.decode", "pdserve.detokenize", "pdserve.kv_pull",
+                                            "pdserve.prefill", "pdserve.queue"]
+    pull = next(s for s in spans if s.name == "pdserve.kv_pull")
+    blocks = -(-(len(ids) - 1) // 16)
+    assert pull.attributes["pdserve.kv.blocks"] == blocks == d.stats()["kv_blocks_pulled"]
+    assert pull.attributes["pdserve.kv.bytes"] == blocks * kv_block_bytes(d.config)
+    d_prefill = next(s for s in spans if s.name == "pdserve.prefill" and s.parent.span_id == d_hop.context.span_id)
+    assert d_prefill.attributes["pdserve.computed_prompt_tokens"] == 1      # the last token: the rest pulled
+    assert pull.end_time == d_prefill.start_time
+    hist = d.stats()["histograms"]
+    assert sum(hist["kv_pull_seconds"][0]) == 1 and hist["kv_pull_bytes"][1] == blocks * kv_block_bytes(d.config)

@@ -35,9 +35,10 @@ def make_engine(model: str, connector: str | None, **kwargs) -> LLMEngine:
 
 
 def run_one(engine: LLMEngine, rid: str, ids: list[int], params: SamplingParams = GREEDY,
-            kv_transfer_params: dict | None = None, others: tuple[LLMEngine, ...] = ()) -> RequestOutput:
+            kv_transfer_params: dict | None = None, others: tuple[LLMEngine, ...] = (),
+            trace_context: dict | None = None) -> RequestOutput:
     """Step `engine` (and `others`, so their transfers progress) until request `rid` finishes."""
-    engine.add_request(rid, None, ids, params, kv_transfer_params=kv_transfer_params)
+    engine.add_request(rid, None, ids, params, kv_transfer_params=kv_transfer_params, trace_context=trace_context)
     deadline = time.monotonic() + DEADLINE_S
     while True:
         for out in engine.step():
@@ -58,8 +59,9 @@ def settle(*engines: LLMEngine) -> None:
         assert time.monotonic() < deadline, "transfers never settled"
 
 
-def prefill(p: LLMEngine, rid: str, ids: list[int], params: SamplingParams = GREEDY) -> dict:
-    out = run_one(p, rid, ids, params, {"do_remote_decode": True})
+def prefill(p: LLMEngine, rid: str, ids: list[int], params: SamplingParams = GREEDY,
+            trace_context: dict | None = None) -> dict:
+    out = run_one(p, rid, ids, params, {"do_remote_decode": True}, trace_context=trace_context)
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 1
     assert out.kv_transfer_params is not None
     return out.kv_transfer_params

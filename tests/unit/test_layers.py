@@ -38,7 +38,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("distributed", ["engine.executor.*"]),
     # one replica: blocks, scheduling, speculative decoding, outputs, the step loop and its fronts
     ("engine", ["engine.core.*", "engine.spec_decode", "engine.spec_decode.*", "engine.output_processor",
-                "engine.llm_engine", "engine.async_engine", "engine.llm", "engine"]),
+                "engine.tracing", "engine.telemetry", "engine.llm_engine", "engine.async_engine", "engine.llm",
+                "engine"]),
     # routing: prefix index, policy, P/D orchestration, output channels, metrics
     ("routing", ["router.routing.*"]),
     # the ingress: HTTP, gRPC, OpenAI protocol, request preparation, admission, the Serve app

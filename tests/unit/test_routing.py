@@ -101,7 +101,7 @@ def test_tier_hits_score_between_a_pool_hit_and_a_miss_and_peers_lend_their_pref
         lease_prefix = Remote(lambda hs, adapter: _done({"do_remote_prefill": True, "remote_block_ids": [1] * len(hs)}))
 
     class Channel:
-        async def stream(self, rid, prompt, p, kv_params, continuation):
+        async def stream(self, rid, prompt, p, kv_params, continuation, trace_context=None):
             sent["kv"] = kv_params
             yield StepDelta(rid, [ChoiceDelta(0, [7], "x")], True, len(ids))
 
@@ -227,7 +227,7 @@ def test_a_stream_whose_replica_is_lost_migrates_and_fails_clearly_past_the_limi
         def __init__(self, dies_after: int | None, error: BaseException) -> None:
             self.dies_after, self.error = dies_after, error
 
-        async def stream(self, rid, prompt, p, kv, continuation=None):
+        async def stream(self, rid, prompt, p, kv, continuation=None, trace_context=None):
             resumed.append(continuation)
             done = len(continuation.token_ids) if continuation else 0
             for n, i in enumerate(range(done, 6)):
