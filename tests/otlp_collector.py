@@ -57,7 +57,7 @@ class Collector:
             self._http = None
         else:
             class Handler(BaseHTTPRequestHandler):
-                def do_POST(self):  # noqa: N802
+                def do_POST(self):
                     body = self.rfile.read(int(self.headers.get("content-length", 0)))
                     if self.path == "/v1/traces":
                         request = trace_service_pb2.ExportTraceServiceRequest()
