@@ -20,12 +20,13 @@ if TYPE_CHECKING:
 class Ticket:
     """`count` admitted requests; `release()` gives them back once, however often it is called."""
 
-    __slots__ = ("_admission", "count", "trace")
+    __slots__ = ("_admission", "arrival", "count", "trace")
 
     def __init__(self, admission: Admission, count: int) -> None:
         self._admission: Admission | None = admission
         self.count = count
         self.trace: RequestTrace | None = None     # held until released (router/routing/request_trace.py)
+        self.arrival: float | None = None          # when its request reached the endpoint (time.monotonic())
 
     def release(self) -> None:
         admission, self._admission = self._admission, None

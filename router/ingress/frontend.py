@@ -43,7 +43,7 @@ from router.routing.metrics import ServingMetrics
 from router.routing.pd import PDRouter
 from router.routing.policy import RoutingPolicy
 from router.routing.pool_router import RequestRouter
-from router.routing.request_trace import CURRENT, RequestTrace, log_requests_to_stderr
+from router.routing.request_trace import ARRIVAL, CURRENT, RequestTrace, log_requests_to_stderr
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ class Frontend:
         if ticket is None:
             raise RateLimitError(f"{self.in_flight} requests in flight; the limit is "
                                  f"{self.config.serving.max_in_flight}: retry later")
+        ticket.arrival = ARRIVAL.get()
         if trace is not None:
             ticket.trace = trace
             trace.hold()
@@ -162,9 +163,13 @@ class Frontend:
         """Around one API call: its RequestTrace (router/routing/request_trace.py) when tracing is
         on or requests are logged, else None. `headers`: the HTTP headers or gRPC metadata (the
         client's `traceparent`)."""
+        arrived = ARRIVAL.set(time.monotonic())    # where its latencies start (`run`)
         serving = self.config.serving
         if not tracing.enabled() and not serving.log_requests:
-            yield None
+            try:
+                yield None
+            finally:
+                ARRIVAL.reset(arrived)
             return
         tokenizer = self.preparer.tokenizer
         describe = tokenizer.decode if serving.log_request_prompts and tokenizer is not None else None
@@ -177,6 +182,7 @@ class Frontend:
             raise
         finally:
             CURRENT.reset(token)
+            ARRIVAL.reset(arrived)
             trace.release()
 
     # --- generation --------------------------------------------------------------------------------
@@ -185,13 +191,16 @@ class Frontend:
         """Stream (prompt index, StepDelta) over all prompts of one HTTP request; releases `ticket`
         when it ends, however it ends."""
         queue: asyncio.Queue = asyncio.Queue()
+        # Its time to first token counts from its arrival at the endpoint (`observe`), every hop included.
+        arrival = ticket.arrival if ticket.arrival is not None else time.monotonic()
         trace = ticket.trace
         if trace is not None:
             trace.started(request_id, prompts, self.preparer.model_name, params.adapter_name or None)
 
         async def pump(i: int, ids: list[int]) -> None:
             try:
-                async for delta in self.router.generate(f"{request_id}-{i}", ids, params, trace=trace):
+                async for delta in self.router.generate(f"{request_id}-{i}", ids, params, trace=trace,
+                                                        arrival=arrival):
                     if trace is not None:
                         trace.delta(delta)
                     queue.put_nowait((i, delta))

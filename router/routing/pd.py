@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -81,9 +82,12 @@ class PDRouter:
         return p_backlog > self.prefill_backlog_factor * d_backlog
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       trace: RequestTrace | None = None) -> AsyncIterator[StepDelta]:
+                       trace: RequestTrace | None = None, arrival: float | None = None) -> AsyncIterator[StepDelta]:
         """Stream the decode replica's StepDeltas, after a remote prefill when it pays. `trace`:
-        the request's, told of every decision (router/routing/request_trace.py)."""
+        the request's, told of every decision (router/routing/request_trace.py); `arrival`: when
+        it arrived (time.monotonic(); default now), where the decode pool's time to first token
+        starts (so that it covers the prefill hop and the pull, as a client sees it)."""
+        arrival = time.monotonic() if arrival is None else arrival
         d_decision = self.decode.route(prompt_token_ids, params, trace)
         kv_params = None
         if self.wants_remote_prefill(len(prompt_token_ids), params, d_decision):
@@ -100,7 +104,8 @@ class PDRouter:
             kv_params = await self._prefill(request_id, prompt_token_ids, p_params, p_decision, trace)
         # After a remote prefill the decode replica computes one token (and pulls the rest).
         async for delta in self.decode.generate(request_id, prompt_token_ids, params, d_decision, kv_params,
-                                                prefill_tokens=1 if kv_params is not None else None, trace=trace):
+                                                prefill_tokens=1 if kv_params is not None else None, trace=trace,
+                                                arrival=arrival):
             yield delta
 
     @staticmethod

@@ -64,6 +64,7 @@ class RequestRouter:
         self.block_size = block_size
         self.policy = policy
         self.metrics = metrics
+        metrics.migrations.inc(0, pool=pool)        # exported at 0 from the start (dashboards, alerts)
         self.stats_interval_s = stats_interval_s
         self.on_replica_failure = on_replica_failure
         self.index = PrefixIndex()
@@ -259,8 +260,8 @@ class RequestRouter:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        decision: Decision | None = None, kv_transfer_params: dict | None = None,
-                       prefill_tokens: int | None = None, trace: RequestTrace | None = None
-                       ) -> AsyncIterator[StepDelta]:
+                       prefill_tokens: int | None = None, trace: RequestTrace | None = None,
+                       arrival: float | None = None) -> AsyncIterator[StepDelta]:
         """Stream the chosen replica's StepDeltas (routing first unless `decision` is given). If the
         consumer stops early (client disconnect), the request is aborted on the replica, which
         frees its blocks. `prefill_tokens`: the prompt tokens the replica computes before the first
@@ -274,7 +275,9 @@ class RequestRouter:
         from its prefix cache where it holds them) and the consumer reads on, one stream. Past the
         limit, with no replica left, or for a stream that cannot resume (n > 1, prompt logprobs
         partly streamed) it ends with ReplicaDiedError naming the replica. `trace`: the request's
-        (router/routing/request_trace.py): its decisions get spans, and the replica its carrier."""
+        (router/routing/request_trace.py): its decisions get spans, and the replica its carrier.
+        `arrival` (time.monotonic(); default now): where its time to first token and end-to-end
+        latency start."""
         decision = decision or self.route(prompt_token_ids, params, trace)
         carrier = trace.carrier() if trace is not None else None
         if decision.peer is not None and not (kv_transfer_params or {}).get("do_remote_prefill"):
@@ -283,7 +286,7 @@ class RequestRouter:
                 kv_transfer_params = leased if kv_transfer_params is None else {**kv_transfer_params,
                                                                                 "peer_prefix": leased}
         progress = _Progress()
-        started = time.monotonic()
+        started = time.monotonic() if arrival is None else arrival
         while True:
             continuation = progress.continuation()
             if continuation is not None:

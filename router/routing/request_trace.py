@@ -32,6 +32,8 @@ request_log = logging.getLogger("pdserve.requests")
 # The request the current task serves (set by the ingress's endpoint, read where it is admitted).
 CURRENT: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar("pdserve_request_trace",
                                                                              default=None)
+# When the current task's request reached the endpoint (time.monotonic()), traced or not.
+ARRIVAL: contextvars.ContextVar[float | None] = contextvars.ContextVar("pdserve_request_arrival", default=None)
 
 
 def log_requests_to_stderr() -> None:
@@ -52,7 +54,7 @@ class RequestTrace:
         """route: what was called (e.g. "/v1/chat/completions"); carrier: the client's trace
         headers; log: write the log line at the end; describe_prompt: the prompt's text for it
         (None: never logged)."""
-        self.start = time.monotonic()
+        self.start = ARRIVAL.get() or time.monotonic()
         self.route = route
         self.log = log
         self.describe_prompt = describe_prompt
@@ -61,7 +63,7 @@ class RequestTrace:
         self._holds = 1                 # the endpoint's; a ticket takes another (`hold`)
         self.fields: dict[str, Any] = {"route": route}
         self.replicas: list[str] = []
-        self.mode = "colocated"
+        self.mode: str | None = None        # "colocated" once routed; "pd" once a prefill replica runs it
         self.prompts: list[list[int]] = []
         self.first_token: float | None = None
         self.output_tokens = 0
@@ -90,6 +92,7 @@ class RequestTrace:
     def routed(self, pool: str, decision: Any, start: float, block_size: int) -> None:
         """A routing decision (router/routing/policy.py: Decision), made from `start` to now."""
         self.replicas.append(decision.replica_id)
+        self.mode = self.mode or "colocated"
         self.child("pdserve.route", start, attributes={
             "pdserve.pool": pool, "pdserve.replica": decision.replica_id, "pdserve.route.reason": decision.reason,
             "pdserve.route.prefix_hit_tokens": decision.matched_blocks * block_size,
@@ -132,7 +135,7 @@ class RequestTrace:
         if self.span is not None:
             self.span.set_attributes({
                 "gen_ai.usage.output_tokens": self.output_tokens, "pdserve.cached_tokens": self.cached_tokens,
-                "pdserve.replicas": ",".join(self.replicas), "pdserve.mode": self.mode,
+                "pdserve.replicas": ",".join(self.replicas), "pdserve.mode": self.mode or "",
                 "gen_ai.response.finish_reasons": ",".join(self.finish_reasons),
                 **({"pdserve.ttft_s": ttft} if ttft is not None else {})})
             tracing.end_span(self.span, now, self.error)

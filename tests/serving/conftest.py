@@ -8,7 +8,8 @@ pools load side by side:
   parser whose constraints apply to the thinking too (so that one can make the tiny model think),
   and vLLM's metric names;
 - "/pd": disaggregated, one prefill and one decode replica with KV pulled over NIXL; prompts with
-  fewer than 32 uncached tokens are prefilled on the decode replica;
+  fewer than 32 uncached tokens are prefilled on the decode replica; traced to an OTLP receiver in
+  this process, its requests logged, a host offload tier on the decode replica;
 - "/grpc": one replica with its own key, for the gRPC tests.
 
 At the end every replica must hold no request and no KV block.
@@ -37,7 +38,17 @@ def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="package")
-def apps(tiny_llama, adapters, eventually_no_leaks):
+def otlp():
+    """The OTLP/gRPC trace receiver the disaggregated app exports its spans to (tests/otlp_collector.py)."""
+    from otlp_collector import Collector
+
+    collector = Collector("grpc")
+    yield collector
+    collector.close()
+
+
+@pytest.fixture(scope="package")
+def apps(tiny_llama, adapters, eventually_no_leaks, otlp):
     """Start the four apps; yield (http port, gRPC port, app name -> its manager's handle)."""
     from ray import serve
 
@@ -59,10 +70,14 @@ def apps(tiny_llama, adapters, eventually_no_leaks):
                             serving={**serving, "max_in_flight": 1, "reasoning_parser": "qwen3",
                                      "structured_outputs_in_reasoning": True, "metrics_prefix": "vllm"},
                             name=LIMITED)
+    # Traced (every process's spans to `otlp`), its requests logged, and an offload tier on its
+    # decode pool: tests/serving/test_observability.py reads all three.
     pd = ClusterConfig(model=tiny_llama, engine=engine, mode="disaggregated",
-                       pools={"prefill": {"replicas": 1, "num_cpus": 1}, "decode": {"replicas": 1, "num_cpus": 1}},
+                       pools={"prefill": {"replicas": 1, "num_cpus": 1},
+                              "decode": {"replicas": 1, "num_cpus": 1, "kv_offloading": {"size_gib": 0.01}}},
                        disaggregation={"connector": "nixl", "min_remote_prefill_tokens": 32},
-                       serving=serving, name="pdserve-pd", lora=lora)
+                       serving={**serving, "otlp_traces_endpoint": otlp.endpoint, "log_requests": True},
+                       name="pdserve-pd", lora=lora)
     grpc_app = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 1, "num_cpus": 1}},
                              serving={**serving, "api_key": GRPC_KEY}, name=GRPC_MAIN)
     configs = {"main": (main, "/"), "limited": (limited, "/limited"), "pd": (pd, "/pd"), "grpc": (grpc_app, "/grpc")}
