@@ -654,3 +654,63 @@ def test_dockerfile_copies_every_package_the_project_installs():
     packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
     copied = set(re.findall(r"^COPY \S+ (\w+) \./\1$", (ROOT / "deploy" / "Dockerfile").read_text(), re.M))
     assert packages <= copied, f"deploy/Dockerfile does not COPY {sorted(packages - copied)}"
+
+
+# --- monitoring: ServiceMonitor, PodMonitor, the Grafana dashboard --------------------------------
+DASHBOARD = CHART / "dashboards" / "pdserve.json"
+
+
+def test_chart_monitoring_objects_select_what_serves_metrics_with_the_key(chart):
+    on = {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}},
+                      "podMonitor": {"enabled": True}, "dashboard": {"enabled": True}}}
+    docs = render(chart, on)
+    assert not [d for d in render(chart) if d["kind"] in ("ServiceMonitor", "PodMonitor")]      # off by default
+    service, rayservice = one(docs, "Service"), one(docs, "RayService")
+    secret = one(docs, "Secret")["metadata"]["name"]
+    sm, pm = one(docs, "ServiceMonitor"), one(docs, "PodMonitor")
+    assert sm["apiVersion"] == pm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["metadata"]["labels"]["release"] == "kps"
+    # The ServiceMonitor selects the chart's Service and scrapes its named port.
+    assert sm["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]} and endpoint["path"] == "/metrics"
+    # The PodMonitor selects Ray pods of this release that serve (the head's template carries the
+    # release's labels; KubeRay adds ray.io/serve=true to those whose proxy is healthy).
+    selector = pm["spec"]["podMetricsEndpoints"][0], pm["spec"]["selector"]["matchLabels"]
+    head_labels = dict(pod_templates(rayservice)[0][1]["metadata"]["labels"])
+    assert {k: v for k, v in selector[1].items() if k != "ray.io/serve"}.items() <= head_labels.items()
+    assert selector[1]["ray.io/serve"] == "true" and selector[0]["portNumber"] == 8000
+    # With the API key on, both send it (the Secret the ingress reads); serving.public_metrics drops it.
+    for ep in (endpoint, selector[0]):
+        assert ep["authorization"]["credentials"] == {"name": secret, "key": "api-key"}
+    open_docs = render(chart, {**on, "serving": {"public_metrics": True}})
+    assert "authorization" not in one(open_docs, "ServiceMonitor")["spec"]["endpoints"][0]
+    # The dashboard's ConfigMap holds the shipped JSON, for Grafana's sidecar.
+    (board,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard")]
+    k8s_validate(board)
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(board["data"]["pdserve.json"]) == json.loads(DASHBOARD.read_text())
+    with pytest.raises(Exception, match="metrics.serviceMonitor needs service.enabled"):
+        render(chart, {**on, "service": {"enabled": False}})
+    with pytest.raises(Exception, match="serviceMonitr"):
+        chart.validate_schema({"metrics": {"serviceMonitr": {"enabled": True}}})
+
+
+def test_dashboard_reads_only_series_the_server_exports():
+    """Every metric name in the dashboard's expressions is one ServingMetrics exports (the real
+    Prometheus check of tests/serving/test_observability.py runs them against a live server)."""
+    from router.routing.metrics import ServingMetrics
+
+    exported = set()
+    for metric in ServingMetrics().registry.metrics.values():
+        base = metric.name.removeprefix("pdserve:")
+        exported.add(base)
+        if metric.kind == "histogram":
+            exported.update({f"{base}_bucket", f"{base}_sum", f"{base}_count"})
+    board = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    used = {m for e in exprs for m in re.findall(r"\$\{prefix\}:(\w+)", e)}
+    assert len(used) >= 25 and used <= exported, sorted(used - exported)
+    variables = {v["name"] for v in board["templating"]["list"]}
+    assert {"datasource", "prefix", "pool"} <= variables
+    assert all(set(re.findall(r"\$\{?(\w+)", e)) <= variables | {"__rate_interval"} for e in exprs)
