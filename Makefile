@@ -51,7 +51,7 @@ serve: setup
 # `cluster`, one after another (they share a local Ray; some start and stop Ray clusters of their
 # own), and every other test beside them on one torch thread at the lowest priority, whose report
 # follows. Fails if either fails. docs/testing.md says why this split and these settings.
-PYTEST := $(PY) -m pytest -q
+PYTEST := $(PY) -m pytest -q --durations=15
 NO_RAY := -m "not ray and not cluster and not slow"
 test: setup prometheus
 	$(VENV)/bin/ruff check .

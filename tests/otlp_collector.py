@@ -83,12 +83,16 @@ class Collector:
         with self._lock:
             return [s for s in self.spans if s["trace_id"] == trace_id]
 
-    def wait_for(self, trace_id: str, names: set[str], timeout_s: float = 60.0) -> list[dict[str, Any]]:
-        """The trace's spans once every name in `names` arrived (exporters batch for ~5 s)."""
+    def wait_for(self, trace_id: str, names: set[str], timeout_s: float = 60.0,
+                 counts: dict[str, int] | None = None) -> list[dict[str, Any]]:
+        """The trace's spans once every name in `names` arrived, and at least `counts[name]` spans of
+        those names (the processes export in batches, ~5 s apart)."""
         deadline = time.monotonic() + timeout_s
         while True:
             spans = self.trace(trace_id)
-            if names <= {s["name"] for s in spans} or time.monotonic() > deadline:
+            seen = [s["name"] for s in spans]
+            if (names <= set(seen) and all(seen.count(n) >= k for n, k in (counts or {}).items())) \
+                    or time.monotonic() > deadline:
                 return spans
             time.sleep(0.25)
 

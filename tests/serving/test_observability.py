@@ -50,9 +50,15 @@ def test_one_pd_request_is_one_trace_under_the_clients_traceparent(server, otlp)
     prompt = _long_prompt()
     done = _pd(server).completions.create(model=server["model"], prompt=prompt, max_tokens=6,
                                           temperature=0.0, extra_headers={"traceparent": header})
+    # A streamed one too (its spans checked below): its request span lasts until the stream's end.
+    trace2, _, header2 = _traceparent()
+    chunks = list(_pd(server).chat.completions.create(
+        model=server["model"], messages=[{"role": "user", "content": _long_prompt()}], max_tokens=5,
+        temperature=0.0, stream=True, extra_headers={"traceparent": header2}))
+    assert chunks
     want = {"pdserve.request", "pdserve.prepare", "pdserve.admission", "pdserve.route", "pdserve.engine",
             "pdserve.queue", "pdserve.prefill", "pdserve.kv_pull", "pdserve.decode"}
-    spans = otlp.wait_for(trace, want, timeout_s=90)
+    spans = otlp.wait_for(trace, want, timeout_s=90, counts={"pdserve.engine": 2, "pdserve.route": 2})
     assert want <= {s["name"] for s in spans}, sorted(s["name"] for s in spans)
     by_id = {s["span_id"]: s for s in spans}
     (request,) = [s for s in spans if s["name"] == "pdserve.request"]
@@ -84,12 +90,7 @@ def test_one_pd_request_is_one_trace_under_the_clients_traceparent(server, otlp)
     assert children["decode"]["pdserve.prefill"]["attributes"]["pdserve.computed_prompt_tokens"] == 1
     assert all(s["trace_id"] == trace for s in by_id.values())
 
-    # Streamed: the request's span lasts until the stream's end, after the decode hop.
-    trace2, _, header2 = _traceparent()
-    chunks = list(_pd(server).chat.completions.create(
-        model=server["model"], messages=[{"role": "user", "content": _long_prompt()}], max_tokens=5,
-        temperature=0.0, stream=True, extra_headers={"traceparent": header2}))
-    assert chunks
+    # The streamed request: its span ends after its decode hop.
     spans2 = otlp.wait_for(trace2, {"pdserve.request", "pdserve.decode"}, timeout_s=90)
     (request2,) = [s for s in spans2 if s["name"] == "pdserve.request"]
     decode2 = next(s for s in spans2 if s["name"] == "pdserve.decode")
@@ -183,8 +184,8 @@ def test_a_real_prometheus_reads_every_dashboard_expression_and_the_ttft_the_cli
         before = time.time()
         ap = argparse.ArgumentParser()
         bench.add_args(ap)
-        args = ap.parse_args(["--dataset", "random", "--input-len", "200:400", "--output-len", "16",
-                              "--num-prompts", "32", "--concurrency", "8", "--warmup", "0", "--quiet",
+        args = ap.parse_args(["--dataset", "random", "--input-len", "40:200", "--output-len", "8",
+                              "--num-prompts", "24", "--concurrency", "4", "--warmup", "0", "--quiet",
                               "--max-model-len", "1024", "--vocab-size", "1000"])
         args.base_url = f"{server['base']}/pd"
         results, wall, _ = asyncio.run(bench.run(args, workloads.make_dataset(args)))
