@@ -267,7 +267,8 @@ class ClusterManager:
         out = {}
         for name, pool in self.pools.items():
             st = {"replicas": sorted(pool.replicas), "starting": sorted([*pool.starting, *pool.incoming]),
-                  "draining": sorted(pool.draining), "replaced": pool.replaced, "target": pool.target,
+                  "draining": sorted(pool.draining), "replaced": pool.replaced, "drained": dict(pool.drained),
+                  "target": pool.target,
                   "bounds": list(pool.spec.bounds()), "detail": pool.replica_status()}
             if name in self.planners:
                 st["planner"] = {"last": self.decisions.get(name),

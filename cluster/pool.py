@@ -61,6 +61,7 @@ class EnginePool:
         self.nodes: dict[str, str] = {}          # replica id -> the node its actor runs on
         self.missed: dict[str, int] = {}
         self.replaced = 0                        # replicas dropped for failing health checks
+        self.drained = {"empty": 0, "timeout": 0}   # replicas drained out: emptied in time, or not
         self._next_index = 0
         self._tasks: set[asyncio.Task] = set()
 
@@ -270,6 +271,7 @@ class EnginePool:
         self.draining.pop(replica_id, None)
         self._forget(replica_id)
         _kill(handle)
+        self.drained["empty" if emptied else "timeout"] += 1
         logger.warning("pool %s: drained replica %s (%s)", self.name, replica_id,
                        "empty" if emptied else f"after {timeout_s:g} s: its streams migrate")
         return emptied

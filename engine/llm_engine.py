@@ -83,7 +83,8 @@ class LLMEngine:
         the parameters a prefill engine returned pull the prompt's KV from it instead of computing.
         `continuation`: the request resumes after tokens another replica generated (records/request.py);
         its outputs carry only what comes after them. `trace_context`: a W3C trace-context carrier
-        (`traceparent`); when this process traces, the request's spans go under it (engine/telemetry.py)."""
+        (`traceparent`); when this process traces, the request's spans go under it (engine/telemetry.py),
+        or start a trace of their own without one."""
         if request_id in self.output.states or (self.kv_connector is not None
                                          and request_id in self.kv_connector.leases):
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -109,6 +110,8 @@ class LLMEngine:
         if kv_transfer_params:
             self._attach_transfer(leader, kv_transfer_params)
         children = [leader, *leader.fork_children]
+        if trace_context is None and tracing.enabled():
+            trace_context = {}          # traced all the same, as a trace of its own (vLLM's offline tracing)
         self.output.add(request_id, prompt, prompt_token_ids, params, children, arrival, continuation, trace_context)
         self.scheduler.add_request(leader)
         self.num_prompt_tokens += len(prompt_token_ids)

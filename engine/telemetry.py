@@ -8,7 +8,7 @@
   engine's stats carry the readings (`histograms`); the ingress exports them per replica.
 - When the request came with a trace context and this process traces (engine/tracing.py), its
   spans, recorded at the times they happened: `pdserve.engine` (this replica's hop: arrival to
-  end) and under it `pdserve.queue`, `pdserve.kv_pull` (blocks, bytes, where from, its error),
+  end) and under it `pdserve.queue`, `pdserve.kv_pull` (blocks, bytes, its error),
   `pdserve.prefill`, `pdserve.decode` and `pdserve.detokenize` (first to last token processed;
   the time spent detokenizing in its `pdserve.busy_s`).
 """

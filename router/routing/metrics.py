@@ -228,6 +228,10 @@ class ServingMetrics:
         self.planner_decisions = r.counter("pdserve:planner_decisions_total",
                                            "Pool size changes by the planner (autoscaling), by pool and "
                                            "action (up, down), since the manager started.")
+        self.drained = r.counter("pdserve:replicas_drained_total",
+                                 "Replicas drained out of their pool (scaled down, or replaced by a spec "
+                                 "update), by pool and outcome (empty: its requests ended in time; timeout: "
+                                 "its streams migrated), since the manager started.")
         self.replaced = r.counter("pdserve:replicas_replaced_total",
                                   "Replicas the manager dropped and replaced (actor or node died, engine "
                                   "stopped, missed health checks), per pool, since the manager started.")
@@ -252,6 +256,8 @@ class ServingMetrics:
                                  ("draining", len(st["draining"])), ("target", st["target"])):
                 self.pool_replicas.set(value, pool=pool, state=state)
             self.replaced.values[_key({"pool": pool})] = float(st["replaced"])
+            for outcome, count in st.get("drained", {}).items():
+                self.drained.values[_key({"pool": pool, "outcome": outcome})] = float(count)
             for action, count in st.get("planner", {}).get("decisions", {}).items():
                 self.planner_decisions.values[_key({"pool": pool, "action": action})] = float(count)
 

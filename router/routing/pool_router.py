@@ -295,6 +295,8 @@ class RequestRouter:
                 backlog = self.uncached_tokens(len(prompt_token_ids), decision)
             else:
                 backlog = prefill_tokens
+            if trace is not None:
+                trace.ran_on(decision.replica_id)
             try:
                 async for delta in self._stream(decision.replica_id, request_id, prompt_token_ids, params,
                                                 kv_transfer_params, backlog, continuation, started, carrier):

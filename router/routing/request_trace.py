@@ -91,13 +91,16 @@ class RequestTrace:
 
     def routed(self, pool: str, decision: Any, start: float, block_size: int) -> None:
         """A routing decision (router/routing/policy.py: Decision), made from `start` to now."""
-        self.replicas.append(decision.replica_id)
         self.mode = self.mode or "colocated"
         self.child("pdserve.route", start, attributes={
             "pdserve.pool": pool, "pdserve.replica": decision.replica_id, "pdserve.route.reason": decision.reason,
             "pdserve.route.prefix_hit_tokens": decision.matched_blocks * block_size,
             "pdserve.route.tier_hit_tokens": decision.tier_blocks * block_size,
             "pdserve.route.peer": decision.peer[0] if decision.peer is not None else ""})
+
+    def ran_on(self, replica_id: str) -> None:
+        """The request was submitted to this replica (a prefill, a decode, a migrated stream's next)."""
+        self.replicas.append(replica_id)
 
     def disaggregated(self, reason: str) -> None:
         """The P/D decision (remote_prefill, local_prefill, ...)."""

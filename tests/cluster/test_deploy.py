@@ -711,6 +711,13 @@ def test_dashboard_reads_only_series_the_server_exports():
     exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
     used = {m for e in exprs for m in re.findall(r"\$\{prefix\}:(\w+)", e)}
     assert len(used) >= 25 and used <= exported, sorted(used - exported)
+    # The JSON is what deploy/dashboard.py writes (edited there, not by hand).
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dashboard", ROOT / "deploy" / "dashboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.build() == board, "run `python deploy/dashboard.py` after editing it"
     variables = {v["name"] for v in board["templating"]["list"]}
     assert {"datasource", "prefix", "pool"} <= variables
     assert all(set(re.findall(r"\$\{?(\w+)", e)) <= variables | {"__rate_interval"} for e in exprs)

@@ -32,15 +32,19 @@ def _run(engine: LLMEngine) -> None:
         engine.step()
 
 
-def test_an_engine_records_its_hop_under_the_callers_trace_and_nothing_for_others(tiny_llama, exporter):
+def test_an_engine_records_its_hop_under_the_callers_trace_or_a_trace_of_its_own(tiny_llama, exporter):
     engine = LLMEngine(EngineConfig.create(tiny_llama, dtype="float32", max_model_len=256, num_kv_blocks=64))
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     engine.add_request("traced", None, list(range(5, 45)), greedy, trace_context={"traceparent": TRACEPARENT})
     engine.add_request("plain", None, list(range(50, 70)), greedy)
     _run(engine)
-    spans = {s.name: s for s in exporter.get_finished_spans()}
+    finished = exporter.get_finished_spans()
+    (own,) = [s for s in finished if s.name == "pdserve.engine" and s.attributes["gen_ai.request.id"] == "plain"]
+    assert own.parent is None and format(own.context.trace_id, "032x") != TRACE_ID     # a root of its own
+    spans = {s.name: s for s in finished if format(s.context.trace_id, "032x") == TRACE_ID}
     assert set(spans) == {"pdserve.engine", "pdserve.queue", "pdserve.prefill", "pdserve.decode",
-                          "pdserve.detokenize"}, "one request traced, the other not"
+                          "pdserve.detokenize"}
+    assert len(finished) == 2 * len(spans)
     hop = spans["pdserve.engine"]
     assert format(hop.context.trace_id, "032x") == TRACE_ID
     assert format(hop.parent.span_id, "016x") == CLIENT_SPAN          # the caller's span is its parent
@@ -54,7 +58,7 @@ def test_an_engine_records_its_hop_under_the_callers_trace_and_nothing_for_other
     assert hop.attributes["gen_ai.usage.output_tokens"] == 6
     assert hop.attributes["gen_ai.response.finish_reasons"] == "length"
     assert spans["pdserve.prefill"].attributes["pdserve.computed_prompt_tokens"] == 40
-    # The per-request histograms counted both requests, whether traced or not.
+    # The per-request histograms counted both requests.
     hist = engine.stats()["histograms"]
     for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                  "request_inference_time_seconds", "request_time_per_output_token_seconds",

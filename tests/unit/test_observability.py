@@ -70,6 +70,8 @@ def test_a_request_trace_logs_one_line_without_the_prompt_unless_asked(caplog):
             trace.routed("decode", Decision("decode-0", "prefix_hit", matched_blocks=2), trace.start, 16)
             trace.routed("prefill", Decision("prefill-1", "least_loaded"), trace.start, 16)
             trace.disaggregated("remote_prefill")
+            trace.ran_on("prefill-1")
+            trace.ran_on("decode-0")
             trace.hold()                              # the ticket's
             trace.release()                           # the endpoint returned: the stream goes on
             assert not caplog.records
@@ -78,7 +80,7 @@ def test_a_request_trace_logs_one_line_without_the_prompt_unless_asked(caplog):
             trace.release()
             (record,) = caplog.records
             line = json.loads(record.getMessage())
-            assert line["id"] == "cmpl-1" and line["mode"] == "pd" and line["replicas"] == ["decode-0", "prefill-1"]
+            assert line["id"] == "cmpl-1" and line["mode"] == "pd" and line["replicas"] == ["prefill-1", "decode-0"]
             assert (line["prompt_tokens"], line["output_tokens"], line["cached_tokens"]) == (3, 2, 16)
             assert line["finish_reasons"] == ["length"] and line["error"] is None
             assert 0 <= line["ttft_s"] <= line["e2e_s"] and "trace_id" not in line     # not traced
