@@ -47,32 +47,21 @@ prometheus:
 serve: setup
 	$(VENV)/bin/pdserve serve --host 127.0.0.1 --port 8000 --prefill-replicas 1 --replicas 1
 
-# The whole suite (what CI runs), as three pytest processes side by side, then one more: the tests
-# marked `ray` or `cluster`, one after another (they share a local Ray); beside them those that
-# start simulated multi-node clusters of their own (NODES); every other test beside both, on one
-# torch thread at the lowest priority; and last, alone, `test_launch.py`, whose `ray stop` ends
-# every Ray process of the user. Their reports follow the first one's; fails if any fails.
-# docs/testing.md says why this split and these settings.
+# The whole suite (what CI runs), as two pytest processes side by side: the tests marked `ray` or
+# `cluster`, one after another (they share a local Ray; some start and stop Ray clusters of their
+# own), and every other test beside them on one torch thread at the lowest priority, whose report
+# follows. Fails if either fails. docs/testing.md says why this split and these settings.
 PYTEST := $(PY) -m pytest -q --durations=15
 NO_RAY := -m "not ray and not cluster and not slow"
-RAY    := -m "(ray or cluster) and not slow"
-NODES  := tests/cluster/test_node_loss.py tests/kv_transfer/test_pipelined_pd.py
-LAUNCH := tests/cluster/test_launch.py
 test: setup prometheus
 	$(VENV)/bin/ruff check .
 	@tmp=$$(mktemp -d); \
 	OMP_NUM_THREADS=1 nice -n 19 $(PYTEST) --basetemp=$$tmp/others $(NO_RAY) tests > $$tmp/others.log 2>&1 & \
 	others=$$!; \
-	$(PYTEST) --basetemp=$$tmp/nodes $(RAY) $(NODES) > $$tmp/nodes.log 2>&1 & \
-	nodes=$$!; \
-	$(PYTEST) --basetemp=$$tmp/ray $(RAY) $(foreach f,$(NODES) $(LAUNCH),--ignore=$(f)) tests; ray=$$?; \
-	wait $$nodes; nodes_rc=$$?; \
-	$(PYTEST) --basetemp=$$tmp/launch $(RAY) $(LAUNCH) > $$tmp/launch.log 2>&1; launch=$$?; \
+	$(PYTEST) --basetemp=$$tmp/ray -m "(ray or cluster) and not slow" tests; ray=$$?; \
 	wait $$others; others_rc=$$?; \
-	echo "=== the tests on simulated multi-node clusters, run beside the tests above ==="; cat $$tmp/nodes.log; \
-	echo "=== test_launch.py, run after them (its ray stop ends every Ray process) ==="; cat $$tmp/launch.log; \
 	echo "=== the tests without Ray, run beside the tests above ==="; cat $$tmp/others.log; rm -rf $$tmp; \
-	test $$ray = 0 -a $$nodes_rc = 0 -a $$launch = 0 -a $$others_rc = 0
+	test $$ray = 0 -a $$others_rc = 0
 
 # The edit loop: records, engine and kernels, no Ray: two workers of one torch thread each, a file
 # per worker (two threads each would fight for the two cores: twice the CPU time).

@@ -557,15 +557,16 @@ def test_pd_hops_join_one_trace_with_the_pull_measured(tiny_llama):
     import engine.tracing as tracing
     from engine.telemetry import kv_block_bytes
 
+    ids = prompt(100, salt=9)
+    want = reference(tiny_llama, [ids])[0]          # before tracing: an engine that traces traces everything
     exporter = InMemorySpanExporter()
     tracing.use_exporter(exporter)
     try:
         carrier = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
         p, d = make_engine(tiny_llama, "torch_dist"), make_engine(tiny_llama, "torch_dist")
-        ids = prompt(100, salt=9)
         params = prefill(p, "r", ids, trace_context=carrier)
         out = run_one(d, "r", ids, GREEDY, params, others=(p,), trace_context=carrier)
-        assert out.outputs[0].token_ids == reference(tiny_llama, [ids])[0]
+        assert out.outputs[0].token_ids == want
         settle(p, d)
         spans = exporter.get_finished_spans()
     finally:

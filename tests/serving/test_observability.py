@@ -177,11 +177,13 @@ def test_a_real_prometheus_reads_every_dashboard_expression_and_the_ttft_the_cli
 
     proc, api = _prometheus(tmp_path, server["port"])
     try:
-        _wait_scraped(api)
-        time.sleep(2.5)                            # a scrape after `before` holds everything before it
+        _wait_scraped(api)                         # a scrape since the earlier tests' requests ended
         metrics = f"{server['base']}/pd/metrics"
         server_before = httpx.get(metrics).text
         before = time.time()
+        bad = httpx.post(f"{server['base']}/pd/v1/completions", json={"model": server["model"], "prompt": "x",
+                                                                      "max_tokens": -1}, timeout=30)
+        assert bad.status_code == 400                   # (the dashboard charts errors too)
         ap = argparse.ArgumentParser()
         bench.add_args(ap)
         args = ap.parse_args(["--dataset", "random", "--input-len", "40:200", "--output-len", "8",
@@ -190,17 +192,18 @@ def test_a_real_prometheus_reads_every_dashboard_expression_and_the_ttft_the_cli
         args.base_url = f"{server['base']}/pd"
         results, wall, _ = asyncio.run(bench.run(args, workloads.make_dataset(args)))
         assert all(r.ok for r in results), [r.error for r in results if not r.ok]
-        bad = httpx.post(f"{server['base']}/pd/v1/completions", json={"model": server["model"], "prompt": "x",
-                                                                      "max_tokens": -1}, timeout=30)
-        assert bad.status_code == 400
-        time.sleep(3.5)                            # scraped at least twice since
-        after = time.time()
         ttft = 'pdserve:time_to_first_token_seconds_{0}{{pool="decode"}}'
 
         def since(series: str) -> str:       # its increase since `before` (a series new since then: all of it)
             return f"(({series}) - ({series} @ {before:.3f}) or ({series}))"
 
-        count = _query(api, f"sum({since(ttft.format('count'))})", after)
+        deadline = time.monotonic() + 60                # until a scrape after the run's end (1 s apart)
+        while True:
+            after = time.time()
+            count = _query(api, f"sum({since(ttft.format('count'))})", after)
+            if count and float(count[0]["value"][1]) >= len(results) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert float(count[0]["value"][1]) == len(results)        # every request counted, once
         served = float(_query(api, f"histogram_quantile(0.5, sum by (le) ({since(ttft.format('bucket'))}))",
                               after)[0]["value"][1])
