@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hmac
 import logging
 import os
@@ -169,7 +170,7 @@ class Frontend:
             try:
                 yield None
             finally:
-                ARRIVAL.reset(arrived)
+                _reset(ARRIVAL, arrived)
             return
         tokenizer = self.preparer.tokenizer
         describe = tokenizer.decode if serving.log_request_prompts and tokenizer is not None else None
@@ -181,8 +182,8 @@ class Frontend:
             trace.failed(request_error(e) if isinstance(e, Exception) else e)
             raise
         finally:
-            CURRENT.reset(token)
-            ARRIVAL.reset(arrived)
+            _reset(CURRENT, token)
+            _reset(ARRIVAL, arrived)
             trace.release()
 
     # --- generation --------------------------------------------------------------------------------
@@ -304,6 +305,13 @@ class Frontend:
         text = self.metrics.render()
         prefix = self.config.serving.metrics_prefix
         return text if prefix == "pdserve" else _METRIC_NAME.sub(rf"\g<1>{prefix}:", text)
+
+
+def _reset(var: contextvars.ContextVar, token: contextvars.Token) -> None:
+    """Reset a context variable, unless this runs in another context than the one that set it (a
+    streaming generator finalized by the garbage collector's task): that context is gone anyway."""
+    with contextlib.suppress(ValueError):
+        var.reset(token)
 
 
 # A metric's name where it starts a sample line or a HELP / TYPE comment.
