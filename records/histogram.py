@@ -68,18 +68,6 @@ def engine_histograms(max_model_len: int) -> dict[str, tuple[float, ...]]:
     }
 
 
-class LatencyHistogram:
-    """Counts of observed latencies per bucket of LATENCY_BUCKETS_S, since the engine started."""
-
-    __slots__ = ("counts",)
-
-    def __init__(self) -> None:
-        self.counts = [0] * NUM_BUCKETS
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
-
-
 class Histogram:
     """Counts per bucket (a value equal to a bound counts in that bound's bucket, as Prometheus'
     `le`) and the sum of the values observed, since the engine started."""
@@ -98,6 +86,15 @@ class Histogram:
     def reading(self) -> tuple[list[int], float]:
         """What the engine's stats carry: (counts per bucket, not cumulative; sum)."""
         return list(self.counts), self.sum
+
+
+class LatencyHistogram(Histogram):
+    """Latencies on the planner's buckets (LATENCY_BUCKETS_S), since the engine started."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__(LATENCY_BUCKETS_S)
 
 
 def delta(now: Sequence[int], before: Sequence[int] | None) -> tuple[int, ...]:

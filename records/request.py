@@ -102,7 +102,6 @@ class Request:
         self.scheduled_time: float | None = None
         self.pull_start: float | None = None
         self.pull_end: float | None = None
-        self.pull_blocks = 0
         self.pull_tokens = 0
         self.pull_error: str | None = None
 
@@ -134,6 +133,25 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def pull_blocks(self) -> int:
+        """Blocks its KV pull moves (`pull_tokens`, from a block boundary)."""
+        return -(-self.pull_tokens // self.block_size)
+
+    def stop_status(self, token_id: int, max_model_len: int) -> RequestStatus | None:
+        """How the token just appended ends this request (EOS or a stop token once min_tokens are
+        out, sets `stop_reason` for a stop token; max_tokens or max_model_len reached), or None."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                self.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
 
     @property
     def num_tokens_to_compute(self) -> int:

@@ -49,7 +49,6 @@ class KVLoads:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.loading[request.request_id] = (request, num_external)
         request.pull_start = request.scheduled_time = time.monotonic()
-        request.pull_blocks = -(-num_external // self.kv.block_size)
         request.pull_tokens = num_external
         self.connector.plan_load(request, self.kv.block_ids(request.request_id), num_hit, num_external)
         return True

@@ -417,17 +417,7 @@ class Scheduler:
         self._enqueue(request, front=True)
 
     def _check_stop(self, request: Request, token_id: int) -> None:
-        params = request.sampling_params
-        status = None
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif token_id in params.stop_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
-        if status is None and (request.num_output_tokens >= request.max_tokens
-                               or request.num_tokens >= self.config.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH_CAPPED
+        status = request.stop_status(token_id, self.config.max_model_len)
         if status is not None:
             self.running.remove(request)
             self._free(request, status)
