@@ -79,15 +79,16 @@ def _kernel_reads(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0
-                     ) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """kernels.reference.decode_attention's contract, computed in fp32 from the paged cache directly
     (an fp8 cache's values widened as they are read, k_scale folded into the query's scale and
     v_scale into the output's normalization)."""
     if not _kernel_reads(query, kv_cache):
-        return reference.decode_attention(query, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+        return reference.decode_attention(query, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                                          window, softcap)
     return torch.ops.pdserve_cpu.paged_decode(query, kv_cache, block_tables, seq_lens, float(scale),
-                                              float(k_scale), float(v_scale))
+                                              float(k_scale), float(v_scale), int(window), float(softcap))
 
 
 class PackedPrefill:
@@ -108,20 +109,21 @@ def pack_prefill(block_tables: list[torch.Tensor], query_lens: list[int], seq_le
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[torch.Tensor],
                       query_lens: list[int], seq_lens: list[int], scale: float,
-                      packed: PackedPrefill | None = None, k_scale: float = 1.0, v_scale: float = 1.0
-                      ) -> torch.Tensor:
+                      packed: PackedPrefill | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                      window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """kernels.reference.prefill_attention's contract, computed in fp32 from the paged cache directly;
     on a CPU with AMX for a bf16/fp16 query, segments of SDPA_MIN_QUERY_LEN rows or more go to
-    SDPA instead (see `sdpa_segments`)."""
+    SDPA instead (see `sdpa_segments`; not for a windowed or soft-capped layer, which SDPA's flash
+    kernel cannot mask or cap)."""
     if not _kernel_reads(query, kv_cache) or not block_tables:
         return reference.prefill_attention(query, kv_cache, block_tables, query_lens, seq_lens, scale, None,
-                                           k_scale, v_scale)
+                                           k_scale, v_scale, window, softcap)
     scales = (float(scale), float(k_scale), float(v_scale))
-    large = sdpa_segments(query.dtype, query_lens)
+    large = [] if window or softcap else sdpa_segments(query.dtype, query_lens)
     if not large:
         packed = packed or PackedPrefill(block_tables, query_lens, seq_lens)
         return torch.ops.pdserve_cpu.paged_prefill(query, kv_cache, packed.tables, packed.query_lens,
-                                                   packed.seq_lens, *scales)
+                                                   packed.seq_lens, *scales, int(window), float(softcap))
     _check_segments(query, kv_cache, block_tables, query_lens, seq_lens)
     out = torch.empty_like(query)
     starts = [0]
@@ -136,7 +138,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
         out[rows] = torch.ops.pdserve_cpu.paged_prefill(
             query[rows], kv_cache, torch.nn.utils.rnn.pad_sequence([block_tables[i].long() for i in rest],
                                                                    batch_first=True),
-            torch.tensor([query_lens[i] for i in rest]), torch.tensor([seq_lens[i] for i in rest]), *scales)
+            torch.tensor([query_lens[i] for i in rest]), torch.tensor([seq_lens[i] for i in rest]), *scales, 0, 0.0)
     return out
 
 

@@ -7,6 +7,12 @@ An fp8 cache (`torch.float8_e4m3fn`, kv_cache_dtype="fp8") stores K / k_scale an
 saturated to e4m3's +-448 and rounded to nearest even (`quantize_kv`); attention reads K as the
 stored value times k_scale (`dequantize_kv`) and likewise V. The attention and write kernels take
 the layer's scales as `k_scale` / `v_scale` (1.0, and ignored, for a cache in the model's dtype).
+
+Both attention kernels take a layer's `window` (a sliding window: the query at position p sees keys
+p - window + 1 .. p, transformers' `sliding_window`; 0: the whole context) and `softcap` (Gemma 2's
+logit soft-capping: scores become softcap * tanh(score / softcap) before the mask; 0: none). A
+windowed sequence's block table may point anywhere before its window (its freed blocks): those
+positions are masked, never weighted.
 """
 from __future__ import annotations
 
@@ -89,7 +95,8 @@ def pack_prefill(block_tables: list[torch.Tensor], query_lens: list[int], seq_le
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[torch.Tensor],
                       query_lens: list[int], seq_lens: list[int], scale: float, packed: object = None,
-                      k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                      k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0, softcap: float = 0.0
+                      ) -> torch.Tensor:
     """Causal attention of variable-length query segments against paged K/V.
 
     query: [num_tokens, num_heads, head_dim], the segments laid end to end. Segment i holds the last
@@ -112,25 +119,39 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
         k = dequantize_kv(k.transpose(0, 1)[None], k_scale, compute_dtype)    # [1, kvh, seq_len, d]
         v = dequantize_kv(v.transpose(0, 1)[None], v_scale, compute_dtype)
         # 4-D inputs: 3-D ones fall back to SDPA's slow math kernel on CPU.
-        if q_len == seq_len:
+        if q_len == seq_len and not window and not softcap:
             o = F.scaled_dot_product_attention(q[None], k, v, is_causal=True, scale=scale, enable_gqa=True)[0]
         else:
-            # Query row r sits at position seq_len - q_len + r and sees keys up to it. With a mask,
-            # enable_gqa is ~40x slower on CPU, so the query heads sharing a KV head are stacked into
-            # one [group * q_len] row block instead (no copy of K/V).
+            # Query row r sits at position seq_len - q_len + r and sees keys up to it (and, with a
+            # window, from p - window + 1). With a mask, enable_gqa is ~40x slower on CPU, so the
+            # query heads sharing a KV head are stacked into one [group * q_len] row block instead
+            # (no copy of K/V).
             rows = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows          # [q_len, seq_len]
+            keys = torch.arange(seq_len, device=q.device)[None, :]
+            mask = (keys <= rows) & ((keys > rows - window) if window else True)     # [q_len, seq_len]
             qg = q.reshape(num_kv_heads, group * q_len, head_dim)[None]
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(group, 1), scale=scale)
+            o = _attend(qg, k, v, mask.repeat(group, 1), scale, softcap)
             o = o.reshape(num_heads, q_len, head_dim)      # (CUDA SDPA returns it strided)
         out[start:start + q_len] = o.transpose(0, 1)     # (cast back to the activations' dtype)
         start += q_len
     return out
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float) -> torch.Tensor:
+    """Masked attention (mask True: attend), by SDPA, or with soft-capped scores as transformers'
+    eager Gemma 2 computes them (SDPA has no soft-capping)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0
-                     ) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """One query token per sequence against its paged K/V.
 
     query: [batch, num_heads, head_dim]; block_tables: [batch, max_blocks] (padded with any valid
@@ -141,15 +162,16 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     groups of similar length, each padded only to its own longest.
     """
     batch = query.shape[0]
+    extra = (scale, k_scale, v_scale, window, softcap)
     if batch < DECODE_GROUP_MIN_BATCH or query.device.type != "cpu":    # (no host sync on a GPU)
-        return _decode_padded(query, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+        return _decode_padded(query, kv_cache, block_tables, seq_lens, *extra)
     bounds = _decode_groups(seq_lens.tolist(), kv_cache.shape[2])
     if len(bounds) == 1:
-        return _decode_padded(query, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+        return _decode_padded(query, kv_cache, block_tables, seq_lens, *extra)
     out = torch.empty_like(query)
     for start, end, num_blocks in bounds:
         out[start:end] = _decode_padded(query[start:end], kv_cache, block_tables[start:end, :num_blocks],
-                                        seq_lens[start:end], scale, k_scale, v_scale)
+                                        seq_lens[start:end], *extra)
     return out
 
 
@@ -178,20 +200,23 @@ def _decode_groups(lens: list[int], block_size: int) -> list[tuple[int, int, int
 
 
 def _decode_padded(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                   seq_lens: torch.Tensor, scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
+                   seq_lens: torch.Tensor, scale: float, k_scale: float, v_scale: float, window: int = 0,
+                   softcap: float = 0.0) -> torch.Tensor:
     batch, max_blocks = block_tables.shape
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     group = query.shape[1] // num_kv_heads
     kv = gather_blocks(kv_cache, block_tables.flatten())
     kv = kv.view(2, batch, max_blocks * block_size, num_kv_heads, head_dim).transpose(2, 3)  # [2, B, kvh, L, d]
     max_len = max_blocks * block_size
-    mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]   # [B, max_len]
+    keys = torch.arange(max_len, device=query.device)[None, :]
+    mask = keys < seq_lens[:, None]                                                  # [B, max_len]
+    if window:
+        mask &= keys >= seq_lens[:, None] - window
     # The `group` query heads sharing a KV head are that head's rows: [B, kvh, group, d]. SDPA with
     # a mask and enable_gqa instead is 4-6x slower on CPU in bf16.
     k, v = dequantize_kv(kv[0], k_scale, query.dtype), dequantize_kv(kv[1], v_scale, query.dtype)
-    out = F.scaled_dot_product_attention(
-        query.view(batch, num_kv_heads, group, head_dim), k, v, attn_mask=mask[:, None, None, :],
-        scale=scale)                                      # [B, kvh, group, d]
+    out = _attend(query.view(batch, num_kv_heads, group, head_dim), k, v, mask[:, None, None, :], scale,
+                  softcap)                                # [B, kvh, group, d]
     return out.reshape(batch, num_kv_heads * group, head_dim)
 
 

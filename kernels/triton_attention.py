@@ -92,11 +92,14 @@ def _load_kv(ptr, mask, like, FP8: tl.constexpr):
 
 @triton.jit
 def _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_row_ptr, t, seq_len, q_pos, kvh, d, dmask,
-                 stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                 BOUNDED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
+                 stride_kb, stride_ks, stride_kh, scale, window, softcap, BLOCK_SIZE: tl.constexpr,
+                 TILE: tl.constexpr, BOUNDED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+                 FP8: tl.constexpr, WINDOWED: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
     """One online-softmax step over the TILE tokens from position t: scores of q against their
     keys, running max m and sum l rescaled, values accumulated. BOUNDED masks positions >= seq_len,
-    CAUSAL positions after each query row's q_pos; a tile with neither needs no mask at all."""
+    CAUSAL positions after each query row's q_pos; a tile with neither needs no mask at all.
+    WINDOWED also masks positions at or before q_pos - window (a row may then see none of the
+    tile: its max stays -inf and 0 stands in for it); SOFTCAP caps the scores at +-softcap (tanh)."""
     pos = t + tl.arange(0, TILE)
     if BOUNDED:
         pmask = pos < seq_len
@@ -108,11 +111,17 @@ def _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_row_ptr, t, seq_len, q_pos, k
     off = page.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
     k = _load_kv(k_ptr + off[:, None] + d[None, :], kv_mask, q, FP8)
     s = _dot(q, tl.trans(k), IEEE).to(tl.float32) * scale
+    if SOFTCAP:     # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1)
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
     if CAUSAL:
         s = tl.where((pos[None, :] <= q_pos[:, None]) & pmask[None, :], s, float("-inf"))
     elif BOUNDED:
         s = tl.where(pmask[None, :], s, float("-inf"))
+    if WINDOWED:
+        s = tl.where(pos[None, :] > q_pos[:, None] - window, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
+    if WINDOWED:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m - m_new)
     l = l * alpha + tl.sum(p, 1)
@@ -125,10 +134,11 @@ def _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_row_ptr, t, seq_len, q_pos, k
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_o_ptr, part_ml_ptr,
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_tb, scale, v_scale,
-                   num_heads, num_splits, tiles_per_split,
+                   num_heads, num_splits, tiles_per_split, window, softcap,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                   SPLIT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
+                   SPLIT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+                   WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -145,10 +155,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_o_ptr
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     start = split * tiles_per_split * TILE
     end = tl.minimum(seq_len, start + tiles_per_split * TILE)
+    q_pos = 0
+    if WINDOWED:        # only the last `window` keys: the tiles before them are skipped
+        q_pos = tl.full([GROUP_PAD], 0, tl.int32) + seq_len - 1
+        start = tl.maximum(start, tl.maximum(seq_len - window, 0) // TILE * TILE)
     for t in range(start, end, TILE):
-        m, l, acc = _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_ptr + b * stride_tb, t, seq_len, 0, kvh,
-                                 d, dmask, stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE, TILE,
-                                 True, False, IEEE, FP8)
+        m, l, acc = _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_ptr + b * stride_tb, t, seq_len, q_pos, kvh,
+                                 d, dmask, stride_kb, stride_ks, stride_kh, scale, window, softcap, BLOCK_SIZE,
+                                 TILE, True, False, IEEE, FP8, WINDOWED, SOFTCAP)
     acc = acc * v_scale                 # an fp8 cache's V scale (1.0 otherwise)
     if SPLIT:
         # Unnormalized partial output and its (m, l): [batch, heads, splits, ...].
@@ -217,8 +231,8 @@ def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int
 
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0
-                     ) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Same contract as kernels.reference.decode_attention; a seq_len of 0 gives a zero row."""
     batch, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -242,7 +256,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
         query, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), scale * k_scale, v_scale,
-        num_heads, splits, per_split, SPLIT=splits > 1, **common,
+        num_heads, splits, per_split, int(window), float(softcap), SPLIT=splits > 1, WINDOWED=window > 0,
+        SOFTCAP=softcap > 0, **common,
         **(FP8_DECODE_LAUNCH if fp8 and splits == 1 else DECODE_LAUNCH))     # decode_partitions' rule
     if splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -254,10 +269,10 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, q_start_ptr, q_len_ptr, seq_len_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_kb, stride_ks, stride_kh, stride_tb, scale, v_scale,
+                    stride_kb, stride_ks, stride_kh, stride_tb, scale, v_scale, window, softcap,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
-                    IEEE: tl.constexpr, FP8: tl.constexpr):
+                    IEEE: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     tile = tl.program_id(0)
     seg = tl.program_id(1)
     h = tl.program_id(2)
@@ -283,15 +298,22 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, q_start_ptr, q_len_pt
     # rest, up to the last row's position, are masked causally.
     full_end = (ctx + tile * BLOCK_M) // TILE * TILE
     table_row = table_ptr + seg * stride_tb
-    for t in range(0, full_end, TILE):
-        m, l, acc = _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_row, t, seq_len, q_pos, kvh, d, dmask,
-                                 stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE, TILE, False, False,
-                                 IEEE, FP8)
     hi = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)
-    for t in range(full_end, hi, TILE):
-        m, l, acc = _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_row, t, seq_len, q_pos, kvh, d, dmask,
-                                 stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE, TILE, True, True,
-                                 IEEE, FP8)
+    if WINDOWED:
+        # From the first row's window on, every tile masked (each row's window starts elsewhere).
+        for t in range(tl.maximum(ctx + tile * BLOCK_M - window + 1, 0) // TILE * TILE, hi, TILE):
+            m, l, acc = _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_row, t, seq_len, q_pos, kvh, d, dmask,
+                                     stride_kb, stride_ks, stride_kh, scale, window, softcap, BLOCK_SIZE, TILE,
+                                     True, True, IEEE, FP8, True, SOFTCAP)
+    else:
+        for t in range(0, full_end, TILE):
+            m, l, acc = _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_row, t, seq_len, q_pos, kvh, d, dmask,
+                                     stride_kb, stride_ks, stride_kh, scale, window, softcap, BLOCK_SIZE, TILE,
+                                     False, False, IEEE, FP8, False, SOFTCAP)
+        for t in range(full_end, hi, TILE):
+            m, l, acc = _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_row, t, seq_len, q_pos, kvh, d, dmask,
+                                     stride_kb, stride_ks, stride_kh, scale, window, softcap, BLOCK_SIZE, TILE,
+                                     True, True, IEEE, FP8, False, SOFTCAP)
     out = acc * v_scale / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
@@ -325,8 +347,8 @@ def pack_prefill(block_tables: list[torch.Tensor], query_lens: list[int], seq_le
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[torch.Tensor],
                       query_lens: list[int], seq_lens: list[int], scale: float,
-                      packed: PackedPrefill | None = None, k_scale: float = 1.0, v_scale: float = 1.0
-                      ) -> torch.Tensor:
+                      packed: PackedPrefill | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                      window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Same contract as kernels.reference.prefill_attention."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -340,7 +362,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
         query, k_cache, v_cache, out, pk.tables, pk.q_starts, pk.q_lens, pk.seq_lens,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), pk.tables.stride(0), scale * k_scale, v_scale,
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+        int(window), float(softcap), WINDOWED=window > 0, SOFTCAP=softcap > 0, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M, TILE=_tile(block_size),
         IEEE=query.dtype == torch.float32, FP8=fp8, **PREFILL_LAUNCH)
     return out

@@ -81,7 +81,7 @@ class CpuDecodePlan:
                 return None
             layers.append((layer.input_layernorm.weight, float(layer.input_layernorm.eps), a.qkv_proj.rows_matmul(),
                            [a.q_size, a.kv_size, a.kv_size], a.num_heads, a.num_kv_heads, a.head_dim, a.attn,
-                           float(a.attn.scale),
+                           (float(a.attn.scale), int(a.attn.window), float(a.attn.softcap)),
                            a.o_proj.rows_matmul(), layer.post_attention_layernorm.weight,
                            float(layer.post_attention_layernorm.eps), mlp.gate_up_proj.rows_matmul(),
                            mlp.down_proj.rows_matmul(),
@@ -99,13 +99,13 @@ class CpuDecodePlan:
         slots, tables, lens = meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens
         cos, sin = model.rotary.lookup(positions)
         hidden, residual = model.embed_tokens(input_ids), None
-        for (norm1, eps1, qkv, sizes, heads, kv_heads, head_dim, attn, scale, o_proj, norm2, eps2, gate_up,
+        for (norm1, eps1, qkv, sizes, heads, kv_heads, head_dim, attn, shape, o_proj, norm2, eps2, gate_up,
              down, qk_norms), kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = rms_norm(hidden, norm1, eps1, residual)
             k_scale, v_scale = attn.k_scale, attn.v_scale       # read per step: calibration sets them after build
             if not fp8_cache and qk_norms is None:
-                out = attention(qkv(hidden), cos, sin, kv_cache, slots, tables, lens, heads, kv_heads, scale,
-                                float(k_scale), float(v_scale))
+                out = attention(qkv(hidden), cos, sin, kv_cache, slots, tables, lens, heads, kv_heads, shape[0],
+                                float(k_scale), float(v_scale), *shape[1:])
             else:
                 q, k, v = qkv(hidden).split(sizes, dim=-1)
                 if qk_norms is not None:                   # Qwen3: each head's q and k RMS-normalized
@@ -114,8 +114,8 @@ class CpuDecodePlan:
                     k = rms_norm(k.reshape(-1, head_dim), k_norm, qk_eps, None)[0]
                 q, k = rotary(q.view(num, heads, head_dim), k.view(num, kv_heads, head_dim), cos, sin)
                 write_kv(k, v.view(num, kv_heads, head_dim), kv_cache, slots, k_scale, v_scale)
-                out = paged_decode(q, kv_cache, tables, lens, scale, float(k_scale), float(v_scale)).view(
-                    num, heads * head_dim)
+                out = paged_decode(q, kv_cache, tables, lens, shape[0], float(k_scale), float(v_scale),
+                                   *shape[1:]).view(num, heads * head_dim)
             hidden = o_proj(out)
             hidden, residual = rms_norm(hidden, norm2, eps2, residual)
             hidden = down(silu_and_mul(gate_up(hidden)))

@@ -95,6 +95,15 @@ inline V exp_approx(V x) {
   return x < -87.3f ? V{} : x > 88.37f ? V{} + INFINITY : y;
 }
 
+// Logit soft-capping (Gemma 2): cap * tanh(s / cap), lane by lane with the C library's tanh (as torch
+// computes it; a few dozen lanes a chunk, so its scalar cost does not show).
+template <typename V>
+inline V soft_cap(V s, float cap) {
+  constexpr int n = sizeof(V) / sizeof(float);
+  for (int i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
+  return s;
+}
+
 template <typename T>
 inline f32x16 load16(const T* p) {
   if constexpr (std::is_same_v<T, float>) {

@@ -62,7 +62,7 @@ struct DecodeTiling {
 // Templated on R so that the rows' query and output vectors stay in registers.
 template <typename T, int D, int R>
 inline void chunk_rows(const T* k, const T* v, int64_t stride, int64_t count, int64_t head_offset,
-                       const Lanes* q, Row* rows, Lanes* acc) {
+                       const Lanes* q, Row* rows, Lanes* acc, float softcap) {
   using Tiling = DecodeTiling<D>;
   constexpr int V = Tiling::V, KB = Tiling::k_block, VB = Tiling::v_block;
   constexpr int bits = __builtin_ctz(kLanes);
@@ -90,7 +90,7 @@ inline void chunk_rows(const T* k, const T* v, int64_t stride, int64_t count, in
   float p[R][kLanes];
   float alpha[R];
   for (int r = 0; r < R; ++r) {
-    const Lanes s = valid ? scores[r] : Lanes{} - INFINITY;
+    const Lanes s = valid ? (softcap > 0.f ? soft_cap(scores[r], softcap) : scores[r]) : Lanes{} - INFINITY;
     const float m = std::max(rows[r].max, hmax(s));
     const Lanes e = valid ? exp_approx(s - m) : Lanes{};
     alpha[r] = rows[r].max == m ? 1.f : rows[r].max == -INFINITY ? 0.f : std::exp(rows[r].max - m);
@@ -117,17 +117,17 @@ inline void chunk_rows(const T* k, const T* v, int64_t stride, int64_t count, in
 
 template <typename T, int D>
 void chunk_group(const T* k, const T* v, int64_t stride, int64_t count, int64_t head_offset,
-                 const Lanes* q, Row* rows, Lanes* acc, int64_t group) {
+                 const Lanes* q, Row* rows, Lanes* acc, int64_t group, float softcap) {
   constexpr int V = D / kLanes;
   for (int64_t r = 0; r < group;) {
     const int64_t tile = std::min<int64_t>(DecodeTiling<D>::rows, group - r);
     const Lanes* qr = q + r * V;
     Lanes* ar = acc + r * V;
     switch (tile) {
-      case 4: chunk_rows<T, D, 4>(k, v, stride, count, head_offset, qr, rows + r, ar); break;
-      case 3: chunk_rows<T, D, 3>(k, v, stride, count, head_offset, qr, rows + r, ar); break;
-      case 2: chunk_rows<T, D, 2>(k, v, stride, count, head_offset, qr, rows + r, ar); break;
-      default: chunk_rows<T, D, 1>(k, v, stride, count, head_offset, qr, rows + r, ar); break;
+      case 4: chunk_rows<T, D, 4>(k, v, stride, count, head_offset, qr, rows + r, ar, softcap); break;
+      case 3: chunk_rows<T, D, 3>(k, v, stride, count, head_offset, qr, rows + r, ar, softcap); break;
+      case 2: chunk_rows<T, D, 2>(k, v, stride, count, head_offset, qr, rows + r, ar, softcap); break;
+      default: chunk_rows<T, D, 1>(k, v, stride, count, head_offset, qr, rows + r, ar, softcap); break;
     }
     r += tile;
   }
@@ -152,7 +152,7 @@ struct Scratch {
 // `part`, laid out [H][D + 2]; the caller merges ranges.
 template <typename C, int D>
 void decode_range(const PagedKV<C>& kv, const int64_t* table, int64_t begin, int64_t end, int64_t num_heads,
-                  int64_t group, float* part, Scratch<C>& w) {
+                  int64_t group, float softcap, float* part, Scratch<C>& w) {
   constexpr int V = D / kLanes;
   const int64_t stride = kv.token_stride;
   w.acc.assign(static_cast<size_t>(num_heads * V), Lanes{});
@@ -167,7 +167,7 @@ void decode_range(const PagedKV<C>& kv, const int64_t* table, int64_t begin, int
       std::memcpy(w.v.data() + t * stride, kv.v + kv.row(table, c0 + t), stride * sizeof(C));
     for (int64_t h = 0; h < kv.num_kv_heads; ++h)
       chunk_group<C, D>(w.k.data(), w.v.data(), stride, count, h * D, w.q.data() + h * group * V,
-                        w.rows.data() + h * group, w.acc.data() + h * group * V, group);
+                        w.rows.data() + h * group, w.acc.data() + h * group * V, group, softcap);
   }
   for (int64_t r = 0; r < num_heads; ++r) {
     std::memcpy(part + r * (D + 2), w.acc.data() + r * V, sizeof(Lanes) * V);
@@ -180,7 +180,8 @@ void decode_range(const PagedKV<C>& kv, const int64_t* table, int64_t begin, int
 // K scale is folded into the query's, the V scale into the output's normalization).
 template <typename T, typename C, int D>
 void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& tables,
-                 const at::Tensor& lens, double scale, double k_scale, double v_scale, at::Tensor& out) {
+                 const at::Tensor& lens, double scale, double k_scale, double v_scale, int64_t window,
+                 double softcap, at::Tensor& out) {
   constexpr int V = D / kLanes;
   const int64_t batch = query.size(0), num_heads = query.size(1);
   const PagedKV<C> kv(kv_cache);
@@ -192,8 +193,10 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
 
   // Split long contexts into token ranges when sequences alone would leave threads idle; the ranges
   // are merged below by their softmax statistics.
+  // A sliding window (window > 0) reads only a sequence's last `window` keys, [window_start(b), len).
+  auto window_start = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, len_ptr[b] - window) : int64_t{0}; };
   int64_t max_len = 0;
-  for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, len_ptr[b]);
+  for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, len_ptr[b] - window_start(b));
   const int64_t want = 4 * at::get_num_threads();
   int64_t splits = batch >= want ? 1 : (want + batch - 1) / batch;
   const int64_t range = std::max<int64_t>(256, (max_len + splits - 1) / splits);
@@ -205,8 +208,8 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
   // batch comes sorted by length, and contiguous shares would give one thread all the long ones.
   const int64_t num_items = batch * splits;
   auto cost = [&](int64_t item) {
-    const int64_t begin = item % splits * range, end = std::min(len_ptr[item / splits], begin + range);
-    return std::max<int64_t>(0, end - begin) + 16;                     // + a fixed cost per item
+    const int64_t b = item / splits, begin = window_start(b) + item % splits * range;
+    return std::max<int64_t>(0, std::min(len_ptr[b], begin + range) - begin) + 16;   // + a fixed cost per item
   };
   const auto assigned = assign_longest_first(num_items, at::get_num_threads(), cost);
 
@@ -216,7 +219,7 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
     for (int64_t t = first; t < last; ++t)
       for (const int64_t item : assigned[t]) {
         const int64_t b = item / splits, s = item % splits;
-        const int64_t begin = s * range, end = std::min(len_ptr[b], begin + range);
+        const int64_t begin = window_start(b) + s * range, end = std::min(len_ptr[b], begin + range);
         float* part = parts.data() + item * part_size;
         if (begin >= end) {
           for (int64_t r = 0; r < num_heads; ++r) part[r * (D + 2) + D + 1] = 0.f;  // empty range
@@ -226,7 +229,8 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
         float* qf = reinterpret_cast<float*>(w.q.data());
         const float q_scale = static_cast<float>(scale * k_scale);
         for (int64_t j = 0; j < num_heads * D; ++j) qf[j] = to_float(qb[j]) * q_scale;
-        decode_range<C, D>(kv, table_ptr + b * max_blocks, begin, end, num_heads, group, part, w);
+        decode_range<C, D>(kv, table_ptr + b * max_blocks, begin, end, num_heads, group,
+                           static_cast<float>(softcap), part, w);
       }
   });
 
@@ -256,7 +260,9 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
 }
 
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                        const at::Tensor& seq_lens, double scale, double k_scale, double v_scale) {
+                        const at::Tensor& seq_lens, double scale, double k_scale, double v_scale, int64_t window,
+                        double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_decode: window and softcap must be >= 0 (0: none)");
   check_attention_inputs("paged_decode", query, kv_cache);
   const at::Tensor q = query.contiguous();
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
@@ -267,7 +273,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, con
   if (q.size(0) == 0) return out;
   dispatch_dtype_and_head_dim("paged_decode", q, kv_cache, [&](auto type, auto cache, auto dim) {
     decode_impl<typename decltype(type)::type, typename decltype(cache)::type, decltype(dim)::value>(
-        q, kv_cache, tables, lens, scale, k_scale, v_scale, out);
+        q, kv_cache, tables, lens, scale, k_scale, v_scale, window, softcap, out);
   });
   return out;
 }
@@ -499,7 +505,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cac
 at::Tensor decode_attention_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                 at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, double scale,
-                                double k_scale, double v_scale) {
+                                double k_scale, double v_scale, int64_t window, double softcap) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(3) == num_kv_heads && kv_cache.scalar_type() == qkv.scalar_type(),
               "decode_attention_qkv: kv_cache must be [2, blocks, block_size, num_kv_heads, d] of qkv's dtype");
   const int64_t tokens = qkv.size(0), d = kv_cache.size(4);
@@ -510,7 +516,8 @@ at::Tensor decode_attention_qkv(const at::Tensor& qkv, const at::Tensor& cos, co
   const at::Tensor v = qkv.narrow(1, (num_heads + num_kv_heads) * d, num_kv_heads * d).view({tokens, num_kv_heads, d});
   const auto [q_rot, k_rot] = rotary(q, k, cos, sin);
   write_kv(k_rot, v, kv_cache, slot_mapping);
-  return paged_decode(q_rot, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale).view({tokens, num_heads * d});
+  return paged_decode(q_rot, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale, window, softcap)
+      .view({tokens, num_heads * d});
 }
 
 // Each row's argmax: the first maximum, or the first NaN where a row has one (torch's max(dim)).
@@ -576,7 +583,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("paged_decode(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "
-        "float k_scale, float v_scale) -> Tensor");
+        "float k_scale, float v_scale, int window, float softcap) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -584,7 +591,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("decode_attention_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, float scale, float k_scale, "
-        "float v_scale) -> Tensor");
+        "float v_scale, int window, float softcap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {

@@ -64,7 +64,7 @@ struct PrefillScratch {
 template <typename T, typename C, int D>
 void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& tables,
                   const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale, double k_scale,
-                  double v_scale, at::Tensor& out) {
+                  double v_scale, int64_t window, double softcap, at::Tensor& out) {
   const int64_t num_heads = query.size(1), num_segments = query_lens.size(0);
   const PagedKV<C> kv(kv_cache);
   const int64_t num_kv_heads = kv.num_kv_heads, group = num_heads / num_kv_heads, max_blocks = tables.size(1);
@@ -110,6 +110,11 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
         // last row (their results are not written).
         const Lanes limit = (lane < static_cast<float>(rows) ? lane : Lanes{} + static_cast<float>(rows - 1)) +
                              static_cast<float>(pos0);
+        // A sliding window: lane i sees keys in (limit - window, limit]; chunks wholly before the
+        // first row's window are skipped.
+        const Lanes floor_pos = window > 0 ? limit - static_cast<float>(window) : Lanes{} - 1.f;
+        const int64_t begin = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) / kLanes * kLanes : 0;
+        const float cap = static_cast<float>(softcap);
         for (int64_t g = 0; g < group; ++g) {
           float* qf = reinterpret_cast<float*>(w.q.data() + g * D);     // [D][kLanes]
           for (int64_t i = 0; i < kLanes; ++i) {
@@ -121,7 +126,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
         std::fill(w.o.begin(), w.o.end(), Lanes{});
         w.max.assign(static_cast<size_t>(group), Lanes{} - INFINITY);
         w.denom.assign(static_cast<size_t>(group), Lanes{});
-        for (int64_t c0 = 0; c0 < end; c0 += kLanes) {
+        for (int64_t c0 = begin; c0 < end; c0 += kLanes) {
           const int64_t count = std::min<int64_t>(kLanes, end - c0);
           for (int64_t j = 0; j < kLanes; ++j) {
             float* kd = w.k.data() + j * D;
@@ -145,15 +150,19 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
             chunk_scores<D>(w.q.data() + g * D, w.k.data(), sc);
             Lanes m = w.max[g];
             for (int j = 0; j < kLanes; ++j) {
-              sc[j] = static_cast<float>(c0 + j) <= limit ? sc[j] : Lanes{} - INFINITY;   // causal
+              if (cap > 0.f) sc[j] = soft_cap(sc[j], cap);
+              const float key = static_cast<float>(c0 + j);
+              sc[j] = key <= limit && key > floor_pos ? sc[j] : Lanes{} - INFINITY;   // causal, windowed
               m = m > sc[j] ? m : sc[j];
             }
-            // Key 0 is in every lane's range, so after the first chunk m is finite; before it the
-            // old max is -inf and alpha is 0.
-            const Lanes alpha = exp_approx(w.max[g] - m);
+            // Without a window key 0 is in every lane's range, so after the first chunk m is finite;
+            // with one a lane may see no key of a chunk yet: its max stays -inf, and 0 stands in for
+            // it so that alpha and the weights come out 0 rather than NaN.
+            const Lanes m_safe = m == Lanes{} - INFINITY ? Lanes{} : m;
+            const Lanes alpha = exp_approx(w.max[g] - m_safe);
             Lanes sum = {};
             for (int j = 0; j < kLanes; ++j) {
-              e[j] = exp_approx(sc[j] - m);
+              e[j] = exp_approx(sc[j] - m_safe);
               sum += e[j];
             }
             w.denom[g] = w.denom[g] * alpha + sum;
@@ -175,8 +184,9 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
 
 at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                          const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale, double k_scale,
-                         double v_scale) {
+                         double v_scale, int64_t window, double softcap) {
   check_attention_inputs("paged_prefill", query, kv_cache);
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_prefill: window and softcap must be >= 0 (0: none)");
   const at::Tensor q = query.contiguous();
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor qlens = query_lens.to(at::kLong).contiguous();
@@ -196,7 +206,7 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, co
   if (q.size(0) == 0) return out;
   dispatch_dtype_and_head_dim("paged_prefill", q, kv_cache, [&](auto type, auto cache, auto dim) {
     prefill_impl<typename decltype(type)::type, typename decltype(cache)::type, decltype(dim)::value>(
-        q, kv_cache, tables, qlens, slens, scale, k_scale, v_scale, out);
+        q, kv_cache, tables, qlens, slens, scale, k_scale, v_scale, window, softcap, out);
   });
   return out;
 }
@@ -205,7 +215,7 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, co
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("paged_prefill(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor query_lens, Tensor seq_lens, "
-        "float scale, float k_scale, float v_scale) -> Tensor");
+        "float scale, float k_scale, float v_scale, int window, float softcap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("paged_prefill", &paged_prefill); }

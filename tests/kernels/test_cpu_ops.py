@@ -251,7 +251,8 @@ def test_write_kv_skips_padding_and_matches_reference():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2)])
-def test_decode_attention_qkv_equals_its_steps(dtype, head_dim, heads, kv_heads):
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (12, 2.0)])
+def test_decode_attention_qkv_equals_its_steps(dtype, head_dim, heads, kv_heads, window, softcap):
     """The decode plan's one call from the fused QKV output (rotary, K/V write, paged decode) gives
     the bits and the cache of the three kernels called one by one; a padding slot is skipped."""
     g = torch.Generator().manual_seed(5)
@@ -265,17 +266,18 @@ def test_decode_attention_qkv_equals_its_steps(dtype, head_dim, heads, kv_heads)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = cpu_ops.apply_rotary(q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), cos, sin)
     cpu_ops.write_kv(k, v.view(-1, kv_heads, head_dim), expected_cache, slots)
-    expected = cpu_ops.decode_attention(q, expected_cache, tables, seq_lens, 0.3).view(len(lens), -1)
+    expected = cpu_ops.decode_attention(q, expected_cache, tables, seq_lens, 0.3, window=window,
+                                        softcap=softcap).view(len(lens), -1)
     out = torch.ops.pdserve_cpu.decode_attention_qkv(qkv, cos, sin, cache, slots, tables, seq_lens, heads, kv_heads,
-                                                     0.3, 1.0, 1.0)
+                                                     0.3, 1.0, 1.0, window, softcap)
     assert torch.equal(out, expected) and torch.equal(cache, expected_cache)
     with pytest.raises(RuntimeError, match="qkv must be"):
         torch.ops.pdserve_cpu.decode_attention_qkv(qkv[:, 1:], cos, sin, cache, slots, tables, seq_lens, heads,
-                                                   kv_heads, 0.3, 1.0, 1.0)
+                                                   kv_heads, 0.3, 1.0, 1.0, 0, 0.0)
     with pytest.raises(RuntimeError, match="kv_cache must be"):
         torch.ops.pdserve_cpu.decode_attention_qkv(qkv, cos, sin, cache.float() if dtype != torch.float32
                                                    else cache.double(), slots, tables, seq_lens, heads, kv_heads,
-                                                   0.3, 1.0, 1.0)
+                                                   0.3, 1.0, 1.0, 0, 0.0)
 
 
 def test_decode_refuses_blocks_outside_the_table_or_pool():

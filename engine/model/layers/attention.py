@@ -62,22 +62,25 @@ class AttentionBackend:
         return meta
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+               window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """query: [T, H, d]; key/value: [T, kvh, d]; returns [T, H, d]. k_scale/v_scale: an fp8
-        cache's scales (kernels/reference.py)."""
+        cache's scales; window, softcap: the layer's sliding window and score cap (0: none; see
+        kernels/reference.py)."""
         k = self.kernels
         k.write_kv(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         num_decode = meta.num_decode_tokens
+        shape = dict(window=window, softcap=softcap) if window or softcap else {}
         if num_decode == query.shape[0]:
             return k.decode_attention(query, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-                                      k_scale, v_scale)
+                                      k_scale, v_scale, **shape)
         out = torch.empty_like(query)
         if num_decode:
             out[:num_decode] = k.decode_attention(query[:num_decode], kv_cache, meta.decode_block_tables,
-                                                  meta.decode_seq_lens, scale, k_scale, v_scale)
+                                                  meta.decode_seq_lens, scale, k_scale, v_scale, **shape)
         out[num_decode:] = k.prefill_attention(query[num_decode:], kv_cache, meta.prefill_block_tables,
                                                meta.prefill_query_lens, meta.prefill_seq_lens, scale,
-                                               meta.prefill_packed, k_scale, v_scale)
+                                               meta.prefill_packed, k_scale, v_scale, **shape)
         return out
 
 
@@ -89,10 +92,14 @@ def _default_backend(kernels: ModuleType, device_type: str) -> AttentionBackend:
 class Attention(nn.Module):
     backend: AttentionBackend | None = None   # bound once by ModelRunner (bind_kernels); else per call
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int | None = None,
+                 softcap: float | None = None) -> None:
+        """window: the layer's sliding window in tokens (None: the whole context); softcap: its
+        attention-score cap (Gemma 2's `attn_logit_softcapping`; None: none)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.window, self.softcap = window or 0, softcap or 0.0
         # An fp8 KV cache's scales for this layer (EngineConfig.cache_config.kv_scales; set by the
         # worker): stored K = K / k_scale, V likewise.
         self.k_scale, self.v_scale = 1.0, 1.0
@@ -101,4 +108,5 @@ class Attention(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """query: [T, H, d]; key/value: [T, kvh, d]; returns [T, H, d]."""
         backend = self.backend or _default_backend(kernels_for(query), query.device.type)
-        return backend.attend(query, key, value, kv_cache, meta, self.scale, self.k_scale, self.v_scale)
+        return backend.attend(query, key, value, kv_cache, meta, self.scale, self.k_scale, self.v_scale,
+                              self.window, self.softcap)
