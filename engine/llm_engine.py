@@ -51,7 +51,8 @@ class LLMEngine:
                                                                         kv_scales=self.executor.kv_scales))
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_blocks, config.cache_config.block_size,
-            config.cache_config.enable_prefix_caching, self.executor.num_cpu_blocks, self.executor.tier_slots)
+            config.cache_config.enable_prefix_caching, self.executor.num_cpu_blocks, self.executor.tier_slots,
+            mc.kv_sliding_window)
         kvt = config.kv_transfer_config
         self.kv_connector: KVConnectorScheduler | None = None
         self.kv_worker = self.executor.kv           # every rank's worker side (None without a connector)

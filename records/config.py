@@ -18,10 +18,10 @@ from records.lora import LoRAConfig
 from records.model_source import (
     architecture_of,
     check_parallel_fit,
+    kv_sliding_window,
     model_sampling_defaults,
     resolve_layer_partition,
     resolve_model,
-    sliding_window,
 )
 from records.quantization import BLOCK_QUANTIZATIONS, kv_cache_scales, resolve_quantization
 
@@ -56,6 +56,11 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """Every layer's sliding window where all have one (model_source.kv_sliding_window)."""
+        return kv_sliding_window(self.hf_config)
 
     @property
     def num_layers(self) -> int:
@@ -257,15 +262,10 @@ class EngineConfig:
         layer_partition = resolve_layer_partition(hf_config.num_hidden_layers, pipeline_parallel_size,
                                                   args.pp_layer_partition)
         derived_len = getattr(hf_config, "max_position_embeddings", None) or 2048
-        # A GGUF file carries no window: a converted Mistral config's 4,096 is transformers' default.
-        window, why = (sliding_window(hf_config) if gguf_file is None else None), ""
-        if window is not None and window < derived_len:
-            # pdserve attends to the whole context: up to the window that is what the model does too
-            derived_len, why = window, " (its sliding attention window; pdserve attends to whole contexts)"
         if max_model_len is None:
             max_model_len = derived_len
         elif not 1 <= max_model_len <= derived_len:
-            raise ValueError(f"max_model_len must be in [1, {derived_len}] for this model{why}; got {max_model_len}")
+            raise ValueError(f"max_model_len must be in [1, {derived_len}] for this model; got {max_model_len}")
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, max_model_len)
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:

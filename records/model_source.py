@@ -63,6 +63,25 @@ def sliding_window(hf_config: Any) -> int | None:
     return window
 
 
+def attention_windows(hf_config: Any) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: it attends to the whole context): the config's
+    `layer_types` say which layers are local (Gemma 2 alternates, Gemma 3 has five local per global,
+    Qwen2 with `use_sliding_window` from `max_window_layers` on); without them every layer is
+    (Mistral v0.1)."""
+    window, num_layers = sliding_window(hf_config), hf_config.num_hidden_layers
+    types = getattr(hf_config, "layer_types", None)
+    if window is None or not types:
+        return (window,) * num_layers
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
+
+
+def kv_sliding_window(hf_config: Any) -> int | None:
+    """The window behind which a request's KV blocks can be released: every layer's, where all
+    layers are local with one window (engine/core/kv_cache_manager.py); else None."""
+    windows = set(attention_windows(hf_config))
+    return windows.pop() if len(windows) == 1 else None
+
+
 def is_hub_id(model: str | None) -> bool:
     """Whether `model` names a Hugging Face Hub repo (org/name) rather than a local path."""
     return model is not None and bool(_REPO_ID.fullmatch(model)) and not os.path.exists(os.path.expanduser(model))
@@ -105,6 +124,10 @@ def resolve_model(model: str | None) -> tuple[str, str | None, Any]:
         hf_config = AutoConfig.from_pretrained(path if gguf_file is None else gguf_hf_dir(path, gguf_file))
     except (ValueError, KeyError) as e:
         raise ValueError(f"model {model!r}: cannot read its config ({e})") from e
+    if gguf_file is not None and getattr(hf_config, "model_type", "") in ("llama", "mistral"):
+        # llama.cpp's llama architecture has no window: a converted Mistral config's 4,096 is
+        # transformers' default, not the file's
+        hf_config.sliding_window = None
     architecture = architecture_of(hf_config)     # unknown architectures fail here, early
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"model architecture {architecture!r} is not supported; supported "

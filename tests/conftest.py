@@ -134,10 +134,13 @@ def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
         # MQA: one KV head shared by every query head.
         config = MistralConfig(**{**common, "num_key_value_heads": 1}, sliding_window=None,
                                tie_word_embeddings=False)
+    elif kind == "mistral_swa":
+        # Mistral v0.1's shape: every layer attends to a sliding window (32 tokens: two blocks)
+        config = MistralConfig(**common, sliding_window=32, tie_word_embeddings=False)
     else:
         raise AssertionError(kind)
     out = save_random_model(tmp_path_factory, config, f"tiny-{kind}",
-                            seed={"llama": 0, "qwen2": 1, "mistral": 2, "qwen3": 3, "llama4": 4}[kind])
+                            seed={"llama": 0, "qwen2": 1, "mistral": 2, "qwen3": 3, "llama4": 4, "mistral_swa": 5}[kind])
     tokenizer.save_pretrained(out)
     return out
 
@@ -160,6 +163,11 @@ def tiny_qwen2(tmp_path_factory, smol_tokenizer) -> str:
 @pytest.fixture(scope="session")
 def tiny_mistral(tmp_path_factory, smol_tokenizer) -> str:
     return _make_model(tmp_path_factory, smol_tokenizer, "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_swa(tmp_path_factory, smol_tokenizer) -> str:
+    return _make_model(tmp_path_factory, smol_tokenizer, "mistral_swa")
 
 
 @pytest.fixture(scope="session")

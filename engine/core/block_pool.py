@@ -31,6 +31,12 @@ class KVCacheBlock:
         return f"Block({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
 
 
+# What a request's block list holds where a sliding window freed a block (KVCacheManager): no pool
+# block, never freed or cached; its id is a valid index, which the kernels never weigh (the
+# positions lie before the window).
+NULL_BLOCK = KVCacheBlock(0, ref_cnt=1)
+
+
 class FreeBlockQueue:
     """Doubly linked list of free blocks: O(1) pop from the head, append, and removal anywhere."""
 
@@ -93,6 +99,8 @@ class BlockPool:
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference on cache hits, pulling free ones off the free queue."""
         for block in blocks:
+            if block is NULL_BLOCK:
+                continue
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
@@ -119,6 +127,8 @@ class BlockPool:
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the free queue's tail in order."""
         for block in blocks:
+            if block is NULL_BLOCK:
+                continue
             assert block.ref_cnt > 0, f"double free of {block}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
@@ -130,7 +140,7 @@ class BlockPool:
             return
         stored = []
         for block, block_hash in zip(blocks, block_hashes, strict=True):
-            if block.block_hash is not None or block_hash in self.cached:
+            if block is NULL_BLOCK or block.block_hash is not None or block_hash in self.cached:
                 continue
             block.block_hash = block_hash
             self.cached[block_hash] = block

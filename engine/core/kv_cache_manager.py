@@ -5,10 +5,19 @@ blocks shared with a fork sibling or cached for a prefix survive until their las
 "Does not fit now" is returned as None, never raised: the scheduler answers it by preempting.
 With an offload tier (engine/core/kv_tier.py) evicted prefix blocks are kept beyond the pool, and
 `tier_hits` finds the ones a lookup can load back.
+
+Sliding window (`sliding_window`, set where every layer attends to at most that many tokens, as
+Mistral v0.1's do): the blocks wholly before the window of a request's next query are released as
+it advances, their places in its list taken by NULL_BLOCK, so a long sequence holds at most
+window / block_size + 2 blocks. Released blocks keep their prefix-cache entries (their KV is
+valid; a later prefix hit takes them back). A request that exports its KV to a decode engine
+(`remote_decode`) keeps all of its blocks: the pull reads them whole. A model mixing local and
+global layers (Gemma 2/3) shares one block table between them, so the global layers' need keeps
+every block (None here).
 """
 from __future__ import annotations
 
-from engine.core.block_pool import BlockPool, KVCacheBlock
+from engine.core.block_pool import NULL_BLOCK, BlockPool, KVCacheBlock
 from engine.core.kv_tier import KVTier
 from records.hashing import BlockHash
 from records.request import BlockHolder, Request
@@ -16,9 +25,13 @@ from records.request import BlockHolder, Request
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_cpu_blocks: int = 0, tier_slots: tuple[int, int] = (0, 0)) -> None:
-        """tier_slots: (host, disk) slots of the offload tier; (0, 0): none (prefix caching only)."""
+                 num_cpu_blocks: int = 0, tier_slots: tuple[int, int] = (0, 0),
+                 sliding_window: int | None = None) -> None:
+        """tier_slots: (host, disk) slots of the offload tier; (0, 0): none (prefix caching only).
+        sliding_window: every layer's window, where all layers have one (see the module)."""
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.num_released: dict[str, int] = {}           # leading blocks a window released
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.tier: KVTier | None = None
@@ -47,6 +60,10 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Pool blocks the request holds (its list less the places a window released)."""
+        return sum(b is not NULL_BLOCK for b in self.req_to_blocks.get(request_id, ()))
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -150,13 +167,20 @@ class KVCacheManager:
             blocks = self.req_to_blocks.get(request.request_id)
             pos = request.num_computed_tokens
             last = pos // self.block_size
-            if blocks and pos % self.block_size and last < len(blocks) and blocks[last].ref_cnt == 1:
+            window = self.sliding_window
+            if (blocks and pos % self.block_size and last < len(blocks) and blocks[last].ref_cnt == 1
+                    and not (window and (pos - window + 1) % self.block_size == 0)):
                 if cache:
                     self.cache_full_blocks(request, pos + 1)
                 return []
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        if self.sliding_window and new_computed_blocks and not request.remote_decode:
+            # Hits wholly behind the window of the first query are never read: not taken at all.
+            behind = max(0, num_computed - self.sliding_window + 1) // self.block_size - len(blocks)
+            if behind > 0:
+                new_computed_blocks = [NULL_BLOCK] * behind + new_computed_blocks[behind:]
         num_required = self.num_blocks_for(num_computed + num_new_tokens)
         num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
         # The first write lands inside an existing partial block shared with a sibling: copy it.
@@ -183,7 +207,22 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         if cache:
             self.cache_full_blocks(request, num_computed + num_new_tokens)
+        if self.sliding_window and not request.remote_decode:
+            self._release_behind_window(request.request_id, blocks, num_computed)
         return new_blocks
+
+    def _release_behind_window(self, rid: str, blocks: list[KVCacheBlock], first_query: int) -> None:
+        """Release the blocks wholly before the window of the query at position `first_query` (the
+        step's first; later ones see later keys). With prefix caching, only blocks already registered
+        (a pulled block is registered once its KV has landed: until then it stays)."""
+        end = max(0, first_query - self.sliding_window + 1) // self.block_size
+        if self.enable_caching:
+            end = min(end, self.num_cached_blocks.get(rid, 0))
+        start = self.num_released.get(rid, 0)
+        if end > start:
+            self.block_pool.free_blocks(blocks[start:end])
+            blocks[start:end] = [NULL_BLOCK] * (end - start)
+            self.num_released[rid] = end
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the blocks that will be full once `num_tokens` tokens are computed."""
@@ -213,15 +252,19 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(rid, [])
         self.block_pool.free_blocks(list(reversed(blocks)))
         self.num_cached_blocks.pop(rid, None)
-        self.free_cpu_blocks.extend(self.swapped.pop(rid, []))
+        self.num_released.pop(rid, None)
+        self.free_cpu_blocks.extend(c for c in self.swapped.pop(rid, []) if c >= 0)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` references to all of `parent`'s blocks (copy-on-write on the next write)."""
         blocks = self.req_to_blocks[parent.request_id]
         for block in blocks:
-            block.ref_cnt += 1
+            if block is not NULL_BLOCK:
+                block.ref_cnt += 1
         self.req_to_blocks[child.request_id] = list(blocks)
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
+        if parent.request_id in self.num_released:
+            self.num_released[child.request_id] = self.num_released[parent.request_id]
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -230,16 +273,19 @@ class KVCacheManager:
     # --- swap -------------------------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the request's blocks to the CPU pool; returns (device, cpu) copies, or None if the
-        CPU pool is too small (the caller then recomputes instead)."""
+        CPU pool is too small (the caller then recomputes instead). A window's released places
+        stay released (CPU id -1)."""
         rid = request.request_id
-        blocks = self.req_to_blocks.get(rid, [])
-        num_used = self.num_blocks_for(request.num_computed_tokens)
-        if num_used > len(self.free_cpu_blocks):
+        used = self.req_to_blocks.get(rid, [])[:self.num_blocks_for(request.num_computed_tokens)]
+        if sum(b is not NULL_BLOCK for b in used) > len(self.free_cpu_blocks):
             return None
-        cpu_ids = [self.free_cpu_blocks.pop() for _ in range(num_used)]
-        mapping = [(b.block_id, c) for b, c in zip(blocks[:num_used], cpu_ids)]
+        cpu_ids = [-1 if b is NULL_BLOCK else self.free_cpu_blocks.pop() for b in used]
+        mapping = [(b.block_id, c) for b, c in zip(used, cpu_ids) if c >= 0]
+        released = self.num_released.get(rid, 0)
         self.free(request)
         self.swapped[rid] = cpu_ids
+        if released:
+            self.num_released[rid] = released
         return mapping
 
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
@@ -247,15 +293,17 @@ class KVCacheManager:
         pool lacks room now."""
         rid = request.request_id
         cpu_ids = self.swapped[rid]
-        if len(cpu_ids) > self.block_pool.num_free_blocks:
+        held = [c for c in cpu_ids if c >= 0]
+        if len(held) > self.block_pool.num_free_blocks:
             return None
-        blocks = self.block_pool.get_new_blocks(len(cpu_ids))
+        new = iter(self.block_pool.get_new_blocks(len(held)))
+        blocks = [NULL_BLOCK if c < 0 else next(new) for c in cpu_ids]
         self.req_to_blocks[rid] = blocks
         del self.swapped[rid]
-        self.free_cpu_blocks.extend(cpu_ids)
+        self.free_cpu_blocks.extend(held)
         self.num_cached_blocks[rid] = 0
         self.cache_full_blocks(request, request.num_computed_tokens)
-        return [(c, b.block_id) for c, b in zip(cpu_ids, blocks)]
+        return [(c, b.block_id) for c, b in zip(cpu_ids, blocks) if c >= 0]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, in the pool and the tier (refused while blocks are in use)."""
@@ -276,6 +324,7 @@ class KVCacheManager:
         assert not held, f"blocks still referenced: {held[:8]}"
         assert self.block_pool.num_free_blocks == self.block_pool.num_blocks
         assert len(self.free_cpu_blocks) == self.num_cpu_blocks
+        assert not self.num_released, f"released-block counts outlive their requests: {list(self.num_released)}"
         if self.tier is not None:         # every tier slot is either free or holds one block
             for medium, entries in self.tier.entries.items():
                 slots = sorted([*entries.values(), *self.tier.free[medium]])

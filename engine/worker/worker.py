@@ -143,18 +143,23 @@ class Worker:
         """(device blocks, CPU swap blocks) from the cache config."""
         cc, sc = self.config.cache_config, self.config.scheduler_config
         per_block = self.bytes_per_block()
+        # The most tokens one sequence holds at once: all of them, or, where every layer is local
+        # and prefill is chunked, its window and one step's chunk (the KV cache releases the rest).
+        window, per_seq = self.config.model_config.kv_sliding_window, sc.max_model_len
+        if window and sc.enable_chunked_prefill:
+            per_seq = min(per_seq, window + sc.max_num_batched_tokens + cc.block_size)
         if cc.num_kv_blocks is not None:
             num_blocks = cc.num_kv_blocks
         elif cc.kv_cache_memory_bytes is not None:
             num_blocks = cc.kv_cache_memory_bytes // per_block
         else:
             # Enough for max_num_seqs full-length sequences, capped by the default budget.
-            wanted = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size)
+            wanted = sc.max_num_seqs * -(-per_seq // cc.block_size)
             num_blocks = min(wanted, DEFAULT_KV_CACHE_BYTES // per_block)
-        if num_blocks * cc.block_size < sc.max_model_len:
+        if num_blocks * cc.block_size < per_seq:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks x {cc.block_size} tokens, less than one "
-                f"sequence of max_model_len={sc.max_model_len}; raise num_kv_blocks / "
+                f"sequence of {per_seq} tokens (max_model_len={sc.max_model_len}); raise num_kv_blocks / "
                 f"kv_cache_memory_bytes or lower max_model_len")
         num_cpu_blocks = cc.swap_space_bytes // per_block if sc.preemption_mode == "swap" else 0
         return num_blocks, num_cpu_blocks

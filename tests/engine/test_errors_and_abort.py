@@ -73,31 +73,6 @@ def test_unknown_model_path_and_architecture(tmp_path, tiny_llama):
         LLM(str(bad))
 
 
-def test_sliding_window_bounds_max_model_len(tiny_mistral, tiny_qwen2, tmp_path):
-    """pdserve attends to whole contexts, so a model whose layers see a sliding window (Mistral v0.1's
-    4,096 tokens) serves contexts up to that window, where the two agree: the default max_model_len
-    is the window and a longer one is refused naming it. Qwen2's configs carry a window with
-    use_sliding_window off: no limit."""
-    import json
-    import shutil
-
-    from records.config import EngineConfig
-
-    def with_config(path: str, name: str, **fields) -> str:
-        out = tmp_path / name
-        shutil.copytree(path, out)
-        config = json.loads((out / "config.json").read_text())
-        (out / "config.json").write_text(json.dumps({**config, **fields}))
-        return str(out)
-
-    mistral = with_config(tiny_mistral, "mistral", sliding_window=64)
-    assert EngineConfig.create(mistral, dtype="float32").model_config.max_model_len == 64
-    with pytest.raises(ValueError, match=r"max_model_len must be in \[1, 64\] for this model \(its sliding"):
-        EngineConfig.create(mistral, dtype="float32", max_model_len=128)
-    qwen2 = with_config(tiny_qwen2, "qwen2", sliding_window=64, use_sliding_window=False)
-    assert EngineConfig.create(qwen2, dtype="float32").model_config.max_model_len == 2048
-
-
 def test_hub_repo_id_loads_from_the_hf_cache(tiny_llama, tmp_path, monkeypatch):
     """A Hugging Face Hub repo id as `model` (vLLM's way) loads the HF cache's snapshot (built here by
     hand in huggingface_hub's layout, offline: no network in tests), and a server names the model

@@ -27,10 +27,12 @@ from engine.model.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model.parallel_state import get_parallel_state, pp_layer_range
 from kernels.dispatch import kernels_for
 from kernels.reference import dequantize_gguf
+from records.model_source import attention_windows
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, qk_norm: bool = False,
+                 window: int | None = None) -> None:
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -39,7 +41,7 @@ class LlamaAttention(nn.Module):
                                           bias=qkv_bias, dtype=dtype)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads   # this rank's
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=o_bias, dtype=dtype)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, window)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # Qwen3: each head's q and k RMS-normalized over head_dim (weights shared by the heads, so
@@ -80,10 +82,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, qk_norm: bool = False,
+                 window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype, qkv_bias, o_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, dtype, qkv_bias, o_bias, qk_norm, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype)
 
@@ -118,8 +121,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
                              if needs_embedding else None)
         qkv_bias, o_bias = self.attention_biases(config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, qkv_bias, o_bias, self.qk_norm)
-                                    for _ in range(self.start_layer, self.end_layer))
+        windows = attention_windows(config)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, qkv_bias, o_bias, self.qk_norm, windows[i])
+                                    for i in range(self.start_layer, self.end_layer))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last_stage else None
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config), dtype)
