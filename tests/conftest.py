@@ -112,7 +112,15 @@ def smol_tokenizer(tmp_path_factory):
 
 
 def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -134,13 +142,36 @@ def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
         # MQA: one KV head shared by every query head.
         config = MistralConfig(**{**common, "num_key_value_heads": 1}, sliding_window=None,
                                tie_word_embeddings=False)
+    elif kind == "gemma2":
+        # local (window 12) and global layers; both soft-caps low enough to bite; a query scalar
+        # that is not head_dim
+        config = Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    elif kind == "gemma3":
+        # one local layer (window 12, rope base 10,000) and one global (base 1e6, linear scaling)
+        config = Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=16, sliding_window=12,
+                                  layer_types=["sliding_attention", "full_attention"],
+                                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                   "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                      "rope_theta": 1000000.0}})
+    elif kind == "phi3":
+        # LongRoPE at 8x its original 256 positions (the attention factor applies; the tests'
+        # sequences stay within the short factors' range, as transformers switches whole passes)
+        half = 16 // 2
+        config = Phi3Config(**{**common, "max_position_embeddings": 2048}, original_max_position_embeddings=256,
+                            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                             "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                             "long_factor": [2.0 + 0.5 * i for i in range(half)],
+                                             "original_max_position_embeddings": 256},
+                            pad_token_id=0, tie_word_embeddings=False)
     elif kind == "mistral_swa":
         # Mistral v0.1's shape: every layer attends to a sliding window (32 tokens: two blocks)
         config = MistralConfig(**common, sliding_window=32, tie_word_embeddings=False)
     else:
         raise AssertionError(kind)
     out = save_random_model(tmp_path_factory, config, f"tiny-{kind}",
-                            seed={"llama": 0, "qwen2": 1, "mistral": 2, "qwen3": 3, "llama4": 4, "mistral_swa": 5}[kind])
+                            seed={"llama": 0, "qwen2": 1, "mistral": 2, "qwen3": 3, "llama4": 4, "mistral_swa": 5,
+                                  "gemma2": 6, "gemma3": 7, "phi3": 8}[kind])
     tokenizer.save_pretrained(out)
     return out
 
@@ -163,6 +194,21 @@ def tiny_qwen2(tmp_path_factory, smol_tokenizer) -> str:
 @pytest.fixture(scope="session")
 def tiny_mistral(tmp_path_factory, smol_tokenizer) -> str:
     return _make_model(tmp_path_factory, smol_tokenizer, "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2(tmp_path_factory, smol_tokenizer) -> str:
+    return _make_model(tmp_path_factory, smol_tokenizer, "gemma2")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory, smol_tokenizer) -> str:
+    return _make_model(tmp_path_factory, smol_tokenizer, "gemma3")
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3(tmp_path_factory, smol_tokenizer) -> str:
+    return _make_model(tmp_path_factory, smol_tokenizer, "phi3")
 
 
 @pytest.fixture(scope="session")

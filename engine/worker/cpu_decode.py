@@ -57,6 +57,7 @@ class CpuDecodePlan:
         """The plan for this model, kernel set and cache, or None where the modules must run."""
         state = get_parallel_state()
         if (not plan_enabled() or kernels is not cpu_ops or not isinstance(model, LlamaForCausalLM)
+                or not model.cpu_decode_plan
                 or state.tp_size > 1 or state.pp_size > 1 or not kv_caches):
             return None
         dtype = model.rotary.cos.dtype

@@ -32,7 +32,10 @@ from records.model_source import attention_windows
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, qk_norm: bool = False,
-                 window: int | None = None) -> None:
+                 window: int | None = None, scale: float | None = None, softcap: float | None = None,
+                 norm: type[RMSNorm] = RMSNorm) -> None:
+        """window: this layer's sliding window (None: whole context); scale: the scores' (default
+        head_dim ** -0.5); softcap: the scores' cap; norm: the q/k norms' class (with qk_norm)."""
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -41,13 +44,14 @@ class LlamaAttention(nn.Module):
                                           bias=qkv_bias, dtype=dtype)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads   # this rank's
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=o_bias, dtype=dtype)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, window)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              self.head_dim ** -0.5 if scale is None else scale, window, softcap)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # Qwen3: each head's q and k RMS-normalized over head_dim (weights shared by the heads, so
         # every TP rank holds them whole)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rotary: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -101,12 +105,20 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     qk_norm = False         # Qwen3's per-head norms of q and k
+    cpu_decode_plan = True  # its decode step is what engine/worker/cpu_decode.py flattens
 
     @staticmethod
     def attention_biases(config: Any) -> tuple[bool, bool]:
         """(qkv bias, o_proj bias) for this architecture."""
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
+
+    norm_class: type[RMSNorm] = RMSNorm
+
+    def make_layer(self, config: Any, dtype: torch.dtype, window: int | None) -> nn.Module:
+        """One decoder layer of this architecture (window: its sliding window, None: none)."""
+        qkv_bias, o_bias = self.attention_biases(config)
+        return LlamaDecoderLayer(config, dtype, qkv_bias, o_bias, self.qk_norm, window)
 
     def __init__(self, config: Any, dtype: torch.dtype, max_positions: int) -> None:
         super().__init__()
@@ -120,11 +132,10 @@ class LlamaForCausalLM(nn.Module):
         needs_embedding = self.is_first_stage or (self.is_last_stage and self.tie_word_embeddings)
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
                              if needs_embedding else None)
-        qkv_bias, o_bias = self.attention_biases(config)
         windows = attention_windows(config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, qkv_bias, o_bias, self.qk_norm, windows[i])
+        self.layers = nn.ModuleList(self.make_layer(config, dtype, windows[i])
                                     for i in range(self.start_layer, self.end_layer))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last_stage else None
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last_stage else None
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config), dtype)
         self.tied_packed: torch.Tensor | None = None     # prepacked embedding for tied logits

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from engine.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from engine.model.models.phi3 import Phi3ForCausalLM
 from records.model_source import SUPPORTED_ARCHITECTURES
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -11,6 +13,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 assert tuple(MODEL_REGISTRY) == SUPPORTED_ARCHITECTURES, "records/model_source.py names what is registered here"
 
