@@ -108,11 +108,14 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GR
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("kind,tp,pp", [(kind, tp, pp) for kind in ("llama", "qwen2")
-                                        for tp, pp in ((2, 1), (1, 2), (2, 2))] + [("qwen3", 2, 1)])
+@pytest.mark.parametrize("kind,tp,pp", [("llama", 2, 1), ("llama", 1, 2), ("llama", 2, 2), ("qwen2", 2, 2),
+                                        ("qwen3", 2, 1), ("gemma2", 2, 2), ("gemma3", 2, 1), ("phi3", 1, 2),
+                                        ("mistral_swa", 2, 2)])
 def test_parallel_greedy_matches_single_rank_and_hf(two_nodes, request, kind, tp, pp):
     """TP and PP over two simulated nodes give the single-rank engine's greedy tokens (Qwen3: its
-    per-head q/k norms, held whole on every TP rank)."""
+    per-head q/k norms, held whole on every TP rank; Gemma 2/3: local and global layers on each
+    stage; Phi-3: fused checkpoint projections cut per rank; a sliding-window Mistral: blocks
+    released behind the window on every rank alike)."""
     path = request.getfixturevalue(f"tiny_{kind}")
     # A 24-token budget chunks the longer prompts; the repeat of prompt 3 hits the prefix cache.
     args = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=24)

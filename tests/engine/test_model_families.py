@@ -57,3 +57,38 @@ def test_prefix_hits_and_preemption_keep_output(family, prompts, oracle, request
     after = llm.llm_engine.stats()
     assert after["num_preemptions"] > 0 and after["prefix_cache_hits"] > stats["prefix_cache_hits"]
     llm.llm_engine.check_no_leaks()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mistral_swa"])
+def test_ngram_speculation_keeps_output(family, prompts, request):
+    """Speculative decoding (n-gram proposals, verified in one pass) gives transformers' tokens; the
+    Mistral's window releases blocks while drafts are rolled back."""
+    path = request.getfixturevalue(f"tiny_{family}")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(path, dtype="float32", max_model_len=512, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 40)
+    assert llm.llm_engine.stats()["spec_num_draft_tokens"] > 0
+    llm.llm_engine.check_no_leaks()
+
+
+def test_lora_on_gemma_matches_peft_and_phi3s_fused_targets_are_refused(tiny_gemma2, tiny_phi3, prompts, tmp_path):
+    """Gemma's projections carry LoRA as Llama's do (PEFT is the oracle). Phi-3's checkpoint fuses
+    them, so its adapters target `qkv_proj` / `gate_up_proj`, which pdserve does not split: refused
+    naming the field."""
+    from helpers import make_adapter, peft_greedy  # noqa: PLC0415
+
+    from records.lora import LoRARequest  # noqa: PLC0415
+
+    adapter = make_adapter(tiny_gemma2, str(tmp_path / "gemma"), 8, ["q_proj", "v_proj", "down_proj"], seed=1)
+    llm = LLM(tiny_gemma2, dtype="float32", enable_lora=True, max_lora_rank=8, max_model_len=512)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False,
+                        lora_request=LoRARequest("g", 1, adapter))
+    assert [o.outputs[0].token_ids for o in outs] == peft_greedy(tiny_gemma2, adapter, prompts[:4], MAX_TOKENS)
+    fused = make_adapter(tiny_phi3, str(tmp_path / "phi3"), 8, ["qkv_proj"], seed=2)
+    phi = LLM(tiny_phi3, dtype="float32", enable_lora=True, max_lora_rank=8, max_model_len=512)
+    with pytest.raises(ValueError, match="target_modules"):
+        phi.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False, lora_request=LoRARequest("p", 1, fused))
+    phi.llm_engine.check_no_leaks()

@@ -198,6 +198,25 @@ def test_pd_output_matches_one_engine(tiny_llama, connector):
     assert p.stats()["kv_leases"] == 4 and p.stats()["kv_leases_expired"] == 0
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3", "mistral_swa"])
+def test_pd_of_more_families_matches_transformers(family, connector, request):
+    """Gemma 2/3, Phi-3 and a sliding-window Mistral across a transfer, with prompts past the
+    windows: D's greedy tokens are transformers'. P keeps every block of a request it exports (the
+    pull reads them whole); D releases the Mistral's behind the window once they have landed."""
+    from helpers import hf_greedy  # noqa: PLC0415
+
+    path = request.getfixturevalue(f"tiny_{family}")
+    ids_list = [prompt(17, salt=1), prompt(90, salt=2)]
+    want = hf_greedy(path, ids_list, GREEDY.max_tokens)
+    p, d = make_engine(path, connector), make_engine(path, connector)
+    for i, (ids, expected) in enumerate(zip(ids_list, want)):
+        params = prefill(p, f"r{i}", ids)
+        assert len(params["remote_block_ids"]) == -(-len(ids) // 16)
+        assert run_one(d, f"r{i}", ids, GREEDY, params, others=(p,)).outputs[0].token_ids == expected
+        settle(p, d)
+    assert d.stats()["kv_load_failures"] == 0
+
+
 def test_decode_side_pulls_only_blocks_it_lacks(tiny_llama, connector):
     shared = prompt(64, salt=1)
     ids_a, ids_b = shared + prompt(40, salt=2), shared + prompt(70, salt=3)
