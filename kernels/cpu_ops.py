@@ -60,7 +60,7 @@ __all__ = ["apply_rotary", "copy_blocks", "decode_attention", "fp8_linear", "gat
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = tuple(os.path.join(CSRC, name) for name in ("cpu_ops.cpp", "prefill_attention.cpp", "gguf_linear.cpp",
-                                                      "lora.cpp"))
+                                                      "lora.cpp", "moe.cpp"))
 HEADERS = (os.path.join(CSRC, "common.h"),)
 # Head sizes and dtypes the C++ attention kernels are instantiated for; others run the reference.
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
@@ -309,6 +309,12 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tens
         return reference.lora_add(x, out, a, bt, rows, starts, slots, ranks, sub_offsets)
     torch.ops.pdserve_cpu.lora_add(x, out, a, bt, rows, starts, slots, ranks, sub_offsets)
     return out
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+              expert_start: int = 0) -> torch.Tensor:
+    """kernels.reference.fused_moe's contract, in one C++ call (kernels/csrc/moe.cpp)."""
+    return torch.ops.pdserve_cpu.fused_moe(x, w13, w2, weights, ids, int(expert_start))
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -220,6 +220,25 @@ def _decode_padded(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     return out.reshape(batch, num_kv_heads * group, head_dim)
 
 
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+              expert_start: int = 0) -> torch.Tensor:
+    """A mixture of SiLU-gated experts: out[t] = sum over its k experts e of weights[t, j] *
+    w2[e] (silu(w1[e] x) * (w3[e] x)), experts in ascending order (transformers' order of sums).
+
+    x: [T, H]; w13: [E_local, 2 I, H] (w1's rows, then w3's); w2: [E_local, H, I]; weights: [T, k]
+    (float32); ids: [T, k] global expert ids, of which this call holds [expert_start, + E_local)
+    (expert parallelism: the others contribute nothing here). Returns [T, H] in x's dtype.
+    """
+    out = torch.zeros(x.shape, dtype=torch.float32 if x.dtype != torch.float32 else x.dtype, device=x.device)
+    local = ids - expert_start
+    for e in torch.unique(local[(local >= 0) & (local < w13.shape[0])]).tolist():
+        token, slot = torch.where(local == e)
+        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
+    return out.to(x.dtype)
+
+
 def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
     """Copy whole blocks src -> dst in every layer (copy-on-write)."""
     if not pairs:

@@ -122,6 +122,8 @@ class ParallelConfig:
     pipeline_micro_batches: int = 1          # micro-batches per step (the stages overlap on them)
     max_concurrent_batches: int = 1          # batches of disjoint requests in the stages at once
     layer_partition: tuple[int, ...] = ()    # layers per stage (resolved: always set by from_args)
+    enable_expert_parallel: bool = False     # MoE experts split over the TP ranks rather than sliced
+    moe_dispatch: str = "allreduce"          # "allreduce" | "all2all" (engine/model/layers/moe.py)
 
     @property
     def world_size(self) -> int:
@@ -317,7 +319,8 @@ class EngineConfig:
                                            args.worker_num_cpus, args.worker_num_gpus,
                                            args.distributed_executor_backend,
                                            tuple(sorted((args.worker_resources or {}).items())),
-                                           pipeline_micro_batches, max_concurrent_batches, layer_partition),
+                                           pipeline_micro_batches, max_concurrent_batches, layer_partition,
+                                           args.enable_expert_parallel, args.moe_dispatch),
             kv_transfer_config=kv_transfer_config,
             speculative_config=spec_config,
             lora_config=args.lora_config(), otlp_traces_endpoint=args.otlp_traces_endpoint,

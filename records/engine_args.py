@@ -66,6 +66,10 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     # Layers per pipeline stage (a list, or "10,20"); None: $PDSERVE_PP_LAYER_PARTITION, else even
     pp_layer_partition: list[int] | str | None = None
+    # vLLM's: a MoE model's experts split over the TP ranks (expert parallelism) instead of each
+    # expert's intermediate size; moe_dispatch: how tokens reach them ("allreduce" | "all2all")
+    enable_expert_parallel: bool = False
+    moe_dispatch: str = "allreduce"
     kv_connector: str | None = None                  # one of KV_CONNECTORS: P/D disaggregation
     kv_engine_id: str | None = None
     kv_host: str = "auto"
@@ -119,6 +123,8 @@ class EngineArgs:
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         if tp < 1 or pp < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if self.moe_dispatch not in ("allreduce", "all2all"):
+            raise ValueError(f"moe_dispatch must be one of ('allreduce', 'all2all'); got {self.moe_dispatch!r}")
         concurrent = self.max_concurrent_batches
         if concurrent is not None and not 1 <= concurrent <= max(1, pp):
             raise ValueError(f"max_concurrent_batches must be in [1, pipeline_parallel_size={pp}] (default: "

@@ -16,7 +16,8 @@ from records.gguf_file import gguf_hf_dir
 
 # What engine/model/models/registry.py maps to model classes (it checks that the two agree).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # GGUF configs carry only model_type.
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 

@@ -117,9 +117,12 @@ def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Phi3Config,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -164,6 +167,19 @@ def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
                                              "long_factor": [2.0 + 0.5 * i for i in range(half)],
                                              "original_max_position_embeddings": 256},
                             pad_token_id=0, tie_word_embeddings=False)
+    elif kind == "mixtral":
+        # eight experts, two per token (as Mixtral 8x7B), sliding window off
+        config = MixtralConfig(**{**common, "intermediate_size": 96}, num_local_experts=8, num_experts_per_tok=2,
+                               sliding_window=None, tie_word_embeddings=False)
+    elif kind == "qwen3_moe":
+        # q/k norms; a dense first layer (mlp_only_layers) before a sparse one
+        config = Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, head_dim=32, num_experts=8,
+                                num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[0],
+                                norm_topk_prob=True, tie_word_embeddings=True)
+    elif kind == "qwen2_moe":
+        # the gated shared expert; top-k weights left unnormalized (norm_topk_prob off)
+        config = Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                shared_expert_intermediate_size=96, norm_topk_prob=False, tie_word_embeddings=True)
     elif kind == "mistral_swa":
         # Mistral v0.1's shape: every layer attends to a sliding window (32 tokens: two blocks)
         config = MistralConfig(**common, sliding_window=32, tie_word_embeddings=False)
@@ -171,7 +187,8 @@ def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
         raise AssertionError(kind)
     out = save_random_model(tmp_path_factory, config, f"tiny-{kind}",
                             seed={"llama": 0, "qwen2": 1, "mistral": 2, "qwen3": 3, "llama4": 4, "mistral_swa": 5,
-                                  "gemma2": 6, "gemma3": 7, "phi3": 8}[kind])
+                                  "gemma2": 6, "gemma3": 7, "phi3": 8, "mixtral": 9, "qwen3_moe": 10,
+                                  "qwen2_moe": 11}[kind])
     tokenizer.save_pretrained(out)
     return out
 
@@ -209,6 +226,21 @@ def tiny_gemma3(tmp_path_factory, smol_tokenizer) -> str:
 @pytest.fixture(scope="session")
 def tiny_phi3(tmp_path_factory, smol_tokenizer) -> str:
     return _make_model(tmp_path_factory, smol_tokenizer, "phi3")
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory, smol_tokenizer) -> str:
+    return _make_model(tmp_path_factory, smol_tokenizer, "mixtral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory, smol_tokenizer) -> str:
+    return _make_model(tmp_path_factory, smol_tokenizer, "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe(tmp_path_factory, smol_tokenizer) -> str:
+    return _make_model(tmp_path_factory, smol_tokenizer, "qwen2_moe")
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,8 @@ class ParallelState:
     pp_size: int = 1
     tp_group: Any = None
     layer_partition: tuple[int, ...] = ()     # layers per stage (ParallelConfig); () = an even split
+    expert_parallel: bool = False             # MoE experts split over the TP ranks (engine/model/layers/moe.py)
+    moe_dispatch: str = "allreduce"           # how expert parallelism moves tokens (moe.MOE_DISPATCH)
 
     @property
     def is_first_stage(self) -> bool:
@@ -57,7 +59,8 @@ def get_parallel_state() -> ParallelState:
 
 
 def init_parallel_state(rank: int, tp_size: int, pp_size: int, init_method: str, device: torch.device,
-                        timeout_s: float = 300.0, layer_partition: tuple[int, ...] = ()) -> ParallelState:
+                        timeout_s: float = 300.0, layer_partition: tuple[int, ...] = (),
+                        expert_parallel: bool = False, moe_dispatch: str = "allreduce") -> ParallelState:
     """Join the engine's process group and build the TP group of this rank's stage. Every rank
     creates every stage's group, in the same order (torch.distributed requires it)."""
     global _state
@@ -70,7 +73,8 @@ def init_parallel_state(rank: int, tp_size: int, pp_size: int, init_method: str,
         if stage == rank // tp_size:
             tp_group = group
     _state = ParallelState(rank=rank, tp_rank=rank % tp_size, tp_size=tp_size, pp_rank=rank // tp_size,
-                           pp_size=pp_size, tp_group=tp_group, layer_partition=tuple(layer_partition))
+                           pp_size=pp_size, tp_group=tp_group, layer_partition=tuple(layer_partition),
+                           expert_parallel=expert_parallel, moe_dispatch=moe_dispatch)
     return _state
 
 

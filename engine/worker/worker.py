@@ -76,7 +76,8 @@ class Worker:
     def init_distributed(self, init_method: str) -> None:
         pc = self.config.parallel_config
         init_parallel_state(self.rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
-                            self.device, layer_partition=pc.layer_partition)
+                            self.device, layer_partition=pc.layer_partition,
+                            expert_parallel=pc.enable_expert_parallel, moe_dispatch=pc.moe_dispatch)
 
     def placement(self) -> dict[str, Any]:
         """Where this rank runs (for placement checks and logs)."""

@@ -9,7 +9,7 @@ from helpers import hf_greedy, mixed_prompts
 
 from engine import LLM, SamplingParams
 
-FAMILIES = ["gemma2", "gemma3", "phi3"]
+FAMILIES = ["gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "qwen2_moe"]
 MAX_TOKENS = 20
 
 

@@ -84,7 +84,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     cpu_decode_plan = False         # its layer is not the one engine/worker/cpu_decode.py flattens
     norm_class = GemmaRMSNorm
 
-    def make_layer(self, config: Any, dtype: torch.dtype, window: int | None) -> nn.Module:
+    def make_layer(self, config: Any, dtype: torch.dtype, index: int, window: int | None) -> nn.Module:
         return GemmaDecoderLayer(config, dtype, window, self.qk_norm)
 
     def __init__(self, config: Any, dtype: torch.dtype, max_positions: int) -> None:

@@ -71,14 +71,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     kernels: ModuleType | None = None     # bound once by ModelRunner (bind_kernels); else looked up per call
 
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, intermediate_size: int | None = None) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu'; got {config.hidden_act!r}")
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
-                                                       bias=bias, dtype=dtype)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, dtype=dtype)
+        inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias=bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -87,12 +87,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, qk_norm: bool = False,
-                 window: int | None = None) -> None:
+                 window: int | None = None, mlp: nn.Module | None = None) -> None:
+        """mlp: the layer's MLP where it is not Llama's (a mixture of experts)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(config, dtype, qkv_bias, o_bias, qk_norm, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, dtype)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
@@ -115,8 +116,9 @@ class LlamaForCausalLM(nn.Module):
 
     norm_class: type[RMSNorm] = RMSNorm
 
-    def make_layer(self, config: Any, dtype: torch.dtype, window: int | None) -> nn.Module:
-        """One decoder layer of this architecture (window: its sliding window, None: none)."""
+    def make_layer(self, config: Any, dtype: torch.dtype, index: int, window: int | None) -> nn.Module:
+        """Decoder layer `index` (of the whole model) of this architecture; window: its sliding window
+        (None: none)."""
         qkv_bias, o_bias = self.attention_biases(config)
         return LlamaDecoderLayer(config, dtype, qkv_bias, o_bias, self.qk_norm, window)
 
@@ -133,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
                              if needs_embedding else None)
         windows = attention_windows(config)
-        self.layers = nn.ModuleList(self.make_layer(config, dtype, windows[i])
+        self.layers = nn.ModuleList(self.make_layer(config, dtype, i, windows[i])
                                     for i in range(self.start_layer, self.end_layer))
         self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last_stage else None
         head_dim = self.layers[0].self_attn.head_dim
@@ -195,10 +197,14 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 name = f"layers.{index - self.start_layer}." + name.split(".", 2)[2]
             shard = None
-            for frag, (fused, shard_id) in self._fused.items():
-                if f".{frag}." in name:
-                    name, shard = name.replace(f".{frag}.", f".{fused}."), shard_id
-                    break
+            mapped = self.remap_weight(name)
+            if mapped is not None:
+                name, shard = mapped
+            else:
+                for frag, (fused, shard_id) in self._fused.items():
+                    if f".{frag}." in name:
+                        name, shard = name.replace(f".{frag}.", f".{fused}."), shard_id
+                        break
             param = params.get(name)
             if param is None:
                 continue                      # e.g. unused buffers some checkpoints carry
@@ -217,6 +223,11 @@ class LlamaForCausalLM(nn.Module):
         self.head_packed = _head_packed(self.lm_head, dense_copies) if self.lm_head is not None else None
         if self.lm_head is None and self.is_last_stage:
             self.tied_packed = _head_packed(self.embed_tokens, dense_copies)
+
+    def remap_weight(self, name: str) -> tuple[str, object] | None:
+        """(parameter name, shard id) for a checkpoint name (after `model.` and with this stage's
+        layer numbers) that the fused-projection rule does not cover; None: that rule applies."""
+        return None
 
     def _quantized_param(self, name: str, param: nn.Parameter, qtype: str) -> nn.Parameter:
         """The parameter `name` as GGUF blocks of `qtype`: its layer switches to them on the first

@@ -5,6 +5,7 @@ from torch import nn
 
 from engine.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from engine.model.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from engine.model.models.phi3 import Phi3ForCausalLM
 from records.model_source import SUPPORTED_ARCHITECTURES
 
@@ -16,6 +17,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 assert tuple(MODEL_REGISTRY) == SUPPORTED_ARCHITECTURES, "records/model_source.py names what is registered here"
 
