@@ -28,6 +28,7 @@ from records.config import EngineConfig
 from records.errors import EngineDeadError
 from records.kv_layout import KVLayout
 from records.lora import LoRARequest, read_adapter
+from records.model_source import MOE_ARCHITECTURES
 from records.outputs import KVEvent, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from records.request import PEER_PREFIX, Continuation, Request, RequestStatus
 from records.sampling_params import SamplingParams, StructuredOutputsParams, validate_request
@@ -371,7 +372,15 @@ class LLMEngine:
             **(self.spec_stats.as_dict() if self.proposer is not None else {}),
             **(self._transfer_stats() if self.kv_connector is not None else {}),
             **(self._tier_stats() if kv.tier is not None else {}),
+            **self._moe_stats(),
         }
+
+    def _moe_stats(self) -> dict[str, Any]:
+        """A MoE model's expert load: [rank, expert, rows run] per expert each rank holds."""
+        if self.config.model_config.architecture not in MOE_ARCHITECTURES:
+            return {}
+        return {"moe_expert_tokens": [[rank, expert, n] for rank, experts in enumerate(self.executor.expert_load())
+                                      for expert, n in sorted(experts.items())]}
 
     def _tier_stats(self) -> dict[str, Any]:
         """The offload tier: blocks held per medium, its counters, and the workers' bytes and

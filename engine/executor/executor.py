@@ -97,6 +97,10 @@ class InProcessExecutor(_Executor):
     def tier_stats(self) -> dict[str, float]:
         return self.worker.tier_stats()
 
+    def expert_load(self) -> list[dict[int, int]]:
+        """Each rank's MoE expert load (Worker.expert_load), in rank order."""
+        return [self.worker.expert_load()]
+
     def _exchange(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]
                   ) -> tuple[ModelRunnerOutput | None, list[TransferReport | None]]:
         output, report = self.worker.step(sched, kv_ops, isolate_failures=True)
@@ -258,6 +262,9 @@ class RayExecutor(_Executor):
             for k, v in stats.items():
                 total[k] = total.get(k, 0) + v
         return total
+
+    def expert_load(self) -> list[dict[int, int]]:
+        return self._wait([w.expert_load.options(concurrency_group="control").remote() for w in self.workers])
 
     def placements(self) -> list[dict[str, Any]]:
         return self._wait([w.placement.options(concurrency_group="control").remote() for w in self.workers])

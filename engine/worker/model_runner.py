@@ -68,9 +68,11 @@ class ModelRunner:
     def capture_cuda_graphs(self, sizes: tuple[int, ...], max_model_len: int) -> bool:
         """Capture the decode step for these batch sizes (after the KV cache exists). Only where the
         attention backend can (CUDA, Triton kernels: padded rows rely on its slot -1) and on a single
-        rank; returns whether graphs are in use."""
+        rank, for a model whose decode step has no host reads (`cuda_graphs`, False for MoE: its
+        expert counts size the grouped GEMMs); returns whether graphs are in use."""
         state = get_parallel_state()
-        if not sizes or not self.attention.can_capture_cuda_graphs or state.tp_size > 1 or state.pp_size > 1:
+        if (not sizes or not self.attention.can_capture_cuda_graphs or state.tp_size > 1 or state.pp_size > 1
+                or not getattr(self.model, "cuda_graphs", True)):
             return False
         max_blocks = -(-max_model_len // self.block_size)
         self.graph_runner = CudaGraphRunner(self.model, self.kv_caches, sizes, max_blocks, self.device)

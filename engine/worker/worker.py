@@ -20,6 +20,7 @@ import engine.worker.step_channel as step_channel
 from engine.loading.quant_checkpoint import model_weights
 from engine.model.layers.attention import Attention
 from engine.model.models.registry import get_model_class
+from engine.model.layers.moe import FusedMoE
 from engine.model.parallel_state import get_parallel_state, init_parallel_state, pp_layer_range
 from engine.sample.structured_output import Constraints
 from engine.worker.kv_scales import calibrate_kv_scales
@@ -288,6 +289,16 @@ class Worker:
         """Run one step; the output on the driver rank (TP 0 of the last stage), None elsewhere."""
         assert self.runner is not None
         return self.runner.execute(sched)
+
+    def expert_load(self) -> dict[int, int]:
+        """Rows (token, expert) each MoE expert this rank holds has run, summed over its layers,
+        by global expert id; {} for a dense model."""
+        total: dict[int, int] = {}
+        for module in self.runner.model.modules():
+            if isinstance(module, FusedMoE):
+                for expert, n in module.expert_load().items():
+                    total[expert] = total.get(expert, 0) + n
+        return total
 
     def tier_stats(self) -> dict[str, float]:
         """This rank's offload-tier counters (TierStore.stats); {} without a tier."""

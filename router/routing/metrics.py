@@ -241,6 +241,9 @@ class ServingMetrics:
                                     "longer held them; failed: the peer could not be asked)")
         self.peer_pull_blocks = r.counter("pdserve:peer_prefix_pull_blocks_total",
                                           "KV blocks leased by peer replicas for prefix pulls")
+        self.expert_tokens = r.counter("pdserve:moe_expert_tokens_total",
+                                       "(token, expert) rows each MoE expert has run, summed over layers, by "
+                                       "replica, the rank holding the expert and the expert (expert load).")
         self.migrations = r.counter("pdserve:request_migrations_total",
                                     "Streams moved to another replica after theirs was lost, by pool.")
         self.migration_failures = r.counter(
@@ -270,6 +273,9 @@ class ServingMetrics:
             hist = self.engine_hist.get(name)
             if hist is not None and len(counts) == len(hist.buckets) + 1:
                 hist.series[key] = (list(counts), [float(total)])
+        for rank, expert, rows in stats.get("moe_expert_tokens", ()):
+            labels = {"pool": pool, "replica": replica, "rank": str(rank), "expert": str(expert)}
+            self.expert_tokens.values[_key(labels)] = float(rows)
 
     def drop_replica(self, pool: str, replica: str) -> None:
         """Forget a replica that left its pool (replaced or drained): its series stop being exported."""
@@ -278,6 +284,8 @@ class ServingMetrics:
             metric.values.pop(key, None)
         for hist in self.engine_hist.values():
             hist.series.pop(key, None)
+        for labels in [k for k in self.expert_tokens.values if set(key) <= set(k)]:
+            self.expert_tokens.values.pop(labels)
 
     def render(self) -> str:
         return self.registry.render()

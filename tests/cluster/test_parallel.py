@@ -147,6 +147,38 @@ def test_parallel_greedy_matches_single_rank_and_hf(two_nodes, request, kind, tp
         engine.executor.shutdown()
 
 
+@pytest.mark.cluster
+@pytest.mark.parametrize("kind,tp,pp,ep,dispatch", [("mixtral", 2, 1, False, "allreduce"),
+                                                    ("qwen2_moe", 2, 1, True, "all2all"),
+                                                    ("qwen3_moe", 2, 2, True, "allreduce")])
+def test_moe_tensor_expert_and_pipeline_parallel_match_hf(two_nodes, request, kind, tp, pp, ep, dispatch):
+    """MoE over two simulated nodes: experts sliced over the TP ranks (Mixtral), or split between
+    them (expert parallelism) with all-to-all dispatch (Qwen2-MoE, its shared expert sliced) or
+    all-reduce (Qwen3-MoE, under PP too): transformers' greedy tokens; with EP each rank runs only
+    its own experts, and the load says so."""
+    path = request.getfixturevalue(f"tiny_{kind}")
+    args = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=24)
+    engine = LLMEngine(EngineConfig.create(path, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                           enable_expert_parallel=ep, moe_dispatch=dispatch, **args))
+    try:
+        assert run(engine, PROMPTS) == hf_greedy(path, PROMPTS, GREEDY.max_tokens)
+        load = engine.stats()["moe_expert_tokens"]
+        experts = {}
+        for rank, expert, rows in load:
+            experts.setdefault(rank, set()).add(expert)
+            assert rows > 0
+        num_experts = 8 if kind != "qwen2_moe" else 4
+        for stage in range(pp):
+            held = [experts[stage * tp + r] for r in range(tp)]
+            if ep:          # disjoint halves that cover every expert
+                assert set.union(*held) == set(range(num_experts)) and not set.intersection(*held)
+            else:
+                assert all(h == set(range(num_experts)) for h in held)
+        engine.check_no_leaks()
+    finally:
+        engine.executor.shutdown()
+
+
 def test_micro_batches_split_by_tokens():
     """Requests are dealt into micro-batches of about equal token counts, decodes first in each;
     with fewer tokens than MIN_MICRO_BATCH_TOKENS per micro-batch the step is not split."""

@@ -92,3 +92,22 @@ def test_lora_on_gemma_matches_peft_and_phi3s_fused_targets_are_refused(tiny_gem
     with pytest.raises(ValueError, match="target_modules"):
         phi.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False, lora_request=LoRARequest("p", 1, fused))
     phi.llm_engine.check_no_leaks()
+
+
+def test_expert_load_is_counted_and_exported(tiny_mixtral, prompts):
+    """Each (token, expert) row a MoE layer runs is counted per expert: a step's rows are the
+    tokens times top-k times the MoE layers; the ingress exports them per replica, rank and expert."""
+    from router.routing.metrics import ServingMetrics  # noqa: PLC0415
+
+    llm = LLM(tiny_mixtral, dtype="float32", max_model_len=512)
+    run(llm, prompts[:3])
+    load = llm.llm_engine.stats()["moe_expert_tokens"]
+    assert {expert for _, expert, _ in load} == set(range(8)) and {rank for rank, _, _ in load} == {0}
+    tokens = sum(len(p) for p in prompts[:3]) + 3 * (MAX_TOKENS - 1)    # the last token is never run
+    assert sum(n for _, _, n in load) == tokens * 2 * 2                 # top-2, two MoE layers
+    metrics = ServingMetrics()
+    metrics.set_engine_stats("decode", "r0", llm.llm_engine.stats())
+    text = metrics.render()
+    assert 'pdserve:moe_expert_tokens_total{expert="3",pool="decode",rank="0",replica="r0"}' in text
+    metrics.drop_replica("decode", "r0")
+    assert "moe_expert_tokens_total{" not in metrics.render()

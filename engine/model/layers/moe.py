@@ -77,7 +77,9 @@ class FusedMoE(nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(local_experts, hidden_size, local_inter, dtype=dtype), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
-        self.expert_tokens = torch.zeros(local_experts, dtype=torch.long)   # routed (token, expert) rows so far
+        # (token, expert) rows routed to each local expert so far, and a last slot for the others'
+        # (counted on the device: no host read per layer)
+        self.register_buffer("expert_tokens", torch.zeros(local_experts + 1, dtype=torch.long), persistent=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
         """shard_id: (expert, 0 gate | 1 up) for w13, (expert, None) for w2; other ranks' experts
@@ -104,9 +106,13 @@ class FusedMoE(nn.Module):
         return tp_all_reduce(out)
 
     def _count(self, ids: torch.Tensor) -> None:
-        local = ids.flatten() - self.expert_start
-        local = local[(local >= 0) & (local < self.expert_tokens.numel())]
-        self.expert_tokens += torch.bincount(local.cpu(), minlength=self.expert_tokens.numel())
+        local, others = ids.flatten() - self.expert_start, self.expert_tokens.numel() - 1
+        local = torch.where((local >= 0) & (local < others), local, others)
+        self.expert_tokens.index_add_(0, local, torch.ones_like(local))
+
+    def expert_load(self) -> dict[int, int]:
+        """Rows each expert this rank holds has run, by global expert id."""
+        return {self.expert_start + i: n for i, n in enumerate(self.expert_tokens[:-1].tolist())}
 
     def _all_to_all(self, x: torch.Tensor, kernels: ModuleType) -> torch.Tensor:
         """Expert parallelism with all-to-all dispatch and combine (see the module)."""

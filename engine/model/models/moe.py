@@ -50,6 +50,7 @@ class SparseMoeBlock(nn.Module):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     cpu_decode_plan = False         # its MLP is not the one engine/worker/cpu_decode.py flattens
+    cuda_graphs = False             # the experts' token counts are read on the host (kernels/triton_moe.py)
 
     def moe_block(self, config: Any, dtype: torch.dtype, index: int) -> nn.Module | None:
         """Layer `index`'s MoE block, or None where the layer is dense."""
@@ -72,9 +73,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
             return name.removesuffix(".weight"), None
         return None
 
-    def expert_load(self) -> list[list[int]]:
-        """Per MoE layer of this rank, the (token, expert) rows each local expert has run."""
-        return [m.expert_tokens.tolist() for m in self.modules() if isinstance(m, FusedMoE)]
 
 
 class Qwen2MoeForCausalLM(MixtralForCausalLM):
