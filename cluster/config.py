@@ -104,6 +104,10 @@ class PoolSpec(StrictSpec):
     # Layers per pipeline stage (default: an even split); the pools of a disaggregated deployment may
     # split differently: each decode stage pulls its layers from the prefill stages that hold them.
     pp_layer_partition: list[int] | None = None
+    # A MoE model's experts split over the pool's TP ranks (vLLM's enable_expert_parallel), and how
+    # tokens reach them (engine/model/layers/moe.py)
+    enable_expert_parallel: bool = False
+    moe_dispatch: Literal["allreduce", "all2all"] = "allreduce"
     # Custom Ray resources per rank, to pin a pool to its nodes: a KubeRay worker group started with
     # `resources: {"pdserve_prefill": 1000}` takes the pool with `resources: {pdserve_prefill: 1}`.
     resources: dict[str, float] = Field(default_factory=dict)
@@ -180,7 +184,8 @@ class ClusterConfig(StrictSpec):
         engine_set = [k for k, v in engine.items() if not hasattr(defaults, k) or getattr(defaults, k) != v]
         parallel_keys = [k for k in engine_set if k in (
             "tensor_parallel_size", "pipeline_parallel_size", "pp_layer_partition", "worker_num_cpus",
-            "worker_num_gpus", "worker_resources", "distributed_executor_backend")]
+            "worker_num_gpus", "worker_resources", "distributed_executor_backend", "enable_expert_parallel",
+            "moe_dispatch")]
         if parallel_keys:
             raise ValueError(f"engine must not set {parallel_keys}: set them per pool (pools.<name>)")
         if "speculative_config" in engine_set:
@@ -209,7 +214,8 @@ class ClusterConfig(StrictSpec):
             parallel.update(tensor_parallel_size=spec.tensor_parallel_size,
                             pipeline_parallel_size=spec.pipeline_parallel_size,
                             pp_layer_partition=spec.pp_layer_partition,
-                            worker_resources=dict(spec.resources))
+                            worker_resources=dict(spec.resources),
+                            enable_expert_parallel=spec.enable_expert_parallel, moe_dispatch=spec.moe_dispatch)
         spec_args = {"speculative_config": spec.speculative_config} if spec.speculative_config else {}
         lora_args = self.lora.engine_args() if self.lora is not None else {}
         tier_args = spec.kv_offloading.engine_args(self.engine) if spec.kv_offloading is not None else {}

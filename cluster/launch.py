@@ -173,7 +173,8 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     pools = {name: dict(spec) for name, spec in data.get("pools", {}).items()}
     for dest, field in (("tensor_parallel_size", "tensor_parallel_size"),
                         ("pipeline_parallel_size", "pipeline_parallel_size"),
-                        ("cpus_per_rank", "num_cpus"), ("num_gpus", "num_gpus")):
+                        ("cpus_per_rank", "num_cpus"), ("num_gpus", "num_gpus"),
+                        ("enable_expert_parallel", "enable_expert_parallel"), ("moe_dispatch", "moe_dispatch")):
         if getattr(args, dest) is not None:
             for spec in pools.values():
                 spec[field] = getattr(args, dest)
@@ -295,6 +296,10 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
                         help="TP ranks per replica, every pool")
     engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
                         help="PP stages per replica, every pool")
+    engine.add_argument("--enable-expert-parallel", action="store_const", const=True, default=None,
+                        help="a MoE model's experts split over each replica's TP ranks, every pool (vLLM's flag)")
+    engine.add_argument("--moe-dispatch", choices=("allreduce", "all2all"), default=None,
+                        help="how expert parallelism moves tokens to the experts (default allreduce)")
     engine.add_argument("--cpus-per-rank", type=float, default=None,
                         help="CPUs per rank (torch threads), every pool (default 1; e.g. 2 for one colocated "
                              "replica on a 2-core machine)")

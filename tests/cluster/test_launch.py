@@ -150,15 +150,17 @@ def test_vllm_named_flags_set_the_spec():
     config = config_from_args(parser.parse_args([
         "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-dtype", "fp8",
         "--no-enable-prefix-caching", "--enforce-eager", "--seed", "3", "-tp", "2", "--cpus-per-rank", "2",
-        "--served-model-name", "smol",
+        "--enable-expert-parallel", "--moe-dispatch", "all2all", "--served-model-name", "smol",
         "--api-key", "k", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']))
     engine = config.engine
     assert (engine.dtype, engine.max_model_len, engine.max_num_seqs, engine.kv_cache_dtype, engine.seed) == (
         "bfloat16", 1024, 8, "fp8", 3)
     assert engine.enable_prefix_caching is False and engine.enforce_eager is True
     assert engine.enable_chunked_prefill is True                  # untouched: the default
-    assert {name: (spec.tensor_parallel_size, spec.num_cpus) for name, spec in config.pools.items()} == {
-        "prefill": (2, 2.0), "decode": (2, 2.0)}
+    assert {name: (spec.tensor_parallel_size, spec.num_cpus, spec.enable_expert_parallel, spec.moe_dispatch)
+            for name, spec in config.pools.items()} == {"prefill": (2, 2.0, True, "all2all"),
+                                                         "decode": (2, 2.0, True, "all2all")}
+    assert config.engine_args("decode").enable_expert_parallel is True
     assert config.pools["decode"].speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
     assert (config.serving.served_model_name, config.serving.api_key) == ("smol", "k")
     assert config_from_args(parser.parse_args([])).engine.max_num_seqs == 64    # no flags: the spec's

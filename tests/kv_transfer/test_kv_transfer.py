@@ -198,10 +198,10 @@ def test_pd_output_matches_one_engine(tiny_llama, connector):
     assert p.stats()["kv_leases"] == 4 and p.stats()["kv_leases_expired"] == 0
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3", "mistral_swa"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3", "mistral_swa", "mixtral", "qwen3_moe"])
 def test_pd_of_more_families_matches_transformers(family, connector, request):
-    """Gemma 2/3, Phi-3 and a sliding-window Mistral across a transfer, with prompts past the
-    windows: D's greedy tokens are transformers'. P keeps every block of a request it exports (the
+    """Gemma 2/3, Phi-3, a sliding-window Mistral, Mixtral and Qwen3-MoE across a transfer, with
+    prompts past the windows: D's greedy tokens are transformers'. P keeps every block of a request it exports (the
     pull reads them whole); D releases the Mistral's behind the window once they have landed."""
     from helpers import hf_greedy  # noqa: PLC0415
 
