@@ -362,7 +362,8 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
         query, k_cache, v_cache, out, pk.tables, pk.q_starts, pk.q_lens, pk.seq_lens,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), pk.tables.stride(0), scale * k_scale, v_scale,
-        int(window), float(softcap), WINDOWED=window > 0, SOFTCAP=softcap > 0, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+        int(window), float(softcap), WINDOWED=window > 0, SOFTCAP=softcap > 0, GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M, TILE=_tile(block_size),
         IEEE=query.dtype == torch.float32, FP8=fp8, **PREFILL_LAUNCH)
     return out

@@ -20,5 +20,5 @@ from kernels.triton_quant import fp8_linear, gguf_linear, pack_gguf
 CUDA_GRAPHS = True
 
 __all__ = ["CUDA_GRAPHS", "apply_rotary", "argmax_rows", "copy_blocks", "decode_attention", "fp8_linear",
-           "fused_moe", "gather_blocks", "gather_kv", "gguf_linear", "lora_add", "pack_gguf", "pack_prefill", "prefill_attention",
-           "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]
+           "fused_moe", "gather_blocks", "gather_kv", "gguf_linear", "lora_add", "pack_gguf", "pack_prefill",
+           "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]

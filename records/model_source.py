@@ -18,6 +18,9 @@ from records.gguf_file import gguf_hf_dir
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# Multimodal checkpoints served as their language model (text in, text out): the architecture
+# their text_config is (engine/model/models/gemma.py skips the vision tower's tensors).
+TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 # Mixtures of experts (engine/model/models/moe.py)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # GGUF configs carry only model_type.
@@ -132,6 +135,10 @@ def resolve_model(model: str | None) -> tuple[str, str | None, Any]:
         # llama.cpp's llama architecture has no window: a converted Mistral config's 4,096 is
         # transformers' default, not the file's
         hf_config.sliding_window = None
+    if architecture_of(hf_config) in TEXT_MODEL_OF:
+        text = hf_config.text_config
+        text.architectures = [TEXT_MODEL_OF[architecture_of(hf_config)]]
+        hf_config = text
     architecture = architecture_of(hf_config)     # unknown architectures fail here, early
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"model architecture {architecture!r} is not supported; supported "

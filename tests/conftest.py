@@ -114,6 +114,7 @@ def smol_tokenizer(tmp_path_factory):
 def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
     from transformers import (
         Gemma2Config,
+        Gemma3Config,
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
@@ -157,6 +158,15 @@ def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                                    "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                                       "rope_theta": 1000000.0}})
+    elif kind == "gemma3_mm":
+        # a multimodal checkpoint (a tiny SigLIP tower): pdserve serves its language model
+        from transformers import SiglipVisionConfig
+
+        text = Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=16, sliding_window=12)
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=56, patch_size=14)
+        config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                              image_token_index=5, boi_token_index=6, eoi_token_index=7)
     elif kind == "phi3":
         # LongRoPE at 8x its original 256 positions (the attention factor applies; the tests'
         # sequences stay within the short factors' range, as transformers switches whole passes)
@@ -188,7 +198,7 @@ def _make_model(tmp_path_factory, tokenizer, kind: str) -> str:
     out = save_random_model(tmp_path_factory, config, f"tiny-{kind}",
                             seed={"llama": 0, "qwen2": 1, "mistral": 2, "qwen3": 3, "llama4": 4, "mistral_swa": 5,
                                   "gemma2": 6, "gemma3": 7, "phi3": 8, "mixtral": 9, "qwen3_moe": 10,
-                                  "qwen2_moe": 11}[kind])
+                                  "qwen2_moe": 11, "gemma3_mm": 12}[kind])
     tokenizer.save_pretrained(out)
     return out
 
@@ -221,6 +231,11 @@ def tiny_gemma2(tmp_path_factory, smol_tokenizer) -> str:
 @pytest.fixture(scope="session")
 def tiny_gemma3(tmp_path_factory, smol_tokenizer) -> str:
     return _make_model(tmp_path_factory, smol_tokenizer, "gemma3")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_mm(tmp_path_factory, smol_tokenizer) -> str:
+    return _make_model(tmp_path_factory, smol_tokenizer, "gemma3_mm")
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from helpers import hf_greedy, mixed_prompts
 from engine import LLM, SamplingParams
 
 FAMILIES = ["gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "qwen2_moe"]
+
 MAX_TOKENS = 20
 
 
@@ -77,9 +78,9 @@ def test_lora_on_gemma_matches_peft_and_phi3s_fused_targets_are_refused(tiny_gem
     """Gemma's projections carry LoRA as Llama's do (PEFT is the oracle). Phi-3's checkpoint fuses
     them, so its adapters target `qkv_proj` / `gate_up_proj`, which pdserve does not split: refused
     naming the field."""
-    from helpers import make_adapter, peft_greedy  # noqa: PLC0415
+    from helpers import make_adapter, peft_greedy
 
-    from records.lora import LoRARequest  # noqa: PLC0415
+    from records.lora import LoRARequest
 
     adapter = make_adapter(tiny_gemma2, str(tmp_path / "gemma"), 8, ["q_proj", "v_proj", "down_proj"], seed=1)
     llm = LLM(tiny_gemma2, dtype="float32", enable_lora=True, max_lora_rank=8, max_model_len=512)
@@ -97,7 +98,7 @@ def test_lora_on_gemma_matches_peft_and_phi3s_fused_targets_are_refused(tiny_gem
 def test_expert_load_is_counted_and_exported(tiny_mixtral, prompts):
     """Each (token, expert) row a MoE layer runs is counted per expert: a step's rows are the
     tokens times top-k times the MoE layers; the ingress exports them per replica, rank and expert."""
-    from router.routing.metrics import ServingMetrics  # noqa: PLC0415
+    from router.routing.metrics import ServingMetrics
 
     llm = LLM(tiny_mixtral, dtype="float32", max_model_len=512)
     run(llm, prompts[:3])
@@ -111,3 +112,11 @@ def test_expert_load_is_counted_and_exported(tiny_mixtral, prompts):
     assert 'pdserve:moe_expert_tokens_total{expert="3",pool="decode",rank="0",replica="r0"}' in text
     metrics.drop_replica("decode", "r0")
     assert "moe_expert_tokens_total{" not in metrics.render()
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tiny_gemma3_mm, prompts):
+    """Gemma3ForConditionalGeneration (most Gemma 3 checkpoints): text in, text out, from the
+    language model's tensors, as transformers' multimodal model generates from text alone."""
+    llm = LLM(tiny_gemma3_mm, dtype="float32", max_model_len=512)
+    assert llm.llm_engine.config.model_config.architecture == "Gemma3ForCausalLM"
+    assert run(llm, prompts) == hf_greedy(tiny_gemma3_mm, prompts, MAX_TOKENS)

@@ -14,7 +14,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:    # Triton's CPU interpreter (set before Triton is imported; tests/kernels/test_kernels.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels import cpu_ops, reference, triton_attention  # noqa: E402
+from kernels import cpu_ops, reference, triton_attention
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,8 +13,8 @@ CUDA = torch.cuda.is_available()
 if not CUDA:    # Triton's CPU interpreter (set before Triton is imported; tests/kernels/test_kernels.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.model.layers.moe import route  # noqa: E402
-from kernels import cpu_ops, reference, triton_moe  # noqa: E402
+from engine.model.layers.moe import route
+from kernels import cpu_ops, reference, triton_moe
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -203,7 +203,7 @@ def test_pd_of_more_families_matches_transformers(family, connector, request):
     """Gemma 2/3, Phi-3, a sliding-window Mistral, Mixtral and Qwen3-MoE across a transfer, with
     prompts past the windows: D's greedy tokens are transformers'. P keeps every block of a request it exports (the
     pull reads them whole); D releases the Mistral's behind the window once they have landed."""
-    from helpers import hf_greedy  # noqa: PLC0415
+    from helpers import hf_greedy
 
     path = request.getfixturevalue(f"tiny_{family}")
     ids_list = [prompt(17, salt=1), prompt(90, salt=2)]

@@ -16,6 +16,7 @@ every block a sequence has (the global layers read them); the local layers read 
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -97,6 +98,12 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.embed_scale = config.hidden_size ** 0.5
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
 
+    def load_weights(self, weights: Iterable[tuple[str, Any]], dense_copies: bool = False) -> None:
+        """LlamaForCausalLM's, from a text checkpoint or a multimodal one (Gemma3ForConditionalGeneration:
+        the language model's tensors under `language_model.` or `model.language_model.`; the
+        vision tower and its projector are not loaded)."""
+        super().load_weights(_text_weights(weights), dense_copies)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, intermediate: torch.Tensor | None = None) -> torch.Tensor:
         """LlamaForCausalLM.forward's contract."""
@@ -130,3 +137,12 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     qk_norm = True
+
+
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _text_weights(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    for name, tensor in weights:
+        if not name.startswith(_VISION):
+            yield name.replace("model.language_model.", "model.", 1).removeprefix("language_model."), tensor
