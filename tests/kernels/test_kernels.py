@@ -360,6 +360,32 @@ def test_full_size_kernels_gpu(dtype, head_dim, block_size):
     q = torch.randn(sum(query_lens), 32, head_dim, generator=g).to(DEVICE, dtype)
     ref = reference.prefill_attention(q.float(), cache.float(), tables, query_lens, seq_lens, 0.1)
     assert rel_err(tri.prefill_attention(q, cache, tables, query_lens, seq_lens, 0.1), ref) < TOLERANCE[dtype]
+    # Gemma's shapes: a 4,096-token window and soft-capped scores, compiled
+    shape = dict(window=4096, softcap=50.0)
+    ref = reference.prefill_attention(q.float(), cache.float(), tables, query_lens, seq_lens, 0.1, **shape)
+    assert rel_err(tri.prefill_attention(q, cache, tables, query_lens, seq_lens, 0.1, **shape), ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_size_windowed_decode_and_moe_gpu(dtype):
+    """Compiled: windowed, soft-capped decode over long contexts; a Mixtral-sized expert layer's
+    grouped GEMMs at decode and prefill batch sizes, against the reference in fp32."""
+    lens = [32768, 1, 4095, 333]
+    cache, tables, g = paged(lens, 8, 128, 16, dtype)
+    q = torch.randn(len(lens), 32, 128, generator=g).to(DEVICE, dtype)
+    bt, sl = padded(tables), torch.tensor(lens, device=DEVICE)
+    ref = reference.decode_attention(q.float(), cache.float(), bt, sl, 0.088, window=4096, softcap=50.0)
+    assert rel_err(tri.decode_attention(q, cache, bt, sl, 0.088, window=4096, softcap=50.0), ref) < TOLERANCE[dtype]
+    from engine.model.layers.moe import route  # noqa: PLC0415
+
+    w13 = (torch.randn(8, 2 * 1792, 1024, generator=g) * 0.03).to(DEVICE, dtype)
+    w2 = (torch.randn(8, 1024, 1792, generator=g) * 0.03).to(DEVICE, dtype)
+    for tokens in (1, 64, 1024):
+        x = torch.randn(tokens, 1024, generator=g).to(DEVICE, dtype)
+        weights, ids = route(torch.randn(tokens, 8, generator=g).to(DEVICE), 2, True)
+        ref = reference.fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
+        assert rel_err(tri.fused_moe(x, w13, w2, weights, ids), ref) < TOLERANCE[dtype]
 
 
 @gpu
