@@ -377,7 +377,7 @@ def test_full_size_windowed_decode_and_moe_gpu(dtype):
     bt, sl = padded(tables), torch.tensor(lens, device=DEVICE)
     ref = reference.decode_attention(q.float(), cache.float(), bt, sl, 0.088, window=4096, softcap=50.0)
     assert rel_err(tri.decode_attention(q, cache, bt, sl, 0.088, window=4096, softcap=50.0), ref) < TOLERANCE[dtype]
-    from engine.model.layers.moe import route  # noqa: PLC0415
+    from engine.model.layers.moe import route
 
     w13 = (torch.randn(8, 2 * 1792, 1024, generator=g) * 0.03).to(DEVICE, dtype)
     w2 = (torch.randn(8, 1024, 1792, generator=g) * 0.03).to(DEVICE, dtype)
