@@ -20,6 +20,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from records.model_source import is_moe_layer
+
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -132,6 +134,9 @@ def read_adapter(path: str, hf_config: Any, max_rank: int) -> AdapterInfo:
     tensors: dict[str, tuple[int, str, str]] = {}
     for name, (dtype, shape) in _safetensors_header(weights_path).items():
         layer, module, which = _parse_name(name, hf_config.num_hidden_layers)
+        if module in ("gate_proj", "up_proj", "down_proj") and is_moe_layer(hf_config, layer):
+            raise ValueError(f"target_modules: layer {layer}'s MLP is a mixture of experts, which pdserve serves "
+                             f"without LoRA; the adapter targets its {module!r} (attention projections work)")
         if dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"{name}: dtype must be one of {sorted(_SAFETENSORS_DTYPES)}; got {dtype!r}")
         fan_in, fan_out = shapes[module]

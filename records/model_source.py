@@ -82,6 +82,18 @@ def attention_windows(hf_config: Any) -> tuple[int | None, ...]:
     return tuple(window if kind == "sliding_attention" else None for kind in types)
 
 
+def is_moe_layer(hf_config: Any, index: int) -> bool:
+    """Whether decoder layer `index`'s MLP is a mixture of experts (Mixtral: every layer; Qwen MoE:
+    not its `mlp_only_layers`, and every `decoder_sparse_step`-th)."""
+    architecture = architecture_of(hf_config)
+    if architecture == "MixtralForCausalLM":
+        return True
+    if architecture not in MOE_ARCHITECTURES:
+        return False
+    return (index not in (getattr(hf_config, "mlp_only_layers", None) or []) and hf_config.num_experts > 0
+            and (index + 1) % (getattr(hf_config, "decoder_sparse_step", 1) or 1) == 0)
+
+
 def kv_sliding_window(hf_config: Any) -> int | None:
     """The window behind which a request's KV blocks can be released: every layer's, where all
     layers are local with one window (engine/core/kv_cache_manager.py); else None."""
@@ -131,7 +143,8 @@ def resolve_model(model: str | None) -> tuple[str, str | None, Any]:
         hf_config = AutoConfig.from_pretrained(path if gguf_file is None else gguf_hf_dir(path, gguf_file))
     except (ValueError, KeyError) as e:
         raise ValueError(f"model {model!r}: cannot read its config ({e})") from e
-    if gguf_file is not None and getattr(hf_config, "model_type", "") in ("llama", "mistral"):
+    if (gguf_file is not None and getattr(hf_config, "model_type", "") in ("llama", "mistral")
+            and getattr(hf_config, "sliding_window", None) is not None):
         # llama.cpp's llama architecture has no window: a converted Mistral config's 4,096 is
         # transformers' default, not the file's
         hf_config.sliding_window = None

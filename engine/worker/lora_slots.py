@@ -45,7 +45,10 @@ class LoRASlots:
         self.stacks: list[LoRAStack] = []
         for layer in model.layers:
             for path in dict.fromkeys(p for p, _ in _TARGETS.values()):
-                linear = layer.get_submodule(path)
+                try:
+                    linear = layer.get_submodule(path)
+                except AttributeError:
+                    continue            # a mixture-of-experts MLP: no LoRA there (records/lora.py refuses it)
                 assert isinstance(linear, Linear)
                 linear.lora = LoRAStack(self.context, config.max_loras, config.max_lora_rank, linear.input_size,
                                         linear.lora_subs(), dtype, device)

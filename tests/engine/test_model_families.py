@@ -60,7 +60,7 @@ def test_prefix_hits_and_preemption_keep_output(family, prompts, oracle, request
     llm.llm_engine.check_no_leaks()
 
 
-@pytest.mark.parametrize("family", ["gemma2", "mistral_swa"])
+@pytest.mark.parametrize("family", ["gemma2", "mistral_swa", "mixtral"])
 def test_ngram_speculation_keeps_output(family, prompts, request):
     """Speculative decoding (n-gram proposals, verified in one pass) gives transformers' tokens; the
     Mistral's window releases blocks while drafts are rolled back."""
@@ -93,6 +93,36 @@ def test_lora_on_gemma_matches_peft_and_phi3s_fused_targets_are_refused(tiny_gem
     with pytest.raises(ValueError, match="target_modules"):
         phi.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False, lora_request=LoRARequest("p", 1, fused))
     phi.llm_engine.check_no_leaks()
+
+
+def test_lora_on_a_moe_model_matches_peft(tiny_qwen3_moe, prompts, tmp_path):
+    """Qwen3-MoE with an adapter on its attention projections, against PEFT; an adapter naming a
+    sparse layer's MLP is refused naming target_modules."""
+    import json
+    import shutil
+
+    from helpers import make_adapter, peft_greedy
+    from safetensors.torch import load_file, save_file
+
+    from records.lora import LoRARequest
+
+    adapter = make_adapter(tiny_qwen3_moe, str(tmp_path / "moe"), 8, ["q_proj", "v_proj", "o_proj"], seed=3)
+    llm = LLM(tiny_qwen3_moe, dtype="float32", enable_lora=True, max_lora_rank=8, max_model_len=512)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False,
+                        lora_request=LoRARequest("m", 1, adapter))
+    assert [o.outputs[0].token_ids for o in outs] == peft_greedy(tiny_qwen3_moe, adapter, prompts[:4], MAX_TOKENS)
+    # its layer-1 q_proj tensors renamed onto that layer's (sparse) MLP
+    bad = tmp_path / "bad"
+    shutil.copytree(adapter, bad)
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    save_file({k.replace("layers.1.self_attn.q_proj", "layers.1.mlp.gate_proj"): v for k, v in tensors.items()},
+              str(bad / "adapter_model.safetensors"))
+    assert json.loads((bad / "adapter_config.json").read_text())["r"] == 8
+    with pytest.raises(ValueError, match="target_modules: layer 1's MLP is a mixture of experts"):
+        llm.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False,
+                     lora_request=LoRARequest("b", 2, str(bad)))
+    llm.llm_engine.check_no_leaks()
 
 
 def test_expert_load_is_counted_and_exported(tiny_mixtral, prompts):

@@ -366,6 +366,7 @@ def test_full_size_kernels_gpu(dtype, head_dim, block_size):
     assert rel_err(tri.prefill_attention(q, cache, tables, query_lens, seq_lens, 0.1, **shape), ref) < TOLERANCE[dtype]
 
 
+@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_full_size_windowed_decode_and_moe_gpu(dtype):

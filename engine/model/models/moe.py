@@ -19,6 +19,7 @@ from engine.model.layers.linear import _copy_checked
 from engine.model.layers.moe import FusedMoE
 from engine.model.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from engine.model.parallel_state import get_parallel_state
+from records.model_source import is_moe_layer
 
 # checkpoint expert tensor -> (our parameter, gate/up part); part None: the down projection
 _EXPERT = re.compile(r"^(layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
@@ -81,9 +82,7 @@ class Qwen2MoeForCausalLM(MixtralForCausalLM):
         return True, False
 
     def moe_block(self, config: Any, dtype: torch.dtype, index: int) -> nn.Module | None:
-        sparse = (index not in (getattr(config, "mlp_only_layers", None) or []) and config.num_experts > 0
-                  and (index + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
-        if not sparse:
+        if not is_moe_layer(config, index):
             return None
         return SparseMoeBlock(config, dtype, config.num_experts, config.moe_intermediate_size,
                               bool(getattr(config, "norm_topk_prob", False)),
