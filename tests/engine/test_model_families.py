@@ -1,7 +1,8 @@
 """Gemma 2, Gemma 3 (text) and Phi-3 are token-identical to transformers (fp32, greedy) on tiny
 random configs that exercise what sets each apart (tests/conftest.py: soft-caps, local and global
 layers with their own ropes, linear rope scaling, LongRoPE, fused checkpoint projections), through
-chunked prefill, prefix-cache hits and preemption, on both CPU kernel sets."""
+chunked prefill, prefix-cache hits and preemption, on the CPU kernel sets; the MoEs Mixtral,
+Qwen3-MoE and Qwen2-MoE too, and what else runs through them (speculation, LoRA, expert load)."""
 from __future__ import annotations
 
 import pytest
@@ -36,9 +37,11 @@ def oracle(prompts):
     return get
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("kernels", ["cpu", "reference"])
+@pytest.mark.parametrize("family,kernels", [(family, "cpu") for family in FAMILIES]
+                         + [("gemma2", "reference"), ("phi3", "reference"), ("qwen2_moe", "reference")])
 def test_chunked_batch_matches_transformers(family, kernels, prompts, oracle, request, monkeypatch):
+    """Every family on the C++ kernels; the torch reference (the fallback where they cannot be
+    built) on one model of each kind of layer (the kernels agree with it: tests/kernels)."""
     monkeypatch.setenv("PDSERVE_KERNELS", kernels)
     path = request.getfixturevalue(f"tiny_{family}")
     llm = LLM(path, dtype="float32", max_num_batched_tokens=24, max_model_len=512)

@@ -199,11 +199,14 @@ def test_pd_output_matches_one_engine(tiny_llama, connector):
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3", "mistral_swa", "mixtral", "qwen3_moe"])
-def test_pd_of_more_families_matches_transformers(family, connector, request):
+def test_pd_of_more_families_matches_transformers(family, request):
     """Gemma 2/3, Phi-3, a sliding-window Mistral, Mixtral and Qwen3-MoE across a transfer, with
-    prompts past the windows: D's greedy tokens are transformers'. P keeps every block of a request it exports (the
-    pull reads them whole); D releases the Mistral's behind the window once they have landed."""
+    prompts past the windows: D's greedy tokens are transformers'. P keeps every block of a request
+    it exports (the pull reads them whole); D releases the Mistral's behind the window once they have
+    landed. One connector: either moves the blocks' bytes whatever the model (both are tested above)."""
     from helpers import hf_greedy
+
+    connector = "torch_dist"
 
     path = request.getfixturevalue(f"tiny_{family}")
     ids_list = [prompt(17, salt=1), prompt(90, salt=2)]
