@@ -79,7 +79,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
 class Qwen2MoeForCausalLM(MixtralForCausalLM):
     @staticmethod
     def attention_biases(config: Any) -> tuple[bool, bool]:
-        return True, False
+        return bool(getattr(config, "qkv_bias", True)), False
 
     def moe_block(self, config: Any, dtype: torch.dtype, index: int) -> nn.Module | None:
         if not is_moe_layer(config, index):
