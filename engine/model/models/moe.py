@@ -75,7 +75,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
         return None
 
 
-
 class Qwen2MoeForCausalLM(MixtralForCausalLM):
     @staticmethod
     def attention_biases(config: Any) -> tuple[bool, bool]:
