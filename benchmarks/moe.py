@@ -22,13 +22,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 from offline import make_prompts
+from step_overhead import write_random_model
 
 from engine import LLM, SamplingParams
 
 
 def make_models(root: str, hidden: int, layers: int, experts: int, top_k: int, inter: int) -> tuple[str, str]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, MistralConfig, MixtralConfig
+    from transformers import AutoTokenizer, MistralConfig, MixtralConfig
 
     from records.model_source import embedded_model_path
 
@@ -40,17 +40,8 @@ def make_models(root: str, hidden: int, layers: int, experts: int, top_k: int, i
     configs = {"moe": MixtralConfig(**common, intermediate_size=inter, num_local_experts=experts,
                                     num_experts_per_tok=top_k),
                "dense": MistralConfig(**common, intermediate_size=inter * top_k)}
-    out = {}
-    for name, config in configs.items():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() > 1:
-                    p.normal_(0, 0.05)
-        out[name] = os.path.join(root, name)
-        model.save_pretrained(out[name], safe_serialization=True)
-        tok.save_pretrained(out[name])
+    out = {name: write_random_model(config, tok, os.path.join(root, name), std=0.05)
+           for name, config in configs.items()}
     return out["moe"], out["dense"]
 
 

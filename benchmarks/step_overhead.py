@@ -39,8 +39,7 @@ def make_tiny_model(out: str, hidden: int = 256, layers: int = 2, heads: int | N
                     max_positions: int = 2048) -> str:
     """A random Llama of `layers` x `hidden` (head_dim 64 unless `heads` says otherwise) with the
     embedded model's tokenizer and vocabulary, weights drawn as the tests draw them (peaked logits)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoTokenizer, LlamaConfig
 
     from records.model_source import embedded_model_path
 
@@ -51,12 +50,21 @@ def make_tiny_model(out: str, hidden: int = 256, layers: int = 2, heads: int | N
                          num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads or max(1, heads // 2), max_position_embeddings=max_positions,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=tied)
+    return write_random_model(config, tok, out)
+
+
+def write_random_model(config: Any, tok: Any, out: str, std: float = 0.15) -> str:
+    """A transformers model of `config` with random fp32 matrices of this std (as the tests draw
+    them) and `tok`, saved at `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.15)
+                p.normal_(0, std)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out

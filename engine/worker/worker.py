@@ -293,12 +293,13 @@ class Worker:
     def expert_load(self) -> dict[int, int]:
         """Rows (token, expert) each MoE expert this rank holds has run, summed over its layers,
         by global expert id; {} for a dense model."""
-        total: dict[int, int] = {}
-        for module in self.runner.model.modules():
-            if isinstance(module, FusedMoE):
-                for expert, n in module.expert_load().items():
-                    total[expert] = total.get(expert, 0) + n
-        return total
+        layers = [m for m in self.runner.model.modules() if isinstance(m, FusedMoE)]
+        if not layers:
+            return {}
+        # one read from the device for all layers (each holds the same experts; the last slot
+        # counts the other ranks' experts)
+        counts = torch.stack([m.expert_tokens[:-1] for m in layers]).sum(0).tolist()
+        return {layers[0].expert_start + i: n for i, n in enumerate(counts)}
 
     def tier_stats(self) -> dict[str, float]:
         """This rank's offload-tier counters (TierStore.stats); {} without a tier."""

@@ -110,10 +110,6 @@ class FusedMoE(nn.Module):
         local = torch.where((local >= 0) & (local < others), local, others)
         self.expert_tokens.index_add_(0, local, torch.ones_like(local))
 
-    def expert_load(self) -> dict[int, int]:
-        """Rows each expert this rank holds has run, by global expert id."""
-        return {self.expert_start + i: n for i, n in enumerate(self.expert_tokens[:-1].tolist())}
-
     def _all_to_all(self, x: torch.Tensor, kernels: ModuleType) -> torch.Tensor:
         """Expert parallelism with all-to-all dispatch and combine (see the module)."""
         state, n, num_tokens = get_parallel_state(), self.tp_size, x.shape[0]

@@ -104,26 +104,16 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         vision tower and its projector are not loaded)."""
         super().load_weights(_text_weights(weights), dense_copies)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, intermediate: torch.Tensor | None = None) -> torch.Tensor:
-        """LlamaForCausalLM.forward's contract."""
-        rope = self.rotary.lookup(positions)
-        local = rope if self.local_rotary is None else self.local_rotary.lookup(positions)
-        if self.is_first_stage:
-            hidden = self.embed_tokens(input_ids)
-            hidden, residual = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype), None
-        else:
-            assert intermediate is not None
-            hidden, residual = intermediate[0], intermediate[1]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            local_layer = layer.is_local and self.local_rotary is not None
-            cos, sin = local if local_layer else rope
-            rotary = self.local_rotary if local_layer else self.rotary
-            hidden, residual = layer(hidden, residual, cos, sin, rotary, kv_cache, meta)
-        if not self.is_last_stage:
-            return torch.stack([hidden, residual])
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+
+    def layer_ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, RotaryEmbedding]]:
+        ropes = super().layer_ropes(positions)
+        if self.local_rotary is None:
+            return ropes
+        local = (*self.local_rotary.lookup(positions), self.local_rotary)
+        return [local if layer.is_local else rope for layer, rope in zip(self.layers, ropes, strict=True)]
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None,
                        model_dtype: bool = False) -> torch.Tensor:

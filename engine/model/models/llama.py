@@ -151,18 +151,28 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T]; kv_caches: this stage's layers. On the last stage returns the
         final hidden states [T, hidden]; on earlier ones (hidden, residual) stacked: [2, T, hidden],
         which is the next stage's `intermediate`."""
-        cos, sin = self.rotary.lookup(positions)
+        ropes = self.layer_ropes(positions)
         if self.is_first_stage:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = self.embed(input_ids), None
         else:
             assert intermediate is not None
             hidden, residual = intermediate[0], intermediate[1]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, self.rotary, kv_cache, meta)
+        for layer, kv_cache, (cos, sin, rotary) in zip(self.layers, kv_caches, ropes, strict=True):
+            hidden, residual = layer(hidden, residual, cos, sin, rotary, kv_cache, meta)
         if not self.is_last_stage:
             return torch.stack([hidden, residual])
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's input hidden states (Gemma scales them)."""
+        return self.embed_tokens(input_ids)
+
+    def layer_ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, RotaryEmbedding]]:
+        """Each of this stage's layers' (cos, sin, rotary) at these positions: one rope for all of
+        them here (Gemma 3's local layers have their own)."""
+        cos, sin = self.rotary.lookup(positions)
+        return [(cos, sin, self.rotary)] * len(self.layers)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None,
                        model_dtype: bool = False) -> torch.Tensor:
