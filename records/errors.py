@@ -56,8 +56,17 @@ class UnsupportedMediaTypeError(PDServeError):
 
 
 class RateLimitError(PDServeError):
-    """Too many requests in flight: retry later."""
+    """Too many requests in flight, or a tenant over a limit: retry after `retry_after` seconds
+    (the `Retry-After` header); `limit` names the limit that refused it."""
     status, err_type, grpc_code = 429, "rate_limit_error", "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str = "", param: str | None = None, retry_after: float | None = None,
+                 limit: str | None = None) -> None:
+        super().__init__(message, param)
+        self.retry_after, self.limit = retry_after, limit
+
+    def __reduce__(self):
+        return type(self), (self.message, self.param, self.retry_after, self.limit)
 
 
 class ServiceUnavailableError(PDServeError):

@@ -95,6 +95,32 @@ class DisaggregationSpec(StrictSpec):
                 "kv_load_timeout_s": self.load_timeout_s, "kv_load_failure_policy": self.load_failure_policy}
 
 
+# Priority bands a tenant may be given (0 is served first); the Batch API runs below them all.
+TENANT_BANDS = 10
+BATCH_BAND = TENANT_BANDS
+
+
+class TenantSpec(StrictSpec):
+    """One tenant of a shared server (router/ingress/tenants.py): the keys that name it and its
+    limits, each None for none. A request over a limit is answered 429 with `Retry-After`."""
+    api_keys: list[str] = Field(default_factory=list)
+    api_key_env: str | None = None              # or a key read from this environment variable at startup
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)   # prompt tokens at admission, generated ones as they stream
+    max_concurrent: int | None = Field(None, ge=1)      # its requests admitted at once (queued or running)
+    # Its band: every queued request of band 0 is dispatched before any of band 1, and so on.
+    priority: int = Field(0, ge=0, lt=TENANT_BANDS)
+    # Within a band, tenants with queued requests are served in proportion to their weights.
+    weight: float = Field(1.0, gt=0)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, keys: list[str]) -> list[str]:
+        if any(not k or k != k.strip() for k in keys):
+            raise ValueError("api_keys must be non-empty strings without surrounding spaces")
+        return keys
+
+
 class ServingSpec(StrictSpec):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -110,7 +136,18 @@ class ServingSpec(StrictSpec):
     # upgrade). False: it answers at once (/health 503 with the reason while the pools load); the
     # launcher (`pdserve serve`, `python -m cluster.launch`) deploys that way and watches the start.
     wait_for_pools: bool = True
-    max_in_flight: int = Field(256, ge=1)       # beyond this, 429 (never an out-of-memory)
+    max_in_flight: int = Field(256, ge=1)       # requests admitted (queued or running); beyond, 429
+    # How many admitted requests each replica of the decode (or colocated) pool is given at once;
+    # the rest wait at the ingress in its fair queue (bands, then tenants by weight, then each
+    # request's `priority`). None: the engine's max_num_seqs, so that few wait in an engine's own
+    # first-come queue, where no tenant's share is kept.
+    dispatch_per_replica: int | None = Field(None, ge=1)
+    # Tenants, by name (router/ingress/tenants.py). With tenants every request needs one of their
+    # keys; `api_key` / `api_key_env`, when set too, is the tenant "default" without limits.
+    tenants: dict[str, TenantSpec] = Field(default_factory=dict)
+    # Or a JSON file of the same mapping, read by each ingress replica when it starts (a mounted
+    # Secret: the keys never enter the spec).
+    tenants_file: str | None = None
     max_body_bytes: int = Field(4 << 20, ge=1024)
     ingress_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.1, gt=0)
@@ -175,7 +212,15 @@ class ServingSpec(StrictSpec):
         with open(value, encoding="utf-8") as f:
             return f.read()
 
+    @field_validator("tenants")
+    @classmethod
+    def _tenants(cls, tenants: dict[str, TenantSpec]) -> dict[str, TenantSpec]:
+        check_tenants(tenants)
+        return tenants
+
     def model_post_init(self, _: Any) -> None:
+        if "default" in self.tenants and (self.api_key is not None or self.api_key_env is not None):
+            raise ValueError("serving.tenants.default: api_key names the tenant 'default' already")
         if self.direct_ingress and (self.ingress_replicas != 1 or self.grpc_port is not None):
             raise ValueError("serving.direct_ingress needs ingress_replicas = 1 and no grpc_port (the "
                              "ingress replica takes `port` itself; gRPC goes through Serve's proxy)")
@@ -187,6 +232,20 @@ class ServingSpec(StrictSpec):
         return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
                 "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(self.port),
                 "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(self.port + 1)}
+
+
+def check_tenants(tenants: dict[str, TenantSpec]) -> None:
+    """ValueError naming the tenant that has no key, or a key two tenants share (its names only)."""
+    owner: dict[str, str] = {}
+    for name, tenant in tenants.items():
+        if not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise ValueError(f"serving.tenants: a tenant's name is letters, digits, '-', '_' and '.'; got {name!r}")
+        if not tenant.api_keys and tenant.api_key_env is None:
+            raise ValueError(f"serving.tenants.{name}: give it api_keys or api_key_env")
+        for key in tenant.api_keys:
+            if key in owner:
+                raise ValueError(f"serving.tenants: {owner[key]} and {name} share an API key")
+            owner[key] = name
 
 
 class LoRASpec(StrictSpec):

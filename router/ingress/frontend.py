@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import hmac
 import logging
-import os
 import re
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -40,6 +38,7 @@ from records.sampling_params import SamplingParams
 from records.serving import IngressSpec
 from router.ingress.admission import Admission, Ticket
 from router.ingress.preparer import RequestPreparer
+from router.ingress.tenants import Tenant, Tenants
 from router.routing.metrics import ServingMetrics
 from router.routing.pd import PDRouter
 from router.routing.policy import RoutingPolicy
@@ -100,16 +99,13 @@ class Frontend:
             self.pools["prefill"] = prefill
             self.router = PDRouter(prefill, decode, self.metrics, config.disaggregation.min_remote_prefill_tokens,
                                    config.disaggregation.prefill_backlog_factor)
-        self.admission = Admission(config.serving.max_in_flight, lambda n: self.metrics.in_flight.set(n))
+        # Requests queue at this ingress beyond what the decode pool is given at once (admission.py).
+        per_replica = config.serving.dispatch_per_replica or info.max_num_seqs
+        self.admission = Admission(config.serving.max_in_flight, lambda n: self.metrics.in_flight.set(n),
+                                   lambda: per_replica * max(1, len(decode.replicas)))
         # None once serving; else why not yet ("starting: ...") or why never ("failed: ...").
         self.not_ready: str | None = None if replicas else "starting: the engine pools are loading"
-        self.api_key = config.serving.api_key
-        env = config.serving.api_key_env
-        if env is not None and self.api_key is None:
-            self.api_key = os.environ.get(env)
-            if not self.api_key:      # fail closed: never serve openly because a Secret is missing
-                raise ValueError(f"serving.api_key_env names {env!r}, which is not set in the ingress's "
-                                 f"environment")
+        self.tenants = Tenants(config.serving)     # the API keys (ValueError naming a missing one)
 
     def attach(self, manager: Any, pools: dict[str, dict[str, Any]]) -> None:
         """Start serving: the manager and the pools' replicas (pool -> replica id -> handle)."""
@@ -126,33 +122,47 @@ class Frontend:
 
     # --- checks ------------------------------------------------------------------------------------
     def is_authorized(self, authorization: str) -> bool:
-        """Whether an `Authorization` header (or gRPC metadata) value carries the API key."""
-        if self.api_key is None:
-            return True
-        return hmac.compare_digest(authorization.encode(), f"Bearer {self.api_key}".encode())
+        """Whether an `Authorization` header (or gRPC metadata) value carries a tenant's API key."""
+        return self.tenants.resolve(authorization) is not None
 
-    def check_key(self, authorization: str, where: str = "Authorization: Bearer <key>") -> None:
-        if not self.is_authorized(authorization):
+    def check_key(self, authorization: str, where: str = "Authorization: Bearer <key>") -> Tenant:
+        """The tenant whose key `authorization` carries; AuthenticationError when none does."""
+        tenant = self.tenants.resolve(authorization)
+        if tenant is None:
             raise AuthenticationError(f"invalid or missing API key ({where})")
+        return tenant
 
-    def admit(self, count: int) -> Ticket:
-        """Admit `count` requests: a ticket to release when they end; else ServiceUnavailableError or
-        RateLimitError."""
+    async def admit(self, prompts: list[list[int]], params: SamplingParams, tenant: Tenant | None = None,
+                    band: int | None = None) -> Ticket:
+        """Admit a request's prompts for `tenant` (default: the one whose key the call carries,
+        `observe`) and wait for their turn in the fair queue: a ticket to release when they end;
+        else ServiceUnavailableError or RateLimitError (its `retry_after` for the Retry-After header)."""
         if self.not_ready is not None:
             raise ServiceUnavailableError(f"the server is not ready ({self.not_ready})")
         if not self.router.replicas:
             raise NoReplicaError("no engine replica is available")
+        tenant = tenant or TENANT.get() or self.check_key("")
         trace = CURRENT.get()
         began = time.monotonic()
         if trace is not None:
             trace.child("pdserve.prepare", trace.start, began)
-        ticket = self.admission.admit(count)
+        tokens = sum(len(p) for p in prompts)
+        try:
+            ticket = self.admission.admit(tenant, len(prompts), tokens, params.priority, band)
+            self.metrics.tenant_requests.inc(tenant=tenant.name, outcome="admitted")
+            self.metrics.tenant_tokens.inc(tokens, tenant=tenant.name, kind="prompt")
+            await self.admission.wait(ticket)
+        except RateLimitError as e:
+            self.metrics.tenant_requests.inc(tenant=tenant.name, outcome=f"rejected_{e.limit}")
+            if trace is not None:
+                trace.child("pdserve.admission", began, attributes={"pdserve.in_flight": self.in_flight,
+                                                                     "pdserve.admitted": False})
+            raise
+        self.metrics.tenant_queue_time.observe(ticket.queued_s, tenant=tenant.name)
         if trace is not None:
-            trace.child("pdserve.admission", began, attributes={"pdserve.in_flight": self.in_flight,
-                                                                 "pdserve.admitted": ticket is not None})
-        if ticket is None:
-            raise RateLimitError(f"{self.in_flight} requests in flight; the limit is "
-                                 f"{self.config.serving.max_in_flight}: retry later")
+            trace.child("pdserve.admission", began, attributes={
+                "pdserve.in_flight": self.in_flight, "pdserve.admitted": True, "pdserve.tenant": tenant.name,
+                "pdserve.queued_s": ticket.queued_s})
         ticket.arrival = ARRIVAL.get()
         if trace is not None:
             ticket.trace = trace
@@ -165,12 +175,14 @@ class Frontend:
         on or requests are logged, else None. `headers`: the HTTP headers or gRPC metadata (the
         client's `traceparent`)."""
         arrived = ARRIVAL.set(time.monotonic())    # where its latencies start (`run`)
+        tenant = TENANT.set(self.tenants.resolve(headers.get("authorization")))
         serving = self.config.serving
         if not tracing.enabled() and not serving.log_requests:
             try:
                 yield None
             finally:
                 _reset(ARRIVAL, arrived)
+                _reset(TENANT, tenant)
             return
         tokenizer = self.preparer.tokenizer
         describe = tokenizer.decode if serving.log_request_prompts and tokenizer is not None else None
@@ -184,6 +196,7 @@ class Frontend:
         finally:
             _reset(CURRENT, token)
             _reset(ARRIVAL, arrived)
+            _reset(TENANT, tenant)
             trace.release()
 
     # --- generation --------------------------------------------------------------------------------
@@ -204,6 +217,10 @@ class Frontend:
                                                         arrival=arrival):
                     if trace is not None:
                         trace.delta(delta)
+                    generated = sum(len(c.token_ids) for c in delta.choices)
+                    if generated:
+                        ticket.charge(generated)
+                        self.metrics.tenant_tokens.inc(generated, tenant=ticket.tenant.name, kind="generation")
                     queue.put_nowait((i, delta))
             except Exception as e:  # noqa: BLE001 - surfaced to the consumer below
                 queue.put_nowait((i, e))
@@ -302,6 +319,10 @@ class Frontend:
                 self.metrics.set_pool_status(await asyncio.wait_for(self.manager.pool_status.remote(), 2.0))
             except Exception as e:  # noqa: BLE001 - a restarting manager: the last values stand
                 logger.warning("the pools' status is unavailable: %s", type(e).__name__)
+        queued = self.admission.queued_by_tenant()
+        for name, tenant in self.tenants.by_name.items():
+            self.metrics.tenant_running.set(tenant.running, tenant=name)
+            self.metrics.tenant_queued.set(queued.get(name, 0), tenant=name)
         text = self.metrics.render()
         prefix = self.config.serving.metrics_prefix
         return text if prefix == "pdserve" else _METRIC_NAME.sub(rf"\g<1>{prefix}:", text)
@@ -313,6 +334,9 @@ def _reset(var: contextvars.ContextVar, token: contextvars.Token) -> None:
     with contextlib.suppress(ValueError):
         var.reset(token)
 
+
+# The tenant whose key the API call being served carries (`Frontend.observe`).
+TENANT: contextvars.ContextVar[Tenant | None] = contextvars.ContextVar("pdserve_tenant", default=None)
 
 # A metric's name where it starts a sample line or a HELP / TYPE comment.
 _METRIC_NAME = re.compile(r"^((?:# (?:HELP|TYPE) )?)pdserve:", re.MULTILINE)

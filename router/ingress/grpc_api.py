@@ -98,7 +98,7 @@ class GenerationService:
         self.check_auth(metadata)
         prep = await server.preparer.prepare_completion(self.completion_body(request))
         params, prompts = prep.params, prep.prompts
-        ticket = server.admit(len(prompts))
+        ticket = await server.admit(prompts, params)
         rid = new_id("cmpl")
         n = params.n
         usage = UsageCounter()

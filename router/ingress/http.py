@@ -32,6 +32,7 @@ from router.ingress.protocol import (
     error_body,
 )
 from router.ingress.responses_request import ResponsesRequest
+from router.ingress.tenants import retry_after
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,11 @@ def _authorization(scope: dict) -> str:
 
 
 def error_response(err: PDServeError) -> JSONResponse:
-    """`{"error": {...}}` with the error's HTTP status."""
-    return JSONResponse(error_body(err.message, err.err_type, err.status, err.param), status_code=err.status)
+    """`{"error": {...}}` with the error's HTTP status (and `Retry-After` on a 429 that says when)."""
+    retry = getattr(err, "retry_after", None)
+    headers = {"Retry-After": retry_after(retry)} if retry is not None else None
+    return JSONResponse(error_body(err.message, err.err_type, err.status, err.param), status_code=err.status,
+                        headers=headers)
 
 
 fastapi_app.add_middleware(_AuthMiddleware)

@@ -77,7 +77,7 @@ class OpenAIAPI:
         prep = await self.preparer.prepare_completion(data)
         req, params, prompts = prep.request, prep.params, prep.prompts
         echo = self._echo_texts(req, prompts) if req.echo else None
-        ticket = self.frontend.admit(len(prompts))
+        ticket = await self.frontend.admit(prompts, params)
         rid = new_id("cmpl")
         if req.stream:
             return sse_response(self._stream_completion(rid, req, prompts, echo, params, ticket), ticket)
@@ -90,7 +90,7 @@ class OpenAIAPI:
         prep = await self.preparer.prepare_chat(data)
         req, params, ids, tools = prep.request, prep.params, prep.prompts[0], prep.tool_format
         thinking = self.preparer.thinking(req)
-        ticket = self.frontend.admit(1)
+        ticket = await self.frontend.admit([ids], params)
         rid = new_id("chatcmpl")
         if req.stream:
             return sse_response(self._stream_chat(rid, req, ids, params, tools, ticket, thinking), ticket)

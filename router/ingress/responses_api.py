@@ -55,7 +55,7 @@ class ResponsesAPI:
             chat_req, params, ids, tools = prep.request, prep.params, prep.prompts[0], prep.tool_format
         except InvalidRequestError as e:
             raise _renamed(e) from None
-        ticket = self.frontend.admit(1)
+        ticket = await self.frontend.admit([ids], params)
         run = _Run(self, req, params, ids, tools, self.frontend.preparer.thinking(chat_req))
         events = run.events(self.frontend.run([ids], params, run.id, ticket))
         if req.stream:

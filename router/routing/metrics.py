@@ -222,6 +222,20 @@ class ServingMetrics:
         self.errors = r.counter("pdserve:request_errors_total", "Rejected or failed requests by status code.")
         self.decisions = r.counter("pdserve:router_decisions_total", "Routing decisions by reason.")
         self.in_flight = r.gauge("pdserve:requests_in_flight", "Requests the ingress is serving.")
+        # Per tenant (router/ingress/tenants.py; the tenant's name, never its key).
+        self.tenant_requests = r.counter("pdserve:tenant_requests_total",
+                                         "Requests per tenant by outcome (admitted, or rejected by the limit "
+                                         "named: max_concurrent, requests_per_minute, tokens_per_minute, "
+                                         "max_in_flight, fair_share).")
+        self.tenant_tokens = r.counter("pdserve:tenant_tokens_total",
+                                       "Tokens per tenant: prompt tokens admitted, generation tokens streamed.")
+        self.tenant_running = r.gauge("pdserve:tenant_requests_running",
+                                      "Requests per tenant dispatched to the pools.")
+        self.tenant_queued = r.gauge("pdserve:tenant_requests_queued",
+                                     "Requests per tenant waiting in the ingress's fair queue.")
+        self.tenant_queue_time = r.histogram("pdserve:tenant_queue_time_seconds",
+                                             "Time requests waited in the ingress's fair queue, per tenant.",
+                                             VLLM_TTFT_BUCKETS)
         self.pool_replicas = r.gauge("pdserve:pool_replicas",
                                      "Engine replicas per pool: serving, starting (pending or loading), "
                                      "draining, and the target, as the manager reports them.")

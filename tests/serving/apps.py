@@ -6,6 +6,7 @@ import httpx
 
 API_KEY = "test-key"            # the main HTTP app's
 GRPC_KEY = "grpc-key"           # the gRPC app's
+TENANT, TENANT_KEY = "team-a", "team-a-key"     # a tenant of the main app, 3 requests per minute
 GRPC_MAIN, LIMITED = "pdserve-grpc", "pdserve-limited"
 
 

@@ -2,7 +2,8 @@
 instance on 127.0.0.1 (HTTP, and gRPC through Serve's proxy) with four apps of a tiny model, whose
 pools load side by side:
 
-- "/" main: two decode replicas, an API key, a 1 MiB body limit, a LoRA adapter served from the
+- "/" main: two decode replicas, an API key and a tenant with its own key and a requests-per-minute
+  limit, a 1 MiB body limit, a LoRA adapter served from the
   start and runtime adapter loading;
 - "/limited": one replica admitting one request at a time (429 / RESOURCE_EXHAUSTED), a reasoning
   parser whose constraints apply to the thinking too (so that one can make the tiny model think),
@@ -24,7 +25,7 @@ import openai
 import pytest
 from helpers import free_port, make_adapter, wait_healthy
 
-from serving.apps import API_KEY, GRPC_KEY, GRPC_MAIN, LIMITED, auth, grpc_metadata
+from serving.apps import API_KEY, GRPC_KEY, GRPC_MAIN, LIMITED, TENANT, TENANT_KEY, auth, grpc_metadata
 
 ray = pytest.importorskip("ray", reason="the serving tests need ray[serve] (make setup installs it)")
 
@@ -64,7 +65,9 @@ def apps(tiny_llama, adapters, eventually_no_leaks, otlp):
     serving = {"port": port, "grpc_port": grpc_port, "wait_for_pools": False}
     lora = {"modules": {"ad1": adapters["ad1"]}, "max_loras": 2}
     main = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 2, "num_cpus": 1}},
-                         serving={**serving, "api_key": API_KEY, "max_body_bytes": 1 << 20}, name="pdserve-test",
+                         serving={**serving, "api_key": API_KEY, "max_body_bytes": 1 << 20,
+                                  "tenants": {TENANT: {"api_keys": [TENANT_KEY], "requests_per_minute": 3}}},
+                         name="pdserve-test",
                          lora={**lora, "allow_runtime_updates": True})
     limited = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 1, "num_cpus": 1}},
                             serving={**serving, "max_in_flight": 1, "reasoning_parser": "qwen3",

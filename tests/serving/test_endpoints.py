@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from serving.apps import auth, metric
+from serving.apps import API_KEY, TENANT, TENANT_KEY, auth, metric
 
 ray = pytest.importorskip("ray", reason="the serving tests need ray[serve] (make setup installs it)")
 pytestmark = pytest.mark.ray
@@ -78,6 +78,35 @@ def test_error_codes(server, client):
     held.close()
     # and the server keeps answering
     assert client.completions.create(model=model, prompt="still here", max_tokens=2).choices[0].text is not None
+
+
+def test_tenant_limits_keys_and_metrics(server, client):
+    """A tenant of the main app (its own key, 3 requests a minute): served under its key, a fourth
+    request is 429 with Retry-After naming the limit, /metrics counts it by tenant (never by key),
+    and a bad or missing key is 401 on every route but /health and /ping."""
+    base, model = server["base"], server["model"]
+    team = openai.OpenAI(base_url=f"{base}/v1", api_key=TENANT_KEY, max_retries=0, timeout=120)
+    for _ in range(3):
+        assert team.completions.create(model=model, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
+    with pytest.raises(openai.RateLimitError, match="tenant team-a is over its requests_per_minute") as err:
+        team.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert 1 <= int(err.value.response.headers["retry-after"]) <= 20
+    client.completions.create(model=model, prompt="the other tenant is not limited", max_tokens=2)
+    text = httpx.get(f"{base}/metrics", headers=auth()).text
+    assert metric(text, "pdserve:tenant_requests_total", tenant=TENANT, outcome="admitted") == 3
+    assert metric(text, "pdserve:tenant_requests_total", tenant=TENANT, outcome="rejected_requests_per_minute") == 1
+    assert metric(text, "pdserve:tenant_tokens_total", tenant=TENANT, kind="generation") == 6
+    assert metric(text, "pdserve:tenant_requests_total", tenant="default", outcome="admitted") >= 1
+    assert TENANT_KEY not in text and API_KEY not in text
+    routes = [("GET", "/v1/models"), ("GET", "/v1/models/x"), ("POST", "/v1/completions"),
+              ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"), ("POST", "/tokenize"),
+              ("POST", "/detokenize"), ("GET", "/metrics"), ("GET", "/version"), ("GET", "/openapi.json"),
+              ("GET", "/admin/status"), ("POST", "/v1/load_lora_adapter"), ("GET", "/no/such/route")]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TENANT_KEY}):
+        for method, path in routes:
+            r = httpx.request(method, f"{base}{path}", headers=headers, json={}, timeout=30)
+            assert r.status_code == 401, (method, path, r.status_code)
+    assert httpx.get(f"{base}/health").status_code == 200
 
 
 def test_metrics_under_vllm_names(server):
