@@ -95,10 +95,11 @@ def grpc_start_options(config: ClusterConfig) -> dict:
     # Not the generated function: this one also repairs cancellation in Serve's proxy (its docstring).
     if config.serving.grpc_port is None:
         return {}
-    from ray.serve.config import gRPCOptions  # noqa: PLC0415
+    from pdserve_proto.serve_proxy import grpc_options_on  # noqa: PLC0415
 
-    return {"grpc_options": gRPCOptions(port=config.serving.grpc_port,
-                                        grpc_servicer_functions=[GRPC_SERVICER])}
+    # Listening where HTTP does (serving.host), not on every interface as Serve's proxy would.
+    return {"grpc_options": grpc_options_on(config.serving.host, port=config.serving.grpc_port,
+                                            grpc_servicer_functions=[GRPC_SERVICER])}
 
 
 def shutdown(config: ClusterConfig, drain_s: float = 10.0) -> None:

@@ -113,6 +113,27 @@ class LLM:
         return self._run(parsed, self._with_lora(self._params_list(sampling_params, len(parsed)), lora_request),
                          use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
+        """An embedding of each prompt (its `embedding`): the final hidden states (after the model's
+        last norm) pooled as `pooling` says ("last", "mean" or "cls"; default: the model's own,
+        records/model_source.py model_pooling) and L2-normalized unless `normalize` is False. They
+        run in the same batches as generations; mean and CLS pooling take no prefix-cache hits."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        mode, norm = self.llm_engine.config.model_config.pooling
+        params = SamplingParams(max_tokens=1, pooling=pooling or mode, detokenize=False,
+                                normalize=norm if normalize is None else normalize)
+        params = self._with_lora([params] * len(prompts), lora_request)
+        return self._run([self._parse_prompt(p) for p in prompts], params, use_tqdm)
+
     def _params_list(self, params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
         if params is None:
             return [self.get_default_sampling_params() for _ in range(n)]

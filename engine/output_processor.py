@@ -275,6 +275,7 @@ class OutputProcessor:
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=completions, finished=state.finished, prompt_logprobs=prompt_lps,
             num_cached_tokens=leader.num_cached_tokens, kv_transfer_params=state.kv_transfer_params,
+            embedding=leader.embedding,
             metrics={"arrival_time": state.arrival_time, "first_token_time": state.first_token_time or 0.0,
                      **state.metrics})
 

@@ -13,13 +13,17 @@ replica when it is cancelled, and cancels that task when the client's call ends 
 then waits for it to end before the call does (the handler still reads the call's context); and
 it gives Serve's handlers a context whose peer address was read when the call started
 (`CallContext`): reading it from a call gRPC had freed crashed the proxy.
-This module runs inside Serve's proxy actor: it imports nothing of pdserve beyond the schema.
+It also makes the proxy's gRPC server listen on the serving host rather than on every interface
+(`grpc_options_on`, `bind_grpc_to`). This module runs inside Serve's proxy actor: it imports
+nothing of pdserve beyond the schema.
 """
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+from ray.serve.config import gRPCOptions
 
 from pdserve_proto import pb2_grpc
 
@@ -126,3 +130,49 @@ def add_GenerationServicer_to_server(servicer: Any, server: Any) -> None:  # noq
         pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     finally:
         server.service_handler_factory = factory
+
+
+def bind_grpc_to(host: str) -> None:
+    """In this process, make Serve's gRPC servers listen on `host` instead of every interface:
+    Ray 2.60 adds "[::]:<port>" with no setting to narrow it (ray/serve/_private/grpc_util.py,
+    `start_grpc_server`, through `default_impl.add_grpc_address`, which it imports at each call).
+    Where Ray's layout differs nothing changes (and the port listens on every interface, as
+    docs/HARDENING.md says)."""
+    try:
+        from ray.serve._private import default_impl  # noqa: PLC0415
+    except ImportError:
+        return
+    add = default_impl.add_grpc_address
+    original = getattr(add, "pdserve_original", add)
+
+    def add_grpc_address_on_host(server: Any, address: str) -> Any:
+        if address.startswith("[::]:"):
+            address = f"{_grpc_host(host)}:{address[5:]}"
+        return original(server, address)
+
+    add_grpc_address_on_host.pdserve_original = original  # type: ignore[attr-defined]
+    default_impl.add_grpc_address = add_grpc_address_on_host
+
+
+def _grpc_host(host: str) -> str:
+    """A host as a gRPC address takes it: an IPv6 literal in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+class BoundgRPCOptions(gRPCOptions):
+    """Serve's gRPCOptions with the host its proxies' gRPC servers listen on: when the options
+    are unpickled where a proxy starts (before its gRPC server does), that process's Serve gRPC
+    servers bind to the host (`bind_grpc_to`)."""
+    bind_host: str = "127.0.0.1"
+
+    def __setstate__(self, state: Any) -> None:
+        super().__setstate__(state)
+        bind_grpc_to(self.bind_host)
+
+
+def grpc_options_on(host: str, **fields: Any) -> gRPCOptions:
+    """Serve's gRPCOptions whose proxies listen on `host`, not on every interface; a wildcard
+    host keeps Serve's own."""
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        return gRPCOptions(**fields)
+    return BoundgRPCOptions(bind_host=host, **fields)

@@ -19,6 +19,7 @@ from records.model_source import (
     architecture_of,
     check_parallel_fit,
     kv_sliding_window,
+    model_pooling,
     model_sampling_defaults,
     resolve_layer_partition,
     resolve_model,
@@ -42,6 +43,7 @@ class ModelConfig:
     cuda_graph_sizes: tuple[int, ...] = ()
     # What requests that leave them unset sample with (EngineArgs.generation_config).
     sampling_defaults: tuple[tuple[str, Any], ...] = ()
+    pooling: tuple[str, bool] = ("last", True)     # an embedding's pooling and normalization (model_pooling)
 
     @property
     def torch_dtype(self) -> Any:
@@ -224,7 +226,7 @@ class EngineConfig:
         """What a frontend needs to know of the model this engine serves."""
         mc = self.model_config
         return ModelInfo(mc.model, mc.gguf_file, mc.vocab_size, mc.max_model_len, self.cache_config.block_size,
-                         self.scheduler_config.max_num_seqs, mc.sampling_defaults)
+                         self.scheduler_config.max_num_seqs, mc.sampling_defaults, mc.pooling)
 
     @classmethod
     def create(cls, model: str | None = None, **engine_args: Any) -> EngineConfig:
@@ -285,7 +287,8 @@ class EngineConfig:
             model=path, gguf_file=gguf_file, hf_config=hf_config,
             dtype=resolve_dtype(dtype, config_dtype), max_model_len=max_model_len, seed=seed,
             quantization=quantization, quantize_activations=args.quantize_activations, cuda_graph_sizes=graph_sizes,
-            sampling_defaults=model_sampling_defaults(path, gguf_file) if args.generation_config == "auto" else ())
+            sampling_defaults=model_sampling_defaults(path, gguf_file) if args.generation_config == "auto" else (),
+            pooling=model_pooling(path, gguf_file))
         warning = slow_half_dtype_warning(model_config.dtype) if args.worker_num_gpus == 0 else None
         if warning is not None:
             logger.warning(warning)
@@ -338,3 +341,4 @@ class ModelInfo:
     block_size: int
     max_num_seqs: int
     sampling_defaults: tuple[tuple[str, Any], ...] = ()      # ModelConfig's
+    pooling: tuple[str, bool] = ("last", True)                # ModelConfig's

@@ -181,6 +181,34 @@ def model_sampling_defaults(path: str, gguf_file: str | None) -> tuple[tuple[str
     return tuple(found.items())
 
 
+def model_pooling(path: str, gguf_file: str | None) -> tuple[str, bool]:
+    """How the model pools an embedding (records/sampling_params.py POOLING) and whether it
+    normalizes it: a sentence-transformers directory says so in modules.json (its Pooling
+    module's config: last token, mean or CLS; a Normalize module); anything else pools its last
+    token, normalized (a decoder's embedding, as vLLM's default)."""
+    import json  # noqa: PLC0415
+
+    modules_file = os.path.join(path, "modules.json")
+    if gguf_file is not None or not os.path.isfile(modules_file):
+        return "last", True
+    with open(modules_file) as f:
+        modules = json.load(f)
+    kinds = {m.get("type", "").rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
+    mode = "last"
+    pooling_config = os.path.join(path, kinds.get("Pooling", "1_Pooling"), "config.json")
+    if "Pooling" in kinds and os.path.isfile(pooling_config):
+        with open(pooling_config) as f:
+            config = json.load(f)
+        for key, name in (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
+                          ("pooling_mode_cls_token", "cls")):
+            if config.get(key):
+                mode = name
+                break
+        else:
+            raise ValueError(f"{pooling_config}: only last-token, mean and CLS pooling are supported")
+    return mode, "Normalize" in kinds
+
+
 def even_layer_partition(num_layers: int, pp_size: int) -> list[int]:
     """Layers per pipeline stage, split evenly, earlier stages taking the remainder."""
     base, extra = divmod(num_layers, pp_size)

@@ -97,6 +97,9 @@ class ModelRunnerOutput:
     # then the target's own token at the first rejection or after the last proposal).
     spec_sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # Embedding requests: request id -> (the sum of this step's pooled rows of final hidden states,
+    # in float32, on the CPU; how many rows). The scheduler adds them up over the prompt's chunks.
+    pooled: dict[str, tuple[Any, int]] = field(default_factory=dict)
     # Requests this step could not serve (their sampling raised, or the whole step did): request id
     # -> why. The scheduler ends them with an error; the other requests of the step go on.
     failed: dict[str, str] = field(default_factory=dict)
@@ -150,6 +153,7 @@ class RequestOutput:
     # Set on a prefill for a remote decode: what to pass the decode engine (kv_transfer/base.py).
     kv_transfer_params: dict[str, Any] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    embedding: list[float] | None = None       # an embedding request's pooled vector, once finished
 
 
 @dataclass(slots=True)
@@ -177,6 +181,7 @@ class StepDelta:
     error: BaseException | None = None       # the request ended with this (RequestFailedError, ...)
     # Prompt logprobs computed this step (those asked for; the first prompt token's entry is None).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None      # an embedding request's vector, on its last delta
 
     @classmethod
     def failure(cls, request_id: str, error: BaseException) -> StepDelta:
@@ -189,4 +194,4 @@ class StepDelta:
         choices = [ChoiceDelta(c.index, c.token_ids, c.text, c.logprobs, c.finish_reason, c.stop_reason)
                    for c in out.outputs]
         return cls(out.request_id, choices, out.finished, len(out.prompt_token_ids), out.num_cached_tokens,
-                   dict(out.metrics), out.kv_transfer_params, error, out.prompt_logprobs or None)
+                   dict(out.metrics), out.kv_transfer_params, error, out.prompt_logprobs or None, out.embedding)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from records.hashing import BlockHash, hash_block_tokens
 from records.sampling_params import SamplingParams
@@ -120,6 +120,10 @@ class Request:
         self.logprob_ranks: list[int] = []                  # rank of the sampled token
         # The prompt's first token has no logprob: None, even when it is the whole prompt.
         self.prompt_logprobs: list[dict[int, float] | None] = [] if sampling_params.prompt_logprobs is None else [None]
+        # An embedding request (sampling_params.pooling): its pooled rows so far, then its vector.
+        self.pooled: Any = None
+        self.pooled_rows = 0
+        self.embedding: list[float] | None = None
 
     # --- token accounting -------------------------------------------------------------------------
     @property

@@ -31,6 +31,9 @@ MAX_START_AFTER_TOKENS = 64         # structured_outputs.start_after: searched f
 # output so far, only what is new since the last one (the serving path), or nothing until it ends
 # (the offline `LLM`, which reads only the final outputs).
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+# How an embedding request pools its prompt's final hidden states (after the model's last norm):
+# the last token's, the mean over every token, or the first token's (a sentence-transformers "cls").
+POOLING = ("last", "mean", "cls")
 
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -136,6 +139,10 @@ class SamplingParams:
     output_kind: str = "cumulative"      # one of OUTPUT_KINDS
     structured_outputs: StructuredOutputsParams | None = None   # a dict of its fields is accepted too
     lora_request: LoRARequest | None = None   # run under this adapter (records/lora.py; LLM.generate's argument)
+    # An embedding, not a generation: the prompt is run and its hidden states pooled (POOLING),
+    # L2-normalized with `normalize`; nothing is sampled (RequestOutput.embedding; LLM.embed).
+    pooling: str | None = None
+    normalize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -190,6 +197,13 @@ class SamplingParams:
         _check_int("priority", self.priority, INT64_MIN, INT64_MAX)
         _check(self.output_kind in OUTPUT_KINDS, "output_kind", f"one of {OUTPUT_KINDS}", self.output_kind)
         self.extra_keys = tuple(self.extra_keys)
+        _check(self.pooling is None or self.pooling in POOLING, "pooling", f"None or one of {POOLING}", self.pooling)
+        if self.pooling is not None:
+            _check(self.n == 1, "n", "1 for an embedding", self.n)
+            _check(self.logprobs is None and self.prompt_logprobs is None, "logprobs",
+                   "None for an embedding", self.logprobs if self.logprobs is not None else self.prompt_logprobs)
+            _check(self.structured_outputs is None, "structured_outputs", "None for an embedding",
+                   self.structured_outputs)
         _check(self.lora_request is None or isinstance(self.lora_request, LoRARequest), "lora_request",
                "None or a LoRARequest", type(self.lora_request).__name__)
 
@@ -203,6 +217,12 @@ class SamplingParams:
     def adapter_name(self) -> str:
         """The name of the LoRA adapter this request runs under ("" for the base model)."""
         return "" if self.lora_request is None else self.lora_request.lora_name
+
+    @property
+    def reads_whole_prompt(self) -> bool:
+        """Whether every prompt position must be computed here (prompt logprobs, mean or first-token
+        pooling): such a request takes no prefix-cache or offload-tier hits."""
+        return self.prompt_logprobs is not None or self.pooling in ("mean", "cls")
 
     @property
     def is_greedy(self) -> bool:

@@ -142,6 +142,10 @@ class ServingSpec(StrictSpec):
     # request's `priority`). None: the engine's max_num_seqs, so that few wait in an engine's own
     # first-come queue, where no tenant's share is kept.
     dispatch_per_replica: int | None = Field(None, ge=1)
+    # With several tenants, the share of those dispatch slots that no one tenant may hold, kept for
+    # the others: a tenant that arrives while another floods starts at once (dispatch never
+    # preempts, so without it the newcomer waits for one of the flood's requests to end).
+    tenant_reserve: float = Field(0.25, ge=0, lt=1)
     # Tenants, by name (router/ingress/tenants.py). With tenants every request needs one of their
     # keys; `api_key` / `api_key_env`, when set too, is the tenant "default" without limits.
     tenants: dict[str, TenantSpec] = Field(default_factory=dict)

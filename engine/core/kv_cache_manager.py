@@ -76,7 +76,7 @@ class KVCacheManager:
         reference and counts nothing: pass the blocks to `allocate_slots`, and call
         `record_prefix_lookup` once the request is admitted.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or request.sampling_params.reads_whole_prompt:
             return [], 0
         limit = request.num_tokens if request.compute_limit is None else request.compute_limit
         max_blocks = (limit - 1) // self.block_size
@@ -93,7 +93,7 @@ class KVCacheManager:
         """The request's blocks after its `num_pool_hits` leading pool hits that the offload tier
         holds (the leading run of them, at most `max_blocks`, and never the block of its last
         token): (their hashes, their (medium, slot))."""
-        if self.tier is None or max_blocks <= 0 or request.sampling_params.prompt_logprobs is not None:
+        if self.tier is None or max_blocks <= 0 or request.sampling_params.reads_whole_prompt:
             return [], []
         limit = request.num_tokens if request.compute_limit is None else request.compute_limit
         end = min((limit - 1) // self.block_size, num_pool_hits + max_blocks)

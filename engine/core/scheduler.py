@@ -313,7 +313,8 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + n - len(spec_token_ids)
         self.num_prompt_tokens_computed += max(0, min(end, request.num_prompt_tokens) - start)
-        do_sample = request.compute_limit is None and end == request.num_tokens
+        do_sample = (request.compute_limit is None and end == request.num_tokens
+                     and request.sampling_params.pooling is None)      # an embedding samples nothing
         prompt_lp_from = None
         if (request.sampling_params.prompt_logprobs is not None
                 and start < request.num_prompt_tokens - 1
@@ -370,6 +371,11 @@ class Scheduler:
             if prompt_lps is not None:
                 need = request.num_prompt_tokens - len(request.prompt_logprobs)
                 request.prompt_logprobs.extend(prompt_lps[:need])
+            if request.sampling_params.pooling is not None:
+                self._pool(request, runner_output.pooled.get(request.request_id))
+                if request.is_finished:
+                    updated.append(request)
+                continue
             sampled = runner_output.sampled.get(request.request_id)
             emitted = [sampled] if sampled is not None else runner_output.spec_sampled.get(request.request_id, [])
             if sched.spec_token_ids:
@@ -389,6 +395,22 @@ class Scheduler:
             if request.compute_limit is not None and request.num_computed_tokens == request.compute_limit:
                 self._fork(request)
         return updated
+
+    def _pool(self, request: Request, part: tuple | None) -> None:
+        """Add a step's pooled rows to an embedding request's; once its whole prompt is computed,
+        its vector (mean or single row, L2-normalized when asked) and the end of it."""
+        if part is not None:
+            total, rows = part
+            request.pooled = total if request.pooled is None else request.pooled + total
+            request.pooled_rows += rows
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            return
+        vector = request.pooled / max(1, request.pooled_rows)
+        if request.sampling_params.normalize:
+            vector = vector / vector.norm().clamp_min(1e-12)
+        request.embedding, request.pooled = vector.tolist(), None
+        self.running.remove(request)
+        self._free(request, RequestStatus.FINISHED_STOPPED)
 
     def _fail(self, request: Request, reason: str) -> list[Request]:
         """End a running request that its step could not serve, with the n > 1 children still

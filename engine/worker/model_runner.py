@@ -110,6 +110,7 @@ class ModelRunner:
                 output.sampled.update(part.sampled)
                 output.spec_sampled.update(part.spec_sampled)
                 output.prompt_logprobs.update(part.prompt_logprobs)
+                output.pooled.update(part.pooled)
                 output.failed.update(part.failed)
         for work, _ in sends:
             work.wait()
@@ -141,7 +142,7 @@ class ModelRunner:
         """This rank's part of one micro-batch: receive the previous stage's activations, run its
         layers, then send them on (asynchronously: the next micro-batch starts at once) or, on the
         last stage, compute logits and sample (on the driver rank)."""
-        input_ids, positions, meta, sample_rows, spec_rows, lp_rows = self._prepare(batch)
+        input_ids, positions, meta, sample_rows, spec_rows, lp_rows, pool_rows = self._prepare(batch)
         if self.lora is not None:
             self.lora.prepare(batch)
         intermediate = None
@@ -163,22 +164,26 @@ class ModelRunner:
             sends.append((pp_send(hidden), hidden))     # the tensor lives until its send is done
             return None
 
+        # Embedding requests: this chunk's rows of final hidden states, summed (the scheduler pools).
+        pooled = ({req.request_id: (hidden[idx[0]:idx[-1] + 1].float().sum(0).cpu(), len(idx))
+                   for req, idx in pool_rows} if pool_rows and state.is_driver else {})
         row_index = ([i for _, i in sample_rows] + [i for _, idx in spec_rows for i in idx]
                      + [i for _, idx in lp_rows for i in idx])
         if not row_index:                                  # only partial prefill chunks here
-            return None
+            return ModelRunnerOutput(sampled={}, pooled=pooled) if pooled else None
         rows = hidden[torch.tensor(row_index, device=hidden.device)]
         if not spec_rows and not lp_rows and state.tp_size == 1 and all(_plain_greedy(r) for r, _ in sample_rows):
             # Every row takes its argmax and nothing else: from the model-dtype logits (a bf16 value
             # and its float32 copy order the same), without the float32 copy, the sampler's per-row
             # work or the full logits crossing to the host (tiny model, batch 256: 8.6 against 14.3 ms).
             ids = greedy_ids(self.model.compute_logits(rows, model_dtype=True)).tolist()
-            return ModelRunnerOutput(sampled={req.request_id: SampledToken(t) for (req, _), t in zip(sample_rows, ids)})
+            return ModelRunnerOutput(sampled={req.request_id: SampledToken(t) for (req, _), t in zip(sample_rows, ids)},
+                                     pooled=pooled)
         logits = self.model.compute_logits(rows, self._logits_buffer(len(row_index))).cpu()
         if not state.is_driver:                  # TP ranks > 0 only took part in the logits gather
             return None
         num_sample = len(sample_rows)
-        output = ModelRunnerOutput(sampled={})
+        output = ModelRunnerOutput(sampled={}, pooled=pooled)
         if sample_rows:
             sampling_rows = [self._sampling_row(r) for r, _ in sample_rows]
             if self.token_counts is None and any(r.params.needs_penalties for r in sampling_rows):
@@ -241,6 +246,7 @@ class ModelRunner:
         sample_rows: list[tuple[ScheduledRequest, int]] = []
         spec_rows: list[tuple[ScheduledRequest, list[int]]] = []    # the rows of 1 + k positions
         lp_rows: list[tuple[ScheduledRequest, list[int]]] = []
+        pool_rows: list[tuple[ScheduledRequest, list[int]]] = []   # embedding requests' rows to pool
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefill_tables: list[torch.Tensor] = []
@@ -269,6 +275,13 @@ class ModelRunner:
                 # Logits at position p score prompt token p + 1.
                 last = min(req.start + n, len(req.prompt_token_ids) - 1)
                 lp_rows.append((req, [base + p - req.start for p in range(req.start, last)]))
+            pooling = req.sampling_params.pooling if req.sampling_params is not None else None
+            if pooling == "mean":
+                pool_rows.append((req, list(range(base, base + n))))
+            elif pooling == "last" and req.start + n == len(req.prompt_token_ids):
+                pool_rows.append((req, [base + n - 1]))
+            elif pooling == "cls" and req.start == 0:
+                pool_rows.append((req, [base]))
         decode_block_tables = decode_seq_lens = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
@@ -280,7 +293,7 @@ class ModelRunner:
                                        prefill_seq_lens)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return ids, pos_t, meta, sample_rows, spec_rows, lp_rows
+        return ids, pos_t, meta, sample_rows, spec_rows, lp_rows, pool_rows
 
     def _sampling_row(self, req: ScheduledRequest) -> SamplingRow:
         generator = self.generator

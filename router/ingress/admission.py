@@ -7,10 +7,14 @@ the server is full, a request of a tenant under its fair share pushes out the ne
 of the tenant furthest over its share (that one is answered 429), so a flood fills the server with
 its own requests only. Admitted requests are then *dispatched* to the pools, at most
 `dispatch_limit()` at once; the rest wait in a fair queue: by band (the tenant's priority; the
-Batch API below every tenant), then, within a band, the tenant with the least service so far,
-divided by its weight (start-time fair queuing: a tenant's virtual time never lags the band's, so
-idling banks no credit), then by the request's own `priority` (vLLM's field: lower first) and
-arrival. With one tenant this is a priority queue in front of the pools.
+Batch API below every tenant), then, within a band, the tenant running the fewest requests for its
+weight, then the one with the least service so far, divided by its weight (start-time fair
+queuing: a tenant's virtual time never lags the band's, so idling banks no credit), then by the
+request's own `priority` (vLLM's field: lower first) and arrival. With several tenants, no one
+tenant is dispatched more than (1 - `reserve`) of the dispatch limit: the rest is kept for the
+others, so that a light tenant's request starts at once while a heavy one floods, instead of after
+one of the flood's requests ends (dispatch does not preempt). With one tenant this is a priority
+queue in front of the pools, and nothing is reserved.
 
 Every admitted request holds a `Ticket` until it ends. `Ticket.release()` is idempotent and is called
 on every exit path: the end of a stream or of a response, an error, a client that disconnects before
@@ -26,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -80,9 +85,10 @@ class Admission:
     is told every change of the admitted count (a gauge)."""
 
     def __init__(self, limit: int, on_change: Callable[[int], None] = lambda _: None,
-                 dispatch_limit: Callable[[], int] = lambda: 1 << 30) -> None:
+                 dispatch_limit: Callable[[], int] = lambda: 1 << 30, reserve: float = 0.0) -> None:
         self.limit = limit
         self.dispatch_limit = dispatch_limit
+        self.reserve = reserve      # the share of the dispatch limit no one tenant may hold
         self.in_flight = 0          # admitted: queued or dispatched
         self.running = 0            # dispatched
         self.on_change = on_change
@@ -110,7 +116,7 @@ class Admission:
         ticket = Ticket(self, tenant, count, band, priority, next(self._seq))
         tenant.admitted += count
         self.in_flight += count
-        if not self._queues and self.running + count <= self.dispatch_limit():
+        if not self._queues and self._fits(tenant, count):
             self._dispatch(ticket)
         else:
             queue = self._queues.setdefault(tenant, [])
@@ -157,20 +163,32 @@ class Admission:
             raise RateLimitError(f"{self.in_flight} requests in flight; the limit is {self.limit}: retry later",
                                  retry_after=1.0, limit="max_in_flight")
 
+    def _fits(self, tenant: Tenant, count: int) -> bool:
+        """Whether `count` more requests of `tenant` may be dispatched now: under the dispatch limit,
+        and with `reserve` of it left to the other tenants (so that one arriving while another
+        floods starts at once, not after one of the flood's requests ends). A request always fits
+        an idle server, and an idle tenant, whatever its count."""
+        limit = self.dispatch_limit()
+        if self.running and self.running + count > limit:
+            return False
+        return tenant.running == 0 or tenant.running + count <= limit - math.ceil(limit * self.reserve)
+
     def _next(self) -> Ticket | None:
-        """The queued ticket to dispatch next: best band, least virtual time, then its own order."""
+        """The queued ticket to dispatch next, of those that fit: best band, the tenant holding the
+        fewest dispatch slots for its weight (slots are what a flood takes), least virtual time,
+        then its own order."""
         best = None
         for tenant, queue in self._queues.items():
             head = queue[0]
-            key = (head.band, tenant.vtime, head.seq)
-            if best is None or key < best[0]:
+            key = (head.band, tenant.running / tenant.weight, tenant.vtime, head.seq)
+            if (best is None or key < best[0]) and self._fits(tenant, head.count):
                 best = (key, head)
         return None if best is None else best[1]
 
     def _pump(self) -> None:
         while self._queues:
             ticket = self._next()
-            if self.running and self.running + ticket.count > self.dispatch_limit():
+            if ticket is None:
                 return
             self._unqueue(ticket)
             self._dispatch(ticket)

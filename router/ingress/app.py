@@ -8,6 +8,7 @@ router/ingress/preparer.py, validates and tokenizes), the HTTP API over it
 
 Endpoints: GET /v1/models (and /v1/models/{model}), POST /v1/completions, POST /v1/chat/completions
 (both streaming as SSE ending in `data: [DONE]`), POST /v1/responses (streaming typed events), POST
+/v1/embeddings, POST
 /tokenize, POST /detokenize, GET /health (and /ping, as vLLM and SageMaker ask), GET /version, GET
 /metrics (Prometheus), GET /openapi.json, POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 (with `lora.allow_runtime_updates`); and, beside HTTP, the gRPC Generation service through Serve's
@@ -121,6 +122,11 @@ def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
         async def chat(self, request: Request) -> Response:
             with self.server.observe(request.headers, "/v1/chat/completions"):
                 return await self.api.chat(await self.api.read_json(request))
+
+        @fastapi_app.post("/v1/embeddings")
+        async def embeddings(self, request: Request) -> Response:
+            with self.server.observe(request.headers, "/v1/embeddings"):
+                return await self.api.embeddings(await self.api.read_json(request))
 
         @fastapi_app.post("/v1/responses")
         async def responses(self, request: Request) -> Response:

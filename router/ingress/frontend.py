@@ -100,12 +100,13 @@ class Frontend:
             self.router = PDRouter(prefill, decode, self.metrics, config.disaggregation.min_remote_prefill_tokens,
                                    config.disaggregation.prefill_backlog_factor)
         # Requests queue at this ingress beyond what the decode pool is given at once (admission.py).
+        self.tenants = Tenants(config.serving)     # the API keys (ValueError naming a missing one)
         per_replica = config.serving.dispatch_per_replica or info.max_num_seqs
+        reserve = config.serving.tenant_reserve if len(self.tenants.by_name) > 1 else 0.0
         self.admission = Admission(config.serving.max_in_flight, lambda n: self.metrics.in_flight.set(n),
-                                   lambda: per_replica * max(1, len(decode.replicas)))
+                                   lambda: per_replica * max(1, len(decode.replicas)), reserve)
         # None once serving; else why not yet ("starting: ...") or why never ("failed: ...").
         self.not_ready: str | None = None if replicas else "starting: the engine pools are loading"
-        self.tenants = Tenants(config.serving)     # the API keys (ValueError naming a missing one)
 
     def attach(self, manager: Any, pools: dict[str, dict[str, Any]]) -> None:
         """Start serving: the manager and the pools' replicas (pool -> replica id -> handle)."""

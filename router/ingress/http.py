@@ -28,6 +28,7 @@ from router.ingress.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     error_body,
 )
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 # bodies' models, so that clients and fuzzers (tests/serving/test_robustness.py) can read the API.
 fastapi_app = FastAPI(title="pdserve", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
 BODY_MODELS: dict[str, type] = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                                "/v1/responses": ResponsesRequest,
+                                "/v1/responses": ResponsesRequest, "/v1/embeddings": EmbeddingRequest,
                                 "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
@@ -99,7 +100,7 @@ async def _route_error(request: Request, exc: StarletteHTTPException) -> Respons
     """404 (no such route) and 405 (wrong method) in OpenAI's shape."""
     if exc.status_code == 404:
         message = (f"no route {request.url.path}; see /v1/models, /v1/completions, /v1/chat/completions, "
-                   "/v1/responses")
+                   "/v1/responses, /v1/embeddings")
         err: PDServeError = NotFoundError(message)
     elif exc.status_code == 405:
         allowed = (exc.headers or {}).get("Allow", "")

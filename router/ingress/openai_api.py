@@ -5,7 +5,10 @@ logprobs in OpenAI's two shapes. Validation, admission, routing and metrics are 
 (router/ingress/frontend.py), shared with gRPC; the Responses API is router/ingress/responses_api.py.
 """
 # No `from __future__ import annotations`: FastAPI reads annotations at runtime.
+import base64
 import dataclasses
+import math
+import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +23,7 @@ from records.errors import (
     ClientClosedError,
     InvalidRequestError,
     PayloadTooLargeError,
+    RequestFailedError,
     UnsupportedMediaTypeError,
 )
 from records.outputs import Logprob, StepDelta
@@ -98,6 +102,41 @@ class OpenAIAPI:
             return JSONResponse(await self._full_chat(rid, req, ids, params, tools, ticket, thinking))
         finally:
             ticket.release()
+
+    async def embeddings(self, data: dict[str, Any]) -> Response:
+        """/v1/embeddings: each input's vector (floats, or base64 of little-endian float32 as the
+        `openai` client asks by default), truncated to `dimensions` (and normalized again) where the
+        model allows it."""
+        prep = self.preparer.prepare_embedding(data)
+        return JSONResponse(await self.embed(prep, await self.frontend.admit(prep.prompts, prep.params)))
+
+    async def embed(self, prep: Any, ticket: Ticket) -> dict[str, Any]:
+        """The embeddings response body of an admitted, prepared embeddings request."""
+        req, params, prompts = prep.request, prep.params, prep.prompts
+        vectors: list[list[float] | None] = [None] * len(prompts)
+        try:
+            async for i, delta in self.frontend.run(prompts, params, new_id("embd"), ticket):
+                if delta.embedding is not None:
+                    vectors[i] = delta.embedding
+        finally:
+            ticket.release()
+        out = []
+        for i, vector in enumerate(vectors):
+            if vector is None:
+                raise RequestFailedError(f"input {i} ended without its embedding")
+            if req.dimensions is not None and req.dimensions < len(vector):
+                vector = vector[:req.dimensions]
+                if params.normalize:
+                    norm = math.sqrt(sum(v * v for v in vector)) or 1.0
+                    vector = [v / norm for v in vector]
+            body: Any = vector
+            if req.encoding_format == "base64":
+                body = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+            out.append({"object": "embedding", "index": i, "embedding": body})
+            self.frontend.count_finished("stop")
+        tokens = sum(len(p) for p in prompts)
+        return {"object": "list", "data": out, "model": self.preparer.response_model(params),
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     def _echo_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """Each prompt as `echo` puts it before its completions: the text sent, or the ids decoded

@@ -34,6 +34,7 @@ from router.ingress.protocol import (
     ChatTemplateOptions,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
@@ -138,7 +139,8 @@ class RequestPreparer:
             raise InvalidRequestError(f"tools: {e}" if param == "tools" else str(e), param=param) from None
 
     # --- prompts -----------------------------------------------------------------------------------
-    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+    def completion_prompts(self, prompt: Any, add_special_tokens: bool = True, field: str = "prompt"
+                           ) -> list[list[int]]:
         if isinstance(prompt, str):
             prompts: list[Any] = [prompt]
         elif prompt and all(isinstance(t, int) for t in prompt):
@@ -146,17 +148,17 @@ class RequestPreparer:
         else:
             prompts = list(prompt)
         if not prompts:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
+            raise InvalidRequestError(f"{field} must not be empty", param=field)
         limit = self.config.serving.max_in_flight
         if len(prompts) > limit:
-            raise InvalidRequestError(f"prompt: a batch may hold at most {limit} prompts (serving.max_in_flight); "
-                                 f"got {len(prompts)}", param="prompt")
+            raise InvalidRequestError(f"{field}: a batch may hold at most {limit} prompts (serving.max_in_flight); "
+                                      f"got {len(prompts)}", param=field)
         out = []
         for p in prompts:
             if isinstance(p, str):
                 if self.tokenizer is None:
-                    raise InvalidRequestError("this model has no tokenizer: send token ids", param="prompt")
-                out.append(self.tokenizer.encode(p))
+                    raise InvalidRequestError("this model has no tokenizer: send token ids", param=field)
+                out.append(self.tokenizer.encode(p, add_special_tokens=add_special_tokens))
             else:
                 out.append(list(p))
         return out
@@ -208,6 +210,42 @@ class RequestPreparer:
         # A tool choice's grammar that cannot compile is the tools' schemas' fault.
         await self.compile_constraint(params.structured_outputs, "tools" if constraint else "structured_outputs")
         return Prepared(req, params, [ids], tool_format)
+
+    def prepare_embedding(self, data: dict[str, Any]) -> Prepared:
+        """Validate an embeddings body and tokenize its inputs (one prompt each): the params pool
+        as the model's config says; InvalidRequestError naming the field."""
+        req: EmbeddingRequest = self.parse(EmbeddingRequest, data)
+        lora = self.check_model(req.model)
+        if req.dimensions is not None and req.dimensions != self.hidden_size and not self.matryoshka:
+            raise InvalidRequestError(f"dimensions: this model's embeddings have {self.hidden_size} dimensions and "
+                                      f"it is not trained for fewer (no matryoshka_dimensions in its config); "
+                                      f"got {req.dimensions}", param="dimensions")
+        if req.dimensions is not None and req.dimensions > self.hidden_size:
+            raise InvalidRequestError(f"dimensions must be <= {self.hidden_size}; got {req.dimensions}",
+                                      param="dimensions")
+        mode, normalize = self.info.pooling
+        params = SamplingParams(max_tokens=1, pooling=mode, priority=req.priority, detokenize=False,
+                                normalize=normalize if req.normalize is None else req.normalize,
+                                lora_request=lora)
+        prompts = [self.truncated(ids, req.truncate_prompt_tokens)
+                   for ids in self.completion_prompts(req.input, req.add_special_tokens, "input")]
+        for ids in prompts:
+            try:
+                validate_request(ids, params, self.vocab_size, self.max_model_len)
+            except ValueError as e:
+                raise InvalidRequestError(str(e).replace("prompt", "input", 1), param="input") from None
+        return Prepared(req, params, prompts)
+
+    @functools.cached_property
+    def hidden_size(self) -> int:
+        return int(self._adapter_limits[0].hidden_size)
+
+    @functools.cached_property
+    def matryoshka(self) -> bool:
+        """Whether the model is trained to embed in fewer dimensions (its config says so, as
+        vLLM reads it: `matryoshka_dimensions` or `is_matryoshka`)."""
+        config = self._adapter_limits[0]
+        return bool(getattr(config, "matryoshka_dimensions", None) or getattr(config, "is_matryoshka", False))
 
     def thinking(self, req: ChatCompletionRequest) -> bool | None:
         """With a reasoning parser (serving.reasoning_parser), whether this request's answer starts in

@@ -319,6 +319,21 @@ class TokenizeRequest(ChatTemplateOptions):
     add_special_tokens: bool = True
 
 
+class EmbeddingRequest(BaseModel):
+    """OpenAI's /v1/embeddings body, with vLLM's extras (`truncate_prompt_tokens`,
+    `add_special_tokens`, `normalize`, `priority`)."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[int] | list[str] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    add_special_tokens: bool = True
+    normalize: bool | None = None       # None: as the model's config says
+    priority: int = 0
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None

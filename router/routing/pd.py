@@ -61,7 +61,7 @@ class PDRouter:
                              decode_decision: Decision) -> bool:
         """Whether the prompt is worth a remote prefill at all: enough of it is uncached on the
         chosen decode replica (and the request is one the prefill pool can run)."""
-        if params.n != 1 or params.prompt_logprobs is not None or not self.prefill.available:
+        if params.n != 1 or params.prompt_logprobs is not None or params.pooling or not self.prefill.available:
             return False
         return self.decode.uncached_tokens(num_prompt_tokens, decode_decision) >= self.min_remote_prefill_tokens
 
@@ -88,6 +88,14 @@ class PDRouter:
         it arrived (time.monotonic(); default now), where the decode pool's time to first token
         starts (so that it covers the prefill hop and the pull, as a client sees it)."""
         arrival = time.monotonic() if arrival is None else arrival
+        if params.pooling is not None and self.prefill.available:
+            # An embedding is all prefill: it runs whole on the prefill pool, no KV moves.
+            self.metrics.decisions.inc(reason="embedding_on_prefill", pool="pd")
+            async for delta in self.prefill.generate(request_id, prompt_token_ids, params,
+                                                     self.prefill.route(prompt_token_ids, params, trace),
+                                                     trace=trace, arrival=arrival):
+                yield delta
+            return
         d_decision = self.decode.route(prompt_token_ids, params, trace)
         kv_params = None
         if self.wants_remote_prefill(len(prompt_token_ids), params, d_decision):

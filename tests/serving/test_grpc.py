@@ -241,3 +241,26 @@ def test_serve_handlers_read_the_peer_only_while_the_call_is_alive():
 async def _raising_handler(request, context):
     yield "first"
     raise ValueError("bad request")
+
+
+@pytest.mark.ray
+def test_grpc_listens_on_the_serving_host_only(grpc_server, apps):
+    """With serving.host 127.0.0.1 and a grpc_port, Serve's proxy listens for gRPC on loopback (Ray
+    would open "[::]:port"), and no process of this local Ray listens beyond loopback."""
+    import os
+
+    import psutil
+
+    _, grpc_port, _ = apps
+    tree = [psutil.Process(os.getpid()), *psutil.Process(os.getpid()).children(recursive=True)]
+    listening = []
+    for p in tree:
+        try:
+            listening += [(p.name(), c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
+                          if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            continue
+    grpc_listeners = [entry for entry in listening if entry[2] == grpc_port]
+    assert grpc_listeners and all(ip == "127.0.0.1" for _, ip, _ in grpc_listeners), grpc_listeners
+    exposed = [entry for entry in listening if not (entry[1].startswith("127.") or entry[1] == "::1")]
+    assert exposed == [], exposed

@@ -150,3 +150,20 @@ def test_a_full_server_pushes_out_the_flooding_tenant():
         assert adm.in_flight == adm.running == adm.queued == 0 and heavy.running == light.running == 0
 
     asyncio.run(main())
+
+
+def test_a_reserve_keeps_slots_for_a_tenant_that_arrives_while_another_floods():
+    async def main() -> None:
+        ts = tenants(heavy={"api_keys": ["kh"]}, light={"api_keys": ["kl"]})
+        heavy, light = ts.by_name["heavy"], ts.by_name["light"]
+        adm = Admission(100, dispatch_limit=lambda: 4, reserve=0.25)
+        flood = [adm.admit(heavy, 1) for _ in range(10)]
+        assert [t.dispatched for t in flood].count(True) == 3 == heavy.running      # one slot kept
+        first = adm.admit(light, 1)
+        assert first.dispatched                 # at once, not after one of the flood's ends
+        second = adm.admit(light, 1)
+        assert not second.dispatched            # the server is full now: it waits, first in line
+        flood[0].release()
+        await asyncio.sleep(0)
+        assert second.dispatched and heavy.running == 2 and light.running == 2
+    asyncio.run(main())

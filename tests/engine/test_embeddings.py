@@ -1,0 +1,106 @@
+"""Embeddings (SamplingParams.pooling; LLM.embed) against transformers' hidden states: the final
+hidden states after the model's last norm, pooled (last token, mean, first token) and
+L2-normalized, in fp32 within 1e-4 of `model.model(ids).last_hidden_state` pooled the same way:
+through chunked prefill, batched with generations (which stay token-exact), with prefix-cache hits
+for last-token pooling, on a tiny random Llama and on the embedded GGUF model. The served
+endpoint is tests/serving/test_embeddings.py."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from records.model_source import model_pooling
+
+TOL = 1e-4
+
+
+def reference(hf, ids: list[int], pooling: str, normalize: bool = True) -> torch.Tensor:
+    with torch.no_grad():
+        hidden = hf.model(torch.tensor([ids])).last_hidden_state[0].float()
+    vec = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[pooling]
+    return torch.nn.functional.normalize(vec, dim=0) if normalize else vec
+
+
+def test_pooled_hidden_states_match_transformers_through_chunks_and_beside_generation(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    # 16-token chunks: the longer prompts are pooled over several steps.
+    llm = LLM(tiny_llama, dtype="float32", max_num_batched_tokens=16, max_model_len=256, block_size=8)
+    prompts = [[(i * 37 + j * 11) % 900 + 5 for j in range(n)] for i, n in enumerate((3, 16, 41, 77))]
+    worst = 0.0
+    for pooling in ("last", "mean", "cls"):
+        outs = llm.embed([{"prompt_token_ids": p} for p in prompts], pooling=pooling, use_tqdm=False)
+        for ids, out in zip(prompts, outs):
+            got = torch.tensor(out.embedding)
+            assert got.shape == (hf.config.hidden_size,) and out.outputs[0].finish_reason == "stop"
+            assert out.outputs[0].token_ids == []
+            worst = max(worst, (got - reference(hf, ids, pooling)).abs().max().item())
+    raw = llm.embed({"prompt_token_ids": prompts[2]}, pooling="mean", normalize=False, use_tqdm=False)[0]
+    worst = max(worst, (torch.tensor(raw.embedding) - reference(hf, prompts[2], "mean", False)).abs().max().item())
+    assert worst <= TOL, f"max abs diff {worst:.2e}"
+    print(f"tiny Llama: max abs diff {worst:.2e}")
+
+    # Beside generations in the same steps: both right (every block freed: the block_accounting
+    # fixture checks the engine at the end).
+    engine = llm.llm_engine
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy,
+                                                          use_tqdm=False)]
+    embed = SamplingParams(max_tokens=1, pooling="mean", output_kind="final_only")
+    final = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind="final_only")
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"g{i}", None, ids, final)
+        engine.add_request(f"e{i}", None, ids, embed)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    for i, ids in enumerate(prompts):
+        assert done[f"g{i}"].outputs[0].token_ids == want[i]
+        assert (torch.tensor(done[f"e{i}"].embedding) - reference(hf, ids, "mean")).abs().max().item() <= TOL
+
+    # Last-token pooling takes prefix-cache hits (the prompt's blocks from the run above).
+    again = llm.embed({"prompt_token_ids": prompts[3]}, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 72
+    assert (torch.tensor(again.embedding) - reference(hf, prompts[3], "last")).abs().max().item() <= TOL
+
+
+def test_embedded_model_embeddings_match_transformers():
+    from transformers import AutoModelForCausalLM
+
+    from records.model_source import embedded_model_path
+
+    path = embedded_model_path()
+    assert model_pooling(os.path.dirname(path), os.path.basename(path)) == ("last", True)
+    llm = LLM(dtype="float32")
+    tok = llm.get_tokenizer()
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch.float32).eval()
+    texts = ["The capital of France is Paris.", "Embeddings place similar texts near each other."]
+    outs = llm.embed(texts, use_tqdm=False)
+    worst = max((torch.tensor(o.embedding) - reference(hf, tok.encode(t), "last")).abs().max().item()
+                for t, o in zip(texts, outs))
+    assert worst <= TOL, f"max abs diff {worst:.2e}"
+    print(f"embedded model: max abs diff {worst:.2e}")
+
+
+def test_sentence_transformers_pooling_config_and_bad_fields(tmp_path):
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "modules.json").write_text(
+        '[{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},'
+        ' {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},'
+        ' {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]')
+    (tmp_path / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    assert model_pooling(str(tmp_path), None) == ("mean", True)
+    (tmp_path / "1_Pooling" / "config.json").write_text('{"pooling_mode_max_tokens": true}')
+    with pytest.raises(ValueError, match="only last-token, mean and CLS pooling"):
+        model_pooling(str(tmp_path), None)
+    with pytest.raises(ValueError, match="pooling must be None or one of"):
+        SamplingParams(pooling="max")
+    with pytest.raises(ValueError, match="n must be 1 for an embedding"):
+        SamplingParams(pooling="last", n=2)
