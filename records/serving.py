@@ -164,8 +164,8 @@ class ServingSpec(StrictSpec):
     # side migrates, the client's connection cannot): keep ingresses off the nodes you expect to lose.
     ingress_resources: dict[str, float] = Field(default_factory=dict)
     # The gRPC Generation service (pdserve_proto/pdserve.proto) through Serve's gRPC proxy on this
-    # port; None serves HTTP only. Serve's gRPC proxy listens on every interface ([::]), which Ray
-    # does not let us narrow: keep the port firewalled (or set api_key, which gRPC enforces too).
+    # port, on `host` (Ray's proxy would take every interface: cluster/launch.py grpc_start_options
+    # narrows it); None serves HTTP only.
     grpc_port: int | None = Field(None, ge=1, le=65535)
     # The ingress replica serves HTTP on `port` itself (Ray Serve's direct ingress) instead of behind
     # Serve's HTTP proxy: one process fewer on every streamed token's path (docs/perf/journal.md §7).

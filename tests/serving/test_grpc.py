@@ -260,7 +260,8 @@ def test_grpc_listens_on_the_serving_host_only(grpc_server, apps):
                           if c.status == psutil.CONN_LISTEN]
         except psutil.Error:
             continue
+    loopback = ("127.0.0.1", "::ffff:127.0.0.1")        # gRPC's socket may be IPv6, mapped
     grpc_listeners = [entry for entry in listening if entry[2] == grpc_port]
-    assert grpc_listeners and all(ip == "127.0.0.1" for _, ip, _ in grpc_listeners), grpc_listeners
-    exposed = [entry for entry in listening if not (entry[1].startswith("127.") or entry[1] == "::1")]
+    assert grpc_listeners and all(ip in loopback for _, ip, _ in grpc_listeners), grpc_listeners
+    exposed = [entry for entry in listening if not (entry[1].startswith(("127.", "::ffff:127.")) or entry[1] == "::1")]
     assert exposed == [], exposed
