@@ -146,6 +146,15 @@ class ServingSpec(StrictSpec):
     # the others: a tenant that arrives while another floods starts at once (dispatch never
     # preempts, so without it the newcomer waits for one of the flood's requests to end).
     tenant_reserve: float = Field(0.25, ge=0, lt=1)
+    # The OpenAI Files and Batch APIs (router/ingress/files.py, batches.py): uploaded files, batches'
+    # state and their output files live under this directory (None: ~/.cache/pdserve/files/<app
+    # name>, or $PDSERVE_FILES_DIR/<app name>); several ingress replicas must share it. A batch's
+    # requests run in the lowest band of the fair queue, on at most `batch_share` of the dispatch
+    # slots (those no one else wants: dispatch never preempts, so this bounds what interactive
+    # traffic can find taken).
+    files_dir: str | None = None
+    max_file_bytes: int = Field(100 << 20, ge=1024)
+    batch_share: float = Field(0.5, gt=0, le=1)
     # Tenants, by name (router/ingress/tenants.py). With tenants every request needs one of their
     # keys; `api_key` / `api_key_env`, when set too, is the tenant "default" without limits.
     tenants: dict[str, TenantSpec] = Field(default_factory=dict)

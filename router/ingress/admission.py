@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from records.errors import RateLimitError
+from records.serving import BATCH_BAND
 from router.ingress.tenants import Tenant
 
 if TYPE_CHECKING:
@@ -85,10 +86,12 @@ class Admission:
     is told every change of the admitted count (a gauge)."""
 
     def __init__(self, limit: int, on_change: Callable[[int], None] = lambda _: None,
-                 dispatch_limit: Callable[[], int] = lambda: 1 << 30, reserve: float = 0.0) -> None:
+                 dispatch_limit: Callable[[], int] = lambda: 1 << 30, reserve: float = 0.0,
+                 batch_share: float = 1.0) -> None:
         self.limit = limit
         self.dispatch_limit = dispatch_limit
         self.reserve = reserve      # the share of the dispatch limit no one tenant may hold
+        self.batch_share = batch_share      # the most of it the Batch API's band may hold
         self.in_flight = 0          # admitted: queued or dispatched
         self.running = 0            # dispatched
         self.on_change = on_change
@@ -116,7 +119,7 @@ class Admission:
         ticket = Ticket(self, tenant, count, band, priority, next(self._seq))
         tenant.admitted += count
         self.in_flight += count
-        if not self._queues and self._fits(tenant, count):
+        if not self._queues and self._fits(tenant, count, band):
             self._dispatch(ticket)
         else:
             queue = self._queues.setdefault(tenant, [])
@@ -163,12 +166,15 @@ class Admission:
             raise RateLimitError(f"{self.in_flight} requests in flight; the limit is {self.limit}: retry later",
                                  retry_after=1.0, limit="max_in_flight")
 
-    def _fits(self, tenant: Tenant, count: int) -> bool:
-        """Whether `count` more requests of `tenant` may be dispatched now: under the dispatch limit,
-        and with `reserve` of it left to the other tenants (so that one arriving while another
-        floods starts at once, not after one of the flood's requests ends). A request always fits
-        an idle server, and an idle tenant, whatever its count."""
+    def _fits(self, tenant: Tenant, count: int, band: int) -> bool:
+        """Whether `count` more requests of `tenant` may be dispatched now: under the dispatch limit
+        (the Batch API's band under its share of it), and with `reserve` of it left to the other
+        tenants (so that one arriving while another floods starts at once, not after one of the
+        flood's requests ends). A request always fits an idle server, and an idle tenant,
+        whatever its count."""
         limit = self.dispatch_limit()
+        if band >= BATCH_BAND:
+            limit = max(1, int(limit * self.batch_share))
         if self.running and self.running + count > limit:
             return False
         return tenant.running == 0 or tenant.running + count <= limit - math.ceil(limit * self.reserve)
@@ -181,7 +187,7 @@ class Admission:
         for tenant, queue in self._queues.items():
             head = queue[0]
             key = (head.band, tenant.running / tenant.weight, tenant.vtime, head.seq)
-            if (best is None or key < best[0]) and self._fits(tenant, head.count):
+            if (best is None or key < best[0]) and self._fits(tenant, head.count, head.band):
                 best = (key, head)
         return None if best is None else best[1]
 

@@ -8,7 +8,9 @@ router/ingress/preparer.py, validates and tokenizes), the HTTP API over it
 
 Endpoints: GET /v1/models (and /v1/models/{model}), POST /v1/completions, POST /v1/chat/completions
 (both streaming as SSE ending in `data: [DONE]`), POST /v1/responses (streaming typed events), POST
-/v1/embeddings, POST
+/v1/embeddings, the Files API (POST, GET /v1/files, GET and DELETE /v1/files/{id}, GET
+/v1/files/{id}/content) and the Batch API (POST, GET /v1/batches, GET /v1/batches/{id}, POST
+/v1/batches/{id}/cancel), POST
 /tokenize, POST /detokenize, GET /health (and /ping, as vLLM and SageMaker ask), GET /version, GET
 /metrics (Prometheus), GET /openapi.json, POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 (with `lora.allow_runtime_updates`); and, beside HTTP, the gRPC Generation service through Serve's
@@ -35,15 +37,20 @@ Without it (what `pdserve serve` deploys) the ingress answers at once: while the
 import asyncio
 import importlib.metadata
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from ray import serve
 
 from engine.executor.ray_cluster import keep_serve_replica_on_loopback
+from records.cache_dirs import cache_root
+from records.errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
 from records.serving import IngressSpec
+from router.ingress.batches import Batches
+from router.ingress.files import FileStore
 from router.ingress.frontend import Frontend
 from router.ingress.grpc_api import GenerationService, grpc_call
 from router.ingress.http import fastapi_app, openapi_schema
@@ -81,6 +88,12 @@ def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
             self.api = OpenAIAPI(self.server)
             self.responses_api = ResponsesAPI(self.server)
             self.grpc = GenerationService(self.server)
+            # The Files and Batch APIs' state on disk (shared by this app's ingress replicas).
+            root = spec.serving.files_dir or os.path.join(cache_root("files", "PDSERVE_FILES_DIR"), spec.name)
+            self.files = FileStore(os.path.join(root, "files"), spec.serving.max_file_bytes)
+            self.batches = Batches(os.path.join(root, "batches"), self.files, self.api.execute,
+                                   lambda: 2 * max(1, int(self.server.admission.dispatch_limit()
+                                                          * spec.serving.batch_share)))
             fastapi_app.state.server = self.server
             self._membership: asyncio.Task | None = None
             self._startup = asyncio.get_running_loop().create_task(self._start(manager_link))
@@ -102,6 +115,9 @@ def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
                 logger.error("the engine pools failed to start: %s", cause)
                 return
             self.server.attach(manager, pools)
+            resumed = self.batches.resume()          # batches an earlier ingress left unfinished
+            if resumed:
+                logger.info("resumed %d batches: %s", len(resumed), ", ".join(resumed))
             self._membership = asyncio.get_running_loop().create_task(self.server.follow_membership())
 
         @fastapi_app.get("/v1/models")
@@ -127,6 +143,65 @@ def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
         async def embeddings(self, request: Request) -> Response:
             with self.server.observe(request.headers, "/v1/embeddings"):
                 return await self.api.embeddings(await self.api.read_json(request))
+
+        # --- the Files and Batch APIs (router/ingress/files.py, batches.py) ---------------------
+        @fastapi_app.post("/v1/files")
+        async def upload_file(self, request: Request) -> Response:
+            owner = self.server.tenant_of(request.headers).name
+            ctype = request.headers.get("content-type", "")
+            if not ctype.lower().startswith("multipart/form-data"):
+                raise UnsupportedMediaTypeError(f"Content-Type must be multipart/form-data; got {ctype!r}",
+                                                "content-type")
+            limit = self.files.max_bytes
+            declared = request.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit + (64 << 10):
+                raise PayloadTooLargeError(f"the upload is {declared} bytes; files may hold {limit} "
+                                           f"(serving.max_file_bytes)", "file")
+            form = await request.form(max_files=1, max_fields=8)
+            upload, purpose = form.get("file"), form.get("purpose")
+            if upload is None or isinstance(upload, str):
+                raise InvalidRequestError("file must be a file part of the form", "file")
+            data = await upload.read(limit + 1)
+            return JSONResponse(self.files.create(upload.filename or "upload", str(purpose), data, owner))
+
+        @fastapi_app.get("/v1/files")
+        async def list_files(self, request: Request) -> Response:
+            q = request.query_params
+            return JSONResponse(self.files.list(self.server.tenant_of(request.headers).name, q.get("purpose"),
+                                                _int_param(q, "limit", 10000), q.get("after"),
+                                                q.get("order", "desc")))
+
+        @fastapi_app.get("/v1/files/{file_id}")
+        async def get_file(self, file_id: str, request: Request) -> Response:
+            return JSONResponse(self.files.get(file_id, self.server.tenant_of(request.headers).name))
+
+        @fastapi_app.get("/v1/files/{file_id}/content")
+        async def file_content(self, file_id: str, request: Request) -> Response:
+            path = self.files.content_path(file_id, self.server.tenant_of(request.headers).name)
+            return FileResponse(path, media_type="application/octet-stream")
+
+        @fastapi_app.delete("/v1/files/{file_id}")
+        async def delete_file(self, file_id: str, request: Request) -> Response:
+            return JSONResponse(self.files.delete(file_id, self.server.tenant_of(request.headers).name))
+
+        @fastapi_app.post("/v1/batches")
+        async def create_batch(self, request: Request) -> Response:
+            owner = self.server.tenant_of(request.headers).name
+            return JSONResponse(self.batches.create(await self.api.read_json(request), owner))
+
+        @fastapi_app.get("/v1/batches")
+        async def list_batches(self, request: Request) -> Response:
+            q = request.query_params
+            return JSONResponse(self.batches.list(self.server.tenant_of(request.headers).name,
+                                                  _int_param(q, "limit", 20), q.get("after")))
+
+        @fastapi_app.get("/v1/batches/{batch_id}")
+        async def get_batch(self, batch_id: str, request: Request) -> Response:
+            return JSONResponse(self.batches.get(batch_id, self.server.tenant_of(request.headers).name))
+
+        @fastapi_app.post("/v1/batches/{batch_id}/cancel")
+        async def cancel_batch(self, batch_id: str, request: Request) -> Response:
+            return JSONResponse(self.batches.cancel(batch_id, self.server.tenant_of(request.headers).name))
 
         @fastapi_app.post("/v1/responses")
         async def responses(self, request: Request) -> Response:
@@ -207,3 +282,13 @@ def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
             return await self.grpc.health()
 
     return OpenAIIngress.bind(spec.model_dump_json(), manager_link)
+
+
+def _int_param(query: Any, name: str, default: int) -> int:
+    """A positive integer query parameter; InvalidRequestError naming it."""
+    value = query.get(name)
+    if value is None:
+        return default
+    if not value.isdigit() or int(value) < 1:
+        raise InvalidRequestError(f"{name} must be a positive integer; got {value!r}", name)
+    return int(value)

@@ -104,7 +104,8 @@ class Frontend:
         per_replica = config.serving.dispatch_per_replica or info.max_num_seqs
         reserve = config.serving.tenant_reserve if len(self.tenants.by_name) > 1 else 0.0
         self.admission = Admission(config.serving.max_in_flight, lambda n: self.metrics.in_flight.set(n),
-                                   lambda: per_replica * max(1, len(decode.replicas)), reserve)
+                                   lambda: per_replica * max(1, len(decode.replicas)), reserve,
+                                   config.serving.batch_share)
         # None once serving; else why not yet ("starting: ...") or why never ("failed: ...").
         self.not_ready: str | None = None if replicas else "starting: the engine pools are loading"
 
@@ -133,6 +134,10 @@ class Frontend:
             raise AuthenticationError(f"invalid or missing API key ({where})")
         return tenant
 
+    def tenant_of(self, headers: Mapping[str, str]) -> Tenant:
+        """The tenant an HTTP request's key names (the key middleware let only those through)."""
+        return self.check_key(headers.get("authorization", ""))
+
     async def admit(self, prompts: list[list[int]], params: SamplingParams, tenant: Tenant | None = None,
                     band: int | None = None) -> Ticket:
         """Admit a request's prompts for `tenant` (default: the one whose key the call carries,
@@ -143,6 +148,7 @@ class Frontend:
         if not self.router.replicas:
             raise NoReplicaError("no engine replica is available")
         tenant = tenant or TENANT.get() or self.check_key("")
+        band = band if band is not None else BAND.get()
         trace = CURRENT.get()
         began = time.monotonic()
         if trace is not None:
@@ -338,6 +344,9 @@ def _reset(var: contextvars.ContextVar, token: contextvars.Token) -> None:
 
 # The tenant whose key the API call being served carries (`Frontend.observe`).
 TENANT: contextvars.ContextVar[Tenant | None] = contextvars.ContextVar("pdserve_tenant", default=None)
+
+# The band the API call being served runs in (None: its tenant's): the Batch API's runner sets it.
+BAND: contextvars.ContextVar[int | None] = contextvars.ContextVar("pdserve_band", default=None)
 
 # A metric's name where it starts a sample line or a HELP / TYPE comment.
 _METRIC_NAME = re.compile(r"^((?:# (?:HELP|TYPE) )?)pdserve:", re.MULTILINE)

@@ -7,6 +7,7 @@ logprobs in OpenAI's two shapes. Validation, admission, routing and metrics are 
 # No `from __future__ import annotations`: FastAPI reads annotations at runtime.
 import base64
 import dataclasses
+import json
 import math
 import struct
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from engine.text.reasoning import ReasoningStream, split_reasoning
 from engine.text.tool_calls import ToolFormat
 from engine.text.tool_parser import ToolCallStream, coalesce, read_through
 from records.errors import (
+    AuthenticationError,
     ClientClosedError,
     InvalidRequestError,
     PayloadTooLargeError,
@@ -28,14 +30,16 @@ from records.errors import (
 )
 from records.outputs import Logprob, StepDelta
 from records.sampling_params import SamplingParams
+from records.serving import BATCH_BAND
 from router.ingress.admission import Ticket
-from router.ingress.frontend import Frontend
+from router.ingress.frontend import BAND, TENANT, Frontend, request_error
 from router.ingress.http import sse_response
 from router.ingress.protocol import (
     ChatCompletionRequest,
     ChoiceAccumulator,
     CompletionRequest,
     UsageCounter,
+    error_body,
     new_id,
     now,
     parse_json_object,
@@ -137,6 +141,26 @@ class OpenAIAPI:
         tokens = sum(len(p) for p in prompts)
         return {"object": "list", "data": out, "model": self.preparer.response_model(params),
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    async def execute(self, url: str, body: dict[str, Any], owner: str) -> tuple[int, dict[str, Any]]:
+        """One request of a batch (router/ingress/batches.py): the endpoint's own code, under the
+        batch's owner and in the Batch band; (HTTP status, response or error body)."""
+        tenant = self.frontend.tenants.by_name.get(owner)
+        tokens = (TENANT.set(tenant), BAND.set(BATCH_BAND))
+        try:
+            if tenant is None:
+                raise AuthenticationError(f"the tenant {owner!r} that created this batch is no longer configured")
+            call = {"/v1/chat/completions": self.chat, "/v1/completions": self.completions,
+                    "/v1/embeddings": self.embeddings}[url]
+            response = await call(dict(body, stream=False) if url != "/v1/embeddings" else body)
+            return response.status_code, json.loads(response.body)
+        except Exception as e:  # noqa: BLE001 - every failure is that line's error, in its file
+            err = request_error(e)
+            self.frontend.metrics.errors.inc(code=str(err.status))
+            return err.status, error_body(err.message, err.err_type, err.status, err.param)
+        finally:
+            TENANT.reset(tokens[0])
+            BAND.reset(tokens[1])
 
     def _echo_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """Each prompt as `echo` puts it before its completions: the text sent, or the ids decoded
