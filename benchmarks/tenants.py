@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -24,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -33,15 +35,40 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 KEYS = {"light": "light-key", "heavy": "heavy-key", "shared": "shared-key"}
 
 
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
-    spec = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pdserve-tenants-{port}.yaml")
-    model = f"model: {args.model}\n" if args.model else ""
-    tenants = ", ".join(f"{name}: {{api_keys: [{key}]}}" for name, key in KEYS.items())
+@contextlib.contextmanager
+def served(spec_yaml: str) -> Iterator[str]:
+    """`pdserve serve --config` of a spec (PORT in it becomes a free port) on a local Ray; yields
+    the base URL once /health answers, and stops the server (SIGINT, then SIGKILL) at the end."""
+    import httpx
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from helpers import free_port
+
+    port = free_port()
+    spec = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pdserve-bench-{port}.yaml")
     with open(spec, "w") as f:
-        f.write(f"{model}pools: {{decode: {{replicas: 1}}}}\nengine: {{max_num_seqs: {args.max_num_seqs}}}\n"
-                f"serving: {{port: {port}, max_in_flight: {args.max_in_flight}, tenants: {{{tenants}}}}}\n")
-    return subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "pdserve"), "serve", "--config", spec],
+        f.write(spec_yaml.replace("PORT", str(port)))
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "pdserve"), "serve", "--config", spec],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("pdserve serve did not come up")
+            time.sleep(1.0)
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 async def one(client, base: str, key: str, prompt: list[int], args: argparse.Namespace) -> tuple[float | None, str]:
@@ -120,23 +147,11 @@ def main() -> None:
     args = ap.parse_args()
     import httpx
 
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from helpers import free_port
-
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = start_server(args, port)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("pdserve serve did not come up")
-            time.sleep(1.0)
+    model = f"model: {args.model}\n" if args.model else ""
+    tenants = ", ".join(f"{name}: {{api_keys: [{key}]}}" for name, key in KEYS.items())
+    spec = (f"{model}pools: {{decode: {{replicas: 1}}}}\nengine: {{max_num_seqs: {args.max_num_seqs}}}\n"
+            f"serving: {{port: PORT, max_in_flight: {args.max_in_flight}, tenants: {{{tenants}}}}}\n")
+    with served(spec) as base:
         args.served = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {KEYS['shared']}"}
                                 ).json()["data"][0]["id"]
         x = asyncio.run(capacity(base, args))
@@ -168,12 +183,6 @@ def main() -> None:
             if line.startswith(("pdserve:tenant_requests_total", "pdserve:tenant_queue_time_seconds_count",
                                 "pdserve:tenant_queue_time_seconds_sum")):
                 print("    " + line)
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":
