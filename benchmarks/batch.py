@@ -23,7 +23,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tenants import pct, served  # noqa: E402 - benchmarks/ is the script's own directory
+from tenants import pct, served     # benchmarks/ is the script's own directory
 
 TOPICS = ["the sea", "a city at night", "mountains", "a library", "rain", "an old train", "the moon", "a garden"]
 
@@ -116,7 +116,8 @@ def main() -> None:
             print(f"  interactive {label}: TTFT p50 {pct(ttft, 50) * 1e3:.0f} ms p99 {pct(ttft, 99) * 1e3:.0f} ms; "
                   f"ITL p50 {pct(itl, 50) * 1e3:.1f} ms p99 {pct(itl, 99) * 1e3:.1f} ms ({len(ttft)} requests)")
         print(f"  ratio beside / alone: ITL p99 {pct(beside[1], 99) / pct(alone[1], 99):.2f}x, "
-              f"ITL p50 {pct(beside[1], 50) / pct(alone[1], 50):.2f}x, TTFT p50 {pct(beside[0], 50) / pct(alone[0], 50):.2f}x")
+              f"ITL p50 {pct(beside[1], 50) / pct(alone[1], 50):.2f}x, "
+              f"TTFT p50 {pct(beside[0], 50) / pct(alone[0], 50):.2f}x")
         print(f"  batches: {sum(s.request_counts.total for s in states)} requests, "
               f"{sum(s.request_counts.completed for s in states)} completed, "
               f"{sum(s.request_counts.failed for s in states)} failed, in {took:.0f} s "
