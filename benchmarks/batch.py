@@ -122,6 +122,11 @@ def main() -> None:
               f"{sum(s.request_counts.completed for s in states)} completed, "
               f"{sum(s.request_counts.failed for s in states)} failed, in {took:.0f} s "
               f"({sum(during.values())} done while the interactive load ran)")
+        text = httpx.get(f"{base}/metrics", timeout=30).text
+        for name in ("pdserve:tenant_queue_time_seconds", "pdserve:request_queue_time_seconds"):
+            total_s = sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(name + "_sum"))
+            count = sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(name + "_count"))
+            print(f"  {name}: mean {total_s / max(count, 1) * 1e3:.0f} ms over {count:.0f} requests")
         same = total = 0
         for state in states:
             outputs = {r["custom_id"]: r["response"]["body"]

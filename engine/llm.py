@@ -1,4 +1,5 @@
-"""LLM: the offline API, vLLM's shapes: LLM(model).generate(prompts, params) / .chat(messages)."""
+"""LLM: the offline API, vLLM's shapes: LLM(model).generate(prompts, params) / .chat(messages) /
+.embed(prompts); beam search with SamplingParams(use_beam_search=True, best_of=k, n=...)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,12 +8,13 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from engine.beam_search import BeamSearch, check_beam_params, run_offline
 from engine.llm_engine import LLMEngine
 from engine.text.tokenizer import apply_chat_template
 from engine.text.tool_calls import ToolFormat
 from records.config import EngineConfig
 from records.lora import LoRARequest
-from records.outputs import RequestOutput
+from records.outputs import CompletionOutput, RequestOutput
 from records.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -79,6 +81,44 @@ class LLM:
         params = self._with_lora(self._params_list(sampling_params, len(prompts)), lora_request)
         parsed = [self._parse_prompt(p) for p in prompts]
         return self._run(parsed, params, use_tqdm)
+
+    def _beam_search(self, parsed: list[tuple[str | None, list[int]]], params: list[SamplingParams]
+                     ) -> list[RequestOutput]:
+        """Beam search for each prompt (engine/beam_search.py), all prompts' beams scored in the
+        same engine steps; each output holds the best n beams, best first."""
+        engine = self.llm_engine
+        max_len = engine.config.model_config.max_model_len
+        searches = []
+        for (_, ids), sp in zip(parsed, params):
+            eos = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(engine.eos_token_ids))
+            searches.append((ids, BeamSearch(sp, eos, min(sp.max_tokens or max_len, max_len - len(ids)))))
+
+        def score(batch: list[tuple[list[int], SamplingParams]]) -> list[dict[int, float]]:
+            ids = [f"beam-{next(self._counter)}" for _ in batch]
+            for rid, (tokens, sp) in zip(ids, batch):
+                engine.add_request(rid, None, tokens, sp)
+            tops: dict[str, dict[int, float]] = {}
+            try:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            tops[out.request_id] = {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+            except BaseException:
+                engine.abort_request(ids)
+                raise
+            return [tops[rid] for rid in ids]
+
+        run_offline(searches, params, score)
+        tokenizer = engine.tokenizer
+        outputs = []
+        for (prompt, ids), (_, search), sp in zip(parsed, searches, params):
+            beams = [CompletionOutput(i, tokenizer.decode(h.token_ids, skip_special_tokens=sp.skip_special_tokens)
+                                      if tokenizer is not None else "", h.token_ids, h.cumulative_logprob,
+                                      finish_reason=h.finish_reason,
+                                      stop_reason=h.token_ids[-1] if h.finish_reason == "stop" else None)
+                     for i, h in enumerate(search.results())]
+            outputs.append(RequestOutput(f"beam-{next(self._counter)}", prompt, ids, beams, True))
+        return outputs
 
     def chat(
         self,
@@ -180,6 +220,15 @@ class LLM:
             parsed = [(p, ids if ids is not None else engine.tokenizer.encode(p)) for p, ids in parsed]
         for (_, ids), sp in zip(parsed, params):
             engine.validate(ids or [], sp)  # all or nothing: validate before queueing any
+            if sp.use_beam_search:
+                check_beam_params(sp)
+        beams = [i for i, sp in enumerate(params) if sp.use_beam_search]
+        if beams:       # beam search runs over the engine; the other prompts as usual, beside
+            searched = self._beam_search([parsed[i] for i in beams], [params[i] for i in beams])
+            rest = [i for i in range(len(params)) if i not in set(beams)]
+            plain = self._run([parsed[i] for i in rest], [params[i] for i in rest], use_tqdm) if rest else []
+            merged = dict(zip(beams, searched)) | dict(zip(rest, plain))
+            return [merged[i] for i in range(len(params))]
         ids = [str(next(self._counter)) for _ in parsed]
         # Only the final outputs are read below: the engine builds no other (its output_kind).
         final = {id(sp): dataclasses.replace(sp, output_kind="final_only") for sp in params}

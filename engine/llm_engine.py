@@ -98,6 +98,9 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = list(prompt_token_ids)
         self.validate(prompt_token_ids, params)
+        if params.use_beam_search:
+            raise ValueError("use_beam_search: beam search runs over the engine (LLM.generate, the server's "
+                             "completions and chat: engine/beam_search.py), not as one engine request")
         mc = self.config.model_config
         max_tokens = params.max_tokens or (mc.max_model_len - len(prompt_token_ids))
         arrival = arrival_time if arrival_time is not None else time.monotonic()
@@ -164,7 +167,7 @@ class LLMEngine:
         constraint compiled too, unless `compile_constraint` is False: the caller does that)."""
         mc = self.config.model_config
         validate_request(prompt_token_ids, params, mc.vocab_size, mc.max_model_len,
-                         self.config.scheduler_config.max_num_seqs)
+                         None if params.use_beam_search else self.config.scheduler_config.max_num_seqs)
         if params.structured_outputs is not None and compile_constraint:
             self.compile_constraint(params.structured_outputs)
         if params.lora_request is not None:

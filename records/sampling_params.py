@@ -143,6 +143,13 @@ class SamplingParams:
     # L2-normalized with `normalize`; nothing is sampled (RequestOutput.embedding; LLM.embed).
     pooling: str | None = None
     normalize: bool = True
+    # Beam search (vLLM's names; engine/beam_search.py): `best_of` beams (default n), the best n
+    # returned, ranked by sum of logprobs / length ** length_penalty; early_stopping True, False
+    # or "never", as transformers' generate takes them. Greedy scoring: temperature is not used.
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -197,6 +204,14 @@ class SamplingParams:
         _check_int("priority", self.priority, INT64_MIN, INT64_MAX)
         _check(self.output_kind in OUTPUT_KINDS, "output_kind", f"one of {OUTPUT_KINDS}", self.output_kind)
         self.extra_keys = tuple(self.extra_keys)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, self.n, 10, f" (>= n, {self.n})")
+            _check(self.use_beam_search, "best_of", "used with use_beam_search (the beam width)", self.best_of)
+        _check_float("length_penalty", self.length_penalty, "", True)
+        _check(self.early_stopping in (True, False, "never"), "early_stopping", 'true, false or "never"',
+               self.early_stopping)
+        if self.use_beam_search:
+            _check(self.n <= 10, "n", "<= 10 with use_beam_search", self.n)
         _check(self.pooling is None or self.pooling in POOLING, "pooling", f"None or one of {POOLING}", self.pooling)
         if self.pooling is not None:
             _check(self.n == 1, "n", "1 for an embedding", self.n)

@@ -74,8 +74,10 @@ class Ticket:
     def released(self) -> bool:
         return self._admission is None
 
-    def __lt__(self, other: Ticket) -> bool:        # a tenant's queue: its own priority, then arrival
-        return (self.priority, self.seq) < (other.priority, other.seq)
+    def __lt__(self, other: Ticket) -> bool:
+        # A tenant's queue: its band (its Batch API requests behind its interactive ones, which they
+        # must not hold up), then the request's own priority, then arrival.
+        return (self.band, self.priority, self.seq) < (other.band, other.priority, other.seq)
 
     def __del__(self) -> None:
         self.release()

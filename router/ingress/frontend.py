@@ -23,6 +23,7 @@ from typing import Any
 from ray.exceptions import TaskCancelledError
 
 import engine.tracing as tracing
+from engine.beam_search import BeamSearch, Hypothesis, deliver, pending
 from records.errors import (
     AuthenticationError,
     ClientClosedError,
@@ -253,6 +254,40 @@ class Frontend:
             ticket.release()
             for t in tasks:                 # a disconnect cancels the pumps, which abort on the replicas
                 t.cancel()
+
+    async def beam_search(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                          ticket: Ticket) -> list[list[Hypothesis]]:
+        """Beam search over each prompt (engine/beam_search.py): each step, every live beam is scored
+        as a one-token request through the router (prefix-aware routing keeps a prompt's beams on the
+        replica holding its blocks); the best n beams of each prompt. Releases `ticket` at the end."""
+        try:
+            eos = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.preparer.eos_token_ids))
+            limit = self.preparer.max_model_len
+            searches = [(ids, BeamSearch(params, eos, min(params.max_tokens or limit, limit - len(ids))))
+                        for ids in prompts]
+            step = 0
+            while True:
+                batch, owners = pending(searches, [params] * len(searches))
+                if not batch:
+                    return [search.results() for _, search in searches]
+                tops = await asyncio.gather(*(self._score(f"{request_id}-{step}-{j}", ids, p, ticket)
+                                              for j, (ids, p) in enumerate(batch)))
+                deliver(owners, list(tops))
+                step += 1
+        finally:
+            ticket.release()
+
+    async def _score(self, request_id: str, ids: list[int], params: SamplingParams, ticket: Ticket
+                     ) -> dict[int, float]:
+        """One beam's next-token top logprobs."""
+        top: dict[int, float] = {}
+        async for delta in self.router.generate(request_id, ids, params, trace=ticket.trace):
+            for c in delta.choices:
+                if c.logprobs:
+                    top = {t: lp.logprob for t, lp in c.logprobs[-1].items()}
+        if not top:
+            raise RequestFailedError("a beam's step returned no logprobs")
+        return top
 
     def count_finished(self, reason: str | None) -> None:
         self.metrics.requests.inc(finished_reason=reason or "abort")

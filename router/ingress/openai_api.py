@@ -87,6 +87,8 @@ class OpenAIAPI:
         echo = self._echo_texts(req, prompts) if req.echo else None
         ticket = await self.frontend.admit(prompts, params)
         rid = new_id("cmpl")
+        if params.use_beam_search:
+            return JSONResponse(await self._beams(rid, "text_completion", prompts, params, ticket, echo))
         if req.stream:
             return sse_response(self._stream_completion(rid, req, prompts, echo, params, ticket), ticket)
         try:
@@ -98,8 +100,12 @@ class OpenAIAPI:
         prep = await self.preparer.prepare_chat(data)
         req, params, ids, tools = prep.request, prep.params, prep.prompts[0], prep.tool_format
         thinking = self.preparer.thinking(req)
+        if params.use_beam_search and tools is not None:
+            raise InvalidRequestError("tools are not supported with use_beam_search", param="tools")
         ticket = await self.frontend.admit([ids], params)
         rid = new_id("chatcmpl")
+        if params.use_beam_search:
+            return JSONResponse(await self._beams(rid, "chat.completion", [ids], params, ticket))
         if req.stream:
             return sse_response(self._stream_chat(rid, req, ids, params, tools, ticket, thinking), ticket)
         try:
@@ -161,6 +167,30 @@ class OpenAIAPI:
         finally:
             TENANT.reset(tokens[0])
             BAND.reset(tokens[1])
+
+    async def _beams(self, rid: str, kind: str, prompts: list[list[int]], params: SamplingParams, ticket: Ticket,
+                     echo: list[str] | None = None) -> dict[str, Any]:
+        """A beam search's response (engine/beam_search.py): the best n beams of each prompt, best
+        first, as the choices of a completion or a chat completion."""
+        results = await self.frontend.beam_search(prompts, params, rid, ticket)
+        tokenizer, choices, generated = self.preparer.tokenizer, [], 0
+        for p, beams in enumerate(results):
+            for beam in beams:
+                text = tokenizer.decode(beam.token_ids, skip_special_tokens=params.skip_special_tokens)
+                generated += len(beam.token_ids)
+                self.frontend.count_finished(beam.finish_reason)
+                stop = beam.token_ids[-1] if beam.finish_reason == "stop" else None
+                choice: dict[str, Any] = {"index": len(choices), "finish_reason": beam.finish_reason,
+                                          "stop_reason": stop, "logprobs": None}
+                if kind == "chat.completion":
+                    choice["message"] = {"role": "assistant", "content": text}
+                else:
+                    choice["text"] = text if echo is None else echo[p] + text
+                choices.append(choice)
+        num_prompt = sum(len(p) for p in prompts)
+        return {"id": rid, "object": kind, "created": now(), "model": self.preparer.response_model(params),
+                "choices": choices, "usage": {"prompt_tokens": num_prompt, "completion_tokens": generated,
+                                              "total_tokens": num_prompt + generated}}
 
     def _echo_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """Each prompt as `echo` puts it before its completions: the text sent, or the ids decoded

@@ -19,9 +19,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from engine.beam_search import check_beam_params
 from engine.sample.structured_output import compiler_for
 from engine.text.reasoning import THINK_END, thinks
-from engine.text.tokenizer import apply_chat_template, load_tokenizer
+from engine.text.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
 from engine.text.tool_calls import ToolFormat
 from records.errors import InvalidRequestError, NotFoundError
 from records.lora import LoRARequest, read_adapter
@@ -42,6 +43,13 @@ from router.ingress.protocol import (
     plain_messages,
     validation_message,
 )
+
+
+def check_beams(params: SamplingParams) -> SamplingParams:
+    """The params, once beam search (when asked) can take them; ValueError naming what it cannot."""
+    if params.use_beam_search:
+        check_beam_params(params)
+    return params
 
 
 @dataclass(slots=True)
@@ -108,9 +116,14 @@ class RequestPreparer:
 
     def sampling_params(self, req: CompletionRequest) -> SamplingParams:
         try:
-            return req.to_sampling_params(self.info.sampling_defaults)
+            return check_beams(req.to_sampling_params(self.info.sampling_defaults))
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
+
+    @functools.cached_property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The model's end-of-sequence ids, as its engines read them (beam search ends beams on them)."""
+        return frozenset(eos_token_ids(self.tokenizer, self._adapter_limits[0], self.info.model))
 
     def truncated(self, ids: list[int], keep: int | None) -> list[int]:
         """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: max_model_len's worth)."""
@@ -194,7 +207,7 @@ class RequestPreparer:
         lora = self.check_model(req.model)
         tools, constraint, tool_format = self.tool_setup(req)
         try:
-            params = req.to_sampling_params(constraint, self.info.sampling_defaults)
+            params = check_beams(req.to_sampling_params(constraint, self.info.sampling_defaults))
         except ValueError as e:
             raise InvalidRequestError(str(e), param="tool_choice" if constraint else None) from None
         params.lora_request = lora

@@ -75,6 +75,11 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # beam search (vLLM's names; engine/beam_search.py): best_of beams, the best n returned
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     # the prompt's token ids and each choice's own in the response (vLLM's; what RL rollouts read
     # to train on exactly the tokens that were sampled)
     return_token_ids: bool = False
@@ -132,7 +137,10 @@ class _Common(BaseModel):
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is not available with stream=true (as in vLLM); send the request "
                              "unstreamed")
-        kwargs = dict(structured_outputs=self.structured(),
+        if self.use_beam_search and self.stream:
+            raise ValueError("stream: beam search answers whole (stream=false): its beams change until the end")
+        kwargs = dict(structured_outputs=self.structured(), use_beam_search=self.use_beam_search,
+                      best_of=self.best_of, length_penalty=self.length_penalty, early_stopping=self.early_stopping,
                       n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                       min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
                       frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
@@ -387,7 +395,6 @@ def _no_constant(name: str) -> Any:
 # without them would change what the client asked for.
 UNSUPPORTED = {
     "suffix": "not supported (insertion; vLLM refuses it too)",
-    "best_of": "not supported (vLLM's V1 engine dropped it too); use n and pick by logprobs",
     "functions": "not supported (OpenAI's deprecated form); use tools",
     "function_call": "not supported (OpenAI's deprecated form); use tool_choice",
     "audio": "not supported: this server generates text only",

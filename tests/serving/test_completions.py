@@ -199,3 +199,27 @@ def test_vllm_token_ids_salt_and_truncation(server, client):
     bad = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "x", "cache_salt": ""},
                      headers=auth())
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
+def test_beam_search_over_http_equals_offline(server, client, tiny_llama):
+    """vLLM's use_beam_search / best_of / n / length_penalty on completions and chat: the beams the
+    offline engine finds (equal to transformers', tests/engine/test_beam_search.py), best first."""
+    prompt = [(j * 17) % 600 + 3 for j in range(20)]
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=1024)
+    params = SamplingParams(use_beam_search=True, best_of=3, n=2, max_tokens=8, length_penalty=0.8)
+    want = [c.token_ids for c in llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs]
+    body = {"use_beam_search": True, "best_of": 3, "length_penalty": 0.8}
+    got = client.completions.create(model=server["model"], prompt=prompt, max_tokens=8, n=2, extra_body=body)
+    tok = llm.get_tokenizer()
+    assert [c.text for c in got.choices] == [tok.decode(w, skip_special_tokens=True) for w in want]
+    assert got.usage.completion_tokens == sum(len(w) for w in want)
+    messages = [{"role": "user", "content": "Name a color."}]
+    want = llm.chat(messages, params, use_tqdm=False)[0].outputs
+    chat = client.chat.completions.create(model=server["model"], messages=messages, max_tokens=8, n=2,
+                                          extra_body={"use_beam_search": True, "best_of": 3, "length_penalty": 0.8})
+    assert [c.message.content for c in chat.choices] == [w.text for w in want]
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.completions.create(model=server["model"], prompt="x", max_tokens=4, stream=True,
+                                  extra_body={"use_beam_search": True})
+    with pytest.raises(openai.BadRequestError, match="best_of must be used with use_beam_search"):
+        client.completions.create(model=server["model"], prompt="x", max_tokens=4, extra_body={"best_of": 2})

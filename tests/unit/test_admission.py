@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from records.errors import RateLimitError
-from records.serving import ServingSpec
+from records.serving import BATCH_BAND, ServingSpec
 from router.ingress.admission import Admission
 from router.ingress.tenants import Tenants, retry_after
 
@@ -166,4 +166,25 @@ def test_a_reserve_keeps_slots_for_a_tenant_that_arrives_while_another_floods():
         flood[0].release()
         await asyncio.sleep(0)
         assert second.dispatched and heavy.running == 2 and light.running == 2
+    asyncio.run(main())
+
+
+def test_batch_requests_keep_to_their_share_and_never_hold_up_their_tenant():
+    async def main() -> None:
+        one = tenants(only={"api_keys": ["k"]}).by_name["only"]
+        adm = Admission(100, dispatch_limit=lambda: 8, batch_share=0.5)
+        batch = [adm.admit(one, 1, band=BATCH_BAND) for _ in range(10)]
+        assert sum(t.dispatched for t in batch) == 4           # half the slots at most
+        interactive = [adm.admit(one, 1) for _ in range(4)]
+        assert all(t.dispatched for t in interactive)          # past the tenant's own queued batch
+        late = adm.admit(one, 1)
+        assert not late.dispatched                             # the server is full now
+        batch[0].release()
+        await asyncio.sleep(0)
+        assert late.dispatched and sum(t.dispatched for t in batch[1:]) == 3    # its band first
+        for t in [*interactive, late]:
+            t.release()
+        await asyncio.sleep(0)
+        assert sum(t.dispatched and not t.released for t in batch) == 4         # back to its share
+
     asyncio.run(main())
