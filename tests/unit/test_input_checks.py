@@ -69,14 +69,21 @@ def test_bodies_that_are_accepted():
 
 
 def test_admission_tickets_release_exactly_once():
+    from records.errors import RateLimitError
+    from records.serving import ServingSpec
+    from router.ingress.tenants import Tenants
+
     seen = []
     admission = Admission(3, seen.append)
-    a = admission.admit(2)
-    assert a is not None and admission.admit(2) is None and admission.in_flight == 2
+    tenant = Tenants(ServingSpec(), {}).resolve(None)
+    a = admission.admit(tenant, 2)
+    with pytest.raises(RateLimitError, match="limit is 3"):
+        admission.admit(tenant, 2)
+    assert admission.in_flight == 2
     a.release()
     a.release()                                   # idempotent
     assert admission.in_flight == 0 and seen == [2, 0]
-    b = admission.admit(3)
+    b = admission.admit(tenant, 3)
     assert b is not None and admission.in_flight == 3
     del b                                         # dropped unreleased: garbage collection releases it
     gc.collect()
