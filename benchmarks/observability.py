@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -108,30 +107,10 @@ def ttft(args: argparse.Namespace) -> None:
 
     from records.histogram import VLLM_TTFT_BUCKETS, Histogram, quantile
 
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from helpers import free_port
-
-    port = free_port()
-    spec = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pdserve-obs-{port}.yaml")
     model = f"model: {args.model}\n" if args.model else ""
-    with open(spec, "w") as f:
-        f.write(f"{model}mode: disaggregated\npools: {{prefill: {{}}, decode: {{}}}}\n"
-                f"serving: {{port: {port}, direct_ingress: {'false' if args.through_proxy else 'true'}}}\n")
-    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "pdserve"), "serve", "--config", spec],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("pdserve serve did not come up")
-            time.sleep(1.0)
-
+    spec = (f"{model}mode: disaggregated\npools: {{prefill: {{}}, decode: {{}}}}\n"
+            f"serving: {{port: PORT, direct_ingress: {'false' if args.through_proxy else 'true'}}}\n")
+    with bench.served(spec) as base:
         def buckets() -> tuple[list[float], float, float]:
             cumulative: dict[float, float] = {}
             total = count = 0.0
@@ -176,13 +155,6 @@ def ttft(args: argparse.Namespace) -> None:
             print(f"  concurrency {concurrency}: " + "; ".join(row)
                   + f"; mean server {server_mean * 1e3:.0f} / client {client_mean * 1e3:.0f} ms "
                     f"({server_mean / client_mean:.2f}x); {int(after[2] - before[2])} counted, {len(results)} sent")
-    finally:
-        import signal
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def main() -> None:

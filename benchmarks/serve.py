@@ -26,10 +26,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
+import os
 import random
+import signal
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -61,6 +66,41 @@ def arrival_gaps(rate: float, burstiness: float, count: int, seed: int) -> Itera
     rng = random.Random(seed + 1)
     for _ in range(count):
         yield 0.0 if rate == float("inf") else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+
+
+@contextlib.contextmanager
+def served(spec_yaml: str) -> Iterator[str]:
+    """`pdserve serve --config` of a spec (PORT in it becomes a free port) on a local Ray; yields
+    the base URL once /health answers, and stops the server (SIGINT, then SIGKILL) at the end."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "tests"))
+    from helpers import free_port
+
+    port = free_port()
+    spec = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pdserve-bench-{port}.yaml")
+    with open(spec, "w") as f:
+        f.write(spec_yaml.replace("PORT", str(port)))
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "pdserve"), "serve", "--config", spec],
+                            cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("pdserve serve did not come up")
+            time.sleep(1.0)
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 # --- one request ---------------------------------------------------------------------------------

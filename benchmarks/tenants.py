@@ -17,58 +17,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.append(os.path.join(ROOT, "benchmarks"))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+from serve import served
 
 KEYS = {"light": "light-key", "heavy": "heavy-key", "shared": "shared-key"}
-
-
-@contextlib.contextmanager
-def served(spec_yaml: str) -> Iterator[str]:
-    """`pdserve serve --config` of a spec (PORT in it becomes a free port) on a local Ray; yields
-    the base URL once /health answers, and stops the server (SIGINT, then SIGKILL) at the end."""
-    import httpx
-
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from helpers import free_port
-
-    port = free_port()
-    spec = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pdserve-bench-{port}.yaml")
-    with open(spec, "w") as f:
-        f.write(spec_yaml.replace("PORT", str(port)))
-    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "pdserve"), "serve", "--config", spec],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("pdserve serve did not come up")
-            time.sleep(1.0)
-        yield base
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 async def one(client, base: str, key: str, prompt: list[int], args: argparse.Namespace) -> tuple[float | None, str]:
