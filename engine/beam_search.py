@@ -95,17 +95,17 @@ class BeamSearch:
 
 def scoring_params(search: BeamSearch, params: SamplingParams) -> SamplingParams:
     """What each beam is scored with: one greedy token, the top `width` logprobs, no EOS check."""
-    return SamplingParams(max_tokens=1, temperature=0.0, logprobs=min(search.width, 20), ignore_eos=True,
-                          detokenize=False, priority=params.priority, lora_request=params.lora_request,
-                          extra_keys=params.extra_keys, output_kind="final_only")
+    scoring = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, ignore_eos=True, detokenize=False,
+                             priority=params.priority, lora_request=params.lora_request,
+                             extra_keys=params.extra_keys, output_kind="final_only")
+    # Past the API's cap of 20 where a model has several EOS ids (Llama 3: 3, so 4 x best_of):
+    # bounded by best_of <= 10, and the step handles any top-k.
+    scoring.logprobs = search.width
+    return scoring
 
 
 def check_beam_params(params: SamplingParams) -> None:
     """ValueError naming what beam search cannot take with it."""
-    width = max(2, 1 + 1) * (params.best_of or params.n)
-    if width > 20:
-        raise ValueError(f"best_of (the beam width) must be <= 10 with use_beam_search; got "
-                         f"{params.best_of or params.n}")
     refused = [name for name, on in (("stop", bool(params.stop)), ("logprobs", params.logprobs is not None),
                                      ("prompt_logprobs", params.prompt_logprobs is not None),
                                      ("structured_outputs", params.structured_outputs is not None),

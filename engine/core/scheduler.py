@@ -302,6 +302,7 @@ class Scheduler:
         else:
             self.kv.free(request)
             request.num_computed_tokens = 0
+            request.pooled, request.pooled_rows = None, 0       # an embedding pools its prompt again
             request.status = RequestStatus.PREEMPTED
         request.spec_token_ids = []
         request.num_preemptions += 1
@@ -433,6 +434,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = request.num_cached_tokens = 0
+        request.pooled, request.pooled_rows = None, 0
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         self.restarted.append(request.request_id)

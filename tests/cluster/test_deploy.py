@@ -96,6 +96,7 @@ def test_chart_renders_every_values_file_and_lints_clean():
                                                 "worker": {"gpus": 2}}}}, "must share a pod"),
     ({"apiKey": {"enabled": True, "create": False, "existingSecret": ""}}, "apiKey.existingSecret"),
     ({"serving": {"api_key": "sk-plain"}}, "clear text"),
+    ({"serving": {"tenants": {"team-a": {"api_keys": ["sk-plain"]}}}}, "serving.tenants.team-a.api_keys"),
     ({"model": {"source": "pvc"}}, "model.pvc.claimName"),
     ({"pools": {"prefill": {"worker": {"rayStartParams": {"resources": "x"}}}}}, "set by the chart"),
     ({"pools": {"decode": {"replica": 2}}}, "replica"),                   # values.schema.json

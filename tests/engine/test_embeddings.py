@@ -104,3 +104,38 @@ def test_sentence_transformers_pooling_config_and_bad_fields(tmp_path):
         SamplingParams(pooling="max")
     with pytest.raises(ValueError, match="n must be 1 for an embedding"):
         SamplingParams(pooling="last", n=2)
+
+
+def test_embeddings_pooled_again_after_preemption(tiny_llama):
+    """A pool too small for the batch preempts by recompute: an embedding preempted mid-prompt pools
+    its prompt from the start again (nothing of the lost chunks counted twice)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    llm = LLM(tiny_llama, dtype="float32", block_size=8, num_kv_blocks=14, max_num_batched_tokens=16,
+              max_model_len=128, preemption_mode="recompute")
+    engine = llm.llm_engine
+    prompts = [[(i * 53 + j * 5) % 900 + 5 for j in range(40)] for i in range(4)]
+    embed = SamplingParams(max_tokens=1, pooling="mean", output_kind="final_only")
+    hold = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, output_kind="final_only")
+    preempted = []
+    preempt = engine.scheduler._preempt
+
+    def counting(request, swap_out):
+        if request.sampling_params.pooling is not None and request.num_computed_tokens:
+            preempted.append(request.request_id)      # mid-prompt, with rows already pooled
+        preempt(request, swap_out)
+
+    engine.scheduler._preempt = counting
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"g{i}", None, ids[:20], hold)
+        engine.add_request(f"e{i}", None, ids, embed)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert preempted, "no embedding was preempted mid-prompt: the pool is not small enough"
+    for i, ids in enumerate(prompts):
+        got = torch.tensor(done[f"e{i}"].embedding)
+        assert (got - reference(hf, ids, "mean")).abs().max().item() <= TOL

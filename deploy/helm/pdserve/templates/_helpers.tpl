@@ -75,6 +75,11 @@ The spec itself is validated again by ClusterConfig when Serve builds the applic
 {{- if hasKey $v.serving "api_key" -}}
 {{- fail "serving.api_key would put the key in the RayService in clear text: use apiKey.existingSecret or apiKey.create" -}}
 {{- end -}}
+{{- range $name, $t := ($v.serving.tenants | default dict) -}}
+{{- if hasKey $t "api_keys" -}}
+{{- fail (printf "serving.tenants.%s.api_keys would put the keys in the RayService in clear text: use its api_key_env with `env` (a secretKeyRef), or serving.tenants_file on a mounted Secret" $name) -}}
+{{- end -}}
+{{- end -}}
 {{- range $k := list "host" "port" "api_key_env" -}}
 {{- if hasKey $v.serving $k -}}
 {{- fail (printf "serving.%s is set by the chart; remove it from the values" $k) -}}
