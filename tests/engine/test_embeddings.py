@@ -113,7 +113,7 @@ def test_embeddings_pooled_again_after_preemption(tiny_llama):
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     llm = LLM(tiny_llama, dtype="float32", block_size=8, num_kv_blocks=14, max_num_batched_tokens=16,
-              max_model_len=128, preemption_mode="recompute")
+              max_model_len=96, preemption_mode="recompute")
     engine = llm.llm_engine
     prompts = [[(i * 53 + j * 5) % 900 + 5 for j in range(40)] for i in range(4)]
     embed = SamplingParams(max_tokens=1, pooling="mean", output_kind="final_only")
