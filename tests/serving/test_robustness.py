@@ -91,7 +91,7 @@ async def _raw_request(port: int, path: str, body: dict, rng: random.Random) -> 
 
 @pytest.mark.ray
 def test_abort_storm_leaks_nothing(server, eventually_no_leaks):
-    """240 requests (streamed and not, chat and completions, n = 1 and 2, long prompts prefilled
+    """160 requests (streamed and not, chat and completions, n = 1 and 2, long prompts prefilled
     remotely and short ones locally) to the disaggregated app, 24 at a time, dropped at random
     points: afterwards nothing is in flight, no disconnect counted as a server error (500), a new
     request is admitted, and both pools hold no request and no block."""
@@ -116,7 +116,7 @@ def test_abort_storm_leaks_nothing(server, eventually_no_leaks):
                 path, payload = body(i)
                 return await _raw_request(app["port"], "/pd" + path, payload, rng)
 
-        return await asyncio.gather(*[one(i) for i in range(240)])
+        return await asyncio.gather(*[one(i) for i in range(160)])
 
     def server_errors() -> float:
         return metric(httpx.get(f"{app['base']}/metrics", headers=auth(), timeout=30).text,
