@@ -190,6 +190,8 @@ def test_chat_template_options(smol_tokenizer):
 
 
 def test_embedded_model_matches_transformers_and_knows_paris():
+    """Greedy chat on the embedded GGUF model token-identical to transformers' copy of it, and its
+    embeddings equal transformers' pooled hidden states."""
     import os
 
     from transformers import AutoModelForCausalLM
@@ -214,6 +216,17 @@ def test_embedded_model_matches_transformers_and_knows_paris():
             ref = hf.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
         assert out.outputs[0].token_ids == ref
         assert out.outputs[0].text == tok.decode(ref, skip_special_tokens=True)
+    # Its embeddings (last token after the final norm, normalized: the model's pooling) within 1e-4
+    # of transformers' (tests/engine/test_embeddings.py has the rest of the embedding tests).
+    from records.model_source import model_pooling
+
+    assert model_pooling(os.path.dirname(path), os.path.basename(path)) == ("last", True)
+    texts = ["The capital of France is Paris.", "Embeddings place similar texts near each other."]
+    for text, emb in zip(texts, llm.embed(texts, use_tqdm=False)):
+        with torch.no_grad():
+            hidden = hf.model(torch.tensor([tok.encode(text)])).last_hidden_state[0, -1]
+        want = torch.nn.functional.normalize(hidden, dim=0)
+        assert (torch.tensor(emb.embedding) - want).abs().max().item() <= 1e-4
 
 
 def test_cli_generate_and_errors(tiny_llama):

@@ -2,11 +2,10 @@
 hidden states after the model's last norm, pooled (last token, mean, first token) and
 L2-normalized, in fp32 within 1e-4 of `model.model(ids).last_hidden_state` pooled the same way:
 through chunked prefill, batched with generations (which stay token-exact), with prefix-cache hits
-for last-token pooling, on a tiny random Llama and on the embedded GGUF model. The served
-endpoint is tests/serving/test_embeddings.py."""
+for last-token pooling, after a preemption, on a tiny random Llama (the embedded GGUF model's are
+checked in tests/engine/test_async_and_text.py, which loads both it and transformers' copy
+already). The served endpoint is tests/serving/test_embeddings.py."""
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -68,25 +67,6 @@ def test_pooled_hidden_states_match_transformers_through_chunks_and_beside_gener
     again = llm.embed({"prompt_token_ids": prompts[3]}, use_tqdm=False)[0]
     assert again.num_cached_tokens >= 72
     assert (torch.tensor(again.embedding) - reference(hf, prompts[3], "last")).abs().max().item() <= TOL
-
-
-def test_embedded_model_embeddings_match_transformers():
-    from transformers import AutoModelForCausalLM
-
-    from records.model_source import embedded_model_path
-
-    path = embedded_model_path()
-    assert model_pooling(os.path.dirname(path), os.path.basename(path)) == ("last", True)
-    llm = LLM(dtype="float32")
-    tok = llm.get_tokenizer()
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                              dtype=torch.float32).eval()
-    texts = ["The capital of France is Paris.", "Embeddings place similar texts near each other."]
-    outs = llm.embed(texts, use_tqdm=False)
-    worst = max((torch.tensor(o.embedding) - reference(hf, tok.encode(t), "last")).abs().max().item()
-                for t, o in zip(texts, outs))
-    assert worst <= TOL, f"max abs diff {worst:.2e}"
-    print(f"embedded model: max abs diff {worst:.2e}")
 
 
 def test_sentence_transformers_pooling_config_and_bad_fields(tmp_path):
