@@ -125,6 +125,12 @@ class Request:
         self.pooled_rows = 0
         self.embedding: list[float] | None = None
 
+    def compute_again(self) -> None:
+        """Its computed KV is gone (its blocks freed): it computes from the first token again, and
+        an embedding pools its rows again."""
+        self.num_computed_tokens = 0
+        self.pooled, self.pooled_rows = None, 0
+
     # --- token accounting -------------------------------------------------------------------------
     @property
     def num_prompt_tokens(self) -> int:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_loads import KVLoads
+from engine.core.pooling import add_rows
 from engine.core.static_batch import form_static_batch
 from records.config import SchedulerConfig
 from records.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -293,20 +294,22 @@ class Scheduler:
 
     def _preempt(self, request: Request, swap_out: list[tuple[int, int]]) -> None:
         self.running.remove(request)
-        mapping = None
-        if self.config.preemption_mode == "swap":
-            mapping = self.kv.swap_out(request)
-        if mapping is not None:
-            swap_out.extend(mapping)
-            request.status = RequestStatus.SWAPPED
-        else:
-            self.kv.free(request)
-            request.num_computed_tokens = 0
-            request.pooled, request.pooled_rows = None, 0       # an embedding pools its prompt again
-            request.status = RequestStatus.PREEMPTED
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
+        mapping = self.kv.swap_out(request) if self.config.preemption_mode == "swap" else None
+        if mapping is None:
+            self._start_over(request)
+            return
+        swap_out.extend(mapping)
+        request.status = RequestStatus.SWAPPED
+        self._enqueue(request, front=True)
+
+    def _start_over(self, request: Request) -> None:
+        """Free a request's blocks and queue it first, to compute everything again."""
+        self.kv.free(request)
+        request.compute_again()
+        request.status = RequestStatus.PREEMPTED
         self._enqueue(request, front=True)
 
     def _describe(self, request: Request, n: int, spec_token_ids: list[int]) -> ScheduledRequest:
@@ -314,8 +317,7 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + n - len(spec_token_ids)
         self.num_prompt_tokens_computed += max(0, min(end, request.num_prompt_tokens) - start)
-        do_sample = (request.compute_limit is None and end == request.num_tokens
-                     and request.sampling_params.pooling is None)      # an embedding samples nothing
+        do_sample = request.compute_limit is None and end == request.num_tokens and not request.sampling_params.pooling
         prompt_lp_from = None
         if (request.sampling_params.prompt_logprobs is not None
                 and start < request.num_prompt_tokens - 1
@@ -372,9 +374,10 @@ class Scheduler:
             if prompt_lps is not None:
                 need = request.num_prompt_tokens - len(request.prompt_logprobs)
                 request.prompt_logprobs.extend(prompt_lps[:need])
-            if request.sampling_params.pooling is not None:
-                self._pool(request, runner_output.pooled.get(request.request_id))
-                if request.is_finished:
+            if request.sampling_params.pooling is not None:     # an embedding: its rows, no token
+                if add_rows(request, runner_output.pooled.get(request.request_id)):
+                    self.running.remove(request)
+                    self._free(request, RequestStatus.FINISHED_STOPPED)
                     updated.append(request)
                 continue
             sampled = runner_output.sampled.get(request.request_id)
@@ -397,22 +400,6 @@ class Scheduler:
                 self._fork(request)
         return updated
 
-    def _pool(self, request: Request, part: tuple | None) -> None:
-        """Add a step's pooled rows to an embedding request's; once its whole prompt is computed,
-        its vector (mean or single row, L2-normalized when asked) and the end of it."""
-        if part is not None:
-            total, rows = part
-            request.pooled = total if request.pooled is None else request.pooled + total
-            request.pooled_rows += rows
-        if request.num_computed_tokens < request.num_prompt_tokens:
-            return
-        vector = request.pooled / max(1, request.pooled_rows)
-        if request.sampling_params.normalize:
-            vector = vector / vector.norm().clamp_min(1e-12)
-        request.embedding, request.pooled = vector.tolist(), None
-        self.running.remove(request)
-        self._free(request, RequestStatus.FINISHED_STOPPED)
-
     def _fail(self, request: Request, reason: str) -> list[Request]:
         """End a running request that its step could not serve, with the n > 1 children still
         waiting for its prompt; returns them all. Its blocks past the computed tokens may have been
@@ -432,13 +419,10 @@ class Scheduler:
         free its blocks and compute its prompt again (the failed copies are forgotten, so its next
         lookup misses them)."""
         self.running.remove(request)
-        self.kv.free(request)
-        request.num_computed_tokens = request.num_cached_tokens = 0
-        request.pooled, request.pooled_rows = None, 0
+        request.num_cached_tokens = 0
         request.spec_token_ids = []
-        request.status = RequestStatus.PREEMPTED
         self.restarted.append(request.request_id)
-        self._enqueue(request, front=True)
+        self._start_over(request)
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         status = request.stop_status(token_id, self.config.max_model_len)

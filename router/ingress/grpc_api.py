@@ -27,7 +27,7 @@ import grpc
 from pdserve_proto import pb2
 from records.errors import PDServeError
 from router.ingress.frontend import Frontend, request_error
-from router.ingress.protocol import UsageCounter, new_id
+from router.ingress.replies import UsageCounter, new_id
 
 logger = logging.getLogger(__name__)
 

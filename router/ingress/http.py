@@ -30,8 +30,8 @@ from router.ingress.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     TokenizeRequest,
-    error_body,
 )
+from router.ingress.replies import error_body
 from router.ingress.responses_request import ResponsesRequest
 from router.ingress.tenants import retry_after
 

@@ -34,16 +34,8 @@ from records.serving import BATCH_BAND
 from router.ingress.admission import Ticket
 from router.ingress.frontend import BAND, TENANT, Frontend, request_error
 from router.ingress.http import sse_response
-from router.ingress.protocol import (
-    ChatCompletionRequest,
-    ChoiceAccumulator,
-    CompletionRequest,
-    UsageCounter,
-    error_body,
-    new_id,
-    now,
-    parse_json_object,
-)
+from router.ingress.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object
+from router.ingress.replies import ChoiceAccumulator, UsageCounter, error_body, new_id, now
 
 
 class OpenAIAPI:

@@ -1,4 +1,5 @@
-"""OpenAI request models (pydantic) and the conversion to SamplingParams; response shapes as dicts.
+"""OpenAI request models (pydantic) and the conversion to SamplingParams (the parts responses are
+built from: router/ingress/replies.py).
 
 Unknown fields are rejected (400 naming the field) rather than silently ignored, except the few that
 OpenAI clients send and that change nothing here (`user`, `metadata`, `store`, `service_tier`, ...);
@@ -8,13 +9,10 @@ request is in router/ingress/responses_request.py.
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from records.outputs import ChoiceDelta, Logprob, StepDelta
 from records.sampling_params import STRUCTURED_KINDS, SamplingParams, StructuredOutputsParams
 
 
@@ -417,51 +415,3 @@ def validation_message(err: ValidationError) -> tuple[str, str | None]:
     got = got if len(got) <= 200 else got[:200] + "..."
     shown = "" if first.get("type") in ("missing", "extra_forbidden") else f"; got {got}"
     return f"{loc}: {msg}{shown}", loc
-
-
-def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-# --- responses -------------------------------------------------------------------------------------
-class ChoiceAccumulator:
-    """One choice's accumulated output (non-streaming responses)."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.token_ids: list[int] = []
-        self.logprobs: list[dict[int, Logprob]] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-
-    def add(self, c: ChoiceDelta) -> None:
-        self.text += c.text
-        self.token_ids.extend(c.token_ids)
-        self.logprobs.extend(c.logprobs or [])
-        if c.finish_reason is not None:
-            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
-
-
-class UsageCounter:
-    """The usage block of a response, counted from its StepDeltas."""
-
-    def __init__(self) -> None:
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-
-    def add(self, delta: StepDelta) -> None:
-        self.completion_tokens += sum(len(c.token_ids) for c in delta.choices)
-        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
-
-    def body(self, prompt_tokens: int) -> dict[str, Any]:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}

@@ -25,7 +25,7 @@ from records.errors import InvalidRequestError
 from records.outputs import StepDelta
 from router.ingress.frontend import Frontend
 from router.ingress.http import sse_response
-from router.ingress.protocol import UsageCounter, now
+from router.ingress.replies import UsageCounter, now
 from router.ingress.responses_request import FunctionChoice, ResponsesRequest
 
 # What the chat path calls a field, and what a Responses client sent it as (for its 400s).
