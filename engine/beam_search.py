@@ -35,13 +35,15 @@ class Hypothesis:
 
 
 class BeamSearch:
-    def __init__(self, params: SamplingParams, eos_token_ids: Iterable[int], max_tokens: int) -> None:
+    def __init__(self, params: SamplingParams, model_eos: Iterable[int], prompt_len: int, max_model_len: int) -> None:
+        """`model_eos`: the model's end-of-sequence ids (ended on unless `ignore_eos`, beside the
+        request's `stop_token_ids`); the beams run to `max_tokens`, within `max_model_len`."""
         self.beams = params.best_of or params.n
         self.n = params.n
         self.length_penalty = params.length_penalty
         self.early_stopping = params.early_stopping
-        self.eos = frozenset(eos_token_ids)
-        self.max_tokens = max_tokens
+        self.eos = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(model_eos))
+        self.max_tokens = min(params.max_tokens or max_model_len, max_model_len - prompt_len)
         self.width = max(2, 1 + len(self.eos)) * self.beams        # candidates kept per step
         # Running beams: (tokens, accumulated logprob); transformers starts the others dead.
         self.running: list[tuple[list[int], float]] = [([], 0.0)] + [([], DEAD)] * (self.beams - 1)

@@ -88,10 +88,8 @@ class LLM:
         same engine steps; each output holds the best n beams, best first."""
         engine = self.llm_engine
         max_len = engine.config.model_config.max_model_len
-        searches = []
-        for (_, ids), sp in zip(parsed, params):
-            eos = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(engine.eos_token_ids))
-            searches.append((ids, BeamSearch(sp, eos, min(sp.max_tokens or max_len, max_len - len(ids)))))
+        searches = [(ids, BeamSearch(sp, engine.eos_token_ids, len(ids), max_len))
+                    for (_, ids), sp in zip(parsed, params)]
 
         def score(batch: list[tuple[list[int], SamplingParams]]) -> list[dict[int, float]]:
             ids = [f"beam-{next(self._counter)}" for _ in batch]

@@ -47,8 +47,8 @@ class Ticket:
     """`count` admitted requests of `tenant`; `release()` gives them back once, however often it is
     called. `queued_s`: how long they waited to be dispatched."""
 
-    __slots__ = ("_admission", "arrival", "band", "count", "dispatched", "priority", "queued_s", "seq",
-                 "tenant", "trace", "waiter")
+    __slots__ = ("_admission", "arrival", "band", "count", "dispatched", "generated", "priority", "queued_s",
+                 "seq", "tenant", "trace", "waiter")
 
     def __init__(self, admission: Admission, tenant: Tenant, count: int, band: int, priority: int, seq: int) -> None:
         self._admission: Admission | None = admission
@@ -56,6 +56,7 @@ class Ticket:
         self.dispatched = False
         self.waiter: asyncio.Future | None = None       # set while it waits in the queue
         self.queued_s = 0.0
+        self.generated = 0          # tokens its requests have streamed
         self.trace: RequestTrace | None = None     # held until released (router/routing/request_trace.py)
         self.arrival: float | None = None          # when its request reached the endpoint (time.monotonic())
 
@@ -68,7 +69,9 @@ class Ticket:
 
     def charge(self, tokens: int) -> None:
         """Generated tokens, against the tenant's tokens per minute."""
-        self.tenant.charge(0, tokens)
+        if tokens:
+            self.generated += tokens
+            self.tenant.charge(0, tokens)
 
     @property
     def released(self) -> bool:

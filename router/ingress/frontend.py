@@ -225,10 +225,7 @@ class Frontend:
                                                         arrival=arrival):
                     if trace is not None:
                         trace.delta(delta)
-                    generated = sum(len(c.token_ids) for c in delta.choices)
-                    if generated:
-                        ticket.charge(generated)
-                        self.metrics.tenant_tokens.inc(generated, tenant=ticket.tenant.name, kind="generation")
+                    ticket.charge(sum(len(c.token_ids) for c in delta.choices))
                     queue.put_nowait((i, delta))
             except Exception as e:  # noqa: BLE001 - surfaced to the consumer below
                 queue.put_nowait((i, e))
@@ -251,6 +248,7 @@ class Frontend:
                 yield i, item
         finally:
             # Nothing here may come after an await: a cancelled request is cancelled again at each.
+            self.metrics.tenant_tokens.inc(ticket.generated, tenant=ticket.tenant.name, kind="generation")
             ticket.release()
             for t in tasks:                 # a disconnect cancels the pumps, which abort on the replicas
                 t.cancel()
@@ -261,9 +259,7 @@ class Frontend:
         as a one-token request through the router (prefix-aware routing keeps a prompt's beams on the
         replica holding its blocks); the best n beams of each prompt. Releases `ticket` at the end."""
         try:
-            eos = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.preparer.eos_token_ids))
-            limit = self.preparer.max_model_len
-            searches = [(ids, BeamSearch(params, eos, min(params.max_tokens or limit, limit - len(ids))))
+            searches = [(ids, BeamSearch(params, self.preparer.eos_token_ids, len(ids), self.preparer.max_model_len))
                         for ids in prompts]
             step = 0
             while True:

@@ -39,10 +39,10 @@ from router.ingress.protocol import (
     LoadLoRAAdapterRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
-    now,
     plain_messages,
     validation_message,
 )
+from router.ingress.replies import now
 
 
 def check_beams(params: SamplingParams) -> SamplingParams:
@@ -70,8 +70,9 @@ class RequestPreparer:
         self.config = config
         engine = config.engine_config()
         info = self.info = engine.model_info()
+        self.hf_config = engine.model_config.hf_config
         # What an adapter loaded at runtime is checked against: the model's config and the rank limit.
-        self._adapter_limits = (engine.model_config.hf_config, engine.lora_config.max_lora_rank
+        self._adapter_limits = (self.hf_config, engine.lora_config.max_lora_rank
                                 if engine.lora_config is not None else 0)
         self.vocab_size, self.max_model_len, self.max_num_seqs = info.vocab_size, info.max_model_len, info.max_num_seqs
         self.model_name = config.serving.served_model_name or (
@@ -123,7 +124,7 @@ class RequestPreparer:
     @functools.cached_property
     def eos_token_ids(self) -> frozenset[int]:
         """The model's end-of-sequence ids, as its engines read them (beam search ends beams on them)."""
-        return frozenset(eos_token_ids(self.tokenizer, self._adapter_limits[0], self.info.model))
+        return frozenset(eos_token_ids(self.tokenizer, self.hf_config, self.info.model))
 
     def truncated(self, ids: list[int], keep: int | None) -> list[int]:
         """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: max_model_len's worth)."""
@@ -251,13 +252,13 @@ class RequestPreparer:
 
     @functools.cached_property
     def hidden_size(self) -> int:
-        return int(self._adapter_limits[0].hidden_size)
+        return int(self.hf_config.hidden_size)
 
     @functools.cached_property
     def matryoshka(self) -> bool:
         """Whether the model is trained to embed in fewer dimensions (its config says so, as
         vLLM reads it: `matryoshka_dimensions` or `is_matryoshka`)."""
-        config = self._adapter_limits[0]
+        config = self.hf_config
         return bool(getattr(config, "matryoshka_dimensions", None) or getattr(config, "is_matryoshka", False))
 
     def thinking(self, req: ChatCompletionRequest) -> bool | None:

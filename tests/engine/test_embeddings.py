@@ -16,6 +16,16 @@ from records.model_source import model_pooling
 TOL = 1e-4
 
 
+def run_to_end(engine) -> dict:
+    """Step the engine until every request ended; request id -> its final output."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
 def reference(hf, ids: list[int], pooling: str, normalize: bool = True) -> torch.Tensor:
     with torch.no_grad():
         hidden = hf.model(torch.tensor([ids])).last_hidden_state[0].float()
@@ -54,11 +64,7 @@ def test_pooled_hidden_states_match_transformers_through_chunks_and_beside_gener
     for i, ids in enumerate(prompts):
         engine.add_request(f"g{i}", None, ids, final)
         engine.add_request(f"e{i}", None, ids, embed)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    done = run_to_end(engine)
     for i, ids in enumerate(prompts):
         assert done[f"g{i}"].outputs[0].token_ids == want[i]
         assert (torch.tensor(done[f"e{i}"].embedding) - reference(hf, ids, "mean")).abs().max().item() <= TOL
@@ -110,11 +116,7 @@ def test_embeddings_pooled_again_after_preemption(tiny_llama):
     for i, ids in enumerate(prompts):
         engine.add_request(f"g{i}", None, ids[:20], hold)
         engine.add_request(f"e{i}", None, ids, embed)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    done = run_to_end(engine)
     assert preempted, "no embedding was preempted mid-prompt: the pool is not small enough"
     for i, ids in enumerate(prompts):
         got = torch.tensor(done[f"e{i}"].embedding)
