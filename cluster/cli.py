@@ -5,6 +5,8 @@
     pdserve scale POOL N [--drain-timeout S] [--address ADDR] [--name NAME]         # resize a running pool
     pdserve status [--json] [--address ADDR] [--name NAME]                          # pools and replicas
     pdserve apply SPEC.yaml [--address ADDR]                                        # update a deployment's spec
+    pdserve simulate --trace FILE --profile P [--config SPEC] [--replicas N] [--json]  # replay in virtual time
+    pdserve profile --output FILE [--model PATH] [--threads N]                     # calibrate a profile here
 """
 from __future__ import annotations
 
@@ -49,9 +51,19 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--address", default="auto", help="the Ray cluster (default: the local one)")
     for p in (scale, status):
         p.add_argument("--name", default="pdserve", help="the deployment's spec name (default: pdserve)")
+    sim = sub.add_parser("simulate", help="replay a trace against a spec of simulated replicas in virtual time")
+    from cluster.sim.commands import add_profile_args, add_simulate_args, run_profile, run_simulate  # noqa: PLC0415
+
+    add_simulate_args(sim)
+    add_profile_args(sub.add_parser("profile", help="calibrate a simulation profile of the real engine on this "
+                                                     "machine"))
     args = parser.parse_args(argv)
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "simulate":
+        return run_simulate(args)
+    if args.command == "profile":
+        return run_profile(args)
     if args.command in ("scale", "status", "apply"):
         return control(args)
 

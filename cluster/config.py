@@ -44,7 +44,8 @@ from records.serving import (
     resolve_engine_config,
 )
 
-MAX_REPLICAS = 64
+# A pool's replicas at most (a simulated cluster replays hundreds: cluster/sim/).
+MAX_REPLICAS = 1024
 
 
 class AutoscalingSpec(StrictSpec):

@@ -227,6 +227,10 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "kv_offloading_backend": (str, "the offload tier's backend: native"),
     "kv_offloading_disk_path": (str, "a local directory for the offload tier's disk store"),
     "kv_offloading_disk_size": (float, "GiB of the disk store (with --kv-offloading-disk-path)"),
+    "simulate": (str, "simulated replicas: the profile (a file, or a built-in such as h200-llama3-8b) whose cost "
+                      "model replaces the forward pass (docs/simulation.md)"),
+    "simulate_time_scale": (float, "simulated replicas: real seconds per simulated second (> 1 slows them down "
+                                   "so that this machine keeps up)"),
 }
 
 

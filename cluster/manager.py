@@ -45,10 +45,9 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.placement import check_placement, replica_bundles
-from cluster.planner import Planner, PoolSample
+from cluster.planner import Planner, PoolSample, sample_pool
 from cluster.pool import EnginePool, pool_tag
 from records.errors import StartupError
-from records.histogram import delta
 
 MANAGER_NAME = "pdserve-manager"
 # The resource Ray gives the head node alone.
@@ -188,23 +187,8 @@ class ClusterManager:
     def sample(self, name: str, now: float) -> PoolSample:
         """What the pool's serving replicas reported at the last health check, as one sample."""
         pool = self.pools[name]
-        stats = [pool.stats[r] for r in pool.replicas if r in pool.stats]
-        hist = {}
-        for field in ("ttft", "itl"):
-            parts = []
-            for r in pool.replicas:
-                counts = pool.stats.get(r, {}).get(f"{field}_histogram")
-                if counts is not None:
-                    parts.append(delta(counts, self._hist_seen.get((r, field))))
-                    self._hist_seen[(r, field)] = counts
-            hist[field] = tuple(map(sum, zip(*parts))) if parts else ()
-        return PoolSample(
-            t=now, serving=len(pool.replicas), starting=len(pool.starting) + len(pool.incoming),
-            running=sum(s.get("num_requests_running", 0) for s in stats),
-            waiting=sum(s.get("num_requests_waiting", 0) for s in stats),
-            queued_prompt_tokens=sum(s.get("num_prompt_tokens_queued", 0) for s in stats),
-            kv_usage=sum(s.get("kv_cache_usage_perc", 0.0) for s in stats) / max(1, len(stats)),
-            ttft=hist["ttft"], itl=hist["itl"])
+        return sample_pool(now, {r: pool.stats.get(r) for r in pool.replicas},
+                           len(pool.starting) + len(pool.incoming), self._hist_seen)
 
     async def _plan(self, now: float) -> None:
         """One plan of every autoscaled pool, acted on (not while a spec is being applied)."""
@@ -227,7 +211,8 @@ class ClusterManager:
         """After a pool's size changed: remember it, and ask the autoscaler for room."""
         _save_state(self.config.name, self.config, {n: p.target for n, p in self.pools.items()})
         bundles = [b for name, pool in self.pools.items()
-                   for _ in range(pool.target) for b in replica_bundles(pool.spec)]
+                   for _ in range(pool.target)
+                   for b in replica_bundles(pool.spec, self.config.engine.simulate is not None)]
         try:
             from ray.autoscaler.sdk import request_resources  # noqa: PLC0415 - the autoscaler's SDK, here only
 

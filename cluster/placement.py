@@ -16,12 +16,15 @@ if TYPE_CHECKING:
     from cluster.config import ClusterConfig, PoolSpec
 
 REPLICA_ACTOR_CPUS = 0.1      # a multi-rank replica's own actor only schedules
+# A simulated replica's share of its host actor (cluster/replica_host.py): it runs no model.
+SIMULATED_REPLICA_CPUS = 0.05
 
 
-
-def replica_bundles(spec: PoolSpec) -> list[dict[str, float]]:
+def replica_bundles(spec: PoolSpec, simulated: bool = False) -> list[dict[str, float]]:
     """What one replica of a pool takes: its actor alone (one rank), or its scheduling actor plus one
-    bundle per pipeline stage."""
+    bundle per pipeline stage; a simulated replica (engine.simulate), its share of a host."""
+    if simulated:
+        return [{"CPU": SIMULATED_REPLICA_CPUS, **spec.resources}]
     if spec.world_size == 1:
         return [stage_bundle(1, spec.num_cpus, spec.num_gpus, spec.resources)]
     stage = stage_bundle(spec.tensor_parallel_size, spec.num_cpus, spec.num_gpus, spec.resources)
@@ -42,7 +45,7 @@ def placement_problems(config: ClusterConfig, nodes: list[dict[str, float]]) -> 
         problems.append(f"serving: no node can hold an ingress replica's {fmt_resources(ingress)} "
                         f"(ingress_num_cpus, ingress_resources)")
     for name, spec in config.pools.items():
-        for bundle in replica_bundles(spec):
+        for bundle in replica_bundles(spec, config.engine.simulate is not None):
             if not any(all(node.get(k, 0.0) >= v for k, v in bundle.items()) for node in nodes):
                 problems.append(f"pools.{name}: no node can hold {fmt_resources(bundle)} (one replica's "
                                 f"{'rank' if spec.world_size == 1 else 'bundle'})")
@@ -63,7 +66,9 @@ def required_ingress_cpus(config: ClusterConfig) -> float:
 def required_cpus(config: ClusterConfig) -> float:
     """Logical CPUs the whole app takes: every pool's replicas and the ingress replicas (what a
     local Ray started for it must have at least)."""
-    pools = sum(b.get("CPU", 0.0) * spec.replicas for spec in config.pools.values() for b in replica_bundles(spec))
+    simulated = config.engine.simulate is not None
+    pools = sum(b.get("CPU", 0.0) * spec.replicas for spec in config.pools.values()
+                for b in replica_bundles(spec, simulated))
     return pools + required_ingress_cpus(config)
 
 

@@ -29,8 +29,9 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.config import PoolSpec
-from cluster.placement import REPLICA_ACTOR_CPUS, fmt_resources, replica_bundles
+from cluster.placement import REPLICA_ACTOR_CPUS, SIMULATED_REPLICA_CPUS, fmt_resources, replica_bundles
 from cluster.replica import EngineReplica
+from cluster.replica_host import SIMULATED_REPLICAS_PER_HOST, HostedReplica, ReplicaHost
 from records.config import EngineConfig
 from records.errors import PlacementError
 from records.histogram import LATENCY_BUCKETS_S, VLLM_REQUEST_LATENCY_BUCKETS, quantile
@@ -64,13 +65,23 @@ class EnginePool:
         self.drained = {"empty": 0, "timeout": 0}   # replicas drained out: emptied in time, or not
         self._next_index = 0
         self._tasks: set[asyncio.Task] = set()
+        # Simulated replicas live several to a host actor (cluster/replica_host.py).
+        self.hosts: dict[str, set[str]] = {}        # host actor name -> its replicas' ids
+        self.host_handles: dict[str, Any] = {}
+        self.hosted: dict[str, str] = {}            # replica id -> its host's name
+        self.dead_hosts: set[str] = set()           # hosts whose actor died: none get new replicas
+        self._next_host = 0
 
     def _spawn(self, spec: PoolSpec | None = None, engine_config: EngineConfig | None = None) -> tuple[str, Any]:
         """A new replica actor (of this pool's spec, or of `spec` and `engine_config`: a rolling
-        replace's); it loads its model when asked to (`load`)."""
+        replace's); it loads its model when asked to (`load`). A simulated replica goes on a host
+        with room (`_spawn_hosted`)."""
         spec, engine_config = spec or self.spec, engine_config or self.engine_config
         replica_id = f"{self.name}-{self._next_index}"
         self._next_index += 1
+        tag = pool_tag(self.name, spec, engine_config)
+        if engine_config.simulation is not None:
+            return replica_id, self._spawn_hosted(replica_id, spec, engine_config, tag)
         single = spec.world_size == 1
         threads = max(1, int(spec.num_cpus)) if single else 1
         # Detached: a replica outlives the manager that made it (a restarted manager adopts it),
@@ -81,8 +92,27 @@ class EnginePool:
             num_cpus=spec.num_cpus if single else REPLICA_ACTOR_CPUS,
             num_gpus=spec.num_gpus if single else 0,
             resources=dict(spec.resources) if single else {},
-        ).remote(engine_config, replica_id, threads, load=False, tag=pool_tag(self.name, spec, engine_config))
+        ).remote(engine_config, replica_id, threads, load=False, tag=tag)
         return replica_id, handle
+
+    def _spawn_hosted(self, replica_id: str, spec: PoolSpec, engine_config: EngineConfig, tag: str) -> HostedReplica:
+        """A simulated replica on the first live host of this pool with room, or on a new host
+        (a detached, named actor with the pool's custom resources: what pins it to its nodes)."""
+        name = next((n for n, members in self.hosts.items()
+                     if len(members) < SIMULATED_REPLICAS_PER_HOST and n not in self.dead_hosts), None)
+        if name is None:
+            name = self._actor_name(f"{self.name}-host-{self._next_host}")
+            self._next_host += 1
+            self.host_handles[name] = ray.remote(ReplicaHost).options(
+                name=name, namespace=self.namespace, lifetime="detached", max_concurrency=1000,
+                num_cpus=SIMULATED_REPLICA_CPUS * SIMULATED_REPLICAS_PER_HOST, resources=dict(spec.resources),
+            ).remote(name)
+            self.hosts[name] = set()
+        host = self.host_handles[name]
+        host.add.remote(replica_id, engine_config, tag)     # before any call of the pool's to it (ordered)
+        self.hosts[name].add(replica_id)
+        self.hosted[replica_id] = name
+        return HostedReplica(host, replica_id)
 
     def _actor_name(self, replica_id: str) -> str:
         return f"{self.namespace}-{replica_id}"
@@ -92,22 +122,38 @@ class EnginePool:
         those of another spec, with another tag, are killed): loaded ones serve at once, loading
         ones join when loaded. Returns the ids adopted."""
         prefix = self._actor_name(f"{self.name}-")
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["namespace"] == self.namespace and a["name"].startswith(prefix)
-                 and a["name"][len(prefix):].isdigit()]
-        adopted = []
+        host_prefix = self._actor_name(f"{self.name}-host-")
+        named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == self.namespace]
+        names = [n for n in named if n.startswith(prefix) and n[len(prefix):].isdigit()]
+        found: list[tuple[str, Any]] = []
         for name in sorted(names, key=lambda n: int(n[len(prefix):])):
-            replica_id = name[len(self.namespace) + 1:]
-            self._next_index = max(self._next_index, int(name[len(prefix):]) + 1)
             try:
-                handle = ray.get_actor(name, namespace=self.namespace)
+                found.append((name[len(self.namespace) + 1:], ray.get_actor(name, namespace=self.namespace)))
+            except ValueError:
+                continue            # gone meanwhile
+        for name in [n for n in named if n.startswith(host_prefix) and n[len(host_prefix):].isdigit()]:
+            self._next_host = max(self._next_host, int(name[len(host_prefix):]) + 1)
+            try:
+                host = ray.get_actor(name, namespace=self.namespace)
+                tags = await asyncio.wait_for(host.replica_tags.remote(), self.check_timeout_s)
+            except Exception as e:  # noqa: BLE001 - dead or unreachable: its replicas are not adopted
+                logger.warning("pool %s: not adopting host %s: %s", self.name, name, type(e).__name__)
+                continue
+            self.host_handles[name], self.hosts[name] = host, set(tags)
+            for replica_id in sorted(tags, key=lambda r: int(r.rpartition("-")[2])):
+                self.hosted[replica_id] = name
+                found.append((replica_id, HostedReplica(host, replica_id)))
+        adopted = []
+        for replica_id, handle in found:
+            self._next_index = max(self._next_index, int(replica_id.rpartition("-")[2]) + 1)
+            try:
                 info = await asyncio.wait_for(handle.info.remote(), self.check_timeout_s)
             except Exception as e:  # noqa: BLE001 - dead or unreachable: the health check replaces it
                 logger.warning("pool %s: not adopting %s: %s", self.name, replica_id, type(e).__name__)
                 continue
             if info.get("tag") != self.tag:
                 logger.warning("pool %s: killing %s, a replica of another spec", self.name, replica_id)
-                ray.kill(handle, no_restart=True)
+                self._kill(handle)
                 continue
             self.nodes[replica_id] = info.get("node_id", "")
             if info["loaded"]:
@@ -138,7 +184,8 @@ class EnginePool:
             info = await asyncio.wait_for(handle.info.remote(), place_timeout_s)    # its constructor ran
             self.nodes[replica_id] = info.get("node_id", "")
         except asyncio.TimeoutError:
-            needs = ", ".join(fmt_resources(b) for b in replica_bundles(self.spec))
+            bundles = replica_bundles(self.spec, replica_id in self.hosted)
+            needs = ", ".join(fmt_resources(b) for b in bundles)
             free = {k: v for k, v in ray.available_resources().items()
                     if not k.startswith(("node:", "memory", "object_store_memory"))}
             raise PlacementError(f"pools.{self.name}: replica {replica_id} was not placed within "
@@ -159,6 +206,8 @@ class EnginePool:
             reason = None
             if isinstance(res, RayActorError) and not isinstance(res, ActorUnavailableError):
                 reason = f"its actor died ({type(res).__name__})"
+                if replica_id in self.hosted:           # its host died: no new replica goes there
+                    self.dead_hosts.add(self.hosted[replica_id])
             elif isinstance(res, BaseException):         # timeout, or unreachable for now
                 self.missed[replica_id] = self.missed.get(replica_id, 0) + 1
                 if self.missed[replica_id] >= self.max_missed:
@@ -183,10 +232,7 @@ class EnginePool:
         logger.warning("pool %s: replacing replica %s: %s", self.name, replica_id, reason)
         self._forget(replica_id)
         self.replaced += 1
-        try:
-            ray.kill(handle, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+        self._kill(handle)
         self.on_change()
 
     def _start_replacement(self) -> None:
@@ -204,10 +250,7 @@ class EnginePool:
         except Exception:
             logger.exception("pool %s: replacement %s failed to start", self.name, replica_id)
             self.starting.pop(replica_id, None)
-            try:
-                ray.kill(handle, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+            self._kill(handle)
             return
         if self.starting.pop(replica_id, None) is not None:
             self.replicas[replica_id] = handle
@@ -229,7 +272,7 @@ class EnginePool:
         while len(self.replicas) + len(self.starting) > replicas and self.starting:
             replica_id, handle = self.starting.popitem()
             self._forget(replica_id)
-            _kill(handle)
+            self._kill(handle)
             cancelled.append(replica_id)
         excess = len(self.replicas) - replicas
         if excess > 0:
@@ -270,11 +313,26 @@ class EnginePool:
             await asyncio.sleep(0.2)
         self.draining.pop(replica_id, None)
         self._forget(replica_id)
-        _kill(handle)
+        self._kill(handle)
         self.drained["empty" if emptied else "timeout"] += 1
         logger.warning("pool %s: drained replica %s (%s)", self.name, replica_id,
                        "empty" if emptied else f"after {timeout_s:g} s: its streams migrate")
         return emptied
+
+    def _kill(self, handle: Any) -> None:
+        """End a replica: its actor, or its place on its host (the host goes with its last replica)."""
+        if not isinstance(handle, HostedReplica):
+            _kill_actor(handle)
+            return
+        name = self.hosted.pop(handle.replica_id, None)
+        members = self.hosts.get(name, set()) if name is not None else set()
+        members.discard(handle.replica_id)
+        if name is not None and not members:
+            self.hosts.pop(name, None)
+            self.dead_hosts.discard(name)
+            _kill_actor(self.host_handles.pop(name))
+        elif name not in self.dead_hosts:
+            handle.host.remove.remote(handle.replica_id)
 
     def _forget(self, replica_id: str) -> None:
         for table in (self.missed, self.stats, self.nodes):
@@ -293,7 +351,7 @@ class EnginePool:
         except BaseException:
             for replica_id, handle in self.incoming.items():
                 self._forget(replica_id)
-                _kill(handle)
+                self._kill(handle)
             self.incoming.clear()
             raise
 
@@ -304,7 +362,7 @@ class EnginePool:
         old = dict(self.replicas)
         for replica_id, handle in self.starting.items():     # replacements of the old spec
             self._forget(replica_id)
-            _kill(handle)
+            self._kill(handle)
         self.starting.clear()
         self.spec, self.engine_config = spec, engine_config
         self.tag = pool_tag(self.name, spec, engine_config)
@@ -359,7 +417,7 @@ class EnginePool:
             task.cancel()
         for table in (self.replicas, self.starting, self.draining, self.incoming):
             for handle in table.values():
-                _kill(handle)
+                self._kill(handle)
             table.clear()
 
 
@@ -370,7 +428,7 @@ def pool_tag(name: str, spec: PoolSpec, engine_config: EngineConfig) -> str:
     return f"{name}:{digest[:16]}"
 
 
-def _kill(handle: Any) -> None:
+def _kill_actor(handle: Any) -> None:
     try:
         ray.kill(handle, no_restart=True)
     except Exception:  # noqa: BLE001 - already gone

@@ -27,6 +27,7 @@ from typing import Any
 from engine.async_engine import AsyncLLMEngine, request_error
 from pdserve_proto.kv_events import encode_kv_events
 from records.config import EngineConfig
+from records.errors import EngineDeadError
 from records.outputs import KVEvent, RequestOutput, StepDelta
 from records.request import Continuation
 from records.sampling_params import SamplingParams
@@ -84,6 +85,7 @@ class EngineReplica:
         self._log: list[KVEvent] = []
         self._log_start = 0                 # cursor value of self._log[0]
         self._outboxes: dict[str, _Outbox] = {}   # ingress id -> its channel's pending deltas
+        self._closed = False
         if load:
             self.load()
 
@@ -119,6 +121,8 @@ class EngineReplica:
             while True:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(box.ready.wait(), CHANNEL_HEARTBEAT_S)
+                if self._closed:
+                    raise EngineDeadError(f"replica {self.replica_id} was closed")
                 box.ready.clear()
                 batch, box.deltas = box.deltas, []
                 yield batch
@@ -158,6 +162,15 @@ class EngineReplica:
         (its blocks are freed)."""
         async for out in self.engine.generate(request_id, prompt_token_ids, _deltas(params), kv_transfer_params):
             yield StepDelta.of_output(out, request_error(out))
+
+    async def close(self) -> None:
+        """Stop serving (a simulated replica its host removes, cluster/replica_host.py): every open
+        channel ends with EngineDeadError (its ingress migrates the streams) and the engine stops."""
+        self._closed = True
+        for box in self._outboxes.values():
+            box.ready.set()
+        if self.engine is not None:
+            await self.engine.shutdown()
 
     def abort(self, request_ids: str | list[str]) -> None:
         """Abort requests, or end the lease on the blocks of one prefilled for a remote decode."""

@@ -11,12 +11,12 @@ step k's outputs to their sinks while it runs (the sinks only read the outputs, 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import engine.tracing as tracing
+import records.clock as clock
 from engine.llm_engine import LLMEngine
 from records.config import EngineConfig
 from records.errors import EngineDeadError, RequestFailedError
@@ -93,7 +93,7 @@ class AsyncLLMEngine:
         self._sinks[request_id] = sink
         # It arrives now: the wait for the loop to take it in is part of its queue time.
         add = (request_id, prompt, list(prompt_token_ids), params, kv_transfer_params, continuation, trace_context,
-               time.monotonic())
+               clock.monotonic())
         if params.structured_outputs is None:
             self._queue_add(add)
             return True

@@ -8,21 +8,21 @@ of the connector (kv_transfer/base.py) at the start of each step.
 """
 from __future__ import annotations
 
-import time
 import uuid
 from collections import deque
 from dataclasses import replace
 from typing import Any
 
 import engine.tracing as tracing
+import records.clock as clock
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.executor.executor import make_executor
 from engine.output_processor import OutputProcessor
 from engine.sample.structured_output import compiler_for
 from engine.spec_decode import SpecDecodeStats, make_proposer, max_proposals
-from engine.telemetry import RequestTelemetry, kv_block_bytes
-from engine.text.tokenizer import eos_token_ids, load_tokenizer
+from engine.telemetry import RequestTelemetry
+from engine.text.tokenizer import eos_token_ids, shared_tokenizer
 from kv_transfer.base import KVConnectorScheduler
 from records.config import EngineConfig
 from records.errors import EngineDeadError
@@ -43,7 +43,7 @@ class LLMEngine:
         self.config = config
         mc = config.model_config
         tracing.configure(config.otlp_traces_endpoint)
-        self.tokenizer = load_tokenizer(mc.model, mc.gguf_file)
+        self.tokenizer = shared_tokenizer(mc.model, mc.gguf_file)
         self._adapters: set[tuple] = set()        # adapters read_adapter accepted (their cache keys)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc.hf_config, mc.model)
         self.executor = make_executor(config)
@@ -69,7 +69,7 @@ class LLMEngine:
         self.last_step_idle = False         # the last step scheduled nothing (only transfers pending)
         self.num_failed_steps = 0           # steps in a row that raised (ModelRunnerOutput.step_error)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish_requests)
-        self.telemetry = self.output.telemetry = RequestTelemetry(mc.max_model_len, kv_block_bytes(config))
+        self.telemetry = self.output.telemetry = RequestTelemetry(mc.max_model_len, config.kv_block_bytes())
         self.num_prompt_tokens = 0
         self.num_prefix_leases = 0          # prefixes leased to peer replicas (lease_prefix)
 
@@ -103,7 +103,7 @@ class LLMEngine:
                              "completions and chat: engine/beam_search.py), not as one engine request")
         mc = self.config.model_config
         max_tokens = params.max_tokens or (mc.max_model_len - len(prompt_token_ids))
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        arrival = arrival_time if arrival_time is not None else clock.monotonic()
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         bs = self.config.cache_config.block_size
         leader = Request(ids[0], prompt_token_ids, params, self.eos_token_ids, bs, max_tokens, arrival,

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import records.clock as clock
 from engine.text.tokenizer import IncrementalDetokenizer
 from records.histogram import LatencyHistogram
 from records.outputs import CompletionOutput, Logprob, RequestOutput
@@ -134,7 +135,7 @@ class OutputProcessor:
 
     def advance(self, updated: list[Request]) -> list[RequestOutput]:
         """The outputs of a step's updated requests (final_only requests only once finished)."""
-        now = time.monotonic()
+        now = clock.monotonic()
         touched: dict[str, RequestState] = {}
         for request in updated:
             entry = self.child_to_state.get(request.request_id)
@@ -301,7 +302,7 @@ class OutputProcessor:
 
     def forget(self, state: RequestState) -> None:
         if self.telemetry is not None and self.states.get(state.request_id) is state:
-            self.telemetry.finished(state, time.monotonic())
+            self.telemetry.finished(state, clock.monotonic())
         self.states.pop(state.request_id, None)
         for child in state.children:
             self.child_to_state.pop(child.request.request_id, None)

@@ -17,18 +17,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import engine.tracing as tracing
-from records.config import EngineConfig
-from records.dtypes import KV_DTYPE_SIZES
 from records.histogram import Histogram, engine_histograms
 
 if TYPE_CHECKING:
     from engine.output_processor import RequestState
-
-
-def kv_block_bytes(config: EngineConfig) -> int:
-    """One KV block's bytes over every layer and rank of the engine (what a pull of it moves)."""
-    mc, cc = config.model_config, config.cache_config
-    return 2 * cc.block_size * mc.num_kv_heads * mc.head_dim * KV_DTYPE_SIZES[config.kv_dtype] * mc.num_layers
 
 
 class RequestTelemetry:

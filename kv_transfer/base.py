@@ -39,7 +39,6 @@ The protocol (pull model):
 """
 from __future__ import annotations
 
-import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from typing import Any
 
 import torch
 
+import records.clock as clock
 from kv_transfer.leases import Lease, LeaseSlots, LeaseTable
 from pdserve_proto.transfer import from_params, to_params
 from records.config import KVTransferConfig
@@ -78,7 +78,7 @@ MAX_PULL_LOG = 4096       # finished pulls a rank keeps until taken (the oldest 
 @dataclass(frozen=True, slots=True)
 class PullRecord:
     """One rank's part of one pull, as that rank saw it: from the engine's order to the poll that
-    saw it end (time.time(): comparable across the ranks of one machine)."""
+    saw it end (clock.wall(): comparable across the ranks of one machine)."""
     request_id: str
     rank: int
     start: float
@@ -107,7 +107,7 @@ class KVConnectorWorker:
         self.kv_caches: list[torch.Tensor] = []    # per layer [2, num_blocks, block_size, kvh, d]
         self._injected_failures: list[tuple[str, str]] = []
         self._delayed: list[tuple[float, LoadSpec]] = []
-        self._pulls_started: dict[str, tuple[float, int]] = {}    # rid -> (time.time(), bytes)
+        self._pulls_started: dict[str, tuple[float, int]] = {}    # rid -> (clock.wall(), bytes)
         # A deque: appended on the step thread, taken from another (a Ray worker's control thread).
         self.pull_log: deque[PullRecord] = deque(maxlen=MAX_PULL_LOG)
 
@@ -158,11 +158,11 @@ class KVConnectorWorker:
     def start_load(self, spec: LoadSpec) -> None:
         """Begin pulling `spec.remote_block_ids` into `spec.local_block_ids` (returns at once; the
         outcome arrives through `poll`). The local blocks must stay allocated until then."""
-        self._pulls_started[spec.request_id] = (time.time(), self._pull_bytes(spec))
+        self._pulls_started[spec.request_id] = (clock.wall(), self._pull_bytes(spec))
         if self.config.extra_value("fail_loads"):
             self._injected_failures.append((spec.request_id, "injected failure"))
         elif self.config.extra_value("load_delay_s"):
-            start_at = time.monotonic() + float(self.config.extra_value("load_delay_s"))
+            start_at = clock.monotonic() + float(self.config.extra_value("load_delay_s"))
             self._delayed.append((start_at, spec))
         else:
             self._start_load(spec)
@@ -185,7 +185,7 @@ class KVConnectorWorker:
 
     def poll(self) -> TransferReport:
         """Advance transfers; report what finished since the last poll."""
-        now = time.monotonic()
+        now = clock.monotonic()
         for start_at, spec in [d for d in self._delayed if d[0] <= now]:
             self._delayed.remove((start_at, spec))
             if now > spec.deadline:
@@ -196,7 +196,7 @@ class KVConnectorWorker:
         if self._injected_failures:
             report.failed.extend(self._injected_failures)
             self._injected_failures = []
-        end = time.time()
+        end = clock.wall()
         for rid, ok in [(rid, True) for rid in report.loaded] + [(rid, False) for rid, _ in report.failed]:
             started = self._pulls_started.pop(rid, None)
             if started is not None:
@@ -308,7 +308,7 @@ class KVConnectorScheduler:
         assert remote is not None and num_local_tokens % self.layout.block_size == 0
         bs = self.layout.block_size
         first, end = num_local_tokens // bs, -(-(num_local_tokens + num_external_tokens) // bs)
-        deadline = time.monotonic() + self.config.load_timeout_s
+        deadline = clock.monotonic() + self.config.load_timeout_s
         self.new_loads.append(LoadSpec(request.request_id, remote, block_ids[first:end],
                                        remote.block_ids[first:end], deadline))
         self.num_loads += 1
@@ -346,7 +346,7 @@ class KVConnectorScheduler:
                          engine_id: str) -> dict[str, Any]:
         """`add_lease` for blocks held by `holder` (a finished prefill, or cached prefix blocks a
         peer replica pulls): `num_tokens` of KV, `block_hashes` its full blocks' hashes."""
-        expires = time.time() + self.config.lease_s
+        expires = clock.wall() + self.config.lease_s
         self.leases[holder.request_id] = Lease(holder, slot, token, expires)
         self.num_leases += 1
         remote = RemotePrefill(
@@ -359,7 +359,7 @@ class KVConnectorScheduler:
         lease = self.leases.get(request_id)
         if lease is None:
             return False
-        lease.expires_at = max(lease.expires_at, time.time() + seconds)
+        lease.expires_at = max(lease.expires_at, clock.wall() + seconds)
         return True
 
     def leases_to_end(self, released: list[tuple[int, int]], aborted: list[str]) -> list[Lease]:
@@ -370,7 +370,7 @@ class KVConnectorScheduler:
             by_slot = {(lease.slot, lease.token): rid for rid, lease in self.leases.items()}
             ending = [by_slot[key] for key in released if key in by_slot]
         ending += [rid for rid in aborted if rid in self.leases]
-        now = time.time()
+        now = clock.wall()
         expired = [rid for rid, lease in self.leases.items() if lease.expires_at <= now]
         self.num_leases_expired += len(set(expired) - set(ending))
         taken = [self.leases.pop(rid) for rid in dict.fromkeys(ending + expired) if rid in self.leases]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from records.cpu_flags import slow_half_dtype_warning
-from records.dtypes import FP8_KV_DTYPE, resolve_dtype
+from records.dtypes import FP8_KV_DTYPE, KV_DTYPE_SIZES, resolve_dtype
 from records.engine_args import GIB, SPEC_KEYS, SPEC_METHODS, EngineArgs
 from records.lora import LoRAConfig
 from records.model_source import (
@@ -25,8 +25,12 @@ from records.model_source import (
     resolve_model,
 )
 from records.quantization import BLOCK_QUANTIZATIONS, kv_cache_scales, resolve_quantization
+from records.sim_profile import SimProfile, load_profile
 
 logger = logging.getLogger(__name__)
+
+# A rank's KV budget when neither num_kv_blocks nor kv_cache_memory_bytes is given.
+DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -207,6 +211,14 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class SimulationConfig:
+    """A simulated engine (EngineArgs.simulate): its forward pass is `profile`'s cost model
+    (engine/executor/simulated.py); `time_scale` real seconds pass per simulated second."""
+    profile: SimProfile
+    time_scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -216,11 +228,61 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     lora_config: LoRAConfig | None = None
     otlp_traces_endpoint: str | None = None     # engine/tracing.py: None traces nothing
+    simulation: SimulationConfig | None = None  # None: the model runs (else engine/executor/simulated.py)
 
     @property
     def kv_dtype(self) -> str:
         """The KV cache tensors' dtype name (torch's): the model's, or fp8 (kv_cache_dtype)."""
         return self.cache_config.cache_dtype or self.model_config.dtype
+
+    def kv_block_bytes(self) -> int:
+        """One KV block's bytes over every layer and rank of the engine (what a pull of it moves): the
+        model's, or the simulated model's."""
+        cc = self.cache_config
+        kv_bytes = KV_DTYPE_SIZES[self.kv_dtype]
+        if self.simulation is not None:
+            shape = self.simulation.profile.model
+            return cc.block_size * shape.kv_bytes_per_token(kv_bytes if cc.is_fp8 else None)
+        mc = self.model_config
+        return 2 * cc.block_size * mc.num_kv_heads * mc.head_dim * kv_bytes * mc.num_layers
+
+    def kv_cache_blocks(self, bytes_per_block: int, default_bytes: float) -> tuple[int, int]:
+        """(device blocks, CPU swap blocks) of one rank whose block is `bytes_per_block`: num_kv_blocks,
+        or kv_cache_memory_bytes over the block's bytes, or enough for max_num_seqs full sequences
+        within `default_bytes`. ValueError unless one sequence fits."""
+        cc, sc = self.cache_config, self.scheduler_config
+        # The most tokens one sequence holds at once: all of them, or, where every layer is local
+        # and prefill is chunked, its window and one step's chunk (the KV cache releases the rest).
+        window, per_seq = self.model_config.kv_sliding_window, sc.max_model_len
+        if window and sc.enable_chunked_prefill:
+            per_seq = min(per_seq, window + sc.max_num_batched_tokens + cc.block_size)
+        if cc.num_kv_blocks is not None:
+            num_blocks = cc.num_kv_blocks
+        elif cc.kv_cache_memory_bytes is not None:
+            num_blocks = cc.kv_cache_memory_bytes // bytes_per_block
+        else:
+            wanted = sc.max_num_seqs * -(-per_seq // cc.block_size)
+            num_blocks = min(wanted, int(default_bytes // bytes_per_block))
+        if num_blocks * cc.block_size < per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks x {cc.block_size} tokens, less than one "
+                f"sequence of {per_seq} tokens (max_model_len={sc.max_model_len}); raise num_kv_blocks / "
+                f"kv_cache_memory_bytes or lower max_model_len")
+        num_cpu_blocks = cc.swap_space_bytes // bytes_per_block if sc.preemption_mode == "swap" else 0
+        return num_blocks, num_cpu_blocks
+
+    def tier_slots(self, block_bytes: int) -> tuple[int, int]:
+        """(host, disk) slots of the offload tier for blocks of `block_bytes` over every rank: its
+        sizes are the engine's, summed over its ranks (vLLM's kv_offloading_size), and a slot holds
+        one block on every rank."""
+        cc = self.cache_config
+        slots = cc.offload_host_bytes // block_bytes, cc.offload_disk_bytes // block_bytes
+        for name, size, n in (("kv_offloading_size", cc.offload_host_bytes, slots[0]),
+                              ("kv_offloading_disk_size", cc.offload_disk_bytes, slots[1])):
+            if size and not n:
+                raise ValueError(f"{name} ({size / (1 << 30):.6g} GiB) holds no KV block of this model "
+                                 f"({block_bytes} bytes over its ranks); raise it")
+        return slots
 
     def model_info(self) -> ModelInfo:
         """What a frontend needs to know of the model this engine serves."""
@@ -262,10 +324,19 @@ class EngineConfig:
         dtype, seed, speculative_config = args.dtype, args.seed, args.speculative_config
 
         path, gguf_file, hf_config = resolve_model(model)
-        check_parallel_fit(hf_config, tensor_parallel_size, pipeline_parallel_size)
-        layer_partition = resolve_layer_partition(hf_config.num_hidden_layers, pipeline_parallel_size,
-                                                  args.pp_layer_partition)
+        simulation = None
+        num_layers = hf_config.num_hidden_layers
         derived_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+        if args.simulate is not None:
+            # The simulated model's shape splits and bounds the context; `model` gives the tokenizer
+            # and the vocabulary the requests are checked against.
+            simulation = SimulationConfig(load_profile(args.simulate), args.simulate_time_scale)
+            shape = simulation.profile.model
+            shape.check_parallel(tensor_parallel_size, pipeline_parallel_size)
+            num_layers, derived_len = shape.num_layers, shape.max_model_len
+        else:
+            check_parallel_fit(hf_config, tensor_parallel_size, pipeline_parallel_size)
+        layer_partition = resolve_layer_partition(num_layers, pipeline_parallel_size, args.pp_layer_partition)
         if max_model_len is None:
             max_model_len = derived_len
         elif not 1 <= max_model_len <= derived_len:
@@ -293,8 +364,9 @@ class EngineConfig:
         if warning is not None:
             logger.warning(warning)
         fp8 = args.kv_cache_dtype != "auto"
-        kv_scales = kv_cache_scales(path, gguf_file, hf_config) if fp8 else ()
-        if fp8 and args.calculate_kv_scales is not False and pipeline_parallel_size > 1 and not kv_scales:
+        kv_scales = kv_cache_scales(path, gguf_file, hf_config) if fp8 and simulation is None else ()
+        if (simulation is None and fp8 and args.calculate_kv_scales is not False and pipeline_parallel_size > 1
+                and not kv_scales):
             raise ValueError("calculate_kv_scales calibrates on one pipeline stage only; with "
                              "pipeline_parallel_size > 1 and kv_cache_dtype='fp8' pass calculate_kv_scales=False "
                              "(scales 1.0) or a checkpoint with k_scale/v_scale tensors")
@@ -311,8 +383,9 @@ class EngineConfig:
                 offload_disk_bytes=int((args.kv_offloading_disk_size or 0) * GIB),
                 offload_disk_path=args.kv_offloading_disk_path,
                 cache_dtype=FP8_KV_DTYPE if fp8 else None, kv_scales=kv_scales,
-                calculate_kv_scales=bool(fp8 and (args.calculate_kv_scales or (args.calculate_kv_scales is None
-                                                                             and not kv_scales)))),
+                # (a simulated engine has no K/V values to calibrate on)
+                calculate_kv_scales=bool(fp8 and simulation is None and (
+                    args.calculate_kv_scales or (args.calculate_kv_scales is None and not kv_scales)))),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
@@ -327,6 +400,7 @@ class EngineConfig:
             kv_transfer_config=kv_transfer_config,
             speculative_config=spec_config,
             lora_config=args.lora_config(), otlp_traces_endpoint=args.otlp_traces_endpoint,
+            simulation=simulation,
         )
 
 

@@ -10,6 +10,7 @@ from urllib.parse import urlparse
 from records.dtypes import KV_CACHE_DTYPES, resolve_dtype
 from records.lora import LoRAConfig
 from records.quantization import QUANTIZATIONS
+from records.sim_profile import load_profile
 
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CONNECTORS = ("nixl", "torch_dist")
@@ -92,6 +93,11 @@ class EngineArgs:
     max_loras: int = LoRAConfig.max_loras            # adapters in one batch (device slots)
     max_lora_rank: int = LoRAConfig.max_lora_rank
     max_cpu_loras: int | None = None                 # adapters kept in host memory; None: 4 x max_loras
+    # pdserve's simulated model runner (engine/executor/simulated.py): a profile's name or file
+    # (records/sim_profile.py). The whole engine runs but the forward pass: a step takes the time
+    # the profile gives its batch and emits deterministic tokens.
+    simulate: str | None = None
+    simulate_time_scale: float = 1.0                 # real seconds per simulated second (> 1: slower)
 
     def __post_init__(self) -> None:
         block_size, max_num_seqs = self.block_size, self.max_num_seqs
@@ -164,6 +170,20 @@ class EngineArgs:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None (auto); got {self.quantization!r}")
         if self.enable_lora:
             self.lora_config()           # ValueError naming the field
+        self._check_simulation()
+
+    def _check_simulation(self) -> None:
+        if not self.simulate_time_scale > 0:
+            raise ValueError(f"simulate_time_scale must be > 0 (real seconds per simulated second); got "
+                             f"{self.simulate_time_scale!r}")
+        if self.simulate is None:
+            return
+        if not isinstance(self.simulate, str) or not self.simulate:
+            raise ValueError(f"simulate must name a profile (a file, or one of the built-ins); got {self.simulate!r}")
+        load_profile(self.simulate)                 # ValueError listing the built-ins
+        if self.speculative_config is not None:
+            raise ValueError("speculative_config: a simulated engine (simulate) does not model speculative "
+                             "decoding; leave it unset")
 
     def _check_tracing(self) -> None:
         if self.otlp_traces_endpoint is not None:

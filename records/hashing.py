@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
+from hashlib import sha256
 from collections.abc import Sequence
 
 BlockHash = bytes
@@ -19,6 +22,7 @@ BlockHash = bytes
 # so it carries a version.
 HASH_SEED = b"pdserve-block-hash-v1"
 ROOT_HASH: BlockHash = hashlib.sha256(HASH_SEED).digest()
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
@@ -40,11 +44,23 @@ def hash_block_tokens(
     """Hashes of the full blocks of `token_ids` from `start_block` on, chained from `parent`.
 
     `extra_keys` apply to every block (a LoRA or a cache salt changes the KV of the whole sequence).
-    A trailing partial block is not hashed.
+    A trailing partial block is not hashed. (`hash_block`'s values, with the tokens packed once.)
     """
-    hashes: list[BlockHash] = []
     num_full = len(token_ids) // block_size
-    for i in range(start_block, num_full):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra_keys)
+    if num_full <= start_block:
+        return []
+    packed = array("q", token_ids[start_block * block_size:num_full * block_size])
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    data = memoryview(packed.tobytes())
+    extra = repr(tuple(extra_keys)).encode() if extra_keys else b""
+    step = block_size * 8
+    hashes: list[BlockHash] = []
+    for offset in range(0, len(data), step):
+        h = sha256(ROOT_HASH if parent is None else parent)
+        h.update(data[offset:offset + step])
+        if extra:
+            h.update(extra)
+        parent = h.digest()
         hashes.append(parent)
     return hashes

@@ -44,9 +44,15 @@ class KVLayout:
         raw = {k: v for k, v in mc.hf_config.to_dict().items()
                if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")}
         digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        return cls(model=f"{mc.architecture}:{digest}", num_layers=mc.num_layers,
-                   block_size=config.cache_config.block_size, num_kv_heads=mc.num_kv_heads,
-                   head_dim=mc.head_dim, dtype=dtype, tp_rank=tp_rank,
+        model, num_layers, num_kv_heads, head_dim = f"{mc.architecture}:{digest}", mc.num_layers, mc.num_kv_heads, \
+            mc.head_dim
+        if config.simulation is not None:       # the simulated model's KV (its blocks are never read)
+            shape = config.simulation.profile.model
+            model, num_layers, num_kv_heads, head_dim = (f"simulated:{shape.name}:{digest}", shape.num_layers,
+                                                         shape.num_kv_heads, shape.head_dim)
+        return cls(model=model, num_layers=num_layers,
+                   block_size=config.cache_config.block_size, num_kv_heads=num_kv_heads,
+                   head_dim=head_dim, dtype=dtype, tp_rank=tp_rank,
                    tp_size=config.parallel_config.tensor_parallel_size, pp_rank=pp_rank,
                    pp_size=config.parallel_config.pipeline_parallel_size,
                    layer_partition=config.parallel_config.layer_partition)

@@ -7,10 +7,10 @@ With n > 1 the first child prefills the prompt and the others are forked from it
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import records.clock as clock
 from records.hashing import BlockHash, hash_block_tokens
 from records.sampling_params import SamplingParams
 
@@ -75,7 +75,7 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.max_tokens = max_tokens                # resolved: never None
-        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.arrival_time = arrival_time if arrival_time is not None else clock.monotonic()
         self.priority = sampling_params.priority
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -298,8 +299,13 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     own checks, nothing that passes can make a step raise."""
     if not prompt_token_ids:
         raise ValueError("prompt must not be empty")
-    bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
-    if bad:
+    try:     # C-level: a 100k-token prompt is checked in about a millisecond
+        packed = array("q", prompt_token_ids)         # TypeError for a non-integer, OverflowError past int64
+        ok = min(packed) >= 0 and max(packed) < vocab_size
+    except (TypeError, OverflowError):
+        ok = False
+    if not ok:
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
         raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {bad[:5]}")
     limit = max_model_len
     if len(prompt_token_ids) >= limit:

@@ -40,6 +40,10 @@ class KVCacheManager:
             self.block_pool.on_evict = self.tier.offload
             self.block_pool.snapshot_extra = self.tier.snapshot
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Each request's block ids, kept as its list grows (`block_ids`: a step asks for every
+        # scheduled request's whole table, O(context) each time when rebuilt); dropped where a
+        # list changes other than by growing.
+        self._block_ids: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}       # leading blocks already registered as cached
         # CPU pool for swap preemption: block ids only; the worker owns the tensors.
         self.num_cpu_blocks = num_cpu_blocks
@@ -59,7 +63,18 @@ class KVCacheManager:
         return self.block_pool.num_free_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        """The request's block table. The list is the manager's own, extended as the request's
+        blocks grow (as the scheduler hands the runner the request's own token lists): read it
+        within the step, copy it to keep it."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return []
+        ids = self._block_ids.get(request_id)
+        if ids is None or len(ids) > len(blocks):
+            ids = self._block_ids[request_id] = [b.block_id for b in blocks]
+        elif len(ids) < len(blocks):
+            ids.extend([b.block_id for b in blocks[len(ids):]])
+        return ids
 
     def num_held_blocks(self, request_id: str) -> int:
         """Pool blocks the request holds (its list less the places a window released)."""
@@ -128,6 +143,7 @@ class KVCacheManager:
                 self.tier.load(hashes[:len(found)], found, [b.block_id for b in new])
                 blocks += new
         self.req_to_blocks[holder_id] = blocks
+        self._block_ids.pop(holder_id, None)
         self.num_cached_blocks[holder_id] = num_pool
         return BlockHolder(holder_id), num_pool
 
@@ -139,6 +155,7 @@ class KVCacheManager:
         good = next((i for i in range(start, len(blocks)) if blocks[i].block_id in failed_block_ids), len(blocks))
         self.block_pool.free_blocks(list(reversed(blocks[good:])))
         del blocks[good:]
+        self._block_ids.pop(holder.request_id, None)
         self.block_pool.cache_blocks(blocks[start:good], list(block_hashes[start:good]))
         self.num_cached_blocks[holder.request_id] = good
         return good
@@ -194,6 +211,7 @@ class KVCacheManager:
         if needed > self.block_pool.num_free_blocks:
             if not blocks:
                 del self.req_to_blocks[request.request_id]
+                self._block_ids.pop(request.request_id, None)
             return None
 
         self.block_pool.touch(new_computed_blocks)
@@ -203,6 +221,7 @@ class KVCacheManager:
             self.pending_copies.append((blocks[cow_index].block_id, copy.block_id))
             self.block_pool.free_blocks([blocks[cow_index]])
             blocks[cow_index] = copy
+            self._block_ids.pop(request.request_id, None)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
         if cache:
@@ -222,6 +241,7 @@ class KVCacheManager:
         if end > start:
             self.block_pool.free_blocks(blocks[start:end])
             blocks[start:end] = [NULL_BLOCK] * (end - start)
+            self._block_ids.pop(rid, None)
             self.num_released[rid] = end
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -250,6 +270,7 @@ class KVCacheManager:
         evicted before the shared prefix blocks."""
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, [])
+        self._block_ids.pop(rid, None)
         self.block_pool.free_blocks(list(reversed(blocks)))
         self.num_cached_blocks.pop(rid, None)
         self.num_released.pop(rid, None)
@@ -262,6 +283,7 @@ class KVCacheManager:
             if block is not NULL_BLOCK:
                 block.ref_cnt += 1
         self.req_to_blocks[child.request_id] = list(blocks)
+        self._block_ids.pop(child.request_id, None)
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
         if parent.request_id in self.num_released:
             self.num_released[child.request_id] = self.num_released[parent.request_id]
@@ -299,6 +321,7 @@ class KVCacheManager:
         new = iter(self.block_pool.get_new_blocks(len(held)))
         blocks = [NULL_BLOCK if c < 0 else next(new) for c in cpu_ids]
         self.req_to_blocks[rid] = blocks
+        self._block_ids.pop(rid, None)
         del self.swapped[rid]
         self.free_cpu_blocks.extend(held)
         self.num_cached_blocks[rid] = 0
@@ -319,6 +342,7 @@ class KVCacheManager:
     def check_no_leaks(self) -> None:
         """Raise AssertionError unless every block is free (for tests and shutdown)."""
         assert not self.req_to_blocks, f"requests still hold blocks: {list(self.req_to_blocks)}"
+        assert not self._block_ids, f"block tables outlive their requests: {list(self._block_ids)}"
         assert not self.swapped, f"requests still hold CPU blocks: {list(self.swapped)}"
         held = [b for b in self.block_pool.blocks if b.ref_cnt]
         assert not held, f"blocks still referenced: {held[:8]}"

@@ -12,9 +12,9 @@ finish, so the request's status changes stay in one place.
 """
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
+import records.clock as clock
 from engine.core.kv_cache_manager import KVCacheManager
 from records.errors import KVTransferError
 from records.request import PEER_PREFIX, Request, RequestStatus
@@ -48,7 +48,7 @@ class KVLoads:
         request.num_cached_tokens = request.num_computed_tokens = num_hit
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.loading[request.request_id] = (request, num_external)
-        request.pull_start = request.scheduled_time = time.monotonic()
+        request.pull_start = request.scheduled_time = clock.monotonic()
         request.pull_tokens = num_external
         self.connector.plan_load(request, self.kv.block_ids(request.request_id), num_hit, num_external)
         return True
@@ -95,7 +95,7 @@ class KVLoads:
             # A peer's cached prefix (lease_prefix) is an optimization: losing it always recomputes.
             peer = request.remote_prefill is not None and request.remote_prefill.request_id.startswith(PEER_PREFIX)
             request.remote_prefill = None
-            request.pull_end = time.monotonic()
+            request.pull_end = clock.monotonic()
             if reason is not None:
                 self.connector.num_load_failures += 1
                 request.pull_error = reason

@@ -26,10 +26,10 @@ members). Steps still run under the token budget, so a batch's prompts may take 
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+import records.clock as clock
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_loads import KVLoads
 from engine.core.pooling import add_rows
@@ -280,7 +280,7 @@ class Scheduler:
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
         if request.scheduled_time is None:
-            request.scheduled_time = time.monotonic()
+            request.scheduled_time = clock.monotonic()
         self.running.append(request)
 
     def _pick_victim(self, current: int) -> Request:

@@ -1,5 +1,6 @@
 """Executors drive the ranks of one engine: `InProcessExecutor` runs the single rank in this
-process; `RayExecutor` runs one worker actor per TP x PP rank. `make_executor` picks by world size."""
+process; `RayExecutor` runs one worker actor per TP x PP rank; a simulated engine's
+`SimulatedExecutor` (engine/executor/simulated.py) runs no model at all. `make_executor` picks."""
 from __future__ import annotations
 
 import pickle
@@ -7,6 +8,8 @@ from typing import Any
 
 import torch
 
+from engine.executor.base import Executor
+from engine.executor.simulated import SimulatedExecutor
 from engine.worker.step_channel import StepChannel
 from engine.worker.step_delta import StepEncoder
 from engine.worker.worker import Worker
@@ -17,64 +20,18 @@ from records.outputs import ModelRunnerOutput, SchedulerOutput
 from records.transfer import TransferReport
 
 
-def make_executor(config: EngineConfig) -> InProcessExecutor | RayExecutor:
-    """The Ray executor for more than one rank or when asked for ("ray"), else in-process."""
+def make_executor(config: EngineConfig) -> Executor:
+    """The simulated executor for a simulated engine (EngineConfig.simulation); else the Ray
+    executor for more than one rank or when asked for ("ray"), else in-process."""
+    if config.simulation is not None:
+        return SimulatedExecutor(config)
     pc = config.parallel_config
     if pc.world_size == 1 and pc.distributed_executor_backend != "ray":
         return InProcessExecutor(config)
     return RayExecutor(config)
 
 
-class _Executor:
-    """What both executors share: the KV connector's worker sides of the ranks (`kv`, None without
-    a connector), reached through the step messages."""
-
-    kv: KVWorkerGroup | None = None
-    kv_scales: tuple[tuple[float, float], ...] = ()    # the fp8 cache's scales the ranks use (Worker.kv_scales)
-    tier_slots: tuple[int, int] = (0, 0)     # the offload tier's (host, disk) slots (Worker.tier_slots)
-    _kv_fresh = False                 # a step's reports arrived since the last kv_poll
-
-    def _exchange(self, sched: SchedulerOutput | None, kv_ops: list[tuple[Any, ...]]
-                  ) -> tuple[ModelRunnerOutput | None, list[TransferReport | None]]:
-        """One step message to every rank: the driver's output and each rank's transfer report."""
-        raise NotImplementedError
-
-    def _step(self, sched: SchedulerOutput | None) -> ModelRunnerOutput | None:
-        output, reports = self._exchange(sched, self.kv.take_ops() if self.kv is not None else [])
-        if self.kv is not None:
-            self.kv.collect(reports)
-            self._kv_fresh = True
-        return output
-
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        output = self._step(sched)
-        assert output is not None
-        return output
-
-    def kv_poll(self) -> TransferReport:
-        """Transfers finished since the last call: from the last step's replies, or from a step
-        message without a model step when none ran since."""
-        assert self.kv is not None
-        if not self._kv_fresh:
-            self._step(None)
-        self._kv_fresh = False
-        return self.kv.take_report()
-
-    def kv_blocks(self, block_ids: list[int]) -> list[Any]:
-        """Every rank's heads of these blocks (Worker.kv_blocks), in rank order (for checks)."""
-        raise NotImplementedError
-
-    def kv_pull_log(self) -> list[Any]:
-        """Every rank's finished pulls since the last call (PullRecord), in rank order."""
-        raise NotImplementedError
-
-    def kv_flush(self) -> None:
-        """Send the queued KV orders now (new leases must be live before their parameters leave)."""
-        if self.kv is not None and self.kv.ops:
-            self._step(None)
-
-
-class InProcessExecutor(_Executor):
+class InProcessExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         pc = config.parallel_config
         assert pc.world_size == 1, "more than one rank needs the RayExecutor"
@@ -110,7 +67,7 @@ class InProcessExecutor(_Executor):
         self.worker.shutdown()
 
 
-class RayExecutor(_Executor):
+class RayExecutor(Executor):
     """One `Worker` actor per rank in a placement group (cluster/placement.py: a stage's TP ranks on
     one node, stages spread over nodes). Setup goes through Ray calls; then every worker runs
     `serve_steps`, connected to this executor's StepChannel, and each step's SchedulerOutput goes

@@ -24,6 +24,14 @@ def load_tokenizer(path: str, gguf_file: str | None) -> Any | None:
         return None
 
 
+@functools.lru_cache(maxsize=8)
+def shared_tokenizer(path: str, gguf_file: str | None) -> Any | None:
+    """`load_tokenizer`, once per process for each model: what engines use (they never change it),
+    so that the engines of one process share it (a replay's hundreds, a simulated replica host's;
+    loading one takes seconds). A caller that changes its tokenizer (a chat template) loads its own."""
+    return load_tokenizer(path, gguf_file)
+
+
 def eos_token_ids(tokenizer: Any | None, hf_config: Any, path: str) -> frozenset[int]:
     """EOS ids from the tokenizer, the model config and generation_config.json."""
     ids: set[int] = set()

@@ -32,7 +32,7 @@ from kernels.dispatch import FP8_MIN_CAPABILITY, cuda_capability, has_fp8
 from kernels.reference import GGUF_BLOCK_BYTES
 from kv_transfer.base import KVConnectorWorker
 from kv_transfer.factory import create_connector_worker
-from records.config import EngineConfig
+from records.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from records.dtypes import KV_DTYPE_SIZES
 from records.kv_layout import KVLayout
 from records.outputs import ModelRunnerOutput, SchedulerOutput
@@ -40,8 +40,6 @@ from records.transfer import TransferReport
 
 logger = logging.getLogger(__name__)
 
-# Default KV budget when neither num_kv_blocks nor kv_cache_memory_bytes is given.
-DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 class Worker:
@@ -142,42 +140,12 @@ class Worker:
                 * self.num_local_layers())
 
     def determine_num_blocks(self) -> tuple[int, int]:
-        """(device blocks, CPU swap blocks) from the cache config."""
-        cc, sc = self.config.cache_config, self.config.scheduler_config
-        per_block = self.bytes_per_block()
-        # The most tokens one sequence holds at once: all of them, or, where every layer is local
-        # and prefill is chunked, its window and one step's chunk (the KV cache releases the rest).
-        window, per_seq = self.config.model_config.kv_sliding_window, sc.max_model_len
-        if window and sc.enable_chunked_prefill:
-            per_seq = min(per_seq, window + sc.max_num_batched_tokens + cc.block_size)
-        if cc.num_kv_blocks is not None:
-            num_blocks = cc.num_kv_blocks
-        elif cc.kv_cache_memory_bytes is not None:
-            num_blocks = cc.kv_cache_memory_bytes // per_block
-        else:
-            # Enough for max_num_seqs full-length sequences, capped by the default budget.
-            wanted = sc.max_num_seqs * -(-per_seq // cc.block_size)
-            num_blocks = min(wanted, DEFAULT_KV_CACHE_BYTES // per_block)
-        if num_blocks * cc.block_size < per_seq:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks x {cc.block_size} tokens, less than one "
-                f"sequence of {per_seq} tokens (max_model_len={sc.max_model_len}); raise num_kv_blocks / "
-                f"kv_cache_memory_bytes or lower max_model_len")
-        num_cpu_blocks = cc.swap_space_bytes // per_block if sc.preemption_mode == "swap" else 0
-        return num_blocks, num_cpu_blocks
+        """(device blocks, CPU swap blocks) from the cache config (EngineConfig.kv_cache_blocks)."""
+        return self.config.kv_cache_blocks(self.bytes_per_block(), DEFAULT_KV_CACHE_BYTES)
 
     def tier_slots(self) -> tuple[int, int]:
-        """(host, disk) slots of the offload tier: its sizes are the engine's, summed over its ranks
-        (vLLM's kv_offloading_size), and a slot holds one block on every rank."""
-        cc, pc = self.config.cache_config, self.config.parallel_config
-        per_block = self.bytes_per_block() * pc.world_size
-        slots = cc.offload_host_bytes // per_block, cc.offload_disk_bytes // per_block
-        for name, size, n in (("kv_offloading_size", cc.offload_host_bytes, slots[0]),
-                              ("kv_offloading_disk_size", cc.offload_disk_bytes, slots[1])):
-            if size and not n:
-                raise ValueError(f"{name} ({size / (1 << 30):.6g} GiB) holds no KV block of this model "
-                                 f"({per_block} bytes over its ranks); raise it")
-        return slots
+        """(host, disk) slots of the offload tier (EngineConfig.tier_slots)."""
+        return self.config.tier_slots(self.bytes_per_block() * self.config.parallel_config.world_size)
 
     def init_cache(self, num_blocks: int, num_cpu_blocks: int, num_host_slots: int = 0,
                    num_disk_slots: int = 0) -> None:

@@ -29,6 +29,14 @@ from router.routing.pool_router import RequestRouter
 from router.routing.request_trace import RequestTrace
 
 
+@dataclasses.dataclass(slots=True)
+class PDPlan:
+    """Where one request runs (`PDRouter.plan`)."""
+    decode: Decision
+    prefill: Decision | None        # None: the decode replica computes the prompt itself
+    reason: str                     # local_prefill | local_prefill_backlog | remote_prefill
+
+
 class PDRouter:
     """Prefill/decode orchestration over two pools (see the module docstring)."""
 
@@ -96,11 +104,27 @@ class PDRouter:
                                                      trace=trace, arrival=arrival):
                 yield delta
             return
-        d_decision = self.decode.route(prompt_token_ids, params, trace)
+        plan = self.plan(prompt_token_ids, params, trace)
         kv_params = None
+        if plan.prefill is not None:
+            kv_params = await self._prefill(request_id, prompt_token_ids, self._prefill_params(params), plan.prefill,
+                                            trace)
+        # After a remote prefill the decode replica computes one token (and pulls the rest).
+        async for delta in self.decode.generate(request_id, prompt_token_ids, params, plan.decode, kv_params,
+                                                prefill_tokens=1 if kv_params is not None else None, trace=trace,
+                                                arrival=arrival):
+            yield delta
+
+    def plan(self, prompt_token_ids: list[int], params: SamplingParams, trace: RequestTrace | None = None) -> PDPlan:
+        """Where a request runs: its decode replica, and the prefill replica that runs its prompt
+        first when it pays (`prefill` None: the decode replica prefills it); the reason is counted
+        (`pdserve:router_decisions_total{pool="pd"}`) and told to `trace`. What `generate` follows,
+        and what `pdserve simulate` drives."""
+        hashes = self.decode.block_hashes(prompt_token_ids, params)      # both pools' engines hash alike
+        d_decision = self.decode.route(prompt_token_ids, params, trace, hashes)
+        p_decision = None
         if self.wants_remote_prefill(len(prompt_token_ids), params, d_decision):
-            p_params = self._prefill_params(params)
-            p_decision = self.prefill.route(prompt_token_ids, p_params, trace)
+            p_decision = self.prefill.route(prompt_token_ids, self._prefill_params(params), trace, hashes)
             reason = ("local_prefill_backlog" if self.prefill_is_backlogged(len(prompt_token_ids), p_decision,
                                                                              d_decision) else "remote_prefill")
         else:
@@ -108,13 +132,7 @@ class PDRouter:
         self.metrics.decisions.inc(reason=reason, pool="pd")
         if trace is not None:
             trace.disaggregated(reason)
-        if reason == "remote_prefill":
-            kv_params = await self._prefill(request_id, prompt_token_ids, p_params, p_decision, trace)
-        # After a remote prefill the decode replica computes one token (and pulls the rest).
-        async for delta in self.decode.generate(request_id, prompt_token_ids, params, d_decision, kv_params,
-                                                prefill_tokens=1 if kv_params is not None else None, trace=trace,
-                                                arrival=arrival):
-            yield delta
+        return PDPlan(d_decision, p_decision if reason == "remote_prefill" else None, reason)
 
     @staticmethod
     def _prefill_params(params: SamplingParams) -> SamplingParams:

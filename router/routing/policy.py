@@ -38,6 +38,19 @@ class ReplicaLoad:
     def value(self, max_num_seqs: int) -> float:
         return self.in_flight + self.kv_usage * max_num_seqs
 
+    # A request's life as the router counts it (RequestRouter._stream; pdserve simulate too).
+    def started(self, prefill_tokens: int) -> None:
+        """A request sent here, with the uncached prompt tokens it computes before its first token."""
+        self.in_flight += 1
+        self.prefill_tokens += prefill_tokens
+
+    def prefilled(self, prefill_tokens: int) -> None:
+        """Its first token (or its end) came back: its prompt no longer waits here."""
+        self.prefill_tokens -= prefill_tokens
+
+    def ended(self) -> None:
+        self.in_flight -= 1
+
 
 @dataclass(slots=True)
 class Decision:

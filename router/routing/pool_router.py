@@ -188,16 +188,22 @@ class RequestRouter:
         return out
 
     # --- one request -------------------------------------------------------------------------------
-    def route(self, prompt_token_ids: list[int], params: SamplingParams, trace: RequestTrace | None = None
-              ) -> Decision:
+    def block_hashes(self, prompt_token_ids: list[int], params: SamplingParams) -> list[bytes]:
+        """The prompt's full blocks' hashes, as this pool's engines compute them."""
+        return hash_block_tokens(prompt_token_ids, self.block_size, params.cache_keys)
+
+    def route(self, prompt_token_ids: list[int], params: SamplingParams, trace: RequestTrace | None = None,
+              hashes: list[bytes] | None = None) -> Decision:
         """Choose the replica for a prompt (the policy over the prefix index, loads, adapters, tiers;
-        a peer to pull a prefix from). `trace`: the request's, given a span of the decision."""
+        a peer to pull a prefix from). `trace`: the request's, given a span of the decision;
+        `hashes`: the prompt's `block_hashes`, when the caller has them."""
         began = time.monotonic()
         candidates = self.available
         if not candidates:
             raise NoReplicaError(f"no {self.pool} engine replica is available"
                                  + (f" ({len(self.down)} failed, being replaced)" if self.down else ""))
-        hashes = hash_block_tokens(prompt_token_ids, self.block_size, params.cache_keys)
+        if hashes is None:
+            hashes = self.block_hashes(prompt_token_ids, params)
         cached = {r: self.index.num_blocks(r) for r in candidates}
         matched = self.index.match(hashes)
         lora = params.lora_request
@@ -348,8 +354,7 @@ class RequestRouter:
         if channel is None:
             channel = self._channels[replica_id] = ReplicaChannel(self.replicas[replica_id], self.ingress_id)
         load = self.loads[replica_id]
-        load.in_flight += 1
-        load.prefill_tokens += prefill_tokens
+        load.started(prefill_tokens)
         start = time.monotonic() if started is None else started
         # A resumed stream's first token is not the request's (its time to first token went out).
         last = None if continuation is None else time.monotonic()
@@ -360,7 +365,7 @@ class RequestRouter:
                 now = time.monotonic()
                 new_tokens = sum(len(c.token_ids) for c in delta.choices)
                 if new_tokens or delta.finished:
-                    load.prefill_tokens -= prefill_tokens      # its prompt is done
+                    load.prefilled(prefill_tokens)      # its prompt is done
                     prefill_tokens = 0
                 if new_tokens:
                     if last is None:
@@ -373,8 +378,8 @@ class RequestRouter:
             if finished:
                 self.metrics.e2e.observe(time.monotonic() - start, pool=self.pool, replica=replica_id)
         finally:
-            load.in_flight -= 1
-            load.prefill_tokens -= prefill_tokens
+            load.ended()
+            load.prefilled(prefill_tokens)
             if load.in_flight == 0 and replica_id in self._leaving:
                 self._leaving.pop(replica_id).close()
 

@@ -577,7 +577,6 @@ def test_pd_hops_join_one_trace_with_the_pull_measured(tiny_llama):
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     import engine.tracing as tracing
-    from engine.telemetry import kv_block_bytes
 
     ids = prompt(100, salt=9)
     want = reference(tiny_llama, [ids])[0]          # before tracing: an engine that traces traces everything
@@ -606,9 +605,9 @@ def test_pd_hops_join_one_trace_with_the_pull_measured(tiny_llama):
     pull = next(s for s in spans if s.name == "pdserve.kv_pull")
     blocks = -(-(len(ids) - 1) // 16)
     assert pull.attributes["pdserve.kv.blocks"] == blocks == d.stats()["kv_blocks_pulled"]
-    assert pull.attributes["pdserve.kv.bytes"] == blocks * kv_block_bytes(d.config)
+    assert pull.attributes["pdserve.kv.bytes"] == blocks * d.config.kv_block_bytes()
     d_prefill = next(s for s in spans if s.name == "pdserve.prefill" and s.parent.span_id == d_hop.context.span_id)
     assert d_prefill.attributes["pdserve.computed_prompt_tokens"] == 1      # the last token: the rest pulled
     assert pull.end_time == d_prefill.start_time
     hist = d.stats()["histograms"]
-    assert sum(hist["kv_pull_seconds"][0]) == 1 and hist["kv_pull_bytes"][1] == blocks * kv_block_bytes(d.config)
+    assert sum(hist["kv_pull_seconds"][0]) == 1 and hist["kv_pull_bytes"][1] == blocks * d.config.kv_block_bytes()

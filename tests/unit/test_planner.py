@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import AutoscalingSpec, ClusterConfig, PoolSpec
+from cluster.config import MAX_REPLICAS, AutoscalingSpec, ClusterConfig, PoolSpec
 from cluster.planner import Planner, PoolSample
 from records.histogram import LATENCY_BUCKETS_S, NUM_BUCKETS, LatencyHistogram, delta, merge, quantile
 
@@ -59,7 +59,7 @@ def test_autoscaling_spec_is_checked():
                                          r"and max_replicas \(4\)"):
         PoolSpec(replicas=5, autoscaling={"max_replicas": 4, "itl_slo_ms": 50})
     spec = PoolSpec(replicas=2, autoscaling={"min_replicas": 1, "max_replicas": 4, "itl_slo_ms": 50})
-    assert spec.bounds() == (1, 4) and PoolSpec().bounds() == (1, 64)
+    assert spec.bounds() == (1, 4) and PoolSpec().bounds() == (1, MAX_REPLICAS)
     # Size and autoscaling are not what replicas are made of; the rest is.
     assert spec.identity() == PoolSpec(replicas=3).identity() != PoolSpec(num_cpus=2).identity()
     with pytest.raises(ValueError, match="extra"):
