@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from workloads import DATASETS, BenchRequest, make_dataset
+from workloads import DATASETS, BenchRequest, add_trace_args, make_dataset
 
 
 @dataclass
@@ -166,7 +166,12 @@ async def run(args: argparse.Namespace, requests: list[BenchRequest], on_timed: 
         if on_timed is not None:
             on_timed()
         start = time.perf_counter()
-        if args.concurrency:
+        if timed and all(u[0].arrival_s is not None for u in timed):      # a trace: its own times
+            async def at(u: list[BenchRequest]) -> list[RequestResult]:
+                await asyncio.sleep(max(0.0, start + u[0].arrival_s - time.perf_counter()))
+                return await _run_unit(client, args, model, u, progress)
+            results = await asyncio.gather(*[at(u) for u in timed])
+        elif args.concurrency:
             sem = asyncio.Semaphore(args.concurrency)
 
             async def limited(u: list[BenchRequest]) -> list[RequestResult]:
@@ -372,6 +377,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--scrape-metric", action="append", default=[], metavar="NAME",
                     help="Prometheus metric to read before and after the timed part (its increase is reported)")
     ap.add_argument("--metrics-url", default=None, help="default: {base_url}/metrics")
+    add_trace_args(ap)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -8,6 +8,10 @@ Datasets (`--dataset`), all generated from `--seed`, so two servers see the same
 - `prefix`: `--num-prefixes` shared prefixes of `--prefix-len` tokens × suffixes of `--input-len`.
 - `multiturn`: `--num-prompts` conversations of `--turns` turns; each turn resends the whole history
   (the previous prompts and the generated text) plus a new user message, as text.
+- `trace`: a trace's requests at its own arrival times (`--trace FILE`: Mooncake's JSONL or
+  pdserve's, cluster/sim/trace.py), with the prompts `pdserve simulate` replays for it (same
+  `--seed`, `--prompt-scale`, `--output-scale`, `--rate-scale`, `--limit`, `--start`, `--duration`):
+  what a real server and its simulation are compared on (benchmarks/sim_fidelity.py).
 - `mixed`: interference. Each request is, with probability `--long-fraction`, a `long` one
   (`--long-input-len`, `--long-output-len`), else a `short` one (`--input-len`, `--output-len`);
   both classes share one arrival process. Every metric is also reported per class (`classes` in the
@@ -19,7 +23,7 @@ import argparse
 import random
 from dataclasses import dataclass
 
-DATASETS = ("random", "sharegpt", "prefix", "multiturn", "mixed")
+DATASETS = ("random", "sharegpt", "prefix", "multiturn", "mixed", "trace")
 WORDS = ("river stone light cloud paper engine garden window signal market harbor lantern "
          "forest copper season valley number letter bridge island summer winter mountain").split()
 
@@ -31,6 +35,7 @@ class BenchRequest:
     conversation: int | None = None       # multiturn: turns of one conversation run in order
     turn: int = 0
     cls: str = ""                          # class label (mixed: "short" / "long"); metrics per class
+    arrival_s: float | None = None         # trace: when it is sent, from the start
 
 
 def parse_range(spec: str) -> tuple[int, int]:
@@ -49,6 +54,8 @@ def make_dataset(args: argparse.Namespace) -> list[BenchRequest]:
         return [rng.randrange(lo_vocab, hi_vocab) for _ in range(n)]
 
     n = args.num_prompts + args.warmup
+    if args.dataset == "trace":
+        return trace_dataset(args)
     if args.dataset == "random":
         ins, outs = parse_range(args.input_len), parse_range(args.output_len)
         return [BenchRequest(tokens(rng.randint(*ins)), rng.randint(*outs)) for _ in range(n)]
@@ -84,3 +91,25 @@ def make_dataset(args: argparse.Namespace) -> list[BenchRequest]:
             out.append(BenchRequest(tokens(rng.randint(*ins)), rng.randint(*outs), cls="long" if is_long else "short"))
         return out
     raise ValueError(f"dataset must be one of {DATASETS}; got {args.dataset!r}")
+
+
+def trace_dataset(args: argparse.Namespace) -> list[BenchRequest]:
+    """The trace's requests, as `pdserve simulate` replays them (cluster/sim/trace.py)."""
+    from cluster.sim.trace import MOONCAKE_BLOCK_TOKENS, TraceTokens, read_trace, scale_trace
+
+    if not args.trace:
+        raise ValueError("--dataset trace needs --trace FILE")
+    trace = read_trace(args.trace, MOONCAKE_BLOCK_TOKENS, args.limit, args.start, args.duration)
+    trace = scale_trace(trace, args.rate_scale, args.prompt_scale, args.output_scale)
+    tokens = TraceTokens(args.vocab_size, max(1, round(MOONCAKE_BLOCK_TOKENS * args.prompt_scale)), args.seed)
+    return [BenchRequest(tokens.prompt(r, i), r.output_length, arrival_s=r.arrival_s) for i, r in enumerate(trace)]
+
+
+def add_trace_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--trace", default=None, help="trace: the JSONL file")
+    ap.add_argument("--rate-scale", type=float, default=1.0, help="trace: arrivals this many times faster")
+    ap.add_argument("--prompt-scale", type=float, default=1.0, help="trace: prompts this many times as long")
+    ap.add_argument("--output-scale", type=float, default=1.0, help="trace: outputs this many times as long")
+    ap.add_argument("--limit", type=int, default=None, help="trace: the first N requests")
+    ap.add_argument("--start", type=float, default=0.0, help="trace: from this many seconds in")
+    ap.add_argument("--duration", type=float, default=None, help="trace: this many seconds of it")

@@ -6,6 +6,7 @@
     pdserve status [--json] [--address ADDR] [--name NAME]                          # pools and replicas
     pdserve apply SPEC.yaml [--address ADDR]                                        # update a deployment's spec
     pdserve simulate --trace FILE --profile P [--config SPEC] [--replicas N] [--json]  # replay in virtual time
+    pdserve plan --trace FILE --profile P --ttft-slo MS --itl-slo MS [--output SPEC]  # the cheapest spec for an SLO
     pdserve profile --output FILE [--model PATH] [--threads N]                     # calibrate a profile here
 """
 from __future__ import annotations
@@ -52,18 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     for p in (scale, status):
         p.add_argument("--name", default="pdserve", help="the deployment's spec name (default: pdserve)")
     sim = sub.add_parser("simulate", help="replay a trace against a spec of simulated replicas in virtual time")
-    from cluster.sim.commands import add_profile_args, add_simulate_args, run_profile, run_simulate  # noqa: PLC0415
+    from cluster.sim import commands  # noqa: PLC0415
 
-    add_simulate_args(sim)
-    add_profile_args(sub.add_parser("profile", help="calibrate a simulation profile of the real engine on this "
-                                                     "machine"))
+    commands.add_simulate_args(sim)
+    commands.add_plan_args(sub.add_parser("plan", help="the cheapest spec that serves a trace within an SLO (replays "
+                                                       "candidate specs in virtual time)"))
+    commands.add_profile_args(sub.add_parser("profile", help="calibrate a simulation profile of the real engine "
+                                                              "on this machine"))
     args = parser.parse_args(argv)
     if args.command == "serve":
         return run_serve(args)
-    if args.command == "simulate":
-        return run_simulate(args)
-    if args.command == "profile":
-        return run_profile(args)
+    if args.command in ("simulate", "plan", "profile"):
+        return {"simulate": commands.run_simulate, "plan": commands.run_plan, "profile": commands.run_profile}[
+            args.command](args)
     if args.command in ("scale", "status", "apply"):
         return control(args)
 

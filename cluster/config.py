@@ -116,6 +116,9 @@ class PoolSpec(StrictSpec):
     speculative_config: dict[str, Any] | None = None
     autoscaling: AutoscalingSpec | None = None      # None: a fixed size
     kv_offloading: KVOffloadingSpec | None = None   # None: the engine section's kv_offloading_*
+    # Simulated replicas (engine.simulate) share host processes, this many to one (cluster/replica_host.py;
+    # 1: a process each, as real replicas, e.g. to lose one at a time); real replicas ignore it.
+    replicas_per_process: int = Field(8, ge=1)
 
     def model_post_init(self, _: Any) -> None:
         a = self.autoscaling

@@ -31,7 +31,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from cluster.config import PoolSpec
 from cluster.placement import REPLICA_ACTOR_CPUS, SIMULATED_REPLICA_CPUS, fmt_resources, replica_bundles
 from cluster.replica import EngineReplica
-from cluster.replica_host import SIMULATED_REPLICAS_PER_HOST, HostedReplica, ReplicaHost
+from cluster.replica_host import HostedReplica, ReplicaHost
 from records.config import EngineConfig
 from records.errors import PlacementError
 from records.histogram import LATENCY_BUCKETS_S, VLLM_REQUEST_LATENCY_BUCKETS, quantile
@@ -70,6 +70,7 @@ class EnginePool:
         self.host_handles: dict[str, Any] = {}
         self.hosted: dict[str, str] = {}            # replica id -> its host's name
         self.dead_hosts: set[str] = set()           # hosts whose actor died: none get new replicas
+        self._adding: dict[str, Any] = {}           # replica id -> its host's `add` call, until awaited
         self._next_host = 0
 
     def _spawn(self, spec: PoolSpec | None = None, engine_config: EngineConfig | None = None) -> tuple[str, Any]:
@@ -99,17 +100,18 @@ class EnginePool:
         """A simulated replica on the first live host of this pool with room, or on a new host
         (a detached, named actor with the pool's custom resources: what pins it to its nodes)."""
         name = next((n for n, members in self.hosts.items()
-                     if len(members) < SIMULATED_REPLICAS_PER_HOST and n not in self.dead_hosts), None)
+                     if len(members) < spec.replicas_per_process and n not in self.dead_hosts), None)
         if name is None:
             name = self._actor_name(f"{self.name}-host-{self._next_host}")
             self._next_host += 1
             self.host_handles[name] = ray.remote(ReplicaHost).options(
                 name=name, namespace=self.namespace, lifetime="detached", max_concurrency=1000,
-                num_cpus=SIMULATED_REPLICA_CPUS * SIMULATED_REPLICAS_PER_HOST, resources=dict(spec.resources),
+                num_cpus=SIMULATED_REPLICA_CPUS * spec.replicas_per_process, resources=dict(spec.resources),
             ).remote(name)
             self.hosts[name] = set()
         host = self.host_handles[name]
-        host.add.remote(replica_id, engine_config, tag)     # before any call of the pool's to it (ordered)
+        # A host runs its calls concurrently: the first call of the pool's to the replica awaits this.
+        self._adding[replica_id] = host.add.remote(replica_id, engine_config, tag)
         self.hosts[name].add(replica_id)
         self.hosted[replica_id] = name
         return HostedReplica(host, replica_id)
@@ -179,8 +181,15 @@ class EnginePool:
         replica needs and what the cluster has free; loading itself may take as long as it takes."""
         return await asyncio.gather(*[self._wait_one(r, h, place_timeout_s) for r, h in self.replicas.items()])
 
+    async def _added(self, replica_id: str) -> None:
+        """A simulated replica is on its host (its `add` ran) before anything else is asked of it."""
+        pending = self._adding.pop(replica_id, None)
+        if pending is not None:
+            await pending
+
     async def _wait_one(self, replica_id: str, handle: Any, place_timeout_s: float | None) -> dict:
         try:
+            await asyncio.wait_for(self._added(replica_id), place_timeout_s)
             info = await asyncio.wait_for(handle.info.remote(), place_timeout_s)    # its constructor ran
             self.nodes[replica_id] = info.get("node_id", "")
         except asyncio.TimeoutError:
@@ -244,6 +253,7 @@ class EnginePool:
 
     async def _bring_up(self, replica_id: str, handle: Any) -> None:
         try:
+            await self._added(replica_id)
             info = await handle.info.remote()            # placed (Ray may keep it pending for a node)
             self.nodes[replica_id] = info.get("node_id", "")
             await handle.load.remote()
@@ -324,6 +334,7 @@ class EnginePool:
         if not isinstance(handle, HostedReplica):
             _kill_actor(handle)
             return
+        self._adding.pop(handle.replica_id, None)
         name = self.hosted.pop(handle.replica_id, None)
         members = self.hosts.get(name, set()) if name is not None else set()
         members.discard(handle.replica_id)

@@ -1,5 +1,5 @@
 """Simulated replicas several to a process: `ReplicaHost` (the body of a host actor) holds up to
-`SIMULATED_REPLICAS_PER_HOST` `EngineReplica`s on simulated engines, and `HostedReplica` is a
+a pool's `replicas_per_process` `EngineReplica`s on simulated engines, and `HostedReplica` is a
 handle to one of them with an actor handle's surface (`handle.method.remote(...)`, and
 `.options(num_returns="streaming")` for the output channel), so the routers and the ingress use it
 as they use a replica's own actor. A simulated replica needs no device and little memory, but a
@@ -14,17 +14,12 @@ a lost replica (router/routing/pool_router.py: `replica_lost`).
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 from cluster.replica import EngineReplica
 from records.config import EngineConfig
 from records.errors import EngineDeadError
-
-# Replicas one host process holds (PDSERVE_SIM_REPLICAS_PER_HOST overrides); each takes
-# cluster/placement.py's SIMULATED_REPLICA_CPUS of it.
-SIMULATED_REPLICAS_PER_HOST = int(os.environ.get("PDSERVE_SIM_REPLICAS_PER_HOST", "8"))
 
 
 class ReplicaHost:

@@ -153,3 +153,30 @@ def peft_greedy(base_path: str, adapter: str | None, prompts: list[list[int]], m
                                  min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
         outs.append(gen[0, len(ids):].tolist())
     return outs
+
+
+# The profile of the tests' simulated replicas (engine.simulate): the cluster is their subject, not
+# the engine's numerics. Their tokens are the sequence's (engine/executor/simulated.py), so a
+# simulated engine in this process is their oracle (`simulated_outputs`).
+SIM_PROFILE = "h200-llama3-8b"
+
+
+def simulated_outputs(prompts: list[str], max_tokens: int, **engine_args) -> list[str]:
+    """One simulated engine's text for each prompt (the embedded model's tokenizer), in virtual
+    time (no step sleeps)."""
+    import records.clock as clock
+    from engine.llm import LLM
+    from records.sampling_params import SamplingParams
+
+    with clock.virtual(clock.VirtualClock()), LLM(None, simulate=SIM_PROFILE, **engine_args) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+def kill_replica(handle) -> None:
+    """Kill a replica's process: its actor's, or a simulated replica's host's (with
+    `replicas_per_process: 1` it holds that replica alone)."""
+    import ray
+
+    ray.kill(getattr(handle, "host", handle), no_restart=True)

@@ -37,6 +37,10 @@ def add_replay_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--start", type=float, default=0.0, help="start this many seconds into the trace")
     ap.add_argument("--duration", type=float, default=None, help="replay this many seconds of the trace")
     ap.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id of a Mooncake trace")
+    ap.add_argument("--prompt-scale", type=float, default=1.0,
+                    help="prompts this many times as long (a Mooncake trace's hash ids then stand for "
+                         "block-tokens x this many tokens): a trace sized to a smaller machine")
+    ap.add_argument("--output-scale", type=float, default=1.0, help="outputs this many times as long")
     ap.add_argument("--ttft-slo", type=float, default=None, help="time to first token SLO, ms (goodput)")
     ap.add_argument("--itl-slo", type=float, default=None, help="mean inter-token latency (TPOT) SLO, ms (goodput)")
     ap.add_argument("--seed", type=int, default=0, help="of the made-up tokens behind a Mooncake trace's hash ids")
@@ -89,17 +93,19 @@ def replay_spec(args: argparse.Namespace, overrides: dict[str, Any] | None = Non
     return ClusterConfig.model_validate(data)
 
 
+def block_tokens(args: argparse.Namespace) -> int:
+    """Tokens per hash id of the replayed trace (a scaled prompt scales its blocks)."""
+    return max(1, round(args.block_tokens * args.prompt_scale))
+
+
 def load_requests(args: argparse.Namespace) -> list:
-    from cluster.sim.trace import read_trace  # noqa: PLC0415 - numpy, only where a trace is read
+    from cluster.sim.trace import read_trace, scale_trace  # noqa: PLC0415 - numpy, only where a trace is read
 
-    if not args.rate_scale > 0:
-        raise ValueError(f"--rate-scale must be > 0; got {args.rate_scale}")
+    for flag in ("rate_scale", "prompt_scale", "output_scale"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0; got {getattr(args, flag)}")
     requests = read_trace(args.trace, args.block_tokens, args.limit, args.start, args.duration)
-    if args.rate_scale != 1.0:
-        from dataclasses import replace  # noqa: PLC0415
-
-        requests = [replace(r, arrival_s=r.arrival_s / args.rate_scale) for r in requests]
-    return requests
+    return scale_trace(requests, args.rate_scale, args.prompt_scale, args.output_scale)
 
 
 def replay(spec: ClusterConfig, requests: list, args: argparse.Namespace) -> dict[str, Any]:
@@ -108,7 +114,7 @@ def replay(spec: ClusterConfig, requests: list, args: argparse.Namespace) -> dic
     from cluster.sim.report import summarize  # noqa: PLC0415
 
     began = time.monotonic()
-    done = Replay(spec, requests, args.seed, args.block_tokens).run()
+    done = Replay(spec, requests, args.seed, block_tokens(args)).run()
     return summarize(done, args.ttft_slo, args.itl_slo, time.monotonic() - began)
 
 
@@ -167,4 +173,81 @@ def run_profile(args: argparse.Namespace) -> int:
     print(f"pdserve: wrote {args.output}: {fit['steps']} steps fitted; relative error p50 "
           f"{fit['relative_error_p50']:.1%}, p90 {fit['relative_error_p90']:.1%}, on their total "
           f"{fit['total_error']:.1%}")
+    return 0
+
+
+def add_plan_args(ap: argparse.ArgumentParser) -> None:
+    add_replay_args(ap)
+    ap.add_argument("--modes", default="colocated,disaggregated", help="shapes to try: colocated, disaggregated")
+    ap.add_argument("--pd-ratios", default="1:1,1:2,1:3", help="prefill:decode replica ratios to try (disaggregated)")
+    ap.add_argument("--tp", default="1", help="tensor-parallel sizes to try (e.g. 1,2,4)")
+    ap.add_argument("--policies", default="prefix_aware", help=f"routing policies to try, among {', '.join(POLICIES)}")
+    ap.add_argument("--attainment", type=float, default=0.9,
+                    help="the share of requests that must meet both SLOs (default 0.9)")
+    ap.add_argument("--max-replicas", type=int, default=64, help="the most replicas a candidate may have, in all")
+    ap.add_argument("--output", default=None, help="write the cheapest spec here (YAML for pdserve serve --config)")
+    ap.add_argument("--json", action="store_true", help="one JSON object of the plan on the last line")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from cluster.sim.capacity import CapacityPlanner, Shape, parse_ratios  # noqa: PLC0415
+
+    try:
+        if args.ttft_slo is None or args.itl_slo is None:
+            raise ValueError("pdserve plan sizes for an SLO: give --ttft-slo and --itl-slo (ms)")
+        modes = [m.strip() for m in args.modes.split(",")]
+        if not modes or any(m not in ("colocated", "disaggregated") for m in modes):
+            raise ValueError(f"--modes takes colocated and/or disaggregated; got {args.modes!r}")
+        policies = [p.strip() for p in args.policies.split(",")]
+        if any(p not in POLICIES for p in policies):
+            raise ValueError(f"--policies takes {', '.join(POLICIES)}; got {args.policies!r}")
+        try:
+            tps = [int(t) for t in args.tp.split(",")]
+        except ValueError:
+            tps = []
+        if not tps or min(tps) < 1:
+            raise ValueError(f"--tp takes positive integers (e.g. 1,2,4); got {args.tp!r}")
+        ratios = parse_ratios(args.pd_ratios) if "disaggregated" in modes else []
+        base = replay_spec(args).model_dump(mode="json", exclude_defaults=True)
+        shapes = [Shape(mode, ratio, tp, policy) for mode in modes for ratio in (ratios if mode == "disaggregated"
+                                                                                   else [(0, 1)])
+                  for tp in tps for policy in policies]
+        planner = CapacityPlanner(base, lambda spec: replay(spec, requests, args), args.attainment, args.max_replicas)
+        for shape in shapes:
+            planner.spec(shape, shape.min_total).engine_config("decode")     # TP against the model, now
+        requests = load_requests(args)
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+
+    def report(t: Any) -> None:
+        if not args.json:
+            s = t.summary
+            print(f"  {t.shape.label():<40} {str(t.pools):<32} met {t.attainment:6.1%}  TTFT p90 "
+                  f"{s['ttft_ms']['p90']:>9} ms  TPOT p90 {s['tpot_ms']['p90']:>7} ms  {t.gpu_seconds:>11,.0f} GPU-s"
+                  f"{'  meets' if t.meets else ''}", flush=True)
+
+    if not args.json:
+        print(f"pdserve plan: {len(requests)} requests, SLO TTFT <= {args.ttft_slo} ms and TPOT <= {args.itl_slo} ms "
+              f"for {args.attainment:.0%}; {len(shapes)} shapes", flush=True)
+    result = planner.plan(shapes, report)
+    best = result.best
+    if best is None:
+        print(f"pdserve: no candidate up to {args.max_replicas} replicas meets the SLO (raise --max-replicas, or "
+              f"loosen the SLO)", file=sys.stderr)
+        return 1
+    text = planner.spec_yaml(best, {"ttft_ms": args.ttft_slo, "itl_ms": args.itl_slo})
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    if args.json:
+        print(json.dumps({"best": {"shape": best.shape.label(), "pools": best.pools, "gpu_seconds": best.gpu_seconds,
+                                   "attainment": best.attainment, "summary": best.summary},
+                          "trials": [{"shape": t.shape.label(), "pools": t.pools, "attainment": t.attainment,
+                                      "gpu_seconds": t.gpu_seconds, "meets": t.meets} for t in result.trials]}))
+    else:
+        print(f"cheapest: {best.shape.label()}, replicas {best.pools}: {best.attainment:.1%} met, "
+              f"{best.gpu_seconds:,.0f} GPU-seconds" + (f"; spec written to {args.output}" if args.output else ""))
+        if not args.output:
+            print(text)
     return 0

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-import math
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -126,6 +125,7 @@ class Replay:
         self._next_index = {pool: 0 for pool in self.spec.pools}
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
+        self._queued_steps = 0                # step events in the heap (superseded ones too)
         self._hist_seen: dict[tuple[str, str], list[int]] = {}
         self.flights: list[Flight] = []
         self.itl = array("d")                 # every gap between two of a request's steps with tokens
@@ -171,6 +171,7 @@ class Replay:
             return
         replica.wake_at = t
         replica.wake_token = self._push(t, "step", replica)
+        self._queued_steps += 1
 
     def run(self) -> Replay:
         with clock.virtual(self.clock):
@@ -183,7 +184,9 @@ class Replay:
             self._record_sizes()
             arrivals = iter(enumerate(self.requests))
             upcoming = next(arrivals, None)
-            while upcoming is not None or self.num_done < len(self.flights):
+            # On until every request is done and no replica has anything left to step (a lease to
+            # end once its release arrives).
+            while upcoming is not None or self.num_done < len(self.flights) or self._queued_steps:
                 if upcoming is not None and (not self._heap or upcoming[1].arrival_s <= self._heap[0][0]):
                     self.clock.now = upcoming[1].arrival_s
                     self._arrive(*upcoming)
@@ -192,6 +195,7 @@ class Replay:
                 t, seq, kind, payload = heapq.heappop(self._heap)
                 self.clock.now = t
                 if kind == "step":
+                    self._queued_steps -= 1
                     if payload.wake_token == seq:
                         payload.wake_at = None
                         self._step(payload)
@@ -405,9 +409,16 @@ class Replay:
 
 
 def percentiles(values: list[float] | array, qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> dict[str, float | None]:
-    """p50 / p90 / p99 (nearest rank on the sorted values), None without values."""
+    """p50 / p90 / p99, interpolated between the closest ranks (numpy's default, as
+    benchmarks/serve.py reads a real server's); None without values."""
     data = sorted(values)
     out: dict[str, float | None] = {}
     for q in qs:
-        out[f"p{round(q * 100)}"] = data[min(len(data) - 1, max(0, math.ceil(q * len(data)) - 1))] if data else None
+        if not data:
+            out[f"p{round(q * 100)}"] = None
+            continue
+        k = (len(data) - 1) * q
+        lo = int(k)
+        hi = min(lo + 1, len(data) - 1)
+        out[f"p{round(q * 100)}"] = data[lo] + (data[hi] - data[lo]) * (k - lo)
     return out

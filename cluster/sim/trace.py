@@ -15,6 +15,7 @@ A malformed line is a ValueError naming its line number and field, before anythi
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import OrderedDict
 from collections.abc import Callable
@@ -111,6 +112,18 @@ def read_trace(path: str, block_tokens: int = MOONCAKE_BLOCK_TOKENS, limit: int 
         requests = [TraceRequest(r.arrival_s - first, r.input_length, r.output_length, r.hash_ids,
                                  r.prompt_token_ids, r.prompt) for r in requests]
     return requests
+
+
+def scale_trace(requests: list[TraceRequest], rate: float = 1.0, prompt: float = 1.0,
+                output: float = 1.0) -> list[TraceRequest]:
+    """The trace `rate` times faster, with prompts and outputs that many times as long (at least one
+    token): a trace sized to another machine. A Mooncake request's prompt shrinks with its blocks
+    (read it with block_tokens x `prompt` tokens per hash id), so the trace's reuse stays."""
+    if min(rate, prompt, output) <= 0:
+        raise ValueError(f"scale factors must be > 0; got rate {rate}, prompt {prompt}, output {output}")
+    return [dataclasses.replace(r, arrival_s=r.arrival_s / rate,
+                                input_length=max(1, round(r.input_length * prompt)) if r.hash_ids else r.input_length,
+                                output_length=max(1, round(r.output_length * output))) for r in requests]
 
 
 class TraceTokens:

@@ -30,7 +30,7 @@ from dataclasses import replace as dataclasses_replace
 import httpx
 import openai
 import pytest
-from helpers import free_port, simulated_cluster
+from helpers import SIM_PROFILE, free_port, simulated_cluster, simulated_outputs
 
 from records.sampling_params import SamplingParams
 
@@ -57,14 +57,6 @@ def add_engine_node(cluster, num_cpus: float = 2) -> object:
 def kill_node(cluster, node) -> None:
     """Kill every process of the node at once, its raylet included (no graceful unregistering)."""
     cluster.remove_node(node, allow_graceful=False)
-
-
-def actor_nodes() -> dict[str, str]:
-    """Live actor name (or class, for unnamed worker ranks) -> node id."""
-    from ray.util.state import list_actors
-
-    return {a.name or f"{a.class_name}:{a.actor_id}": a.node_id
-            for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)}
 
 
 def expected_outputs(model: str, prompts: list[str], max_tokens: int) -> list[str]:
@@ -128,7 +120,7 @@ def metric(base: str, name: str) -> float:
 
 
 @contextlib.contextmanager
-def served(nodes, tiny_llama: str, name: str, pool: dict):
+def served(nodes, model: str | None, name: str, pool: dict, engine: dict = ENGINE):
     """A decode pool of `pool` deployed on the simulated cluster: (its spec, base URL, manager);
     on exit the deployment is shut down and every engine node removed."""
     import ray
@@ -137,7 +129,7 @@ def served(nodes, tiny_llama: str, name: str, pool: dict):
     from cluster.launch import serve_cluster, shutdown
     from cluster.manager import MANAGER_NAME
 
-    config = ClusterConfig(model=tiny_llama, engine=ENGINE, pools={"decode": pool}, serving=SERVING,
+    config = ClusterConfig(model=model, engine=engine, pools={"decode": pool}, serving=SERVING,
                            placement_timeout_s=120, name=name)
     try:
         serve_cluster(config, blocking=False)
@@ -153,21 +145,31 @@ def remove_engine_nodes(cluster) -> None:
 
 
 PROMPTS = [f"Stream {i} of the node loss test tells a story about the river number {i}:" for i in range(32)]
+# Simulated replicas (the cluster is the subject; a real engine's replicas lose their stage's node
+# below), each in a process of its own, at a sixth of an H200's pace: 32 streams of 200 tokens last
+# about 7 s, long enough to lose a node midway.
+SIM_ENGINE = {"simulate": SIM_PROFILE, "simulate_time_scale": 6.0, "max_model_len": 1024, "max_num_seqs": 32}
+SIM_ORACLE = {"max_model_len": 1024, "max_num_seqs": 32}
+
+
+def replica_nodes(manager) -> dict[str, str]:
+    """The decode pool's replica id -> the node it runs on, as its pool knows it."""
+    import ray
+
+    return {r["id"]: r["node"] for r in ray.get(manager.pool_status.remote())["decode"]["detail"]}
 
 
 @pytest.mark.ray
-def test_a_node_lost_mid_decode_loses_no_stream(nodes, tiny_llama, eventually_no_leaks):
+def test_a_node_lost_mid_decode_loses_no_stream(nodes, eventually_no_leaks):
     import ray
 
-
     max_tokens = 200
-    want = expected_outputs(tiny_llama, PROMPTS, max_tokens)
+    want = simulated_outputs(PROMPTS, max_tokens, **SIM_ORACLE)
     engine_nodes = [add_engine_node(nodes), add_engine_node(nodes)]
-    with served(nodes, tiny_llama, "pdserve-node-loss",
-                {"replicas": 2, "num_cpus": 1, "resources": {"engine": 1}}) as (config, base, manager):
+    with served(nodes, None, "pdserve-node-loss", {"replicas": 2, "replicas_per_process": 1,
+                                                  "resources": {"engine": 1}}, SIM_ENGINE) as (config, base, manager):
         _, pools = ray.get(manager.membership.remote())
-        where = actor_nodes()
-        on_node = {where[f"{config.name}-{r}"]: r for r in pools["decode"]}
+        on_node = {node: r for r, node in replica_nodes(manager).items()}
         assert len(on_node) == 2                                  # one replica per node
         victim = engine_nodes[0]
         lost = on_node[victim.node_id]
@@ -183,7 +185,7 @@ def test_a_node_lost_mid_decode_loses_no_stream(nodes, tiny_llama, eventually_no
         replacement_node = add_engine_node(nodes)
         healed = wait_for_pool(manager, "decode", 2, {lost})
         (new,) = set(healed) - set(survivor)
-        assert actor_nodes()[f"{config.name}-{new}"] == replacement_node.node_id
+        assert replica_nodes(manager)[new] == replacement_node.node_id
         assert ray.get(manager.pool_status.remote())["decode"]["replaced"] == 1
 
 
@@ -297,7 +299,7 @@ RAMP_PROMPTS = [f"Request {i} of the ramp asks about the harbour number {i}:" fo
 
 
 @pytest.mark.ray
-def test_an_autoscaled_pool_follows_a_load_ramp_onto_a_node_added_for_it(nodes, tiny_llama, eventually_no_leaks):
+def test_an_autoscaled_pool_follows_a_load_ramp_onto_a_node_added_for_it(nodes, eventually_no_leaks):
     """A decode pool autoscaled on running requests (1..2 replicas) under a ramp low -> high -> low:
     at the high plateau the planner asks for a second replica, which waits for a node (and asks
     Ray's autoscaler for one: `request_resources`); a node added then takes it and it serves; once
@@ -307,13 +309,15 @@ def test_an_autoscaled_pool_follows_a_load_ramp_onto_a_node_added_for_it(nodes, 
     from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
     from ray.experimental.internal_kv import _internal_kv_get
 
+    from cluster.placement import replica_bundles
+
     max_tokens = 32
-    want = dict(zip(RAMP_PROMPTS, expected_outputs(tiny_llama, RAMP_PROMPTS, max_tokens)))
+    want = dict(zip(RAMP_PROMPTS, simulated_outputs(RAMP_PROMPTS, max_tokens, **SIM_ORACLE)))
     add_engine_node(nodes)
     autoscaling = {"min_replicas": 1, "max_replicas": 2, "target_running_requests": 4, "window_s": 2,
                    "upscale_delay_s": 2, "downscale_delay_s": 2, "cooldown_s": 2}
-    with served(nodes, tiny_llama, "pdserve-ramp", {"replicas": 1, "num_cpus": 1, "resources": {"engine": 1},
-                                                    "autoscaling": autoscaling}) as (config, base, manager):
+    with served(nodes, None, "pdserve-ramp", {"replicas": 1, "replicas_per_process": 1, "resources": {"engine": 1},
+                                              "autoscaling": autoscaling}, SIM_ENGINE) as (config, base, manager):
         wait_for_pool(manager, "decode", 1, set())
         done: list[tuple[str, str]] = []
 
@@ -345,11 +349,11 @@ def test_an_autoscaled_pool_follows_a_load_ramp_onto_a_node_added_for_it(nodes, 
             assert pending["planner"]["decisions"]["up"] == 1 and "requests running or waiting" in \
                 pending["planner"]["last"]["reason"], pending["planner"]
             asked = [b for b in json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)) if "engine" in b]
-            assert asked == [{"CPU": 1.0, "engine": 1.0}] * 2, asked
+            assert asked == replica_bundles(config.pools["decode"], simulated=True) * 2, asked
             node = add_engine_node(nodes)              # (Ray's node setup wants the main thread)
             grown = wait_for_pool(manager, "decode", 2, set())
             new = next(r for r in grown if r not in {d["id"] for d in pending["detail"] if d["state"] == "serving"})
-            assert actor_nodes()[f"{config.name}-{new}"] == node.node_id
+            assert replica_nodes(manager)[new] == node.node_id
             wait_for(manager, lambda st: any(r["id"] == new and (r["running"] or 0) > 0 for r in st["detail"]),
                      "the new replica running requests")
         finally:

@@ -30,7 +30,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from helpers import REPO, free_port, wait_healthy
+from helpers import REPO, SIM_PROFILE, free_port, kill_replica, simulated_outputs, wait_healthy
 
 from cluster.config import ClusterConfig
 from cluster.placement import placement_problems, replica_bundles
@@ -167,7 +167,9 @@ def test_a_replica_that_cannot_be_placed_fails_naming_the_resource(tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def heal(tiny_llama, eventually_no_leaks):
+def heal(eventually_no_leaks):
+    """A Serve app of two simulated decode replicas, each in a process of its own (the cluster is the
+    subject here; the real engine's replicas meet the same paths in test_node_loss.py and tests/serving)."""
     ray = pytest.importorskip("ray", reason="needs ray[serve] (make setup installs it)")
     from ray import serve
 
@@ -177,8 +179,7 @@ def heal(tiny_llama, eventually_no_leaks):
 
     init_ray(num_cpus=8)
     port, grpc_port = free_port(), free_port()
-    config = ClusterConfig(model=tiny_llama, engine={"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 8},
-                           pools={"decode": {"replicas": 2, "num_cpus": 1}},
+    config = ClusterConfig(engine=HEAL_ENGINE, pools={"decode": {"replicas": 2, "replicas_per_process": 1}},
                            serving={"port": port, "grpc_port": grpc_port}, name="pdserve-heal")
     serve.start(http_options={"host": "127.0.0.1", "port": port}, **grpc_start_options(config))
     serve.run(build_app(config), name=config.name, route_prefix="/heal")
@@ -192,6 +193,12 @@ def heal(tiny_llama, eventually_no_leaks):
     serve.shutdown()            # also its HTTP proxy, which holds this module's port
     ray.get(manager.shutdown.remote())
     ray.kill(manager)
+
+
+# Simulated replicas at an H200's pace: a stream of 400 tokens lasts two seconds or more, long
+# enough to lose its replica midway.
+HEAL_ENGINE = {"simulate": SIM_PROFILE, "max_model_len": 2048, "max_num_seqs": 8}
+HEAL_ORACLE = {k: v for k, v in HEAL_ENGINE.items() if k not in ("simulate", "simulate_time_scale")}
 
 
 def _wait_for_membership(manager, gone: str, size: int, timeout: float = 120.0) -> dict:
@@ -214,7 +221,7 @@ def test_killed_replica_is_replaced_while_the_service_keeps_answering(heal):
     _, pools = ray.get(manager.membership.remote())
     before = pools["decode"]
     victim = sorted(before)[0]
-    ray.kill(before[victim], no_restart=True)
+    kill_replica(before[victim])
     # Requests keep succeeding: one routed to the dead replica fails there before any output and
     # is sent to the live one.
     # The prompts span full KV blocks, so the survivor ends up caching some and the replacement (which
@@ -254,9 +261,9 @@ def test_a_stream_whose_replica_dies_migrates_and_reads_as_one(heal):
     (resumed after the tokens already sent), and the client reads the same text, token count and
     finish reason as an uninterrupted run; the migration is counted in /metrics."""
     manager, client = heal["manager"], heal["client"]
-    kwargs = dict(model=heal["model"], prompt="Count slowly:", max_tokens=1500, temperature=0.0,
+    kwargs = dict(model=heal["model"], prompt="Count slowly:", max_tokens=400, temperature=0.0,
                   extra_body={"ignore_eos": True})
-    expected = client.completions.create(**kwargs).choices[0].text
+    expected = simulated_outputs([kwargs["prompt"]], 400, **HEAL_ORACLE)[0]
     stream = client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
     chunks = iter(stream)
     text = [next(chunks).choices[0].text]
@@ -268,7 +275,7 @@ def test_a_stream_whose_replica_dies_migrates_and_reads_as_one(heal):
             finish = chunk.choices[0].finish_reason or finish
         usage = chunk.usage or usage
     assert "".join(text) == expected
-    assert (finish, usage.completion_tokens) == ("length", 1500)
+    assert (finish, usage.completion_tokens) == ("length", 400)
     metrics = httpx.get(f"{heal['base']}/metrics", timeout=10).text
     assert 'pdserve:request_migrations_total{pool="decode"} 1' in metrics, metrics
     assert 'pdserve:pool_replicas{pool="decode",state="target"} 2' in metrics, metrics
@@ -281,7 +288,7 @@ def _kill_the_running_replica(manager) -> str:
     _, pools = ray.get(manager.membership.remote())
     running = [r for r, h in pools["decode"].items() if ray.get(h.stats.remote())["num_requests_running"]]
     assert len(running) == 1, running
-    ray.kill(pools["decode"][running[0]], no_restart=True)
+    kill_replica(pools["decode"][running[0]])
     return running[0]
 
 
@@ -291,11 +298,10 @@ def test_a_grpc_stream_whose_replica_dies_migrates_too(heal):
     grpc = pytest.importorskip("grpc")
     from pdserve_proto import pb2, pb2_grpc
 
-    manager, client = heal["manager"], heal["client"]
-    expected = client.completions.create(model=heal["model"], prompt="Count on:", max_tokens=1500, temperature=0.0,
-                                         extra_body={"ignore_eos": True}).choices[0].text
+    manager = heal["manager"]
+    expected = simulated_outputs(["Count on:"], 400, **HEAL_ORACLE)[0]
     request = pb2.GenerateRequest(text="Count on:", sampling=pb2.SamplingOptions(
-        temperature=0, max_tokens=1500, ignore_eos=True))
+        temperature=0, max_tokens=400, ignore_eos=True))
     metadata = [("application", heal["name"])]
     with grpc.insecure_channel(f"127.0.0.1:{heal['grpc_port']}") as channel:
         stub = pb2_grpc.GenerationStub(channel)
@@ -313,7 +319,7 @@ def test_a_grpc_stream_whose_replica_dies_migrates_too(heal):
         rest = list(messages)
     tokens = [m for m in [first, *rest] if m.index == 0]
     assert "".join(m.text for m in tokens) == expected
-    assert tokens[-1].finish_reason == "length" and rest[-1].usage.completion_tokens == 1500
+    assert tokens[-1].finish_reason == "length" and rest[-1].usage.completion_tokens == 400
     _wait_for_membership(manager, lost, 2)
 
 
@@ -339,14 +345,14 @@ def test_a_restarted_manager_adopts_the_replicas_and_heals_on(heal):
     _, after = ray.get(manager.membership.remote())
     assert {r: ray.get(h.info.remote())["pid"] for r, h in after["decode"].items()} == pids
     victim = sorted(after["decode"])[0]
-    ray.kill(after["decode"][victim], no_restart=True)
+    kill_replica(after["decode"][victim])
     healed = _wait_for_membership(manager, victim, 2)
     assert victim not in healed and len(healed) == 2
 
 
 @pytest.mark.ray
 @pytest.mark.parametrize("drain_timeout", [60.0, 0.0], ids=["drained", "migrated"])
-def test_pdserve_scale_down_during_streams_cuts_none(heal, tiny_llama, capsys, drain_timeout):
+def test_pdserve_scale_down_during_streams_cuts_none(heal, capsys, drain_timeout):
     """`pdserve scale decode 1` while 16 greedy streams run on 2 replicas: the replica removed is
     drained (out of routing at once, its streams finish there) or, given no time to drain, killed
     at once (its streams migrate); all 16 complete with an undisturbed run's text. `pdserve status`
@@ -354,15 +360,11 @@ def test_pdserve_scale_down_during_streams_cuts_none(heal, tiny_llama, capsys, d
     import ray
 
     from cluster.cli import main
-    from engine.llm import LLM
-    from records.sampling_params import SamplingParams
 
     manager, model = heal["manager"], heal["model"]
     # Prompts no replica has cached, so that the streams spread over both (the oracle runs here).
     prompts = [f"Stream {i} ({drain_timeout}): the bridges of the old city, one by one," for i in range(16)]
-    with LLM(tiny_llama, dtype="float32", max_model_len=2048) as llm:
-        want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(
-            max_tokens=200, temperature=0.0, ignore_eos=True), use_tqdm=False)]
+    want = simulated_outputs(prompts, 200, **HEAL_ORACLE)
 
     def migrations() -> float:
         text = httpx.get(f"{heal['base']}/metrics", timeout=10).text
@@ -410,13 +412,13 @@ def test_pdserve_scale_down_during_streams_cuts_none(heal, tiny_llama, capsys, d
     capsys.readouterr()
     assert main(["status", "--name", heal["name"]]) == 0
     out = capsys.readouterr().out
-    assert "decode: 1/1 serving (bounds 1..64; replaced" in out and f"  {st['replicas'][0]} " in out, out
+    assert "decode: 1/1 serving (bounds 1..1024; replaced" in out and f"  {st['replicas'][0]} " in out, out
     assert "ingress: 1 running" in out, out
     assert main(["scale", "decode", "0", "--name", heal["name"]]) == 2
-    assert "replicas must be within 1..64 for pool 'decode'" in capsys.readouterr().err
+    assert "replicas must be within 1..1024 for pool 'decode'" in capsys.readouterr().err
     # The same over HTTP: /admin/status, and /admin/scale refusing bad bodies by field.
     assert httpx.get(f"{heal['base']}/admin/status", timeout=30).json()["pools"]["decode"]["target"] == 1
-    for body, field, says in [({"pool": "decode", "replicas": 0}, "replicas", "replicas must be within 1..64"),
+    for body, field, says in [({"pool": "decode", "replicas": 0}, "replicas", "replicas must be within 1..1024"),
                               ({"pool": "prefill", "replicas": 2}, "pool", "pool must be one of ['decode']"),
                               ({"pool": ["decode"], "replicas": 2}, "pool", "pool must be one of ['decode']"),
                               ({"pool": "decode", "replicas": "2"}, "replicas", "must be an integer")]:
@@ -432,7 +434,7 @@ def test_pdserve_scale_down_during_streams_cuts_none(heal, tiny_llama, capsys, d
 
 
 @pytest.mark.ray
-def test_a_spec_applied_in_place_resizes_or_rolls_the_pool_and_cuts_no_stream(heal, tiny_llama, tmp_path, capsys):
+def test_a_spec_applied_in_place_resizes_or_rolls_the_pool_and_cuts_no_stream(heal, tmp_path, capsys):
     """`pdserve apply` of a changed spec on a running deployment, while greedy streams run: a new
     size and routing weight resize the pool (the serving replicas are not restarted) and roll the
     ingress; a changed engine field replaces every replica rolling (the new ones load first, the old
@@ -442,14 +444,10 @@ def test_a_spec_applied_in_place_resizes_or_rolls_the_pool_and_cuts_no_stream(he
 
     from cluster.cli import main
     from cluster.manager import fingerprint
-    from engine.llm import LLM
-    from records.sampling_params import SamplingParams
 
     manager, model = heal["manager"], heal["model"]
     prompts = [f"Applied spec {i}: the lighthouse keeper wrote" for i in range(4)]
-    with LLM(tiny_llama, dtype="float32", max_model_len=2048) as llm:
-        want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(
-            max_tokens=80, temperature=0.0, ignore_eos=True), use_tqdm=False)]
+    want = simulated_outputs(prompts, 80, **HEAL_ORACLE)
 
     def apply_during_streams(config: ClusterConfig) -> dict:
         path = tmp_path / f"{fingerprint(config)}.yaml"
