@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 from records.serving import PolicyConfig
 
@@ -63,6 +64,9 @@ class Decision:
     peer: tuple[str, list[bytes]] | None = None
 
 
+_IDLE = ReplicaLoad()         # a candidate the caller has no load for
+
+
 class RoutingPolicy:
     def __init__(self, config: PolicyConfig | None = None, max_num_seqs: int = 64) -> None:
         self.config = config or PolicyConfig()
@@ -71,41 +75,56 @@ class RoutingPolicy:
         self._rr = itertools.count()
 
     def choose(self, matched: dict[str, int], num_prompt_blocks: int, loads: dict[str, ReplicaLoad],
-               cached_blocks: dict[str, int] | None = None, holds_adapter: set[str] | None = None,
-               tier_matched: dict[str, int] | None = None) -> Decision:
-        """matched: replica id -> leading prompt blocks it holds (every candidate replica is a key);
-        cached_blocks: replica id -> blocks in its prefix cache (tie-breaker); holds_adapter: the
-        replicas that ran the request's LoRA adapter lately (None: a request of the base model);
-        tier_matched: replica id -> blocks after those its offload tier holds."""
-        candidates = sorted(matched)
+               cached_blocks: Mapping[str, int] | Callable[[str], int] | None = None,
+               holds_adapter: set[str] | None = None, tier_matched: dict[str, int] | None = None,
+               candidates: Sequence[str] | None = None, matched_default: int = 0) -> Decision:
+        """matched: replica id -> leading prompt blocks it holds (a key for every candidate);
+        cached_blocks: replica id -> blocks in its prefix cache, a mapping or a function
+        (tie-breaker); holds_adapter: the replicas that ran the request's LoRA adapter lately (None:
+        a request of the base model); tier_matched: replica id -> blocks after those its offload
+        tier holds; candidates: the replicas to choose among, in a stable order (default: matched's
+        keys, sorted); matched_default: the blocks of a candidate `matched` leaves out
+        (PrefixIndex.match_sparse). One pass over the candidates (a router of hundreds of replicas
+        does this per request: benchmarks/router_decision.py)."""
+        candidates = sorted(matched) if candidates is None else candidates
         if not candidates:
             raise RuntimeError("no replica to route to")
         name = self.config.name
         if name == "round_robin":
             return Decision(candidates[next(self._rr) % len(candidates)], "round_robin")
-        load = {r: loads.get(r, ReplicaLoad()).value(self.max_num_seqs) for r in candidates}
+        m = self.max_num_seqs
+        vals = [l.in_flight + l.kv_usage * m for l in map(loads.get, candidates, repeat(_IDLE))]
         if name == "least_load":
-            return Decision(self._pick_min(candidates, load), "least_load")
+            return Decision(self._pick_min(candidates, vals), "least_load")
         tiers = tier_matched or {}
-        if max(load.values()) - min(load.values()) > self.config.imbalance_threshold:
-            r = self._pick_min(candidates, load)
-            return Decision(r, "imbalance", matched[r], tiers.get(r, 0))
-        max_load = max(max(load.values()), 1.0)
+        high, low = max(vals), min(vals)
+        if high - low > self.config.imbalance_threshold:
+            r = self._pick_min(candidates, vals)
+            return Decision(r, "imbalance", matched.get(r, matched_default), tiers.get(r, 0))
+        blocks_of = list(map(matched.get, candidates, repeat(matched_default)))
         blocks = max(num_prompt_blocks, 1)
-        held = holds_adapter or set()
-        score = {r: (matched[r] + self.config.tier_weight * tiers.get(r, 0)) / blocks
-                 - self.config.load_weight * load[r] / max_load
-                 + self.config.adapter_weight * (r in held) for r in candidates}
-        best = max(score.values())
-        tied = [c for c in candidates if score[c] == best]
-        if cached_blocks and len(tied) > 1:
-            fewest = min(cached_blocks.get(c, 0) for c in tied)
-            tied = [c for c in tied if cached_blocks.get(c, 0) == fewest]
-        r = self._rng.choice(tied)
-        reason = ("prefix_hit" if matched[r] else "tier_hit" if tiers.get(r) else "adapter_hit" if r in held
+        w = self.config.load_weight / max(high, 1.0)
+        if tiers or holds_adapter:
+            held, tw, aw = holds_adapter or set(), self.config.tier_weight, self.config.adapter_weight
+            scores = [(mv + tw * tiers.get(r, 0)) / blocks - w * v + aw * (r in held)
+                      for r, mv, v in zip(candidates, blocks_of, vals)]
+        else:
+            scores = [mv / blocks - w * v for mv, v in zip(blocks_of, vals)]
+        best = max(scores)
+        tied = [c for c, s in zip(candidates, scores) if s == best]
+        if cached_blocks is not None and len(tied) > 1:
+            count = cached_blocks if callable(cached_blocks) else (lambda c: cached_blocks.get(c, 0))
+            counts = [count(c) for c in tied]
+            fewest = min(counts)
+            tied = [c for c, n in zip(tied, counts) if n == fewest]
+        r = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        held = holds_adapter or ()
+        num = matched.get(r, matched_default)
+        reason = ("prefix_hit" if num else "tier_hit" if tiers.get(r) else "adapter_hit" if r in held
                   else "no_hit_least_cost")
-        return Decision(r, reason, matched[r], tiers.get(r, 0))
+        return Decision(r, reason, num, tiers.get(r, 0))
 
-    def _pick_min(self, candidates: Sequence[str], load: dict[str, float]) -> str:
-        low = min(load[c] for c in candidates)
-        return self._rng.choice([c for c in candidates if load[c] == low])
+    def _pick_min(self, candidates: Sequence[str], vals: list[float]) -> str:
+        low = min(vals)
+        lowest = [c for c, v in zip(candidates, vals) if v == low]
+        return lowest[0] if len(lowest) == 1 else self._rng.choice(lowest)

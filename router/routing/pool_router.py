@@ -73,6 +73,8 @@ class RequestRouter:
         # replicas keep more than this in host memory, so this errs on the side of "not held").
         self.adapters: dict[str, OrderedDict[tuple, None]] = {}
         self.down: set[str] = set()          # failed a call; not routed to until membership drops it
+        self._available: list[str] | None = None     # `available`, until the membership or `down` changes
+        self._available_down = 0
         self._cursors: dict[str, int] = {}
         self._followers: dict[str, asyncio.Task] = {}
         # This router's output channels, one per replica (opened on the first request to it).
@@ -86,6 +88,7 @@ class RequestRouter:
         """Follow the pool's membership: forget replicas that left (their index, load and event
         follower) and start following new ones. The channel of one that left while streams run
         on it (a replica draining) stays open until they end."""
+        self._available = None
         for r in [r for r in self.replicas if r not in replicas]:
             load = self.loads.pop(r)
             del self.replicas[r], self._cursors[r], self.adapters[r]
@@ -113,7 +116,11 @@ class RequestRouter:
 
     @property
     def available(self) -> list[str]:
-        return [r for r in self.replicas if r not in self.down]
+        """The replicas requests may go to (not down), in membership order."""
+        if self._available is None or self._available_down != len(self.down):
+            self._available = [r for r in self.replicas if r not in self.down]
+            self._available_down = len(self.down)
+        return self._available
 
     def mark_down(self, replica_id: str, error: BaseException) -> None:
         if replica_id in self.down or replica_id not in self.replicas:
@@ -121,6 +128,7 @@ class RequestRouter:
         logger.warning("%s replica %s failed a call (%s): not routing to it", self.pool, replica_id,
                        type(error).__name__)
         self.down.add(replica_id)
+        self._available = None
         self.metrics.errors.inc(code=f"replica_down_{self.pool}")
         if self.on_replica_failure is not None:
             self.on_replica_failure(replica_id)
@@ -204,16 +212,19 @@ class RequestRouter:
                                  + (f" ({len(self.down)} failed, being replaced)" if self.down else ""))
         if hashes is None:
             hashes = self.block_hashes(prompt_token_ids, params)
-        cached = {r: self.index.num_blocks(r) for r in candidates}
-        matched = self.index.match(hashes)
         lora = params.lora_request
         held = None if lora is None else {r for r in candidates if lora.cache_key in self.adapters[r]}
-        tiers = self.index.match_tiers(hashes, matched)
-        decision = self.policy.choose({r: matched.get(r, 0) for r in candidates}, len(hashes), self.loads,
-                                      cached, held, tiers)
+        tiers = {}
+        if self.index.has_tiers():
+            matched, default = self.index.match(hashes), 0
+            tiers = self.index.match_tiers(hashes, matched)
+        else:       # the replicas whose run differs from most replicas' (a few of hundreds)
+            matched, default = self.index.match_sparse(hashes)
+        decision = self.policy.choose(matched, len(hashes), self.loads, self.index.num_blocks, held, tiers,
+                                      candidates, default)
         if self.min_peer_pull_tokens is not None and params.n == 1 and params.prompt_logprobs is None:
-            decision.peer = self._peer_for(decision, {r: matched.get(r, 0) + tiers.get(r, 0) for r in candidates},
-                                           hashes)
+            decision.peer = self._peer_for(decision, {r: matched.get(r, default) + tiers.get(r, 0)
+                                                      for r in candidates}, hashes)
         if lora is not None:
             recent = self.adapters[decision.replica_id]
             recent[lora.cache_key] = None

@@ -6,6 +6,13 @@ set of hashes each replica can serve from cache; `match()` is the longest run of
 block hashes that a replica holds (a hit is only usable as a prefix: the hash chain makes block i's
 hash depend on every block before it).
 
+Kept for lookups at hundreds of replicas (benchmarks/router_decision.py): each replica has a bit,
+and each hash the bits of the replicas holding it (an int). A prompt's runs come from one walk over
+its hashes (`runs`): the running AND of their holders while several replicas hold them all (a
+shared system prompt), then, once one replica is left, on through its own set in C; the replicas
+whose run ends at a block are found by the bits that dropped there, nothing is done for each replica
+that holds none of it, and `match_sparse` names only the replicas whose run differs from most.
+
 A replica with an offload tier (engine/core/kv_tier.py) also reports the blocks its tier holds
 (events whose medium is "host" or "disk"); `match_tiers` counts those after the pool's run, which
 the replica loads instead of recomputing.
@@ -13,6 +20,7 @@ the replica loads instead of recomputing.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import islice, takewhile
 
 from records.hashing import BlockHash
 from records.outputs import AllCleared, BlockRemoved, BlockStored, KVEvent
@@ -20,35 +28,79 @@ from records.outputs import AllCleared, BlockRemoved, BlockStored, KVEvent
 
 class PrefixIndex:
     def __init__(self) -> None:
+        self._bit: dict[str, int] = {}                    # replica id -> its bit
+        self._names: list[str | None] = []                # bit -> replica id (None: free)
+        self._holders: dict[BlockHash, int] = {}          # hash -> bits of the replicas whose pool holds it
         self._held: dict[str, set[BlockHash]] = {}
         self._tier: dict[str, dict[str, set[BlockHash]]] = {}     # replica -> medium -> hashes
+        self._tier_blocks = 0                             # held by every replica's tier, in all
+        self._all = 0                                     # every replica's bit
 
     @property
     def replica_ids(self) -> list[str]:
         return list(self._held)
 
     def add_replica(self, replica_id: str) -> None:
-        self._held.setdefault(replica_id, set())
-        self._tier.setdefault(replica_id, {})
+        if replica_id in self._held:
+            return
+        self._held[replica_id] = set()
+        self._tier[replica_id] = {}
+        bit = next((i for i, name in enumerate(self._names) if name is None), len(self._names))
+        if bit == len(self._names):
+            self._names.append(None)
+        self._names[bit] = replica_id
+        self._bit[replica_id] = bit
+        self._all |= 1 << bit
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget a replica (dead or drained): nothing routes to its cache any more."""
-        self._held.pop(replica_id, None)
+        if replica_id not in self._held:
+            return
+        self._unhold(replica_id, self._held.pop(replica_id))
+        self._tier_blocks -= self.num_tier_blocks(replica_id)
         self._tier.pop(replica_id, None)
+        bit = self._bit.pop(replica_id)
+        self._names[bit] = None
+        self._all &= ~(1 << bit)
+
+    def _unhold(self, replica_id: str, hashes: Iterable[BlockHash]) -> None:
+        clear = ~(1 << self._bit[replica_id])
+        holders = self._holders
+        for h in hashes:
+            mask = holders[h] & clear
+            if mask:
+                holders[h] = mask
+            else:
+                del holders[h]
 
     def apply(self, replica_id: str, events: Iterable[KVEvent]) -> None:
         """Apply one replica's events in the order the engine emitted them."""
-        held = self._held.setdefault(replica_id, set())
-        tier = self._tier.setdefault(replica_id, {})
+        self.add_replica(replica_id)
+        held, tier, bit = self._held[replica_id], self._tier[replica_id], 1 << self._bit[replica_id]
+        holders = self._holders
         for event in events:
             if isinstance(event, (BlockStored, BlockRemoved)):
-                where = held if event.medium == "pool" else tier.setdefault(event.medium, set())
-                if isinstance(event, BlockStored):
-                    where.update(event.block_hashes)
+                if event.medium != "pool":
+                    where = tier.setdefault(event.medium, set())
+                    before = len(where)
+                    if isinstance(event, BlockStored):
+                        where.update(event.block_hashes)
+                    else:
+                        where.difference_update(event.block_hashes)
+                    self._tier_blocks += len(where) - before
+                elif isinstance(event, BlockStored):
+                    for h in event.block_hashes:
+                        if h not in held:
+                            held.add(h)
+                            holders[h] = holders.get(h, 0) | bit
                 else:
-                    where.difference_update(event.block_hashes)
+                    gone = [h for h in event.block_hashes if h in held]
+                    held.difference_update(gone)
+                    self._unhold(replica_id, gone)
             elif isinstance(event, AllCleared):
+                self._unhold(replica_id, held)
                 held.clear()
+                self._tier_blocks -= sum(len(h) for h in tier.values())
                 tier.clear()
             else:
                 raise TypeError(f"unknown KV event {event!r}")
@@ -62,6 +114,59 @@ class PrefixIndex:
     def holds(self, replica_id: str, block_hash: BlockHash) -> bool:
         return block_hash in self._held.get(replica_id, ())
 
+    def runs(self, block_hashes: Sequence[BlockHash]) -> list[tuple[int, int]]:
+        """How long a leading run of `block_hashes` each replica holds, as (blocks, the bits of the
+        replicas whose run is that long) for every length some replica holds, shortest first (a
+        replica not in any holds none)."""
+        get, out = self._holders.get, []
+        active = self._all
+        for i, h in enumerate(block_hashes):
+            now = active & get(h, 0)
+            if now == active:
+                continue
+            if active & ~now:
+                out.append((i, active & ~now))          # their runs end before block i
+            active = now
+            if not active & (active - 1):               # one replica left (or none): on in C, in its own set
+                if active:
+                    held = self._held[self._names[active.bit_length() - 1]]
+                    more = len(list(takewhile(held.__contains__, islice(block_hashes, i + 1, None))))
+                    out.append((i + 1 + more, active))
+                return out
+        if active:
+            out.append((len(block_hashes), active))
+        return out
+
+    def match_sparse(self, block_hashes: Sequence[BlockHash]) -> tuple[dict[str, int], int]:
+        """`match` as (replica id -> blocks for all but the most common length, that length): a
+        router of hundreds of replicas names only the few that differ (`matched.get(r, default)`)."""
+        groups = self.runs(block_hashes)
+        held_any = 0
+        for _, mask in groups:
+            held_any |= mask
+        groups.append((0, self._all & ~held_any))
+        common = max(range(len(groups)), key=lambda i: groups[i][1].bit_count())
+        out: dict[str, int] = {}
+        for i, (blocks, mask) in enumerate(groups):
+            if mask and i != common:
+                out.update(dict.fromkeys(self._replicas(mask), blocks))
+        return out, groups[common][0]
+
+    def _replicas(self, mask: int) -> list[str]:
+        names, out = self._names, []
+        while mask:
+            low = mask & -mask
+            out.append(names[low.bit_length() - 1])
+            mask ^= low
+        return out
+
+    def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+        """Replica id -> number of leading `block_hashes` it holds (0 if none)."""
+        out = dict.fromkeys(self._held, 0)
+        for blocks, mask in self.runs(block_hashes):
+            out.update(dict.fromkeys(self._replicas(mask), blocks))
+        return out
+
     def match_tiers(self, block_hashes: Sequence[BlockHash], pool_matched: dict[str, int]) -> dict[str, int]:
         """Replica id -> blocks its offload tier holds right after its pool's leading run
         (`pool_matched`, from `match`): what it would load rather than compute."""
@@ -74,14 +179,6 @@ class PrefixIndex:
             out[replica_id] = n - start
         return out
 
-    def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
-        """Replica id -> number of leading `block_hashes` it holds (0 if none)."""
-        out = {}
-        for replica_id, held in self._held.items():
-            n = 0
-            for h in block_hashes:
-                if h not in held:
-                    break
-                n += 1
-            out[replica_id] = n
-        return out
+    def has_tiers(self) -> bool:
+        """Whether any replica's offload tier holds a block (else `match_tiers` is all zeros)."""
+        return self._tier_blocks > 0
