@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -43,10 +44,18 @@ def real_run(spec: str, args: argparse.Namespace) -> dict:
         warm = argparse.Namespace(**{**vars(bench_args), "dataset": "random", "input_len": "64", "output_len": "8",
                                      "num_prompts": 4, "warmup": 0, "seed": 99})
         asyncio.run(bench.run(warm, make_dataset(warm)))        # compile and warm both replicas first
-        results, wall, _ = asyncio.run(bench.run(bench_args, make_dataset(bench_args)))
+        bench_args.scrape_metric = ["pdserve:router_decisions_total", "pdserve:prompt_tokens_computed_total",
+                                    "pdserve:kv_blocks_transferred_total"]
+        results, wall, delta = asyncio.run(bench.run(bench_args, make_dataset(bench_args)))
     s = bench.summarize(results, wall)
+    decisions = {re.search(r'reason="(\w+)"', k).group(1): int(v) for k, v in delta.items()
+                 if k.startswith("pdserve:router_decisions_total") and 'pool="pd"' in k and v}
+    totals = bench.metric_totals(delta)
     return {"ttft_p50": s["ttft_ms"]["median"], "ttft_p90": s["ttft_ms"]["p90"], "itl_p50": s["itl_ms"]["median"],
-            "throughput": s["output_token_throughput"], "completed": s["completed"], "failed": s["failed"]}
+            "throughput": s["output_token_throughput"], "completed": s["completed"], "failed": s["failed"],
+            "pd_decisions": decisions,
+            "prompt_tokens_computed": int(totals.get("pdserve:prompt_tokens_computed_total", 0)),
+            "kv_blocks_pulled": int(totals.get("pdserve:kv_blocks_transferred_total", 0))}
 
 
 def simulated_run(spec: str, profile: str, args: argparse.Namespace) -> dict:
@@ -59,7 +68,9 @@ def simulated_run(spec: str, profile: str, args: argparse.Namespace) -> dict:
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
     s = json.loads(out.stdout.strip().splitlines()[-1])
     return {"ttft_p50": s["ttft_ms"]["p50"], "ttft_p90": s["ttft_ms"]["p90"], "itl_p50": s["itl_ms"]["p50"],
-            "throughput": s["throughput_tok_s"], "completed": s["completed"], "failed": s["failed"]}
+            "throughput": s["throughput_tok_s"], "completed": s["completed"], "failed": s["failed"],
+            "pd_decisions": s["pd_decisions"], "prompt_tokens_computed": s["prompt_tokens_computed"],
+            "kv_blocks_pulled": s["kv_blocks_pulled"]}
 
 
 def trace_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -101,6 +112,8 @@ def main() -> None:
         for key, name in COMPARED:
             error = rows[topology]["error"][key]
             print(f"  {name:<11} real {real[key]:9.1f}  simulated {sim[key]:9.1f}  error {error:+.1%}")
+        for key in ("pd_decisions", "prompt_tokens_computed", "kv_blocks_pulled"):
+            print(f"  {key}: real {real[key]}, simulated {sim[key]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"profile": profile, "args": vars(args), "results": rows}, f, indent=2)

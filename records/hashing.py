@@ -13,8 +13,8 @@ import hashlib
 import struct
 import sys
 from array import array
-from hashlib import sha256
 from collections.abc import Sequence
+from hashlib import sha256
 
 BlockHash = bytes
 

@@ -12,9 +12,12 @@ A profile says it in one of two ways:
   traffic (every weight of its layers once, plus the K/V its rows read), plus two all-reduces
   per layer under TP. Built in: `h200-llama3-8b` (docs/performance.md says where its constants
   come from and how well they predict the measured steps).
-- `linear`: coefficients fitted by least squares to an engine's measured steps on one machine
-  (`pdserve profile` writes it: cluster/sim/calibrate.py), with the fit's error on those steps.
-  Measured at TP = PP = 1; another shape divides the per-token terms by TP x PP (unmeasured).
+- `linear`: fitted by least squares to an engine's measured steps on one machine (`pdserve profile`
+  writes it: cluster/sim/calibrate.py), with the fit's error on those steps. The time of a step's
+  tokens is piecewise linear between measured token counts (`knots`: a CPU's kernels change path
+  with the batch, and a step of 8 rows took twice one of 4 here, not the line through 1 and 64),
+  plus terms in the prompt's query-key pairs, the decode rows' context and the rows sampled.
+  Measured at TP = PP = 1; another shape divides the step by TP x PP (unmeasured).
 
 Either kind also carries what a step costs outside the forward pass (`engine_overhead`: the
 scheduler and output processing, counted only in virtual time: a real-time simulated replica
@@ -26,6 +29,7 @@ a built-in's name (records/profiles/*.json).
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import os
@@ -34,8 +38,8 @@ from typing import Any
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 KINDS = ("roofline", "linear")
-# The features of a linear profile, in the order of its coefficients.
-LINEAR_FEATURES = ("base", "prefill_tokens", "prefill_attention", "decode_rows", "decode_context", "sampled_rows")
+# A linear profile's coefficients: one per knot (the step's time at that many tokens), then these.
+LINEAR_FEATURES = ("prefill_attention", "decode_context", "sampled_rows")
 
 
 @dataclass(frozen=True)
@@ -91,10 +95,19 @@ class StepShape:
     def num_tokens(self) -> int:
         return self.prefill_tokens + self.decode_rows
 
-    def features(self) -> tuple[float, ...]:
-        """The linear profile's features (LINEAR_FEATURES)."""
-        return (1.0, self.prefill_tokens, self.prefill_attention, self.decode_rows, self.decode_context,
-                self.sampled_rows)
+    def features(self, knots: tuple[int, ...]) -> list[float]:
+        """A linear profile's features: the weights of the knots around the step's token count
+        (piecewise linear; past the last knot, the last segment's line), then LINEAR_FEATURES."""
+        weights = [0.0] * len(knots)
+        n = self.num_tokens
+        if n <= knots[0] or len(knots) == 1:
+            weights[0] = n / knots[0] if len(knots) == 1 else 1.0
+        else:
+            i = min(bisect.bisect_left(knots, n), len(knots) - 1)
+            lo, hi = knots[i - 1], knots[i]
+            a = (n - lo) / (hi - lo)
+            weights[i - 1], weights[i] = 1.0 - a, a
+        return weights + [self.prefill_attention, self.decode_context, self.sampled_rows]
 
 
 @dataclass(frozen=True)
@@ -120,7 +133,8 @@ class SimProfile:
     model: ModelShape
     description: str = ""
     device: Device | None = None    # roofline
-    coefficients: tuple[float, ...] = ()     # linear: seconds per unit of each of LINEAR_FEATURES
+    knots: tuple[int, ...] = ()              # linear: the token counts the step time was measured at
+    coefficients: tuple[float, ...] = ()     # linear: seconds at each knot, then per unit of LINEAR_FEATURES
     # The engine's work per step outside the forward pass: (seconds, seconds per scheduled request).
     engine_overhead: tuple[float, float] = (0.0, 0.0)
     network_bandwidth: float = 40e9     # bytes/s between nodes: pipeline activations
@@ -137,18 +151,21 @@ class SimProfile:
             raise ValueError(f"profile {self.name!r}: kind must be one of {KINDS}; got {self.kind!r}")
         if self.kind == "roofline" and self.device is None:
             raise ValueError(f"profile {self.name!r}: a roofline profile needs a device")
-        if self.kind == "linear" and len(self.coefficients) != len(LINEAR_FEATURES):
-            raise ValueError(f"profile {self.name!r}: a linear profile needs {len(LINEAR_FEATURES)} coefficients "
-                             f"({', '.join(LINEAR_FEATURES)}); got {len(self.coefficients)}")
+        if self.kind == "linear" and (not self.knots or list(self.knots) != sorted(set(self.knots))
+                                      or self.knots[0] < 1):
+            raise ValueError(f"profile {self.name!r}: a linear profile needs knots, increasing token counts >= 1; "
+                             f"got {list(self.knots)}")
+        if self.kind == "linear" and len(self.coefficients) != len(self.knots) + len(LINEAR_FEATURES):
+            raise ValueError(f"profile {self.name!r}: a linear profile needs {len(self.knots) + len(LINEAR_FEATURES)} "
+                             f"coefficients (one per knot, then {', '.join(LINEAR_FEATURES)}); got "
+                             f"{len(self.coefficients)}")
 
     # --- the cost model ---------------------------------------------------------------------------
     def stage_time(self, shape: StepShape, tp: int = 1, pp: int = 1, kv_dtype_bytes: int | None = None) -> float:
         """Seconds one pipeline stage takes for the batch (the whole forward when pp = 1)."""
         ranks = tp * pp
         if self.kind == "linear":
-            c = self.coefficients
-            variable = sum(ci * fi for ci, fi in zip(c[1:], shape.features()[1:]))
-            return c[0] + variable / ranks
+            return sum(c * f for c, f in zip(self.coefficients, shape.features(self.knots))) / ranks
         d, m = self.device, self.model
         assert d is not None
         lm_head = m.vocab_size * m.hidden_size
@@ -201,6 +218,7 @@ class SimProfile:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["coefficients"] = list(self.coefficients)
+        out["knots"] = list(self.knots)
         out["engine_overhead"] = list(self.engine_overhead)
         if self.device is None:
             del out["device"]
@@ -217,6 +235,7 @@ class SimProfile:
             device = data.pop("device", None)
             device = None if device is None else _record(Device, device, f"{source}: device")
             data["coefficients"] = tuple(data.get("coefficients", ()))
+            data["knots"] = tuple(data.get("knots", ()))
             data["engine_overhead"] = tuple(data.get("engine_overhead", (0.0, 0.0)))
             return _record(cls, {**data, "model": model, "device": device}, source)
         except TypeError as e:

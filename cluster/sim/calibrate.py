@@ -4,9 +4,10 @@ The engine runs a grid of batches one after another, in this process, on the thr
 (`--threads`, its CPUs): prompts alone (16 to 2,048 tokens), a prompt's second half after its first
 half is cached, decode batches of 1 to `max_num_seqs` sequences at several contexts, and decodes
 beside a prompt. Each step's forward pass (the executor's `execute_model`) is timed with the step's
-`StepShape`, and least squares fit the profile's coefficients (records/sim_profile.py:
-LINEAR_FEATURES), a negative one dropped and the rest fitted again; the rest of each step (the
-scheduler, outputs) is fitted as `engine_overhead` (base + per scheduled request). The fit's error on
+`StepShape`, and least squares fit the profile's coefficients (records/sim_profile.py: the step's
+time at 1, 2, 4, ... tokens, then LINEAR_FEATURES), a negative one dropped and the rest fitted
+again; the rest of each step (the scheduler, outputs) is fitted as `engine_overhead` (base + per
+scheduled request). The fit's error on
 its own steps (relative, median and p90, and on their total) goes in the profile's `fit`, and
 docs/performance.md has its error on a served run (benchmarks/sim_fidelity.py).
 """
@@ -27,6 +28,9 @@ from records.sim_profile import LINEAR_FEATURES, ModelShape, SimProfile, StepSha
 PROMPT_LENGTHS = (16, 64, 128, 256, 512, 1024, 2048)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DECODE_CONTEXTS = (64, 512, 1536)
+# A decode point's prompts in all (its batch times its context) at most: their prefill is what a point
+# costs (64 x 1,536 tokens took a minute of one thread here) and adds nothing to the decode fit.
+MAX_DECODE_POINT_TOKENS = 24_576
 
 
 class StepRecorder:
@@ -67,10 +71,10 @@ def _tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
     return rng.integers(16, vocab, n).tolist()
 
 
-def calibrate(model: str | None, threads: int, engine_args: dict[str, Any], name: str,
-              rounds: int = 2) -> SimProfile:
-    """Measure the engine of `model` (with `engine_args`, vLLM's names) on `threads` torch threads and
-    fit a linear profile named `name`."""
+def measure(model: str | None, threads: int, engine_args: dict[str, Any], rounds: int = 2, seed: int = 0
+            ) -> tuple[EngineConfig, list[tuple[StepShape, float, float, int]]]:
+    """Run the grid on an engine of `model` (with `engine_args`, vLLM's names) on `threads` torch
+    threads in this process: (its config, every step's (shape, forward s, step s, requests))."""
     import torch  # noqa: PLC0415 - the engine's threads, as a replica actor sets them
 
     torch.set_num_threads(threads)
@@ -79,7 +83,7 @@ def calibrate(model: str | None, threads: int, engine_args: dict[str, Any], name
     recorder = StepRecorder(engine)
     vocab, max_len = config.model_config.vocab_size, config.model_config.max_model_len
     max_seqs = config.scheduler_config.max_num_seqs
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     lengths = [n for n in PROMPT_LENGTHS if n < max_len - 8]
     recorder.run([_tokens(rng, 64, vocab) for _ in range(4)], 8, record=False)      # warm-up
     for _ in range(rounds):
@@ -90,7 +94,7 @@ def calibrate(model: str | None, threads: int, engine_args: dict[str, Any], name
             recorder.run([first + _tokens(rng, 1, vocab)], 1, record=False)
             recorder.run([first + _tokens(rng, n - n // 2, vocab)], 1)
         for context in (c for c in DECODE_CONTEXTS if c < max_len - 24):
-            for batch in (b for b in DECODE_BATCHES if b <= max_seqs):
+            for batch in (b for b in DECODE_BATCHES if b <= max_seqs and b * context <= MAX_DECODE_POINT_TOKENS):
                 recorder.run([_tokens(rng, context, vocab) for _ in range(batch)], 16)
         for batch in (b for b in (4, 16) if b < max_seqs):       # decodes beside a prompt
             prompts = [_tokens(rng, 128, vocab) for _ in range(batch)]
@@ -102,7 +106,23 @@ def calibrate(model: str | None, threads: int, engine_args: dict[str, Any], name
             recorder.run([_tokens(rng, min(512, max_len // 2), vocab)], 1)
     engine.check_no_leaks()
     engine.executor.shutdown()
-    return fit_profile(name, recorder.rows, config, threads)
+    return config, recorder.rows
+
+
+def calibrate(model: str | None, threads: int, engine_args: dict[str, Any], name: str, rounds: int = 2,
+              copies: int = 1) -> SimProfile:
+    """Measure the engine (`measure`) and fit a linear profile named `name`. With `copies` > 1, that
+    many engines measure at once, each in a process of its own, as the replicas that will share this
+    machine run (their steps slow each other: memory bandwidth, caches); every copy's steps are fitted."""
+    if copies == 1:
+        config, rows = measure(model, threads, engine_args, rounds)
+        return fit_profile(name, rows, config, threads, copies)
+    import multiprocessing  # noqa: PLC0415 - only for concurrent copies
+    from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
+
+    with ProcessPoolExecutor(copies, mp_context=multiprocessing.get_context("spawn")) as pool:
+        done = list(pool.map(measure, *zip(*[(model, threads, engine_args, rounds, i) for i in range(copies)])))
+    return fit_profile(name, [row for _, rows in done for row in rows], done[0][0], threads, copies)
 
 
 def fit_linear(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -118,9 +138,19 @@ def fit_linear(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         del keep[int(np.argmin(coef))]
 
 
+def knots_for(rows: list[tuple[StepShape, float, float, int]]) -> tuple[int, ...]:
+    """The token counts to fit the step time at: 1, 2, 4, ... up to the largest step measured."""
+    most = max(s.num_tokens for s, *_ in rows)
+    knots = [1]
+    while knots[-1] < most:
+        knots.append(knots[-1] * 2)
+    return tuple(knots)
+
+
 def fit_profile(name: str, rows: list[tuple[StepShape, float, float, int]], config: EngineConfig,
-                threads: int) -> SimProfile:
-    x = np.array([s.features() for s, *_ in rows], dtype=np.float64)
+                threads: int, copies: int = 1) -> SimProfile:
+    knots = knots_for(rows)
+    x = np.array([s.features(knots) for s, *_ in rows], dtype=np.float64)
     forward = np.array([f for _, f, _, _ in rows])
     # Relative error matters (a 2 ms decode step as much as a 2 s prompt): weight by 1 / time.
     weights = 1.0 / np.maximum(forward, 1e-4)
@@ -140,12 +170,13 @@ def fit_profile(name: str, rows: list[tuple[StepShape, float, float, int]], conf
     return SimProfile(
         name=name, kind="linear", model=shape,
         description=(f"{mc.model}{'/' + mc.gguf_file if mc.gguf_file else ''} ({mc.dtype}) on {threads} thread(s) of "
-                     f"{platform.processor() or platform.machine()}, calibrated by `pdserve profile` from "
-                     f"{len(rows)} steps"),
-        coefficients=tuple(float(c) for c in coef),
+                     f"{platform.processor() or platform.machine()}, {copies} engine(s) at once, calibrated by "
+                     f"`pdserve profile` from {len(rows)} steps"),
+        knots=knots, coefficients=tuple(float(c) for c in coef),
         engine_overhead=(float(over[0]), float(over[1])),
         startup_s=10.0,
-        fit={"steps": len(rows), "features": list(LINEAR_FEATURES), "threads": threads,
+        fit={"steps": len(rows), "features": [f"tokens={k}" for k in knots] + list(LINEAR_FEATURES),
+             "threads": threads, "copies": copies,
              "max_num_seqs": config.scheduler_config.max_num_seqs, "dtype": mc.dtype,
              "relative_error_p50": round(float(np.median(errors)), 4),
              "relative_error_p90": round(float(np.quantile(errors, 0.9)), 4),

@@ -150,6 +150,9 @@ def add_profile_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads, as a replica of that many CPUs runs (--cpus-per-rank)")
     ap.add_argument("--rounds", type=int, default=2, help="passes over the grid of batches")
+    ap.add_argument("--copies", type=int, default=1,
+                    help="engines measuring at once, each in its own process: the replicas that will share "
+                         "this machine (they slow each other's steps)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=None)
@@ -164,7 +167,9 @@ def run_profile(args: argparse.Namespace) -> int:
     name = args.name or os.path.splitext(os.path.basename(args.output))[0]
     engine_args = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
     try:
-        profile = calibrate(args.model, args.threads, engine_args, name, args.rounds)
+        if args.copies < 1 or args.threads < 1:
+            raise ValueError(f"--copies and --threads must be >= 1; got {args.copies}, {args.threads}")
+        profile = calibrate(args.model, args.threads, engine_args, name, args.rounds, args.copies)
     except ValueError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2

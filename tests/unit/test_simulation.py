@@ -41,18 +41,23 @@ def test_the_h200_profile_reproduces_the_measured_decode_steps():
 
 def test_a_linear_profile_round_trips_and_bad_ones_are_refused(tmp_path):
     p = SimProfile.from_dict({**load_profile("h200-llama3-8b").to_dict(), "name": "lin", "kind": "linear",
-                              "coefficients": [1e-3, 2e-5, 0.0, 1e-4, 1e-8, 0.0]})
+                              "knots": [1, 4, 64], "coefficients": [1e-3, 2e-3, 5e-3, 0.0, 1e-8, 1e-4]})
     path = tmp_path / "lin.json"
     save_profile(p, str(path))
     again = load_profile(str(path))
     assert again == p
-    shape = StepShape(prefill_tokens=100, decode_rows=3, decode_context=300, sampled_rows=4)
-    assert again.step_time(shape) == pytest.approx(1e-3 + 100 * 2e-5 + 3 * 1e-4 + 300 * 1e-8)
+    shape = StepShape(prefill_tokens=30, decode_rows=4, decode_context=300, sampled_rows=4)     # 34 tokens
+    assert again.step_time(shape) == pytest.approx(2e-3 + 0.5 * 3e-3 + 300 * 1e-8 + 4 * 1e-4)  # halfway 4..64
+    assert again.step_time(StepShape(decode_rows=1, sampled_rows=1)) == pytest.approx(1e-3 + 1e-4)
+    assert again.step_time(StepShape(prefill_tokens=124)) == pytest.approx(5e-3 + 3e-3)      # the last line on
+    assert again.step_time(shape, tp=2) == pytest.approx(again.step_time(shape) / 2)
     with pytest.raises(ValueError, match="neither a profile file nor a built-in profile; the built-ins are "
                                          r"\['h200-llama3-8b'"):
         load_profile("h100-nothing")
-    with pytest.raises(ValueError, match=f"a linear profile needs {len(LINEAR_FEATURES)} coefficients"):
+    with pytest.raises(ValueError, match=f"a linear profile needs {3 + len(LINEAR_FEATURES)} coefficients"):
         SimProfile.from_dict({**p.to_dict(), "coefficients": [1.0]})
+    with pytest.raises(ValueError, match="needs knots, increasing token counts"):
+        SimProfile.from_dict({**p.to_dict(), "knots": [4, 1, 64]})
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**p.to_dict(), "model": {**p.to_dict()["model"], "layers": 3}}))
     with pytest.raises(ValueError, match=r"bad.json: model: unknown fields \['layers'\]"):
