@@ -146,9 +146,9 @@ def remove_engine_nodes(cluster) -> None:
 
 PROMPTS = [f"Stream {i} of the node loss test tells a story about the river number {i}:" for i in range(32)]
 # Simulated replicas (the cluster is the subject; a real engine's replicas lose their stage's node
-# below), each in a process of its own, at a sixth of an H200's pace: 32 streams of 200 tokens last
-# about 7 s, long enough to lose a node midway.
-SIM_ENGINE = {"simulate": SIM_PROFILE, "simulate_time_scale": 6.0, "max_model_len": 1024, "max_num_seqs": 32}
+# below), each in a process of its own, at a quarter of an H200's pace: 32 streams of 200 tokens last
+# about 5 s, long enough to lose a node midway.
+SIM_ENGINE = {"simulate": SIM_PROFILE, "simulate_time_scale": 4.0, "max_model_len": 1024, "max_num_seqs": 32}
 SIM_ORACLE = {"max_model_len": 1024, "max_num_seqs": 32}
 
 

@@ -12,11 +12,18 @@ import pytest
 from helpers import SIM_PROFILE, free_port, simulated_outputs
 
 
+def host_actors(namespace: str) -> list[str]:
+    """The live replica hosts' actor names (the pool names them `<spec>-<pool>-host-<n>`)."""
+    import ray
+
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == namespace and "-host-" in a["name"]]
+
+
 @pytest.mark.ray
 def test_thirty_two_simulated_replicas_serve_behind_the_real_ingress(eventually_no_leaks):
     ray = pytest.importorskip("ray", reason="needs ray[serve] (make setup installs it)")
     from ray import serve
-    from ray.util.state import list_actors
 
     from cluster.app import build_app
     from cluster.config import ClusterConfig
@@ -35,9 +42,7 @@ def test_thirty_two_simulated_replicas_serve_behind_the_real_ingress(eventually_
     try:
         status = ray.get(manager.pool_status.remote())["decode"]
         assert len(status["replicas"]) == 32 and {r["state"] for r in status["detail"]} == {"serving"}
-        hosts = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-                 if a.class_name == "ReplicaHost"]
-        assert len(hosts) == 4, hosts
+        assert len(host_actors(config.name)) == 4
 
         prompts = [f"Request {i} to the simulated cluster asks about the number {i}." for i in range(96)]
         want = simulated_outputs(prompts, 16, **{"max_model_len": 2048})
@@ -67,10 +72,9 @@ def test_thirty_two_simulated_replicas_serve_behind_the_real_ingress(eventually_
         _, pools = ray.get(manager.membership.remote())
         assert eventually_no_leaks(pools["decode"])
         # The hosts emptied by the drain are gone: those left hold the 8 replicas.
-        left = {h.host._actor_id.hex() for h in pools["decode"].values()}
+        left = {h.host._actor_id for h in pools["decode"].values()}
         deadline = time.monotonic() + 60
-        while {a.actor_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-               if a.class_name == "ReplicaHost"} != left:
+        while {ray.get_actor(n, namespace=config.name)._actor_id for n in host_actors(config.name)} != left:
             assert time.monotonic() < deadline, left
             time.sleep(0.5)
     finally:
