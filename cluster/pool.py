@@ -29,9 +29,9 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.config import PoolSpec
-from cluster.placement import REPLICA_ACTOR_CPUS, SIMULATED_REPLICA_CPUS, fmt_resources, replica_bundles
+from cluster.placement import REPLICA_ACTOR_CPUS, fmt_resources, replica_bundles
 from cluster.replica import EngineReplica
-from cluster.replica_host import HostedReplica, ReplicaHost
+from cluster.replica_host import HostedReplica, ReplicaHosts, kill_actor
 from records.config import EngineConfig
 from records.errors import PlacementError
 from records.histogram import LATENCY_BUCKETS_S, VLLM_REQUEST_LATENCY_BUCKETS, quantile
@@ -66,12 +66,7 @@ class EnginePool:
         self._next_index = 0
         self._tasks: set[asyncio.Task] = set()
         # Simulated replicas live several to a host actor (cluster/replica_host.py).
-        self.hosts: dict[str, set[str]] = {}        # host actor name -> its replicas' ids
-        self.host_handles: dict[str, Any] = {}
-        self.hosted: dict[str, str] = {}            # replica id -> its host's name
-        self.dead_hosts: set[str] = set()           # hosts whose actor died: none get new replicas
-        self._adding: dict[str, Any] = {}           # replica id -> its host's `add` call, until awaited
-        self._next_host = 0
+        self.hosts = ReplicaHosts(name, namespace)
 
     def _spawn(self, spec: PoolSpec | None = None, engine_config: EngineConfig | None = None) -> tuple[str, Any]:
         """A new replica actor (of this pool's spec, or of `spec` and `engine_config`: a rolling
@@ -82,7 +77,7 @@ class EnginePool:
         self._next_index += 1
         tag = pool_tag(self.name, spec, engine_config)
         if engine_config.simulation is not None:
-            return replica_id, self._spawn_hosted(replica_id, spec, engine_config, tag)
+            return replica_id, self.hosts.spawn(replica_id, spec, engine_config, tag)
         single = spec.world_size == 1
         threads = max(1, int(spec.num_cpus)) if single else 1
         # Detached: a replica outlives the manager that made it (a restarted manager adopts it),
@@ -96,26 +91,6 @@ class EnginePool:
         ).remote(engine_config, replica_id, threads, load=False, tag=tag)
         return replica_id, handle
 
-    def _spawn_hosted(self, replica_id: str, spec: PoolSpec, engine_config: EngineConfig, tag: str) -> HostedReplica:
-        """A simulated replica on the first live host of this pool with room, or on a new host
-        (a detached, named actor with the pool's custom resources: what pins it to its nodes)."""
-        name = next((n for n, members in self.hosts.items()
-                     if len(members) < spec.replicas_per_process and n not in self.dead_hosts), None)
-        if name is None:
-            name = self._actor_name(f"{self.name}-host-{self._next_host}")
-            self._next_host += 1
-            self.host_handles[name] = ray.remote(ReplicaHost).options(
-                name=name, namespace=self.namespace, lifetime="detached", max_concurrency=1000,
-                num_cpus=SIMULATED_REPLICA_CPUS * spec.replicas_per_process, resources=dict(spec.resources),
-            ).remote(name)
-            self.hosts[name] = set()
-        host = self.host_handles[name]
-        # A host runs its calls concurrently: the first call of the pool's to the replica awaits this.
-        self._adding[replica_id] = host.add.remote(replica_id, engine_config, tag)
-        self.hosts[name].add(replica_id)
-        self.hosted[replica_id] = name
-        return HostedReplica(host, replica_id)
-
     def _actor_name(self, replica_id: str) -> str:
         return f"{self.namespace}-{replica_id}"
 
@@ -124,7 +99,6 @@ class EnginePool:
         those of another spec, with another tag, are killed): loaded ones serve at once, loading
         ones join when loaded. Returns the ids adopted."""
         prefix = self._actor_name(f"{self.name}-")
-        host_prefix = self._actor_name(f"{self.name}-host-")
         named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == self.namespace]
         names = [n for n in named if n.startswith(prefix) and n[len(prefix):].isdigit()]
         found: list[tuple[str, Any]] = []
@@ -133,18 +107,7 @@ class EnginePool:
                 found.append((name[len(self.namespace) + 1:], ray.get_actor(name, namespace=self.namespace)))
             except ValueError:
                 continue            # gone meanwhile
-        for name in [n for n in named if n.startswith(host_prefix) and n[len(host_prefix):].isdigit()]:
-            self._next_host = max(self._next_host, int(name[len(host_prefix):]) + 1)
-            try:
-                host = ray.get_actor(name, namespace=self.namespace)
-                tags = await asyncio.wait_for(host.replica_tags.remote(), self.check_timeout_s)
-            except Exception as e:  # noqa: BLE001 - dead or unreachable: its replicas are not adopted
-                logger.warning("pool %s: not adopting host %s: %s", self.name, name, type(e).__name__)
-                continue
-            self.host_handles[name], self.hosts[name] = host, set(tags)
-            for replica_id in sorted(tags, key=lambda r: int(r.rpartition("-")[2])):
-                self.hosted[replica_id] = name
-                found.append((replica_id, HostedReplica(host, replica_id)))
+        found += await self.hosts.adopt(named, self.check_timeout_s)
         adopted = []
         for replica_id, handle in found:
             self._next_index = max(self._next_index, int(replica_id.rpartition("-")[2]) + 1)
@@ -181,19 +144,13 @@ class EnginePool:
         replica needs and what the cluster has free; loading itself may take as long as it takes."""
         return await asyncio.gather(*[self._wait_one(r, h, place_timeout_s) for r, h in self.replicas.items()])
 
-    async def _added(self, replica_id: str) -> None:
-        """A simulated replica is on its host (its `add` ran) before anything else is asked of it."""
-        pending = self._adding.pop(replica_id, None)
-        if pending is not None:
-            await pending
-
     async def _wait_one(self, replica_id: str, handle: Any, place_timeout_s: float | None) -> dict:
         try:
-            await asyncio.wait_for(self._added(replica_id), place_timeout_s)
+            await asyncio.wait_for(self.hosts.added(replica_id), place_timeout_s)
             info = await asyncio.wait_for(handle.info.remote(), place_timeout_s)    # its constructor ran
             self.nodes[replica_id] = info.get("node_id", "")
         except asyncio.TimeoutError:
-            bundles = replica_bundles(self.spec, replica_id in self.hosted)
+            bundles = replica_bundles(self.spec, replica_id in self.hosts.hosted)
             needs = ", ".join(fmt_resources(b) for b in bundles)
             free = {k: v for k, v in ray.available_resources().items()
                     if not k.startswith(("node:", "memory", "object_store_memory"))}
@@ -215,8 +172,7 @@ class EnginePool:
             reason = None
             if isinstance(res, RayActorError) and not isinstance(res, ActorUnavailableError):
                 reason = f"its actor died ({type(res).__name__})"
-                if replica_id in self.hosted:           # its host died: no new replica goes there
-                    self.dead_hosts.add(self.hosted[replica_id])
+                self.hosts.host_died(replica_id)
             elif isinstance(res, BaseException):         # timeout, or unreachable for now
                 self.missed[replica_id] = self.missed.get(replica_id, 0) + 1
                 if self.missed[replica_id] >= self.max_missed:
@@ -253,7 +209,7 @@ class EnginePool:
 
     async def _bring_up(self, replica_id: str, handle: Any) -> None:
         try:
-            await self._added(replica_id)
+            await self.hosts.added(replica_id)
             info = await handle.info.remote()            # placed (Ray may keep it pending for a node)
             self.nodes[replica_id] = info.get("node_id", "")
             await handle.load.remote()
@@ -331,19 +287,10 @@ class EnginePool:
 
     def _kill(self, handle: Any) -> None:
         """End a replica: its actor, or its place on its host (the host goes with its last replica)."""
-        if not isinstance(handle, HostedReplica):
-            _kill_actor(handle)
-            return
-        self._adding.pop(handle.replica_id, None)
-        name = self.hosted.pop(handle.replica_id, None)
-        members = self.hosts.get(name, set()) if name is not None else set()
-        members.discard(handle.replica_id)
-        if name is not None and not members:
-            self.hosts.pop(name, None)
-            self.dead_hosts.discard(name)
-            _kill_actor(self.host_handles.pop(name))
-        elif name not in self.dead_hosts:
-            handle.host.remove.remote(handle.replica_id)
+        if isinstance(handle, HostedReplica):
+            self.hosts.remove(handle)
+        else:
+            kill_actor(handle)
 
     def _forget(self, replica_id: str) -> None:
         for table in (self.missed, self.stats, self.nodes):
@@ -439,11 +386,6 @@ def pool_tag(name: str, spec: PoolSpec, engine_config: EngineConfig) -> str:
     return f"{name}:{digest[:16]}"
 
 
-def _kill_actor(handle: Any) -> None:
-    try:
-        ray.kill(handle, no_restart=True)
-    except Exception:  # noqa: BLE001 - already gone
-        pass
 
 
 PERCENTILES = (0.5, 0.9, 0.99)

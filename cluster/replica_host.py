@@ -6,20 +6,30 @@ as they use a replica's own actor. A simulated replica needs no device and littl
 process of its own costs about 450 MB here (torch comes with the tokenizer); sharing one is what lets
 `pdserve serve --simulate` run 64 replicas on a 2-core machine.
 
-The pool (cluster/pool.py) places replicas on hosts and removes them; a host that dies takes its
-replicas with it (their calls fail as a dead actor's do), and a replica removed from its host
-fails every later call with EngineDeadError and ends its open channels, which the routers read as
-a lost replica (router/routing/pool_router.py: `replica_lost`).
+A pool (cluster/pool.py) keeps its hosts in `ReplicaHosts`: it places a new replica on a host with
+room (or starts a host: a detached, named actor with the pool's custom resources, which is what
+pins it to its nodes), removes replicas (a host goes with its last one) and adopts a gone manager's
+hosts by their names. A host that dies takes its replicas with it (their calls fail as a dead
+actor's do), and a replica removed from its host fails every later call with EngineDeadError and
+ends its open channels, which the routers read as a lost replica (router/routing/pool_router.py:
+`replica_lost`).
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
+
+from cluster.placement import SIMULATED_REPLICA_CPUS
 from cluster.replica import EngineReplica
 from records.config import EngineConfig
 from records.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
 
 
 class ReplicaHost:
@@ -91,3 +101,90 @@ class HostedReplica:
 
     def __repr__(self) -> str:
         return f"HostedReplica({self.replica_id})"
+
+
+class ReplicaHosts:
+    """The host actors of one pool's simulated replicas, and which replica lives where."""
+
+    def __init__(self, pool: str, namespace: str) -> None:
+        self.pool, self.namespace = pool, namespace
+        self.members: dict[str, set[str]] = {}      # host actor name -> its replicas' ids
+        self.handles: dict[str, Any] = {}
+        self.hosted: dict[str, str] = {}            # replica id -> its host's name
+        self.dead: set[str] = set()                 # hosts whose actor died: none get new replicas
+        self._adding: dict[str, Any] = {}           # replica id -> its host's `add` call, until awaited
+        self._next = 0
+
+    def _prefix(self) -> str:
+        return f"{self.namespace}-{self.pool}-host-"
+
+    def spawn(self, replica_id: str, spec: Any, engine_config: EngineConfig, tag: str) -> HostedReplica:
+        """A replica on the first live host with room for `spec.replicas_per_process`, or on a new one."""
+        name = next((n for n, members in self.members.items()
+                     if len(members) < spec.replicas_per_process and n not in self.dead), None)
+        if name is None:
+            name = f"{self._prefix()}{self._next}"
+            self._next += 1
+            self.handles[name] = ray.remote(ReplicaHost).options(
+                name=name, namespace=self.namespace, lifetime="detached", max_concurrency=1000,
+                num_cpus=SIMULATED_REPLICA_CPUS * spec.replicas_per_process, resources=dict(spec.resources),
+            ).remote(name)
+            self.members[name] = set()
+        host = self.handles[name]
+        # A host runs its calls concurrently: the pool's first call to the replica awaits this (`added`).
+        self._adding[replica_id] = host.add.remote(replica_id, engine_config, tag)
+        self.members[name].add(replica_id)
+        self.hosted[replica_id] = name
+        return HostedReplica(host, replica_id)
+
+    async def added(self, replica_id: str) -> None:
+        """Return once a new replica is on its host (nothing for a replica of its own actor)."""
+        pending = self._adding.pop(replica_id, None)
+        if pending is not None:
+            await pending
+
+    def host_died(self, replica_id: str) -> None:
+        """A replica's actor was found dead: so is its host, which gets no new replica."""
+        if replica_id in self.hosted:
+            self.dead.add(self.hosted[replica_id])
+
+    def remove(self, handle: HostedReplica) -> None:
+        """Take a replica off its host; the host's actor goes with its last replica."""
+        self._adding.pop(handle.replica_id, None)
+        name = self.hosted.pop(handle.replica_id, None)
+        if name is None:
+            return
+        members = self.members.get(name, set())
+        members.discard(handle.replica_id)
+        if not members:
+            self.members.pop(name, None)
+            self.dead.discard(name)
+            kill_actor(self.handles.pop(name))
+        elif name not in self.dead:
+            handle.host.remove.remote(handle.replica_id)
+
+    async def adopt(self, named: list[str], timeout_s: float) -> list[tuple[str, HostedReplica]]:
+        """The replicas on this pool's hosts among `named` (the namespace's live actor names), a gone
+        manager's: (replica id, handle), to be checked by the pool as its own actors are."""
+        prefix, found = self._prefix(), []
+        for name in [n for n in named if n.startswith(prefix) and n[len(prefix):].isdigit()]:
+            self._next = max(self._next, int(name[len(prefix):]) + 1)
+            try:
+                host = ray.get_actor(name, namespace=self.namespace)
+                tags = await asyncio.wait_for(host.replica_tags.remote(), timeout_s)
+            except Exception as e:  # noqa: BLE001 - dead or unreachable: its replicas are not adopted
+                logger.warning("pool %s: not adopting host %s: %s", self.pool, name, type(e).__name__)
+                continue
+            self.handles[name], self.members[name] = host, set(tags)
+            for replica_id in sorted(tags, key=lambda r: int(r.rpartition("-")[2])):
+                self.hosted[replica_id] = name
+                found.append((replica_id, HostedReplica(host, replica_id)))
+        return found
+
+
+def kill_actor(handle: Any) -> None:
+    """Kill an actor for good (nothing if it is gone already)."""
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass

@@ -78,6 +78,6 @@ def test_thirty_two_simulated_replicas_serve_behind_the_real_ingress(eventually_
             assert time.monotonic() < deadline, left
             time.sleep(0.5)
     finally:
-        serve.delete(config.name)
+        serve.shutdown()            # also its HTTP proxy, which holds this test's port
         ray.get(manager.shutdown.remote())
         ray.kill(manager)
