@@ -7,7 +7,8 @@ Reported per run: requests per second (wrk), the CPU seconds each process kind s
 window (the ingress replicas, Serve's proxy, the simulated replicas' hosts: psutil), and so the
 requests per ingress CPU-second: what one ingress core sustains, whatever else shares this
 machine's cores. With `--profile-ingress`, py-spy samples the ingress replica during the window and
-the functions it spent the most time in are printed (own time and with callees).
+the functions it spent the most time in are printed (own time and with callees; needs py-spy in the
+venv: `.venv/bin/pip install py-spy`).
 
     .venv/bin/python benchmarks/ingress_capacity.py --connections 64 --seconds 20 --json ingress.json
 """
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace, ingress_replicas: int) -> dict:
         spy = None
         if args.profile_ingress and procs["ingress"]:
             raw = os.path.join(tempfile.gettempdir(), f"ingress-{ingress_replicas}.txt")
-            spy = (subprocess.Popen(["py-spy", "record", "--pid", str(procs["ingress"][0].pid), "--duration",
+            spy = (subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid", str(procs["ingress"][0].pid), "--duration",
                                      str(args.seconds), "--format", "raw", "--output", raw, "--nonblocking"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), raw)
         began = time.monotonic()

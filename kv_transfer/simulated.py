@@ -42,13 +42,17 @@ class SimulatedKVWorker(KVConnectorWorker):
         # Called when a release reaches this worker in-process (a virtual-time replay wakes the engine).
         self.on_release: Callable[[], None] | None = None
         self.host = advertised_host(config.kv_host)
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._sock.bind((self.host, 0))
-        self._sock.setblocking(False)
+        # Under a virtual clock every engine is in this process (a replay of hundreds): no socket.
+        self._sock: socket.socket | None = None
+        if not clock.is_virtual():
+            self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self._sock.bind((self.host, 0))
+            self._sock.setblocking(False)
         _LOCAL[self.engine_id] = self
 
     def address(self) -> dict[str, Any]:
-        return {"engine": self.engine_id, "host": self.host, "port": self._sock.getsockname()[1]}
+        port = self._sock.getsockname()[1] if self._sock is not None else 0
+        return {"engine": self.engine_id, "host": self.host, "port": port}
 
     def _start_load(self, spec: LoadSpec) -> None:
         done = clock.monotonic() + self.transfer_time(len(spec.local_block_ids) * self.block_bytes)
@@ -64,6 +68,8 @@ class SimulatedKVWorker(KVConnectorWorker):
         if peer is not None:
             peer.deliver(remote.lease_slot, remote.lease_token)
             return
+        if self._sock is None or not peer_address.get("port"):
+            return                  # nowhere to send it: the lease expires on its own
         try:
             self._sock.sendto(_RELEASE.pack(remote.lease_slot, remote.lease_token),
                               (peer_address["host"], int(peer_address["port"])))
@@ -92,7 +98,7 @@ class SimulatedKVWorker(KVConnectorWorker):
                     report.loaded.append(spec.request_id)
             self.pulls = waiting
         report.released, self._inbox = self._inbox, []
-        while True:
+        while self._sock is not None:
             try:
                 data = self._sock.recv(64)
             except (BlockingIOError, InterruptedError):
@@ -110,4 +116,5 @@ class SimulatedKVWorker(KVConnectorWorker):
 
     def shutdown(self) -> None:
         _LOCAL.pop(self.engine_id, None)
-        self._sock.close()
+        if self._sock is not None:
+            self._sock.close()
