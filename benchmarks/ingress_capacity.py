@@ -83,7 +83,8 @@ def run(args: argparse.Namespace, ingress_replicas: int) -> dict:
         spy = None
         if args.profile_ingress and procs["ingress"]:
             raw = os.path.join(tempfile.gettempdir(), f"ingress-{ingress_replicas}.txt")
-            spy = (subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid", str(procs["ingress"][0].pid), "--duration",
+            py_spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+            spy = (subprocess.Popen([py_spy, "record", "--pid", str(procs["ingress"][0].pid), "--duration",
                                      str(args.seconds), "--format", "raw", "--output", raw, "--nonblocking"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), raw)
         began = time.monotonic()

@@ -75,15 +75,15 @@ class RoutingPolicy:
         self._rr = itertools.count()
 
     def choose(self, matched: dict[str, int], num_prompt_blocks: int, loads: dict[str, ReplicaLoad],
-               cached_blocks: Mapping[str, int] | Callable[[str], int] | None = None,
+               cached_blocks: Mapping[str, int] | Callable[[Sequence[str]], list[int]] | None = None,
                holds_adapter: set[str] | None = None, tier_matched: dict[str, int] | None = None,
                candidates: Sequence[str] | None = None, matched_default: int = 0) -> Decision:
         """matched: replica id -> leading prompt blocks it holds (a key for every candidate);
-        cached_blocks: replica id -> blocks in its prefix cache, a mapping or a function
-        (tie-breaker); holds_adapter: the replicas that ran the request's LoRA adapter lately (None:
-        a request of the base model); tier_matched: replica id -> blocks after those its offload
-        tier holds; candidates: the replicas to choose among, in a stable order (default: matched's
-        keys, sorted); matched_default: the blocks of a candidate `matched` leaves out
+        cached_blocks: replica id -> blocks in its prefix cache, a mapping or a function of a list of
+        replica ids giving theirs (tie-breaker); holds_adapter: the replicas that ran the request's
+        LoRA adapter lately (None: a request of the base model); tier_matched: replica id -> blocks
+        after those its offload tier holds; candidates: the replicas to choose among, in a stable
+        order (default: matched's keys, sorted); matched_default: the blocks of a candidate `matched` leaves out
         (PrefixIndex.match_sparse). One pass over the candidates (a router of hundreds of replicas
         does this per request: benchmarks/router_decision.py)."""
         candidates = sorted(matched) if candidates is None else candidates
@@ -113,8 +113,8 @@ class RoutingPolicy:
         best = max(scores)
         tied = [c for c, s in zip(candidates, scores) if s == best]
         if cached_blocks is not None and len(tied) > 1:
-            count = cached_blocks if callable(cached_blocks) else (lambda c: cached_blocks.get(c, 0))
-            counts = [count(c) for c in tied]
+            counts = (cached_blocks(tied) if callable(cached_blocks)
+                      else list(map(cached_blocks.get, tied, repeat(0))))
             fewest = min(counts)
             tied = [c for c, n in zip(tied, counts) if n == fewest]
         r = tied[0] if len(tied) == 1 else self._rng.choice(tied)

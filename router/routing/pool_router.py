@@ -220,7 +220,7 @@ class RequestRouter:
             tiers = self.index.match_tiers(hashes, matched)
         else:       # the replicas whose run differs from most replicas' (a few of hundreds)
             matched, default = self.index.match_sparse(hashes)
-        decision = self.policy.choose(matched, len(hashes), self.loads, self.index.num_blocks, held, tiers,
+        decision = self.policy.choose(matched, len(hashes), self.loads, self.index.num_blocks_of, held, tiers,
                                       candidates, default)
         if self.min_peer_pull_tokens is not None and params.n == 1 and params.prompt_logprobs is None:
             decision.peer = self._peer_for(decision, {r: matched.get(r, default) + tiers.get(r, 0)

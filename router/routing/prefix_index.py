@@ -7,11 +7,12 @@ block hashes that a replica holds (a hit is only usable as a prefix: the hash ch
 hash depend on every block before it).
 
 Kept for lookups at hundreds of replicas (benchmarks/router_decision.py): each replica has a bit,
-and each hash the bits of the replicas holding it (an int). A prompt's runs come from one walk over
-its hashes (`runs`): the running AND of their holders while several replicas hold them all (a
-shared system prompt), then, once one replica is left, on through its own set in C; the replicas
-whose run ends at a block are found by the bits that dropped there, nothing is done for each replica
-that holds none of it, and `match_sparse` names only the replicas whose run differs from most.
+and each hash the bits of the replicas holding it (an int). A prompt's runs (`runs`) are found by
+galloping along its hashes while the set of replicas holding them all stays the same (a shared
+system prompt held by all, then one replica's conversation), a probe per doubling rather than a
+lookup per block; the replicas whose run ends at a block are the bits that dropped there, nothing is
+done for each replica that holds none of it, and `match_sparse` names only the replicas whose run
+differs from most.
 
 A replica with an offload tier (engine/core/kv_tier.py) also reports the blocks its tier holds
 (events whose medium is "host" or "disk"); `match_tiers` counts those after the pool's run, which
@@ -19,8 +20,9 @@ the replica loads instead of recomputing.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
-from itertools import islice, takewhile
+from itertools import repeat
 
 from records.hashing import BlockHash
 from records.outputs import AllCleared, BlockRemoved, BlockStored, KVEvent
@@ -108,6 +110,10 @@ class PrefixIndex:
     def num_blocks(self, replica_id: str) -> int:
         return len(self._held.get(replica_id, ()))
 
+    def num_blocks_of(self, replica_ids: Sequence[str]) -> list[int]:
+        """`num_blocks` of each replica (the policy's tie-break asks it of hundreds at once)."""
+        return list(map(len, map(self._held.get, replica_ids, repeat(()))))
+
     def num_tier_blocks(self, replica_id: str) -> int:
         return sum(len(h) for h in self._tier.get(replica_id, {}).values())
 
@@ -117,25 +123,41 @@ class PrefixIndex:
     def runs(self, block_hashes: Sequence[BlockHash]) -> list[tuple[int, int]]:
         """How long a leading run of `block_hashes` each replica holds, as (blocks, the bits of the
         replicas whose run is that long) for every length some replica holds, shortest first (a
-        replica not in any holds none)."""
-        get, out = self._holders.get, []
-        active = self._all
-        for i, h in enumerate(block_hashes):
-            now = active & get(h, 0)
-            if now == active:
-                continue
-            if active & ~now:
-                out.append((i, active & ~now))          # their runs end before block i
-            active = now
-            if not active & (active - 1):               # one replica left (or none): on in C, in its own set
-                if active:
-                    held = self._held[self._names[active.bit_length() - 1]]
-                    more = len(list(takewhile(held.__contains__, islice(block_hashes, i + 1, None))))
-                    out.append((i + 1 + more, active))
-                return out
+        replica not in any holds none). Each run's end is found by galloping (probes 1, 2, 4, ...
+        blocks on, then halving): a few dozen lookups for a 750-block prompt, where a walk did 750,
+        each a cache miss in a dict of a million hashes. Exact while each replica's cache is
+        prefix-closed (it holds every block before one it holds), which the engine's eviction keeps
+        (a request's blocks are freed tail first, so a block is never evicted before its
+        descendants); where a cache has a hole (a duplicate block left uncached under a cached
+        child, an invalidated load), a run may count blocks past the hole: that replica's hit is
+        overestimated, and it computes what it lacks."""
+        holders, out, n = self._holders, [], len(block_hashes)
+        active, i = self._all, 0
+        while active and i < n:
+            i = self._run_end(block_hashes, i, active)
+            if i == n:
+                break
+            now = active & holders.get(block_hashes[i], 0)
+            out.append((i, active & ~now))          # their runs end before block i
+            active, i = now, i + 1
         if active:
-            out.append((len(block_hashes), active))
+            out.append((n, active))
         return out
+
+    def _run_end(self, block_hashes: Sequence[BlockHash], start: int, active: int) -> int:
+        """The first block at or after `start` that not every replica in `active` holds (len if none)."""
+        holders, n = self._holders, len(block_hashes)
+
+        def short(h: BlockHash) -> bool:
+            return holders.get(h, 0) & active != active
+
+        lo, step = start, 1                         # every block before lo is held by all of active
+        while lo < n:
+            probe = min(lo + step, n) - 1
+            if short(block_hashes[probe]):
+                return bisect_left(block_hashes, True, lo, probe, key=short)
+            lo, step = probe + 1, step * 2
+        return n
 
     def match_sparse(self, block_hashes: Sequence[BlockHash]) -> tuple[dict[str, int], int]:
         """`match` as (replica id -> blocks for all but the most common length, that length): a

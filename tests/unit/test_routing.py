@@ -14,12 +14,30 @@ def test_prefix_index_follows_events_exactly():
     h = hash_block_tokens(list(range(64)), 16)
     index = PrefixIndex()
     index.apply("a", [BlockStored(h[:3])])
-    index.apply("b", [BlockStored(h), BlockRemoved([h[1]])])
-    assert index.match(h) == {"a": 3, "b": 1}
+    index.apply("b", [BlockStored(h), BlockRemoved([h[3], h[2]])])    # evicted tail first, as engines do
+    assert index.match(h) == {"a": 3, "b": 2}
     index.apply("a", [AllCleared(), BlockStored(h[:1])])
-    assert index.match(h) == {"a": 1, "b": 1}
+    assert index.match(h) == {"a": 1, "b": 2}
     index.remove_replica("b")
     assert index.match(h) == {"a": 1}
+
+
+def test_prefix_index_runs_at_every_length_match_a_walk():
+    """Runs found by galloping equal a block-by-block walk's, for replicas holding runs of every
+    length of a long prompt (and the sparse form names only those off the common length)."""
+    import random
+
+    rng = random.Random(0)
+    h = hash_block_tokens(list(range(16 * 300)), 16)
+    index, want = PrefixIndex(), {}
+    for i in range(40):
+        n = rng.choice([0, 1, 2, 299, 300, rng.randrange(300)])
+        index.apply(f"r{i}", [BlockStored(h[:n]), BlockStored(hash_block_tokens([i] * 32, 16))])
+        want[f"r{i}"] = n
+    assert index.match(h) == want
+    sparse, default = index.match_sparse(h)
+    assert {r: sparse.get(r, default) for r in want} == want
+    assert index.num_blocks_of(["r0", "gone"]) == [want["r0"] + 2, 0]
 
 
 def test_policy_prefers_prefix_until_load_is_imbalanced():
