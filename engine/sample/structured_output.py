@@ -55,7 +55,7 @@ class GrammarCompiler:
             # JSON without free whitespace (", " and ": " between items): a model cannot run on in
             # blank lines inside a constrained object, as small models otherwise do.
             if kind == "json":
-                return self.compiler.compile_json_schema(text, any_whitespace=False)
+                return self._compile_json(self.xgr.Grammar.from_json_schema(text, any_whitespace=False))
             if kind == "json_object":
                 return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
@@ -63,10 +63,29 @@ class GrammarCompiler:
             if kind == "choice":
                 return self.compiler.compile_grammar(self.xgr.Grammar.from_regex(_choice_regex(spec.choice)))
             if kind == "structural_tag":
-                return self.compiler.compile_structural_tag(text)
+                return self._compile_json(self.xgr.Grammar.from_structural_tag(text))
             return self.compiler.compile_grammar(text)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"structured_outputs.{kind} cannot be compiled: {_first_line(e)}") from e
+
+
+    def _compile_json(self, grammar: Any) -> Any:
+        """Compile a grammar xgrammar built from JSON schemas, its strings kept to what JSON allows:
+        xgrammar (0.2.9) writes a character of a string with minLength / maxLength as
+        `_LOOSE_STRING_CHAR`, which lets a raw control character in (a sampled tool call's arguments
+        once held U+0015, and json.loads refused them); its strings without bounds already exclude
+        U+0000-U+001F."""
+        text = str(grammar)
+        if _LOOSE_STRING_CHAR not in text:
+            return self.compiler.compile_grammar(grammar)
+        return self.compiler.compile_grammar(self.xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR,
+                                                                                     _JSON_STRING_CHAR)))
+
+
+# A character of a length-bounded JSON string as xgrammar writes it, and as JSON allows it (no
+# escapes in either: a bounded string counts characters, and xgrammar leaves escapes out of it).
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
 
 def _choice_regex(choices: tuple[str, ...]) -> str:

@@ -250,3 +250,27 @@ def test_bad_constraints_name_the_field(tiny_llama):
     assert llm.generate(["hi"], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
     pool = llm.llm_engine.kv_cache_manager.block_pool
     assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_bounded_json_strings_refuse_control_characters(tiny_llama):
+    """A string with maxLength (in a JSON schema, and in a tool's parameters under a structural tag)
+    takes characters and refuses a raw control character, as JSON does (xgrammar 0.2.9's own rule
+    for it let U+0015 through: engine/sample/structured_output.py `_compile_json`)."""
+    import xgrammar as xgr
+
+    from engine.sample.structured_output import compiler_for
+    from engine.text.tool_calls import ToolFormat
+
+    compiler = compiler_for(tiny_llama, None, 256)
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    tag = ToolFormat("hermes", False).constraint(tools, "required", True)
+    for spec, head in [(StructuredOutputsParams(json=params), '{"city": "'),
+                       (StructuredOutputsParams(structural_tag=tag), '<tool_call>\n{"name": "get_weather", '
+                                                                     '"arguments": {"city": "')]:
+        grammar = compiler.compile(spec)
+        matcher = xgr.GrammarMatcher(grammar)
+        assert matcher.accept_string(head + "Paris"), head
+        assert not matcher.accept_string("\x15")
+        assert matcher.accept_string('"}')
