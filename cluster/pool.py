@@ -30,7 +30,6 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.config import PoolSpec
 from cluster.placement import REPLICA_ACTOR_CPUS, fmt_resources, replica_bundles
-from cluster.replica import EngineReplica
 from cluster.replica_host import HostedReplica, ReplicaHosts, kill_actor
 from records.config import EngineConfig
 from records.errors import PlacementError
@@ -82,6 +81,9 @@ class EnginePool:
         threads = max(1, int(spec.num_cpus)) if single else 1
         # Detached: a replica outlives the manager that made it (a restarted manager adopts it),
         # and the pool kills it itself (drop, shutdown).
+        # The engine (torch) only where a replica of a real engine starts: the manager itself never runs one.
+        from cluster.replica import EngineReplica  # noqa: PLC0415
+
         handle = ray.remote(EngineReplica).options(
             name=self._actor_name(replica_id), namespace=self.namespace, lifetime="detached",
             max_concurrency=1000,

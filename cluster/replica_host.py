@@ -20,14 +20,16 @@ import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from cluster.placement import SIMULATED_REPLICA_CPUS
-from cluster.replica import EngineReplica
 from records.config import EngineConfig
 from records.errors import EngineDeadError
+
+if TYPE_CHECKING:
+    from cluster.replica import EngineReplica
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,10 @@ class ReplicaHost:
         """Make a replica here (its engine starts at `load`, as an actor's does)."""
         if config.simulation is None:
             raise ValueError("a replica host holds simulated replicas only (engine.simulate)")
+        # The engine (and torch) here, in the host's process: the manager, which imports this module
+        # for the handles and the bookkeeping, runs no engine.
+        from cluster.replica import EngineReplica  # noqa: PLC0415
+
         self.replicas[replica_id] = EngineReplica(config, replica_id, load=False, tag=tag)
 
     async def remove(self, replica_id: str) -> int:

@@ -20,7 +20,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from engine.beam_search import check_beam_params
-from engine.sample.structured_output import compiler_for
 from engine.text.reasoning import THINK_END, thinks
 from engine.text.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
 from engine.text.tool_calls import ToolFormat
@@ -146,9 +145,16 @@ class RequestPreparer:
         (about a second), which would otherwise hold up every stream through this ingress."""
         if spec is None:
             return
-        compiler = compiler_for(self.info.model, self.info.gguf_file, self.vocab_size, self.tokenizer)
+
+        def compile_here() -> None:
+            # xgrammar (and the torch it imports, 1.5 s) loads with the first constrained request,
+            # not with every ingress replica.
+            from engine.sample.structured_output import compiler_for  # noqa: PLC0415
+
+            compiler_for(self.info.model, self.info.gguf_file, self.vocab_size, self.tokenizer).compile(spec)
+
         try:
-            await asyncio.to_thread(compiler.compile, spec)
+            await asyncio.to_thread(compile_here)
         except ValueError as e:
             raise InvalidRequestError(f"tools: {e}" if param == "tools" else str(e), param=param) from None
 
