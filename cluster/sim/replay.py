@@ -109,8 +109,10 @@ class Replay:
         self.metrics = ServingMetrics(info.max_model_len)
         routing = self.spec.routing
         peers = routing.min_peer_pull_tokens if routing.peer_prefix_pulls else None
+        # The policies' random tie-breaks seeded too: a replay is the same every time it runs.
+        policy = dataclasses.replace(routing.policy(), seed=seed)
         self.routers: dict[str, RequestRouter] = {
-            pool: RequestRouter(pool, {}, info.block_size, RoutingPolicy(routing.policy(), info.max_num_seqs),
+            pool: RequestRouter(pool, {}, info.block_size, RoutingPolicy(policy, info.max_num_seqs),
                                 self.metrics, routing.stats_interval_s, None, routing.max_migrations, peers)
             for pool in self.spec.pools}
         self.pd = None

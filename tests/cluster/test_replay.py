@@ -1,9 +1,9 @@
 """Trace replay in virtual time (`pdserve simulate`, cluster/sim/replay.py): the server's routers, P/D
 plan and planner drive real engines on simulated executors, in one process, no Ray. Checked: every
 request completes and nothing is left on any replica; prefix-aware routing reuses a conversation
-trace's prefixes where round-robin cannot; P/D moves KV and releases every lease; an autoscaled pool
-grows under a burst and shrinks after it; the command prints one JSON object last and refuses a bad
-trace or profile before running anything."""
+trace's prefixes where round-robin cannot (the same every time it runs); P/D moves KV and releases
+every lease; an autoscaled pool grows under a burst and shrinks after it; the command prints one
+JSON object last and refuses a bad trace or profile before running anything."""
 from __future__ import annotations
 
 import json
@@ -58,6 +58,11 @@ def test_prefix_aware_routing_reuses_what_round_robin_recomputes(tmp_path):
                           "replica_seconds"}
         assert "TTFT" in format_summary(s)
     aware, rr = results["prefix_aware"], results["round_robin"]
+    # A replay is the same every time (its tie-breaks seeded): here the first requests tie on 4 idle
+    # replicas, and each replica computes the same prompt tokens in every run.
+    per_replica = [{r.replica_id: r.engine.scheduler.num_prompt_tokens_computed for r in replay.replicas.values()}
+                   for replay in (Replay(_spec(pools={"decode": {"replicas": 4}}), trace).run() for _ in range(2))]
+    assert per_replica[0] == per_replica[1]
     # Every later turn finds its history on the replica that served the turn before.
     assert aware["prefix_hit_rate"] > rr["prefix_hit_rate"] + 0.2, (aware["prefix_hit_rate"], rr["prefix_hit_rate"])
     assert aware["prompt_tokens_computed"] < rr["prompt_tokens_computed"]
