@@ -68,7 +68,6 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"structured_outputs.{kind} cannot be compiled: {_first_line(e)}") from e
 
-
     def _compile_json(self, grammar: Any) -> Any:
         """Compile a grammar xgrammar built from JSON schemas, its strings kept to what JSON allows:
         xgrammar (0.2.9) writes a character of a string with minLength / maxLength as

@@ -83,8 +83,8 @@ class RoutingPolicy:
         replica ids giving theirs (tie-breaker); holds_adapter: the replicas that ran the request's
         LoRA adapter lately (None: a request of the base model); tier_matched: replica id -> blocks
         after those its offload tier holds; candidates: the replicas to choose among, in a stable
-        order (default: matched's keys, sorted); matched_default: the blocks of a candidate `matched` leaves out
-        (PrefixIndex.match_sparse). One pass over the candidates (a router of hundreds of replicas
+        order (default: matched's keys, sorted); matched_default: the blocks of a candidate
+        `matched` leaves out (PrefixIndex.match_sparse). One pass over the candidates (a router of hundreds of replicas
         does this per request: benchmarks/router_decision.py)."""
         candidates = sorted(matched) if candidates is None else candidates
         if not candidates:
