@@ -338,6 +338,10 @@ def run_serve(args: argparse.Namespace) -> int:
         num_cpus = args.num_cpus or max(os.cpu_count() or 1, math.ceil(required_cpus(config)))
         if not (args.address or os.environ.get("RAY_ADDRESS")):
             os.environ.update(config.serving.direct_ingress_env())  # inherited by the Ray it starts
+            # Serve holds a direct ingress replica that stops for 30 s, requests or none, so that a
+            # load balancer in front sees it go; a local Ray's clients reach it directly, and
+            # Ctrl-C waits only for the streams still running (up to serving.ingress_drain_timeout_s).
+            os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0")
         local = init_ray(args.address, num_cpus)
         # The launcher watches the start itself, so the ingress answers (503) while the pools load.
         update: dict = {"serving": config.serving.model_copy(update={"wait_for_pools": False})}

@@ -61,7 +61,9 @@ def simulated_cluster(num_nodes: int, cpus_per_node: float, namespace: str,
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, "node_ip_address": "127.0.0.1",
                                                             "resources": dict(head_resources or {}),
-                                                            "_system_config": NODE_HEALTH_CHECKS})
+                                                            "_system_config": NODE_HEALTH_CHECKS,
+                                                            # (nine dashboard processes nothing here reads)
+                                                            "include_dashboard": False})
     for _ in range(num_nodes - 1):
         cluster.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1")
     # ray.init rewrites a 127.0.0.1 address to this machine's outward IP, where the simulated nodes
