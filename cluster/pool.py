@@ -388,8 +388,6 @@ def pool_tag(name: str, spec: PoolSpec, engine_config: EngineConfig) -> str:
     return f"{name}:{digest[:16]}"
 
 
-
-
 PERCENTILES = (0.5, 0.9, 0.99)
 
 

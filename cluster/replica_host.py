@@ -29,6 +29,7 @@ from records.config import EngineConfig
 from records.errors import EngineDeadError
 
 if TYPE_CHECKING:
+    from cluster.config import PoolSpec
     from cluster.replica import EngineReplica
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class ReplicaHosts:
     def _prefix(self) -> str:
         return f"{self.namespace}-{self.pool}-host-"
 
-    def spawn(self, replica_id: str, spec: Any, engine_config: EngineConfig, tag: str) -> HostedReplica:
+    def spawn(self, replica_id: str, spec: PoolSpec, engine_config: EngineConfig, tag: str) -> HostedReplica:
         """A replica on the first live host with room for `spec.replicas_per_process`, or on a new one."""
         name = next((n for n, members in self.members.items()
                      if len(members) < spec.replicas_per_process and n not in self.dead), None)
