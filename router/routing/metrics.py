@@ -23,8 +23,21 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    7.5, 10.0, 20.0, 40.0, 80.0)
 
 
+_KEYS: dict[tuple[tuple[str, str], ...], LabelKey] = {}   # labels as passed -> sorted (a few hundred)
+
+
 def _key(labels: dict[str, str] | None) -> LabelKey:
-    return tuple(sorted((labels or {}).items()))
+    """Labels as a series key (sorted); the sort is remembered, as every request counts the same
+    few label sets (the router's decision among them: benchmarks/router_decision.py)."""
+    if not labels:
+        return ()
+    given = tuple(labels.items())
+    key = _KEYS.get(given)
+    if key is None:
+        key = tuple(sorted(given))
+        if len(_KEYS) < 65536:          # label values come from config and replica ids, not requests
+            _KEYS[given] = key
+    return key
 
 
 def _fmt_labels(key: LabelKey, extra: tuple[tuple[str, str], ...] = ()) -> str:

@@ -35,7 +35,7 @@ from records.request import Continuation
 from records.sampling_params import SamplingParams
 from router.routing.channel import ReplicaChannel
 from router.routing.metrics import ServingMetrics
-from router.routing.policy import Decision, ReplicaLoad, RoutingPolicy
+from router.routing.policy import Decision, Loads, RoutingPolicy
 from router.routing.prefix_index import PrefixIndex
 from router.routing.request_trace import RequestTrace
 
@@ -68,7 +68,7 @@ class RequestRouter:
         self.stats_interval_s = stats_interval_s
         self.on_replica_failure = on_replica_failure
         self.index = PrefixIndex()
-        self.loads: dict[str, ReplicaLoad] = {}
+        self.loads = Loads(max_num_seqs=policy.max_num_seqs)
         # LoRA adapters routed to each replica lately, least recent first (their cache keys; the
         # replicas keep more than this in host memory, so this errs on the side of "not held").
         self.adapters: dict[str, OrderedDict[tuple, None]] = {}
@@ -107,7 +107,7 @@ class RequestRouter:
             if r in self.replicas:
                 continue
             self.replicas[r] = handle
-            self.loads[r] = ReplicaLoad()
+            self.loads.add(r)
             self.adapters[r] = OrderedDict()
             self._cursors[r] = 0
             self.index.add_replica(r)

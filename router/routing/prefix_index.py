@@ -24,6 +24,8 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from itertools import repeat
 
+import numpy as np
+
 from records.hashing import BlockHash
 from records.outputs import AllCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -37,6 +39,10 @@ class PrefixIndex:
         self._tier: dict[str, dict[str, set[BlockHash]]] = {}     # replica -> medium -> hashes
         self._tier_blocks = 0                             # held by every replica's tier, in all
         self._all = 0                                     # every replica's bit
+        # bit -> blocks its pool holds, and a 0 after the last bit (for ids not here): the policy's
+        # tie-break counts hundreds of replicas' blocks at once (`num_blocks_of`).
+        self._count = np.zeros(1, np.int64)
+        self._count_rows: tuple[list[str], np.ndarray] | None = None   # the last ids asked for, their rows
 
     @property
     def replica_ids(self) -> list[str]:
@@ -50,9 +56,12 @@ class PrefixIndex:
         bit = next((i for i, name in enumerate(self._names) if name is None), len(self._names))
         if bit == len(self._names):
             self._names.append(None)
+            self._count = np.zeros(len(self._names) + 1, np.int64)
+            self._count[:bit] = [len(self._held.get(r, ())) if r else 0 for r in self._names[:bit]]
         self._names[bit] = replica_id
         self._bit[replica_id] = bit
         self._all |= 1 << bit
+        self._count_rows = None
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget a replica (dead or drained): nothing routes to its cache any more."""
@@ -64,6 +73,8 @@ class PrefixIndex:
         bit = self._bit.pop(replica_id)
         self._names[bit] = None
         self._all &= ~(1 << bit)
+        self._count[bit] = 0
+        self._count_rows = None
 
     def _unhold(self, replica_id: str, hashes: Iterable[BlockHash]) -> None:
         clear = ~(1 << self._bit[replica_id])
@@ -106,13 +117,19 @@ class PrefixIndex:
                 tier.clear()
             else:
                 raise TypeError(f"unknown KV event {event!r}")
+        self._count[self._bit[replica_id]] = len(held)
 
     def num_blocks(self, replica_id: str) -> int:
         return len(self._held.get(replica_id, ()))
 
-    def num_blocks_of(self, replica_ids: Sequence[str]) -> list[int]:
-        """`num_blocks` of each replica (the policy's tie-break asks it of hundreds at once)."""
-        return list(map(len, map(self._held.get, replica_ids, repeat(()))))
+    def num_blocks_of(self, replica_ids: Sequence[str]) -> np.ndarray:
+        """`num_blocks` of each replica (the policy's tie-break asks it of hundreds at once; the
+        rows of the last ids asked for are kept, as a router asks for the same list again)."""
+        if self._count_rows is None or self._count_rows[0] != replica_ids:
+            absent = len(self._names)
+            rows = np.fromiter(map(self._bit.get, replica_ids, repeat(absent)), np.intp, len(replica_ids))
+            self._count_rows = (list(replica_ids), rows)
+        return self._count[self._count_rows[1]]
 
     def num_tier_blocks(self, replica_id: str) -> int:
         return sum(len(h) for h in self._tier.get(replica_id, {}).values())
@@ -146,18 +163,35 @@ class PrefixIndex:
 
     def _run_end(self, block_hashes: Sequence[BlockHash], start: int, active: int) -> int:
         """The first block at or after `start` that not every replica in `active` holds (len if none)."""
-        holders, n = self._holders, len(block_hashes)
+        n = len(block_hashes)
+        if active & (active - 1):
+            holders = self._holders
+
+            def short(h: BlockHash) -> bool:
+                return holders.get(h, 0) & active != active
+
+            lo, step = start, 1                     # every block before lo is held by all of active
+            while lo < n:
+                probe = min(lo + step, n) - 1
+                if short(block_hashes[probe]):
+                    return bisect_left(block_hashes, True, lo, probe, key=short)
+                lo, step = probe + 1, step * 2
+            return n
+        # One replica past what the others hold: the one that served this conversation, whose run
+        # reaches its last turn, so the gallop starts from the prompt's end; and it probes that
+        # replica's own set, a fraction of the whole map.
+        held = self._held[self._names[active.bit_length() - 1]]  # type: ignore[index]
 
         def short(h: BlockHash) -> bool:
-            return holders.get(h, 0) & active != active
+            return h not in held
 
-        lo, step = start, 1                         # every block before lo is held by all of active
-        while lo < n:
-            probe = min(lo + step, n) - 1
-            if short(block_hashes[probe]):
-                return bisect_left(block_hashes, True, lo, probe, key=short)
-            lo, step = probe + 1, step * 2
-        return n
+        hi, step = n, 1                             # every block from hi on is short (none at first)
+        while hi > start:
+            probe = max(hi - step, start)
+            if not short(block_hashes[probe]):
+                return bisect_left(block_hashes, True, probe + 1, hi, key=short)
+            hi, step = probe, step * 2
+        return start
 
     def match_sparse(self, block_hashes: Sequence[BlockHash]) -> tuple[dict[str, int], int]:
         """`match` as (replica id -> blocks for all but the most common length, that length): a
