@@ -10,7 +10,8 @@ chosen prefill replica runs it with max_tokens=1 and leases its blocks; D gets t
 parameters, pulls what it lacks, and decodes. D's output is what streams (its first token is
 recomputed from the pulled KV, so it is identical to a single engine's under greedy or seeded
 sampling). A client that goes away while P prefills aborts it there; after that the lease is D's to
-release.
+release once D has the request, and P is told to end it when the request ends any other way than
+D's stream finishing (D may never have got it: the client left between the two hops).
 """
 from __future__ import annotations
 
@@ -106,14 +107,21 @@ class PDRouter:
             return
         plan = self.plan(prompt_token_ids, params, trace)
         kv_params = None
-        if plan.prefill is not None:
-            kv_params = await self._prefill(request_id, prompt_token_ids, self._prefill_params(params), plan.prefill,
-                                            trace)
-        # After a remote prefill the decode replica computes one token (and pulls the rest).
-        async for delta in self.decode.generate(request_id, prompt_token_ids, params, plan.decode, kv_params,
-                                                prefill_tokens=1 if kv_params is not None else None, trace=trace,
-                                                arrival=arrival):
-            yield delta
+        try:
+            if plan.prefill is not None:
+                kv_params = await self._prefill(request_id, prompt_token_ids, self._prefill_params(params),
+                                                plan.prefill, trace)
+            # After a remote prefill the decode replica computes one token (and pulls the rest).
+            async for delta in self.decode.generate(request_id, prompt_token_ids, params, plan.decode, kv_params,
+                                                    prefill_tokens=1 if kv_params is not None else None,
+                                                    trace=trace, arrival=arrival):
+                yield delta
+        except BaseException:
+            # The client went away (or the decode failed) after P leased its blocks: D may never
+            # have taken the request, and then nothing would release them before the lease expired.
+            if kv_params is not None and plan.prefill is not None:
+                self.prefill.end_lease(plan.prefill.replica_id, kv_params)
+            raise
 
     def plan(self, prompt_token_ids: list[int], params: SamplingParams, trace: RequestTrace | None = None) -> PDPlan:
         """Where a request runs: its decode replica, and the prefill replica that runs its prompt

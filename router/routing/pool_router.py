@@ -17,6 +17,7 @@ logged) and stats every `stats_interval_s`; in-flight counts are its own.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 import time
@@ -297,40 +298,57 @@ class RequestRouter:
         latency start."""
         decision = decision or self.route(prompt_token_ids, params, trace)
         carrier = trace.carrier() if trace is not None else None
+        peer_lease = None
         if decision.peer is not None and not (kv_transfer_params or {}).get("do_remote_prefill"):
             leased = await self._lease_from_peer(decision, params)
             if leased is not None:         # a prefill for a decode replica pulls its prefix too
+                peer_lease = (decision.peer[0], leased)
                 kv_transfer_params = leased if kv_transfer_params is None else {**kv_transfer_params,
                                                                                 "peer_prefix": leased}
         progress = _Progress()
         started = time.monotonic() if arrival is None else arrival
-        while True:
-            continuation = progress.continuation()
-            if continuation is not None:
-                backlog = self.uncached_tokens(len(prompt_token_ids) + len(continuation.token_ids), decision)
-            elif prefill_tokens is None:
-                backlog = self.uncached_tokens(len(prompt_token_ids), decision)
-            else:
-                backlog = prefill_tokens
-            if trace is not None:
-                trace.ran_on(decision.replica_id)
-            try:
-                async for delta in self._stream(decision.replica_id, request_id, prompt_token_ids, params,
-                                                kv_transfer_params, backlog, continuation, started, carrier):
-                    progress.add(delta)
-                    # The resuming replica's cache hit covers tokens the client already has.
-                    yield delta if continuation is None else dataclasses.replace(delta, num_cached_tokens=0)
-                return
-            except Exception as e:
-                if not replica_lost(e):
-                    raise
-                self.mark_down(decision.replica_id, e)
-                lost = decision.replica_id
-            if not progress.streamed:
-                decision = self.route(prompt_token_ids, params, trace)      # NoReplicaError when none is left
-                continue
-            decision, params = self._migrate(request_id, lost, prompt_token_ids, params, progress, trace)
-            kv_transfer_params = None           # the resuming replica computes the prompt itself
+        try:
+            while True:
+                continuation = progress.continuation()
+                if continuation is not None:
+                    backlog = self.uncached_tokens(len(prompt_token_ids) + len(continuation.token_ids), decision)
+                elif prefill_tokens is None:
+                    backlog = self.uncached_tokens(len(prompt_token_ids), decision)
+                else:
+                    backlog = prefill_tokens
+                if trace is not None:
+                    trace.ran_on(decision.replica_id)
+                try:
+                    async for delta in self._stream(decision.replica_id, request_id, prompt_token_ids, params,
+                                                    kv_transfer_params, backlog, continuation, started, carrier):
+                        progress.add(delta)
+                        # The resuming replica's cache hit covers tokens the client already has.
+                        yield delta if continuation is None else dataclasses.replace(delta, num_cached_tokens=0)
+                    return
+                except Exception as e:
+                    if not replica_lost(e):
+                        raise
+                    self.mark_down(decision.replica_id, e)
+                    lost = decision.replica_id
+                if not progress.streamed:
+                    decision = self.route(prompt_token_ids, params, trace)      # NoReplicaError when none is left
+                    continue
+                decision, params = self._migrate(request_id, lost, prompt_token_ids, params, progress, trace)
+                kv_transfer_params = None           # the resuming replica computes the prompt itself
+        except BaseException:
+            if peer_lease is not None:          # the replica may never have taken it (see end_lease)
+                self.end_lease(*peer_lease)
+            raise
+
+    def end_lease(self, replica_id: str, kv_transfer_params: dict) -> None:
+        """End the lease that `kv_transfer_params` (what the replica returned when it leased) names
+        on `replica_id`, its holder: the request it was for ended before, or without, the replica it
+        was for releasing it (a client gone between the two hops), and the holder would keep the
+        blocks until the lease expired (`kv_lease_s`). An abort of the lease's id ends it there; one
+        already released is not found, and nothing happens."""
+        handle = self.replicas.get(replica_id)
+        if handle is not None:          # sent outside the cancelled request's context (channel.py)
+            contextvars.Context().run(handle.abort.remote, kv_transfer_params["remote_request_id"])
 
     def _migrate(self, request_id: str, lost: str, prompt_token_ids: list[int], params: SamplingParams,
                  progress: _Progress, trace: RequestTrace | None = None) -> tuple[Decision, SamplingParams]:

@@ -93,8 +93,9 @@ async def _raw_request(port: int, path: str, body: dict, rng: random.Random) -> 
 def test_abort_storm_leaks_nothing(server, eventually_no_leaks):
     """160 requests (streamed and not, chat and completions, n = 1 and 2, long prompts prefilled
     remotely and short ones locally) to the disaggregated app, 24 at a time, dropped at random
-    points: afterwards nothing is in flight, no disconnect counted as a server error (500), a new
-    request is admitted, and both pools hold no request and no block."""
+    points: afterwards nothing is in flight, no disconnect counted as a server error (500), no
+    prefill lease was left to expire, a new request is admitted, and both pools hold no request
+    and no block."""
     app = {"port": server["port"], "model": server["model"], "base": f"{server['base']}/pd",
            "replicas": server["replicas"]["pd"]}
     rng = random.Random(22)
@@ -122,7 +123,10 @@ def test_abort_storm_leaks_nothing(server, eventually_no_leaks):
         return metric(httpx.get(f"{app['base']}/metrics", headers=auth(), timeout=30).text,
                       "pdserve:request_errors_total", code="500")
 
-    errors_before = server_errors()
+    def leases_expired() -> int:
+        return sum(s.get("kv_leases_expired", 0) for s in ray.get([h.stats.remote() for h in app["replicas"].values()]))
+
+    errors_before, expired_before = server_errors(), leases_expired()
     modes = asyncio.run(storm())
     assert {"sent", "status", "chunks", "end"} <= set(modes)
     deadline = time.monotonic() + 60
@@ -131,6 +135,8 @@ def test_abort_storm_leaks_nothing(server, eventually_no_leaks):
         time.sleep(0.5)
     assert eventually_no_leaks(app["replicas"], timeout=60)
     assert server_errors() == errors_before, "a client that went away was counted as a server error"
+    # Every prefill lease ended by D's release or the router's abort, none by its 30 s expiry.
+    assert leases_expired() == expired_before, "a client that went away left a prefill lease to expire"
     ok = httpx.post(f"{app['base']}/v1/completions", headers=auth(), timeout=120,
                     json={"model": app["model"], "prompt": "still admitted", "max_tokens": 3})
     assert ok.status_code == 200, ok.text

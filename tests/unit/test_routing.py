@@ -270,6 +270,71 @@ def test_a_backlogged_prefill_pool_leaves_prompts_to_the_decode_replica(tiny_lla
     assert (d_load.prefill_tokens, d_load.in_flight) == (0, 0)
 
 
+def test_a_client_gone_between_prefill_and_decode_ends_the_prefill_lease(tiny_llama):
+    """P/D: the prefill replica leased its blocks and the client went away before the decode
+    replica took the request (or while it streamed): the router tells P to end that lease (an
+    abort of the lease's id), so that its blocks are not held until `kv_lease_s` runs out. A
+    stream that finishes leaves the release to D."""
+    import asyncio
+
+    from cluster.config import ClusterConfig
+    from records.outputs import ChoiceDelta, StepDelta
+    from records.sampling_params import SamplingParams
+    from router.ingress.frontend import Frontend
+
+    aborts = []
+
+    class Handle:
+        class abort:                                           # noqa: N801 - a Ray method's shape
+            @staticmethod
+            def remote(request_id):
+                aborts.append(request_id)
+
+    config = ClusterConfig(model=tiny_llama, mode="disaggregated", pools={"prefill": {}, "decode": {}},
+                           disaggregation={"min_remote_prefill_tokens": 64})
+    pd = Frontend(config.ingress_spec(), {"decode-0": Handle()}, {"prefill-0": Handle()}).router
+    ids, params = list(range(5, 389)), SamplingParams(max_tokens=4)
+    lease = {"do_remote_prefill": True, "remote_request_id": "r"}
+    taken = asyncio.Event()
+
+    class Prefill:                                             # leases after one step
+        async def stream(self, *args):
+            yield StepDelta("r", [ChoiceDelta(0, [7], "x")], True, len(ids), kv_transfer_params=lease)
+
+    class Decode:
+        def __init__(self, hangs: bool) -> None:
+            self.hangs = hangs
+
+        async def stream(self, *args):
+            taken.set()
+            if self.hangs:                                     # the submit never returns
+                await asyncio.Event().wait()
+            for i in range(3):
+                yield StepDelta("r", [ChoiceDelta(0, [7], "x")], i == 2, len(ids))
+
+    async def run(hangs: bool) -> None:
+        pd.prefill._channels["prefill-0"], pd.decode._channels["decode-0"] = Prefill(), Decode(hangs)
+        taken.clear()
+
+        async def consume() -> int:
+            return len([d async for d in pd.generate("r", ids, params)])
+
+        task = asyncio.create_task(consume())
+        if hangs:
+            await taken.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            assert await task == 3
+
+    asyncio.run(run(hangs=False))
+    assert aborts == []                                        # D released it
+    asyncio.run(run(hangs=True))
+    assert aborts == ["r"]
+    assert pd.metrics.decisions.get(reason="remote_prefill", pool="pd") == 2
+
+
 def test_a_stream_whose_replica_is_lost_migrates_and_fails_clearly_past_the_limit(tiny_llama):
     """RequestRouter.generate: a replica lost mid-stream (its channel broke, its engine stopped) has
     the stream resumed on another replica after the tokens already sent (their text's length too);
