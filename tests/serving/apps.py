@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import httpx
 
-API_KEY = "test-key"            # the main HTTP app's
-GRPC_KEY = "grpc-key"           # the gRPC app's
+API_KEY = "test-key"            # the main app's (HTTP and gRPC)
 TENANT, TENANT_KEY = "team-a", "team-a-key"     # a tenant of the main app, 3 requests per minute
-GRPC_MAIN, LIMITED = "pdserve-grpc", "pdserve-limited"
+MAIN, LIMITED = "pdserve-test", "pdserve-limited"
 
 
 def auth() -> dict[str, str]:
@@ -15,7 +14,7 @@ def auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
 
 
-def grpc_metadata(app: str = GRPC_MAIN, key: str | None = GRPC_KEY) -> list[tuple[str, str]]:
+def grpc_metadata(app: str = MAIN, key: str | None = API_KEY) -> list[tuple[str, str]]:
     """gRPC metadata for `app` (Serve's proxy routes by app when several are deployed), with a key."""
     md = [("application", app)]
     if key is not None:

@@ -1,17 +1,16 @@
 """The apps every serving test talks to, started once for the package on a local Ray: one Serve
-instance on 127.0.0.1 (HTTP, and gRPC through Serve's proxy) with four apps of a tiny model, whose
+instance on 127.0.0.1 (HTTP, and gRPC through Serve's proxy) with three apps of a tiny model, whose
 pools load side by side:
 
 - "/" main: two decode replicas, an API key and a tenant with its own key and a requests-per-minute
-  limit, a 1 MiB body limit, a LoRA adapter served from the
-  start and runtime adapter loading;
+  limit, a 1 MiB body limit, a LoRA adapter served from the start and runtime adapter loading; the
+  gRPC tests' app too (it was an app of its own, one more manager, ingress and engine to start);
 - "/limited": one replica admitting one request at a time (429 / RESOURCE_EXHAUSTED), a reasoning
   parser whose constraints apply to the thinking too (so that one can make the tiny model think),
   and vLLM's metric names;
 - "/pd": disaggregated, one prefill and one decode replica with KV pulled over NIXL; prompts with
   fewer than 32 uncached tokens are prefilled on the decode replica; traced to an OTLP receiver in
-  this process, its requests logged, a host offload tier on the decode replica;
-- "/grpc": one replica with its own key, for the gRPC tests.
+  this process, its requests logged, a host offload tier on the decode replica.
 
 At the end every replica must hold no request and no KV block.
 """
@@ -25,7 +24,7 @@ import openai
 import pytest
 from helpers import free_port, make_adapter, wait_healthy
 
-from serving.apps import API_KEY, GRPC_KEY, GRPC_MAIN, LIMITED, TENANT, TENANT_KEY, auth, grpc_metadata
+from serving.apps import API_KEY, LIMITED, MAIN, TENANT, TENANT_KEY, auth, grpc_metadata
 
 ray = pytest.importorskip("ray", reason="the serving tests need ray[serve] (make setup installs it)")
 
@@ -50,7 +49,7 @@ def otlp():
 
 @pytest.fixture(scope="package")
 def apps(tiny_llama, adapters, eventually_no_leaks, otlp):
-    """Start the four apps; yield (http port, gRPC port, app name -> its manager's handle)."""
+    """Start the three apps; yield (http port, gRPC port, app name -> its manager's handle)."""
     from ray import serve
 
     from cluster.app import build_app
@@ -67,7 +66,7 @@ def apps(tiny_llama, adapters, eventually_no_leaks, otlp):
     main = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 2, "num_cpus": 1}},
                          serving={**serving, "api_key": API_KEY, "max_body_bytes": 1 << 20,
                                   "tenants": {TENANT: {"api_keys": [TENANT_KEY], "requests_per_minute": 3}}},
-                         name="pdserve-test",
+                         name=MAIN,
                          lora={**lora, "allow_runtime_updates": True})
     limited = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 1, "num_cpus": 1}},
                             serving={**serving, "max_in_flight": 1, "reasoning_parser": "qwen3",
@@ -81,9 +80,7 @@ def apps(tiny_llama, adapters, eventually_no_leaks, otlp):
                        disaggregation={"connector": "nixl", "min_remote_prefill_tokens": 32},
                        serving={**serving, "otlp_traces_endpoint": otlp.endpoint, "log_requests": True},
                        name="pdserve-pd", lora=lora)
-    grpc_app = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 1, "num_cpus": 1}},
-                             serving={**serving, "api_key": GRPC_KEY}, name=GRPC_MAIN)
-    configs = {"main": (main, "/"), "limited": (limited, "/limited"), "pd": (pd, "/pd"), "grpc": (grpc_app, "/grpc")}
+    configs = {"main": (main, "/"), "limited": (limited, "/limited"), "pd": (pd, "/pd")}
     serve.start(http_options={"host": "127.0.0.1", "port": port}, **grpc_start_options(main))
     for config, prefix in configs.values():
         serve.run(build_app(config), name=config.name, route_prefix=prefix)
@@ -126,7 +123,7 @@ def client(server) -> openai.OpenAI:
 @pytest.fixture(scope="package")
 def grpc_server(apps) -> dict:
     """The gRPC side: a stub on the proxy's port (metadata picks the app: serving.apps.grpc_metadata),
-    the messages module, the gRPC app's HTTP base, and the gRPC and limited apps' managers."""
+    the messages module, the main app's HTTP base, and the main and limited apps' managers."""
     grpc = pytest.importorskip("grpc")
     from pdserve_proto import pb2, pb2_grpc
 
@@ -142,7 +139,7 @@ def grpc_server(apps) -> dict:
             if time.monotonic() > deadline:
                 raise
         time.sleep(0.5)
-    yield {"stub": stub, "pb2": pb2, "http": f"http://127.0.0.1:{port}/grpc",
-           "managers": [managers["grpc"], managers["limited"]],
+    yield {"stub": stub, "pb2": pb2, "http": f"http://127.0.0.1:{port}",
+           "managers": [managers["main"], managers["limited"]],
            "model": stub.Models(pb2.ModelsRequest(), metadata=grpc_metadata()).models[0].id}
     channel.close()
