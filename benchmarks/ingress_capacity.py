@@ -19,11 +19,13 @@ import collections
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 
+import httpx
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -66,40 +68,75 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
 
 
 def run(args: argparse.Namespace, ingress_replicas: int) -> dict:
+    direct = ", direct_ingress: true" if args.direct_ingress else ""
     spec = (f"engine: {{simulate: {args.profile}, max_model_len: 4096}}\n"
             f"pools:\n  decode: {{replicas: {args.replicas}, replicas_per_process: 8}}\n"
             f"serving: {{port: PORT, ingress_replicas: {ingress_replicas}, ingress_num_cpus: 1, "
-            f"max_in_flight: 100000}}\n")
+            f"max_in_flight: 100000{direct}}}\n")
     with bench.served(spec) as base:
-        import httpx
+        return {"server": "pdserve", "ingress_replicas": ingress_replicas, **measure(args, base, ingress_replicas)}
 
-        model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
-        with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
-            f.write(LUA % (model, args.max_tokens))
-        wrk = ["wrk", "-t", "1", "-c", str(args.connections), "--latency", "-s", f.name, base]
-        subprocess.run([*wrk[:-1], "-d", "5s", base], capture_output=True, check=True)     # warm up
-        procs = processes()
-        before = {k: cpu_seconds(v) for k, v in procs.items()}
-        spy = None
-        if args.profile_ingress and procs["ingress"]:
-            raw = os.path.join(tempfile.gettempdir(), f"ingress-{ingress_replicas}.txt")
-            py_spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
-            spy = (subprocess.Popen([py_spy, "record", "--pid", str(procs["ingress"][0].pid), "--duration",
-                                     str(args.seconds), "--format", "raw", "--output", raw, "--nonblocking"],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), raw)
-        began = time.monotonic()
-        out = subprocess.run([*wrk[:-1], "-d", f"{args.seconds}s", base], capture_output=True, text=True,
-                             check=True).stdout
-        wall = time.monotonic() - began
-        used = {k: round(cpu_seconds(v) - before[k], 2) for k, v in procs.items()}
-        profile = None
-        if spy is not None:
-            spy[0].wait(timeout=60)
-            profile = top_functions(spy[1])
+
+def run_floor(args: argparse.Namespace) -> dict:
+    """The same load against Serve's floor (benchmarks/serve_floor.py: a bare streaming deployment)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "tests"))
+    from helpers import free_port  # the tests' helper (tests/ is on the path now), as serve.py's
+
+    port = free_port()
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "serve_floor.py"), "--port", str(port)]
+    proc = subprocess.Popen(cmd + (["--direct-ingress"] if args.direct_ingress else []), cwd=root,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the Serve floor app did not come up")
+            time.sleep(1.0)
+        return {"server": "serve_floor", "ingress_replicas": 1, **measure(args, base, 1)}
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def measure(args: argparse.Namespace, base: str, ingress_replicas: int) -> dict:
+    """wrk's load on a server that answers: requests per second, CPU per process kind, py-spy."""
+    model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write(LUA % (model, args.max_tokens))
+    wrk = ["wrk", "-t", "1", "-c", str(args.connections), "--latency", "-s", f.name, base]
+    subprocess.run([*wrk[:-1], "-d", "5s", base], capture_output=True, check=True)     # warm up
+    procs = processes()
+    before = {k: cpu_seconds(v) for k, v in procs.items()}
+    spy = None
+    if args.profile_ingress and procs["ingress"]:
+        raw = os.path.join(tempfile.gettempdir(), f"ingress-{ingress_replicas}.txt")
+        py_spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+        spy = (subprocess.Popen([py_spy, "record", "--pid", str(procs["ingress"][0].pid), "--duration",
+                                 str(args.seconds), "--format", "raw", "--output", raw, "--nonblocking"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), raw)
+    began = time.monotonic()
+    out = subprocess.run([*wrk[:-1], "-d", f"{args.seconds}s", base], capture_output=True, text=True,
+                         check=True).stdout
+    wall = time.monotonic() - began
+    used = {k: round(cpu_seconds(v) - before[k], 2) for k, v in procs.items()}
+    profile = None
+    if spy is not None:
+        spy[0].wait(timeout=60)
+        profile = top_functions(spy[1])
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     p50 = re.search(r"50%\s+([\d.]+)(\w+)", out)
-    return {"ingress_replicas": ingress_replicas, "requests_per_s": rps, "wall_s": round(wall, 1),
+    return {"direct_ingress": args.direct_ingress, "requests_per_s": rps, "wall_s": round(wall, 1),
             "non_2xx": int(errors.group(1)) if errors else 0,
             "latency_p50": f"{p50.group(1)}{p50.group(2)}" if p50 else None,
             "cpu_s": used, "ingress_cpu_share": round(used["ingress"] / wall, 3),
@@ -137,9 +174,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--ingress", default="1,2", help="ingress replica counts to run")
     ap.add_argument("--profile-ingress", action="store_true", help="sample the ingress with py-spy")
+    ap.add_argument("--floor", action="store_true",
+                    help="also run the same load against Serve's floor (benchmarks/serve_floor.py), first")
+    ap.add_argument("--direct-ingress", action="store_true",
+                    help="the ingress serves the port itself (serving.direct_ingress), not through Serve's proxy")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    results = [run(args, int(n)) for n in args.ingress.split(",")]
+    results = ([run_floor(args)] if args.floor else []) + [run(args, int(n)) for n in args.ingress.split(",")]
     for r in results:
         print(json.dumps({k: v for k, v in r.items() if k != "profile"}))
         if r["profile"]:
