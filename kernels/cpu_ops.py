@@ -223,12 +223,17 @@ def gguf_dequant_min_rows() -> int:
     return 64 if ymm_gguf_kernel() else 12
 
 
-def gguf_dense_min_rows() -> int:
+def gguf_dense_min_rows(dtype: torch.dtype) -> int:
     """quantization="gguf+dense": from this many rows of x on, a GGUF layer multiplies its dense
-    copy (oneDNN, prepacked) instead of its blocks: 6 where the blocks' kernel is the bf16-dot or
-    portable one; 12 on an AVX2-only CPU, where the ymm kernel is 1.2-3.6x oneDNN's prepacked fp32
-    GEMM up to 8 rows and level at 12 (docs/perf/journal.md §9)."""
-    return 12 if ymm_gguf_kernel() else 6
+    copy (oneDNN, prepacked) in the model's `dtype` instead of its blocks. 6 where the blocks'
+    kernel is the bf16-dot one (a bfloat16 model on a CPU with AVX512-BF16, docs/perf/journal.md
+    §9). 12 elsewhere: a float32 dense copy is eight times the 4-bit blocks' bytes and a decode step
+    streams every weight from memory, so the blocks stay faster longer. On a 2-core AVX-512 EPYC
+    without BF16, embedded-model decode steps of 6, 7 and 8 rows took 92, 110 and 70 ms on the dense
+    copy against 42, 49 and 56 on the blocks (level at 10; §22); on an AVX2-only CPU the ymm kernel
+    is 1.2-3.6x oneDNN's prepacked fp32 GEMM up to 8 rows and level at 12 (§9). It is also where
+    `gguf_dequant_min_rows` stops multiplying the blocks."""
+    return 6 if dtype == torch.bfloat16 and "avx512_bf16" in cpu_flags() else 12
 
 
 _GGUF_TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}

@@ -116,7 +116,7 @@ def resolve_quantization(quantization: str | None, path: str, gguf_file: str | N
     "gguf" keeps a GGUF file's Q8_0/Q4_0/Q4_1 weights in their blocks only (about a quarter of bf16's
     bytes), multiplied by the kernel set's `gguf_linear`: on CPU the C++ kernel for decode-sized
     batches, dequantize + GEMM for larger ones. "gguf+dense" also keeps each weight dense in the
-    model's dtype (prepacked for oneDNN) for batches of GGUF_DENSE_MIN_ROWS rows or more: the
+    model's dtype (prepacked for oneDNN) for batches of `gguf_dense_min_rows` rows or more: the
     blocks are 1.7x faster at batch 1, the dense GEMM 2x faster from ~12 rows (docs/perf/journal.md
     §9). "int8"/"int8+dense" do the same with an int8 checkpoint's weights (as Q8_0 blocks). "fp8"
     keeps an fp8 checkpoint's e4m3 weights, or quantizes a dense checkpoint's linear weights at load.

@@ -66,17 +66,18 @@ def test_plan_equals_the_modules(model, dtype, kv, request):
 @pytest.mark.parametrize("int8", [False, True])
 def test_plan_equals_the_modules_on_gguf_blocks(int8):
     """The embedded Q4_1 model with its dense copy: few rows multiply the blocks (the plan calls the
-    kernel directly; with quantize_activations the int8 one), from GGUF_DENSE_MIN_ROWS on the dense
+    kernel directly; with quantize_activations the int8 one), from gguf_dense_min_rows on the dense
     copy (the layer's own matmul)."""
-    from engine.model.layers.linear import GGUF_DENSE_MIN_ROWS
+    from kernels.cpu_ops import gguf_dense_min_rows
 
+    dense_min_rows = gguf_dense_min_rows(torch.float32)
     llm = LLM(dtype="float32", quantization="gguf+dense", max_model_len=256, quantize_activations=int8)
     plan = checked(llm)
-    prompts = [[1, 30 + i, 700 + 3 * i] for i in range(GGUF_DENSE_MIN_ROWS + 1)]
+    prompts = [[1, 30 + i, 700 + 3 * i] for i in range(dense_min_rows + 1)]
     few = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)   # three decode steps each: 135M weights
     llm.generate([{"prompt_token_ids": p} for p in prompts], few, use_tqdm=False)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], few, use_tqdm=False)
-    assert {2, GGUF_DENSE_MIN_ROWS + 1} <= plan.rows
+    assert {2, dense_min_rows + 1} <= plan.rows
 
 
 def test_plan_stands_aside(tiny_llama, monkeypatch):

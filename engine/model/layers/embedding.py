@@ -8,8 +8,9 @@ from torch import nn
 
 from engine.loading.weights import GGUFWeight
 from engine.model.layers.cpu_gemm import linear
-from engine.model.layers.linear import GGUF_DENSE_MIN_ROWS, _copy_checked
+from engine.model.layers.linear import _copy_checked
 from engine.model.parallel_state import get_parallel_state, tp_all_gather, tp_all_reduce
+from kernels.cpu_ops import gguf_dense_min_rows
 from kernels.dispatch import kernels_for
 from kernels.reference import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
 
@@ -30,6 +31,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.qtype: str | None = None
         self.dense: torch.Tensor | None = None      # a GGUF head's dense copy (quantization="gguf+dense")
+        self.dense_min_rows = gguf_dense_min_rows(dtype)    # the rows from which the head multiplies it
         self.logit_blocks: torch.Tensor | None = None   # a GGUF head's blocks in its kernel set's form (at load)
         self.int8_activations = False       # the head times int8-quantized hidden states (quantize_activations)
 
@@ -70,7 +72,7 @@ class VocabParallelEmbedding(nn.Module):
         """This rank's logits [N, per_rank] in hidden's dtype: hidden times the table's transpose."""
         if self.qtype is None:
             return linear(hidden, self.weight, None, packed)
-        if self.dense is not None and hidden.shape[0] >= GGUF_DENSE_MIN_ROWS:
+        if self.dense is not None and hidden.shape[0] >= self.dense_min_rows:
             return linear(hidden, self.dense, None, packed)
         kernels = kernels_for(hidden)
         multiply = kernels.gguf_linear_int8 if self.int8_activations else kernels.gguf_linear

@@ -29,10 +29,6 @@ from kernels.cpu_ops import gguf_dense_min_rows
 from kernels.dispatch import FP8_MIN_CAPABILITY, cuda_capability, has_fp8, kernels_for
 from kernels.reference import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
 
-# quantization="gguf+dense": from this many rows on, a GGUF layer multiplies its dense copy (oneDNN,
-# prepacked) instead of its blocks; below it the blocks' kernel is faster (this CPU's crossing:
-# kernels.cpu_ops.gguf_dense_min_rows, docs/perf/journal.md §9).
-GGUF_DENSE_MIN_ROWS = gguf_dense_min_rows()
 logger = logging.getLogger(__name__)
 
 
@@ -69,6 +65,9 @@ class Linear(nn.Module):
         self.qtype: str | None = None
         self.dtype = dtype
         self.dense: torch.Tensor | None = None      # a GGUF layer's dense copy (quantization="gguf+dense")
+        # From this many rows on it multiplies that copy; below, its blocks (this CPU's crossing for
+        # its dtype: kernels.cpu_ops.gguf_dense_min_rows).
+        self.dense_min_rows = gguf_dense_min_rows(dtype)
         self.lora: LoRAStack | None = None          # adapter slots (engine/worker/lora_slots.py), with LoRA enabled
 
     def quantize_as(self, qtype: str) -> None:
@@ -97,7 +96,7 @@ class Linear(nn.Module):
 
     def process_weights_after_loading(self, dense_copy: bool = False) -> None:
         """Prepack the weight for oneDNN; a GGUF weight only with `dense_copy` (then a dense copy
-        in the model's dtype serves batches of GGUF_DENSE_MIN_ROWS rows or more), its blocks put in
+        in the model's dtype serves batches of `dense_min_rows` rows or more), its blocks put in
         the form its kernel set reads (`pack_gguf`); an fp8 weight split from its scales, or, on a
         GPU without fp8 GEMMs, dequantized to the model's dtype."""
         if self.qtype == "fp8":
@@ -135,7 +134,7 @@ class Linear(nn.Module):
         """x W^T (+ bias) on this rank's weight, dense or quantized."""
         if self.qtype is None:
             return linear(x, self.weight, bias, self.packed)
-        if self.dense is not None and x.numel() >= GGUF_DENSE_MIN_ROWS * self.input_size:
+        if self.dense is not None and x.numel() >= self.dense_min_rows * self.input_size:
             return linear(x, self.dense, bias, self.packed)
         kernels, rows = self.kernels or kernels_for(x), x.reshape(-1, x.shape[-1])
         if self.qtype == "fp8":
@@ -159,7 +158,7 @@ class Linear(nn.Module):
         if kernel is None:
             return general
         if self.dense is not None:
-            max_rows = min(max_rows, GGUF_DENSE_MIN_ROWS - 1)
+            max_rows = min(max_rows, self.dense_min_rows - 1)
         bias = self.bias
 
         def blocks_matmul(x: torch.Tensor) -> torch.Tensor:
