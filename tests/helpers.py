@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -16,11 +17,26 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Where free_port looks: below Linux's ephemeral range (32768-60999), which every process binding
+# port 0 draws from (Ray's agents and gRPC servers, NIXL, Serve replicas) and so may take a port the
+# OS handed out a moment before, and above Ray's worker ports (10002-19999). A `pdserve serve` with
+# direct ingress binds its port only after its pools start: a port from the ephemeral range was
+# taken by then once, and Serve had no other to give its ingress (NoAvailablePortError).
+_PORTS = range(20000, 32000)
+_RNG = random.SystemRandom()      # the OS's entropy: not a generator a test seeds
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, outside the ranges other processes draw ports from."""
+    for _ in range(200):
+        port = _RNG.choice(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1} on 127.0.0.1")
 
 
 def wait_healthy(base: str, timeout_s: float = 180.0, check: Callable[[], None] | None = None,
