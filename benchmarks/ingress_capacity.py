@@ -19,7 +19,6 @@ import collections
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -85,27 +84,8 @@ def run_floor(args: argparse.Namespace) -> dict:
 
     port = free_port()
     cmd = [sys.executable, os.path.join(root, "benchmarks", "serve_floor.py"), "--port", str(port)]
-    proc = subprocess.Popen(cmd + (["--direct-ingress"] if args.direct_ingress else []), cwd=root,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the Serve floor app did not come up")
-            time.sleep(1.0)
+    with bench.serving(cmd + (["--direct-ingress"] if args.direct_ingress else []), port, timeout_s=300) as base:
         return {"server": "serve_floor", "ingress_replicas": 1, **measure(args, base, 1)}
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def measure(args: argparse.Namespace, base: str, ingress_replicas: int) -> dict:

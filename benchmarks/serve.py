@@ -80,11 +80,20 @@ def served(spec_yaml: str) -> Iterator[str]:
     spec = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pdserve-bench-{port}.yaml")
     with open(spec, "w") as f:
         f.write(spec_yaml.replace("PORT", str(port)))
-    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "pdserve"), "serve", "--config", spec],
-                            cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    with serving([os.path.join(os.path.dirname(sys.executable), "pdserve"), "serve", "--config", spec], port) as base:
+        yield base
+
+
+@contextlib.contextmanager
+def serving(cmd: list[str], port: int, timeout_s: float = 600) -> Iterator[str]:
+    """Run a server command (its own process group, in the repository) listening on `port`; yield
+    its base URL once /health answers 200, and stop it (SIGINT, then SIGKILL) at the end."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
                 if httpx.get(f"{base}/health", timeout=5).status_code == 200:
@@ -92,7 +101,7 @@ def served(spec_yaml: str) -> Iterator[str]:
             except httpx.HTTPError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("pdserve serve did not come up")
+                raise SystemExit(f"{' '.join(cmd[:3])} did not come up")
             time.sleep(1.0)
         yield base
     finally:
