@@ -129,6 +129,13 @@ class ClusterManager:
         self._start()
         return {"phase": self.phase, "reason": self.reason, "pools": self.pool_status()}
 
+    async def start(self) -> str:
+        """Start the pools if they have not started, without waiting for them; the phase. The
+        launcher calls it as soon as the spec is applied, so that the replicas load while Serve and
+        the ingress come up (an ingress would start them only once it runs)."""
+        self._start()
+        return self.phase
+
     def _start(self) -> asyncio.Task:
         if self._startup is None:
             self._startup = asyncio.get_running_loop().create_task(self._start_up())

@@ -30,7 +30,7 @@ from dataclasses import replace as dataclasses_replace
 import httpx
 import openai
 import pytest
-from helpers import SIM_PROFILE, free_port, simulated_cluster, simulated_outputs
+from helpers import SIM_PROFILE, free_port, simulated_cluster, simulated_outputs, wait_healthy
 
 from records.sampling_params import SamplingParams
 
@@ -120,19 +120,28 @@ def metric(base: str, name: str) -> float:
 
 
 @contextlib.contextmanager
-def served(nodes, model: str | None, name: str, pool: dict, engine: dict = ENGINE):
+def served(nodes, model: str | None, name: str, pool: dict, engine: dict = ENGINE, ready: bool = True):
     """A decode pool of `pool` deployed on the simulated cluster: (its spec, base URL, manager);
-    on exit the deployment is shut down and every engine node removed."""
+    on exit the deployment is shut down and every engine node removed. `ready=False`: yield as soon
+    as the app answers, its pools maybe still waiting to be placed (what `pdserve serve` does
+    before its "serving on" line)."""
     import ray
+    from ray import serve
 
+    from cluster.app import build_app
     from cluster.config import ClusterConfig
-    from cluster.launch import serve_cluster, shutdown
+    from cluster.launch import serve_cluster, shutdown, start_pools
     from cluster.manager import MANAGER_NAME
 
     config = ClusterConfig(model=model, engine=engine, pools={"decode": pool}, serving=SERVING,
                            placement_timeout_s=120, name=name)
     try:
-        serve_cluster(config, blocking=False)
+        if ready:
+            serve_cluster(config, blocking=False)
+        else:
+            start_pools(config)
+            serve.start(http_options={"host": "127.0.0.1", "port": config.serving.port})
+            serve.run(build_app(config), name=config.name, route_prefix="/", blocking=False)
         yield config, f"http://127.0.0.1:{config.serving.port}", ray.get_actor(MANAGER_NAME, namespace=name)
     finally:
         shutdown(config)
@@ -313,12 +322,17 @@ def test_an_autoscaled_pool_follows_a_load_ramp_onto_a_node_added_for_it(nodes, 
 
     max_tokens = 32
     want = dict(zip(RAMP_PROMPTS, simulated_outputs(RAMP_PROMPTS, max_tokens, **SIM_ORACLE)))
-    add_engine_node(nodes)
     autoscaling = {"min_replicas": 1, "max_replicas": 2, "target_running_requests": 4, "window_s": 2,
                    "upscale_delay_s": 2, "downscale_delay_s": 2, "cooldown_s": 2}
     with served(nodes, None, "pdserve-ramp", {"replicas": 1, "replicas_per_process": 1, "resources": {"engine": 1},
-                                              "autoscaling": autoscaling}, SIM_ENGINE) as (config, base, manager):
+                                              "autoscaling": autoscaling}, SIM_ENGINE, ready=False) \
+            as (config, base, manager):
+        # No engine node yet: the replica waits to be placed, and the ingress says why it is not ready.
+        health = httpx.get(f"{base}/health", timeout=60)
+        assert health.status_code == 503 and health.json()["status"] == "starting", health.text
+        add_engine_node(nodes)
         wait_for_pool(manager, "decode", 1, set())
+        wait_healthy(base)
         done: list[tuple[str, str]] = []
 
         async def requests(prompts: list[str], concurrency: int, stop: threading.Event | None) -> None:

@@ -27,8 +27,7 @@ def test_thirty_two_simulated_replicas_serve_behind_the_real_ingress(eventually_
 
     from cluster.app import build_app
     from cluster.config import ClusterConfig
-    from cluster.launch import init_ray
-    from cluster.manager import MANAGER_NAME
+    from cluster.launch import init_ray, start_pools
 
     init_ray(num_cpus=8)
     port = free_port()
@@ -36,9 +35,9 @@ def test_thirty_two_simulated_replicas_serve_behind_the_real_ingress(eventually_
     config = ClusterConfig(engine=engine, pools={"decode": {"replicas": 32}}, serving={"port": port},
                            name="pdserve-sim-scale")
     assert config.pools["decode"].replicas_per_process == 8
+    manager = start_pools(config)               # (loading while Serve starts)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config), name=config.name, route_prefix="/sim")
-    manager = ray.get_actor(MANAGER_NAME, namespace=config.name)
     try:
         status = ray.get(manager.pool_status.remote())["decode"]
         assert len(status["replicas"]) == 32 and {r["state"] for r in status["detail"]} == {"serving"}
