@@ -54,7 +54,8 @@ def apps(tiny_llama, adapters, eventually_no_leaks, otlp):
 
     from cluster.app import build_app
     from cluster.config import ClusterConfig
-    from cluster.launch import grpc_start_options, init_ray, start_pools
+    from cluster.launch import grpc_start_options, init_ray
+    from cluster.manager import MANAGER_NAME
 
     init_ray(num_cpus=8)
     port, grpc_port = free_port(), free_port()
@@ -80,14 +81,13 @@ def apps(tiny_llama, adapters, eventually_no_leaks, otlp):
                        serving={**serving, "otlp_traces_endpoint": otlp.endpoint, "log_requests": True},
                        name="pdserve-pd", lora=lora)
     configs = {"main": (main, "/"), "limited": (limited, "/limited"), "pd": (pd, "/pd")}
-    # Every app's pools load while Serve and the ingresses start.
-    managers = {name: start_pools(config) for name, (config, _) in configs.items()}
     serve.start(http_options={"host": "127.0.0.1", "port": port}, **grpc_start_options(main))
     for config, prefix in configs.values():
         serve.run(build_app(config), name=config.name, route_prefix=prefix)
     base = f"http://127.0.0.1:{port}"
     for _, prefix in configs.values():
         wait_healthy(f"{base}{prefix.rstrip('/')}")
+    managers = {name: ray.get_actor(MANAGER_NAME, namespace=config.name) for name, (config, _) in configs.items()}
     yield port, grpc_port, managers
     for name, manager in managers.items():      # block accounting on every replica: nothing left behind
         pools = ray.get(manager.membership.remote())[1]
