@@ -35,6 +35,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -89,8 +90,8 @@ def serving(cmd: list[str], port: int, timeout_s: float = 600) -> Iterator[str]:
     """Run a server command (its own process group, in the repository) listening on `port`; yield
     its base URL once /health answers 200, and stop it (SIGINT, then SIGKILL) at the end."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    log = tempfile.NamedTemporaryFile("w+", prefix="pdserve-bench-server-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
@@ -101,11 +102,14 @@ def serving(cmd: list[str], port: int, timeout_s: float = 600) -> Iterator[str]:
             except httpx.HTTPError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"{' '.join(cmd[:3])} did not come up")
+                log.seek(0)
+                raise SystemExit(f"{' '.join(cmd[:3])} did not come up; its output ({log.name}) ends:\n"
+                                 + log.read()[-3000:])
             time.sleep(1.0)
         yield base
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
+        with contextlib.suppress(ProcessLookupError):      # (it may have exited: "did not come up")
+            os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
