@@ -30,7 +30,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from records.config import EngineConfig
 from records.engine_args import EngineArgs
@@ -203,6 +203,15 @@ class ClusterConfig(StrictSpec):
             raise ValueError(f"engine must not set {kv_keys}: the disaggregation section configures "
                              f"the KV connector")
         return engine
+
+    @model_validator(mode="after")
+    def _adapters_not_under_model_names(self) -> ClusterConfig:
+        adapters = self.lora.modules if self.lora is not None else {}
+        taken = [n for n in adapters if n in self.serving.served_model_names]
+        if taken:
+            raise ValueError(f"lora.modules {taken}: the base model is served under that name "
+                             f"(serving.served_model_name: {self.serving.served_model_names})")
+        return self
 
     def engine_args(self, pool: str = "decode") -> EngineArgs:
         """The engine arguments of one pool's replicas: the engine section, the pool's parallelism

@@ -182,7 +182,8 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
                   if field in ENGINE_FLAGS and value is not None)
     data["engine"] = engine
     if args.served_model_name is not None:
-        serving["served_model_name"] = args.served_model_name
+        names = args.served_model_name
+        serving["served_model_name"] = names[0] if len(names) == 1 else names
     if args.api_key is not None:
         serving["api_key"] = args.api_key
     pools = {name: dict(spec) for name, spec in data.get("pools", {}).items()}
@@ -292,7 +293,9 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank (default 16)")
     ap.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or a local Ray)")
     ap.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a local Ray")
-    ap.add_argument("--served-model-name", default=None, help="the model's name in the API (serving.served_model_name)")
+    ap.add_argument("--served-model-name", nargs="+", default=None,
+                    help="the model's name in the API, or several: requests may use any, responses name "
+                         "the first (serving.served_model_name)")
     ap.add_argument("--api-key", default=None, help="requests need `Authorization: Bearer <key>` (serving.api_key)")
     ap.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                     help="export a span per hop of each request over OTLP to this collector, e.g. "

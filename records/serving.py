@@ -124,7 +124,9 @@ class TenantSpec(StrictSpec):
 class ServingSpec(StrictSpec):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    served_model_name: str | None = None        # default: the model's directory or file name
+    # The model's name in the API, or several (vLLM's --served-model-name a b): requests may name
+    # any, responses name the first. Default: the model's directory or file name.
+    served_model_name: str | list[str] | None = None
     api_key: str | None = None                  # when set, requests need `Authorization: Bearer <key>`
     api_key_env: str | None = None              # or: the environment variable that holds the key (a
                                                 # Kubernetes Secret), read by the ingress at startup
@@ -208,6 +210,24 @@ class ServingSpec(StrictSpec):
     # of the tokenizer's (a base model has none). A path is read when the spec is built, so the
     # ingress replicas get the text wherever they run.
     chat_template: str | None = None
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _served_names(cls, value: str | list[str] | None) -> str | list[str] | None:
+        names = [value] if isinstance(value, str) else value or []
+        if isinstance(value, list) and not value:
+            raise ValueError("served_model_name must name at least one model (or be left out)")
+        if any(not n or n != n.strip() for n in names):
+            raise ValueError(f"served_model_name must be non-empty names without surrounding spaces; got {names}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"served_model_name names a model twice: {names}")
+        return value
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """`served_model_name` as a list (empty: the default name)."""
+        value = self.served_model_name
+        return [value] if isinstance(value, str) else list(value or [])
 
     @field_validator("otlp_traces_endpoint")
     @classmethod

@@ -74,15 +74,18 @@ class RequestPreparer:
         self._adapter_limits = (self.hf_config, engine.lora_config.max_lora_rank
                                 if engine.lora_config is not None else 0)
         self.vocab_size, self.max_model_len, self.max_num_seqs = info.vocab_size, info.max_model_len, info.max_num_seqs
-        self.model_name = config.serving.served_model_name or (
-            config.model if is_hub_id(config.model) else _default_name(info.model, info.gguf_file))
+        # The names requests may use for the base model; responses name the first (as vLLM's).
+        self.model_names = config.serving.served_model_names or [
+            config.model if is_hub_id(config.model) else _default_name(info.model, info.gguf_file)]
+        self.model_name = self.model_names[0]
         # LoRA adapters served under their own names (name -> request), from the spec and the
         # runtime endpoints; ids count up as vLLM's do.
         self.adapters: dict[str, LoRARequest] = {}
         self._lora_ids = itertools.count(1)
         for name, path in (config.lora.modules if config.lora is not None else {}).items():
-            if name == self.model_name:
-                raise ValueError(f"lora.modules.{name}: the base model is served under that name")
+            if name in self.model_names:
+                raise ValueError(f"lora.modules.{name}: the base model is served under that name "
+                                 f"(serving.served_model_name: {self.model_names})")
             self.adapters[name] = LoRARequest(name, next(self._lora_ids), path)
         self.tokenizer = load_tokenizer(info.model, info.gguf_file)
         if config.serving.chat_template is not None and self.tokenizer is not None:
@@ -95,11 +98,11 @@ class RequestPreparer:
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); NotFoundError naming the
         models this server serves."""
-        if model is None or model == self.model_name:
+        if model is None or model in self.model_names:
             return None
         adapter = self.adapters.get(model)
         if adapter is None:
-            served = [self.model_name, *self.adapters]
+            served = [*self.model_names, *self.adapters]
             raise NotFoundError(f"model {model!r} does not exist; this server serves {served}", "model")
         return adapter
 
@@ -308,9 +311,10 @@ class RequestPreparer:
         created = now()
         base = {"id": self.model_name, "object": "model", "created": created, "owned_by": "pdserve",
                 "root": self.info.model, "parent": None, "max_model_len": self.max_model_len}
+        names = [{**base, "id": name} for name in self.model_names]     # a card per name, as vLLM's
         adapters = [{**base, "id": name, "root": lora.lora_path, "parent": self.model_name}
                     for name, lora in self.adapters.items()]
-        return {"object": "list", "data": [base, *adapters]}
+        return {"object": "list", "data": [*names, *adapters]}
 
     def model(self, name: str) -> dict[str, Any]:
         """OpenAI's GET /v1/models/{model}: the card of the base model or an adapter this server
@@ -325,7 +329,7 @@ class RequestPreparer:
         table: a spec with several ingress replicas lists them in `lora.modules` instead."""
         self._check_runtime_updates()
         req: LoadLoRAAdapterRequest = self.parse(LoadLoRAAdapterRequest, data)
-        if req.lora_name == self.model_name or req.lora_name in self.adapters:
+        if req.lora_name in self.model_names or req.lora_name in self.adapters:
             raise InvalidRequestError(f"lora_name {req.lora_name!r} is already served; unload it first",
                                       param="lora_name")
         try:

@@ -17,7 +17,7 @@ import time
 
 import openai
 import pytest
-from helpers import REPO, free_port, wait_healthy
+from helpers import REPO, free_port, make_adapter, wait_healthy
 
 ray = pytest.importorskip("ray", reason="needs ray[serve] (make setup installs it)")
 pytestmark = pytest.mark.ray
@@ -142,6 +142,38 @@ def test_chat_template_from_a_file_or_inline(tiny_llama, tmp_path):
     out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1), use_tqdm=False,
                    chat_template=template)[0]
     assert llm.get_tokenizer().decode(out.prompt_token_ids) == "<<user>> Hi\n<<assistant>>"
+
+
+def test_several_served_model_names_answer_as_one_model(tiny_llama, tmp_path):
+    """`--served-model-name a b` (vLLM's): requests may name any, responses and the adapters' parent
+    name the first, /v1/models has a card for each; an adapter may not take one of them, and a
+    name given twice, blank or an empty list is refused naming the field."""
+    import argparse
+
+    from cluster.config import ClusterConfig
+    from cluster.launch import add_serve_args, config_from_args
+    from records.errors import NotFoundError
+    from router.ingress.preparer import RequestPreparer
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    config = config_from_args(parser.parse_args(["--model", tiny_llama, "--served-model-name", "tiny", "tiny-chat"]))
+    assert config.serving.served_model_name == ["tiny", "tiny-chat"]
+    one = config_from_args(parser.parse_args(["--model", tiny_llama, "--served-model-name", "tiny"]))
+    assert one.serving.served_model_name == "tiny"
+    preparer = RequestPreparer(config.ingress_spec())
+    assert preparer.model_name == "tiny" and preparer.check_model("tiny-chat") is None
+    assert [card["id"] for card in preparer.models()["data"]] == ["tiny", "tiny-chat"]
+    assert preparer.model("tiny-chat")["root"] == preparer.model("tiny")["root"]
+    with pytest.raises(NotFoundError, match=r"'tiny-2' does not exist; this server serves \['tiny', 'tiny-chat'\]"):
+        preparer.check_model("tiny-2")
+    with pytest.raises(ValueError, match=r"lora.modules \['tiny-chat'\]: the base model is served under that name"):
+        adapter = make_adapter(tiny_llama, str(tmp_path / "a"), 8, ["q_proj"], seed=1)
+        ClusterConfig(model=tiny_llama, serving={"served_model_name": ["tiny", "tiny-chat"]},
+                      lora={"modules": {"tiny-chat": adapter}})
+    for bad, says in ((["a", "a"], "names a model twice"), ([], "at least one model"), (["a", " b"], "surrounding")):
+        with pytest.raises(ValueError, match=f"served_model_name.*{says}"):
+            ClusterConfig(model=tiny_llama, serving={"served_model_name": bad})
 
 
 def test_vllm_named_flags_set_the_spec():

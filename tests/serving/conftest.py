@@ -12,7 +12,8 @@ pools load side by side:
   fewer than 32 uncached tokens are prefilled on the decode replica; traced to an OTLP receiver in
   this process, its requests logged, a host offload tier on the decode replica.
 
-At the end every replica must hold no request and no KV block.
+Each serves the model as "tiny" and "tiny-chat". At the end every replica must hold no request and
+no KV block.
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def apps(tiny_llama, adapters, eventually_no_leaks, otlp):
     port, grpc_port = free_port(), free_port()
     engine = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 16}
     # The apps answer at once and load their pools side by side (/health says when they serve).
-    serving = {"port": port, "grpc_port": grpc_port, "wait_for_pools": False}
+    serving = {"port": port, "grpc_port": grpc_port, "wait_for_pools": False,
+               "served_model_name": ["tiny", "tiny-chat"]}        # (vLLM's --served-model-name tiny tiny-chat)
     lora = {"modules": {"ad1": adapters["ad1"]}, "max_loras": 2}
     main = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 2, "num_cpus": 1}},
                          serving={**serving, "api_key": API_KEY, "max_body_bytes": 1 << 20,

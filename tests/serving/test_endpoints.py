@@ -16,8 +16,12 @@ pytestmark = pytest.mark.ray
 
 def test_models_health_tokenize(server, client):
     models = client.models.list()
-    assert [m.id for m in models.data] == [server["model"], "ad1"]     # the base model, then its adapter
-    assert models.data[1].model_extra["parent"] == server["model"]
+    # The base model under each of its names, then its adapter.
+    assert [m.id for m in models.data] == [server["model"], "tiny-chat", "ad1"] and server["model"] == "tiny"
+    assert models.data[2].model_extra["parent"] == server["model"]
+    aliased = client.completions.create(model="tiny-chat", prompt="Hello", max_tokens=3, temperature=0)
+    assert aliased.model == "tiny" and aliased.choices[0].text == client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=3, temperature=0).choices[0].text
     assert client.models.retrieve("ad1").model_extra["parent"] == server["model"]
     with pytest.raises(openai.NotFoundError, match="model 'nope/x' does not exist"):
         client.models.retrieve("nope/x")
