@@ -2,17 +2,19 @@
 
 A plain class around `AsyncLLMEngine` (Ray is applied in `cluster/pool.py`):
 - The output channel, one per (ingress, replica) pair: an ingress opens it once
-  (`open_channel(ingress_id)`, a Ray streaming generator when this runs as an actor) and then
-  `submit`s requests; every engine step in which some of its requests advanced becomes one message
-  on its channel, a list of `StepDelta`s (per request: the tokens, text and logprobs that step
-  produced for each of its n choices, or the error that ended it). The engine never waits for a
-  message to be taken (see AsyncLLMEngine), and a channel that closes (its ingress went away)
-  aborts whatever that ingress still runs here. `abort(request_ids)` reaches the engine before its
-  next step.
+  (`open_channel(ingress_id, kv_cursor)`, a Ray streaming generator when this runs as an actor)
+  and then `submit`s requests; every engine step in which some of its requests advanced, or which
+  produced KV events the ingress follows, becomes one `ChannelMessage` on its channel: a list of
+  `StepDelta`s (per request: the tokens, text and logprobs that step produced for each of its n
+  choices, or the error that ended it) and the KV events since the last message. The engine never
+  waits for a message to be taken (see AsyncLLMEngine), and a channel that closes (its ingress
+  went away) aborts whatever that ingress still runs here. `abort(request_ids)` reaches the engine
+  before its next step.
 - `generate()` streams one request's StepDeltas on their own (tests and tools).
-- `kv_events_since(cursor)` serves the engine's KV events as an ordered log that any number of
-  routers read at their own pace; a reader whose cursor fell off the bounded log gets a snapshot
-  (`AllCleared` + `BlockStored(every cached hash)`) that brings its index back in line exactly.
+- The engine's KV events are an ordered log that any number of readers follow at their own pace:
+  the channels (from the cursor an ingress opened its channel at) and `kv_events_since(cursor)`; a
+  reader whose cursor fell off the bounded log gets a snapshot (`AllCleared` + `BlockStored(every
+  cached hash)`) that brings its index back in line exactly.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from engine.async_engine import AsyncLLMEngine, request_error
 from pdserve_proto.kv_events import encode_kv_events
 from records.config import EngineConfig
 from records.errors import EngineDeadError
-from records.outputs import KVEvent, RequestOutput, StepDelta
+from records.outputs import ChannelMessage, KVEvent, RequestOutput, StepDelta
 from records.request import Continuation
 from records.sampling_params import SamplingParams
 
@@ -57,7 +59,8 @@ class _Outbox:
         self.deltas: list[StepDelta] = []
         self.ready = asyncio.Event()
         self.request_ids: set[str] = set()
-        self.open = False
+        self.channel = 0                         # which of its channels is the open one (counts up)
+        self.kv_cursor: int | None = None        # where its KV events stand (None: it does not follow them)
 
     def put(self, delta: StepDelta) -> None:
         self.deltas.append(delta)
@@ -93,6 +96,7 @@ class EngineReplica:
         """Load the model and size the KV cache (once); returns `info()`."""
         if self.engine is None:
             self.engine = AsyncLLMEngine(self.config)
+            self.engine.on_step = self._stepped
             # On each of its requests' spans (engine/telemetry.py): which replica, pool and node.
             self.engine.engine.telemetry.attributes.update({
                 "pdserve.replica": self.replica_id, "pdserve.pool": self.replica_id.rpartition("-")[0],
@@ -109,27 +113,39 @@ class EngineReplica:
                 "max_model_len": mc.max_model_len, "max_num_seqs": self.config.scheduler_config.max_num_seqs}
 
     # --- the output channel -------------------------------------------------------------------------
-    async def open_channel(self, ingress_id: str) -> AsyncIterator[list[StepDelta]]:
+    async def open_channel(self, ingress_id: str, kv_cursor: int | None = None) -> AsyncIterator[ChannelMessage]:
         """The channel of one ingress: one message per engine step in which any of its requests
-        advanced (an empty one every CHANNEL_HEARTBEAT_S when idle). Closing it (the ingress went
-        away) aborts the requests that ingress still runs here."""
+        advanced or, with `kv_cursor` (the KV event log's cursor to follow from: 0 at the start),
+        which produced KV events (an empty one every CHANNEL_HEARTBEAT_S when idle). Closing it
+        (the ingress went away) aborts the requests that ingress still runs here. A channel the
+        same ingress opens again replaces this one, which ends quietly (the ingress may see its end
+        only later, as a dropped stream does)."""
         box = self._outboxes.setdefault(ingress_id, _Outbox())
-        if box.open:
-            raise ValueError(f"ingress {ingress_id!r} already has a channel open to {self.replica_id}")
-        box.open = True
+        box.channel += 1
+        mine, box.kv_cursor = box.channel, kv_cursor
+        box.ready.set()             # (an earlier channel wakes and ends; this one sends what waits)
         try:
             while True:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(box.ready.wait(), CHANNEL_HEARTBEAT_S)
+                if box.channel != mine:
+                    return
                 if self._closed:
                     raise EngineDeadError(f"replica {self.replica_id} was closed")
                 box.ready.clear()
                 batch, box.deltas = box.deltas, []
-                yield batch
+                events = None
+                if box.kv_cursor is not None:
+                    self._take_events()
+                    end, records = self._events_after(box.kv_cursor)
+                    if end != box.kv_cursor or records:
+                        events, box.kv_cursor = encode_kv_events(end, records, self.replica_id), end
+                yield ChannelMessage(batch, events)
         finally:
-            for request_id in box.request_ids:
-                self.engine.abort(request_id)
-            self._outboxes.pop(ingress_id, None)
+            if box.channel == mine:         # (a replaced channel leaves the requests to its successor)
+                for request_id in box.request_ids:
+                    self.engine.abort(request_id)
+                self._outboxes.pop(ingress_id, None)
 
     def submit(self, ingress_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                kv_transfer_params: dict | None = None, continuation: Continuation | None = None,
@@ -192,7 +208,9 @@ class EngineReplica:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (refused while requests hold blocks); emits AllCleared."""
-        return self.engine.engine.reset_prefix_cache()
+        done = self.engine.engine.reset_prefix_cache()
+        self._stepped()             # (no step follows an idle engine's reset: tell the channels now)
+        return done
 
     def leaks(self) -> str | None:
         """What is left behind, in words (a request in the engine or on a channel, a pull, a lease,
@@ -222,18 +240,36 @@ class EngineReplica:
 
     async def kv_event_records_since(self, cursor: int, wait_s: float = 0.0) -> tuple[int, list[KVEvent]]:
         """`kv_events_since` as Python records (in-process readers)."""
-        self._log.extend(self.engine.take_kv_events())
+        self._take_events()
         deadline = time.monotonic() + wait_s
         # Wait on until a step has produced events: most decode steps fill no block, and answering
         # each with nothing cost the ingress and this actor a wake-up per token.
         while cursor >= self._log_start + len(self._log) and (left := deadline - time.monotonic()) > 0:
             await self.engine.wait_for_step(left)
-            self._log.extend(self.engine.take_kv_events())
+            self._take_events()
+        return self._events_after(cursor)
+
+    def _take_events(self) -> bool:
+        """Move the engine's new KV events onto the log (bounded: its oldest half goes when full);
+        whether there were any."""
+        new = self.engine.take_kv_events()
+        self._log.extend(new)
         if len(self._log) > MAX_EVENT_LOG:
             drop = len(self._log) - MAX_EVENT_LOG // 2
             del self._log[:drop]
             self._log_start += drop
+        return bool(new)
+
+    def _events_after(self, cursor: int) -> tuple[int, list[KVEvent]]:
+        """The log's end cursor and its events after `cursor` (a snapshot for one fallen off the log)."""
         end = self._log_start + len(self._log)
         if cursor < self._log_start:
             return end, self.engine.engine.kv_cache_manager.block_pool.snapshot()
         return end, self._log[cursor - self._log_start:]
+
+    def _stepped(self) -> None:
+        """After an engine step: wake the channels that follow KV events if it produced any."""
+        if self._take_events():
+            for box in self._outboxes.values():
+                if box.kv_cursor is not None:
+                    box.ready.set()

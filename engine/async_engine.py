@@ -61,6 +61,7 @@ class AsyncLLMEngine:
         self._loop_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
         self._step_signal: asyncio.Event | None = None      # set (and replaced) after every step
+        self.on_step: Callable[[], None] | None = None      # called after every step (on the loop)
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> AsyncLLMEngine:
@@ -228,6 +229,8 @@ class AsyncLLMEngine:
                 if self._step_signal is not None:
                     signal, self._step_signal = self._step_signal, None
                     signal.set()
+                if self.on_step is not None:
+                    self.on_step()
                 # Let consumers and new requests in between steps; when only transfers are pending
                 # (a pull in flight, blocks under lease) poll them without spinning.
                 await asyncio.sleep(IDLE_POLL_S if self.engine.last_step_idle else 0)

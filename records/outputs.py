@@ -195,3 +195,13 @@ class StepDelta:
                    for c in out.outputs]
         return cls(out.request_id, choices, out.finished, len(out.prompt_token_ids), out.num_cached_tokens,
                    dict(out.metrics), out.kv_transfer_params, error, out.prompt_logprobs or None, out.embedding)
+
+
+@dataclass(slots=True)
+class ChannelMessage:
+    """One message on a replica's output channel to an ingress (cluster/replica.py): the deltas of
+    that ingress's requests an engine step produced, and, for an ingress that follows the replica's
+    KV events, those since the last message (a protobuf `KVEventBatch`: its end cursor and events;
+    None when there are none)."""
+    deltas: list[StepDelta]
+    kv_events: bytes | None = None

@@ -2,10 +2,13 @@
 
 One per (ingress, replica) pair instead of one Ray stream per request: the ingress submits each
 request with a plain call and receives every engine step's deltas for all of its requests on that
-replica as one message, which a single task here hands to the requests' queues. A request whose
-consumer stops early (client disconnect) is aborted on the replica at once; the replica aborts
-everything of an ingress whose channel closes. When the replica dies, every request on the channel
-gets the Ray error (the router re-routes those that streamed nothing yet).
+replica as one message, which a single task here hands to the requests' queues. A channel that
+follows the replica's KV events (`on_events`) gets them on the same messages, in the log's order,
+from the cursor it last reached (so a reopened channel misses none and repeats none): one stream
+per replica carries both. A request whose consumer stops early (client disconnect) is aborted on the
+replica at once; the replica aborts everything of an ingress whose channel closes. When the replica
+dies, every request on the channel gets the Ray error (the router re-routes those that streamed
+nothing yet).
 
 The channel and the aborts are sent outside the calling request's context. Ray ties an actor call
 to the task that made it, and Serve cancels an HTTP request's task when its client goes away,
@@ -19,22 +22,34 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from records.outputs import StepDelta
+from records.outputs import ChannelMessage, StepDelta
 from records.request import Continuation
 from records.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# After a channel that follows KV events ends for a reason other than its replica's end: how long
+# until it is opened again.
+REOPEN_S = 1.0
+
 
 class ReplicaChannel:
-    def __init__(self, handle: Any, ingress_id: str) -> None:
-        """handle: the replica's Ray actor handle; ingress_id: unique per ingress process."""
+    def __init__(self, handle: Any, ingress_id: str, on_events: Callable[[bytes], int | None] | None = None,
+                 on_end: Callable[[BaseException], bool] | None = None, kv_cursor: int = 0) -> None:
+        """handle: the replica's Ray actor handle; ingress_id: unique per ingress process.
+        `on_events`: follow the replica's KV events from `kv_cursor`: called with each message's
+        batch (protobuf), it returns the cursor the batch ends at (None: the batch was refused,
+        and the channel stops following). `on_end(error)`: called when the channel ends; True
+        means the replica is gone for good (the channel is not opened again for its events)."""
         self.handle = handle
         self.ingress_id = ingress_id
         self.queues: dict[str, asyncio.Queue] = {}     # request id -> its deltas (or the channel's error)
+        self.on_events = on_events
+        self.on_end = on_end
+        self.kv_cursor = kv_cursor
         self._receiver: asyncio.Task | None = None
 
     async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -45,7 +60,7 @@ class ReplicaChannel:
         Raises what the replica raised on submit (ValueError for bad input), the error a delta
         carries (RequestFailedError, EngineDeadError, ...), or the Ray error of a dead replica.
         Stopping early aborts it."""
-        self._open()
+        self.open()
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         finished = False
@@ -71,24 +86,39 @@ class ReplicaChannel:
             self._receiver.cancel()
             self._receiver = None
 
-    def _open(self) -> None:
+    def open(self) -> None:
+        """Open the channel now (it opens on the first request otherwise); one that follows KV
+        events is opened again after it ends, until its replica is gone or `close()`."""
         if self._receiver is None or self._receiver.done():
             self._receiver = asyncio.get_running_loop().create_task(self._receive(),
                                                                     context=contextvars.Context())
 
     async def _receive(self) -> None:
-        try:
-            stream = self.handle.open_channel.options(num_returns="streaming").remote(self.ingress_id)
-            async for ref in stream:
-                for delta in await ref:
-                    queue = self.queues.get(delta.request_id)
-                    if queue is not None:
-                        queue.put_nowait(delta)
-            error: BaseException = ConnectionError("the replica closed its output channel")
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the replica is gone: every request on it learns why
-            error = e
-        logger.warning("the output channel to a replica ended: %s", type(error).__name__)
-        for queue in self.queues.values():
-            queue.put_nowait(error)
+        while True:
+            try:
+                cursor = self.kv_cursor if self.on_events is not None else None
+                stream = self.handle.open_channel.options(num_returns="streaming").remote(self.ingress_id, cursor)
+                async for ref in stream:
+                    message: ChannelMessage = await ref
+                    if message.kv_events is not None and self.on_events is not None:
+                        end = self.on_events(message.kv_events)
+                        if end is None:             # refused: the channel follows no events from now on
+                            self.on_events = None
+                        else:
+                            self.kv_cursor = end
+                    for delta in message.deltas:
+                        queue = self.queues.get(delta.request_id)
+                        if queue is not None:
+                            queue.put_nowait(delta)
+                error: BaseException = ConnectionError("the replica closed its output channel")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the replica is gone: every request on it learns why
+                error = e
+            logger.warning("the output channel to a replica ended: %s", type(error).__name__)
+            for queue in self.queues.values():
+                queue.put_nowait(error)
+            gone = self.on_end(error) if self.on_end is not None else True
+            if gone or self.on_events is None:
+                return
+            await asyncio.sleep(REOPEN_S)

@@ -8,11 +8,13 @@ Tokens come back over one output channel per replica (router/routing/channel.py)
 deltas for all of this router's requests on a replica arrive as one message. A replica lost under a
 stream has the stream migrate to another replica of the pool (`RequestRouter.generate`).
 
-The router keeps its per-replica view fresh in the background: a long poll per replica on its KV
-event log (`EngineReplica.kv_events_since` answers after the first replica step with events, so
-they arrive within a step and idle replicas cost nothing; the batches travel as protobuf
-`KVEventBatch`, and a replica of another schema version has its events refused, with an error
-logged) and stats every `stats_interval_s`; in-flight counts are its own.
+The router keeps its per-replica view fresh in the background once started: each replica's KV
+events arrive on its output channel, opened at the start for every replica (the events of a step
+on the message that step's deltas travel on, so they arrive within a step, cost no call of their
+own, and idle replicas send nothing; the batches travel as protobuf `KVEventBatch`, and a replica
+of another schema version has its events refused, with an error logged), and stats every
+`stats_interval_s`; in-flight counts are its own. A router not started (tools, tests) reads the
+events when told (`sync_events`).
 """
 from __future__ import annotations
 
@@ -76,8 +78,8 @@ class RequestRouter:
         self.down: set[str] = set()          # failed a call; not routed to until membership drops it
         self._available: list[str] | None = None     # `available`, until the membership or `down` changes
         self._available_down = 0
-        self._cursors: dict[str, int] = {}
-        self._followers: dict[str, asyncio.Task] = {}
+        self._cursors: dict[str, int] = {}        # KV events applied (`sync_events`; started: the channels')
+        self._started = False
         # This router's output channels, one per replica (opened on the first request to it).
         self.ingress_id = f"{pool}-{uuid.uuid4().hex[:12]}"
         self._channels: dict[str, ReplicaChannel] = {}
@@ -98,12 +100,10 @@ class RequestRouter:
             self.metrics.drop_replica(self.pool, r)
             channel = self._channels.pop(r, None)
             if channel is not None and load.in_flight > 0:
+                channel.on_events = None            # its events are no longer applied
                 self._leaving[r] = channel
             elif channel is not None:
                 channel.close()
-            task = self._followers.pop(r, None)
-            if task is not None:
-                task.cancel()
         for r, handle in replicas.items():
             if r in self.replicas:
                 continue
@@ -112,8 +112,8 @@ class RequestRouter:
             self.adapters[r] = OrderedDict()
             self._cursors[r] = 0
             self.index.add_replica(r)
-            if self._stats_task is not None:
-                self._followers[r] = asyncio.get_running_loop().create_task(self._follow_events(r))
+            if self._started:
+                self._channel(r).open()
 
     @property
     def available(self) -> list[str]:
@@ -136,31 +136,46 @@ class RequestRouter:
 
     # --- background view of the replicas -----------------------------------------------------------
     def start(self) -> None:
-        """Start the background view: one long-poll loop per replica for KV events, one for stats."""
-        if self._stats_task is not None:
+        """Start the background view: every replica's channel (its KV events), and stats polls."""
+        if self._started:
             return
-        loop = asyncio.get_running_loop()
-        self._stats_task = loop.create_task(self._poll_stats())
-        self._followers = {r: loop.create_task(self._follow_events(r)) for r in self.replicas}
+        self._started = True
+        self._stats_task = asyncio.get_running_loop().create_task(self._poll_stats())
+        for r in self.replicas:
+            self._channel(r).open()
 
-    async def _follow_events(self, replica_id: str) -> None:
-        handle = self.replicas[replica_id]
-        while True:
-            try:
-                cursor, events = decode_kv_events(
-                    await handle.kv_events_since.remote(self._cursors[replica_id], 1.0))
-                self._cursors[replica_id] = cursor
-                self.index.apply(replica_id, events)
-            except RayActorError as e:    # gone: membership will drop it
-                self.mark_down(replica_id, e)
-                await asyncio.sleep(1.0)
-            except SchemaVersionMismatch as e:  # another pdserve version: its events are not applied
-                logger.error("refusing KV events of %s replica %s: %s", self.pool, replica_id, e)
-                self.metrics.errors.inc(code="kv_events_schema_mismatch")
-                await asyncio.sleep(5.0)
-            except Exception:
-                logger.exception("following KV events of %s failed", replica_id)
-                await asyncio.sleep(1.0)
+    def _channel(self, replica_id: str) -> ReplicaChannel:
+        """The replica's output channel (made on first use; once started, it follows its KV events)."""
+        channel = self._channels.get(replica_id)
+        if channel is None:
+            follow = self._started and replica_id in self.replicas
+            channel = self._channels[replica_id] = ReplicaChannel(
+                self.replicas[replica_id], self.ingress_id,
+                (lambda batch: self._apply_events(replica_id, batch)) if follow else None,
+                lambda error: self._channel_ended(replica_id, error), self._cursors.get(replica_id, 0))
+        return channel
+
+    def _apply_events(self, replica_id: str, batch: bytes) -> int | None:
+        """Apply a replica's KV event batch to the index; the cursor it ends at (None: refused)."""
+        try:
+            cursor, events = decode_kv_events(batch)
+        except SchemaVersionMismatch as e:  # another pdserve version: its events are not applied
+            logger.error("refusing KV events of %s replica %s: %s", self.pool, replica_id, e)
+            self.metrics.errors.inc(code="kv_events_schema_mismatch")
+            return None
+        if replica_id in self.replicas:
+            self.index.apply(replica_id, events)
+            self._cursors[replica_id] = cursor
+        return cursor
+
+    def _channel_ended(self, replica_id: str, error: BaseException) -> bool:
+        """A replica's channel ended with `error`: whether the replica is gone for good (a dead
+        actor, a closed engine, or no longer a member), else it is opened again."""
+        gone = replica_id not in self.replicas or isinstance(error, EngineDeadError) or (
+            isinstance(error, RayActorError) and not isinstance(error, ActorUnavailableError))
+        if gone and replica_id in self.replicas:
+            self.mark_down(replica_id, error)
+        return gone
 
     async def _poll_stats(self) -> None:
         while True:
@@ -171,7 +186,8 @@ class RequestRouter:
             await asyncio.sleep(self.stats_interval_s)
 
     async def sync_events(self) -> None:
-        """Apply every replica's new KV events to the prefix index."""
+        """Apply every replica's new KV events to the prefix index (a router not started; a
+        started one's channels bring them)."""
         ids = list(self.replicas)
         results = await asyncio.gather(
             *[self.replicas[r].kv_events_since.remote(self._cursors[r]) for r in ids], return_exceptions=True)
@@ -379,9 +395,7 @@ class RequestRouter:
                       params: SamplingParams, kv_transfer_params: dict | None, prefill_tokens: int = 0,
                       continuation: Continuation | None = None, started: float | None = None,
                       carrier: dict[str, str] | None = None) -> AsyncIterator[StepDelta]:
-        channel = self._channels.get(replica_id)
-        if channel is None:
-            channel = self._channels[replica_id] = ReplicaChannel(self.replicas[replica_id], self.ingress_id)
+        channel = self._channel(replica_id)
         load = self.loads[replica_id]
         load.started(prefill_tokens)
         start = time.monotonic() if started is None else started
@@ -413,12 +427,11 @@ class RequestRouter:
                 self._leaving.pop(replica_id).close()
 
     def stop(self) -> None:
-        for task in [*self._followers.values(), self._stats_task]:
-            if task is not None:
-                task.cancel()
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         for channel in [*self._channels.values(), *self._leaving.values()]:
             channel.close()
-        self._followers, self._stats_task, self._channels, self._leaving = {}, None, {}, {}
+        self._stats_task, self._channels, self._leaving, self._started = None, {}, {}, False
 
 
 def replica_lost(error: BaseException) -> bool:

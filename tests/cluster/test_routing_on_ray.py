@@ -113,6 +113,56 @@ def test_prefix_aware_routing_beats_round_robin(tiny_llama):
 
 
 @pytest.mark.ray
+def test_a_started_router_follows_kv_events_on_the_output_channel(tiny_llama):
+    """A started router learns a replica's cached blocks from its output channel (no poll of its
+    own), the clearing of its cache too, and a channel opened again goes on from its cursor: the
+    index ends holding exactly the replica's blocks, at the end of its event log."""
+    ray = pytest.importorskip("ray", reason="needs ray (make setup installs it)")
+    from cluster.launch import init_ray
+    from cluster.replica import EngineReplica
+    from records.config import EngineConfig
+    from router.routing.pool_router import RequestRouter
+
+    init_ray(num_cpus=8)
+    config = EngineConfig.create(tiny_llama, dtype="float32", max_model_len=256)
+    replica = ray.remote(EngineReplica).options(num_cpus=1).remote(config, "r", 1)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    a, b = list(range(5, 45)), list(range(50, 90))          # two full blocks each
+
+    async def until(cond, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not cond():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    async def run() -> None:
+        router = RequestRouter("decode", {"r": replica}, 16, RoutingPolicy(PolicyConfig()), ServingMetrics())
+        router.start()
+        try:
+            async for _ in router.generate("a", a, params):
+                pass
+            last_a = hash_block_tokens(a, 16)[-1]
+            await until(lambda: router.index.holds("r", last_a), "the index never held a's blocks")
+            assert router.index.num_blocks("r") == 2
+            assert await asyncio.to_thread(ray.get, replica.reset_prefix_cache.remote())
+            await until(lambda: router.index.num_blocks("r") == 0, "the clearing never arrived")
+            router._channels["r"].close()                  # a channel opened again, from its cursor
+            async for _ in router.generate("b", b, params):
+                pass
+            await until(lambda: router.index.holds("r", hash_block_tokens(b, 16)[-1]), "b's blocks never arrived")
+            assert router.index.num_blocks("r") == 2 and not router.index.holds("r", last_a)
+            end, after = await asyncio.to_thread(ray.get, replica.kv_event_records_since.remote(router._cursors["r"]))
+            assert (end, after) == (router._cursors["r"], [])      # the router is at the log's end
+        finally:
+            router.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        ray.kill(replica)
+
+
+@pytest.mark.ray
 def test_router_moves_off_a_dead_replica_and_follows_membership(tiny_llama):
     ray = pytest.importorskip("ray", reason="needs ray (make setup installs it)")
     from cluster.launch import init_ray
@@ -143,7 +193,7 @@ def test_router_moves_off_a_dead_replica_and_follows_membership(tiny_llama):
         router.start()
         router.set_replicas({"b": live})                              # the manager dropped "a"
         assert set(router.replicas) == set(router.loads) == {"b"} and not router.down
-        assert set(router._followers) == {"b"} and "a" not in router.index.replica_ids
+        assert set(router._channels) == {"b"} and "a" not in router.index.replica_ids
         router.set_replicas({})
         with pytest.raises(NoReplicaError, match="no decode engine replica is available"):
             router.route([5, 6, 7], params)
