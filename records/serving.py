@@ -121,6 +121,11 @@ class TenantSpec(StrictSpec):
         return keys
 
 
+def _as_names(value: str | list[str] | None) -> list[str]:
+    """A `served_model_name` (one name, several, or none) as a list."""
+    return [value] if isinstance(value, str) else list(value or [])
+
+
 class ServingSpec(StrictSpec):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -214,7 +219,7 @@ class ServingSpec(StrictSpec):
     @field_validator("served_model_name")
     @classmethod
     def _served_names(cls, value: str | list[str] | None) -> str | list[str] | None:
-        names = [value] if isinstance(value, str) else value or []
+        names = _as_names(value)
         if isinstance(value, list) and not value:
             raise ValueError("served_model_name must name at least one model (or be left out)")
         if any(not n or n != n.strip() for n in names):
@@ -226,8 +231,7 @@ class ServingSpec(StrictSpec):
     @property
     def served_model_names(self) -> list[str]:
         """`served_model_name` as a list (empty: the default name)."""
-        value = self.served_model_name
-        return [value] if isinstance(value, str) else list(value or [])
+        return _as_names(self.served_model_name)
 
     @field_validator("otlp_traces_endpoint")
     @classmethod

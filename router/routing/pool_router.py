@@ -9,10 +9,7 @@ deltas for all of this router's requests on a replica arrive as one message. A r
 stream has the stream migrate to another replica of the pool (`RequestRouter.generate`).
 
 The router keeps its per-replica view fresh in the background once started: each replica's KV
-events arrive on its output channel, opened at the start for every replica (the events of a step
-on the message that step's deltas travel on, so they arrive within a step, cost no call of their
-own, and idle replicas send nothing; the batches travel as protobuf `KVEventBatch`, and a replica
-of another schema version has its events refused, with an error logged), and stats every
+events arrive on its output channel (router/routing/replica_channels.py), and stats every
 `stats_interval_s`; in-flight counts are its own. A router not started (tools, tests) reads the
 events when told (`sync_events`).
 """
@@ -23,23 +20,21 @@ import contextvars
 import dataclasses
 import logging
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, ObjectLostError, RayActorError
 
-from pdserve_proto.kv_events import decode_kv_events
-from records.errors import EngineDeadError, NoReplicaError, ReplicaDiedError, SchemaVersionMismatch
+from records.errors import EngineDeadError, NoReplicaError, ReplicaDiedError
 from records.hashing import hash_block_tokens
 from records.outputs import StepDelta
 from records.request import Continuation
 from records.sampling_params import SamplingParams
-from router.routing.channel import ReplicaChannel
 from router.routing.metrics import ServingMetrics
 from router.routing.policy import Decision, Loads, RoutingPolicy
 from router.routing.prefix_index import PrefixIndex
+from router.routing.replica_channels import ReplicaChannels
 from router.routing.request_trace import RequestTrace
 
 # LoRA adapters the router remembers per replica (the most recently routed there): the engine's
@@ -78,42 +73,32 @@ class RequestRouter:
         self.down: set[str] = set()          # failed a call; not routed to until membership drops it
         self._available: list[str] | None = None     # `available`, until the membership or `down` changes
         self._available_down = 0
-        self._cursors: dict[str, int] = {}        # KV events applied (`sync_events`; started: the channels')
-        self._started = False
-        # This router's output channels, one per replica (opened on the first request to it).
-        self.ingress_id = f"{pool}-{uuid.uuid4().hex[:12]}"
-        self._channels: dict[str, ReplicaChannel] = {}
-        self._leaving: dict[str, ReplicaChannel] = {}    # of replicas that left, until their streams end
+        # This router's output channels, one per replica (opened on the first request to it, or
+        # when started), and the KV events they bring.
+        self.channels = ReplicaChannels(pool, self.replicas, self.index, metrics, self.mark_down)
         self._stats_task: asyncio.Task | None = None
         self.set_replicas(replicas)
 
     def set_replicas(self, replicas: dict[str, Any]) -> None:
-        """Follow the pool's membership: forget replicas that left (their index, load and event
-        follower) and start following new ones. The channel of one that left while streams run
-        on it (a replica draining) stays open until they end."""
+        """Follow the pool's membership: forget replicas that left (their index, load and channel)
+        and start following new ones. The channel of one that left while streams run on it (a
+        replica draining) stays open until they end."""
         self._available = None
         for r in [r for r in self.replicas if r not in replicas]:
             load = self.loads.pop(r)
-            del self.replicas[r], self._cursors[r], self.adapters[r]
+            del self.replicas[r], self.adapters[r]
             self.index.remove_replica(r)
             self.down.discard(r)
             self.metrics.drop_replica(self.pool, r)
-            channel = self._channels.pop(r, None)
-            if channel is not None and load.in_flight > 0:
-                channel.on_events = None            # its events are no longer applied
-                self._leaving[r] = channel
-            elif channel is not None:
-                channel.close()
+            self.channels.removed(r, busy=load.in_flight > 0)
         for r, handle in replicas.items():
             if r in self.replicas:
                 continue
             self.replicas[r] = handle
             self.loads.add(r)
             self.adapters[r] = OrderedDict()
-            self._cursors[r] = 0
             self.index.add_replica(r)
-            if self._started:
-                self._channel(r).open()
+            self.channels.added(r)
 
     @property
     def available(self) -> list[str]:
@@ -137,45 +122,10 @@ class RequestRouter:
     # --- background view of the replicas -----------------------------------------------------------
     def start(self) -> None:
         """Start the background view: every replica's channel (its KV events), and stats polls."""
-        if self._started:
+        if self._stats_task is not None:
             return
-        self._started = True
         self._stats_task = asyncio.get_running_loop().create_task(self._poll_stats())
-        for r in self.replicas:
-            self._channel(r).open()
-
-    def _channel(self, replica_id: str) -> ReplicaChannel:
-        """The replica's output channel (made on first use; once started, it follows its KV events)."""
-        channel = self._channels.get(replica_id)
-        if channel is None:
-            follow = self._started and replica_id in self.replicas
-            channel = self._channels[replica_id] = ReplicaChannel(
-                self.replicas[replica_id], self.ingress_id,
-                (lambda batch: self._apply_events(replica_id, batch)) if follow else None,
-                lambda error: self._channel_ended(replica_id, error), self._cursors.get(replica_id, 0))
-        return channel
-
-    def _apply_events(self, replica_id: str, batch: bytes) -> int | None:
-        """Apply a replica's KV event batch to the index; the cursor it ends at (None: refused)."""
-        try:
-            cursor, events = decode_kv_events(batch)
-        except SchemaVersionMismatch as e:  # another pdserve version: its events are not applied
-            logger.error("refusing KV events of %s replica %s: %s", self.pool, replica_id, e)
-            self.metrics.errors.inc(code="kv_events_schema_mismatch")
-            return None
-        if replica_id in self.replicas:
-            self.index.apply(replica_id, events)
-            self._cursors[replica_id] = cursor
-        return cursor
-
-    def _channel_ended(self, replica_id: str, error: BaseException) -> bool:
-        """A replica's channel ended with `error`: whether the replica is gone for good (a dead
-        actor, a closed engine, or no longer a member), else it is opened again."""
-        gone = replica_id not in self.replicas or isinstance(error, EngineDeadError) or (
-            isinstance(error, RayActorError) and not isinstance(error, ActorUnavailableError))
-        if gone and replica_id in self.replicas:
-            self.mark_down(replica_id, error)
-        return gone
+        self.channels.follow()
 
     async def _poll_stats(self) -> None:
         while True:
@@ -188,14 +138,7 @@ class RequestRouter:
     async def sync_events(self) -> None:
         """Apply every replica's new KV events to the prefix index (a router not started; a
         started one's channels bring them)."""
-        ids = list(self.replicas)
-        results = await asyncio.gather(
-            *[self.replicas[r].kv_events_since.remote(self._cursors[r]) for r in ids], return_exceptions=True)
-        for r, res in zip(ids, results):
-            if isinstance(res, BaseException):
-                continue
-            self._cursors[r], events = decode_kv_events(res)
-            self.index.apply(r, events)
+        await self.channels.sync_events()
 
     async def refresh_stats(self) -> dict[str, dict]:
         """Poll replica stats (KV usage feeds the policy) and publish them as metrics."""
@@ -395,7 +338,7 @@ class RequestRouter:
                       params: SamplingParams, kv_transfer_params: dict | None, prefill_tokens: int = 0,
                       continuation: Continuation | None = None, started: float | None = None,
                       carrier: dict[str, str] | None = None) -> AsyncIterator[StepDelta]:
-        channel = self._channel(replica_id)
+        channel = self.channels.get(replica_id)
         load = self.loads[replica_id]
         load.started(prefill_tokens)
         start = time.monotonic() if started is None else started
@@ -423,15 +366,14 @@ class RequestRouter:
         finally:
             load.ended()
             load.prefilled(prefill_tokens)
-            if load.in_flight == 0 and replica_id in self._leaving:
-                self._leaving.pop(replica_id).close()
+            if load.in_flight == 0:
+                self.channels.released(replica_id)
 
     def stop(self) -> None:
         if self._stats_task is not None:
             self._stats_task.cancel()
-        for channel in [*self._channels.values(), *self._leaving.values()]:
-            channel.close()
-        self._stats_task, self._channels, self._leaving, self._started = None, {}, {}, False
+        self.channels.close()
+        self._stats_task = None
 
 
 def replica_lost(error: BaseException) -> bool:

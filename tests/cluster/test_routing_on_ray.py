@@ -146,13 +146,14 @@ def test_a_started_router_follows_kv_events_on_the_output_channel(tiny_llama):
             assert router.index.num_blocks("r") == 2
             assert await asyncio.to_thread(ray.get, replica.reset_prefix_cache.remote())
             await until(lambda: router.index.num_blocks("r") == 0, "the clearing never arrived")
-            router._channels["r"].close()                  # a channel opened again, from its cursor
+            router.channels.by_replica["r"].close()                  # a channel opened again, from its cursor
             async for _ in router.generate("b", b, params):
                 pass
             await until(lambda: router.index.holds("r", hash_block_tokens(b, 16)[-1]), "b's blocks never arrived")
             assert router.index.num_blocks("r") == 2 and not router.index.holds("r", last_a)
-            end, after = await asyncio.to_thread(ray.get, replica.kv_event_records_since.remote(router._cursors["r"]))
-            assert (end, after) == (router._cursors["r"], [])      # the router is at the log's end
+            cursor = router.channels.cursors["r"]
+            end, after = await asyncio.to_thread(ray.get, replica.kv_event_records_since.remote(cursor))
+            assert (end, after) == (cursor, [])                    # the router is at the log's end
         finally:
             router.stop()
 
@@ -193,7 +194,7 @@ def test_router_moves_off_a_dead_replica_and_follows_membership(tiny_llama):
         router.start()
         router.set_replicas({"b": live})                              # the manager dropped "a"
         assert set(router.replicas) == set(router.loads) == {"b"} and not router.down
-        assert set(router._channels) == {"b"} and "a" not in router.index.replica_ids
+        assert set(router.channels.by_replica) == {"b"} and "a" not in router.index.replica_ids
         router.set_replicas({})
         with pytest.raises(NoReplicaError, match="no decode engine replica is available"):
             router.route([5, 6, 7], params)

@@ -175,7 +175,7 @@ def test_tier_hits_score_between_a_pool_hit_and_a_miss_and_peers_lend_their_pref
 
     async def run() -> None:
         router.replicas["decode-0"] = Peer()
-        router._channels["decode-1"] = Channel()
+        router.channels.by_replica["decode-1"] = Channel()
         [_ async for _ in router.generate("r", ids, params, d)]
 
     asyncio.run(run())
@@ -263,7 +263,7 @@ def test_a_backlogged_prefill_pool_leaves_prompts_to_the_decode_replica(tiny_lla
                 assert d_load.prefill_tokens == 0               # the first token ended the prompt's part
 
     async def run() -> int:
-        pd.decode._channels["decode-0"] = Channel()
+        pd.decode.channels.by_replica["decode-0"] = Channel()
         return len([delta async for delta in pd.decode.generate("r", ids, params, d)])
 
     assert asyncio.run(run()) == 3
@@ -313,7 +313,8 @@ def test_a_client_gone_between_prefill_and_decode_ends_the_prefill_lease(tiny_ll
                 yield StepDelta("r", [ChoiceDelta(0, [7], "x")], i == 2, len(ids))
 
     async def run(hangs: bool) -> None:
-        pd.prefill._channels["prefill-0"], pd.decode._channels["decode-0"] = Prefill(), Decode(hangs)
+        pd.prefill.channels.by_replica["prefill-0"] = Prefill()
+        pd.decode.channels.by_replica["decode-0"] = Decode(hangs)
         taken.clear()
 
         async def consume() -> int:
@@ -370,7 +371,7 @@ def test_a_stream_whose_replica_is_lost_migrates_and_fails_clearly_past_the_limi
 
     async def run(channels: dict, p: SamplingParams = params) -> list[int]:
         router.down.clear()
-        router._channels = dict(channels)
+        router.channels.by_replica = dict(channels)
         first = sorted(channels)[0]
         decision = dataclasses.replace(router.route(ids, p), replica_id=first)
         return [t async for d in router.generate("r", ids, p, decision) for t in d.choices[0].token_ids]
