@@ -82,16 +82,15 @@ class ReplicaHost:
 class _HostedMethod:
     """`handle.<method>` of a HostedReplica: `.remote(...)` as an actor method's."""
 
-    def __init__(self, host: Any, replica_id: str, name: str, streaming: bool = False) -> None:
-        self.host, self.replica_id, self.name, self.streaming = host, replica_id, name, streaming
+    def __init__(self, host: Any, replica_id: str, name: str, options: dict[str, Any] | None = None) -> None:
+        self.host, self.replica_id, self.name, self._options = host, replica_id, name, options
 
     def options(self, **options: Any) -> _HostedMethod:
-        return _HostedMethod(self.host, self.replica_id, self.name, options.get("num_returns") == "streaming")
+        return _HostedMethod(self.host, self.replica_id, self.name, options)
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
-        if self.streaming:
-            return self.host.stream.options(num_returns="streaming").remote(self.replica_id, self.name, *args,
-                                                                            **kwargs)
+        if self._options and self._options.get("num_returns") == "streaming":
+            return self.host.stream.options(**self._options).remote(self.replica_id, self.name, *args, **kwargs)
         return self.host.call.remote(self.replica_id, self.name, *args, **kwargs)
 
 

@@ -31,6 +31,15 @@ from records.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Step messages a replica may send ahead of what this ingress has taken (Ray's streaming-generator
+# backpressure). While one waits, the replica's engine steps on and its deltas gather in the
+# channel's outbox, so the next message carries every step since: an ingress that falls behind gets
+# fewer, fuller messages instead of a backlog of one per step (each costs the ingress a Ray reply,
+# an unpickling and a task wake-up: a request of 8 tokens took ~7 messages, now ~2 at saturation,
+# and the ingress served 1.4x the requests per CPU-second; docs/perf/journal.md §24). An ingress
+# that keeps up sees no difference: the wait is one acknowledgement on loopback.
+SENT_AHEAD = 1
+
 # After a channel that follows KV events ends for a reason other than its replica's end: how long
 # until it is opened again.
 REOPEN_S = 1.0
@@ -97,7 +106,9 @@ class ReplicaChannel:
         while True:
             try:
                 cursor = self.kv_cursor if self.on_events is not None else None
-                stream = self.handle.open_channel.options(num_returns="streaming").remote(self.ingress_id, cursor)
+                stream = self.handle.open_channel.options(
+                    num_returns="streaming", _generator_backpressure_num_objects=SENT_AHEAD
+                ).remote(self.ingress_id, cursor)
                 async for ref in stream:
                     message: ChannelMessage = await ref
                     if message.kv_events is not None and self.on_events is not None:
