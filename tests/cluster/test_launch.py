@@ -17,7 +17,7 @@ import time
 
 import openai
 import pytest
-from helpers import REPO, free_port, make_adapter, wait_healthy
+from helpers import REPO, free_port, kill_ray_processes, make_adapter, wait_healthy
 
 ray = pytest.importorskip("ray", reason="needs ray[serve] (make setup installs it)")
 pytestmark = pytest.mark.ray
@@ -26,14 +26,15 @@ pytestmark = pytest.mark.ray
 
 def test_ray_job_submit_serves_the_example_spec():
     if ray.is_initialized():
-        ray.shutdown()         # `ray stop` below ends every Ray process of this user
+        ray.shutdown()         # the end below kills every Ray process of this user
     bin_dir = os.path.dirname(sys.executable)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_AUTH_MODE": "token"}
     ray_cli = os.path.join(bin_dir, "ray")
     gcs, dashboard, http = free_port(), free_port(), free_port()
     address = f"http://127.0.0.1:{dashboard}"
-    subprocess.run([ray_cli, "get-auth-token", "--generate"], env=env, check=True, capture_output=True, timeout=60)
+    token = subprocess.run([ray_cli, "get-auth-token", "--generate"], env=env, check=True, capture_output=True,
+                           text=True, timeout=60).stdout.strip()
     # Every port of this cluster's own: the job agent on the default port can collide with the
     # agent of a Ray that another test just shut down, and then no job is ever accepted.
     agent_ports = ["--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port",
@@ -56,26 +57,16 @@ def test_ray_job_submit_serves_the_example_spec():
             time.sleep(2)
         assert submitted.returncode == 0, submitted.stdout + submitted.stderr
         job_id = re.search(r"raysubmit_\w+", submitted.stdout + submitted.stderr).group(0)
+        # The job's status, logs and stop through the SDK's HTTP client, in this process: each CLI
+        # call is a Python process of its own (1.5 s of CPU) that the server starting on this
+        # machine's two cores would wait behind.
+        from ray.job_submission import JobStatus, JobSubmissionClient
 
-        def job_status() -> str:
-            """The job's state word (the CLI logs it to stderr, as 'stopped', 'failed', ...)."""
-            done = subprocess.run([ray_cli, "job", "status", "--address", address, job_id], env=env,
-                                  capture_output=True, text=True, timeout=60)
-            return (done.stdout + done.stderr).upper()
-
+        jobs = JobSubmissionClient(address, headers={"Authorization": f"Bearer {token}"})
         base = f"http://127.0.0.1:{http}"
 
-        checked = [0.0]
-
         def job_alive() -> None:
-            # Every 10 s, not every poll: each `ray job status` is a Python process of its own (1.5 s
-            # of CPU), which the server starting on this machine's two cores would wait behind.
-            if time.monotonic() - checked[0] < 10:
-                return
-            checked[0] = time.monotonic()
-            assert "FAILED" not in job_status(), subprocess.run(
-                [ray_cli, "job", "logs", "--address", address, job_id], env=env, capture_output=True,
-                text=True, timeout=60).stdout[-3000:]
+            assert jobs.get_job_status(job_id) != JobStatus.FAILED, jobs.get_job_logs(job_id)[-3000:]
         wait_healthy(base, 300, job_alive, poll_s=1.0)
 
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
@@ -84,14 +75,13 @@ def test_ray_job_submit_serves_the_example_spec():
                                         temperature=0.0)
         assert out.choices[0].text and out.usage.completion_tokens == 8
 
-        subprocess.run([ray_cli, "job", "stop", "--address", address, job_id], env=env, capture_output=True,
-                       timeout=120)
+        jobs.stop_job(job_id)
         deadline = time.monotonic() + 120
-        while "STOPPED" not in job_status():
+        while jobs.get_job_status(job_id) != JobStatus.STOPPED:
             assert time.monotonic() < deadline, "the job did not stop"
-            time.sleep(2)
+            time.sleep(0.5)
     finally:
-        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        kill_ray_processes()        # `ray stop --force`, less its wait for init to reap what it killed
 
 
 @pytest.mark.parametrize("engine,named", [({"max_num_seq": 8}, "engine.max_num_seq"),

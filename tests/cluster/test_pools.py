@@ -30,7 +30,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from helpers import REPO, SIM_PROFILE, free_port, kill_replica, simulated_outputs, wait_healthy
+from helpers import REPO, SIM_PROFILE, free_port, kill_replica, simulated_outputs, wait_gone, wait_healthy
 
 from cluster.config import ClusterConfig
 from cluster.placement import placement_problems, replica_bundles
@@ -109,12 +109,6 @@ def _descendants(pid: int) -> list:
         return psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-
-
-def _wait_gone(procs: list, timeout: float) -> list[str]:
-    """The processes among `procs` still alive after `timeout` s, as 'pid name' strings."""
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    return [f"{p.pid} {p.name()}" for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 @pytest.mark.ray
@@ -525,7 +519,7 @@ def _stop_with_sigint(proc: subprocess.Popen, ray_procs: list) -> str:
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output[-3000:]
     assert "pdserve: shutting down (SIGINT)" in output
-    assert _wait_gone(ray_procs, 30) == []
+    assert wait_gone(ray_procs, 30) == []
     return output
 
 
@@ -642,7 +636,7 @@ def test_sigint_during_startup_exits_cleanly(tiny_llama):
         assert proc.returncode == 0, ("".join(seen) + output)[-3000:]
         assert "pdserve: shutting down (SIGINT)" in output and "Traceback" not in output, output[-3000:]
         assert "pdserve: serving on" not in output
-        assert _wait_gone([p for p in ray_procs if p.is_running()], 30) == []
+        assert wait_gone([p for p in ray_procs if p.is_running()], 30) == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
