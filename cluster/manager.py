@@ -371,7 +371,9 @@ class ClusterManager:
         if self._monitor is not None:
             self._monitor.cancel()
             self._monitor = None
-        if drain_s > 0:
+        # Pools that never served run no request, and a replica still loading would answer the
+        # drain's stats only once loaded (a Ctrl-C during startup waited ~4 s for that).
+        if drain_s > 0 and self.phase == "ready":
             await asyncio.gather(*[pool.drain(drain_s) for pool in self.pools.values()])
         for pool in self.pools.values():
             pool.shutdown()
