@@ -46,13 +46,15 @@ REOPEN_S = 1.0
 
 
 class ReplicaChannel:
-    def __init__(self, handle: Any, ingress_id: str, on_events: Callable[[bytes], int | None] | None = None,
-                 on_end: Callable[[BaseException], bool] | None = None, kv_cursor: int = 0) -> None:
+    def __init__(self, handle: Any, ingress_id: str, on_events: Callable[[bytes], bool] | None = None,
+                 on_end: Callable[[BaseException], bool] | None = None,
+                 kv_cursor: Callable[[], int] = lambda: 0) -> None:
         """handle: the replica's Ray actor handle; ingress_id: unique per ingress process.
-        `on_events`: follow the replica's KV events from `kv_cursor`: called with each message's
-        batch (protobuf), it returns the cursor the batch ends at (None: the batch was refused,
-        and the channel stops following). `on_end(error)`: called when the channel ends; True
-        means the replica is gone for good (the channel is not opened again for its events)."""
+        `on_events`: follow the replica's KV events, from `kv_cursor()` (the owner's cursor: where
+        the batches it took so far end) whenever the channel opens: called with each message's
+        batch (protobuf), it returns whether it took it (False: refused, and the channel stops
+        following). `on_end(error)`: called when the channel ends; True means the replica is gone
+        for good (the channel is not opened again for its events)."""
         self.handle = handle
         self.ingress_id = ingress_id
         self.queues: dict[str, asyncio.Queue] = {}     # request id -> its deltas (or the channel's error)
@@ -105,18 +107,15 @@ class ReplicaChannel:
     async def _receive(self) -> None:
         while True:
             try:
-                cursor = self.kv_cursor if self.on_events is not None else None
+                cursor = self.kv_cursor() if self.on_events is not None else None
                 stream = self.handle.open_channel.options(
                     num_returns="streaming", _generator_backpressure_num_objects=SENT_AHEAD
                 ).remote(self.ingress_id, cursor)
                 async for ref in stream:
                     message: ChannelMessage = await ref
-                    if message.kv_events is not None and self.on_events is not None:
-                        end = self.on_events(message.kv_events)
-                        if end is None:             # refused: the channel follows no events from now on
-                            self.on_events = None
-                        else:
-                            self.kv_cursor = end
+                    if message.kv_events is not None and self.on_events is not None \
+                            and not self.on_events(message.kv_events):
+                        self.on_events = None       # refused: the channel follows no events from now on
                     for delta in message.deltas:
                         queue = self.queues.get(delta.request_id)
                         if queue is not None:

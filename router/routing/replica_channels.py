@@ -54,7 +54,7 @@ class ReplicaChannels:
             channel = self.by_replica[replica_id] = ReplicaChannel(
                 self.replicas[replica_id], self.ingress_id,
                 (lambda batch: self._apply(replica_id, batch)) if self.following else None,
-                lambda error: self._ended(replica_id, error), self.cursors.get(replica_id, 0))
+                lambda error: self._ended(replica_id, error), lambda: self.cursors.get(replica_id, 0))
         return channel
 
     def follow(self) -> None:
@@ -102,18 +102,19 @@ class ReplicaChannels:
             self.cursors[r], events = decode_kv_events(res)
             self.index.apply(r, events)
 
-    def _apply(self, replica_id: str, batch: bytes) -> int | None:
-        """Apply a replica's KV event batch to the index; the cursor it ends at (None: refused)."""
+    def _apply(self, replica_id: str, batch: bytes) -> bool:
+        """Apply a replica's KV event batch to the index (its cursor moves to the batch's end);
+        False when refused."""
         try:
             cursor, events = decode_kv_events(batch)
         except SchemaVersionMismatch as e:  # another pdserve version: its events are not applied
             logger.error("refusing KV events of %s replica %s: %s", self.pool, replica_id, e)
             self.metrics.errors.inc(code="kv_events_schema_mismatch")
-            return None
+            return False
         if replica_id in self.replicas:
             self.index.apply(replica_id, events)
             self.cursors[replica_id] = cursor
-        return cursor
+        return True
 
     def _ended(self, replica_id: str, error: BaseException) -> bool:
         """A replica's channel ended with `error`: whether the replica is gone for good (a dead
