@@ -93,6 +93,7 @@ def serving(cmd: list[str], port: int, timeout_s: float = 600) -> Iterator[str]:
     log = tempfile.NamedTemporaryFile("w+", prefix="pdserve-bench-server-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
+    came_up = False
     try:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -106,6 +107,7 @@ def serving(cmd: list[str], port: int, timeout_s: float = 600) -> Iterator[str]:
                 raise SystemExit(f"{' '.join(cmd[:3])} did not come up; its output ({log.name}) ends:\n"
                                  + log.read()[-3000:])
             time.sleep(1.0)
+        came_up = True
         yield base
     finally:
         with contextlib.suppress(ProcessLookupError):      # (it may have exited: "did not come up")
@@ -114,6 +116,9 @@ def serving(cmd: list[str], port: int, timeout_s: float = 600) -> Iterator[str]:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        if came_up:             # (one that did not come up keeps its log: the error names it)
+            os.unlink(log.name)
 
 
 # --- one request ---------------------------------------------------------------------------------
