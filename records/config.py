@@ -14,6 +14,7 @@ from typing import Any
 from records.cpu_flags import slow_half_dtype_warning
 from records.dtypes import FP8_KV_DTYPE, KV_DTYPE_SIZES, resolve_dtype
 from records.engine_args import GIB, SPEC_KEYS, SPEC_METHODS, EngineArgs
+from records.frozen_config import FrozenConfig
 from records.lora import LoRAConfig
 from records.model_source import (
     architecture_of,
@@ -48,6 +49,11 @@ class ModelConfig:
     # What requests that leave them unset sample with (EngineArgs.generation_config).
     sampling_defaults: tuple[tuple[str, Any], ...] = ()
     pooling: tuple[str, bool] = ("last", True)     # an embedding's pooling and normalization (model_pooling)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The model's config travels as plain values: a process that receives it (a replica, a TP /
+        # PP rank) need not import transformers to read it (records/frozen_config.py).
+        return {**self.__dict__, "hf_config": FrozenConfig.of(self.hf_config)}
 
     @property
     def torch_dtype(self) -> Any:

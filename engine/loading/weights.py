@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kernels.reference import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
+from records.frozen_config import transformers_config
 from records.gguf_file import gguf_reader
 from records.quantization import GGUF_NATIVE_ARCHITECTURES
 
@@ -53,6 +54,8 @@ def iterate_weights(path: str, gguf_file: str | None, hf_config: Any, keep_quant
     """Yield (HF parameter name, tensor) for every tensor of the checkpoint; with `keep_quantized`,
     a GGUF file's Q8_0/Q4_0/Q4_1 matrices come as GGUFWeights (their blocks), the rest dequantized."""
     if gguf_file is not None:
+        # (the skeleton below is transformers' own model class: it takes a transformers config)
+        hf_config = transformers_config(hf_config, path, gguf_file)
         if keep_quantized:
             yield from _gguf_native_weights(os.path.join(path, gguf_file), hf_config)
         else:

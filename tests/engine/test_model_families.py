@@ -5,10 +5,17 @@ chunked prefill, prefix-cache hits and preemption, on the CPU kernel sets; the M
 Qwen3-MoE and Qwen2-MoE too, and what else runs through them (speculation, LoRA, expert load)."""
 from __future__ import annotations
 
+import os
+import pickle
+import subprocess
+import sys
+
 import pytest
 from helpers import hf_greedy, mixed_prompts
 
 from engine import LLM, SamplingParams
+from engine.llm_engine import LLMEngine
+from records.config import EngineConfig
 
 FAMILIES = ["gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "qwen2_moe"]
 
@@ -47,6 +54,29 @@ def test_chunked_batch_matches_transformers(family, kernels, prompts, oracle, re
     llm = LLM(path, dtype="float32", max_num_batched_tokens=24, max_model_len=512)
     assert run(llm, prompts) == oracle(path)
     llm.llm_engine.check_no_leaks()
+
+
+@pytest.mark.parametrize("family", ["llama", *FAMILIES])
+def test_a_config_that_crossed_processes_serves_the_same_tokens(family, prompts, oracle, request):
+    """What a replica or a TP / PP rank receives: the engine config pickled, the model's config in
+    it as plain values (records/frozen_config.py), which a process reads without importing
+    transformers or torch; an engine built from it is token-identical to transformers."""
+    path = request.getfixturevalue(f"tiny_{family}")
+    sent = pickle.dumps(EngineConfig.create(path, dtype="float32", max_model_len=512))
+    imported = subprocess.run(
+        [sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); "
+                               "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'torch'}))"],
+        input=sent, capture_output=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), check=True)
+    assert imported.stdout.strip() == b"[]", imported
+    engine = LLMEngine(pickle.loads(sent))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), None, ids, params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    assert [outs[str(i)] for i in range(len(prompts))] == oracle(path)
+    engine.check_no_leaks()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
