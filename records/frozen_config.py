@@ -25,10 +25,11 @@ class FrozenConfig:
     the class's defaults and properties, `attribute_map`'s aliases), nested configs frozen too, and
     its `to_dict()`. A missing attribute raises AttributeError, as on the config."""
 
-    def __init__(self, values: dict[str, Any], as_dict: dict[str, Any], class_name: str) -> None:
+    def __init__(self, values: dict[str, Any], as_dict: dict[str, Any], class_name: str, text: str) -> None:
         self._values = values
         self._dict = as_dict
         self._class_name = class_name
+        self._repr = text
 
     @classmethod
     def of(cls, config: Any) -> FrozenConfig:
@@ -56,7 +57,7 @@ class FrozenConfig:
                     values[name] = frozen
         finally:
             quiet.setLevel(level)
-        return cls(values, config.to_dict(), type(config).__name__)
+        return cls(values, config.to_dict(), type(config).__name__, repr(config))
 
     def __getattr__(self, name: str) -> Any:
         # (only called for names the object itself lacks: the config's values)
@@ -70,7 +71,8 @@ class FrozenConfig:
         return copy.deepcopy(self._dict)
 
     def __repr__(self) -> str:
-        return f"FrozenConfig({self._class_name}, model_type={self._values.get('model_type')!r})"
+        # The config's own: an engine config's repr names a pool's replicas (cluster/pool.py: pool_tag).
+        return self._repr
 
 
 _DROP = object()

@@ -60,15 +60,19 @@ def test_chunked_batch_matches_transformers(family, kernels, prompts, oracle, re
 def test_a_config_that_crossed_processes_serves_the_same_tokens(family, prompts, oracle, request):
     """What a replica or a TP / PP rank receives: the engine config pickled, the model's config in
     it as plain values (records/frozen_config.py), which a process reads without importing
-    transformers or torch; an engine built from it is token-identical to transformers."""
+    transformers or torch; it reads as the original, and an engine built from it is token-identical
+    to transformers."""
     path = request.getfixturevalue(f"tiny_{family}")
-    sent = pickle.dumps(EngineConfig.create(path, dtype="float32", max_model_len=512))
+    config = EngineConfig.create(path, dtype="float32", max_model_len=512)
+    sent = pickle.dumps(config)
     imported = subprocess.run(
         [sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); "
                                "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'torch'}))"],
         input=sent, capture_output=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), check=True)
     assert imported.stdout.strip() == b"[]", imported
-    engine = LLMEngine(pickle.loads(sent))
+    received = pickle.loads(sent)
+    assert repr(received) == repr(config)          # (what names a pool's replicas: cluster/pool.py: pool_tag)
+    engine = LLMEngine(received)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), None, ids, params)
