@@ -94,7 +94,9 @@ def start_pools(config: ClusterConfig) -> Any:
 
     from cluster.manager import get_or_create_manager  # noqa: PLC0415
 
-    manager = get_or_create_manager(config)
+    # Resolved here (the launcher has transformers loaded already, to check the spec), not in the
+    # manager, whose start the replicas wait for.
+    manager = get_or_create_manager(config, {name: config.engine_config(name) for name in config.pools})
     # A manager of this name may serve another spec (an earlier deployment): this one replaces it.
     ray.get(manager.apply.remote(config.model_dump_json()), timeout=600)
     ray.get(manager.start.remote(), timeout=60)

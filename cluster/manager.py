@@ -47,6 +47,7 @@ from cluster.config import ClusterConfig
 from cluster.placement import check_placement, replica_bundles
 from cluster.planner import Planner, PoolSample, sample_pool
 from cluster.pool import EnginePool, pool_tag
+from records.config import EngineConfig
 from records.errors import StartupError
 
 MANAGER_NAME = "pdserve-manager"
@@ -68,9 +69,12 @@ def fingerprint(config: ClusterConfig) -> str:
 
 class ClusterManager:
     def __init__(self, config: ClusterConfig, health_check_period_s: float = 2.0,
-                 check_placement_timeout_s: float | None = None) -> None:
+                 check_placement_timeout_s: float | None = None,
+                 engine_configs: dict[str, EngineConfig] | None = None) -> None:
         """`check_placement_timeout_s`: how long the start waits for the cluster to hold the pools
-        (by default the spec's placement_timeout_s; 0 on a local Ray, which never grows)."""
+        (by default the spec's placement_timeout_s; 0 on a local Ray, which never grows).
+        `engine_configs`: `config`'s pools' engine configs, where the creator resolved them already
+        (`get_or_create_manager`)."""
         self.config = config
         self.health_check_period_s = health_check_period_s
         self.placement_timeout_s = (config.placement_timeout_s if check_placement_timeout_s is None
@@ -94,20 +98,23 @@ class ClusterManager:
         # A manager Ray restarted serves the spec last applied, at the sizes last set.
         stored = _load_state(config.name)
         try:
-            self._configure(ClusterConfig.model_validate_json(stored["spec"]) if stored else config)
+            spec = ClusterConfig.model_validate_json(stored["spec"]) if stored else config
+            self._configure(spec, engine_configs if fingerprint(spec) == fingerprint(config) else None)
         except ValueError as e:     # a spec of another pdserve version: start from the one given
             logger.warning("not using the stored spec: %s", e)
             stored = None
-            self._configure(config)
+            self._configure(config, engine_configs)
         for name, target in (stored or {}).get("targets", {}).items():
             if name in self.pools:
                 self.pools[name].target = target
 
-    def _configure(self, config: ClusterConfig) -> None:
-        """Take `config` as the spec, with pools not started yet."""
+    def _configure(self, config: ClusterConfig, engine_configs: dict[str, EngineConfig] | None = None) -> None:
+        """Take `config` as the spec, with pools not started yet (`engine_configs`: its pools' engine
+        configs, resolved already; else resolved here)."""
         self.config = config
         self.fingerprint = fingerprint(config)
-        self.pools = {name: EnginePool(name, spec, config.engine_config(name), config.name,
+        resolved = engine_configs or {}
+        self.pools = {name: EnginePool(name, spec, resolved.get(name) or config.engine_config(name), config.name,
                                        on_change=self._bump)
                       for name, spec in config.pools.items()}
         self.planners = {name: Planner(spec.autoscaling) for name, spec in config.pools.items()
@@ -406,16 +413,19 @@ def _save_state(namespace: str, config: ClusterConfig | None, targets: dict[str,
         logger.warning("keeping the manager state failed: %s", e)
 
 
-def get_or_create_manager(config: ClusterConfig) -> Any:
+def get_or_create_manager(config: ClusterConfig, engine_configs: dict[str, EngineConfig] | None = None) -> Any:
     """The cluster's manager actor, created on first call (namespace = config.name).
 
     It runs on the head node (whose loss is the Ray cluster's: the GCS lives there), and Ray
     restarts it whenever its process dies; the restarted actor adopts the pools' replicas
-    (`ClusterManager._start_up`). Calls made while it restarts wait for it."""
+    (`ClusterManager._start_up`). Calls made while it restarts wait for it. `engine_configs`: the
+    pools' engine configs where the caller resolved them (the launcher does, to check the spec):
+    a manager that resolves them itself imports transformers and torch first, ~3 s of CPU before
+    any replica starts."""
     return ray.remote(ClusterManager).options(
         name=MANAGER_NAME, namespace=config.name, get_if_exists=True, lifetime="detached",
         num_cpus=0, resources={HEAD_NODE_RESOURCE: 0.001}, max_restarts=-1, max_task_retries=-1,
-        max_concurrency=1000).remote(config)
+        max_concurrency=1000).remote(config, engine_configs=engine_configs)
 
 
 @dataclass(frozen=True)
