@@ -3,8 +3,8 @@ a plain object that pickles and unpickles without transformers.
 
 An engine config crosses processes (the manager to each replica, a replica to each of its TP / PP
 ranks). Carrying a transformers config made every receiving process import transformers' config
-machinery to unpickle it: ~1.6 s of CPU in a process that has torch already (a rank that loads no
-tokenizer needs nothing else of transformers), 78 times in the Ray test lane. A ModelConfig now
+machinery to unpickle it: ~1.6 s of CPU in a process that has torch already, for every rank of a
+TP x PP engine (a rank loads no tokenizer and needs nothing else of transformers). A ModelConfig now
 pickles its config as this view (records/config.py: `ModelConfig.__getstate__`), so a process that
 resolved the model reads the transformers object and every process it hands the config to reads
 the same values from the view. What needs the transformers object itself (the GGUF loader's
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import types
 from typing import Any
 
@@ -93,7 +94,7 @@ def _frozen_value(value: Any) -> Any:
     if isinstance(value, type) or callable(value):
         return _DROP                            # (classes: `sub_configs` names its configs' classes)
     if (type(value).__module__ or "").startswith("transformers"):
-        from transformers import PretrainedConfig  # noqa: PLC0415 - loaded already: the config is its
+        from transformers import PretrainedConfig  # noqa: PLC0415 - loaded already where its objects are
 
         if isinstance(value, PretrainedConfig):
             return FrozenConfig.of(value)       # a nested config (a text or vision config)
@@ -109,4 +110,4 @@ def transformers_config(config: Any, path: str, gguf_file: str | None) -> Any:
     model's config resolved again (records/model_source.py: resolve_model)."""
     if not isinstance(config, FrozenConfig):
         return config
-    return resolve_model(path if gguf_file is None else f"{path}/{gguf_file}")[2]
+    return resolve_model(path if gguf_file is None else os.path.join(path, gguf_file))[2]

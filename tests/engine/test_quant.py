@@ -12,6 +12,7 @@ from engine import LLM, SamplingParams
 from engine.loading.weights import GGUFWeight, iterate_weights
 from kernels import cpu_ops, reference
 from records.cpu_flags import fast_block_kernels
+from records.frozen_config import FrozenConfig
 from records.model_source import embedded_model_path, resolve_model
 from records.quantization import resolve_quantization
 
@@ -106,10 +107,11 @@ def test_gguf_weight_shards_on_block_boundaries():
 
 def test_native_loader_matches_transformers_dequantization():
     """Every tensor of the embedded GGUF, kept in blocks, dequantizes to exactly what transformers'
-    GGUF loader yields (names, the llama row order of attn_q/attn_k, values)."""
+    GGUF loader yields (names, the llama row order of attn_q/attn_k, values); the blocks read with
+    the model's config as a replica receives it (frozen: records/frozen_config.py)."""
     path, gguf_file, hf_config = resolve_model(None)
     dense = dict(iterate_weights(path, gguf_file, hf_config))
-    native = dict(iterate_weights(path, gguf_file, hf_config, keep_quantized=True))
+    native = dict(iterate_weights(path, gguf_file, FrozenConfig.of(hf_config), keep_quantized=True))
     assert set(native) == set(dense)
     kinds = {type(v).__name__ for v in native.values()}
     assert kinds == {"GGUFWeight", "Tensor"}
