@@ -5,13 +5,12 @@ chunked prefill, prefix-cache hits and preemption, on the CPU kernel sets; the M
 Qwen3-MoE and Qwen2-MoE too, and what else runs through them (speculation, LoRA, expert load)."""
 from __future__ import annotations
 
-import os
 import pickle
 import subprocess
 import sys
 
 import pytest
-from helpers import hf_greedy, mixed_prompts
+from helpers import REPO, hf_greedy, mixed_prompts
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
@@ -68,7 +67,7 @@ def test_a_config_that_crossed_processes_serves_the_same_tokens(family, prompts,
     imported = subprocess.run(
         [sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); "
                                "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'torch'}))"],
-        input=sent, capture_output=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), check=True)
+        input=sent, capture_output=True, cwd=REPO, check=True)
     assert imported.stdout.strip() == b"[]", imported
     received = pickle.loads(sent)
     assert repr(received) == repr(config)          # (what names a pool's replicas: cluster/pool.py: pool_tag)
