@@ -4,11 +4,17 @@ one engine's pipeline stages. The Ray executor, the launcher and the ingress rep
 so it imports none of them (docs/architecture.md, layers)."""
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
+
+logger = logging.getLogger(__name__)
+
+# What Ray raises when the GCS of a local Ray it starts never publishes its port (ray/_private/node.py).
+GCS_NOT_STARTED = "gcs_server_port"
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
@@ -29,9 +35,23 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
         ray.init(address=address, namespace="pdserve")
         return False
     _single_machine_mode()
+    try:
+        _start_local(num_cpus)
+    except RuntimeError as e:
+        # Seen twice in ~10 runs of the test lane on a busy 2-core machine: the GCS of a new local
+        # Ray wrote neither its port file nor a line of log within Ray's 30 s, and every test of
+        # the package failed at setup. Not understood; a new session is started, once.
+        if GCS_NOT_STARTED not in str(e):
+            raise
+        logger.warning("the local Ray did not start (%s); starting it again", e)
+        ray.shutdown()
+        _start_local(num_cpus)
+    return True
+
+
+def _start_local(num_cpus: int | None) -> None:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="pdserve",
              _node_ip_address="127.0.0.1")
-    return True
 
 
 def connect_ray(address: str = "auto") -> None:

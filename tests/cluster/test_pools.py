@@ -55,6 +55,38 @@ def test_direct_ingress_spec():
             ClusterConfig(serving={"direct_ingress": True, **bad})
 
 
+# --- starting a local Ray (unit: ray.init stands in) ------------------------------------------------
+@pytest.mark.parametrize("errors,started", [([], 1), (["gcs"], 2), (["gcs", "gcs"], None), (["other"], None)])
+def test_a_local_ray_whose_gcs_never_came_up_is_started_once_more(monkeypatch, errors, started):
+    """Ray's error for a GCS that never published its port: `init_ray` starts a new local Ray once;
+    any other error, or a second such failure, reaches the caller."""
+    import ray
+
+    from engine.executor import ray_cluster
+
+    calls = []
+    messages = {"gcs": "Timed out waiting for file /tmp/ray/session_x/gcs_server_port_0a1b",
+                "other": "something else"}
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        if len(calls) <= len(errors):
+            raise RuntimeError(messages[errors[len(calls) - 1]])
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray_cluster, "_single_machine_mode", lambda: None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    if started is None:
+        with pytest.raises(RuntimeError, match=messages[errors[-1]]):
+            ray_cluster.init_ray(num_cpus=2)
+    else:
+        assert ray_cluster.init_ray(num_cpus=2) is True
+    assert len(calls) == (started or len(errors))
+    assert all(c["address"] == "local" and c["num_cpus"] == 2 for c in calls)
+
+
 # --- placement (unit) ------------------------------------------------------------------------------
 def test_placement_problems_name_the_pool_and_resource():
     gpu_pool = ClusterConfig(pools={"decode": {"replicas": 2, "num_gpus": 1}})
