@@ -141,8 +141,42 @@ def simulated_cluster(num_nodes: int, cpus_per_node: float, namespace: str,
         cluster.wait_for_nodes()
         yield cluster
     finally:
+        workers = _worker_processes(cluster)
         ray.shutdown()
         cluster.shutdown()
+        _reap(workers)
+
+
+def _worker_processes(cluster) -> list:
+    """The processes the cluster's raylets started (workers, actors and their agents)."""
+    import psutil
+    import ray._private.ray_constants as ray_constants
+
+    processes = []
+    for node in cluster.list_all_nodes():
+        for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
+            try:
+                processes += psutil.Process(info.process.pid).children(recursive=True)
+            except psutil.Error:
+                pass
+    return processes
+
+
+def _reap(processes: list, grace_s: float = 30.0) -> None:
+    """Wait for a torn-down cluster's workers to exit, then kill what is left. Ray kills a removed
+    node's raylet and leaves its workers to notice it. The next package's local Ray failed to start
+    three times in ~12 lane runs, each right after the 3-node cluster's teardown (see init_ray); on
+    a quiet machine every worker is gone by the time the nodes are, so this only guarantees that
+    none is left to a busy one's next package."""
+    import psutil
+
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=10)
 
 
 def save_random_model(tmp_path_factory, config, name: str, seed: int, std: float = 0.15) -> str:

@@ -4,6 +4,7 @@ one engine's pipeline stages. The Ray executor, the launcher and the ingress rep
 so it imports none of them (docs/architecture.md, layers)."""
 from __future__ import annotations
 
+import glob
 import logging
 import os
 from typing import Any
@@ -13,8 +14,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 logger = logging.getLogger(__name__)
 
-# What Ray raises when the GCS of a local Ray it starts never publishes its port (ray/_private/node.py).
-GCS_NOT_STARTED = "gcs_server_port"
+# What Ray raises when a local Ray it starts does not come up (ray/_private/node.py): its GCS never
+# published its port, or its raylet never registered with the GCS, each within Ray's 30 s.
+NOT_STARTED = ("gcs_server_port", "timed out during startup")
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
@@ -37,14 +39,17 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     _single_machine_mode()
     try:
         _start_local(num_cpus)
-    except RuntimeError as e:
-        # Seen twice in ~10 runs of the test lane on a busy 2-core machine: the GCS of a new local
-        # Ray wrote neither its port file nor a line of log within Ray's 30 s, and every test of
-        # the package failed at setup. Not understood; a new session is started, once.
-        if GCS_NOT_STARTED not in str(e):
+    except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for the raylet's timeout
+        # Seen three times in ~12 runs of the test lane on a busy 2-core machine, each time right
+        # after a simulated 3-node cluster was torn down: the new GCS or raylet did not come up
+        # within Ray's 30 s and every test of the package failed at setup. Not understood: what
+        # the failed start left is killed, its logs' tails printed, and a new one started, once.
+        if not any(marker in str(e) for marker in NOT_STARTED):
             raise
-        logger.warning("the local Ray did not start (%s); starting it again", e)
+        logger.warning("the local Ray did not start (%s); starting it again. Its logs end:\n%s",
+                       e, _session_log_tails())
         ray.shutdown()
+        _kill_ray_children()
         _start_local(num_cpus)
     return True
 
@@ -52,6 +57,41 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
 def _start_local(num_cpus: int | None) -> None:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="pdserve",
              _node_ip_address="127.0.0.1")
+
+
+def _session_log_tails(lines: int = 15) -> str:
+    """The last lines of the newest local Ray session's GCS and raylet logs (what a failed start
+    said about itself), or why there are none."""
+    from ray._common.utils import get_default_ray_temp_dir  # noqa: PLC0415
+
+    logs = os.path.join(get_default_ray_temp_dir(), "session_latest", "logs")
+    tails = []
+    for pattern in ("gcs_server.*", "raylet*.out", "raylet*.err"):
+        names = sorted(glob.glob(os.path.join(logs, pattern)))
+        if not names:
+            tails.append(f"--- no {pattern} in {logs}")
+        for name in names:
+            with open(name, errors="replace") as f:     # (not the raylet's periodic state dumps)
+                said = [line for line in f if not line.startswith("[state-dump]")]
+            tails.append(f"--- {os.path.basename(name)}\n" + "".join(said[-lines:]))
+    return "\n".join(tails)
+
+
+def _kill_ray_children() -> None:
+    """Kill this process' children that run Ray's own programs (the GCS, raylet, log monitor and
+    reaper a failed `ray.init` started and never handed to a node that `ray.shutdown` stops)."""
+    import psutil  # noqa: PLC0415 - Ray's own dependency
+
+    ray_dir = os.path.dirname(ray.__file__)
+    children = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any(ray_dir in arg for arg in child.cmdline()):
+                child.kill()
+                children.append(child)
+        except psutil.Error:
+            pass
+    psutil.wait_procs(children, timeout=10)
 
 
 def connect_ray(address: str = "auto") -> None:

@@ -56,34 +56,39 @@ def test_direct_ingress_spec():
 
 
 # --- starting a local Ray (unit: ray.init stands in) ------------------------------------------------
-@pytest.mark.parametrize("errors,started", [([], 1), (["gcs"], 2), (["gcs", "gcs"], None), (["other"], None)])
-def test_a_local_ray_whose_gcs_never_came_up_is_started_once_more(monkeypatch, errors, started):
-    """Ray's error for a GCS that never published its port: `init_ray` starts a new local Ray once;
-    any other error, or a second such failure, reaches the caller."""
+@pytest.mark.parametrize("errors,started", [([], 1), (["gcs"], 2), (["raylet"], 2), (["gcs", "raylet"], None),
+                                            (["other"], None)])
+def test_a_local_ray_that_did_not_come_up_is_started_once_more(monkeypatch, errors, started):
+    """Ray's errors for a GCS that never published its port and a raylet that never registered:
+    `init_ray` kills what the failed start left and starts a new local Ray once; any other error,
+    or a second such failure, reaches the caller."""
     import ray
 
     from engine.executor import ray_cluster
 
-    calls = []
+    calls, killed = [], []
     messages = {"gcs": "Timed out waiting for file /tmp/ray/session_x/gcs_server_port_0a1b",
+                "raylet": "The current node timed out during startup. This could happen because ...",
                 "other": "something else"}
 
     def init(**kwargs):
         calls.append(kwargs)
         if len(calls) <= len(errors):
-            raise RuntimeError(messages[errors[len(calls) - 1]])
+            raise (RuntimeError if errors[len(calls) - 1] == "gcs" else Exception)(messages[errors[len(calls) - 1]])
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray_cluster, "_single_machine_mode", lambda: None)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", init)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(ray_cluster, "_kill_ray_children", lambda: killed.append(len(calls)))
     if started is None:
-        with pytest.raises(RuntimeError, match=messages[errors[-1]]):
+        with pytest.raises(Exception, match=messages[errors[-1]]):
             ray_cluster.init_ray(num_cpus=2)
     else:
         assert ray_cluster.init_ray(num_cpus=2) is True
     assert len(calls) == (started or len(errors))
+    assert killed == ([1] if len(calls) == 2 else [])
     assert all(c["address"] == "local" and c["num_cpus"] == 2 for c in calls)
 
 
