@@ -39,7 +39,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     _single_machine_mode()
     try:
         _start_local(num_cpus)
-    except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for the raylet's timeout
+    except Exception as e:  # (Ray raises a bare Exception for the raylet's timeout)
         # Seen three times in ~12 runs of the test lane on a busy 2-core machine, each time right
         # after a simulated 3-node cluster was torn down: the new GCS or raylet did not come up
         # within Ray's 30 s and every test of the package failed at setup. Not understood: what
