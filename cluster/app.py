@@ -14,5 +14,8 @@ from router.ingress.app import ingress_app
 
 
 def build_app(config: ClusterConfig) -> Any:
-    """The Serve application serving this cluster spec."""
-    return ingress_app(config.ingress_spec(), ManagerLink(config.model_dump_json()))
+    """The Serve application serving this cluster spec: one ingress for every model, each with the
+    link to its own manager."""
+    deployments = config.deployments()
+    return ingress_app([d.ingress_spec() for d in deployments],
+                       [ManagerLink(d.model_dump_json()) for d in deployments])

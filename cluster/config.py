@@ -19,6 +19,20 @@ A pool may autoscale between bounds (cluster/planner.py):
       decode: {replicas: 1, autoscaling: {min_replicas: 1, max_replicas: 4, itl_slo_ms: 50,
                                           target_running_requests: 16}}
 
+Several models behind one endpoint: a `models:` list, each entry one model's deployment keyed as
+above (`model`, `engine`, `mode`, `pools`, `disaggregation`, `lora`) plus `name` (the id clients
+send) and `aliases` (more ids), while `serving`, `routing` and the timeouts stay at the top, shared:
+
+    models:
+      - {name: chat, aliases: [smol], model: null, mode: disaggregated,
+         pools: {prefill: {replicas: 1}, decode: {replicas: 1}}}
+      - {name: qwen, model: /models/qwen2-0.5b, pools: {decode: {replicas: 2}}}
+
+Each entry becomes a deployment of its own (`ClusterConfig.deployments`: its own manager, in the
+namespace `<name>-<entry name>`, and its own pools, on the cluster's shared nodes); one ingress
+routes each request by its `model` (router/ingress/served_models.py). A spec without `models:` is a
+one-model deployment, as before.
+
 Every field is validated here, so a bad spec fails before any actor starts, naming the field. The
 sections the ingress reads (serving, routing, disaggregation, lora) are records/serving.py's; the
 pools and the whole are here, with what each pool's engines and the ingress get
@@ -26,6 +40,7 @@ pools and the whole are here, with what each pool's engines and the ingress get
 """
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -141,7 +156,8 @@ class PoolSpec(StrictSpec):
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-class ClusterConfig(StrictSpec):
+class ModelDeployment(StrictSpec):
+    """One model's deployment: what a `models:` entry and a one-model spec have in common."""
     model: str | None = None
     # LLM(...) keywords (records/engine_args.py: EngineArgs, where their defaults live), checked on load.
     engine: EngineArgs = Field(default_factory=EngineArgs)
@@ -149,17 +165,7 @@ class ClusterConfig(StrictSpec):
     pools: dict[Literal["prefill", "decode"], PoolSpec] = Field(
         default_factory=lambda: {"decode": PoolSpec()})
     disaggregation: DisaggregationSpec = DisaggregationSpec()
-    routing: RoutingSpec = RoutingSpec()
-    serving: ServingSpec = ServingSpec()
     lora: LoRASpec | None = None                # None: no adapters
-    name: str = "pdserve"                       # namespace of the manager actor
-    # How long to wait for the Ray cluster to have the resources the pools need (nodes joining,
-    # an autoscaler adding them) before failing with a message naming what is missing. A local Ray
-    # started by `pdserve serve` never grows, so there the check does not wait.
-    placement_timeout_s: float = Field(60.0, ge=0)
-    # How long a replica leaving its pool (scaled down by hand or by the planner, or replaced by a
-    # spec update) may finish its streams; those still running then migrate to another replica.
-    drain_timeout_s: float = Field(60.0, ge=0)
 
     def model_post_init(self, _: Any) -> None:
         if "decode" not in self.pools:
@@ -203,6 +209,94 @@ class ClusterConfig(StrictSpec):
             raise ValueError(f"engine must not set {kv_keys}: the disaggregation section configures "
                              f"the KV connector")
         return engine
+
+
+class ModelEntry(ModelDeployment):
+    """One entry of `models:`: a model's deployment and the ids clients send for it."""
+    name: str = Field(min_length=1)             # the id responses name
+    aliases: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _source_given(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "model" not in data:
+            raise ValueError(f"models entry {data.get('name')!r} has no model: the source (an HF "
+                             f"directory, a .gguf file, or null for the embedded model) must be given")
+        return data
+
+    @property
+    def ids(self) -> list[str]:
+        return [self.name, *self.aliases]
+
+
+_MODEL_FIELDS = tuple(ModelDeployment.model_fields)
+
+
+def _slug(name: str) -> str:
+    """A model id as a Ray namespace's suffix (ids hold slashes: "meta-llama/Llama-3.1-8B")."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "model"
+
+
+class ClusterConfig(ModelDeployment):
+    """The whole spec: one model's deployment (the fields above), or several under `models`, with
+    the serving, routing and timing sections they share."""
+    routing: RoutingSpec = RoutingSpec()
+    serving: ServingSpec = ServingSpec()
+    name: str = "pdserve"                       # namespace of the manager actor (of each model's: `deployments`)
+    # How long to wait for the Ray cluster to have the resources the pools need (nodes joining,
+    # an autoscaler adding them) before failing with a message naming what is missing. A local Ray
+    # started by `pdserve serve` never grows, so there the check does not wait.
+    placement_timeout_s: float = Field(60.0, ge=0)
+    # How long a replica leaving its pool (scaled down by hand or by the planner, or replaced by a
+    # spec update) may finish its streams; those still running then migrate to another replica.
+    drain_timeout_s: float = Field(60.0, ge=0)
+    # Several models behind one endpoint (None: this spec's own model is the one).
+    models: list[ModelEntry] | None = None
+
+    @model_validator(mode="after")
+    def _models_each_their_own(self) -> ClusterConfig:
+        if self.models is None:
+            return self
+        if not self.models:
+            raise ValueError("models must list at least one model (or be left out)")
+        default = ModelDeployment()     # (a dumped spec holds every field: compare, not `model_fields_set`)
+        set_here = [f for f in _MODEL_FIELDS if getattr(self, f) != getattr(default, f)]
+        if set_here:
+            raise ValueError(f"with models, {set_here} belong to each models entry, not the top of the spec")
+        if self.serving.served_model_name is not None:
+            raise ValueError("with models, each entry's name and aliases are the ids it is served under; "
+                             "serving.served_model_name is not used")
+        owners: dict[str, list[str]] = {}
+        for entry in self.models:
+            for served in entry.ids:
+                owners.setdefault(served, []).append(f"{entry.name} (name/aliases)")
+            for adapter in (entry.lora.modules if entry.lora is not None else {}):
+                owners.setdefault(adapter, []).append(f"{entry.name} (lora.modules)")
+        taken = {served: where for served, where in owners.items() if len(where) > 1}
+        if taken:
+            raise ValueError("models: each id must name one model or adapter; "
+                             + "; ".join(f"{served!r} is claimed by {', '.join(w)}" for served, w in taken.items()))
+        slugs: dict[str, str] = {}
+        for entry in self.models:
+            other = slugs.setdefault(_slug(entry.name), entry.name)
+            if other != entry.name:
+                raise ValueError(f"models {other!r} and {entry.name!r} would share the manager namespace "
+                                 f"{self.name}-{_slug(entry.name)}; rename one")
+        return self
+
+    def deployments(self) -> list[ClusterConfig]:
+        """One one-model spec per model: the spec itself without `models`; else each entry with the
+        shared sections, served under its name and aliases, its manager in its own namespace."""
+        if self.models is None:
+            return [self]
+        shared = self.model_dump(exclude={"models", "name", *_MODEL_FIELDS})
+        out = []
+        for entry in self.models:
+            own = entry.model_dump(include=set(_MODEL_FIELDS), exclude_unset=True)
+            serving = {**shared["serving"], "served_model_name": entry.ids}
+            out.append(ClusterConfig.model_validate({**shared, **own, "serving": serving,
+                                                     "name": f"{self.name}-{_slug(entry.name)}"}))
+        return out
 
     @model_validator(mode="after")
     def _adapters_not_under_model_names(self) -> ClusterConfig:

@@ -58,9 +58,9 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
                            "its environment (set them for `ray start`, or use `pdserve serve` without "
                            "--address, which sets them for the Ray it starts)")
     faulthandler.register(signal.SIGUSR1)      # `kill -USR1 <pid>` prints every thread's stack
-    manager = start_pools(config)
-    print(f"pdserve: loading the pools ({', '.join(f'{k}={v.replicas}' for k, v in config.pools.items())})",
-          flush=True)
+    deployments = config.deployments()
+    managers = [start_pools(d) for d in deployments]
+    print(f"pdserve: loading the pools ({_describe(config)})", flush=True)
     # With direct ingress the ingress replica takes the port; Serve's proxy, which still starts,
     # gets any free one.
     proxy_port = 0 if config.serving.direct_ingress else config.serving.port
@@ -72,18 +72,27 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
     url = f"http://{config.serving.host}:{config.serving.port}"
     print(f"pdserve: starting on {url}/v1 (/health answers 503 until the pools serve)", flush=True)
     while True:
-        status = ray.get(manager.status.remote(), timeout=60)
-        if status["phase"] == "failed":
-            raise StartupError(status["reason"])
-        if status["phase"] == "ready":
+        statuses = ray.get([m.status.remote() for m in managers], timeout=60)
+        for deployment, status in zip(deployments, statuses):
+            if status["phase"] == "failed":
+                at = f"model {deployment.serving.served_model_names[0]}: " if config.models is not None else ""
+                raise StartupError(at + status["reason"])
+        if all(status["phase"] == "ready" for status in statuses):
             break
         time.sleep(poll_s)
     grpc_note = f", gRPC on port {config.serving.grpc_port}" if config.serving.grpc_port else ""
-    print(f"pdserve: serving on {url}/v1{grpc_note} "
-          f"({config.mode}, pools {', '.join(f'{k}={v.replicas}' for k, v in config.pools.items())})",
-          flush=True)
+    print(f"pdserve: serving on {url}/v1{grpc_note} ({_describe(config)})", flush=True)
     while blocking:
         time.sleep(1.0)
+
+
+def _describe(config: ClusterConfig) -> str:
+    """The mode and pool sizes, per model when there are several."""
+    def pools(d: ClusterConfig) -> str:
+        return f"{d.mode}, pools {', '.join(f'{k}={v.replicas}' for k, v in d.pools.items())}"
+    if config.models is None:
+        return pools(config)
+    return "; ".join(f"{d.serving.served_model_names[0]}: {pools(d)}" for d in config.deployments())
 
 
 def start_pools(config: ClusterConfig) -> Any:
@@ -129,19 +138,35 @@ def shutdown(config: ClusterConfig, drain_s: float = 10.0) -> None:
         serve.delete(config.name)
     except Exception as e:  # noqa: BLE001 - Serve never started, or is gone
         print(f"pdserve: deleting the Serve app: {e}", file=sys.stderr)
-    try:
-        manager = ray.get_actor(MANAGER_NAME, namespace=config.name)
-    except ValueError:
-        return
-    try:
-        ray.get(manager.shutdown.remote(drain_s=drain_s), timeout=drain_s + 30)
-    finally:
-        ray.kill(manager)
+    for deployment in config.deployments():
+        try:
+            manager = ray.get_actor(MANAGER_NAME, namespace=deployment.name)
+        except ValueError:
+            continue
+        try:
+            ray.get(manager.shutdown.remote(drain_s=drain_s), timeout=drain_s + 30)
+        finally:
+            ray.kill(manager)
 
 
 def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     """The spec file (or DEFAULT_SPEC) with the command line's overrides; ValueError names the field."""
     data = ClusterConfig.from_yaml(args.config).model_dump() if args.config else dict(DEFAULT_SPEC)
+    if data.get("models") is not None:
+        per_model = [flag for flag, given in (
+            ("MODEL / --model", args.model_tag is not None or args.model is not None),
+            ("--served-model-name", args.served_model_name is not None),
+            ("--lora-modules / --enable-lora / --max-loras / --max-lora-rank",
+             args.enable_lora or args.lora_modules or args.max_loras is not None or args.max_lora_rank is not None),
+            ("--replicas / --prefill-replicas", args.replicas is not None or args.prefill_replicas is not None),
+            ("--connector / --speculative-config", args.connector is not None or args.speculative_config is not None),
+            ("the engine and parallelism flags", any(getattr(args, f, None) is not None for f in (
+                *ENGINE_FLAGS, "tensor_parallel_size", "pipeline_parallel_size", "cpus_per_rank", "num_gpus",
+                "enable_expert_parallel", "moe_dispatch"))),
+        ) if given]
+        if per_model:
+            raise ValueError(f"{', '.join(per_model)}: the spec serves several models (models:); set these "
+                             f"in each models entry")
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
     model = args.model if args.model is not None else args.model_tag
@@ -341,8 +366,9 @@ DEFAULT_SPEC: dict = {"mode": "disaggregated", "pools": {"prefill": {"replicas":
 def run_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
-        for pool in config.pools:   # the model allows the engine section: checked before Ray starts
-            config.engine_config(pool)
+        for deployment in config.deployments():   # each model allows its engine section: checked
+            for pool in deployment.pools:           # before Ray starts
+                deployment.engine_config(pool)
     except (OSError, ValueError, yaml.YAMLError) as e:    # pydantic's ValidationError is a ValueError
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2

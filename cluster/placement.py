@@ -5,6 +5,7 @@ missing). One engine's own stages are placed by engine/executor/ray_cluster.py (
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import ray
@@ -44,10 +45,10 @@ def placement_problems(config: ClusterConfig, nodes: list[dict[str, float]]) -> 
     if not any(all(node.get(k, 0.0) >= v for k, v in ingress.items()) for node in nodes):
         problems.append(f"serving: no node can hold an ingress replica's {fmt_resources(ingress)} "
                         f"(ingress_num_cpus, ingress_resources)")
-    for name, spec in config.pools.items():
-        for bundle in replica_bundles(spec, config.engine.simulate is not None):
+    for where, spec, simulated in _every_pool(config):
+        for bundle in replica_bundles(spec, simulated):
             if not any(all(node.get(k, 0.0) >= v for k, v in bundle.items()) for node in nodes):
-                problems.append(f"pools.{name}: no node can hold {fmt_resources(bundle)} (one replica's "
+                problems.append(f"{where}: no node can hold {fmt_resources(bundle)} (one replica's "
                                 f"{'rank' if spec.world_size == 1 else 'bundle'})")
             for k, v in bundle.items():
                 needed[k] = needed.get(k, 0.0) + v * spec.replicas
@@ -66,10 +67,17 @@ def required_ingress_cpus(config: ClusterConfig) -> float:
 def required_cpus(config: ClusterConfig) -> float:
     """Logical CPUs the whole app takes: every pool's replicas and the ingress replicas (what a
     local Ray started for it must have at least)."""
-    simulated = config.engine.simulate is not None
-    pools = sum(b.get("CPU", 0.0) * spec.replicas for spec in config.pools.values()
+    pools = sum(b.get("CPU", 0.0) * spec.replicas for _, spec, simulated in _every_pool(config)
                 for b in replica_bundles(spec, simulated))
     return pools + required_ingress_cpus(config)
+
+
+def _every_pool(config: ClusterConfig) -> Iterator[tuple[str, PoolSpec, bool]]:
+    """(where the spec sets it, the pool, whether its replicas are simulated) for every model's pools."""
+    for deployment in config.deployments():
+        at = f"models[{deployment.serving.served_model_names[0]}]." if config.models is not None else ""
+        for name, spec in deployment.pools.items():
+            yield f"{at}pools.{name}", spec, deployment.engine.simulate is not None
 
 
 def check_placement(config: ClusterConfig, timeout_s: float | None = None) -> None:

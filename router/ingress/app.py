@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP ingress: a Ray Serve deployment wrapping a FastAPI app.
 
-`ingress_app(spec, manager_link)` applies Ray Serve to the plain classes: the protocol-neutral
+`ingress_app(specs, manager_links)` applies Ray Serve to the plain classes: per served model
+(router/ingress/served_models.py, which picks the model a request names) the protocol-neutral
 `Frontend` (router/ingress/frontend.py: auth, admission, routing, metrics; its `RequestPreparer`,
 router/ingress/preparer.py, validates and tokenizes), the HTTP API over it
 (router/ingress/openai_api.py, router/ingress/responses_api.py) and the gRPC service over it
@@ -51,11 +52,9 @@ from records.errors import InvalidRequestError, PayloadTooLargeError, Unsupporte
 from records.serving import IngressSpec
 from router.ingress.batches import Batches
 from router.ingress.files import FileStore
-from router.ingress.frontend import Frontend
-from router.ingress.grpc_api import GenerationService, grpc_call
+from router.ingress.grpc_api import grpc_call
 from router.ingress.http import fastapi_app, openapi_schema
-from router.ingress.openai_api import OpenAIAPI
-from router.ingress.responses_api import ResponsesAPI
+from router.ingress.served_models import ModelServer, ServedModels
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +67,13 @@ def pdserve_version() -> str:
         return "unknown"
 
 
-def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
-    """The Serve application: the ingress deployment bound to this spec. `manager_link()` returns
-    the handle of the cluster's manager (creating it on first use), which owns the pools; the
-    launcher (cluster/app.py) hands it over, so that this package never imports cluster/."""
+def ingress_app(specs: list[IngressSpec], manager_links: list[Callable[[], Any]]) -> Any:
+    """The Serve application: the ingress deployment serving these models (one spec each, sharing
+    their serving section). `manager_links[i]()` returns the handle of model i's manager (creating
+    it on first use), which owns its pools; the launcher (cluster/app.py) hands them over, so that
+    this package never imports cluster/."""
+    spec = specs[0]
+
     @serve.deployment(name="openai-ingress", num_replicas=spec.serving.ingress_replicas,
                       ray_actor_options={"num_cpus": spec.serving.ingress_num_cpus,
                                          "resources": dict(spec.serving.ingress_resources)},
@@ -79,30 +81,40 @@ def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
                       graceful_shutdown_timeout_s=spec.serving.ingress_drain_timeout_s)
     @serve.ingress(fastapi_app)
     class OpenAIIngress:
-        async def __init__(self, spec_json: str, manager_link: Callable[[], Any]) -> None:
+        async def __init__(self, specs_json: list[str], manager_links: list[Callable[[], Any]]) -> None:
             # The pools come up in the background; with serving.wait_for_pools this replica is ready
             # (to Serve) only once they serve, else it answers at once (/health says why not ready).
             keep_serve_replica_on_loopback()
-            spec = IngressSpec.model_validate_json(spec_json)
-            self.server = Frontend(spec)
-            self.api = OpenAIAPI(self.server)
-            self.responses_api = ResponsesAPI(self.server)
-            self.grpc = GenerationService(self.server)
+            specs = [IngressSpec.model_validate_json(j) for j in specs_json]
+            spec = specs[0]
+            self.models = ServedModels(specs)
+            # The API keys, tenants and body limits are the shared serving section's: any model's
+            # frontend answers for them (the first's).
+            self.server = self.models.first.frontend
+            self.api = self.models.first.api
             # The Files and Batch APIs' state on disk (shared by this app's ingress replicas).
             root = spec.serving.files_dir or os.path.join(cache_root("files", "PDSERVE_FILES_DIR"), spec.name)
             self.files = FileStore(os.path.join(root, "files"), spec.serving.max_file_bytes)
-            self.batches = Batches(os.path.join(root, "batches"), self.files, self.api.execute,
-                                   lambda: 2 * max(1, int(self.server.admission.dispatch_limit()
-                                                          * spec.serving.batch_share)))
+            self.batches = Batches(os.path.join(root, "batches"), self.files, self.models.execute,
+                                   lambda: 2 * max(1, int(self.models.dispatch_limit() * spec.serving.batch_share)))
             fastapi_app.state.server = self.server
-            self._membership: asyncio.Task | None = None
-            self._startup = asyncio.get_running_loop().create_task(self._start(manager_link))
+            self._membership: list[asyncio.Task] = []
+            self._startup = asyncio.get_running_loop().create_task(self._start_all(manager_links))
             if spec.serving.wait_for_pools:
                 await self._startup
-                if self.server.not_ready is not None:
-                    raise RuntimeError(f"the engine pools did not start: {self.server.not_ready}")
+                not_ready = self.models.not_ready()
+                if not_ready is not None:
+                    raise RuntimeError(f"the engine pools did not start: {not_ready}")
 
-        async def _start(self, manager_link: Callable[[], Any]) -> None:
+        async def _start_all(self, manager_links: list[Callable[[], Any]]) -> None:
+            await asyncio.gather(*(self._start(server, link)
+                                   for server, link in zip(self.models.servers, manager_links)))
+            resumed = self.batches.resume()          # batches an earlier ingress left unfinished
+            if resumed:
+                logger.info("resumed %d batches: %s", len(resumed), ", ".join(resumed))
+
+        async def _start(self, server: ModelServer, manager_link: Callable[[], Any]) -> None:
+            frontend = server.frontend
             try:
                 manager = manager_link()
                 # The spec this ingress serves: the manager reconciles its pools to it (a RayService
@@ -111,38 +123,43 @@ def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
                 _, pools = await manager.membership.remote()
             except Exception as e:  # noqa: BLE001 - reported by /health
                 cause = getattr(e, "cause", None) or e
-                self.server.not_ready = f"failed: {cause}"
-                logger.error("the engine pools failed to start: %s", cause)
+                frontend.not_ready = f"failed: {cause}"
+                logger.error("the engine pools of %s failed to start: %s", server.name, cause)
                 return
-            self.server.attach(manager, pools)
-            resumed = self.batches.resume()          # batches an earlier ingress left unfinished
-            if resumed:
-                logger.info("resumed %d batches: %s", len(resumed), ", ".join(resumed))
-            self._membership = asyncio.get_running_loop().create_task(self.server.follow_membership())
+            frontend.attach(manager, pools)
+            self._membership.append(asyncio.get_running_loop().create_task(frontend.follow_membership()))
+
+        async def _body(self, request: Request) -> tuple[ModelServer, dict[str, Any]]:
+            """The request's JSON body and the model it names."""
+            body = await self.api.read_json(request)
+            return self.models.pick(body.get("model")), body
 
         @fastapi_app.get("/v1/models")
-        async def models(self) -> Response:
-            return JSONResponse(self.server.preparer.models())
+        async def list_models(self) -> Response:
+            return JSONResponse(self.models.models())
 
         # `path`: model names such as "meta-llama/Llama-3.1-8B" hold slashes
         @fastapi_app.get("/v1/models/{model:path}")
         async def model(self, model: str) -> Response:
-            return JSONResponse(self.server.preparer.model(model))
+            return JSONResponse(self.models.model(model))
 
         @fastapi_app.post("/v1/completions")
         async def completions(self, request: Request) -> Response:
-            with self.server.observe(request.headers, "/v1/completions"):
-                return await self.api.completions(await self.api.read_json(request))
+            server, body = await self._body(request)
+            with server.frontend.observe(request.headers, "/v1/completions"):
+                return await server.api.completions(body)
 
         @fastapi_app.post("/v1/chat/completions")
         async def chat(self, request: Request) -> Response:
-            with self.server.observe(request.headers, "/v1/chat/completions"):
-                return await self.api.chat(await self.api.read_json(request))
+            server, body = await self._body(request)
+            with server.frontend.observe(request.headers, "/v1/chat/completions"):
+                return await server.api.chat(body)
 
         @fastapi_app.post("/v1/embeddings")
         async def embeddings(self, request: Request) -> Response:
-            with self.server.observe(request.headers, "/v1/embeddings"):
-                return await self.api.embeddings(await self.api.read_json(request))
+            server, body = await self._body(request)
+            with server.frontend.observe(request.headers, "/v1/embeddings"):
+                return await server.api.embeddings(body)
 
         # --- the Files and Batch APIs (router/ingress/files.py, batches.py) ---------------------
         @fastapi_app.post("/v1/files")
@@ -205,32 +222,37 @@ def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
 
         @fastapi_app.post("/v1/responses")
         async def responses(self, request: Request) -> Response:
-            with self.server.observe(request.headers, "/v1/responses"):
-                return await self.responses_api.create(await self.api.read_json(request))
+            server, body = await self._body(request)
+            with server.frontend.observe(request.headers, "/v1/responses"):
+                return await server.responses.create(body)
 
         @fastapi_app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(self, request: Request) -> Response:
-            return PlainTextResponse(self.server.preparer.load_adapter(await self.api.read_json(request)))
+            return PlainTextResponse(self.models.load_adapter(await self.api.read_json(request)))
 
         @fastapi_app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(self, request: Request) -> Response:
-            return PlainTextResponse(self.server.preparer.unload_adapter(await self.api.read_json(request)))
+            return PlainTextResponse(self.models.unload_adapter(await self.api.read_json(request)))
 
         @fastapi_app.post("/tokenize")
         async def tokenize(self, request: Request) -> Response:
-            return JSONResponse(self.server.preparer.tokenize(await self.api.read_json(request)))
+            server, body = await self._body(request)
+            return JSONResponse(server.frontend.preparer.tokenize(body))
 
         @fastapi_app.post("/detokenize")
         async def detokenize(self, request: Request) -> Response:
-            return JSONResponse(self.server.preparer.detokenize(await self.api.read_json(request)))
+            server, body = await self._body(request)
+            return JSONResponse(server.frontend.preparer.detokenize(body))
 
         @fastapi_app.get("/health")
         async def health(self) -> Response:
-            if self.server.not_ready is not None:
-                status, _, reason = self.server.not_ready.partition(": ")
+            not_ready = self.models.not_ready()
+            if not_ready is not None:
+                status, _, reason = not_ready.partition(": ")
                 return JSONResponse({"healthy": False, "status": status, "reason": reason}, status_code=503)
-            ok, pools = await self.server.health()
-            return JSONResponse({"healthy": ok, "status": "ready" if ok else "degraded", "pools": pools},
+            ok, detail = await self.models.health()
+            return JSONResponse({"healthy": ok, "status": "ready" if ok else "degraded",
+                                 **(detail if self.models.several else {"pools": detail})},
                                 status_code=200 if ok else 503)
 
         @fastapi_app.get("/ping")
@@ -244,20 +266,20 @@ def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
 
         @fastapi_app.get("/metrics")
         async def metrics(self) -> Response:
-            return PlainTextResponse(await self.server.render_metrics(),
+            return PlainTextResponse(await self.models.render_metrics(),
                                      media_type="text/plain; version=0.0.4")
 
         def observability(self) -> dict:
             """`pdserve status`: what this ingress replica saw (Frontend.observability)."""
-            return self.server.observability()
+            return self.models.observability()
 
         @fastapi_app.get("/admin/status", include_in_schema=False)        # not OpenAI's API
         async def admin_status(self) -> Response:
-            return JSONResponse(await self.server.admin_status())
+            return JSONResponse(await self.models.admin_status())
 
         @fastapi_app.post("/admin/scale", include_in_schema=False)
         async def admin_scale(self, request: Request) -> Response:
-            return JSONResponse(await self.server.admin_scale(await self.api.read_json(request)))
+            return JSONResponse(await self.models.admin_scale(await self.api.read_json(request)))
 
         @fastapi_app.get("/openapi.json")
         async def openapi(self, request: Request) -> Response:
@@ -266,22 +288,23 @@ def ingress_app(spec: IngressSpec, manager_link: Callable[[], Any]) -> Any:
         # --- gRPC (Serve's gRPC proxy calls the methods named like the RPCs) ---------------------
         async def Generate(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:  # noqa: N802
             async with grpc_call(self.server, grpc_context) as metadata:
-                with self.server.observe(dict(metadata), "pdserve.Generation/Generate"):
-                    async for message in self.grpc.generate(request, metadata):
+                server = self.models.pick(request.model or None)
+                with server.frontend.observe(dict(metadata), "pdserve.Generation/Generate"):
+                    async for message in server.grpc.generate(request, metadata):
                         yield message
 
         async def Tokenize(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
             async with grpc_call(self.server, grpc_context) as metadata:
-                return self.grpc.tokenize(request, metadata)
+                return self.models.pick(request.model or None).grpc.tokenize(request, metadata)
 
         async def Models(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
             async with grpc_call(self.server, grpc_context) as metadata:
-                return self.grpc.models(metadata)
+                return self.models.grpc_models(metadata)
 
         async def Health(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
-            return await self.grpc.health()
+            return await self.models.grpc_health()
 
-    return OpenAIIngress.bind(spec.model_dump_json(), manager_link)
+    return OpenAIIngress.bind([s.model_dump_json() for s in specs], manager_links)
 
 
 def _int_param(query: Any, name: str, default: int) -> int:

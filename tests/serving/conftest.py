@@ -5,14 +5,15 @@ pools load side by side:
 - "/" main: two decode replicas, an API key and a tenant with its own key and a requests-per-minute
   limit, a 1 MiB body limit, a LoRA adapter served from the start and runtime adapter loading; the
   gRPC tests' app too (it was an app of its own, one more manager, ingress and engine to start);
-- "/limited": one replica admitting one request at a time (429 / RESOURCE_EXHAUSTED), a reasoning
-  parser whose constraints apply to the thinking too (so that one can make the tiny model think),
-  and vLLM's metric names;
+- "/limited": two models behind one endpoint (`models:`): the tiny model on one replica and a tiny
+  Qwen2 ("qwen") disaggregated on two; each admits one request at a time (429 /
+  RESOURCE_EXHAUSTED); a reasoning parser whose constraints apply to the thinking too (so that one
+  can make the tiny model think), and vLLM's metric names;
 - "/pd": disaggregated, one prefill and one decode replica with KV pulled over NIXL; prompts with
   fewer than 32 uncached tokens are prefilled on the decode replica; traced to an OTLP receiver in
   this process, its requests logged, a host offload tier on the decode replica.
 
-Each serves the model as "tiny" and "tiny-chat". At the end every replica must hold no request and
+Each serves the tiny model as "tiny" and "tiny-chat". At the end every replica must hold no request and
 no KV block.
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ def otlp():
 
 
 @pytest.fixture(scope="package")
-def apps(tiny_llama, adapters, eventually_no_leaks, otlp):
+def apps(tiny_llama, tiny_qwen2, adapters, eventually_no_leaks, otlp):
     """Start the three apps; yield (http port, gRPC port, app name -> its manager's handle)."""
     from ray import serve
 
@@ -70,10 +71,18 @@ def apps(tiny_llama, adapters, eventually_no_leaks, otlp):
                                   "tenants": {TENANT: {"api_keys": [TENANT_KEY], "requests_per_minute": 3}}},
                          name=MAIN,
                          lora={**lora, "allow_runtime_updates": True})
-    limited = ClusterConfig(model=tiny_llama, engine=engine, pools={"decode": {"replicas": 1, "num_cpus": 1}},
-                            serving={**serving, "max_in_flight": 1, "reasoning_parser": "qwen3",
-                                     "structured_outputs_in_reasoning": True, "metrics_prefix": "vllm"},
-                            name=LIMITED)
+    # Two models behind one endpoint (`models:`): the tiny Llama colocated, and a tiny Qwen2 served
+    # disaggregated as "qwen" with a shorter context.
+    shared = {k: v for k, v in serving.items() if k != "served_model_name"}
+    limited = ClusterConfig(models=[
+        {"name": "tiny", "aliases": ["tiny-chat"], "model": tiny_llama, "engine": engine,
+         "pools": {"decode": {"replicas": 1, "num_cpus": 1}}},
+        {"name": "qwen", "model": tiny_qwen2, "engine": {**engine, "max_model_len": 512}, "mode": "disaggregated",
+         "pools": {"prefill": {"replicas": 1, "num_cpus": 1}, "decode": {"replicas": 1, "num_cpus": 1}},
+         "disaggregation": {"connector": "nixl", "min_remote_prefill_tokens": 32}}],
+        serving={**shared, "max_in_flight": 1, "reasoning_parser": "qwen3",
+                 "structured_outputs_in_reasoning": True, "metrics_prefix": "vllm"},
+        name=LIMITED)
     # Traced (every process's spans to `otlp`), its requests logged, and an offload tier on its
     # decode pool: tests/serving/test_observability.py reads all three.
     pd = ClusterConfig(model=tiny_llama, engine=engine, mode="disaggregated",
@@ -89,7 +98,9 @@ def apps(tiny_llama, adapters, eventually_no_leaks, otlp):
     base = f"http://127.0.0.1:{port}"
     for _, prefix in configs.values():
         wait_healthy(f"{base}{prefix.rstrip('/')}")
-    managers = {name: ray.get_actor(MANAGER_NAME, namespace=config.name) for name, (config, _) in configs.items()}
+    # Each model's manager (the /limited app's second model's as "qwen").
+    managers = {name if i == 0 else d.serving.served_model_names[0]: ray.get_actor(MANAGER_NAME, namespace=d.name)
+                for name, (config, _) in configs.items() for i, d in enumerate(config.deployments())}
     yield port, grpc_port, managers
     for name, manager in managers.items():      # block accounting on every replica: nothing left behind
         pools = ray.get(manager.membership.remote())[1]

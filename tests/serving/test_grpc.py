@@ -113,11 +113,14 @@ def test_error_codes(grpc_server):
             grpc.StatusCode.UNAUTHENTICATED
 
     # RESOURCE_EXHAUSTED from the app that admits one request at a time, while one stream is open.
-    held = stub.Generate(pb2.GenerateRequest(text="hold",
+    # (It serves two models: a request names one, or is refused naming them.)
+    code, details = _code(gen(grpc_metadata(LIMITED, None), text="x"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "model is required" in details and "'qwen'" in details
+    held = stub.Generate(pb2.GenerateRequest(text="hold", model="tiny",
                                              sampling=pb2.SamplingOptions(max_tokens=500, ignore_eos=True)),
                          metadata=grpc_metadata(LIMITED, None), timeout=120)
     next(held)
-    code, details = _code(gen(grpc_metadata(LIMITED, None), text="x"))
+    code, details = _code(gen(grpc_metadata(LIMITED, None), text="x", model="tiny-chat"))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit is 1" in details
     held.cancel()
     # and the server keeps answering

@@ -1,0 +1,124 @@
+"""Several models behind one endpoint (the /limited app of tests/serving/conftest.py: the tiny Llama
+colocated as "tiny" / "tiny-chat", a tiny Qwen2 disaggregated as "qwen"): requests routed by their
+`model`, each model's answers token-identical to that model alone, /v1/models, 404s and 400s naming
+the models, tokenize, health, metrics by `model_name` and a batch that mixes the models."""
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from serving.test_batches import upload, wait_done
+
+ray = pytest.importorskip("ray", reason="the serving tests need ray[serve] (make setup installs it)")
+pytestmark = pytest.mark.ray
+
+MAX_TOKENS = 8
+
+
+def _prompts(n: int) -> list[str]:
+    """Short and long prompts (the long ones, over 32 tokens, are prefilled on qwen's prefill
+    replica), some sharing a long prefix (prefix-cache hits on both models)."""
+    shared = "A long shared preamble about rivers, mountains and the towns between them. " * 3
+    return [(shared if i % 3 == 0 else "") + f"Request {i}: the weather in town {i} is" for i in range(n)]
+
+
+def test_two_models_serve_interleaved_requests_each_as_served_alone(server, tiny_llama, tiny_qwen2):
+    base = f"{server['base']}/limited"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    cards = httpx.get(f"{base}/v1/models").json()["data"]
+    assert [(c["id"], c["parent"], c["state"]) for c in cards] == [
+        ("tiny", None, "ready"), ("tiny-chat", None, "ready"), ("qwen", None, "ready")]
+    assert [c["max_model_len"] for c in cards] == [1024, 1024, 512]
+    prompts = _prompts(100)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = {}
+    for name, path, max_len in (("tiny", tiny_llama, 1024), ("qwen", tiny_qwen2, 512)):
+        with LLM(path, dtype="float32", max_model_len=max_len) as llm:       # the model served alone
+            want[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert want["tiny"] != want["qwen"]         # two different models, or the check proves nothing
+
+    got: dict[str, list] = {"tiny": [None] * len(prompts), "qwen": [None] * len(prompts)}
+    failures: list[BaseException] = []
+
+    def run(name: str, alias: str) -> None:   # one model's requests, one at a time (max_in_flight: 1)
+        try:
+            for i, prompt in enumerate(prompts):
+                out = client.completions.create(model=alias if i % 2 else name, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                temperature=0.0, extra_body={"ignore_eos": True,
+                                                                             "return_token_ids": True})
+                assert out.model == name
+                got[name][i] = out.choices[0].model_extra["token_ids"]
+        except BaseException as e:  # noqa: BLE001 - reported by the test's thread
+            failures.append(e)
+
+    # 200 requests, the two models' interleaved at the ingress.
+    threads = [threading.Thread(target=run, args=args) for args in (("tiny", "tiny-chat"), ("qwen", "qwen"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    for name in ("tiny", "qwen"):
+        mismatched = [i for i, (a, b) in enumerate(zip(got[name], want[name])) if a != b]
+        assert not mismatched, (name, mismatched[:5])
+
+    # qwen's long prompts went through its prefill replica; each model's series carry its name.
+    metrics = httpx.get(f"{base}/metrics").text
+    lines = [line for line in metrics.splitlines() if line.startswith("vllm:generation_tokens_total{")]
+    assert any('model_name="tiny"' in line for line in lines) and any('model_name="qwen"' in line for line in lines)
+    assert metrics.count("# TYPE vllm:generation_tokens_total ") == 1
+    transferred = [line for line in metrics.splitlines()
+                   if line.startswith('vllm:kv_blocks_transferred_total{model_name="qwen"')]
+    assert transferred and sum(float(line.rsplit(" ", 1)[1]) for line in transferred) > 0, transferred
+
+
+def test_requests_name_a_served_model_or_are_refused_naming_them(server):
+    base = f"{server['base']}/limited"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+    with pytest.raises(openai.NotFoundError, match=r"model 'gpt-4' does not exist; this server serves "
+                                                   r"\['tiny', 'tiny-chat', 'qwen'\]"):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    with pytest.raises(openai.NotFoundError, match="this server serves"):
+        client.models.retrieve("gpt-4")
+    assert client.models.retrieve("qwen").model_extra["max_model_len"] == 512
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    assert "model is required" in r.json()["error"]["message"]
+    # /tokenize answers with the model named (its own context length).
+    for model, max_len in (("tiny", 1024), ("qwen", 512)):
+        tok = httpx.post(f"{base}/tokenize", json={"model": model, "prompt": "Hello world"}).json()
+        assert tok["max_model_len"] == max_len and tok["count"] == len(tok["tokens"]) > 0
+    health = httpx.get(f"{base}/health").json()
+    assert health["healthy"] is True and sorted(health["models"]) == ["qwen", "tiny"]
+    assert sorted(health["models"]["qwen"]["pools"]) == ["decode", "prefill"]
+    # A chat request goes to its model too.
+    chat = client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=3, temperature=0)
+    assert chat.model == "qwen" and chat.usage.completion_tokens >= 1
+
+
+def test_a_batch_mixes_models(server):
+    client = openai.OpenAI(base_url=f"{server['base']}/limited/v1", api_key="none", max_retries=0, timeout=60)
+    bodies = {f"{m}-{i}": {"model": m, "prompt": f"Batch line {i} for {m}", "max_tokens": 4, "temperature": 0}
+              for m in ("tiny", "qwen") for i in range(2)}
+    lines = [{"custom_id": cid, "method": "POST", "url": "/v1/completions", "body": body}
+             for cid, body in bodies.items()]
+    lines.append({"custom_id": "unknown", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "gpt-4", "prompt": "x", "max_tokens": 2}})
+    batch = client.batches.create(input_file_id=upload(client, lines), endpoint="/v1/completions",
+                                  completion_window="24h")
+    done = wait_done(client, batch.id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 4, 1), done
+    out = {r["custom_id"]: r["response"]
+           for r in map(json.loads, client.files.content(done.output_file_id).text.splitlines())}
+    for cid, body in bodies.items():
+        direct = client.completions.create(**body)
+        assert out[cid]["body"]["model"] == body["model"]
+        assert out[cid]["body"]["choices"][0]["text"] == direct.choices[0].text
+    errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+    assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [("unknown", 404)]
