@@ -2,8 +2,8 @@
 
     pdserve serve [--config spec.yaml] [--model PATH] [--port 8000] [--replicas N]   # OpenAI API on Ray
     pdserve generate "prompt" [--model PATH] [--max-tokens N] [--temperature T]      # offline, in-process
-    pdserve scale POOL N [--drain-timeout S] [--address ADDR] [--name NAME]         # resize a running pool
-    pdserve status [--json] [--address ADDR] [--name NAME]                          # pools and replicas
+    pdserve scale [MODEL/]POOL N [--drain-timeout S] [--address ADDR] [--name NAME] # resize a running pool
+    pdserve status [--json] [--address ADDR] [--name NAME]                          # models, pools, replicas
     pdserve apply SPEC.yaml [--address ADDR]                                        # update a deployment's spec
     pdserve simulate --trace FILE --profile P [--config SPEC] [--replicas N] [--json]  # replay in virtual time
     pdserve plan --trace FILE --profile P --ttft-slo MS --itl-slo MS [--output SPEC]  # the cheapest spec for an SLO
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_serve_args(srv)
     scale = sub.add_parser("scale", help="resize a pool of a running deployment (replicas removed are drained)")
-    scale.add_argument("pool", help="prefill or decode")
+    scale.add_argument("pool", help="prefill or decode; MODEL/POOL in a spec of several models (e.g. qwen/decode)")
     scale.add_argument("replicas", type=int)
     scale.add_argument("--drain-timeout", type=float, default=60.0,
                        help="seconds a removed replica may finish its requests before its streams migrate")
@@ -87,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def control(args: argparse.Namespace) -> int:
-    """`pdserve scale`, `status` and `apply`: ask the deployment's manager actor."""
+    """`pdserve scale`, `status` and `apply`: ask the deployment's manager actor (each model's, in a
+    spec of several models)."""
     import ray  # noqa: PLC0415
 
-    from cluster.manager import MANAGER_NAME  # noqa: PLC0415
     from engine.executor.ray_cluster import connect_ray  # noqa: PLC0415
 
     config = None
@@ -108,19 +108,17 @@ def control(args: argparse.Namespace) -> int:
     except ConnectionError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
-    try:
-        manager = ray.get_actor(MANAGER_NAME, namespace=args.name)
-    except ValueError:
+    managers = deployment_managers(args.name)
+    if not managers and args.command != "apply":
         print(f"pdserve: error: no deployment named {args.name!r} on this Ray cluster (--name)", file=sys.stderr)
         return 2
     try:
         if args.command == "scale":
-            out = ray.get(manager.scale.remote(args.pool, args.replicas, args.drain_timeout), timeout=120)
+            out = _scale(managers, args)
         elif args.command == "apply":
-            out = apply_spec(config, manager, args.timeout, args.route_prefix)
+            out = apply_spec(config, managers, args.timeout, args.route_prefix)
         else:
-            out = {**ray.get(manager.describe.remote(), timeout=60), "ingress": _ingress_replicas(args.name),
-                   "ingress_observed": _ingress_observed(args.name)}
+            out = _status(managers, args.name)
     except (ValueError, TimeoutError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as e:
         cause = getattr(e, "cause", None) or e
         print(f"pdserve: error: {cause}", file=sys.stderr)
@@ -132,26 +130,113 @@ def control(args: argparse.Namespace) -> int:
     return 0
 
 
-def apply_spec(config: Any, manager: Any, timeout_s: float, route_prefix: str = "/") -> dict:
-    """Hand `config` to the manager (it reconciles the pools) and redeploy the Serve app with it
-    (Serve rolls the ingress replicas, which read the serving and routing sections); then wait
-    until the manager serves it."""
+def deployment_managers(name: str) -> dict[str, Any]:
+    """The managers of the deployment `name`: its own (a one-model spec: {"": handle}), or each of
+    its models' (model -> handle), found by the namespace and the spec each manager serves."""
+    import ray  # noqa: PLC0415
+
+    from cluster.manager import MANAGER_NAME  # noqa: PLC0415
+
+    try:
+        return {"": ray.get_actor(MANAGER_NAME, namespace=name)}
+    except ValueError:
+        pass
+    found = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"] != MANAGER_NAME or not actor["namespace"].startswith(name + "-"):
+            continue
+        handle = ray.get_actor(MANAGER_NAME, namespace=actor["namespace"])
+        described = ray.get(handle.describe.remote(), timeout=60)
+        if described.get("app") == name:
+            found[described["models"][0]] = handle
+    return found
+
+
+def _scale(managers: dict[str, Any], args: argparse.Namespace) -> dict:
+    """`pdserve scale [MODEL/]POOL N`."""
+    import ray  # noqa: PLC0415
+
+    model, _, pool = args.pool.rpartition("/")
+    if model not in managers:
+        if "" in managers:
+            raise ValueError(f"{args.name!r} serves one model: name the pool alone (prefill or decode); "
+                             f"got {args.pool!r}")
+        raise ValueError(f"{args.name!r} serves several models: name MODEL/POOL, MODEL one of {sorted(managers)}; "
+                         f"got {args.pool!r}")
+    return ray.get(managers[model].scale.remote(pool, args.replicas, args.drain_timeout), timeout=120)
+
+
+def _status(managers: dict[str, Any], name: str) -> dict:
+    """`pdserve status`: the deployment's (or each model's) state, and what its ingress saw."""
+    import ray  # noqa: PLC0415
+
+    described = dict(zip(managers, ray.get([m.describe.remote() for m in managers.values()], timeout=60)))
+    if "" in described:
+        return {**described[""], "ingress": _ingress_replicas(name), "ingress_observed": _ingress_observed(name)}
+    observed = _ingress_observed(name) or {}
+    return {"name": name, "ingress": _ingress_replicas(name),
+            "models": {model: {**out, "ingress_observed": observed.get("models", {}).get(model)}
+                       for model, out in described.items()}}
+
+
+def apply_spec(config: Any, managers: dict[str, Any], timeout_s: float, route_prefix: str = "/") -> dict:
+    """Hand each model's spec to its manager (created for a model the deployment did not serve: its
+    pools load before any request can reach it), then redeploy the Serve app with the whole spec
+    (Serve rolls the ingress replicas, which read the serving and routing sections and the models;
+    streams on the old replicas finish), wait until every manager serves its spec, and only then
+    shut down the managers of models the spec no longer has (their streams drain first)."""
     import ray  # noqa: PLC0415
     from ray import serve  # noqa: PLC0415
 
     from cluster.app import build_app  # noqa: PLC0415
+    from cluster.launch import start_pools  # noqa: PLC0415
     from cluster.manager import fingerprint  # noqa: PLC0415
 
-    want = fingerprint(config)
-    # The pools first (what this prints), then the ingress replicas, whose own `apply` finds it done.
-    out = ray.get(manager.apply.remote(config.model_dump_json()), timeout=timeout_s)
+    deployments = config.deployments()
+    keep = {d.name for d in deployments}
+    out: dict[str, Any] = {}
+    handles = []
+    for d in deployments:
+        # The pools first (what this prints), then the ingress replicas, whose own `apply` finds it done.
+        manager, applied = start_pools(d, timeout_s)
+        handles.append((d, manager))
+        out[d.serving.served_model_names[0] if config.models is not None else "spec"] = applied
     serve.run(build_app(config), name=config.name, route_prefix=route_prefix, blocking=False)
     deadline = time.monotonic() + timeout_s
-    while (st := ray.get(manager.describe.remote(), timeout=60))["fingerprint"] != want or st["updating"]:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the deployment did not take spec {want} within {timeout_s:g} s: {st['updating']}")
-        time.sleep(1.0)
+    for d, manager in handles:
+        want = fingerprint(d)
+        while (st := ray.get(manager.describe.remote(), timeout=60))["fingerprint"] != want or st["updating"] \
+                or st["phase"] != "ready":
+            if st["phase"] == "failed":
+                raise TimeoutError(f"{d.name}: the pools failed: {st['reason']}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{d.name} did not take spec {want} within {timeout_s:g} s: {st['updating']}")
+            time.sleep(1.0)
+    _wait_app_running(config.name, deadline)
+    for model, manager in managers.items():
+        namespace = ray.get(manager.describe.remote(), timeout=60)["name"]
+        if namespace not in keep:                   # a model the spec no longer serves
+            try:
+                ray.get(manager.shutdown.remote(drain_s=config.drain_timeout_s), timeout=config.drain_timeout_s + 30)
+            finally:
+                ray.kill(manager)
+            out[model or namespace] = {"removed": True}
+    if config.models is None:
+        return out["spec"]
     return out
+
+
+def _wait_app_running(name: str, deadline: float) -> None:
+    """Until Serve runs the app's new ingress replicas (the old ones still finishing their streams)."""
+    from ray import serve  # noqa: PLC0415
+
+    while True:
+        app = serve.status().applications.get(name)
+        if app is not None and str(app.status) in ("RUNNING", "ApplicationStatus.RUNNING"):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the Serve app {name!r} is not running: {app.status if app else 'absent'}")
+        time.sleep(0.5)
 
 
 def _ingress_replicas(app_name: str) -> dict[str, int] | None:
@@ -179,7 +264,20 @@ def _ingress_observed(app_name: str) -> dict | None:
 
 
 def format_status(out: dict) -> str:
-    lines = [f"deployment {out['name']} (spec {out['fingerprint']}): {out['phase']}"
+    """`pdserve status` as text: the deployment, or each of its models, with pools and replicas."""
+    if "models" in out and isinstance(out["models"], dict):
+        lines = [f"deployment {out['name']}: {len(out['models'])} models"]
+        if out.get("ingress") is not None:
+            lines.append("ingress: " + ", ".join(f"{n} {state.lower()}" for state, n in out["ingress"].items()))
+        for model, st in out["models"].items():
+            lines.append("")
+            lines.extend(_format_deployment(st, f"model {model} ({st['mode']}, manager {st['name']})").splitlines())
+        return "\n".join(lines)
+    return _format_deployment(out, f"deployment {out['name']}")
+
+
+def _format_deployment(out: dict, title: str) -> str:
+    lines = [f"{title} (spec {out['fingerprint']}): {out['phase']}"
              + (f" ({out['reason']})" if out.get("reason") else "")
              + (f"; {out['updating']}" if out.get("updating") else "")]
     if out.get("ingress") is not None:

@@ -232,6 +232,11 @@ class ModelEntry(ModelDeployment):
 _MODEL_FIELDS = tuple(ModelDeployment.model_fields)
 
 
+def model_namespace(app: str, model: str) -> str:
+    """The namespace of the manager of the model `model` (its entry's name) of the spec `app`."""
+    return f"{app}-{_slug(model)}"
+
+
 def _slug(name: str) -> str:
     """A model id as a Ray namespace's suffix (ids hold slashes: "meta-llama/Llama-3.1-8B")."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "model"
@@ -252,6 +257,9 @@ class ClusterConfig(ModelDeployment):
     drain_timeout_s: float = Field(60.0, ge=0)
     # Several models behind one endpoint (None: this spec's own model is the one).
     models: list[ModelEntry] | None = None
+    # Set by `deployments` on each model's own spec: the name of the spec (and Serve app) it is one
+    # model of (None: a one-model spec, its own app).
+    app: str | None = None
 
     @model_validator(mode="after")
     def _models_each_their_own(self) -> ClusterConfig:
@@ -281,7 +289,7 @@ class ClusterConfig(ModelDeployment):
             other = slugs.setdefault(_slug(entry.name), entry.name)
             if other != entry.name:
                 raise ValueError(f"models {other!r} and {entry.name!r} would share the manager namespace "
-                                 f"{self.name}-{_slug(entry.name)}; rename one")
+                                 f"{model_namespace(self.name, entry.name)}; rename one")
         return self
 
     def deployments(self) -> list[ClusterConfig]:
@@ -294,8 +302,8 @@ class ClusterConfig(ModelDeployment):
         for entry in self.models:
             own = entry.model_dump(include=set(_MODEL_FIELDS), exclude_unset=True)
             serving = {**shared["serving"], "served_model_name": entry.ids}
-            out.append(ClusterConfig.model_validate({**shared, **own, "serving": serving,
-                                                     "name": f"{self.name}-{_slug(entry.name)}"}))
+            out.append(ClusterConfig.model_validate({**shared, **own, "serving": serving, "app": self.name,
+                                                     "name": model_namespace(self.name, entry.name)}))
         return out
 
     @model_validator(mode="after")

@@ -59,7 +59,7 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
                            "--address, which sets them for the Ray it starts)")
     faulthandler.register(signal.SIGUSR1)      # `kill -USR1 <pid>` prints every thread's stack
     deployments = config.deployments()
-    managers = [start_pools(d) for d in deployments]
+    managers = [start_pools(d)[0] for d in deployments]
     print(f"pdserve: loading the pools ({_describe(config)})", flush=True)
     # With direct ingress the ingress replica takes the port; Serve's proxy, which still starts,
     # gets any free one.
@@ -95,10 +95,11 @@ def _describe(config: ClusterConfig) -> str:
     return "; ".join(f"{d.serving.served_model_names[0]}: {pools(d)}" for d in config.deployments())
 
 
-def start_pools(config: ClusterConfig) -> Any:
-    """The manager of `config` (created on first call) with the spec applied and its pools starting:
-    their replicas load while Serve and the ingress come up (2.2 s sooner to /health for `pdserve
-    serve` on two cores than when the ingress starts them: docs/perf/journal.md §23)."""
+def start_pools(config: ClusterConfig, timeout_s: float = 600.0) -> tuple[Any, dict]:
+    """The manager of `config` (one model's spec; created on first call) with the spec applied and
+    its pools starting: their replicas load while Serve and the ingress come up (2.2 s sooner to
+    /health for `pdserve serve` on two cores than when the ingress starts them:
+    docs/perf/journal.md §23). Returns it and what applying the spec did."""
     import ray  # noqa: PLC0415
 
     from cluster.manager import get_or_create_manager  # noqa: PLC0415
@@ -107,9 +108,9 @@ def start_pools(config: ClusterConfig) -> Any:
     # manager, whose start the replicas wait for.
     manager = get_or_create_manager(config, {name: config.engine_config(name) for name in config.pools})
     # A manager of this name may serve another spec (an earlier deployment): this one replaces it.
-    ray.get(manager.apply.remote(config.model_dump_json()), timeout=600)
+    applied = ray.get(manager.apply.remote(config.model_dump_json()), timeout=timeout_s)
     ray.get(manager.start.remote(), timeout=60)
-    return manager
+    return manager, applied
 
 
 GRPC_SERVICER = "pdserve_proto.serve_proxy.add_GenerationServicer_to_server"

@@ -278,7 +278,8 @@ class ClusterManager:
     def describe(self) -> dict[str, Any]:
         """`pdserve status`: the spec's name and fingerprint, the phase, an update under way, the pools."""
         serving = self.config.serving
-        return {"name": self.config.name, "fingerprint": self.fingerprint, "phase": self.phase,
+        return {"name": self.config.name, "app": self.config.app or self.config.name,
+                "models": self.config.serving.served_model_names, "fingerprint": self.fingerprint, "phase": self.phase,
                 "reason": self.reason, "updating": self.updating, "mode": self.config.mode,
                 "tracing": {"otlp_traces_endpoint": serving.otlp_traces_endpoint, "log_requests": serving.log_requests},
                 "pools": self.pool_status()}

@@ -211,7 +211,7 @@ def heal(eventually_no_leaks):
     port, grpc_port = free_port(), free_port()
     config = ClusterConfig(engine=HEAL_ENGINE, pools={"decode": {"replicas": 2, "replicas_per_process": 1}},
                            serving={"port": port, "grpc_port": grpc_port}, name="pdserve-heal")
-    manager = start_pools(config)               # (loading while Serve starts)
+    manager, _ = start_pools(config)            # (loading while Serve starts)
     serve.start(http_options={"host": "127.0.0.1", "port": port}, **grpc_start_options(config))
     serve.run(build_app(config), name=config.name, route_prefix="/heal")
     base = f"http://127.0.0.1:{port}/heal"

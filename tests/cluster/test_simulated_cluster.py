@@ -35,7 +35,7 @@ def test_thirty_two_simulated_replicas_serve_behind_the_real_ingress(eventually_
     config = ClusterConfig(engine=engine, pools={"decode": {"replicas": 32}}, serving={"port": port},
                            name="pdserve-sim-scale")
     assert config.pools["decode"].replicas_per_process == 8
-    manager = start_pools(config)               # (loading while Serve starts)
+    manager, _ = start_pools(config)            # (loading while Serve starts)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config), name=config.name, route_prefix="/sim")
     try:

@@ -51,7 +51,8 @@ def otlp():
 
 @pytest.fixture(scope="package")
 def apps(tiny_llama, tiny_qwen2, adapters, eventually_no_leaks, otlp):
-    """Start the three apps; yield (http port, gRPC port, app name -> its manager's handle)."""
+    """Start the three apps; yield (http port, gRPC port, app name -> its manager's handle (and
+    "qwen" -> the /limited app's second model's), app name -> its spec)."""
     from ray import serve
 
     from cluster.app import build_app
@@ -101,7 +102,7 @@ def apps(tiny_llama, tiny_qwen2, adapters, eventually_no_leaks, otlp):
     # Each model's manager (the /limited app's second model's as "qwen").
     managers = {name if i == 0 else d.serving.served_model_names[0]: ray.get_actor(MANAGER_NAME, namespace=d.name)
                 for name, (config, _) in configs.items() for i, d in enumerate(config.deployments())}
-    yield port, grpc_port, managers
+    yield port, grpc_port, managers, {name: config for name, (config, _) in configs.items()}
     for name, manager in managers.items():      # block accounting on every replica: nothing left behind
         pools = ray.get(manager.membership.remote())[1]
         replicas = {r: h for pool in pools.values() for r, h in pool.items()}
@@ -117,7 +118,7 @@ def apps(tiny_llama, tiny_qwen2, adapters, eventually_no_leaks, otlp):
 def server(apps) -> dict:
     """The HTTP side: base URL, port, each app's replicas (app -> replica id -> handle), the main,
     limited and disaggregated apps' managers, and the served model's name."""
-    port, _, managers = apps
+    port, _, managers, _ = apps
     base = f"http://127.0.0.1:{port}"
     replicas = {}
     for name in ("main", "limited", "pd"):
@@ -140,7 +141,7 @@ def grpc_server(apps) -> dict:
     grpc = pytest.importorskip("grpc")
     from pdserve_proto import pb2, pb2_grpc
 
-    port, grpc_port, managers = apps
+    port, grpc_port, managers, _ = apps
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
     stub = pb2_grpc.GenerationStub(channel)
     deadline = time.monotonic() + 120

@@ -257,7 +257,7 @@ def test_grpc_listens_on_the_serving_host_only(grpc_server, apps):
 
     import psutil
 
-    _, grpc_port, _ = apps
+    _, grpc_port, _, _ = apps
     # The local Ray's processes (the server): this test process's own listeners (the OTLP receiver,
     # NIXL agents other tests made here) are not the server's.
     tree = psutil.Process(os.getpid()).children(recursive=True)

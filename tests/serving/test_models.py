@@ -122,3 +122,79 @@ def test_a_batch_mixes_models(server):
         assert out[cid]["body"]["choices"][0]["text"] == direct.choices[0].text
     errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
     assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [("unknown", 404)]
+
+
+def test_status_scale_and_apply_per_model(server, apps, tiny_llama, tiny_qwen2, tmp_path, capsys):
+    """`pdserve status` shows each model's pools; `pdserve scale` takes MODEL/POOL; `pdserve apply`
+    of the spec without one model removes it while the other streams (no stream cut or changed),
+    and applying it again serves it again, token-identical."""
+    import ray
+    import yaml
+    from helpers import wait_healthy
+
+    from cluster.cli import main
+    from cluster.config import ClusterConfig
+    from cluster.manager import MANAGER_NAME
+    from serving.apps import LIMITED
+
+    base = f"{server['base']}/limited"
+    capsys.readouterr()
+    assert main(["status", "--json", "--name", LIMITED]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert sorted(status["models"]) == ["qwen", "tiny"]
+    qwen = status["models"]["qwen"]
+    assert sorted(qwen["pools"]) == ["decode", "prefill"]
+    assert (qwen["phase"], qwen["mode"]) == ("ready", "disaggregated")
+    assert main(["status", "--name", LIMITED]) == 0
+    text = capsys.readouterr().out
+    assert "deployment pdserve-limited: 2 models" in text and "model qwen (disaggregated" in text, text
+    assert main(["scale", "decode", "1", "--name", LIMITED]) == 2
+    assert "serves several models: name MODEL/POOL, MODEL one of ['qwen', 'tiny']" in capsys.readouterr().err
+    assert main(["scale", "qwen/decode", "1", "--name", LIMITED]) == 0
+
+    spec = apps[3]["limited"]
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    prompt = "The ferry left the harbour at dawn and"
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    with LLM(tiny_llama, dtype="float32", max_model_len=1024) as llm:
+        want = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].text
+    with LLM(tiny_qwen2, dtype="float32", max_model_len=512) as llm:
+        want_qwen = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].text
+
+    def apply_while_streaming(config: ClusterConfig, name: str) -> None:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(json.loads(config.model_dump_json())))
+        done, streams, failures = threading.Event(), [], []
+
+        def stream() -> None:           # one tiny stream after another (its max_in_flight is 1)
+            while not done.is_set():
+                try:
+                    chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=60, temperature=0.0,
+                                                       stream=True, extra_body={"ignore_eos": True})
+                    streams.append("".join(c.choices[0].text for c in chunks if c.choices))
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    failures.append(e)
+                    return
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        try:
+            assert main(["apply", str(path), "--route-prefix", "/limited"]) == 0
+        finally:
+            done.set()
+            thread.join()
+        assert not failures, failures
+        assert len(streams) >= 2 and all(s == want for s in streams), streams
+
+    without = ClusterConfig.model_validate({**spec.model_dump(), "models": [spec.models[0].model_dump()]})
+    apply_while_streaming(without, "without-qwen")
+    assert '"qwen": {\n    "removed": true' in capsys.readouterr().out
+    with pytest.raises(openai.NotFoundError, match=r"this server serves \['tiny', 'tiny-chat'\]"):
+        client.completions.create(model="qwen", prompt=prompt, max_tokens=2)
+
+    apply_while_streaming(spec, "with-qwen")
+    apps[2]["qwen"] = ray.get_actor(MANAGER_NAME, namespace="pdserve-limited-qwen")    # (the package's leak check)
+    wait_healthy(base)          # (the new ingress attaches qwen's pools once they serve)
+    out = client.completions.create(model="qwen", prompt=prompt, max_tokens=60, temperature=0.0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == want_qwen
