@@ -47,6 +47,7 @@ from cluster.config import ClusterConfig
 from cluster.placement import check_placement, replica_bundles
 from cluster.planner import Planner, PoolSample, sample_pool
 from cluster.pool import EnginePool, pool_tag
+from cluster.sleep import ModelSleep
 from records.config import EngineConfig
 from records.errors import StartupError
 
@@ -95,6 +96,7 @@ class ClusterManager:
         self.decisions: dict[str, dict] = {}      # pool -> the planner's last decision
         self.decision_counts: Counter = Counter()  # (pool, action) -> changes made
         self._hist_seen: dict[tuple[str, str], list[int]] = {}
+        self.sleeping = ModelSleep()
         # A manager Ray restarted serves the spec last applied, at the sizes last set.
         stored = _load_state(config.name)
         try:
@@ -281,8 +283,27 @@ class ClusterManager:
         return {"name": self.config.name, "app": self.config.app or self.config.name,
                 "models": self.config.serving.served_model_names, "fingerprint": self.fingerprint, "phase": self.phase,
                 "reason": self.reason, "updating": self.updating, "mode": self.config.mode,
+                "sleep_level": self.sleeping.level,
                 "tracing": {"otlp_traces_endpoint": serving.otlp_traces_endpoint, "log_requests": serving.log_requests},
                 "pools": self.pool_status()}
+
+    # --- sleep and wake (cluster/sleep.py) ---------------------------------------------------------
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Put every replica of every pool to sleep (ValueError when one is busy: none sleeps)."""
+        return await self.sleeping.sleep(await self._serving_replicas(), level)
+
+    async def wake(self) -> dict[str, Any]:
+        """Wake every replica (a no-op for those awake); how long it took."""
+        return await self.sleeping.wake(await self._serving_replicas())
+
+    def is_sleeping(self) -> dict[str, Any]:
+        return {"is_sleeping": self.sleeping.level > 0, "level": self.sleeping.level}
+
+    async def _serving_replicas(self) -> dict[str, Any]:
+        await asyncio.shield(self._start())
+        if self.phase != "ready":
+            raise StartupError(f"the pools are not serving ({self.phase}: {self.reason})")
+        return {r: h for pool in self.pools.values() for r, h in pool.replicas.items()}
 
     async def scale(self, pool: str, replicas: int, drain_timeout_s: float = 60.0) -> dict[str, Any]:
         """Resize a pool by hand (`pdserve scale`): replicas join when loaded; those removed are

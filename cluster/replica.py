@@ -11,6 +11,12 @@ A plain class around `AsyncLLMEngine` (Ray is applied in `cluster/pool.py`):
   went away) aborts whatever that ingress still runs here. `abort(request_ids)` reaches the engine
   before its next step.
 - `generate()` streams one request's StepDeltas on their own (tests and tools).
+- Sleep (`sleep(level)`, `wake()`, vLLM's sleep mode for one replica): the engine is torn down in
+  the live actor, which keeps its process, imports, handles and channels; its KV cache and weights
+  are freed (level 1 leaves the checkpoint's pages in the OS page cache, level 2 asks the OS to drop
+  them too), and the KV event log tells its followers the cache is gone. A sleeping replica answers
+  health checks as healthy and refuses requests with ModelAsleepError (its ingress wakes the model
+  and sends them again); `wake()` builds the engine again from the same config.
 - The engine's KV events are an ordered log that any number of readers follow at their own pace:
   the channels (from the cursor an ingress opened its channel at) and `kv_events_since(cursor)`; a
   reader whose cursor fell off the bounded log gets a snapshot (`AllCleared` + `BlockStored(every
@@ -21,18 +27,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
+import logging
 import os
 import time
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
+from cluster.memory import drop_page_cache, release_heap, resident_bytes
 from engine.async_engine import AsyncLLMEngine, request_error
 from pdserve_proto.kv_events import encode_kv_events
 from records.config import EngineConfig
-from records.errors import EngineDeadError
-from records.outputs import ChannelMessage, KVEvent, RequestOutput, StepDelta
+from records.errors import EngineDeadError, ModelAsleepError
+from records.outputs import AllCleared, ChannelMessage, KVEvent, RequestOutput, StepDelta
 from records.request import Continuation
 from records.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 MAX_EVENT_LOG = 100_000
 # An idle channel sends an empty message this often, so a channel whose ingress is gone is noticed
@@ -45,6 +57,23 @@ def _node_id() -> str | None:
     import ray  # noqa: PLC0415 - the class is plain; Ray only where it runs as an actor
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+async def _released(engine: AsyncLLMEngine, timeout_s: float = 5.0) -> None:
+    """Return once nothing but the caller holds `engine`'s LLMEngine (its weights and KV cache freed
+    with it): the cancelled step loop lets go of its frames over a few turns of the event loop, and
+    the engine's objects hold reference cycles only the collector frees."""
+    gone = weakref.ref(engine.engine)
+    engine.engine = None        # type: ignore[assignment]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gc.collect()
+        if gone() is None:
+            return
+        if time.monotonic() > deadline:
+            logger.warning("the engine put to sleep is still referenced; its memory stays held")
+            return
+        await asyncio.sleep(0.05)
 
 
 def _deltas(params: SamplingParams) -> SamplingParams:
@@ -89,24 +118,84 @@ class EngineReplica:
         self._log_start = 0                 # cursor value of self._log[0]
         self._outboxes: dict[str, _Outbox] = {}   # ingress id -> its channel's pending deltas
         self._closed = False
+        self.asleep = 0                     # the sleep level (0: awake)
+        self._waking: asyncio.Task | None = None
         if load:
             self.load()
 
     def load(self) -> dict[str, Any]:
         """Load the model and size the KV cache (once); returns `info()`."""
         if self.engine is None:
-            self.engine = AsyncLLMEngine(self.config)
-            self.engine.on_step = self._stepped
-            # On each of its requests' spans (engine/telemetry.py): which replica, pool and node.
-            self.engine.engine.telemetry.attributes.update({
-                "pdserve.replica": self.replica_id, "pdserve.pool": self.replica_id.rpartition("-")[0],
-                "pdserve.node": _node_id() or ""})
+            self._attach(AsyncLLMEngine(self.config))
         return self.info()
+
+    def _attach(self, engine: AsyncLLMEngine) -> None:
+        self.engine = engine
+        engine.on_step = self._stepped
+        # On each of its requests' spans (engine/telemetry.py): which replica, pool and node.
+        engine.engine.telemetry.attributes.update({
+            "pdserve.replica": self.replica_id, "pdserve.pool": self.replica_id.rpartition("-")[0],
+            "pdserve.node": _node_id() or ""})
+
+    # --- sleep and wake -----------------------------------------------------------------------------
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Free the engine's KV cache and weights (vLLM's sleep levels: 1 keeps the checkpoint warm
+        in the page cache, 2 drops it from there too). Refused (ValueError naming what runs) while
+        a request, lease or transfer is under way. Returns the replica's resident memory after."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2; got {level!r}")
+        if self._waking is not None:
+            await self._waking
+        if not self.asleep:
+            busy = self.leaks()
+            if busy is not None:
+                raise ValueError(f"replica {self.replica_id} is busy ({busy}); put it to sleep once idle")
+            engine, self.engine, self.asleep = self.engine, None, level
+            self._take_events_from(engine)
+            self._log.append(AllCleared())           # its routers' prefix index forgets it
+            await engine.shutdown()
+            await _released(engine)
+            del engine
+            release_heap()
+            for box in self._outboxes.values():
+                if box.kv_cursor is not None:
+                    box.ready.set()
+        if level == 2:
+            self.asleep = 2
+            drop_page_cache(self.config.model_config.model)
+        return {"replica_id": self.replica_id, "asleep": self.asleep, "rss_bytes": resident_bytes()}
+
+    async def wake(self) -> dict[str, Any]:
+        """Build the engine again (concurrent calls share one wake); its time and resident memory."""
+        began = time.monotonic()
+        if self.asleep:
+            if self._waking is None:
+                self._waking = asyncio.get_running_loop().create_task(self._wake())
+            waking = self._waking
+            try:
+                await asyncio.shield(waking)
+            finally:
+                if waking.done() and self._waking is waking:
+                    self._waking = None
+        return {"replica_id": self.replica_id, "asleep": self.asleep, "wake_s": time.monotonic() - began,
+                "rss_bytes": resident_bytes()}
+
+    async def _wake(self) -> None:
+        # Built off the event loop: health checks and stats answer meanwhile.
+        self._attach(await asyncio.to_thread(AsyncLLMEngine, self.config))
+        self.asleep = 0
+
+    def _engine(self) -> AsyncLLMEngine:
+        """The engine, or ModelAsleepError while the replica sleeps."""
+        if self.engine is None:
+            raise ModelAsleepError(f"replica {self.replica_id} is asleep (level {self.asleep})")
+        return self.engine
 
     def info(self) -> dict[str, Any]:
         mc, cc = self.config.model_config, self.config.cache_config
         kvt = self.config.kv_transfer_config
         return {"replica_id": self.replica_id, "pid": os.getpid(), "loaded": self.engine is not None,
+                "asleep": self.asleep,
                 "tag": self.tag, "node_id": _node_id(),
                 "block_size": cc.block_size,
                 "kv_connector": kvt.kv_connector if kvt else None,
@@ -142,8 +231,8 @@ class EngineReplica:
                         events, box.kv_cursor = encode_kv_events(end, records, self.replica_id), end
                 yield ChannelMessage(batch, events)
         finally:
-            if box.channel == mine:         # (a replaced channel leaves the requests to its successor)
-                for request_id in box.request_ids:
+            if box.channel == mine and self.engine is not None:   # (a replaced channel leaves the
+                for request_id in box.request_ids:              # requests to its successor)
                     self.engine.abort(request_id)
                 self._outboxes.pop(ingress_id, None)
 
@@ -162,9 +251,10 @@ class EngineReplica:
 
         # Counted before the engine can answer (a sink may run before submit returns), and dropped
         # again if nothing runs: a leftover id would be a request the channel waits on forever.
+        engine = self._engine()
         box.request_ids.add(request_id)
         try:
-            queued = self.engine.submit(request_id, prompt_token_ids, _deltas(params), sink, kv_transfer_params,
+            queued = engine.submit(request_id, prompt_token_ids, _deltas(params), sink, kv_transfer_params,
                                         continuation=continuation, trace_context=trace_context)
         except BaseException:
             box.request_ids.discard(request_id)
@@ -176,7 +266,7 @@ class EngineReplica:
                        kv_transfer_params: dict | None = None) -> AsyncIterator[StepDelta]:
         """Stream one request's StepDeltas on their own; closing the stream early aborts the request
         (its blocks are freed)."""
-        async for out in self.engine.generate(request_id, prompt_token_ids, _deltas(params), kv_transfer_params):
+        async for out in self._engine().generate(request_id, prompt_token_ids, _deltas(params), kv_transfer_params):
             yield StepDelta.of_output(out, request_error(out))
 
     async def close(self) -> None:
@@ -191,24 +281,29 @@ class EngineReplica:
     def abort(self, request_ids: str | list[str]) -> None:
         """Abort requests, or end the lease on the blocks of one prefilled for a remote decode."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self.engine.abort(request_id)
+            if self.engine is not None:
+                self.engine.abort(request_id)
             for box in self._outboxes.values():     # its channel sends it nothing more
                 box.request_ids.discard(request_id)
 
     def renew_lease(self, request_id: str, seconds: float) -> bool:
-        return self.engine.renew_lease(request_id, seconds)
+        return self.engine is not None and self.engine.renew_lease(request_id, seconds)
 
     async def lease_prefix(self, block_hashes: list[bytes], adapter: str = "") -> dict[str, Any] | None:
         """Lease the leading run of these blocks this replica holds (its pool, then its offload
         tier), for a peer replica to pull (LLMEngine.lease_prefix): its kv_transfer_params, or None."""
-        return await self.engine.lease_prefix(block_hashes, adapter)
+        return None if self.engine is None else await self.engine.lease_prefix(block_hashes, adapter)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), "replica_id": self.replica_id, "healthy": self.engine.is_healthy}
+        if self.engine is None:             # asleep: healthy, nothing running, nothing cached
+            return {"replica_id": self.replica_id, "healthy": True, "asleep": self.asleep,
+                    "num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0}
+        return {**self.engine.stats(), "replica_id": self.replica_id, "healthy": self.engine.is_healthy,
+                "asleep": 0}
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (refused while requests hold blocks); emits AllCleared."""
-        done = self.engine.engine.reset_prefix_cache()
+        done = self._engine().engine.reset_prefix_cache()
         self._stepped()             # (no step follows an idle engine's reset: tell the channels now)
         return done
 
@@ -216,7 +311,8 @@ class EngineReplica:
         """What is left behind, in words (a request in the engine or on a channel, a pull, a lease,
         a held KV block), or None when nothing is."""
         try:
-            self.engine.engine.check_no_leaks()
+            if self.engine is not None:
+                self.engine.engine.check_no_leaks()
         except AssertionError as e:
             return str(e) or "KV blocks are not all free"
         left = sorted(rid for box in self._outboxes.values() for rid in box.request_ids)
@@ -245,14 +341,20 @@ class EngineReplica:
         # Wait on until a step has produced events: most decode steps fill no block, and answering
         # each with nothing cost the ingress and this actor a wake-up per token.
         while cursor >= self._log_start + len(self._log) and (left := deadline - time.monotonic()) > 0:
-            await self.engine.wait_for_step(left)
+            if self.engine is None:                 # asleep: no step will come before the wait ends
+                await asyncio.sleep(left)
+            else:
+                await self.engine.wait_for_step(left)
             self._take_events()
         return self._events_after(cursor)
 
     def _take_events(self) -> bool:
         """Move the engine's new KV events onto the log (bounded: its oldest half goes when full);
         whether there were any."""
-        new = self.engine.take_kv_events()
+        return self.engine is not None and self._take_events_from(self.engine)
+
+    def _take_events_from(self, engine: AsyncLLMEngine) -> bool:
+        new = engine.take_kv_events()
         self._log.extend(new)
         if len(self._log) > MAX_EVENT_LOG:
             drop = len(self._log) - MAX_EVENT_LOG // 2
@@ -264,7 +366,8 @@ class EngineReplica:
         """The log's end cursor and its events after `cursor` (a snapshot for one fallen off the log)."""
         end = self._log_start + len(self._log)
         if cursor < self._log_start:
-            return end, self.engine.engine.kv_cache_manager.block_pool.snapshot()
+            return end, (self.engine.engine.kv_cache_manager.block_pool.snapshot() if self.engine is not None
+                         else [AllCleared()])
         return end, self._log[cursor - self._log_start:]
 
     def _stepped(self) -> None:

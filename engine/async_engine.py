@@ -284,4 +284,6 @@ class AsyncLLMEngine:
                 pass
         self._grammar_thread.shutdown(wait=False)
         self.engine.executor.shutdown()
+        # (joined off the loop: a step still running holds the engine's tensors until it returns)
+        await asyncio.to_thread(self._step_thread.shutdown, True)
         tracing.flush()

@@ -88,6 +88,11 @@ class ReplicaDiedError(NoReplicaError):
     """The replica running a request died after it had streamed part of the output."""
 
 
+class ModelAsleepError(ServiceUnavailableError):
+    """The replica was put to sleep (`/sleep`): the ingress wakes its model and sends the request
+    again; a client sees it only if waking fails."""
+
+
 # --- a request that failed while it ran (answered 500, or in-band once streaming) -----------------
 class RequestFailedError(PDServeError, RuntimeError):
     """One request failed while it ran (a step could not serve it); its blocks are freed and the

@@ -39,6 +39,7 @@ from records.sampling_params import SamplingParams
 from records.serving import IngressSpec
 from router.ingress.admission import Admission, Ticket
 from router.ingress.preparer import RequestPreparer
+from router.ingress.sleep import WAKE_RETRIES, ModelSleepLink, replica_asleep
 from router.ingress.tenants import Tenant, Tenants
 from router.routing.metrics import ServingMetrics
 from router.routing.pd import PDRouter
@@ -109,6 +110,8 @@ class Frontend:
                                    config.serving.batch_share)
         # None once serving; else why not yet ("starting: ...") or why never ("failed: ...").
         self.not_ready: str | None = None if replicas else "starting: the engine pools are loading"
+        # The model's sleep as this ingress knows it: requests wait for its wake (router/ingress/sleep.py).
+        self.sleep = ModelSleepLink(self._manager, lambda: self.in_flight)
 
     def attach(self, manager: Any, pools: dict[str, dict[str, Any]]) -> None:
         """Start serving: the manager and the pools' replicas (pool -> replica id -> handle)."""
@@ -148,6 +151,8 @@ class Frontend:
             raise ServiceUnavailableError(f"the server is not ready ({self.not_ready})")
         if not self.router.replicas:
             raise NoReplicaError("no engine replica is available")
+        if self.sleep.asleep:       # held, not failed: the model wakes first
+            await self.sleep.wake()
         tenant = tenant or TENANT.get() or self.check_key("")
         band = band if band is not None else BAND.get()
         trace = CURRENT.get()
@@ -220,13 +225,24 @@ class Frontend:
             trace.started(request_id, prompts, self.preparer.model_name, params.adapter_name or None)
 
         async def pump(i: int, ids: list[int]) -> None:
+            streamed = False
             try:
-                async for delta in self.router.generate(f"{request_id}-{i}", ids, params, trace=trace,
-                                                        arrival=arrival):
-                    if trace is not None:
-                        trace.delta(delta)
-                    ticket.charge(sum(len(c.token_ids) for c in delta.choices))
-                    queue.put_nowait((i, delta))
+                for attempt in range(WAKE_RETRIES + 1):
+                    try:
+                        async for delta in self.router.generate(f"{request_id}-{i}", ids, params, trace=trace,
+                                                                arrival=arrival):
+                            streamed = True
+                            if trace is not None:
+                                trace.delta(delta)
+                            ticket.charge(sum(len(c.token_ids) for c in delta.choices))
+                            queue.put_nowait((i, delta))
+                        return
+                    except Exception as e:
+                        # A replica put to sleep since this ingress last looked: wake the model, send again.
+                        if streamed or attempt == WAKE_RETRIES or not replica_asleep(e):
+                            raise
+                        self.sleep.asleep = True
+                        await self.sleep.wake()
             except Exception as e:  # noqa: BLE001 - surfaced to the consumer below
                 queue.put_nowait((i, e))
             finally:

@@ -48,8 +48,10 @@ class ModelServer:
 
     @property
     def state(self) -> str:
-        """ready, starting or failed (what /v1/models says of it)."""
-        return "ready" if self.frontend.not_ready is None else self.frontend.not_ready.partition(":")[0]
+        """ready, sleeping, starting or failed (what /v1/models says of it)."""
+        if self.frontend.not_ready is not None:
+            return self.frontend.not_ready.partition(":")[0]
+        return "sleeping" if self.frontend.sleep.asleep else "ready"
 
 
 class ServedModels:

@@ -124,6 +124,49 @@ def test_a_batch_mixes_models(server):
     assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [("unknown", 404)]
 
 
+def test_a_sleeping_model_frees_memory_and_wakes_for_the_next_request(server, tiny_qwen2):
+    """vLLM's sleep endpoints, per model: level 1 and 2 free every replica's KV cache and weights
+    (the resident memory each reports asleep is below what it holds awake); /is_sleeping and
+    /v1/models say so; a request for the sleeping model is held while it wakes, then answered as
+    before; the other model serves throughout."""
+    base = f"{server['base']}/limited"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    prompt = "Sleep and wake: the night train to the coast"
+    with LLM(tiny_qwen2, dtype="float32", max_model_len=512) as llm:
+        want = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids
+
+    def qwen() -> list[int]:
+        out = client.completions.create(model="qwen", prompt=prompt, max_tokens=12, temperature=0.0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        return out.choices[0].model_extra["token_ids"]
+
+    assert qwen() == want
+    for bad, param in (("3", "level"), ("x", "level")):
+        r = httpx.post(f"{base}/sleep", params={"model": "qwen", "level": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert httpx.post(f"{base}/sleep", params={"level": 1}).status_code == 400       # which model?
+    for level in (1, 2):
+        asleep = httpx.post(f"{base}/sleep", params={"model": "qwen", "level": level}, timeout=120)
+        assert asleep.status_code == 200, asleep.text
+        assert asleep.json()["level"] == level and sorted(asleep.json()["rss_bytes"]) == ["decode-0", "prefill-0"]
+        assert httpx.get(f"{base}/is_sleeping", params={"model": "qwen"}).json() == {"is_sleeping": True,
+                                                                                     "level": level}
+        assert httpx.get(f"{base}/is_sleeping", params={"model": "tiny"}).json()["is_sleeping"] is False
+        cards = {c["id"]: c["state"] for c in httpx.get(f"{base}/v1/models").json()["data"]}
+        assert cards == {"tiny": "ready", "tiny-chat": "ready", "qwen": "sleeping"}
+        assert client.completions.create(model="tiny", prompt="still awake", max_tokens=2).choices[0].text
+        if level == 1:
+            assert qwen() == want                   # held while it wakes, then answered
+        else:
+            woke = httpx.post(f"{base}/wake_up", params={"model": "qwen"}, timeout=120).json()
+            assert woke["is_sleeping"] is False and woke["wake_s"] > 0
+            for replica, rss in asleep.json()["rss_bytes"].items():     # memory given back while asleep
+                assert rss < woke["rss_bytes"][replica], (replica, rss, woke)
+            assert qwen() == want
+        assert httpx.get(f"{base}/is_sleeping", params={"model": "qwen"}).json()["is_sleeping"] is False
+
+
 def test_status_scale_and_apply_per_model(server, apps, tiny_llama, tiny_qwen2, tmp_path, capsys):
     """`pdserve status` shows each model's pools; `pdserve scale` takes MODEL/POOL; `pdserve apply`
     of the spec without one model removes it while the other streams (no stream cut or changed),
