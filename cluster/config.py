@@ -69,8 +69,14 @@ class AutoscalingSpec(StrictSpec):
     load over the target; latency targets (the p90 over `window_s`, measured by the engines) add a
     replica while missed and allow one fewer once under `downscale_ratio` of the target. A pool
     grows when every plan of the last `upscale_delay_s` wanted more, shrinks when every plan of the
-    last `downscale_delay_s` wanted fewer, and changes at most once per `cooldown_s`."""
-    min_replicas: int = Field(1, ge=1, le=MAX_REPLICAS)
+    last `downscale_delay_s` wanted fewer, and changes at most once per `cooldown_s`.
+
+    `min_replicas: 0` (on every pool of a model) scales the model to zero: after `idle_timeout_s`
+    without a request its replicas are drained and stopped, and the next request waits at the
+    ingress while one replica per pool starts (up to `cold_start_timeout_s`, then 503 with
+    Retry-After; cluster/scale_to_zero.py). The targets then size the pools from one replica up;
+    none is needed for a pool that only scales to zero and back."""
+    min_replicas: int = Field(1, ge=0, le=MAX_REPLICAS)
     max_replicas: int = Field(1, ge=1, le=MAX_REPLICAS)
     ttft_slo_ms: float | None = Field(None, gt=0)            # time to first token, p90
     itl_slo_ms: float | None = Field(None, gt=0)             # inter-token latency, p90
@@ -82,10 +88,15 @@ class AutoscalingSpec(StrictSpec):
     downscale_delay_s: float = Field(60.0, ge=0)
     cooldown_s: float = Field(30.0, ge=0)
     downscale_ratio: float = Field(0.5, gt=0, lt=1)
+    idle_timeout_s: float = Field(300.0, gt=0)          # with min_replicas 0: idle this long, go to zero
+    cold_start_timeout_s: float = Field(300.0, gt=0)    # with min_replicas 0: a held request waits this long
 
     def model_post_init(self, _: Any) -> None:
-        if self.max_replicas < self.min_replicas:
-            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        if self.max_replicas < max(1, self.min_replicas):
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas}) "
+                             f"and >= 1")
+        if self.min_replicas == 0:
+            return
         if not any(v is not None for v in (self.ttft_slo_ms, self.itl_slo_ms, self.target_queued_prompt_tokens,
                                            self.target_running_requests, self.target_kv_usage)):
             raise ValueError("autoscaling needs a target: one or more of ttft_slo_ms, itl_slo_ms, "
@@ -112,7 +123,8 @@ class KVOffloadingSpec(StrictSpec):
 
 class PoolSpec(StrictSpec):
     # The replicas it starts with (and keeps, without autoscaling); `pdserve scale` changes that.
-    replicas: int = Field(1, ge=1, le=MAX_REPLICAS)
+    # 0 only where autoscaling's min_replicas is 0: the model starts scaled to zero.
+    replicas: int = Field(1, ge=0, le=MAX_REPLICAS)
     num_cpus: float = Field(1.0, gt=0)          # per rank (the replica actor, or each worker actor
     num_gpus: float = Field(0.0, ge=0)          # with TP x PP > 1); torch uses this many threads
     tensor_parallel_size: int = Field(1, ge=1)
@@ -137,12 +149,15 @@ class PoolSpec(StrictSpec):
 
     def model_post_init(self, _: Any) -> None:
         a = self.autoscaling
+        if a is None and self.replicas < 1:
+            raise ValueError("replicas must be >= 1 (0 only with autoscaling's min_replicas 0: scale to zero)")
         if a is not None and not a.min_replicas <= self.replicas <= a.max_replicas:
             raise ValueError(f"replicas ({self.replicas}) must lie within autoscaling's min_replicas "
                              f"({a.min_replicas}) and max_replicas ({a.max_replicas})")
 
     def bounds(self) -> tuple[int, int]:
-        """The replica counts this pool may have (`pdserve scale`, the planner)."""
+        """The replica counts this pool may have (`pdserve scale`, the planner; 0 only for a pool
+        that scales to zero)."""
         a = self.autoscaling
         return (a.min_replicas, a.max_replicas) if a is not None else (1, MAX_REPLICAS)
 
@@ -154,6 +169,10 @@ class PoolSpec(StrictSpec):
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def scales_to_zero(self) -> bool:
+        return self.autoscaling is not None and self.autoscaling.min_replicas == 0
 
 
 class ModelDeployment(StrictSpec):
@@ -174,6 +193,11 @@ class ModelDeployment(StrictSpec):
             raise ValueError("mode 'disaggregated' needs a 'prefill' pool beside 'decode'")
         if self.mode == "colocated" and "prefill" in self.pools:
             raise ValueError("pools has 'prefill' but mode is 'colocated'; set mode: disaggregated")
+        to_zero = [name for name, pool in self.pools.items() if pool.bounds()[0] == 0]
+        if to_zero and len(to_zero) != len(self.pools):
+            others = sorted(set(self.pools) - set(to_zero))
+            raise ValueError(f"pools {to_zero} have autoscaling min_replicas 0 but {others} not: a model "
+                             f"scales to zero as a whole (set it on every pool)")
         for name, pool in self.pools.items():
             if pool.kv_offloading is not None and pool.kv_offloading.enabled:
                 if pool.kv_offloading.size_gib is None and self.engine.kv_offloading_size is None:
@@ -345,9 +369,11 @@ class ClusterConfig(ModelDeployment):
 
     def ingress_spec(self) -> IngressSpec:
         """What the ingress reads of this spec (records/serving.py), handed to it by the launcher."""
+        cold = [p.autoscaling.cold_start_timeout_s for p in self.pools.values() if p.scales_to_zero]
         return IngressSpec(name=self.name, model=self.model, engine=self.engine_args("decode"), mode=self.mode,
                            serving=self.serving, routing=self.routing,
-                           disaggregation=self.disaggregation, lora=self.lora)
+                           disaggregation=self.disaggregation, lora=self.lora,
+                           cold_start_timeout_s=max(cold) if cold else None)
 
     @classmethod
     def from_yaml(cls, path: str) -> ClusterConfig:

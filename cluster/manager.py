@@ -47,6 +47,7 @@ from cluster.config import ClusterConfig
 from cluster.placement import check_placement, replica_bundles
 from cluster.planner import Planner, PoolSample, sample_pool
 from cluster.pool import EnginePool, pool_tag
+from cluster.scale_to_zero import ScaleToZero
 from cluster.sleep import ModelSleep
 from records.config import EngineConfig
 from records.errors import StartupError
@@ -97,6 +98,7 @@ class ClusterManager:
         self.decision_counts: Counter = Counter()  # (pool, action) -> changes made
         self._hist_seen: dict[tuple[str, str], list[int]] = {}
         self.sleeping = ModelSleep()
+        self.to_zero: ScaleToZero | None = None   # set when the model scales to zero (`_configure`)
         # A manager Ray restarted serves the spec last applied, at the sizes last set.
         stored = _load_state(config.name)
         try:
@@ -121,6 +123,7 @@ class ClusterManager:
                       for name, spec in config.pools.items()}
         self.planners = {name: Planner(spec.autoscaling) for name, spec in config.pools.items()
                          if spec.autoscaling is not None}
+        self.to_zero = ScaleToZero.of(config.pools)
 
     async def ready(self, spec_json: str | None = None) -> dict[str, list[dict]]:
         """Start the pools if not yet started and wait until every replica has loaded; pool ->
@@ -196,6 +199,9 @@ class ClusterManager:
                     logger.exception("health check of pool %s failed", pool.name)
             try:
                 await self._plan(time.monotonic())
+                if self.to_zero is not None and self.updating is None:
+                    if await self.to_zero.check(self.pools, time.monotonic(), self.config.drain_timeout_s):
+                        self._resized()
             except Exception:
                 logger.exception("planning failed")
 
@@ -213,6 +219,8 @@ class ClusterManager:
                 continue
             planner.observe(self.sample(name, now))
             pool = self.pools[name]
+            if pool.target == 0:            # scaled to zero: only a request brings it back (`activate`)
+                continue
             decision = planner.plan(pool.target, now)
             self.decisions[name] = {**asdict(decision), "t": time.time()}
             if decision.action == "hold":
@@ -286,6 +294,15 @@ class ClusterManager:
                 "sleep_level": self.sleeping.level,
                 "tracing": {"otlp_traces_endpoint": serving.otlp_traces_endpoint, "log_requests": serving.log_requests},
                 "pools": self.pool_status()}
+
+    # --- scale to zero (cluster/scale_to_zero.py) --------------------------------------------------
+    async def activate(self) -> dict[str, dict[str, Any]]:
+        """Bring a model scaled to zero back (one replica per pool; callers share one start);
+        the pools' membership once every pool serves, as `membership` gives it."""
+        await self._serving_replicas()
+        if self.to_zero is not None:
+            await self.to_zero.activate(self.pools, self._resized, self.config.drain_timeout_s)
+        return (await self.membership())[1]
 
     # --- sleep and wake (cluster/sleep.py) ---------------------------------------------------------
     async def sleep(self, level: int = 1) -> dict[str, Any]:

@@ -127,8 +127,11 @@ class Planner:
                 wishes.append((target - 1, f"{name} p90 {p90 * 1e3:.0f} ms < {s.downscale_ratio:g} x {slo_ms:g} ms"))
             else:
                 wishes.append((target, f"{name} p90 {p90 * 1e3:.0f} ms within {slo_ms:g} ms"))
+        if not wishes:                  # (a pool that only scales to zero and back)
+            return target, "no targets"
         n, why = max(wishes, key=lambda w: w[0])
-        return min(max(n, s.min_replicas), s.max_replicas), why
+        # (never below one: a pool that scales to zero goes there when idle, cluster/scale_to_zero.py)
+        return min(max(n, s.min_replicas, 1), s.max_replicas), why
 
     def plan(self, target: int, now: float) -> Decision:
         """The decision at `now` for a pool whose target is `target` replicas."""

@@ -227,11 +227,12 @@ class EnginePool:
 
     # --- size --------------------------------------------------------------------------------------
     async def scale(self, replicas: int, drain_timeout_s: float) -> dict[str, Any]:
-        """Keep `replicas` replicas from now on (at least one). Growing starts replicas (they join
-        when loaded); shrinking cancels replicas still loading first, then drains the serving ones
-        running the fewest requests (`drain_replica`). Returns what it did."""
-        if replicas < 1:
-            raise ValueError(f"replicas must be >= 1 (a pool never goes to zero); got {replicas}")
+        """Keep `replicas` replicas from now on (at least one, or none for a pool that scales to
+        zero). Growing starts replicas (they join when loaded); shrinking cancels replicas still
+        loading first, then drains the serving ones running the fewest requests (`drain_replica`).
+        Returns what it did."""
+        if replicas < self.spec.bounds()[0] or replicas < 0:
+            raise ValueError(f"replicas must be >= {self.spec.bounds()[0]}; got {replicas}")
         self.target = replicas
         started, cancelled, draining = [], [], []
         for _ in range(replicas - len(self.replicas) - len(self.starting)):

@@ -314,6 +314,8 @@ class IngressSpec(StrictSpec):
     routing: RoutingSpec
     disaggregation: DisaggregationSpec
     lora: LoRASpec | None
+    # How long a request waits for the model to come back from zero (None: it never goes to zero).
+    cold_start_timeout_s: float | None = None
 
     def engine_config(self) -> EngineConfig:
         """The decode pool's engine config, resolved here (see `resolve_engine_config`)."""

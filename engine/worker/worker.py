@@ -7,6 +7,8 @@ Its public methods are the RPC surface an executor calls (in-process, or on a Ra
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import os
 import pickle
 import socket
@@ -40,6 +42,20 @@ from records.transfer import TransferReport
 
 logger = logging.getLogger(__name__)
 
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On the CPU, over an anonymous mapping of its own: the kernel's pages are zero
+    until written, so nothing is written now (torch.zeros spent 0.39 s of a 1.15 s engine start
+    filling a 2.2 GB cache), only the blocks in use are resident, and freeing the tensor unmaps it
+    (what a replica put to sleep gives back)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)   # (it keeps the mapping)
 
 
 class Worker:
@@ -157,8 +173,8 @@ class Worker:
         cpu_shape = (2, num_cpu_blocks, cc.block_size, heads, mc.head_dim)
         assert self.runner is not None
         dtype = getattr(torch, self.config.kv_dtype)
-        self.runner.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
-        self.runner.cpu_caches = [torch.zeros(cpu_shape, dtype=dtype, device="cpu")
+        self.runner.kv_caches = [zeroed(shape, dtype, self.device) for _ in range(layers)]
+        self.runner.cpu_caches = [zeroed(cpu_shape, dtype, torch.device("cpu"))
                                   for _ in range(layers)] if num_cpu_blocks else []
         self.runner.capture_cuda_graphs(mc.cuda_graph_sizes, mc.max_model_len)
         if num_host_slots:

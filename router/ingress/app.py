@@ -234,7 +234,7 @@ def ingress_app(specs: list[IngressSpec], manager_links: list[Callable[[], Any]]
         async def unload_lora_adapter(self, request: Request) -> Response:
             return PlainTextResponse(self.models.unload_adapter(await self.api.read_json(request)))
 
-        # --- sleep mode (vLLM's endpoints; `model` names one of several; router/ingress/sleep.py) ---
+        # --- sleep mode (vLLM's endpoints; `model` names one of several; router/ingress/cold_model.py) ---
         @fastapi_app.post("/sleep")
         async def sleep(self, request: Request) -> Response:
             q = request.query_params
@@ -242,18 +242,18 @@ def ingress_app(specs: list[IngressSpec], manager_links: list[Callable[[], Any]]
             if level not in ("1", "2"):
                 raise InvalidRequestError(f"level must be 1 or 2; got {level!r}", "level")
             server = self.models.pick(q.get("model"))
-            out = await server.frontend.sleep.sleep(int(level))
+            out = await server.frontend.cold.sleep(int(level))
             return JSONResponse({"model": server.name, "is_sleeping": True, **out})
 
         @fastapi_app.post("/wake_up")
         async def wake_up(self, request: Request) -> Response:
             server = self.models.pick(request.query_params.get("model"))
-            return JSONResponse({"model": server.name, "is_sleeping": False, **await server.frontend.sleep.wake()})
+            return JSONResponse({"model": server.name, "is_sleeping": False, **await server.frontend.cold.wake()})
 
         @fastapi_app.get("/is_sleeping")
         async def is_sleeping(self, request: Request) -> Response:
             server = self.models.pick(request.query_params.get("model"))
-            return JSONResponse(await server.frontend.sleep.is_sleeping())
+            return JSONResponse(await server.frontend.cold.is_sleeping())
 
         @fastapi_app.post("/tokenize")
         async def tokenize(self, request: Request) -> Response:

@@ -38,8 +38,8 @@ from records.outputs import StepDelta
 from records.sampling_params import SamplingParams
 from records.serving import IngressSpec
 from router.ingress.admission import Admission, Ticket
+from router.ingress.cold_model import WAKE_RETRIES, ColdModel, replica_asleep
 from router.ingress.preparer import RequestPreparer
-from router.ingress.sleep import WAKE_RETRIES, ModelSleepLink, replica_asleep
 from router.ingress.tenants import Tenant, Tenants
 from router.routing.metrics import ServingMetrics
 from router.routing.pd import PDRouter
@@ -110,8 +110,8 @@ class Frontend:
                                    config.serving.batch_share)
         # None once serving; else why not yet ("starting: ...") or why never ("failed: ...").
         self.not_ready: str | None = None if replicas else "starting: the engine pools are loading"
-        # The model's sleep as this ingress knows it: requests wait for its wake (router/ingress/sleep.py).
-        self.sleep = ModelSleepLink(self._manager, lambda: self.in_flight)
+        # Asleep or scaled to zero: requests wait for the model to be back (router/ingress/cold_model.py).
+        self.cold = ColdModel(self._manager, lambda: self.in_flight, config.cold_start_timeout_s)
 
     def attach(self, manager: Any, pools: dict[str, dict[str, Any]]) -> None:
         """Start serving: the manager and the pools' replicas (pool -> replica id -> handle)."""
@@ -150,9 +150,13 @@ class Frontend:
         if self.not_ready is not None:
             raise ServiceUnavailableError(f"the server is not ready ({self.not_ready})")
         if not self.router.replicas:
-            raise NoReplicaError("no engine replica is available")
-        if self.sleep.asleep:       # held, not failed: the model wakes first
-            await self.sleep.wake()
+            if not self.cold.scales_to_zero:
+                raise NoReplicaError("no engine replica is available")
+            pools = await self.cold.activate()      # held, not failed: the model starts first
+            for name, router in self.pools.items():
+                router.set_replicas(pools.get(name, {}))
+        if self.cold.asleep:        # held, not failed: the model wakes first
+            await self.cold.wake()
         tenant = tenant or TENANT.get() or self.check_key("")
         band = band if band is not None else BAND.get()
         trace = CURRENT.get()
@@ -241,8 +245,8 @@ class Frontend:
                         # A replica put to sleep since this ingress last looked: wake the model, send again.
                         if streamed or attempt == WAKE_RETRIES or not replica_asleep(e):
                             raise
-                        self.sleep.asleep = True
-                        await self.sleep.wake()
+                        self.cold.asleep = True
+                        await self.cold.wake()
             except Exception as e:  # noqa: BLE001 - surfaced to the consumer below
                 queue.put_nowait((i, e))
             finally:
@@ -309,6 +313,8 @@ class Frontend:
         stats = await self.router.refresh_stats()
         detail = {name: {r: bool(stats.get(r, {}).get("healthy", False)) and r not in pool.down
                          for r in pool.replicas} for name, pool in self.pools.items()}
+        if self.cold.scales_to_zero and not self.router.replicas:      # at zero by design: a request
+            return True, detail                                          # brings it back
         return all(any(replicas.values()) for replicas in detail.values()), detail
 
     async def follow_membership(self) -> None:

@@ -48,10 +48,13 @@ class ModelServer:
 
     @property
     def state(self) -> str:
-        """ready, sleeping, starting or failed (what /v1/models says of it)."""
-        if self.frontend.not_ready is not None:
-            return self.frontend.not_ready.partition(":")[0]
-        return "sleeping" if self.frontend.sleep.asleep else "ready"
+        """ready, sleeping, scaled_to_zero, starting or failed (what /v1/models says of it)."""
+        frontend = self.frontend
+        if frontend.not_ready is not None:
+            return frontend.not_ready.partition(":")[0]
+        if frontend.cold.scales_to_zero and not frontend.router.replicas:
+            return "scaled_to_zero"
+        return "sleeping" if frontend.cold.asleep else "ready"
 
 
 class ServedModels:

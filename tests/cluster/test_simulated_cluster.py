@@ -1,7 +1,8 @@
-"""Dozens of simulated replicas on a local Ray (`engine.simulate`, cluster/replica_host.py): 32
-replicas on 4 host processes behind the real Serve ingress and manager. Requests spread over them
-(the official client, the real router), the manager shows them one by one, a scale-down drains 24
-of them (and frees their hosts), and nothing is left on any replica."""
+"""Simulated replicas on a local Ray (`engine.simulate`, cluster/replica_host.py) behind the real
+Serve ingress and manager: 32 replicas on 4 host processes, requests spread over them (the official
+client, the real router), the manager shows them one by one, a scale-down drains 24 of them (and
+frees their hosts), and nothing is left on any replica; and a disaggregated model that scales to
+zero when idle and back for its next request."""
 from __future__ import annotations
 
 import asyncio
@@ -20,23 +21,36 @@ def host_actors(namespace: str) -> list[str]:
             if a["namespace"] == namespace and "-host-" in a["name"]]
 
 
+@pytest.fixture(scope="module")
+def serve_port():
+    """Serve on a free loopback port of a local Ray, for the module's apps."""
+    pytest.importorskip("ray", reason="needs ray[serve] (make setup installs it)")
+    from ray import serve
+
+    from cluster.launch import init_ray
+
+    init_ray(num_cpus=8)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield port
+    serve.shutdown()            # also its HTTP proxy, which holds the port
+
+
 @pytest.mark.ray
-def test_thirty_two_simulated_replicas_serve_behind_the_real_ingress(eventually_no_leaks):
-    ray = pytest.importorskip("ray", reason="needs ray[serve] (make setup installs it)")
+def test_thirty_two_simulated_replicas_serve_behind_the_real_ingress(serve_port, eventually_no_leaks):
+    import ray
     from ray import serve
 
     from cluster.app import build_app
     from cluster.config import ClusterConfig
-    from cluster.launch import init_ray, start_pools
+    from cluster.launch import start_pools
 
-    init_ray(num_cpus=8)
-    port = free_port()
+    port = serve_port
     engine = {"simulate": SIM_PROFILE, "max_model_len": 2048}
     config = ClusterConfig(engine=engine, pools={"decode": {"replicas": 32}}, serving={"port": port},
                            name="pdserve-sim-scale")
     assert config.pools["decode"].replicas_per_process == 8
-    manager, _ = start_pools(config)            # (loading while Serve starts)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    manager, _ = start_pools(config)            # (loading while Serve deploys the ingress)
     serve.run(build_app(config), name=config.name, route_prefix="/sim")
     try:
         status = ray.get(manager.pool_status.remote())["decode"]
@@ -77,6 +91,65 @@ def test_thirty_two_simulated_replicas_serve_behind_the_real_ingress(eventually_
             assert time.monotonic() < deadline, left
             time.sleep(0.5)
     finally:
-        serve.shutdown()            # also its HTTP proxy, which holds this test's port
+        serve.delete(config.name)
+        ray.get(manager.shutdown.remote())
+        ray.kill(manager)
+
+
+@pytest.mark.ray
+def test_a_model_scaled_to_zero_when_idle_answers_its_next_request(serve_port, eventually_no_leaks):
+    """autoscaling min_replicas 0 on both pools of a disaggregated (simulated) model: idle past its
+    idle timeout it goes to zero replicas (drained; /health stays 200, /v1/models says so), and the
+    next request is held while one replica per pool starts, then answered as before."""
+    import httpx
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.config import ClusterConfig
+    from cluster.launch import start_pools
+
+    port = serve_port
+    zero = {"min_replicas": 0, "max_replicas": 1, "idle_timeout_s": 3}
+    config = ClusterConfig(engine={"simulate": SIM_PROFILE, "max_model_len": 2048}, mode="disaggregated",
+                           pools={"prefill": {"replicas": 1, "autoscaling": zero},
+                                  "decode": {"replicas": 1, "autoscaling": zero}},
+                           disaggregation={"connector": "nixl", "min_remote_prefill_tokens": 8},
+                           serving={"port": port}, name="pdserve-sim-zero")
+    manager, _ = start_pools(config)
+    serve.run(build_app(config), name=config.name, route_prefix="/zero")
+    base = f"http://127.0.0.1:{port}/zero"
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        prompt = "A request that finds the model scaled to zero waits for it, then runs."
+        want = simulated_outputs([prompt], 16, max_model_len=2048)[0]
+
+        def ask() -> str:
+            return client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0.0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        assert ask() == want
+        deadline = time.monotonic() + 90
+        while any((st := ray.get(manager.pool_status.remote()))[p]["replicas"] or st[p]["draining"]
+                  for p in ("prefill", "decode")):
+            assert time.monotonic() < deadline, st
+            time.sleep(0.5)
+        assert {p: st[p]["target"] for p in st} == {"prefill": 0, "decode": 0}
+        assert not host_actors(config.name)                  # nothing left running
+        deadline = time.monotonic() + 30                     # (the ingress follows the membership)
+        while httpx.get(f"{base}/v1/models").json()["data"][0]["state"] != "scaled_to_zero":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert httpx.get(f"{base}/health").status_code == 200
+        began = time.monotonic()
+        assert ask() == want                                 # held while a replica per pool starts
+        cold_start_s = time.monotonic() - began
+        st = ray.get(manager.pool_status.remote())
+        assert {p: len(st[p]["replicas"]) for p in st} == {"prefill": 1, "decode": 1}, (st, cold_start_s)
+        _, pools = ray.get(manager.membership.remote())
+        assert eventually_no_leaks({r: h for pool in pools.values() for r, h in pool.items()})
+    finally:
+        serve.delete(config.name)
         ray.get(manager.shutdown.remote())
         ray.kill(manager)

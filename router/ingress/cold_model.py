@@ -1,10 +1,14 @@
-"""A model's sleep as one ingress replica sees it (vLLM's `/sleep`, `/wake_up`, `/is_sleeping`,
-per model; the manager's cluster/sleep.py puts the replicas to sleep and wakes them).
+"""A model that is not serving right now, as one ingress replica sees it: put to sleep (vLLM's
+`/sleep`, `/wake_up`, `/is_sleeping`, per model; cluster/sleep.py on the manager) or scaled to zero
+(autoscaling's `min_replicas: 0`; cluster/scale_to_zero.py). Either way a request for it is held,
+not failed, until the model is back.
 
-A request for a sleeping model is held, not failed: `Frontend.admit` waits for `wake()` when this
-ingress put the model to sleep, and a request that reaches a replica put to sleep through another
-ingress replica comes back with ModelAsleepError, wakes the model and is sent again. Every request
-waiting shares one wake.
+Asleep: `Frontend.admit` waits for `wake()` when this ingress put the model to sleep, and a request
+that reaches a replica put to sleep through another ingress replica comes back with
+ModelAsleepError, wakes the model and is sent again. Scaled to zero: a request that finds no
+replica waits for `activate()` (the manager starts one replica per pool), up to the pools'
+`cold_start_timeout_s`, then is answered 503 with Retry-After. Every request waiting shares one
+wake or start.
 """
 from __future__ import annotations
 
@@ -24,14 +28,46 @@ def replica_asleep(error: BaseException) -> bool:
     return isinstance(error, ModelAsleepError) or isinstance(getattr(error, "cause", None), ModelAsleepError)
 
 
-class ModelSleepLink:
+class ColdModel:
     """`manager()`: the model's manager handle (ServiceUnavailableError while it is not attached);
-    `in_flight()`: this ingress's requests of the model in flight."""
+    `in_flight()`: this ingress's requests of the model in flight; `cold_start_timeout_s`: how long
+    a request waits for a model scaled to zero (None: it does not scale to zero)."""
 
-    def __init__(self, manager: Callable[[], Any], in_flight: Callable[[], int]) -> None:
+    def __init__(self, manager: Callable[[], Any], in_flight: Callable[[], int],
+                 cold_start_timeout_s: float | None = None) -> None:
         self.manager, self.in_flight = manager, in_flight
+        self.cold_start_timeout_s = cold_start_timeout_s
         self.asleep = False         # put to sleep through this ingress, or a replica said so
         self._waking: asyncio.Task | None = None
+        self._activating: asyncio.Task | None = None
+
+    @property
+    def scales_to_zero(self) -> bool:
+        return self.cold_start_timeout_s is not None
+
+    async def activate(self) -> dict[str, dict[str, Any]]:
+        """Bring the model back from zero (every caller shares one start): the pools' replicas
+        (pool -> replica id -> handle) once each pool serves; ServiceUnavailableError with
+        Retry-After when it does not come up within `cold_start_timeout_s`."""
+        if self._activating is None:
+            self._activating = asyncio.get_running_loop().create_task(self._activate())
+        task = self._activating
+        try:
+            return await asyncio.shield(task)
+        finally:
+            if task.done() and self._activating is task:
+                self._activating = None
+
+    async def _activate(self) -> dict[str, dict[str, Any]]:
+        timeout = self.cold_start_timeout_s or 0.0
+        try:
+            return await asyncio.wait_for(self.manager().activate.remote(), timeout)
+        except Exception as e:  # noqa: BLE001 - what the client of a held request is told
+            cause = getattr(e, "cause", None) or e
+            why = f"did not start within {timeout:g} s" if isinstance(e, asyncio.TimeoutError) else f"failed: {cause}"
+            error = ServiceUnavailableError(f"the model is scaled to zero and its start {why}; retry later")
+            error.retry_after = min(60.0, timeout)          # type: ignore[attr-defined]
+            raise error from None
 
     async def sleep(self, level: int, drain_s: float = 30.0) -> dict[str, Any]:
         """Put the model to sleep: new requests are held at once; those in flight here finish (up to
