@@ -304,6 +304,11 @@ class ClusterConfig(ModelDeployment):
                 owners.setdefault(served, []).append(f"{entry.name} (name/aliases)")
             for adapter in (entry.lora.modules if entry.lora is not None else {}):
                 owners.setdefault(adapter, []).append(f"{entry.name} (lora.modules)")
+        for tenant, spec in self.serving.tenants.items():
+            unknown = [m for m in spec.models or [] if m not in owners or "(lora.modules)" in owners[m][0]]
+            if unknown:
+                raise ValueError(f"serving.tenants.{tenant}.models: {unknown} name no model of models "
+                                 f"(their names and aliases: {[i for e in self.models for i in e.ids]})")
         taken = {served: where for served, where in owners.items() if len(where) > 1}
         if taken:
             raise ValueError("models: each id must name one model or adapter; "

@@ -112,6 +112,8 @@ class TenantSpec(StrictSpec):
     priority: int = Field(0, ge=0, lt=TENANT_BANDS)
     # Within a band, tenants with queued requests are served in proportion to their weights.
     weight: float = Field(1.0, gt=0)
+    # The models it may use (their names or aliases; each one's adapters with it), None: every one.
+    models: list[str] | None = None
 
     @field_validator("api_keys")
     @classmethod

@@ -29,6 +29,7 @@ from records.errors import (
     ClientClosedError,
     InvalidRequestError,
     NoReplicaError,
+    NotFoundError,
     PDServeError,
     RateLimitError,
     RequestFailedError,
@@ -147,6 +148,10 @@ class Frontend:
         """Admit a request's prompts for `tenant` (default: the one whose key the call carries,
         `observe`) and wait for their turn in the fair queue: a ticket to release when they end;
         else ServiceUnavailableError or RateLimitError (its `retry_after` for the Retry-After header)."""
+        tenant = tenant or TENANT.get() or self.check_key("")
+        if tenant.models is not None and tenant.models.isdisjoint(self.preparer.model_names):
+            raise NotFoundError(f"model {self.preparer.model_name!r} is not available to tenant {tenant.name!r}; "
+                                f"it may use {sorted(tenant.models)}", "model")
         if self.not_ready is not None:
             raise ServiceUnavailableError(f"the server is not ready ({self.not_ready})")
         if not self.router.replicas:

@@ -59,6 +59,7 @@ class Tenant:
         self.band = spec.priority
         self.weight = spec.weight
         self.max_concurrent = spec.max_concurrent
+        self.models = frozenset(spec.models) if spec.models is not None else None
         self.requests = TokenBucket(spec.requests_per_minute, clock) if spec.requests_per_minute else None
         self.tokens = TokenBucket(spec.tokens_per_minute, clock) if spec.tokens_per_minute else None
         self.admitted = 0

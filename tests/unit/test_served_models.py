@@ -11,7 +11,8 @@ from helpers import REPO, make_adapter
 
 from cluster.config import ClusterConfig
 from cluster.placement import placement_problems, required_cpus
-from records.errors import InvalidRequestError, NotFoundError
+from records.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
+from records.sampling_params import SamplingParams
 from router.ingress.served_models import ServedModels, label_samples, merge_expositions
 
 
@@ -61,6 +62,9 @@ def test_the_two_model_example_spec_loads():
     ([{"name": "a", "model": None}], {"serving": {"served_model_name": "x"}}, "serving.served_model_name is not used"),
     ([{"name": "a/b", "model": None}, {"name": "a b", "model": None}], {}, "would share the manager namespace"),
     ([], {}, "models must list at least one model"),
+    ([{"name": "a", "model": None, "lora": {"modules": {"ad": "/p"}}}],
+     {"serving": {"tenants": {"t": {"api_keys": ["k"], "models": ["ad", "b"]}}}},
+     "serving.tenants.t.models: ['ad', 'b'] name no model of models"),
 ])
 def test_a_models_spec_that_cannot_be_served_is_refused_naming_the_entries(models, top, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -93,6 +97,18 @@ def test_the_ingress_picks_the_model_a_request_names(tiny_llama, tiny_qwen2, tmp
     # A batch line naming no served model is that line's 404 (a batch may mix models).
     status, body = asyncio.run(models.execute("/v1/completions", {"model": "nope", "prompt": "x"}, "default"))
     assert status == 404 and "this server serves" in body["error"]["message"]
+    # A tenant limited to some models is refused the others (404, as OpenAI answers a model one
+    # may not use), before anything is queued.
+    limited = ServedModels([d.ingress_spec() for d in _two(tiny_llama, tiny_qwen2, adapter, serving={
+        "tenants": {"team": {"api_keys": ["team-key"], "models": ["org/qwen"]}}}).deployments()])
+    team = limited.first.frontend.tenants.by_name["team"]
+    prompt, params = [[1, 2, 3]], SamplingParams(max_tokens=1)
+    with pytest.raises(NotFoundError, match=r"model 'llama' is not available to tenant 'team'; "
+                                            r"it may use \['org/qwen'\]"):
+        asyncio.run(limited.first.frontend.admit(prompt, params, team))
+    qwen = limited.servers[1].frontend
+    with pytest.raises(ServiceUnavailableError, match="not ready"):      # (allowed: on to the pools)
+        asyncio.run(qwen.admit(prompt, params, qwen.tenants.by_name["team"]))
     # With one model, a request need not name it.
     one = ServedModels([ClusterConfig(model=tiny_llama).ingress_spec()])
     assert one.pick(None) is one.first
