@@ -35,7 +35,7 @@ ROOT = Path(REPO)
 CHART = ROOT / "deploy" / "helm" / "pdserve"
 KUBERAY = ROOT / "deploy" / "kuberay"
 VALUES_FILES = ["values.yaml"] + sorted(p.name for p in CHART.glob("values-*.yaml"))
-PLAIN_MANIFESTS = ["rayservice.yaml", "raycluster.yaml", "rayjob.yaml"]
+PLAIN_MANIFESTS = ["rayservice.yaml", "raycluster.yaml", "rayjob.yaml", "rayservice-two-models.yaml"]
 K8S_VERSION = "1.33.0"          # a version kubernetes-validate ships schemas for (and a supported one)
 RAY_KINDS = {"RayService": "rayservices", "RayCluster": "rayclusters", "RayJob": "rayjobs"}
 CORE_KINDS = {"Service", "Secret", "ConfigMap"}
@@ -251,7 +251,7 @@ def test_plain_manifests_match_the_crds(name, crd_schemas):
     docs = load_manifest(name)
     kinds = [d["kind"] for d in docs if d["kind"] in RAY_KINDS]
     assert kinds == [{"rayservice.yaml": "RayService", "raycluster.yaml": "RayCluster",
-                      "rayjob.yaml": "RayJob"}[name]]
+                      "rayjob.yaml": "RayJob", "rayservice-two-models.yaml": "RayService"}[name]]
     for doc in docs:
         if doc["kind"] in RAY_KINDS:
             crd_validate(doc, crd_schemas)
@@ -348,6 +348,10 @@ def test_chart_serve_config_builds_the_app(rendered):
 
 def test_plain_rayservice_serve_config_builds_the_app():
     check_serve_config(one(load_manifest("rayservice.yaml"), "RayService"))
+    (two,) = check_serve_config(one(load_manifest("rayservice-two-models.yaml"), "RayService"))
+    smol, qwen = two.deployments()
+    assert (smol.serving.served_model_names, smol.mode, qwen.serving.served_model_names, qwen.mode) == (
+        ["smol", "chat"], "disaggregated", ["qwen"], "colocated")
 
 
 def launcher_spec(docs: list[dict], entrypoint: str, head_template: dict) -> ClusterConfig:
@@ -426,7 +430,33 @@ def cluster_of(doc: dict) -> dict:
     return spec.get("rayClusterConfig") or spec.get("rayClusterSpec") or spec
 
 
+def check_shared_pinning(spec: ClusterConfig, cluster: dict) -> None:
+    """Several models on shared engine groups: every pool of every model asks for a custom resource
+    that only worker groups (never the head) advertise, a stage fits one pod, and the groups that
+    advertise it have the CPUs for every rank asking for it."""
+    groups = {g["groupName"]: g for g in cluster.get("workerGroupSpecs", [])}
+    provided = {name: ray_resources(g["rayStartParams"]) for name, g in groups.items()}
+    head = ray_resources(cluster["headGroupSpec"].get("rayStartParams", {}))
+    wanted: dict[str, float] = {}
+    for d in spec.deployments():
+        for pool_name, pool in d.pools.items():
+            where = f"{d.serving.served_model_names[0]}/{pool_name}"
+            assert pool.resources, f"{where} asks for no custom resource: nothing pins it"
+            for key, per_rank in pool.resources.items():
+                assert head.get(key, 0) == 0, f"{key} ({where}) is advertised by the head"
+                assert any(res.get(key, 0) >= per_rank * pool.tensor_parallel_size for res in provided.values()), (
+                    f"{where}: no pod holds a stage's {key}")
+                wanted[key] = wanted.get(key, 0.0) + pool.replicas * pool.world_size * pool.num_cpus
+    for key, cpus in wanted.items():
+        have = sum(g["replicas"] * cpu_quantity(g["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"])
+                   for name, g in groups.items() if provided[name].get(key, 0) > 0)
+        assert cpus <= have, f"the ranks asking for {key} need {cpus:g} CPUs; its pods have {have:g}"
+
+
 def check_pinning(spec: ClusterConfig, cluster: dict) -> None:
+    if spec.models is not None:
+        check_shared_pinning(spec, cluster)
+        return
     head = cluster["headGroupSpec"]
     groups = {g["groupName"]: g for g in cluster.get("workerGroupSpecs", [])}
     provided = {name: ray_resources(g["rayStartParams"]) for name, g in groups.items()}
@@ -490,10 +520,10 @@ def check_pods(doc: dict, spec: ClusterConfig, docs: list[dict], values: dict | 
             else:                      # a Secret the user manages
                 assert values is not None and ref["name"] == values["apiKey"]["existingSecret"]
                 assert ref["key"] == values["apiKey"]["secretKey"]
-        # the model: a read-only volume under which the spec's path lies
-        if spec.model is not None:
-            (mount,) = [m for p, m in mounts.items() if spec.model.startswith(p.rstrip("/") + "/")
-                        or spec.model == p]
+        # each model: a read-only volume under which the spec's path lies
+        for model in [d.model for d in spec.deployments() if d.model is not None]:
+            (mount,) = [m for p, m in mounts.items() if model.startswith(p.rstrip("/") + "/")
+                        or model == p]
             assert mount.get("readOnly") is True
             volume = volumes[mount["name"]]
             assert "persistentVolumeClaim" in volume or "hostPath" in volume
@@ -556,6 +586,13 @@ def test_pinning_check_catches_a_crossed_group(chart):
     cluster["workerGroupSpecs"][1]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] = "500m"
     with pytest.raises(AssertionError, match="CPUs on a 0.5-CPU pod"):
         check_pinning(spec, cluster)
+    # Two models on a shared group: one more qwen replica than the engine pods have CPUs for.
+    service = one(load_manifest("rayservice-two-models.yaml"), "RayService")
+    args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+    check_pinning(ClusterConfig.model_validate(args), cluster_of(service))
+    args["models"][1]["pools"]["decode"]["replicas"] = 3
+    with pytest.raises(AssertionError, match="need 5 CPUs; its pods have 4"):
+        check_pinning(ClusterConfig.model_validate(args), cluster_of(service))
 
 
 def test_chart_colocated_tp_renders_only_the_decode_group(chart, crd_schemas):
