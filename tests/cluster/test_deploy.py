@@ -109,6 +109,11 @@ def test_chart_renders_every_values_file_and_lints_clean():
         "num_gpus": 1, "autoscaling": {"max_replicas": 4, "itl_slo_ms": 50},
         "worker": {"gpus": 1, "pods": 1, "maxPods": 3}}}}, "needs 4 GPUs"),
     ({"autoscaler": {"upscalingMode": "Fast"}}, "upscalingMode"),
+    ({"models": [{"name": "qwen", "path": "Qwen2.5-0.5B"}]}, "models[qwen].path is read from the model volume"),
+    ({"models": [{"name": "a", "pools": {"decode": {"worker": {"pods": 1}}}}]},
+     "models[a].pools.decode.worker: worker groups are shared"),
+    ({"models": [{"name": "a", "pools": {"encode": {}}}]}, "encode"),             # values.schema.json
+    ({"models": [{"path": None}]}, "name"),
 ])
 def test_chart_refuses_bad_values(chart, values, message):
     with pytest.raises(helm.HelmError, match=re.escape(message)):
@@ -339,8 +344,16 @@ def test_chart_serve_config_builds_the_app(rendered):
     # the ConfigMap carries the same spec
     assert ClusterConfig.model_validate(yaml.safe_load(one(docs, "ConfigMap")["data"]["spec.yaml"])) == spec
     values = _values(name) or {}
-    assert spec.mode == values.get("mode", "disaggregated")
-    assert set(spec.pools) == ({"prefill", "decode"} if spec.mode == "disaggregated" else {"decode"})
+    if name != "values-two-models.yaml":
+        assert spec.mode == values.get("mode", "disaggregated")
+        assert set(spec.pools) == ({"prefill", "decode"} if spec.mode == "disaggregated" else {"decode"})
+    else:                                        # each model its own pools, pinned to the shared groups
+        smol, qwen = spec.deployments()
+        assert (smol.serving.served_model_names, smol.model, smol.mode) == (["smol", "chat"], None, "disaggregated")
+        assert (qwen.serving.served_model_names, qwen.model) == (["qwen"], "/models/Qwen2.5-0.5B-Instruct")
+        assert qwen.pools["decode"].scales_to_zero and set(qwen.pools) == {"decode"}
+        assert {p: s.resources for p, s in smol.pools.items()} == {"prefill": {"pdserve_prefill": 1},
+                                                                    "decode": {"pdserve_decode": 1}}
     if name == "values-pipelined.yaml":          # the card's shape: both pools TP inside, PP across nodes
         assert spec.mode == "disaggregated"
         assert all((p.tensor_parallel_size, p.pipeline_parallel_size) == (8, 2) for p in spec.pools.values())
@@ -531,8 +544,9 @@ def check_pods(doc: dict, spec: ClusterConfig, docs: list[dict], values: dict | 
                 assert volume["persistentVolumeClaim"].get("readOnly") is True
         # the transport's settings: UCX for NIXL, NCCL for torch_dist, each only with its connector
         if values is not None:
+            connector = (values.get("disaggregation") or {}).get("connector", "nixl")
             nixl = spec.mode == "disaggregated" and spec.disaggregation.connector == "nixl" or (
-                spec.mode == "colocated" and values["disaggregation"]["connector"] == "nixl")
+                spec.mode == "colocated" and connector == "nixl")
             for var, section, key in (("UCX_TLS", "ucx", "tls"), ("UCX_NET_DEVICES", "ucx", "netDevices"),
                                       ("NCCL_SOCKET_IFNAME", "nccl", "socketIfname")):
                 want = (values.get(section) or {}).get(key) if nixl == (section == "ucx") else None

@@ -33,9 +33,25 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
-{{/* The pools that exist in this mode, comma-separated: the prefill pool only when disaggregated. */}}
+{{/* The pools that exist, comma-separated: the prefill pool only when disaggregated (with `models`,
+when any model is). Each is a worker group, shared by every model's pool of that name. */}}
 {{- define "pdserve.poolNames" -}}
-{{- if eq .Values.mode "disaggregated" -}}prefill,decode{{- else -}}decode{{- end -}}
+{{- $pd := eq .Values.mode "disaggregated" -}}
+{{- if .Values.models -}}
+{{- $pd = false -}}
+{{- range .Values.models -}}
+{{- if eq (.mode | default "colocated") "disaggregated" -}}{{- $pd = true -}}{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if $pd -}}prefill,decode{{- else -}}decode{{- end -}}
+{{- end -}}
+
+{{/* A pool's spec as the chart renders it: its values less `worker`, pinned to its worker group. */}}
+{{- define "pdserve.poolSpec" -}}
+{{- $p := omit (.pool | default dict) "worker" -}}
+{{- $res := merge (dict (include "pdserve.poolResource" .name) 1) (($p.resources | default dict) | deepCopy) -}}
+{{- $_ := set $p "resources" $res -}}
+{{- toYaml $p -}}
 {{- end -}}
 
 {{/* The custom Ray resource that pins a pool to its worker group. */}}
@@ -71,6 +87,22 @@ The spec itself is validated again by ClusterConfig when Serve builds the applic
 {{- end -}}
 {{- if and (ne $v.model.source "embedded") (not (hasPrefix "/" $v.model.mountPath)) -}}
 {{- fail "model.mountPath must be an absolute path" -}}
+{{- end -}}
+{{- range $m := ($v.models | default list) -}}
+{{- if not $m.name -}}
+{{- fail "models[]: every model needs a name (the id clients send)" -}}
+{{- end -}}
+{{- if and $m.path (eq $v.model.source "embedded") -}}
+{{- fail (printf "models[%s].path is read from the model volume: set model.source to pvc or hostPath" $m.name) -}}
+{{- end -}}
+{{- range $name, $_ := ($m.pools | default dict) -}}
+{{- if not (has $name (list "prefill" "decode")) -}}
+{{- fail (printf "models[%s].pools.%s: pools are prefill and decode" $m.name $name) -}}
+{{- end -}}
+{{- if hasKey (index $m.pools $name | default dict) "worker" -}}
+{{- fail (printf "models[%s].pools.%s.worker: worker groups are shared by the models; set pools.%s.worker" $m.name $name $name) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- if hasKey $v.serving "api_key" -}}
 {{- fail "serving.api_key would put the key in the RayService in clear text: use apiKey.existingSecret or apiKey.create" -}}
@@ -140,10 +172,7 @@ The spec itself is validated again by ClusterConfig when Serve builds the applic
 {{- $v := .Values -}}
 {{- $pools := dict -}}
 {{- range $name := splitList "," (include "pdserve.poolNames" $) -}}
-{{- $p := omit (index $v.pools $name) "worker" -}}
-{{- $res := merge (dict (include "pdserve.poolResource" $name) 1) (($p.resources | default dict) | deepCopy) -}}
-{{- $_ := set $p "resources" $res -}}
-{{- $_ := set $pools $name $p -}}
+{{- $_ := set $pools $name (include "pdserve.poolSpec" (dict "name" $name "pool" (index $v.pools $name)) | fromYaml) -}}
 {{- end -}}
 {{- $serving := merge (dict "host" "0.0.0.0" "port" 8000) (deepCopy ($v.serving | default dict)) -}}
 {{- if $v.apiKey.enabled -}}
@@ -158,16 +187,39 @@ The spec itself is validated again by ClusterConfig when Serve builds the applic
 {{- $model = $v.model.mountPath -}}
 {{- end -}}
 {{- $spec := dict
-      "model" (ternary nil $model (eq $model ""))
-      "engine" (deepCopy ($v.engine | default dict))
-      "mode" $v.mode
-      "pools" $pools
-      "disaggregation" (deepCopy $v.disaggregation)
       "routing" (deepCopy ($v.routing | default dict))
       "serving" $serving
       "name" $v.name
       "placement_timeout_s" $v.placementTimeoutS
       "drain_timeout_s" $v.drainTimeoutS -}}
+{{- if $v.models -}}
+{{- /* Several models: each its own pools (on the shared worker groups) and its own model path
+       under the model volume (`path` null: the embedded model). */ -}}
+{{- $models := list -}}
+{{- range $m := $v.models -}}
+{{- $mode := $m.mode | default "colocated" -}}
+{{- $mpools := dict -}}
+{{- range $name, $p := ($m.pools | default (dict "decode" dict)) -}}
+{{- $_ := set $mpools $name (include "pdserve.poolSpec" (dict "name" $name "pool" $p) | fromYaml) -}}
+{{- end -}}
+{{- $path := "" -}}
+{{- if $m.path -}}
+{{- $path = printf "%s/%s" (trimSuffix "/" $v.model.mountPath) (trimPrefix "/" $m.path) -}}
+{{- end -}}
+{{- $entry := dict "name" $m.name "aliases" ($m.aliases | default list) "model" (ternary nil $path (eq $path ""))
+      "engine" (deepCopy ($m.engine | default dict)) "mode" $mode "pools" $mpools
+      "disaggregation" (deepCopy ($m.disaggregation | default $v.disaggregation)) -}}
+{{- with $m.lora -}}{{- $_ := set $entry "lora" (deepCopy .) -}}{{- end -}}
+{{- $models = append $models $entry -}}
+{{- end -}}
+{{- $_ := set $spec "models" $models -}}
+{{- else -}}
+{{- $_ := set $spec "model" (ternary nil $model (eq $model "")) -}}
+{{- $_ := set $spec "engine" (deepCopy ($v.engine | default dict)) -}}
+{{- $_ := set $spec "mode" $v.mode -}}
+{{- $_ := set $spec "pools" $pools -}}
+{{- $_ := set $spec "disaggregation" (deepCopy $v.disaggregation) -}}
+{{- end -}}
 {{- toYaml $spec -}}
 {{- end -}}
 
