@@ -59,7 +59,11 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
                            "--address, which sets them for the Ray it starts)")
     faulthandler.register(signal.SIGUSR1)      # `kill -USR1 <pid>` prints every thread's stack
     deployments = config.deployments()
-    managers = [start_pools(d)[0] for d in deployments]
+    managers = []
+    for d in deployments:
+        managers.append(start_pools(d)[0])
+        if config.models is not None:       # the spec's order decides who gets room when it is short
+            _wait_placed(d, managers[-1], poll_s)
     print(f"pdserve: loading the pools ({_describe(config)})", flush=True)
     # With direct ingress the ingress replica takes the port; Serve's proxy, which still starts,
     # gets any free one.
@@ -71,19 +75,33 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
     catch_stop_signals()            # again, in case starting Serve replaced the handlers
     url = f"http://{config.serving.host}:{config.serving.port}"
     print(f"pdserve: starting on {url}/v1 (/health answers 503 until the pools serve)", flush=True)
+    waiting: set[str] = set()
     while True:
         statuses = ray.get([m.status.remote() for m in managers], timeout=60)
         for deployment, status in zip(deployments, statuses):
+            at = f"model {deployment.serving.served_model_names[0]}: " if config.models is not None else ""
             if status["phase"] == "failed":
-                at = f"model {deployment.serving.served_model_names[0]}: " if config.models is not None else ""
                 raise StartupError(at + status["reason"])
-        if all(status["phase"] == "ready" for status in statuses):
+            if status["phase"] == "waiting" and deployment.name not in waiting:
+                waiting.add(deployment.name)
+                print(f"pdserve: {at}{status['reason']} (it starts once its pools fit; the others serve)",
+                      flush=True)
+        if all(status["phase"] in ("ready", "waiting") for status in statuses):
             break
         time.sleep(poll_s)
     grpc_note = f", gRPC on port {config.serving.grpc_port}" if config.serving.grpc_port else ""
     print(f"pdserve: serving on {url}/v1{grpc_note} ({_describe(config)})", flush=True)
     while blocking:
         time.sleep(1.0)
+
+
+def _wait_placed(config: ClusterConfig, manager: Any, poll_s: float) -> None:
+    """Until a model's replicas have nodes (or it waits for room, or failed): the next model's
+    room check then sees what this one holds."""
+    import ray  # noqa: PLC0415
+
+    while not (status := ray.get(manager.status.remote(), timeout=60))["placed"] and status["phase"] == "starting":
+        time.sleep(poll_s)
 
 
 def _describe(config: ClusterConfig) -> str:

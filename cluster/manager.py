@@ -44,7 +44,7 @@ from typing import Any
 import ray
 
 from cluster.config import ClusterConfig
-from cluster.placement import check_placement, replica_bundles
+from cluster.placement import check_placement, replica_bundles, wait_for_room
 from cluster.planner import Planner, PoolSample, sample_pool
 from cluster.pool import EnginePool, pool_tag
 from cluster.scale_to_zero import ScaleToZero
@@ -137,9 +137,11 @@ class ClusterManager:
         return {name: [await h.info.remote() for h in pool.replicas.values()] for name, pool in self.pools.items()}
 
     async def status(self) -> dict[str, Any]:
-        """Where the start stands without waiting: {"phase": starting | ready | failed, "reason"}."""
+        """Where the start stands without waiting: {"phase": waiting (for room) | starting | ready |
+        failed, "reason", "placed" (every replica has a node), "pools"}."""
         self._start()
-        return {"phase": self.phase, "reason": self.reason, "pools": self.pool_status()}
+        placed = self.phase != "waiting" and all(pool.placed for pool in self.pools.values())
+        return {"phase": self.phase, "reason": self.reason, "placed": placed, "pools": self.pool_status()}
 
     async def start(self) -> str:
         """Start the pools if they have not started, without waiting for them; the phase. The
@@ -166,6 +168,9 @@ class ClusterManager:
                 self._monitor = asyncio.get_running_loop().create_task(self._check_forever())
                 return
             await asyncio.to_thread(check_placement, self.config, self.placement_timeout_s)
+            if self.config.app is not None:         # one model of several: all its pools, or wait
+                await wait_for_room(self.config, self._waiting)
+                self.phase, self.reason = "starting", None
             for pool in self.pools.values():
                 pool.start()
             await asyncio.gather(*[pool.wait_ready(self.placement_timeout_s + ACTOR_START_GRACE_S)
@@ -180,6 +185,9 @@ class ClusterManager:
         self.phase = "ready"
         self._changed, self._wake = asyncio.Event(), asyncio.Event()
         self._monitor = asyncio.get_running_loop().create_task(self._check_forever())
+
+    def _waiting(self, why: str) -> None:
+        self.phase, self.reason = "waiting", why
 
     def _bump(self) -> None:
         self.version += 1

@@ -4,8 +4,9 @@ missing). One engine's own stages are placed by engine/executor/ray_cluster.py (
 """
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import ray
@@ -75,7 +76,8 @@ def required_cpus(config: ClusterConfig) -> float:
 def _every_pool(config: ClusterConfig) -> Iterator[tuple[str, PoolSpec, bool]]:
     """(where the spec sets it, the pool, whether its replicas are simulated) for every model's pools."""
     for deployment in config.deployments():
-        at = f"models[{deployment.serving.served_model_names[0]}]." if config.models is not None else ""
+        several = config.models is not None or config.app is not None     # (or one model's of several)
+        at = f"models[{deployment.serving.served_model_names[0]}]." if several else ""
         for name, spec in deployment.pools.items():
             yield f"{at}pools.{name}", spec, deployment.engine.simulate is not None
 
@@ -97,6 +99,45 @@ def check_placement(config: ClusterConfig, timeout_s: float | None = None) -> No
             raise PlacementError(f"the Ray cluster cannot hold the pools (waited {timeout_s:g} s): "
                                  f"{'; '.join(problems)}. Nodes: {have or 'none'}")
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+def room_problems(config: ClusterConfig, free: list[dict[str, float]]) -> list[str]:
+    """Why this spec's pools do not fit what the nodes have free now (empty when they do): every
+    replica's bundles placed first-fit, largest first, onto a copy of each node's free resources.
+    With several models, a model starts only once all its pools fit (`wait_for_room`), so the
+    models placed first (the spec's order at deploy) keep what they hold."""
+    nodes = [dict(n) for n in free]
+    bundles = sorted(((where, b) for where, spec, simulated in _every_pool(config) for _ in range(spec.replicas)
+                      for b in replica_bundles(spec, simulated)), key=lambda wb: -sum(wb[1].values()))
+    short: dict[str, list[dict[str, float]]] = {}
+    for where, bundle in bundles:
+        node = next((n for n in nodes if all(n.get(k, 0.0) >= v - 1e-9 for k, v in bundle.items())), None)
+        if node is None:
+            short.setdefault(where, []).append(bundle)
+            continue
+        for k, v in bundle.items():
+            node[k] -= v
+    return [f"{where}: {len(b)} of its bundles ({fmt_resources(b[0])} each) do not fit what the nodes have free"
+            for where, b in short.items()]
+
+
+def free_nodes() -> list[dict[str, float]]:
+    """What each alive node has free now (Ray's per-node view; the cluster's sum where that is
+    unavailable)."""
+    try:
+        from ray._private.state import available_resources_per_node  # noqa: PLC0415 - no public per-node view
+
+        return [dict(r) for r in available_resources_per_node().values()]
+    except (ImportError, AttributeError):
+        return [dict(ray.available_resources())]
+
+
+async def wait_for_room(config: ClusterConfig, waiting: Callable[[str], None], poll_s: float = 1.0) -> None:
+    """Return once the nodes' free resources hold every pool of `config`; meanwhile `waiting(why)`
+    after each look that found them short (a node joining, or another model shrinking, ends it)."""
+    while problems := await asyncio.to_thread(lambda: room_problems(config, free_nodes())):
+        waiting("waiting for room: " + "; ".join(problems))
+        await asyncio.sleep(poll_s)
 
 
 def fmt_resources(resources: dict[str, float]) -> str:

@@ -133,6 +133,11 @@ class EnginePool:
             self.on_change()
         return adopted
 
+    @property
+    def placed(self) -> bool:
+        """Every replica of the pool's start has a node (its actor's constructor ran)."""
+        return all(r in self.nodes for r in self.replicas)
+
     def start(self) -> None:
         for _ in range(self.target):
             replica_id, handle = self._spawn()

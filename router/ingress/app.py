@@ -119,7 +119,13 @@ def ingress_app(specs: list[IngressSpec], manager_links: list[Callable[[], Any]]
                 manager = manager_link()
                 # The spec this ingress serves: the manager reconciles its pools to it (a RayService
                 # update of serveConfigV2 reaches the pools this way); None: whatever it serves.
-                await manager.ready.remote(getattr(manager_link, "config_json", None))
+                ready = asyncio.ensure_future(manager.ready.remote(getattr(manager_link, "config_json", None)))
+                while not ready.done():     # (a model waiting for room says so while it waits)
+                    status = await manager.status.remote()
+                    if status["phase"] == "waiting":
+                        frontend.not_ready = f"waiting: {status['reason']}"
+                    await asyncio.wait([ready], timeout=2.0)
+                await ready
                 _, pools = await manager.membership.remote()
             except Exception as e:  # noqa: BLE001 - reported by /health
                 cause = getattr(e, "cause", None) or e

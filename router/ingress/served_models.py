@@ -119,8 +119,11 @@ class ServedModels:
         return owner.frontend.preparer.unload_adapter(body)
 
     def not_ready(self) -> str | None:
-        """Why not every model serves yet (None once all do), naming the models when several."""
+        """Why not every model serves yet (None once all do, or all but those waiting for room
+        while others serve), naming the models when several."""
         waiting = [(s.name, s.frontend.not_ready) for s in self.servers if s.frontend.not_ready is not None]
+        if len(waiting) < len(self.servers):
+            waiting = [(name, why) for name, why in waiting if not why.startswith("waiting")]
         if not waiting:
             return None
         if not self.several:
@@ -136,7 +139,11 @@ class ServedModels:
         if not self.several:
             return results[0]
         detail = {s.name: {"healthy": ok, "pools": pools} for s, (ok, pools) in zip(self.servers, results)}
-        return all(ok for ok, _ in results), {"models": detail}
+        for s in self.servers:              # a model waiting for room: said, not held against the rest
+            if s.frontend.not_ready is not None:
+                detail[s.name].update(healthy=False, reason=s.frontend.not_ready)
+        counted = [ok for s, (ok, _) in zip(self.servers, results) if s.frontend.not_ready is None]
+        return bool(counted) and all(counted), {"models": detail}
 
     async def render_metrics(self) -> str:
         """Every model's series in one Prometheus exposition, each family's HELP and TYPE once; with

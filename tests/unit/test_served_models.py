@@ -132,3 +132,35 @@ def test_several_models_metrics_are_one_exposition_labelled_by_model():
         "# HELP pdserve:latency_s Latency.", "# TYPE pdserve:latency_s histogram",
         'pdserve:latency_s_bucket{model_name="o\\"q",le="+Inf"} 1', 'pdserve:latency_s_sum{model_name="o\\"q"} 0.5',
         'pdserve:latency_s_count{model_name="o\\"q"} 1']
+
+
+def test_room_for_a_model_is_every_pool_or_none():
+    """`room_problems` (cluster/placement.py), what a model of several waits on before it starts:
+    its replicas' bundles first-fit onto what the nodes have free. Two models fill three nodes
+    between them, sharing one; a third finds no room, and the problem names its pool and bundle."""
+    from cluster.placement import room_problems
+
+    def model(name: str, replicas: int, mode: str = "colocated") -> dict:
+        pools = {"decode": {"replicas": replicas, "num_cpus": 1, "resources": {"slot": 1}}}
+        if mode == "disaggregated":
+            pools["prefill"] = {"replicas": 1, "num_cpus": 1, "resources": {"slot": 1}}
+        return {"name": name, "model": None, "mode": mode, "pools": pools}
+
+    spec = ClusterConfig.model_validate({"models": [model("a", 2, "disaggregated"), model("b", 3),
+                                                    model("c", 1)]})
+    a, b, c = spec.deployments()
+    nodes = [{"CPU": 2.0, "slot": 2.0} for _ in range(3)]
+    assert room_problems(a, nodes) == []
+    # What a holds (3 of the 6 slots, placed as Ray would: first fit), then b's 3 fill the rest.
+    for bundle in [{"CPU": 1.0, "slot": 1.0}] * 3:
+        node = next(n for n in nodes if n["slot"] >= 1)
+        for k, v in bundle.items():
+            node[k] -= v
+    assert [n["slot"] for n in nodes] == [0.0, 1.0, 2.0]        # a: two on the first node, one on the second
+    assert room_problems(b, nodes) == []                         # b fits: on the second node too (shared)
+    for bundle in [{"CPU": 1.0, "slot": 1.0}] * 3:
+        node = next(n for n in nodes if n["slot"] >= 1)
+        for k, v in bundle.items():
+            node[k] -= v
+    assert room_problems(c, nodes) == [
+        "models[c].pools.decode: 1 of its bundles ({CPU: 1, slot: 1} each) do not fit what the nodes have free"]
