@@ -235,10 +235,26 @@ class ModelDeployment(StrictSpec):
         return engine
 
 
+# The serving fields a models entry may set for itself (how its chat template and outputs are
+# read differ by model family); the rest of `serving` is the models' shared one.
+PER_MODEL_SERVING = ("chat_template", "tool_call_parser", "reasoning_parser", "structured_outputs_in_reasoning")
+
+
 class ModelEntry(ModelDeployment):
     """One entry of `models:`: a model's deployment and the ids clients send for it."""
     name: str = Field(min_length=1)             # the id responses name
     aliases: list[str] = Field(default_factory=list)
+    serving: dict[str, Any] = Field(default_factory=dict)    # its own PER_MODEL_SERVING values
+
+    @field_validator("serving")
+    @classmethod
+    def _own_serving(cls, serving: dict[str, Any]) -> dict[str, Any]:
+        shared = sorted(set(serving) - set(PER_MODEL_SERVING))
+        if shared:
+            raise ValueError(f"serving {shared}: a model may set only {list(PER_MODEL_SERVING)}; "
+                             f"the rest of serving is shared at the top of the spec")
+        ServingSpec.model_validate(serving)     # (each value checked as the shared section's is)
+        return serving
 
     @model_validator(mode="before")
     @classmethod
@@ -330,7 +346,7 @@ class ClusterConfig(ModelDeployment):
         out = []
         for entry in self.models:
             own = entry.model_dump(include=set(_MODEL_FIELDS), exclude_unset=True)
-            serving = {**shared["serving"], "served_model_name": entry.ids}
+            serving = {**shared["serving"], **entry.serving, "served_model_name": entry.ids}
             out.append(ClusterConfig.model_validate({**shared, **own, "serving": serving, "app": self.name,
                                                      "name": model_namespace(self.name, entry.name)}))
         return out

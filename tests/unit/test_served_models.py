@@ -21,7 +21,8 @@ def _two(tiny_llama: str, tiny_qwen2: str, adapter: str = "/adapters/ad1", **top
         {"name": "llama", "aliases": ["tiny"], "model": tiny_llama, "mode": "disaggregated",
          "pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 2}},
          "lora": {"modules": {"ad1": adapter}, "allow_runtime_updates": True}},
-        {"name": "org/qwen", "model": tiny_qwen2, "engine": {"max_model_len": 256}}], **top})
+        {"name": "org/qwen", "model": tiny_qwen2, "engine": {"max_model_len": 256},
+         "serving": {"reasoning_parser": "qwen3", "tool_call_parser": "hermes"}}], **top})
 
 
 def test_each_model_entry_becomes_a_deployment_with_the_shared_sections(tiny_llama, tiny_qwen2):
@@ -31,6 +32,8 @@ def test_each_model_entry_becomes_a_deployment_with_the_shared_sections(tiny_lla
     assert llama.serving.served_model_names == ["llama", "tiny"] and qwen.serving.served_model_names == ["org/qwen"]
     assert llama.mode == "disaggregated" and llama.pools["decode"].replicas == 2 and llama.lora is not None
     assert qwen.mode == "colocated" and qwen.engine.max_model_len == 256 and qwen.lora is None
+    assert (qwen.serving.reasoning_parser, qwen.serving.tool_call_parser) == ("qwen3", "hermes")
+    assert (llama.serving.reasoning_parser, llama.serving.tool_call_parser) == (None, None)
     for d in (llama, qwen):
         assert d.serving.port == 8123 and d.serving.api_key == "k" and d.routing.name == "round_robin"
         assert d.models is None
@@ -62,6 +65,8 @@ def test_the_two_model_example_spec_loads():
     ([{"name": "a", "model": None}], {"serving": {"served_model_name": "x"}}, "serving.served_model_name is not used"),
     ([{"name": "a/b", "model": None}, {"name": "a b", "model": None}], {}, "would share the manager namespace"),
     ([], {}, "models must list at least one model"),
+    ([{"name": "a", "model": None, "serving": {"port": 9000}}], {}, "serving ['port']: a model may set only"),
+    ([{"name": "a", "model": None, "serving": {"reasoning_parser": "nope"}}], {}, "reasoning_parser"),
     ([{"name": "a", "model": None, "lora": {"modules": {"ad": "/p"}}}],
      {"serving": {"tenants": {"t": {"api_keys": ["k"], "models": ["ad", "b"]}}}},
      "serving.tenants.t.models: ['ad', 'b'] name no model of models"),

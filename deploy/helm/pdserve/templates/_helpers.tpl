@@ -210,6 +210,7 @@ The spec itself is validated again by ClusterConfig when Serve builds the applic
       "engine" (deepCopy ($m.engine | default dict)) "mode" $mode "pools" $mpools
       "disaggregation" (deepCopy ($m.disaggregation | default $v.disaggregation)) -}}
 {{- with $m.lora -}}{{- $_ := set $entry "lora" (deepCopy .) -}}{{- end -}}
+{{- with $m.serving -}}{{- $_ := set $entry "serving" (deepCopy .) -}}{{- end -}}
 {{- $models = append $models $entry -}}
 {{- end -}}
 {{- $_ := set $spec "models" $models -}}
