@@ -16,12 +16,12 @@ replicas are detached actors, so they outlive it: a restarted manager adopts the
 its spec (`EnginePool.adopt`) instead of starting the pools, and heals on from there.
 
 The spec it serves is the last one applied (`apply`, which every ingress replica and the launcher
-call with theirs: a stale manager is never silently reused). A changed spec is reconciled in place:
-a pool whose replicas are made the same (`PoolSpec.identity`, the engine config) is only resized;
-the others are replaced rolling (`EnginePool.bring_up_new`: the new replicas load beside the old,
-then serve, and the old drain), the pools of a disaggregated spec together, so that a prefill
-replica never hands KV to a decode replica of another model. The spec and the pools' sizes are kept
-in Ray's internal KV (the GCS), so a restarted manager serves what was last applied and scaled.
+call with theirs: a stale manager is never silently reused); a changed spec is reconciled in place
+(cluster/reconcile.py). The spec and the pools' sizes are kept in Ray's internal KV (the GCS), so a
+restarted manager serves what was last applied and scaled. In a spec of several models each model
+has a manager of its own (namespace `<name>-<model>`), which starts its pools only once they all
+fit what the nodes have free (cluster/placement.py: `wait_for_room`); the model's sleep
+(cluster/sleep.py) and its scaling to zero when idle (cluster/scale_to_zero.py) are its manager's.
 
 Pools with `autoscaling` have a planner (cluster/planner.py): at each health check it reads what the
 replicas reported, decides, and resizes the pool; its decisions are logged with their reason and
@@ -46,7 +46,8 @@ import ray
 from cluster.config import ClusterConfig
 from cluster.placement import check_placement, replica_bundles, wait_for_room
 from cluster.planner import Planner, PoolSample, sample_pool
-from cluster.pool import EnginePool, pool_tag
+from cluster.pool import EnginePool
+from cluster.reconcile import reconcile_pools
 from cluster.scale_to_zero import ScaleToZero
 from cluster.sleep import ModelSleep
 from records.config import EngineConfig
@@ -65,8 +66,9 @@ logger = logging.getLogger(__name__)
 
 
 def fingerprint(config: ClusterConfig) -> str:
-    """A short digest of a whole spec: equal specs, equal fingerprints."""
-    return hashlib.sha256(config.model_dump_json().encode()).hexdigest()[:16]
+    """A short digest of a whole spec: equal specs, equal fingerprints (whatever order their
+    mappings were written in: a spec read back from YAML has its keys sorted)."""
+    return hashlib.sha256(json.dumps(config.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
 
 
 class ClusterManager:
@@ -183,6 +185,8 @@ class ClusterManager:
                 pool.shutdown()
             return
         self.phase = "ready"
+        if self.to_zero is not None:            # (idle from now on, not from the spec's arrival)
+            self.to_zero.idle.touch(time.monotonic())
         self._changed, self._wake = asyncio.Event(), asyncio.Event()
         self._monitor = asyncio.get_running_loop().create_task(self._check_forever())
 
@@ -382,39 +386,13 @@ class ClusterManager:
             return {"changed": True, "from": old_fp, "fingerprint": self.fingerprint, "pools": done}
 
     async def _reconcile(self, new: ClusterConfig) -> dict[str, str]:
-        old, drain_s = self.config, new.drain_timeout_s
-        done: dict[str, str] = {}
-        engine_configs = {name: await asyncio.to_thread(new.engine_config, name) for name in new.pools}
-        replace = {name: spec for name, spec in new.pools.items() if name in self.pools
-                   and pool_tag(name, spec, engine_configs[name]) != self.pools[name].tag}
-        # Replaced pools: the new replicas of all of them load first (the old serve meanwhile); if
-        # one cannot start, nothing changes and this raises.
-        await asyncio.gather(*[self.pools[name].bring_up_new(spec, engine_configs[name], self.placement_timeout_s
-                                                             + ACTOR_START_GRACE_S)
-                               for name, spec in replace.items()])
-        for name, spec in replace.items():
-            done[name] = f"replaced {', '.join(self.pools[name].swap_in(spec, engine_configs[name], drain_s))}"
-        for name in [n for n in self.pools if n not in new.pools]:          # pools the spec dropped
-            pool = self.pools.pop(name)
-            await asyncio.gather(*[pool.drain_replica(r, drain_s) for r in list(pool.replicas)])
-            pool.shutdown()
-            done[name] = "removed"
-        for name, spec in new.pools.items():
-            pool = self.pools.get(name)
-            if pool is None:                                                 # pools the spec added
-                pool = self.pools[name] = EnginePool(name, spec, engine_configs[name], new.name, on_change=self._bump)
-                pool.target = 0
-            lo, hi = spec.bounds()
-            same_size = name in old.pools and old.pools[name].replicas == spec.replicas
-            target = min(max(pool.target, lo), hi) if same_size and pool.target else spec.replicas
-            pool.spec = spec
-            if target != pool.target:
-                await pool.scale(target, drain_s)
-                done.setdefault(name, f"resized to {target}")
+        done = await reconcile_pools(self.pools, self.config, new, self.placement_timeout_s + ACTOR_START_GRACE_S,
+                                     self._bump)
         self.config, self.fingerprint = new, fingerprint(new)
         self.planners = {name: (self.planners[name] if name in self.planners
                                 and self.planners[name].spec == spec.autoscaling else Planner(spec.autoscaling))
                          for name, spec in new.pools.items() if spec.autoscaling is not None}
+        self.to_zero = ScaleToZero.of(new.pools)
         logger.warning("spec %s applied: %s", self.fingerprint, done or "nothing to change in the pools")
         return done
 

@@ -20,6 +20,7 @@ bumps `generation`, which is what the ingress follows (`ClusterManager.membershi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Callable
@@ -390,6 +391,9 @@ class EnginePool:
 def pool_tag(name: str, spec: PoolSpec, engine_config: EngineConfig) -> str:
     """What a pool's replicas are made of, as a short digest (`PoolSpec.identity()` and the engine
     config): replicas with equal tags are interchangeable."""
+    kvt = engine_config.kv_transfer_config
+    if kvt is not None:     # (drawn afresh each time a config is resolved; every worker makes its own of it)
+        engine_config = dataclasses.replace(engine_config, kv_transfer_config=dataclasses.replace(kvt, engine_id=""))
     digest = hashlib.sha256(f"{spec.identity()}{engine_config!r}".encode()).hexdigest()
     return f"{name}:{digest[:16]}"
 

@@ -255,7 +255,7 @@ class EngineReplica:
         box.request_ids.add(request_id)
         try:
             queued = engine.submit(request_id, prompt_token_ids, _deltas(params), sink, kv_transfer_params,
-                                        continuation=continuation, trace_context=trace_context)
+                                   continuation=continuation, trace_context=trace_context)
         except BaseException:
             box.request_ids.discard(request_id)
             raise

@@ -122,8 +122,8 @@ def ingress_app(specs: list[IngressSpec], manager_links: list[Callable[[], Any]]
                 ready = asyncio.ensure_future(manager.ready.remote(getattr(manager_link, "config_json", None)))
                 while not ready.done():     # (a model waiting for room says so while it waits)
                     status = await manager.status.remote()
-                    if status["phase"] == "waiting":
-                        frontend.not_ready = f"waiting: {status['reason']}"
+                    frontend.not_ready = (f"waiting: {status['reason']}" if status["phase"] == "waiting"
+                                          else "starting: the engine pools are loading")
                     await asyncio.wait([ready], timeout=2.0)
                 await ready
                 _, pools = await manager.membership.remote()

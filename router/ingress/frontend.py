@@ -162,7 +162,6 @@ class Frontend:
                 router.set_replicas(pools.get(name, {}))
         if self.cold.asleep:        # held, not failed: the model wakes first
             await self.cold.wake()
-        tenant = tenant or TENANT.get() or self.check_key("")
         band = band if band is not None else BAND.get()
         trace = CURRENT.get()
         began = time.monotonic()

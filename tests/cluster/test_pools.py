@@ -55,6 +55,30 @@ def test_direct_ingress_spec():
             ClusterConfig(serving={"direct_ingress": True, **bad})
 
 
+def test_an_unchanged_spec_read_back_is_the_same_spec_and_its_pools_the_same_pools(tmp_path):
+    """What `pdserve apply` compares: a spec written to YAML (keys sorted) and read back has the
+    fingerprint it had, and each pool's tag is the same on every resolution of its engine config
+    (the KV connector's engine id is drawn afresh each time: every spec change used to replace a
+    disaggregated deployment's replicas)."""
+    import yaml
+
+    from cluster.manager import fingerprint
+    from cluster.pool import pool_tag
+
+    config = ClusterConfig(mode="disaggregated", engine={"max_model_len": 512},
+                           pools={"prefill": {"replicas": 1}, "decode": {"replicas": 2}})
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(json.loads(config.model_dump_json())))
+    assert list(ClusterConfig.from_yaml(str(path)).pools) == ["decode", "prefill"]      # (reordered)
+    assert fingerprint(ClusterConfig.from_yaml(str(path))) == fingerprint(config)
+    for name, spec in config.pools.items():
+        first, second = config.engine_config(name), config.engine_config(name)
+        assert first.kv_transfer_config.engine_id != second.kv_transfer_config.engine_id
+        assert pool_tag(name, spec, first) == pool_tag(name, spec, second)
+    resized = ClusterConfig.model_validate({**config.model_dump(), "routing": {"load_weight": 0.9}})
+    assert fingerprint(resized) != fingerprint(config)
+
+
 # --- starting a local Ray (unit: ray.init stands in) ------------------------------------------------
 @pytest.mark.parametrize("errors,started", [([], 1), (["gcs"], 2), (["raylet"], 2), (["gcs", "raylet"], None),
                                             (["other"], None)])

@@ -110,7 +110,7 @@ def test_a_model_scaled_to_zero_when_idle_answers_its_next_request(serve_port, e
     from cluster.launch import start_pools
 
     port = serve_port
-    zero = {"min_replicas": 0, "max_replicas": 1, "idle_timeout_s": 3}
+    zero = {"min_replicas": 0, "max_replicas": 1, "idle_timeout_s": 1}
     config = ClusterConfig(engine={"simulate": SIM_PROFILE, "max_model_len": 2048}, mode="disaggregated",
                            pools={"prefill": {"replicas": 1, "autoscaling": zero},
                                   "decode": {"replicas": 1, "autoscaling": zero}},

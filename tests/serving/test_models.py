@@ -1,7 +1,9 @@
 """Several models behind one endpoint (the /limited app of tests/serving/conftest.py: the tiny Llama
 colocated as "tiny" / "tiny-chat", a tiny Qwen2 disaggregated as "qwen"): requests routed by their
 `model`, each model's answers token-identical to that model alone, /v1/models, 404s and 400s naming
-the models, tokenize, health, metrics by `model_name` and a batch that mixes the models."""
+the models, tokenize, health, metrics by `model_name`, a batch that mixes the models; a model put
+to sleep and woken by its next request; `pdserve status`, `scale` and `apply` per model (a third
+model added and removed while another streams)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +12,7 @@ import threading
 import httpx
 import openai
 import pytest
+from helpers import wait_healthy
 
 from engine import LLM, SamplingParams
 from serving.test_batches import upload, wait_done
@@ -167,13 +170,14 @@ def test_a_sleeping_model_frees_memory_and_wakes_for_the_next_request(server, ti
         assert httpx.get(f"{base}/is_sleeping", params={"model": "qwen"}).json()["is_sleeping"] is False
 
 
-def test_status_scale_and_apply_per_model(server, apps, tiny_llama, tiny_qwen2, tmp_path, capsys):
+def test_status_scale_and_apply_per_model(server, apps, tiny_llama, tmp_path, capsys):
     """`pdserve status` shows each model's pools; `pdserve scale` takes MODEL/POOL; `pdserve apply`
-    of the spec without one model removes it while the other streams (no stream cut or changed),
-    and applying it again serves it again, token-identical."""
+    of the spec with a third model (simulated replicas: nothing to load) serves it while the tiny
+    model streams, and applying the spec without it again removes it while the tiny model streams:
+    no stream is cut or changed, the other models' pools are not touched."""
     import ray
     import yaml
-    from helpers import wait_healthy
+    from helpers import SIM_PROFILE, simulated_outputs
 
     from cluster.cli import main
     from cluster.config import ClusterConfig
@@ -198,11 +202,11 @@ def test_status_scale_and_apply_per_model(server, apps, tiny_llama, tiny_qwen2, 
     spec = apps[3]["limited"]
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
     prompt = "The ferry left the harbour at dawn and"
-    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     with LLM(tiny_llama, dtype="float32", max_model_len=1024) as llm:
-        want = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].text
-    with LLM(tiny_qwen2, dtype="float32", max_model_len=512) as llm:
-        want_qwen = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].text
+        want = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].text
+    pids = {r: ray.get(h.info.remote())["pid"]
+            for r, h in ray.get(apps[2]["qwen"].membership.remote())[1]["decode"].items()}
 
     def apply_while_streaming(config: ClusterConfig, name: str) -> None:
         path = tmp_path / f"{name}.yaml"
@@ -229,15 +233,25 @@ def test_status_scale_and_apply_per_model(server, apps, tiny_llama, tiny_qwen2, 
         assert not failures, failures
         assert len(streams) >= 2 and all(s == want for s in streams), streams
 
-    without = ClusterConfig.model_validate({**spec.model_dump(), "models": [spec.models[0].model_dump()]})
-    apply_while_streaming(without, "without-qwen")
-    assert '"qwen": {\n    "removed": true' in capsys.readouterr().out
-    with pytest.raises(openai.NotFoundError, match=r"this server serves \['tiny', 'tiny-chat'\]"):
-        client.completions.create(model="qwen", prompt=prompt, max_tokens=2)
-
-    apply_while_streaming(spec, "with-qwen")
-    apps[2]["qwen"] = ray.get_actor(MANAGER_NAME, namespace="pdserve-limited-qwen")    # (the package's leak check)
-    wait_healthy(base)          # (the new ingress attaches qwen's pools once they serve)
-    out = client.completions.create(model="qwen", prompt=prompt, max_tokens=60, temperature=0.0,
+    sim = {"name": "sim", "model": None, "engine": {"simulate": SIM_PROFILE, "max_model_len": 1024},
+           "pools": {"decode": {"replicas": 1}}}
+    with_sim = ClusterConfig.model_validate({**spec.model_dump(), "models": [*spec.model_dump()["models"], sim]})
+    apply_while_streaming(with_sim, "with-sim")
+    assert '"sim": {' in capsys.readouterr().out
+    wait_healthy(base)          # (the new ingress attaches sim's pool once it serves)
+    sim_prompt = "A model added by pdserve apply answers"
+    out = client.completions.create(model="sim", prompt=sim_prompt, max_tokens=8, temperature=0.0,
                                     extra_body={"ignore_eos": True})
-    assert out.choices[0].text == want_qwen
+    assert out.choices[0].text == simulated_outputs([sim_prompt], 8, max_model_len=1024)[0]
+    assert [m.id for m in client.models.list().data] == ["tiny", "tiny-chat", "qwen", "sim"]
+
+    apply_while_streaming(spec, "without-sim")
+    assert '"sim": {\n    "removed": true' in capsys.readouterr().out
+    with pytest.raises(openai.NotFoundError, match=r"this server serves \['tiny', 'tiny-chat', 'qwen'\]"):
+        client.completions.create(model="sim", prompt=sim_prompt, max_tokens=2)
+    with pytest.raises(ValueError):                                         # its manager is gone
+        ray.get_actor(MANAGER_NAME, namespace="pdserve-limited-sim")
+    # qwen's replicas were not touched by either update.
+    assert {r: ray.get(h.info.remote())["pid"]
+            for r, h in ray.get(apps[2]["qwen"].membership.remote())[1]["decode"].items()} == pids
+    assert client.completions.create(model="qwen", prompt=prompt, max_tokens=2).choices[0].text
