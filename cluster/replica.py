@@ -43,6 +43,7 @@ from records.errors import EngineDeadError, ModelAsleepError
 from records.outputs import AllCleared, ChannelMessage, KVEvent, RequestOutput, StepDelta
 from records.request import Continuation
 from records.sampling_params import SamplingParams
+from records.single_flight import SingleFlight
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class EngineReplica:
         self._outboxes: dict[str, _Outbox] = {}   # ingress id -> its channel's pending deltas
         self._closed = False
         self.asleep = 0                     # the sleep level (0: awake)
-        self._waking: asyncio.Task | None = None
+        self._waking: SingleFlight[None] = SingleFlight()
         if load:
             self.load()
 
@@ -144,8 +145,8 @@ class EngineReplica:
         a request, lease or transfer is under way. Returns the replica's resident memory after."""
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2; got {level!r}")
-        if self._waking is not None:
-            await self._waking
+        if self._waking.running:
+            await self._waking.run(self._wake)
         if not self.asleep:
             busy = self.leaks()
             if busy is not None:
@@ -169,14 +170,7 @@ class EngineReplica:
         """Build the engine again (concurrent calls share one wake); its time and resident memory."""
         began = time.monotonic()
         if self.asleep:
-            if self._waking is None:
-                self._waking = asyncio.get_running_loop().create_task(self._wake())
-            waking = self._waking
-            try:
-                await asyncio.shield(waking)
-            finally:
-                if waking.done() and self._waking is waking:
-                    self._waking = None
+            await self._waking.run(self._wake)
         return {"replica_id": self.replica_id, "asleep": self.asleep, "wake_s": time.monotonic() - began,
                 "rss_bytes": resident_bytes()}
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from records.errors import StartupError
+from records.single_flight import SingleFlight
 
 if TYPE_CHECKING:
     from cluster.config import PoolSpec
@@ -66,7 +67,7 @@ class ScaleToZero:
     def __init__(self, idle_timeout_s: float, cold_start_timeout_s: float) -> None:
         self.idle = IdleWatch(idle_timeout_s)
         self.cold_start_timeout_s = cold_start_timeout_s
-        self._task: asyncio.Task | None = None
+        self._starting: SingleFlight[None] = SingleFlight()
         self.last_cold_start_s: float | None = None
 
     @classmethod
@@ -80,7 +81,7 @@ class ScaleToZero:
     async def check(self, pools: dict[str, EnginePool], now: float, drain_timeout_s: float) -> bool:
         """One health check's look: scale every pool to zero (their replicas drain) once the model
         has been idle long enough; True when it did."""
-        if self._task is not None:
+        if self._starting.running:
             return False
         stats = {r: pool.stats.get(r) for pool in pools.values() for r in pool.replicas}
         if not self.idle.observe(stats, now) or not any(pool.target for pool in pools.values()):
@@ -95,14 +96,7 @@ class ScaleToZero:
         share one start); StartupError after `cold_start_timeout_s`."""
         if all(pool.replicas for pool in pools.values()):
             return
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._activate(pools, resized, drain_timeout_s))
-        task = self._task
-        try:
-            await asyncio.shield(task)
-        finally:
-            if task.done() and self._task is task:
-                self._task = None
+        await self._starting.run(lambda: self._activate(pools, resized, drain_timeout_s))
 
     async def _activate(self, pools: dict[str, EnginePool], resized: Callable[[], None], drain_timeout_s: float
                         ) -> None:

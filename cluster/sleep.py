@@ -13,6 +13,8 @@ import asyncio
 import time
 from typing import Any
 
+from records.single_flight import SingleFlight
+
 LEVELS = (1, 2)
 
 
@@ -21,7 +23,7 @@ class ModelSleep:
 
     def __init__(self) -> None:
         self.level = 0
-        self._waking: asyncio.Task | None = None
+        self._waking: SingleFlight[dict[str, Any]] = SingleFlight()
         self.last_wake_s: float | None = None
 
     async def sleep(self, replicas: dict[str, Any], level: int) -> dict[str, Any]:
@@ -29,8 +31,8 @@ class ModelSleep:
         one's resident memory after (bytes). ValueError naming a replica that refused."""
         if level not in LEVELS:
             raise ValueError(f"level must be 1 or 2; got {level!r}")
-        if self._waking is not None:
-            await asyncio.shield(self._waking)
+        if self._waking.running:
+            await self._waking.run(lambda: self._wake(replicas))
         ids = list(replicas)
         results = await asyncio.gather(*[replicas[r].sleep.remote(level) for r in ids], return_exceptions=True)
         refused = [(r, res) for r, res in zip(ids, results) if isinstance(res, BaseException)]
@@ -44,14 +46,7 @@ class ModelSleep:
 
     async def wake(self, replicas: dict[str, Any]) -> dict[str, Any]:
         """Wake every replica (concurrent calls share one wake); the seconds it took."""
-        if self._waking is None:
-            self._waking = asyncio.get_running_loop().create_task(self._wake(replicas))
-        waking = self._waking
-        try:
-            return await asyncio.shield(waking)
-        finally:
-            if waking.done() and self._waking is waking:
-                self._waking = None
+        return await self._waking.run(lambda: self._wake(replicas))
 
     async def _wake(self, replicas: dict[str, Any]) -> dict[str, Any]:
         began = time.monotonic()

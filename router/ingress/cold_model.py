@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from records.errors import InvalidRequestError, ModelAsleepError, ServiceUnavailableError
+from records.single_flight import SingleFlight
 
 # How many times one prompt is sent again after waking its model (a second sleep may come between).
 WAKE_RETRIES = 2
@@ -38,8 +39,8 @@ class ColdModel:
         self.manager, self.in_flight = manager, in_flight
         self.cold_start_timeout_s = cold_start_timeout_s
         self.asleep = False         # put to sleep through this ingress, or a replica said so
-        self._waking: asyncio.Task | None = None
-        self._activating: asyncio.Task | None = None
+        self._waking: SingleFlight[dict[str, Any]] = SingleFlight()
+        self._activating: SingleFlight[dict[str, dict[str, Any]]] = SingleFlight()
 
     @property
     def scales_to_zero(self) -> bool:
@@ -49,14 +50,7 @@ class ColdModel:
         """Bring the model back from zero (every caller shares one start): the pools' replicas
         (pool -> replica id -> handle) once each pool serves; ServiceUnavailableError with
         Retry-After when it does not come up within `cold_start_timeout_s`."""
-        if self._activating is None:
-            self._activating = asyncio.get_running_loop().create_task(self._activate())
-        task = self._activating
-        try:
-            return await asyncio.shield(task)
-        finally:
-            if task.done() and self._activating is task:
-                self._activating = None
+        return await self._activating.run(self._activate)
 
     async def _activate(self) -> dict[str, dict[str, Any]]:
         timeout = self.cold_start_timeout_s or 0.0
@@ -89,14 +83,7 @@ class ColdModel:
 
     async def wake(self) -> dict[str, Any]:
         """Wake the model (every caller shares one wake); ServiceUnavailableError if it cannot."""
-        if self._waking is None:
-            self._waking = asyncio.get_running_loop().create_task(self._wake())
-        waking = self._waking
-        try:
-            return await asyncio.shield(waking)
-        finally:
-            if waking.done() and self._waking is waking:
-                self._waking = None
+        return await self._waking.run(self._wake)
 
     async def _wake(self) -> dict[str, Any]:
         try:

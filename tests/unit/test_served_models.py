@@ -169,3 +169,31 @@ def test_room_for_a_model_is_every_pool_or_none():
             node[k] -= v
     assert room_problems(c, nodes) == [
         "models[c].pools.decode: 1 of its bundles ({CPU: 1, slot: 1} each) do not fit what the nodes have free"]
+
+
+def test_a_single_flight_runs_once_for_every_caller_while_it_runs():
+    """records/single_flight.py, behind every wake and start from zero: callers during a run share
+    it (result or error), a cancelled caller does not cancel it, and the next call runs anew."""
+    from records.single_flight import SingleFlight
+
+    async def scenario() -> None:
+        flight: SingleFlight[int] = SingleFlight()
+        runs = []
+
+        async def job() -> int:
+            runs.append(1)
+            await asyncio.sleep(0.05)
+            if len(runs) == 2:
+                raise RuntimeError("second run fails")
+            return len(runs)
+
+        waiter = asyncio.ensure_future(flight.run(job))
+        await asyncio.sleep(0.01)
+        waiter.cancel()                                  # its run goes on for the others
+        assert await asyncio.gather(flight.run(job), flight.run(job)) == [1, 1] and len(runs) == 1
+        assert not flight.running
+        with pytest.raises(RuntimeError, match="second run fails"):
+            await asyncio.gather(flight.run(job), flight.run(job))
+        assert len(runs) == 2 and await flight.run(job) == 3
+
+    asyncio.run(scenario())
