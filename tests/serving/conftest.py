@@ -5,8 +5,8 @@ pools load side by side:
 - "/" main: two decode replicas, an API key and a tenant with its own key and a requests-per-minute
   limit, a 1 MiB body limit, a LoRA adapter served from the start and runtime adapter loading; the
   gRPC tests' app too (it was an app of its own, one more manager, ingress and engine to start);
-- "/limited": two models behind one endpoint (`models:`): the tiny model on one replica and a tiny
-  Qwen2 ("qwen") disaggregated on two; each admits one request at a time (429 /
+- "/limited": two models behind one endpoint (`models:`): the tiny model on one replica (with the
+  adapter "ad1") and a tiny Qwen2 ("qwen") disaggregated on two; each admits one request at a time (429 /
   RESOURCE_EXHAUSTED); a reasoning parser whose constraints apply to the thinking too (so that one
   can make the tiny model think), and vLLM's metric names;
 - "/pd": disaggregated, one prefill and one decode replica with KV pulled over NIXL; prompts with
@@ -77,7 +77,7 @@ def apps(tiny_llama, tiny_qwen2, adapters, eventually_no_leaks, otlp):
     shared = {k: v for k, v in serving.items() if k != "served_model_name"}
     limited = ClusterConfig(models=[
         {"name": "tiny", "aliases": ["tiny-chat"], "model": tiny_llama, "engine": engine,
-         "pools": {"decode": {"replicas": 1, "num_cpus": 1}}},
+         "pools": {"decode": {"replicas": 1, "num_cpus": 1}}, "lora": lora},
         {"name": "qwen", "model": tiny_qwen2, "engine": {**engine, "max_model_len": 512}, "mode": "disaggregated",
          "pools": {"prefill": {"replicas": 1, "num_cpus": 1}, "decode": {"replicas": 1, "num_cpus": 1}},
          "disaggregation": {"connector": "nixl", "min_remote_prefill_tokens": 32}}],

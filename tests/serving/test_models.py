@@ -15,6 +15,7 @@ import pytest
 from helpers import wait_healthy
 
 from engine import LLM, SamplingParams
+from serving.apps import API_KEY
 from serving.test_batches import upload, wait_done
 
 ray = pytest.importorskip("ray", reason="the serving tests need ray[serve] (make setup installs it)")
@@ -35,8 +36,8 @@ def test_two_models_serve_interleaved_requests_each_as_served_alone(server, tiny
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
     cards = httpx.get(f"{base}/v1/models").json()["data"]
     assert [(c["id"], c["parent"], c["state"]) for c in cards] == [
-        ("tiny", None, "ready"), ("tiny-chat", None, "ready"), ("qwen", None, "ready")]
-    assert [c["max_model_len"] for c in cards] == [1024, 1024, 512]
+        ("tiny", None, "ready"), ("tiny-chat", None, "ready"), ("ad1", "tiny", "ready"), ("qwen", None, "ready")]
+    assert [c["max_model_len"] for c in cards] == [1024, 1024, 1024, 512]
     prompts = _prompts(100)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     want = {}
@@ -70,6 +71,18 @@ def test_two_models_serve_interleaved_requests_each_as_served_alone(server, tiny
         mismatched = [i for i, (a, b) in enumerate(zip(got[name], want[name])) if a != b]
         assert not mismatched, (name, mismatched[:5])
 
+    # An adapter of one model, addressed by its name: the tiny model's "ad1", answering as the main
+    # app (the same model and adapter, alone) does, and not as the base model.
+    main = openai.OpenAI(base_url=f"{server['base']}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    differs = False
+    for prompt in prompts[:4]:
+        args = dict(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True})
+        adapted = client.completions.create(model="ad1", **args)
+        assert adapted.model == "ad1"
+        assert adapted.choices[0].text == main.completions.create(model="ad1", **args).choices[0].text
+        differs |= adapted.choices[0].text != client.completions.create(model="tiny", **args).choices[0].text
+    assert differs
+
     # qwen's long prompts went through its prefill replica; each model's series carry its name.
     metrics = httpx.get(f"{base}/metrics").text
     lines = [line for line in metrics.splitlines() if line.startswith("vllm:generation_tokens_total{")]
@@ -84,7 +97,7 @@ def test_requests_name_a_served_model_or_are_refused_naming_them(server):
     base = f"{server['base']}/limited"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
     with pytest.raises(openai.NotFoundError, match=r"model 'gpt-4' does not exist; this server serves "
-                                                   r"\['tiny', 'tiny-chat', 'qwen'\]"):
+                                                   r"\['tiny', 'tiny-chat', 'ad1', 'qwen'\]"):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
     with pytest.raises(openai.NotFoundError, match="this server serves"):
         client.models.retrieve("gpt-4")
@@ -157,7 +170,7 @@ def test_a_sleeping_model_frees_memory_and_wakes_for_the_next_request(server, ti
                                                                                      "level": level}
         assert httpx.get(f"{base}/is_sleeping", params={"model": "tiny"}).json()["is_sleeping"] is False
         cards = {c["id"]: c["state"] for c in httpx.get(f"{base}/v1/models").json()["data"]}
-        assert cards == {"tiny": "ready", "tiny-chat": "ready", "qwen": "sleeping"}
+        assert cards == {"tiny": "ready", "tiny-chat": "ready", "ad1": "ready", "qwen": "sleeping"}
         assert client.completions.create(model="tiny", prompt="still awake", max_tokens=2).choices[0].text
         if level == 1:
             assert qwen() == want                   # held while it wakes, then answered
@@ -243,11 +256,11 @@ def test_status_scale_and_apply_per_model(server, apps, tiny_llama, tmp_path, ca
     out = client.completions.create(model="sim", prompt=sim_prompt, max_tokens=8, temperature=0.0,
                                     extra_body={"ignore_eos": True})
     assert out.choices[0].text == simulated_outputs([sim_prompt], 8, max_model_len=1024)[0]
-    assert [m.id for m in client.models.list().data] == ["tiny", "tiny-chat", "qwen", "sim"]
+    assert [m.id for m in client.models.list().data] == ["tiny", "tiny-chat", "ad1", "qwen", "sim"]
 
     apply_while_streaming(spec, "without-sim")
     assert '"sim": {\n    "removed": true' in capsys.readouterr().out
-    with pytest.raises(openai.NotFoundError, match=r"this server serves \['tiny', 'tiny-chat', 'qwen'\]"):
+    with pytest.raises(openai.NotFoundError, match=r"this server serves \['tiny', 'tiny-chat', 'ad1', 'qwen'\]"):
         client.completions.create(model="sim", prompt=sim_prompt, max_tokens=2)
     with pytest.raises(ValueError):                                         # its manager is gone
         ray.get_actor(MANAGER_NAME, namespace="pdserve-limited-sim")
