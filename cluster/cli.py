@@ -205,8 +205,9 @@ def apply_spec(config: Any, managers: dict[str, Any], timeout_s: float, route_pr
     deadline = time.monotonic() + timeout_s
     for d, manager in handles:
         want = fingerprint(d)
+        # (a model waiting for room has taken its spec: it starts once its pools fit)
         while (st := ray.get(manager.describe.remote(), timeout=60))["fingerprint"] != want or st["updating"] \
-                or st["phase"] != "ready":
+                or st["phase"] not in ("ready", "waiting"):
             if st["phase"] == "failed":
                 raise TimeoutError(f"{d.name}: the pools failed: {st['reason']}")
             if time.monotonic() > deadline:

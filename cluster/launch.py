@@ -63,7 +63,7 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
     for d in deployments:
         managers.append(start_pools(d)[0])
         if config.models is not None:       # the spec's order decides who gets room when it is short
-            _wait_placed(d, managers[-1], poll_s)
+            _wait_placed(managers[-1], poll_s)
     print(f"pdserve: loading the pools ({_describe(config)})", flush=True)
     # With direct ingress the ingress replica takes the port; Serve's proxy, which still starts,
     # gets any free one.
@@ -95,7 +95,7 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
         time.sleep(1.0)
 
 
-def _wait_placed(config: ClusterConfig, manager: Any, poll_s: float) -> None:
+def _wait_placed(manager: Any, poll_s: float) -> None:
     """Until a model's replicas have nodes (or it waits for room, or failed): the next model's
     room check then sees what this one holds."""
     import ray  # noqa: PLC0415
