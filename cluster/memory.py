@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -22,11 +23,16 @@ def resident_bytes() -> int:
 
 def release_heap() -> None:
     """Hand the C heap's free pages back to the OS (glibc keeps freed small allocations in its
-    arenas; torch's large tensors are their own mappings, gone once freed). No-op elsewhere."""
+    arenas; torch's large tensors are their own mappings, gone once freed), and on a GPU the blocks
+    torch's caching allocator keeps reserved after the engine's tensors are freed (else the device
+    memory stays taken for this process)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def drop_page_cache(model_path: str) -> int:
