@@ -1,0 +1,97 @@
+"""Sleep and wake of one engine on a CUDA GPU, in-process (what `EngineReplica.sleep` / `wake` do
+to its engine, cluster/replica.py), for docs/serving.md's GPU column: device memory (torch's
+allocated and reserved, and the device's used memory) awake after a request, asleep, and woken;
+the wake's time against the first build (a cold start less the process and imports). A random
+Llama of ~1B shape in bf16 (no checkpoint download).
+
+    python3 benchmarks/sleep_wake_gpu.py [--layers 16] [--hidden 2048]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def used_mib() -> int:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True).stdout.split()
+    return int(out[0]) if out else -1
+
+
+async def main() -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=2048)
+    args = ap.parse_args()
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cluster.memory import release_heap
+    from engine.async_engine import AsyncLLMEngine
+    from records.config import EngineConfig
+    from records.sampling_params import SamplingParams
+
+    path = tempfile.mkdtemp()
+    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+                      num_attention_heads=args.hidden // 128, num_key_value_heads=8, vocab_size=32000,
+                      max_position_embeddings=4096, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    config = EngineConfig.create(path, dtype="bfloat16", max_model_len=2048)
+    prompt = list(range(1, 65))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    async def tokens(engine) -> list[int]:
+        out = []
+        async for o in engine.generate("r", prompt, params):
+            out = list(o.outputs[0].token_ids)
+        return out
+
+    row: dict = {"used_mib_start": used_mib()}
+    began = time.monotonic()
+    engine = AsyncLLMEngine(config)
+    row["first_build_s"] = time.monotonic() - began
+    want = await tokens(engine)
+    torch.cuda.synchronize()
+    row.update(awake_allocated_mib=torch.cuda.memory_allocated() >> 20,
+               awake_reserved_mib=torch.cuda.memory_reserved() >> 20, awake_used_mib=used_mib())
+    for level in (1, 2):
+        began = time.monotonic()
+        await engine.shutdown()
+        gone = weakref.ref(engine.engine)
+        engine.engine = None
+        del engine
+        while gone() is not None and time.monotonic() - began < 10:
+            gc.collect()
+            await asyncio.sleep(0.05)
+        release_heap()
+        row[f"sleep{level}_s"] = time.monotonic() - began
+        row.update({f"asleep{level}_allocated_mib": torch.cuda.memory_allocated() >> 20,
+                    f"asleep{level}_reserved_mib": torch.cuda.memory_reserved() >> 20,
+                    f"asleep{level}_used_mib": used_mib()})
+        if level == 2:
+            from cluster.memory import drop_page_cache
+            drop_page_cache(path)
+        began = time.monotonic()
+        engine = await asyncio.to_thread(AsyncLLMEngine, config)
+        row[f"wake{level}_s"] = time.monotonic() - began
+        row[f"same_tokens_after_wake{level}"] = await tokens(engine) == want
+    return row
+
+
+if __name__ == "__main__":
+    result = asyncio.run(main())
+    out = os.environ.get("OUT", "/tmp")
+    with open(os.path.join(out, "sleep_wake_gpu.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
