@@ -22,6 +22,23 @@ import weakref
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _without_grpc_tools() -> None:
+    """The lent GPU machine has no grpcio-tools to build pdserve_proto's stubs; an engine without a
+    KV connector never uses them (kv_transfer/base.py imports two functions at load)."""
+    try:
+        import grpc_tools  # noqa: F401
+    except ImportError:
+        import types
+
+        def unavailable(*_args, **_kwargs):
+            raise RuntimeError("pdserve_proto is not built on this machine (no grpcio-tools)")
+
+        package, transfer = types.ModuleType("pdserve_proto"), types.ModuleType("pdserve_proto.transfer")
+        transfer.from_params = transfer.to_params = unavailable
+        package.transfer = transfer
+        sys.modules.update({"pdserve_proto": package, "pdserve_proto.transfer": transfer})
+
+
 def used_mib() -> int:
     out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True).stdout.split()
@@ -33,6 +50,7 @@ async def main() -> dict:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=2048)
     args = ap.parse_args()
+    _without_grpc_tools()
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -47,7 +65,7 @@ async def main() -> dict:
                       max_position_embeddings=4096, torch_dtype="bfloat16")
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    config = EngineConfig.create(path, dtype="bfloat16", max_model_len=2048)
+    config = EngineConfig.create(path, dtype="bfloat16", max_model_len=2048, worker_num_gpus=1)
     prompt = list(range(1, 65))
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
