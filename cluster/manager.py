@@ -22,12 +22,8 @@ restarted manager serves what was last applied and scaled. In a spec of several 
 has a manager of its own (namespace `<name>-<model>`), which starts its pools only once they all
 fit what the nodes have free (cluster/placement.py: `wait_for_room`); the model's sleep
 (cluster/sleep.py) and its scaling to zero when idle (cluster/scale_to_zero.py) are its manager's.
-
-Pools with `autoscaling` have a planner (cluster/planner.py): at each health check it reads what the
-replicas reported, decides, and resizes the pool; its decisions are logged with their reason and
-counted in `pool_status()`. Whenever a pool's size changes, the manager asks Ray's autoscaler for
-room for every pool's replicas (`request_resources`): on a cluster that grows (KubeRay's in-tree
-autoscaler), a replica that does not fit brings a node up.
+Pools with `autoscaling` are sized by their planners at each health check, and every change of a
+pool's size asks Ray's autoscaler for room (cluster/autoscaling.py).
 """
 from __future__ import annotations
 
@@ -37,15 +33,14 @@ import hashlib
 import json
 import logging
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
+from cluster.autoscaling import Autoscaling, request_room
 from cluster.config import ClusterConfig
-from cluster.placement import check_placement, replica_bundles, wait_for_room
-from cluster.planner import Planner, PoolSample, sample_pool
+from cluster.placement import check_placement, wait_for_room
 from cluster.pool import EnginePool
 from cluster.reconcile import reconcile_pools
 from cluster.scale_to_zero import ScaleToZero
@@ -95,10 +90,7 @@ class ClusterManager:
         self._apply_lock: asyncio.Lock | None = None
         self.updating: str | None = None         # what an `apply` under way does, in words
         self.pools: dict[str, EnginePool] = {}
-        self.planners: dict[str, Planner] = {}
-        self.decisions: dict[str, dict] = {}      # pool -> the planner's last decision
-        self.decision_counts: Counter = Counter()  # (pool, action) -> changes made
-        self._hist_seen: dict[tuple[str, str], list[int]] = {}
+        self.autoscaling = Autoscaling()
         self.sleeping = ModelSleep()
         self.to_zero: ScaleToZero | None = None   # set when the model scales to zero (`_configure`)
         # A manager Ray restarted serves the spec last applied, at the sizes last set.
@@ -123,8 +115,7 @@ class ClusterManager:
         self.pools = {name: EnginePool(name, spec, resolved.get(name) or config.engine_config(name), config.name,
                                        on_change=self._bump)
                       for name, spec in config.pools.items()}
-        self.planners = {name: Planner(spec.autoscaling) for name, spec in config.pools.items()
-                         if spec.autoscaling is not None}
+        self.autoscaling.configure(config.pools)
         self.to_zero = ScaleToZero.of(config.pools)
 
     async def ready(self, spec_json: str | None = None) -> dict[str, list[dict]]:
@@ -210,51 +201,19 @@ class ClusterManager:
                 except Exception:
                     logger.exception("health check of pool %s failed", pool.name)
             try:
-                await self._plan(time.monotonic())
+                if self.updating is None and await self.autoscaling.plan(self.pools, time.monotonic(),
+                                                                         self.config.drain_timeout_s):
+                    self._resized()
                 if self.to_zero is not None and self.updating is None:
                     if await self.to_zero.check(self.pools, time.monotonic(), self.config.drain_timeout_s):
                         self._resized()
             except Exception:
                 logger.exception("planning failed")
 
-    # --- the planner -------------------------------------------------------------------------------
-    def sample(self, name: str, now: float) -> PoolSample:
-        """What the pool's serving replicas reported at the last health check, as one sample."""
-        pool = self.pools[name]
-        return sample_pool(now, {r: pool.stats.get(r) for r in pool.replicas},
-                           len(pool.starting) + len(pool.incoming), self._hist_seen)
-
-    async def _plan(self, now: float) -> None:
-        """One plan of every autoscaled pool, acted on (not while a spec is being applied)."""
-        for name, planner in self.planners.items():
-            if self.updating is not None or name not in self.pools:
-                continue
-            planner.observe(self.sample(name, now))
-            pool = self.pools[name]
-            if pool.target == 0:            # scaled to zero: only a request brings it back (`activate`)
-                continue
-            decision = planner.plan(pool.target, now)
-            self.decisions[name] = {**asdict(decision), "t": time.time()}
-            if decision.action == "hold":
-                continue
-            logger.warning("planner: pool %s %s from %d to %d replicas: %s", name, decision.action,
-                           pool.target, decision.replicas, decision.reason)
-            self.decision_counts[(name, decision.action)] += 1
-            await pool.scale(decision.replicas, self.config.drain_timeout_s)
-            self._resized()
-
     def _resized(self) -> None:
         """After a pool's size changed: remember it, and ask the autoscaler for room."""
         _save_state(self.config.name, self.config, {n: p.target for n, p in self.pools.items()})
-        bundles = [b for name, pool in self.pools.items()
-                   for _ in range(pool.target)
-                   for b in replica_bundles(pool.spec, self.config.engine.simulate is not None)]
-        try:
-            from ray.autoscaler.sdk import request_resources  # noqa: PLC0415 - the autoscaler's SDK, here only
-
-            request_resources(bundles=bundles)
-        except Exception as e:  # noqa: BLE001 - a Ray without an autoscaler: the pending actors wait
-            logger.warning("asking the autoscaler for %d bundles failed: %s", len(bundles), e)
+        request_room(self.pools, self.config.engine.simulate is not None)
 
     async def check_health(self) -> dict[str, list[str]]:
         """Run one health check of every pool now; pool -> replica ids dropped."""
@@ -291,9 +250,9 @@ class ClusterManager:
                   "draining": sorted(pool.draining), "replaced": pool.replaced, "drained": dict(pool.drained),
                   "target": pool.target,
                   "bounds": list(pool.spec.bounds()), "detail": pool.replica_status()}
-            if name in self.planners:
-                st["planner"] = {"last": self.decisions.get(name),
-                                 "decisions": {a: self.decision_counts[(name, a)] for a in ("up", "down")}}
+            planner = self.autoscaling.status(name)
+            if planner is not None:
+                st["planner"] = planner
             out[name] = st
         return out
 
@@ -350,8 +309,7 @@ class ClusterManager:
         if self.phase != "ready":
             raise StartupError(f"the pools are not serving ({self.phase}: {self.reason})")
         out = await self.pools[pool].scale(replicas, drain_timeout_s)
-        if pool in self.planners:
-            self.planners[pool].changed(time.monotonic())
+        self.autoscaling.changed(pool, time.monotonic())
         self._resized()
         return out
 
@@ -389,9 +347,7 @@ class ClusterManager:
         done = await reconcile_pools(self.pools, self.config, new, self.placement_timeout_s + ACTOR_START_GRACE_S,
                                      self._bump)
         self.config, self.fingerprint = new, fingerprint(new)
-        self.planners = {name: (self.planners[name] if name in self.planners
-                                and self.planners[name].spec == spec.autoscaling else Planner(spec.autoscaling))
-                         for name, spec in new.pools.items() if spec.autoscaling is not None}
+        self.autoscaling.configure(new.pools)
         self.to_zero = ScaleToZero.of(new.pools)
         logger.warning("spec %s applied: %s", self.fingerprint, done or "nothing to change in the pools")
         return done
