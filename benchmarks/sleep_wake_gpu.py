@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-import weakref
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,7 +52,7 @@ async def main() -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cluster.memory import release_heap
+    from cluster.memory import engine_released, release_heap
     from engine.async_engine import AsyncLLMEngine
     from records.config import EngineConfig
     from records.sampling_params import SamplingParams
@@ -85,13 +83,9 @@ async def main() -> dict:
                awake_reserved_mib=torch.cuda.memory_reserved() >> 20, awake_used_mib=used_mib())
     for level in (1, 2):
         began = time.monotonic()
-        await engine.shutdown()
-        gone = weakref.ref(engine.engine)
-        engine.engine = None
+        await engine.shutdown()             # (what EngineReplica.sleep does to its engine)
+        await engine_released(engine)
         del engine
-        while gone() is not None and time.monotonic() - began < 10:
-            gc.collect()
-            await asyncio.sleep(0.05)
         release_heap()
         row[f"sleep{level}_s"] = time.monotonic() - began
         row.update({f"asleep{level}_allocated_mib": torch.cuda.memory_allocated() >> 20,

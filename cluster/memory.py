@@ -1,17 +1,40 @@
 """What a sleeping replica gives back to its machine (cluster/replica.py: `EngineReplica.sleep`):
-the freed heap returned to the OS, a checkpoint's pages dropped from the page cache, and the
-process' resident memory measured."""
+its engine let go whole, the freed heap returned to the OS, a checkpoint's pages dropped from the
+page cache, and the process' resident memory measured."""
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import gc
 import logging
 import os
 import sys
+import time
+import weakref
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 # The files a checkpoint's weights live in (a directory's), whose pages level 2 drops.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+async def engine_released(engine: Any, timeout_s: float = 5.0) -> bool:
+    """Return once nothing but the caller holds a shut-down AsyncLLMEngine's LLMEngine (its weights
+    and KV cache freed with it): the cancelled step loop lets go of its frames over a few turns of
+    the event loop, and the engine's objects hold reference cycles only the collector frees. False
+    (and logged) if it is still held after `timeout_s`."""
+    gone = weakref.ref(engine.engine)
+    engine.engine = None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gc.collect()
+        if gone() is None:
+            return True
+        if time.monotonic() > deadline:
+            logger.warning("the engine put to sleep is still referenced; its memory stays held")
+            return False
+        await asyncio.sleep(0.05)
 
 
 def resident_bytes() -> int:

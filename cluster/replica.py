@@ -27,15 +27,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import logging
 import os
 import time
-import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cluster.memory import drop_page_cache, release_heap, resident_bytes
+from cluster.memory import drop_page_cache, engine_released, release_heap, resident_bytes
 from engine.async_engine import AsyncLLMEngine, request_error
 from pdserve_proto.kv_events import encode_kv_events
 from records.config import EngineConfig
@@ -58,23 +56,6 @@ def _node_id() -> str | None:
     import ray  # noqa: PLC0415 - the class is plain; Ray only where it runs as an actor
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-
-
-async def _released(engine: AsyncLLMEngine, timeout_s: float = 5.0) -> None:
-    """Return once nothing but the caller holds `engine`'s LLMEngine (its weights and KV cache freed
-    with it): the cancelled step loop lets go of its frames over a few turns of the event loop, and
-    the engine's objects hold reference cycles only the collector frees."""
-    gone = weakref.ref(engine.engine)
-    engine.engine = None        # type: ignore[assignment]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        gc.collect()
-        if gone() is None:
-            return
-        if time.monotonic() > deadline:
-            logger.warning("the engine put to sleep is still referenced; its memory stays held")
-            return
-        await asyncio.sleep(0.05)
 
 
 def _deltas(params: SamplingParams) -> SamplingParams:
@@ -155,7 +136,7 @@ class EngineReplica:
             self._take_events_from(engine)
             self._log.append(AllCleared())           # its routers' prefix index forgets it
             await engine.shutdown()
-            await _released(engine)
+            await engine_released(engine)
             del engine
             release_heap()
             for box in self._outboxes.values():
