@@ -4,11 +4,12 @@ runs at each health check; cluster/planner.py is one pool's pure, replayable pla
 Pools with `autoscaling` have a planner: at each health check it reads what the replicas reported,
 decides, and the pool is resized; its decisions are logged with their reason and counted (the
 manager's `pool_status()` shows them). Whenever a pool's size changes, Ray's autoscaler is asked for
-room for every pool's replicas (`request_resources`): on a cluster that grows (KubeRay's in-tree
-autoscaler), a replica that does not fit brings a node up.
+room for every pool's replicas (`request_resources`), and so is a model waiting for room: on a
+cluster that grows (KubeRay's in-tree autoscaler), a replica that does not fit brings a node up.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import Counter
@@ -80,13 +81,34 @@ class Autoscaling:
                 "decisions": {a: self.decision_counts[(pool, a)] for a in ("up", "down")}}
 
 
-def request_room(pools: dict[str, EnginePool], simulated: bool) -> None:
-    """Ask Ray's autoscaler for room for every pool's target replicas (a Ray without one: the
-    pending actors wait, and that is logged)."""
+# Ray's KV namespace where each manager keeps the bundles it asks the autoscaler for.
+ROOM_NAMESPACE = "pdserve-room"
+
+
+def request_room(owner: str, pools: dict[str, EnginePool], simulated: bool) -> None:
+    """Ask Ray's autoscaler for room for every pool's target replicas (none: `owner` asks for
+    nothing more; a Ray without an autoscaler: the pending actors wait, and that is logged).
+
+    Ray keeps one request for the whole cluster, a floor on its size that each call replaces: so
+    that the models of one cluster (a manager each) do not take back each other's room, each
+    manager keeps its bundles in Ray's KV under its own name (`owner`; from its start, and while
+    it waits for room) and asks for everyone's."""
     bundles = [b for pool in pools.values() for _ in range(pool.target) for b in replica_bundles(pool.spec, simulated)]
     try:
         from ray.autoscaler.sdk import request_resources  # noqa: PLC0415 - the autoscaler's SDK, here only
+        from ray.experimental.internal_kv import (  # noqa: PLC0415
+            _internal_kv_del,
+            _internal_kv_get,
+            _internal_kv_list,
+            _internal_kv_put,
+        )
 
-        request_resources(bundles=bundles)
+        if bundles:
+            _internal_kv_put(owner, json.dumps(bundles), overwrite=True, namespace=ROOM_NAMESPACE)
+        else:
+            _internal_kv_del(owner, namespace=ROOM_NAMESPACE)
+        everyone = [b for key in _internal_kv_list("", namespace=ROOM_NAMESPACE)
+                    for b in json.loads(_internal_kv_get(key, namespace=ROOM_NAMESPACE) or "[]")]
+        request_resources(bundles=everyone)
     except Exception as e:  # noqa: BLE001 - a Ray without an autoscaler: the pending actors wait
         logger.warning("asking the autoscaler for %d bundles failed: %s", len(bundles), e)

@@ -50,7 +50,11 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
     from cluster.app import build_app  # noqa: PLC0415
     from cluster.placement import check_placement  # noqa: PLC0415
 
-    check_placement(config)     # (run_serve resolved every pool's engine config before Ray started)
+    # (run_serve resolved every pool's engine config before Ray started.) Each model alone must fit
+    # the cluster; several may together need more than it has: one short of room waits for it, in
+    # the spec's order (below), so that models that are scaled to zero or scaled down can share nodes.
+    for deployment in config.deployments():
+        check_placement(deployment)
     di_env = config.serving.direct_ingress_env()
     if di_env and os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
         # Ray's processes read it from their environment; a job's driver inherits the cluster's.
@@ -59,11 +63,7 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
                            "--address, which sets them for the Ray it starts)")
     faulthandler.register(signal.SIGUSR1)      # `kill -USR1 <pid>` prints every thread's stack
     deployments = config.deployments()
-    managers = []
-    for d in deployments:
-        managers.append(start_pools(d)[0])
-        if config.models is not None:       # the spec's order decides who gets room when it is short
-            _wait_placed(managers[-1], poll_s)
+    managers = start_models(config, poll_s)
     print(f"pdserve: loading the pools ({_describe(config)})", flush=True)
     # With direct ingress the ingress replica takes the port; Serve's proxy, which still starts,
     # gets any free one.
@@ -93,6 +93,18 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
     print(f"pdserve: serving on {url}/v1{grpc_note} ({_describe(config)})", flush=True)
     while blocking:
         time.sleep(1.0)
+
+
+def start_models(config: ClusterConfig, poll_s: float = 0.5) -> list[Any]:
+    """Start each model's pools, in the spec's order (the managers, one per model): with several
+    models, each once the one before it has its nodes (or waits for room), so that the spec's order
+    decides who gets room when it is short."""
+    managers = []
+    for d in config.deployments():
+        managers.append(start_pools(d)[0])
+        if config.models is not None:
+            _wait_placed(managers[-1], poll_s)
+    return managers
 
 
 def _wait_placed(manager: Any, poll_s: float) -> None:

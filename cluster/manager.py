@@ -84,6 +84,7 @@ class ClusterManager:
         self.phase = "starting"              # starting -> ready | failed
         self.reason: str | None = None       # why it failed
         self._startup: asyncio.Task | None = None
+        self._spawned = False                # the pools' replicas were started (or adopted)
         self._changed: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self._monitor: asyncio.Task | None = None
@@ -133,7 +134,8 @@ class ClusterManager:
         """Where the start stands without waiting: {"phase": waiting (for room) | starting | ready |
         failed, "reason", "placed" (every replica has a node), "pools"}."""
         self._start()
-        placed = self.phase != "waiting" and all(pool.placed for pool in self.pools.values())
+        # (not before the replicas were started: the launcher's next model would take their room)
+        placed = self._spawned and all(pool.placed for pool in self.pools.values())
         return {"phase": self.phase, "reason": self.reason, "placed": placed, "pools": self.pool_status()}
 
     async def start(self) -> str:
@@ -155,7 +157,7 @@ class ClusterManager:
             # replace the rest. Only a cluster with none starts its pools.
             adopted = [r for pool in self.pools.values() for r in await pool.adopt()]
             if adopted:
-                self.phase = "ready"
+                self.phase, self._spawned = "ready", True
                 self._changed, self._wake = asyncio.Event(), asyncio.Event()
                 self._wake.set()                                 # check (and refill) the pools now
                 self._monitor = asyncio.get_running_loop().create_task(self._check_forever())
@@ -164,8 +166,11 @@ class ClusterManager:
             if self.config.app is not None:         # one model of several: all its pools, or wait
                 await wait_for_room(self.config, self._waiting)
                 self.phase, self.reason = "starting", None
+            # Its room, in the autoscaler's floor for the cluster (with every other model's).
+            request_room(self.config.name, self.pools, self.config.engine.simulate is not None)
             for pool in self.pools.values():
                 pool.start()
+            self._spawned = True
             await asyncio.gather(*[pool.wait_ready(self.placement_timeout_s + ACTOR_START_GRACE_S)
                                    for pool in self.pools.values()])
         except Exception as e:  # noqa: BLE001 - reported by status() and ready()
@@ -182,6 +187,8 @@ class ClusterManager:
         self._monitor = asyncio.get_running_loop().create_task(self._check_forever())
 
     def _waiting(self, why: str) -> None:
+        if self.phase != "waiting":     # (a node for it, where the cluster can grow)
+            request_room(self.config.name, self.pools, self.config.engine.simulate is not None)
         self.phase, self.reason = "waiting", why
 
     def _bump(self) -> None:
@@ -213,7 +220,7 @@ class ClusterManager:
     def _resized(self) -> None:
         """After a pool's size changed: remember it, and ask the autoscaler for room."""
         _save_state(self.config.name, self.config, {n: p.target for n, p in self.pools.items()})
-        request_room(self.pools, self.config.engine.simulate is not None)
+        request_room(self.config.name, self.pools, self.config.engine.simulate is not None)
 
     async def check_health(self) -> dict[str, list[str]]:
         """Run one health check of every pool now; pool -> replica ids dropped."""
@@ -331,7 +338,7 @@ class ClusterManager:
             logger.warning("spec %s replaces spec %s", new_fp, old_fp)
             if self._startup is None or self.phase == "failed":      # no pools serve yet
                 self._configure(new)
-                self._startup, self.phase, self.reason = None, "starting", None
+                self._startup, self.phase, self.reason, self._spawned = None, "starting", None, False
                 _save_state(new.name, new, {n: p.target for n, p in self.pools.items()})
                 return {"changed": True, "from": old_fp, "fingerprint": self.fingerprint, "pools": {}}
             await asyncio.shield(self._startup)
@@ -366,6 +373,7 @@ class ClusterManager:
         for pool in self.pools.values():
             pool.shutdown()
         _save_state(self.config.name, None, {})
+        request_room(self.config.name, {}, False)      # (its share of the autoscaler's request)
 
 
 def _load_state(namespace: str) -> dict | None:

@@ -12,6 +12,8 @@ included, no goodbye to the GCS), while the official `openai` client streams fro
   replacement is placed on what is left plus a node added for it.
 - P/D: the node of a pipelined prefill engine's stage dies while a decode engine pulls from it:
   the pull fails as a whole and the request recomputes or fails, per policy.
+- Several models on two engine nodes: two share them; a third, short of room, waits (the spec's
+  order decides) and starts once another model shrinks.
 
 Engine nodes carry an `engine` resource (one stage or replica per node); the head node holds the
 manager, Serve and the ingress (pinned there by `serving.ingress_resources`: a client's stream
@@ -48,8 +50,8 @@ def nodes():
         yield cluster
 
 
-def add_engine_node(cluster, num_cpus: float = 2) -> object:
-    node = cluster.add_node(num_cpus=num_cpus, resources={"engine": 1}, node_ip_address="127.0.0.1")
+def add_engine_node(cluster, num_cpus: float = 2, engines: float = 1) -> object:
+    node = cluster.add_node(num_cpus=num_cpus, resources={"engine": engines}, node_ip_address="127.0.0.1")
     cluster.wait_for_nodes()
     return node
 
@@ -392,3 +394,70 @@ def wait_for(manager, cond, what: str) -> dict:
         assert time.monotonic() < deadline, f"no {what}: {st}"
         time.sleep(0.25)
     return st
+
+
+@pytest.mark.ray
+def test_models_share_the_nodes_and_the_last_waits_for_room(nodes, capfd):
+    """Three models of simulated replicas on two engine nodes of two slots each (every replica
+    takes one; the head node makes the third): "chat" (3 replicas) and "small" (1) fill the four
+    slots, on shared nodes (chat needs both). "extra", last in the spec, finds none free: the
+    spec's order decides (a model starts once all its pools fit what is free; those before it keep
+    what they hold), so it waits while the others serve, `pdserve status` names its pool and why,
+    and the autoscaler is asked for room for all three. `pdserve scale chat/decode 2` frees a slot:
+    extra starts on that node."""
+    import ray
+    from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    from cluster.cli import deployment_managers, main
+    from cluster.config import ClusterConfig
+    from cluster.launch import shutdown, start_models
+
+    engine_nodes = {add_engine_node(nodes, num_cpus=1, engines=2).node_id for _ in range(2)}
+    one_slot = {"replicas_per_process": 1, "resources": {"engine": 1}}
+    sim = {"simulate": SIM_PROFILE, "max_model_len": 1024}
+    config = ClusterConfig.model_validate({
+        "name": "pdserve-placement", "serving": SERVING, "placement_timeout_s": 120, "models": [
+            {"name": name, "model": None, "engine": sim, "pools": {"decode": {"replicas": n, **one_slot}}}
+            for name, n in (("chat", 3), ("small", 1), ("extra", 1))]})
+    try:
+        start_models(config)        # (what `pdserve serve` does before it starts the ingress)
+        managers = deployment_managers(config.name)
+        assert sorted(managers) == ["chat", "extra", "small"]
+
+        def nodes_of(model: str) -> dict[str, str]:
+            st = ray.get(managers[model].pool_status.remote())["decode"]
+            return {r["id"]: r["node"] for r in st["detail"] if r["state"] == "serving"}
+
+        def phases() -> dict[str, str]:
+            return {m: ray.get(h.status.remote())["phase"] for m, h in managers.items()}
+
+        deadline = time.monotonic() + HEAL_TIMEOUT_S
+        while phases() != {"chat": "ready", "small": "ready", "extra": "waiting"}:
+            assert time.monotonic() < deadline, phases()
+            time.sleep(0.25)
+        chat, small = nodes_of("chat"), nodes_of("small")
+        assert len(chat) == 3 and set(chat.values()) == engine_nodes and set(small.values()) < engine_nodes
+        waits = "waiting for room: models[extra].pools.decode: 1 of its bundles ({CPU: 0.05, engine: 1} each)"
+        capfd.readouterr()
+        assert main(["status", "--json", "--name", config.name]) == 0
+        status = json.loads(capfd.readouterr().out)["models"]
+        assert status["extra"]["reason"].startswith(waits) and not status["extra"]["pools"]["decode"]["replicas"]
+        assert main(["status", "--name", config.name]) == 0
+        text = capfd.readouterr().out
+        assert "model extra (colocated, manager pdserve-placement-extra) (spec " in text and f"waiting ({waits}" in text
+        # Ray's autoscaler is asked for every model's replicas, the waiting one's too (on a cluster
+        # that grows, a node comes for it): five slots, in the one request Ray keeps.
+        asked = [b for b in json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)) if "engine" in b]
+        assert len(asked) == 5, asked
+
+        assert main(["scale", "chat/decode", "2", "--name", config.name]) == 0
+        (left,) = set(chat) - set(nodes_of("chat"))
+        deadline = time.monotonic() + HEAL_TIMEOUT_S
+        while (st := ray.get(managers["extra"].status.remote()))["phase"] != "ready":
+            assert st["phase"] in ("waiting", "starting") and time.monotonic() < deadline, st
+            time.sleep(0.25)
+        assert list(nodes_of("extra").values()) == [chat[left]]         # on the node chat's replica left
+    finally:
+        shutdown(config)
+        remove_engine_nodes(nodes)
