@@ -42,9 +42,7 @@ from __future__ import annotations
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 import records.clock as clock
 from kv_transfer.leases import Lease, LeaseSlots, LeaseTable
@@ -54,6 +52,9 @@ from records.errors import KVLayoutMismatch
 from records.kv_layout import KVLayout, KVSource, kv_sources
 from records.request import BlockHolder, Request, RequestStatus
 from records.transfer import CONNECTOR_VERSION, LoadSpec, RemotePrefill, TransferReport
+
+if TYPE_CHECKING:
+    import torch
 
 
 def advertised_host(host: str) -> str:
@@ -213,6 +214,8 @@ class KVConnectorWorker:
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """The blocks' K and V in each of this rank's layers, contiguous: [layers, 2, n, block_size, kvh, d]
         (for checks and benchmarks; the transports move blocks without this copy)."""
+        import torch  # noqa: PLC0415 - the scheduler side (this module's import) needs no torch
+
         first = self.kv_caches[0]
         index = torch.tensor(block_ids, dtype=torch.long, device=first.device)
         out = torch.empty(self.gathered_shape(len(block_ids)), dtype=first.dtype, device=first.device)

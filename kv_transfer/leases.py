@@ -7,8 +7,6 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
     from records.request import BlockHolder, Request
 
@@ -55,6 +53,8 @@ class LeaseTable:
     blocks."""
 
     def __init__(self, num_slots: int = MAX_LEASES) -> None:
+        import torch  # noqa: PLC0415 - a prefill rank's (the scheduler side imports this module without torch)
+
         self.words = torch.zeros(num_slots, dtype=torch.int64)
         self.block_ids: dict[int, list[int]] = {}
 

@@ -22,8 +22,6 @@ import sys
 import pytest
 from helpers import save_random_model
 
-from engine.llm_engine import LLMEngine
-
 # Markers of tests that need Ray (a local instance, or a cluster of their own).
 RAY_MARKERS = ("ray", "cluster")
 
@@ -49,7 +47,10 @@ def ray_only_where_marked(request):
 
 @pytest.fixture(autouse=True)
 def block_accounting(monkeypatch):
-    """Every engine made during a test must end it with no request left and every block free."""
+    """Every engine made during a test must end it with no request left and every block free.
+    (tests/unit, which makes none and imports no torch, replaces this with its own.)"""
+    from engine.llm_engine import LLMEngine
+
     engines: list[LLMEngine] = []
     original = LLMEngine.__init__
 

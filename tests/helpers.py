@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import psutil
-import torch
+
+# (torch is imported in the functions that use it: tests/unit import this module and no torch)
 
 # The repository's root (tests/ is one level down): what the tests run commands and read files in.
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,6 +183,7 @@ def _reap(processes: list, grace_s: float = 30.0) -> None:
 def save_random_model(tmp_path_factory, config, name: str, seed: int, std: float = 0.15) -> str:
     """A transformers model of this config with random fp32 weights, saved as safetensors; matrices
     drawn with a larger std than HF's 0.02 init, so logits are peaked and well separated."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -199,6 +201,7 @@ _hf_cache: dict[str, object] = {}
 
 
 def hf_model(path: str):
+    import torch
     from transformers import AutoModelForCausalLM
 
     if path not in _hf_cache:
@@ -208,6 +211,8 @@ def hf_model(path: str):
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> list[list[int]]:
     """The oracle: transformers' greedy generate, one prompt at a time (no padding), EOS ignored."""
+    import torch
+
     model = hf_model(path)
     outs = []
     for ids in prompts:
@@ -220,6 +225,8 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, **kwargs
 
 def mixed_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     """Prompt lengths: 1 token, block boundaries (15, 16, 17, 32, 33) and > 100 tokens."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 32, 33, 130)]
 
@@ -228,6 +235,7 @@ def make_adapter(base_path: str, out_dir: str, rank: int, targets: list[str], se
                  alpha: float | None = None, rslora: bool = False) -> str:
     """A PEFT LoRA adapter of the model at `base_path` with random A and B (PEFT starts B at zero,
     which would make every adapter the base model), saved as PEFT saves one."""
+    import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -246,6 +254,7 @@ def make_adapter(base_path: str, out_dir: str, rank: int, targets: list[str], se
 
 def peft_greedy(base_path: str, adapter: str | None, prompts: list[list[int]], max_new_tokens: int):
     """The oracle: transformers + PEFT greedy generate on `adapter` (None: the base model)."""
+    import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

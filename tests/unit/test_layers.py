@@ -210,6 +210,31 @@ def test_records_import_without_torch():
     assert out.stdout.strip() == ""
 
 
+# Run in a fresh interpreter where importing torch fails: any unit test (or the suite's conftest,
+# or a plugin) that imports torch, itself or through transformers, fails there.
+NO_TORCH_RUN = """
+import sys
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("tests/unit imports torch (" + name + ")")
+sys.meta_path.insert(0, NoTorch())
+import pytest
+sys.exit(pytest.main(sys.argv[1:]))
+"""
+
+
+def test_the_unit_tests_import_no_torch(tmp_path):
+    """tests/unit runs without torch (nor transformers, which imports it): its tests need no model,
+    and the suite's shared code (tests/conftest.py, tests/helpers.py) loads none. Every other unit
+    test runs again, in a process where torch cannot be imported."""
+    out = subprocess.run([sys.executable, "-c", NO_TORCH_RUN, "-q", "-p", "no:cacheprovider", "--basetemp",
+                          str(tmp_path), "-k", "not test_the_unit_tests_import_no_torch", "tests/unit"],
+                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "imports torch" not in out.stdout, out.stdout[-4000:]
+
+
 def test_the_layer_checker_sees_violations(tmp_path, monkeypatch):
     """The checks above can fail: a record importing the scheduler, and a two-module cycle."""
     monkeypatch.setitem(MODULES, "records.config", str(tmp_path / "config.py"))
