@@ -118,6 +118,9 @@ class ModelRunnerOutput:
 # --- engine -> user (vLLM's shapes) ----------------------------------------------------------------
 @dataclass(slots=True)
 class Logprob:
+    """One token's log probability. Wherever a dict {token id: Logprob} stands for one position's
+    logprobs, it is ranked: most likely first (engine/output_processor.py builds every one), so
+    that what serves it (the HTTP and gRPC APIs) takes its order as it comes."""
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None

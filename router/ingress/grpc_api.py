@@ -142,7 +142,7 @@ class GenerationService:
         text = self.server.preparer.token_text
         for tid, entry in zip(token_ids, logprobs or []):
             chosen = entry.get(tid)
-            top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)
+            top = entry.items()                 # (ranked by the engine)
             out.append(pb2.TokenLogprob(
                 token_id=tid, logprob=chosen.logprob if chosen else 0.0, token=text(tid, chosen),
                 top=[pb2.TopLogprob(token_id=t, logprob=lp.logprob, token=text(t, lp)) for t, lp in top]))

@@ -377,26 +377,27 @@ class OpenAIAPI:
     def _prompt_logprobs(self, entries: list[dict[int, Logprob] | None], num: int) -> list[dict[str, Any] | None]:
         """vLLM's `prompt_logprobs`: per prompt token null (the first, which nothing predicts) or
         {token id: {logprob, rank, decoded_token}} for the `num` most likely tokens and the prompt's
-        own. The engine ranks only the top `num`: a prompt token outside them has rank null."""
+        own. The engine ranks only the top `num` (each entry comes ranked: records/outputs.py,
+        `Logprob`): a prompt token outside them has rank null."""
         out: list[dict[str, Any] | None] = []
         for entry in entries:
             if entry is None:
                 out.append(None)
                 continue
-            ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)
             out.append({str(tid): {"logprob": lp.logprob, "rank": rank if rank <= num else None,
                                    "decoded_token": self.preparer.token_text(tid, lp)}
-                        for rank, (tid, lp) in enumerate(ranked, start=1)})
+                        for rank, (tid, lp) in enumerate(entry.items(), start=1)})
         return out
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
                        num_top: int) -> dict[str, Any]:
-        """OpenAI chat shape: the chosen token's logprob and the `num_top` most likely tokens."""
+        """OpenAI chat shape: the chosen token's logprob and the `num_top` most likely tokens (each
+        entry comes ranked)."""
         content = []
         for tid, entry in zip(token_ids, logprobs or []):
             text = self.preparer.token_text(tid, entry.get(tid))
             chosen = entry.get(tid)
-            top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:num_top]
+            top = list(entry.items())[:num_top]
             content.append({
                 "token": text, "logprob": chosen.logprob if chosen else None, "bytes": list(text.encode()),
                 "top_logprobs": [{"token": self.preparer.token_text(t, lp), "logprob": lp.logprob,

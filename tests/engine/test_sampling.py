@@ -143,6 +143,7 @@ def test_logprobs_match_transformers(llm, tiny_llama):
         assert entry[token].rank == 1
         for tid, lp in entry.items():
             assert abs(lp.logprob - row[tid].item()) < 1e-4
+        assert [lp.logprob for lp in entry.values()] == sorted((lp.logprob for lp in entry.values()), reverse=True)
     assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(comp.logprobs, comp.token_ids)))
 
 
@@ -157,6 +158,7 @@ def test_prompt_logprobs_match_transformers_with_chunking(tiny_llama):
         entry = out.prompt_logprobs[i]
         assert abs(entry[prompt[i]].logprob - ref[i - 1, prompt[i]].item()) < 1e-4
         assert len(entry) in (2, 3)
+        assert list(entry) == sorted(entry, key=lambda t: -entry[t].logprob)          # ranked
     # A one-token prompt: its one entry, None (it was left empty).
     assert gen(llm, [[5]], SamplingParams(max_tokens=1, prompt_logprobs=1))[0].prompt_logprobs == [None]
 
