@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cluster.memory import drop_page_cache, engine_released, release_heap, resident_bytes
-from engine.async_engine import AsyncLLMEngine, request_error
+from engine.async_engine import AsyncLLMEngine, output_error
 from pdserve_proto.kv_events import encode_kv_events
 from records.config import EngineConfig
 from records.errors import EngineDeadError, ModelAsleepError
@@ -222,7 +222,7 @@ class EngineReplica:
 
         def sink(item: RequestOutput | BaseException) -> None:
             box.put(StepDelta.failure(request_id, item) if isinstance(item, BaseException)
-                    else StepDelta.of_output(item, request_error(item)))
+                    else StepDelta.of_output(item, output_error(item)))
 
         # Counted before the engine can answer (a sink may run before submit returns), and dropped
         # again if nothing runs: a leftover id would be a request the channel waits on forever.
@@ -242,7 +242,7 @@ class EngineReplica:
         """Stream one request's StepDeltas on their own; closing the stream early aborts the request
         (its blocks are freed)."""
         async for out in self._engine().generate(request_id, prompt_token_ids, _deltas(params), kv_transfer_params):
-            yield StepDelta.of_output(out, request_error(out))
+            yield StepDelta.of_output(out, output_error(out))
 
     async def close(self) -> None:
         """Stop serving (a simulated replica its host removes, cluster/replica_host.py): every open

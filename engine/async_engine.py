@@ -30,7 +30,7 @@ IDLE_POLL_S = 0.002
 Sink = Callable[[RequestOutput | BaseException], None]
 
 
-def request_error(out: RequestOutput) -> RequestFailedError | None:
+def output_error(out: RequestOutput) -> RequestFailedError | None:
     """The error a request ended with, if one of its choices failed: the engine's own type when it
     gave one (KVTransferError for a pull), else RequestFailedError."""
     failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
@@ -78,7 +78,7 @@ class AsyncLLMEngine:
         tokens another replica generated; `trace_context`: its trace's W3C carrier
         (LLMEngine.add_request). Raises ValueError for bad input and EngineDeadError if the engine
         is dead (nothing is queued then); a request that fails later reaches its sink as an output
-        with a failed choice (`request_error`) or as an exception (an output constraint that cannot
+        with a failed choice (`output_error`) or as an exception (an output constraint that cannot
         compile: its ValueError, since it compiles off the loop).
         Returns False, queueing nothing, when an abort of this request id came first and is still
         pending (a caller's abort can overtake its submit: they travel as separate calls)."""
@@ -144,7 +144,7 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
-                error = request_error(item)
+                error = output_error(item)
                 if error is not None:
                     raise error
                 yield item

@@ -6,7 +6,7 @@ template, tokenization, one `Prepared` record out), the routers of the pools, ad
 metrics. It checks the API key, admits (tickets that every exit path releases:
 router/ingress/admission.py), fans a request's prompts out to the router and merges their deltas
 (`run`), follows the pools' membership and answers health and metrics. A request's failure while
-it runs becomes a `PDServeError` here (`request_error`), so each protocol only maps those errors'
+it runs becomes a `PDServeError` here (`served_error`), so each protocol only maps those errors'
 attributes to its own status.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ from router.routing.request_trace import ARRIVAL, CURRENT, RequestTrace, log_req
 logger = logging.getLogger(__name__)
 
 
-def request_error(error: BaseException) -> PDServeError:
+def served_error(error: BaseException) -> PDServeError:
     """The error a failed request answers with (its stream, once started, carries it in-band)."""
     if isinstance(error, PDServeError):
         return error
@@ -212,7 +212,7 @@ class Frontend:
         try:
             yield trace
         except BaseException as e:
-            trace.failed(request_error(e) if isinstance(e, Exception) else e)
+            trace.failed(served_error(e) if isinstance(e, Exception) else e)
             raise
         finally:
             _reset(CURRENT, token)
@@ -265,7 +265,7 @@ class Frontend:
                     remaining -= 1
                     continue
                 if isinstance(item, BaseException):
-                    error = request_error(item)
+                    error = served_error(item)
                     if trace is not None:
                         trace.failed(error)
                     raise error from None

@@ -26,7 +26,7 @@ import grpc
 
 from pdserve_proto import pb2
 from records.errors import PDServeError
-from router.ingress.frontend import Frontend, request_error
+from router.ingress.frontend import Frontend, served_error
 from router.ingress.replies import UsageCounter, new_id
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def _structured(message: Any) -> dict[str, Any]:
 
 def grpc_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """(status code, details) for an ingress error; details name the offending field."""
-    err: PDServeError = request_error(error)
+    err: PDServeError = served_error(error)
     message = err.message
     if err.param and not message.startswith(err.param):
         message = f"{err.param}: {message}"

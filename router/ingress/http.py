@@ -23,7 +23,7 @@ from records.errors import (
     ServiceUnavailableError,
 )
 from router.ingress.admission import Ticket
-from router.ingress.frontend import request_error
+from router.ingress.frontend import served_error
 from router.ingress.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -131,7 +131,7 @@ async def _pdserve_error(request: Request, exc: PDServeError) -> Response:
 @fastapi_app.exception_handler(Exception)
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
     # A Ray error carrying one of ours keeps its status; anything else is logged and answers 500.
-    return await _pdserve_error(request, request_error(exc))
+    return await _pdserve_error(request, served_error(exc))
 
 
 def openapi_schema(app: FastAPI = fastapi_app) -> dict[str, Any]:
@@ -168,7 +168,7 @@ def sse_response(chunks: AsyncIterator[dict], ticket: Ticket, named: bool = Fals
                 event = f"event: {chunk['type']}\n" if named else ""
                 yield f"{event}data: {json.dumps(chunk)}\n\n"
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-            err = request_error(e)
+            err = served_error(e)
             yield ("event: error\n" if named else "") + \
                 f"data: {json.dumps(error_body(err.message, err.err_type, err.status, err.param))}\n\n"
         finally:

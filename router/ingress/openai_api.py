@@ -32,7 +32,7 @@ from records.outputs import Logprob, StepDelta
 from records.sampling_params import SamplingParams
 from records.serving import BATCH_BAND
 from router.ingress.admission import Ticket
-from router.ingress.frontend import BAND, TENANT, Frontend, request_error
+from router.ingress.frontend import BAND, TENANT, Frontend, served_error
 from router.ingress.http import sse_response
 from router.ingress.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object
 from router.ingress.replies import ChoiceAccumulator, UsageCounter, error_body, new_id, now
@@ -153,7 +153,7 @@ class OpenAIAPI:
             response = await call(dict(body, stream=False) if url != "/v1/embeddings" else body)
             return response.status_code, json.loads(response.body)
         except Exception as e:  # noqa: BLE001 - every failure is that line's error, in its file
-            err = request_error(e)
+            err = served_error(e)
             self.frontend.metrics.errors.inc(code=str(err.status))
             return err.status, error_body(err.message, err.err_type, err.status, err.param)
         finally:

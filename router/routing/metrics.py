@@ -94,7 +94,9 @@ class Gauge(Counter):
         self.values[_key(labels)] = float(value)
 
 
-class Histogram(_Metric):
+class HistogramMetric(_Metric):
+    """A Prometheus histogram family, its series by label (what a process's latency record,
+    records/histogram.py: Histogram, is exposed as)."""
     kind = "histogram"
 
     def __init__(self, name: str, doc: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
@@ -138,8 +140,8 @@ class Registry:
     def gauge(self, name: str, doc: str) -> Gauge:
         return self._add(Gauge(name, doc))  # type: ignore[return-value]
 
-    def histogram(self, name: str, doc: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
-        return self._add(Histogram(name, doc, buckets))  # type: ignore[return-value]
+    def histogram(self, name: str, doc: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> HistogramMetric:
+        return self._add(HistogramMetric(name, doc, buckets))  # type: ignore[return-value]
 
     def render(self) -> str:
         lines: list[str] = []
