@@ -106,7 +106,7 @@ class Frontend:
         self.tenants = Tenants(config.serving)     # the API keys (ValueError naming a missing one)
         per_replica = config.serving.dispatch_per_replica or info.max_num_seqs
         reserve = config.serving.tenant_reserve if len(self.tenants.by_name) > 1 else 0.0
-        self.admission = Admission(config.serving.max_in_flight, lambda n: self.metrics.in_flight.set(n),
+        self.admission = Admission(config.serving.max_in_flight, lambda n: self.metrics.requests.in_flight.set(n),
                                    lambda: per_replica * max(1, len(decode.replicas)), reserve,
                                    config.serving.batch_share)
         # None once serving; else why not yet ("starting: ...") or why never ("failed: ...").
@@ -170,16 +170,16 @@ class Frontend:
         tokens = sum(len(p) for p in prompts)
         try:
             ticket = self.admission.admit(tenant, len(prompts), tokens, params.priority, band)
-            self.metrics.tenant_requests.inc(tenant=tenant.name, outcome="admitted")
-            self.metrics.tenant_tokens.inc(tokens, tenant=tenant.name, kind="prompt")
+            self.metrics.tenants.requests.inc(tenant=tenant.name, outcome="admitted")
+            self.metrics.tenants.tokens.inc(tokens, tenant=tenant.name, kind="prompt")
             await self.admission.wait(ticket)
         except RateLimitError as e:
-            self.metrics.tenant_requests.inc(tenant=tenant.name, outcome=f"rejected_{e.limit}")
+            self.metrics.tenants.requests.inc(tenant=tenant.name, outcome=f"rejected_{e.limit}")
             if trace is not None:
                 trace.child("pdserve.admission", began, attributes={"pdserve.in_flight": self.in_flight,
                                                                      "pdserve.admitted": False})
             raise
-        self.metrics.tenant_queue_time.observe(ticket.queued_s, tenant=tenant.name)
+        self.metrics.tenants.queue_time.observe(ticket.queued_s, tenant=tenant.name)
         if trace is not None:
             trace.child("pdserve.admission", began, attributes={
                 "pdserve.in_flight": self.in_flight, "pdserve.admitted": True, "pdserve.tenant": tenant.name,
@@ -272,7 +272,7 @@ class Frontend:
                 yield i, item
         finally:
             # Nothing here may come after an await: a cancelled request is cancelled again at each.
-            self.metrics.tenant_tokens.inc(ticket.generated, tenant=ticket.tenant.name, kind="generation")
+            self.metrics.tenants.tokens.inc(ticket.generated, tenant=ticket.tenant.name, kind="generation")
             ticket.release()
             for t in tasks:                 # a disconnect cancels the pumps, which abort on the replicas
                 t.cancel()
@@ -310,7 +310,7 @@ class Frontend:
         return top
 
     def count_finished(self, reason: str | None) -> None:
-        self.metrics.requests.inc(finished_reason=reason or "abort")
+        self.metrics.requests.finished.inc(finished_reason=reason or "abort")
 
     async def health(self) -> tuple[bool, dict[str, dict[str, bool]]]:
         """Ready when every pool has at least one healthy replica; pool -> replica id -> healthy."""
@@ -346,10 +346,10 @@ class Frontend:
         """What this ingress replica saw: routing decisions by pool and reason, peer prefix pulls by
         outcome, requests in flight, and where its spans go (since it started)."""
         decisions: dict[str, dict[str, int]] = {}
-        for key, value in self.metrics.decisions.values.items():
+        for key, value in self.metrics.routing.decisions.values.items():
             labels = dict(key)
             decisions.setdefault(labels.get("pool", ""), {})[labels.get("reason", "")] = int(value)
-        pulls = {dict(k).get("outcome", ""): int(v) for k, v in self.metrics.peer_pulls.values.items()}
+        pulls = {dict(k).get("outcome", ""): int(v) for k, v in self.metrics.routing.peer_pulls.values.items()}
         return {"routing_decisions": decisions, "peer_prefix_pulls": pulls, "requests_in_flight": self.in_flight,
                 "otlp_traces_endpoint": tracing.endpoint(), "log_requests": self.config.serving.log_requests}
 
@@ -385,8 +385,8 @@ class Frontend:
                 logger.warning("the pools' status is unavailable: %s", type(e).__name__)
         queued = self.admission.queued_by_tenant()
         for name, tenant in self.tenants.by_name.items():
-            self.metrics.tenant_running.set(tenant.running, tenant=name)
-            self.metrics.tenant_queued.set(queued.get(name, 0), tenant=name)
+            self.metrics.tenants.running.set(tenant.running, tenant=name)
+            self.metrics.tenants.queued.set(queued.get(name, 0), tenant=name)
         text = self.metrics.render()
         prefix = self.config.serving.metrics_prefix
         return text if prefix == "pdserve" else _METRIC_NAME.sub(rf"\g<1>{prefix}:", text)

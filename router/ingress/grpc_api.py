@@ -163,7 +163,7 @@ class GRPCRefusal(RuntimeError):
 def refuse(server: Frontend, grpc_context: Any, error: BaseException) -> GRPCRefusal:
     """Set the status code for `error` on the call; the exception to raise."""
     code, details = grpc_status(error)
-    server.metrics.errors.inc(code=f"grpc_{code.name.lower()}")
+    server.metrics.requests.errors.inc(code=f"grpc_{code.name.lower()}")
     if code.name == "INTERNAL":
         logger.exception("gRPC call failed")
     if grpc_context is not None:

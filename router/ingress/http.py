@@ -70,7 +70,7 @@ class _AuthMiddleware:
                 err = (AuthenticationError("invalid or missing API key (Authorization: Bearer <key>)")
                        if server is not None else ServiceUnavailableError("the server is starting"))
                 if server is not None:
-                    server.metrics.errors.inc(code=str(err.status))
+                    server.metrics.requests.errors.inc(code=str(err.status))
                 await error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -124,7 +124,7 @@ async def _pdserve_error(request: Request, exc: PDServeError) -> Response:
     """What an endpoint raised on purpose: its status, counted by code."""
     server = _server_of(request)
     if server is not None:
-        server.metrics.errors.inc(code=str(exc.status))
+        server.metrics.requests.errors.inc(code=str(exc.status))
     return error_response(exc)
 
 

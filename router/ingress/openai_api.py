@@ -154,7 +154,7 @@ class OpenAIAPI:
             return response.status_code, json.loads(response.body)
         except Exception as e:  # noqa: BLE001 - every failure is that line's error, in its file
             err = served_error(e)
-            self.frontend.metrics.errors.inc(code=str(err.status))
+            self.frontend.metrics.requests.errors.inc(code=str(err.status))
             return err.status, error_body(err.message, err.err_type, err.status, err.param)
         finally:
             TENANT.reset(tokens[0])

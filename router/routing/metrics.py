@@ -1,4 +1,5 @@
-"""A small Prometheus registry (counters, gauges, histograms with labels) and its text format.
+"""A small Prometheus registry (counters, gauges, histograms with labels) and its text format, and
+the series the ingress exports (`ServingMetrics`), grouped by what they describe.
 
 Names follow vLLM's with a `pdserve:` prefix (e.g. `pdserve:time_to_first_token_seconds`); engine-side
 series carry `pool` and `replica` labels. No dependency: the text exposition format is a few lines.
@@ -151,7 +152,8 @@ class Registry:
 
 
 class ServingMetrics:
-    """Every series the ingress exports. Engine-side values are set from replica stats at scrape."""
+    """Every series the ingress exports, by what they describe: the engines (set from the replicas'
+    stats at each scrape), the requests as a client sees them, routing, tenants and pools."""
 
     # engine stats key -> (metric name, kind, help)
     ENGINE_SERIES = {
@@ -218,42 +220,127 @@ class ServingMetrics:
 
     def __init__(self, max_model_len: int = 2048) -> None:
         r = self.registry = Registry()
-        self.engine: dict[str, Counter] = {}
-        for key, (name, kind, doc) in self.ENGINE_SERIES.items():
-            self.engine[key] = r.counter(name, doc) if kind == "counter" else r.gauge(name, doc)
-        # Per replica, from the engines' stats (cumulative readings, set at each scrape).
-        self.engine_hist = {key: r.histogram(f"pdserve:{key}", self.ENGINE_HISTOGRAMS[key], buckets)
-                            for key, buckets in engine_histograms(max_model_len).items()}
-        # Measured here, per pool and replica, as a client sees them (P/D hops included).
+        self.engines = EngineSeries(r, max_model_len, self.ENGINE_SERIES, self.ENGINE_HISTOGRAMS)
+        self.requests = RequestSeries(r)
+        self.routing = RoutingSeries(r, max_model_len)
+        self.tenants = TenantSeries(r)
+        self.pools = PoolSeries(r)
+
+    def set_pool_status(self, status: dict[str, dict]) -> None:
+        """The manager's view of the pools (`ClusterManager.pool_status()`)."""
+        self.pools.set_status(status)
+
+    def set_engine_stats(self, pool: str, replica: str, stats: dict) -> None:
+        self.engines.set_stats(pool, replica, stats)
+
+    def drop_replica(self, pool: str, replica: str) -> None:
+        """Forget a replica that left its pool (replaced or drained): its series stop being exported."""
+        self.engines.drop(pool, replica)
+
+    def render(self) -> str:
+        return self.registry.render()
+
+class EngineSeries:
+    """The engines' own series, per pool and replica, set from their stats at each scrape
+    (cumulative readings): counters and gauges, the engines' histograms, MoE expert load."""
+
+    def __init__(self, r: Registry, max_model_len: int, series: dict, histograms: dict[str, str]) -> None:
+        self.values: dict[str, Counter] = {}
+        for key, (name, kind, doc) in series.items():
+            self.values[key] = r.counter(name, doc) if kind == "counter" else r.gauge(name, doc)
+        self.histograms = {key: r.histogram(f"pdserve:{key}", histograms[key], buckets)
+                           for key, buckets in engine_histograms(max_model_len).items()}
+        self.expert_tokens = r.counter("pdserve:moe_expert_tokens_total",
+                                       "(token, expert) rows each MoE expert has run, summed over layers, by "
+                                       "replica, the rank holding the expert and the expert (expert load).")
+
+    def set_stats(self, pool: str, replica: str, stats: dict) -> None:
+        key = _key({"pool": pool, "replica": replica})
+        for name, metric in self.values.items():
+            if name in stats:
+                metric.values[key] = float(stats[name])
+        for name, (counts, total) in stats.get("histograms", {}).items():
+            hist = self.histograms.get(name)
+            if hist is not None and len(counts) == len(hist.buckets) + 1:
+                hist.series[key] = (list(counts), [float(total)])
+        for rank, expert, rows in stats.get("moe_expert_tokens", ()):
+            labels = {"pool": pool, "replica": replica, "rank": str(rank), "expert": str(expert)}
+            self.expert_tokens.values[_key(labels)] = float(rows)
+
+    def drop(self, pool: str, replica: str) -> None:
+        key = _key({"pool": pool, "replica": replica})
+        for metric in self.values.values():
+            metric.values.pop(key, None)
+        for hist in self.histograms.values():
+            hist.series.pop(key, None)
+        for labels in [k for k in self.expert_tokens.values if set(key) <= set(k)]:
+            self.expert_tokens.values.pop(labels)
+
+
+class RequestSeries:
+    """The requests as a client sees them, measured in the ingress per pool and replica (P/D hops
+    included): latencies, how they finished or failed, how many are in flight."""
+
+    def __init__(self, r: Registry) -> None:
         self.ttft = r.histogram("pdserve:time_to_first_token_seconds", "Time to first token.", VLLM_TTFT_BUCKETS)
         self.itl = r.histogram("pdserve:inter_token_latency_seconds", "Time between streamed tokens.",
                                VLLM_ITL_BUCKETS)
         self.e2e = r.histogram("pdserve:e2e_request_latency_seconds", "End-to-end request latency.",
                                VLLM_REQUEST_LATENCY_BUCKETS)
+        self.finished = r.counter("pdserve:request_success_total", "Finished requests by finish reason.")
+        self.errors = r.counter("pdserve:request_errors_total", "Rejected or failed requests by status code.")
+        self.in_flight = r.gauge("pdserve:requests_in_flight", "Requests the ingress is serving.")
+
+
+class RoutingSeries:
+    """The router's choices: decisions by reason, prefix hits, peer prefix pulls, migrations."""
+
+    def __init__(self, r: Registry, max_model_len: int) -> None:
         self.prefix_hit_tokens = r.histogram("pdserve:router_prefix_hit_tokens",
                                              "Prompt tokens the chosen replica held in its prefix cache, per "
                                              "routing decision (by pool).", buckets_1_2_5(max_model_len))
-        self.requests = r.counter("pdserve:request_success_total", "Finished requests by finish reason.")
-        self.errors = r.counter("pdserve:request_errors_total", "Rejected or failed requests by status code.")
         self.decisions = r.counter("pdserve:router_decisions_total", "Routing decisions by reason.")
-        self.in_flight = r.gauge("pdserve:requests_in_flight", "Requests the ingress is serving.")
-        # Per tenant (router/ingress/tenants.py; the tenant's name, never its key).
-        self.tenant_requests = r.counter("pdserve:tenant_requests_total",
-                                         "Requests per tenant by outcome (admitted, or rejected by the limit "
-                                         "named: max_concurrent, requests_per_minute, tokens_per_minute, "
-                                         "max_in_flight, fair_share).")
-        self.tenant_tokens = r.counter("pdserve:tenant_tokens_total",
-                                       "Tokens per tenant: prompt tokens admitted, generation tokens streamed.")
-        self.tenant_running = r.gauge("pdserve:tenant_requests_running",
-                                      "Requests per tenant dispatched to the pools.")
-        self.tenant_queued = r.gauge("pdserve:tenant_requests_queued",
-                                     "Requests per tenant waiting in the ingress's fair queue.")
-        self.tenant_queue_time = r.histogram("pdserve:tenant_queue_time_seconds",
-                                             "Time requests waited in the ingress's fair queue, per tenant.",
-                                             VLLM_TTFT_BUCKETS)
-        self.pool_replicas = r.gauge("pdserve:pool_replicas",
-                                     "Engine replicas per pool: serving, starting (pending or loading), "
-                                     "draining, and the target, as the manager reports them.")
+        self.peer_pulls = r.counter("pdserve:peer_prefix_pulls_total",
+                                    "Prefixes a replica was sent to pull from a peer replica of its pool instead of "
+                                    "computing them, by outcome (leased: the peer leased its blocks; missed: it no "
+                                    "longer held them; failed: the peer could not be asked)")
+        self.peer_pull_blocks = r.counter("pdserve:peer_prefix_pull_blocks_total",
+                                          "KV blocks leased by peer replicas for prefix pulls")
+        self.migrations = r.counter("pdserve:request_migrations_total",
+                                    "Streams moved to another replica after theirs was lost, by pool.")
+        self.migration_failures = r.counter(
+            "pdserve:request_migration_failures_total",
+            "Streams that ended with an error when their replica was lost, by pool and reason "
+            "(limit: past routing.max_migrations; no_replica: none left; not_migratable: n > 1 or "
+            "prompt logprobs already streaming).")
+
+
+class TenantSeries:
+    """Per tenant (router/ingress/tenants.py; the tenant's name, never its key)."""
+
+    def __init__(self, r: Registry) -> None:
+        self.requests = r.counter("pdserve:tenant_requests_total",
+                                  "Requests per tenant by outcome (admitted, or rejected by the limit "
+                                  "named: max_concurrent, requests_per_minute, tokens_per_minute, "
+                                  "max_in_flight, fair_share).")
+        self.tokens = r.counter("pdserve:tenant_tokens_total",
+                                "Tokens per tenant: prompt tokens admitted, generation tokens streamed.")
+        self.running = r.gauge("pdserve:tenant_requests_running", "Requests per tenant dispatched to the pools.")
+        self.queued = r.gauge("pdserve:tenant_requests_queued",
+                              "Requests per tenant waiting in the ingress's fair queue.")
+        self.queue_time = r.histogram("pdserve:tenant_queue_time_seconds",
+                                      "Time requests waited in the ingress's fair queue, per tenant.",
+                                      VLLM_TTFT_BUCKETS)
+
+
+class PoolSeries:
+    """The pools as their manager reports them: replicas by state, the planner's changes, drains
+    and replacements (set from `ClusterManager.pool_status()`)."""
+
+    def __init__(self, r: Registry) -> None:
+        self.replicas = r.gauge("pdserve:pool_replicas",
+                                "Engine replicas per pool: serving, starting (pending or loading), "
+                                "draining, and the target, as the manager reports them.")
         self.planner_decisions = r.counter("pdserve:planner_decisions_total",
                                            "Pool size changes by the planner (autoscaling), by pool and "
                                            "action (up, down), since the manager started.")
@@ -264,57 +351,14 @@ class ServingMetrics:
         self.replaced = r.counter("pdserve:replicas_replaced_total",
                                   "Replicas the manager dropped and replaced (actor or node died, engine "
                                   "stopped, missed health checks), per pool, since the manager started.")
-        self.peer_pulls = r.counter("pdserve:peer_prefix_pulls_total",
-                                    "Prefixes a replica was sent to pull from a peer replica of its pool instead of "
-                                    "computing them, by outcome (leased: the peer leased its blocks; missed: it no "
-                                    "longer held them; failed: the peer could not be asked)")
-        self.peer_pull_blocks = r.counter("pdserve:peer_prefix_pull_blocks_total",
-                                          "KV blocks leased by peer replicas for prefix pulls")
-        self.expert_tokens = r.counter("pdserve:moe_expert_tokens_total",
-                                       "(token, expert) rows each MoE expert has run, summed over layers, by "
-                                       "replica, the rank holding the expert and the expert (expert load).")
-        self.migrations = r.counter("pdserve:request_migrations_total",
-                                    "Streams moved to another replica after theirs was lost, by pool.")
-        self.migration_failures = r.counter(
-            "pdserve:request_migration_failures_total",
-            "Streams that ended with an error when their replica was lost, by pool and reason "
-            "(limit: past routing.max_migrations; no_replica: none left; not_migratable: n > 1 or "
-            "prompt logprobs already streaming).")
 
-    def set_pool_status(self, status: dict[str, dict]) -> None:
-        """The manager's view of the pools (`ClusterManager.pool_status()`)."""
+    def set_status(self, status: dict[str, dict]) -> None:
         for pool, st in status.items():
             for state, value in (("serving", len(st["replicas"])), ("starting", len(st["starting"])),
                                  ("draining", len(st["draining"])), ("target", st["target"])):
-                self.pool_replicas.set(value, pool=pool, state=state)
+                self.replicas.set(value, pool=pool, state=state)
             self.replaced.values[_key({"pool": pool})] = float(st["replaced"])
             for outcome, count in st.get("drained", {}).items():
                 self.drained.values[_key({"pool": pool, "outcome": outcome})] = float(count)
             for action, count in st.get("planner", {}).get("decisions", {}).items():
                 self.planner_decisions.values[_key({"pool": pool, "action": action})] = float(count)
-
-    def set_engine_stats(self, pool: str, replica: str, stats: dict) -> None:
-        key = _key({"pool": pool, "replica": replica})
-        for name, metric in self.engine.items():
-            if name in stats:
-                metric.values[key] = float(stats[name])
-        for name, (counts, total) in stats.get("histograms", {}).items():
-            hist = self.engine_hist.get(name)
-            if hist is not None and len(counts) == len(hist.buckets) + 1:
-                hist.series[key] = (list(counts), [float(total)])
-        for rank, expert, rows in stats.get("moe_expert_tokens", ()):
-            labels = {"pool": pool, "replica": replica, "rank": str(rank), "expert": str(expert)}
-            self.expert_tokens.values[_key(labels)] = float(rows)
-
-    def drop_replica(self, pool: str, replica: str) -> None:
-        """Forget a replica that left its pool (replaced or drained): its series stop being exported."""
-        key = _key({"pool": pool, "replica": replica})
-        for metric in self.engine.values():
-            metric.values.pop(key, None)
-        for hist in self.engine_hist.values():
-            hist.series.pop(key, None)
-        for labels in [k for k in self.expert_tokens.values if set(key) <= set(k)]:
-            self.expert_tokens.values.pop(labels)
-
-    def render(self) -> str:
-        return self.registry.render()

@@ -99,7 +99,7 @@ class PDRouter:
         arrival = time.monotonic() if arrival is None else arrival
         if params.pooling is not None and self.prefill.available:
             # An embedding is all prefill: it runs whole on the prefill pool, no KV moves.
-            self.metrics.decisions.inc(reason="embedding_on_prefill", pool="pd")
+            self.metrics.routing.decisions.inc(reason="embedding_on_prefill", pool="pd")
             async for delta in self.prefill.generate(request_id, prompt_token_ids, params,
                                                      self.prefill.route(prompt_token_ids, params, trace),
                                                      trace=trace, arrival=arrival):
@@ -137,7 +137,7 @@ class PDRouter:
                                                                              d_decision) else "remote_prefill")
         else:
             reason = "local_prefill"
-        self.metrics.decisions.inc(reason=reason, pool="pd")
+        self.metrics.routing.decisions.inc(reason=reason, pool="pd")
         if trace is not None:
             trace.disaggregated(reason)
         return PDPlan(d_decision, p_decision if reason == "remote_prefill" else None, reason)
@@ -158,9 +158,9 @@ class PDRouter:
                                                      kv_transfer_params={"do_remote_decode": True}, trace=trace):
                 last = delta
         except NoReplicaError:          # every prefill replica failed it or is being replaced
-            self.metrics.decisions.inc(reason="prefill_unavailable", pool="pd")
+            self.metrics.routing.decisions.inc(reason="prefill_unavailable", pool="pd")
             return None
         if last is None or last.kv_transfer_params is None:
-            self.metrics.decisions.inc(reason="prefill_not_leased", pool="pd")
+            self.metrics.routing.decisions.inc(reason="prefill_not_leased", pool="pd")
             return None
         return last.kv_transfer_params

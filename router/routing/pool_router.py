@@ -62,7 +62,7 @@ class RequestRouter:
         self.block_size = block_size
         self.policy = policy
         self.metrics = metrics
-        metrics.migrations.inc(0, pool=pool)        # exported at 0 from the start (dashboards, alerts)
+        metrics.routing.migrations.inc(0, pool=pool)        # exported at 0 from the start (dashboards, alerts)
         self.stats_interval_s = stats_interval_s
         self.on_replica_failure = on_replica_failure
         self.index = PrefixIndex()
@@ -115,7 +115,7 @@ class RequestRouter:
                        type(error).__name__)
         self.down.add(replica_id)
         self._available = None
-        self.metrics.errors.inc(code=f"replica_down_{self.pool}")
+        self.metrics.requests.errors.inc(code=f"replica_down_{self.pool}")
         if self.on_replica_failure is not None:
             self.on_replica_failure(replica_id)
 
@@ -191,8 +191,8 @@ class RequestRouter:
             recent.move_to_end(lora.cache_key)
             while len(recent) > ADAPTERS_REMEMBERED:
                 recent.popitem(last=False)
-        self.metrics.decisions.inc(reason=decision.reason, pool=self.pool)
-        self.metrics.prefix_hit_tokens.observe(decision.matched_blocks * self.block_size, pool=self.pool)
+        self.metrics.routing.decisions.inc(reason=decision.reason, pool=self.pool)
+        self.metrics.routing.prefix_hit_tokens.observe(decision.matched_blocks * self.block_size, pool=self.pool)
         if trace is not None:
             trace.routed(self.pool, decision, began, self.block_size)
         return decision
@@ -222,13 +222,13 @@ class RequestRouter:
         except Exception as e:  # noqa: BLE001 - a peer that cannot answer only costs the pull
             if replica_lost(e):
                 self.mark_down(peer, e)
-            self.metrics.peer_pulls.inc(pool=self.pool, outcome="failed")
+            self.metrics.routing.peer_pulls.inc(pool=self.pool, outcome="failed")
             return None
         if kv_params is None:
-            self.metrics.peer_pulls.inc(pool=self.pool, outcome="missed")
+            self.metrics.routing.peer_pulls.inc(pool=self.pool, outcome="missed")
             return None
-        self.metrics.peer_pulls.inc(pool=self.pool, outcome="leased")
-        self.metrics.peer_pull_blocks.inc(len(kv_params["remote_block_ids"]), pool=self.pool)
+        self.metrics.routing.peer_pulls.inc(pool=self.pool, outcome="leased")
+        self.metrics.routing.peer_pull_blocks.inc(len(kv_params["remote_block_ids"]), pool=self.pool)
         return kv_params
 
     def uncached_tokens(self, num_prompt_tokens: int, decision: Decision) -> int:
@@ -314,7 +314,7 @@ class RequestRouter:
         """Where a stream whose replica was lost goes on, and the params it resumes with; raises
         ReplicaDiedError when it cannot (the reason counted in the metrics)."""
         def fail(reason: str, why: str) -> ReplicaDiedError:
-            self.metrics.migration_failures.inc(pool=self.pool, reason=reason)
+            self.metrics.routing.migration_failures.inc(pool=self.pool, reason=reason)
             return ReplicaDiedError(f"{self.pool} engine replica {lost} died while running request "
                                     f"{request_id}{why}; retry the request")
 
@@ -329,7 +329,7 @@ class RequestRouter:
         except NoReplicaError:
             raise fail("no_replica", " and no other replica is available") from None
         progress.migrations += 1
-        self.metrics.migrations.inc(pool=self.pool)
+        self.metrics.routing.migrations.inc(pool=self.pool)
         logger.warning("%s request %s: replica %s lost after %d tokens; resuming on %s", self.pool, request_id,
                        lost, len(progress.token_ids), decision.replica_id)
         return decision, params
@@ -355,14 +355,14 @@ class RequestRouter:
                     prefill_tokens = 0
                 if new_tokens:
                     if last is None:
-                        self.metrics.ttft.observe(now - start, pool=self.pool, replica=replica_id)
+                        self.metrics.requests.ttft.observe(now - start, pool=self.pool, replica=replica_id)
                     else:
-                        self.metrics.itl.observe(now - last, pool=self.pool, replica=replica_id)
+                        self.metrics.requests.itl.observe(now - last, pool=self.pool, replica=replica_id)
                     last = now
                 finished = delta.finished
                 yield delta
             if finished:
-                self.metrics.e2e.observe(time.monotonic() - start, pool=self.pool, replica=replica_id)
+                self.metrics.requests.e2e.observe(time.monotonic() - start, pool=self.pool, replica=replica_id)
         finally:
             load.ended()
             load.prefilled(prefill_tokens)

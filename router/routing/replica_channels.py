@@ -109,7 +109,7 @@ class ReplicaChannels:
             cursor, events = decode_kv_events(batch)
         except SchemaVersionMismatch as e:  # another pdserve version: its events are not applied
             logger.error("refusing KV events of %s replica %s: %s", self.pool, replica_id, e)
-            self.metrics.errors.inc(code="kv_events_schema_mismatch")
+            self.metrics.requests.errors.inc(code="kv_events_schema_mismatch")
             return False
         if replica_id in self.replicas:
             self.index.apply(replica_id, events)

@@ -73,7 +73,7 @@ def test_tier_hits_score_between_a_pool_hit_and_a_miss_and_peers_lend_their_pref
 
     asyncio.run(run())
     assert sent["kv"]["remote_block_ids"] == [1] * 6
-    assert router.metrics.peer_pulls.get(pool="decode", outcome="leased") == 1
+    assert router.metrics.routing.peer_pulls.get(pool="decode", outcome="leased") == 1
 
 
 async def _result(value):
@@ -195,7 +195,7 @@ def test_a_client_gone_between_prefill_and_decode_ends_the_prefill_lease(tiny_ll
     assert aborts == []                                        # D released it
     asyncio.run(run(hangs=True))
     assert aborts == ["r"]
-    assert pd.metrics.decisions.get(reason="remote_prefill", pool="pd") == 2
+    assert pd.metrics.routing.decisions.get(reason="remote_prefill", pool="pd") == 2
 
 
 def test_a_stream_whose_replica_is_lost_migrates_and_fails_clearly_past_the_limit(tiny_llama):
@@ -242,7 +242,7 @@ def test_a_stream_whose_replica_is_lost_migrates_and_fails_clearly_past_the_limi
              "decode-1": Channel(None, RuntimeError())}
     assert asyncio.run(run(chans)) == [100, 101, 102, 103, 104, 105]
     assert resumed == [None, Continuation((100, 101), 6)]
-    assert router.down == {"decode-0"} and router.metrics.migrations.get(pool="decode") == 1
+    assert router.down == {"decode-0"} and router.metrics.routing.migrations.get(pool="decode") == 1
     # Both replicas die in turn: none is left for a second migration.
     def dying() -> dict:
         return {"decode-0": Channel(1, EngineDeadError("engine is dead")), "decode-1": Channel(1, ConnectionError())}
@@ -252,7 +252,7 @@ def test_a_stream_whose_replica_is_lost_migrates_and_fails_clearly_past_the_limi
                                                "replica is available"):
         asyncio.run(run(dying()))
     assert resumed == [None, Continuation((100,), 3)]
-    assert router.metrics.migration_failures.get(pool="decode", reason="no_replica") == 1
+    assert router.metrics.routing.migration_failures.get(pool="decode", reason="no_replica") == 1
     router.max_migrations = 0                                  # past the limit at once
     with pytest.raises(ReplicaDiedError, match=r"replica decode-0 died while running request r after 0 "
                                                r"migrations \(routing.max_migrations\)"):
@@ -260,6 +260,6 @@ def test_a_stream_whose_replica_is_lost_migrates_and_fails_clearly_past_the_limi
     router.max_migrations = 2
     with pytest.raises(ReplicaDiedError, match=r"n > 1 .* cannot move"):
         asyncio.run(run(dying(), dataclasses.replace(params, n=2)))
-    assert router.metrics.migration_failures.get(pool="decode", reason="not_migratable") == 1
-    assert router.metrics.migrations.get(pool="decode") == 2
+    assert router.metrics.routing.migration_failures.get(pool="decode", reason="not_migratable") == 1
+    assert router.metrics.routing.migrations.get(pool="decode") == 2
     assert all(load.in_flight == 0 and load.prefill_tokens == 0 for load in router.loads.values())

@@ -105,7 +105,7 @@ def test_prefix_aware_routing_beats_round_robin(tiny_llama):
     print(f"\nprefix_aware: {prefix_hit_rate:.0%} of repeats on a replica holding their prefix, "
           f"{prefix_computed} prefill tokens computed; round_robin: {rr_hit_rate:.0%}, {rr_computed}")
     assert prefix_hit_rate >= 0.9, prefix_hit_rate
-    assert prefix_metrics.decisions.get(reason="prefix_hit", pool="decode") >= 0.9 * (len(questions) - 4)
+    assert prefix_metrics.routing.decisions.get(reason="prefix_hit", pool="decode") >= 0.9 * (len(questions) - 4)
     assert prefix_computed * 2 < rr_computed, (prefix_computed, rr_computed)
     assert all(ray.get([h.check_no_leaks.remote() for h in replicas.values()]))
     for h in replicas.values():
@@ -327,7 +327,7 @@ def test_tiers_and_peer_pulls_on_replica_actors(tiny_llama, eventually_no_leaks)
     # The pull from the killed peer failed (and r0 computed the prompt), or, when the peer's process
     # was still going away as the pull read its memory, it succeeded: either way the request ran.
     assert s0["kv_prefix_leases"] == 1 and (s0["kv_load_failures"] == 1 or s0["kv_blocks_pulled"] == 25)
-    assert metrics.peer_pulls.get(pool="decode", outcome="leased") == 1
+    assert metrics.routing.peer_pulls.get(pool="decode", outcome="leased") == 1
     assert eventually_no_leaks({"r0": replicas["r0"]})
     for h in replicas.values():
         ray.kill(h)

@@ -54,7 +54,7 @@ def test_engine_histograms_render_per_replica_and_leave_with_it():
     m.drop_replica("decode", "decode-0")
     assert "pdserve:request_queue_time_seconds_count{" not in m.render()
     # The client-facing histograms use vLLM's buckets.
-    m.ttft.observe(0.03, pool="decode", replica="decode-0")
+    m.requests.ttft.observe(0.03, pool="decode", replica="decode-0")
     assert 'pdserve:time_to_first_token_seconds_bucket{pool="decode",replica="decode-0",le="0.04"} 1' in m.render()
 
 
