@@ -20,10 +20,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import sys
 
 import pytest
-from helpers import save_random_model
+from helpers import save_random_model, use_ports
 
 # Markers of tests that need Ray (a local instance, or a cluster of their own).
 RAY_MARKERS = ("ray", "cluster")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The tests without Ray (`-m "not ray ..."`) and the Ray tests take ports from separate
+    halves of tests/helpers.py's range, so that the two processes `make test` runs side by side
+    never pick the same port."""
+    use_ports(range(26000, 32000) if "not ray" in (config.option.markexpr or "") else range(20000, 26000))
 
 
 def _needs_ray(item: pytest.Item) -> bool:

@@ -23,9 +23,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # port 0 draws from (Ray's agents and gRPC servers, NIXL, Serve replicas) and so may take a port the
 # OS handed out a moment before, and above Ray's worker ports (10002-19999). A `pdserve serve` with
 # direct ingress binds its port only after its pools start: a port from the ephemeral range was
-# taken by then once, and Serve had no other to give its ingress (NoAvailablePortError).
+# taken by then once, and Serve had no other to give its ingress (NoAvailablePortError). The two
+# pytest processes of `make test` draw from halves of it (`use_ports`, from tests/conftest.py): a
+# port one picked for a server that binds it seconds later (a `ray job`'s proxy) was once taken
+# meanwhile by a test of the other, which had picked the same free port.
 _PORTS = range(20000, 32000)
 _RNG = random.SystemRandom()      # the OS's entropy: not a generator a test seeds
+
+
+def use_ports(ports: range) -> None:
+    """Draw free_port()'s ports from `ports` (a part of the range above) in this process."""
+    global _PORTS
+    _PORTS = ports
 
 
 def free_port() -> int:

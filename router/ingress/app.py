@@ -68,6 +68,18 @@ def pdserve_version() -> str:
         return "unknown"
 
 
+def _int_param(query: Any, name: str, default: int) -> int:
+    """A positive integer query parameter; InvalidRequestError naming it."""
+    value = query.get(name)
+    if value is None:
+        return default
+    if not value.isdigit() or int(value) < 1:
+        raise InvalidRequestError(f"{name} must be a positive integer; got {value!r}", name)
+    return int(value)
+
+
+# (Serve pickles the class when it decorates it, with the module globals its methods use as they
+# are then: every one of them is defined above it.)
 @serve.ingress(fastapi_app)
 class OpenAIIngress:
     """The ingress deployment's replica: the served models (`ServedModels`, a Frontend and the HTTP
@@ -338,12 +350,3 @@ def ingress_app(specs: list[IngressSpec], manager_links: list[Callable[[], Any]]
                                   graceful_shutdown_timeout_s=serving.ingress_drain_timeout_s)
     return deployment.bind([s.model_dump_json() for s in specs], manager_links)
 
-
-def _int_param(query: Any, name: str, default: int) -> int:
-    """A positive integer query parameter; InvalidRequestError naming it."""
-    value = query.get(name)
-    if value is None:
-        return default
-    if not value.isdigit() or int(value) < 1:
-        raise InvalidRequestError(f"{name} must be a positive integer; got {value!r}", name)
-    return int(value)
