@@ -126,8 +126,7 @@ class EngineReplica:
         a request, lease or transfer is under way. Returns the replica's resident memory after."""
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2; got {level!r}")
-        if self._waking.running:
-            await self._waking.run(self._wake)
+        await self._waking.join()
         if not self.asleep:
             busy = self.leaks()
             if busy is not None:

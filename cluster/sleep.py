@@ -31,8 +31,7 @@ class ModelSleep:
         one's resident memory after (bytes). ValueError naming a replica that refused."""
         if level not in LEVELS:
             raise ValueError(f"level must be 1 or 2; got {level!r}")
-        if self._waking.running:
-            await self._waking.run(lambda: self._wake(replicas))
+        await self._waking.join()
         ids = list(replicas)
         results = await asyncio.gather(*[replicas[r].sleep.remote(level) for r in ids], return_exceptions=True)
         refused = [(r, res) for r, res in zip(ids, results) if isinstance(res, BaseException)]

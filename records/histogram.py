@@ -7,7 +7,7 @@ for each replica's latency percentiles, and the ingress's /metrics exports them 
 
 Two kinds: `LatencyHistogram` (time to first token, inter-token latency, on the planner's buckets
 `LATENCY_BUCKETS_S`) and `Histogram` (any buckets and a sum: the per-request series an engine keeps
-at vLLM's names and buckets, `ENGINE_HISTOGRAMS`).
+at vLLM's names and buckets, `engine_histograms`; their help texts are `EngineSeries.HISTOGRAMS`).
 """
 from __future__ import annotations
 

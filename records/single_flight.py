@@ -21,6 +21,12 @@ class SingleFlight(Generic[T]):
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    async def join(self) -> None:
+        """Wait for the run under way, if any (raising its error), without starting one."""
+        task = self._task
+        if task is not None and not task.done():
+            await asyncio.shield(task)
+
     async def run(self, start: Callable[[], Awaitable[T]]) -> T:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(start())

@@ -380,7 +380,7 @@ class Frontend:
         await self.router.refresh_stats()
         if self.manager is not None:
             try:
-                self.metrics.set_pool_status(await asyncio.wait_for(self.manager.pool_status.remote(), 2.0))
+                self.metrics.pools.set_status(await asyncio.wait_for(self.manager.pool_status.remote(), 2.0))
             except Exception as e:  # noqa: BLE001 - a restarting manager: the last values stand
                 logger.warning("the pools' status is unavailable: %s", type(e).__name__)
         queued = self.admission.queued_by_tenant()

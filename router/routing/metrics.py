@@ -155,8 +155,24 @@ class ServingMetrics:
     """Every series the ingress exports, by what they describe: the engines (set from the replicas'
     stats at each scrape), the requests as a client sees them, routing, tenants and pools."""
 
+    def __init__(self, max_model_len: int = 2048) -> None:
+        r = self.registry = Registry()
+        self.engines = EngineSeries(r, max_model_len)
+        self.requests = RequestSeries(r)
+        self.routing = RoutingSeries(r, max_model_len)
+        self.tenants = TenantSeries(r)
+        self.pools = PoolSeries(r)
+
+    def render(self) -> str:
+        return self.registry.render()
+
+
+class EngineSeries:
+    """The engines' own series, per pool and replica, set from their stats at each scrape
+    (cumulative readings): counters and gauges, the engines' histograms, MoE expert load."""
+
     # engine stats key -> (metric name, kind, help)
-    ENGINE_SERIES = {
+    SERIES = {
         "prompt_tokens": ("pdserve:prompt_tokens_total", "counter", "Prefill tokens received."),
         "prompt_tokens_computed": ("pdserve:prompt_tokens_computed_total", "counter",
                                    "Prompt tokens run through the model (not prefix-cache hits, not pulled "
@@ -203,7 +219,7 @@ class ServingMetrics:
     }
 
     # engine stats "histograms" key -> help (records/histogram.py: engine_histograms gives the buckets)
-    ENGINE_HISTOGRAMS = {
+    HISTOGRAMS = {
         "request_queue_time_seconds": "Time requests waited in the engine's queue (arrival to first scheduled).",
         "request_prefill_time_seconds": "Time from first scheduled to the first token (a KV pull included).",
         "request_decode_time_seconds": "Time from the first token to the last.",
@@ -218,43 +234,18 @@ class ServingMetrics:
         "kv_pull_bytes": "Bytes a KV pull moved (counted by the puller).",
     }
 
-    def __init__(self, max_model_len: int = 2048) -> None:
-        r = self.registry = Registry()
-        self.engines = EngineSeries(r, max_model_len, self.ENGINE_SERIES, self.ENGINE_HISTOGRAMS)
-        self.requests = RequestSeries(r)
-        self.routing = RoutingSeries(r, max_model_len)
-        self.tenants = TenantSeries(r)
-        self.pools = PoolSeries(r)
-
-    def set_pool_status(self, status: dict[str, dict]) -> None:
-        """The manager's view of the pools (`ClusterManager.pool_status()`)."""
-        self.pools.set_status(status)
-
-    def set_engine_stats(self, pool: str, replica: str, stats: dict) -> None:
-        self.engines.set_stats(pool, replica, stats)
-
-    def drop_replica(self, pool: str, replica: str) -> None:
-        """Forget a replica that left its pool (replaced or drained): its series stop being exported."""
-        self.engines.drop(pool, replica)
-
-    def render(self) -> str:
-        return self.registry.render()
-
-class EngineSeries:
-    """The engines' own series, per pool and replica, set from their stats at each scrape
-    (cumulative readings): counters and gauges, the engines' histograms, MoE expert load."""
-
-    def __init__(self, r: Registry, max_model_len: int, series: dict, histograms: dict[str, str]) -> None:
+    def __init__(self, r: Registry, max_model_len: int) -> None:
         self.values: dict[str, Counter] = {}
-        for key, (name, kind, doc) in series.items():
+        for key, (name, kind, doc) in self.SERIES.items():
             self.values[key] = r.counter(name, doc) if kind == "counter" else r.gauge(name, doc)
-        self.histograms = {key: r.histogram(f"pdserve:{key}", histograms[key], buckets)
+        self.histograms = {key: r.histogram(f"pdserve:{key}", self.HISTOGRAMS[key], buckets)
                            for key, buckets in engine_histograms(max_model_len).items()}
         self.expert_tokens = r.counter("pdserve:moe_expert_tokens_total",
                                        "(token, expert) rows each MoE expert has run, summed over layers, by "
                                        "replica, the rank holding the expert and the expert (expert load).")
 
     def set_stats(self, pool: str, replica: str, stats: dict) -> None:
+        """One replica's stats (`LLMEngine.stats()`), read at a scrape."""
         key = _key({"pool": pool, "replica": replica})
         for name, metric in self.values.items():
             if name in stats:
@@ -268,6 +259,7 @@ class EngineSeries:
             self.expert_tokens.values[_key(labels)] = float(rows)
 
     def drop(self, pool: str, replica: str) -> None:
+        """Forget a replica that left its pool (replaced or drained): its series stop being exported."""
         key = _key({"pool": pool, "replica": replica})
         for metric in self.values.values():
             metric.values.pop(key, None)
@@ -353,6 +345,7 @@ class PoolSeries:
                                   "stopped, missed health checks), per pool, since the manager started.")
 
     def set_status(self, status: dict[str, dict]) -> None:
+        """The manager's view of the pools (`ClusterManager.pool_status()`)."""
         for pool, st in status.items():
             for state, value in (("serving", len(st["replicas"])), ("starting", len(st["starting"])),
                                  ("draining", len(st["draining"])), ("target", st["target"])):

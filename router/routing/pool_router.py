@@ -89,7 +89,7 @@ class RequestRouter:
             del self.replicas[r], self.adapters[r]
             self.index.remove_replica(r)
             self.down.discard(r)
-            self.metrics.drop_replica(self.pool, r)
+            self.metrics.engines.drop(self.pool, r)
             self.channels.removed(r, busy=load.in_flight > 0)
         for r, handle in replicas.items():
             if r in self.replicas:
@@ -152,7 +152,7 @@ class RequestRouter:
                 continue
             out[r] = res
             self.loads[r].kv_usage = float(res.get("kv_cache_usage_perc", 0.0))
-            self.metrics.set_engine_stats(self.pool, r, res)
+            self.metrics.engines.set_stats(self.pool, r, res)
         return out
 
     # --- one request -------------------------------------------------------------------------------

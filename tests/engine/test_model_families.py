@@ -173,10 +173,10 @@ def test_expert_load_is_counted_and_exported(tiny_mixtral, prompts):
     tokens = sum(len(p) for p in prompts[:3]) + 3 * (MAX_TOKENS - 1)    # the last token is never run
     assert sum(n for _, _, n in load) == tokens * 2 * 2                 # top-2, two MoE layers
     metrics = ServingMetrics()
-    metrics.set_engine_stats("decode", "r0", llm.llm_engine.stats())
+    metrics.engines.set_stats("decode", "r0", llm.llm_engine.stats())
     text = metrics.render()
     assert 'pdserve:moe_expert_tokens_total{expert="3",pool="decode",rank="0",replica="r0"}' in text
-    metrics.drop_replica("decode", "r0")
+    metrics.engines.drop("decode", "r0")
     assert "moe_expert_tokens_total{" not in metrics.render()
 
 

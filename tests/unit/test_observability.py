@@ -43,7 +43,7 @@ def test_engine_histograms_render_per_replica_and_leave_with_it():
     counts[2] = 3
     stats = {"num_requests_running": 1, "histograms": {"request_queue_time_seconds": (counts, 1.25),
                                                           "not_a_series": ([1], 1.0)}}
-    m.set_engine_stats("decode", "decode-0", stats)
+    m.engines.set_stats("decode", "decode-0", stats)
     text = m.render()
     labels = 'pool="decode",replica="decode-0"'
     le = f'{VLLM_REQUEST_LATENCY_BUCKETS[2]}'
@@ -51,7 +51,7 @@ def test_engine_histograms_render_per_replica_and_leave_with_it():
     assert f"pdserve:request_queue_time_seconds_count{{{labels}}} 3" in text
     assert f"pdserve:request_queue_time_seconds_sum{{{labels}}} 1.25" in text
     assert "# TYPE pdserve:iteration_tokens_total histogram" in text and "not_a_series" not in text
-    m.drop_replica("decode", "decode-0")
+    m.engines.drop("decode", "decode-0")
     assert "pdserve:request_queue_time_seconds_count{" not in m.render()
     # The client-facing histograms use vLLM's buckets.
     m.requests.ttft.observe(0.03, pool="decode", replica="decode-0")
