@@ -4,7 +4,10 @@ allocated and reserved, and the device's used memory) awake after a request, asl
 the wake's time against the first build (a cold start less the process and imports). A random
 Llama of ~1B shape in bf16 (no checkpoint download).
 
-    python3 benchmarks/sleep_wake_gpu.py [--layers 16] [--hidden 2048]
+    python3 benchmarks/sleep_wake_gpu.py [--layers 16] [--hidden 2048] [--holders]
+
+`--holders` lists what still holds device memory after the first sleep: the live CUDA tensors the
+garbage collector can see (their bytes, shapes and who refers to them, three levels up).
 """
 from __future__ import annotations
 
@@ -37,6 +40,46 @@ def _without_grpc_tools() -> None:
         sys.modules.update({"pdserve_proto": package, "pdserve_proto.transfer": transfer})
 
 
+def _describe(obj, target) -> str:
+    import types
+
+    if isinstance(obj, dict):
+        keys = [k for k, v in obj.items() if v is target][:2]
+        return f"dict[{', '.join(map(repr, keys))}]" if keys else f"dict({len(obj)})"
+    if isinstance(obj, types.ModuleType):
+        return f"module {obj.__name__}"
+    if isinstance(obj, types.FunctionType):
+        return f"function {obj.__qualname__}"
+    return type(obj).__module__ + "." + type(obj).__qualname__
+
+
+def cuda_holders(limit: int = 6, depth: int = 3) -> dict:
+    """The live CUDA tensors the garbage collector sees (>= 1 MiB), and who refers to the largest."""
+    import gc
+    import types
+
+    import torch
+
+    gc.collect()
+    seen = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda
+            and o.numel() * o.element_size() >= 1 << 20]
+    mine = {id(seen)}
+    chains = []
+    for tensor in sorted(seen, key=lambda t: -t.numel() * t.element_size())[:limit]:
+        chain, obj = [], tensor
+        for _ in range(depth):
+            refs = [r for r in gc.get_referrers(obj) if id(r) not in mine and not isinstance(r, types.FrameType)
+                    and r is not seen]
+            if not refs:
+                break
+            chain.append(" | ".join(_describe(r, obj) for r in refs[:3]))
+            obj = refs[0]
+        chains.append({"shape": list(tensor.shape), "dtype": str(tensor.dtype),
+                       "mib": tensor.numel() * tensor.element_size() >> 20, "referrers": chain})
+    return {"tensors": len(seen), "mib": sum(t.numel() * t.element_size() for t in seen) >> 20,
+            "largest": chains}
+
+
 def used_mib() -> int:
     out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True).stdout.split()
@@ -47,6 +90,7 @@ async def main() -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--holders", action="store_true", help="after the first sleep, list what holds device memory")
     args = ap.parse_args()
     _without_grpc_tools()
     import torch
