@@ -212,11 +212,12 @@ class EngineReplica:
 
     def submit(self, ingress_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                kv_transfer_params: dict | None = None, continuation: Continuation | None = None,
-               trace_context: dict[str, str] | None = None) -> None:
+               trace_context: dict[str, str] | None = None, block_hashes: list[bytes] | None = None) -> None:
         """Start a request whose deltas go to `ingress_id`'s channel (`continuation`: a stream
         migrated from a lost replica, resumed after the tokens it sent; `trace_context`: the W3C
-        carrier its spans go under). Raises ValueError for bad input and EngineDeadError for a dead
-        engine (nothing runs then)."""
+        carrier its spans go under; `block_hashes`: the prompt's hash chain, from an ingress that
+        prepared it: LLMEngine.add_request). Raises ValueError for bad input and EngineDeadError
+        for a dead engine (nothing runs then)."""
         box = self._outboxes.setdefault(ingress_id, _Outbox())     # the channel may open just after
 
         def sink(item: RequestOutput | BaseException) -> None:
@@ -229,7 +230,7 @@ class EngineReplica:
         box.request_ids.add(request_id)
         try:
             queued = engine.submit(request_id, prompt_token_ids, _deltas(params), sink, kv_transfer_params,
-                                   continuation=continuation, trace_context=trace_context)
+                                   continuation=continuation, trace_context=trace_context, block_hashes=block_hashes)
         except BaseException:
             box.request_ids.discard(request_id)
             raise

@@ -21,7 +21,7 @@ from engine.llm_engine import LLMEngine
 from records.config import EngineConfig
 from records.errors import EngineDeadError, RequestFailedError
 from records.outputs import KVEvent, RequestOutput
-from records.request import Continuation
+from records.request import Continuation, NewRequest
 from records.sampling_params import SamplingParams
 
 IDLE_POLL_S = 0.002
@@ -51,10 +51,9 @@ class AsyncLLMEngine:
         # Output constraints compile here, off the event loop (the first one also builds the
         # tokenizer's table, about a second), so other requests' outputs keep flowing meanwhile.
         self._grammar_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self._compiling: dict[str, tuple] = {}         # request id -> its add, once compiled
+        self._compiling: dict[str, NewRequest] = {}    # request id -> its add, once compiled
         self._sinks: dict[str, Sink] = {}
-        self._pending_adds: list[tuple[str, str | None, list[int], SamplingParams, dict | None,
-                                       Continuation | None]] = []
+        self._pending_adds: list[NewRequest] = []
         self._pending_aborts: list[str] = []
         self._pending_calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
         self._wakeup: asyncio.Event | None = None
@@ -73,11 +72,13 @@ class AsyncLLMEngine:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,
                kv_transfer_params: dict | None = None, prompt: str | None = None,
-               continuation: Continuation | None = None, trace_context: dict[str, str] | None = None) -> bool:
+               continuation: Continuation | None = None, trace_context: dict[str, str] | None = None,
+               block_hashes: list[bytes] | None = None) -> bool:
         """Queue a request whose outputs go to `sink` (see Sink); `continuation`: it resumes after
-        tokens another replica generated; `trace_context`: its trace's W3C carrier
-        (LLMEngine.add_request). Raises ValueError for bad input and EngineDeadError if the engine
-        is dead (nothing is queued then); a request that fails later reaches its sink as an output
+        tokens another replica generated; `trace_context`: its trace's W3C carrier; `block_hashes`:
+        the prompt came prepared by an ingress (LLMEngine.add_request). Validated here, once.
+        Raises ValueError for bad input and EngineDeadError if the engine is dead (nothing is
+        queued then); a request that fails later reaches its sink as an output
         with a failed choice (`output_error`) or as an exception (an output constraint that cannot
         compile: its ValueError, since it compiles off the loop).
         Returns False, queueing nothing, when an abort of this request id came first and is still
@@ -90,11 +91,12 @@ class AsyncLLMEngine:
         if request_id in self._pending_aborts:
             self._pending_aborts.remove(request_id)
             return False
-        self.engine.validate(list(prompt_token_ids), params, compile_constraint=False)
+        prompt_token_ids = list(prompt_token_ids)
+        self.engine.validate(prompt_token_ids, params, compile_constraint=False, prepared=block_hashes is not None)
         self._sinks[request_id] = sink
         # It arrives now: the wait for the loop to take it in is part of its queue time.
-        add = (request_id, prompt, list(prompt_token_ids), params, kv_transfer_params, continuation, trace_context,
-               clock.monotonic())
+        add = NewRequest(request_id, prompt, prompt_token_ids, params, clock.monotonic(), kv_transfer_params,
+                         continuation, trace_context, block_hashes)
         if params.structured_outputs is None:
             self._queue_add(add)
             return True
@@ -104,15 +106,15 @@ class AsyncLLMEngine:
         future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._compiled, add, f))
         return True
 
-    def _queue_add(self, add: tuple) -> None:
+    def _queue_add(self, add: NewRequest) -> None:
         # The step runs in a thread: engine state is touched only by the loop, between steps.
         self._pending_adds.append(add)
         self._wakeup.set()  # type: ignore[union-attr]
 
-    def _compiled(self, add: tuple, future: Any) -> None:
+    def _compiled(self, add: NewRequest, future: Any) -> None:
         """A request's constraint compiled (on the event loop's thread): queue it, or fail it with
         the compiler's ValueError; nothing if it was aborted meanwhile."""
-        rid = add[0]
+        rid = add.request_id
         if self._compiling.get(rid) is not add:
             return
         del self._compiling[rid]
@@ -156,7 +158,7 @@ class AsyncLLMEngine:
         """Abort a request; its blocks are freed before the next step and its sink hears no more."""
         self._sinks.pop(request_id, None)
         self._compiling.pop(request_id, None)
-        self._pending_adds = [a for a in self._pending_adds if a[0] != request_id]
+        self._pending_adds = [a for a in self._pending_adds if a.request_id != request_id]
         self._pending_aborts.append(request_id)
         if self._wakeup is not None:
             self._wakeup.set()
@@ -194,10 +196,11 @@ class AsyncLLMEngine:
             while True:
                 if self._pending_adds:
                     adds, self._pending_adds = self._pending_adds, []
-                    for rid, prompt, ids, params, kv_params, continuation, trace, arrival in adds:
+                    for add in adds:
                         try:
-                            self.engine.add_request(rid, prompt, ids, params, arrival, kv_params, continuation, trace)
+                            self.engine.enqueue(add)
                         except Exception as e:  # noqa: BLE001 - e.g. a layout mismatch: this request only
+                            rid = add.request_id
                             sink = self._sinks.pop(rid, None)
                             if sink is not None:
                                 sink(e if isinstance(e, ValueError) else

@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import records.clock as clock
 from engine.beam_search import BeamSearch, check_beam_params, run_offline
 from engine.llm_engine import LLMEngine
 from engine.text.tokenizer import apply_chat_template
@@ -15,6 +16,7 @@ from engine.text.tool_calls import ToolFormat
 from records.config import EngineConfig
 from records.lora import LoRARequest
 from records.outputs import CompletionOutput, RequestOutput
+from records.request import NewRequest
 from records.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -230,8 +232,9 @@ class LLM:
         ids = [str(next(self._counter)) for _ in parsed]
         # Only the final outputs are read below: the engine builds no other (its output_kind).
         final = {id(sp): dataclasses.replace(sp, output_kind="final_only") for sp in params}
-        for rid, (prompt, token_ids), sp in zip(ids, parsed, params):
-            engine.add_request(rid, prompt, token_ids, final[id(sp)])
+        arrival = clock.monotonic()
+        for rid, (prompt, token_ids), sp in zip(ids, parsed, params):      # (validated above)
+            engine.enqueue(NewRequest(rid, prompt, token_ids, final[id(sp)], arrival))
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(ids) > 1:

@@ -30,8 +30,8 @@ from records.kv_layout import KVLayout
 from records.lora import LoRARequest, read_adapter
 from records.model_source import MOE_ARCHITECTURES
 from records.outputs import KVEvent, ModelRunnerOutput, RequestOutput, SchedulerOutput
-from records.request import PEER_PREFIX, Continuation, Request, RequestStatus
-from records.sampling_params import SamplingParams, StructuredOutputsParams, validate_request
+from records.request import PEER_PREFIX, Continuation, NewRequest, Request, RequestStatus
+from records.sampling_params import SamplingParams, StructuredOutputsParams, check_limits, validate_request
 
 # Steps in a row that may fail (each failing only its own requests) before the engine is declared
 # dead: one failure is a request's or a transient fault; a run of them is the engine's own.
@@ -77,7 +77,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                     params: SamplingParams, arrival_time: float | None = None,
                     kv_transfer_params: dict[str, Any] | None = None,
-                    continuation: Continuation | None = None, trace_context: dict[str, str] | None = None) -> None:
+                    continuation: Continuation | None = None, trace_context: dict[str, str] | None = None,
+                    block_hashes: list[bytes] | None = None) -> None:
         """Validate and queue a request. Raises ValueError for bad input; nothing is queued then.
 
         `kv_transfer_params`: `{"do_remote_decode": True}` prefills here (max_tokens forced to 1)
@@ -86,10 +87,9 @@ class LLMEngine:
         `continuation`: the request resumes after tokens another replica generated (records/request.py);
         its outputs carry only what comes after them. `trace_context`: a W3C trace-context carrier
         (`traceparent`); when this process traces, the request's spans go under it (engine/telemetry.py),
-        or start a trace of their own without one."""
-        if request_id in self.output.states or (self.kv_connector is not None
-                                         and request_id in self.kv_connector.leases):
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        or start a trace of their own without one. `block_hashes`: the prompt came prepared by an
+        ingress, which checked its ids against the model and hashed it (records/request.py:
+        NewRequest); only this engine's own limits are checked."""
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("prompt must be a string or prompt_token_ids a list of ints")
@@ -97,27 +97,40 @@ class LLMEngine:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = list(prompt_token_ids)
-        self.validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params, prepared=block_hashes is not None)
+        self.enqueue(NewRequest(request_id, prompt, prompt_token_ids, params,
+                                arrival_time if arrival_time is not None else clock.monotonic(),
+                                kv_transfer_params, continuation, trace_context, block_hashes))
+
+    def enqueue(self, new: NewRequest) -> None:
+        """Queue a request that `validate` passed (AsyncLLMEngine.submit validates off the engine's
+        loop, and compiles its constraint on a thread of its own). Raises ValueError for what only
+        the engine's state can refuse (an id in use, a continuation or transfer it cannot take)."""
+        request_id, params, prompt_token_ids = new.request_id, new.params, new.prompt_token_ids
         if params.use_beam_search:
             raise ValueError("use_beam_search: beam search runs over the engine (LLM.generate, the server's "
                              "completions and chat: engine/beam_search.py), not as one engine request")
+        if request_id in self.output.states or (self.kv_connector is not None
+                                         and request_id in self.kv_connector.leases):
+            raise ValueError(f"request_id {request_id!r} is already in use")
         mc = self.config.model_config
         max_tokens = params.max_tokens or (mc.max_model_len - len(prompt_token_ids))
-        arrival = arrival_time if arrival_time is not None else clock.monotonic()
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         bs = self.config.cache_config.block_size
-        leader = Request(ids[0], prompt_token_ids, params, self.eos_token_ids, bs, max_tokens, arrival,
-                         parent_id=request_id, index=0)
+        leader = Request(ids[0], prompt_token_ids, params, self.eos_token_ids, bs, max_tokens, new.arrival,
+                         parent_id=request_id, index=0, block_hashes=new.block_hashes)
         leader.fork_children = [leader.fork(rid, i) for i, rid in enumerate(ids[1:], start=1)]
-        if continuation is not None:
-            self._check_continuation(params, max_tokens, continuation, bool(kv_transfer_params))
-            leader.resume(continuation.token_ids)
-        if kv_transfer_params:
-            self._attach_transfer(leader, kv_transfer_params)
+        if new.continuation is not None:
+            self._check_continuation(params, max_tokens, new.continuation, bool(new.kv_transfer_params))
+            leader.resume(new.continuation.token_ids)
+        if new.kv_transfer_params:
+            self._attach_transfer(leader, new.kv_transfer_params)
         children = [leader, *leader.fork_children]
+        trace_context = new.trace_context
         if trace_context is None and tracing.enabled():
             trace_context = {}          # traced all the same, as a trace of its own (vLLM's offline tracing)
-        self.output.add(request_id, prompt, prompt_token_ids, params, children, arrival, continuation, trace_context)
+        self.output.add(request_id, new.prompt, prompt_token_ids, params, children, new.arrival, new.continuation,
+                        trace_context)
         self.scheduler.add_request(leader)
         self.num_prompt_tokens += len(prompt_token_ids)
 
@@ -162,12 +175,18 @@ class LLMEngine:
         else:
             request.remote_prefill = remote
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams, compile_constraint: bool = True) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, compile_constraint: bool = True,
+                 prepared: bool = False) -> None:
         """Raise ValueError naming the field if this request cannot run on this engine (its output
-        constraint compiled too, unless `compile_constraint` is False: the caller does that)."""
+        constraint compiled too, unless `compile_constraint` is False: the caller does that).
+        `prepared`: an ingress checked it against the model already (records/request.py:
+        NewRequest.block_hashes); only this engine's limits are checked."""
         mc = self.config.model_config
-        validate_request(prompt_token_ids, params, mc.vocab_size, mc.max_model_len,
-                         None if params.use_beam_search else self.config.scheduler_config.max_num_seqs)
+        max_num_seqs = None if params.use_beam_search else self.config.scheduler_config.max_num_seqs
+        if prepared:
+            check_limits(len(prompt_token_ids), params, mc.max_model_len, max_num_seqs)
+        else:
+            validate_request(prompt_token_ids, params, mc.vocab_size, mc.max_model_len, max_num_seqs)
         if params.structured_outputs is not None and compile_constraint:
             self.compile_constraint(params.structured_outputs)
         if params.lora_request is not None:

@@ -30,6 +30,23 @@ class Continuation:
     num_chars: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """A request an engine has validated and queues (LLMEngine.enqueue): what `add_request` and
+    `AsyncLLMEngine.submit` take, checked once. `block_hashes`: the prompt's hash chain when it came
+    prepared (its ingress's router hashed it to route it; Request takes it instead of hashing
+    again); `arrival`: when it reached the engine (its queue time counts from there)."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    kv_transfer_params: dict[str, Any] | None = None
+    continuation: Continuation | None = None
+    trace_context: dict[str, str] | None = None
+    block_hashes: list[BlockHash] | None = None
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_FORK = enum.auto()        # an n > 1 child waiting for its sibling's prompt KV
@@ -67,7 +84,11 @@ class Request:
         arrival_time: float | None = None,
         parent_id: str | None = None,
         index: int = 0,
+        block_hashes: list[BlockHash] | None = None,
     ) -> None:
+        """`block_hashes`: the prompt's hash chain when the caller has it (the router's, which it
+        routed on; a fork's leader's), so that it is not computed again: the hashes of the prompt's
+        full blocks are taken from its start (any further ones, from tokens past the prompt, are not)."""
         self.request_id = request_id
         self.parent_id = parent_id or request_id    # the user's request id (n > 1 children share it)
         self.index = index                          # which of the n completions this is
@@ -107,7 +128,8 @@ class Request:
 
         self.block_size = block_size
         self.extra_keys = sampling_params.cache_keys
-        self.block_hashes: list[BlockHash] = []
+        self.block_hashes: list[BlockHash] = list(block_hashes[:len(self.prompt_token_ids) // block_size]) \
+            if block_hashes else []
         self._update_block_hashes()
 
         seed = sampling_params.seed
@@ -210,7 +232,8 @@ class Request:
     def fork(self, request_id: str, index: int) -> Request:
         """A copy sharing this request's prompt, for an n > 1 sibling (its KV is forked separately)."""
         child = Request(request_id, self.prompt_token_ids, self.sampling_params, self.eos_token_ids,
-                        self.block_size, self.max_tokens, self.arrival_time, self.parent_id, index)
+                        self.block_size, self.max_tokens, self.arrival_time, self.parent_id, index,
+                        self.block_hashes)
         child.status = RequestStatus.WAITING_FOR_FORK
         return child
 

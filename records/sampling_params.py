@@ -6,7 +6,8 @@ that no request can make a step raise: integers fit int64 (seeds: torch's full s
 are finite, and the list fields are capped (`MAX_STOP_STRINGS` strings of at most
 `MAX_STOP_STRING_CHARS` characters, `MAX_STOP_TOKEN_IDS` stop tokens). What depends on the model
 (token ids below the vocabulary, lengths within max_model_len, n within max_num_seqs) is checked by
-`validate_request` below (the engine and the HTTP ingress both call it).
+`validate_request` below (once a request: by the HTTP ingress, or by the offline engine), and
+what depends on one engine's limits by `check_limits` (every engine a prepared request reaches).
 """
 from __future__ import annotations
 
@@ -295,8 +296,8 @@ def _check_float(name: str, value: object, allowed: str, in_range: bool) -> None
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
                      max_model_len: int, max_num_seqs: int | None = None) -> None:
     """Raise ValueError naming the field if the request cannot run on a model with this vocabulary,
-    context length and batch size (shared by the engine and the HTTP ingress). With SamplingParams'
-    own checks, nothing that passes can make a step raise."""
+    context length and batch size (the ingress's preparer and the offline engine call it, once a
+    request). With SamplingParams' own checks, nothing that passes can make a step raise."""
     if not prompt_token_ids:
         raise ValueError("prompt must not be empty")
     try:     # C-level: a 100k-token prompt is checked in about a millisecond
@@ -307,18 +308,6 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     if not ok:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
         raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {bad[:5]}")
-    limit = max_model_len
-    if len(prompt_token_ids) >= limit:
-        raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {limit}, "
-                         f"so the prompt must have fewer than {limit} tokens")
-    room = limit - len(prompt_token_ids)
-    if params.max_tokens is not None and params.max_tokens > room:
-        raise ValueError(f"max_tokens must be <= {room} for this "
-                         f"{len(prompt_token_ids)}-token prompt (max_model_len={limit}); "
-                         f"got {params.max_tokens}")
-    if params.min_tokens > room:
-        raise ValueError(f"min_tokens must be <= {room} for this {len(prompt_token_ids)}-token prompt "
-                         f"(max_model_len={limit}); got {params.min_tokens}")
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}); got {bad[:5]}")
@@ -329,6 +318,25 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     bad = [t for t in params.logit_bias or () if t >= vocab_size]
     if bad:
         raise ValueError(f"logit_bias must be keyed by token ids in [0, {vocab_size}); got {bad[:5]}")
+    check_limits(len(prompt_token_ids), params, max_model_len, max_num_seqs)
+
+
+def check_limits(num_prompt_tokens: int, params: SamplingParams, max_model_len: int,
+                 max_num_seqs: int | None = None) -> None:
+    """The part of `validate_request` that depends on one engine's limits, not on the model: what an
+    engine checks of a request its ingress prepared (its ids already checked against the vocabulary)."""
+    limit = max_model_len
+    if num_prompt_tokens >= limit:
+        raise ValueError(f"prompt has {num_prompt_tokens} tokens; max_model_len is {limit}, "
+                         f"so the prompt must have fewer than {limit} tokens")
+    room = limit - num_prompt_tokens
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise ValueError(f"max_tokens must be <= {room} for this "
+                         f"{num_prompt_tokens}-token prompt (max_model_len={limit}); "
+                         f"got {params.max_tokens}")
+    if params.min_tokens > room:
+        raise ValueError(f"min_tokens must be <= {room} for this {num_prompt_tokens}-token prompt "
+                         f"(max_model_len={limit}); got {params.min_tokens}")
     if max_num_seqs is not None and params.n > max_num_seqs:
         raise ValueError(f"n must be <= {max_num_seqs} (max_num_seqs: the sequences that run at once); "
                          f"got {params.n}")

@@ -305,3 +305,38 @@ def kill_replica(handle) -> None:
     import ray
 
     ray.kill(getattr(handle, "host", handle), no_restart=True)
+
+
+class InProcessHandle:
+    """An engine replica (cluster/replica.py: EngineReplica) in this process behind an actor handle's
+    surface (`handle.method.remote(...)`, `.options(num_returns="streaming")` for its output channel),
+    so that the ingress's routers and channels drive it without Ray. Call `.remote` on the event loop."""
+
+    def __init__(self, replica, streaming: bool = False, name: str | None = None) -> None:
+        self._replica, self._streaming, self._name = replica, streaming, name
+
+    def __getattr__(self, name: str) -> InProcessHandle:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return InProcessHandle(self._replica, False, name)
+
+    def options(self, **options) -> InProcessHandle:
+        return InProcessHandle(self._replica, options.get("num_returns") == "streaming", self._name)
+
+    def remote(self, *args, **kwargs):
+        import asyncio
+        import inspect
+
+        result = getattr(self._replica, self._name)(*args, **kwargs)
+        if self._streaming:
+            async def refs():           # a Ray streaming generator's items: awaitables of the values
+                async for item in result:
+                    done = asyncio.get_running_loop().create_future()
+                    done.set_result(item)
+                    yield done
+            return refs()
+        if inspect.isawaitable(result):
+            return asyncio.ensure_future(result)
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(result)
+        return done

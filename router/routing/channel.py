@@ -65,9 +65,11 @@ class ReplicaChannel:
 
     async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      kv_transfer_params: dict | None = None, continuation: Continuation | None = None,
-                     trace_context: dict[str, str] | None = None) -> AsyncIterator[StepDelta]:
+                     trace_context: dict[str, str] | None = None, block_hashes: list[bytes] | None = None
+                     ) -> AsyncIterator[StepDelta]:
         """Run one request on the replica and stream its StepDeltas (`continuation`: resumed after
-        tokens a lost replica sent; `trace_context`: the W3C carrier of its trace; EngineReplica.submit).
+        tokens a lost replica sent; `trace_context`: the W3C carrier of its trace; `block_hashes`:
+        the hash chain the router routed it on; EngineReplica.submit).
         Raises what the replica raised on submit (ValueError for bad input), the error a delta
         carries (RequestFailedError, EngineDeadError, ...), or the Ray error of a dead replica.
         Stopping early aborts it."""
@@ -77,7 +79,7 @@ class ReplicaChannel:
         finished = False
         try:
             await self.handle.submit.remote(self.ingress_id, request_id, prompt_token_ids, params,
-                                            kv_transfer_params, continuation, trace_context)
+                                            kv_transfer_params, continuation, trace_context, block_hashes)
             while not finished:
                 delta = await queue.get()
                 if isinstance(delta, BaseException):

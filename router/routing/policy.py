@@ -153,6 +153,9 @@ class Decision:
     # A peer replica of the pool whose cache holds more of the prompt: (its id, the hashes of the
     # leading blocks it holds), for the chosen replica to pull (RequestRouter.generate).
     peer: tuple[str, list[bytes]] | None = None
+    # The prompt's block hash chain it was routed on (RequestRouter.route): passed to the replica
+    # with the request, whose engine takes it instead of hashing the prompt again.
+    block_hashes: list[bytes] | None = None
 
 
 class RoutingPolicy:

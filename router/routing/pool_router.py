@@ -182,6 +182,7 @@ class RequestRouter:
             matched, default = self.index.match_sparse(hashes)
         decision = self.policy.choose(matched, len(hashes), self.loads, self.index.num_blocks_of, held, tiers,
                                       candidates, default)
+        decision.block_hashes = hashes
         if self.min_peer_pull_tokens is not None and params.n == 1 and params.prompt_logprobs is None:
             decision.peer = self._peer_for(decision, {r: matched.get(r, default) + tiers.get(r, 0)
                                                       for r in candidates}, hashes)
@@ -278,7 +279,7 @@ class RequestRouter:
                 if trace is not None:
                     trace.ran_on(decision.replica_id)
                 try:
-                    async for delta in self._stream(decision.replica_id, request_id, prompt_token_ids, params,
+                    async for delta in self._stream(decision, request_id, prompt_token_ids, params,
                                                     kv_transfer_params, backlog, continuation, started, carrier):
                         progress.add(delta)
                         # The resuming replica's cache hit covers tokens the client already has.
@@ -334,10 +335,11 @@ class RequestRouter:
                        lost, len(progress.token_ids), decision.replica_id)
         return decision, params
 
-    async def _stream(self, replica_id: str, request_id: str, prompt_token_ids: list[int],
+    async def _stream(self, decision: Decision, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, kv_transfer_params: dict | None, prefill_tokens: int = 0,
                       continuation: Continuation | None = None, started: float | None = None,
                       carrier: dict[str, str] | None = None) -> AsyncIterator[StepDelta]:
+        replica_id = decision.replica_id
         channel = self.channels.get(replica_id)
         load = self.loads[replica_id]
         load.started(prefill_tokens)
@@ -347,7 +349,7 @@ class RequestRouter:
         finished = False
         try:
             async for delta in channel.stream(request_id, prompt_token_ids, params, kv_transfer_params,
-                                              continuation, carrier):
+                                              continuation, carrier, decision.block_hashes):
                 now = time.monotonic()
                 new_tokens = sum(len(c.token_ids) for c in delta.choices)
                 if new_tokens or delta.finished:

@@ -62,7 +62,7 @@ def test_tier_hits_score_between_a_pool_hit_and_a_miss_and_peers_lend_their_pref
         lease_prefix = Remote(lambda hs, adapter: _done({"do_remote_prefill": True, "remote_block_ids": [1] * len(hs)}))
 
     class Channel:
-        async def stream(self, rid, prompt, p, kv_params, continuation, trace_context=None):
+        async def stream(self, rid, prompt, p, kv_params, continuation, trace_context=None, block_hashes=None):
             sent["kv"] = kv_params
             yield StepDelta(rid, [ChoiceDelta(0, [7], "x")], True, len(ids))
 
@@ -223,7 +223,7 @@ def test_a_stream_whose_replica_is_lost_migrates_and_fails_clearly_past_the_limi
         def __init__(self, dies_after: int | None, error: BaseException) -> None:
             self.dies_after, self.error = dies_after, error
 
-        async def stream(self, rid, prompt, p, kv, continuation=None, trace_context=None):
+        async def stream(self, rid, prompt, p, kv, continuation=None, trace_context=None, block_hashes=None):
             resumed.append(continuation)
             done = len(continuation.token_ids) if continuation else 0
             for n, i in enumerate(range(done, 6)):
@@ -263,3 +263,84 @@ def test_a_stream_whose_replica_is_lost_migrates_and_fails_clearly_past_the_limi
     assert router.metrics.routing.migration_failures.get(pool="decode", reason="not_migratable") == 1
     assert router.metrics.routing.migrations.get(pool="decode") == 2
     assert all(load.in_flight == 0 and load.prefill_tokens == 0 for load in router.loads.values())
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_a_request_is_validated_tokenized_compiled_and_hashed_once(mode, monkeypatch):
+    """One pass per request (issue 70), counted on the ingress's whole path (its preparer, admission,
+    routers and channels, with simulated engine replicas in this process behind actor-handle
+    surfaces): a chat request with an output constraint is validated once (the engines check only
+    their own limits, one check each), tokenized once, its constraint compiled once by the ingress
+    and once by each engine it reaches (each in its own process when deployed), and its prompt's
+    block hash chain computed once: the router's, which the engines take. On the P/D path the
+    prefill and the decode engine both get it."""
+    import asyncio
+    import json
+    import sys
+
+    from helpers import SIM_PROFILE, InProcessHandle
+
+    import engine.text.tokenizer as text
+    import records.hashing as hashing
+    import records.sampling_params as sp
+    from cluster.config import ClusterConfig
+    from cluster.replica import EngineReplica
+    from engine.llm_engine import LLMEngine
+    from router.ingress.frontend import Frontend
+    from router.ingress.openai_api import OpenAIAPI
+
+    counts = {"validate": 0, "limits": 0, "tokenize": 0, "chains": 0, "engine_compiles": 0}
+
+    def counted(module, name, key, only=lambda *a, **k: True):
+        original = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            counts[key] += bool(only(*args, **kwargs))
+            return original(*args, **kwargs)
+        for mod in list(sys.modules.values()):          # every module that imported it by name
+            if getattr(mod, name, None) is original:
+                monkeypatch.setattr(mod, name, wrapper)
+
+    counted(sp, "validate_request", "validate")
+    counted(sp, "check_limits", "limits",      # (validate_request's own use of it is the validation)
+            lambda *a, **k: sys._getframe(2).f_globals["__name__"] != sp.__name__)
+    counted(text, "apply_chat_template", "tokenize")
+    # A chain from the prompt's start (an engine's decode extends its own from where it stands).
+    counted(hashing, "hash_block_tokens", "chains",
+            lambda tokens, block_size, extra=(), parent=None, start=0: parent is None and start == 0
+            and len(tokens) >= block_size)
+    compile_constraint = LLMEngine.compile_constraint
+
+    def engine_compile(self, spec):
+        counts["engine_compiles"] += 1
+        return compile_constraint(self, spec)
+    monkeypatch.setattr(LLMEngine, "compile_constraint", engine_compile)
+
+    engine = {"simulate": SIM_PROFILE, "max_model_len": 2048}
+    pools = {"decode": {"replicas": 1}} if mode == "colocated" else {"prefill": {"replicas": 1},
+                                                                    "decode": {"replicas": 1}}
+    config = ClusterConfig(engine=engine, mode=mode, pools=pools,
+                           disaggregation={"connector": "nixl", "min_remote_prefill_tokens": 8})
+    body = {"model": "m", "max_tokens": 6, "temperature": 0,
+            "messages": [{"role": "user", "content": "Count the colours of a rainbow, one by one, in a list. " * 4}],
+            "response_format": {"type": "json_object"}}
+
+    async def run() -> dict:
+        replicas = {pool: {f"{pool}-0": InProcessHandle(EngineReplica(config.engine_config(pool), f"{pool}-0"))}
+                    for pool in pools}
+        frontend = Frontend(config.ingress_spec(), replicas["decode"], replicas.get("prefill"))
+        frontend.router.start()
+        try:
+            body["model"] = frontend.preparer.model_name
+            response = await OpenAIAPI(frontend).chat(dict(body))
+            return json.loads(response.body)
+        finally:
+            frontend.router.stop()
+            for pool in replicas.values():
+                for handle in pool.values():
+                    await handle._replica.close()
+
+    reply = asyncio.run(run())
+    assert reply["usage"]["completion_tokens"] == 6
+    engines = len(pools)
+    assert counts == {"validate": 1, "limits": engines, "tokenize": 1, "chains": 1, "engine_compiles": engines}
