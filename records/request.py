@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import records.clock as clock
 from records.hashing import BlockHash, hash_block_tokens
+from records.outputs import ScheduledRequest
 from records.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -228,6 +229,26 @@ class Request:
         parent = self.block_hashes[-1] if self.block_hashes else None
         self.block_hashes.extend(hash_block_tokens(
             self.all_token_ids, self.block_size, self.extra_keys, parent, len(self.block_hashes)))
+
+    def describe(self, n: int, spec_token_ids: list[int], block_ids: list[int]) -> ScheduledRequest:
+        """The runner's view of this request's next `n` tokens, the last len(spec_token_ids) of them
+        proposals (the scheduler's step record)."""
+        start = self.num_computed_tokens
+        end = start + n - len(spec_token_ids)
+        params = self.sampling_params
+        prompt_lp_from = None
+        if (params.prompt_logprobs is not None and start < self.num_prompt_tokens - 1
+                and len(self.prompt_logprobs) < self.num_prompt_tokens):
+            prompt_lp_from = start
+        return ScheduledRequest(
+            request_id=self.request_id, token_ids=self.all_token_ids[start:end] + spec_token_ids, start=start,
+            block_ids=block_ids,
+            do_sample=self.compute_limit is None and end == self.num_tokens and not params.pooling,
+            spec_token_ids=spec_token_ids, prompt_logprobs_from=prompt_lp_from,
+            # The request's own objects, not copies: the runner reads them before the scheduler
+            # changes them, and the Ray executor sends each once (engine/worker/step_delta.py).
+            sampling_params=params, seed=self.seed, output_token_ids=self.output_token_ids,
+            prompt_token_ids=self.prompt_token_ids, eos_token_ids=self.eos_token_ids)
 
     def fork(self, request_id: str, index: int) -> Request:
         """A copy sharing this request's prompt, for an n > 1 sibling (its KV is forked separately)."""

@@ -7,26 +7,19 @@ priority), unless something was preempted this step. When blocks run out the new
 priority) running request is preempted: by recompute (its blocks are freed and it starts over) or by
 swap (its blocks are copied to the CPU pool and copied back when it resumes).
 
-With a KV connector (prefill/decode split) a remotely prefilled request is admitted into
-WAITING_FOR_REMOTE_KVS instead: its blocks are allocated, their pull is queued, and it rejoins the
-queue's front once they arrive (or starts over locally if the pull fails). A request to be decoded
-remotely keeps its blocks when it finishes; the engine puts them under a lease. engine/core/kv_loads.py
-keeps that bookkeeping.
-
-Speculative decoding (engine/spec_decode/): a running decode with proposed tokens is scheduled for
-1 + k tokens within the budget; the proposals are dropped rather than preempt anything. After the
-step, the emitted tokens are appended one by one (each checked for stop, min/max tokens) and
-num_computed_tokens is set back past the rejected proposals.
-
-Static batching (`batching="static"`, the baseline continuous batching is measured against): a batch
-is the first `max_num_seqs` waiting requests at the moment the previous batch has drained; until
-every one of them has finished, no other request is admitted (members preempted or pulling KV stay
-members). Steps still run under the token budget, so a batch's prompts may take several steps
-(engine/core/static_batch.py).
+Phases of a step (`schedule`): running requests (`_schedule_running`: a decode with proposed
+tokens is scheduled for 1 + k within the budget, the proposals dropped rather than preempt
+anything), then waiting ones (`_schedule_waiting`): what each has already (`_cached_prefix`: its
+swapped-out blocks back, its prefix-cache hits, or a KV pull from a prefill engine that parks it in
+WAITING_FOR_REMOTE_KVS: engine/core/kv_loads.py) and what fits of the rest (`_start`: blocks the
+offload tier holds are loaded, not recomputed). After the step (`update_from_output`) the emitted
+tokens are appended one by one (each checked for stop, min/max tokens) and num_computed_tokens is
+set back past rejected proposals. Static batching (the baseline): engine/core/static_batch.py.
 """
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import records.clock as clock
@@ -40,6 +33,21 @@ from records.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from kv_transfer.base import KVConnectorScheduler
+
+
+# `Scheduler._cached_prefix`'s answer for a request that starts a KV pull instead of computing.
+PULLING = object()
+
+
+@dataclass(slots=True)
+class _Step:
+    """What one `schedule()` has chosen so far (and the token budget it has left)."""
+    budget: int
+    num_new: dict[str, int] = field(default_factory=dict)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
 
 
 class Scheduler:
@@ -135,23 +143,33 @@ class Scheduler:
     # --- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their blocks (may preempt)."""
-        budget = self.config.max_num_batched_tokens
-        chunked = self.config.enable_chunked_prefill
-        num_new: dict[str, int] = {}
-        swap_out: list[tuple[int, int]] = []
-        swap_in: list[tuple[int, int]] = []
-        preempted: list[str] = []
+        step = _Step(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        self._schedule_waiting(step)
+        assert not (step.swap_in and step.swap_out), "swap-in and swap-out never share a step"
+        self.in_flight.update(step.num_new)
+        tier_saves, tier_loads = self.kv.tier.take_orders() if self.kv.tier is not None else ([], [])
+        restarted, self.restarted = self.restarted, []
+        return SchedulerOutput(
+            scheduled=[self._describe(self.requests[rid], n, step.drafts.get(rid, []))
+                       for rid, n in step.num_new.items()],
+            num_batched_tokens=sum(step.num_new.values()),
+            swap_out=step.swap_out, swap_in=step.swap_in, copy_blocks=self.kv.take_pending_copies(),
+            preempted_ids=step.preempted + restarted, finished_ids=self._take_finished_ids(),
+            tier_saves=tier_saves, tier_loads=tier_loads)
 
-        drafts: dict[str, list[int]] = {}
+    def _schedule_running(self, step: _Step) -> None:
+        """Running requests, in order; one that finds no blocks preempts (`_pick_victim`), itself too."""
+        chunked = self.config.enable_chunked_prefill
         share = -(-len(self.running) // self.max_concurrent_batches)     # running requests per batch
         i = 0
-        while i < len(self.running) and budget > 0 and len(num_new) < share:
+        while i < len(self.running) and step.budget > 0 and len(step.num_new) < share:
             request = self.running[i]
             if request.request_id in self.in_flight:
                 i += 1
                 continue
             proposed, request.spec_token_ids = request.spec_token_ids, []    # consumed (or dropped)
-            n = min(request.num_tokens_to_compute + len(proposed), budget,
+            n = min(request.num_tokens_to_compute + len(proposed), step.budget,
                     self.config.max_model_len - request.num_computed_tokens)
             if n <= 0 or (not chunked and n < request.num_tokens_to_compute):
                 i += 1
@@ -161,27 +179,28 @@ class Scheduler:
                 n, num_drafts = n - num_drafts, 0    # no room for the proposals: never preempt for them
             while not num_drafts and self.kv.allocate_slots(request, n) is None:
                 victim = self._pick_victim(i)
-                self._preempt(victim, swap_out)
-                preempted.append(victim.request_id)
+                self._preempt(victim, step.swap_out)
+                step.preempted.append(victim.request_id)
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue          # it preempted itself; the list shrank under i
-            num_new[request.request_id] = n
+            step.num_new[request.request_id] = n
             if num_drafts:
-                drafts[request.request_id] = proposed[:num_drafts]
-            budget -= n
+                step.drafts[request.request_id] = proposed[:num_drafts]
+            step.budget -= n
             i += 1
 
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Waiting requests in queue order until one does not fit, none in a step that preempted (a
+        request whose adapter would be one more than max_loras is passed over, as vLLM's)."""
         static = self.config.batching == "static"
         if static:
             self.waiting, self.batch_ids = form_static_batch(self.waiting, self.requests, self.batch_ids,
                                                              self.config.max_num_seqs)
-        # LoRA: the adapters of the running requests; a waiting request whose adapter would be one
-        # more than max_loras stays in the queue, and the ones behind it may still run (as vLLM's).
         adapters = self._running_adapters() if self.config.max_loras is not None else None
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and not preempted:
+        while self.waiting and step.budget > 0 and not step.preempted:
             request = self.waiting[0]
             if static and request.request_id not in self.batch_ids:
                 break                       # the barrier: not before this batch has drained
@@ -192,69 +211,72 @@ class Scheduler:
                 if len(adapters) >= self.config.max_loras:     # type: ignore[operator]
                     skipped.append(self.waiting.popleft())
                     continue
-            if request.status == RequestStatus.SWAPPED:
-                mapping = self.kv.swap_in(request)
-                if mapping is None:
-                    break
-                swap_in.extend(mapping)
-                hits, num_hit = [], 0
-            elif request.num_computed_tokens == 0:
-                hits, num_hit = self.kv.get_computed_blocks(request)
-                if request.remote_prefill is not None and self.loads is not None:
-                    pulling = self.loads.start(request, hits, num_hit)
-                    if pulling is None:
-                        break               # no room for its blocks yet
-                    if pulling:
-                        self.waiting.popleft()
-                        continue            # costs no token budget
-            else:
-                hits, num_hit = [], 0
-            # Blocks after the pool's hits that the offload tier holds: loaded, not recomputed.
-            tier_hashes, tier_found = [], []
-            if request.num_computed_tokens == 0 and request.status != RequestStatus.SWAPPED:
-                tier_hashes, tier_found = self.kv.tier_hits(request, len(hits), self.kv.num_free_blocks)
-            admitted = False
-            for tier in ((tier_hashes, tier_found), ([], [])) if tier_found else (([], []),):
-                num_tier = len(tier[1]) * self.kv.block_size
-                n = min(request.num_tokens_to_compute - num_hit - num_tier, budget)
-                fits = chunked or n == request.num_tokens_to_compute - num_hit - num_tier
-                # Blocks loaded from the tier are cached once their step is back (the load may fail).
-                if fits and self.kv.allocate_slots(request, num_tier + n, hits, cache=not tier[1]) is not None:
-                    tier_hashes, tier_found, admitted = *tier, True
-                    break
-            if not admitted:
-                if request.status == RequestStatus.SWAPPED:
-                    # Swapped in but no room to compute yet: run it next step.
-                    self._admit(request)
+            prefix = self._cached_prefix(request, step)
+            if prefix is PULLING:
+                self.waiting.popleft()
+                continue                    # its KV is being pulled: costs no token budget
+            if prefix is None or not self._start(request, *prefix, step):
                 break
-            if tier_found:
-                targets = self.kv.block_ids(request.request_id)[len(hits):len(hits) + len(tier_found)]
-                self.kv.tier.load(tier_hashes, tier_found, targets)
-                self.tier_loading[request.request_id] = targets
-                num_hit += num_tier
-            if request.num_computed_tokens == 0:
-                self.kv.record_prefix_lookup(request.num_tokens, num_hit)
-                if request.num_preemptions == 0:
-                    request.num_cached_tokens = num_hit
-            request.num_computed_tokens += num_hit
-            self._admit(request)
             if adapters is not None and lora is not None:
                 adapters.add(lora.cache_key)
-            num_new[request.request_id] = n
-            budget -= n
         self.waiting.extendleft(reversed(skipped))        # back at the front, in their order
 
-        assert not (swap_in and swap_out), "swap-in and swap-out never share a step"
-        self.in_flight.update(num_new)
-        tier_saves, tier_loads = self.kv.tier.take_orders() if self.kv.tier is not None else ([], [])
-        restarted, self.restarted = self.restarted, []
-        return SchedulerOutput(
-            scheduled=[self._describe(self.requests[rid], n, drafts.get(rid, []))
-                       for rid, n in num_new.items()],
-            num_batched_tokens=sum(num_new.values()),
-            swap_out=swap_out, swap_in=swap_in, copy_blocks=self.kv.take_pending_copies(),
-            preempted_ids=preempted + restarted, finished_ids=self._take_finished_ids(),
-            tier_saves=tier_saves, tier_loads=tier_loads)
+    def _cached_prefix(self, request: Request, step: _Step) -> tuple[list[int], int] | object | None:
+        """What the request at the queue's front has already: a swapped-out request its blocks back
+        (their copies go in the step), a new one its prefix-cache hits (blocks, tokens); PULLING when
+        it starts a KV pull from a prefill engine instead, None when there is no room for it yet."""
+        if request.status == RequestStatus.SWAPPED:
+            mapping = self.kv.swap_in(request)
+            if mapping is None:
+                return None
+            step.swap_in.extend(mapping)
+            return [], 0
+        if request.num_computed_tokens:
+            return [], 0
+        hits, num_hit = self.kv.get_computed_blocks(request)
+        if request.remote_prefill is not None and self.loads is not None:
+            pulling = self.loads.start(request, hits, num_hit)
+            if pulling is None:
+                return None                 # no room for its blocks yet
+            if pulling:
+                return PULLING
+        return hits, num_hit
+
+    def _start(self, request: Request, hits: list[int], num_hit: int, step: _Step) -> bool:
+        """Admit the request at the queue's front for what fits of its tokens past `num_hit`
+        (blocks after the pool's hits that the offload tier holds are loaded, not recomputed, when
+        they fit; else computed); False, admitting nothing, when none fit (a swapped-in request
+        runs next step then)."""
+        chunked = self.config.enable_chunked_prefill
+        tier_hashes, tier_found = [], []
+        if request.num_computed_tokens == 0 and request.status != RequestStatus.SWAPPED:
+            tier_hashes, tier_found = self.kv.tier_hits(request, len(hits), self.kv.num_free_blocks)
+        for tier in ((tier_hashes, tier_found), ([], [])) if tier_found else (([], []),):
+            num_tier = len(tier[1]) * self.kv.block_size
+            n = min(request.num_tokens_to_compute - num_hit - num_tier, step.budget)
+            fits = chunked or n == request.num_tokens_to_compute - num_hit - num_tier
+            # Blocks loaded from the tier are cached once their step is back (the load may fail).
+            if fits and self.kv.allocate_slots(request, num_tier + n, hits, cache=not tier[1]) is not None:
+                tier_hashes, tier_found = tier
+                break
+        else:
+            if request.status == RequestStatus.SWAPPED:
+                self._admit(request)        # swapped in but no room to compute yet: run it next step
+            return False
+        if tier_found:
+            targets = self.kv.block_ids(request.request_id)[len(hits):len(hits) + len(tier_found)]
+            self.kv.tier.load(tier_hashes, tier_found, targets)
+            self.tier_loading[request.request_id] = targets
+            num_hit += num_tier
+        if request.num_computed_tokens == 0:
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit
+        request.num_computed_tokens += num_hit
+        self._admit(request)
+        step.num_new[request.request_id] = n
+        step.budget -= n
+        return True
 
     def finish_loads(self, loaded: list[str], failed: list[tuple[str, str]]) -> list[Request]:
         """Apply finished pulls (KVLoads.finish): loaded requests, and failed ones that start over,
@@ -313,32 +335,10 @@ class Scheduler:
         self._enqueue(request, front=True)
 
     def _describe(self, request: Request, n: int, spec_token_ids: list[int]) -> ScheduledRequest:
-        """The runner's view of `n` tokens of `request`, the last len(spec_token_ids) proposals."""
-        start = request.num_computed_tokens
-        end = start + n - len(spec_token_ids)
-        self.num_prompt_tokens_computed += max(0, min(end, request.num_prompt_tokens) - start)
-        do_sample = request.compute_limit is None and end == request.num_tokens and not request.sampling_params.pooling
-        prompt_lp_from = None
-        if (request.sampling_params.prompt_logprobs is not None
-                and start < request.num_prompt_tokens - 1
-                and len(request.prompt_logprobs) < request.num_prompt_tokens):
-            prompt_lp_from = start
-        return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end] + spec_token_ids,
-            start=start,
-            block_ids=self.kv.block_ids(request.request_id),
-            do_sample=do_sample,
-            spec_token_ids=spec_token_ids,
-            prompt_logprobs_from=prompt_lp_from,
-            # The request's own objects, not copies: the runner reads them before the scheduler
-            # changes them, and the Ray executor sends each once (engine/worker/step_delta.py).
-            sampling_params=request.sampling_params,
-            seed=request.seed,
-            output_token_ids=request.output_token_ids,
-            prompt_token_ids=request.prompt_token_ids,
-            eos_token_ids=request.eos_token_ids,
-        )
+        scheduled = request.describe(n, spec_token_ids, self.kv.block_ids(request.request_id))
+        end = scheduled.start + len(scheduled.token_ids) - len(spec_token_ids)
+        self.num_prompt_tokens_computed += max(0, min(end, request.num_prompt_tokens) - scheduled.start)
+        return scheduled
 
     def _take_finished_ids(self) -> list[str]:
         ids, self.finished_ids = self.finished_ids, []
