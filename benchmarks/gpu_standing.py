@@ -271,7 +271,7 @@ def sleep(out: dict) -> None:
 
 
 SECTIONS = {"engine": engine_checks, "serve": serve, "sleep": sleep}
-LIMITS = {"engine": 300, "serve": 360, "sleep": 150}
+LIMITS = {"engine": 240, "serve": 240, "sleep": 90}      # (one lease: ~10 minutes of device time in all)
 
 
 def _save(out: dict, name: str) -> None:
