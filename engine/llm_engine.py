@@ -3,12 +3,11 @@
 Validates requests on the way in (ValueError naming the field) and fans `n > 1` out into forked
 children; the output side (detokenization, stop strings, vLLM-shaped RequestOutputs) is
 engine/output_processor.py.
-With a KV connector it also moves the transfer queues between the scheduler side and the worker side
-of the connector (kv_transfer/base.py) at the start of each step.
+With a KV connector, its transfers (P/D pulls and leases, a peer's prefix) are engine/kv_transfers.py's,
+which the step asks before scheduling (finished transfers) and after (new ones to the workers).
 """
 from __future__ import annotations
 
-import uuid
 from collections import deque
 from dataclasses import replace
 from typing import Any
@@ -18,6 +17,7 @@ import records.clock as clock
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.executor.executor import make_executor
+from engine.kv_transfers import KVTransfers
 from engine.output_processor import OutputProcessor
 from engine.sample.structured_output import compiler_for
 from engine.spec_decode import SpecDecodeStats, make_proposer, max_proposals
@@ -30,7 +30,7 @@ from records.kv_layout import KVLayout
 from records.lora import LoRARequest, read_adapter
 from records.model_source import MOE_ARCHITECTURES
 from records.outputs import KVEvent, ModelRunnerOutput, RequestOutput, SchedulerOutput
-from records.request import PEER_PREFIX, Continuation, NewRequest, Request, RequestStatus
+from records.request import Continuation, NewRequest, Request, RequestStatus
 from records.sampling_params import SamplingParams, StructuredOutputsParams, check_limits, validate_request
 
 # Steps in a row that may fail (each failing only its own requests) before the engine is declared
@@ -55,23 +55,22 @@ class LLMEngine:
             config.cache_config.enable_prefix_caching, self.executor.num_cpu_blocks, self.executor.tier_slots,
             mc.kv_sliding_window)
         kvt = config.kv_transfer_config
-        self.kv_connector: KVConnectorScheduler | None = None
+        self.kv_connector = KVConnectorScheduler(kvt, KVLayout.from_config(config)) if kvt is not None else None
         self.kv_worker = self.executor.kv           # every rank's worker side (None without a connector)
-        if kvt is not None:
-            self.kv_connector = KVConnectorScheduler(kvt, KVLayout.from_config(config))
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.kv_connector,
                                    kvt.load_failure_policy if kvt else "recompute",
                                    config.parallel_config.max_concurrent_batches)
         self.in_flight: deque[SchedulerOutput] = deque()   # batches submitted, oldest first
         self.proposer = make_proposer(config, self.executor.num_blocks)
         self.spec_stats = SpecDecodeStats()
-        self._aborted_leases: list[str] = []
         self.last_step_idle = False         # the last step scheduled nothing (only transfers pending)
         self.num_failed_steps = 0           # steps in a row that raised (ModelRunnerOutput.step_error)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish_requests)
         self.telemetry = self.output.telemetry = RequestTelemetry(mc.max_model_len, config.kv_block_bytes())
         self.num_prompt_tokens = 0
-        self.num_prefix_leases = 0          # prefixes leased to peer replicas (lease_prefix)
+        # Its KV transfers (P/D, peer prefixes), from a request's parameters to its blocks' release.
+        self.transfers = (KVTransfers(self.kv_connector, self.executor, self.kv_cache_manager, self.scheduler,
+                                      self.output) if self.kv_connector is not None else None)
 
     # --- intake -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
@@ -110,8 +109,7 @@ class LLMEngine:
         if params.use_beam_search:
             raise ValueError("use_beam_search: beam search runs over the engine (LLM.generate, the server's "
                              "completions and chat: engine/beam_search.py), not as one engine request")
-        if request_id in self.output.states or (self.kv_connector is not None
-                                         and request_id in self.kv_connector.leases):
+        if request_id in self.output.states or (self.transfers is not None and self.transfers.holds(request_id)):
             raise ValueError(f"request_id {request_id!r} is already in use")
         mc = self.config.model_config
         max_tokens = params.max_tokens or (mc.max_model_len - len(prompt_token_ids))
@@ -124,7 +122,10 @@ class LLMEngine:
             self._check_continuation(params, max_tokens, new.continuation, bool(new.kv_transfer_params))
             leader.resume(new.continuation.token_ids)
         if new.kv_transfer_params:
-            self._attach_transfer(leader, new.kv_transfer_params)
+            if self.transfers is None:
+                raise ValueError("kv_transfer_params need a KV connector: create this engine with "
+                                 "kv_connector='nixl' or 'torch_dist'")
+            self.transfers.attach(leader, new.kv_transfer_params)
         children = [leader, *leader.fork_children]
         trace_context = new.trace_context
         if trace_context is None and tracing.enabled():
@@ -147,33 +148,6 @@ class LLMEngine:
                              f"({max_tokens}) leaves none to generate")
         if continuation.num_chars < 0:
             raise ValueError(f"continuation.num_chars must be >= 0; got {continuation.num_chars}")
-
-    def _attach_transfer(self, request: Request, kv_transfer_params: dict[str, Any]) -> None:
-        if self.kv_connector is None:
-            raise ValueError("kv_transfer_params need a KV connector: create this engine with "
-                             "kv_connector='nixl' or 'torch_dist'")
-        if not isinstance(kv_transfer_params, dict):
-            raise ValueError("kv_transfer_params must be a dict")
-        params = request.sampling_params
-        if params.n != 1:
-            raise ValueError(f"kv_transfer_params need n == 1; got n={params.n}")
-        remote = self.kv_connector.parse(kv_transfer_params, request.block_hashes, request.num_prompt_tokens,
-                                         params.adapter_name)
-        if remote is None:
-            request.remote_decode = True
-            request.max_tokens = 1
-            peer = kv_transfer_params.get("peer_prefix")
-            if peer is not None:       # its prefix pulled from a peer (a peer's lease_prefix)
-                if not isinstance(peer, dict) or not peer.get("do_remote_prefill"):
-                    raise ValueError("kv_transfer_params.peer_prefix must be the kv_transfer_params a peer's "
-                                     "lease_prefix returned")
-                request.remote_prefill = self.kv_connector.parse(peer, request.block_hashes, request.num_prompt_tokens,
-                                                                 params.adapter_name)
-        elif params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs must be None with do_remote_prefill (the prompt's KV "
-                             "is pulled, not computed here)")
-        else:
-            request.remote_prefill = remote
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, compile_constraint: bool = True,
                  prepared: bool = False) -> None:
@@ -213,8 +187,8 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort user requests (all their children); their blocks are freed at once."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            if self.kv_connector is not None and rid in self.kv_connector.leases:
-                self._aborted_leases.append(rid)     # freed at the next step
+            if self.transfers is not None:
+                self.transfers.abort(rid)            # a lease of that id: freed at the next step
             child_ids = self.output.remove(rid)
             if child_ids:
                 self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
@@ -231,13 +205,10 @@ class LLMEngine:
         """Run one iteration; returns an output for every request that advanced or finished."""
         if self.scheduler.max_concurrent_batches > 1:
             return self._step_pipelined()
-        outputs = self._poll_transfers() if self.kv_worker is not None else []
+        outputs = self.transfers.poll() if self.transfers is not None else []
         sched = self.scheduler.schedule()
-        if self.kv_connector is not None:
-            for spec in self.kv_connector.take_new_loads():
-                self.kv_worker.start_load(spec)
-            for remote in self.kv_connector.take_new_releases():
-                self.kv_worker.release_remote(remote)
+        if self.transfers is not None:
+            self.transfers.dispatch()
         self.last_step_idle = sched.is_empty
         if sched.is_empty:
             return outputs
@@ -278,8 +249,8 @@ class LLMEngine:
         else:
             self.num_failed_steps = 0
         updated = self.scheduler.update_from_output(sched, runner_out)
-        if self.kv_connector is not None:
-            self._start_leases()
+        if self.transfers is not None:
+            self.transfers.start_leases()
         outputs = self.output.advance(updated)
         if self.proposer is not None:
             self._propose()
@@ -300,77 +271,14 @@ class LLMEngine:
             for request, proposal in zip(requests, self.proposer.propose(list(requests), list(nums))):
                 request.spec_token_ids = proposal
 
-    def _poll_transfers(self) -> list[RequestOutput]:
-        """Collect finished transfers: end released, aborted and expired leases (the worker refuses
-        their pulls before their blocks are freed), and re-queue or fail finished pulls."""
-        assert self.kv_connector is not None and self.kv_worker is not None
-        report = self.executor.kv_poll()
-        aborted, self._aborted_leases = self._aborted_leases, []
-        ending = self.kv_connector.leases_to_end(report.released, aborted)
-        if ending:
-            self.kv_worker.end_leases([lease.slot for lease in ending])
-            for lease in ending:
-                self.kv_cache_manager.free(lease.request)
-        outputs = []
-        for request in self.scheduler.finish_loads(report.loaded, report.failed):
-            output = self.output.finish_loaded(request)
-            if output is not None:
-                outputs.append(output)
-        return outputs
-
-    def _start_leases(self) -> None:
-        """Lease the blocks of requests that finished their prefill for a remote decode."""
-        assert self.kv_connector is not None and self.kv_worker is not None
-        for request in self.scheduler.take_new_leased():
-            block_ids = self.kv_cache_manager.block_ids(request.request_id)
-            taken = self.kv_connector.lease_slots.take()
-            if taken is None:        # lease table full: the decode side will compute the prompt
-                self.kv_cache_manager.free(request)
-                continue
-            self.kv_worker.hold_lease(*taken, block_ids)
-            params = self.kv_connector.add_lease(request, block_ids, *taken, self.kv_worker.addresses,
-                                                 self.kv_worker.engine_id)
-            self.output.set_transfer_params(request.request_id, params)
-        self.executor.kv_flush()     # every rank holds the new leases before their parameters leave
-
     def lease_prefix(self, block_hashes: list[bytes], adapter: str = "") -> dict[str, Any] | None:
-        """Lease the leading run of `block_hashes` this engine holds, in its pool or (loaded back
-        into the pool first, now) its offload tier, for a peer replica to pull instead of computing
-        them (the router decides: router/routing/pool_router.py). Returns the kv_transfer_params to
-        give the peer's request (as a prefill engine's, for `num_tokens` = the run's tokens), or
-        None when there is nothing to lease (no connector, no such blocks, the lease table full).
-        The blocks stay referenced until the peer releases the lease, or it expires. Runs between
-        steps (an engine with a connector keeps one batch in flight)."""
-        if self.kv_connector is None or self.kv_worker is None or not self.kv_connector.lease_slots.num_free:
-            return None
-        kv, hashes = self.kv_cache_manager, list(block_hashes)
-        holder, num_pool = kv.hold_prefix(f"{PEER_PREFIX}{uuid.uuid4().hex[:16]}", hashes)
-        failed: set[int] = set()
-        if kv.tier is not None and (kv.tier.saves or kv.tier.loads):    # the tier's blocks: load them now
-            saves, loads = kv.tier.take_orders()
-            out = self.executor.execute_model(SchedulerOutput([], 0, tier_saves=saves, tier_loads=loads))
-            kv.tier.forget_failed(out.tier_failed)
-            failed = {order[3] for order in out.tier_failed if order[0] == "load"}
-        if kv.confirm_prefix(holder, hashes, failed) == 0:
-            kv.free(holder)
-            return None
-        taken = self.kv_connector.lease_slots.take()
-        assert taken is not None
-        blocks = kv.req_to_blocks[holder.request_id]
-        block_ids = [b.block_id for b in blocks]
-        self.kv_worker.hold_lease(*taken, block_ids)
-        params = self.kv_connector.add_prefix_lease(
-            holder, block_ids, list(block_hashes[:len(blocks)]), len(blocks) * kv.block_size, adapter, *taken,
-            self.kv_worker.addresses, self.kv_worker.engine_id)
-        self.executor.kv_flush()     # every rank holds the lease before its parameters leave
-        self.num_prefix_leases += 1
-        return params
+        """A peer's prefix pull (KVTransfers.lease_prefix); None without a connector."""
+        return self.transfers.lease_prefix(block_hashes, adapter) if self.transfers is not None else None
 
     def renew_lease(self, request_id: str, seconds: float) -> bool:
         """Keep a leased request's blocks at least `seconds` longer; False if it holds no lease."""
-        return self.kv_connector is not None and self.kv_connector.renew_lease(request_id, seconds)
+        return self.transfers is not None and self.transfers.renew(request_id, seconds)
 
-    # --- introspection ----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         kv = self.kv_cache_manager
         return {
@@ -392,7 +300,7 @@ class LLMEngine:
             "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
             "generation_tokens": self.output.num_generation_tokens,
             **(self.spec_stats.as_dict() if self.proposer is not None else {}),
-            **(self._transfer_stats() if self.kv_connector is not None else {}),
+            **(self.transfers.stats() if self.transfers is not None else {}),
             **(self._tier_stats() if kv.tier is not None else {}),
             **self._moe_stats(),
         }
@@ -415,15 +323,6 @@ class LLMEngine:
                 **{f"kv_tier_{k}": v for k, v in tier.stats.as_dict().items()},
                 **{f"kv_tier_{k}": v for k, v in worker.items()}}
 
-    def _transfer_stats(self) -> dict[str, Any]:
-        c, loads = self.kv_connector, self.scheduler.loads
-        assert c is not None and loads is not None
-        return {"kv_loads": c.num_loads, "kv_load_failures": c.num_load_failures,
-                "kv_blocks_pulled": c.num_blocks_pulled, "kv_leases": c.num_leases,
-                "kv_leases_active": len(c.leases), "kv_leases_expired": c.num_leases_expired,
-                "kv_prefix_leases": self.num_prefix_leases,
-                "num_requests_waiting_for_kv": len(loads.loading)}
-
     def take_kv_events(self) -> list[KVEvent]:
         return self.kv_cache_manager.take_events()
 
@@ -436,8 +335,8 @@ class LLMEngine:
         loads = self.scheduler.loads
         assert loads is None or not loads.aborted, f"pulls outstanding: {list(loads.aborted)}"
         assert not self.scheduler.tier_loading, f"tier loads outstanding: {list(self.scheduler.tier_loading)}"
-        if self.kv_connector is not None:
-            assert not self.kv_connector.leases, f"leases held: {list(self.kv_connector.leases)}"
+        if self.transfers is not None:
+            self.transfers.check_no_leaks()
         self.kv_cache_manager.check_no_leaks()
         if self.proposer is not None:
             self.proposer.check_no_leaks()
