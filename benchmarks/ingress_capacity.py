@@ -68,12 +68,13 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
 
 def run(args: argparse.Namespace, ingress_replicas: int) -> dict:
     direct = ", direct_ingress: true" if args.direct_ingress else ""
-    spec = (f"engine: {{simulate: {args.profile}, max_model_len: 4096}}\n"
+    spec = (f"engine: {{simulate: {args.profile}, max_model_len: 4096, stream_interval: {args.stream_interval}}}\n"
             f"pools:\n  decode: {{replicas: {args.replicas}, replicas_per_process: 8}}\n"
             f"serving: {{port: PORT, ingress_replicas: {ingress_replicas}, ingress_num_cpus: 1, "
             f"max_in_flight: 100000{direct}}}\n")
     with bench.served(spec) as base:
-        return {"server": "pdserve", "ingress_replicas": ingress_replicas, **measure(args, base, ingress_replicas)}
+        return {"server": "pdserve", "ingress_replicas": ingress_replicas, "stream_interval": args.stream_interval,
+                **measure(args, base, ingress_replicas)}
 
 
 def run_floor(args: argparse.Namespace) -> dict:
@@ -121,6 +122,8 @@ def measure(args: argparse.Namespace, base: str, ingress_replicas: int) -> dict:
             "latency_p50": f"{p50.group(1)}{p50.group(2)}" if p50 else None,
             "cpu_s": used, "ingress_cpu_share": round(used["ingress"] / wall, 3),
             "requests_per_ingress_cpu_s": round(rps * wall / used["ingress"], 1) if used["ingress"] else None,
+            "ingress_cpu_us_per_token": (round(used["ingress"] / (rps * wall * args.max_tokens) * 1e6, 1)
+                                         if rps else None),
             "profile": profile}
 
 
@@ -152,6 +155,8 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=64)
     ap.add_argument("--seconds", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="the engines' stream_interval (a chunk's fewest new tokens; vLLM's --stream-interval)")
     ap.add_argument("--ingress", default="1,2", help="ingress replica counts to run")
     ap.add_argument("--profile-ingress", action="store_true", help="sample the ingress with py-spy")
     ap.add_argument("--floor", action="store_true",

@@ -5,8 +5,12 @@ sustains per ingress CPU-second is the most any Serve ingress can, on this machi
 proxy (or with `--direct-ingress`, serving the port itself); pdserve's ingress is measured against it.
 
     .venv/bin/python benchmarks/serve_floor.py --port 8123 [--direct-ingress]    # runs until killed
+
+FLOOR_GAP_MS=10 sends the token chunks that many milliseconds apart, as an engine's steps make them
+(back to back, Serve ships them in a few messages).
 """
 import argparse
+import asyncio
 import json
 import os
 import signal
@@ -33,6 +37,7 @@ def main() -> None:
     from ray import serve
 
     api = FastAPI()
+    GAP_S = float(os.environ.get("FLOOR_GAP_MS", "0")) / 1e3
 
     @serve.deployment(name="openai-ingress", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=100000)
     @serve.ingress(api)
@@ -60,6 +65,8 @@ def main() -> None:
             async def stream():
                 yield chunk({"role": "assistant", "content": ""})
                 for i in range(n):
+                    if GAP_S:           # tokens a step apart, as an engine makes them
+                        await asyncio.sleep(GAP_S)
                     yield chunk({"content": f" t{i}"})
                 yield chunk({}, "length")
                 yield "data: [DONE]\n\n"

@@ -292,6 +292,8 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "kv_cache_memory_bytes": (int, "bytes of KV cache per replica (default: from free memory)"),
     "block_size": (int, "tokens per KV block"),
     "seed": (int, "the engine's sampling seed"),
+    "stream_interval": (int, "a streamed request's chunks carry at least this many new tokens (its first and last "
+                             "go out at once; default 1: every step's)"),
     "generation_config": (str, "auto (the model's sampling defaults) or vllm (none)"),
     "enable_prefix_caching": (None, "reuse cached prefixes' KV blocks (default on)"),
     "enable_chunked_prefill": (None, "split long prompts over steps (default on)"),

@@ -65,7 +65,7 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         self.last_step_idle = False         # the last step scheduled nothing (only transfers pending)
         self.num_failed_steps = 0           # steps in a row that raised (ModelRunnerOutput.step_error)
-        self.output = OutputProcessor(self.tokenizer, self.scheduler.finish_requests)
+        self.output = OutputProcessor(self.tokenizer, self.scheduler.finish_requests, config.stream_interval)
         self.telemetry = self.output.telemetry = RequestTelemetry(mc.max_model_len, config.kv_block_bytes())
         self.num_prompt_tokens = 0
         # Its KV transfers (P/D, peer prefixes), from a request's parameters to its blocks' release.

@@ -81,6 +81,7 @@ class RequestState:
     kv_transfer_params: dict[str, Any] | None = None    # set when its blocks are leased
     trace_context: dict[str, str] | None = None          # W3C carrier: its spans' parent (engine/tracing.py)
     detokenize_s: float | None = None                    # time spent detokenizing (traced requests only)
+    outputs_sent: int = 0
 
     @property
     def finished(self) -> bool:
@@ -94,8 +95,12 @@ class OutputProcessor:
     """Request states by user request id (and by child request id), and what a step's updated
     requests turn into."""
 
-    def __init__(self, tokenizer: Any, finish_requests: Callable[[list[str], RequestStatus], None]) -> None:
+    def __init__(self, tokenizer: Any, finish_requests: Callable[[list[str], RequestStatus], None],
+                 stream_interval: int = 1) -> None:
+        """`stream_interval` (vLLM's): a delta request's outputs wait until a choice has that many new
+        tokens (its first output and its finish go out at once)."""
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.finish_requests = finish_requests      # the scheduler's: ends choices, frees their blocks
         self.states: dict[str, RequestState] = {}
         self.child_to_state: dict[str, tuple[RequestState, int]] = {}
@@ -160,8 +165,9 @@ class OutputProcessor:
             touched[state.request_id] = state
         outputs: list[RequestOutput] = []
         for state in touched.values():
-            if not state.finished and state.params.output_kind == "final_only":
+            if not state.finished and (state.params.output_kind == "final_only" or self._held(state)):
                 continue
+            state.outputs_sent += 1
             try:
                 outputs.append(self.make_output(state))
             except Exception as e:  # noqa: BLE001
@@ -171,6 +177,16 @@ class OutputProcessor:
                 state.metrics["finished_time"] = now
                 self.forget(state)
         return outputs
+
+    def _held(self, state: RequestState) -> bool:
+        """Whether a running delta request's output waits for more tokens (stream_interval)."""
+        if self.stream_interval == 1 or state.params.output_kind != "delta" or not state.outputs_sent:
+            return False
+        for c in state.children:
+            if (c.finish_reason is not None and not c.finish_sent) \
+                    or len(c.request.output_token_ids) - c.sent_tokens >= self.stream_interval:
+                return False
+        return True
 
     def finish_loaded(self, request: Request) -> RequestOutput | None:
         """The final output of a request that ended while its KV was being pulled (failed pull)."""

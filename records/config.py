@@ -235,6 +235,7 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None
     otlp_traces_endpoint: str | None = None     # engine/tracing.py: None traces nothing
     simulation: SimulationConfig | None = None  # None: the model runs (else engine/executor/simulated.py)
+    stream_interval: int = 1                    # a streamed delta's fewest new tokens (EngineArgs)
 
     @property
     def kv_dtype(self) -> str:
@@ -406,7 +407,7 @@ class EngineConfig:
             kv_transfer_config=kv_transfer_config,
             speculative_config=spec_config,
             lora_config=args.lora_config(), otlp_traces_endpoint=args.otlp_traces_endpoint,
-            simulation=simulation,
+            simulation=simulation, stream_interval=args.stream_interval,
         )
 
 

@@ -86,6 +86,9 @@ class EngineArgs:
     pipeline_micro_batches: int | None = None        # None: 1 with concurrent batches, else PP
     # vLLM's: export each request's spans over OTLP to this collector (engine/tracing.py)
     otlp_traces_endpoint: str | None = None
+    # vLLM's --stream-interval: a streamed request's deltas carry at least this many new tokens
+    # (its first and its last go out at once); fewer messages and chunks per token on the way out
+    stream_interval: int = 1
     max_concurrent_batches: int | None = None        # None: pipeline_parallel_size (1 with a kv_connector)
     enforce_eager: bool = False                      # no CUDA graphs
     cuda_graph_sizes: list[int] = field(default_factory=lambda: [1, 2, 4] + list(range(8, 257, 8)))
@@ -144,6 +147,9 @@ class EngineArgs:
         if self.worker_num_cpus <= 0 or self.worker_num_gpus < 0:
             raise ValueError(f"worker_num_cpus must be > 0 and worker_num_gpus >= 0; got "
                              f"{self.worker_num_cpus}, {self.worker_num_gpus}")
+        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) \
+                or self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1; got {self.stream_interval!r}")
         sizes = self.cuda_graph_sizes
         if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
             raise ValueError(f"cuda_graph_sizes must be positive integers; got {sizes!r}")

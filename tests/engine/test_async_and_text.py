@@ -287,7 +287,9 @@ def test_kv_event_long_poll_answers_only_with_events(tiny_llama):
 def test_output_kinds_delta_and_final_only_add_up_to_cumulative(tiny_llama):
     """The same requests (n=2 stopped by a stop string, and one with logprobs) run as "cumulative",
     "delta" and "final_only": the deltas concatenate to the cumulative outputs, each choice's finish
-    goes out exactly once, and final_only returns nothing before the end."""
+    goes out exactly once, and final_only returns nothing before the end. With stream_interval 4
+    (vLLM's --stream-interval) the deltas add up the same, fewer: after a request's first, each
+    carries 4 new tokens of a choice or a choice's finish."""
     llm = LLM(tiny_llama, dtype="float32")
     engine = llm.llm_engine
     prompts = [list(range(20, 45)), list(range(300, 310))]
@@ -305,9 +307,9 @@ def test_output_kinds_delta_and_final_only_add_up_to_cumulative(tiny_llama):
             dict(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2),
             dict(sampled, stop_token_ids=[only_first])]
 
-    def run(kind):
+    def run(kind, tag=None):
         for i, (p, kw) in enumerate(zip(prompts, base)):
-            engine.add_request(f"{kind}-{i}", None, p, SamplingParams(**kw, output_kind=kind))
+            engine.add_request(f"{tag or kind}-{i}", None, p, SamplingParams(**kw, output_kind=kind))
         outs = []
         while engine.has_unfinished_requests():
             outs.extend(engine.step())
@@ -317,11 +319,20 @@ def test_output_kinds_delta_and_final_only_add_up_to_cumulative(tiny_llama):
     finals = run("final_only")
     assert all(o.finished for o in finals) and len(finals) == 3
     deltas = run("delta")
+    engine.output.stream_interval = 4
+    spaced = run("delta", "spaced")
+    engine.output.stream_interval = 1
+    assert len(spaced) < len(deltas) / 2
     for i, full in cumulative.items():
         final = next(o for o in finals if o.request_id == f"final_only-{i}")
         assert [(c.text, c.token_ids) for c in final.outputs] == [(c.text, c.token_ids) for c in full.outputs]
         mine = [o for o in deltas if o.request_id == f"delta-{i}"]
         assert mine[-1].finished and not any(o.finished for o in mine[:-1])
+        few = [o for o in spaced if o.request_id == f"spaced-{i}"]
+        for c in full.outputs:
+            parts = [d for o in few for d in o.outputs if d.index == c.index]
+            assert [t for d in parts for t in d.token_ids] == c.token_ids and "".join(d.text for d in parts) == c.text
+        assert all(any(len(d.token_ids) >= 4 or d.finish_reason for d in o.outputs) for o in few[1:])
         for c in full.outputs:
             parts = [d for o in mine for d in o.outputs if d.index == c.index]
             assert "".join(d.text for d in parts) == c.text
