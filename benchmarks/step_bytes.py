@@ -1,5 +1,5 @@
 """Bytes of the step message the Ray executor sends its worker ranks (TP/PP) per decode step: the
-step delta (engine/worker/step_delta.py) against the whole SchedulerOutput the executor used to pickle,
+step delta (engine/worker/step_codec.py) against the whole SchedulerOutput the executor used to pickle,
 at several batch sizes and contexts, on the tiny model of benchmarks/step_overhead.py.
 
     .venv/bin/python benchmarks/step_bytes.py --batch 64 --context 128,2048
@@ -23,7 +23,7 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 from step_overhead import make_tiny_model
 
 from engine import LLM, SamplingParams
-from engine.worker.step_delta import StepEncoder
+from engine.worker.step_codec import StepEncoder
 
 
 def measure(model: str, batch: int, context: int, output_len: int) -> tuple[int, int]:

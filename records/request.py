@@ -246,7 +246,7 @@ class Request:
             do_sample=self.compute_limit is None and end == self.num_tokens and not params.pooling,
             spec_token_ids=spec_token_ids, prompt_logprobs_from=prompt_lp_from,
             # The request's own objects, not copies: the runner reads them before the scheduler
-            # changes them, and the Ray executor sends each once (engine/worker/step_delta.py).
+            # changes them, and the Ray executor sends each once (engine/worker/step_codec.py).
             sampling_params=params, seed=self.seed, output_token_ids=self.output_token_ids,
             prompt_token_ids=self.prompt_token_ids, eos_token_ids=self.eos_token_ids)
 

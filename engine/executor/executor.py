@@ -11,7 +11,7 @@ import torch
 from engine.executor.base import Executor
 from engine.executor.simulated import SimulatedExecutor
 from engine.worker.step_channel import StepChannel
-from engine.worker.step_delta import StepEncoder
+from engine.worker.step_codec import StepEncoder
 from engine.worker.worker import Worker
 from kv_transfer.worker_group import KVWorkerGroup
 from records.config import EngineConfig
@@ -71,7 +71,7 @@ class RayExecutor(Executor):
     """One `Worker` actor per rank in a placement group (cluster/placement.py: a stage's TP ranks on
     one node, stages spread over nodes). Setup goes through Ray calls; then every worker runs
     `serve_steps`, connected to this executor's StepChannel, and each step's SchedulerOutput goes
-    out as a delta (engine/worker/step_delta.py: O(batch) bytes on a decode step), serialized once and the
+    out as a delta (engine/worker/step_codec.py: O(batch) bytes on a decode step), serialized once and the
     same bytes written to every worker's connection; the driver rank (TP 0 of the last stage)
     answers with the sampled tokens. A dead worker fails the step with
     EngineDeadError as soon as its connection closes or Ray reports it."""

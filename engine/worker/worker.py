@@ -29,7 +29,7 @@ from engine.worker.kv_scales import calibrate_kv_scales
 from engine.worker.kv_tier_store import TierStore
 from engine.worker.lora_slots import LoRASlots
 from engine.worker.model_runner import ModelRunner
-from engine.worker.step_delta import StepDecoder
+from engine.worker.step_codec import StepDecoder
 from kernels.dispatch import FP8_MIN_CAPABILITY, cuda_capability, has_fp8
 from kernels.reference import GGUF_BLOCK_BYTES
 from kv_transfer.base import KVConnectorWorker
@@ -242,7 +242,7 @@ class Worker:
 
     def execute_serialized(self, payload: bytes) -> tuple[ModelRunnerOutput | None, TransferReport | None]:
         """`step` on a pickled (step delta or None, KV orders) (the Ray executor's one message per
-        step, engine/worker/step_delta.py)."""
+        step, engine/worker/step_codec.py)."""
         assert self.runner is not None
         delta, kv_ops = pickle.loads(payload)
         return self.step(None if delta is None else self.decoder.decode(delta), kv_ops)

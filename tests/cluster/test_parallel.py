@@ -456,7 +456,7 @@ def _through_deltas(llm, sizes: list[tuple[int, int]]) -> None:
     (number of requests, message bytes) per model step."""
     import pickle
 
-    from engine.worker.step_delta import StepDecoder, StepEncoder
+    from engine.worker.step_codec import StepDecoder, StepEncoder
 
     executor = llm.llm_engine.executor
     encoder, decoder, exchange = StepEncoder(), StepDecoder(), executor._exchange
