@@ -224,33 +224,63 @@ class Frontend:
     async def run(self, prompts: list[list[int]], params: SamplingParams, request_id: str, ticket: Ticket
                   ) -> AsyncIterator[tuple[int, StepDelta]]:
         """Stream (prompt index, StepDelta) over all prompts of one HTTP request; releases `ticket`
-        when it ends, however it ends."""
-        queue: asyncio.Queue = asyncio.Queue()
+        when it ends, however it ends. One prompt (a chat, most completions) streams straight from
+        its router; several are merged through one queue, each pumped by a task of its own."""
         # Its time to first token counts from its arrival at the endpoint (`observe`), every hop included.
         arrival = ticket.arrival if ticket.arrival is not None else time.monotonic()
         trace = ticket.trace
         if trace is not None:
             trace.started(request_id, prompts, self.preparer.model_name, params.adapter_name or None)
+        try:
+            if len(prompts) == 1:
+                try:
+                    # (closed when this stream is: a consumer that stops early aborts it on its replica)
+                    async with contextlib.aclosing(self._prompt(f"{request_id}-0", prompts[0], params, ticket,
+                                                                arrival)) as deltas:
+                        async for delta in deltas:
+                            yield 0, delta
+                except Exception as e:  # noqa: BLE001 - as the client gets it
+                    raise self._failed(e, trace) from None
+            else:
+                async for i, delta in self._merged(prompts, params, request_id, ticket, arrival):
+                    yield i, delta
+        finally:
+            # Nothing here may come after an await: a cancelled request is cancelled again at each.
+            self.metrics.tenants.tokens.inc(ticket.generated, tenant=ticket.tenant.name, kind="generation")
+            ticket.release()
 
-        async def pump(i: int, ids: list[int]) -> None:
+    async def _prompt(self, request_id: str, ids: list[int], params: SamplingParams, ticket: Ticket,
+                      arrival: float) -> AsyncIterator[StepDelta]:
+        """One prompt's deltas from its router, charged to the ticket; a replica put to sleep since
+        this ingress last looked wakes the model, and the prompt is sent again."""
+        trace = ticket.trace
+        for attempt in range(WAKE_RETRIES + 1):
             streamed = False
             try:
-                for attempt in range(WAKE_RETRIES + 1):
-                    try:
-                        async for delta in self.router.generate(f"{request_id}-{i}", ids, params, trace=trace,
-                                                                arrival=arrival):
-                            streamed = True
-                            if trace is not None:
-                                trace.delta(delta)
-                            ticket.charge(sum(len(c.token_ids) for c in delta.choices))
-                            queue.put_nowait((i, delta))
-                        return
-                    except Exception as e:
-                        # A replica put to sleep since this ingress last looked: wake the model, send again.
-                        if streamed or attempt == WAKE_RETRIES or not replica_asleep(e):
-                            raise
-                        self.cold.asleep = True
-                        await self.cold.wake()
+                async with contextlib.aclosing(self.router.generate(request_id, ids, params, trace=trace,
+                                                                    arrival=arrival)) as deltas:
+                    async for delta in deltas:
+                        streamed = True
+                        if trace is not None:
+                            trace.delta(delta)
+                        ticket.charge(sum(len(c.token_ids) for c in delta.choices))
+                        yield delta
+                return
+            except Exception as e:
+                if streamed or attempt == WAKE_RETRIES or not replica_asleep(e):
+                    raise
+                self.cold.asleep = True
+                await self.cold.wake()
+
+    async def _merged(self, prompts: list[list[int]], params: SamplingParams, request_id: str, ticket: Ticket,
+                      arrival: float) -> AsyncIterator[tuple[int, StepDelta]]:
+        """Several prompts at once, their deltas in the order they come."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, ids: list[int]) -> None:
+            try:
+                async for delta in self._prompt(f"{request_id}-{i}", ids, params, ticket, arrival):
+                    queue.put_nowait((i, delta))
             except Exception as e:  # noqa: BLE001 - surfaced to the consumer below
                 queue.put_nowait((i, e))
             finally:
@@ -265,17 +295,18 @@ class Frontend:
                     remaining -= 1
                     continue
                 if isinstance(item, BaseException):
-                    error = served_error(item)
-                    if trace is not None:
-                        trace.failed(error)
-                    raise error from None
+                    raise self._failed(item, ticket.trace) from None
                 yield i, item
         finally:
-            # Nothing here may come after an await: a cancelled request is cancelled again at each.
-            self.metrics.tenants.tokens.inc(ticket.generated, tenant=ticket.tenant.name, kind="generation")
-            ticket.release()
             for t in tasks:                 # a disconnect cancels the pumps, which abort on the replicas
                 t.cancel()
+
+    @staticmethod
+    def _failed(error: BaseException, trace: RequestTrace | None) -> PDServeError:
+        served = served_error(error)
+        if trace is not None:
+            trace.failed(served)
+        return served
 
     async def beam_search(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                           ticket: Ticket) -> list[list[Hypothesis]]:
