@@ -156,8 +156,7 @@ def offline(out: dict, engine, recorder) -> None:
                 engine.add_request(f"o-{batch}-{mode}-{i}", None, p,
                                    SamplingParams(max_tokens=1 + OUT_TOKENS, ignore_eos=True, detokenize=False,
                                                   seed=i, **sampling))
-            while engine.has_unfinished_requests():
-                recorder.run([], 0)
+            recorder.run([], 0)             # (steps until they are all done)
             decode = [(s, f, st) for s, f, st, _ in recorder.rows if s.prefill_tokens == 0 and s.decode_rows == batch]
             step_s = statistics.median(st for *_, st in decode)
             forward_s = statistics.median(f for _, f, _ in decode)

@@ -308,6 +308,7 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     if not ok:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
         raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+    check_limits(len(prompt_token_ids), params, max_model_len, max_num_seqs)   # (the lengths first, as before)
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}); got {bad[:5]}")
@@ -318,7 +319,6 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     bad = [t for t in params.logit_bias or () if t >= vocab_size]
     if bad:
         raise ValueError(f"logit_bias must be keyed by token ids in [0, {vocab_size}); got {bad[:5]}")
-    check_limits(len(prompt_token_ids), params, max_model_len, max_num_seqs)
 
 
 def check_limits(num_prompt_tokens: int, params: SamplingParams, max_model_len: int,
