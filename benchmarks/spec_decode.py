@@ -92,9 +92,9 @@ def main() -> None:
         before = spec.llm_engine.stats()
         t_spec, n_spec, out_spec = run(spec, prompts, args.max_tokens, batch_size)
         after = spec.llm_engine.stats()
-        drafts = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
-        accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
-        verifications = after["spec_num_drafts"] - before["spec_num_drafts"]
+        drafts = after.spec.num_draft_tokens - before.spec.num_draft_tokens
+        accepted = after.spec.num_accepted_tokens - before.spec.num_accepted_tokens
+        verifications = after.spec.num_drafts - before.spec.num_drafts
         row = {"none_tok_per_s": n_plain / t_plain, "ngram_tok_per_s": n_spec / t_spec,
                "speedup": (n_spec / t_spec) / (n_plain / t_plain),
                "acceptance_rate": accepted / max(drafts, 1),

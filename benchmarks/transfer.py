@@ -278,7 +278,7 @@ def bench_ttft(connectors: list[str], prompt_len: int, repeats: int, dtype: str)
             decode.append(run(d, f"x{i}", out.kv_transfer_params, peer=p)[0])
             prefill.append(prefill_s)
             settle(p, d)
-        if d.stats()["kv_load_failures"] or d.stats()["kv_loads"] != repeats + 1:
+        if d.stats().kv_transfer.load_failures or d.stats().kv_transfer.loads != repeats + 1:
             raise RuntimeError(f"{connector}: D computed a prompt instead of pulling it: {d.stats()}")
         del p, d                                       # frees the NIXL agents (and their threads)
         gc.collect()

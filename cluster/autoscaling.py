@@ -49,7 +49,7 @@ class Autoscaling:
 
     def sample(self, pool: EnginePool, now: float) -> PoolSample:
         """What the pool's serving replicas reported at the last health check, as one sample."""
-        return sample_pool(now, {r: pool.stats.get(r) for r in pool.replicas},
+        return sample_pool(now, pool.engine_stats(),
                            len(pool.starting) + len(pool.incoming), self._hist_seen)
 
     async def plan(self, pools: dict[str, EnginePool], now: float, drain_timeout_s: float) -> bool:

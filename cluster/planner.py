@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from cluster.config import AutoscalingSpec
+from records.engine_stats import EngineStats
 from records.histogram import delta, merge, quantile
 
 
@@ -41,7 +42,7 @@ class PoolSample:
     itl: tuple[int, ...] = ()
 
 
-def sample_pool(now: float, stats: dict[str, dict | None], starting: int,
+def sample_pool(now: float, stats: dict[str, EngineStats | None], starting: int,
                 seen: dict[tuple[str, str], list[int]]) -> PoolSample:
     """One sample of a pool from its serving replicas' last stats (replica id -> the engine's stats,
     None before its first), counting the latency histograms since the last sample (`seen` keeps
@@ -51,17 +52,17 @@ def sample_pool(now: float, stats: dict[str, dict | None], starting: int,
     for field in ("ttft", "itl"):
         parts = []
         for r, st in stats.items():
-            counts = (st or {}).get(f"{field}_histogram")
-            if counts is not None:
+            counts = getattr(st, field) if st is not None else ()
+            if counts:
                 parts.append(delta(counts, seen.get((r, field))))
                 seen[(r, field)] = counts
         hist[field] = tuple(map(sum, zip(*parts))) if parts else ()
     return PoolSample(
         t=now, serving=len(stats), starting=starting,
-        running=sum(s.get("num_requests_running", 0) for s in known),
-        waiting=sum(s.get("num_requests_waiting", 0) for s in known),
-        queued_prompt_tokens=sum(s.get("num_prompt_tokens_queued", 0) for s in known),
-        kv_usage=sum(s.get("kv_cache_usage_perc", 0.0) for s in known) / max(1, len(known)),
+        running=sum(s.num_requests_running for s in known),
+        waiting=sum(s.num_requests_waiting for s in known),
+        queued_prompt_tokens=sum(s.num_prompt_tokens_queued for s in known),
+        kv_usage=sum(s.kv_cache_usage_perc for s in known) / max(1, len(known)),
         ttft=hist["ttft"], itl=hist["itl"])
 
 

@@ -33,6 +33,7 @@ from cluster.config import PoolSpec
 from cluster.placement import REPLICA_ACTOR_CPUS, fmt_resources, replica_bundles
 from cluster.replica_host import HostedReplica, ReplicaHosts, kill_actor
 from records.config import EngineConfig
+from records.engine_stats import EngineStats, ReplicaStats
 from records.errors import PlacementError
 from records.histogram import LATENCY_BUCKETS_S, VLLM_REQUEST_LATENCY_BUCKETS, quantile
 
@@ -58,7 +59,7 @@ class EnginePool:
         # What the replicas of this pool and spec carry (`EngineReplica.info()["tag"]`): a manager
         # adopts only replicas with its own tag.
         self.tag = pool_tag(name, spec, engine_config)
-        self.stats: dict[str, dict] = {}         # replica id -> its last stats (health checks)
+        self.stats: dict[str, ReplicaStats] = {}       # replica id -> its last stats (health checks)
         self.nodes: dict[str, str] = {}          # replica id -> the node its actor runs on
         self.missed: dict[str, int] = {}
         self.replaced = 0                        # replicas dropped for failing health checks
@@ -185,7 +186,7 @@ class EnginePool:
                 self.missed[replica_id] = self.missed.get(replica_id, 0) + 1
                 if self.missed[replica_id] >= self.max_missed:
                     reason = f"it missed {self.missed[replica_id]} health checks ({type(res).__name__})"
-            elif not res.get("healthy", False):
+            elif not res.healthy:
                 reason = "its engine stopped (engine dead)"
             else:
                 self.missed.pop(replica_id, None)
@@ -253,8 +254,8 @@ class EnginePool:
         if excess > 0:
             ids = list(self.replicas)
             stats = await asyncio.gather(*[self.replicas[r].stats.remote() for r in ids], return_exceptions=True)
-            busy = {r: s.get("num_requests_running", 0) + s.get("num_requests_waiting", 0)
-                    if isinstance(s, dict) else -1 for r, s in zip(ids, stats)}   # a failing one goes first
+            busy = {r: s.load if isinstance(s, ReplicaStats) else -1
+                    for r, s in zip(ids, stats)}   # a failing one goes first
             for replica_id in sorted(ids, key=lambda r: busy[r])[:excess]:
                 self._spawn_task(self.drain_replica(replica_id, drain_timeout_s))
                 draining.append(replica_id)
@@ -281,8 +282,8 @@ class EnginePool:
                 s = await asyncio.wait_for(handle.stats.remote(), self.check_timeout_s)
             except Exception:  # noqa: BLE001 - it died meanwhile: nothing left to wait for
                 break
-            if s.get("num_requests_running", 0) + s.get("num_requests_waiting", 0) + \
-                    s.get("kv_leases_active", 0) == 0:
+            transfer = s.engine.kv_transfer
+            if s.load + (transfer.leases_active if transfer is not None else 0) == 0:
                 emptied = True
                 break
             await asyncio.sleep(0.2)
@@ -341,6 +342,10 @@ class EnginePool:
         self.on_change()
         return sorted(old)
 
+    def engine_stats(self) -> dict[str, EngineStats | None]:
+        """The serving replicas' engines at the last health check (None before a replica's first)."""
+        return {r: s.engine if (s := self.stats.get(r)) is not None else None for r in self.replicas}
+
     def replica_status(self) -> list[dict[str, Any]]:
         """Every replica with its state (pending: not placed yet; starting: loading; serving;
         draining), node, layout and last stats, for `pdserve status`."""
@@ -349,13 +354,15 @@ class EnginePool:
         for state, table in (("serving", self.replicas), ("starting", self.starting),
                              ("starting", self.incoming), ("draining", self.draining)):
             for replica_id in table:
-                st = self.stats.get(replica_id, {})
+                st = self.stats.get(replica_id)
+                engine = st.engine if st is not None else None
                 placed = replica_id in self.nodes
                 rows.append({"id": replica_id, "state": state if placed or state != "starting" else "pending",
                              "node": self.nodes.get(replica_id), "layout": layout,
-                             "kv_usage": st.get("kv_cache_usage_perc"), "running": st.get("num_requests_running"),
-                             "waiting": st.get("num_requests_waiting"), "latency": replica_latency(st),
-                             "kv_tier": replica_tier(st)})
+                             "kv_usage": engine and engine.kv_cache_usage_perc,
+                             "running": engine and engine.num_requests_running,
+                             "waiting": engine and engine.num_requests_waiting,
+                             "latency": engine and replica_latency(engine), "kv_tier": engine and replica_tier(engine)})
         return rows
 
     def _spawn_task(self, coro: Any) -> None:
@@ -371,8 +378,7 @@ class EnginePool:
         while True:
             stats = await asyncio.gather(*[h.stats.remote() for h in self.replicas.values()],
                                          return_exceptions=True)
-            busy = [s for s in stats if isinstance(s, dict)
-                    and s.get("num_requests_running", 0) + s.get("num_requests_waiting", 0) > 0]
+            busy = [s for s in stats if isinstance(s, ReplicaStats) and s.load > 0]
             if not busy:
                 return True
             if loop.time() >= deadline:
@@ -401,15 +407,14 @@ def pool_tag(name: str, spec: PoolSpec, engine_config: EngineConfig) -> str:
 PERCENTILES = (0.5, 0.9, 0.99)
 
 
-def replica_latency(stats: dict[str, Any]) -> dict[str, dict[str, float | None]] | None:
+def replica_latency(stats: EngineStats) -> dict[str, dict[str, float | None]] | None:
     """A replica's time to first token, inter-token latency and queue time since it started, at
     the 50th, 90th and 99th percentiles (seconds, read off its histograms: records/histogram.py),
     and how many it counted; None before its first stats."""
-    if "ttft_histogram" not in stats:
+    if not stats.ttft:              # (asleep)
         return None
-    queue = stats.get("histograms", {}).get("request_queue_time_seconds")
-    series = {"ttft_s": (stats["ttft_histogram"], LATENCY_BUCKETS_S),
-              "itl_s": (stats["itl_histogram"], LATENCY_BUCKETS_S)}
+    queue = stats.histograms.get("request_queue_time_seconds")
+    series = {"ttft_s": (stats.ttft, LATENCY_BUCKETS_S), "itl_s": (stats.itl, LATENCY_BUCKETS_S)}
     if queue is not None:
         series["queue_s"] = (queue[0], VLLM_REQUEST_LATENCY_BUCKETS)
     out: dict[str, dict[str, float | None]] = {}
@@ -419,13 +424,14 @@ def replica_latency(stats: dict[str, Any]) -> dict[str, dict[str, float | None]]
     return out
 
 
-def replica_tier(stats: dict[str, Any]) -> dict[str, list[int]] | None:
+def replica_tier(stats: EngineStats) -> dict[str, list[int]] | None:
     """The offload tier's blocks held and slots per medium ({"host": [held, slots], ...}), None
     without a tier."""
-    if "kv_tier_host_slots" not in stats:
+    tier = stats.kv_tier
+    if tier is None:
         return None
-    return {medium: [stats[f"kv_tier_{medium}_blocks"], stats[f"kv_tier_{medium}_slots"]]
-            for medium in ("host", "disk") if stats.get(f"kv_tier_{medium}_slots")}
+    return {medium: [held, slots] for medium, held, slots in (("host", tier.host_blocks, tier.host_slots),
+                                                              ("disk", tier.disk_blocks, tier.disk_slots)) if slots}
 
 
 def _round(value: float | None) -> float | None:

@@ -37,6 +37,7 @@ from cluster.memory import drop_page_cache, engine_released, release_heap, resid
 from engine.async_engine import AsyncLLMEngine, output_error
 from pdserve_proto.kv_events import encode_kv_events
 from records.config import EngineConfig
+from records.engine_stats import ReplicaStats
 from records.errors import EngineDeadError, ModelAsleepError
 from records.outputs import AllCleared, ChannelMessage, KVEvent, RequestOutput, StepDelta
 from records.request import Continuation
@@ -269,12 +270,10 @@ class EngineReplica:
         tier), for a peer replica to pull (LLMEngine.lease_prefix): its kv_transfer_params, or None."""
         return None if self.engine is None else await self.engine.lease_prefix(block_hashes, adapter)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ReplicaStats:
         if self.engine is None:             # asleep: healthy, nothing running, nothing cached
-            return {"replica_id": self.replica_id, "healthy": True, "asleep": self.asleep,
-                    "num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0}
-        return {**self.engine.stats(), "replica_id": self.replica_id, "healthy": self.engine.is_healthy,
-                "asleep": 0}
+            return ReplicaStats(self.replica_id, healthy=True, asleep=self.asleep)
+        return ReplicaStats(self.replica_id, healthy=self.engine.is_healthy, engine=self.engine.stats())
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (refused while requests hold blocks); emits AllCleared."""

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from records.engine_stats import EngineStats
 from records.errors import StartupError
 from records.single_flight import SingleFlight
 
@@ -28,9 +29,6 @@ if TYPE_CHECKING:
     from cluster.pool import EnginePool
 
 logger = logging.getLogger(__name__)
-
-# Token counters whose movement is activity (records the engine's stats keep, cumulative).
-ACTIVITY_COUNTERS = ("prompt_tokens", "generation_tokens")
 
 
 class IdleWatch:
@@ -41,15 +39,15 @@ class IdleWatch:
         self.last_active = time.monotonic() if now is None else now
         self._counters: dict[str, float] = {}
 
-    def observe(self, stats: dict[str, dict | None], now: float) -> bool:
+    def observe(self, stats: dict[str, EngineStats | None], now: float) -> bool:
         """Record one health check's stats (replica id -> its stats, None if it did not answer);
         True once the model has been idle for `idle_timeout_s`."""
         counters = {}
         for replica, s in stats.items():
             if s is None:
                 continue
-            counters[replica] = sum(float(s.get(k, 0)) for k in ACTIVITY_COUNTERS)
-            if s.get("num_requests_running", 0) or s.get("num_requests_waiting", 0):
+            counters[replica] = s.prompt_tokens + s.generation_tokens     # (cumulative: moving is activity)
+            if s.num_requests_running or s.num_requests_waiting:
                 self.last_active = now
         if any(self._counters.get(r) != c for r, c in counters.items() if r in self._counters):
             self.last_active = now
@@ -83,7 +81,7 @@ class ScaleToZero:
         has been idle long enough; True when it did."""
         if self._starting.running:
             return False
-        stats = {r: pool.stats.get(r) for pool in pools.values() for r in pool.replicas}
+        stats = {r: s for pool in pools.values() for r, s in pool.engine_stats().items()}
         if not self.idle.observe(stats, now) or not any(pool.target for pool in pools.values()):
             return False
         logger.warning("idle for %.0f s: scaling every pool to zero", now - self.idle.last_active)

@@ -19,6 +19,7 @@ import engine.tracing as tracing
 import records.clock as clock
 from engine.llm_engine import LLMEngine
 from records.config import EngineConfig
+from records.engine_stats import EngineStats
 from records.errors import EngineDeadError, RequestFailedError
 from records.outputs import KVEvent, RequestOutput
 from records.request import Continuation, NewRequest
@@ -163,7 +164,7 @@ class AsyncLLMEngine:
         if self._wakeup is not None:
             self._wakeup.set()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
     def take_kv_events(self) -> list[KVEvent]:

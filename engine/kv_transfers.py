@@ -16,6 +16,7 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from records.engine_stats import KVTransferStats
 from records.outputs import RequestOutput, SchedulerOutput
 from records.request import PEER_PREFIX, Request
 
@@ -149,14 +150,13 @@ class KVTransfers:
         return params
 
     # --- reading ------------------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> KVTransferStats:
         c, loads = self.connector, self.scheduler.loads
         assert loads is not None
-        return {"kv_loads": c.num_loads, "kv_load_failures": c.num_load_failures,
-                "kv_blocks_pulled": c.num_blocks_pulled, "kv_leases": c.num_leases,
-                "kv_leases_active": len(c.leases), "kv_leases_expired": c.num_leases_expired,
-                "kv_prefix_leases": self.num_prefix_leases,
-                "num_requests_waiting_for_kv": len(loads.loading)}
+        return KVTransferStats(loads=c.num_loads, load_failures=c.num_load_failures,
+                               blocks_pulled=c.num_blocks_pulled, leases=c.num_leases,
+                               leases_active=len(c.leases), leases_expired=c.num_leases_expired,
+                               prefix_leases=self.num_prefix_leases, requests_waiting=len(loads.loading))
 
     def check_no_leaks(self) -> None:
         assert not self.connector.leases, f"leases held: {list(self.connector.leases)}"

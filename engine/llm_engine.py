@@ -20,11 +20,12 @@ from engine.executor.executor import make_executor
 from engine.kv_transfers import KVTransfers
 from engine.output_processor import OutputProcessor
 from engine.sample.structured_output import compiler_for
-from engine.spec_decode import SpecDecodeStats, make_proposer, max_proposals
+from engine.spec_decode import make_proposer, max_proposals
 from engine.telemetry import RequestTelemetry
 from engine.text.tokenizer import eos_token_ids, shared_tokenizer
 from kv_transfer.base import KVConnectorScheduler
 from records.config import EngineConfig
+from records.engine_stats import EngineStats, SpecDecodeStats
 from records.errors import EngineDeadError
 from records.kv_layout import KVLayout
 from records.lora import LoRARequest, read_adapter
@@ -279,49 +280,37 @@ class LLMEngine:
         """Keep a leased request's blocks at least `seconds` longer; False if it holds no lease."""
         return self.transfers is not None and self.transfers.renew(request_id, seconds)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         kv = self.kv_cache_manager
-        return {
-            "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting),
-            # Prompt tokens admitted but not yet run through the model (a prefill pool's queue).
-            "num_prompt_tokens_queued": sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
-                                            for q in (self.scheduler.waiting, self.scheduler.running) for r in q),
-            "kv_cache_usage_perc": kv.usage,
-            "ttft_histogram": list(self.output.ttft.counts),     # records/histogram.py's buckets
-            "itl_histogram": list(self.output.itl.counts),
-            "histograms": self.telemetry.reading(),             # records/histogram.py: engine_histograms
-            "num_kv_blocks": kv.block_pool.num_blocks,
-            "num_free_kv_blocks": kv.num_free_blocks,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prompt_tokens": self.num_prompt_tokens,
-            "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
-            "generation_tokens": self.output.num_generation_tokens,
-            **(self.spec_stats.as_dict() if self.proposer is not None else {}),
-            **(self.transfers.stats() if self.transfers is not None else {}),
-            **(self._tier_stats() if kv.tier is not None else {}),
-            **self._moe_stats(),
-        }
+        tier = kv.tier
+        return EngineStats(
+            num_requests_running=len(self.scheduler.running),
+            num_requests_waiting=len(self.scheduler.waiting),
+            num_prompt_tokens_queued=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                                         for q in (self.scheduler.waiting, self.scheduler.running) for r in q),
+            kv_cache_usage_perc=kv.usage,
+            num_kv_blocks=kv.block_pool.num_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.num_prompt_tokens,
+            prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
+            generation_tokens=self.output.num_generation_tokens,
+            ttft=tuple(self.output.ttft.counts),
+            itl=tuple(self.output.itl.counts),
+            histograms=self.telemetry.reading(),
+            spec=replace(self.spec_stats) if self.proposer is not None else None,
+            kv_transfer=self.transfers.stats() if self.transfers is not None else None,
+            kv_tier=tier.reading(**self.executor.tier_stats()) if tier is not None else None,
+            moe_expert_tokens=self._moe_expert_tokens())
 
-    def _moe_stats(self) -> dict[str, Any]:
-        """A MoE model's expert load: [rank, expert, rows run] per expert each rank holds."""
+    def _moe_expert_tokens(self) -> tuple[tuple[int, int, int], ...]:
+        """A MoE model's expert load: (rank, expert, rows run) per expert each rank holds."""
         if self.config.model_config.architecture not in MOE_ARCHITECTURES:
-            return {}
-        return {"moe_expert_tokens": [[rank, expert, n] for rank, experts in enumerate(self.executor.expert_load())
-                                      for expert, n in sorted(experts.items())]}
-
-    def _tier_stats(self) -> dict[str, Any]:
-        """The offload tier: blocks held per medium, its counters, and the workers' bytes and
-        seconds (summed over the ranks)."""
-        tier = self.kv_cache_manager.tier
-        assert tier is not None
-        worker = self.executor.tier_stats()
-        return {"kv_tier_host_blocks": len(tier.entries["host"]), "kv_tier_disk_blocks": len(tier.entries["disk"]),
-                "kv_tier_host_slots": tier.num_slots["host"], "kv_tier_disk_slots": tier.num_slots["disk"],
-                **{f"kv_tier_{k}": v for k, v in tier.stats.as_dict().items()},
-                **{f"kv_tier_{k}": v for k, v in worker.items()}}
+            return ()
+        return tuple((rank, expert, n) for rank, experts in enumerate(self.executor.expert_load())
+                     for expert, n in sorted(experts.items()))
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.kv_cache_manager.take_events()

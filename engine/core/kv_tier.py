@@ -29,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from records.engine_stats import KVTierStats
 from records.hashing import BlockHash
 from records.outputs import BlockRemoved, BlockStored, KVEvent
 
@@ -51,9 +52,6 @@ class TierStats:
     load_failures: int = 0         # failed loads (their requests recomputed)
     save_failures: int = 0
 
-    def as_dict(self) -> dict[str, int]:
-        return {f: getattr(self, f) for f in self.__slots__}
-
 
 class KVTier:
     def __init__(self, num_host_slots: int, num_disk_slots: int,
@@ -73,6 +71,19 @@ class KVTier:
     # --- queries --------------------------------------------------------------------------------
     def __len__(self) -> int:
         return sum(len(e) for e in self.entries.values())
+
+    def reading(self, bytes_saved: float = 0.0, bytes_loaded: float = 0.0, bytes_written_to_disk: float = 0.0,
+                seconds: float = 0.0) -> KVTierStats:
+        """The tier's stats: what it holds, its counters, and the workers' bytes and seconds (their
+        TierStore.stats summed over the ranks)."""
+        st = self.stats
+        return KVTierStats(
+            host_blocks=len(self.entries["host"]), disk_blocks=len(self.entries["disk"]),
+            host_slots=self.num_slots["host"], disk_slots=self.num_slots["disk"],
+            blocks_saved=st.blocks_saved, blocks_demoted=st.blocks_demoted, blocks_dropped=st.blocks_dropped,
+            host_hit_blocks=st.host_hit_blocks, disk_hit_blocks=st.disk_hit_blocks,
+            load_failures=st.load_failures, save_failures=st.save_failures, bytes_saved=bytes_saved,
+            bytes_loaded=bytes_loaded, bytes_written_to_disk=bytes_written_to_disk, seconds=seconds)
 
     def where(self, block_hash: BlockHash) -> tuple[str, int] | None:
         """(medium, slot) of the block's copy, or None."""

@@ -18,7 +18,6 @@ The flow of one speculative step (vLLM v1's design):
 from __future__ import annotations
 
 from collections.abc import Container
-from dataclasses import dataclass
 from typing import Protocol
 
 from engine.spec_decode.draft_model import DraftModelProposer
@@ -58,27 +57,3 @@ def max_proposals(request: Request, k: int, max_model_len: int) -> int:
         return 0
     return max(0, min(k, request.max_tokens - request.num_output_tokens - 1,
                       max_model_len - request.num_tokens))
-
-
-@dataclass(slots=True)
-class SpecDecodeStats:
-    """Counters over verification steps (one per request per step that verified proposals)."""
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted_tokens
-
-    def as_dict(self) -> dict[str, float]:
-        """spec_acceptance_rate: accepted / proposed; spec_mean_accepted_length: tokens emitted per
-        verification (accepted proposals + the target's own token), as vLLM reports it."""
-        return {
-            "spec_num_drafts": self.num_drafts,
-            "spec_num_draft_tokens": self.num_draft_tokens,
-            "spec_num_accepted_tokens": self.num_accepted_tokens,
-            "spec_acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
-            "spec_mean_accepted_length": 1 + self.num_accepted_tokens / max(self.num_drafts, 1),
-        }

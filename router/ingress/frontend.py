@@ -346,7 +346,7 @@ class Frontend:
     async def health(self) -> tuple[bool, dict[str, dict[str, bool]]]:
         """Ready when every pool has at least one healthy replica; pool -> replica id -> healthy."""
         stats = await self.router.refresh_stats()
-        detail = {name: {r: bool(stats.get(r, {}).get("healthy", False)) and r not in pool.down
+        detail = {name: {r: r in stats and stats[r].healthy and r not in pool.down
                          for r in pool.replicas} for name, pool in self.pools.items()}
         if self.cold.scales_to_zero and not self.router.replicas:      # at zero by design: a request
             return True, detail                                          # brings it back

@@ -10,6 +10,7 @@ import bisect
 import math
 from collections.abc import Sequence
 
+from records.engine_stats import EngineStats, read
 from records.histogram import (
     VLLM_ITL_BUCKETS,
     VLLM_REQUEST_LATENCY_BUCKETS,
@@ -171,7 +172,7 @@ class EngineSeries:
     """The engines' own series, per pool and replica, set from their stats at each scrape
     (cumulative readings): counters and gauges, the engines' histograms, MoE expert load."""
 
-    # engine stats key -> (metric name, kind, help)
+    # EngineStats field (dotted in a group: records/engine_stats.py) -> (metric name, kind, help)
     SERIES = {
         "prompt_tokens": ("pdserve:prompt_tokens_total", "counter", "Prefill tokens received."),
         "prompt_tokens_computed": ("pdserve:prompt_tokens_computed_total", "counter",
@@ -186,39 +187,39 @@ class EngineSeries:
         "num_requests_running": ("pdserve:num_requests_running", "gauge", "Requests in the running batch."),
         "num_requests_waiting": ("pdserve:num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
         "kv_cache_usage_perc": ("pdserve:kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use."),
-        "kv_blocks_pulled": ("pdserve:kv_blocks_transferred_total", "counter",
+        "kv_transfer.blocks_pulled": ("pdserve:kv_blocks_transferred_total", "counter",
                              "KV blocks pulled from prefill replicas (counted on the decode side)."),
-        "kv_load_failures": ("pdserve:kv_load_failures_total", "counter",
+        "kv_transfer.load_failures": ("pdserve:kv_load_failures_total", "counter",
                              "KV pulls that failed or timed out (then recomputed or failed)."),
-        "kv_leases_active": ("pdserve:kv_leases_active", "gauge",
+        "kv_transfer.leases_active": ("pdserve:kv_leases_active", "gauge",
                              "Prefilled requests whose blocks wait under a lease for a decode replica."),
-        "kv_leases_expired": ("pdserve:kv_leases_expired_total", "counter",
+        "kv_transfer.leases_expired": ("pdserve:kv_leases_expired_total", "counter",
                               "Leases that ran out before a decode replica pulled or released them."),
-        "kv_prefix_leases": ("pdserve:kv_prefix_leases_total", "counter",
+        "kv_transfer.prefix_leases": ("pdserve:kv_prefix_leases_total", "counter",
                              "Cached prefixes leased to a peer replica to pull (peer prefix pulls)."),
         # The offload tier (engine/core/kv_tier.py): what it holds and what it moved.
-        "kv_tier_host_blocks": ("pdserve:kv_offload_host_blocks", "gauge", "Blocks the host tier holds."),
-        "kv_tier_disk_blocks": ("pdserve:kv_offload_disk_blocks", "gauge", "Blocks the disk tier holds."),
-        "kv_tier_host_hit_blocks": ("pdserve:kv_offload_host_hit_blocks_total", "counter",
+        "kv_tier.host_blocks": ("pdserve:kv_offload_host_blocks", "gauge", "Blocks the host tier holds."),
+        "kv_tier.disk_blocks": ("pdserve:kv_offload_disk_blocks", "gauge", "Blocks the disk tier holds."),
+        "kv_tier.host_hit_blocks": ("pdserve:kv_offload_host_hit_blocks_total", "counter",
                                     "Blocks loaded back from the host tier instead of recomputed."),
-        "kv_tier_disk_hit_blocks": ("pdserve:kv_offload_disk_hit_blocks_total", "counter",
+        "kv_tier.disk_hit_blocks": ("pdserve:kv_offload_disk_hit_blocks_total", "counter",
                                     "Blocks loaded back from the disk tier instead of recomputed."),
-        "kv_tier_blocks_saved": ("pdserve:kv_offload_blocks_saved_total", "counter",
+        "kv_tier.blocks_saved": ("pdserve:kv_offload_blocks_saved_total", "counter",
                                  "Evicted pool blocks copied to the host tier."),
-        "kv_tier_blocks_demoted": ("pdserve:kv_offload_blocks_demoted_total", "counter",
+        "kv_tier.blocks_demoted": ("pdserve:kv_offload_blocks_demoted_total", "counter",
                                    "Host-tier blocks moved to the disk tier."),
-        "kv_tier_load_failures": ("pdserve:kv_offload_load_failures_total", "counter",
+        "kv_tier.load_failures": ("pdserve:kv_offload_load_failures_total", "counter",
                                   "Tier loads that failed (their requests recomputed the prompt)."),
-        "kv_tier_bytes_saved": ("pdserve:kv_offload_saved_bytes_total", "counter", "Bytes copied to the host tier."),
-        "kv_tier_bytes_loaded": ("pdserve:kv_offload_loaded_bytes_total", "counter",
+        "kv_tier.bytes_saved": ("pdserve:kv_offload_saved_bytes_total", "counter", "Bytes copied to the host tier."),
+        "kv_tier.bytes_loaded": ("pdserve:kv_offload_loaded_bytes_total", "counter",
                                  "Bytes loaded back from the tier."),
-        "kv_tier_bytes_written_to_disk": ("pdserve:kv_offload_disk_written_bytes_total", "counter",
+        "kv_tier.bytes_written_to_disk": ("pdserve:kv_offload_disk_written_bytes_total", "counter",
                                           "Bytes written to the disk tier."),
-        "kv_tier_seconds": ("pdserve:kv_offload_seconds_total", "counter",
+        "kv_tier.seconds": ("pdserve:kv_offload_seconds_total", "counter",
                             "Seconds engine steps spent copying blocks to and from the tier."),
     }
 
-    # engine stats "histograms" key -> help (records/histogram.py: engine_histograms gives the buckets)
+    # EngineStats.histograms key -> help (records/histogram.py: engine_histograms gives the buckets)
     HISTOGRAMS = {
         "request_queue_time_seconds": "Time requests waited in the engine's queue (arrival to first scheduled).",
         "request_prefill_time_seconds": "Time from first scheduled to the first token (a KV pull included).",
@@ -244,17 +245,18 @@ class EngineSeries:
                                        "(token, expert) rows each MoE expert has run, summed over layers, by "
                                        "replica, the rank holding the expert and the expert (expert load).")
 
-    def set_stats(self, pool: str, replica: str, stats: dict) -> None:
-        """One replica's stats (`LLMEngine.stats()`), read at a scrape."""
+    def set_stats(self, pool: str, replica: str, stats: EngineStats) -> None:
+        """One replica's engine stats (`LLMEngine.stats()`), read at a scrape."""
         key = _key({"pool": pool, "replica": replica})
-        for name, metric in self.values.items():
-            if name in stats:
-                metric.values[key] = float(stats[name])
-        for name, (counts, total) in stats.get("histograms", {}).items():
+        for path, metric in self.values.items():
+            value = read(stats, path)
+            if value is not None:
+                metric.values[key] = value
+        for name, (counts, total) in stats.histograms.items():
             hist = self.histograms.get(name)
             if hist is not None and len(counts) == len(hist.buckets) + 1:
                 hist.series[key] = (list(counts), [float(total)])
-        for rank, expert, rows in stats.get("moe_expert_tokens", ()):
+        for rank, expert, rows in stats.moe_expert_tokens:
             labels = {"pool": pool, "replica": replica, "rank": str(rank), "expert": str(expert)}
             self.expert_tokens.values[_key(labels)] = float(rows)
 

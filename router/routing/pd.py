@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from records.engine_stats import ReplicaStats
 from records.errors import NoReplicaError
 from records.outputs import StepDelta
 from records.sampling_params import SamplingParams
@@ -62,7 +63,7 @@ class PDRouter:
         self.prefill.stop()
         self.decode.stop()
 
-    async def refresh_stats(self) -> dict[str, dict]:
+    async def refresh_stats(self) -> dict[str, ReplicaStats]:
         prefill, decode = await asyncio.gather(self.prefill.refresh_stats(), self.decode.refresh_stats())
         return {**prefill, **decode}
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from ray.exceptions import ActorUnavailableError, ObjectLostError, RayActorError
 
+from records.engine_stats import ReplicaStats
 from records.errors import EngineDeadError, NoReplicaError, ReplicaDiedError
 from records.hashing import hash_block_tokens
 from records.outputs import StepDelta
@@ -140,7 +141,7 @@ class RequestRouter:
         started one's channels bring them)."""
         await self.channels.sync_events()
 
-    async def refresh_stats(self) -> dict[str, dict]:
+    async def refresh_stats(self) -> dict[str, ReplicaStats]:
         """Poll replica stats (KV usage feeds the policy) and publish them as metrics."""
         ids = list(self.replicas)
         results = await asyncio.gather(*[self.replicas[r].stats.remote() for r in ids], return_exceptions=True)
@@ -151,8 +152,8 @@ class RequestRouter:
             if isinstance(res, BaseException) or r not in self.replicas:
                 continue
             out[r] = res
-            self.loads[r].kv_usage = float(res.get("kv_cache_usage_perc", 0.0))
-            self.metrics.engines.set_stats(self.pool, r, res)
+            self.loads[r].kv_usage = res.engine.kv_cache_usage_perc
+            self.metrics.engines.set_stats(self.pool, r, res.engine)
         return out
 
     # --- one request -------------------------------------------------------------------------------

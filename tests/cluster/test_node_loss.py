@@ -281,7 +281,7 @@ def test_a_prefill_node_lost_mid_pull(nodes, tiny_llama, block_accounting):
                      {"do_remote_decode": True}).kv_transfer_params
             d.add_request("x", None, ids, greedy, kv_transfer_params=kv)
             d.step()                                           # plans the pull
-            assert d.stats()["num_requests_waiting_for_kv"] == 1
+            assert d.stats().kv_transfer.requests_waiting == 1
         (group,) = [g for pg, g in placement_group_table().items() if pg not in earlier]
         bundles = group["bundles_to_node_id"]
         kill_node(nodes, next(n for n in engine_nodes if n.node_id == bundles[max(bundles, key=int)]))
@@ -296,7 +296,7 @@ def test_a_prefill_node_lost_mid_pull(nodes, tiny_llama, block_accounting):
         failed = outs["fail"].outputs[0]
         assert failed.finish_reason == "error" and "KV" in failed.stop_reason
         for d in ds.values():
-            assert d.stats()["kv_load_failures"] == 1
+            assert d.stats().kv_transfer.load_failures == 1
             assert run(d, "after", ids[:30], greedy).outputs[0].finish_reason == "length"
             while d.has_unfinished_requests():
                 d.step()

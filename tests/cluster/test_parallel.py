@@ -126,7 +126,7 @@ def test_parallel_greedy_matches_single_rank_and_hf(two_nodes, request, kind, tp
     engine = LLMEngine(EngineConfig.create(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **args))
     try:
         assert run(engine, prompts) == want
-        assert engine.stats()["prefix_cache_hits"] > 0
+        assert engine.stats().prefix_cache_hits > 0
         if kind == "llama":
             # Seeded sampling: the driver rank keeps each request's generator across steps.
             seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
@@ -163,7 +163,7 @@ def test_moe_tensor_expert_and_pipeline_parallel_match_hf(two_nodes, request, ki
                                            enable_expert_parallel=ep, moe_dispatch=dispatch, **args))
     try:
         assert run(engine, PROMPTS) == hf_greedy(path, PROMPTS, GREEDY.max_tokens)
-        load = engine.stats()["moe_expert_tokens"]
+        load = engine.stats().moe_expert_tokens
         experts = {}
         for rank, expert, rows in load:
             experts.setdefault(rank, set()).add(expert)
@@ -293,7 +293,7 @@ def test_concurrent_pipeline_batches_match_single_rank_and_survive_abort(two_nod
         assert engine.executor.tier_slots == (8, 64)
         assert [run(engine, [p]) for p in tenants * 2] == turns * 2
         stats = engine.stats()
-        assert stats["kv_tier_disk_hit_blocks"] > 0 and stats["kv_tier_load_failures"] == 0
+        assert stats.kv_tier.disk_hit_blocks > 0 and stats.kv_tier.load_failures == 0
         engine.check_no_leaks()
     finally:
         engine.executor.shutdown()
@@ -505,7 +505,7 @@ def test_step_deltas_rebuild_every_step_and_keep_output(tiny_qwen2, mode):
     sizes: list[tuple[int, int]] = []
     encoder, decoder = _through_deltas(llm, sizes)
     assert run(llm) == expected
-    assert llm.llm_engine.stats()["num_preemptions"] > 0 and len(sizes) > 20
+    assert llm.llm_engine.stats().num_preemptions > 0 and len(sizes) > 20
     # What is left is what the next step's message frees: the requests that finished in the last.
     left = set(llm.llm_engine.scheduler.finished_ids)
     assert set(encoder._sent) <= left and set(decoder._held) <= left

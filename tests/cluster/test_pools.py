@@ -306,7 +306,7 @@ def test_killed_replica_is_replaced_while_the_service_keeps_answering(heal):
     for i in range(4):       # distinct prompts, no cache hit: ties go to the replica caching least
         client.completions.create(model=heal["model"], prompt=f"another {i} prompt entirely", max_tokens=2,
                                   temperature=0.0)
-    assert ray.get(now[replacement].stats.remote())["prompt_tokens"] > 0
+    assert ray.get(now[replacement].stats.remote()).engine.prompt_tokens > 0
 
 
 @pytest.mark.ray
@@ -340,7 +340,7 @@ def _kill_the_running_replica(manager) -> str:
     import ray
 
     _, pools = ray.get(manager.membership.remote())
-    running = [r for r, h in pools["decode"].items() if ray.get(h.stats.remote())["num_requests_running"]]
+    running = [r for r, h in pools["decode"].items() if ray.get(h.stats.remote()).engine.num_requests_running]
     assert len(running) == 1, running
     kill_replica(pools["decode"][running[0]])
     return running[0]
@@ -449,7 +449,7 @@ def test_pdserve_scale_down_during_streams_cuts_none(heal, capsys, drain_timeout
         tasks = [asyncio.create_task(one(p)) for p in prompts]
         await started.wait()
         _, pools = ray.get(manager.membership.remote())
-        running = [ray.get(h.stats.remote())["num_requests_running"] for h in pools["decode"].values()]
+        running = [ray.get(h.stats.remote()).engine.num_requests_running for h in pools["decode"].values()]
         assert len(running) == 2 and min(running) > 0, running      # the replica removed has streams
         code = await asyncio.to_thread(main, ["scale", "decode", "1", "--name", heal["name"],
                                               "--drain-timeout", str(drain_timeout)])

@@ -94,8 +94,8 @@ def test_prefix_aware_routing_beats_round_robin(tiny_llama):
             async for _ in router.generate(f"{policy_name}-{i}", prompt, params, decision):
                 pass
         after = await router.refresh_stats()
-        computed = sum((after[r]["prompt_tokens"] - before[r]["prompt_tokens"])
-                       - (after[r]["prefix_cache_hits"] - before[r]["prefix_cache_hits"]) for r in replicas)
+        computed = sum((after[r].engine.prompt_tokens - before[r].engine.prompt_tokens)
+                       - (after[r].engine.prefix_cache_hits - before[r].engine.prefix_cache_hits) for r in replicas)
         repeats = [held for i, held in enumerate(held_before)
                    if questions[i][0] in {t for t, _ in questions[:i]}]
         return metrics, computed, sum(repeats) / len(repeats)
@@ -255,7 +255,7 @@ def test_a_cancelled_request_takes_nothing_else_with_it(tiny_llama, eventually_n
         ray.get(first)
     ran = ray.get(ingress.progress.remote())["first"]
     assert eventually_no_leaks({"r": replica})
-    assert ray.get(replica.stats.remote())["generation_tokens"] < 2000 + 1000, f"first ran on ({ran} streamed)"
+    assert ray.get(replica.stats.remote()).engine.generation_tokens < 2000 + 1000, f"first ran on ({ran} streamed)"
     ray.kill(ingress)
     ray.kill(replica)
 
@@ -304,8 +304,8 @@ def test_tiers_and_peer_pulls_on_replica_actors(tiny_llama, eventually_no_leaks)
         decision = router.route(prompts[0], params)
         assert decision.replica_id == "r1" and decision.peer is not None and decision.peer[0] == "r0"
         pulled = await tokens(router, "c0", prompts[0], decision)
-        s1 = await replicas["r1"].stats.remote()
-        assert s1["kv_blocks_pulled"] == 25 and s1["kv_load_failures"] == 0
+        s1 = (await replicas["r1"].stats.remote()).engine
+        assert s1.kv_transfer.blocks_pulled == 25 and s1.kv_transfer.load_failures == 0
         # r1 computes a prompt r0 never saw, leases it, and is killed before r0 pulls it.
         fresh = await tokens(router, "d0", prompts[3], Decision("r1", "test"))
         leased = await replicas["r1"].lease_prefix.remote(hash_block_tokens(prompts[3], 16))
@@ -322,11 +322,12 @@ def test_tiers_and_peer_pulls_on_replica_actors(tiny_llama, eventually_no_leaks)
 
     out = asyncio.run(run())
     assert out["again"] == out["first"] and out["pulled"] == out["first"][0] and out["after_kill"] == out["fresh"]
-    s0 = ray.get(replicas["r0"].stats.remote())
-    assert s0["kv_tier_host_hit_blocks"] >= 2 * 24 and s0["kv_tier_load_failures"] == 0
+    s0 = ray.get(replicas["r0"].stats.remote()).engine
+    assert s0.kv_tier.host_hit_blocks >= 2 * 24 and s0.kv_tier.load_failures == 0
     # The pull from the killed peer failed (and r0 computed the prompt), or, when the peer's process
     # was still going away as the pull read its memory, it succeeded: either way the request ran.
-    assert s0["kv_prefix_leases"] == 1 and (s0["kv_load_failures"] == 1 or s0["kv_blocks_pulled"] == 25)
+    kv = s0.kv_transfer
+    assert kv.prefix_leases == 1 and (kv.load_failures == 1 or kv.blocks_pulled == 25)
     assert metrics.routing.peer_pulls.get(pool="decode", outcome="leased") == 1
     assert eventually_no_leaks({"r0": replicas["r0"]})
     for h in replicas.values():

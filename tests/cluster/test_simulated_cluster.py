@@ -73,7 +73,7 @@ def test_thirty_two_simulated_replicas_serve_behind_the_real_ingress(serve_port,
 
         assert asyncio.run(send()) == want
         _, pools = ray.get(manager.membership.remote())
-        served = [r for r, h in pools["decode"].items() if ray.get(h.stats.remote())["prompt_tokens"] > 0]
+        served = [r for r, h in pools["decode"].items() if ray.get(h.stats.remote()).engine.prompt_tokens > 0]
         assert len(served) >= 16, served           # the router spread them (least cost among idle replicas)
 
         out = ray.get(manager.scale.remote("decode", 8, 30.0))

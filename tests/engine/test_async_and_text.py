@@ -64,7 +64,7 @@ def test_async_generate_streams_and_cancel_frees_blocks(tiny_llama):
                 break
         await engine.shutdown()
     asyncio.run(main())
-    assert engine.stats()["num_requests_running"] == 0
+    assert engine.stats().num_requests_running == 0
 
 
 def test_an_engine_that_dies_sends_each_token_once_then_the_error(tiny_llama):
@@ -130,7 +130,7 @@ def test_async_constraints_compile_off_the_loop(tiny_llama):
                 break
         await engine.shutdown()
     asyncio.run(main())
-    assert engine.stats()["num_requests_running"] == 0
+    assert engine.stats().num_requests_running == 0
     pool = engine.engine.kv_cache_manager.block_pool
     assert pool.num_free_blocks == pool.num_blocks
 

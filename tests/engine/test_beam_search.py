@@ -81,7 +81,7 @@ def test_beams_share_the_prompt_blocks_and_free_them(tiny_llama):
     # Every beam reads the prompt's 8 blocks from the prefix cache: held once, each beam adding its
     # own tail (at most two blocks), far below a copy per beam.
     assert peak <= 8 + 2 * k < k * per_copy, peak
-    assert engine.stats()["prefix_cache_hits"] >= 11 * k * 64      # every step after the first
+    assert engine.stats().prefix_cache_hits >= 11 * k * 64      # every step after the first
 
 
 def test_beam_search_refuses_what_it_cannot_take(tiny_llama):

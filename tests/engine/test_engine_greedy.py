@@ -91,20 +91,20 @@ def test_prefix_cache_hits_keep_output(tiny_llama, oracle):
     stats = llm.llm_engine.stats()
     second = run(llm, prompts)
     after = llm.llm_engine.stats()
-    assert after["prefix_cache_hits"] > stats["prefix_cache_hits"] > 0
+    assert after.prefix_cache_hits > stats.prefix_cache_hits > 0
     assert first == second == oracle(tiny_llama, prompts)
     out = llm.generate({"prompt_token_ids": prompts[0]}, greedy(), use_tqdm=False)[0]
     assert out.num_cached_tokens == 64           # 4 full blocks; the last token is recomputed
     # Without preemption, every prompt token is either a prefix-cache hit or computed, once.
     final = llm.llm_engine.stats()
-    assert final["prompt_tokens_computed"] == final["prompt_tokens"] - final["prefix_cache_hits"]
+    assert final.prompt_tokens_computed == final.prompt_tokens - final.prefix_cache_hits
     # The latency histograms the planner reads: one first token per request, then one interval per
     # later step of each (every step of these gave one token); nothing queued once done.
     finished = 2 * len(prompts) + 1
-    assert sum(final["ttft_histogram"]) == finished
-    assert sum(final["itl_histogram"]) == finished * (MAX_TOKENS - 1) and final["num_prompt_tokens_queued"] == 0
-    assert after["prompt_tokens_computed"] - stats["prompt_tokens_computed"] == \
-        sum(map(len, prompts)) - (after["prefix_cache_hits"] - stats["prefix_cache_hits"]) < sum(map(len, prompts))
+    assert sum(final.ttft) == finished
+    assert sum(final.itl) == finished * (MAX_TOKENS - 1) and final.num_prompt_tokens_queued == 0
+    assert after.prompt_tokens_computed - stats.prompt_tokens_computed == \
+        sum(map(len, prompts)) - (after.prefix_cache_hits - stats.prefix_cache_hits) < sum(map(len, prompts))
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -115,10 +115,10 @@ def test_preemption_keeps_output(tiny_qwen2, oracle, mode):
               preemption_mode=mode, max_num_batched_tokens=64)
     outs = run(llm, prompts)
     stats = llm.llm_engine.stats()
-    assert stats["num_preemptions"] > 0
+    assert stats.num_preemptions > 0
     assert outs == oracle(tiny_qwen2, prompts)
     if mode == "recompute":      # a preempted prompt is computed again
-        assert stats["prompt_tokens_computed"] > stats["prompt_tokens"] - stats["prefix_cache_hits"]
+        assert stats.prompt_tokens_computed > stats.prompt_tokens - stats.prefix_cache_hits
 
 
 def test_static_batching_holds_the_barrier_and_keeps_output(tiny_llama, oracle):

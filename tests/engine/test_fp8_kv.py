@@ -55,12 +55,12 @@ def test_fp8_engine_prefix_hits_swap_and_block_accounting(tiny_qwen2):
     shared = [prompts[-1][:64] + p for p in prompts[:2]]
     assert run(cached, shared) == run(plain, shared)
     assert run(cached, shared) == run(plain, shared)          # now from the prefix cache
-    assert cached.llm_engine.stats()["prefix_cache_hits"] > 0
+    assert cached.llm_engine.stats().prefix_cache_hits > 0
     # 14 blocks of 16 tokens cannot hold 6 sequences of ~40-150 tokens at once.
     swapping = LLM(tiny_qwen2, dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=14, max_model_len=200,
                    preemption_mode="swap", max_num_batched_tokens=64)
     assert run(swapping, prompts) == want
-    assert swapping.llm_engine.stats()["num_preemptions"] > 0
+    assert swapping.llm_engine.stats().num_preemptions > 0
     for llm, total in ((cached, None), (swapping, 14)):
         pool = llm.llm_engine.kv_cache_manager.block_pool
         assert pool.num_free_blocks == (total or pool.num_blocks)

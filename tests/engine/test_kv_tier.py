@@ -132,7 +132,7 @@ def expected(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=24, max_model_len=384)
     outs, cached = _rounds(llm, prompts)
     assert outs == oracle * 2 and sum(cached) == 0
-    return prompts, outs, llm.llm_engine.stats()["prompt_tokens_computed"]
+    return prompts, outs, llm.llm_engine.stats().prompt_tokens_computed
 
 
 @pytest.mark.parametrize("tier", ["host", "host+disk"])
@@ -148,12 +148,12 @@ def test_tier_hits_load_instead_of_recompute_token_identical(tiny_llama, expecte
     stats = llm.llm_engine.stats()
     # Round two loads every full block but the last token's: 15 of each prompt's 16 blocks.
     assert cached[:6] == [0] * 6 and cached[6:] == [15 * 16] * 6
-    assert stats["prompt_tokens_computed"] == computed_without - 6 * 15 * 16
-    hits = stats["kv_tier_host_hit_blocks"] + stats["kv_tier_disk_hit_blocks"]
-    assert hits == 6 * 15 and stats["kv_tier_load_failures"] == 0
-    assert stats["kv_tier_bytes_loaded"] == hits * 8192 and stats["kv_tier_seconds"] > 0
+    assert stats.prompt_tokens_computed == computed_without - 6 * 15 * 16
+    hits = stats.kv_tier.host_hit_blocks + stats.kv_tier.disk_hit_blocks
+    assert hits == 6 * 15 and stats.kv_tier.load_failures == 0
+    assert stats.kv_tier.bytes_loaded == hits * 8192 and stats.kv_tier.seconds > 0
     if tier == "host+disk":
-        assert stats["kv_tier_disk_hit_blocks"] > 60 and stats["kv_tier_bytes_written_to_disk"] > 0
+        assert stats.kv_tier.disk_hit_blocks > 60 and stats.kv_tier.bytes_written_to_disk > 0
         assert os.listdir(tmp_path) == []           # the file was unlinked once open
     # The events say where each block is: a router's index agrees with the tier.
     index = PrefixIndex()
@@ -177,7 +177,7 @@ def test_a_failed_tier_load_recomputes_with_identical_output(tiny_llama, expecte
     more, cached = _rounds(llm, prompts, rounds=1)
     assert outs + more == want
     stats = llm.llm_engine.stats()
-    assert stats["kv_tier_load_failures"] >= (20 if fault == "injected" else 30)
+    assert stats.kv_tier.load_failures >= (20 if fault == "injected" else 30)
     assert 0 in cached                            # a failed request recomputed its prompt
     # The failed copies were forgotten: nothing is left to fail again.
-    assert stats["kv_tier_disk_blocks"] < 200
+    assert stats.kv_tier.disk_blocks < 200

@@ -92,7 +92,7 @@ def test_prefix_hits_and_preemption_keep_output(family, prompts, oracle, request
     stats = llm.llm_engine.stats()
     assert run(llm, prompts) == oracle(path)
     after = llm.llm_engine.stats()
-    assert after["num_preemptions"] > 0 and after["prefix_cache_hits"] > stats["prefix_cache_hits"]
+    assert after.num_preemptions > 0 and after.prefix_cache_hits > stats.prefix_cache_hits
     llm.llm_engine.check_no_leaks()
 
 
@@ -106,7 +106,7 @@ def test_ngram_speculation_keeps_output(family, prompts, request):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 40)
-    assert llm.llm_engine.stats()["spec_num_draft_tokens"] > 0
+    assert llm.llm_engine.stats().spec.num_draft_tokens > 0
     llm.llm_engine.check_no_leaks()
 
 
@@ -168,7 +168,7 @@ def test_expert_load_is_counted_and_exported(tiny_mixtral, prompts):
 
     llm = LLM(tiny_mixtral, dtype="float32", max_model_len=512)
     run(llm, prompts[:3])
-    load = llm.llm_engine.stats()["moe_expert_tokens"]
+    load = llm.llm_engine.stats().moe_expert_tokens
     assert {expert for _, expert, _ in load} == set(range(8)) and {rank for rank, _, _ in load} == {0}
     tokens = sum(len(p) for p in prompts[:3]) + 3 * (MAX_TOKENS - 1)    # the last token is never run
     assert sum(n for _, _, n in load) == tokens * 2 * 2                 # top-2, two MoE layers

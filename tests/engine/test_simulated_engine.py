@@ -75,8 +75,8 @@ def test_the_real_scheduler_caches_prefixes_and_preempts():
         out = _run(engine)
         assert sorted(len(t) for t in out.values()) == [150, 150, 150]
         stats = engine.stats()
-        assert stats["num_preemptions"] > 0                 # by recompute, as the real engine
-        assert stats["prefix_cache_hits"] >= 2 * 288           # the shared 300 tokens' full blocks hit
+        assert stats.num_preemptions > 0                 # by recompute, as the real engine
+        assert stats.prefix_cache_hits >= 2 * 288           # the shared 300 tokens' full blocks hit
         engine.check_no_leaks()
 
 
@@ -101,8 +101,9 @@ def test_pd_between_simulated_engines_moves_no_bytes_and_leaves_nothing():
                 tokens += o.outputs[0].token_ids
             p.step()
             clock.advance(c.now + 1e-3)      # a pull ends in time, not in steps
-        assert d.stats()["kv_blocks_pulled"] == -(-(len(prompt) - 1) // 16) and p.stats()["kv_leases_active"] == 0
-        pull_s = d.config.simulation.profile.transfer_time(d.stats()["kv_blocks_pulled"] * d.config.kv_block_bytes())
+        pulled = d.stats().kv_transfer.blocks_pulled
+        assert pulled == -(-(len(prompt) - 1) // 16) and p.stats().kv_transfer.leases_active == 0
+        pull_s = d.config.simulation.profile.transfer_time(pulled * d.config.kv_block_bytes())
         assert c.now - before >= pull_s
         alone = _engine(max_model_len=4096)
         alone.add_request("y", None, prompt, _params(20))

@@ -79,9 +79,9 @@ def test_prefix_hits_keep_output(tiny_mistral_swa, prompts, expected):
     """The same prompts twice: the second run hits blocks the first released behind its window."""
     llm = LLM(tiny_mistral_swa, dtype="float32", max_num_batched_tokens=40)
     assert run(llm, prompts) == expected
-    before = llm.llm_engine.stats()["prefix_cache_hits"]
+    before = llm.llm_engine.stats().prefix_cache_hits
     assert run(llm, prompts) == expected
-    assert llm.llm_engine.stats()["prefix_cache_hits"] > before
+    assert llm.llm_engine.stats().prefix_cache_hits > before
     llm.llm_engine.check_no_leaks()
 
 
@@ -91,5 +91,5 @@ def test_preemption_keeps_output(tiny_mistral_swa, prompts, expected, mode):
     (a swapped request's released places stay released)."""
     llm = LLM(tiny_mistral_swa, dtype="float32", num_kv_blocks=10, preemption_mode=mode, max_num_batched_tokens=64)
     assert run(llm, prompts) == expected
-    assert llm.llm_engine.stats()["num_preemptions"] > 0
+    assert llm.llm_engine.stats().num_preemptions > 0
     llm.llm_engine.check_no_leaks()

@@ -158,10 +158,10 @@ def test_ngram_greedy_output_identical(loopy_llama, engine_args):
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     stats = llm.llm_engine.stats()
     # Both paths ran: accepted runs and rejected proposals (rolled back).
-    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
-    assert stats["generation_tokens"] == 24 * len(prompts)
+    assert 0 < stats.spec.num_accepted_tokens < stats.spec.num_draft_tokens
+    assert stats.generation_tokens == 24 * len(prompts)
     if "num_kv_blocks" in engine_args:
-        assert stats["num_preemptions"] > 0
+        assert stats.num_preemptions > 0
 
 
 def test_prefix_cache_after_rejections_holds_only_verified_kv(loopy_llama):
@@ -171,12 +171,12 @@ def test_prefix_cache_after_rejections_holds_only_verified_kv(loopy_llama):
     llm = LLM(loopy_llama, dtype="float32", speculative_config=NGRAM)
     params = greedy(max_tokens=40)
     first = run(llm, prompts, params)
-    hits = llm.llm_engine.stats()["prefix_cache_hits"]
+    hits = llm.llm_engine.stats().prefix_cache_hits
     # Continue each request from its own output: the prompt now covers blocks filled while speculating.
     extended = [p + o.token_ids for p, o in zip(prompts, first)]
     again = run(llm, extended, greedy(max_tokens=8))
-    assert llm.llm_engine.stats()["prefix_cache_hits"] > hits
-    assert llm.llm_engine.stats()["spec_num_draft_tokens"] > llm.llm_engine.stats()["spec_num_accepted_tokens"]
+    assert llm.llm_engine.stats().prefix_cache_hits > hits
+    assert llm.llm_engine.stats().spec.num_draft_tokens > llm.llm_engine.stats().spec.num_accepted_tokens
     plain = LLM(loopy_llama, dtype="float32", enable_prefix_caching=False)
     assert [o.token_ids for o in again] == [o.token_ids for o in run(plain, extended, greedy(max_tokens=8))]
 
@@ -227,7 +227,7 @@ def test_stop_conditions_cut_an_accepted_run(loopy_llama, smol_tokenizer):
         if params.logprobs:
             assert [sorted(d) for d in b.logprobs] == [sorted(d) for d in a.logprobs]
             assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-3)
-    assert spec_llm.llm_engine.stats()["spec_num_accepted_tokens"] > 0
+    assert spec_llm.llm_engine.stats().spec.num_accepted_tokens > 0
 
 
 def test_scheduler_rolls_back_rejections_and_stops_inside_a_run():
@@ -322,8 +322,8 @@ def test_sampling_is_exact_in_distribution(tiny_vocab_model, method):
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
     outs = run(llm, [prompt] * num, params)
     stats = llm.llm_engine.stats()
-    assert stats["spec_num_drafts"] >= num                     # every request verified proposals
-    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+    assert stats.spec.num_drafts >= num                     # every request verified proposals
+    assert 0 < stats.spec.num_accepted_tokens < stats.spec.num_draft_tokens
     second, third = _exact_marginals(tiny_vocab_model, prompt)
     assert second.max() < 0.6 and third.max() < 0.6             # spread out: the test can tell rules apart
     counts2 = torch.bincount(torch.tensor([o.token_ids[1] for o in outs]), minlength=VOCAB)
@@ -379,9 +379,9 @@ def test_draft_model_greedy_output_identical(loopy_llama, tiny_llama, engine_arg
         "method": "draft_model", "model": loopy_llama, "num_speculative_tokens": 3})
     assert [o.token_ids for o in run(own, prompts, greedy())] == plain
     stats = own.llm_engine.stats()
-    assert stats["spec_num_draft_tokens"] > 0
-    assert stats["spec_acceptance_rate"] == 1.0                 # the target as its own draft
+    assert stats.spec.num_draft_tokens > 0
+    assert stats.spec.acceptance_rate == 1.0                 # the target as its own draft
     other = LLM(loopy_llama, **args, speculative_config={
         "method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3})
     assert [o.token_ids for o in run(other, prompts, greedy())] == plain
-    assert other.llm_engine.stats()["spec_num_draft_tokens"] > 0
+    assert other.llm_engine.stats().spec.num_draft_tokens > 0

@@ -230,9 +230,9 @@ def test_constraints_survive_chunking_preemption_and_n(tiny_llama, engine_args):
         llm = LLM(tiny_llama, **base, **engine_args, speculative_config=speculative)
         assert outputs(llm) == want, speculative
         stats = llm.llm_engine.stats()
-        assert stats["prefix_cache_hits"] > 0
+        assert stats.prefix_cache_hits > 0
         if "num_kv_blocks" in engine_args:
-            assert stats["num_preemptions"] > 0
+            assert stats.num_preemptions > 0
 
 
 def test_bad_constraints_name_the_field(tiny_llama):

@@ -59,7 +59,7 @@ def test_an_engine_records_its_hop_under_the_callers_trace_or_a_trace_of_its_own
     assert hop.attributes["gen_ai.response.finish_reasons"] == "length"
     assert spans["pdserve.prefill"].attributes["pdserve.computed_prompt_tokens"] == 40
     # The per-request histograms counted both requests.
-    hist = engine.stats()["histograms"]
+    hist = engine.stats().histograms
     for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                  "request_inference_time_seconds", "request_time_per_output_token_seconds",
                  "request_prompt_tokens", "request_generation_tokens", "request_params_max_tokens"):

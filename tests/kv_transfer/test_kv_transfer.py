@@ -27,6 +27,7 @@ from kv_transfer.base import KVConnectorScheduler
 from kv_transfer.leases import LeaseSlots, LeaseTable
 from kv_transfer.torch_dist import scatter_blocks
 from records.config import EngineConfig
+from records.engine_stats import KVTransferStats
 from records.errors import KVLayoutMismatch, KVTransferError
 from records.hashing import hash_block_tokens
 from records.kv_layout import KVLayout
@@ -187,15 +188,15 @@ def test_pd_output_matches_one_engine(tiny_llama, connector):
     want = reference(tiny_llama, ids_list)
     p, d = make_engine(tiny_llama, connector), make_engine(tiny_llama, connector)
     for n, ids, expected in zip(sizes, ids_list, want):
-        before = d.stats()["kv_blocks_pulled"]
+        before = d.stats().kv_transfer.blocks_pulled
         params = prefill(p, f"r{n}", ids)
         assert len(params["remote_block_ids"]) == -(-n // 16)
         out = run_one(d, f"r{n}", ids, GREEDY, params, others=(p,))
         assert out.outputs[0].token_ids == expected, n
-        assert d.stats()["kv_blocks_pulled"] - before == -(-(n - 1) // 16)
+        assert d.stats().kv_transfer.blocks_pulled - before == -(-(n - 1) // 16)
         settle(p, d)
-    assert d.stats()["kv_load_failures"] == 0
-    assert p.stats()["kv_leases"] == 4 and p.stats()["kv_leases_expired"] == 0
+    assert d.stats().kv_transfer.load_failures == 0
+    assert p.stats().kv_transfer.leases == 4 and p.stats().kv_transfer.leases_expired == 0
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3", "mistral_swa", "mixtral", "qwen3_moe"])
@@ -217,7 +218,7 @@ def test_pd_of_more_families_matches_transformers(family, request):
         assert len(params["remote_block_ids"]) == -(-len(ids) // 16)
         assert run_one(d, f"r{i}", ids, GREEDY, params, others=(p,)).outputs[0].token_ids == expected
         settle(p, d)
-    assert d.stats()["kv_load_failures"] == 0
+    assert d.stats().kv_transfer.load_failures == 0
 
 
 def test_decode_side_pulls_only_blocks_it_lacks(tiny_llama, connector):
@@ -231,7 +232,7 @@ def test_decode_side_pulls_only_blocks_it_lacks(tiny_llama, connector):
     out = run_one(d, "b", ids_b, GREEDY, params, others=(p,))
     assert out.outputs[0].token_ids == want[1]
     total_blocks = -(-(len(ids_b) - 1) // 16)
-    assert d.stats()["kv_blocks_pulled"] == total_blocks - 4
+    assert d.stats().kv_transfer.blocks_pulled == total_blocks - 4
     assert out.num_cached_tokens == 64
     settle(p, d)
 
@@ -250,27 +251,27 @@ def test_peer_prefix_pull_matches_one_engine(tiny_llama, connector):
     assert a.lease_prefix(hash_block_tokens(prompt(40, salt=9), 16)) is None
     params = a.lease_prefix(hash_block_tokens(ids[1], 16))
     assert params["remote_num_tokens"] == 96 and len(params["remote_block_ids"]) == 6    # the shared blocks
-    computed = b.stats()["prompt_tokens_computed"]
+    computed = b.stats().prompt_tokens_computed
     out = run_one(b, "b", ids[1], GREEDY, params, others=(a,))
     assert out.outputs[0].token_ids == want[1]
-    assert b.stats()["kv_blocks_pulled"] == 6 and b.stats()["prompt_tokens_computed"] - computed == len(ids[1]) - 96
+    assert b.stats().kv_transfer.blocks_pulled == 6 and b.stats().prompt_tokens_computed - computed == len(ids[1]) - 96
     settle(a, b)
-    assert a.stats()["kv_prefix_leases"] == 1 and a.stats()["kv_leases_active"] == 0
+    assert a.stats().kv_transfer.prefix_leases == 1 and a.stats().kv_transfer.leases_active == 0
     # A peer that lets go of the blocks before the pull (its lease ended: it restarted, or the
     # lease expired): the pull finds the lease gone and the prompt is computed.
     params = a.lease_prefix(hash_block_tokens(ids[2], 16))
     a.abort_request(params["remote_request_id"])
     a.step()
-    assert a.stats()["kv_leases_active"] == 0
+    assert a.stats().kv_transfer.leases_active == 0
     c = make_engine(tiny_llama, connector, kv_load_failure_policy="fail")    # a peer's pull recomputes anyway
     out = run_one(c, "c", ids[2], GREEDY, params, others=(a,))
-    assert out.outputs[0].token_ids == want[2] and c.stats()["kv_load_failures"] == 1
+    assert out.outputs[0].token_ids == want[2] and c.stats().kv_transfer.load_failures == 1
     settle(a, c)
     # Within a prefill pool: a prefill for a remote decode pulls its prefix from a peer first.
     d = make_engine(tiny_llama, connector)
     peer = a.lease_prefix(hash_block_tokens(ids[3], 16))
     leased = prefill_with(d, "d", ids[3], {"do_remote_decode": True, "peer_prefix": peer}, others=(a,))
-    assert d.stats()["kv_blocks_pulled"] == 6 and d.stats()["kv_leases"] == 1
+    assert d.stats().kv_transfer.blocks_pulled == 6 and d.stats().kv_transfer.leases == 1
     out = run_one(c, "d", ids[3], GREEDY, leased, others=(d, a))
     assert out.outputs[0].token_ids == want[3]
     settle(a, c, d)
@@ -292,9 +293,9 @@ def test_peer_prefix_from_the_peers_offload_tier(tiny_llama, connector):
     hashes = hash_block_tokens(ids[2], 16)
     assert len(a.kv_cache_manager.cached_run(hashes)) == 4       # the shared prefix's other 2 are in the tier
     params = a.lease_prefix(hashes)
-    assert len(params["remote_block_ids"]) == 6 and a.stats()["kv_tier_host_hit_blocks"] == 2
+    assert len(params["remote_block_ids"]) == 6 and a.stats().kv_tier.host_hit_blocks == 2
     out = run_one(b, "b", ids[2], GREEDY, params, others=(a,))
-    assert out.outputs[0].token_ids == want[0] and b.stats()["kv_blocks_pulled"] == 6
+    assert out.outputs[0].token_ids == want[0] and b.stats().kv_transfer.blocks_pulled == 6
     settle(a, b)
 
 
@@ -330,7 +331,7 @@ def test_pulled_blocks_are_what_decode_uses(tiny_llama, connector):
         cache[:, leased] = torch.randn_like(cache[:, leased])
     out = run_one(d, "y", ids, GREEDY, params, others=(p,))
     assert out.outputs[0].token_ids != want, "noise in the pulled blocks did not change the output"
-    assert d.stats()["kv_load_failures"] == 0
+    assert d.stats().kv_transfer.load_failures == 0
     settle(p, d)
 
 
@@ -357,7 +358,7 @@ def test_pd_with_fp8_kv_matches_one_fp8_engine(tiny_llama, connector):
         d_blocks = [d.kv_cache_manager.block_pool.cached[h].block_id for h in hashes]
         for got, expected_bytes in zip(d.executor.worker.runner.kv_caches, sent, strict=True):
             assert torch.equal(got[:, d_blocks].view(torch.uint8), expected_bytes)
-    assert d.stats()["kv_load_failures"] == 0
+    assert d.stats().kv_transfer.load_failures == 0
 
 
 def test_pd_with_lora_matches_one_engine_and_refuses_a_mismatch(tiny_llama, connector, tmp_path):
@@ -391,7 +392,7 @@ def test_pd_with_lora_matches_one_engine_and_refuses_a_mismatch(tiny_llama, conn
             d.add_request(f"y{n}", None, ids, under, kv_transfer_params=base)
         p.abort_request(f"q{n}")            # its lease: no decode engine will pull it
         settle(p, d)
-    assert d.stats()["kv_load_failures"] == 0
+    assert d.stats().kv_transfer.load_failures == 0
 
 
 # --- faults: each ends with zero blocks held on both sides ---------------------------------------------
@@ -406,7 +407,7 @@ def test_abort_on_prefill_before_pull_falls_back_to_recompute(tiny_llama, connec
     settle(p)
     out = run_one(d, "x", ids, GREEDY, params, others=(p,))
     assert out.outputs[0].token_ids == want
-    assert d.stats()["kv_load_failures"] == 1
+    assert d.stats().kv_transfer.load_failures == 1
     settle(p, d)
 
 
@@ -417,19 +418,19 @@ def test_abort_on_decode_during_pull(tiny_llama, connector):
     params = prefill(p, "x", ids)
     d.add_request("x", None, ids, GREEDY, kv_transfer_params=params)
     d.step()
-    assert d.stats()["num_requests_waiting_for_kv"] == 1
+    assert d.stats().kv_transfer.requests_waiting == 1
     d.abort_request("x")
     assert d.has_unfinished_requests()           # blocks stay until the pull ends
     settle(p, d)
-    assert p.stats()["kv_leases_active"] == 0 and d.stats()["num_free_kv_blocks"] == 64
+    assert p.stats().kv_transfer.leases_active == 0 and d.stats().num_free_kv_blocks == 64
 
 
 def test_lease_expiry_frees_prefill_blocks(tiny_llama, connector):
     p = make_engine(tiny_llama, connector, kv_lease_s=0.3)
     prefill(p, "x", prompt(50, salt=8))
-    assert p.stats()["kv_leases_active"] == 1 and p.stats()["num_free_kv_blocks"] < 64
+    assert p.stats().kv_transfer.leases_active == 1 and p.stats().num_free_kv_blocks < 64
     settle(p)                                     # D never pulls
-    assert p.stats()["kv_leases_expired"] == 1 and p.stats()["num_free_kv_blocks"] == 64
+    assert p.stats().kv_transfer.leases_expired == 1 and p.stats().num_free_kv_blocks == 64
 
 
 @pytest.mark.parametrize("fault", [{"fail_loads": True}, {"load_delay_s": 1.0}])
@@ -441,7 +442,7 @@ def test_failed_or_timed_out_pull_recomputes(tiny_llama, connector, fault):
     params = prefill(p, "x", ids)
     out = run_one(d, "x", ids, GREEDY, params, others=(p,))
     assert out.outputs[0].token_ids == want
-    assert d.stats()["kv_load_failures"] == 1
+    assert d.stats().kv_transfer.load_failures == 1
     p.abort_request("x")                          # the router's job when D gave up
     settle(p, d)
 
@@ -505,10 +506,7 @@ def test_async_engine_raises_kv_transfer_error(tiny_llama):
 
 def test_stats_expose_transfer_counters(tiny_llama):
     engine = make_engine(tiny_llama, "torch_dist")
-    stats = engine.stats()
-    for key in ("kv_loads", "kv_load_failures", "kv_blocks_pulled", "kv_leases", "kv_leases_active",
-                "kv_leases_expired", "num_requests_waiting_for_kv"):
-        assert stats[key] == 0
+    assert engine.stats().kv_transfer == KVTransferStats()      # present, every counter at zero
     assert isinstance(engine.kv_connector, KVConnectorScheduler)
 
 
@@ -549,16 +547,16 @@ def test_pd_across_ray_actors(tiny_llama, conn):
                                {"do_remote_decode": True})
             deltas = generate(d, f"r{n}", ids, GREEDY, first.kv_transfer_params)
             assert [t for x in deltas for c in x.choices for t in c.token_ids] == expected, n
-        stats = ray.get(d.stats.remote())
-        assert stats["kv_load_failures"] == 0
-        assert stats["kv_blocks_pulled"] == sum(-(-(n - 1) // 16) for n in sizes)
+        stats = ray.get(d.stats.remote()).engine
+        assert stats.kv_transfer.load_failures == 0
+        assert stats.kv_transfer.blocks_pulled == sum(-(-(n - 1) // 16) for n in sizes)
 
         [first] = generate(p, "last", last, SamplingParams(max_tokens=1, temperature=0.0),
                            {"do_remote_decode": True})
         kill_actor(p, "info")
         deltas = generate(fresh, "last", last, GREEDY, first.kv_transfer_params)
         assert [t for x in deltas for c in x.choices for t in c.token_ids] == want[-1]
-        assert ray.get(fresh.stats.remote())["kv_load_failures"] == 1
+        assert ray.get(fresh.stats.remote()).engine.kv_transfer.load_failures == 1
         deadline = time.monotonic() + DEADLINE_S
         while not (ray.get(d.check_no_leaks.remote()) and ray.get(fresh.check_no_leaks.remote())):
             assert time.monotonic() < deadline, "decode side kept blocks"
@@ -604,10 +602,10 @@ def test_pd_hops_join_one_trace_with_the_pull_measured(tiny_llama):
                                             "pdserve.prefill", "pdserve.queue"]
     pull = next(s for s in spans if s.name == "pdserve.kv_pull")
     blocks = -(-(len(ids) - 1) // 16)
-    assert pull.attributes["pdserve.kv.blocks"] == blocks == d.stats()["kv_blocks_pulled"]
+    assert pull.attributes["pdserve.kv.blocks"] == blocks == d.stats().kv_transfer.blocks_pulled
     assert pull.attributes["pdserve.kv.bytes"] == blocks * d.config.kv_block_bytes()
     d_prefill = next(s for s in spans if s.name == "pdserve.prefill" and s.parent.span_id == d_hop.context.span_id)
     assert d_prefill.attributes["pdserve.computed_prompt_tokens"] == 1      # the last token: the rest pulled
     assert pull.end_time == d_prefill.start_time
-    hist = d.stats()["histograms"]
+    hist = d.stats().histograms
     assert sum(hist["kv_pull_seconds"][0]) == 1 and hist["kv_pull_bytes"][1] == blocks * d.config.kv_block_bytes()

@@ -176,9 +176,9 @@ def test_pd_between_pipelined_engines(pp_engines, single_pd_reference, lora_a, p
     base = prompt(300, salt=3)
     cases = [(prompt(1, salt=1), GREEDY), (prompt(16, salt=2), GREEDY), (base, GREEDY),
              (prompt(50, salt=4), under), ([*base[:64], *prompt(40, salt=5)], GREEDY)]
-    failures = d.stats()["kv_load_failures"]
+    failures = d.stats().kv_transfer.load_failures
     for i, (ids, params) in enumerate(cases):
-        before = d.stats()["kv_blocks_pulled"]
+        before = d.stats().kv_transfer.blocks_pulled
         kv = prefill(p, f"r{i}", ids, params)
         num_full = len(ids) // 16
         sent = global_blocks(p, kv["remote_block_ids"][:num_full])
@@ -186,7 +186,7 @@ def test_pd_between_pipelined_engines(pp_engines, single_pd_reference, lora_a, p
         assert out.outputs[0].token_ids == single_pd_reference(ids, params.lora_request), i
         cached = 4 if i == len(cases) - 1 else 0            # the last shares base's first 4 blocks
         num_pulled = -(-(len(ids) - 1) // 16) - cached
-        assert d.stats()["kv_blocks_pulled"] - before == num_pulled, i
+        assert d.stats().kv_transfer.blocks_pulled - before == num_pulled, i
         # Every decode rank pulled its part; the parts add up to the blocks' every layer and head.
         log = [r for r in d.executor.kv_pull_log() if r.request_id == f"r{i}"]
         assert sorted(r.rank for r in log) == (list(range(d_shape[0] * d_shape[1])) if num_pulled else [])
@@ -200,7 +200,7 @@ def test_pd_between_pipelined_engines(pp_engines, single_pd_reference, lora_a, p
         assert got.shape == sent.shape and got.shape[0] == 4
         assert torch.equal(got.flatten(2, 3)[:, :, :pulled], sent.flatten(2, 3)[:, :, :pulled]), i
         settle(p, d)
-    assert d.stats()["kv_load_failures"] == failures and p.stats()["kv_leases_expired"] == 0
+    assert d.stats().kv_transfer.load_failures == failures and p.stats().kv_transfer.leases_expired == 0
     p.check_no_leaks()
     d.check_no_leaks()
 
@@ -227,7 +227,7 @@ def test_pd_with_fp8_cache_between_pipelined_engines(tiny_llama4, ray_nodes, con
         hashes = [bytes.fromhex(h) for h in kv["remote_block_hashes"][:6]]
         got = global_blocks(d, [d.kv_cache_manager.block_pool.cached[h].block_id for h in hashes])
         assert torch.equal(got.view(torch.uint8), sent.view(torch.uint8))
-        assert d.stats()["kv_load_failures"] == 0
+        assert d.stats().kv_transfer.load_failures == 0
     finally:
         for engine in (p, d):
             engine.executor.shutdown()
@@ -255,7 +255,7 @@ def test_killed_prefill_stage_mid_pull(tiny_llama4, ray_nodes, block_accounting,
         for i, d in enumerate((recompute, fail)):
             d.add_request(f"x{i}", None, ids, GREEDY, kv_transfer_params=kv[i])
             d.step()                                   # plans the pull
-            assert d.stats()["num_requests_waiting_for_kv"] == 1
+            assert d.stats().kv_transfer.requests_waiting == 1
         kill_actor(p.executor.workers[1], "placement")          # stage 1's only rank
         deadline = time.monotonic() + DEADLINE_S
         outs = {}
@@ -264,7 +264,7 @@ def test_killed_prefill_stage_mid_pull(tiny_llama4, ray_nodes, block_accounting,
                 outs.update((o.request_id, o) for o in d.step() if o.finished)
                 assert time.monotonic() < deadline, "request hung"
         assert outs["x0"].outputs[0].token_ids == want
-        assert recompute.stats()["kv_load_failures"] == 1
+        assert recompute.stats().kv_transfer.load_failures == 1
         failed = outs["x1"].outputs[0]
         assert failed.finish_reason == "error" and "KV" in failed.stop_reason, failed.stop_reason
         assert run_one(fail, "after", prompt(30, salt=8)).outputs[0].finish_reason == "length"

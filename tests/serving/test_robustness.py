@@ -124,7 +124,8 @@ def test_abort_storm_leaks_nothing(server, eventually_no_leaks):
                       "pdserve:request_errors_total", code="500")
 
     def leases_expired() -> int:
-        return sum(s.get("kv_leases_expired", 0) for s in ray.get([h.stats.remote() for h in app["replicas"].values()]))
+        stats = ray.get([h.stats.remote() for h in app["replicas"].values()])
+        return sum(s.engine.kv_transfer.leases_expired for s in stats if s.engine.kv_transfer is not None)
 
     errors_before, expired_before = server_errors(), leases_expired()
     modes = asyncio.run(storm())

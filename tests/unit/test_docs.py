@@ -10,13 +10,14 @@ import re
 import pytest
 from helpers import REPO
 
-from records import outputs
+from records import engine_stats, outputs
 
 # Record -> the record whose bullet (or paragraph) in docs/architecture.md describes its fields.
 DOCUMENTED_IN = {"SchedulerOutput": "SchedulerOutput", "ScheduledRequest": "ScheduledRequest",
                  "ModelRunnerOutput": "ModelRunnerOutput", "SampledToken": "ModelRunnerOutput",
                  "RequestOutput": "RequestOutput", "CompletionOutput": "RequestOutput",
-                 "StepDelta": "StepDelta", "ChoiceDelta": "StepDelta"}
+                 "StepDelta": "StepDelta", "ChoiceDelta": "StepDelta", "EngineStats": "EngineStats",
+                 "ReplicaStats": "EngineStats"}
 
 
 def _descriptions() -> dict[str, str]:
@@ -36,5 +37,6 @@ def _descriptions() -> dict[str, str]:
 @pytest.mark.parametrize("record", sorted(DOCUMENTED_IN))
 def test_the_architecture_doc_names_every_field_of_the_records(record):
     named = set(re.findall(r"[A-Za-z_]\w*", " ".join(re.findall(r"`([^`]+)`", _descriptions()[DOCUMENTED_IN[record]]))))
-    missing = [f.name for f in dataclasses.fields(getattr(outputs, record)) if f.name not in named]
+    module = engine_stats if hasattr(engine_stats, record) else outputs
+    missing = [f.name for f in dataclasses.fields(getattr(module, record)) if f.name not in named]
     assert not missing, f"docs/architecture.md's {DOCUMENTED_IN[record]} says nothing of {record}.{missing}"

@@ -13,6 +13,7 @@ import json
 import pytest
 
 from engine import SamplingParams
+from records.engine_stats import EngineStats
 from records.sampling_params import validate_request
 from router.ingress.admission import Admission
 from router.ingress.protocol import MAX_JSON_DEPTH, parse_json_object
@@ -100,7 +101,7 @@ def test_series_of_removed_replicas_are_dropped():
     router = RequestRouter("prefill", {"prefill-0": object(), "prefill-1": object()}, 16,
                            RoutingPolicy(PolicyConfig("prefix_aware", 0.5, 8), 8), metrics)
     for r in router.replicas:
-        metrics.engines.set_stats("prefill", r, {"num_requests_running": 1, "prompt_tokens": 10})
+        metrics.engines.set_stats("prefill", r, EngineStats(num_requests_running=1, prompt_tokens=10))
     router.set_replicas({"prefill-1": router.replicas["prefill-1"]})
     text = metrics.render()
     assert 'replica="prefill-1"' in text and 'replica="prefill-0"' not in text

@@ -10,6 +10,7 @@ import pytest
 
 from cluster.cli import format_status
 from cluster.pool import replica_latency, replica_tier
+from records.engine_stats import EngineStats, KVTierStats
 from records.histogram import (
     LATENCY_BUCKETS_S,
     VLLM_REQUEST_LATENCY_BUCKETS,
@@ -41,8 +42,8 @@ def test_engine_histograms_render_per_replica_and_leave_with_it():
     hist = engine_histograms(1024)
     counts = [0] * (len(hist["request_queue_time_seconds"]) + 1)
     counts[2] = 3
-    stats = {"num_requests_running": 1, "histograms": {"request_queue_time_seconds": (counts, 1.25),
-                                                          "not_a_series": ([1], 1.0)}}
+    stats = EngineStats(num_requests_running=1, histograms={"request_queue_time_seconds": (counts, 1.25),
+                                                            "not_a_series": ([1], 1.0)})
     m.engines.set_stats("decode", "decode-0", stats)
     text = m.render()
     labels = 'pool="decode",replica="decode-0"'
@@ -97,14 +98,15 @@ def test_status_reads_latency_percentiles_and_the_tier_off_a_replicas_stats():
         ttft.observe(s)
     queue = [0] * (len(VLLM_REQUEST_LATENCY_BUCKETS) + 1)
     queue[0] = 4
-    stats = {"ttft_histogram": ttft.counts, "itl_histogram": [0] * len(ttft.counts),
-             "histograms": {"request_queue_time_seconds": (queue, 0.1)},
-             "kv_tier_host_blocks": 3, "kv_tier_host_slots": 40, "kv_tier_disk_slots": 0}
+    stats = EngineStats(ttft=tuple(ttft.counts), itl=(0,) * len(ttft.counts),
+                        histograms={"request_queue_time_seconds": (queue, 0.1)},
+                        kv_tier=KVTierStats(host_blocks=3, host_slots=40, disk_slots=0))
     latency = replica_latency(stats)
     assert latency["ttft_s"]["count"] == 4 and latency["itl_s"] == {"p50": None, "p90": None, "p99": None, "count": 0}
     assert latency["ttft_s"]["p50"] == pytest.approx(quantile(ttft.counts, 0.5, LATENCY_BUCKETS_S), abs=1e-4)
     assert latency["queue_s"]["count"] == 4
-    assert replica_tier(stats) == {"host": [3, 40]} and replica_tier({}) is None and replica_latency({}) is None
+    assert replica_tier(stats) == {"host": [3, 40]}
+    assert replica_tier(EngineStats()) is None and replica_latency(EngineStats()) is None    # (asleep)
     status = {"name": "pd", "fingerprint": "abc", "phase": "ready", "reason": None, "updating": None,
               "tracing": {"otlp_traces_endpoint": "http://127.0.0.1:4317", "log_requests": False},
               "ingress_observed": {"routing_decisions": {"pd": {"remote_prefill": 2}}, "peer_prefix_pulls": {}},
