@@ -21,9 +21,6 @@ from records.histogram import (
 
 LabelKey = tuple[tuple[str, str], ...]
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                   7.5, 10.0, 20.0, 40.0, 80.0)
-
 
 _KEYS: dict[tuple[tuple[str, str], ...], LabelKey] = {}   # labels as passed -> sorted (a few hundred)
 
@@ -101,7 +98,7 @@ class HistogramMetric(_Metric):
     records/histogram.py: Histogram, is exposed as)."""
     kind = "histogram"
 
-    def __init__(self, name: str, doc: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
+    def __init__(self, name: str, doc: str, buckets: Sequence[float]) -> None:
         super().__init__(name, doc)
         self.buckets = tuple(buckets)
         self.series: dict[LabelKey, tuple[list[int], list[float]]] = {}   # counts per bucket, [sum]
@@ -142,7 +139,8 @@ class Registry:
     def gauge(self, name: str, doc: str) -> Gauge:
         return self._add(Gauge(name, doc))  # type: ignore[return-value]
 
-    def histogram(self, name: str, doc: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> HistogramMetric:
+    def histogram(self, name: str, doc: str, buckets: Sequence[float]) -> HistogramMetric:
+        """A histogram family on `buckets` (records/histogram.py holds every set pdserve uses)."""
         return self._add(HistogramMetric(name, doc, buckets))  # type: ignore[return-value]
 
     def render(self) -> str:
