@@ -231,7 +231,7 @@ class Replay:
             if plan.prefill is not None:
                 flight.decode, flight.remote_prefill = plan.decode, True
                 self._submit(flight, self.routers["prefill"], plan.prefill, "prefill",
-                             self.pd._prefill_params(params), {"do_remote_decode": True})
+                             plan.prefill_params, {"do_remote_decode": True})
                 return
             decision = plan.decode
         else:

@@ -37,6 +37,13 @@ class PDPlan:
     decode: Decision
     prefill: Decision | None        # None: the decode replica computes the prompt itself
     reason: str                     # local_prefill | local_prefill_backlog | remote_prefill
+    prefill_params: SamplingParams | None = None    # what the prefill replica runs (`prefill_params`)
+
+
+def prefill_params(params: SamplingParams) -> SamplingParams:
+    """What a prefill replica runs of a request: its prompt, to its first token (one choice, no
+    logprobs: the decode replica samples what the client sees)."""
+    return dataclasses.replace(params, max_tokens=1, min_tokens=0, n=1, logprobs=None)
 
 
 class PDRouter:
@@ -110,8 +117,9 @@ class PDRouter:
         kv_params = None
         try:
             if plan.prefill is not None:
-                kv_params = await self._prefill(request_id, prompt_token_ids, self._prefill_params(params),
-                                                plan.prefill, trace)
+                assert plan.prefill_params is not None
+                kv_params = await self._prefill(request_id, prompt_token_ids, plan.prefill_params, plan.prefill,
+                                                trace)
             # After a remote prefill the decode replica computes one token (and pulls the rest).
             async for delta in self.decode.generate(request_id, prompt_token_ids, params, plan.decode, kv_params,
                                                     prefill_tokens=1 if kv_params is not None else None,
@@ -131,9 +139,10 @@ class PDRouter:
         and what `pdserve simulate` drives."""
         hashes = self.decode.block_hashes(prompt_token_ids, params)      # both pools' engines hash alike
         d_decision = self.decode.route(prompt_token_ids, params, trace, hashes)
-        p_decision = None
+        p_decision = p_params = None
         if self.wants_remote_prefill(len(prompt_token_ids), params, d_decision):
-            p_decision = self.prefill.route(prompt_token_ids, self._prefill_params(params), trace, hashes)
+            p_params = prefill_params(params)
+            p_decision = self.prefill.route(prompt_token_ids, p_params, trace, hashes)
             reason = ("local_prefill_backlog" if self.prefill_is_backlogged(len(prompt_token_ids), p_decision,
                                                                              d_decision) else "remote_prefill")
         else:
@@ -141,16 +150,13 @@ class PDRouter:
         self.metrics.routing.decisions.inc(reason=reason, pool="pd")
         if trace is not None:
             trace.disaggregated(reason)
-        return PDPlan(d_decision, p_decision if reason == "remote_prefill" else None, reason)
-
-    @staticmethod
-    def _prefill_params(params: SamplingParams) -> SamplingParams:
-        """What the prefill replica runs: the prompt, to its first token."""
-        return dataclasses.replace(params, max_tokens=1, min_tokens=0, n=1, logprobs=None)
+        if reason != "remote_prefill":
+            return PDPlan(d_decision, None, reason)
+        return PDPlan(d_decision, p_decision, reason, p_params)
 
     async def _prefill(self, request_id: str, prompt_token_ids: list[int], p_params: SamplingParams,
                        decision: Decision, trace: RequestTrace | None = None) -> dict | None:
-        """Run the prompt (`p_params`: `_prefill_params`) on the chosen prefill replica; its transfer
+        """Run the prompt (`p_params`: `prefill_params`) on the chosen prefill replica; its transfer
         parameters, or None when it leased nothing (its first token ended the request, or its lease
         table was full) or no prefill replica could run it: then D computes the prompt itself."""
         last = None

@@ -273,7 +273,8 @@ def test_a_request_is_validated_tokenized_compiled_and_hashed_once(mode, monkeyp
     their own limits, one check each), tokenized once, its constraint compiled once by the ingress
     and once by each engine it reaches (each in its own process when deployed), and its prompt's
     block hash chain computed once: the router's, which the engines take. On the P/D path the
-    prefill and the decode engine both get it."""
+    prefill and the decode engine both get it. Each delta a replica makes crosses one queue in the
+    ingress."""
     import asyncio
     import json
     import sys
@@ -286,6 +287,7 @@ def test_a_request_is_validated_tokenized_compiled_and_hashed_once(mode, monkeyp
     from cluster.config import ClusterConfig
     from cluster.replica import EngineReplica
     from engine.llm_engine import LLMEngine
+    from records.outputs import StepDelta
     from router.ingress.frontend import Frontend
     from router.ingress.openai_api import OpenAIAPI
 
@@ -315,6 +317,20 @@ def test_a_request_is_validated_tokenized_compiled_and_hashed_once(mode, monkeyp
         counts["engine_compiles"] += 1
         return compile_constraint(self, spec)
     monkeypatch.setattr(LLMEngine, "compile_constraint", engine_compile)
+    # Per delta, one queue hop in the ingress: the deltas the replicas made, and the puts onto
+    # asyncio queues by the ingress's modules (router/).
+    hops = {"deltas": 0, "puts": 0}
+    of_output, put_nowait = StepDelta.of_output.__func__, asyncio.Queue.put_nowait
+
+    def made(cls, *args, **kwargs):
+        hops["deltas"] += 1
+        return of_output(cls, *args, **kwargs)
+
+    def put(self, item):
+        hops["puts"] += sys._getframe(1).f_globals["__name__"].startswith("router.")
+        return put_nowait(self, item)
+    monkeypatch.setattr(StepDelta, "of_output", classmethod(made))
+    monkeypatch.setattr(asyncio.Queue, "put_nowait", put)
 
     engine = {"simulate": SIM_PROFILE, "max_model_len": 2048}
     pools = {"decode": {"replicas": 1}} if mode == "colocated" else {"prefill": {"replicas": 1},
@@ -344,3 +360,5 @@ def test_a_request_is_validated_tokenized_compiled_and_hashed_once(mode, monkeyp
     assert reply["usage"]["completion_tokens"] == 6
     engines = len(pools)
     assert counts == {"validate": 1, "limits": engines, "tokenize": 1, "chains": 1, "engine_compiles": engines}
+    # (on the P/D path the prefill replica's delta, its first token, too: it ends at the router)
+    assert hops["deltas"] >= 2 and hops["puts"] == hops["deltas"], hops
