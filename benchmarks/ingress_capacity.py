@@ -66,15 +66,16 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
-def run(args: argparse.Namespace, ingress_replicas: int) -> dict:
+def run(args: argparse.Namespace, ingress_replicas: int, channel: str) -> dict:
     direct = ", direct_ingress: true" if args.direct_ingress else ""
     spec = (f"engine: {{simulate: {args.profile}, max_model_len: 4096, stream_interval: {args.stream_interval}}}\n"
             f"pools:\n  decode: {{replicas: {args.replicas}, replicas_per_process: 8}}\n"
+            f"routing: {{channel: {channel}}}\n"
             f"serving: {{port: PORT, ingress_replicas: {ingress_replicas}, ingress_num_cpus: 1, "
             f"max_in_flight: 100000{direct}}}\n")
     with bench.served(spec) as base:
-        return {"server": "pdserve", "ingress_replicas": ingress_replicas, "stream_interval": args.stream_interval,
-                **measure(args, base, ingress_replicas)}
+        return {"server": "pdserve", "ingress_replicas": ingress_replicas, "channel": channel,
+                "stream_interval": args.stream_interval, **measure(args, base, ingress_replicas)}
 
 
 def run_floor(args: argparse.Namespace) -> dict:
@@ -163,9 +164,14 @@ def main() -> None:
                     help="also run the same load against Serve's floor (benchmarks/serve_floor.py), first")
     ap.add_argument("--direct-ingress", action="store_true",
                     help="the ingress serves the port itself (serving.direct_ingress), not through Serve's proxy")
+    ap.add_argument("--channel", default="tcp",
+                    help="the output channels' transports to run, alternating (routing.channel: tcp, ray)")
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    results = ([run_floor(args)] if args.floor else []) + [run(args, int(n)) for n in args.ingress.split(",")]
+    results = ([run_floor(args)] if args.floor else []) + [
+        run(args, int(n), channel) for _ in range(args.rounds) for n in args.ingress.split(",")
+        for channel in args.channel.split(",")]
     for r in results:
         print(json.dumps({k: v for k, v in r.items() if k != "profile"}))
         if r["profile"]:

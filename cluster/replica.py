@@ -33,6 +33,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from cluster.channel_server import ChannelServer
 from cluster.memory import drop_page_cache, engine_released, release_heap, resident_bytes
 from engine.async_engine import AsyncLLMEngine, output_error
 from pdserve_proto.kv_events import encode_kv_events
@@ -103,6 +104,7 @@ class EngineReplica:
         self._closed = False
         self.asleep = 0                     # the sleep level (0: awake)
         self._waking: SingleFlight[None] = SingleFlight()
+        self._channel_server = ChannelServer(self)
         if load:
             self.load()
 
@@ -211,6 +213,15 @@ class EngineReplica:
                     self.engine.abort(request_id)
                 self._outboxes.pop(ingress_id, None)
 
+    async def channel_address(self) -> tuple[str, int, bytes]:
+        """Where an ingress connects for its channel over TCP (cluster/channel_server.py): this
+        node's address, a port, and the token a connection sends first."""
+        return await self._channel_server.address()
+
+    def fail(self, ingress_id: str, request_id: str, error: BaseException) -> None:
+        """End a request this replica refused (its submit raised) on its ingress's channel."""
+        self._outboxes.setdefault(ingress_id, _Outbox()).put(StepDelta.failure(request_id, error))
+
     def submit(self, ingress_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                kv_transfer_params: dict | None = None, continuation: Continuation | None = None,
                trace_context: dict[str, str] | None = None, block_hashes: list[bytes] | None = None) -> None:
@@ -249,6 +260,7 @@ class EngineReplica:
         """Stop serving (a simulated replica its host removes, cluster/replica_host.py): every open
         channel ends with EngineDeadError (its ingress migrates the streams) and the engine stops."""
         self._closed = True
+        self._channel_server.close()
         for box in self._outboxes.values():
             box.ready.set()
         if self.engine is not None:

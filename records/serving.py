@@ -65,6 +65,10 @@ class RoutingSpec(StrictSpec):
     # disaggregation section's connector in colocated mode too).
     peer_prefix_pulls: bool = False
     min_peer_pull_tokens: int = Field(128, ge=1)
+    # How the ingress and its replicas exchange requests and step messages (router/routing/channel.py):
+    # "tcp", a connection per (ingress, replica) pair; "ray", an actor call per request and a Ray
+    # streaming generator per pair.
+    channel: Literal["tcp", "ray"] = "tcp"
 
     def model_post_init(self, _: Any) -> None:
         self.policy()

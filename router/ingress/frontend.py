@@ -92,13 +92,15 @@ class Frontend:
         on_failure = report if manager is not None else None
         migrations = config.routing.max_migrations
         peers = config.routing.min_peer_pull_tokens if config.routing.peer_prefix_pulls else None
+        channel = config.routing.channel
         decode = RequestRouter("decode", replicas or {}, info.block_size, policy(), self.metrics,
-                               config.routing.stats_interval_s, on_failure, migrations, peers)
+                               config.routing.stats_interval_s, on_failure, migrations, peers, channel)
         self.pools: dict[str, RequestRouter] = {"decode": decode}
         self.router: RequestRouter | PDRouter = decode
         if config.mode == "disaggregated":
             prefill = RequestRouter("prefill", prefill_replicas or {}, info.block_size, policy(),
-                                    self.metrics, config.routing.stats_interval_s, on_failure, migrations, peers)
+                                    self.metrics, config.routing.stats_interval_s, on_failure, migrations, peers,
+                                    channel)
             self.pools["prefill"] = prefill
             self.router = PDRouter(prefill, decode, self.metrics, config.disaggregation.min_remote_prefill_tokens,
                                    config.disaggregation.prefill_backlog_factor)

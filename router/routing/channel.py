@@ -22,6 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import pickle
+import socket
+import struct
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -44,12 +47,57 @@ SENT_AHEAD = 1
 # until it is opened again.
 REOPEN_S = 1.0
 
+# How a channel travels: "tcp" (a connection of its own to the replica's channel server,
+# cluster/channel_server.py: the submits, aborts and step messages as frames) or "ray" (the submit
+# an actor call, the messages a Ray streaming generator).
+TRANSPORTS = ("tcp", "ray")
+
+# The TCP channel's frames: a 4-byte big-endian length, then a pickle. The ingress sends a hello
+# (token, ingress id, KV cursor), then (SUBMIT, request id, the submit's arguments...), (ABORT,
+# request id) and (ACK,) after each message it took; the replica sends ChannelMessages, and the
+# error that ended the channel as its last frame.
+SUBMIT, ABORT, ACK = "submit", "abort", "ack"
+_LENGTH = struct.Struct("!I")
+_ACK_FRAME = b""             # (set below, once frame() exists)
+# A lost replica whose socket did not close (its node vanished): keepalive probes and unacknowledged
+# data give up after about this long.
+LINK_TIMEOUT_S = 30
+# After the connection ended: how long to wait for Ray to say whether the replica is gone.
+PROBE_TIMEOUT_S = 30.0
+
+
+def frame(payload: bytes) -> bytes:
+    return _LENGTH.pack(len(payload)) + payload
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes:
+    """One frame's payload; asyncio.IncompleteReadError at the connection's end."""
+    (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    return await reader.readexactly(size)
+
+
+def tune_socket(sock: socket.socket | None) -> None:
+    """No Nagle delay on small frames; a peer that vanishes without closing is noticed within
+    LINK_TIMEOUT_S (keepalive when idle, a timeout on unacknowledged data)."""
+    if sock is None:
+        return
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 4),
+                        ("TCP_USER_TIMEOUT", LINK_TIMEOUT_S * 1000)):
+        if hasattr(socket, name):           # (Linux)
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+_ACK_FRAME = frame(pickle.dumps((ACK,)))
+
 
 class ReplicaChannel:
     def __init__(self, handle: Any, ingress_id: str, on_events: Callable[[bytes], bool] | None = None,
                  on_end: Callable[[BaseException], bool] | None = None,
-                 kv_cursor: Callable[[], int] = lambda: 0) -> None:
-        """handle: the replica's Ray actor handle; ingress_id: unique per ingress process.
+                 kv_cursor: Callable[[], int] = lambda: 0, transport: str = "tcp") -> None:
+        """handle: the replica's Ray actor handle; ingress_id: unique per ingress process;
+        transport: one of TRANSPORTS.
         `on_events`: follow the replica's KV events, from `kv_cursor()` (the owner's cursor: where
         the batches it took so far end) whenever the channel opens: called with each message's
         batch (protobuf), it returns whether it took it (False: refused, and the channel stops
@@ -61,7 +109,12 @@ class ReplicaChannel:
         self.on_events = on_events
         self.on_end = on_end
         self.kv_cursor = kv_cursor
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}; got {transport!r}")
+        self.transport = transport
         self._receiver: asyncio.Task | None = None
+        # The TCP channel's connection once it is up (its writer), or the error it failed with.
+        self._link: asyncio.Future | None = None
 
     async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      kv_transfer_params: dict | None = None, continuation: Continuation | None = None,
@@ -78,8 +131,15 @@ class ReplicaChannel:
         self.queues[request_id] = queue
         finished = False
         try:
-            await self.handle.submit.remote(self.ingress_id, request_id, prompt_token_ids, params,
-                                            kv_transfer_params, continuation, trace_context, block_hashes)
+            if self.transport == "tcp":
+                link = self._link
+                assert link is not None
+                writer = link.result() if link.done() else await asyncio.shield(link)
+                writer.write(frame(pickle.dumps((SUBMIT, request_id, prompt_token_ids, params, kv_transfer_params,
+                                                 continuation, trace_context, block_hashes), protocol=5)))
+            else:
+                await self.handle.submit.remote(self.ingress_id, request_id, prompt_token_ids, params,
+                                                kv_transfer_params, continuation, trace_context, block_hashes)
             while not finished:
                 delta = await queue.get()
                 if isinstance(delta, BaseException):
@@ -92,19 +152,100 @@ class ReplicaChannel:
         finally:
             del self.queues[request_id]
             if not finished:
-                contextvars.Context().run(self.handle.abort.remote, request_id)
+                self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        link = self._link
+        if link is None:
+            contextvars.Context().run(self.handle.abort.remote, request_id)
+        elif link.done() and not link.cancelled() and link.exception() is None and not link.result().is_closing():
+            link.result().write(frame(pickle.dumps((ABORT, request_id))))
+        # (a channel whose connection is down aborted the ingress's requests on the replica as it closed)
 
     def close(self) -> None:
         if self._receiver is not None:
             self._receiver.cancel()
             self._receiver = None
+        if self._link is not None:
+            if not self._link.done():
+                self._link.cancel()
+            self._link = None
 
     def open(self) -> None:
         """Open the channel now (it opens on the first request otherwise); one that follows KV
         events is opened again after it ends, until its replica is gone or `close()`."""
         if self._receiver is None or self._receiver.done():
-            self._receiver = asyncio.get_running_loop().create_task(self._receive(),
-                                                                    context=contextvars.Context())
+            if self.transport == "tcp":
+                self._new_link()
+            receive = self._receive_tcp if self.transport == "tcp" else self._receive
+            self._receiver = asyncio.get_running_loop().create_task(receive(), context=contextvars.Context())
+
+    def _new_link(self) -> None:
+        if self._link is None or self._link.done():
+            self._link = asyncio.get_running_loop().create_future()
+            # (an error no stream was waiting for is not an unretrieved one)
+            self._link.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def _dispatch(self, message: ChannelMessage) -> None:
+        if message.kv_events is not None and self.on_events is not None and not self.on_events(message.kv_events):
+            self.on_events = None       # refused: the channel follows no events from now on
+        for delta in message.deltas:
+            queue = self.queues.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+
+    def _ended(self, error: BaseException) -> bool:
+        """Tell every request on the channel how it ended; whether to stop (the replica is gone,
+        or the channel follows no events: the next request opens it again)."""
+        logger.warning("the output channel to a replica ended: %s", type(error).__name__)
+        for queue in self.queues.values():
+            queue.put_nowait(error)
+        gone = self.on_end(error) if self.on_end is not None else True
+        return gone or self.on_events is None
+
+    async def _receive_tcp(self) -> None:
+        while True:
+            assert self._link is not None
+            writer = None
+            try:
+                host, port, token = await self.handle.channel_address.remote()
+                reader, writer = await asyncio.open_connection(host, port)
+                tune_socket(writer.get_extra_info("socket"))
+                cursor = self.kv_cursor() if self.on_events is not None else None
+                writer.write(frame(pickle.dumps((token, self.ingress_id, cursor))))
+                self._link.set_result(writer)
+                while True:
+                    message = pickle.loads(await read_frame(reader))
+                    if isinstance(message, BaseException):
+                        raise message               # what ended the channel on the replica
+                    writer.write(_ACK_FRAME)
+                    self._dispatch(message)
+            except asyncio.CancelledError:
+                if writer is not None:
+                    writer.close()
+                raise
+            except (asyncio.IncompleteReadError, OSError):
+                error = await self._probe()
+            except Exception as e:  # noqa: BLE001 - the replica is gone: every request on it learns why
+                error = e
+            if writer is not None:
+                writer.close()
+            if not self._link.done():
+                self._link.set_exception(error)
+            stop = self._ended(error)
+            self._link = None if stop else self._link
+            if stop:
+                return
+            self._new_link()        # (requests from now on wait for the next connection)
+            await asyncio.sleep(REOPEN_S)
+
+    async def _probe(self) -> BaseException:
+        """The connection closed: the error that says why (Ray's, for a replica that is gone)."""
+        try:
+            await asyncio.wait_for(self.handle.channel_address.remote(), PROBE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - gone (or unreachable for that long)
+            return e
+        return ConnectionError("the connection to the replica's channel closed")
 
     async def _receive(self) -> None:
         while True:
@@ -114,23 +255,12 @@ class ReplicaChannel:
                     num_returns="streaming", _generator_backpressure_num_objects=SENT_AHEAD
                 ).remote(self.ingress_id, cursor)
                 async for ref in stream:
-                    message: ChannelMessage = await ref
-                    if message.kv_events is not None and self.on_events is not None \
-                            and not self.on_events(message.kv_events):
-                        self.on_events = None       # refused: the channel follows no events from now on
-                    for delta in message.deltas:
-                        queue = self.queues.get(delta.request_id)
-                        if queue is not None:
-                            queue.put_nowait(delta)
+                    self._dispatch(await ref)
                 error: BaseException = ConnectionError("the replica closed its output channel")
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the replica is gone: every request on it learns why
                 error = e
-            logger.warning("the output channel to a replica ended: %s", type(error).__name__)
-            for queue in self.queues.values():
-                queue.put_nowait(error)
-            gone = self.on_end(error) if self.on_end is not None else True
-            if gone or self.on_events is None:
+            if self._ended(error):
                 return
             await asyncio.sleep(REOPEN_S)

@@ -49,13 +49,14 @@ class RequestRouter:
     def __init__(self, pool: str, replicas: dict[str, Any], block_size: int, policy: RoutingPolicy,
                  metrics: ServingMetrics, stats_interval_s: float = 0.5,
                  on_replica_failure: Callable[[str], None] | None = None, max_migrations: int = 3,
-                 min_peer_pull_tokens: int | None = None) -> None:
+                 min_peer_pull_tokens: int | None = None, channel: str = "tcp") -> None:
         """replicas: replica id -> Ray actor handle of an EngineReplica; on_replica_failure: called
         with a replica's id when a call to it failed because its actor is gone (the ingress tells the
         manager, which replaces it); max_migrations: how many times one stream may move to another
         replica when its own is lost (`generate`); min_peer_pull_tokens: prefix tokens another
         replica must hold beyond the chosen one's for it to pull them from that peer (None: never;
-        the replicas need a KV connector)."""
+        the replicas need a KV connector); channel: how its output channels travel
+        (router/routing/channel.py: TRANSPORTS)."""
         self.pool = pool
         self.max_migrations = max_migrations
         self.min_peer_pull_tokens = min_peer_pull_tokens
@@ -76,7 +77,7 @@ class RequestRouter:
         self._available_down = 0
         # This router's output channels, one per replica (opened on the first request to it, or
         # when started), and the KV events they bring.
-        self.channels = ReplicaChannels(pool, self.replicas, self.index, metrics, self.mark_down)
+        self.channels = ReplicaChannels(pool, self.replicas, self.index, metrics, self.mark_down, channel)
         self._stats_task: asyncio.Task | None = None
         self.set_replicas(replicas)
 

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 class ReplicaChannels:
     def __init__(self, pool: str, replicas: dict[str, Any], index: PrefixIndex, metrics: ServingMetrics,
-                 on_gone: Callable[[str, BaseException], None]) -> None:
+                 on_gone: Callable[[str, BaseException], None], transport: str = "tcp") -> None:
         """replicas: the router's members (replica id -> actor handle; the router's own dict, which
         `added` and `removed` follow); on_gone(replica id, error): its channel ended because the
         replica is gone (a dead actor, a closed engine)."""
@@ -41,6 +41,7 @@ class ReplicaChannels:
         self.index = index
         self.metrics = metrics
         self.on_gone = on_gone
+        self.transport = transport
         self.ingress_id = f"{pool}-{uuid.uuid4().hex[:12]}"      # unique per router
         self.by_replica: dict[str, ReplicaChannel] = {}
         self.cursors: dict[str, int] = {}          # each replica's KV events applied so far
@@ -54,7 +55,8 @@ class ReplicaChannels:
             channel = self.by_replica[replica_id] = ReplicaChannel(
                 self.replicas[replica_id], self.ingress_id,
                 (lambda batch: self._apply(replica_id, batch)) if self.following else None,
-                lambda error: self._ended(replica_id, error), lambda: self.cursors.get(replica_id, 0))
+                lambda error: self._ended(replica_id, error), lambda: self.cursors.get(replica_id, 0),
+                self.transport)
         return channel
 
     def follow(self) -> None:
