@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import pickle
@@ -26,6 +27,8 @@ import secrets
 import socket
 from typing import Any
 
+from records.errors import RequestFailedError
+from records.outputs import ChannelMessage
 from router.routing.channel import ABORT, ACK, SUBMIT, frame, read_frame, tune_socket
 
 logger = logging.getLogger(__name__)
@@ -95,7 +98,7 @@ class ChannelServer:
             # (closed however the pump ends: its end aborts what the ingress still runs here)
             async with contextlib.aclosing(self.replica.open_channel(ingress_id, kv_cursor)) as channel:
                 async for message in channel:
-                    writer.write(frame(pickle.dumps(message, protocol=5)))
+                    writer.write(frame(_pickled(message)))
                     await writer.drain()
                     await acked.wait()
                     acked.clear()
@@ -106,6 +109,21 @@ class ChannelServer:
                 writer.write(frame(pickle.dumps(e, protocol=5)))
                 await writer.drain()
         writer.close()
+
+
+def _pickled(message: ChannelMessage) -> bytes:
+    """The message's bytes; an error a delta carries that does not pickle goes as a
+    RequestFailedError naming it (it ends that request, not the channel)."""
+    try:
+        return pickle.dumps(message, protocol=5)
+    except Exception:  # noqa: BLE001 - some delta's error: find it
+        for i, delta in enumerate(message.deltas):
+            try:
+                pickle.dumps(delta.error)
+            except Exception:  # noqa: BLE001
+                error = RequestFailedError(f"{type(delta.error).__name__}: {delta.error}")
+                message.deltas[i] = dataclasses.replace(delta, error=error)
+        return pickle.dumps(message, protocol=5)
 
 
 def _node_address() -> str:

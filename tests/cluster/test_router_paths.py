@@ -265,8 +265,9 @@ def test_a_stream_whose_replica_is_lost_migrates_and_fails_clearly_past_the_limi
     assert all(load.in_flight == 0 and load.prefill_tokens == 0 for load in router.loads.values())
 
 
+@pytest.mark.parametrize("channel", ["tcp", "ray"])
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
-def test_a_request_is_validated_tokenized_compiled_and_hashed_once(mode, monkeypatch):
+def test_a_request_is_validated_tokenized_compiled_and_hashed_once(mode, channel, monkeypatch):
     """One pass per request (issue 70), counted on the ingress's whole path (its preparer, admission,
     routers and channels, with simulated engine replicas in this process behind actor-handle
     surfaces): a chat request with an output constraint is validated once (the engines check only
@@ -274,7 +275,7 @@ def test_a_request_is_validated_tokenized_compiled_and_hashed_once(mode, monkeyp
     and once by each engine it reaches (each in its own process when deployed), and its prompt's
     block hash chain computed once: the router's, which the engines take. On the P/D path the
     prefill and the decode engine both get it. Each delta a replica makes crosses one queue in the
-    ingress."""
+    ingress. The same over either channel transport (a TCP connection, or Ray's calls)."""
     import asyncio
     import json
     import sys
@@ -335,7 +336,7 @@ def test_a_request_is_validated_tokenized_compiled_and_hashed_once(mode, monkeyp
     engine = {"simulate": SIM_PROFILE, "max_model_len": 2048}
     pools = {"decode": {"replicas": 1}} if mode == "colocated" else {"prefill": {"replicas": 1},
                                                                     "decode": {"replicas": 1}}
-    config = ClusterConfig(engine=engine, mode=mode, pools=pools,
+    config = ClusterConfig(engine=engine, mode=mode, pools=pools, routing={"channel": channel},
                            disaggregation={"connector": "nixl", "min_remote_prefill_tokens": 8})
     body = {"model": "m", "max_tokens": 6, "temperature": 0,
             "messages": [{"role": "user", "content": "Count the colours of a rainbow, one by one, in a list. " * 4}],
@@ -362,3 +363,72 @@ def test_a_request_is_validated_tokenized_compiled_and_hashed_once(mode, monkeyp
     assert counts == {"validate": 1, "limits": engines, "tokenize": 1, "chains": 1, "engine_compiles": engines}
     # (on the P/D path the prefill replica's delta, its first token, too: it ends at the router)
     assert hops["deltas"] >= 2 and hops["puts"] == hops["deltas"], hops
+
+
+def test_the_tcp_channel_checks_its_token_returns_refused_submits_and_aborts_what_a_closed_one_ran():
+    """The output channel over TCP (cluster/channel_server.py), with a simulated replica in this
+    process: a connection that sends the wrong token is closed unread; a submit the replica refuses
+    comes back as that request's error; a stream stopped early is aborted on the replica, and so is
+    every request of a channel whose connection closes (nothing is left on the replica)."""
+    import asyncio
+    import pickle
+
+    from helpers import SIM_PROFILE, InProcessHandle
+
+    from cluster.config import ClusterConfig
+    from cluster.replica import EngineReplica
+    from records.sampling_params import SamplingParams
+    from router.routing.channel import ReplicaChannel, frame
+
+    config = ClusterConfig(engine={"simulate": SIM_PROFILE, "max_model_len": 2048}, pools={"decode": {"replicas": 1}})
+    long = SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0)
+
+    async def until_empty(replica: EngineReplica) -> None:
+        for _ in range(500):
+            if replica.leaks() is None:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(replica.leaks())
+
+    async def run() -> None:
+        replica = EngineReplica(config.engine_config("decode"), "decode-0")
+        try:
+            host, port, token = await replica.channel_address()
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(frame(pickle.dumps((bytes(len(token)), "intruder", None))))
+            assert await asyncio.wait_for(reader.read(), 10) == b""          # closed, nothing sent
+            writer.close()
+
+            channel = ReplicaChannel(InProcessHandle(replica), "ingress-a", transport="tcp")
+            with pytest.raises(ValueError, match="prompt_token_ids"):
+                async for _ in channel.stream("bad", [10**9], long):
+                    pass
+            stream = channel.stream("stopped", list(range(1, 40)), long)
+            assert (await anext(stream)).request_id == "stopped"
+            await stream.aclose()
+            await until_empty(replica)
+            running = channel.stream("running", list(range(1, 40)), long)
+            await anext(running)
+            channel.close()                     # the connection closes under a running request
+            await until_empty(replica)
+            await running.aclose()
+        finally:
+            await replica.close()
+
+    asyncio.run(run())
+
+
+def test_a_channel_message_whose_error_does_not_pickle_ends_that_request_only():
+    import pickle
+
+    from cluster.channel_server import _pickled
+    from records.errors import RequestFailedError
+    from records.outputs import ChannelMessage, StepDelta
+
+    class Local(Exception):          # a class pickle cannot find by name
+        pass
+
+    ok = StepDelta("a", [], False, 3)
+    message = pickle.loads(_pickled(ChannelMessage([ok, StepDelta.failure("b", Local("boom"))])))
+    assert message.deltas[0] == ok
+    assert isinstance(message.deltas[1].error, RequestFailedError) and "Local: boom" in str(message.deltas[1].error)
