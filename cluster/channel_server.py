@@ -10,6 +10,7 @@ what the Ray calls carried: the ingress's submits and aborts, and the replica's 
 each acknowledged before the next leaves (so an ingress that falls behind gets fewer, fuller
 messages, as with the Ray stream's backpressure).
 
+Nothing a connection sends is unpickled before its first frame matched the token.
 A submit the replica refuses (bad input, a dead or sleeping engine) comes back as that request's
 failure delta. A connection that closes (the ingress went away) aborts what that ingress runs here,
 as a closed Ray channel does. The token (drawn per replica, handed out over Ray's own authenticated
@@ -61,10 +62,10 @@ class ChannelServer:
         tune_socket(writer.get_extra_info("socket"))
         pump: asyncio.Task | None = None
         try:
-            token, ingress_id, kv_cursor = pickle.loads(await read_frame(reader))
-            if not hmac.compare_digest(token, self.token):
+            if not hmac.compare_digest(await read_frame(reader, len(self.token)), self.token):
                 logger.warning("closing a channel connection that sent the wrong token")
                 return
+            ingress_id, kv_cursor = pickle.loads(await read_frame(reader))
             acked = asyncio.Event()
             pump = asyncio.get_running_loop().create_task(self._pump(writer, ingress_id, kv_cursor, acked))
             while True:

@@ -52,8 +52,9 @@ REOPEN_S = 1.0
 # an actor call, the messages a Ray streaming generator).
 TRANSPORTS = ("tcp", "ray")
 
-# The TCP channel's frames: a 4-byte big-endian length, then a pickle. The ingress sends a hello
-# (token, ingress id, KV cursor), then (SUBMIT, request id, the submit's arguments...), (ABORT,
+# The TCP channel's frames: a 4-byte big-endian length, then a pickle. The ingress sends the
+# replica's token (raw bytes: nothing is unpickled before it matched), a hello (ingress id, KV
+# cursor), then (SUBMIT, request id, the submit's arguments...), (ABORT,
 # request id) and (ACK,) after each message it took; the replica sends ChannelMessages, and the
 # error that ended the channel as its last frame.
 SUBMIT, ABORT, ACK = "submit", "abort", "ack"
@@ -70,9 +71,12 @@ def frame(payload: bytes) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
 
 
-async def read_frame(reader: asyncio.StreamReader) -> bytes:
-    """One frame's payload; asyncio.IncompleteReadError at the connection's end."""
+async def read_frame(reader: asyncio.StreamReader, limit: int | None = None) -> bytes:
+    """One frame's payload; asyncio.IncompleteReadError at the connection's end, ConnectionError
+    for one longer than `limit`."""
     (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    if limit is not None and size > limit:
+        raise ConnectionError(f"a frame of {size} bytes where at most {limit} may come")
     return await reader.readexactly(size)
 
 
@@ -212,7 +216,7 @@ class ReplicaChannel:
                 reader, writer = await asyncio.open_connection(host, port)
                 tune_socket(writer.get_extra_info("socket"))
                 cursor = self.kv_cursor() if self.on_events is not None else None
-                writer.write(frame(pickle.dumps((token, self.ingress_id, cursor))))
+                writer.write(frame(token) + frame(pickle.dumps((self.ingress_id, cursor))))
                 self._link.set_result(writer)
                 while True:
                     message = pickle.loads(await read_frame(reader))

@@ -395,7 +395,7 @@ def test_the_tcp_channel_checks_its_token_returns_refused_submits_and_aborts_wha
         try:
             host, port, token = await replica.channel_address()
             reader, writer = await asyncio.open_connection(host, port)
-            writer.write(frame(pickle.dumps((bytes(len(token)), "intruder", None))))
+            writer.write(frame(bytes(len(token))) + frame(pickle.dumps(("intruder", None))))
             assert await asyncio.wait_for(reader.read(), 10) == b""          # closed, nothing sent
             writer.close()
 
