@@ -281,6 +281,8 @@ class RequestSeries:
                                VLLM_REQUEST_LATENCY_BUCKETS)
         self.finished = r.counter("pdserve:request_success_total", "Finished requests by finish reason.")
         self.errors = r.counter("pdserve:request_errors_total", "Rejected or failed requests by status code.")
+        for code in ("400", "429", "500", "503"):     # exported at 0 from the start: a healthy server's
+            self.errors.inc(0, code=code)             # error panels and alerts read 0, not "no data"
         self.in_flight = r.gauge("pdserve:requests_in_flight", "Requests the ingress is serving.")
 
 
