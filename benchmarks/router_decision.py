@@ -22,7 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from records.hashing import hash_block_tokens
-from records.outputs import BlockStored
+from records.kv_events import BlockStored
 from records.sampling_params import SamplingParams
 from records.serving import PolicyConfig
 from router.routing.metrics import ServingMetrics

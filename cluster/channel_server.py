@@ -28,8 +28,8 @@ import secrets
 import socket
 from typing import Any
 
+from records.deltas import ChannelMessage
 from records.errors import RequestFailedError
-from records.outputs import ChannelMessage
 from router.routing.channel import ABORT, ACK, SUBMIT, frame, read_frame, tune_socket
 
 logger = logging.getLogger(__name__)

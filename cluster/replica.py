@@ -38,9 +38,11 @@ from cluster.memory import drop_page_cache, engine_released, release_heap, resid
 from engine.async_engine import AsyncLLMEngine, output_error
 from pdserve_proto.kv_events import encode_kv_events
 from records.config import EngineConfig
+from records.deltas import ChannelMessage, StepDelta
 from records.engine_stats import ReplicaStats
 from records.errors import EngineDeadError, ModelAsleepError
-from records.outputs import AllCleared, ChannelMessage, KVEvent, RequestOutput, StepDelta
+from records.kv_events import AllCleared, KVEvent
+from records.outputs import RequestOutput
 from records.request import Continuation
 from records.sampling_params import SamplingParams
 from records.single_flight import SingleFlight

@@ -21,7 +21,8 @@ from engine.llm_engine import LLMEngine
 from records.config import EngineConfig
 from records.engine_stats import EngineStats
 from records.errors import EngineDeadError, RequestFailedError
-from records.outputs import KVEvent, RequestOutput
+from records.kv_events import KVEvent
+from records.outputs import RequestOutput
 from records.request import Continuation, NewRequest
 from records.sampling_params import SamplingParams
 

@@ -17,8 +17,9 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from records.engine_stats import KVTransferStats
-from records.outputs import RequestOutput, SchedulerOutput
+from records.outputs import RequestOutput
 from records.request import PEER_PREFIX, Request
+from records.step import SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.core.kv_cache_manager import KVCacheManager

@@ -27,12 +27,14 @@ from kv_transfer.base import KVConnectorScheduler
 from records.config import EngineConfig
 from records.engine_stats import EngineStats, SpecDecodeStats
 from records.errors import EngineDeadError
+from records.kv_events import KVEvent
 from records.kv_layout import KVLayout
 from records.lora import LoRARequest, read_adapter
 from records.model_source import MOE_ARCHITECTURES
-from records.outputs import KVEvent, ModelRunnerOutput, RequestOutput, SchedulerOutput
+from records.outputs import RequestOutput
 from records.request import Continuation, NewRequest, Request, RequestStatus
 from records.sampling_params import SamplingParams, StructuredOutputsParams, check_limits, validate_request
+from records.step import ModelRunnerOutput, SchedulerOutput
 
 # Steps in a row that may fail (each failing only its own requests) before the engine is declared
 # dead: one failure is a request's or a transient fault; a run of them is the engine's own.

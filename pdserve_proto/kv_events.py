@@ -1,4 +1,4 @@
-"""Wire form of the engines' KV events (records/outputs.py) between an engine replica and the routers:
+"""Wire form of the engines' KV events (records/kv_events.py) between an engine replica and the routers:
 one `KVEventBatch` message per `EngineReplica.kv_events_since` answer, versioned like every
 control-plane message (a router refuses a batch of another schema version with SchemaVersionMismatch).
 """
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from google.protobuf.message import DecodeError
 
 from pdserve_proto import CONTROL_SCHEMA_VERSION, check_version, pb2
-from records.outputs import MEDIA, AllCleared, BlockRemoved, BlockStored, KVEvent
+from records.kv_events import MEDIA, AllCleared, BlockRemoved, BlockStored, KVEvent
 
 
 def encode_kv_events(cursor: int, events: Sequence[KVEvent], replica_id: str = "") -> bytes:

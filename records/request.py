@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import records.clock as clock
 from records.hashing import BlockHash, hash_block_tokens
-from records.outputs import ScheduledRequest
 from records.sampling_params import SamplingParams
+from records.step import ScheduledRequest
 
 if TYPE_CHECKING:
     from records.transfer import RemotePrefill

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from records.hashing import BlockHash
-from records.outputs import AllCleared, BlockRemoved, BlockStored, KVEvent
+from records.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
 
 # Events kept for a reader (the replica, for its routers). Past this many unread ones (an offline
 # engine, or a replica no router polls), they are folded into a snapshot of the cache, which a reader

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from records.engine_stats import KVTierStats
 from records.hashing import BlockHash
-from records.outputs import BlockRemoved, BlockStored, KVEvent
+from records.kv_events import BlockRemoved, BlockStored, KVEvent
 
 TIER_MEDIA = ("host", "disk")
 

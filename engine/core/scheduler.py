@@ -28,8 +28,8 @@ from engine.core.kv_loads import KVLoads
 from engine.core.pooling import add_rows
 from engine.core.static_batch import form_static_batch
 from records.config import SchedulerConfig
-from records.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from records.request import Request, RequestStatus
+from records.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from kv_transfer.base import KVConnectorScheduler

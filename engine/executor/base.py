@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kv_transfer.worker_group import KVWorkerGroup
-from records.outputs import ModelRunnerOutput, SchedulerOutput
+from records.step import ModelRunnerOutput, SchedulerOutput
 from records.transfer import TransferReport
 
 

@@ -16,7 +16,7 @@ from engine.worker.worker import Worker
 from kv_transfer.worker_group import KVWorkerGroup
 from records.config import EngineConfig
 from records.errors import ChannelClosed, EngineDeadError
-from records.outputs import ModelRunnerOutput, SchedulerOutput
+from records.step import ModelRunnerOutput, SchedulerOutput
 from records.transfer import TransferReport
 
 

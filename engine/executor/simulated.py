@@ -31,8 +31,8 @@ from kv_transfer.worker_group import KVWorkerGroup
 from records.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from records.dtypes import KV_DTYPE_SIZES
 from records.kv_layout import KVLayout
-from records.outputs import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from records.sim_profile import StepShape
+from records.step import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from records.transfer import TransferReport
 
 _MASK = (1 << 64) - 1

@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from engine.sample.sampler import SamplingRow, apply_penalties_and_masks, filtered_probs, greedy_ids, to_sampled
-from records.outputs import SampledToken
+from records.step import SampledToken
 
 
 def verify(logits: torch.Tensor, row: SamplingRow, draft_token_ids: list[int]) -> list[SampledToken]:

@@ -22,8 +22,8 @@ import torch
 
 from engine.sample.penalties import TokenCounts, apply_penalties
 from kernels.dispatch import kernels_for
-from records.outputs import SampledToken
 from records.sampling_params import SamplingParams
+from records.step import SampledToken
 
 
 @dataclass(slots=True)

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field, replace
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.worker.worker import Worker
 from records.config import CacheConfig, EngineConfig, ParallelConfig
-from records.outputs import ScheduledRequest, SchedulerOutput
 from records.request import Request
 from records.sampling_params import SamplingParams
+from records.step import ScheduledRequest, SchedulerOutput
 
 _GREEDY = SamplingParams(temperature=0, max_tokens=None)
 

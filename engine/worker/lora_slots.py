@@ -24,7 +24,7 @@ from torch import nn
 from engine.model.layers.linear import Linear
 from engine.model.layers.lora import LoRAContext, LoRAStack
 from records.lora import ADAPTER_WEIGHTS, LoRAConfig, LoRARequest, read_adapter
-from records.outputs import ScheduledRequest
+from records.step import ScheduledRequest
 
 # PEFT module -> (our fused layer under the decoder layer, which of its outputs)
 _TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),

@@ -24,7 +24,7 @@ from engine.worker.cpu_decode import CpuDecodePlan
 from engine.worker.cuda_graph import CudaGraphRunner
 from engine.worker.lora_slots import LoRASlots
 from kernels.dispatch import get_kernels
-from records.outputs import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
+from records.step import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 
 # A pipeline micro-batch has at least this many tokens. Smaller ones do not pay: a stage reads all
 # its weights once per micro-batch, and below about this many rows the matmuls are bound by those

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from records.outputs import ScheduledRequest, SchedulerOutput
+from records.step import ScheduledRequest, SchedulerOutput
 
 
 @dataclass(slots=True)

@@ -37,7 +37,7 @@ from kv_transfer.factory import create_connector_worker
 from records.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from records.dtypes import KV_DTYPE_SIZES
 from records.kv_layout import KVLayout
-from records.outputs import ModelRunnerOutput, SchedulerOutput
+from records.step import ModelRunnerOutput, SchedulerOutput
 from records.transfer import TransferReport
 
 logger = logging.getLogger(__name__)

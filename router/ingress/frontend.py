@@ -24,6 +24,7 @@ from ray.exceptions import TaskCancelledError
 
 import engine.tracing as tracing
 from engine.beam_search import BeamSearch, Hypothesis, deliver, pending
+from records.deltas import StepDelta
 from records.errors import (
     AuthenticationError,
     ClientClosedError,
@@ -35,7 +36,6 @@ from records.errors import (
     RequestFailedError,
     ServiceUnavailableError,
 )
-from records.outputs import StepDelta
 from records.sampling_params import SamplingParams
 from records.serving import IngressSpec
 from router.ingress.admission import Admission, Ticket

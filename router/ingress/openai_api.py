@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect
 from engine.text.reasoning import ReasoningStream, split_reasoning
 from engine.text.tool_calls import ToolFormat
 from engine.text.tool_parser import ToolCallStream, coalesce, read_through
+from records.deltas import StepDelta
 from records.errors import (
     AuthenticationError,
     ClientClosedError,
@@ -28,7 +29,7 @@ from records.errors import (
     RequestFailedError,
     UnsupportedMediaTypeError,
 )
-from records.outputs import Logprob, StepDelta
+from records.outputs import Logprob
 from records.sampling_params import SamplingParams
 from records.serving import BATCH_BAND
 from router.ingress.admission import Ticket
@@ -377,7 +378,7 @@ class OpenAIAPI:
     def _prompt_logprobs(self, entries: list[dict[int, Logprob] | None], num: int) -> list[dict[str, Any] | None]:
         """vLLM's `prompt_logprobs`: per prompt token null (the first, which nothing predicts) or
         {token id: {logprob, rank, decoded_token}} for the `num` most likely tokens and the prompt's
-        own. The engine ranks only the top `num` (each entry comes ranked: records/outputs.py,
+        own. The engine ranks only the top `num` (each entry comes ranked: records/outputs.py:
         `Logprob`): a prompt token outside them has rank null."""
         out: list[dict[str, Any] | None] = []
         for entry in entries:

@@ -6,7 +6,8 @@ import time
 import uuid
 from typing import Any
 
-from records.outputs import ChoiceDelta, Logprob, StepDelta
+from records.deltas import ChoiceDelta, StepDelta
+from records.outputs import Logprob
 
 
 def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:

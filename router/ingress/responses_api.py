@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, Response
 from engine.text.reasoning import ReasoningStream
 from engine.text.tool_calls import ToolFormat
 from engine.text.tool_parser import ToolCallDelta, ToolCallStream, coalesce, read_through
+from records.deltas import StepDelta
 from records.errors import InvalidRequestError
-from records.outputs import StepDelta
 from router.ingress.frontend import Frontend
 from router.ingress.http import sse_response
 from router.ingress.replies import UsageCounter, now

@@ -28,7 +28,7 @@ import struct
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from records.outputs import ChannelMessage, StepDelta
+from records.deltas import ChannelMessage, StepDelta
 from records.request import Continuation
 from records.sampling_params import SamplingParams
 

@@ -21,9 +21,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from records.deltas import StepDelta
 from records.engine_stats import ReplicaStats
 from records.errors import NoReplicaError
-from records.outputs import StepDelta
 from records.sampling_params import SamplingParams
 from router.routing.metrics import ServingMetrics
 from router.routing.policy import Decision

@@ -26,10 +26,10 @@ from typing import Any
 
 from ray.exceptions import ActorUnavailableError, ObjectLostError, RayActorError
 
+from records.deltas import StepDelta
 from records.engine_stats import ReplicaStats
 from records.errors import EngineDeadError, NoReplicaError, ReplicaDiedError
 from records.hashing import hash_block_tokens
-from records.outputs import StepDelta
 from records.request import Continuation
 from records.sampling_params import SamplingParams
 from router.routing.metrics import ServingMetrics

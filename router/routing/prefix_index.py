@@ -27,7 +27,7 @@ from itertools import repeat
 import numpy as np
 
 from records.hashing import BlockHash
-from records.outputs import AllCleared, BlockRemoved, BlockStored, KVEvent
+from records.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class PrefixIndex:

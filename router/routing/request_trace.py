@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import engine.tracing as tracing
-from records.outputs import StepDelta
+from records.deltas import StepDelta
 
 request_log = logging.getLogger("pdserve.requests")
 # The request the current task serves (set by the ingress's endpoint, read where it is admitted).

@@ -184,7 +184,7 @@ def test_micro_batches_split_by_tokens():
     """Requests are dealt into micro-batches of about equal token counts, decodes first in each;
     with fewer tokens than MIN_MICRO_BATCH_TOKENS per micro-batch the step is not split."""
     from engine.worker.model_runner import MIN_MICRO_BATCH_TOKENS, ModelRunner
-    from records.outputs import ScheduledRequest
+    from records.step import ScheduledRequest
 
     def req(rid: str, n: int) -> ScheduledRequest:
         return ScheduledRequest(request_id=rid, token_ids=[1] * n, start=0, block_ids=[0],
@@ -204,8 +204,8 @@ def test_concurrent_batches_take_disjoint_requests():
     from engine.core.kv_cache_manager import KVCacheManager
     from engine.core.scheduler import Scheduler
     from records.config import SchedulerConfig
-    from records.outputs import ModelRunnerOutput, SampledToken
     from records.request import Request
+    from records.step import ModelRunnerOutput, SampledToken
 
     scheduler = Scheduler(SchedulerConfig(), KVCacheManager(5, 4, False, 0), max_concurrent_batches=2)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

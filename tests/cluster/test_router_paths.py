@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from records.hashing import hash_block_tokens
-from records.outputs import AllCleared, BlockRemoved, BlockStored
+from records.kv_events import AllCleared, BlockRemoved, BlockStored
 from records.serving import PolicyConfig
 from router.routing.policy import Loads, RoutingPolicy
 from router.routing.prefix_index import PrefixIndex
@@ -20,7 +20,7 @@ def test_tier_hits_score_between_a_pool_hit_and_a_miss_and_peers_lend_their_pref
     import asyncio
 
     from cluster.config import ClusterConfig
-    from records.outputs import ChoiceDelta, StepDelta
+    from records.deltas import ChoiceDelta, StepDelta
     from records.sampling_params import SamplingParams
     from router.ingress.frontend import Frontend
 
@@ -91,7 +91,7 @@ def test_a_backlogged_prefill_pool_leaves_prompts_to_the_decode_replica(tiny_lla
     import asyncio
 
     from cluster.config import ClusterConfig
-    from records.outputs import ChoiceDelta, StepDelta
+    from records.deltas import ChoiceDelta, StepDelta
     from records.sampling_params import SamplingParams
     from router.ingress.frontend import Frontend
 
@@ -140,7 +140,7 @@ def test_a_client_gone_between_prefill_and_decode_ends_the_prefill_lease(tiny_ll
     import asyncio
 
     from cluster.config import ClusterConfig
-    from records.outputs import ChoiceDelta, StepDelta
+    from records.deltas import ChoiceDelta, StepDelta
     from records.sampling_params import SamplingParams
     from router.ingress.frontend import Frontend
 
@@ -207,8 +207,8 @@ def test_a_stream_whose_replica_is_lost_migrates_and_fails_clearly_past_the_limi
     import dataclasses
 
     from cluster.config import ClusterConfig
+    from records.deltas import ChoiceDelta, StepDelta
     from records.errors import EngineDeadError, ReplicaDiedError
-    from records.outputs import ChoiceDelta, StepDelta
     from records.request import Continuation
     from records.sampling_params import SamplingParams
     from router.ingress.frontend import Frontend
@@ -288,7 +288,7 @@ def test_a_request_is_validated_tokenized_compiled_and_hashed_once(mode, channel
     from cluster.config import ClusterConfig
     from cluster.replica import EngineReplica
     from engine.llm_engine import LLMEngine
-    from records.outputs import StepDelta
+    from records.deltas import StepDelta
     from router.ingress.frontend import Frontend
     from router.ingress.openai_api import OpenAIAPI
 
@@ -422,8 +422,8 @@ def test_a_channel_message_whose_error_does_not_pickle_ends_that_request_only():
     import pickle
 
     from cluster.channel_server import _pickled
+    from records.deltas import ChannelMessage, StepDelta
     from records.errors import RequestFailedError
-    from records.outputs import ChannelMessage, StepDelta
 
     class Local(Exception):          # a class pickle cannot find by name
         pass

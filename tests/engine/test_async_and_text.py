@@ -259,7 +259,7 @@ def test_kv_event_long_poll_answers_only_with_events(tiny_llama):
 
     from cluster.replica import EngineReplica
     from records.config import EngineConfig
-    from records.outputs import BlockStored
+    from records.kv_events import BlockStored
 
     async def main() -> None:
         replica = EngineReplica(EngineConfig.create(tiny_llama, dtype="float32", num_kv_blocks=64,

@@ -7,7 +7,7 @@ import sys
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
 from records.hashing import hash_block_tokens
-from records.outputs import AllCleared, BlockRemoved, BlockStored
+from records.kv_events import AllCleared, BlockRemoved, BlockStored
 from records.request import Request
 from records.sampling_params import SamplingParams
 

@@ -12,7 +12,7 @@ from engine import LLM, SamplingParams
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_tier import KVTier, block_tag
 from records.engine_args import EngineArgs
-from records.outputs import AllCleared, BlockRemoved, BlockStored
+from records.kv_events import AllCleared, BlockRemoved, BlockStored
 from records.request import Request
 from router.routing.prefix_index import PrefixIndex
 

@@ -234,8 +234,8 @@ def test_scheduler_rolls_back_rejections_and_stops_inside_a_run():
     from engine.core.kv_cache_manager import KVCacheManager
     from engine.core.scheduler import Scheduler
     from records.config import SchedulerConfig
-    from records.outputs import ModelRunnerOutput, SampledToken
     from records.request import Request, RequestStatus
+    from records.step import ModelRunnerOutput, SampledToken
 
     kv = KVCacheManager(16, 4, True, 0)
     scheduler = Scheduler(SchedulerConfig(), kv)

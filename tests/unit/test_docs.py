@@ -10,7 +10,7 @@ import re
 import pytest
 from helpers import REPO
 
-from records import engine_stats, outputs
+from records import deltas, engine_stats, outputs, step
 
 # Record -> the record whose bullet (or paragraph) in docs/architecture.md describes its fields.
 DOCUMENTED_IN = {"SchedulerOutput": "SchedulerOutput", "ScheduledRequest": "ScheduledRequest",
@@ -22,13 +22,13 @@ DOCUMENTED_IN = {"SchedulerOutput": "SchedulerOutput", "ScheduledRequest": "Sche
 
 def _descriptions() -> dict[str, str]:
     """Each documented record's text: a bullet `- \\`Name\\`...` up to the next bullet or blank line, or
-    the paragraph that starts `records/outputs.py: Name`."""
+    the paragraph that starts `records/<module>.py: Name`."""
     with open(os.path.join(REPO, "docs", "architecture.md")) as f:
         text = f.read()
     out = {}
     for name in set(DOCUMENTED_IN.values()):
         m = (re.search(rf"^- `{name}`[^\n]*(?:\n  [^\n]*)*", text, re.M)
-             or re.search(rf"^`records/outputs.py: {name}`[^\n]*(?:\n[^\n]+)*", text, re.M))
+             or re.search(rf"^`records/\w+.py: {name}`[^\n]*(?:\n[^\n]+)*", text, re.M))
         assert m, f"docs/architecture.md describes no {name}"
         out[name] = m.group(0)
     return out
@@ -37,6 +37,6 @@ def _descriptions() -> dict[str, str]:
 @pytest.mark.parametrize("record", sorted(DOCUMENTED_IN))
 def test_the_architecture_doc_names_every_field_of_the_records(record):
     named = set(re.findall(r"[A-Za-z_]\w*", " ".join(re.findall(r"`([^`]+)`", _descriptions()[DOCUMENTED_IN[record]]))))
-    module = engine_stats if hasattr(engine_stats, record) else outputs
+    module = next(m for m in (step, outputs, deltas, engine_stats) if hasattr(m, record))
     missing = [f.name for f in dataclasses.fields(getattr(module, record)) if f.name not in named]
     assert not missing, f"docs/architecture.md's {DOCUMENTED_IN[record]} says nothing of {record}.{missing}"

@@ -10,6 +10,7 @@ import pytest
 
 from cluster.cli import format_status
 from cluster.pool import replica_latency, replica_tier
+from records.deltas import ChoiceDelta, StepDelta
 from records.engine_stats import EngineStats, KVTierStats
 from records.histogram import (
     LATENCY_BUCKETS_S,
@@ -20,7 +21,6 @@ from records.histogram import (
     engine_histograms,
     quantile,
 )
-from records.outputs import ChoiceDelta, StepDelta
 from router.routing.metrics import ServingMetrics
 from router.routing.policy import Decision
 from router.routing.request_trace import RequestTrace, log_requests_to_stderr

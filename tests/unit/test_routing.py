@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from records.hashing import hash_block_tokens
-from records.outputs import AllCleared, BlockRemoved, BlockStored
+from records.kv_events import AllCleared, BlockRemoved, BlockStored
 from records.serving import PolicyConfig
 from router.routing.policy import Loads, RoutingPolicy
 from router.routing.prefix_index import PrefixIndex

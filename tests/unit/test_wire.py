@@ -99,7 +99,7 @@ def test_kv_events_round_trip_and_version_refusal():
     from pdserve_proto import CONTROL_SCHEMA_VERSION, pb2
     from pdserve_proto.kv_events import decode_kv_events, encode_kv_events
     from records.errors import SchemaVersionMismatch
-    from records.outputs import AllCleared, BlockRemoved, BlockStored
+    from records.kv_events import AllCleared, BlockRemoved, BlockStored
     from router.routing.prefix_index import PrefixIndex
 
     a, b, c = (bytes([i]) * 32 for i in range(3))
