@@ -1,16 +1,20 @@
 """ReplicaChannel: the ingress end of one engine replica's output channel (cluster/replica.py).
 
 One per (ingress, replica) pair instead of one Ray stream per request: the ingress submits each
-request with a plain call and receives every engine step's deltas for all of its requests on that
-replica as one message, which a single task here hands to the requests' queues. A channel that
+request on it and receives every engine step's deltas for all of its requests on that replica as
+one message, which a single task here hands to the requests' queues. It travels on a TCP
+connection of its own to the replica's channel server (cluster/channel_server.py; the frames
+below), which a Ray call sets up; or, with transport "ray", as an actor call per submit and a Ray
+streaming generator for the messages (a third more of the ingress's CPU a streamed token). A channel that
 follows the replica's KV events (`on_events`) gets them on the same messages, in the log's order,
 from the cursor it last reached (so a reopened channel misses none and repeats none): one stream
 per replica carries both. A request whose consumer stops early (client disconnect) is aborted on the
 replica at once; the replica aborts everything of an ingress whose channel closes. When the replica
 dies, every request on the channel gets the Ray error (the router re-routes those that streamed
-nothing yet).
+nothing yet); over TCP, a connection that ends is told apart by asking Ray whether the replica is
+still there.
 
-The channel and the aborts are sent outside the calling request's context. Ray ties an actor call
+Over Ray, the channel and the aborts are sent outside the calling request's context. Ray ties an actor call
 to the task that made it, and Serve cancels an HTTP request's task when its client goes away,
 together with every call made in its context. A channel opened in a request's context was closed
 with that request, failing every other request on the replica; an abort sent from the cancelled
@@ -54,12 +58,11 @@ TRANSPORTS = ("tcp", "ray")
 
 # The TCP channel's frames: a 4-byte big-endian length, then a pickle. The ingress sends the
 # replica's token (raw bytes: nothing is unpickled before it matched), a hello (ingress id, KV
-# cursor), then (SUBMIT, request id, the submit's arguments...), (ABORT,
-# request id) and (ACK,) after each message it took; the replica sends ChannelMessages, and the
-# error that ended the channel as its last frame.
+# cursor), then (SUBMIT, request id, the submit's arguments...), (ABORT, request id) and (ACK,)
+# after each message it took; the replica sends ChannelMessages, and the error that ended the
+# channel as its last frame.
 SUBMIT, ABORT, ACK = "submit", "abort", "ack"
 _LENGTH = struct.Struct("!I")
-_ACK_FRAME = b""             # (set below, once frame() exists)
 # A lost replica whose socket did not close (its node vanished): keepalive probes and unacknowledged
 # data give up after about this long.
 LINK_TIMEOUT_S = 30
@@ -69,6 +72,9 @@ PROBE_TIMEOUT_S = 30.0
 
 def frame(payload: bytes) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
+
+
+_ACK_FRAME = frame(pickle.dumps((ACK,)))
 
 
 async def read_frame(reader: asyncio.StreamReader, limit: int | None = None) -> bytes:
@@ -91,9 +97,6 @@ def tune_socket(sock: socket.socket | None) -> None:
                         ("TCP_USER_TIMEOUT", LINK_TIMEOUT_S * 1000)):
         if hasattr(socket, name):           # (Linux)
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-
-
-_ACK_FRAME = frame(pickle.dumps((ACK,)))
 
 
 class ReplicaChannel:
