@@ -355,14 +355,14 @@ class EnginePool:
                              ("starting", self.incoming), ("draining", self.draining)):
             for replica_id in table:
                 st = self.stats.get(replica_id)
-                engine = st.engine if st is not None else None
+                e = st.engine if st is not None else None      # (None before its first health check)
                 placed = replica_id in self.nodes
                 rows.append({"id": replica_id, "state": state if placed or state != "starting" else "pending",
                              "node": self.nodes.get(replica_id), "layout": layout,
-                             "kv_usage": engine and engine.kv_cache_usage_perc,
-                             "running": engine and engine.num_requests_running,
-                             "waiting": engine and engine.num_requests_waiting,
-                             "latency": engine and replica_latency(engine), "kv_tier": engine and replica_tier(engine)})
+                             "kv_usage": e.kv_cache_usage_perc if e else None,
+                             "running": e.num_requests_running if e else None,
+                             "waiting": e.num_requests_waiting if e else None,
+                             "latency": replica_latency(e) if e else None, "kv_tier": replica_tier(e) if e else None})
         return rows
 
     def _spawn_task(self, coro: Any) -> None:

@@ -70,6 +70,7 @@ class KVTierStats:
 
 @dataclass(slots=True, frozen=True)
 class EngineStats:
+    """One reading of an engine (`LLMEngine.stats()`): its load, counters and histograms."""
     num_requests_running: int = 0
     num_requests_waiting: int = 0
     num_prompt_tokens_queued: int = 0   # admitted but not yet run through the model (a prefill pool's queue)
