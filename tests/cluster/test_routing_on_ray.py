@@ -113,10 +113,12 @@ def test_prefix_aware_routing_beats_round_robin(tiny_llama):
 
 
 @pytest.mark.ray
-def test_a_started_router_follows_kv_events_on_the_output_channel(tiny_llama):
+@pytest.mark.parametrize("channel", ["tcp", "ray"])
+def test_a_started_router_follows_kv_events_on_the_output_channel(tiny_llama, channel):
     """A started router learns a replica's cached blocks from its output channel (no poll of its
     own), the clearing of its cache too, and a channel opened again goes on from its cursor: the
-    index ends holding exactly the replica's blocks, at the end of its event log."""
+    index ends holding exactly the replica's blocks, at the end of its event log. Over either
+    transport (router/routing/channel.py: a TCP connection, or Ray's calls and generator)."""
     ray = pytest.importorskip("ray", reason="needs ray (make setup installs it)")
     from cluster.launch import init_ray
     from cluster.replica import EngineReplica
@@ -136,7 +138,8 @@ def test_a_started_router_follows_kv_events_on_the_output_channel(tiny_llama):
             await asyncio.sleep(0.05)
 
     async def run() -> None:
-        router = RequestRouter("decode", {"r": replica}, 16, RoutingPolicy(PolicyConfig()), ServingMetrics())
+        router = RequestRouter("decode", {"r": replica}, 16, RoutingPolicy(PolicyConfig()), ServingMetrics(),
+                               channel=channel)
         router.start()
         try:
             async for _ in router.generate("a", a, params):
