@@ -68,6 +68,9 @@ _LENGTH = struct.Struct("!I")
 LINK_TIMEOUT_S = 30
 # After the connection ended: how long to wait for Ray to say whether the replica is gone.
 PROBE_TIMEOUT_S = 30.0
+# How long a connection to a replica's channel server may take to open (past it, or refused, while
+# the replica answers Ray: the channel goes over Ray).
+CONNECT_TIMEOUT_S = 10.0
 
 
 def frame(payload: bytes) -> bytes:
@@ -138,13 +141,15 @@ class ReplicaChannel:
         self.queues[request_id] = queue
         finished = False
         try:
+            writer = None
             if self.transport == "tcp":
                 link = self._link
                 assert link is not None
                 writer = link.result() if link.done() else await asyncio.shield(link)
+            if writer is not None:
                 writer.write(frame(pickle.dumps((SUBMIT, request_id, prompt_token_ids, params, kv_transfer_params,
                                                  continuation, trace_context, block_hashes), protocol=5)))
-            else:
+            else:                   # (over Ray, or a TCP channel that fell back to it: the link says None)
                 await self.handle.submit.remote(self.ingress_id, request_id, prompt_token_ids, params,
                                                 kv_transfer_params, continuation, trace_context, block_hashes)
             while not finished:
@@ -163,10 +168,12 @@ class ReplicaChannel:
 
     def _abort(self, request_id: str) -> None:
         link = self._link
-        if link is None:
+        if link is None:                    # over Ray (or a TCP channel that fell back to it)
             contextvars.Context().run(self.handle.abort.remote, request_id)
-        elif link.done() and not link.cancelled() and link.exception() is None and not link.result().is_closing():
-            link.result().write(frame(pickle.dumps((ABORT, request_id))))
+        elif link.done() and not link.cancelled() and link.exception() is None:
+            writer = link.result()
+            if writer is not None and not writer.is_closing():
+                writer.write(frame(pickle.dumps((ABORT, request_id))))
         # (a channel whose connection is down aborted the ingress's requests on the replica as it closed)
 
     def close(self) -> None:
@@ -216,7 +223,13 @@ class ReplicaChannel:
             writer = None
             try:
                 host, port, token = await self.handle.channel_address.remote()
-                reader, writer = await asyncio.open_connection(host, port)
+                try:
+                    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+                except (OSError, asyncio.TimeoutError) as e:
+                    if await self._gone() is None:      # the replica is there: its port is not reachable
+                        await self._over_ray(f"{host}:{port}", e)
+                        return
+                    raise
                 tune_socket(writer.get_extra_info("socket"))
                 cursor = self.kv_cursor() if self.on_events is not None else None
                 writer.write(frame(token) + frame(pickle.dumps((self.ingress_id, cursor))))
@@ -232,7 +245,7 @@ class ReplicaChannel:
                     writer.close()
                 raise
             except (asyncio.IncompleteReadError, OSError):
-                error = await self._probe()
+                error = await self._gone() or ConnectionError("the connection to the replica's channel closed")
             except Exception as e:  # noqa: BLE001 - the replica is gone: every request on it learns why
                 error = e
             if writer is not None:
@@ -246,13 +259,25 @@ class ReplicaChannel:
             self._new_link()        # (requests from now on wait for the next connection)
             await asyncio.sleep(REOPEN_S)
 
-    async def _probe(self) -> BaseException:
-        """The connection closed: the error that says why (Ray's, for a replica that is gone)."""
+    async def _gone(self) -> BaseException | None:
+        """Ask Ray whether the replica is still there: None if it answers, else the error that
+        says why not (Ray's, for a replica that is gone)."""
         try:
             await asyncio.wait_for(self.handle.channel_address.remote(), PROBE_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - gone (or unreachable for that long)
             return e
-        return ConnectionError("the connection to the replica's channel closed")
+        return None
+
+    async def _over_ray(self, address: str, error: BaseException) -> None:
+        """The replica answers Ray but its channel server cannot be reached (a network that lets
+        Ray's ports through and not others): this channel goes over Ray from now on."""
+        logger.warning("cannot connect to a replica's channel server at %s (%s): its channel goes over Ray "
+                       "(routing.channel: ray)", address, type(error).__name__)
+        self.transport = "ray"
+        link, self._link = self._link, None
+        if link is not None and not link.done():
+            link.set_result(None)           # (streams waiting for the connection submit over Ray)
+        await self._receive()
 
     async def _receive(self) -> None:
         while True:

@@ -432,3 +432,50 @@ def test_a_channel_message_whose_error_does_not_pickle_ends_that_request_only():
     message = pickle.loads(_pickled(ChannelMessage([ok, StepDelta.failure("b", Local("boom"))])))
     assert message.deltas[0] == ok
     assert isinstance(message.deltas[1].error, RequestFailedError) and "Local: boom" in str(message.deltas[1].error)
+
+
+def test_a_tcp_channel_whose_server_cannot_be_reached_goes_over_ray():
+    """A replica that answers (Ray's calls) but whose channel server's port cannot be reached (a
+    network that lets Ray's ports through and no others): its channel falls back to the Ray
+    transport, and requests run on it as before, an early stop aborting on the replica."""
+    import asyncio
+    import socket
+
+    from helpers import SIM_PROFILE, InProcessHandle
+
+    from cluster.config import ClusterConfig
+    from cluster.replica import EngineReplica
+    from records.sampling_params import SamplingParams
+    from router.routing.channel import ReplicaChannel
+
+    class Fenced(EngineReplica):
+        async def channel_address(self):
+            host, _, token = await super().channel_address()
+            with socket.socket() as s:          # a port nothing listens on
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            return host, port, token
+
+    config = ClusterConfig(engine={"simulate": SIM_PROFILE, "max_model_len": 2048}, pools={"decode": {"replicas": 1}})
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+
+    async def run() -> None:
+        replica = Fenced(config.engine_config("decode"), "decode-0")
+        channel = ReplicaChannel(InProcessHandle(replica), "ingress-a", transport="tcp")
+        try:
+            tokens = [t async for d in channel.stream("a", list(range(1, 40)), params) for c in d.choices
+                      for t in c.token_ids]
+            assert len(tokens) == 4 and channel.transport == "ray"
+            stream = channel.stream("b", list(range(1, 40)), SamplingParams(max_tokens=1000, ignore_eos=True))
+            await anext(stream)
+            await stream.aclose()
+            for _ in range(500):
+                if replica.leaks() is None:
+                    break
+                await asyncio.sleep(0.01)
+            assert replica.leaks() is None
+        finally:
+            channel.close()
+            await replica.close()
+
+    asyncio.run(run())
