@@ -30,7 +30,7 @@ from typing import Any
 
 from records.deltas import ChannelMessage
 from records.errors import RequestFailedError
-from router.routing.channel import ABORT, ACK, SUBMIT, frame, read_frame, tune_socket
+from router.routing.channel import ABORT, ACK_PAYLOAD, SUBMIT, frame, read_frame, tune_socket
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +69,12 @@ class ChannelServer:
             acked = asyncio.Event()
             pump = asyncio.get_running_loop().create_task(self._pump(writer, ingress_id, kv_cursor, acked))
             while True:
-                kind, *args = pickle.loads(await read_frame(reader))
-                if kind == ACK:
+                payload = await read_frame(reader)
+                if payload == ACK_PAYLOAD:
                     acked.set()
-                elif kind == SUBMIT:
+                    continue
+                kind, *args = pickle.loads(payload)
+                if kind == SUBMIT:
                     self._submit(ingress_id, args)
                 elif kind == ABORT:
                     self.replica.abort(args[0])

@@ -304,7 +304,7 @@ class LLMEngine:
             histograms=self.telemetry.reading(),
             spec=replace(self.spec_stats) if self.proposer is not None else None,
             kv_transfer=self.transfers.stats() if self.transfers is not None else None,
-            kv_tier=tier.reading(**self.executor.tier_stats()) if tier is not None else None,
+            kv_tier=tier.reading(self.executor.tier_stats()) if tier is not None else None,
             moe_expert_tokens=self._moe_expert_tokens())
 
     def _moe_expert_tokens(self) -> tuple[tuple[int, int, int], ...]:

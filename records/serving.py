@@ -16,6 +16,8 @@ from records.engine_args import KV_CONNECTORS, KV_LOAD_FAILURE_POLICIES, EngineA
 from records.lora import LoRAConfig, read_adapter
 
 POLICIES = ("prefix_aware", "round_robin", "least_load")
+# How an ingress and its replicas exchange requests and step messages (router/routing/channel.py).
+CHANNEL_TRANSPORTS = ("tcp", "ray")
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class RoutingSpec(StrictSpec):
     # How the ingress and its replicas exchange requests and step messages (router/routing/channel.py):
     # "tcp", a connection per (ingress, replica) pair; "ray", an actor call per request and a Ray
     # streaming generator per pair.
-    channel: Literal["tcp", "ray"] = "tcp"
+    channel: Literal[CHANNEL_TRANSPORTS] = "tcp"     # type: ignore[valid-type]
 
     def model_post_init(self, _: Any) -> None:
         self.policy()

@@ -25,6 +25,7 @@ Each change is a KV event with its medium ("host" or "disk"), so routers know wh
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -72,18 +73,13 @@ class KVTier:
     def __len__(self) -> int:
         return sum(len(e) for e in self.entries.values())
 
-    def reading(self, bytes_saved: float = 0.0, bytes_loaded: float = 0.0, bytes_written_to_disk: float = 0.0,
-                seconds: float = 0.0) -> KVTierStats:
+    def reading(self, workers: dict[str, float]) -> KVTierStats:
         """The tier's stats: what it holds, its counters, and the workers' bytes and seconds (their
-        TierStore.stats summed over the ranks)."""
-        st = self.stats
-        return KVTierStats(
-            host_blocks=len(self.entries["host"]), disk_blocks=len(self.entries["disk"]),
-            host_slots=self.num_slots["host"], disk_slots=self.num_slots["disk"],
-            blocks_saved=st.blocks_saved, blocks_demoted=st.blocks_demoted, blocks_dropped=st.blocks_dropped,
-            host_hit_blocks=st.host_hit_blocks, disk_hit_blocks=st.disk_hit_blocks,
-            load_failures=st.load_failures, save_failures=st.save_failures, bytes_saved=bytes_saved,
-            bytes_loaded=bytes_loaded, bytes_written_to_disk=bytes_written_to_disk, seconds=seconds)
+        TierStore.stats summed over the ranks: bytes_saved, bytes_loaded, bytes_written_to_disk,
+        seconds)."""
+        return KVTierStats(host_blocks=len(self.entries["host"]), disk_blocks=len(self.entries["disk"]),
+                           host_slots=self.num_slots["host"], disk_slots=self.num_slots["disk"],
+                           **dataclasses.asdict(self.stats), **workers)
 
     def where(self, block_hash: BlockHash) -> tuple[str, int] | None:
         """(medium, slot) of the block's copy, or None."""

@@ -35,6 +35,7 @@ from typing import Any
 from records.deltas import ChannelMessage, StepDelta
 from records.request import Continuation
 from records.sampling_params import SamplingParams
+from records.serving import CHANNEL_TRANSPORTS
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +51,6 @@ SENT_AHEAD = 1
 # After a channel that follows KV events ends for a reason other than its replica's end: how long
 # until it is opened again.
 REOPEN_S = 1.0
-
-# How a channel travels: "tcp" (a connection of its own to the replica's channel server,
-# cluster/channel_server.py: the submits, aborts and step messages as frames) or "ray" (the submit
-# an actor call, the messages a Ray streaming generator).
-TRANSPORTS = ("tcp", "ray")
 
 # The TCP channel's frames: a 4-byte big-endian length, then a pickle. The ingress sends the
 # replica's token (raw bytes: nothing is unpickled before it matched), a hello (ingress id, KV
@@ -77,7 +73,8 @@ def frame(payload: bytes) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
 
 
-_ACK_FRAME = frame(pickle.dumps((ACK,)))
+ACK_PAYLOAD = pickle.dumps((ACK,))      # (the replica tells an ack by its bytes: one a step message)
+_ACK_FRAME = frame(ACK_PAYLOAD)
 
 
 async def read_frame(reader: asyncio.StreamReader, limit: int | None = None) -> bytes:
@@ -107,7 +104,9 @@ class ReplicaChannel:
                  on_end: Callable[[BaseException], bool] | None = None,
                  kv_cursor: Callable[[], int] = lambda: 0, transport: str = "tcp") -> None:
         """handle: the replica's Ray actor handle; ingress_id: unique per ingress process;
-        transport: one of TRANSPORTS.
+        transport: "tcp" (a connection of its own to the replica's channel server,
+        cluster/channel_server.py: the submits, aborts and step messages as frames) or "ray" (the
+        submit an actor call, the messages a Ray streaming generator).
         `on_events`: follow the replica's KV events, from `kv_cursor()` (the owner's cursor: where
         the batches it took so far end) whenever the channel opens: called with each message's
         batch (protobuf), it returns whether it took it (False: refused, and the channel stops
@@ -119,8 +118,8 @@ class ReplicaChannel:
         self.on_events = on_events
         self.on_end = on_end
         self.kv_cursor = kv_cursor
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}; got {transport!r}")
+        if transport not in CHANNEL_TRANSPORTS:
+            raise ValueError(f"transport must be one of {CHANNEL_TRANSPORTS}; got {transport!r}")
         self.transport = transport
         self._receiver: asyncio.Task | None = None
         # The TCP channel's connection once it is up (its writer), or the error it failed with.

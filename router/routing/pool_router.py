@@ -56,7 +56,7 @@ class RequestRouter:
         replica when its own is lost (`generate`); min_peer_pull_tokens: prefix tokens another
         replica must hold beyond the chosen one's for it to pull them from that peer (None: never;
         the replicas need a KV connector); channel: how its output channels travel
-        (router/routing/channel.py: TRANSPORTS)."""
+        (records/serving.py: CHANNEL_TRANSPORTS)."""
         self.pool = pool
         self.max_migrations = max_migrations
         self.min_peer_pull_tokens = min_peer_pull_tokens
