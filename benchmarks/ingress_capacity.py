@@ -1,7 +1,8 @@
 """How many requests one ingress replica serves, on simulated replicas (so the engines cost nothing
 and the ingress path is what is measured): short streamed chats through Ray Serve's HTTP proxy,
 sent by `wrk` (C, keep-alive connections, a Lua script posting the body) at a fixed number of
-connections, against `pdserve serve --simulate` with `--ingress-replicas` 1, then 2.
+connections, against `pdserve serve --simulate` with `--ingress-replicas` 1, then 2 (and each
+`--channel` and `--proxy-channel` asked for, alternating).
 
 Reported per run: requests per second (wrk), the CPU seconds each process kind spent over the
 window (the ingress replicas, Serve's proxy, the simulated replicas' hosts: psutil), and so the
@@ -66,15 +67,16 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
-def run(args: argparse.Namespace, ingress_replicas: int, channel: str) -> dict:
+def run(args: argparse.Namespace, ingress_replicas: int, channel: str, proxy_channel: str) -> dict:
     direct = ", direct_ingress: true" if args.direct_ingress else ""
     spec = (f"engine: {{simulate: {args.profile}, max_model_len: 4096, stream_interval: {args.stream_interval}}}\n"
             f"pools:\n  decode: {{replicas: {args.replicas}, replicas_per_process: 8}}\n"
             f"routing: {{channel: {channel}}}\n"
             f"serving: {{port: PORT, ingress_replicas: {ingress_replicas}, ingress_num_cpus: 1, "
-            f"max_in_flight: 100000{direct}}}\n")
+            f"max_in_flight: 100000, proxy_channel: {proxy_channel}{direct}}}\n")
     with bench.served(spec) as base:
         return {"server": "pdserve", "ingress_replicas": ingress_replicas, "channel": channel,
+                "proxy_channel": proxy_channel,
                 "stream_interval": args.stream_interval, **measure(args, base, ingress_replicas)}
 
 
@@ -166,12 +168,14 @@ def main() -> None:
                     help="the ingress serves the port itself (serving.direct_ingress), not through Serve's proxy")
     ap.add_argument("--channel", default="tcp",
                     help="the output channels' transports to run, alternating (routing.channel: tcp, ray)")
+    ap.add_argument("--proxy-channel", default="grpc",
+                    help="Serve's proxy-to-ingress channels to run, alternating (serving.proxy_channel: grpc, ray)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     results = ([run_floor(args)] if args.floor else []) + [
         run(args, int(n), channel) for _ in range(args.rounds) for n in args.ingress.split(",")
-        for channel in args.channel.split(",")]
+        for channel in args.channel.split(",") for proxy_channel in args.proxy_channel.split(",")]
     for r in results:
         print(json.dumps({k: v for k, v in r.items() if k != "profile"}))
         if r["profile"]:

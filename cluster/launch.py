@@ -55,12 +55,9 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
     # the spec's order (below), so that models that are scaled to zero or scaled down can share nodes.
     for deployment in config.deployments():
         check_placement(deployment)
-    di_env = config.serving.direct_ingress_env()
-    if di_env and os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
-        # Ray's processes read it from their environment; a job's driver inherits the cluster's.
-        raise StartupError(f"serving.direct_ingress: this Ray cluster was not started with {di_env} in "
-                           "its environment (set them for `ray start`, or use `pdserve serve` without "
-                           "--address, which sets them for the Ray it starts)")
+    warning = config.serving.check_ray_env(os.environ)   # Serve reads these from Ray's processes
+    if warning:
+        print(f"pdserve: warning: {warning}", file=sys.stderr, flush=True)
     faulthandler.register(signal.SIGUSR1)      # `kill -USR1 <pid>` prints every thread's stack
     deployments = config.deployments()
     managers = start_models(config, poll_s)
@@ -415,7 +412,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # only share the cores out), and never grows: its placement check does not wait.
         num_cpus = args.num_cpus or max(os.cpu_count() or 1, math.ceil(required_cpus(config)))
         if not (args.address or os.environ.get("RAY_ADDRESS")):
-            os.environ.update(config.serving.direct_ingress_env())  # inherited by the Ray it starts
+            os.environ.update(config.serving.ray_env())  # inherited by the Ray it starts
             # Serve holds a direct ingress replica that stops for 30 s, requests or none, so that a
             # load balancer in front sees it go; a local Ray's clients reach it directly, and
             # Ctrl-C waits only for the streams still running (up to serving.ingress_drain_timeout_s).

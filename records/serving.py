@@ -6,6 +6,7 @@ a bad field fails before any actor starts, naming the field.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from records.config import EngineConfig
 from records.engine_args import KV_CONNECTORS, KV_LOAD_FAILURE_POLICIES, EngineArgs, check_otlp_endpoint
+from records.errors import StartupError
 from records.lora import LoRAConfig, read_adapter
 
 POLICIES = ("prefix_aware", "round_robin", "least_load")
@@ -194,9 +196,16 @@ class ServingSpec(StrictSpec):
     # The ingress replica serves HTTP on `port` itself (Ray Serve's direct ingress) instead of behind
     # Serve's HTTP proxy: one process fewer on every streamed token's path (docs/perf/journal.md §7).
     # Ray reads it from the environment of the cluster's processes: `pdserve serve` sets that for
-    # the Ray it starts; a cluster you start yourself needs `direct_ingress_env()` in its environment.
+    # the Ray it starts; a cluster you start yourself needs `ray_env()` in its environment.
     # Serve's proxy still starts, on a free loopback port that nothing needs.
     direct_ingress: bool = False
+    # How Serve's proxies (HTTP and gRPC) reach the ingress replicas: "grpc", Serve's gRPC channel
+    # to each replica's inter-deployment server (one stream per request, its messages unpickled
+    # once), or "ray", Serve's default, a Ray actor call and streaming generator per request (every
+    # chunk an object the proxy resolves). gRPC took ~20% more tok/s through the proxy where the
+    # engine shares the node's cores (docs/perf/journal.md §33). Ray reads it from its processes'
+    # environment, as `direct_ingress`: see `ray_env()`.
+    proxy_channel: Literal["grpc", "ray"] = "grpc"
     # How the model writes tool calls (engine/text/tool_parser.py FORMATS); None: read from its chat
     # template (Hermes/Qwen `<tool_call>` blocks unless the template is Llama 3's or Mistral's).
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
@@ -270,13 +279,31 @@ class ServingSpec(StrictSpec):
             raise ValueError("serving.direct_ingress needs ingress_replicas = 1 and no grpc_port (the "
                              "ingress replica takes `port` itself; gRPC goes through Serve's proxy)")
 
-    def direct_ingress_env(self) -> dict[str, str]:
-        """The environment Ray's processes need for `direct_ingress` (empty without it)."""
-        if not self.direct_ingress:
-            return {}
-        return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-                "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(self.port),
-                "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(self.port + 1)}
+    def ray_env(self) -> dict[str, str]:
+        """The environment Ray's processes read this serving spec's `direct_ingress` and
+        `proxy_channel` from (Serve reads them in its proxies and replicas, not from the app)."""
+        env = {"RAY_SERVE_PROXY_USE_GRPC": "1" if self.proxy_channel == "grpc" else "0"}
+        if self.direct_ingress:
+            env |= {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+                    "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(self.port),
+                    "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(self.port + 1)}
+        return env
+
+    def check_ray_env(self, environ: Mapping[str, str]) -> str | None:
+        """Check a Ray cluster's environment (a job's driver inherits it) against `ray_env()`:
+        StartupError where `direct_ingress` cannot work; a warning to print where Serve's proxies
+        will use the other `proxy_channel` (it serves, with more CPU a token); None where all agree."""
+        if self.direct_ingress and environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
+            raise StartupError(f"serving.direct_ingress: this Ray cluster was not started with "
+                               f"{self.ray_env()} in its environment (set them for `ray start`, or use "
+                               "`pdserve serve` without --address, which sets them for the Ray it starts)")
+        have = "grpc" if environ.get("RAY_SERVE_PROXY_USE_GRPC") == "1" else "ray"
+        if have == self.proxy_channel:
+            return None
+        want = self.ray_env()["RAY_SERVE_PROXY_USE_GRPC"]
+        return (f"serving.proxy_channel is {self.proxy_channel!r}, but this Ray cluster's processes were "
+                f"started without RAY_SERVE_PROXY_USE_GRPC={want}: Serve's proxies will use {have!r} (set "
+                "it for `ray start`, or use `pdserve serve` without --address, which sets it)")
 
 
 def check_tenants(tenants: dict[str, TenantSpec]) -> None:

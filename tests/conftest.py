@@ -22,6 +22,13 @@ import sys
 import pytest
 from helpers import save_random_model, use_ports
 
+from records.serving import ServingSpec
+
+# Serve reads its proxies' channel from the environment of Ray's processes: the Ray these tests start
+# (and each cluster they start) serves the way the default spec asks (ServingSpec.ray_env).
+for _name, _value in ServingSpec().ray_env().items():
+    os.environ.setdefault(_name, _value)
+
 # Markers of tests that need Ray (a local instance, or a cluster of their own).
 RAY_MARKERS = ("ray", "cluster")
 

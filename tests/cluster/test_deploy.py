@@ -517,6 +517,8 @@ def check_pods(doc: dict, spec: ClusterConfig, docs: list[dict], values: dict | 
     for group, pod, container in containers(doc):
         env = {e["name"]: e for e in container.get("env", [])}
         assert env["RAY_USAGE_STATS_ENABLED"]["value"] == "0"
+        # what Serve reads from Ray's processes (the proxies' channel), as the spec asks
+        assert {k: env[k]["value"] for k in spec.serving.ray_env()} == spec.serving.ray_env(), group
         mounts = {m["mountPath"]: m for m in container.get("volumeMounts", [])}
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
         shm = volumes[mounts["/dev/shm"]["name"]]

@@ -34,6 +34,7 @@ from helpers import REPO, SIM_PROFILE, free_port, kill_replica, simulated_output
 
 from cluster.config import ClusterConfig
 from cluster.placement import placement_problems, replica_bundles
+from records.errors import StartupError
 
 
 def _env() -> dict[str, str]:
@@ -44,12 +45,26 @@ def _env() -> dict[str, str]:
 
 
 # --- spec (unit) -----------------------------------------------------------------------------------
-def test_direct_ingress_spec():
+def test_the_serving_spec_s_ray_environment():
+    """What Ray's processes must read for direct ingress and the proxies' channel, and the launch's
+    check of a cluster's environment against it."""
     serving = ClusterConfig(serving={"port": 8123, "direct_ingress": True}).serving
-    assert serving.direct_ingress_env() == {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-                                            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "8123",
-                                            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "8124"}
-    assert ClusterConfig().serving.direct_ingress_env() == {}
+    assert serving.ray_env() == {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+                                 "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "8123",
+                                 "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "8124",
+                                 "RAY_SERVE_PROXY_USE_GRPC": "1"}
+    with pytest.raises(StartupError, match="direct_ingress: this Ray cluster was not started with"):
+        serving.check_ray_env({"RAY_SERVE_PROXY_USE_GRPC": "1"})
+    assert serving.check_ray_env(serving.ray_env()) is None
+    default = ClusterConfig().serving
+    assert default.ray_env() == {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+    assert "Serve's proxies will use 'ray'" in default.check_ray_env({})
+    ray_channel = ClusterConfig(serving={"proxy_channel": "ray"}).serving
+    assert ray_channel.ray_env() == {"RAY_SERVE_PROXY_USE_GRPC": "0"}
+    assert ray_channel.check_ray_env({}) is None
+    assert "will use 'grpc'" in ray_channel.check_ray_env(default.ray_env())
+    with pytest.raises(ValueError, match="proxy_channel"):
+        ClusterConfig(serving={"proxy_channel": "http"})
     for bad in ({"ingress_replicas": 2}, {"grpc_port": 9000}):
         with pytest.raises(ValueError, match="direct_ingress needs ingress_replicas = 1 and no grpc_port"):
             ClusterConfig(serving={"direct_ingress": True, **bad})

@@ -231,6 +231,9 @@ The spec itself is validated again by ClusterConfig when Serve builds the applic
   value: "0"
 - name: TOKENIZERS_PARALLELISM
   value: "false"
+{{- /* Serve reads its proxies' channel from Ray's processes (records/serving.py: ServingSpec.ray_env) */}}
+- name: RAY_SERVE_PROXY_USE_GRPC
+  value: {{ ternary "0" "1" (eq ((($v.serving | default dict).proxy_channel) | default "grpc") "ray") | quote }}
 {{- if $v.apiKey.enabled }}
 - name: PDSERVE_API_KEY
   valueFrom:
