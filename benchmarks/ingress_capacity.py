@@ -174,7 +174,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     results = ([run_floor(args)] if args.floor else []) + [
-        run(args, int(n), channel) for _ in range(args.rounds) for n in args.ingress.split(",")
+        run(args, int(n), channel, proxy_channel) for _ in range(args.rounds) for n in args.ingress.split(",")
         for channel in args.channel.split(",") for proxy_channel in args.proxy_channel.split(",")]
     for r in results:
         print(json.dumps({k: v for k, v in r.items() if k != "profile"}))
