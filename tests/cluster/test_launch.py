@@ -1,6 +1,8 @@
 """`ray job submit` against a real `ray start --head` on 127.0.0.1: the cluster launcher serves the
 CPU example spec (1 prefill + 1 decode replica of the embedded model), answers a completion through
-the official `openai` client, and stops with the job.
+the official `openai` client, and stops with the job. Its Serve proxy reaches the ingress over Ray's
+calls (`serving.proxy_channel: ray`; the cluster started without RAY_SERVE_PROXY_USE_GRPC=1, which
+the launch warns of), the one test that runs that channel.
 
 Ray (2.59+) turns token authentication on for clusters it starts, but a client whose RAY_AUTH_MODE
 is unset sends no token, so `ray job submit` is refused after a local ray.init() or `ray start`
@@ -28,8 +30,10 @@ def test_ray_job_submit_serves_the_example_spec():
     if ray.is_initialized():
         ray.shutdown()         # the end below kills every Ray process of this user
     bin_dir = os.path.dirname(sys.executable)
+    # Serve's proxies on Ray's own channel (the default spec asks for gRPC, which the rest of the
+    # suite runs): this cluster's processes are started without it, and the launch says so.
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_AUTH_MODE": "token"}
+           "RAY_AUTH_MODE": "token", "RAY_SERVE_PROXY_USE_GRPC": "0"}
     ray_cli = os.path.join(bin_dir, "ray")
     gcs, dashboard, http = free_port(), free_port(), free_port()
     address = f"http://127.0.0.1:{dashboard}"
@@ -74,6 +78,7 @@ def test_ray_job_submit_serves_the_example_spec():
         out = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
                                         temperature=0.0)
         assert out.choices[0].text and out.usage.completion_tokens == 8
+        assert "Serve's proxies will use 'ray'" in jobs.get_job_logs(job_id)
 
         jobs.stop_job(job_id)
         deadline = time.monotonic() + 120
