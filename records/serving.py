@@ -18,6 +18,8 @@ from records.errors import StartupError
 from records.lora import LoRAConfig, read_adapter
 
 POLICIES = ("prefix_aware", "round_robin", "least_load")
+# The variables Serve reads from Ray's processes for `proxy_channel` and `direct_ingress` (ray_env).
+PROXY_GRPC_ENV, DIRECT_INGRESS_ENV = "RAY_SERVE_PROXY_USE_GRPC", "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 # How an ingress and its replicas exchange requests and step messages (router/routing/channel.py).
 CHANNEL_TRANSPORTS = ("tcp", "ray")
 
@@ -282,9 +284,9 @@ class ServingSpec(StrictSpec):
     def ray_env(self) -> dict[str, str]:
         """The environment Ray's processes read this serving spec's `direct_ingress` and
         `proxy_channel` from (Serve reads them in its proxies and replicas, not from the app)."""
-        env = {"RAY_SERVE_PROXY_USE_GRPC": "1" if self.proxy_channel == "grpc" else "0"}
+        env = {PROXY_GRPC_ENV: "1" if self.proxy_channel == "grpc" else "0"}
         if self.direct_ingress:
-            env |= {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            env |= {DIRECT_INGRESS_ENV: "1",
                     "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(self.port),
                     "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(self.port + 1)}
         return env
@@ -293,16 +295,16 @@ class ServingSpec(StrictSpec):
         """Check a Ray cluster's environment (a job's driver inherits it) against `ray_env()`:
         StartupError where `direct_ingress` cannot work; a warning to print where Serve's proxies
         will use the other `proxy_channel` (it serves, with more CPU a token); None where all agree."""
-        if self.direct_ingress and environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
+        if self.direct_ingress and environ.get(DIRECT_INGRESS_ENV) != "1":
             raise StartupError(f"serving.direct_ingress: this Ray cluster was not started with "
                                f"{self.ray_env()} in its environment (set them for `ray start`, or use "
                                "`pdserve serve` without --address, which sets them for the Ray it starts)")
-        have = "grpc" if environ.get("RAY_SERVE_PROXY_USE_GRPC") == "1" else "ray"
+        have = "grpc" if environ.get(PROXY_GRPC_ENV) == "1" else "ray"
         if have == self.proxy_channel:
             return None
-        want = self.ray_env()["RAY_SERVE_PROXY_USE_GRPC"]
+        want = self.ray_env()[PROXY_GRPC_ENV]
         return (f"serving.proxy_channel is {self.proxy_channel!r}, but this Ray cluster's processes were "
-                f"started without RAY_SERVE_PROXY_USE_GRPC={want}: Serve's proxies will use {have!r} (set "
+                f"started without {PROXY_GRPC_ENV}={want}: Serve's proxies will use {have!r} (set "
                 "it for `ray start`, or use `pdserve serve` without --address, which sets it)")
 
 
