@@ -10,9 +10,10 @@ of each) spread over ATen's threads. On the 2-core CI machine that is 2-5x faste
 the reference (benchmarks/cpu_attention.py). The prefill kernel is flash attention over the paged
 cache: tiles of sixteen query positions held one lane per position, so the scores and the online
 softmax are plain vector FMAs and elementwise ops; 1.6-2.9x faster per layer than the reference
-here, at 115-160 GFLOP/s for prompts of 256-512 tokens. Its FMAs are fp32 AVX-512: on a CPU with
-AMX, where SDPA's flash kernel does its matmuls on AMX tiles, long bf16/fp16 segments go to SDPA
-instead (`sdpa_segments`). The elementwise layers are one pass each
+here, at 115-160 GFLOP/s for prompts of 256-512 tokens. Its FMAs are fp32, except for bf16 on a CPU
+with AVX512-BF16, where the same tiles run on its bf16 dot products (1.6-1.8x; docs/kernels.md;
+`PDSERVE_CPU_BF16_DOT=0` forces the fp32 kernel). On a CPU with AMX, where SDPA's flash kernel does
+its matmuls on AMX tiles, long bf16/fp16 segments go to SDPA instead (`sdpa_segments`). The elementwise layers are one pass each
 where torch runs 3-10 ops (and Python dispatches each), following the reference's arithmetic op by
 op. Block copies and swaps stay with the reference (plain copies).
 
@@ -111,7 +112,8 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
                       query_lens: list[int], seq_lens: list[int], scale: float,
                       packed: PackedPrefill | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                       window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """kernels.reference.prefill_attention's contract, computed in fp32 from the paged cache directly;
+    """kernels.reference.prefill_attention's contract, computed from the paged cache directly (fp32
+    arithmetic, or bf16 dot products into fp32 on AVX512-BF16);
     on a CPU with AMX for a bf16/fp16 query, segments of SDPA_MIN_QUERY_LEN rows or more go to
     SDPA instead (see `sdpa_segments`; not for a windowed or soft-capped layer, which SDPA's flash
     kernel cannot mask or cap)."""

@@ -12,12 +12,17 @@
 // threads longest first. The inner loops keep L accumulators and two more vectors live: 18 of
 // AVX-512's 32 registers at L = 16, 10 of AVX2's 16 at L = 8 (at L = 16 on AVX2, every vector is two
 // registers and the accumulators spill: on a Zen 1 the kernel ran at 0.2-0.5x torch's SDPA).
+// With bf16 query and cache on a CPU with AVX512-BF16 the same items run on bf16 dot products
+// (prefill_bf16_dot, below).
 //
 // KV cache layout (per layer): [2, num_blocks, block_size, num_kv_heads, head_dim].
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
+
+#include <cstdlib>
+#include <cstring>
 
 #include "common.h"
 
@@ -59,23 +64,75 @@ struct PrefillScratch {
   std::vector<float> k, v;      // [kLanes][D]: the current chunk in fp32
 };
 
-// T: the query's dtype; C: the cache's element type (T, or fp8 e4m3 read at k_scale / v_scale,
-// folded into the query's scale and the output's normalization).
-template <typename T, typename C, int D>
-void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& tables,
-                  const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale, double k_scale,
-                  double v_scale, int64_t window, double softcap, at::Tensor& out) {
-  const int64_t num_heads = query.size(1), num_segments = query_lens.size(0);
-  const PagedKV<C> kv(kv_cache);
-  const int64_t num_kv_heads = kv.num_kv_heads, group = num_heads / num_kv_heads, max_blocks = tables.size(1);
-  const T* q_ptr = query.const_data_ptr<T>();
+// Rows of a tile's output for one head: o ([D] vectors, lane = position) times inv, lane i to row i
+// (rows of them, `stride` elements apart), transposed through fp32 and stored a vector at a time.
+template <typename T>
+inline void store_rows(const Lanes* o, Lanes inv, int D, int64_t rows, T* out, int64_t stride) {
+  alignas(64) float t[kLanes][256];   // [position][head dim]: D <= 256
+  for (int d = 0; d < D; ++d) {
+    const Lanes x = o[d] * inv;
+    for (int i = 0; i < kLanes; ++i) t[i][d] = x[i];
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int d = 0; d < D; d += kLanes) store_v(out + i * stride + d, *reinterpret_cast<const Lanes*>(&t[i][d]));
+}
+
+// The online softmax of one head's chunk of N keys from c0 (sc: the scaled scores, lane = position):
+// soft cap, the causal and window mask (skipped where `masked` is false: every key of the chunk is
+// visible to every lane), the running max and denominator. Leaves the chunk's weights in e and
+// returns the factor that rescales the head's output so far. Exp: e^x lane by lane.
+template <int N, typename Exp>
+inline Lanes softmax_chunk(Lanes* sc, int64_t c0, bool masked, Lanes limit, Lanes floor_pos, float cap, Lanes& max,
+                           Lanes& denom, Lanes* e, Exp exp) {
+  Lanes m = max;
+  for (int j = 0; j < N; ++j) {
+    if (cap > 0.f) sc[j] = soft_cap(sc[j], cap);
+    if (masked) {
+      const float key = static_cast<float>(c0 + j);
+      sc[j] = key <= limit && key > floor_pos ? sc[j] : Lanes{} - INFINITY;   // causal, windowed
+    }
+    m = m > sc[j] ? m : sc[j];
+  }
+  // Without a window key 0 is in every lane's range, so after the first chunk m is finite; with one
+  // a lane may see no key of a chunk yet: its max stays -inf, and 0 stands in for it so that alpha
+  // and the weights come out 0 rather than NaN.
+  const Lanes m_safe = m == Lanes{} - INFINITY ? Lanes{} : m;
+  const Lanes alpha = exp(max - m_safe);
+  Lanes sum = {};
+  for (int j = 0; j < N; ++j) {
+    e[j] = exp(sc[j] - m_safe);
+    sum += e[j];
+  }
+  denom = denom * alpha + sum;
+  max = m;
+  return alpha;
+}
+
+// One work item: a tile of up to kLanes query rows of a segment against one KV head.
+struct Item {
+  int64_t first_row;       // the tile's first row in `query` / `out`
+  int64_t rows;            // its rows (lanes past them repeat the last row; their results are dropped)
+  int64_t pos0;            // the first row's position in its sequence
+  int64_t begin, end;      // the keys any lane may see: [begin, end)
+  int64_t head;            // the KV head
+  const int64_t* table;    // the segment's block table
+  Lanes limit, floor_pos;  // lane i sees keys in (floor_pos[i], limit[i]]
+  // Whether the n keys from c0 need the mask: some key is past the first lane's position or (with a
+  // window) before the last lane's window.
+  bool masked(int64_t c0, int64_t n, int64_t window) const {
+    return c0 + n - 1 > pos0 || (window > 0 && c0 <= pos0 + rows - 1 - window);
+  }
+};
+
+// Runs body(item) for every (tile of kLanes query rows of a segment, KV head), items to ATen's
+// threads longest first; body(scratch) gets a per-thread Scratch made by make_scratch().
+template <typename MakeScratch, typename Body>
+void for_each_item(const at::Tensor& tables, const at::Tensor& query_lens, const at::Tensor& seq_lens,
+                   int64_t num_kv_heads, int64_t window, MakeScratch&& make_scratch, Body&& body) {
+  const int64_t num_segments = query_lens.size(0), max_blocks = tables.size(1);
   const int64_t* table_ptr = tables.const_data_ptr<int64_t>();
   const int64_t* qlen_ptr = query_lens.const_data_ptr<int64_t>();
   const int64_t* slen_ptr = seq_lens.const_data_ptr<int64_t>();
-  T* out_ptr = out.mutable_data_ptr<T>();
-
-  // Work items: tiles of up to kLanes query rows of a segment (the segment, the tile's first row within
-  // it, the segment's first row in `query`) x KV heads.
   struct Tile {
     int64_t segment, row0, first_row_of_segment;
   };
@@ -91,96 +148,268 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
       num_items, at::get_num_threads(), [&](int64_t item) { return keys_end(tiles[item / num_kv_heads]) + kLanes; });
 
   at::parallel_for(0, static_cast<int64_t>(assigned.size()), 1, [&](int64_t first, int64_t last) {
+    auto scratch = make_scratch();
+    Lanes lane;
+    for (int i = 0; i < kLanes; ++i) lane[i] = static_cast<float>(i);
+    for (int64_t t = first; t < last; ++t)
+      for (const int64_t index : assigned[t]) {
+        const Tile& tile = tiles[index / num_kv_heads];
+        const int64_t s = tile.segment;
+        Item it;
+        it.first_row = tile.first_row_of_segment + tile.row0;
+        it.rows = std::min<int64_t>(kLanes, qlen_ptr[s] - tile.row0);
+        it.pos0 = slen_ptr[s] - qlen_ptr[s] + tile.row0;
+        it.end = keys_end(tile);
+        it.head = index % num_kv_heads;
+        it.table = table_ptr + s * max_blocks;
+        // Lane i is position pos0 + i and sees keys up to it; lanes past the segment's end repeat its
+        // last row.
+        it.limit = (lane < static_cast<float>(it.rows) ? lane : Lanes{} + static_cast<float>(it.rows - 1)) +
+                   static_cast<float>(it.pos0);
+        // A sliding window: lane i sees keys in (limit - window, limit]; chunks wholly before the
+        // first row's window are skipped.
+        it.floor_pos = window > 0 ? it.limit - static_cast<float>(window) : Lanes{} - 1.f;
+        it.begin = window > 0 ? std::max<int64_t>(0, it.pos0 - window + 1) / kLanes * kLanes : 0;
+        body(scratch, it);
+      }
+  });
+}
+
+// T: the query's dtype; C: the cache's element type (T, or fp8 e4m3 read at k_scale / v_scale,
+// folded into the query's scale and the output's normalization).
+template <typename T, typename C, int D>
+void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& tables,
+                  const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale, double k_scale,
+                  double v_scale, int64_t window, double softcap, at::Tensor& out) {
+  const int64_t num_heads = query.size(1);
+  const PagedKV<C> kv(kv_cache);
+  const int64_t group = num_heads / kv.num_kv_heads;
+  const T* q_ptr = query.const_data_ptr<T>();
+  T* out_ptr = out.mutable_data_ptr<T>();
+  const float cap = static_cast<float>(softcap);
+  auto make_scratch = [&] {
     PrefillScratch<D> w;
     w.q.resize(static_cast<size_t>(group * D));
     w.o.resize(static_cast<size_t>(group * D));
     w.k.resize(static_cast<size_t>(kLanes * D));
     w.v.resize(static_cast<size_t>(kLanes * D));
+    return w;
+  };
+  for_each_item(tables, query_lens, seq_lens, kv.num_kv_heads, window, make_scratch, [&](PrefillScratch<D>& w,
+                                                                                        const Item& it) {
+    const int64_t h = it.head;
+    for (int64_t g = 0; g < group; ++g) {
+      float* qf = reinterpret_cast<float*>(w.q.data() + g * D);     // [D][kLanes]
+      for (int64_t i = 0; i < kLanes; ++i) {
+        const T* row = q_ptr + ((it.first_row + std::min(i, it.rows - 1)) * num_heads + h * group + g) * D;
+        for (int d = 0; d < D; ++d) qf[d * kLanes + i] = to_float(row[d]) * static_cast<float>(scale * k_scale);
+      }
+    }
+    std::fill(w.o.begin(), w.o.end(), Lanes{});
+    w.max.assign(static_cast<size_t>(group), Lanes{} - INFINITY);
+    w.denom.assign(static_cast<size_t>(group), Lanes{});
     Lanes e[kLanes];
-    Lanes lane;
-    for (int i = 0; i < kLanes; ++i) lane[i] = static_cast<float>(i);
-    for (int64_t t = first; t < last; ++t)
-      for (const int64_t item : assigned[t]) {
-        const Tile& tile = tiles[item / num_kv_heads];
-        const int64_t h = item % num_kv_heads, s = tile.segment;
-        const int64_t rows = std::min<int64_t>(kLanes, qlen_ptr[s] - tile.row0);
-        const int64_t pos0 = slen_ptr[s] - qlen_ptr[s] + tile.row0, end = keys_end(tile);
-        const int64_t* table = table_ptr + s * max_blocks;
-        // Lane i is position pos0 + i and sees keys up to it; lanes past the segment's end repeat its
-        // last row (their results are not written).
-        const Lanes limit = (lane < static_cast<float>(rows) ? lane : Lanes{} + static_cast<float>(rows - 1)) +
-                             static_cast<float>(pos0);
-        // A sliding window: lane i sees keys in (limit - window, limit]; chunks wholly before the
-        // first row's window are skipped.
-        const Lanes floor_pos = window > 0 ? limit - static_cast<float>(window) : Lanes{} - 1.f;
-        const int64_t begin = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) / kLanes * kLanes : 0;
-        const float cap = static_cast<float>(softcap);
-        for (int64_t g = 0; g < group; ++g) {
-          float* qf = reinterpret_cast<float*>(w.q.data() + g * D);     // [D][kLanes]
-          for (int64_t i = 0; i < kLanes; ++i) {
-            const T* row = q_ptr + ((tile.first_row_of_segment + tile.row0 + std::min(i, rows - 1)) * num_heads +
-                                    h * group + g) * D;
-            for (int d = 0; d < D; ++d) qf[d * kLanes + i] = to_float(row[d]) * static_cast<float>(scale * k_scale);
-          }
+    for (int64_t c0 = it.begin; c0 < it.end; c0 += kLanes) {
+      const int64_t count = std::min<int64_t>(kLanes, it.end - c0);
+      for (int64_t j = 0; j < kLanes; ++j) {
+        float* kd = w.k.data() + j * D;
+        float* vd = w.v.data() + j * D;
+        if (j >= count) {                           // past the keys: zeros, never weighted
+          std::fill(kd, kd + D, 0.f);
+          std::fill(vd, vd + D, 0.f);
+          continue;
         }
-        std::fill(w.o.begin(), w.o.end(), Lanes{});
-        w.max.assign(static_cast<size_t>(group), Lanes{} - INFINITY);
-        w.denom.assign(static_cast<size_t>(group), Lanes{});
-        for (int64_t c0 = begin; c0 < end; c0 += kLanes) {
-          const int64_t count = std::min<int64_t>(kLanes, end - c0);
-          for (int64_t j = 0; j < kLanes; ++j) {
-            float* kd = w.k.data() + j * D;
-            float* vd = w.v.data() + j * D;
-            if (j >= count) {                           // past the keys: zeros, never weighted
-              std::fill(kd, kd + D, 0.f);
-              std::fill(vd, vd + D, 0.f);
-              continue;
-            }
-            const int64_t row = kv.row(table, c0 + j) + h * D;
-            const C* kr = kv.k + row;
-            const C* vr = kv.v + row;
-            for (int d0 = 0; d0 < D; d0 += 16) {
-              const f32x16 kx = load16(kr + d0), vv = load16(vr + d0);
-              std::memcpy(kd + d0, &kx, sizeof kx);
-              std::memcpy(vd + d0, &vv, sizeof vv);
-            }
-          }
-          for (int64_t g = 0; g < group; ++g) {
-            Lanes sc[kLanes];
-            chunk_scores<D>(w.q.data() + g * D, w.k.data(), sc);
-            Lanes m = w.max[g];
-            for (int j = 0; j < kLanes; ++j) {
-              if (cap > 0.f) sc[j] = soft_cap(sc[j], cap);
-              const float key = static_cast<float>(c0 + j);
-              sc[j] = key <= limit && key > floor_pos ? sc[j] : Lanes{} - INFINITY;   // causal, windowed
-              m = m > sc[j] ? m : sc[j];
-            }
-            // Without a window key 0 is in every lane's range, so after the first chunk m is finite;
-            // with one a lane may see no key of a chunk yet: its max stays -inf, and 0 stands in for
-            // it so that alpha and the weights come out 0 rather than NaN.
-            const Lanes m_safe = m == Lanes{} - INFINITY ? Lanes{} : m;
-            const Lanes alpha = exp_approx(w.max[g] - m_safe);
-            Lanes sum = {};
-            for (int j = 0; j < kLanes; ++j) {
-              e[j] = exp_approx(sc[j] - m_safe);
-              sum += e[j];
-            }
-            w.denom[g] = w.denom[g] * alpha + sum;
-            w.max[g] = m;
-            chunk_values<D>(w.v.data(), e, count, alpha, w.o.data() + g * D);
-          }
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          const Lanes inv = static_cast<float>(v_scale) / w.denom[g];
-          const float* of = reinterpret_cast<const float*>(w.o.data() + g * D);
-          for (int64_t i = 0; i < rows; ++i) {
-            T* o = out_ptr + ((tile.first_row_of_segment + tile.row0 + i) * num_heads + h * group + g) * D;
-            for (int d = 0; d < D; ++d) o[d] = static_cast<T>(of[d * kLanes + i] * inv[i]);
-          }
+        const int64_t row = kv.row(it.table, c0 + j) + h * D;
+        const C* kr = kv.k + row;
+        const C* vr = kv.v + row;
+        for (int d0 = 0; d0 < D; d0 += 16) {
+          const f32x16 kx = load16(kr + d0), vv = load16(vr + d0);
+          std::memcpy(kd + d0, &kx, sizeof kx);
+          std::memcpy(vd + d0, &vv, sizeof vv);
         }
       }
+      const bool masked = it.masked(c0, kLanes, window);
+      for (int64_t g = 0; g < group; ++g) {
+        Lanes sc[kLanes];
+        chunk_scores<D>(w.q.data() + g * D, w.k.data(), sc);
+        const Lanes alpha = softmax_chunk<kLanes>(sc, c0, masked, it.limit, it.floor_pos, cap, w.max[g], w.denom[g],
+                                                  e, [](Lanes x) { return exp_approx(x); });
+        chunk_values<D>(w.v.data(), e, count, alpha, w.o.data() + g * D);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g)
+      store_rows(w.o.data() + g * D, static_cast<float>(v_scale) / w.denom[g], D, it.rows,
+                 out_ptr + (it.first_row * num_heads + h * group + g) * D, num_heads * D);
   });
 }
+
+#if defined(__AVX512BF16__)
+// PDSERVE_CPU_BF16_DOT=0 runs bf16 through the fp32 kernel instead: the kernel every CPU without
+// AVX512-BF16 runs, forced here to test it and to compare the two (benchmarks/cpu_attention.py).
+inline bool bf16_dot_enabled() {
+  const char* value = std::getenv("PDSERVE_CPU_BF16_DOT");
+  return value == nullptr || std::strcmp(value, "0") != 0;
+}
+
+// bf16 queries against a bf16 cache with AVX512-BF16's dot products (vdpbf16ps: each fp32 lane adds
+// the products of a pair of bf16s, exactly, to its sum): half the instructions of the fp32 FMAs per
+// multiply-add, and no conversion of K. Lanes are positions as in the fp32 kernel, so the pairs run
+// along the reduced dimension: head dims (d, d+1) for the scores, keys (j, j+1) for the values.
+// Q stays bf16 and the scale is applied to the fp32 scores; the softmax runs in fp32 and its weights
+// are rounded to bf16 for the product with V, as torch's CPU flash attention does for bf16. Chunks
+// are of 2 x kLanes keys: the softmax's per-chunk work (the rescale of the output so far, its loads
+// and stores) is then spread over twice the multiply-adds.
+constexpr int kBf16Chunk = 2 * kLanes;
+
+struct Bf16Scratch {
+  std::vector<__m512i> q;          // [group][D/2]: lane i = the pair (d, d+1) of position i's query
+  std::vector<Lanes> o;            // [group][D]: unnormalized outputs, transposed (lane = position)
+  std::vector<Lanes> max, denom;   // [group]
+  std::vector<uint16_t> k;         // [kBf16Chunk][D]: the chunk's keys, zero rows past its count
+  std::vector<uint32_t> v;         // [kBf16Chunk / 2][D]: pairs (v[2j][d], v[2j+1][d])
+};
+
+// Scores of one head's positions (q: [D/2] pair vectors) against kLanes keys ([kLanes][D] bf16):
+// s[j] = the positions' dot products with key j.
+template <int D>
+inline void chunk_scores_bf16(const __m512i* q, const uint16_t* k, Lanes* s) {
+  const uint32_t* kp = reinterpret_cast<const uint32_t*>(k);
+  __m512 acc[kLanes];
+  for (int j = 0; j < kLanes; ++j) acc[j] = _mm512_setzero_ps();
+  for (int d2 = 0; d2 < D / 2; ++d2) {
+    const __m512bh qd = (__m512bh)q[d2];
+    for (int j = 0; j < kLanes; ++j)
+      acc[j] = _mm512_dpbf16_ps(acc[j], qd, (__m512bh)_mm512_set1_epi32(static_cast<int>(kp[j * D / 2 + d2])));
+  }
+  for (int j = 0; j < kLanes; ++j) s[j] = (Lanes)acc[j];
+}
+
+// e^x for the softmax's x <= 0 (-inf and anything below -87.3: 0), to ~1e-7: 2^(x log2 e) as vscalefps
+// of a degree-6 Taylor polynomial of 2^f, |f| <= 1/2, by the rounded power. About half exp_approx's
+// operations: no clamps above, no exponent-bit arithmetic; its weights are rounded to bf16 next.
+inline Lanes exp_nonpositive(Lanes x) {
+  const __m512 xv = (__m512)x;
+  const __mmask16 live = _mm512_cmp_ps_mask(xv, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(xv, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return (Lanes)_mm512_maskz_scalef_ps(live, p, n);
+}
+
+// Lane i: the pair (a[i], b[i]) rounded to bf16 (nearest even).
+inline __m512i bf16_pairs(Lanes a, Lanes b) {
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)b, (__m512)a);   // words: a's 16, then b's 16
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, both);
+}
+
+// o ([D] vectors, lane = position) = o * alpha + sum over the chunk's keys of e[j] * v[j], the keys
+// in pairs (ep: pairs of weights, v: [pairs][D] pairs of values).
+template <int D>
+inline void chunk_values_bf16(const uint32_t* v, const __m512i* ep, int pairs, Lanes alpha, Lanes* o) {
+  for (int d0 = 0; d0 < D; d0 += kLanes) {
+    __m512 acc[kLanes];
+    for (int i = 0; i < kLanes; ++i) acc[i] = (__m512)(o[d0 + i] * alpha);
+    for (int j2 = 0; j2 < pairs; ++j2) {
+      const __m512bh e = (__m512bh)ep[j2];
+      for (int i = 0; i < kLanes; ++i)
+        acc[i] = _mm512_dpbf16_ps(acc[i], e, (__m512bh)_mm512_set1_epi32(static_cast<int>(v[j2 * D + d0 + i])));
+    }
+    for (int i = 0; i < kLanes; ++i) o[d0 + i] = (Lanes)acc[i];
+  }
+}
+
+template <int D>
+void prefill_bf16_dot(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& tables,
+                      const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale, int64_t window,
+                      double softcap, at::Tensor& out) {
+  static_assert(kLanes == 16 && D % 2 == 0);
+  const int64_t num_heads = query.size(1);
+  const PagedKV<c10::BFloat16> kv(kv_cache);
+  const int64_t group = num_heads / kv.num_kv_heads;
+  const uint16_t* q_ptr = reinterpret_cast<const uint16_t*>(query.const_data_ptr<c10::BFloat16>());
+  const uint16_t* k_ptr = reinterpret_cast<const uint16_t*>(kv.k);
+  const uint16_t* v_ptr = reinterpret_cast<const uint16_t*>(kv.v);
+  c10::BFloat16* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
+  const float cap = static_cast<float>(softcap), scalef = static_cast<float>(scale);
+  auto make_scratch = [&] {
+    Bf16Scratch w;
+    w.q.resize(static_cast<size_t>(group * D / 2));
+    w.o.resize(static_cast<size_t>(group * D));
+    w.k.resize(static_cast<size_t>(kBf16Chunk * D));
+    w.v.resize(static_cast<size_t>(kBf16Chunk / 2 * D));
+    return w;
+  };
+  for_each_item(tables, query_lens, seq_lens, kv.num_kv_heads, window, make_scratch, [&](Bf16Scratch& w,
+                                                                                        const Item& it) {
+    const int64_t h = it.head;
+    for (int64_t g = 0; g < group; ++g) {
+      uint32_t* qw = reinterpret_cast<uint32_t*>(w.q.data() + g * D / 2);   // [D/2][kLanes] words
+      for (int64_t i = 0; i < kLanes; ++i) {
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(
+            q_ptr + ((it.first_row + std::min(i, it.rows - 1)) * num_heads + h * group + g) * D);
+        for (int d2 = 0; d2 < D / 2; ++d2) qw[d2 * kLanes + i] = row[d2];
+      }
+    }
+    std::fill(w.o.begin(), w.o.end(), Lanes{});
+    w.max.assign(static_cast<size_t>(group), Lanes{} - INFINITY);
+    w.denom.assign(static_cast<size_t>(group), Lanes{});
+    Lanes e[kBf16Chunk];
+    __m512i ep[kBf16Chunk / 2];
+    for (int64_t c0 = it.begin; c0 < it.end; c0 += kBf16Chunk) {
+      const int64_t count = std::min<int64_t>(kBf16Chunk, it.end - c0);
+      const int pairs = static_cast<int>((count + 1) / 2);
+      // The chunk's keys copied side by side and its values interleaved in pairs of keys, once for
+      // the item's query heads; rows past the keys are zeros (their weights are 0, and 0 * a stale
+      // NaN would not be).
+      for (int64_t j = 0; j < kBf16Chunk; j += 2) {
+        const uint16_t* vr[2] = {nullptr, nullptr};
+        for (int64_t a = 0; a < 2; ++a) {
+          uint16_t* kd = w.k.data() + (j + a) * D;
+          if (j + a < count) {
+            const int64_t row = kv.row(it.table, c0 + j + a) + h * D;
+            std::memcpy(kd, k_ptr + row, D * sizeof(uint16_t));
+            vr[a] = v_ptr + row;
+          } else {
+            std::fill(kd, kd + D, uint16_t{0});
+          }
+        }
+        if (j >= count) continue;                    // pairs past `pairs` are not read
+        uint32_t* vd = w.v.data() + j / 2 * D;
+        for (int d = 0; d < D; d += 16) {
+          const u32x16 a = __builtin_convertvector(*reinterpret_cast<const u16x16*>(vr[0] + d), u32x16);
+          const u32x16 b = vr[1] ? __builtin_convertvector(*reinterpret_cast<const u16x16*>(vr[1] + d), u32x16)
+                                 : u32x16{};
+          const u32x16 pair = a | b << 16;
+          std::memcpy(vd + d, &pair, sizeof pair);
+        }
+      }
+      const bool masked = it.masked(c0, kBf16Chunk, window);
+      for (int64_t g = 0; g < group; ++g) {
+        Lanes sc[kBf16Chunk];
+        chunk_scores_bf16<D>(w.q.data() + g * D / 2, w.k.data(), sc);
+        chunk_scores_bf16<D>(w.q.data() + g * D / 2, w.k.data() + kLanes * D, sc + kLanes);
+        for (int j = 0; j < kBf16Chunk; ++j) sc[j] *= scalef;
+        const Lanes alpha = softmax_chunk<kBf16Chunk>(sc, c0, masked, it.limit, it.floor_pos, cap, w.max[g],
+                                                      w.denom[g], e, exp_nonpositive);
+        for (int j2 = 0; j2 < pairs; ++j2) ep[j2] = bf16_pairs(e[2 * j2], e[2 * j2 + 1]);
+        chunk_values_bf16<D>(w.v.data(), ep, pairs, alpha, w.o.data() + g * D);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g)
+      store_rows(w.o.data() + g * D, 1.f / w.denom[g], D, it.rows,
+                 out_ptr + (it.first_row * num_heads + h * group + g) * D, num_heads * D);
+  });
+}
+#endif
 
 at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                          const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale, double k_scale,
@@ -205,6 +434,15 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, co
   at::Tensor out = at::empty_like(q);
   if (q.size(0) == 0) return out;
   dispatch_dtype_and_head_dim("paged_prefill", q, kv_cache, [&](auto type, auto cache, auto dim) {
+#if defined(__AVX512BF16__)
+    using Q = typename decltype(type)::type;
+    if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<typename decltype(cache)::type, Q>) {
+      if (bf16_dot_enabled()) {
+        prefill_bf16_dot<decltype(dim)::value>(q, kv_cache, tables, qlens, slens, scale, window, softcap, out);
+        return;
+      }
+    }
+#endif
     prefill_impl<typename decltype(type)::type, typename decltype(cache)::type, decltype(dim)::value>(
         q, kv_cache, tables, qlens, slens, scale, k_scale, v_scale, window, softcap, out);
   });

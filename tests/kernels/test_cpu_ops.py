@@ -15,7 +15,8 @@ from test_reference import naive_decode
 from kernels import cpu_ops, dispatch, reference
 
 # Relative error ||out - ref|| / ||ref|| allowed per dtype; both sides accumulate in fp32, so bf16 and
-# fp16 differ only by the output's rounding.
+# fp16 differ by the output's rounding (and, in bf16 prefill on AVX512-BF16, by the softmax weights'
+# rounding to bf16: ~2.0e-3 against ~1.6e-3 measured).
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
@@ -106,6 +107,28 @@ def test_prefill_matches_reference(dtype, head_dim, heads, kv_heads):
     ref = reference.prefill_attention(query.float(), cache.float(), tables, PREFILL_QUERY_LENS, PREFILL_SEQ_LENS,
                                       head_dim ** -0.5)
     assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (24, 0.0), (0, 3.0)])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 16, 4), (16, 4, 2)])
+def test_prefill_bf16_dot_products_and_the_fp32_fallback(monkeypatch, window, softcap, head_dim, heads, kv_heads):
+    """bf16 prefill runs on AVX512-BF16's dot products where this CPU has them (the default) and
+    through the fp32 kernel that every other CPU runs (PDSERVE_CPU_BF16_DOT=0 forces it here). Both
+    match the reference over several 32-key chunks, partial tiles, a chunk after a cached prefix,
+    windows, soft caps and peaked scores; on an AVX512-BF16 CPU the two are different code (their
+    roundings differ), elsewhere the switch changes nothing."""
+    query_lens, seq_lens = [100, 37, 1, 64], [100, 130, 50, 64]
+    query, cache, tables = prefill_batch(query_lens, seq_lens, heads, kv_heads, head_dim, 16, torch.bfloat16)
+    shape = {"window": window, "softcap": softcap}
+    outs = {}
+    for q in (query, query * 8):
+        ref = reference.prefill_attention(q.float(), cache.float(), tables, query_lens, seq_lens, head_dim ** -0.5,
+                                          **shape)
+        for dot in ("1", "0"):
+            monkeypatch.setenv("PDSERVE_CPU_BF16_DOT", dot)
+            outs[dot] = cpu_ops.prefill_attention(q, cache, tables, query_lens, seq_lens, head_dim ** -0.5, **shape)
+            assert outs[dot].dtype == torch.bfloat16 and rel_err(outs[dot], ref) < TOLERANCE[torch.bfloat16], dot
+    assert torch.equal(outs["1"], outs["0"]) != torch.cpu._is_avx512_bf16_supported()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
