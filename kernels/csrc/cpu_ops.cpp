@@ -380,11 +380,21 @@ void silu_and_mul_impl(const T* x, int64_t x_stride, T* out, int64_t rows, int64
       const T* g = x + row * x_stride;
       const T* u = g + inter;
       T* o = out + row * inter;
-      for (int64_t i = 0; i < inter; i += kLanes) {
+      auto silu_mul = [](Lanes gv, Lanes uv) { return round_as<T>(round_as<T>(gv / (1.f + exp_approx(-gv))) * uv); };
+      // Four independent vectors per iteration: one vector's chain (exp, division, two roundings) is
+      // ~60 cycles long, and one at a time the loop ran at its latency, ~40 cycles a vector
+      // (perf/journal.md §34).
+      constexpr int64_t kUnroll = 4;
+      int64_t i = 0;
+      for (; i + kUnroll * kLanes <= inter; i += kUnroll * kLanes) {
+        Lanes r[kUnroll];
+        for (int64_t k = 0; k < kUnroll; ++k)
+          r[k] = silu_mul(load_lanes(g + i + k * kLanes), load_lanes(u + i + k * kLanes));
+        for (int64_t k = 0; k < kUnroll; ++k) store_v(o + i + k * kLanes, r[k]);
+      }
+      for (; i < inter; i += kLanes) {
         const int64_t n = std::min<int64_t>(kLanes, inter - i);
-        const Lanes gv = load_upto<Lanes>(g + i, n), uv = load_upto<Lanes>(u + i, n);
-        const Lanes silu = round_as<T>(gv / (1.f + exp_approx(-gv)));
-        store_upto(o + i, round_as<T>(silu * uv), n);
+        store_upto(o + i, silu_mul(load_upto<Lanes>(g + i, n), load_upto<Lanes>(u + i, n)), n);
       }
     }
   });
