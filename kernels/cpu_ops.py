@@ -13,9 +13,9 @@ softmax are plain vector FMAs and elementwise ops; 1.6-2.9x faster per layer tha
 here, at 115-160 GFLOP/s for prompts of 256-512 tokens. Its FMAs are fp32, except for bf16 on a CPU
 with AVX512-BF16, where the same tiles run on its bf16 dot products (1.6-1.8x; docs/kernels.md;
 `PDSERVE_CPU_BF16_DOT=0` forces the fp32 kernel). On a CPU with AMX, where SDPA's flash kernel does
-its matmuls on AMX tiles, long bf16/fp16 segments go to SDPA instead (`sdpa_segments`). The elementwise layers are one pass each
-where torch runs 3-10 ops (and Python dispatches each), following the reference's arithmetic op by
-op. Block copies and swaps stay with the reference (plain copies).
+its matmuls on AMX tiles, long bf16/fp16 segments go to SDPA instead (`sdpa_segments`). The
+elementwise layers are one pass each where torch runs 3-10 ops (and Python dispatches each),
+following the reference's arithmetic op by op. Block copies and swaps stay with the reference (plain copies).
 
 The extension is compiled on first use with the machine's C++ compiler (`$CXX`, default `c++`)
 against the installed torch, for this CPU (-march=native): ~30 s once (the sources side by side),
