@@ -124,28 +124,35 @@ struct Item {
   }
 };
 
-// Runs body(item) for every (tile of kLanes query rows of a segment, KV head), items to ATen's
-// threads longest first; body(scratch) gets a per-thread Scratch made by make_scratch().
-template <typename MakeScratch, typename Body>
+// Runs body(scratch, items, n) for every work item: n <= kTiles consecutive tiles of kLanes query rows
+// of one segment (items[0..n)), against one KV head. Items go to ATen's threads longest first; each
+// thread has its scratch from make_scratch().
+template <int kTiles, typename MakeScratch, typename Body>
 void for_each_item(const at::Tensor& tables, const at::Tensor& query_lens, const at::Tensor& seq_lens,
                    int64_t num_kv_heads, int64_t window, MakeScratch&& make_scratch, Body&& body) {
   const int64_t num_segments = query_lens.size(0), max_blocks = tables.size(1);
   const int64_t* table_ptr = tables.const_data_ptr<int64_t>();
   const int64_t* qlen_ptr = query_lens.const_data_ptr<int64_t>();
   const int64_t* slen_ptr = seq_lens.const_data_ptr<int64_t>();
-  struct Tile {
+  constexpr int64_t kRows = kTiles * kLanes;   // query rows per item
+  struct Group {
     int64_t segment, row0, first_row_of_segment;
   };
-  std::vector<Tile> tiles;
+  std::vector<Group> groups;
   for (int64_t s = 0, start = 0; s < num_segments; start += qlen_ptr[s], ++s)
-    for (int64_t r = 0; r < qlen_ptr[s]; r += kLanes) tiles.push_back({s, r, start});
-  auto keys_end = [&](const Tile& t) {   // keys the tile's last position sees
-    const int64_t s = t.segment, ctx = slen_ptr[s] - qlen_ptr[s];
-    return ctx + std::min(qlen_ptr[s], t.row0 + kLanes);
+    for (int64_t r = 0; r < qlen_ptr[s]; r += kRows) groups.push_back({s, r, start});
+  auto keys_end = [&](const Group& g, int64_t row0) {   // keys the tile from row0's last position sees
+    const int64_t s = g.segment, ctx = slen_ptr[s] - qlen_ptr[s];
+    return ctx + std::min(qlen_ptr[s], row0 + kLanes);
   };
-  const int64_t num_items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
+  auto cost = [&](const Group& g) {
+    int64_t keys = 0;
+    for (int64_t r = g.row0; r < std::min(qlen_ptr[g.segment], g.row0 + kRows); r += kLanes) keys += keys_end(g, r);
+    return keys + kLanes;
+  };
+  const int64_t num_items = static_cast<int64_t>(groups.size()) * num_kv_heads;
   const auto assigned = assign_longest_first(
-      num_items, at::get_num_threads(), [&](int64_t item) { return keys_end(tiles[item / num_kv_heads]) + kLanes; });
+      num_items, at::get_num_threads(), [&](int64_t item) { return cost(groups[item / num_kv_heads]); });
 
   at::parallel_for(0, static_cast<int64_t>(assigned.size()), 1, [&](int64_t first, int64_t last) {
     auto scratch = make_scratch();
@@ -153,24 +160,28 @@ void for_each_item(const at::Tensor& tables, const at::Tensor& query_lens, const
     for (int i = 0; i < kLanes; ++i) lane[i] = static_cast<float>(i);
     for (int64_t t = first; t < last; ++t)
       for (const int64_t index : assigned[t]) {
-        const Tile& tile = tiles[index / num_kv_heads];
-        const int64_t s = tile.segment;
-        Item it;
-        it.first_row = tile.first_row_of_segment + tile.row0;
-        it.rows = std::min<int64_t>(kLanes, qlen_ptr[s] - tile.row0);
-        it.pos0 = slen_ptr[s] - qlen_ptr[s] + tile.row0;
-        it.end = keys_end(tile);
-        it.head = index % num_kv_heads;
-        it.table = table_ptr + s * max_blocks;
-        // Lane i is position pos0 + i and sees keys up to it; lanes past the segment's end repeat its
-        // last row.
-        it.limit = (lane < static_cast<float>(it.rows) ? lane : Lanes{} + static_cast<float>(it.rows - 1)) +
-                   static_cast<float>(it.pos0);
-        // A sliding window: lane i sees keys in (limit - window, limit]; chunks wholly before the
-        // first row's window are skipped.
-        it.floor_pos = window > 0 ? it.limit - static_cast<float>(window) : Lanes{} - 1.f;
-        it.begin = window > 0 ? std::max<int64_t>(0, it.pos0 - window + 1) / kLanes * kLanes : 0;
-        body(scratch, it);
+        const Group& group = groups[index / num_kv_heads];
+        const int64_t s = group.segment;
+        Item items[kTiles];
+        int n = 0;
+        for (int64_t row0 = group.row0; row0 < std::min(qlen_ptr[s], group.row0 + kRows); row0 += kLanes, ++n) {
+          Item& it = items[n];
+          it.first_row = group.first_row_of_segment + row0;
+          it.rows = std::min<int64_t>(kLanes, qlen_ptr[s] - row0);
+          it.pos0 = slen_ptr[s] - qlen_ptr[s] + row0;
+          it.end = keys_end(group, row0);
+          it.head = index % num_kv_heads;
+          it.table = table_ptr + s * max_blocks;
+          // Lane i is position pos0 + i and sees keys up to it; lanes past the segment's end repeat
+          // its last row.
+          it.limit = (lane < static_cast<float>(it.rows) ? lane : Lanes{} + static_cast<float>(it.rows - 1)) +
+                     static_cast<float>(it.pos0);
+          // A sliding window: lane i sees keys in (limit - window, limit]; chunks wholly before the
+          // first row's window are skipped.
+          it.floor_pos = window > 0 ? it.limit - static_cast<float>(window) : Lanes{} - 1.f;
+          it.begin = window > 0 ? std::max<int64_t>(0, it.pos0 - window + 1) / kLanes * kLanes : 0;
+        }
+        body(scratch, items, n);
       }
   });
 }
@@ -195,8 +206,8 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
     w.v.resize(static_cast<size_t>(kLanes * D));
     return w;
   };
-  for_each_item(tables, query_lens, seq_lens, kv.num_kv_heads, window, make_scratch, [&](PrefillScratch<D>& w,
-                                                                                        const Item& it) {
+  auto body = [&](PrefillScratch<D>& w, const Item* items, int) {
+    const Item& it = items[0];
     const int64_t h = it.head;
     for (int64_t g = 0; g < group; ++g) {
       float* qf = reinterpret_cast<float*>(w.q.data() + g * D);     // [D][kLanes]
@@ -240,7 +251,8 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
     for (int64_t g = 0; g < group; ++g)
       store_rows(w.o.data() + g * D, static_cast<float>(v_scale) / w.denom[g], D, it.rows,
                  out_ptr + (it.first_row * num_heads + h * group + g) * D, num_heads * D);
-  });
+  };
+  for_each_item<1>(tables, query_lens, seq_lens, kv.num_kv_heads, window, make_scratch, body);
 }
 
 #if defined(__AVX512BF16__)
@@ -260,11 +272,14 @@ inline bool bf16_dot_enabled() {
 // are of 2 x kLanes keys: the softmax's per-chunk work (the rescale of the output so far, its loads
 // and stores) is then spread over twice the multiply-adds.
 constexpr int kBf16Chunk = 2 * kLanes;
+// Tiles of kLanes query rows per work item: each chunk's keys are copied and its values interleaved
+// once for both, halving that work and the item's K/V reads from memory on long prompts.
+constexpr int kBf16Tiles = 2;
 
 struct Bf16Scratch {
-  std::vector<__m512i> q;          // [group][D/2]: lane i = the pair (d, d+1) of position i's query
-  std::vector<Lanes> o;            // [group][D]: unnormalized outputs, transposed (lane = position)
-  std::vector<Lanes> max, denom;   // [group]
+  std::vector<__m512i> q;          // [tiles * group][D/2]: lane i = the pair (d, d+1) of position i's query
+  std::vector<Lanes> o;            // [tiles * group][D]: unnormalized outputs, transposed (lane = position)
+  std::vector<Lanes> max, denom;   // [tiles * group]
   std::vector<uint16_t> k;         // [kBf16Chunk][D]: the chunk's keys, zero rows past its count
   std::vector<uint32_t> v;         // [kBf16Chunk / 2][D]: pairs (v[2j][d], v[2j+1][d])
 };
@@ -342,40 +357,42 @@ void prefill_bf16_dot(const at::Tensor& query, const at::Tensor& kv_cache, const
   const float cap = static_cast<float>(softcap), scalef = static_cast<float>(scale);
   auto make_scratch = [&] {
     Bf16Scratch w;
-    w.q.resize(static_cast<size_t>(group * D / 2));
-    w.o.resize(static_cast<size_t>(group * D));
+    w.q.resize(static_cast<size_t>(kBf16Tiles * group * D / 2));
+    w.o.resize(static_cast<size_t>(kBf16Tiles * group * D));
     w.k.resize(static_cast<size_t>(kBf16Chunk * D));
     w.v.resize(static_cast<size_t>(kBf16Chunk / 2 * D));
     return w;
   };
-  for_each_item(tables, query_lens, seq_lens, kv.num_kv_heads, window, make_scratch, [&](Bf16Scratch& w,
-                                                                                        const Item& it) {
-    const int64_t h = it.head;
-    for (int64_t g = 0; g < group; ++g) {
-      uint32_t* qw = reinterpret_cast<uint32_t*>(w.q.data() + g * D / 2);   // [D/2][kLanes] words
-      for (int64_t i = 0; i < kLanes; ++i) {
-        const uint32_t* row = reinterpret_cast<const uint32_t*>(
-            q_ptr + ((it.first_row + std::min(i, it.rows - 1)) * num_heads + h * group + g) * D);
-        for (int d2 = 0; d2 < D / 2; ++d2) qw[d2 * kLanes + i] = row[d2];
+  // Query head u = t * group + g: tile t's head g.
+  auto body = [&](Bf16Scratch& w, const Item* items, int n) {
+    const int64_t h = items[0].head;
+    for (int t = 0; t < n; ++t)
+      for (int64_t g = 0; g < group; ++g) {
+        uint32_t* qw = reinterpret_cast<uint32_t*>(w.q.data() + (t * group + g) * D / 2);   // [D/2][kLanes]
+        for (int64_t i = 0; i < kLanes; ++i) {
+          const uint32_t* row = reinterpret_cast<const uint32_t*>(
+              q_ptr + ((items[t].first_row + std::min(i, items[t].rows - 1)) * num_heads + h * group + g) * D);
+          for (int d2 = 0; d2 < D / 2; ++d2) qw[d2 * kLanes + i] = row[d2];
+        }
       }
-    }
     std::fill(w.o.begin(), w.o.end(), Lanes{});
-    w.max.assign(static_cast<size_t>(group), Lanes{} - INFINITY);
-    w.denom.assign(static_cast<size_t>(group), Lanes{});
+    w.max.assign(static_cast<size_t>(n * group), Lanes{} - INFINITY);
+    w.denom.assign(static_cast<size_t>(n * group), Lanes{});
     Lanes e[kBf16Chunk];
     __m512i ep[kBf16Chunk / 2];
-    for (int64_t c0 = it.begin; c0 < it.end; c0 += kBf16Chunk) {
-      const int64_t count = std::min<int64_t>(kBf16Chunk, it.end - c0);
+    const Item& last = items[n - 1];   // its keys end last; the first tile's begin first
+    for (int64_t c0 = items[0].begin; c0 < last.end; c0 += kBf16Chunk) {
+      const int64_t count = std::min<int64_t>(kBf16Chunk, last.end - c0);
       const int pairs = static_cast<int>((count + 1) / 2);
       // The chunk's keys copied side by side and its values interleaved in pairs of keys, once for
-      // the item's query heads; rows past the keys are zeros (their weights are 0, and 0 * a stale
-      // NaN would not be).
+      // the item's tiles and query heads; rows past the keys are zeros (their weights are 0, and 0 *
+      // a stale NaN would not be).
       for (int64_t j = 0; j < kBf16Chunk; j += 2) {
         const uint16_t* vr[2] = {nullptr, nullptr};
         for (int64_t a = 0; a < 2; ++a) {
           uint16_t* kd = w.k.data() + (j + a) * D;
           if (j + a < count) {
-            const int64_t row = kv.row(it.table, c0 + j + a) + h * D;
+            const int64_t row = kv.row(last.table, c0 + j + a) + h * D;
             std::memcpy(kd, k_ptr + row, D * sizeof(uint16_t));
             vr[a] = v_ptr + row;
           } else {
@@ -392,22 +409,33 @@ void prefill_bf16_dot(const at::Tensor& query, const at::Tensor& kv_cache, const
           std::memcpy(vd + d, &pair, sizeof pair);
         }
       }
-      const bool masked = it.masked(c0, kBf16Chunk, window);
-      for (int64_t g = 0; g < group; ++g) {
-        Lanes sc[kBf16Chunk];
-        chunk_scores_bf16<D>(w.q.data() + g * D / 2, w.k.data(), sc);
-        chunk_scores_bf16<D>(w.q.data() + g * D / 2, w.k.data() + kLanes * D, sc + kLanes);
-        for (int j = 0; j < kBf16Chunk; ++j) sc[j] *= scalef;
-        const Lanes alpha = softmax_chunk<kBf16Chunk>(sc, c0, masked, it.limit, it.floor_pos, cap, w.max[g],
-                                                      w.denom[g], e, exp_nonpositive);
-        for (int j2 = 0; j2 < pairs; ++j2) ep[j2] = bf16_pairs(e[2 * j2], e[2 * j2 + 1]);
-        chunk_values_bf16<D>(w.v.data(), ep, pairs, alpha, w.o.data() + g * D);
+      for (int t = 0; t < n; ++t) {
+        const Item& it = items[t];
+        // Chunks past a tile's keys or wholly before its window leave its state as it is (every
+        // weight 0, the rescale 1): skipped.
+        if (c0 >= it.end || c0 + kBf16Chunk <= it.begin) continue;
+        const bool masked = it.masked(c0, kBf16Chunk, window);
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t u = t * group + g;
+          Lanes sc[kBf16Chunk];
+          chunk_scores_bf16<D>(w.q.data() + u * D / 2, w.k.data(), sc);
+          chunk_scores_bf16<D>(w.q.data() + u * D / 2, w.k.data() + kLanes * D, sc + kLanes);
+          for (int j = 0; j < kBf16Chunk; ++j) sc[j] *= scalef;
+          const Lanes alpha = softmax_chunk<kBf16Chunk>(sc, c0, masked, it.limit, it.floor_pos, cap, w.max[u],
+                                                        w.denom[u], e, exp_nonpositive);
+          for (int j2 = 0; j2 < pairs; ++j2) ep[j2] = bf16_pairs(e[2 * j2], e[2 * j2 + 1]);
+          chunk_values_bf16<D>(w.v.data(), ep, pairs, alpha, w.o.data() + u * D);
+        }
       }
     }
-    for (int64_t g = 0; g < group; ++g)
-      store_rows(w.o.data() + g * D, 1.f / w.denom[g], D, it.rows,
-                 out_ptr + (it.first_row * num_heads + h * group + g) * D, num_heads * D);
-  });
+    for (int t = 0; t < n; ++t)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t u = t * group + g;
+        store_rows(w.o.data() + u * D, 1.f / w.denom[u], D, items[t].rows,
+                   out_ptr + (items[t].first_row * num_heads + h * group + g) * D, num_heads * D);
+      }
+  };
+  for_each_item<kBf16Tiles>(tables, query_lens, seq_lens, kv.num_kv_heads, window, make_scratch, body);
 }
 #endif
 
