@@ -11,7 +11,7 @@ the reference (benchmarks/cpu_attention.py). The prefill kernel is flash attenti
 cache: tiles of sixteen query positions held one lane per position, so the scores and the online
 softmax are plain vector FMAs and elementwise ops; 1.6-2.9x faster per layer than the reference
 here, at 115-160 GFLOP/s for prompts of 256-512 tokens. Its FMAs are fp32, except for bf16 on a CPU
-with AVX512-BF16, where the same tiles run on its bf16 dot products (1.6-1.8x; docs/kernels.md;
+with AVX512-BF16, where the same tiles run on its bf16 dot products (1.7-1.9x; docs/kernels.md;
 `PDSERVE_CPU_BF16_DOT=0` forces the fp32 kernel). On a CPU with AMX, where SDPA's flash kernel does
 its matmuls on AMX tiles, long bf16/fp16 segments go to SDPA instead (`sdpa_segments`). The
 elementwise layers are one pass each where torch runs 3-10 ops (and Python dispatches each),
