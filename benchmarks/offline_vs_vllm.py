@@ -72,14 +72,24 @@ def run_one(engine: str, python: str, args: argparse.Namespace, model: str) -> d
            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     env = dict(os.environ)
     if engine == "vllm":
-        venv = str(Path(python).parent.parent)     # not resolved: a venv's python links outside it
-        preload = [p.format(venv=venv) for p in PRELOADS if Path(p.format(venv=venv)).exists()]
         env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
-                   LD_PRELOAD=":".join(preload))
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+                   LD_PRELOAD=":".join(vllm_preloads(python)))
+    return run_worker(cmd, env, engine)
+
+
+def vllm_preloads(python: str) -> list[str]:
+    """The libraries vLLM's CPU docs ask to preload (tcmalloc, Intel OpenMP) that exist, for the vLLM
+    venv whose python this is."""
+    venv = str(Path(python).parent.parent)     # not resolved: a venv's python links outside it
+    return [p.format(venv=venv) for p in PRELOADS if Path(p.format(venv=venv)).exists()]
+
+
+def run_worker(cmd: list[str], env: dict[str, str], label: str, cwd: Path | None = None) -> dict:
+    """Run one worker process to its end: the JSON of its `RESULT ` line, or exit with its output."""
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, cwd=cwd)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
-        raise SystemExit(f"{engine} run failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        raise SystemExit(f"{label} run failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     return json.loads(line[len("RESULT "):])
 
 

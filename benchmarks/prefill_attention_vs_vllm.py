@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,11 +61,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from offline_vs_vllm import run_worker, vllm_preloads
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}
-PRELOADS = ["/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "{venv}/lib/libiomp5.so"]
 PDSERVE_BLOCK = 16          # records/engine_args.py's default block_size
 VLLM_BLOCK = 128            # vllm/platforms/cpu.py's default block_size for the CPU backend
 CHECK_LEN = 300
@@ -231,19 +230,14 @@ def run_side(side: str, python: str, args: argparse.Namespace, check_file: str) 
            "--vllm-block-size", str(args.vllm_block_size), "--check-file", check_file]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if side == "vllm":
-        venv = str(Path(python).parent.parent)     # not resolved: a venv's python links outside it
-        preload = [p.format(venv=venv) for p in PRELOADS if Path(p.format(venv=venv)).exists()]
+        preload = vllm_preloads(python)
         env.update(LD_PRELOAD=":".join(preload), VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
         if any("libiomp" in p for p in preload):
             # What vllm/utils/ompmultiprocessing.py's configure_omp_envs sets for that binding.
             cpus = ",".join(str(i) for i in range(args.threads))
             env.update(KMP_AFFINITY=f"granularity=fine,explicit,proclist=[{cpus}]", KMP_BLOCKTIME="5",
                        KMP_TPAUSE="0")
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, cwd=ROOT)
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:
-        raise SystemExit(f"{side} worker failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    return run_worker(cmd, env, side, cwd=ROOT)
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:

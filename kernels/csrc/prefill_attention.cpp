@@ -80,10 +80,10 @@ inline void store_rows(const Lanes* o, Lanes inv, int D, int64_t rows, T* out, i
 // The online softmax of one head's chunk of N keys from c0 (sc: the scaled scores, lane = position):
 // soft cap, the causal and window mask (skipped where `masked` is false: every key of the chunk is
 // visible to every lane), the running max and denominator. Leaves the chunk's weights in e and
-// returns the factor that rescales the head's output so far. Exp: e^x lane by lane.
+// returns the factor that rescales the head's output so far. exp_fn: e^x lane by lane.
 template <int N, typename Exp>
 inline Lanes softmax_chunk(Lanes* sc, int64_t c0, bool masked, Lanes limit, Lanes floor_pos, float cap, Lanes& max,
-                           Lanes& denom, Lanes* e, Exp exp) {
+                           Lanes& denom, Lanes* e, Exp exp_fn) {
   Lanes m = max;
   for (int j = 0; j < N; ++j) {
     if (cap > 0.f) sc[j] = soft_cap(sc[j], cap);
@@ -97,10 +97,10 @@ inline Lanes softmax_chunk(Lanes* sc, int64_t c0, bool masked, Lanes limit, Lane
   // a lane may see no key of a chunk yet: its max stays -inf, and 0 stands in for it so that alpha
   // and the weights come out 0 rather than NaN.
   const Lanes m_safe = m == Lanes{} - INFINITY ? Lanes{} : m;
-  const Lanes alpha = exp(max - m_safe);
+  const Lanes alpha = exp_fn(max - m_safe);
   Lanes sum = {};
   for (int j = 0; j < N; ++j) {
-    e[j] = exp(sc[j] - m_safe);
+    e[j] = exp_fn(sc[j] - m_safe);
     sum += e[j];
   }
   denom = denom * alpha + sum;
