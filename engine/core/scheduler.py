@@ -68,12 +68,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.pending_forks: dict[str, Request] = {}     # children waiting for their leader's prompt
-        self.finished_ids: list[str] = []               # freed since the last schedule()
+        self.finished_ids: list[str] = []               # freed since the last step sent
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0             # prompt positions run through the model here
         self.batch_ids: set[str] = set()                # static batching: the current batch
         self.tier_loading: dict[str, list[int]] = {}    # request id -> blocks its step loads from the tier
-        self.restarted: list[str] = []                  # tier load failed: start over (told to the workers)
+        self.preempted_ids: list[str] = []              # preempted, or a tier load failed, since the last step sent
 
     # --- intake -----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -149,14 +149,18 @@ class Scheduler:
         assert not (step.swap_in and step.swap_out), "swap-in and swap-out never share a step"
         self.in_flight.update(step.num_new)
         tier_saves, tier_loads = self.kv.tier.take_orders() if self.kv.tier is not None else ([], [])
-        restarted, self.restarted = self.restarted, []
-        return SchedulerOutput(
+        out = SchedulerOutput(
             scheduled=[self._describe(self.requests[rid], n, step.drafts.get(rid, []))
                        for rid, n in step.num_new.items()],
             num_batched_tokens=sum(step.num_new.values()),
             swap_out=step.swap_out, swap_in=step.swap_in, copy_blocks=self.kv.take_pending_copies(),
-            preempted_ids=step.preempted + restarted, finished_ids=self._take_finished_ids(),
+            preempted_ids=self.preempted_ids + step.preempted, finished_ids=self.finished_ids,
             tier_saves=tier_saves, tier_loads=tier_loads)
+        # An empty step is not sent (LLMEngine.step): its ids wait for the next one that is, or the
+        # ranks would keep a finished request's generator, matcher and step state for good (and give
+        # them to a later request of the same id).
+        self.preempted_ids, self.finished_ids = ([], []) if not out.is_empty else (out.preempted_ids, out.finished_ids)
+        return out
 
     def _schedule_running(self, step: _Step) -> None:
         """Running requests, in order; one that finds no blocks preempts (`_pick_victim`), itself too."""
@@ -340,10 +344,6 @@ class Scheduler:
         self.num_prompt_tokens_computed += max(0, min(end, request.num_prompt_tokens) - scheduled.start)
         return scheduled
 
-    def _take_finished_ids(self) -> list[str]:
-        ids, self.finished_ids = self.finished_ids, []
-        return ids
-
     # --- after the step ---------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[Request]:
@@ -421,7 +421,7 @@ class Scheduler:
         self.running.remove(request)
         request.num_cached_tokens = 0
         request.spec_token_ids = []
-        self.restarted.append(request.request_id)
+        self.preempted_ids.append(request.request_id)
         self._start_over(request)
 
     def _check_stop(self, request: Request, token_id: int) -> None:

@@ -37,6 +37,30 @@ def test_seeded_n_children_differ_but_reproduce(llm):
     assert a == b and len({tuple(t) for t in a}) == 3
 
 
+def test_a_finished_request_leaves_nothing_behind_through_an_empty_step(tiny_llama):
+    """The ranks drop a finished request's generator when a later step names it finished. A step
+    with nothing to run is not sent, so the ids it would carry wait for the next one: once they were
+    lost there, and a later request of the same id drew on from the old generator (found under
+    PP, whose pipelined steps meet an empty schedule whenever both batches are in flight)."""
+    def run(engine, seed):
+        engine.add_request("r", None, PROMPTS[0], SamplingParams(temperature=1.0, seed=seed, max_tokens=6,
+                                                                  ignore_eos=True))
+        tokens = []
+        while engine.has_unfinished_requests():
+            tokens += [o.outputs[0].token_ids for o in engine.step() if o.finished]
+        return tokens
+
+    engine = LLM(tiny_llama, dtype="float32").llm_engine
+    first = run(engine, 7)
+    assert engine.step() == []                 # nothing to run: nothing sent
+    runner = engine.executor.worker.runner
+    assert list(runner.generators) == ["r"]    # "r" finished; no step has said so yet
+    assert run(engine, 3) == run(LLM(tiny_llama, dtype="float32").llm_engine, 3) != first
+    assert engine.step() == [] and engine.step() == []
+    run(engine, 5)
+    assert list(runner.generators) == ["r"]    # the last "r" only: each earlier one dropped
+
+
 def test_top_k_one_and_tiny_min_p_top_p_are_greedy(llm, tiny_llama):
     expected = hf_greedy(tiny_llama, PROMPTS, 10)
     for params in (SamplingParams(temperature=1.0, top_k=1, max_tokens=10, ignore_eos=True, seed=0),

@@ -361,6 +361,26 @@ def test_pd_with_fp8_kv_matches_one_fp8_engine(tiny_llama, connector):
     assert d.stats().kv_transfer.load_failures == 0
 
 
+def test_pd_seeded_sampling_matches_one_engine(tiny_llama, connector):
+    """A seeded request decoded after a pull draws what one engine draws from its seed, from the
+    first token on (the prefill's own draw is not part of the stream), prompts of one block and
+    of several; a second request of the same id with another seed draws its own."""
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=13, ignore_eos=True)
+    single = make_engine(tiny_llama, None)
+    p, d = make_engine(tiny_llama, connector), make_engine(tiny_llama, connector)
+    for n, seed in ((5, 13), (40, 13), (40, 14)):
+        params = SamplingParams(max_tokens=10, temperature=1.0, seed=seed, ignore_eos=True)
+        ids = prompt(n, salt=60 + n)
+        want = run_one(single, f"s{n}", ids, params).outputs[0].token_ids
+        kv = prefill(p, f"r{n}", ids, params)
+        assert run_one(d, f"r{n}", ids, params, kv, others=(p,)).outputs[0].token_ids == want
+        settle(p, d)
+    assert want != run_one(single, "t", ids, seeded).outputs[0].token_ids
+    assert d.stats().kv_transfer.load_failures == 0
+    p.check_no_leaks()
+    d.check_no_leaks()
+
+
 def test_pd_with_lora_matches_one_engine_and_refuses_a_mismatch(tiny_llama, connector, tmp_path):
     """A prompt prefilled under an adapter decodes on D, under that adapter, to a single engine's
     tokens; parameters from a prefill under another adapter (or none) are refused, naming
