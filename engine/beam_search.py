@@ -7,7 +7,8 @@ log-probabilities (raw log-softmax, at least `width` entries) and picks the next
 transformers does (its `_beam_search`: the top max(2, 1 + #eos) x k continuations of the beams'
 accumulated scores; those ending in EOS (or at max_tokens) among the first k become finished
 hypotheses, scored sum / length ** length_penalty; the best k others run on; `early_stopping`
-True / False / "never" with its heuristics); `results()` are the best n finished.
+True / False / "never" with its heuristics); `results()` are the best n finished. With `logprobs`
+each beam keeps, per token, its logprob and the position's top `logprobs` (as a sampled request's).
 
 The sequences are scored as ordinary one-token requests (`scoring_params`): every beam's prompt
 blocks, and the full blocks of the tokens the beams share, are the same prefix-cache blocks, held
@@ -20,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from records.outputs import Logprob
 from records.sampling_params import SamplingParams
 
 DEAD = -1.0e9       # transformers' score for a beam that must not be chosen
@@ -32,6 +34,11 @@ class Hypothesis:
     score: float
     cumulative_logprob: float
     finish_reason: str          # "stop" (ended in EOS or a stop token) or "length"
+    logprobs: list[dict[int, Logprob]] | None = None    # per token, ranked (with `logprobs` asked)
+
+
+# A running beam: its generated tokens, accumulated logprob and per-token logprobs (when asked).
+Beam = tuple[list[int], float, list[dict[int, Logprob]]]
 
 
 class BeamSearch:
@@ -45,8 +52,9 @@ class BeamSearch:
         self.eos = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(model_eos))
         self.max_tokens = min(params.max_tokens or max_model_len, max_model_len - prompt_len)
         self.width = max(2, 1 + len(self.eos)) * self.beams        # candidates kept per step
-        # Running beams: (tokens, accumulated logprob); transformers starts the others dead.
-        self.running: list[tuple[list[int], float]] = [([], 0.0)] + [([], DEAD)] * (self.beams - 1)
+        self.num_logprobs = params.logprobs         # top logprobs kept per token; None: none kept
+        # transformers starts every beam but the first dead
+        self.running: list[Beam] = [([], 0.0, [])] + [([], DEAD, [])] * (self.beams - 1)
         self.finished: list[Hypothesis] = []
         self.improvable = True          # transformers' is_early_stop_heuristic_unsatisfied
         self.generated = 0
@@ -55,20 +63,21 @@ class BeamSearch:
     def live(self) -> list[list[int]]:
         """The generated tokens of each beam to score this step (dead ones are not asked for: no
         continuation of theirs can reach the kept candidates)."""
-        return [tokens for tokens, score in self.running if score > DEAD / 2]
+        return [tokens for tokens, score, _ in self.running if score > DEAD / 2]
 
     def advance(self, tops: list[dict[int, float]]) -> None:
         """Take this step's top logprobs of each live beam (in `live()`'s order)."""
-        live = [(tokens, score) for tokens, score in self.running if score > DEAD / 2]
-        candidates = sorted(((score + lp, i, token) for i, ((tokens, score), top) in enumerate(zip(live, tops))
+        live = [beam for beam in self.running if beam[1] > DEAD / 2]
+        candidates = sorted(((beam[1] + lp, i, token) for i, (beam, top) in enumerate(zip(live, tops))
                              for token, lp in top.items()), key=lambda c: -c[0])[:self.width]
         length = self.generated + 1
         hits = [token in self.eos or length >= self.max_tokens for _, _, token in candidates]
         # The best non-finished candidates run on (finished ones rank last, dead).
         ranked = sorted(range(len(candidates)), key=lambda j: -(candidates[j][0] + (DEAD if hits[j] else 0.0)))
-        self.running = [(live[candidates[j][1]][0] + [candidates[j][2]], candidates[j][0] + (DEAD if hits[j] else 0))
+        self.running = [(live[candidates[j][1]][0] + [candidates[j][2]], candidates[j][0] + (DEAD if hits[j] else 0),
+                         self._logprobs(live[candidates[j][1]][2], tops[candidates[j][1]], candidates[j][2]))
                         for j in ranked[:self.beams]]
-        self.running += [([], DEAD)] * (self.beams - len(self.running))
+        self.running += [([], DEAD, [])] * (self.beams - len(self.running))
         # Of the first k candidates, those that finished become hypotheses, unless nothing can improve.
         full = len(self.finished) >= self.beams and self.early_stopping is True
         if self.improvable and not full:
@@ -76,8 +85,9 @@ class BeamSearch:
                 if hits[j]:
                     total, i, token = candidates[j]
                     reason = "stop" if token in self.eos else "length"
+                    logprobs = self._logprobs(live[i][2], tops[i], token) if self.num_logprobs is not None else None
                     self.finished.append(Hypothesis(live[i][0] + [token], total / length ** self.length_penalty,
-                                                    total, reason))
+                                                    total, reason, logprobs))
             self.finished = sorted(self.finished, key=lambda h: -h.score)[:self.beams]
         self.generated = length
         if len(self.finished) >= self.beams:
@@ -94,6 +104,17 @@ class BeamSearch:
         """The best n hypotheses, best first."""
         return self.finished[:self.n]
 
+    def _logprobs(self, kept: list[dict[int, Logprob]], top: dict[int, float], token: int
+                  ) -> list[dict[int, Logprob]]:
+        """A beam's per-token logprobs with `token` chosen from `top` (ranked, most likely first):
+        the position's `num_logprobs` most likely, then the token itself if it is not among them."""
+        if self.num_logprobs is None:
+            return kept
+        entry = {t: Logprob(lp, rank) for rank, (t, lp) in enumerate(top.items(), start=1) if rank <= self.num_logprobs}
+        if token not in entry:
+            entry[token] = Logprob(top[token], next(r for r, t in enumerate(top, start=1) if t == token))
+        return [*kept, entry]
+
 
 def scoring_params(search: BeamSearch, params: SamplingParams) -> SamplingParams:
     """What each beam is scored with: one greedy token, the top `width` logprobs, no EOS check."""
@@ -102,13 +123,13 @@ def scoring_params(search: BeamSearch, params: SamplingParams) -> SamplingParams
                              extra_keys=params.extra_keys, output_kind="final_only")
     # Past the API's cap of 20 where a model has several EOS ids (Llama 3: 3, so 4 x best_of):
     # bounded by best_of <= 10, and the step handles any top-k.
-    scoring.logprobs = search.width
+    scoring.logprobs = max(search.width, search.num_logprobs or 0)
     return scoring
 
 
 def check_beam_params(params: SamplingParams) -> None:
     """ValueError naming what beam search cannot take with it."""
-    refused = [name for name, on in (("stop", bool(params.stop)), ("logprobs", params.logprobs is not None),
+    refused = [name for name, on in (("stop", bool(params.stop)),
                                      ("prompt_logprobs", params.prompt_logprobs is not None),
                                      ("structured_outputs", params.structured_outputs is not None),
                                      ("min_tokens", params.min_tokens > 0), ("logit_bias", bool(params.logit_bias)),

@@ -114,7 +114,7 @@ class LLM:
         for (prompt, ids), (_, search), sp in zip(parsed, searches, params):
             beams = [CompletionOutput(i, tokenizer.decode(h.token_ids, skip_special_tokens=sp.skip_special_tokens)
                                       if tokenizer is not None else "", h.token_ids, h.cumulative_logprob,
-                                      finish_reason=h.finish_reason,
+                                      h.logprobs, finish_reason=h.finish_reason,
                                       stop_reason=h.token_ids[-1] if h.finish_reason == "stop" else None)
                      for i, h in enumerate(search.results())]
             outputs.append(RequestOutput(f"beam-{next(self._counter)}", prompt, ids, beams, True))

@@ -177,8 +177,12 @@ class OpenAIAPI:
                                           "stop_reason": stop, "logprobs": None}
                 if kind == "chat.completion":
                     choice["message"] = {"role": "assistant", "content": text}
+                    if beam.logprobs is not None:
+                        choice["logprobs"] = self._chat_logprobs(beam.token_ids, beam.logprobs, params.logprobs or 0)
                 else:
                     choice["text"] = text if echo is None else echo[p] + text
+                    if beam.logprobs is not None:
+                        choice["logprobs"] = self._completion_logprobs(beam.token_ids, beam.logprobs)
                 choices.append(choice)
         num_prompt = sum(len(p) for p in prompts)
         return {"id": rid, "object": kind, "created": now(), "model": self.preparer.response_model(params),

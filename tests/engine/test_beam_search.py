@@ -2,7 +2,8 @@
 `generate(num_beams=k)` on tiny random models in fp32: the same n best sequences, in order, with
 the same scores, under its length penalties and early-stopping modes, through EOS (a frequent
 token made a stop token, on both sides) and max-length endings; the prompt's blocks are held once
-for all beams (the pool's peak use checked against a copy per beam). The served path is
+for all beams (the pool's peak use checked against a copy per beam); per-token logprobs are
+transformers' transition scores. The served path is
 tests/serving/test_completions.py's beam test."""
 from __future__ import annotations
 
@@ -57,6 +58,43 @@ def test_beam_search_matches_transformers(request, kind):
     assert ended == {"stop", "length"}      # both endings were exercised
 
 
+def test_beam_logprobs_are_transformers_transition_scores(tiny_llama):
+    """With `logprobs`, each beam's tokens carry their log probabilities (transformers'
+    `compute_transition_scores` for the same beams) and the position's top entries, ranked; they sum
+    to the beam's cumulative logprob; the beams come best first. (Not checked: that the best beam is
+    at least as likely as the greedy sequence. Beam search does not promise it, and on this random
+    model one prompt's best of three beams is less likely: -63.53 against -63.51.)"""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    llm = LLM(tiny_llama, dtype="float32", block_size=8, max_model_len=128)
+    eos = sorted(llm.llm_engine.eos_token_ids)
+    k, top = 3, 2
+    params = SamplingParams(use_beam_search=True, best_of=k, n=k, max_tokens=MAX_TOKENS, logprobs=top)
+    for prompt in PROMPTS[:2]:
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), num_beams=k, num_return_sequences=k, do_sample=False,
+                              max_new_tokens=MAX_TOKENS, eos_token_id=eos, pad_token_id=eos[0],
+                              return_dict_in_generate=True, output_scores=True)
+        steps = hf.compute_transition_scores(ref.sequences, ref.scores, ref.beam_indices, normalize_logits=False)
+        assert len({tuple(c.token_ids) for c in out}) == k
+        for i, beam in enumerate(out):
+            assert len(beam.logprobs) == len(beam.token_ids)
+            chosen = [entry[t].logprob for t, entry in zip(beam.token_ids, beam.logprobs)]
+            assert chosen == pytest.approx(steps[i, :len(chosen)].tolist(), abs=1e-4)
+            assert sum(chosen) == pytest.approx(beam.cumulative_logprob, abs=1e-4)
+            for t, entry in zip(beam.token_ids, beam.logprobs):
+                ranked = list(entry.values())
+                assert [lp.rank for lp in ranked[:top]] == [1, 2]
+                assert ranked[0].logprob >= ranked[1].logprob
+                if t not in list(entry)[:top]:                  # outside the top: after them, ranked
+                    assert len(entry) == top + 1 and entry[t].rank > top
+                    assert entry[t].logprob <= ranked[top - 1].logprob
+        scores = [c.cumulative_logprob / len(c.token_ids) for c in out]     # length_penalty 1
+        assert scores == sorted(scores, reverse=True)
+
+
 def test_beams_share_the_prompt_blocks_and_free_them(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", block_size=8, max_model_len=128)
     engine = llm.llm_engine
@@ -86,7 +124,7 @@ def test_beams_share_the_prompt_blocks_and_free_them(tiny_llama):
 
 def test_beam_search_refuses_what_it_cannot_take(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", max_model_len=128)
-    for kwargs, field in ((dict(stop=["x"]), "stop"), (dict(logprobs=2), "logprobs"),
+    for kwargs, field in ((dict(stop=["x"]), "stop"), (dict(prompt_logprobs=2), "prompt_logprobs"),
                           (dict(best_of=11, n=1), "best_of"), (dict(presence_penalty=0.5), "penalties")):
         with pytest.raises(ValueError, match=field):
             llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(use_beam_search=True, **kwargs),

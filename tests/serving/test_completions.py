@@ -218,6 +218,23 @@ def test_beam_search_over_http_equals_offline(server, client, tiny_llama):
     chat = client.chat.completions.create(model=server["model"], messages=messages, max_tokens=8, n=2,
                                           extra_body={"use_beam_search": True, "best_of": 3, "length_penalty": 0.8})
     assert [c.message.content for c in chat.choices] == [w.text for w in want]
+    # With logprobs: three distinct beams, each token's logprob the offline engine's (and its top 1).
+    params = SamplingParams(use_beam_search=True, n=3, max_tokens=8, logprobs=1)
+    want = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs
+    got = client.completions.create(model=server["model"], prompt=prompt, max_tokens=8, n=3, logprobs=1,
+                                    extra_body={"use_beam_search": True})
+    assert len({c.text for c in got.choices}) == 3
+    for c, w in zip(got.choices, want, strict=True):
+        assert c.logprobs.token_logprobs == pytest.approx([e[t].logprob for t, e in zip(w.token_ids, w.logprobs)],
+                                                          abs=1e-5)
+        assert all(len(top) in (1, 2) for top in c.logprobs.top_logprobs)
+    want = llm.chat(messages, params, use_tqdm=False)[0].outputs
+    chat = client.chat.completions.create(model=server["model"], messages=messages, max_tokens=8, n=3,
+                                          logprobs=True, top_logprobs=1, extra_body={"use_beam_search": True})
+    for c, w in zip(chat.choices, want, strict=True):
+        assert [x.logprob for x in c.logprobs.content] == pytest.approx(
+            [e[t].logprob for t, e in zip(w.token_ids, w.logprobs)], abs=1e-5)
+        assert all(len(x.top_logprobs) == 1 for x in c.logprobs.content)
     with pytest.raises(openai.BadRequestError, match="stream"):
         client.completions.create(model=server["model"], prompt="x", max_tokens=4, stream=True,
                                   extra_body={"use_beam_search": True})
