@@ -52,7 +52,7 @@ from records.cache_dirs import cache_root
 from records.errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
 from records.serving import IngressSpec
 from router.ingress.batches import Batches
-from router.ingress.files import FileStore
+from router.ingress.files import FileStore, expiry_seconds
 from router.ingress.grpc_api import grpc_call
 from router.ingress.http import fastapi_app, openapi_schema
 from router.ingress.served_models import ModelServer, ServedModels
@@ -189,8 +189,12 @@ class OpenAIIngress:
         upload, purpose = form.get("file"), form.get("purpose")
         if upload is None or isinstance(upload, str):
             raise InvalidRequestError("file must be a file part of the form", "file")
+        expiry = None
+        if "expires_after[anchor]" in form or "expires_after[seconds]" in form:   # how clients send it
+            expiry = expiry_seconds({k: form.get(f"expires_after[{k}]") for k in ("anchor", "seconds")},
+                                    "expires_after")
         data = await upload.read(limit + 1)
-        return JSONResponse(self.files.create(upload.filename or "upload", str(purpose), data, owner))
+        return JSONResponse(self.files.create(upload.filename or "upload", str(purpose), data, owner, expiry))
 
     @fastapi_app.get("/v1/files")
     async def list_files(self, request: Request) -> Response:

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from records.errors import InvalidRequestError, NotFoundError
-from router.ingress.files import FileStore
+from router.ingress.files import FileStore, expiry_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,8 @@ class Batches:
     def create(self, body: dict[str, Any], owner: str) -> dict[str, Any]:
         """Check the request and the input file (every line), save the batch and start it."""
         endpoint, file_id = body.get("endpoint"), body.get("input_file_id")
-        unknown = sorted(set(body) - {"endpoint", "input_file_id", "completion_window", "metadata"})
+        unknown = sorted(set(body) - {"endpoint", "input_file_id", "completion_window", "metadata",
+                                      "output_expires_after"})
         if unknown:
             raise InvalidRequestError(f"unknown field {unknown[0]!r}", unknown[0])
         if endpoint not in ENDPOINTS:
@@ -72,6 +73,8 @@ class Batches:
                 for k, v in metadata.items())):
             raise InvalidRequestError("metadata must map at most 16 keys (64 characters) to strings (512)",
                                       "metadata")
+        output_expiry = (expiry_seconds(body["output_expires_after"], "output_expires_after")
+                         if body.get("output_expires_after") is not None else None)
         if not isinstance(file_id, str):
             raise InvalidRequestError("input_file_id must be the id of an uploaded file", "input_file_id")
         meta = self.files.get(file_id, owner)
@@ -86,7 +89,7 @@ class Batches:
                  "expires_at": now + WINDOW_S, "finalizing_at": None, "completed_at": None, "failed_at": None,
                  "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                  "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
-                 "_owner": owner}
+                 "_owner": owner, "_output_expiry_s": output_expiry}
         self._save(batch)
         self._start(batch)
         return self._public(batch)
@@ -202,7 +205,8 @@ class Batches:
         self._save(batch)
         for kind, key in (("output", "output_file_id"), ("error", "error_file_id")):
             if batch[key] is None and os.path.exists(outputs[kind]) and os.path.getsize(outputs[kind]):
-                batch[key] = self.files.adopt(outputs[kind], f"{batch_id}_{kind}.jsonl", owner)["id"]
+                batch[key] = self.files.adopt(outputs[kind], f"{batch_id}_{kind}.jsonl", owner,
+                                              batch.get("_output_expiry_s"))["id"]
                 self._save(batch)
         status, stamp = ending or ("completed", "completed_at")
         batch["status"], batch[stamp] = status, int(time.time())

@@ -4,6 +4,11 @@ Under `root`: `<id>` holds a file's bytes and `<id>.json` its OpenAI file object
 tenant that uploaded it, which no other tenant sees). Writes go to a temporary name first and are
 renamed into place, so a reader (another ingress replica sharing the directory, or this one after
 a restart) sees a whole file or none. Sizes are bounded by `serving.max_file_bytes`.
+
+Expiry, as OpenAI's: an upload's `expires_after` ({"anchor": "created_at", "seconds": 3,600 to
+2,592,000}) sets its `expires_at`; without one, a "batch" upload expires after 30 days and any other
+is kept until deleted (a batch's outputs take the batch's `output_expires_after`). An expired file
+is gone from every route at once, and its bytes are deleted by the next upload or listing.
 """
 from __future__ import annotations
 
@@ -16,6 +21,24 @@ from typing import Any
 from records.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
 
 UPLOAD_PURPOSES = ("batch", "user_data")      # what an upload may say; outputs are "batch_output"
+MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 86400   # OpenAI's bounds on expires_after.seconds
+DEFAULT_EXPIRY_S = {"batch": MAX_EXPIRY_S}      # by purpose; the others are kept until deleted
+
+
+def expiry_seconds(value: Any, field: str) -> int:
+    """The seconds of an `expires_after` object ({"anchor": "created_at", "seconds": N});
+    InvalidRequestError naming `field` and the allowed values."""
+    if not isinstance(value, dict) or set(value) != {"anchor", "seconds"}:
+        raise InvalidRequestError(f'{field} must be {{"anchor": "created_at", "seconds": N}}; got {value!r}', field)
+    if value["anchor"] != "created_at":
+        raise InvalidRequestError(f"{field}.anchor must be 'created_at'; got {value['anchor']!r}", field)
+    seconds = value["seconds"]
+    if isinstance(seconds, str) and seconds.isdigit():     # a form field's value
+        seconds = int(seconds)
+    if not isinstance(seconds, int) or isinstance(seconds, bool) or not MIN_EXPIRY_S <= seconds <= MAX_EXPIRY_S:
+        raise InvalidRequestError(f"{field}.seconds must be an integer from {MIN_EXPIRY_S} (an hour) to "
+                                  f"{MAX_EXPIRY_S} (30 days); got {seconds!r}", field)
+    return seconds
 
 
 class FileStore:
@@ -24,8 +47,10 @@ class FileStore:
         self.max_bytes = max_bytes
         os.makedirs(root, exist_ok=True)
 
-    def create(self, filename: str, purpose: str, data: bytes, owner: str) -> dict[str, Any]:
-        """Store an upload; its file object. InvalidRequestError / PayloadTooLargeError naming the field."""
+    def create(self, filename: str, purpose: str, data: bytes, owner: str,
+               expires_after_s: int | None = None) -> dict[str, Any]:
+        """Store an upload; its file object. InvalidRequestError / PayloadTooLargeError naming the field.
+        `expires_after_s`: seconds to keep it (checked by `expiry_seconds`); None: the purpose's default."""
         if purpose not in UPLOAD_PURPOSES:
             raise InvalidRequestError(f"purpose must be one of {list(UPLOAD_PURPOSES)}; got {purpose!r}", "purpose")
         if len(data) > self.max_bytes:
@@ -33,15 +58,18 @@ class FileStore:
                                        f"(serving.max_file_bytes)", "file")
         if not data:
             raise InvalidRequestError("file must not be empty", "file")
+        self.purge_expired()
         file_id = f"file-{uuid.uuid4().hex}"
         _write_atomic(self._path(file_id), data)
-        return self._register(file_id, filename, purpose, len(data), owner)
+        return self._register(file_id, filename, purpose, len(data), owner,
+                              expires_after_s if expires_after_s is not None else DEFAULT_EXPIRY_S.get(purpose))
 
-    def adopt(self, path: str, filename: str, owner: str) -> dict[str, Any]:
+    def adopt(self, path: str, filename: str, owner: str, expires_after_s: int | None = None) -> dict[str, Any]:
         """Move a finished output (a batch's) into the store as a "batch_output" file."""
         file_id = f"file-{uuid.uuid4().hex}"
         os.replace(path, self._path(file_id))
-        return self._register(file_id, filename, "batch_output", os.path.getsize(self._path(file_id)), owner)
+        return self._register(file_id, filename, "batch_output", os.path.getsize(self._path(file_id)), owner,
+                              expires_after_s)
 
     def get(self, file_id: str, owner: str) -> dict[str, Any]:
         """The file object; NotFoundError when there is none (or another tenant owns it)."""
@@ -56,6 +84,7 @@ class FileStore:
 
     def list(self, owner: str, purpose: str | None = None, limit: int = 10000, after: str | None = None,
              order: str = "desc") -> dict[str, Any]:
+        self.purge_expired()
         metas = [m for m in (self._meta(name[:-5]) for name in os.listdir(self.root)
                              if name.endswith(".json") and name.startswith("file-"))
                  if m is not None and m.get("_owner") == owner and (purpose is None or m["purpose"] == purpose)]
@@ -69,16 +98,31 @@ class FileStore:
 
     def delete(self, file_id: str, owner: str) -> dict[str, Any]:
         self.get(file_id, owner)
+        self._remove(file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    def purge_expired(self) -> int:
+        """Delete every expired file (any owner's); how many."""
+        now = time.time()
+        expired = [name[:-5] for name in os.listdir(self.root) if name.startswith("file-") and name.endswith(".json")
+                   and (meta := self._meta(name[:-5], now=None)) is not None and _expired(meta, now)]
+        for file_id in expired:
+            self._remove(file_id)
+        return len(expired)
+
+    def _remove(self, file_id: str) -> None:
         for path in (self._path(file_id) + ".json", self._path(file_id)):
             try:
                 os.unlink(path)
-            except FileNotFoundError:
+            except FileNotFoundError:       # another ingress replica removed it first
                 pass
-        return {"id": file_id, "object": "file", "deleted": True}
 
-    def _register(self, file_id: str, filename: str, purpose: str, size: int, owner: str) -> dict[str, Any]:
-        meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
-                "filename": filename, "purpose": purpose, "status": "processed", "expires_at": None,
+    def _register(self, file_id: str, filename: str, purpose: str, size: int, owner: str,
+                  expires_after_s: int | None) -> dict[str, Any]:
+        created = int(time.time())
+        meta = {"id": file_id, "object": "file", "bytes": size, "created_at": created,
+                "filename": filename, "purpose": purpose, "status": "processed",
+                "expires_at": created + expires_after_s if expires_after_s is not None else None,
                 "status_details": None, "_owner": owner}
         _write_atomic(self._path(file_id) + ".json", json.dumps(meta).encode())
         return _public(meta)
@@ -88,12 +132,19 @@ class FileStore:
             raise NotFoundError(f"no file {file_id!r}", "file_id")
         return os.path.join(self.root, file_id)
 
-    def _meta(self, file_id: str) -> dict[str, Any] | None:
+    def _meta(self, file_id: str, now: float | None = 0.0) -> dict[str, Any] | None:
+        """The stored object; None when there is none, or it has expired by `now` (0: the time now;
+        None: expired ones too)."""
         try:
             with open(self._path(file_id) + ".json", encoding="utf-8") as f:
-                return json.load(f)
+                meta = json.load(f)
         except (OSError, ValueError, NotFoundError):
             return None
+        return None if now is not None and _expired(meta, now or time.time()) else meta
+
+
+def _expired(meta: dict[str, Any], now: float) -> bool:
+    return meta.get("expires_at") is not None and meta["expires_at"] <= now
 
 
 def _public(meta: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The Files and Batch APIs on the shared apps (tests/serving/conftest.py) through the official
-`openai` client's `files` and `batches` calls, unchanged: upload, list, retrieve, content, delete;
+`openai` client's `files` and `batches` calls, unchanged: upload, list, retrieve, content, delete,
+expiry;
 a chat batch and an embeddings batch whose output bodies equal the same requests sent directly
 (greedy); progress counts; a bad input line named; one tenant never sees another's files or
 batches. Restart survival is tests/unit/test_batches.py's (the runner without Ray)."""
@@ -90,3 +91,19 @@ def test_batches_answer_as_direct_requests(server, client):
     assert client.files.delete(bad).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.content(bad)
+
+    # Expiry as OpenAI's: a batch upload 30 days by default, `expires_after` as the client sends it,
+    # a bad one a 400 naming it; a batch's outputs take its `output_expires_after`.
+    made = client.files.retrieve(file_id)
+    assert made.expires_at == made.created_at + 30 * 86400
+    data = io.BytesIO(json.dumps(embeds[0]).encode() + b"\n")
+    hour = client.files.create(file=("e.jsonl", data), purpose="batch",
+                               expires_after={"anchor": "created_at", "seconds": 3600})
+    assert hour.expires_at == hour.created_at + 3600
+    with pytest.raises(openai.BadRequestError, match="expires_after.seconds must be an integer from 3600"):
+        client.files.create(file=("e.jsonl", io.BytesIO(b"{}")), purpose="batch",
+                            expires_after={"anchor": "created_at", "seconds": 10})
+    short = client.batches.create(input_file_id=hour.id, endpoint="/v1/embeddings", completion_window="24h",
+                                  output_expires_after={"anchor": "created_at", "seconds": 7200})
+    out = client.files.retrieve(wait_done(client, short.id).output_file_id)
+    assert out.expires_at == out.created_at + 7200

@@ -123,3 +123,44 @@ def test_cancel_keeps_what_ran_and_bad_inputs_are_named(tmp_path):
         assert files.list("other-tenant")["data"] == []
 
     asyncio.run(main())
+
+
+def test_files_expire_as_openai_says(tmp_path, monkeypatch):
+    """`expires_after` sets a file's `expires_at`; a "batch" upload expires after 30 days unless told
+    otherwise, a "user_data" one is kept; an expired file is gone from every call, and the next
+    upload or listing deletes its bytes; bad `expires_after` values are refused naming the field;
+    listing pages with `limit` / `after`."""
+    import time
+
+    from router.ingress import files as files_module
+    from router.ingress.files import expiry_seconds
+
+    store = FileStore(str(tmp_path), 1 << 20)
+    now = [1_000_000.0]
+    monkeypatch.setattr(files_module.time, "time", lambda: now[0])
+    hour = store.create("a.jsonl", "batch", b"x", "t", expires_after_s=3600)
+    month = store.create("b.jsonl", "batch", b"y", "t")
+    kept = store.create("c.txt", "user_data", b"z", "t")
+    assert hour["expires_at"] == hour["created_at"] + 3600
+    assert month["expires_at"] == month["created_at"] + 30 * 86400 and kept["expires_at"] is None
+    page = store.list("t", limit=2, order="asc")
+    assert [f["id"] for f in page["data"]] == sorted([hour["id"], month["id"], kept["id"]])[:2]   # one created_at
+    assert page["has_more"] and len(store.list("t", after=page["last_id"], order="asc")["data"]) == 1
+    now[0] += 3600
+    with pytest.raises(NotFoundError):
+        store.get(hour["id"], "t")
+    assert {f["id"] for f in store.list("t")["data"]} == {month["id"], kept["id"]}
+    assert not (tmp_path / hour["id"]).exists()               # purged by the listing
+    now[0] += 30 * 86400
+    store.create("d.jsonl", "user_data", b"w", "t")           # an upload purges too
+    assert not (tmp_path / month["id"]).exists() and (tmp_path / kept["id"]).exists()
+    assert time.time() == now[0]
+    for bad, what in (({"anchor": "last_active_at", "seconds": 3600}, "anchor must be 'created_at'"),
+                      ({"anchor": "created_at", "seconds": 60}, "from 3600"),
+                      ({"anchor": "created_at", "seconds": 31 * 86400}, "2592000"),
+                      ({"anchor": "created_at", "seconds": "soon"}, "seconds must be an integer"),
+                      ({"seconds": 3600}, "must be"), (3600, "must be")):
+        with pytest.raises(InvalidRequestError, match=what) as e:
+            expiry_seconds(bad, "expires_after")
+        assert e.value.param == "expires_after"
+    assert expiry_seconds({"anchor": "created_at", "seconds": "7200"}, "expires_after") == 7200   # a form field
