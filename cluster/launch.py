@@ -241,6 +241,9 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         serving["served_model_name"] = names[0] if len(names) == 1 else names
     if args.api_key is not None:
         serving["api_key"] = args.api_key
+    for flag in ("tenants_file", "ingress_replicas"):
+        if getattr(args, flag) is not None:
+            serving[flag] = getattr(args, flag)
     pools = {name: dict(spec) for name, spec in data.get("pools", {}).items()}
     for dest, field in (("tensor_parallel_size", "tensor_parallel_size"),
                         ("pipeline_parallel_size", "pipeline_parallel_size"),
@@ -354,6 +357,12 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
                     help="the model's name in the API, or several: requests may use any, responses name "
                          "the first (serving.served_model_name)")
     ap.add_argument("--api-key", default=None, help="requests need `Authorization: Bearer <key>` (serving.api_key)")
+    ap.add_argument("--tenants-file", default=None, metavar="PATH",
+                    help="tenants, their keys and limits, as JSON: name -> serving.tenants' fields "
+                         "(serving.tenants_file; docs/serving.md)")
+    ap.add_argument("--ingress-replicas", type=int, default=None,
+                    help="ingress replicas behind Serve's proxy; tenant limits hold over all of them "
+                         "(serving.ingress_replicas)")
     ap.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                     help="export a span per hop of each request over OTLP to this collector, e.g. "
                          "http://127.0.0.1:4317 (serving.otlp_traces_endpoint; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL "

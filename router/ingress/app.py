@@ -55,6 +55,7 @@ from router.ingress.batches import Batches
 from router.ingress.files import FileStore, expiry_seconds
 from router.ingress.grpc_api import grpc_call
 from router.ingress.http import fastapi_app, openapi_schema
+from router.ingress.quota import LedgerCall, QuotaLedger
 from router.ingress.served_models import ModelServer, ServedModels
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,29 @@ def _int_param(query: Any, name: str, default: int) -> int:
 
 # (Serve pickles the class when it decorates it, with the module globals its methods use as they
 # are then: every one of them is defined above it.)
+def quota_ledger(name: str, limits: dict[str, tuple[int | None, int | None]]) -> LedgerCall:
+    """A call to the app's shared QuotaLedger actor (made by the first ingress replica to ask; made
+    again, with full buckets, if it is lost with that replica)."""
+    import ray  # noqa: PLC0415
+
+    holder: list[Any] = []
+
+    def handle(fresh: bool = False) -> Any:
+        if fresh or not holder:
+            holder[:] = [ray.remote(QuotaLedger).options(name=name, get_if_exists=True, num_cpus=0,
+                                                        max_concurrency=1).remote(limits)]
+        return holder[0]
+
+    async def call(method: str, *args: Any) -> Any:
+        try:
+            return await getattr(handle(), method).remote(*args)
+        except ray.exceptions.RayActorError:
+            logger.warning("the quota ledger %s was lost; making it again", name)
+            return await getattr(handle(fresh=True), method).remote(*args)
+
+    return call
+
+
 @serve.ingress(fastapi_app)
 class OpenAIIngress:
     """The ingress deployment's replica: the served models (`ServedModels`, a Frontend and the HTTP
@@ -97,6 +121,11 @@ class OpenAIIngress:
         # frontend answers for them (the first's).
         self.server = self.models.first.frontend
         self.api = self.models.first.api
+        tenants = self.server.tenants
+        if spec.serving.ingress_replicas > 1 and any(t.max_concurrent or t.requests or t.tokens
+                                                     for t in tenants.by_name.values()):
+            # Limits that hold over every ingress replica, not each (router/ingress/quota.py).
+            tenants.share(spec.serving.ingress_replicas, quota_ledger(f"pdserve-quota-{spec.name}", tenants.limits()))
         # The Files and Batch APIs' state on disk (shared by this app's ingress replicas).
         root = spec.serving.files_dir or os.path.join(cache_root("files", "PDSERVE_FILES_DIR"), spec.name)
         self.files = FileStore(os.path.join(root, "files"), spec.serving.max_file_bytes)

@@ -171,7 +171,14 @@ class Frontend:
             trace.child("pdserve.prepare", trace.start, began)
         tokens = sum(len(p) for p in prompts)
         try:
-            ticket = self.admission.admit(tenant, len(prompts), tokens, params.priority, band)
+            if tenant.allowance is not None:        # limits shared by the ingress replicas
+                await tenant.allowance.reserve(len(prompts), tokens)
+            try:
+                ticket = self.admission.admit(tenant, len(prompts), tokens, params.priority, band)
+            except RateLimitError:
+                if tenant.allowance is not None:
+                    tenant.allowance.refund(len(prompts), tokens)
+                raise
             self.metrics.tenants.requests.inc(tenant=tenant.name, outcome="admitted")
             self.metrics.tenants.tokens.inc(tokens, tenant=tenant.name, kind="prompt")
             await self.admission.wait(ticket)

@@ -16,43 +16,16 @@ import os
 from collections.abc import Callable, Mapping
 
 from records.serving import ServingSpec, TenantSpec, check_tenants
+from router.ingress.quota import Allowance, LedgerCall, TokenBucket, concurrency_share
 
 DEFAULT = "default"
-
-
-class TokenBucket:
-    """`per_minute` units, refilled continuously; a take may drive it below zero (tokens generated
-    after admission are charged as they come), and then nothing more is admitted until it refills."""
-
-    __slots__ = ("capacity", "clock", "level", "rate", "stamp")
-
-    def __init__(self, per_minute: int, clock: Callable[[], float]) -> None:
-        self.capacity = float(per_minute)
-        self.rate = per_minute / 60.0
-        self.clock = clock
-        self.level = self.capacity
-        self.stamp = clock()
-
-    def _refill(self) -> None:
-        now = self.clock()
-        self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
-        self.stamp = now
-
-    def wait_s(self, amount: float) -> float:
-        """Seconds until `amount` (at most the capacity) can be taken; 0 when it can now."""
-        self._refill()
-        need = min(amount, self.capacity) - self.level
-        return 0.0 if need <= 0 else need / self.rate
-
-    def take(self, amount: float) -> None:
-        self._refill()
-        self.level -= amount
 
 
 class Tenant:
     """A tenant's limits and its live counts. `admitted`: its requests queued or running (by the
     admission's count); `vtime`: its virtual time in the fair queue (the service it had, divided by
-    its weight)."""
+    its weight). `allowance`: with several ingress replicas, its per-minute limits are the shared
+    ledger's (router/ingress/quota.py) and its own buckets are off."""
 
     def __init__(self, name: str, spec: TenantSpec, clock: Callable[[], float]) -> None:
         self.name = name
@@ -65,6 +38,7 @@ class Tenant:
         self.admitted = 0
         self.running = 0
         self.vtime = 0.0
+        self.allowance: Allowance | None = None
 
     def refusal(self, count: int, prompt_tokens: int) -> tuple[str, str, float] | None:
         """(limit, message, Retry-After seconds) when `count` more requests with `prompt_tokens`
@@ -82,6 +56,10 @@ class Tenant:
 
     def charge(self, count: int, tokens: int) -> None:
         """Count `count` requests and `tokens` tokens against the per-minute limits."""
+        if self.allowance is not None:      # shared: a request's prompt went with its reservation
+            if not count:
+                self.allowance.charge(tokens)
+            return
         if self.requests is not None and count:
             self.requests.take(count)
         if self.tokens is not None and tokens:
@@ -132,6 +110,21 @@ class Tenants:
         self.open = not self._keys
         if self.open:
             self.by_name[DEFAULT] = Tenant(DEFAULT, TenantSpec(), clock)
+
+    def limits(self) -> dict[str, tuple[int | None, int | None]]:
+        """Each rate-limited tenant's (requests per minute, tokens per minute)."""
+        return {name: (t.requests and int(t.requests.capacity), t.tokens and int(t.tokens.capacity))
+                for name, t in self.by_name.items() if t.requests is not None or t.tokens is not None}
+
+    def share(self, replicas: int, call: LedgerCall) -> None:
+        """Hold the tenants' limits across `replicas` ingress replicas: the per-minute ones at the
+        ledger `call` reaches, max_concurrent split (router/ingress/quota.py)."""
+        for tenant in self.by_name.values():
+            tenant.max_concurrent = concurrency_share(tenant.max_concurrent, replicas)
+            if tenant.requests is not None or tenant.tokens is not None:
+                rpm, tpm = self.limits()[tenant.name]
+                tenant.allowance = Allowance(tenant.name, rpm, tpm, replicas, call)
+                tenant.requests = tenant.tokens = None
 
     def resolve(self, authorization: str | None) -> Tenant | None:
         if self.open:

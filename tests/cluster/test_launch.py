@@ -185,7 +185,8 @@ def test_vllm_named_flags_set_the_spec():
         "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-dtype", "fp8",
         "--no-enable-prefix-caching", "--enforce-eager", "--seed", "3", "-tp", "2", "--cpus-per-rank", "2",
         "--enable-expert-parallel", "--moe-dispatch", "all2all", "--served-model-name", "smol",
-        "--api-key", "k", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']))
+        "--api-key", "k", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+        "--tenants-file", "/etc/pdserve/tenants.json", "--ingress-replicas", "2"]))
     engine = config.engine
     assert (engine.dtype, engine.max_model_len, engine.max_num_seqs, engine.kv_cache_dtype, engine.seed) == (
         "bfloat16", 1024, 8, "fp8", 3)
@@ -197,6 +198,7 @@ def test_vllm_named_flags_set_the_spec():
     assert config.engine_args("decode").enable_expert_parallel is True
     assert config.pools["decode"].speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
     assert (config.serving.served_model_name, config.serving.api_key) == ("smol", "k")
+    assert (config.serving.tenants_file, config.serving.ingress_replicas) == ("/etc/pdserve/tenants.json", 2)
     assert config_from_args(parser.parse_args([])).engine.max_num_seqs == 64    # no flags: the spec's
     # vLLM's tool-calling command line: --enable-auto-tool-choice is accepted (always on here)
     tools = config_from_args(parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes",

@@ -113,6 +113,53 @@ def test_tenant_limits_keys_and_metrics(server, client):
     assert httpx.get(f"{base}/health").status_code == 200
 
 
+def test_tenant_limits_hold_across_two_ingress_replicas(server, tiny_llama):
+    """An app of two ingress replicas (on simulated engine replicas), a tenant of 20 requests a
+    minute: of 60 requests sent over both through Serve's proxy, at most 20 are served (plus what
+    the bucket refills while they run: router/ingress/quota.py states the bound), the rest are 429
+    with a Retry-After; the replicas draw on one ledger actor."""
+    import concurrent.futures
+    import time
+
+    from helpers import SIM_PROFILE, wait_healthy
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.config import ClusterConfig
+    from cluster.launch import shutdown, start_pools
+
+    key, prefix = "shared-limits-key", "/shared"
+    config = ClusterConfig(model=tiny_llama, engine={"simulate": SIM_PROFILE, "max_model_len": 512},
+                           pools={"decode": {"replicas": 1, "num_cpus": 0.5}},
+                           serving={"port": server["port"], "wait_for_pools": False, "ingress_replicas": 2,
+                                    "tenants": {"team-s": {"api_keys": [key], "requests_per_minute": 20}}},
+                           name="pdserve-shared-limits")
+    try:
+        start_pools(config)
+        serve.run(build_app(config), name=config.name, route_prefix=prefix, blocking=False)
+        base = f"{server['base']}{prefix}"
+        wait_healthy(base)
+        headers = {"Authorization": f"Bearer {key}"}
+        model = httpx.get(f"{base}/v1/models", headers=headers, timeout=60).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Hello", "max_tokens": 1}
+        started = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            replies = list(pool.map(lambda _: httpx.post(f"{base}/v1/completions", json=body, timeout=120,
+                                                         headers=headers), range(60)))
+        refilled = (time.monotonic() - started) * 20 / 60
+        codes = [r.status_code for r in replies]
+        assert set(codes) <= {200, 429}, codes
+        assert 16 <= codes.count(200) <= 20 + refilled + 1, (codes.count(200), refilled)
+        for r in replies:
+            if r.status_code == 429:
+                assert "across the ingress replicas" in r.json()["error"]["message"]
+                assert int(r.headers["retry-after"]) >= 1
+        named = ray.util.list_named_actors(all_namespaces=True)
+        assert f"pdserve-quota-{config.name}" in [a["name"] for a in named], named
+    finally:
+        shutdown(config)
+
+
 def test_metrics_under_vllm_names(server):
     """serving.metrics_prefix "vllm" (the /limited app): /metrics names its series as vLLM does, for
     what scrapes vLLM (autoscalers, gateways): the engine's gauges and the ingress's histograms."""

@@ -188,3 +188,58 @@ def test_batch_requests_keep_to_their_share_and_never_hold_up_their_tenant():
         assert sum(t.dispatched and not t.released for t in batch) == 4         # back to its share
 
     asyncio.run(main())
+
+
+def test_limits_hold_across_ingress_replicas():
+    """Two ingress replicas' tenants drawing on one QuotaLedger (router/ingress/quota.py): a tenant
+    of 20 requests a minute is admitted at most 20 of 60 requests sent over both (at least 20 less
+    a chunk per replica held unspent), the rest refused with a Retry-After; what one replica held
+    unspent goes back after the lease and the other gets it; generated tokens one replica charges
+    count against the other's prompts; max_concurrent is split between the replicas."""
+    from router.ingress import quota
+    from router.ingress.quota import QuotaLedger
+
+    clock = Clock()
+    spec = {"api_keys": ["ka"], "requests_per_minute": 20, "max_concurrent": 5}
+    replicas = [tenants(clock, a=spec, b={"api_keys": ["kb"], "tokens_per_minute": 1000}) for _ in range(2)]
+    ledger = QuotaLedger(replicas[0].limits(), clock)
+    calls = []
+
+    async def call(method, *args):
+        calls.append(method)
+        return getattr(ledger, method)(*args)
+
+    for ts in replicas:
+        ts.share(2, call)
+    a = [ts.by_name["a"] for ts in replicas]
+    b = [ts.by_name["b"] for ts in replicas]
+    assert [t.max_concurrent for t in a] == [2, 2] and a[0].requests is None and a[0].allowance.chunk[0] == 2
+
+    async def send(tenant, n=1, prompt=0):
+        try:
+            await tenant.allowance.reserve(n, prompt)
+            return True
+        except RateLimitError as e:
+            assert e.retry_after > 0 and e.limit in ("requests_per_minute", "tokens_per_minute")
+            assert "across the ingress replicas" in e.message
+            return False
+
+    async def scenario():
+        admitted = [await send(a[i % 2]) for i in range(60)]
+        assert 20 - 2 * 2 <= sum(admitted) <= 20, sum(admitted)
+        assert calls.count("grant") < 20 + 2                          # not a call per request, nor per refusal
+        held, level = sum(t.allowance.requests for t in a), ledger.requests["a"].available()
+        clock.t += quota.LEASE_S + 0.1
+        for t in a:
+            await t.allowance.reserve(0, 0)                           # nothing asked: what it held goes back
+        refilled = (quota.LEASE_S + 0.1) * 20 / 60
+        assert ledger.requests["a"].available() == pytest.approx(level + held + refilled)
+        assert sum(t.allowance.requests for t in a) == 0
+        # Tokens: replica 0 takes 100 (and a chunk of 125 more), 600 generated there reach the
+        # ledger; replica 1's prompts get the 175 left.
+        assert await send(b[0], 1, 100)
+        b[0].charge(0, 600)
+        await asyncio.sleep(0)                                         # the charge's task runs
+        assert await send(b[1], 1, 150) and not await send(b[1], 1, 200)
+
+    asyncio.run(scenario())
