@@ -687,6 +687,25 @@ def test_chart_generated_key_and_existing_secret(chart):
         assert ref == {"name": "mine", "key": "token"}
 
 
+def test_chart_mounts_the_tenants_file_from_a_secret(chart, crd_schemas):
+    """`tenants.existingSecret`: every Ray pod mounts its file read-only, and the spec reads it as
+    serving.tenants_file (with two ingress replicas, their limits hold over both); without it,
+    nothing is mounted."""
+    values = {"tenants": {"existingSecret": "team-keys", "secretKey": "t.json"}, "serving": {"ingress_replicas": 2}}
+    service = one(render(chart, values), "RayService")
+    crd_validate(service, crd_schemas)
+    (spec,) = check_serve_config(service)
+    assert (spec.serving.tenants_file, spec.serving.ingress_replicas) == ("/etc/pdserve/tenants/t.json", 2)
+    for _, pod, container in containers(service):
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "tenants"]
+        assert mount == {"name": "tenants", "mountPath": "/etc/pdserve/tenants", "readOnly": True}
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "tenants"]
+        assert volume["secret"] == {"secretName": "team-keys", "items": [{"key": "t.json", "path": "t.json"}]}
+    plain = one(render(chart, {}), "RayService")
+    assert check_serve_config(plain)[0].serving.tenants_file is None
+    assert all("tenants" not in {v["name"] for v in pod["volumes"]} for _, pod, _ in containers(plain))
+
+
 # --- one image, one Ray version ----------------------------------------------------------------------
 def test_image_and_ray_version_agree_across_deploy():
     values = yaml.safe_load((CHART / "values.yaml").read_text())

@@ -178,6 +178,9 @@ The spec itself is validated again by ClusterConfig when Serve builds the applic
 {{- if $v.apiKey.enabled -}}
 {{- $_ := set $serving "api_key_env" "PDSERVE_API_KEY" -}}
 {{- end -}}
+{{- if $v.tenants.existingSecret -}}
+{{- $_ := set $serving "tenants_file" (printf "/etc/pdserve/tenants/%s" $v.tenants.secretKey) -}}
+{{- end -}}
 {{- $model := "" -}}
 {{- if eq $v.model.source "embedded" -}}
 {{- $model = "" -}}
@@ -357,6 +360,11 @@ spec:
           mountPath: {{ $v.model.mountPath }}
           readOnly: true
         {{- end }}
+        {{- if $v.tenants.existingSecret }}
+        - name: tenants
+          mountPath: /etc/pdserve/tenants
+          readOnly: true
+        {{- end }}
   volumes:
     - name: dshm
       emptyDir:
@@ -372,5 +380,13 @@ spec:
       hostPath:
         path: {{ $v.model.hostPath.path }}
         type: {{ $v.model.hostPath.type | default "Directory" }}
+    {{- end }}
+    {{- if $v.tenants.existingSecret }}
+    - name: tenants
+      secret:
+        secretName: {{ $v.tenants.existingSecret }}
+        items:
+          - key: {{ $v.tenants.secretKey }}
+            path: {{ $v.tenants.secretKey }}
     {{- end }}
 {{- end -}}
