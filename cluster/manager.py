@@ -45,12 +45,11 @@ from cluster.pool import EnginePool
 from cluster.reconcile import reconcile_pools
 from cluster.scale_to_zero import ScaleToZero
 from cluster.sleep import ModelSleep
+from engine.executor.ray_cluster import HEAD_NODE_RESOURCE
 from records.config import EngineConfig
 from records.errors import StartupError
 
 MANAGER_NAME = "pdserve-manager"
-# The resource Ray gives the head node alone.
-HEAD_NODE_RESOURCE = "node:__internal_head__"
 # Beyond the placement timeout, the time a placed replica's worker process may take to start (a
 # loaded machine starts a Python worker in seconds, not minutes).
 ACTOR_START_GRACE_S = 30.0

@@ -106,6 +106,22 @@ def connect_ray(address: str = "auto") -> None:
     ray.init(address=address, namespace="pdserve", logging_level="ERROR", log_to_driver=False)
 
 
+HEAD_NODE_RESOURCE = "node:__internal_head__"      # the resource Ray gives the head node alone
+
+
+def prefer_head_node() -> dict[str, Any]:
+    """Ray actor options that place an actor on the head node when it has room, and anywhere
+    else when it has not (a label selector on the head's node id, with a fallback that selects any
+    node); {} where Ray is not connected or has no head. Control-plane actors use it so that the
+    worker nodes stay whole for the engine replicas."""
+    if not ray.is_initialized():
+        return {}
+    head = next((n["NodeID"] for n in ray.nodes() if n.get("Alive") and HEAD_NODE_RESOURCE in n["Resources"]), None)
+    if head is None:
+        return {}
+    return {"label_selector": {"ray.io/node-id": head}, "fallback_strategy": [{"label_selector": {}}]}
+
+
 def keep_serve_replica_on_loopback() -> None:
     """In a Serve replica of a single-machine Ray (see init_ray): bind the replica's inter-deployment
     gRPC server to 127.0.0.1 instead of every interface. Ray 2.60 opens it on "[::]:0" with no

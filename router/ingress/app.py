@@ -47,7 +47,7 @@ from fastapi import Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from ray import serve
 
-from engine.executor.ray_cluster import keep_serve_replica_on_loopback
+from engine.executor.ray_cluster import keep_serve_replica_on_loopback, prefer_head_node
 from records.cache_dirs import cache_root
 from records.errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
 from records.serving import IngressSpec
@@ -91,7 +91,7 @@ def quota_ledger(name: str, limits: dict[str, tuple[int | None, int | None]]) ->
     def handle(fresh: bool = False) -> Any:
         if fresh or not holder:
             holder[:] = [ray.remote(QuotaLedger).options(name=name, get_if_exists=True, num_cpus=0,
-                                                        max_concurrency=1).remote(limits)]
+                                                        max_concurrency=1, **prefer_head_node()).remote(limits)]
         return holder[0]
 
     async def call(method: str, *args: Any) -> Any:
@@ -376,9 +376,12 @@ def ingress_app(specs: list[IngressSpec], manager_links: list[Callable[[], Any]]
     it on first use), which owns its pools; the launcher (cluster/app.py) hands them over, so that
     this package never imports cluster/."""
     serving = specs[0].serving
+    # On the head node where it has room (a resource the spec names decides instead): a replica's
+    # 0.1 CPU on a worker node could leave it too small for an engine replica.
+    where = {} if serving.ingress_resources else prefer_head_node()
     deployment = serve.deployment(OpenAIIngress, name="openai-ingress", num_replicas=serving.ingress_replicas,
                                   ray_actor_options={"num_cpus": serving.ingress_num_cpus,
-                                                     "resources": dict(serving.ingress_resources)},
+                                                     "resources": dict(serving.ingress_resources), **where},
                                   max_ongoing_requests=max(serving.max_in_flight * 2, 100),
                                   graceful_shutdown_timeout_s=serving.ingress_drain_timeout_s)
     return deployment.bind([s.model_dump_json() for s in specs], manager_links)
