@@ -141,8 +141,8 @@ class Allowance:
         """Spend `count` requests and `prompt_tokens` from the grant, asking the ledger for more when
         it is short; RateLimitError (with the seconds until the ledger could give them) if it cannot."""
         if self.clock() - self.granted_at > LEASE_S and (self.requests or self.tokens):
-            await self.call("give_back", self.tenant, self.requests, self.tokens)
-            self.requests = self.tokens = 0
+            held, self.requests, self.tokens = (self.requests, self.tokens), 0, 0   # (before the await)
+            await self.call("give_back", self.tenant, *held)
         need = (max(0, count - self.requests) if self.rpm else 0,
                 max(0, prompt_tokens - self.tokens) if self.tpm else 0)
         if need[0] or need[1]:

@@ -119,11 +119,11 @@ class Tenants:
     def share(self, replicas: int, call: LedgerCall) -> None:
         """Hold the tenants' limits across `replicas` ingress replicas: the per-minute ones at the
         ledger `call` reaches, max_concurrent split (router/ingress/quota.py)."""
+        limits = self.limits()
         for tenant in self.by_name.values():
             tenant.max_concurrent = concurrency_share(tenant.max_concurrent, replicas)
-            if tenant.requests is not None or tenant.tokens is not None:
-                rpm, tpm = self.limits()[tenant.name]
-                tenant.allowance = Allowance(tenant.name, rpm, tpm, replicas, call)
+            if tenant.name in limits:
+                tenant.allowance = Allowance(tenant.name, *limits[tenant.name], replicas, call)
                 tenant.requests = tenant.tokens = None
 
     def resolve(self, authorization: str | None) -> Tenant | None:
