@@ -397,6 +397,41 @@ def wait_for(manager, cond, what: str) -> dict:
 
 
 @pytest.mark.ray
+def test_the_ingress_replicas_prefer_the_head_node(nodes):
+    """With engine nodes beside the head and no `ingress_resources`, the ingress replicas (and the
+    tenants' quota ledger) go to the head, where the manager is, so that their CPUs never take a
+    piece of an engine node (on a 1-CPU head beside two 2-CPU workers, an ingress replica on a
+    worker once left room for one 2-CPU engine replica of two)."""
+    import ray
+
+    from cluster.config import ClusterConfig
+    from cluster.launch import serve_cluster, shutdown
+
+    for _ in range(2):
+        add_engine_node(nodes)
+    head = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"])
+    config = ClusterConfig(engine={"simulate": SIM_PROFILE, "max_model_len": 1024},
+                           pools={"decode": {"replicas": 1, "resources": {"engine": 1}}},
+                           serving={"wait_for_pools": False, "port": SERVING["port"], "ingress_replicas": 2,
+                                    "tenants": {"t": {"api_keys": ["kt"], "requests_per_minute": 5}}},
+                           placement_timeout_s=120, name="pdserve-head-first")
+    try:
+        serve_cluster(config, blocking=False)
+        r = httpx.post(f"http://127.0.0.1:{SERVING['port']}/v1/completions", timeout=120,
+                       headers={"Authorization": "Bearer kt"}, json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200, r.text                      # (the ledger made on the way)
+        # (the GCS's actor table: this cluster runs no dashboard for Ray's state API)
+        alive = [a for a in ray._private.state.actors().values() if a["State"] == "ALIVE"]
+        ingress = [a for a in alive if "openai-ingress" in a["Name"] + a["ActorClassName"]]
+        ledger = [a for a in alive if a["Name"].startswith("pdserve-quota-")]
+        assert len(ingress) == 2 and len(ledger) == 1, [(a["ActorClassName"], a["Name"]) for a in alive]
+        assert {a["Address"]["NodeID"] for a in ingress + ledger} == {head}
+    finally:
+        shutdown(config)
+        remove_engine_nodes(nodes)
+
+
+@pytest.mark.ray
 def test_models_share_the_nodes_and_the_last_waits_for_room(nodes, capfd):
     """Three models of simulated replicas on two engine nodes of two slots each (every replica
     takes one; the head node makes the third): "chat" (3 replicas) and "small" (1) fill the four
