@@ -42,8 +42,8 @@ def test_a_finished_request_leaves_nothing_behind_through_an_empty_step(tiny_lla
     with nothing to run is not sent, so the ids it would carry wait for the next one: once they were
     lost there, and a later request of the same id drew on from the old generator (found under
     PP, whose pipelined steps meet an empty schedule whenever both batches are in flight)."""
-    def run(engine, seed):
-        engine.add_request("r", None, PROMPTS[0], SamplingParams(temperature=1.0, seed=seed, max_tokens=6,
+    def run(engine, seed, rid="r"):
+        engine.add_request(rid, None, PROMPTS[0], SamplingParams(temperature=1.0, seed=seed, max_tokens=6,
                                                                   ignore_eos=True))
         tokens = []
         while engine.has_unfinished_requests():
@@ -56,9 +56,10 @@ def test_a_finished_request_leaves_nothing_behind_through_an_empty_step(tiny_lla
     runner = engine.executor.worker.runner
     assert list(runner.generators) == ["r"]    # "r" finished; no step has said so yet
     assert run(engine, 3) == run(LLM(tiny_llama, dtype="float32").llm_engine, 3) != first
-    assert engine.step() == [] and engine.step() == []
-    run(engine, 5)
-    assert list(runner.generators) == ["r"]    # the last "r" only: each earlier one dropped
+    for rid in ("a", "b", "c"):
+        run(engine, 5, rid)
+        assert engine.step() == []
+    assert list(runner.generators) == ["c"]    # every earlier one dropped (they piled up before)
 
 
 def test_top_k_one_and_tiny_min_p_top_p_are_greedy(llm, tiny_llama):
