@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     srv = sub.add_parser("serve", help="serve the model behind an OpenAI-compatible API on Ray Serve")
-    from cluster.launch import add_serve_args, run_serve  # noqa: PLC0415
+    from cluster.launch import run_serve  # noqa: PLC0415
+    from cluster.serve_args import add_serve_args  # noqa: PLC0415
 
     add_serve_args(srv)
     scale = sub.add_parser("scale", help="resize a pool of a running deployment (replicas removed are drained)")

@@ -370,7 +370,7 @@ def test_plain_rayservice_serve_config_builds_the_app():
 def launcher_spec(docs: list[dict], entrypoint: str, head_template: dict) -> ClusterConfig:
     """The spec a `python -m cluster.launch --config FILE` entrypoint reads: FILE must be on a
     ConfigMap volume of the head (where a Ray job's driver runs) whose ConfigMap is in `docs`."""
-    from cluster.launch import add_serve_args
+    from cluster.serve_args import add_serve_args
 
     argv = shlex.split(entrypoint)
     assert argv[:3] == ["python", "-m", "cluster.launch"], argv

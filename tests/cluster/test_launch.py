@@ -115,7 +115,7 @@ def test_chat_template_from_a_file_or_inline(tiny_llama, tmp_path):
     import argparse
 
     from cluster.config import ClusterConfig
-    from cluster.launch import add_serve_args, config_from_args
+    from cluster.serve_args import add_serve_args, config_from_args
     from engine import LLM, SamplingParams
     from router.ingress.preparer import RequestPreparer
 
@@ -146,7 +146,7 @@ def test_several_served_model_names_answer_as_one_model(tiny_llama, tmp_path):
     import argparse
 
     from cluster.config import ClusterConfig
-    from cluster.launch import add_serve_args, config_from_args
+    from cluster.serve_args import add_serve_args, config_from_args
     from records.errors import NotFoundError
     from router.ingress.preparer import RequestPreparer
 
@@ -177,7 +177,7 @@ def test_vllm_named_flags_set_the_spec():
     import argparse
 
     from cluster.config import ClusterConfig
-    from cluster.launch import add_serve_args, config_from_args
+    from cluster.serve_args import add_serve_args, config_from_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

@@ -245,7 +245,7 @@ def test_tool_call_parser_from_the_command_line_and_the_spec():
     import argparse
 
     from cluster.config import ClusterConfig
-    from cluster.launch import add_serve_args, config_from_args
+    from cluster.serve_args import add_serve_args, config_from_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
