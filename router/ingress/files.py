@@ -74,7 +74,7 @@ class FileStore:
     def get(self, file_id: str, owner: str) -> dict[str, Any]:
         """The file object; NotFoundError when there is none (or another tenant owns it)."""
         meta = self._meta(file_id)
-        if meta is None or meta.get("_owner") != owner:
+        if meta is None or _expired(meta, time.time()) or meta.get("_owner") != owner:
             raise NotFoundError(f"no file {file_id!r}", "file_id")
         return _public(meta)
 
@@ -84,10 +84,8 @@ class FileStore:
 
     def list(self, owner: str, purpose: str | None = None, limit: int = 10000, after: str | None = None,
              order: str = "desc") -> dict[str, Any]:
-        self.purge_expired()
-        metas = [m for m in (self._meta(name[:-5]) for name in os.listdir(self.root)
-                             if name.endswith(".json") and name.startswith("file-"))
-                 if m is not None and m.get("_owner") == owner and (purpose is None or m["purpose"] == purpose)]
+        metas = [m for m in self.purge_expired()
+                 if m.get("_owner") == owner and (purpose is None or m["purpose"] == purpose)]
         metas.sort(key=lambda m: (m["created_at"], m["id"]), reverse=order != "asc")
         if after is not None:
             ids = [m["id"] for m in metas]
@@ -101,14 +99,16 @@ class FileStore:
         self._remove(file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
-    def purge_expired(self) -> int:
-        """Delete every expired file (any owner's); how many."""
-        now = time.time()
-        expired = [name[:-5] for name in os.listdir(self.root) if name.startswith("file-") and name.endswith(".json")
-                   and (meta := self._meta(name[:-5], now=None)) is not None and _expired(meta, now)]
-        for file_id in expired:
-            self._remove(file_id)
-        return len(expired)
+    def purge_expired(self) -> list[dict[str, Any]]:
+        """Delete every expired file (any owner's); the stored objects of the others."""
+        now, live = time.time(), []
+        for name in os.listdir(self.root):
+            if name.startswith("file-") and name.endswith(".json") and (meta := self._meta(name[:-5])) is not None:
+                if _expired(meta, now):
+                    self._remove(meta["id"])
+                else:
+                    live.append(meta)
+        return live
 
     def _remove(self, file_id: str) -> None:
         for path in (self._path(file_id) + ".json", self._path(file_id)):
@@ -132,15 +132,13 @@ class FileStore:
             raise NotFoundError(f"no file {file_id!r}", "file_id")
         return os.path.join(self.root, file_id)
 
-    def _meta(self, file_id: str, now: float | None = 0.0) -> dict[str, Any] | None:
-        """The stored object; None when there is none, or it has expired by `now` (0: the time now;
-        None: expired ones too)."""
+    def _meta(self, file_id: str) -> dict[str, Any] | None:
+        """The stored object (expired or not); None when there is none."""
         try:
             with open(self._path(file_id) + ".json", encoding="utf-8") as f:
-                meta = json.load(f)
+                return json.load(f)
         except (OSError, ValueError, NotFoundError):
             return None
-        return None if now is not None and _expired(meta, now or time.time()) else meta
 
 
 def _expired(meta: dict[str, Any], now: float) -> bool:
