@@ -31,6 +31,8 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "enable_prefix_caching": (None, "reuse cached prefixes' KV blocks (default on)"),
     "enable_chunked_prefill": (None, "split long prompts over steps (default on)"),
     "enforce_eager": (bool, "no CUDA graphs"),
+    "disable_hybrid_kv_cache_manager": (bool, "local and global layers (Gemma 2, 3) share one block table: "
+                                              "local layers keep a sequence's whole length"),
     "kv_offloading_size": (float, "GiB of host memory per replica for evicted prefix blocks (the offload tier)"),
     "kv_offloading_backend": (str, "the offload tier's backend: native"),
     "kv_offloading_disk_path": (str, "a local directory for the offload tier's disk store"),

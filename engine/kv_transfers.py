@@ -144,7 +144,8 @@ class KVTransfers:
         block_ids = [b.block_id for b in blocks]
         self.worker.hold_lease(*taken, block_ids)
         params = self.connector.add_prefix_lease(
-            holder, block_ids, list(block_hashes[:len(blocks)]), len(blocks) * kv.block_size, adapter, *taken,
+            holder, block_ids, list(block_hashes[:len(blocks) // kv.num_groups]),
+            len(blocks) // kv.num_groups * kv.block_size, adapter, *taken,
             self.worker.addresses, self.worker.engine_id)
         self.executor.kv_flush()     # every rank holds the lease before its parameters leave
         self.num_prefix_leases += 1

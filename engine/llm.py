@@ -28,7 +28,8 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """`engine_args` are `EngineConfig.create`'s keywords (vLLM's names: dtype, block_size,
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
-        enable_prefix_caching, num_kv_blocks, kv_cache_memory_bytes, preemption_mode,
+        enable_prefix_caching, disable_hybrid_kv_cache_manager, num_kv_blocks, kv_cache_memory_bytes,
+        preemption_mode,
         swap_space_bytes, kv_offloading_size (GiB of host memory for evicted prefix blocks),
         kv_offloading_disk_path / kv_offloading_disk_size (GiB), scheduling_policy, seed,
         tensor_parallel_size, pipeline_parallel_size,

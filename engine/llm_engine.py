@@ -56,7 +56,7 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_blocks, config.cache_config.block_size,
             config.cache_config.enable_prefix_caching, self.executor.num_cpu_blocks, self.executor.tier_slots,
-            mc.kv_sliding_window)
+            config.kv_groups.windows)
         kvt = config.kv_transfer_config
         self.kv_connector = KVConnectorScheduler(kvt, KVLayout.from_config(config)) if kvt is not None else None
         self.kv_worker = self.executor.kv           # every rank's worker side (None without a connector)

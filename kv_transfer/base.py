@@ -300,7 +300,7 @@ class KVConnectorScheduler:
         remote = request.remote_prefill
         assert remote is not None
         end = min(remote.num_tokens, request.num_prompt_tokens - 1)
-        end = min(end, len(remote.block_ids) * self.layout.block_size)
+        end = min(end, len(remote.block_ids) // self.layout.num_groups * self.layout.block_size)
         return max(0, end - num_local_tokens)
 
     def plan_load(self, request: Request, block_ids: list[int], num_local_tokens: int,
@@ -309,8 +309,8 @@ class KVConnectorScheduler:
         `num_local_tokens` is a whole number of blocks (prefix hits are full blocks)."""
         remote = request.remote_prefill
         assert remote is not None and num_local_tokens % self.layout.block_size == 0
-        bs = self.layout.block_size
-        first, end = num_local_tokens // bs, -(-(num_local_tokens + num_external_tokens) // bs)
+        bs, g = self.layout.block_size, self.layout.num_groups      # (a table interleaves g groups')
+        first, end = num_local_tokens // bs * g, -(-(num_local_tokens + num_external_tokens) // bs) * g
         deadline = clock.monotonic() + self.config.load_timeout_s
         self.new_loads.append(LoadSpec(request.request_id, remote, block_ids[first:end],
                                        remote.block_ids[first:end], deadline))

@@ -19,14 +19,15 @@ def layout_to_proto(layout: KVLayout) -> Any:
     return pb2.KVLayout(model=layout.model, num_layers=layout.num_layers, block_size=layout.block_size,
                         num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
                         tp_rank=layout.tp_rank, tp_size=layout.tp_size, pp_rank=layout.pp_rank,
-                        pp_size=layout.pp_size, layer_partition=list(layout.layer_partition))
+                        pp_size=layout.pp_size, layer_partition=list(layout.layer_partition),
+                        num_groups=layout.num_groups)
 
 
 def layout_from_proto(msg: Any) -> KVLayout:
     return KVLayout(model=msg.model, num_layers=msg.num_layers, block_size=msg.block_size,
                     num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim, dtype=msg.dtype,
                     tp_rank=msg.tp_rank, tp_size=msg.tp_size, pp_rank=msg.pp_rank, pp_size=msg.pp_size or 1,
-                    layer_partition=tuple(msg.layer_partition))
+                    layer_partition=tuple(msg.layer_partition), num_groups=msg.num_groups or 1)
 
 
 def handshake(remote: RemotePrefill) -> Any:

@@ -15,11 +15,12 @@ from records.cpu_flags import slow_half_dtype_warning
 from records.dtypes import FP8_KV_DTYPE, KV_DTYPE_SIZES, resolve_dtype
 from records.engine_args import GIB, SPEC_KEYS, SPEC_METHODS, EngineArgs
 from records.frozen_config import FrozenConfig
+from records.kv_layout import KVGroups
 from records.lora import LoRAConfig
 from records.model_source import (
     architecture_of,
+    attention_windows,
     check_parallel_fit,
-    kv_sliding_window,
     model_pooling,
     model_sampling_defaults,
     resolve_layer_partition,
@@ -70,11 +71,6 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
     @property
-    def kv_sliding_window(self) -> int | None:
-        """Every layer's sliding window where all have one (model_source.kv_sliding_window)."""
-        return kv_sliding_window(self.hf_config)
-
-    @property
     def num_layers(self) -> int:
         return self.hf_config.num_hidden_layers
 
@@ -105,6 +101,9 @@ class CacheConfig:
     offload_host_bytes: int = 0
     offload_disk_bytes: int = 0
     offload_disk_path: str | None = None
+    # Local and global layers with tables of their own (records/kv_layout.py: KVGroups), where the
+    # model mixes them; False: one table, every layer keeps a sequence's whole length.
+    hybrid_kv_cache: bool = True
 
     @property
     def is_fp8(self) -> bool:
@@ -250,30 +249,48 @@ class EngineConfig:
         if self.simulation is not None:
             shape = self.simulation.profile.model
             return cc.block_size * shape.kv_bytes_per_token(kv_bytes if cc.is_fp8 else None)
-        mc = self.model_config
-        return 2 * cc.block_size * mc.num_kv_heads * mc.head_dim * kv_bytes * mc.num_layers
+        mc, groups = self.model_config, self.kv_groups
+        layers = groups.num_slots if groups.hybrid else mc.num_layers     # a hybrid block: a group's pages
+        return 2 * cc.block_size * mc.num_kv_heads * mc.head_dim * kv_bytes * layers
+
+    @property
+    def kv_groups(self) -> KVGroups:
+        """How the layers share the KV cache's blocks (KVGroups): hybrid where the model mixes local
+        and global layers, unless turned off (disable_hybrid_kv_cache_manager), the engine is
+        pipelined (a stage's layers would need their own grouping) or simulated."""
+        hybrid = (self.cache_config.hybrid_kv_cache and self.parallel_config.pipeline_parallel_size == 1
+                  and self.simulation is None)
+        return KVGroups.of(attention_windows(self.model_config.hf_config), hybrid)
+
+    def kv_blocks_per_seq(self) -> int:
+        """The most blocks one sequence holds at once, over its groups' tables: a global group's
+        blocks cover its whole length; where prefill is chunked, a local group's only its window and
+        one step's chunk (the KV cache releases the rest)."""
+        cc, sc = self.cache_config, self.scheduler_config
+        total = 0
+        for window in self.kv_groups.windows:
+            tokens = sc.max_model_len
+            if window and sc.enable_chunked_prefill:
+                tokens = min(tokens, window + sc.max_num_batched_tokens + cc.block_size)
+            total += -(-tokens // cc.block_size)
+        return total
 
     def kv_cache_blocks(self, bytes_per_block: int, default_bytes: float) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) of one rank whose block is `bytes_per_block`: num_kv_blocks,
         or kv_cache_memory_bytes over the block's bytes, or enough for max_num_seqs full sequences
         within `default_bytes`. ValueError unless one sequence fits."""
         cc, sc = self.cache_config, self.scheduler_config
-        # The most tokens one sequence holds at once: all of them, or, where every layer is local
-        # and prefill is chunked, its window and one step's chunk (the KV cache releases the rest).
-        window, per_seq = self.model_config.kv_sliding_window, sc.max_model_len
-        if window and sc.enable_chunked_prefill:
-            per_seq = min(per_seq, window + sc.max_num_batched_tokens + cc.block_size)
+        per_seq = self.kv_blocks_per_seq() if self.simulation is None else -(-sc.max_model_len // cc.block_size)
         if cc.num_kv_blocks is not None:
             num_blocks = cc.num_kv_blocks
         elif cc.kv_cache_memory_bytes is not None:
             num_blocks = cc.kv_cache_memory_bytes // bytes_per_block
         else:
-            wanted = sc.max_num_seqs * -(-per_seq // cc.block_size)
-            num_blocks = min(wanted, int(default_bytes // bytes_per_block))
-        if num_blocks * cc.block_size < per_seq:
+            num_blocks = min(sc.max_num_seqs * per_seq, int(default_bytes // bytes_per_block))
+        if num_blocks < per_seq:
             raise ValueError(
-                f"the KV cache holds {num_blocks} blocks x {cc.block_size} tokens, less than one "
-                f"sequence of {per_seq} tokens (max_model_len={sc.max_model_len}); raise num_kv_blocks / "
+                f"the KV cache holds {num_blocks} blocks of {cc.block_size} tokens, less than the {per_seq} "
+                f"one sequence of max_model_len={sc.max_model_len} tokens holds; raise num_kv_blocks / "
                 f"kv_cache_memory_bytes or lower max_model_len")
         num_cpu_blocks = cc.swap_space_bytes // bytes_per_block if sc.preemption_mode == "swap" else 0
         return num_blocks, num_cpu_blocks
@@ -389,6 +406,7 @@ class EngineConfig:
                 offload_host_bytes=int((args.kv_offloading_size or 0) * GIB),
                 offload_disk_bytes=int((args.kv_offloading_disk_size or 0) * GIB),
                 offload_disk_path=args.kv_offloading_disk_path,
+                hybrid_kv_cache=not args.disable_hybrid_kv_cache_manager,
                 cache_dtype=FP8_KV_DTYPE if fp8 else None, kv_scales=kv_scales,
                 # (a simulated engine has no K/V values to calibrate on)
                 calculate_kv_scales=bool(fp8 and simulation is None and (

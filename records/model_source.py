@@ -94,13 +94,6 @@ def is_moe_layer(hf_config: Any, index: int) -> bool:
             and (index + 1) % (getattr(hf_config, "decoder_sparse_step", 1) or 1) == 0)
 
 
-def kv_sliding_window(hf_config: Any) -> int | None:
-    """The window behind which a request's KV blocks can be released: every layer's, where all
-    layers are local with one window (engine/core/kv_cache_manager.py); else None."""
-    windows = set(attention_windows(hf_config))
-    return windows.pop() if len(windows) == 1 else None
-
-
 def is_hub_id(model: str | None) -> bool:
     """Whether `model` names a Hugging Face Hub repo (org/name) rather than a local path."""
     return model is not None and bool(_REPO_ID.fullmatch(model)) and not os.path.exists(os.path.expanduser(model))

@@ -254,9 +254,9 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         tier_hashes, tier_found = [], []
         if request.num_computed_tokens == 0 and request.status != RequestStatus.SWAPPED:
-            tier_hashes, tier_found = self.kv.tier_hits(request, len(hits), self.kv.num_free_blocks)
+            tier_hashes, tier_found = self.kv.tier_hits(request, num_hit // self.kv.block_size, self.kv.num_free_blocks)
         for tier in ((tier_hashes, tier_found), ([], [])) if tier_found else (([], []),):
-            num_tier = len(tier[1]) * self.kv.block_size
+            num_tier = len(tier[1]) // self.kv.num_groups * self.kv.block_size
             n = min(request.num_tokens_to_compute - num_hit - num_tier, step.budget)
             fits = chunked or n == request.num_tokens_to_compute - num_hit - num_tier
             # Blocks loaded from the tier are cached once their step is back (the load may fail).

@@ -42,7 +42,8 @@ class DraftModelProposer:
         draft_config = replace(
             config, model_config=spec.draft_model_config,
             cache_config=CacheConfig(block_size=config.cache_config.block_size, num_kv_blocks=num_blocks,
-                                     enable_prefix_caching=False, swap_space_bytes=0),
+                                     enable_prefix_caching=False, swap_space_bytes=0,
+                                     hybrid_kv_cache=False),     # (its manager keeps one table)
             parallel_config=ParallelConfig(worker_num_gpus=pc.worker_num_gpus if pc.world_size == 1 else 0.0),
             kv_transfer_config=None, speculative_config=None)
         device = "cuda" if draft_config.parallel_config.worker_num_gpus else "cpu"

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.model.layers.attention import AttentionBackend
+from engine.model.layers.attention import Attention, AttentionBackend
 from engine.model.parallel_state import ParallelState, get_parallel_state, pp_recv, pp_send
 from engine.sample.penalties import TokenCounts
 from engine.sample.rejection_sampler import verify
@@ -46,7 +46,11 @@ class ModelRunner:
         # The activations' dtype: that of the first floating-point parameter (GGUF layers hold uint8 blocks).
         self.model_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.kv_caches: list[torch.Tensor] = []     # per layer [2, num_blocks, block_size, kvh, d]
-        self.cpu_caches: list[torch.Tensor] = []    # the swap pool, same layout
+        # The cache's tensors: kv_caches itself, or with hybrid groups (records/kv_layout.py: KVGroups)
+        # the slot tensors the layers share; blocks are copied, swapped and moved in these.
+        self.kv_buffers: list[torch.Tensor] = []
+        self.num_kv_groups = 1                      # tables interleaved in each request's block_ids
+        self.cpu_caches: list[torch.Tensor] = []    # the swap pool, as kv_buffers
         self.tier_store: Any = None                 # engine/worker/kv_tier_store.py, set by the worker
         self._tier_failed: list[tuple] = []
         # Draws for requests without their own seed.
@@ -65,6 +69,14 @@ class ModelRunner:
         # The adapter pool (engine/worker/lora_slots.py), set by the worker with LoRA enabled.
         self.lora: LoRASlots | None = None
 
+    def set_kv_groups(self, groups: Any) -> None:
+        """Hybrid KV groups (KVGroups): each attention layer reads its group's table and slots."""
+        attns = [m for m in self.model.modules() if isinstance(m, Attention)]
+        assert len(attns) == len(groups.layer_slots), "hybrid KV groups need every layer on this rank"
+        for attn, (group, _) in zip(attns, groups.layer_slots, strict=True):
+            attn.kv_group = group
+        self.num_kv_groups = groups.num_groups
+
     def capture_cuda_graphs(self, sizes: tuple[int, ...], max_model_len: int) -> bool:
         """Capture the decode step for these batch sizes (after the KV cache exists). Only where the
         attention backend can (CUDA, Triton kernels: padded rows rely on its slot -1) and on a single
@@ -72,7 +84,7 @@ class ModelRunner:
         expert counts size the grouped GEMMs); returns whether graphs are in use."""
         state = get_parallel_state()
         if (not sizes or not self.attention.can_capture_cuda_graphs or state.tp_size > 1 or state.pp_size > 1
-                or not getattr(self.model, "cuda_graphs", True)):
+                or not getattr(self.model, "cuda_graphs", True) or self.num_kv_groups > 1):
             return False
         max_blocks = -(-max_model_len // self.block_size)
         self.graph_runner = CudaGraphRunner(self.model, self.kv_caches, sizes, max_blocks, self.device)
@@ -83,9 +95,9 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step. Returns the sampled tokens on the driver rank, None on other ranks."""
         k = self.kernels
-        k.swap_blocks(self.kv_caches, self.cpu_caches, sched.swap_out)
-        k.swap_blocks(self.cpu_caches, self.kv_caches, sched.swap_in)
-        k.copy_blocks(self.kv_caches, sched.copy_blocks)
+        k.swap_blocks(self.kv_buffers, self.cpu_caches, sched.swap_out)
+        k.swap_blocks(self.cpu_caches, self.kv_buffers, sched.swap_in)
+        k.copy_blocks(self.kv_buffers, sched.copy_blocks)
         if sched.tier_loads:     # after the swaps and copies: into new blocks nothing else writes
             self._tier_failed += self.tier_store.run(sched.tier_loads)
         for rid in sched.finished_ids:
@@ -152,7 +164,8 @@ class ModelRunner:
         hidden = None
         if self.graph_runner is not None:
             hidden = self.graph_runner.run(input_ids, positions, meta)
-        elif meta.num_decode_tokens == input_ids.shape[0] and self.lora is None and self.device.type == "cpu":
+        elif (meta.num_decode_tokens == input_ids.shape[0] and self.lora is None and self.device.type == "cpu"
+              and not meta.groups):
             if self.decode_plan is False:
                 self.decode_plan = CpuDecodePlan.build(self.model, self.kernels, self.kv_caches)
             if self.decode_plan is not None:
@@ -249,7 +262,9 @@ class ModelRunner:
         pool_rows: list[tuple[ScheduledRequest, list[int]]] = []   # embedding requests' rows to pool
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        prefill_tables: list[torch.Tensor] = []
+        prefill_tables: list[list[int]] = []
+        num_groups = self.num_kv_groups
+        group_slots: list[list[int]] = [[] for _ in range(num_groups)] if num_groups > 1 else [slots]
         prefill_query_lens: list[int] = []
         prefill_seq_lens: list[int] = []
         for req in batch:
@@ -259,12 +274,16 @@ class ModelRunner:
             input_ids.extend(req.token_ids)
             positions.extend(pos)
             table = req.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if num_groups == 1:
+                slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            else:         # group g's table: every num_groups-th entry from g
+                for g, out in enumerate(group_slots):
+                    out.extend(table[p // bs * num_groups + g] * bs + p % bs for p in pos)
             if n == 1:
                 decode_tables.append(table)
                 decode_lens.append(req.start + 1)
             else:
-                prefill_tables.append(torch.tensor(table, dtype=torch.long, device=self.device))
+                prefill_tables.append(table)
                 prefill_query_lens.append(n)
                 prefill_seq_lens.append(req.start + n)
             if req.do_sample and req.spec_token_ids:
@@ -282,15 +301,25 @@ class ModelRunner:
                 pool_rows.append((req, [base + n - 1]))
             elif pooling == "cls" and req.start == 0:
                 pool_rows.append((req, [base]))
-        decode_block_tables = decode_seq_lens = None
+        decode_seq_lens = None
         if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
-                                               dtype=torch.long, device=self.device)
             decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
-        meta = self.attention.metadata(torch.tensor(slots, dtype=torch.long, device=self.device),
-                                       decode_block_tables, decode_seq_lens, prefill_tables, prefill_query_lens,
-                                       prefill_seq_lens)
+        metas = []
+        for g, group_slot in enumerate(group_slots):
+            decode_block_tables = None
+            group_decode = decode_tables if num_groups == 1 else [t[g::num_groups] for t in decode_tables]
+            if group_decode:
+                width = max(len(t) for t in group_decode)
+                decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in group_decode],
+                                                   dtype=torch.long, device=self.device)
+            tables = [torch.tensor(t if num_groups == 1 else t[g::num_groups], dtype=torch.long, device=self.device)
+                      for t in prefill_tables]
+            metas.append(self.attention.metadata(torch.tensor(group_slot, dtype=torch.long, device=self.device),
+                                                 decode_block_tables, decode_seq_lens, tables, prefill_query_lens,
+                                                 prefill_seq_lens))
+        meta = metas[0]
+        if num_groups > 1:
+            meta.groups = metas
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos_t, meta, sample_rows, spec_rows, lp_rows, pool_rows

@@ -137,10 +137,15 @@ class Worker:
         at load), () for all 1.0."""
         return self.config.cache_config.kv_scales
 
+    def num_kv_tensors(self) -> int:
+        """This rank's KV cache tensors: one per layer, or the hybrid grouping's slot tensors."""
+        groups = self.config.kv_groups
+        return groups.num_slots if groups.hybrid else self.num_local_layers()
+
     def bytes_per_block(self) -> int:
         mc, cc = self.config.model_config, self.config.cache_config
         return (2 * cc.block_size * self.num_local_kv_heads() * mc.head_dim * KV_DTYPE_SIZES[self.config.kv_dtype]
-                * self.num_local_layers())
+                * self.num_kv_tensors())
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) from the cache config (EngineConfig.kv_cache_blocks)."""
@@ -155,23 +160,30 @@ class Worker:
         """Allocate zeroed KV tensors (zeros: padded slots must never hold NaN, attention masks them
         with a zero weight and 0 * NaN is NaN), and the offload tier's stores when it has slots."""
         mc, cc = self.config.model_config, self.config.cache_config
-        heads, layers = self.num_local_kv_heads(), self.num_local_layers()
+        heads, tensors = self.num_local_kv_heads(), self.num_kv_tensors()
         shape = (2, num_blocks, cc.block_size, heads, mc.head_dim)
         cpu_shape = (2, num_cpu_blocks, cc.block_size, heads, mc.head_dim)
         assert self.runner is not None
         dtype = getattr(torch, self.config.kv_dtype)
-        self.runner.kv_caches = [zeroed(shape, dtype, self.device) for _ in range(layers)]
-        self.runner.cpu_caches = [zeroed(cpu_shape, dtype, torch.device("cpu"))
-                                  for _ in range(layers)] if num_cpu_blocks else []
-        self.runner.capture_cuda_graphs(mc.cuda_graph_sizes, mc.max_model_len)
+        runner = self.runner
+        runner.kv_buffers = [zeroed(shape, dtype, self.device) for _ in range(tensors)]
+        runner.cpu_caches = [zeroed(cpu_shape, dtype, torch.device("cpu"))
+                             for _ in range(tensors)] if num_cpu_blocks else []
+        groups = self.config.kv_groups
+        if groups.hybrid:     # each layer reads its slot tensor through its group's table
+            runner.kv_caches = [runner.kv_buffers[slot] for _, slot in groups.layer_slots]
+            runner.set_kv_groups(groups)
+        else:
+            runner.kv_caches = runner.kv_buffers
+        runner.capture_cuda_graphs(mc.cuda_graph_sizes, mc.max_model_len)
         if num_host_slots:
-            self.tier_store = self.runner.tier_store = TierStore(
-                self.runner.kv_caches, num_host_slots, num_disk_slots, cc.offload_disk_path, self.rank)
+            self.tier_store = runner.tier_store = TierStore(
+                runner.kv_buffers, num_host_slots, num_disk_slots, cc.offload_disk_path, self.rank)
         if self.config.kv_transfer_config is not None:
             self.kv_connector = create_connector_worker(
                 self.config.kv_transfer_config,
                 KVLayout.from_config(self.config, get_parallel_state().tp_rank, get_parallel_state().pp_rank))
-            self.kv_connector.register_kv_caches(self.runner.kv_caches)
+            self.kv_connector.register_kv_caches(runner.kv_buffers)
 
     def kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """This rank's heads of these blocks in every layer, [layers, 2, n, block_size, heads, d], on

@@ -39,13 +39,13 @@ def expected(tiny_mistral_swa, prompts) -> list[list[int]]:
 def test_window_is_attended_not_a_length_cap(tiny_mistral_swa, tiny_qwen2, tmp_path):
     """The window no longer bounds max_model_len; the KV cache releases blocks only where every
     layer is local; Qwen2's configs carry a window with use_sliding_window off: none."""
-    config = EngineConfig.create(tiny_mistral_swa, dtype="float32").model_config
-    assert config.max_model_len == 2048 and config.kv_sliding_window == WINDOW
+    config = EngineConfig.create(tiny_mistral_swa, dtype="float32")
+    assert config.model_config.max_model_len == 2048 and config.kv_groups.windows == (WINDOW,)
     qwen2 = tmp_path / "qwen2"
     shutil.copytree(tiny_qwen2, qwen2)
     raw = json.loads((qwen2 / "config.json").read_text())
     (qwen2 / "config.json").write_text(json.dumps({**raw, "sliding_window": 64, "use_sliding_window": False}))
-    assert EngineConfig.create(str(qwen2), dtype="float32").model_config.kv_sliding_window is None
+    assert EngineConfig.create(str(qwen2), dtype="float32").kv_groups.windows == (None,)
 
 
 @pytest.mark.parametrize("kernels", ["cpu", "reference"])

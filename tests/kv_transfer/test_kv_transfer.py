@@ -203,8 +203,9 @@ def test_pd_output_matches_one_engine(tiny_llama, connector):
 def test_pd_of_more_families_matches_transformers(family, request):
     """Gemma 2/3, Phi-3, a sliding-window Mistral, Mixtral and Qwen3-MoE across a transfer, with
     prompts past the windows: D's greedy tokens are transformers'. P keeps every block of a request
-    it exports (the pull reads them whole); D releases the Mistral's behind the window once they have
-    landed. One connector: either moves the blocks' bytes whatever the model (both are tested above)."""
+    it exports (the pull reads them whole); D releases the Mistral's and Gemma's local layers' behind
+    the window once they have landed. One connector: either moves the blocks' bytes whatever the
+    model (both are tested above)."""
     from helpers import hf_greedy
 
     connector = "torch_dist"
@@ -215,7 +216,8 @@ def test_pd_of_more_families_matches_transformers(family, request):
     p, d = make_engine(path, connector), make_engine(path, connector)
     for i, (ids, expected) in enumerate(zip(ids_list, want)):
         params = prefill(p, f"r{i}", ids)
-        assert len(params["remote_block_ids"]) == -(-len(ids) // 16)
+        # (Gemma's hybrid tables: each of its two layer groups' blocks, interleaved)
+        assert len(params["remote_block_ids"]) == -(-len(ids) // 16) * p.config.kv_groups.num_groups
         assert run_one(d, f"r{i}", ids, GREEDY, params, others=(p,)).outputs[0].token_ids == expected
         settle(p, d)
     assert d.stats().kv_transfer.load_failures == 0

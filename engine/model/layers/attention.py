@@ -32,6 +32,9 @@ class AttentionMetadata:
     prefill_query_lens: list[int] = field(default_factory=list)
     prefill_seq_lens: list[int] = field(default_factory=list)
     prefill_packed: Any = None          # the backend's kernels' form of the prefill segments
+    # With hybrid KV groups (records/kv_layout.py: KVGroups): each group's metadata (its slots and
+    # tables), this one being group 0's; a layer reads its own group's.
+    groups: list[AttentionMetadata] = field(default_factory=list)
 
 
 class AttentionBackend:
@@ -103,10 +106,13 @@ class Attention(nn.Module):
         # An fp8 KV cache's scales for this layer (EngineConfig.cache_config.kv_scales; set by the
         # worker): stored K = K / k_scale, V likewise.
         self.k_scale, self.v_scale = 1.0, 1.0
+        self.kv_group = 0           # its hybrid KV group (ModelRunner.set_kv_groups)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """query: [T, H, d]; key/value: [T, kvh, d]; returns [T, H, d]."""
         backend = self.backend or _default_backend(kernels_for(query), query.device.type)
+        if meta.groups:
+            meta = meta.groups[self.kv_group]
         return backend.attend(query, key, value, kv_cache, meta, self.scale, self.k_scale, self.v_scale,
                               self.window, self.softcap)

@@ -11,8 +11,8 @@ normalizes each head's q and k (as Qwen3).
 The residual stream is carried as Llama carries it, (hidden, residual) into the next norm, which
 adds them: the sandwich's extra norms act on the branch before it joins the stream, so the sums
 are transformers' own, in the same order. Weights load through LlamaForCausalLM's loader (the same
-HF names). Local and global layers share one block table, so with mixed layers the KV cache keeps
-every block a sequence has (the global layers read them); the local layers read only their window.
+HF names). Local and global layers keep their KV in separate block tables (records/kv_layout.py:
+KVGroups), so the local layers' blocks behind their window are freed while the global ones stay.
 """
 from __future__ import annotations
 
