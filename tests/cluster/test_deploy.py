@@ -706,6 +706,29 @@ def test_chart_mounts_the_tenants_file_from_a_secret(chart, crd_schemas):
     assert all("tenants" not in {v["name"] for v in pod["volumes"]} for _, pod, _ in containers(plain))
 
 
+def test_chart_serves_grpc_beside_http_when_asked(chart, crd_schemas):
+    """`grpc.enabled`: Serve's gRPC proxies serve pdserve's Generation service on `grpc.port` of
+    every Ray pod (a container port named grpc; the servicer function imports), listening as the
+    HTTP proxies do; off by default; a port the pods already use is refused."""
+    import importlib
+
+    service = one(render(chart, {"grpc": {"enabled": True, "port": 9100}}), "RayService")
+    crd_validate(service, crd_schemas)
+    check_serve_config(service)
+    options = serve_config(service)["grpc_options"]
+    assert options["port"] == 9100
+    (function,) = options["grpc_servicer_functions"]
+    module, name = function.rsplit(".", 1)
+    assert callable(getattr(importlib.import_module(module), name))
+    for _, _, container in containers(service):
+        assert {"name": "grpc", "containerPort": 9100} in container["ports"]
+    plain = one(render(chart, {}), "RayService")
+    assert "grpc_options" not in serve_config(plain)
+    assert all(p["name"] != "grpc" for _, _, c in containers(plain) for p in c["ports"])
+    with pytest.raises(Exception, match="grpc"):
+        render(chart, {"grpc": {"enabled": True, "port": 8265}})
+
+
 # --- one image, one Ray version ----------------------------------------------------------------------
 def test_image_and_ray_version_agree_across_deploy():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
