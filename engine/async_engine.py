@@ -276,6 +276,35 @@ class AsyncLLMEngine:
         self._wakeup.set()
         return await future
 
+    # --- weight updates, pause and resume (engine/weight_updates.py), between steps -----------------
+    async def pause(self, mode: str = "keep") -> None:
+        """Pause at the next step boundary ("keep", "abort": the ended requests' outputs go to their
+        callers; "wait": returns once the running requests have finished)."""
+        self._deliver(await self.between_steps(lambda: self.engine.weights.pause(mode)))
+        while mode == "wait" and self.engine.scheduler.running:
+            await self.wait_for_step(1.0)
+
+    async def resume(self) -> None:
+        await self.between_steps(self.engine.weights.resume)
+
+    async def update_weights(self, weights: list[tuple[str, Any]], version: str | None = None) -> str:
+        return await self.between_steps(lambda: self.engine.weights.from_tensors(weights, version))
+
+    async def update_weights_from_disk(self, path: str, version: str | None = None) -> str:
+        return await self.between_steps(lambda: self.engine.weights.from_disk(path, version))
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, backend: str = "gloo") -> None:
+        await self.between_steps(lambda: self.engine.weights.join_group(master_address, master_port, rank_offset,
+                                                                        world_size, backend))
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              version: str | None = None) -> str:
+        return await self.between_steps(lambda: self.engine.weights.from_group(names, dtypes, shapes, version))
+
+    async def check_weights(self, shapes: dict[str, list[int]]) -> None:
+        await self.between_steps(lambda: self.engine.weights.check(shapes))
+
     async def lease_prefix(self, block_hashes: list[bytes], adapter: str = "") -> dict[str, Any] | None:
         """LLMEngine.lease_prefix, between steps."""
         return await self.between_steps(lambda: self.engine.lease_prefix(block_hashes, adapter))

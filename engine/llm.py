@@ -56,6 +56,36 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+    # --- weight updates (RL: engine/weight_updates.py; vLLM's and SGLang's names) -------------------
+    @property
+    def weight_version(self) -> str:
+        """The version of the weights serving now ("0" as loaded; each update's, or its count)."""
+        return self.llm_engine.weights.version
+
+    def update_weights(self, weights: list[tuple[str, Any]], version: str | None = None) -> str:
+        """Load HF-named whole tensors into every rank (checked first: ValueError naming a tensor
+        the checkpoint does not have with that shape, nothing changed); returns the new version."""
+        return self.llm_engine.weights.from_tensors(list(weights), version)
+
+    def update_weights_from_disk(self, path: str, version: str | None = None) -> str:
+        """`update_weights` from a safetensors checkpoint directory of the same model."""
+        return self.llm_engine.weights.from_disk(path, version)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, backend: str = "gloo") -> None:
+        """Join a trainer's weight-update group (engine/worker/weight_sync.py: WeightUpdateGroup; the
+        trainer is rank 0, this engine's ranks rank_offset on); blocks until every member joined."""
+        self.llm_engine.weights.join_group(master_address, master_port, rank_offset, world_size, backend)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        version: str | None = None) -> str:
+        """Receive the trainer's broadcast of these tensors, in this order (check_weights first)."""
+        return self.llm_engine.weights.from_group(names, dtypes, shapes, version)
+
+    def check_weights(self, shapes: dict[str, list[int]]) -> None:
+        """ValueError naming a tensor that an update of these names and shapes would be refused for."""
+        self.llm_engine.weights.check(shapes)
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

@@ -23,6 +23,7 @@ from engine.sample.structured_output import compiler_for
 from engine.spec_decode import make_proposer, max_proposals
 from engine.telemetry import RequestTelemetry
 from engine.text.tokenizer import eos_token_ids, shared_tokenizer
+from engine.weight_updates import WeightUpdates
 from kv_transfer.base import KVConnectorScheduler
 from records.config import EngineConfig
 from records.engine_stats import EngineStats, SpecDecodeStats
@@ -74,6 +75,8 @@ class LLMEngine:
         # Its KV transfers (P/D, peer prefixes), from a request's parameters to its blocks' release.
         self.transfers = (KVTransfers(self.kv_connector, self.executor, self.kv_cache_manager, self.scheduler,
                                       self.output) if self.kv_connector is not None else None)
+        # A trainer's weight updates, their versions, pause and resume (engine/weight_updates.py).
+        self.weights = WeightUpdates(self)
 
     # --- intake -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
@@ -130,6 +133,8 @@ class LLMEngine:
                                  "kv_connector='nixl' or 'torch_dist'")
             self.transfers.attach(leader, new.kv_transfer_params)
         children = [leader, *leader.fork_children]
+        for child in children:
+            self.weights.start(child)
         trace_context = new.trace_context
         if trace_context is None and tracing.enabled():
             trace_context = {}          # traced all the same, as a trace of its own (vLLM's offline tracing)
@@ -206,6 +211,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that advanced or finished."""
+        if not self.weights.stepping:            # paused at this step boundary
+            self.last_step_idle = True
+            return []
         if self.scheduler.max_concurrent_batches > 1:
             return self._step_pipelined()
         outputs = self.transfers.poll() if self.transfers is not None else []

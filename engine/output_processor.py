@@ -62,7 +62,8 @@ class ChoiceState:
             cumulative_logprob=self.cumulative_logprob if logprobs else None,
             logprobs=self.logprobs[first:] if logprobs else None,
             finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-            error=self.request.error if self.finish_reason == "error" else None)
+            error=self.request.error if self.finish_reason == "error" else None,
+            weight_versions=list(r.weight_versions))
 
 
 @dataclass(slots=True)
@@ -267,6 +268,20 @@ class OutputProcessor:
             if child.finish_reason is None or child.request.request_id in running:
                 child.finish_reason, child.stop_reason = "error", reason
 
+    def abort_all(self) -> list[RequestOutput]:
+        """End every request with finish reason "abort", keeping what it generated (pause "abort":
+        engine/weight_updates.py): their final outputs; their blocks are freed."""
+        outputs = []
+        for state in list(self.states.values()):
+            running = [c.request.request_id for c in state.children if not c.request.is_finished]
+            self.finish_requests(running, RequestStatus.FINISHED_ABORTED)
+            for child in state.children:
+                if child.finish_reason is None:
+                    child.finish_reason = "abort"
+            outputs.append(self.make_output(state))
+            self.forget(state)
+        return outputs
+
     def make_output(self, state: RequestState, plain: bool = False) -> RequestOutput:
         """The request's output: cumulative, or only what is new for output_kind "delta" (prompt
         logprobs too: those computed since the last output, as vLLM's DELTA outputs send them);
@@ -293,6 +308,7 @@ class OutputProcessor:
             outputs=completions, finished=state.finished, prompt_logprobs=prompt_lps,
             num_cached_tokens=leader.num_cached_tokens, kv_transfer_params=state.kv_transfer_params,
             embedding=leader.embedding,
+            weight_version=leader.weight_versions[-1][1] if leader.weight_versions else None,
             metrics={"arrival_time": state.arrival_time, "first_token_time": state.first_token_time or 0.0,
                      **state.metrics})
 

@@ -29,6 +29,9 @@ class CompletionOutput:
     # finish_reason "error": what failed, when the engine knows better than RequestFailedError
     # (a KV pull: KVTransferError); stop_reason then holds its message.
     error: Exception | None = None
+    # The weights that produced its tokens: (first token index, version) per range (more than one
+    # where a weight update came while it ran: engine/weight_updates.py)
+    weight_versions: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -48,3 +51,4 @@ class RequestOutput:
     kv_transfer_params: dict[str, Any] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     embedding: list[float] | None = None       # an embedding request's pooled vector, once finished
+    weight_version: str | None = None          # the weights that produced its latest tokens

@@ -97,6 +97,9 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.max_tokens = max_tokens                # resolved: never None
+        # The weights that produced its tokens: (first output token, version) per range, one range
+        # unless a weight update came while it ran (engine/weight_updates.py)
+        self.weight_versions: list[tuple[int, str]] = []
         self.arrival_time = arrival_time if arrival_time is not None else clock.monotonic()
         self.priority = sampling_params.priority
         self.status = RequestStatus.WAITING

@@ -159,9 +159,10 @@ class BlockPool:
         if removed:
             self._record(BlockRemoved(removed))
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cache entry; refused (False) while any block is in use."""
-        if self.num_free_blocks != self.num_blocks:
+    def reset_prefix_cache(self, force: bool = False) -> bool:
+        """Forget every cache entry; refused (False) while any block is in use, unless `force` (a
+        weight update: every block's KV is the old weights')."""
+        if self.num_free_blocks != self.num_blocks and not force:
             return False
         for block in self.blocks:
             block.block_hash = None

@@ -63,6 +63,7 @@ class KVCacheManager:
         # list changes other than by growing.
         self._block_ids: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}       # leading blocks already registered as cached
+        self.uncacheable: set[str] = set()                # requests whose blocks are never cached (old weights)
         # CPU pool for swap preemption: block ids only; the worker owns the tensors.
         self.num_cpu_blocks = num_cpu_blocks
         self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
@@ -295,9 +296,9 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the blocks that will be full once `num_tokens` tokens are computed."""
-        if not self.enable_caching:
-            return
         rid = request.request_id
+        if not self.enable_caching or rid in self.uncacheable:
+            return
         start = self.num_cached_blocks.get(rid, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
         if end > start:
@@ -323,6 +324,7 @@ class KVCacheManager:
         self.block_pool.free_blocks(list(reversed(blocks)))
         self.num_cached_blocks.pop(rid, None)
         self.num_released.pop(rid, None)
+        self.uncacheable.discard(rid)
         self.free_cpu_blocks.extend(c for c in self.swapped.pop(rid, []) if c >= 0)
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -352,11 +354,13 @@ class KVCacheManager:
             return None
         cpu_ids = [-1 if b is NULL_BLOCK else self.free_cpu_blocks.pop() for b in used]
         mapping = [(b.block_id, c) for b, c in zip(used, cpu_ids) if c >= 0]
-        released = self.num_released.get(rid, 0)
+        released, marked = self.num_released.get(rid, 0), rid in self.uncacheable
         self.free(request)
         self.swapped[rid] = cpu_ids
         if released:
             self.num_released[rid] = released
+        if marked:
+            self.uncacheable.add(rid)
         return mapping
 
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
@@ -377,10 +381,13 @@ class KVCacheManager:
         self.cache_full_blocks(request, request.num_computed_tokens)
         return [(c, b.block_id) for c, b in zip(cpu_ids, blocks) if c >= 0]
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block, in the pool and the tier (refused while blocks are in use)."""
-        if not self.block_pool.reset_prefix_cache():
+    def reset_prefix_cache(self, force: bool = False) -> bool:
+        """Forget every cached block, in the pool and the tier (refused while blocks are in use,
+        unless `force`: a weight update, after which the requests holding blocks, their KV the old
+        weights', register none of theirs either)."""
+        if not self.block_pool.reset_prefix_cache(force):
             return False
+        self.uncacheable.update(self.req_to_blocks, self.swapped)
         if self.tier is not None:
             self.tier.clear()
         return True
@@ -406,6 +413,7 @@ class KVCacheManager:
         assert self.block_pool.num_free_blocks == self.block_pool.num_blocks
         assert len(self.free_cpu_blocks) == self.num_cpu_blocks
         assert not self.num_released, f"released-block counts outlive their requests: {list(self.num_released)}"
+        assert not self.uncacheable, f"requests outlive their uncacheable mark: {list(self.uncacheable)}"
         if self.tier is not None:         # every tier slot is either free or holds one block
             for medium, entries in self.tier.entries.items():
                 slots = sorted([*entries.values(), *self.tier.free[medium]])

@@ -55,15 +55,14 @@ class Scheduler:
                  connector: KVConnectorScheduler | None = None, load_failure_policy: str = "recompute",
                  max_concurrent_batches: int = 1) -> None:
         self.config = config
-        # Pipeline stages: up to this many batches run at once (stage s on one while stage s + 1
-        # runs another). A request is in at most one of them (`in_flight` until its output is back),
-        # and each batch takes at most 1/max_concurrent_batches of the running requests, so decodes
-        # split into batches that alternate through the stages.
+        # Pipeline stages: up to this many batches run at once (stage s on one while stage s + 1 runs
+        # another). A request is in at most one of them (`in_flight` until its output is back), and each
+        # batch takes at most 1/max_concurrent_batches of the running requests: decodes alternate.
         self.max_concurrent_batches = max_concurrent_batches
         self.in_flight: set[str] = set()
         self.kv = kv_cache_manager
-        self.loads = (KVLoads(connector, kv_cache_manager, load_failure_policy)
-                      if connector is not None else None)
+        self.loads = KVLoads(connector, kv_cache_manager, load_failure_policy) if connector is not None else None
+        self.admitting = True           # False: waiting requests stay waiting (a pause, engine/weight_updates.py)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -145,7 +144,8 @@ class Scheduler:
         """Pick this step's requests and token counts, allocating their blocks (may preempt)."""
         step = _Step(self.config.max_num_batched_tokens)
         self._schedule_running(step)
-        self._schedule_waiting(step)
+        if self.admitting:
+            self._schedule_waiting(step)
         assert not (step.swap_in and step.swap_out), "swap-in and swap-out never share a step"
         self.in_flight.update(step.num_new)
         tier_saves, tier_loads = self.kv.tier.take_orders() if self.kv.tier is not None else ([], [])

@@ -70,6 +70,10 @@ class Executor:
     def collect(self) -> ModelRunnerOutput:
         raise NotImplementedError
 
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call Worker.`method` on every rank at once (between steps); results in rank order."""
+        raise NotImplementedError(f"{type(self).__name__} runs no workers to call {method} on")
+
     def tier_stats(self) -> dict[str, float]:
         raise NotImplementedError
 

@@ -45,6 +45,9 @@ class InProcessExecutor(Executor):
             engine_id, address = self.worker.kv_address()
             self.kv = KVWorkerGroup(engine_id, [address])
 
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
+
     def kv_blocks(self, block_ids: list[int]) -> list[Any]:
         return [self.worker.kv_blocks(block_ids)]
 
@@ -222,6 +225,11 @@ class RayExecutor(Executor):
 
     def expert_load(self) -> list[dict[int, int]]:
         return self._wait([w.expert_load.options(concurrency_group="control").remote() for w in self.workers])
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        # (the control group: the step loop's thread waits on the step channel meanwhile)
+        return self._wait([getattr(w, method).options(concurrency_group="control").remote(*args)
+                           for w in self.workers])
 
     def placements(self) -> list[dict[str, Any]]:
         return self._wait([w.placement.options(concurrency_group="control").remote() for w in self.workers])

@@ -29,6 +29,7 @@ from engine.worker.kv_tier_store import TierStore
 from engine.worker.lora_slots import LoRASlots
 from engine.worker.model_runner import ModelRunner
 from engine.worker.step_codec import StepDecoder
+from engine.worker.weight_sync import WeightSync
 from kernels.dispatch import FP8_MIN_CAPABILITY, cuda_capability, has_fp8
 from kernels.reference import GGUF_BLOCK_BYTES
 from kv_transfer.base import KVConnectorWorker
@@ -108,7 +109,9 @@ class Worker:
         cls = get_model_class(mc.architecture)
         with torch.device(self.device):
             model = cls(mc.hf_config, mc.torch_dtype, mc.max_model_len)
-        model.load_weights(model_weights(mc), dense_copies=mc.quantization.endswith("+dense"))
+        self.weight_sync = WeightSync()
+        model.load_weights(self.weight_sync.recording(model_weights(mc)),
+                           dense_copies=mc.quantization.endswith("+dense"))
         if mc.quantize_activations:
             for module in model.modules():
                 if getattr(module, "qtype", None) in GGUF_BLOCK_BYTES:
@@ -272,6 +275,35 @@ class Worker:
         """Run one step; the output on the driver rank (TP 0 of the last stage), None elsewhere."""
         assert self.runner is not None
         return self.runner.execute(sched)
+
+    # --- weight updates (engine/worker/weight_sync.py; the engine runs them between steps) ----------
+    def check_weights(self, shapes: dict[str, list[int]]) -> None:
+        """ValueError naming a tensor this model's checkpoint does not have with that shape."""
+        assert self.runner is not None
+        self.weight_sync.check(self.runner.model, shapes)
+
+    def update_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Load these HF-named whole tensors (checked first) into the model."""
+        assert self.runner is not None
+        self.weight_sync.check(self.runner.model, {name: list(t.shape) for name, t in weights})
+        self.weight_sync.apply(self.runner.model, weights)
+        self.runner.decode_plan = False             # rebuilt at the next decode step
+
+    def update_weights_from_disk(self, path: str) -> None:
+        assert self.runner is not None
+        self.weight_sync.from_disk(self.runner.model, path, self.config.model_config.hf_config)
+        self.runner.decode_plan = False
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, backend: str) -> None:
+        """Join the trainer's weight-update group as member `rank_offset` + this rank."""
+        self.weight_sync.join(master_address, master_port, rank_offset + self.rank, world_size, backend)
+
+    def update_weights_from_group(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+        """Receive these tensors from the group's trainer (after `check_weights` passed on every rank)."""
+        assert self.runner is not None
+        self.weight_sync.from_group(self.runner.model, names, dtypes, shapes, self.device)
+        self.runner.decode_plan = False
 
     def expert_load(self) -> dict[int, int]:
         """Rows (token, expert) each MoE expert this rank holds has run, summed over its layers,

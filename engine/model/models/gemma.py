@@ -98,11 +98,12 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.embed_scale = config.hidden_size ** 0.5
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]], dense_copies: bool = False) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]], dense_copies: bool = False,
+                     partial: bool = False) -> None:
         """LlamaForCausalLM's, from a text checkpoint or a multimodal one (Gemma3ForConditionalGeneration:
         the language model's tensors under `language_model.` or `model.language_model.`; the
         vision tower and its projector are not loaded)."""
-        super().load_weights(_text_weights(weights), dense_copies)
+        super().load_weights(_text_weights(weights), dense_copies, partial)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

@@ -192,9 +192,10 @@ class LlamaForCausalLM(nn.Module):
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFWeight]],
-                     dense_copies: bool = False) -> None:
+                     dense_copies: bool = False, partial: bool = False) -> None:
         """Load HF-named tensors (GGUFWeights: kept in their blocks; with `dense_copies` each such layer
-        also keeps its weight dense for large batches); ValueError if any parameter was left unloaded."""
+        also keeps its weight dense for large batches); ValueError if any parameter was left unloaded,
+        unless `partial` (a weight update into a loaded model: engine/worker/weight_sync.py)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
@@ -225,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
             param.weight_loader(param, tensor, shard)
             loaded.add(name if shard is None else f"{name}:{shard}")
         missing = [n for n in params if n not in loaded and not any(k.startswith(n + ":") for k in loaded)]
-        if missing:
+        if missing and not partial:
             raise ValueError(f"checkpoint lacks tensors for: {missing[:5]}")
         for module in self.modules():
             if isinstance(module, Linear):

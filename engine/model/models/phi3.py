@@ -16,8 +16,8 @@ from engine.model.models.llama import LlamaForCausalLM
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFWeight]],
-                     dense_copies: bool = False) -> None:
-        super().load_weights(self._unfused(weights), dense_copies)
+                     dense_copies: bool = False, partial: bool = False) -> None:
+        super().load_weights(self._unfused(weights), dense_copies, partial)
 
     def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         config = self.config

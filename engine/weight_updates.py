@@ -1,0 +1,99 @@
+"""An engine's weights as a trainer changes them (RL rollouts): updates on every rank between steps,
+the weight version each request's tokens came from, and pause / resume at a step boundary.
+
+Updates (engine/worker/weight_sync.py does each rank's part): from a checkpoint directory, from
+tensors (in-process, or Ray object references through the executor), or broadcast by the trainer
+over a weight-update group its ranks joined. Each is checked on every rank before any tensor changes
+(a wrong name or shape is a ValueError naming it; the old weights keep serving). After one, the prefix
+cache and the offload tier forget every block (their KV is the old weights'; the router's index hears
+AllCleared), the requests holding blocks register none of theirs, and the version moves on: each
+request records (first output token, version) per range, so a sequence that ran across the update
+(pause "keep", the partial rollouts of RL frameworks) says which tokens came from which weights.
+
+Pause modes (SGLang's and vLLM's): "keep" stops stepping, every request keeping its place and KV;
+"abort" ends every request with finish reason "abort" and what it generated, and stops; "wait" lets
+running requests finish and admits no waiting one. `resume` goes on. Requests that arrive while
+paused wait.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.llm_engine import LLMEngine
+    from records.outputs import RequestOutput
+
+PAUSE_MODES = ("keep", "abort", "wait")
+
+
+class WeightUpdates:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.version = "0"
+        self.num_updates = 0
+        self.paused: str | None = None       # a PAUSE_MODES entry while paused
+
+    # --- pause ------------------------------------------------------------------------------------
+    def pause(self, mode: str = "keep") -> list[RequestOutput]:
+        """Pause at this step boundary; the outputs of requests ended ("abort"), else []."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}; got {mode!r}")
+        self.paused = mode
+        self.engine.scheduler.admitting = mode != "wait"
+        return self.engine.output.abort_all() if mode == "abort" else []
+
+    @property
+    def stepping(self) -> bool:
+        """Whether the engine runs steps now (not paused "keep" or "abort")."""
+        return self.paused in (None, "wait")
+
+    def resume(self) -> None:
+        self.paused = None
+        self.engine.scheduler.admitting = True
+
+    # --- updates ----------------------------------------------------------------------------------
+    def check(self, shapes: dict[str, Sequence[int]]) -> None:
+        """ValueError naming a tensor the model's checkpoint does not have with that shape."""
+        self.engine.executor.collective_rpc("check_weights", {n: list(s) for n, s in shapes.items()})
+
+    def from_tensors(self, weights: list[tuple[str, torch.Tensor]], version: str | None = None) -> str:
+        self.engine.executor.collective_rpc("update_weights", weights)
+        return self._updated(version)
+
+    def from_disk(self, path: str, version: str | None = None) -> str:
+        self.engine.executor.collective_rpc("update_weights_from_disk", path)
+        return self._updated(version)
+
+    def join_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   backend: str = "gloo") -> None:
+        """Every rank joins the trainer's weight-update group (ranks rank_offset ...)."""
+        self.engine.executor.collective_rpc("init_weights_update_group", master_address, master_port,
+                                            rank_offset, world_size, backend)
+
+    def from_group(self, names: list[str], dtypes: list[str], shapes: list[Sequence[int]],
+                   version: str | None = None) -> str:
+        """Receive the trainer's broadcast of these tensors, in order (checked on every rank first:
+        a trainer should `check` before it sends, since a refused update receives nothing)."""
+        self.check(dict(zip(names, shapes, strict=True)))
+        self.engine.executor.collective_rpc("update_weights_from_group", names, dtypes, [list(s) for s in shapes])
+        return self._updated(version)
+
+    def _updated(self, version: str | None) -> str:
+        engine = self.engine
+        self.num_updates += 1
+        self.version = str(version) if version is not None else str(self.num_updates)
+        engine.kv_cache_manager.reset_prefix_cache(force=True)
+        for request in engine.scheduler.requests.values():
+            self.start(request, len(request.output_token_ids))
+        return self.version
+
+    def start(self, request: Any, first_token: int = 0) -> None:
+        """The current version produces the request's tokens from `first_token` on."""
+        ranges = request.weight_versions
+        if ranges and ranges[-1][0] == first_token:
+            ranges[-1] = (first_token, self.version)
+        else:
+            ranges.append((first_token, self.version))

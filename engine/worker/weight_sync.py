@@ -1,0 +1,126 @@
+"""Weight updates into a loaded model, in place (a trainer's new weights between RL rollouts): from a
+checkpoint directory, from tensors, or broadcast over a collective group the trainer joins.
+
+Every update is checked whole before anything changes (`WeightSync.check`): each name must be one
+the model's checkpoint had, with the shape it had there, so a wrong name or shape leaves the old
+weights serving. Names and shapes are the HF checkpoint's (`q_proj`, not the fused `qkv_proj`; whole
+tensors, not TP shards): the model's loader cuts each rank's share, as at load. Weights kept
+quantized (GGUF blocks, int8, fp8) take no update: serve the model with quantization="none".
+
+`WeightUpdateGroup` is a torch.distributed group of its own (gloo on CPU, NCCL on GPU) made from a
+TCP store, beside the default group the engine's TP ranks use: rank 0 is the trainer, an engine's
+ranks follow from the `rank_offset` it is given. Both sides hold one.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.loading.weights import iterate_weights
+
+
+class WeightUpdateGroup:
+    """One member of a weight-update group: `broadcast` sends (rank 0, the trainer) or receives."""
+
+    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
+                 backend: str = "gloo", timeout_s: float = 600.0) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl'; got {backend!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
+        timeout = timedelta(seconds=timeout_s)
+        # Every member connects before the group forms (the trainer's store waits for them all).
+        self.store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        if backend == "gloo":
+            self.group = dist.ProcessGroupGloo(dist.PrefixStore("pdserve-weights", self.store), rank, world_size,
+                                               timeout)
+        else:
+            self.group = dist.ProcessGroupNCCL(dist.PrefixStore("pdserve-weights", self.store), rank, world_size)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """`tensor` from rank `src` into every member's `tensor` (in place)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        self.group.broadcast([tensor], options).wait()
+        return tensor
+
+
+def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """The tensors' shapes of a safetensors checkpoint directory, read from its headers."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"update_weights_from_disk: {path!r} has no *.safetensors files")
+    shapes = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+class WeightSync:
+    """A loaded model's update side: the checkpoint's names and shapes (recorded at load by
+    `recording`), the check, and the in-place load."""
+
+    def __init__(self) -> None:
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.group: WeightUpdateGroup | None = None
+
+    def recording(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """`weights` as they stream into the model at load, their names and shapes noted."""
+        for name, tensor in weights:
+            self.shapes[name] = tuple(tensor.shape)
+            yield name, tensor
+
+    def check(self, model: torch.nn.Module, shapes: dict[str, Sequence[int]]) -> None:
+        """ValueError naming the first tensor the model's checkpoint does not have with this shape
+        (or why the model takes no update); nothing changes either way."""
+        quantized = sorted({q for m in model.modules() if (q := getattr(m, "qtype", None)) is not None})
+        if quantized:
+            raise ValueError(f"update_weights: this model keeps {', '.join(quantized)} weights, which take no "
+                             f"update; serve it with quantization='none' to update its weights")
+        if not shapes:
+            raise ValueError("update_weights: no tensors given")
+        for name, shape in shapes.items():
+            expected = self.shapes.get(name)
+            if expected is None:
+                known = ", ".join(sorted(self.shapes)[:3])
+                raise ValueError(f"update_weights: {name!r} is not a tensor of this model's checkpoint (its names "
+                                 f"are HF's, e.g. {known})")
+            if tuple(shape) != expected:
+                raise ValueError(f"update_weights: {name!r} has shape {list(shape)}; this model's checkpoint has "
+                                 f"{list(expected)}")
+
+    @staticmethod
+    def apply(model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the (checked) tensors into the model in place, then redo what loading does after
+        (prepacked GEMM weights)."""
+        model.load_weights(weights, partial=True)
+
+    def from_disk(self, model: Any, path: str, hf_config: Any) -> None:
+        self.check(model, checkpoint_shapes(path))
+        self.apply(model, iterate_weights(path, None, hf_config))
+
+    def join(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str) -> None:
+        self.group = WeightUpdateGroup(master_address, master_port, rank, world_size, backend)
+
+    def from_group(self, model: Any, names: list[str], dtypes: list[str], shapes: list[Sequence[int]],
+                   device: torch.device) -> None:
+        """Receive each tensor from the group's rank 0, in order, then load them. The trainer sends
+        them after this rank was asked (all ranks check first: a refused update sends nothing)."""
+        if self.group is None:
+            raise ValueError("update_weights: no weight-update group (init_weights_update_group first)")
+        received = []
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            tensor = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=device)
+            received.append((name, self.group.broadcast(tensor)))
+        self.apply(model, received)

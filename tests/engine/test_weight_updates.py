@@ -1,0 +1,201 @@
+"""Weight updates into a running engine (RL: engine/weight_updates.py, engine/worker/weight_sync.py):
+from a checkpoint directory, from tensors and over a gloo group a trainer joins, each token-identical
+to a fresh engine loaded with the new weights; refused whole (naming the tensor) on a wrong name or
+shape; the prefix cache forgets the old weights' blocks; every output says which weights produced
+it; pause keep / abort / wait and resume at a step boundary."""
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import shutil
+import socket
+import threading
+
+import pytest
+import torch
+from helpers import mixed_prompts
+
+from engine import LLM, SamplingParams
+from engine.async_engine import AsyncLLMEngine
+from engine.worker.weight_sync import WeightUpdateGroup
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _tensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        out.update(load_file(file))
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_llama, tmp_path_factory) -> str:
+    """tiny_llama after a "training step": every tensor perturbed, saved as a checkpoint of its own."""
+    from safetensors.torch import save_file
+
+    out = tmp_path_factory.mktemp("trained")
+    for name in os.listdir(tiny_llama):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(tiny_llama, name), out / name)
+    g = torch.Generator().manual_seed(7)
+    new = {n: (t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype)).contiguous()
+           for n, t in _tensors(tiny_llama).items()}
+    save_file(new, str(out / "model.safetensors"))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return mixed_prompts(1000, seed=31)
+
+
+@pytest.fixture(scope="module")
+def before_after(tiny_llama, trained, prompts) -> tuple[list[list[int]], list[list[int]]]:
+    """What fresh engines of the old and the new weights generate."""
+    out = []
+    for path in (tiny_llama, trained):
+        llm = LLM(path, dtype="float32")
+        out.append([o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)])
+    assert out[0] != out[1]
+    return out[0], out[1]
+
+
+def _run(llm: LLM, prompts: list[list[int]]):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+
+
+def test_update_from_disk_serves_the_new_weights_and_forgets_old_blocks(tiny_llama, trained, prompts, before_after):
+    old, new = before_after
+    llm = LLM(tiny_llama, dtype="float32")
+    outs = _run(llm, prompts)
+    assert [o.outputs[0].token_ids for o in outs] == old
+    assert {o.weight_version for o in outs} == {"0"} and outs[0].outputs[0].weight_versions == [(0, "0")]
+    assert llm.update_weights_from_disk(trained) == "1" and llm.weight_version == "1"
+    outs = _run(llm, prompts)
+    assert [o.outputs[0].token_ids for o in outs] == new
+    # The same prompts ran before: no block of the old weights is taken.
+    assert all(o.num_cached_tokens == 0 for o in outs) and {o.weight_version for o in outs} == {"1"}
+    again = _run(llm, prompts)                   # the new weights' blocks are cached as usual
+    assert [o.outputs[0].token_ids for o in again] == new and max(o.num_cached_tokens for o in again) > 0
+    llm.llm_engine.check_no_leaks()
+
+
+def test_a_wrong_name_or_shape_is_refused_and_the_old_weights_keep_serving(tiny_llama, trained, prompts,
+                                                                          before_after, tmp_path):
+    old, _ = before_after
+    llm = LLM(tiny_llama, dtype="float32")
+    weights = _tensors(trained)
+    name = "model.layers.0.mlp.down_proj.weight"
+    bad = [(n, t) for n, t in weights.items() if n != name] + [(name, torch.zeros(3, 3))]
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.down_proj.weight' has shape \[3, 3\]"):
+        llm.update_weights(bad)
+    with pytest.raises(ValueError, match="'model.layers.0.mlp.gate.weight' is not a tensor of this model"):
+        llm.update_weights([("model.layers.0.mlp.gate.weight", torch.zeros(3))])
+    # A checkpoint directory with one wrong shape: checked from its headers before anything loads.
+    from safetensors.torch import save_file
+
+    save_file({**weights, name: torch.zeros(3, 3)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="down_proj.weight' has shape"):
+        llm.update_weights_from_disk(str(tmp_path))
+    assert llm.weight_version == "0" and [o.outputs[0].token_ids for o in _run(llm, prompts)] == old
+    # Quantized weights take no update, by name.
+    gguf = LLM(None, max_model_len=256)
+    with pytest.raises(ValueError, match="quantization='none'"):
+        gguf.check_weights({"model.norm.weight": [576]})
+
+
+def test_update_from_tensors_and_over_a_gloo_group(tiny_llama, trained, prompts, before_after):
+    """A trainer (here a thread: rank 0 of a gloo group) broadcasts each tensor; the engine receives
+    them into the model's shards."""
+    _, new = before_after
+    weights = _tensors(trained)
+    llm = LLM(tiny_llama, dtype="float32")
+    assert llm.update_weights(list(weights.items()), version="step-1") == "step-1"
+    assert [o.outputs[0].token_ids for o in _run(llm, prompts)] == new
+
+    llm = LLM(tiny_llama, dtype="float32")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    names = list(weights)
+    errors: list[BaseException] = []
+
+    def trainer() -> None:
+        try:
+            group = WeightUpdateGroup("127.0.0.1", port, 0, 2)
+            for name in names:
+                group.broadcast(weights[name].clone())
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    llm.init_weights_update_group("127.0.0.1", port, 1, 2)
+    llm.check_weights({n: list(weights[n].shape) for n in names})
+    version = llm.update_weights_from_distributed(names, [str(weights[n].dtype).removeprefix("torch.")
+                                                          for n in names], [list(weights[n].shape) for n in names])
+    thread.join()
+    assert not errors and version == "1"
+    assert [o.outputs[0].token_ids for o in _run(llm, prompts)] == new
+
+
+def test_pause_keep_abort_wait_and_resume(tiny_llama, trained, prompts):
+    """keep: requests wait with their KV, an update lands, they go on and say which tokens came from
+    which weights; abort: they end with what they generated, finish reason "abort"; wait: running
+    requests finish, waiting ones stay until resume."""
+
+    async def main() -> None:
+        engine = AsyncLLMEngine.from_args(tiny_llama, dtype="float32", max_num_seqs=2)
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+        async def collect(rid: str, prompt: list[int]):
+            last = None
+            async for out in engine.generate(rid, prompt, params):
+                last = out
+            return last
+
+        # keep -> update -> resume: the streams span the update
+        tasks = [asyncio.create_task(collect(f"k{i}", p)) for i, p in enumerate(prompts[:2])]
+        while engine.engine.output.num_generation_tokens < 10:
+            await asyncio.sleep(0.01)
+        await engine.pause("keep")
+        produced = engine.engine.output.num_generation_tokens
+        await asyncio.sleep(0.2)
+        assert engine.engine.output.num_generation_tokens == produced        # nothing steps
+        assert await engine.update_weights_from_disk(trained) == "1"
+        await engine.resume()
+        for out in await asyncio.gather(*tasks):
+            (first, v0), (switch, v1) = out.outputs[0].weight_versions
+            assert (first, v0, v1) == (0, "0", "1") and 0 < switch < 40 and out.weight_version == "1"
+            assert out.outputs[0].finish_reason == "length"
+
+        # abort: partial outputs, finish reason "abort"
+        tasks = [asyncio.create_task(collect(f"a{i}", p)) for i, p in enumerate(prompts[2:4])]
+        while engine.engine.output.num_generation_tokens < produced + 100:
+            await asyncio.sleep(0.01)
+        await engine.pause("abort")
+        for out in await asyncio.gather(*tasks):
+            assert out.finished and out.outputs[0].finish_reason == "abort"
+            assert 0 < len(out.outputs[0].token_ids) < 40
+        await engine.resume()
+
+        # wait: two run to the end, the third waits until resume
+        tasks = [asyncio.create_task(collect(f"w{i}", p)) for i, p in enumerate(prompts[4:7])]
+        while len(engine.engine.scheduler.running) < 2:
+            await asyncio.sleep(0.01)
+        await engine.pause("wait")
+        assert not engine.engine.scheduler.running and len(engine.engine.scheduler.waiting) == 1
+        assert all(out.outputs[0].finish_reason == "length" for out in await asyncio.gather(*tasks[:2]))
+        await asyncio.sleep(0.2)
+        assert not tasks[2].done() and len(engine.engine.scheduler.waiting) == 1
+        await engine.resume()
+        assert (await tasks[2]).outputs[0].finish_reason == "length"
+        engine.engine.check_no_leaks()
+        await engine.shutdown()
+
+    asyncio.run(main())
