@@ -284,6 +284,9 @@ def _format_deployment(out: dict, title: str) -> str:
              + (f"; {out['updating']}" if out.get("updating") else "")]
     if out.get("ingress") is not None:
         lines.append("ingress: " + ", ".join(f"{n} {state.lower()}" for state, n in out["ingress"].items()))
+    if out.get("weight_version") is not None:
+        lines.append(f"weights: version {out['weight_version']}"
+                     + (f"; paused ({out['paused']})" if out.get("paused") else ""))
     tracing = out.get("tracing") or {}
     lines.append(f"tracing: {tracing.get('otlp_traces_endpoint') or 'off'}; request log: "
                  f"{'on' if tracing.get('log_requests') else 'off'}")

@@ -45,6 +45,7 @@ from cluster.pool import EnginePool
 from cluster.reconcile import reconcile_pools
 from cluster.scale_to_zero import ScaleToZero
 from cluster.sleep import ModelSleep
+from cluster.weights import ModelWeights
 from engine.executor.ray_cluster import HEAD_NODE_RESOURCE
 from records.config import EngineConfig
 from records.errors import StartupError
@@ -92,6 +93,7 @@ class ClusterManager:
         self.pools: dict[str, EnginePool] = {}
         self.autoscaling = Autoscaling()
         self.sleeping = ModelSleep()
+        self.weights_state = ModelWeights()       # a trainer's updates, pause and resume (cluster/weights.py)
         self.to_zero: ScaleToZero | None = None   # set when the model scales to zero (`_configure`)
         # A manager Ray restarted serves the spec last applied, at the sizes last set.
         stored = _load_state(config.name)
@@ -115,6 +117,8 @@ class ClusterManager:
         self.pools = {name: EnginePool(name, spec, resolved.get(name) or config.engine_config(name), config.name,
                                        on_change=self._bump)
                       for name, spec in config.pools.items()}
+        for pool in self.pools.values():
+            pool.after_load = self.weights_state.on_join
         self.autoscaling.configure(config.pools)
         self.to_zero = ScaleToZero.of(config.pools)
 
@@ -268,7 +272,7 @@ class ClusterManager:
         return {"name": self.config.name, "app": self.config.app or self.config.name,
                 "models": self.config.serving.served_model_names, "fingerprint": self.fingerprint, "phase": self.phase,
                 "reason": self.reason, "updating": self.updating, "mode": self.config.mode,
-                "sleep_level": self.sleeping.level,
+                "sleep_level": self.sleeping.level, **self.weights_state.state(),
                 "tracing": {"otlp_traces_endpoint": serving.otlp_traces_endpoint, "log_requests": serving.log_requests},
                 "pools": self.pool_status()}
 
@@ -292,6 +296,11 @@ class ClusterManager:
 
     def is_sleeping(self) -> dict[str, Any]:
         return {"is_sleeping": self.sleeping.level > 0, "level": self.sleeping.level}
+
+    # --- weights (RL: cluster/weights.py) ---------------------------------------------------------
+    async def weights(self, op: str, *args: Any) -> Any:
+        """ModelWeights' `op` over every replica of every pool (ValueError naming a refusal)."""
+        return await self.weights_state.call(await self._serving_replicas() if op != "state" else {}, op, *args)
 
     async def _serving_replicas(self) -> dict[str, Any]:
         await asyncio.shield(self._start())
@@ -335,6 +344,7 @@ class ClusterManager:
             if new_fp == old_fp:
                 return {"changed": False, "fingerprint": old_fp}
             logger.warning("spec %s replaces spec %s", new_fp, old_fp)
+            self.weights_state.disk = None      # replicas it starts load its checkpoint (cluster/weights.py)
             if self._startup is None or self.phase == "failed":      # no pools serve yet
                 self._configure(new)
                 self._startup, self.phase, self.reason, self._spawned = None, "starting", None, False

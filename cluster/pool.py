@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
@@ -53,6 +53,9 @@ class EnginePool:
         self.on_change = on_change or (lambda: None)
         self.replicas: dict[str, Any] = {}       # replica id -> actor handle, serving
         self.starting: dict[str, Any] = {}       # replacements still loading their model
+        # What a replica gets once loaded, before it serves (the model's weight updates since the
+        # start: cluster/weights.py), set by the manager.
+        self.after_load: Callable[[Any], Awaitable[None]] | None = None
         self.draining: dict[str, Any] = {}       # taken out of routing, finishing what they run
         self.incoming: dict[str, Any] = {}       # a rolling replace's new replicas, loading
         self.target = spec.replicas              # the replica count kept (`scale` changes it)
@@ -166,7 +169,10 @@ class EnginePool:
             raise PlacementError(f"pools.{self.name}: replica {replica_id} was not placed within "
                                  f"{place_timeout_s:g} s: one replica needs {needs}; the cluster has "
                                  f"{fmt_resources(free)} free") from None
-        return await handle.load.remote()
+        info = await handle.load.remote()
+        if self.after_load is not None:
+            await self.after_load(handle)
+        return info
 
     # --- health ------------------------------------------------------------------------------------
     async def check_health(self) -> list[str]:
@@ -222,6 +228,8 @@ class EnginePool:
             info = await handle.info.remote()            # placed (Ray may keep it pending for a node)
             self.nodes[replica_id] = info.get("node_id", "")
             await handle.load.remote()
+            if self.after_load is not None:
+                await self.after_load(handle)
         except Exception:
             logger.exception("pool %s: replacement %s failed to start", self.name, replica_id)
             self.starting.pop(replica_id, None)

@@ -84,6 +84,11 @@ class _Outbox:
         self.ready.set()
 
 
+# What a trainer may call on a replica's engine (AsyncLLMEngine's methods of these names).
+WEIGHT_CALLS = ("pause", "resume", "check_weights", "update_weights", "update_weights_from_disk",
+                "init_weights_update_group", "update_weights_from_distributed")
+
+
 class EngineReplica:
     def __init__(self, config: EngineConfig, replica_id: str = "replica-0", num_threads: int | None = None,
                  load: bool = True, tag: str = "") -> None:
@@ -178,7 +183,16 @@ class EngineReplica:
                 "tag": self.tag, "node_id": _node_id(),
                 "block_size": cc.block_size,
                 "kv_connector": kvt.kv_connector if kvt else None,
-                "max_model_len": mc.max_model_len, "max_num_seqs": self.config.scheduler_config.max_num_seqs}
+                "max_model_len": mc.max_model_len, "max_num_seqs": self.config.scheduler_config.max_num_seqs,
+                "num_ranks": self.config.parallel_config.world_size,
+                "weight_version": self.engine.engine.weights.version if self.engine is not None else None}
+
+    # --- weight updates, pause and resume (RL: cluster/weights.py, engine/weight_updates.py) --------
+    async def weights_call(self, method: str, *args: Any) -> Any:
+        """The engine's `method` (one of WEIGHT_CALLS) between its steps; ValueError for a refusal."""
+        if method not in WEIGHT_CALLS:
+            raise ValueError(f"method must be one of {WEIGHT_CALLS}; got {method!r}")
+        return await getattr(self._engine(), method)(*args)
 
     # --- the output channel -------------------------------------------------------------------------
     async def open_channel(self, ingress_id: str, kv_cursor: int | None = None) -> AsyncIterator[ChannelMessage]:

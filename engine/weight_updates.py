@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from engine.llm_engine import LLMEngine
     from records.outputs import RequestOutput
 
 PAUSE_MODES = ("keep", "abort", "wait")
 
 
 class WeightUpdates:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: Any) -> None:
+        """engine: the LLMEngine whose executor, scheduler, outputs and KV cache it works on."""
         self.engine = engine
         self.version = "0"
         self.num_updates = 0

@@ -15,7 +15,7 @@ from records.cpu_flags import slow_half_dtype_warning
 from records.dtypes import FP8_KV_DTYPE, KV_DTYPE_SIZES, resolve_dtype
 from records.engine_args import GIB, SPEC_KEYS, SPEC_METHODS, EngineArgs
 from records.frozen_config import FrozenConfig
-from records.kv_layout import KVGroups
+from records.kv_groups import KVGroups
 from records.lora import LoRAConfig
 from records.model_source import (
     architecture_of,
@@ -101,7 +101,7 @@ class CacheConfig:
     offload_host_bytes: int = 0
     offload_disk_bytes: int = 0
     offload_disk_path: str | None = None
-    # Local and global layers with tables of their own (records/kv_layout.py: KVGroups), where the
+    # Local and global layers with tables of their own (records/kv_groups.py: KVGroups), where the
     # model mixes them; False: one table, every layer keeps a sequence's whole length.
     hybrid_kv_cache: bool = True
 

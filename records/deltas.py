@@ -35,6 +35,7 @@ class StepDelta:
     # Prompt logprobs computed this step (those asked for; the first prompt token's entry is None).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     embedding: list[float] | None = None      # an embedding request's vector, on its last delta
+    weight_version: str | None = None         # the weights that produced this step's tokens
 
     @classmethod
     def failure(cls, request_id: str, error: BaseException) -> StepDelta:
@@ -47,7 +48,8 @@ class StepDelta:
         choices = [ChoiceDelta(c.index, c.token_ids, c.text, c.logprobs, c.finish_reason, c.stop_reason)
                    for c in out.outputs]
         return cls(out.request_id, choices, out.finished, len(out.prompt_token_ids), out.num_cached_tokens,
-                   dict(out.metrics), out.kv_transfer_params, error, out.prompt_logprobs or None, out.embedding)
+                   dict(out.metrics), out.kv_transfer_params, error, out.prompt_logprobs or None, out.embedding,
+                   out.weight_version)
 
 
 @dataclass(slots=True)

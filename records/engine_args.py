@@ -44,7 +44,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     # vLLM's: local (sliding-window) and global layers share one block table, every layer keeping a
-    # sequence's whole length (records/kv_layout.py: KVGroups)
+    # sequence's whole length (records/kv_groups.py: KVGroups)
     disable_hybrid_kv_cache_manager: bool = False
     num_kv_blocks: int | None = None                 # None: from kv_cache_memory_bytes / free memory
     kv_cache_memory_bytes: int | None = None

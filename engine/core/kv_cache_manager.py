@@ -6,7 +6,7 @@ blocks shared with a fork sibling or cached for a prefix survive until their las
 With an offload tier (engine/core/kv_tier.py) evicted prefix blocks are kept beyond the pool, and
 `tier_hits` finds the ones a lookup can load back.
 
-Layer groups (`windows`: one per group; records/kv_layout.py: KVGroups): usually one group, whose
+Layer groups (`windows`: one per group; records/kv_groups.py: KVGroups): usually one group, whose
 window is None, or the sliding window where every layer attends to at most that many tokens (as
 Mistral v0.1's do). With hybrid groups (Gemma 2/3: local and global layers) each group has a table
 of its own, drawn from the one pool, and a request's list interleaves them: logical block j of

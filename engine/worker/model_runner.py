@@ -46,7 +46,7 @@ class ModelRunner:
         # The activations' dtype: that of the first floating-point parameter (GGUF layers hold uint8 blocks).
         self.model_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.kv_caches: list[torch.Tensor] = []     # per layer [2, num_blocks, block_size, kvh, d]
-        # The cache's tensors: kv_caches itself, or with hybrid groups (records/kv_layout.py: KVGroups)
+        # The cache's tensors: kv_caches itself, or with hybrid groups (records/kv_groups.py: KVGroups)
         # the slot tensors the layers share; blocks are copied, swapped and moved in these.
         self.kv_buffers: list[torch.Tensor] = []
         self.num_kv_groups = 1                      # tables interleaved in each request's block_ids

@@ -57,6 +57,7 @@ from router.ingress.grpc_api import grpc_call
 from router.ingress.http import fastapi_app, openapi_schema
 from router.ingress.quota import LedgerCall, QuotaLedger
 from router.ingress.served_models import ModelServer, ServedModels
+from router.ingress.weights_api import disk_args, distributed_args, group_args, pause_mode, weights_call
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ class OpenAIIngress:
 
     @fastapi_app.get("/v1/models")
     async def list_models(self) -> Response:
-        return JSONResponse(self.models.models())
+        return JSONResponse(self.models.models(await self.models.weight_versions()))
 
     # `path`: model names such as "meta-llama/Llama-3.1-8B" hold slashes
     @fastapi_app.get("/v1/models/{model:path}")
@@ -298,6 +299,49 @@ class OpenAIIngress:
     async def is_sleeping(self, request: Request) -> Response:
         server = self.models.pick(request.query_params.get("model"))
         return JSONResponse(await server.frontend.cold.is_sleeping())
+
+    # --- a trainer's weight updates, pause and resume (RL: router/ingress/weights_api.py) -----------
+    async def _weights(self, request: Request, op: str, *args: Any, body: dict | None = None) -> Response:
+        server = self.models.pick((body or {}).get("model") or request.query_params.get("model"))
+        out = await weights_call(server.frontend.cold.manager(), op, *args)
+        return JSONResponse({"model": server.name, **out})
+
+    @fastapi_app.post("/pause")
+    async def pause(self, request: Request) -> Response:
+        return await self._weights(request, "pause", pause_mode(request.query_params))
+
+    @fastapi_app.post("/resume")
+    async def resume(self, request: Request) -> Response:
+        return await self._weights(request, "resume")
+
+    @fastapi_app.get("/get_weight_version")
+    async def get_weight_version(self, request: Request) -> Response:
+        return await self._weights(request, "state")
+
+    @fastapi_app.get("/weight_update_group_size")
+    async def weight_update_group_size(self, request: Request) -> Response:
+        return await self._weights(request, "group_size")
+
+    @fastapi_app.post("/init_weights_update_group")
+    async def init_weights_update_group(self, request: Request) -> Response:
+        body = await self.api.read_json(request)
+        return await self._weights(request, "join_group", *group_args(body), body=body)
+
+    @fastapi_app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(self, request: Request) -> Response:
+        body = await self.api.read_json(request)
+        return await self._weights(request, "update_from_disk", *disk_args(body), body=body)
+
+    @fastapi_app.post("/check_weights")
+    async def check_weights(self, request: Request) -> Response:
+        body = await self.api.read_json(request)
+        names, _, shapes, _ = distributed_args(body)
+        return await self._weights(request, "check", dict(zip(names, shapes, strict=True)), body=body)
+
+    @fastapi_app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(self, request: Request) -> Response:
+        body = await self.api.read_json(request)
+        return await self._weights(request, "update_from_group", *distributed_args(body), body=body)
 
     @fastapi_app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:

@@ -111,7 +111,8 @@ class GenerationService:
                     id=rid, index=i * n + c.index, token_ids=c.token_ids, text=c.text,
                     logprobs=self._logprobs(c.token_ids, c.logprobs) if params.logprobs is not None else (),
                     finish_reason=c.finish_reason or "",
-                    stop_reason="" if c.stop_reason is None else str(c.stop_reason))
+                    stop_reason="" if c.stop_reason is None else str(c.stop_reason),
+                    weight_version=delta.weight_version or "")
         yield pb2.GenerateResponse(id=rid, index=-1, usage=pb2.Usage(
             prompt_tokens=sum(len(p) for p in prompts), completion_tokens=usage.completion_tokens,
             cached_tokens=usage.cached_tokens))

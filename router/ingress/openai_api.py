@@ -214,7 +214,7 @@ class OpenAIAPI:
             usage.add(delta)
             prompt_lps[i] += delta.prompt_logprobs or []
             for c in delta.choices:
-                choices[i * n + c.index].add(c)
+                choices[i * n + c.index].add(c, delta.weight_version)
         out = []
         for idx, acc in enumerate(choices):
             p = idx // n
@@ -223,13 +223,14 @@ class OpenAIAPI:
                         "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
                         "logprobs": self._completion_logprobs(acc.token_ids, acc.logprobs,
                                                               *(() if echo is None else (prompts[p], prompt_lps[p])))
-                        if params.logprobs is not None else None})
+                        if params.logprobs is not None else None, "weight_versions": acc.weight_versions})
             if req.prompt_logprobs is not None:
                 out[-1]["prompt_logprobs"] = self._prompt_logprobs(prompt_lps[p], params.prompt_logprobs)
             if req.return_token_ids:
                 out[-1].update(prompt_token_ids=prompts[p], token_ids=acc.token_ids)
         return {"id": rid, "object": "text_completion", "created": now(), "model": self.preparer.response_model(params),
-                "choices": out, "usage": usage.body(sum(len(p) for p in prompts))}
+                "choices": out, "usage": usage.body(sum(len(p) for p in prompts)),
+                "weight_version": usage.weight_version}
 
     async def _stream_completion(self, rid: str, req: CompletionRequest, prompts: list[list[int]],
                                  echo: list[str] | None, params: SamplingParams, ticket: Ticket) -> AsyncIterator[dict]:
@@ -259,7 +260,7 @@ class OpenAIAPI:
                 if req.return_token_ids:
                     choice.update({"prompt_token_ids": prompts[i]} if first else {}, token_ids=c.token_ids)
                 chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                         "choices": [choice]}
+                         "choices": [choice], "weight_version": delta.weight_version}
                 yield {**chunk, "usage": usage.body(num_prompt)} if per_chunk else chunk
         if options is not None and options.include_usage:
             yield {"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -278,7 +279,7 @@ class OpenAIAPI:
             usage.add(delta)
             prompt_lps += delta.prompt_logprobs or []
             for c in delta.choices:
-                choices[c.index].add(c)
+                choices[c.index].add(c, delta.weight_version)
         out = []
         for idx, acc in enumerate(choices):
             self.frontend.count_finished(acc.finish_reason)
@@ -294,11 +295,11 @@ class OpenAIAPI:
             out.append({"index": idx, "message": message,
                         "finish_reason": finish_reason, "stop_reason": acc.stop_reason,
                         "logprobs": self._chat_logprobs(acc.token_ids, acc.logprobs, params.logprobs or 0)
-                        if req.logprobs else None})
+                        if req.logprobs else None, "weight_versions": acc.weight_versions})
             if req.return_token_ids:
                 out[-1]["token_ids"] = acc.token_ids
         body = {"id": rid, "object": "chat.completion", "created": now(), "model": self.preparer.response_model(params),
-                "choices": out, "usage": usage.body(len(ids))}
+                "choices": out, "usage": usage.body(len(ids)), "weight_version": usage.weight_version}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = self._prompt_logprobs(prompt_lps, params.prompt_logprobs)
         if req.return_token_ids:
@@ -349,7 +350,8 @@ class OpenAIAPI:
                     "index": c.index, "delta": message,
                     "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs or 0)
                     if logprobs else None,
-                    "finish_reason": finish_reason, "stop_reason": c.stop_reason}]}
+                    "finish_reason": finish_reason, "stop_reason": c.stop_reason}],
+                    "weight_version": delta.weight_version}
                 if token_ids:               # vLLM's: the prompt's ids in the first chunk, each choice's own
                     chunk["choices"][0]["token_ids"] = c.token_ids
                     if first:

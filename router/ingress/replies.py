@@ -31,8 +31,13 @@ class ChoiceAccumulator:
         self.logprobs: list[dict[int, Logprob]] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # (first token, weight version) per range: more than one where a weight update came mid-way
+        self.weight_versions: list[tuple[int, str]] = []
 
-    def add(self, c: ChoiceDelta) -> None:
+    def add(self, c: ChoiceDelta, weight_version: str | None = None) -> None:
+        if weight_version is not None and c.token_ids and (
+                not self.weight_versions or self.weight_versions[-1][1] != weight_version):
+            self.weight_versions.append((len(self.token_ids), weight_version))
         self.text += c.text
         self.token_ids.extend(c.token_ids)
         self.logprobs.extend(c.logprobs or [])
@@ -46,10 +51,12 @@ class UsageCounter:
     def __init__(self) -> None:
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.weight_version: str | None = None      # the weights of the latest tokens
 
     def add(self, delta: StepDelta) -> None:
         self.completion_tokens += sum(len(c.token_ids) for c in delta.choices)
         self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
+        self.weight_version = delta.weight_version or self.weight_version
 
     def body(self, prompt_tokens: int) -> dict[str, Any]:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": self.completion_tokens,

@@ -88,11 +88,22 @@ class ServedModels:
         raise NotFoundError(f"model {model!r} does not exist; this server serves {self.ids()}", "model")
 
     # --- what spans every model --------------------------------------------------------------------
-    def models(self) -> dict[str, Any]:
+    def models(self, versions: dict[str, str | None] | None = None) -> dict[str, Any]:
         """GET /v1/models: every model's cards (a card per name and alias, one per adapter), each
-        with its model's state."""
-        return {"object": "list", "data": [{**card, "state": s.state} for s in self.servers
-                                           for card in s.frontend.preparer.models()["data"]]}
+        with its model's state and weight version (`versions`: weight_versions')."""
+        versions = versions or {}
+        return {"object": "list", "data": [{**card, "state": s.state, "weight_version": versions.get(s.name)}
+                                           for s in self.servers for card in s.frontend.preparer.models()["data"]]}
+
+    async def weight_versions(self) -> dict[str, str | None]:
+        """Each model's weight version, from its manager (None where it cannot say now)."""
+        async def one(server: ModelServer) -> str | None:
+            try:
+                return (await server.frontend.cold.manager().weights.remote("state"))["weight_version"]
+            except Exception:  # noqa: BLE001 - a manager not attached or gone: the listing goes on
+                return None
+        return dict(zip([s.name for s in self.servers], await asyncio.gather(*[one(s) for s in self.servers]),
+                        strict=True))
 
     def model(self, name: str) -> dict[str, Any]:
         """GET /v1/models/{model}: its card; NotFoundError naming every id served otherwise."""

@@ -422,9 +422,62 @@ def test_pool_of_tensor_parallel_replicas(two_nodes, tiny_llama):
         [handle] = pool.replicas.values()
         deltas = ray.get(list(handle.generate.options(num_returns="streaming").remote("a", PROMPTS[2], GREEDY)))
         assert [t for d in deltas for c in d.choices for t in c.token_ids] == want
+        _push_weights_over_gloo(pool.replicas, tiny_llama)
         assert ray.get(handle.check_no_leaks.remote())
     finally:
         pool.shutdown()
+
+
+def _push_weights_over_gloo(replicas: dict, path: str) -> None:
+    """A trainer (a thread here: rank 0) broadcasts perturbed weights over a gloo group to both TP
+    ranks of the replica (cluster/weights.py: ranks 1 and 2); the replica then streams what an engine
+    given the same weights does, and says it is version 1."""
+    import glob
+    import os
+    import socket
+    import threading
+
+    import ray
+    from safetensors.torch import load_file
+
+    from cluster.weights import ModelWeights
+    from engine.worker.weight_sync import WeightUpdateGroup
+
+    g = torch.Generator().manual_seed(5)
+    weights = {n: t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype)
+               for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))) for n, t in load_file(file).items()}
+    single = LLMEngine(EngineConfig.create(path, dtype="float32", max_model_len=256, num_kv_blocks=64))
+    single.weights.from_tensors(list(weights.items()))
+    [want] = run(single, [PROMPTS[2]])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    joined, failures = threading.Event(), []
+
+    def trainer() -> None:
+        try:
+            group = WeightUpdateGroup("127.0.0.1", port, 0, 3)
+            joined.wait(timeout=300)
+            for tensor in weights.values():
+                group.broadcast(tensor.clone())
+        except BaseException as e:  # noqa: BLE001
+            failures.append(e)
+
+    state = ModelWeights()
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    assert asyncio.run(state.call(replicas, "group_size")) == 3
+    assert asyncio.run(state.call(replicas, "join_group", "127.0.0.1", port)) == 3
+    joined.set()
+    names = list(weights)
+    out = asyncio.run(state.call(replicas, "update_from_group", names, ["float32"] * len(names),
+                                 [list(weights[n].shape) for n in names], None))
+    thread.join(timeout=300)
+    assert not failures and out == {"weight_version": "1", "paused": None}
+    [handle] = replicas.values()
+    deltas = ray.get(list(handle.generate.options(num_returns="streaming").remote("b", PROMPTS[2], GREEDY)))
+    assert [t for d in deltas for c in d.choices for t in c.token_ids] == want
+    assert {d.weight_version for d in deltas} == {"1"} and ray.get(handle.info.remote())["weight_version"] == "1"
 
 
 def test_cluster_spec_parallel_fields():

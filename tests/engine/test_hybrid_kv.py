@@ -1,4 +1,4 @@
-"""Hybrid KV cache groups (records/kv_layout.py: KVGroups, vLLM's hybrid KV cache manager): where
+"""Hybrid KV cache groups (records/kv_groups.py: KVGroups, vLLM's hybrid KV cache manager): where
 local and global layers mix (Gemma 2, 3) each group has a table of its own and the local ones release
 the blocks behind their window, so a long sequence holds about (local layers x window + global layers
 x length) of KV; output token-identical to transformers, with prefix hits, swap and the offload tier.
@@ -12,7 +12,7 @@ from engine import LLM, SamplingParams
 from engine.core.block_pool import NULL_BLOCK
 from engine.core.kv_cache_manager import KVCacheManager
 from records.config import EngineConfig
-from records.kv_layout import KVGroups
+from records.kv_groups import KVGroups
 from records.request import Request
 
 WINDOW, BLOCK = 512, 16

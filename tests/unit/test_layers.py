@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     # beam search over it (torch-free: the ingress runs it over the router too)
     ("engine", ["engine.core.*", "engine.spec_decode", "engine.spec_decode.*", "engine.output_processor",
                 "engine.tracing", "engine.telemetry", "engine.llm_engine", "engine.kv_transfers",
-                "engine.async_engine", "engine.llm", "engine.beam_search",
+                "engine.async_engine", "engine.llm", "engine.beam_search", "engine.weight_updates",
                 "engine"]),
     # routing: prefix index, policy, P/D orchestration, output channels, metrics
     ("routing", ["router.routing.*"]),

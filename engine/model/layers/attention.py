@@ -32,7 +32,7 @@ class AttentionMetadata:
     prefill_query_lens: list[int] = field(default_factory=list)
     prefill_seq_lens: list[int] = field(default_factory=list)
     prefill_packed: Any = None          # the backend's kernels' form of the prefill segments
-    # With hybrid KV groups (records/kv_layout.py: KVGroups): each group's metadata (its slots and
+    # With hybrid KV groups (records/kv_groups.py: KVGroups): each group's metadata (its slots and
     # tables), this one being group 0's; a layer reads its own group's.
     groups: list[AttentionMetadata] = field(default_factory=list)
 

@@ -1,0 +1,82 @@
+"""The HTTP side of a trainer's weight updates, pause and resume (RL; the model's manager does them
+across its replicas: cluster/weights.py). SGLang's and vLLM's endpoint names, per model (`model`
+names one of several, in the query or the JSON body):
+
+- `POST /pause?mode=keep|abort|wait`, `POST /resume`, `GET /get_weight_version`;
+- `POST /update_weights_from_disk` {"model_path", "weight_version"?};
+- `GET /weight_update_group_size`, then `POST /init_weights_update_group` {"master_address",
+  "master_port", "backend"?} (it returns once the trainer, rank 0, has formed its side);
+- `POST /check_weights` {"names", "dtypes", "shapes"}: would this update be taken (a 400 naming the
+  first tensor it would be refused for)?
+- `POST /update_weights_from_distributed` {"names", "dtypes", "shapes", "weight_version"?} (the
+  trainer broadcasts each tensor in order once the call is under way, after /check_weights passed:
+  a refused update receives nothing).
+
+Each answers {"model", "weight_version", "paused", ...}; a refusal (a name or shape the checkpoint
+does not have, a bad field) is a 400 naming it, and nothing changed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from engine.weight_updates import PAUSE_MODES
+from records.errors import InvalidRequestError
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+async def weights_call(manager: Any, op: str, *args: Any) -> dict[str, Any]:
+    """The manager's ModelWeights `op`; its refusals as InvalidRequestError."""
+    try:
+        out = await manager.weights.remote(op, *args)
+    except Exception as e:
+        cause = getattr(e, "cause", None) or e
+        if isinstance(cause, ValueError):
+            raise InvalidRequestError(str(cause)) from None
+        raise
+    return out if isinstance(out, dict) else {"world_size": out}
+
+
+def pause_mode(query: Any) -> str:
+    mode = query.get("mode", "keep")
+    if mode not in PAUSE_MODES:
+        raise InvalidRequestError(f"mode must be one of {list(PAUSE_MODES)}; got {mode!r}", param="mode")
+    return mode
+
+
+def _version(body: dict[str, Any]) -> str | None:
+    version = body.get("weight_version")
+    if version is not None and (not isinstance(version, (str, int)) or isinstance(version, bool) or version == ""):
+        raise InvalidRequestError(f"weight_version must be a non-empty string; got {version!r}", param="weight_version")
+    return None if version is None else str(version)
+
+
+def disk_args(body: dict[str, Any]) -> tuple[str, str | None]:
+    path = body.get("model_path")
+    if not isinstance(path, str) or not path:
+        raise InvalidRequestError(f"model_path must name a checkpoint directory; got {path!r}", param="model_path")
+    return path, _version(body)
+
+
+def group_args(body: dict[str, Any]) -> tuple[str, int, str]:
+    address, port, backend = body.get("master_address"), body.get("master_port"), body.get("backend", "gloo")
+    if not isinstance(address, str) or not address:
+        raise InvalidRequestError(f"master_address must be the trainer's host; got {address!r}", param="master_address")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise InvalidRequestError(f"master_port must be a port number; got {port!r}", param="master_port")
+    if backend not in ("gloo", "nccl"):
+        raise InvalidRequestError(f"backend must be 'gloo' or 'nccl'; got {backend!r}", param="backend")
+    return address, port, backend
+
+
+def distributed_args(body: dict[str, Any]) -> tuple[list[str], list[str], list[list[int]], str | None]:
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise InvalidRequestError("names must be a non-empty list of the tensors' checkpoint names", param="names")
+    if not isinstance(dtypes, list) or len(dtypes) != len(names) or any(d not in DTYPES for d in dtypes):
+        raise InvalidRequestError(f"dtypes must list one of {list(DTYPES)} per name ({len(names)})", param="dtypes")
+    if (not isinstance(shapes, list) or len(shapes) != len(names)
+            or not all(isinstance(s, list) and all(isinstance(d, int) and d > 0 for d in s) for s in shapes)):
+        raise InvalidRequestError(f"shapes must list one shape (a list of sizes) per name ({len(names)})",
+                                  param="shapes")
+    return names, dtypes, shapes, _version(body)
