@@ -95,6 +95,9 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
                     help="export a span per hop of each request over OTLP to this collector, e.g. "
                          "http://127.0.0.1:4317 (serving.otlp_traces_endpoint; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL "
                          "grpc or http/protobuf)")
+    ap.add_argument("--enable-weight-updates", action="store_true",
+                    help="a trainer's endpoints: /pause, /resume, /update_weights_from_disk, ... "
+                         "(serving.enable_weight_updates; docs/rl.md)")
     ap.add_argument("--enable-log-requests", action="store_true",
                     help="a JSON log line per request as it ends, without its text (serving.log_requests)")
     ap.add_argument("--log-request-prompts", action="store_true",
@@ -165,6 +168,8 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         serving["otlp_traces_endpoint"] = args.otlp_traces_endpoint
     if args.enable_log_requests:
         serving["log_requests"] = True
+    if args.enable_weight_updates:
+        serving["enable_weight_updates"] = True
     if args.log_request_prompts:
         serving.update(log_requests=True, log_request_prompts=True)
     data["serving"] = serving

@@ -295,8 +295,10 @@ class AsyncLLMEngine:
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, backend: str = "gloo") -> None:
-        await self.between_steps(lambda: self.engine.weights.join_group(master_address, master_port, rank_offset,
-                                                                        world_size, backend))
+        """Join the trainer's group; off the engine's thread (it waits for every member to join, and
+        touches nothing a step reads), so the engine serves meanwhile."""
+        await asyncio.to_thread(self.engine.weights.join_group, master_address, master_port, rank_offset,
+                                world_size, backend)
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               version: str | None = None) -> str:

@@ -230,6 +230,9 @@ class ServingSpec(StrictSpec):
     # reason. Never the prompt's text, unless `log_request_prompts`.
     log_requests: bool = False
     log_request_prompts: bool = False
+    # A trainer's endpoints (RL: /pause, /resume, /update_weights_*, ...; docs/rl.md): they change what
+    # every client is served, so they answer 404 unless turned on (vLLM keeps its own behind a dev mode).
+    enable_weight_updates: bool = False
     # vLLM's --chat-template: a Jinja chat template, or the path of a file holding one, used in place
     # of the tokenizer's (a base model has none). A path is read when the spec is built, so the
     # ingress replicas get the text wherever they run.

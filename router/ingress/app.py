@@ -57,7 +57,15 @@ from router.ingress.grpc_api import grpc_call
 from router.ingress.http import fastapi_app, openapi_schema
 from router.ingress.quota import LedgerCall, QuotaLedger
 from router.ingress.served_models import ModelServer, ServedModels
-from router.ingress.weights_api import disk_args, distributed_args, group_args, pause_mode, weights_call
+from router.ingress.weights_api import (
+    check_args,
+    check_enabled,
+    disk_args,
+    distributed_args,
+    group_args,
+    pause_mode,
+    weights_call,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -301,14 +309,18 @@ class OpenAIIngress:
         return JSONResponse(await server.frontend.cold.is_sleeping())
 
     # --- a trainer's weight updates, pause and resume (RL: router/ingress/weights_api.py) -----------
-    async def _weights(self, request: Request, op: str, *args: Any, body: dict | None = None) -> Response:
-        server = self.models.pick((body or {}).get("model") or request.query_params.get("model"))
-        out = await weights_call(server.frontend.cold.manager(), op, *args)
+    async def _weights(self, request: Request, op: str, args: Callable[[dict], tuple] | None = None,
+                       read_body: bool = True) -> Response:
+        """ModelWeights' `op` on the model the request names, with `args` read from its JSON body."""
+        body = await self.api.read_json(request) if read_body and args is not None else {}
+        server = self.models.pick(body.get("model") or request.query_params.get("model"))
+        check_enabled(server.frontend.config.serving, request.url.path)
+        out = await weights_call(server.frontend.cold.manager(), op, *(args(body) if args is not None else ()))
         return JSONResponse({"model": server.name, **out})
 
     @fastapi_app.post("/pause")
     async def pause(self, request: Request) -> Response:
-        return await self._weights(request, "pause", pause_mode(request.query_params))
+        return await self._weights(request, "pause", lambda _: (pause_mode(request.query_params),), read_body=False)
 
     @fastapi_app.post("/resume")
     async def resume(self, request: Request) -> Response:
@@ -324,24 +336,19 @@ class OpenAIIngress:
 
     @fastapi_app.post("/init_weights_update_group")
     async def init_weights_update_group(self, request: Request) -> Response:
-        body = await self.api.read_json(request)
-        return await self._weights(request, "join_group", *group_args(body), body=body)
+        return await self._weights(request, "join_group", group_args)
 
     @fastapi_app.post("/update_weights_from_disk")
     async def update_weights_from_disk(self, request: Request) -> Response:
-        body = await self.api.read_json(request)
-        return await self._weights(request, "update_from_disk", *disk_args(body), body=body)
+        return await self._weights(request, "update_from_disk", disk_args)
 
     @fastapi_app.post("/check_weights")
     async def check_weights(self, request: Request) -> Response:
-        body = await self.api.read_json(request)
-        names, _, shapes, _ = distributed_args(body)
-        return await self._weights(request, "check", dict(zip(names, shapes, strict=True)), body=body)
+        return await self._weights(request, "check", check_args)
 
     @fastapi_app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(self, request: Request) -> Response:
-        body = await self.api.read_json(request)
-        return await self._weights(request, "update_from_group", *distributed_args(body), body=body)
+        return await self._weights(request, "update_from_group", distributed_args)
 
     @fastapi_app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:

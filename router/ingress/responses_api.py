@@ -136,7 +136,7 @@ class _Run:
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "truncation": "disabled", "store": False, "metadata": req.metadata or {}, "user": req.user,
-            "usage": self._usage() if done else None,
+            "usage": self._usage() if done else None, "weight_version": self.usage.weight_version,
         }
 
     def _usage(self) -> dict[str, Any]:

@@ -13,16 +13,25 @@ names one of several, in the query or the JSON body):
   a refused update receives nothing).
 
 Each answers {"model", "weight_version", "paused", ...}; a refusal (a name or shape the checkpoint
-does not have, a bad field) is a 400 naming it, and nothing changed.
+does not have, a bad field) is a 400 naming it, and nothing changed. They change what every client
+is served, so they answer 404 unless the spec turns them on (`serving.enable_weight_updates`,
+`pdserve serve --enable-weight-updates`); the server's API key guards them as every route.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from engine.weight_updates import PAUSE_MODES
-from records.errors import InvalidRequestError
+from records.errors import InvalidRequestError, NotFoundError
 
 DTYPES = ("float32", "float16", "bfloat16")
+
+
+def check_enabled(serving: Any, path: str) -> None:
+    """NotFoundError naming the switch unless the spec turned the trainer's endpoints on."""
+    if not serving.enable_weight_updates:
+        raise NotFoundError(f"{path} is a trainer's endpoint, off on this server: serve with "
+                            f"serving.enable_weight_updates (pdserve serve --enable-weight-updates) to use it")
 
 
 async def weights_call(manager: Any, op: str, *args: Any) -> dict[str, Any]:
@@ -67,6 +76,12 @@ def group_args(body: dict[str, Any]) -> tuple[str, int, str]:
     if backend not in ("gloo", "nccl"):
         raise InvalidRequestError(f"backend must be 'gloo' or 'nccl'; got {backend!r}", param="backend")
     return address, port, backend
+
+
+def check_args(body: dict[str, Any]) -> tuple[dict[str, list[int]]]:
+    """/check_weights' body ({"names", "dtypes", "shapes"}) as {name: shape}."""
+    names, _, shapes, _ = distributed_args(body)
+    return (dict(zip(names, shapes, strict=True)),)
 
 
 def distributed_args(body: dict[str, Any]) -> tuple[list[str], list[str], list[list[int]], str | None]:

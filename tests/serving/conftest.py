@@ -11,7 +11,8 @@ pools load side by side:
   can make the tiny model think), and vLLM's metric names;
 - "/pd": disaggregated, one prefill and one decode replica with KV pulled over NIXL; prompts with
   fewer than 32 uncached tokens are prefilled on the decode replica; traced to an OTLP receiver in
-  this process, its requests logged, a host offload tier on the decode replica.
+  this process, its requests logged, a host offload tier on the decode replica; a trainer's
+  endpoints on (tests/serving/test_rollout.py).
 
 Each serves the tiny model as "tiny" and "tiny-chat". At the end every replica must hold no request and
 no KV block.
@@ -91,7 +92,8 @@ def apps(tiny_llama, tiny_qwen2, adapters, eventually_no_leaks, otlp):
                        pools={"prefill": {"replicas": 1, "num_cpus": 1},
                               "decode": {"replicas": 1, "num_cpus": 1, "kv_offloading": {"size_gib": 0.01}}},
                        disaggregation={"connector": "nixl", "min_remote_prefill_tokens": 32},
-                       serving={**serving, "otlp_traces_endpoint": otlp.endpoint, "log_requests": True},
+                       serving={**serving, "otlp_traces_endpoint": otlp.endpoint, "log_requests": True,
+                                "enable_weight_updates": True},
                        name="pdserve-pd", lora=lora)
     configs = {"main": (main, "/"), "limited": (limited, "/limited"), "pd": (pd, "/pd")}
     for config, _ in configs.values():          # the pools load while Serve starts (as the launcher's)

@@ -50,6 +50,7 @@ def test_stream_equals_http_and_offline_engine(grpc_server, tiny_llama):
     assert ids == want_ids
     assert "".join(m.text for m in tokens) == want_text == http_text == http_stream
     assert tokens[-1].finish_reason == "length" and all(m.finish_reason == "" for m in tokens[:-1])
+    assert {m.weight_version for m in tokens} == {"0"}       # the weights as loaded (docs/rl.md)
     assert len(tokens) > 1                                       # streamed, not one final message
     logprobs = [lp for m in tokens for lp in m.logprobs]
     assert [lp.token_id for lp in logprobs] == ids

@@ -59,7 +59,7 @@ def test_responses_reasoning_then_message_events():
     async def deltas():
         for i, text in enumerate(chunks):
             choice = SimpleNamespace(text=text, token_ids=[0], finish_reason="stop" if i == len(chunks) - 1 else None)
-            yield 0, SimpleNamespace(choices=[choice], num_cached_tokens=0)
+            yield 0, SimpleNamespace(choices=[choice], num_cached_tokens=0, weight_version=None)
 
     async def collect():
         return [e async for e in run.events(deltas())]

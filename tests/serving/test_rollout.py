@@ -147,6 +147,9 @@ def test_a_trainer_updates_both_replicas_between_pause_and_resume(server, tiny_l
         outs = [complete(p) for p in prompts]
         assert [o.choices[0].token_ids for o in outs] == expected[:-1]
         assert {o.model_extra["weight_version"] for o in outs} == {"1"}
+        response = httpx.post(f"{base}/v1/responses", json={"model": server["model"], "input": "Hello",
+                                                              "max_output_tokens": 4}, timeout=120).json()
+        assert response["weight_version"] == "1"
         models = httpx.get(f"{base}/v1/models").json()["data"]
         assert {m["weight_version"] for m in models} == {"1"}
         from cluster.cli import format_status
@@ -160,8 +163,15 @@ def test_a_trainer_updates_both_replicas_between_pause_and_resume(server, tiny_l
 
 def test_pause_abort_and_a_refused_update(server, tiny_llama, tmp_path):
     """pause("abort") ends the streams with their partial output (finish reason "abort"); resume;
-    a checkpoint with a wrong shape is a 400 naming the tensor, and the version and answers stay."""
+    a checkpoint with a wrong shape is a 400 naming the tensor, and the version and answers stay;
+    an app that did not turn the trainer's endpoints on answers them 404, naming the switch."""
     from safetensors.torch import save_file
+
+    from serving.apps import auth
+
+    off = httpx.post(f"{server['base']}/pause", headers=auth(), timeout=60)
+    assert off.status_code == 404 and "serving.enable_weight_updates" in off.json()["error"]["message"]
+    assert httpx.post(f"{server['base']}/update_weights_from_disk", headers=auth(), json={"x": 1}).status_code == 404
 
     base = f"{server['base']}/pd"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
