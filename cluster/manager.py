@@ -291,8 +291,14 @@ class ClusterManager:
         return await self.sleeping.sleep(await self._serving_replicas(), level)
 
     async def wake(self) -> dict[str, Any]:
-        """Wake every replica (a no-op for those awake); how long it took."""
-        return await self.sleeping.wake(await self._serving_replicas())
+        """Wake every replica (a no-op for those awake); how long it took. Their weights are the
+        checkpoint's, or the last update from disk (cluster/weights.py: `woken`)."""
+        replicas = await self._serving_replicas()
+        asleep = self.sleeping.level > 0
+        out = await self.sleeping.wake(replicas)
+        if asleep:
+            await self.weights_state.woken(replicas)
+        return out
 
     def is_sleeping(self) -> dict[str, Any]:
         return {"is_sleeping": self.sleeping.level > 0, "level": self.sleeping.level}

@@ -12,9 +12,10 @@
   caller that did not pause gets a pause "keep" around it), so no request sees one replica's new
   weights next to another's old ones, and the version moves on everywhere at once.
 
-A replica that joins the pools later (a scale-up, a replacement) loads the model's checkpoint: after
-a group or tensor update, push the weights again; after a disk update the manager gives a joining
-replica the same update before it serves (`on_join`).
+A replica that joins the pools later (a scale-up, a replacement) or wakes from sleep loads the
+model's checkpoint: after a group or tensor update, push the weights again (a wake sets the version
+back to "0"); after a disk update the manager gives it the same update before it serves
+(`on_join`, `woken`).
 """
 from __future__ import annotations
 
@@ -110,6 +111,15 @@ class ModelWeights:
         """A replica that joins after a disk update gets it before it serves."""
         if self.disk is not None:
             await replica.weights_call.remote("update_weights_from_disk", *self.disk)
+
+    async def woken(self, replicas: dict[str, Any]) -> None:
+        """The replicas woke from sleep, their engines built from the checkpoint: the last disk
+        update again, or, after group or tensor updates (the trainer pushes the next ones), the
+        checkpoint's version "0"."""
+        if self.disk is not None:
+            await asyncio.gather(*[self.on_join(h) for h in replicas.values()])
+        else:
+            self.version = "0"
 
 
 def _next(version: str) -> str:
