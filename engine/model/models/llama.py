@@ -228,8 +228,10 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in params if n not in loaded and not any(k.startswith(n + ":") for k in loaded)]
         if missing and not partial:
             raise ValueError(f"checkpoint lacks tensors for: {missing[:5]}")
-        for module in self.modules():
-            if isinstance(module, Linear):
+        # (a partial load redoes only the layers it wrote: a trainer's update of some of them)
+        touched = {n.split(":")[0].rsplit(".", 1)[0] for n in loaded}
+        for module_name, module in self.named_modules():
+            if isinstance(module, Linear) and (not partial or module_name in touched):
                 module.process_weights_after_loading(dense_copies)
         self.head_packed = _head_packed(self.lm_head, dense_copies) if self.lm_head is not None else None
         if self.lm_head is None and self.is_last_stage:
