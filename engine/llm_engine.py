@@ -207,16 +207,18 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """True while a request is in flight or KV transfers (pulls, leases) are pending."""
         return (bool(self.output.states) or self.scheduler.has_unfinished_requests() or bool(self.in_flight)
+                or bool(self.weights.held)
                 or (self.kv_worker is not None and self.kv_worker.has_pending()))
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that advanced or finished."""
+        outputs = self.weights.take_held()       # pipelined batches a pause or an update finished
         if not self.weights.stepping:            # paused at this step boundary
             self.last_step_idle = True
-            return []
+            return outputs
         if self.scheduler.max_concurrent_batches > 1:
-            return self._step_pipelined()
-        outputs = self.transfers.poll() if self.transfers is not None else []
+            return outputs + self._step_pipelined()
+        outputs += self.transfers.poll() if self.transfers is not None else []
         sched = self.scheduler.schedule()
         if self.transfers is not None:
             self.transfers.dispatch()
@@ -241,6 +243,14 @@ class LLMEngine:
             return []
         sched = self.in_flight.popleft()
         return self._apply(sched, self.executor.collect())
+
+    def drain(self) -> list[RequestOutput]:
+        """Finish the batches still in the pipeline stages (a pipelined engine), oldest first."""
+        outputs: list[RequestOutput] = []
+        while self.in_flight:
+            sched = self.in_flight.popleft()
+            outputs += self._apply(sched, self.executor.collect())
+        return outputs
 
     def _apply(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
         """The step's sampled tokens into the requests: outputs for those that advanced."""

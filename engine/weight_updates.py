@@ -6,7 +6,9 @@ tensors (in-process, or Ray object references through the executor), or broadcas
 over a weight-update group its ranks joined. Each is checked on every rank before any tensor changes
 (a wrong name or shape is a ValueError naming it; the old weights keep serving). After one, the prefix
 cache and the offload tier forget every block (their KV is the old weights'; the router's index hears
-AllCleared), the requests holding blocks register none of theirs, and the version moves on: each
+AllCleared), the requests holding blocks register none of theirs, a request with no token yet
+computes its prompt again (its pull, if one is under way, thrown away when it lands), leases of
+prompts prefilled for a decode engine end (that engine computes them), and the version moves on: each
 request records (first output token, version) per range, so a sequence that ran across the update
 (pause "keep", the partial rollouts of RL frameworks) says which tokens came from which weights.
 
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from records.request import RequestStatus
 
 if TYPE_CHECKING:
     import torch
@@ -35,12 +39,20 @@ class WeightUpdates:
         self.version = "0"
         self.num_updates = 0
         self.paused: str | None = None       # a PAUSE_MODES entry while paused
+        # Outputs of pipelined batches that finished before a pause or an update took effect: the
+        # engine's next step returns them (the step thread is the only one that delivers).
+        self.held: list[RequestOutput] = []
+
+    def take_held(self) -> list[RequestOutput]:
+        held, self.held = self.held, []
+        return held
 
     # --- pause ------------------------------------------------------------------------------------
     def pause(self, mode: str = "keep") -> list[RequestOutput]:
         """Pause at this step boundary; the outputs of requests ended ("abort"), else []."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {PAUSE_MODES}; got {mode!r}")
+        self.held += self.engine.drain()     # batches under way finish first (a pipelined engine)
         self.paused = mode
         self.engine.scheduler.admitting = mode != "wait"
         return self.engine.output.abort_all() if mode == "abort" else []
@@ -60,10 +72,12 @@ class WeightUpdates:
         self.engine.executor.collective_rpc("check_weights", {n: list(s) for n, s in shapes.items()})
 
     def from_tensors(self, weights: list[tuple[str, torch.Tensor]], version: str | None = None) -> str:
+        self.held += self.engine.drain()
         self.engine.executor.collective_rpc("update_weights", weights)
         return self._updated(version)
 
     def from_disk(self, path: str, version: str | None = None) -> str:
+        self.held += self.engine.drain()
         self.engine.executor.collective_rpc("update_weights_from_disk", path)
         return self._updated(version)
 
@@ -78,16 +92,32 @@ class WeightUpdates:
         """Receive the trainer's broadcast of these tensors, in order (checked on every rank first:
         a trainer should `check` before it sends, since a refused update receives nothing)."""
         self.check(dict(zip(names, shapes, strict=True)))
+        self.held += self.engine.drain()
         self.engine.executor.collective_rpc("update_weights_from_group", names, dtypes, [list(s) for s in shapes])
         return self._updated(version)
 
     def _updated(self, version: str | None) -> str:
-        engine = self.engine
+        engine, scheduler, kv = self.engine, self.engine.scheduler, self.engine.kv_cache_manager
         self.num_updates += 1
         self.version = str(version) if version is not None else str(self.num_updates)
-        engine.kv_cache_manager.reset_prefix_cache(force=True)
-        for request in engine.scheduler.requests.values():
+        kv.reset_prefix_cache(force=True)
+        for request in list(scheduler.requests.values()):
             self.start(request, len(request.output_token_ids))
+            if request.output_token_ids:
+                continue        # its tokens so far are the old weights' (a span, as its versions say)
+            # Nothing came of its KV yet: computed again under the new weights, so that its output is
+            # wholly theirs (a pull under way lands and is then thrown away: KVLoads.finish).
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                request.kv_stale = True
+            elif request.num_computed_tokens and request.status == RequestStatus.RUNNING:
+                scheduler.restart(request)
+            elif request.num_computed_tokens and request.status == RequestStatus.WAITING:
+                kv.free(request)
+                request.compute_again()
+                request.num_cached_tokens = 0
+        if engine.transfers is not None:        # prompts prefilled here for a decode engine: pulled no more
+            for request_id in list(engine.kv_connector.leases):
+                engine.transfers.abort(request_id)
         return self.version
 
     def start(self, request: Any, first_token: int = 0) -> None:

@@ -100,6 +100,7 @@ class Request:
         # The weights that produced its tokens: (first output token, version) per range, one range
         # unless a weight update came while it ran (engine/weight_updates.py)
         self.weight_versions: list[tuple[int, str]] = []
+        self.kv_stale = False       # the KV it is pulling is of weights replaced meanwhile: computed again
         self.arrival_time = arrival_time if arrival_time is not None else clock.monotonic()
         self.priority = sampling_params.priority
         self.status = RequestStatus.WAITING

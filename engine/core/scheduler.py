@@ -365,7 +365,7 @@ class Scheduler:
                 updated.extend(self._fail(request, reason))
                 continue
             if loaded is not None and failed_loads.intersection(loaded):
-                self._restart(request)
+                self.restart(request)
                 continue
             request.num_computed_tokens += len(sched.token_ids)
             if loaded is not None:       # its tier blocks hold their KV: cache them and the step's
@@ -414,10 +414,10 @@ class Scheduler:
         self._free(request, RequestStatus.FINISHED_ERROR)
         return ended
 
-    def _restart(self, request: Request) -> None:
-        """A request whose blocks from the offload tier did not load: its step's output is void;
-        free its blocks and compute its prompt again (the failed copies are forgotten, so its next
-        lookup misses them)."""
+    def restart(self, request: Request) -> None:
+        """A running request whose computed KV cannot stand (blocks from the offload tier that did not
+        load: its step's output is void; a weight update before its first token): free its blocks
+        and compute its prompt again (failed tier copies are forgotten: its next lookup misses them)."""
         self.running.remove(request)
         request.num_cached_tokens = 0
         request.spec_token_ids = []

@@ -235,3 +235,23 @@ def test_a_partial_update_redoes_only_what_it_wrote(tiny_llama, trained, prompts
     untouched = [o.outputs[0].token_ids for o in _run(LLM(tiny_llama, dtype="float32"), prompts)]
     got = [o.outputs[0].token_ids for o in _run(partial, prompts)]
     assert got == [o.outputs[0].token_ids for o in _run(whole, prompts)] and got != untouched
+
+
+def test_a_prompt_half_computed_at_the_update_is_computed_again(tiny_llama, trained, before_after):
+    """A request whose prompt is part way through chunked prefill (no token yet) when the weights
+    change computes its prompt again: its output is wholly the new weights'."""
+    from engine.llm_engine import LLMEngine
+    from records.config import EngineConfig
+
+    ids = mixed_prompts(1000, seed=31)[-1]         # 130 tokens: three chunks of 48
+    engine = LLMEngine(EngineConfig.create(tiny_llama, dtype="float32", max_num_batched_tokens=48))
+    engine.add_request("r", None, ids, GREEDY)
+    engine.step()
+    assert engine.scheduler.requests["r"].num_computed_tokens == 48
+    engine.weights.from_disk(trained)
+    assert engine.scheduler.requests["r"].num_computed_tokens == 0
+    out = None
+    while engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.finished), out)
+    assert out.outputs[0].token_ids == before_after[1][-1] and out.outputs[0].weight_versions == [(0, "1")]
+    engine.check_no_leaks()

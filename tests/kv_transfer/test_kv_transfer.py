@@ -631,3 +631,36 @@ def test_pd_hops_join_one_trace_with_the_pull_measured(tiny_llama):
     assert pull.end_time == d_prefill.start_time
     hist = d.stats().histograms
     assert sum(hist["kv_pull_seconds"][0]) == 1 and hist["kv_pull_bytes"][1] == blocks * d.config.kv_block_bytes()
+
+
+def test_a_weight_update_voids_a_lease_and_the_decode_side_computes_afresh(tiny_llama, tmp_path):
+    """A prompt prefilled for a decode engine before a weight update: P ends the lease (its KV is
+    the old weights'), D's pull fails and D computes the prompt under the new weights: D's output is
+    an engine's of the new weights, wholly version 1 (engine/weight_updates.py)."""
+    import glob
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    for name in os.listdir(tiny_llama):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(tiny_llama, name), trained / name)
+    g = torch.Generator().manual_seed(9)
+    weights = {n: t + 0.05 * torch.randn(t.shape, generator=g) for f in glob.glob(f"{tiny_llama}/*.safetensors")
+               for n, t in load_file(f).items()}
+    save_file(weights, str(trained / "model.safetensors"))
+    ids = prompt(300, salt=4)
+    [want] = reference(str(trained), [ids])
+    p, d = make_engine(tiny_llama, "torch_dist"), make_engine(tiny_llama, "torch_dist")
+    params = prefill(p, "r", ids)
+    for engine in (p, d):
+        engine.weights.from_disk(str(trained))
+    out = run_one(d, "r", ids, GREEDY, params, others=(p,))
+    assert out.outputs[0].token_ids == want and out.outputs[0].weight_versions == [(0, "1")]
+    settle(p, d)
+    assert d.stats().kv_transfer.load_failures == 1
+    p.check_no_leaks()
+    d.check_no_leaks()

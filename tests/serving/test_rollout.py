@@ -147,6 +147,13 @@ def test_a_trainer_updates_both_replicas_between_pause_and_resume(server, tiny_l
         outs = [complete(p) for p in prompts]
         assert [o.choices[0].token_ids for o in outs] == expected[:-1]
         assert {o.model_extra["weight_version"] for o in outs} == {"1"}
+        # The rollout client's side of it: samples with their token ids, logprobs and versions.
+        from cluster.rollout import RolloutClient
+
+        rollout = RolloutClient(base)
+        [sample] = rollout.generate([probe], max_tokens=MAX_TOKENS, temperature=0, logprobs=1, ignore_eos=True)
+        assert sample["token_ids"] == expected[-1] and len(sample["logprobs"]) == MAX_TOKENS
+        assert sample["weight_versions"] == [[0, "1"]] and rollout.weight_version() == "1"
         response = httpx.post(f"{base}/v1/responses", json={"model": server["model"], "input": "Hello",
                                                               "max_output_tokens": 4}, timeout=120).json()
         assert response["weight_version"] == "1"
@@ -189,12 +196,17 @@ def test_pause_abort_and_a_refused_update(server, tiny_llama, tmp_path):
     thread = threading.Thread(target=stream)
     thread.start()
     assert started.wait(timeout=300)
-    assert httpx.post(f"{base}/pause", params={"mode": "abort"}, timeout=60).json()["paused"] == "abort"
+    from cluster.rollout import RolloutClient
+
+    rollout = RolloutClient(base)
+    assert rollout.pause("abort")["paused"] == "abort"
     thread.join(timeout=300)
     finish = [c.choices[0].finish_reason for c in outs[0] if c.choices and c.choices[0].finish_reason]
     assert finish == ["abort"] and sum(len(c.choices[0].text) > 0 for c in outs[0] if c.choices) > 0
     assert httpx.post(f"{base}/pause", params={"mode": "sideways"}).status_code == 400
-    assert httpx.post(f"{base}/resume", timeout=60).json()["paused"] is None
+    with pytest.raises(ValueError, match="mode must be one of"):
+        rollout.pause("sideways")
+    assert rollout.resume()["paused"] is None
 
     version = httpx.get(f"{base}/get_weight_version").json()["weight_version"]
     weights = _tensors(tiny_llama)
