@@ -8,9 +8,9 @@
   (`group_size` says how many members the trainer's group has). Tensors and broadcasts are checked
   on every replica before any applies them (if one refuses, none changes); a checkpoint is checked
   by each replica against the same model before it loads, the same verdict everywhere. An update
-  applies on all replicas while they are paused (a
-  caller that did not pause gets a pause "keep" around it), so no request sees one replica's new
-  weights next to another's old ones, and the version moves on everywhere at once.
+  applies on all replicas while they are paused (a caller that did not pause gets a pause "keep"
+  around it), so no request sees one replica's new weights next to another's old ones, and the
+  version moves on everywhere at once.
 
 A replica that joins the pools later (a scale-up, a replacement) or wakes from sleep loads the
 model's checkpoint: after a group or tensor update, push the weights again (a wake sets the version

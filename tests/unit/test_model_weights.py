@@ -63,6 +63,16 @@ def test_an_update_is_checked_everywhere_first_and_paused_around():
     assert run(weights.call({}, "state")) == {"weight_version": "step-7", "paused": None}
 
 
+def test_tensors_go_by_one_object_reference_to_every_replica():
+    """update_from_tensors: the trainer's [ref] (a Ray object reference of the named tensors, kept
+    unresolved by the list) goes to each replica as the call's argument, which Ray resolves there."""
+    replicas = {"a": FakeReplica(1), "b": FakeReplica(2)}
+    weights = ModelWeights()
+    assert run(weights.call(replicas, "update_from_tensors", ["REF"], "7"))["weight_version"] == "7"
+    for r in replicas.values():
+        assert r.calls == [("pause", "keep"), ("update_weights", "REF", "7"), ("resume",)]
+
+
 def test_one_refusal_changes_nothing_anywhere():
     replicas = {"a": FakeReplica(1), "b": FakeReplica(1, refuse="check_weights")}
     weights = ModelWeights()
