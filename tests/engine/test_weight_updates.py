@@ -255,3 +255,25 @@ def test_a_prompt_half_computed_at_the_update_is_computed_again(tiny_llama, trai
         out = next((o for o in engine.step() if o.finished), out)
     assert out.outputs[0].token_ids == before_after[1][-1] and out.outputs[0].weight_versions == [(0, "1")]
     engine.check_no_leaks()
+
+
+def test_an_update_under_lora_keeps_serving_the_adapters(tiny_llama, trained, prompts, tmp_path):
+    """With LoRA on, an update changes the base weights under the adapters: a request with an
+    adapter then answers as a fresh engine of the new weights with the same adapter."""
+    from helpers import make_adapter
+
+    from records.lora import LoRARequest
+
+    adapter = LoRARequest("a", 1, make_adapter(tiny_llama, str(tmp_path / "a"), 8, ["q_proj", "v_proj", "down_proj"],
+                                               seed=1))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, lora_request=adapter)
+
+    def run(llm: LLM) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    llm = LLM(tiny_llama, dtype="float32", enable_lora=True, max_lora_rank=8)
+    before = run(llm)
+    llm.update_weights_from_disk(trained)
+    after = run(llm)
+    assert after != before and after == run(LLM(trained, dtype="float32", enable_lora=True, max_lora_rank=8))
