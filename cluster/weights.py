@@ -49,21 +49,20 @@ class ModelWeights:
 
     async def group_size(self, replicas: dict[str, Any]) -> int:
         """Members of the weight-update group: the trainer and every rank of every replica."""
-        infos = await asyncio.gather(*[h.info.remote() for h in replicas.values()])
-        return 1 + sum(info["num_ranks"] for info in infos)
+        return 1 + sum((await _ranks(replicas)).values())
 
     async def join_group(self, replicas: dict[str, Any], master_address: str, master_port: int,
                          backend: str = "gloo") -> int:
         """Every replica's ranks join the trainer's group (ranks 1 ... in replica-id order); returns
         its size. Blocks until the trainer has formed its side (WeightUpdateGroup(rank=0))."""
-        ids = sorted(replicas)
-        infos = await asyncio.gather(*[replicas[r].info.remote() for r in ids])
-        world_size = 1 + sum(i["num_ranks"] for i in infos)
-        offsets = [1 + sum(i["num_ranks"] for i in infos[:k]) for k in range(len(ids))]
+        ranks = await _ranks(replicas)
+        offsets, first = {}, 1
+        for replica, n in ranks.items():
+            offsets[replica], first = first, first + n
         await asyncio.gather(*[replicas[r].weights_call.remote("init_weights_update_group", master_address,
-                                                               master_port, offset, world_size, backend)
-                               for r, offset in zip(ids, offsets, strict=True)])
-        return world_size
+                                                               master_port, offset, first, backend)
+                               for r, offset in offsets.items()])
+        return first
 
     async def update(self, replicas: dict[str, Any], method: str, *args: Any, shapes: dict[str, Sequence[int]]
                      | None = None, version: str | None = None) -> dict[str, Any]:
@@ -120,6 +119,13 @@ class ModelWeights:
             await asyncio.gather(*[self.on_join(h) for h in replicas.values()])
         else:
             self.version = "0"
+
+
+async def _ranks(replicas: dict[str, Any]) -> dict[str, int]:
+    """Each replica's number of ranks, in replica-id order."""
+    ids = sorted(replicas)
+    infos = await asyncio.gather(*[replicas[r].info.remote() for r in ids])
+    return {r: info["num_ranks"] for r, info in zip(ids, infos, strict=True)}
 
 
 def _next(version: str) -> str:

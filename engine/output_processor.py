@@ -63,7 +63,7 @@ class ChoiceState:
             logprobs=self.logprobs[first:] if logprobs else None,
             finish_reason=self.finish_reason, stop_reason=self.stop_reason,
             error=self.request.error if self.finish_reason == "error" else None,
-            weight_versions=list(r.weight_versions))
+            weight_versions=r.weight_versions)       # (replaced on an update, never changed in place)
 
 
 @dataclass(slots=True)

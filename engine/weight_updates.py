@@ -121,9 +121,8 @@ class WeightUpdates:
         return self.version
 
     def start(self, request: Any, first_token: int = 0) -> None:
-        """The current version produces the request's tokens from `first_token` on."""
+        """The current version produces the request's tokens from `first_token` on. (The list is
+        replaced, never changed in place: every output of the request shares it, uncopied.)"""
         ranges = request.weight_versions
-        if ranges and ranges[-1][0] == first_token:
-            ranges[-1] = (first_token, self.version)
-        else:
-            ranges.append((first_token, self.version))
+        kept = ranges[:-1] if ranges and ranges[-1][0] == first_token else ranges
+        request.weight_versions = [*kept, (first_token, self.version)]

@@ -98,7 +98,8 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.max_tokens = max_tokens                # resolved: never None
         # The weights that produced its tokens: (first output token, version) per range, one range
-        # unless a weight update came while it ran (engine/weight_updates.py)
+        # unless a weight update came while it ran (engine/weight_updates.py: replaced, never
+        # changed in place, so that its outputs share it)
         self.weight_versions: list[tuple[int, str]] = []
         self.kv_stale = False       # the KV it is pulling is of weights replaced meanwhile: computed again
         self.arrival_time = arrival_time if arrival_time is not None else clock.monotonic()

@@ -227,8 +227,12 @@ class RayExecutor(Executor):
         return self._wait([w.expert_load.options(concurrency_group="control").remote() for w in self.workers])
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        # (the control group: the step loop's thread waits on the step channel meanwhile)
-        return self._wait([getattr(w, method).options(concurrency_group="control").remote(*args)
+        # (the control group: the step loop's thread waits on the step channel meanwhile). The
+        # arguments go to the object store once, not once per rank (a weight update's tensors).
+        import ray  # noqa: PLC0415
+
+        refs = [ray.put(a) for a in args]
+        return self._wait([getattr(w, method).options(concurrency_group="control").remote(*refs)
                            for w in self.workers])
 
     def placements(self) -> list[dict[str, Any]]:

@@ -61,15 +61,33 @@ def iterate_weights(path: str, gguf_file: str | None, hf_config: Any, keep_quant
         else:
             yield from _gguf_weights(os.path.join(path, gguf_file), hf_config)
         return
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"model directory {path!r} has no *.safetensors files")
     from safetensors import safe_open  # noqa: PLC0415
 
-    for file in files:
+    for file in safetensors_files(path, "model directory"):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def safetensors_files(path: str, what: str) -> list[str]:
+    """A checkpoint directory's safetensors files, in order; ValueError (`what` names the path)
+    when it has none."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{what} {path!r} has no *.safetensors files")
+    return files
+
+
+def checkpoint_shapes(path: str, what: str) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in a safetensors checkpoint directory, read from the files' headers."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    shapes = {}
+    for file in safetensors_files(path, what):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
 
 
 def _gguf_weights(file: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:

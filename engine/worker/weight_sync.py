@@ -13,8 +13,6 @@ ranks follow from the `rank_offset` it is given. Both sides hold one.
 """
 from __future__ import annotations
 
-import glob
-import os
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -22,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.loading.weights import iterate_weights
+from engine.loading.weights import checkpoint_shapes, iterate_weights
 
 
 class WeightUpdateGroup:
@@ -50,21 +48,6 @@ class WeightUpdateGroup:
         options.rootRank = src
         self.group.broadcast([tensor], options).wait()
         return tensor
-
-
-def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """The tensors' shapes of a safetensors checkpoint directory, read from its headers."""
-    from safetensors import safe_open  # noqa: PLC0415
-
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"update_weights_from_disk: {path!r} has no *.safetensors files")
-    shapes = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
 
 
 class WeightSync:
@@ -107,7 +90,7 @@ class WeightSync:
         model.load_weights(weights, partial=True)
 
     def from_disk(self, model: Any, path: str, hf_config: Any) -> None:
-        self.check(model, checkpoint_shapes(path))
+        self.check(model, checkpoint_shapes(path, "update_weights_from_disk:"))
         self.apply(model, iterate_weights(path, None, hf_config))
 
     def join(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str) -> None:
