@@ -50,6 +50,7 @@ from kernels.reference import (
     pack_gguf,
     quantize_kv_rows,
     swap_blocks,
+    unpack_gguf,
 )
 from records.cache_dirs import cache_root
 from records.cpu_flags import cpu_flags
@@ -57,7 +58,7 @@ from records.errors import BuildError
 
 __all__ = ["apply_rotary", "copy_blocks", "decode_attention", "fp8_linear", "gather_blocks", "gather_kv",
            "gguf_linear", "gguf_linear_int8", "gguf_rows_kernel", "lora_add", "pack_gguf", "prefill_attention",
-           "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]
+           "rms_norm", "silu_and_mul", "swap_blocks", "unpack_gguf", "write_kv"]
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = tuple(os.path.join(CSRC, name) for name in ("cpu_ops.cpp", "prefill_attention.cpp", "gguf_linear.cpp",

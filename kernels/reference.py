@@ -332,10 +332,48 @@ def dequantize_gguf(blocks: torch.Tensor, qtype: str, dtype: torch.dtype = torch
     return w.reshape(rows, -1).to(dtype)
 
 
+def quantize_gguf(weight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """A dense weight [rows, cols] (cols a multiple of 32) as uint8 GGUF blocks of `qtype`, byte for
+    byte as llama.cpp's reference quantizers (gguf-py's `quants.quantize`) make them, in fp32: Q8_0
+    d = max|x| / 127, q = round-half-away(x / d); Q4_0 d = (the value of largest magnitude) / -8,
+    q = trunc(x / d + 8.5) in [0, 15]; Q4_1 d = (max - min) / 15, m = min, q = trunc((x - m) / d + 0.5)
+    in [0, 15]. (A weight update into a layer kept in blocks: engine/worker/weight_sync.py.)"""
+    if qtype not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"GGUF type must be one of {sorted(GGUF_BLOCK_BYTES)}; got {qtype!r}")
+    rows, cols = weight.shape
+    if cols % GGUF_BLOCK:
+        raise ValueError(f"a {qtype} weight needs input features in blocks of {GGUF_BLOCK}; got {cols}")
+    x = weight.float().reshape(rows, -1, GGUF_BLOCK)
+    if qtype == "Q8_0":
+        d = x.abs().amax(dim=-1, keepdim=True) / 127
+        scaled = x * torch.where(d == 0, 0.0, 1 / d)
+        a = scaled.abs()
+        q = (torch.sign(scaled) * (a.floor() + (2 * (a - a.floor())).floor())).to(torch.int8).view(torch.uint8)
+        parts = [d.to(torch.float16).view(torch.uint8), q]
+    else:
+        if qtype == "Q4_0":
+            d = x.gather(-1, x.abs().argmax(dim=-1, keepdim=True)) / -8
+            q = torch.trunc(x * torch.where(d == 0, 0.0, 1 / d) + 8.5)
+            head = [d]
+        else:
+            low, high = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
+            d = (high - low) / 15
+            q = torch.trunc((x - low) * torch.where(d == 0, 0.0, 1 / d) + 0.5)
+            head = [d, low]
+        q = q.clamp(0, 15).to(torch.uint8)
+        parts = [h.to(torch.float16).view(torch.uint8) for h in head] + [q[..., :16] | (q[..., 16:] << 4)]
+    return torch.cat(parts, dim=-1).reshape(rows, -1)
+
+
 def pack_gguf(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """A kernel set's own form of a weight's GGUF blocks, made once at load; every set's
     `gguf_linear` takes what its `pack_gguf` returned. Here (and in the C++ set): the file's blocks."""
     return blocks
+
+
+def unpack_gguf(packed: torch.Tensor, qtype: str) -> torch.Tensor:
+    """`pack_gguf`'s inverse: the file's blocks again (before a weight update rewrites some rows)."""
+    return packed
 
 
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:

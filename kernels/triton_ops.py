@@ -13,7 +13,7 @@ from kernels.triton_cache import copy_blocks, write_kv
 from kernels.triton_layers import apply_rotary, rms_norm
 from kernels.triton_lora import lora_add
 from kernels.triton_moe import fused_moe
-from kernels.triton_quant import fp8_linear, gguf_linear, pack_gguf
+from kernels.triton_quant import fp8_linear, gguf_linear, pack_gguf, unpack_gguf
 
 # Decode steps of this set can be captured in CUDA graphs: its K/V write skips slot -1, which the
 # graphs' padded rows use, and decode's launch does not depend on the sequence lengths.
@@ -21,4 +21,4 @@ CUDA_GRAPHS = True
 
 __all__ = ["CUDA_GRAPHS", "apply_rotary", "argmax_rows", "copy_blocks", "decode_attention", "fp8_linear",
            "fused_moe", "gather_blocks", "gather_kv", "gguf_linear", "lora_add", "pack_gguf", "pack_prefill",
-           "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "write_kv"]
+           "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "unpack_gguf", "write_kv"]

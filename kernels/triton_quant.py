@@ -70,6 +70,16 @@ def pack_gguf(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.cat([b[..., 2:].reshape(n, -1), b[..., :2].reshape(n, -1)], dim=1).contiguous()
 
 
+def unpack_gguf(packed: torch.Tensor, qtype: str) -> torch.Tensor:
+    """`pack_gguf`'s inverse: the file's blocks again (before a weight update rewrites some rows)."""
+    if qtype != "Q8_0":
+        return packed
+    n, row_bytes = packed.shape
+    k = row_bytes // Q8_0_BYTES * 32
+    values, scales = packed[:, :k].reshape(n, -1, 32), packed[:, k:].reshape(n, -1, 2)
+    return torch.cat([scales, values], dim=2).reshape(n, -1).contiguous()
+
+
 @triton.jit
 def _q8_0_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_om, stride_os, row_bytes, blocks_per_split,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, IEEE: tl.constexpr):

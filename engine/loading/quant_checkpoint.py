@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.loading.weights import GGUFWeight, iterate_weights
-from kernels.reference import FP8_DTYPE, FP8_MAX, GGUF_BLOCK
+from kernels.reference import FP8_DTYPE, FP8_MAX, GGUF_BLOCK, quantize_gguf
 from records.quantization import CheckpointQuant, checkpoint_quant
 
 if TYPE_CHECKING:
@@ -80,6 +80,15 @@ def quantize_fp8(weight: torch.Tensor) -> FP8Weight:
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (w / scale.reshape(-1, 1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return FP8Weight(q, scale)
+
+
+def quantize_to(weight: torch.Tensor, qtype: str) -> GGUFWeight | FP8Weight:
+    """A dense checkpoint tensor [rows, cols] in the form a layer kept in `qtype` loads: what a weight
+    update into such a layer writes (fp8 as a dense checkpoint's are quantized at load; GGUF types,
+    and an int8 checkpoint's Q8_0 blocks, as llama.cpp's quantizers make them)."""
+    if qtype == "fp8":
+        return quantize_fp8(weight)
+    return GGUFWeight(quantize_gguf(weight, qtype), qtype, weight.shape[1])
 
 
 def int8_blocks(q: torch.Tensor, scale: torch.Tensor, name: str) -> GGUFWeight:

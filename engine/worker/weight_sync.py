@@ -4,8 +4,9 @@ checkpoint directory, from tensors, or broadcast over a collective group the tra
 Every update is checked whole before anything changes (`WeightSync.check`): each name must be one
 the model's checkpoint had, with the shape it had there, so a wrong name or shape leaves the old
 weights serving. Names and shapes are the HF checkpoint's (`q_proj`, not the fused `qkv_proj`; whole
-tensors, not TP shards): the model's loader cuts each rank's share, as at load. Weights kept
-quantized (GGUF blocks, int8, fp8) take no update: serve the model with quantization="none".
+tensors, not TP shards): the model's loader cuts each rank's share, as at load. A layer kept
+quantized (GGUF blocks, an int8 checkpoint's Q8_0 blocks, fp8) takes the new dense tensor quantized
+to its own type (engine/loading/quant_checkpoint.py: quantize_to), its dense copy made again.
 
 `WeightUpdateGroup` is a torch.distributed group of its own (gloo on CPU, NCCL on GPU) made from a
 TCP store, beside the default group the engine's TP ranks use: rank 0 is the trainer, an engine's
@@ -54,9 +55,10 @@ class WeightSync:
     """A loaded model's update side: the checkpoint's names and shapes (recorded at load by
     `recording`), the check, and the in-place load."""
 
-    def __init__(self) -> None:
+    def __init__(self, dense_copies: bool = False) -> None:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.group: WeightUpdateGroup | None = None
+        self.dense_copies = dense_copies        # quantized layers keep a dense copy (quantization "...+dense")
 
     def recording(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """`weights` as they stream into the model at load, their names and shapes noted."""
@@ -67,10 +69,6 @@ class WeightSync:
     def check(self, model: torch.nn.Module, shapes: dict[str, Sequence[int]]) -> None:
         """ValueError naming the first tensor the model's checkpoint does not have with this shape
         (or why the model takes no update); nothing changes either way."""
-        quantized = sorted({q for m in model.modules() if (q := getattr(m, "qtype", None)) is not None})
-        if quantized:
-            raise ValueError(f"update_weights: this model keeps {', '.join(quantized)} weights, which take no "
-                             f"update; serve it with quantization='none' to update its weights")
         if not shapes:
             raise ValueError("update_weights: no tensors given")
         for name, shape in shapes.items():
@@ -83,11 +81,10 @@ class WeightSync:
                 raise ValueError(f"update_weights: {name!r} has shape {list(shape)}; this model's checkpoint has "
                                  f"{list(expected)}")
 
-    @staticmethod
-    def apply(model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def apply(self, model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the (checked) tensors into the model in place, then redo what loading does after
-        (prepacked GEMM weights)."""
-        model.load_weights(weights, partial=True)
+        (prepacked GEMM weights, quantized layers' dense copies)."""
+        model.load_weights(weights, dense_copies=self.dense_copies, partial=True)
 
     def from_disk(self, model: Any, path: str, hf_config: Any) -> None:
         self.check(model, checkpoint_shapes(path, "update_weights_from_disk:"))

@@ -109,9 +109,8 @@ class Worker:
         cls = get_model_class(mc.architecture)
         with torch.device(self.device):
             model = cls(mc.hf_config, mc.torch_dtype, mc.max_model_len)
-        self.weight_sync = WeightSync()
-        model.load_weights(self.weight_sync.recording(model_weights(mc)),
-                           dense_copies=mc.quantization.endswith("+dense"))
+        self.weight_sync = WeightSync(dense_copies=mc.quantization.endswith("+dense"))
+        model.load_weights(self.weight_sync.recording(model_weights(mc)), dense_copies=self.weight_sync.dense_copies)
         if mc.quantize_activations:
             for module in model.modules():
                 if getattr(module, "qtype", None) in GGUF_BLOCK_BYTES:

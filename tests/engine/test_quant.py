@@ -39,6 +39,26 @@ def test_dequantize_matches_the_gguf_package(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES)
+def test_quantize_matches_the_gguf_package(qtype):
+    """Our torch quantizer (a weight update into a layer kept in blocks) makes llama.cpp's bytes:
+    random rows, an all-zero block, a constant block, halves exactly between two steps, and the
+    value of largest magnitude negative in one block and positive in another (Q4_0 keeps its sign)."""
+    import gguf
+
+    w = np.random.default_rng(4).standard_normal((11, 128)).astype(np.float32) * 0.05
+    w[1, :32] = 0
+    w[2, 32:64] = 0.375
+    w[3, :32] = np.arange(32) * 0.125 - 2
+    w[4, 64:96] = np.linspace(-1, 0.5, 32)
+    w[4, 96:] = np.linspace(-0.5, 1, 32)
+    theirs = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, qtype))
+    ours = reference.quantize_gguf(torch.from_numpy(w), qtype)
+    assert ours.dtype == torch.uint8 and np.array_equal(ours.numpy(), theirs)
+    assert torch.equal(reference.quantize_gguf(torch.from_numpy(w).to(torch.bfloat16), qtype),
+                       reference.quantize_gguf(torch.from_numpy(w).to(torch.bfloat16).float(), qtype))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_compiled_linear_matches_dequantize_then_matmul(qtype, dtype):
     """Rows below gguf_dequant_min_rows() run the C++ kernel (any count: whole passes of 8 rows,

@@ -103,10 +103,11 @@ def test_a_wrong_name_or_shape_is_refused_and_the_old_weights_keep_serving(tiny_
     with pytest.raises(ValueError, match="down_proj.weight' has shape"):
         llm.update_weights_from_disk(str(tmp_path))
     assert llm.weight_version == "0" and [o.outputs[0].token_ids for o in _run(llm, prompts)] == old
-    # Quantized weights take no update, by name.
+    # A model kept in GGUF blocks is checked by the checkpoint's dense names and shapes alike.
     gguf = LLM(None, max_model_len=256)
-    with pytest.raises(ValueError, match="quantization='none'"):
-        gguf.check_weights({"model.norm.weight": [576]})
+    gguf.check_weights({"model.norm.weight": [576], "model.layers.0.self_attn.q_proj.weight": [576, 576]})
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_proj.weight' has shape \[576, 18\]"):
+        gguf.check_weights({"model.layers.0.self_attn.q_proj.weight": [576, 18]})
 
 
 def test_update_from_tensors_and_over_a_gloo_group(tiny_llama, trained, prompts, before_after):
@@ -277,3 +278,71 @@ def test_an_update_under_lora_keeps_serving_the_adapters(tiny_llama, trained, pr
     llm.update_weights_from_disk(trained)
     after = run(llm)
     assert after != before and after == run(LLM(trained, dtype="float32", enable_lora=True, max_lora_rank=8))
+
+
+def test_fp8_layers_take_updates_quantized_as_a_fresh_load_would(tiny_llama, trained, prompts, tmp_path):
+    """A model whose projections are kept in fp8 (quantized at load) takes the trainer's dense
+    tensors quantized the same way: the whole checkpoint answers as a fresh fp8 engine of the new
+    weights; one projection of a fused layer (q of qkv, up of gate/up) alone leaves its other shards
+    as they were (the layer goes back to its loaded form, then is processed again)."""
+    from safetensors.torch import save_file
+
+    fp8 = {"dtype": "float32", "quantization": "fp8"}
+    new = _tensors(trained)
+    llm = LLM(tiny_llama, **fp8)
+    assert llm.llm_engine.executor.worker.runner.model.layers[0].self_attn.qkv_proj.qtype == "fp8"
+    llm.update_weights(list(new.items()))
+    assert [o.outputs[0].token_ids for o in _run(llm, prompts)] == [
+        o.outputs[0].token_ids for o in _run(LLM(trained, **fp8), prompts)]
+
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight"]
+    mixed = {n: new[n] if n in names else t for n, t in _tensors(tiny_llama).items()}
+    for name in os.listdir(tiny_llama):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(tiny_llama, name), tmp_path / name)
+    save_file(mixed, str(tmp_path / "model.safetensors"))
+    partial = LLM(tiny_llama, **fp8)
+    partial.update_weights([(n, new[n]) for n in names])
+    got = [o.outputs[0].token_ids for o in _run(partial, prompts)]
+    assert got == [o.outputs[0].token_ids for o in _run(LLM(str(tmp_path), **fp8), prompts)]
+    assert got != [o.outputs[0].token_ids for o in _run(LLM(tiny_llama, **fp8), prompts)]
+
+
+def test_gguf_blocks_take_updates_quantized_as_llama_cpp_does():
+    """The embedded model kept in its GGUF blocks (with dense copies for large batches) takes dense
+    tensors quantized to each layer's own type, byte for byte as gguf-py's quantizers make them,
+    a fused layer's other shards kept; it then answers as the same model served dense (fp32) with
+    those blocks' values pushed in: a batch with a long prefill (the dense copies, made again) and
+    a few short rows (the blocks' kernel). The embedding (tied to the LM head) included."""
+    import gguf
+
+    from kernels.reference import dequantize_gguf, quantize_gguf
+
+    blocks = LLM(dtype="float32", quantization="gguf+dense", max_model_len=512)
+    dense = LLM(dtype="float32", quantization="none", max_model_len=512)
+    qmodel = blocks.llm_engine.executor.worker.runner.model
+    dmodel = dense.llm_engine.executor.worker.runner.model
+    q_rows = dmodel.layers[0].self_attn.q_size
+    current = {"model.layers.0.self_attn.q_proj.weight": (dmodel.layers[0].self_attn.qkv_proj, slice(0, q_rows)),
+               "model.layers.2.mlp.down_proj.weight": (dmodel.layers[2].mlp.down_proj, slice(None)),
+               "model.embed_tokens.weight": (dmodel.embed_tokens, slice(None))}
+    qlayers = {"model.layers.0.self_attn.q_proj.weight": qmodel.layers[0].self_attn.qkv_proj,
+               "model.layers.2.mlp.down_proj.weight": qmodel.layers[2].mlp.down_proj,
+               "model.embed_tokens.weight": qmodel.embed_tokens}
+    k_before = qmodel.layers[0].self_attn.qkv_proj.weight[q_rows:].clone()
+    g = torch.Generator().manual_seed(11)
+    new = {n: layer.weight[rows] + 0.01 * torch.randn(layer.weight[rows].shape, generator=g)
+           for n, (layer, rows) in current.items()}
+    qtypes = {n: qlayers[n].qtype for n in new}
+    assert set(qtypes.values()) <= {"Q8_0", "Q4_0", "Q4_1"} and None not in qtypes.values()
+    blocks.update_weights(list(new.items()))
+    dense.update_weights([(n, dequantize_gguf(quantize_gguf(w, qtypes[n]), qtypes[n])) for n, w in new.items()])
+    for n, w in new.items():
+        theirs = gguf.quants.quantize(w.numpy(), getattr(gguf.GGMLQuantizationType, qtypes[n]))
+        assert torch.equal(qlayers[n].weight[:len(w)], torch.from_numpy(theirs)), n
+    assert torch.equal(qmodel.layers[0].self_attn.qkv_proj.weight[q_rows:], k_before)
+    assert qmodel.layers[2].mlp.down_proj.dense is not None
+    prompts = [[1, 504, 3458, 282, 4055, 314, 253], list(range(100, 300))] + [[1, 30 + i, 700 + 3 * i] for i in range(6)]
+    outs = [[[o.outputs[0].token_ids for o in _run(llm, batch)] for batch in (prompts, prompts[-3:])]
+            for llm in (blocks, dense)]
+    assert outs[0] == outs[1]

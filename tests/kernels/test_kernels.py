@@ -247,6 +247,15 @@ def test_lora_add_matches_reference(subs):
     assert rel_err(got - out, want - out) < 1e-5
 
 
+def test_q8_0_packing_round_trips():
+    """The Triton set's Q8_0 form and back (a weight update rewrites rows in the file's form); pure
+    torch, so checked here on any machine."""
+    blocks = torch.randint(0, 256, (5, 3 * 34), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    packed = triton_quant.pack_gguf(blocks, "Q8_0")
+    assert not torch.equal(packed, blocks) and torch.equal(triton_quant.unpack_gguf(packed, "Q8_0"), blocks)
+    assert triton_quant.unpack_gguf(blocks, "Q4_1") is blocks
+
+
 def test_q8_0_linear_matches_reference():
     """The W8A16 kernels on Q8_0 blocks (GGUF files, int8 checkpoints; reordered by pack_gguf) against
     dequantize-then-matmul in fp32: batch 1 (the one-row kernel), ragged batches over a ragged number
@@ -260,6 +269,7 @@ def test_q8_0_linear_matches_reference():
     blocks = blocks.reshape(n, -1).to(DEVICE)
     packed = tri.pack_gguf(blocks, "Q8_0")
     assert packed.shape == blocks.shape and not torch.equal(packed, blocks)
+    assert torch.equal(tri.unpack_gguf(packed, "Q8_0"), blocks)          # (a weight update's way back)
     assert torch.equal(triton_quant.dequantize_q8_0(packed, torch.float32), reference.dequantize_gguf(blocks, "Q8_0"))
     dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if CUDA else [])
     for rows in (1, 19, 70, triton_quant.DEQUANT_MIN_ROWS):

@@ -69,6 +69,7 @@ class Linear(nn.Module):
         # its dtype: kernels.cpu_ops.gguf_dense_min_rows).
         self.dense_min_rows = gguf_dense_min_rows(dtype)
         self.lora: LoRAStack | None = None          # adapter slots (engine/worker/lora_slots.py), with LoRA enabled
+        self.blocks_packed = False                  # GGUF blocks in the kernel set's form (pack_gguf), not the file's
 
     def quantize_as(self, qtype: str) -> None:
         """Hold the weight in GGUF blocks of `qtype`, or in fp8 (qtype "fp8"), from now on (before its
@@ -99,6 +100,7 @@ class Linear(nn.Module):
         in the model's dtype serves batches of `dense_min_rows` rows or more), its blocks put in
         the form its kernel set reads (`pack_gguf`); an fp8 weight split from its scales, or, on a
         GPU without fp8 GEMMs, dequantized to the model's dtype."""
+        self.load_form()                              # (after a weight update: from the loaded form again)
         if self.qtype == "fp8":
             weight, scale = split_fp8_rows(self.weight.data)
             if not has_fp8(weight.device):
@@ -120,12 +122,27 @@ class Linear(nn.Module):
             packed = kernels_for(self.weight).pack_gguf(self.weight.data, self.qtype)
             if packed is not self.weight.data:
                 self.weight = nn.Parameter(packed, requires_grad=False)
+                self.blocks_packed = True
             return
         self.packed = prepack(self.weight)
         if self.packed is not None and self.weight.dtype != torch.float32:
             cpu_fp32_gemm(self.weight.dtype)          # time the two GEMMs now, not in the first prefill
         elif self.packed is not None:
             fp32_packed_min_rows()                    # likewise, not in the first decode step
+
+    def load_form(self) -> None:
+        """Put a processed quantized weight back in the form `weight_loader` writes, so that a weight
+        update can rewrite some of its rows (a fused layer's other shards keep theirs): an fp8
+        weight rejoined with its scales, GGUF blocks out of the kernel set's form. Else a no-op."""
+        if self.qtype == "fp8" and self.weight.dtype != torch.uint8:
+            self.weight = nn.Parameter(FP8Weight(self.weight.data, self.weight_scale).rows(), requires_grad=False)
+        elif self.blocks_packed:
+            self.weight = nn.Parameter(kernels_for(self.weight).unpack_gguf(self.weight.data, self.qtype),
+                                       requires_grad=False)
+            self.blocks_packed = False
+        else:
+            return
+        self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         _copy_checked(param.data, loaded)

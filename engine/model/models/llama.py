@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.loading.quant_checkpoint import FP8Weight
+from engine.loading.quant_checkpoint import FP8Weight, quantize_to
 from engine.loading.weights import GGUFWeight
 from engine.model.layers.attention import Attention, AttentionMetadata
 from engine.model.layers.cpu_gemm import prepack
@@ -26,7 +26,7 @@ from engine.model.layers.rmsnorm import RMSNorm
 from engine.model.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model.parallel_state import get_parallel_state, pp_layer_range
 from kernels.dispatch import kernels_for
-from kernels.reference import dequantize_gguf
+from kernels.reference import FP8_DTYPE, dequantize_gguf
 from records.model_source import attention_windows
 
 
@@ -219,6 +219,9 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(name)
             if param is None:
                 continue                      # e.g. unused buffers some checkpoints carry
+            if param.dtype in (torch.uint8, FP8_DTYPE) and not isinstance(tensor, (GGUFWeight, FP8Weight)):
+                # A dense tensor for a layer kept quantized (a weight update): quantized to its type.
+                tensor = quantize_to(tensor, self.get_submodule(name.rsplit(".", 1)[0]).qtype)
             if isinstance(tensor, (GGUFWeight, FP8Weight)):
                 param = params[name] = self._quantized_param(name, param, tensor.qtype)
             else:
@@ -253,6 +256,8 @@ class LlamaForCausalLM(nn.Module):
         elif module.qtype != qtype:
             raise ValueError(f"{name}: the shards of one fused layer must share a GGUF type; got {qtype} after "
                              f"{module.qtype} (quantization='none' dequantizes them)")
+        elif isinstance(module, Linear):
+            module.load_form()                # (processed already: a weight update rewrites it)
         return module.weight
 
 
