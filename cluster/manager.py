@@ -350,7 +350,7 @@ class ClusterManager:
             if new_fp == old_fp:
                 return {"changed": False, "fingerprint": old_fp}
             logger.warning("spec %s replaces spec %s", new_fp, old_fp)
-            self.weights_state.disk = None      # replicas it starts load its checkpoint (cluster/weights.py)
+            self.weights_state.disk = {}        # replicas it starts load its checkpoint (cluster/weights.py)
             if self._startup is None or self.phase == "failed":      # no pools serve yet
                 self._configure(new)
                 self._startup, self.phase, self.reason, self._spawned = None, "starting", None, False

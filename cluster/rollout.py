@@ -67,8 +67,9 @@ class RolloutClient:
         return self._get("/get_weight_version")["weight_version"]
 
     # --- updates ------------------------------------------------------------------------------------
-    def update_weights_from_disk(self, path: str, version: str | None = None) -> str:
-        body = {"model_path": path, **({"weight_version": version} if version is not None else {})}
+    def update_weights_from_disk(self, path: str, version: str | None = None, lora_name: str | None = None) -> str:
+        """From a checkpoint directory (with `lora_name`: a PEFT directory of that adapter's tensors)."""
+        body = {"model_path": path, **_optional(weight_version=version, lora_name=lora_name)}
         return self._post("/update_weights_from_disk", body)["weight_version"]
 
     def join(self, master_address: str = "127.0.0.1", master_port: int = 29555, backend: str = "gloo") -> int:
@@ -82,16 +83,16 @@ class RolloutClient:
         return world_size
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str | None = None,
-                       **group: Any) -> str:
+                       lora_name: str | None = None, **group: Any) -> str:
         """Broadcast these HF-named tensors to every rank (joining the group first, with `group`'s
-        `join` arguments, if not yet); the new version."""
+        `join` arguments, if not yet); the new version. With `lora_name`: that adapter's tensors
+        (PEFT names, as in its adapter_model.safetensors)."""
         if self.group is None:
             self.join(**group)
         assert self.group is not None
         tensors = [(name, t.detach().contiguous()) for name, t in named_tensors]
         body = {"names": [n for n, _ in tensors], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-                "shapes": [list(t.shape) for _, t in tensors],
-                **({"weight_version": version} if version is not None else {})}
+                "shapes": [list(t.shape) for _, t in tensors], **_optional(weight_version=version, lora_name=lora_name)}
         # Checked on every replica first: a refusal (ValueError naming the tensor) sends nothing.
         self._post("/check_weights", body)
         done = self._in_thread(self._post, "/update_weights_from_distributed", body)
@@ -148,3 +149,8 @@ class _Pending:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+def _optional(**fields: Any) -> dict[str, Any]:
+    """The fields given (not None), for a request body."""
+    return {k: v for k, v in fields.items() if v is not None}

@@ -12,10 +12,13 @@
   around it), so no request sees one replica's new weights next to another's old ones, and the
   version moves on everywhere at once.
 
+An update may be of a LoRA adapter the model serves instead (the update ops' last argument, a
+LoRARequest: an RL policy trained as an adapter over a frozen base; PEFT names).
+
 A replica that joins the pools later (a scale-up, a replacement) or wakes from sleep loads the
 model's checkpoint: after a group or tensor update, push the weights again (a wake sets the version
-back to "0"); after a disk update the manager gives it the same update before it serves
-(`on_join`, `woken`).
+back to "0"); after disk updates the manager gives it the same updates (the model's last, each
+adapter's last) before it serves (`on_join`, `woken`).
 """
 from __future__ import annotations
 
@@ -24,13 +27,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.weight_updates import PAUSE_MODES
+from records.lora import LoRARequest
 
 
 class ModelWeights:
     def __init__(self) -> None:
         self.version = "0"
         self.paused: str | None = None
-        self.disk: tuple[str, str] | None = None      # the last update from disk: (path, version)
+        # The last update from disk of the model (key None) and of each adapter (its name), in the
+        # order they happened: (path, version, adapter).
+        self.disk: dict[str | None, tuple[str, str, LoRARequest | None]] = {}
 
     def state(self) -> dict[str, Any]:
         return {"weight_version": self.version, "paused": self.paused}
@@ -65,57 +71,63 @@ class ModelWeights:
         return first
 
     async def update(self, replicas: dict[str, Any], method: str, *args: Any, shapes: dict[str, Sequence[int]]
-                     | None = None, version: str | None = None) -> dict[str, Any]:
+                     | None = None, version: str | None = None, lora: LoRARequest | None = None) -> dict[str, Any]:
         """Run one update (`method`: update_weights, update_weights_from_disk or
-        update_weights_from_distributed, with its arguments) on every replica, paused: checked
-        first on all (`shapes`, where the caller knows them), then applied on all; the new version."""
+        update_weights_from_distributed, with its arguments) of the model or adapter `lora` on every
+        replica, paused: checked first on all (`shapes`, where the caller knows them), then applied
+        on all; the new version."""
         if shapes is not None:
-            await _each(replicas, "check_weights", {n: list(s) for n, s in shapes.items()})
+            await _each(replicas, "check_weights", {n: list(s) for n, s in shapes.items()}, lora)
         version = str(version) if version is not None else _next(self.version)
         paused_here = self.paused is None
         if paused_here:
             await _each(replicas, "pause", "keep")
         try:
-            await _each(replicas, method, *args, version)
+            await _each(replicas, method, *args, version, lora)
         finally:
             if paused_here:
                 await _each(replicas, "resume")
         self.version = version
         if method == "update_weights_from_disk":
-            self.disk = (args[0], version)
+            key = lora.lora_name if lora is not None else None
+            self.disk.pop(key, None)
+            self.disk[key] = (args[0], version, lora)
         return self.state()
 
     async def call(self, replicas: dict[str, Any], op: str, *args: Any) -> Any:
         """The manager's entry (ClusterManager.weights): `op` over these replicas."""
         if op == "state":
             return self.state()
-        if op == "check":                          # ({name: shape})
-            await _each(replicas, "check_weights", args[0])
-            return self.state()
         if op in ("pause", "resume", "group_size", "join_group"):
             return await getattr(self, op)(replicas, *args)
-        if op == "update_from_disk":               # (path, version)
-            return await self.update(replicas, "update_weights_from_disk", args[0], version=args[1])
-        if op == "update_from_group":              # (names, dtypes, shapes, version)
-            names, dtypes, shapes, version = args
+        # The update ops' arguments, then the adapter they update (a LoRARequest; absent or None: the model).
+        if op == "check":                          # ({name: shape}, lora?)
+            shapes, lora = _with_adapter(args, 1)
+            await _each(replicas, "check_weights", *shapes, lora)
+            return self.state()
+        if op == "update_from_disk":               # (path, version, lora?)
+            (path, version), lora = _with_adapter(args, 2)
+            return await self.update(replicas, "update_weights_from_disk", path, version=version, lora=lora)
+        if op == "update_from_group":              # (names, dtypes, shapes, version, lora?)
+            (names, dtypes, shapes, version), lora = _with_adapter(args, 4)
             return await self.update(replicas, "update_weights_from_distributed", names, dtypes, shapes,
-                                     shapes=dict(zip(names, shapes, strict=True)), version=version)
-        if op == "update_from_tensors":            # ([a Ray object reference of [(name, tensor)]], version)
-            (ref,), version = args
-            return await self.update(replicas, "update_weights", ref, version=version)
+                                     shapes=dict(zip(names, shapes, strict=True)), version=version, lora=lora)
+        if op == "update_from_tensors":            # ([a Ray object reference of [(name, tensor)]], version, lora?)
+            ((ref,), version), lora = _with_adapter(args, 2)
+            return await self.update(replicas, "update_weights", ref, version=version, lora=lora)
         raise ValueError(f"op must be one of state, check, pause, resume, group_size, join_group, update_from_disk, "
                          f"update_from_group, update_from_tensors; got {op!r}")
 
     async def on_join(self, replica: Any) -> None:
-        """A replica that joins after a disk update gets it before it serves."""
-        if self.disk is not None:
-            await replica.weights_call.remote("update_weights_from_disk", *self.disk)
+        """A replica that joins after disk updates gets them before it serves."""
+        for path, version, lora in self.disk.values():
+            await replica.weights_call.remote("update_weights_from_disk", path, version, lora)
 
     async def woken(self, replicas: dict[str, Any]) -> None:
-        """The replicas woke from sleep, their engines built from the checkpoint: the last disk
-        update again, or, after group or tensor updates (the trainer pushes the next ones), the
+        """The replicas woke from sleep, their engines built from the checkpoint: the disk updates
+        again, or, after group or tensor updates only (the trainer pushes the next ones), the
         checkpoint's version "0"."""
-        if self.disk is not None:
+        if self.disk:
             await asyncio.gather(*[self.on_join(h) for h in replicas.values()])
         else:
             self.version = "0"
@@ -126,6 +138,13 @@ async def _ranks(replicas: dict[str, Any]) -> dict[str, int]:
     ids = sorted(replicas)
     infos = await asyncio.gather(*[replicas[r].info.remote() for r in ids])
     return {r: info["num_ranks"] for r, info in zip(ids, infos, strict=True)}
+
+
+def _with_adapter(args: tuple[Any, ...], n: int) -> tuple[tuple[Any, ...], LoRARequest | None]:
+    """An op's `n` arguments and the adapter after them (None: the model's own weights)."""
+    if not n <= len(args) <= n + 1:
+        raise ValueError(f"expected {n} arguments and an optional adapter; got {len(args)}")
+    return args[:n], args[n] if len(args) > n else None
 
 
 def _next(version: str) -> str:

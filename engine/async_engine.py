@@ -22,6 +22,7 @@ from records.config import EngineConfig
 from records.engine_stats import EngineStats
 from records.errors import EngineDeadError, RequestFailedError
 from records.kv_events import KVEvent
+from records.lora import LoRARequest
 from records.outputs import RequestOutput
 from records.request import Continuation, NewRequest
 from records.sampling_params import SamplingParams
@@ -287,11 +288,13 @@ class AsyncLLMEngine:
     async def resume(self) -> None:
         await self.between_steps(self.engine.weights.resume)
 
-    async def update_weights(self, weights: list[tuple[str, Any]], version: str | None = None) -> str:
-        return await self.between_steps(lambda: self.engine.weights.from_tensors(weights, version))
+    async def update_weights(self, weights: list[tuple[str, Any]], version: str | None = None,
+                             lora_request: LoRARequest | None = None) -> str:
+        return await self.between_steps(lambda: self.engine.weights.from_tensors(weights, version, lora_request))
 
-    async def update_weights_from_disk(self, path: str, version: str | None = None) -> str:
-        return await self.between_steps(lambda: self.engine.weights.from_disk(path, version))
+    async def update_weights_from_disk(self, path: str, version: str | None = None,
+                                       lora_request: LoRARequest | None = None) -> str:
+        return await self.between_steps(lambda: self.engine.weights.from_disk(path, version, lora_request))
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, backend: str = "gloo") -> None:
@@ -301,11 +304,13 @@ class AsyncLLMEngine:
                                 world_size, backend)
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              version: str | None = None) -> str:
-        return await self.between_steps(lambda: self.engine.weights.from_group(names, dtypes, shapes, version))
+                                              version: str | None = None,
+                                              lora_request: LoRARequest | None = None) -> str:
+        return await self.between_steps(lambda: self.engine.weights.from_group(names, dtypes, shapes, version,
+                                                                               lora_request))
 
-    async def check_weights(self, shapes: dict[str, list[int]]) -> None:
-        await self.between_steps(lambda: self.engine.weights.check(shapes))
+    async def check_weights(self, shapes: dict[str, list[int]], lora_request: LoRARequest | None = None) -> None:
+        await self.between_steps(lambda: self.engine.weights.check(shapes, lora_request))
 
     async def lease_prefix(self, block_hashes: list[bytes], adapter: str = "") -> dict[str, Any] | None:
         """LLMEngine.lease_prefix, between steps."""

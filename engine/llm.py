@@ -62,14 +62,18 @@ class LLM:
         """The version of the weights serving now ("0" as loaded; each update's, or its count)."""
         return self.llm_engine.weights.version
 
-    def update_weights(self, weights: list[tuple[str, Any]], version: str | None = None) -> str:
+    def update_weights(self, weights: list[tuple[str, Any]], version: str | None = None,
+                       lora_request: LoRARequest | None = None) -> str:
         """Load HF-named whole tensors into every rank (checked first: ValueError naming a tensor
-        the checkpoint does not have with that shape, nothing changed); returns the new version."""
-        return self.llm_engine.weights.from_tensors(list(weights), version)
+        the checkpoint does not have with that shape, nothing changed); returns the new version.
+        With `lora_request`: PEFT-named tensors of that adapter (an RL policy trained as LoRA)."""
+        return self.llm_engine.weights.from_tensors(list(weights), version, lora_request)
 
-    def update_weights_from_disk(self, path: str, version: str | None = None) -> str:
-        """`update_weights` from a safetensors checkpoint directory of the same model."""
-        return self.llm_engine.weights.from_disk(path, version)
+    def update_weights_from_disk(self, path: str, version: str | None = None,
+                                 lora_request: LoRARequest | None = None) -> str:
+        """`update_weights` from a safetensors checkpoint directory of the same model (with
+        `lora_request`: a PEFT adapter directory whose tensors replace that adapter's)."""
+        return self.llm_engine.weights.from_disk(path, version, lora_request)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, backend: str = "gloo") -> None:
@@ -78,13 +82,13 @@ class LLM:
         self.llm_engine.weights.join_group(master_address, master_port, rank_offset, world_size, backend)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        version: str | None = None) -> str:
+                                        version: str | None = None, lora_request: LoRARequest | None = None) -> str:
         """Receive the trainer's broadcast of these tensors, in this order (check_weights first)."""
-        return self.llm_engine.weights.from_group(names, dtypes, shapes, version)
+        return self.llm_engine.weights.from_group(names, dtypes, shapes, version, lora_request)
 
-    def check_weights(self, shapes: dict[str, list[int]]) -> None:
+    def check_weights(self, shapes: dict[str, list[int]], lora_request: LoRARequest | None = None) -> None:
         """ValueError naming a tensor that an update of these names and shapes would be refused for."""
-        self.llm_engine.weights.check(shapes)
+        self.llm_engine.weights.check(shapes, lora_request)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

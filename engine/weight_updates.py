@@ -27,6 +27,7 @@ from records.request import RequestStatus
 if TYPE_CHECKING:
     import torch
 
+    from records.lora import LoRARequest
     from records.outputs import RequestOutput
 
 PAUSE_MODES = ("keep", "abort", "wait")
@@ -67,18 +68,28 @@ class WeightUpdates:
         self.engine.scheduler.admitting = True
 
     # --- updates ----------------------------------------------------------------------------------
-    def check(self, shapes: dict[str, Sequence[int]]) -> None:
-        """ValueError naming a tensor the model's checkpoint does not have with that shape."""
-        self.engine.executor.collective_rpc("check_weights", {n: list(s) for n, s in shapes.items()})
+    # Each takes the model's tensors (HF names), or with `lora` the adapter's (PEFT names, as in its
+    # adapter_model.safetensors; a directory is then a PEFT adapter's): an RL policy that is a LoRA
+    # adapter over a frozen base.
+    def check(self, shapes: dict[str, Sequence[int]], lora: LoRARequest | None = None) -> None:
+        """ValueError naming a tensor the model's checkpoint (or the adapter) lacks with that shape."""
+        if lora is not None:
+            self.engine.check_adapter(lora)
+        self.engine.executor.collective_rpc("check_weights", {n: list(s) for n, s in shapes.items()}, lora)
 
-    def from_tensors(self, weights: list[tuple[str, torch.Tensor]], version: str | None = None) -> str:
+    def from_tensors(self, weights: list[tuple[str, torch.Tensor]], version: str | None = None,
+                     lora: LoRARequest | None = None) -> str:
+        if lora is not None:
+            self.engine.check_adapter(lora)
         self.held += self.engine.drain()
-        self.engine.executor.collective_rpc("update_weights", weights)
+        self.engine.executor.collective_rpc("update_weights", weights, lora)
         return self._updated(version)
 
-    def from_disk(self, path: str, version: str | None = None) -> str:
+    def from_disk(self, path: str, version: str | None = None, lora: LoRARequest | None = None) -> str:
+        if lora is not None:
+            self.engine.check_adapter(lora)
         self.held += self.engine.drain()
-        self.engine.executor.collective_rpc("update_weights_from_disk", path)
+        self.engine.executor.collective_rpc("update_weights_from_disk", path, lora)
         return self._updated(version)
 
     def join_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -88,12 +99,13 @@ class WeightUpdates:
                                             rank_offset, world_size, backend)
 
     def from_group(self, names: list[str], dtypes: list[str], shapes: list[Sequence[int]],
-                   version: str | None = None) -> str:
+                   version: str | None = None, lora: LoRARequest | None = None) -> str:
         """Receive the trainer's broadcast of these tensors, in order (checked on every rank first:
         a trainer should `check` before it sends, since a refused update receives nothing)."""
-        self.check(dict(zip(names, shapes, strict=True)))
+        self.check(dict(zip(names, shapes, strict=True)), lora)
         self.held += self.engine.drain()
-        self.engine.executor.collective_rpc("update_weights_from_group", names, dtypes, [list(s) for s in shapes])
+        self.engine.executor.collective_rpc("update_weights_from_group", names, dtypes, [list(s) for s in shapes],
+                                            lora)
         return self._updated(version)
 
     def _updated(self, version: str | None) -> str:

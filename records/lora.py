@@ -79,11 +79,25 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class AdapterInfo:
-    """What `read_adapter` found: the scaling of B A, the rank, and each tensor's name -> (layer,
-    module, "A" | "B")."""
+    """What `read_adapter` found: the scaling of B A, the rank, each tensor's name -> (layer,
+    module, "A" | "B") and its shape."""
     rank: int
     scaling: float
     tensors: dict[str, tuple[int, str, str]]
+    shapes: dict[str, tuple[int, int]]
+
+    def check_update(self, shapes: dict[str, Any]) -> None:
+        """ValueError naming the first tensor of an update (PEFT names) that this adapter does not
+        have with that shape (a weight update of the adapter: engine/worker/lora_slots.py)."""
+        if not shapes:
+            raise ValueError("update_weights: no tensors given")
+        for name, shape in shapes.items():
+            if name not in self.shapes:
+                raise ValueError(f"update_weights: {name!r} is not a tensor of this adapter (its names are "
+                                 f"PEFT's, e.g. {sorted(self.shapes)[0]})")
+            if tuple(shape) != self.shapes[name]:
+                raise ValueError(f"update_weights: {name!r} has shape {list(shape)}; this adapter's is "
+                                 f"{list(self.shapes[name])}")
 
 
 def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
@@ -132,6 +146,7 @@ def read_adapter(path: str, hf_config: Any, max_rank: int) -> AdapterInfo:
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     shapes = module_shapes(hf_config)
     tensors: dict[str, tuple[int, str, str]] = {}
+    shapes_of: dict[str, tuple[int, int]] = {}
     for name, (dtype, shape) in _safetensors_header(weights_path).items():
         layer, module, which = _parse_name(name, hf_config.num_hidden_layers)
         if module in ("gate_proj", "up_proj", "down_proj") and is_moe_layer(hf_config, layer):
@@ -145,6 +160,7 @@ def read_adapter(path: str, hf_config: Any, max_rank: int) -> AdapterInfo:
             raise ValueError(f"{name}: shape must be {list(expected)} for this base model and r={rank}; got "
                              f"{list(shape)} (an adapter trained for another base model?)")
         tensors[name] = (layer, module, which)
+        shapes_of[name] = expected
     pairs: dict[tuple[int, str], set[str]] = {}
     for layer, module, which in tensors.values():
         pairs.setdefault((layer, module), set()).add(which)
@@ -153,7 +169,7 @@ def read_adapter(path: str, hf_config: Any, max_rank: int) -> AdapterInfo:
         raise ValueError(f"lora_path: each target needs lora_A and lora_B; only one of them for {half[:3]}")
     if not tensors:
         raise ValueError(f"lora_path: {ADAPTER_WEIGHTS} holds no LoRA tensors")
-    return AdapterInfo(rank=rank, scaling=float(scaling), tensors=tensors)
+    return AdapterInfo(rank=rank, scaling=float(scaling), tensors=tensors, shapes=shapes_of)
 
 
 def _parse_name(name: str, num_layers: int) -> tuple[int, str, str]:

@@ -11,10 +11,16 @@ on a GPU is the host-to-device copy S-LoRA describes.
 
 The adapter was checked against the model when its request was admitted (`records.lora.read_adapter`,
 from the files' headers); here the tensors themselves are read.
+
+A weight update of an adapter (RL with LoRA: the trainer's adapter tensors, engine/weight_updates.py)
+replaces some or all of its tensors: they are kept beside its directory's and win over them
+whenever the adapter is read (now, or again after it left host memory); its slot and host copy go,
+so the next step that needs it loads the new values.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from types import ModuleType
 
 import torch
@@ -58,6 +64,20 @@ class LoRASlots:
         self.host: OrderedDict[AdapterKey, tuple[int, list[tuple[Linear, int, torch.Tensor, torch.Tensor]]]] = \
             OrderedDict()
         self.loads = 0                      # adapters read from disk (for tests and metrics)
+        self.updated: dict[AdapterKey, dict[str, torch.Tensor]] = {}    # adapter -> tensors an update gave
+
+    def check_update(self, lora: LoRARequest, shapes: dict[str, Sequence[int]]) -> None:
+        """ValueError naming a tensor (PEFT name) the adapter does not have with that shape."""
+        read_adapter(lora.lora_path, self.model.config, self.config.max_lora_rank).check_update(shapes)
+
+    def update(self, lora: LoRARequest, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace these tensors of the adapter (checked first) from the next step on."""
+        weights = list(weights)
+        self.check_update(lora, {name: tuple(t.shape) for name, t in weights})
+        key = lora.cache_key
+        self.updated.setdefault(key, {}).update((name, t.detach().to("cpu", copy=True)) for name, t in weights)
+        self.host.pop(key, None)
+        self.slot_of.pop(key, None)         # (its slot is free: refilled with the new values when needed)
 
     def prepare(self, batch: list[ScheduledRequest]) -> None:
         """Point the LoRA layers at this step's rows per adapter slot (the batch in the order its
@@ -117,7 +137,7 @@ class LoRASlots:
             self.host.move_to_end(key)
             return held
         info = read_adapter(lora.lora_path, self.model.config, self.config.max_lora_rank)
-        raw = load_file(f"{lora.lora_path}/{ADAPTER_WEIGHTS}")
+        raw = {**load_file(f"{lora.lora_path}/{ADAPTER_WEIGHTS}"), **self.updated.get(key, {})}
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for name, (layer, module, which) in info.tensors.items():
             pairs.setdefault((layer, module), {})[which] = raw[name]

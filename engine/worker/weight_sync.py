@@ -93,14 +93,14 @@ class WeightSync:
     def join(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str) -> None:
         self.group = WeightUpdateGroup(master_address, master_port, rank, world_size, backend)
 
-    def from_group(self, model: Any, names: list[str], dtypes: list[str], shapes: list[Sequence[int]],
-                   device: torch.device) -> None:
-        """Receive each tensor from the group's rank 0, in order, then load them. The trainer sends
-        them after this rank was asked (all ranks check first: a refused update sends nothing)."""
+    def receive(self, names: list[str], dtypes: list[str], shapes: list[Sequence[int]],
+                device: torch.device) -> list[tuple[str, torch.Tensor]]:
+        """Each tensor from the group's rank 0, in order. The trainer sends them after this rank was
+        asked (all ranks check first: a refused update sends nothing)."""
         if self.group is None:
             raise ValueError("update_weights: no weight-update group (init_weights_update_group first)")
         received = []
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
             tensor = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=device)
             received.append((name, self.group.broadcast(tensor)))
-        self.apply(model, received)
+        return received

@@ -6,15 +6,18 @@ Its public methods are the RPC surface an executor calls (in-process, or on a Ra
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
 import socket
 import traceback
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 import engine.worker.step_channel as step_channel
 from engine.loading.quant_checkpoint import model_weights
@@ -37,6 +40,7 @@ from kv_transfer.factory import create_connector_worker
 from records.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from records.dtypes import KV_DTYPE_SIZES
 from records.kv_layout import KVLayout
+from records.lora import ADAPTER_WEIGHTS, LoRARequest
 from records.step import ModelRunnerOutput, SchedulerOutput
 from records.transfer import TransferReport
 
@@ -276,20 +280,25 @@ class Worker:
         return self.runner.execute(sched)
 
     # --- weight updates (engine/worker/weight_sync.py; the engine runs them between steps) ----------
-    def check_weights(self, shapes: dict[str, list[int]]) -> None:
-        """ValueError naming a tensor this model's checkpoint does not have with that shape."""
-        assert self.runner is not None
-        self.weight_sync.check(self.runner.model, shapes)
+    def check_weights(self, shapes: dict[str, list[int]], lora: LoRARequest | None = None) -> None:
+        """ValueError naming a tensor this model's checkpoint (or adapter `lora`) does not have with
+        that shape."""
+        check, _ = self._update_target(lora)
+        check(shapes)
 
-    def update_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Load these HF-named whole tensors (checked first) into the model."""
-        assert self.runner is not None
-        self.weight_sync.check(self.runner.model, {name: list(t.shape) for name, t in weights})
-        self.weight_sync.apply(self.runner.model, weights)
-        self.runner.decode_plan = False             # rebuilt at the next decode step
+    def update_weights(self, weights: list[tuple[str, torch.Tensor]], lora: LoRARequest | None = None) -> None:
+        """Load these whole tensors (checked first) into the model: HF-named, or PEFT-named into
+        adapter `lora` (engine/worker/lora_slots.py)."""
+        check, apply = self._update_target(lora)
+        check({name: list(t.shape) for name, t in weights})
+        apply(weights)
 
-    def update_weights_from_disk(self, path: str) -> None:
+    def update_weights_from_disk(self, path: str, lora: LoRARequest | None = None) -> None:
+        """From a checkpoint directory of the model, or a PEFT adapter directory for adapter `lora`."""
         assert self.runner is not None
+        if lora is not None:
+            self.update_weights(list(load_file(os.path.join(path, ADAPTER_WEIGHTS)).items()), lora)
+            return
         self.weight_sync.from_disk(self.runner.model, path, self.config.model_config.hf_config)
         self.runner.decode_plan = False
 
@@ -298,11 +307,26 @@ class Worker:
         """Join the trainer's weight-update group as member `rank_offset` + this rank."""
         self.weight_sync.join(master_address, master_port, rank_offset + self.rank, world_size, backend)
 
-    def update_weights_from_group(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+    def update_weights_from_group(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                  lora: LoRARequest | None = None) -> None:
         """Receive these tensors from the group's trainer (after `check_weights` passed on every rank)."""
+        _, apply = self._update_target(lora)
+        apply(self.weight_sync.receive(names, dtypes, shapes, self.device))
+
+    def _update_target(self, lora: LoRARequest | None) -> tuple[Callable[[dict[str, Any]], None],
+                                                                Callable[[list[tuple[str, torch.Tensor]]], None]]:
+        """(check, apply) of an update of the model's weights, or of adapter `lora`'s."""
         assert self.runner is not None
-        self.weight_sync.from_group(self.runner.model, names, dtypes, shapes, self.device)
-        self.runner.decode_plan = False
+        runner = self.runner
+        if lora is not None:
+            if runner.lora is None:
+                raise ValueError("lora_request: this engine serves no adapters; start it with enable_lora=True")
+            return functools.partial(runner.lora.check_update, lora), functools.partial(runner.lora.update, lora)
+
+        def apply(weights: list[tuple[str, torch.Tensor]]) -> None:
+            self.weight_sync.apply(runner.model, weights)
+            runner.decode_plan = False              # rebuilt at the next decode step
+        return functools.partial(self.weight_sync.check, runner.model), apply
 
     def expert_load(self) -> dict[int, int]:
         """Rows (token, expert) each MoE expert this rank holds has run, summed over its layers,

@@ -58,6 +58,7 @@ from router.ingress.http import fastapi_app, openapi_schema
 from router.ingress.quota import LedgerCall, QuotaLedger
 from router.ingress.served_models import ModelServer, ServedModels
 from router.ingress.weights_api import (
+    adapter_arg,
     check_args,
     check_enabled,
     disk_args,
@@ -315,7 +316,8 @@ class OpenAIIngress:
         body = await self.api.read_json(request) if read_body and args is not None else {}
         server = self.models.pick(body.get("model") or request.query_params.get("model"))
         check_enabled(server.frontend.config.serving, request.url.path)
-        out = await weights_call(server.frontend.cold.manager(), op, *(args(body) if args is not None else ()))
+        out = await weights_call(server.frontend.cold.manager(), op, *(args(body) if args is not None else ()),
+                                 *adapter_arg(op, body, server.frontend.preparer.adapters))
         return JSONResponse({"model": server.name, **out})
 
     @fastapi_app.post("/pause")

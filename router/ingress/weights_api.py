@@ -12,6 +12,9 @@ names one of several, in the query or the JSON body):
   trainer broadcasts each tensor in order once the call is under way, after /check_weights passed:
   a refused update receives nothing).
 
+The three that take tensors also take `"lora_name"`: the update is then of that LoRA adapter's
+tensors (PEFT names; `model_path` a PEFT adapter directory), an RL policy trained as an adapter.
+
 Each answers {"model", "weight_version", "paused", ...}; a refusal (a name or shape the checkpoint
 does not have, a bad field) is a 400 naming it, and nothing changed. They change what every client
 is served, so they answer 404 unless the spec turns them on (`serving.enable_weight_updates`,
@@ -23,6 +26,7 @@ from typing import Any
 
 from engine.weight_updates import PAUSE_MODES
 from records.errors import InvalidRequestError, NotFoundError
+from records.lora import LoRARequest
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -44,6 +48,20 @@ async def weights_call(manager: Any, op: str, *args: Any) -> dict[str, Any]:
             raise InvalidRequestError(str(cause)) from None
         raise
     return out if isinstance(out, dict) else {"world_size": out}
+
+
+ADAPTER_OPS = ("check", "update_from_disk", "update_from_group")
+
+
+def adapter_arg(op: str, body: dict[str, Any], adapters: dict[str, LoRARequest]) -> tuple[LoRARequest, ...]:
+    """The adapter an update op names (`lora_name`, one this model serves), as the op's last argument."""
+    name = body.get("lora_name")
+    if op not in ADAPTER_OPS or name is None:
+        return ()
+    if name not in adapters:
+        raise InvalidRequestError(f"lora_name must be one of the adapters served ({sorted(adapters)}); got {name!r}",
+                                  param="lora_name")
+    return (adapters[name],)
 
 
 def pause_mode(query: Any) -> str:

@@ -342,7 +342,55 @@ def test_gguf_blocks_take_updates_quantized_as_llama_cpp_does():
         assert torch.equal(qlayers[n].weight[:len(w)], torch.from_numpy(theirs)), n
     assert torch.equal(qmodel.layers[0].self_attn.qkv_proj.weight[q_rows:], k_before)
     assert qmodel.layers[2].mlp.down_proj.dense is not None
-    prompts = [[1, 504, 3458, 282, 4055, 314, 253], list(range(100, 300))] + [[1, 30 + i, 700 + 3 * i] for i in range(6)]
+    prompts = [[1, 504, 3458, 282, 4055, 314, 253], list(range(100, 300))]
+    prompts += [[1, 30 + i, 700 + 3 * i] for i in range(6)]
     outs = [[[o.outputs[0].token_ids for o in _run(llm, batch)] for batch in (prompts, prompts[-3:])]
             for llm in (blocks, dense)]
     assert outs[0] == outs[1]
+
+
+def test_an_adapter_takes_updates_as_an_rl_policy(tiny_llama, prompts, tmp_path):
+    """An RL policy trained as a LoRA adapter over a frozen base: the trainer's adapter tensors (PEFT
+    names) replace the served adapter's, from tensors (some, then all) and from a PEFT directory,
+    while requests without it keep the base; each time the engine answers as a fresh engine
+    serving an adapter of those tensors. A name or shape the adapter lacks is refused by name."""
+    from helpers import make_adapter
+    from safetensors.torch import load_file, save_file
+
+    from records.lora import ADAPTER_WEIGHTS, LoRARequest
+
+    targets = ["q_proj", "v_proj", "down_proj"]
+    first = make_adapter(tiny_llama, str(tmp_path / "first"), 8, targets, seed=1)
+    trained = make_adapter(tiny_llama, str(tmp_path / "trained"), 8, targets, seed=2)
+    new = load_file(os.path.join(trained, ADAPTER_WEIGHTS))
+    lora = {"enable_lora": True, "max_lora_rank": 8, "dtype": "float32"}
+
+    def run(llm: LLM, path: str | None) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                lora_request=LoRARequest("policy", 1, path) if path else None)
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                             use_tqdm=False)]
+
+    policy = LoRARequest("policy", 1, first)
+    llm = LLM(tiny_llama, **lora)
+    base, before = run(llm, None), run(llm, first)
+    # Some tensors: the adapter of the first's tensors with those replaced.
+    some = {n: t for n, t in new.items() if ".layers.0." in n}
+    mixed = tmp_path / "mixed"
+    shutil.copytree(first, mixed)
+    save_file({**load_file(os.path.join(first, ADAPTER_WEIGHTS)), **some}, str(mixed / ADAPTER_WEIGHTS))
+    assert llm.update_weights(list(some.items()), lora_request=policy) == "1"
+    assert run(llm, first) == run(LLM(tiny_llama, **lora), str(mixed)) != before
+    # All of them, then back from the first adapter's directory.
+    llm.update_weights(list(new.items()), lora_request=policy)
+    after = run(llm, first)
+    assert after == run(LLM(tiny_llama, **lora), trained) != before and run(llm, None) == base
+    assert llm.update_weights_from_disk(first, lora_request=policy) == "3" and run(llm, first) == before
+    name = next(iter(new))
+    with pytest.raises(ValueError, match=rf"'{name}' has shape \[3, 3\]; this adapter's is"):
+        llm.update_weights([(name, torch.zeros(3, 3))], lora_request=policy)
+    with pytest.raises(ValueError, match="'model.norm.weight' is not a tensor of this adapter"):
+        llm.check_weights({"model.norm.weight": [64]}, lora_request=policy)
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(tiny_llama, dtype="float32").update_weights(list(new.items()), lora_request=policy)
+    assert llm.weight_version == "3" and run(llm, first) == before

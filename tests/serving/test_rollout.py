@@ -225,3 +225,47 @@ def test_pause_abort_and_a_refused_update(server, tiny_llama, tmp_path):
     assert after.choices[0].text == before.choices[0].text
     assert httpx.get(f"{base}/get_weight_version").json() == {"model": "tiny", "weight_version": version,
                                                                "paused": None}
+
+
+def test_an_adapter_policy_is_updated_on_both_replicas(server, tiny_llama, adapters, tmp_path):
+    """An RL policy trained as a LoRA adapter: the trainer updates the served adapter "ad1" from a
+    PEFT directory, on the prefill and the decode replica, and answers under it are then a fresh
+    engine's with that adapter (a prompt long enough to be prefilled remotely); then, broadcast over a
+    gloo group, the adapter's first tensors come back and so do its first answers. An adapter the
+    model does not serve is a 400 naming lora_name."""
+    import socket
+
+    from helpers import make_adapter
+    from safetensors.torch import load_file
+
+    from cluster.rollout import RolloutClient
+    from records.lora import ADAPTER_WEIGHTS, LoRARequest
+
+    base = f"{server['base']}/pd"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
+    prompt = _prompts(1, salt=23)[0]
+
+    def answer() -> list[int]:
+        out = client.completions.create(model="ad1", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        return out.choices[0].token_ids
+
+    trained = make_adapter(tiny_llama, str(tmp_path / "trained"), 8, ["q_proj", "v_proj", "o_proj", "down_proj"],
+                           seed=5)
+    offline = LLM(tiny_llama, dtype="float32", enable_lora=True, max_lora_rank=16)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            lora_request=LoRARequest("trained", 1, trained))
+    [want] = offline.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    del offline
+    rollout = RolloutClient(base)
+    before = answer()
+    version = rollout.update_weights_from_disk(trained, lora_name="ad1")
+    assert answer() == list(want.outputs[0].token_ids) != before
+    with pytest.raises(ValueError, match="lora_name must be one of the adapters served"):
+        rollout.update_weights_from_disk(trained, lora_name="nope")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = load_file(os.path.join(adapters["ad1"], ADAPTER_WEIGHTS))
+    assert rollout.update_weights(first.items(), lora_name="ad1", master_port=port) != version
+    assert answer() == before

@@ -70,7 +70,7 @@ def test_tensors_go_by_one_object_reference_to_every_replica():
     weights = ModelWeights()
     assert run(weights.call(replicas, "update_from_tensors", ["REF"], "7"))["weight_version"] == "7"
     for r in replicas.values():
-        assert r.calls == [("pause", "keep"), ("update_weights", "REF", "7"), ("resume",)]
+        assert r.calls == [("pause", "keep"), ("update_weights", "REF", "7", None), ("resume",)]
 
 
 def test_one_refusal_changes_nothing_anywhere():
@@ -86,17 +86,30 @@ def test_one_refusal_changes_nothing_anywhere():
         run(weights.call(replicas, "reload"))
 
 
-def test_joining_and_woken_replicas_get_the_last_disk_update():
+def test_joining_and_woken_replicas_get_the_last_disk_updates():
+    """The model's last disk update and each adapter's, in the order they happened."""
+    from records.lora import LoRARequest
+
     replicas = {"a": FakeReplica(1)}
     weights = ModelWeights()
-    run(weights.call(replicas, "update_from_disk", "/ckpt/step-2", None))
+    policy = LoRARequest("policy", 1, "/adapters/policy")
+    run(weights.call(replicas, "update_from_disk", "/ckpt/step-1", None))
+    run(weights.call(replicas, "update_from_disk", "/adapters/step-2", None, policy))
+    run(weights.call(replicas, "update_from_disk", "/ckpt/step-3", None))
+    assert replicas["a"].calls[-2] == ("update_weights_from_disk", "/ckpt/step-3", "3", None)
     joining = FakeReplica(1)
     run(weights.on_join(joining))
-    assert joining.calls == [("update_weights_from_disk", "/ckpt/step-2", "1")]
+    assert joining.calls == [("update_weights_from_disk", "/adapters/step-2", "2", policy),
+                             ("update_weights_from_disk", "/ckpt/step-3", "3", None)]
     run(weights.woken(replicas))
-    assert replicas["a"].calls[-1] == ("update_weights_from_disk", "/ckpt/step-2", "1")
+    assert replicas["a"].calls[-1] == ("update_weights_from_disk", "/ckpt/step-3", "3", None)
+    # An adapter's tensors are checked and applied as the adapter's.
+    run(weights.call(replicas, "update_from_group", ["w"], ["float32"], [[4]], None, policy))
+    assert [c for c in replicas["a"].calls if c[0] == "check_weights"][-1] == ("check_weights", {"w": [4]}, policy)
+    with pytest.raises(ValueError, match="expected 2 arguments and an optional adapter"):
+        run(weights.call(replicas, "update_from_disk", "/ckpt"))
     # After a broadcast, a woken replica holds the checkpoint's weights: version "0" again.
     run(weights.call(replicas, "update_from_group", ["w"], ["float32"], [[4]], None))
-    weights.disk = None
+    weights.disk = {}
     run(weights.woken(replicas))
     assert weights.version == "0"
