@@ -1,10 +1,11 @@
 """How long a trainer's weight update takes (engine/weight_updates.py, engine/worker/weight_sync.py):
-the embedded model (SmolLM2-135M, served dense: quantization="none") and a Llama-shaped 1B random
-model (bf16), each through the three paths: tensors handed to the engine in-process, a safetensors
+the embedded model (SmolLM2-135M, served dense: quantization="none", or from its GGUF blocks:
+"embedded-gguf") and a Llama-shaped 1B random model (bf16, or its projections in fp8: "1b-fp8"; the
+quantized ones quantize every update), each through the three paths: tensors handed to the engine in-process, a safetensors
 checkpoint from disk, and a broadcast over a gloo group from a trainer process (rank 0: another
 process, so the bytes cross a socket as they would between nodes, here over loopback).
 
-    .venv/bin/python benchmarks/weight_update.py [--models embedded,1b] [--runs 3]
+    .venv/bin/python benchmarks/weight_update.py [--models embedded,embedded-gguf,1b,1b-fp8] [--runs 3]
 
 Prints, per model and path, the median seconds of an update and the bytes per second it moved
 (every tensor of the checkpoint, whole). The 1B model's checkpoint (2.2 GB) is written once under
@@ -95,7 +96,7 @@ def bench(name: str, path: str | None, runs: int, **engine: object) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="embedded,1b")
+    ap.add_argument("--models", default="embedded,embedded-gguf,1b,1b-fp8")
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     root = os.environ.get("PDSERVE_BENCH_DIR", "/tmp/pdserve-bench")
@@ -103,10 +104,14 @@ def main() -> None:
     for name in args.models.split(","):
         if name == "embedded":
             bench(name, None, args.runs, quantization="none", dtype="bfloat16")
+        elif name == "embedded-gguf":           # kept in its GGUF blocks, dense copies: each update quantizes
+            bench(name, None, args.runs, quantization="gguf+dense", dtype="bfloat16")
         elif name == "1b":
             bench(name, llama_1b(root), args.runs, dtype="bfloat16", num_kv_blocks=64)
+        elif name == "1b-fp8":                  # projections kept in fp8: each update quantizes them
+            bench(name, llama_1b(root), args.runs, dtype="bfloat16", num_kv_blocks=64, quantization="fp8")
         else:
-            raise SystemExit(f"--models: embedded and/or 1b; got {name!r}")
+            raise SystemExit(f"--models: embedded, embedded-gguf, 1b and/or 1b-fp8; got {name!r}")
 
 
 if __name__ == "__main__":
