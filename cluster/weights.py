@@ -8,9 +8,10 @@
   (`group_size` says how many members the trainer's group has). Tensors and broadcasts are checked
   on every replica before any applies them (if one refuses, none changes); a checkpoint is checked
   by each replica against the same model before it loads, the same verdict everywhere. An update
-  applies on all replicas while they are paused (a caller that did not pause gets a pause "keep"
-  around it), so no request sees one replica's new weights next to another's old ones, and the
-  version moves on everywhere at once.
+  applies on all replicas while they are paused (a caller that did not pause gets a pause "wait"
+  around it: running requests finish first, so no sequence spans two versions unless the caller
+  paused with "keep"), so no request sees one replica's new weights next to another's old ones,
+  and the version moves on everywhere at once.
 
 An update may be of a LoRA adapter the model serves instead (the update ops' last argument, a
 LoRARequest: an RL policy trained as an adapter over a frozen base; PEFT names).
@@ -81,7 +82,7 @@ class ModelWeights:
         version = str(version) if version is not None else _next(self.version)
         paused_here = self.paused is None
         if paused_here:
-            await _each(replicas, "pause", "keep")
+            await _each(replicas, "pause", "wait")
         try:
             await _each(replicas, method, *args, version, lora)
         finally:

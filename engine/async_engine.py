@@ -290,11 +290,23 @@ class AsyncLLMEngine:
 
     async def update_weights(self, weights: list[tuple[str, Any]], version: str | None = None,
                              lora_request: LoRARequest | None = None) -> str:
-        return await self.between_steps(lambda: self.engine.weights.from_tensors(weights, version, lora_request))
+        return await self._update(lambda: self.engine.weights.from_tensors(weights, version, lora_request))
 
     async def update_weights_from_disk(self, path: str, version: str | None = None,
                                        lora_request: LoRARequest | None = None) -> str:
-        return await self.between_steps(lambda: self.engine.weights.from_disk(path, version, lora_request))
+        return await self._update(lambda: self.engine.weights.from_disk(path, version, lora_request))
+
+    async def _update(self, update: Callable[[], str]) -> str:
+        """Run an update between steps. A caller that did not pause gets a "wait" pause around it
+        (running requests finish first, none is admitted meanwhile), so that no sequence spans two
+        versions unless the caller paused with "keep" (the partial rollouts RL frameworks ask for)."""
+        if self.engine.weights.paused is not None:
+            return await self.between_steps(update)
+        await self.pause("wait")
+        try:
+            return await self.between_steps(update)
+        finally:
+            await self.resume()
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, backend: str = "gloo") -> None:
@@ -306,8 +318,7 @@ class AsyncLLMEngine:
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               version: str | None = None,
                                               lora_request: LoRARequest | None = None) -> str:
-        return await self.between_steps(lambda: self.engine.weights.from_group(names, dtypes, shapes, version,
-                                                                               lora_request))
+        return await self._update(lambda: self.engine.weights.from_group(names, dtypes, shapes, version, lora_request))
 
     async def check_weights(self, shapes: dict[str, list[int]], lora_request: LoRARequest | None = None) -> None:
         await self.between_steps(lambda: self.engine.weights.check(shapes, lora_request))

@@ -148,7 +148,8 @@ def test_update_from_tensors_and_over_a_gloo_group(tiny_llama, trained, prompts,
 def test_pause_keep_abort_wait_and_resume(tiny_llama, trained, prompts):
     """keep: requests wait with their KV, an update lands, they go on and say which tokens came from
     which weights; abort: they end with what they generated, finish reason "abort"; wait: running
-    requests finish, waiting ones stay until resume."""
+    requests finish, waiting ones stay until resume; an update with no pause waits for running
+    requests to finish (none spans two versions)."""
 
     async def main() -> None:
         engine = AsyncLLMEngine.from_args(tiny_llama, dtype="float32", max_num_seqs=2)
@@ -196,6 +197,17 @@ def test_pause_keep_abort_wait_and_resume(tiny_llama, trained, prompts):
         assert not tasks[2].done() and len(engine.engine.scheduler.waiting) == 1
         await engine.resume()
         assert (await tasks[2]).outputs[0].finish_reason == "length"
+
+        # An update without a pause: the running requests finish under the weights they started
+        # with (a "wait" pause around it), so none spans two versions; then it lands.
+        tasks = [asyncio.create_task(collect(f"u{i}", p)) for i, p in enumerate(prompts[:2])]
+        while not engine.engine.scheduler.running:
+            await asyncio.sleep(0.01)
+        assert await engine.update_weights_from_disk(tiny_llama) == "2"
+        outs = await asyncio.gather(*tasks)
+        assert all(len(out.outputs[0].weight_versions) == 1 for out in outs)        # no span
+        assert ["1"] in [[v for _, v in out.outputs[0].weight_versions] for out in outs]
+        assert engine.engine.weights.paused is None
         engine.engine.check_no_leaks()
         await engine.shutdown()
 

@@ -70,7 +70,7 @@ def test_tensors_go_by_one_object_reference_to_every_replica():
     weights = ModelWeights()
     assert run(weights.call(replicas, "update_from_tensors", ["REF"], "7"))["weight_version"] == "7"
     for r in replicas.values():
-        assert r.calls == [("pause", "keep"), ("update_weights", "REF", "7", None), ("resume",)]
+        assert r.calls == [("pause", "wait"), ("update_weights", "REF", "7", None), ("resume",)]
 
 
 def test_one_refusal_changes_nothing_anywhere():
