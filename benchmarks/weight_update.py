@@ -2,8 +2,9 @@
 the embedded model (SmolLM2-135M, served dense: quantization="none", or from its GGUF blocks:
 "embedded-gguf") and a Llama-shaped 1B random model (bf16, or its projections in fp8: "1b-fp8"; the
 quantized ones quantize every update), each through the three paths: tensors handed to the engine
-in-process, a safetensors checkpoint from disk, and a broadcast over a gloo group from a trainer process (rank 0: another
-process, so the bytes cross a socket as they would between nodes, here over loopback).
+in-process, a safetensors checkpoint from disk, and a broadcast over a gloo group from a trainer
+process (rank 0: another process, so the bytes cross a socket as they would between nodes, here
+over loopback).
 
     .venv/bin/python benchmarks/weight_update.py [--models embedded,embedded-gguf,1b,1b-fp8] [--runs 3]
 
