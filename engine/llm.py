@@ -107,8 +107,10 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (a str or {"prompt_token_ids": [...]}); outputs in input order.
-        `lora_request`: the adapter to run every prompt under, or one per prompt (None: the base
-        model); the LLM needs enable_lora=True.
+        A vision-language model's prompt may carry images: {"prompt": "... <image> ...",
+        "multi_modal_data": {"image": image or [images]}} (PIL images, encoded bytes or base64 data
+        URLs), one placeholder per image. `lora_request`: the adapter to run every prompt under, or
+        one per prompt (None: the base model); the LLM needs enable_lora=True.
 
         All prompts are validated before any runs: a bad one raises ValueError and none are queued.
         """
@@ -116,8 +118,30 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         params = self._with_lora(self._params_list(sampling_params, len(prompts)), lora_request)
-        parsed = [self._parse_prompt(p) for p in prompts]
-        return self._run(parsed, params, use_tqdm)
+        parsed, images = [], []
+        for prompt in prompts:
+            mm = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+            if mm:
+                ids, inputs = self._images(prompt, mm)
+                parsed.append((prompt.get("prompt"), ids))
+                images.append(inputs)
+            else:
+                parsed.append(self._parse_prompt(prompt))
+                images.append(())
+        return self._run(parsed, params, use_tqdm, images)
+
+    def _images(self, prompt: dict[str, Any], mm: Any) -> tuple[list[int], tuple]:
+        """A prompt's token ids and images (records/multimodal.py) from its `multi_modal_data`."""
+        if not isinstance(mm, dict) or set(mm) != {"image"}:
+            raise ValueError(f"multi_modal_data must be {{'image': image or [images]}}; got "
+                             f"{sorted(mm) if isinstance(mm, dict) else type(mm).__name__}")
+        if not isinstance(prompt.get("prompt"), str):
+            raise ValueError("multi_modal_data needs the prompt as text ('prompt'): the model's processor "
+                             "puts each image's tokens where its placeholder is")
+        images = mm["image"] if isinstance(mm["image"], (list, tuple)) else [mm["image"]]
+        if not images:
+            raise ValueError("multi_modal_data.image must name at least one image")
+        return self.llm_engine.image_processor().process(prompt["prompt"], list(images))
 
     def _beam_search(self, parsed: list[tuple[str | None, list[int]]], params: list[SamplingParams]
                      ) -> list[RequestOutput]:
@@ -247,8 +271,10 @@ class LLM:
                          f"got {type(prompt).__name__}")
 
     def _run(self, parsed: list[tuple[str | None, list[int] | None]], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, images: list[tuple] | None = None) -> list[RequestOutput]:
+        """Run the prompts to the end (`images`: each prompt's, records/multimodal.py)."""
         engine = self.llm_engine
+        images = images or [()] * len(parsed)
         if not self._finalizer.alive:
             raise RuntimeError("this LLM was shut down")
         if engine.tokenizer is not None:
@@ -258,18 +284,21 @@ class LLM:
             if sp.use_beam_search:
                 check_beam_params(sp)
         beams = [i for i, sp in enumerate(params) if sp.use_beam_search]
+        if any(images[i] for i in beams):
+            raise ValueError("use_beam_search: beam search over prompts with images is not supported")
         if beams:       # beam search runs over the engine; the other prompts as usual, beside
             searched = self._beam_search([parsed[i] for i in beams], [params[i] for i in beams])
             rest = [i for i in range(len(params)) if i not in set(beams)]
-            plain = self._run([parsed[i] for i in rest], [params[i] for i in rest], use_tqdm) if rest else []
+            plain = self._run([parsed[i] for i in rest], [params[i] for i in rest], use_tqdm,
+                              [images[i] for i in rest]) if rest else []
             merged = dict(zip(beams, searched)) | dict(zip(rest, plain))
             return [merged[i] for i in range(len(params))]
         ids = [str(next(self._counter)) for _ in parsed]
         # Only the final outputs are read below: the engine builds no other (its output_kind).
         final = {id(sp): dataclasses.replace(sp, output_kind="final_only") for sp in params}
         arrival = clock.monotonic()
-        for rid, (prompt, token_ids), sp in zip(ids, parsed, params):      # (validated above)
-            engine.enqueue(NewRequest(rid, prompt, token_ids, final[id(sp)], arrival))
+        for rid, (prompt, token_ids), sp, inputs in zip(ids, parsed, params, images):      # (validated above)
+            engine.enqueue(NewRequest(rid, prompt, token_ids, final[id(sp)], arrival, images=inputs))
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(ids) > 1:

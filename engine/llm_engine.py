@@ -22,6 +22,7 @@ from engine.output_processor import OutputProcessor
 from engine.sample.structured_output import compiler_for
 from engine.spec_decode import make_proposer, max_proposals
 from engine.telemetry import RequestTelemetry
+from engine.text.images import ImageProcessor
 from engine.text.tokenizer import eos_token_ids, shared_tokenizer
 from engine.weight_updates import WeightUpdates
 from kv_transfer.base import KVConnectorScheduler
@@ -31,7 +32,7 @@ from records.errors import EngineDeadError
 from records.kv_events import KVEvent
 from records.kv_layout import KVLayout
 from records.lora import LoRARequest, read_adapter
-from records.model_source import MOE_ARCHITECTURES
+from records.model_source import MOE_ARCHITECTURES, is_vision_language
 from records.outputs import RequestOutput
 from records.request import Continuation, NewRequest, Request, RequestStatus
 from records.sampling_params import SamplingParams, StructuredOutputsParams, check_limits, validate_request
@@ -49,6 +50,7 @@ class LLMEngine:
         tracing.configure(config.otlp_traces_endpoint)
         self.tokenizer = shared_tokenizer(mc.model, mc.gguf_file)
         self._adapters: set[tuple] = set()        # adapters read_adapter accepted (their cache keys)
+        self._image_processor: ImageProcessor | None = None
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc.hf_config, mc.model)
         self.executor = make_executor(config)
         if self.executor.kv_scales != config.cache_config.kv_scales:    # fp8 scales calibrated at load
@@ -83,7 +85,7 @@ class LLMEngine:
                     params: SamplingParams, arrival_time: float | None = None,
                     kv_transfer_params: dict[str, Any] | None = None,
                     continuation: Continuation | None = None, trace_context: dict[str, str] | None = None,
-                    block_hashes: list[bytes] | None = None) -> None:
+                    block_hashes: list[bytes] | None = None, images: list[Any] | None = None) -> None:
         """Validate and queue a request. Raises ValueError for bad input; nothing is queued then.
 
         `kv_transfer_params`: `{"do_remote_decode": True}` prefills here (max_tokens forced to 1)
@@ -94,7 +96,15 @@ class LLMEngine:
         (`traceparent`); when this process traces, the request's spans go under it (engine/telemetry.py),
         or start a trace of their own without one. `block_hashes`: the prompt came prepared by an
         ingress, which checked its ids against the model and hashed it (records/request.py:
-        NewRequest); only this engine's own limits are checked."""
+        NewRequest); only this engine's own limits are checked. `images`: a vision-language model's
+        images for the prompt's placeholders (PIL images, bytes or data URLs: engine/text/images.py),
+        in order; the prompt must then be text (the model's processor expands each placeholder)."""
+        inputs: tuple = ()
+        if images:
+            if prompt is None:
+                raise ValueError("multi_modal_data needs the prompt as text ('prompt'): the model's processor "
+                                 "puts each image's tokens where its placeholder is")
+            prompt_token_ids, inputs = self.image_processor().process(prompt, list(images))
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("prompt must be a string or prompt_token_ids a list of ints")
@@ -105,7 +115,18 @@ class LLMEngine:
         self.validate(prompt_token_ids, params, prepared=block_hashes is not None)
         self.enqueue(NewRequest(request_id, prompt, prompt_token_ids, params,
                                 arrival_time if arrival_time is not None else clock.monotonic(),
-                                kv_transfer_params, continuation, trace_context, block_hashes))
+                                kv_transfer_params, continuation, trace_context, block_hashes, inputs))
+
+    def image_processor(self) -> ImageProcessor:
+        """The model's image processor (loaded when the first image comes); ValueError for a model
+        that takes no images."""
+        if self._image_processor is None:
+            mc = self.config.model_config
+            if not is_vision_language(mc.hf_config):
+                raise ValueError("multi_modal_data: this model takes no images (a vision-language model does: "
+                                 "LlavaForConditionalGeneration)")
+            self._image_processor = ImageProcessor(mc.model, mc.hf_config.vision_language)
+        return self._image_processor
 
     def enqueue(self, new: NewRequest) -> None:
         """Queue a request that `validate` passed (AsyncLLMEngine.submit validates off the engine's
@@ -122,7 +143,7 @@ class LLMEngine:
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         bs = self.config.cache_config.block_size
         leader = Request(ids[0], prompt_token_ids, params, self.eos_token_ids, bs, max_tokens, new.arrival,
-                         parent_id=request_id, index=0, block_hashes=new.block_hashes)
+                         parent_id=request_id, index=0, block_hashes=new.block_hashes, images=new.images)
         leader.fork_children = [leader.fork(rid, i) for i, rid in enumerate(ids[1:], start=1)]
         if new.continuation is not None:
             self._check_continuation(params, max_tokens, new.continuation, bool(new.kv_transfer_params))

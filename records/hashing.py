@@ -40,15 +40,29 @@ def hash_block_tokens(
     extra_keys: tuple = (),
     parent: BlockHash | None = None,
     start_block: int = 0,
+    items: Sequence[tuple[int, int, bytes]] = (),
 ) -> list[BlockHash]:
     """Hashes of the full blocks of `token_ids` from `start_block` on, chained from `parent`.
 
     `extra_keys` apply to every block (a LoRA or a cache salt changes the KV of the whole sequence).
-    A trailing partial block is not hashed. (`hash_block`'s values, with the tokens packed once.)
+    `items` (offset, length, digest): inputs whose embeddings replace those of tokens [offset,
+    offset + length) (an image's placeholder tokens, records/multimodal.py); a block holding any of
+    their tokens also keys on their digests, so two prompts alike but for an image part at the
+    first block that holds it. A trailing partial block is not hashed. (`hash_block`'s values,
+    with the tokens packed once.)
     """
     num_full = len(token_ids) // block_size
     if num_full <= start_block:
         return []
+    if items:
+        hashes = []
+        for b in range(start_block, num_full):
+            lo, hi = b * block_size, (b + 1) * block_size
+            keys = tuple(extra_keys) + tuple(digest.hex() for offset, length, digest in items
+                                             if offset < hi and lo < offset + length)
+            parent = hash_block(parent, token_ids[lo:hi], keys)
+            hashes.append(parent)
+        return hashes
     packed = array("q", token_ids[start_block * block_size:num_full * block_size])
     if _BIG_ENDIAN:
         packed.byteswap()

@@ -21,6 +21,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 # Multimodal checkpoints served as their language model (text in, text out): the architecture
 # their text_config is (engine/model/models/gemma.py skips the vision tower's tensors).
 TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# Vision-language checkpoints (engine/model/models/llava.py): served as their language model with
+# the vision tower added; the text config's architecture by its model_type.
+VISION_LANGUAGE = ("LlavaForConditionalGeneration",)
+_TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # Mixtures of experts (engine/model/models/moe.py)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # GGUF configs carry only model_type.
@@ -145,11 +149,35 @@ def resolve_model(model: str | None) -> tuple[str, str | None, Any]:
         text = hf_config.text_config
         text.architectures = [TEXT_MODEL_OF[architecture_of(hf_config)]]
         hf_config = text
+    elif architecture_of(hf_config) in VISION_LANGUAGE:
+        hf_config = vision_language_text_config(hf_config)
     architecture = architecture_of(hf_config)     # unknown architectures fail here, early
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"model architecture {architecture!r} is not supported; supported "
                          f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return path, gguf_file, hf_config
+
+
+def vision_language_text_config(hf_config: Any) -> Any:
+    """A vision-language config's text config, its architecture the language model's, with the whole
+    config as a plain dict in `vision_language` (what the vision tower and the processor read)."""
+    text = hf_config.text_config
+    model_type = getattr(text, "model_type", None)
+    if model_type not in _TEXT_ARCHITECTURES:
+        raise ValueError(f"{architecture_of(hf_config)}: text_config.model_type must be one of "
+                         f"{sorted(_TEXT_ARCHITECTURES)}; got {model_type!r}")
+    vision_type = getattr(hf_config.vision_config, "model_type", None)
+    if vision_type != "clip_vision_model":
+        raise ValueError(f"{architecture_of(hf_config)}: vision_config.model_type must be 'clip_vision_model' "
+                         f"(a CLIP tower); got {vision_type!r}")
+    text.architectures = [_TEXT_ARCHITECTURES[model_type]]
+    text.vision_language = {**hf_config.to_dict(), "architecture": architecture_of(hf_config)}
+    return text
+
+
+def is_vision_language(hf_config: Any) -> bool:
+    """Whether the (text) config is a vision-language model's: its prompts may carry images."""
+    return getattr(hf_config, "vision_language", None) is not None
 
 
 # generation_config.json's sampling fields that become request defaults (vLLM's list; its

@@ -16,6 +16,7 @@ from records.sampling_params import SamplingParams
 from records.step import ScheduledRequest
 
 if TYPE_CHECKING:
+    from records.multimodal import ImageInput
     from records.transfer import RemotePrefill
 
 
@@ -46,6 +47,7 @@ class NewRequest:
     continuation: Continuation | None = None
     trace_context: dict[str, str] | None = None
     block_hashes: list[BlockHash] | None = None
+    images: tuple[ImageInput, ...] = ()     # the prompt's images (vision-language models: records/multimodal.py)
 
 
 class RequestStatus(enum.IntEnum):
@@ -86,6 +88,7 @@ class Request:
         parent_id: str | None = None,
         index: int = 0,
         block_hashes: list[BlockHash] | None = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> None:
         """`block_hashes`: the prompt's hash chain when the caller has it (the router's, which it
         routed on; a fork's leader's), so that it is not computed again: the hashes of the prompt's
@@ -134,6 +137,8 @@ class Request:
 
         self.block_size = block_size
         self.extra_keys = sampling_params.cache_keys
+        self.images = images
+        self._image_keys = tuple(image.key for image in images)
         self.block_hashes: list[BlockHash] = list(block_hashes[:len(self.prompt_token_ids) // block_size]) \
             if block_hashes else []
         self._update_block_hashes()
@@ -233,7 +238,7 @@ class Request:
     def _update_block_hashes(self) -> None:
         parent = self.block_hashes[-1] if self.block_hashes else None
         self.block_hashes.extend(hash_block_tokens(
-            self.all_token_ids, self.block_size, self.extra_keys, parent, len(self.block_hashes)))
+            self.all_token_ids, self.block_size, self.extra_keys, parent, len(self.block_hashes), self._image_keys))
 
     def describe(self, n: int, spec_token_ids: list[int], block_ids: list[int]) -> ScheduledRequest:
         """The runner's view of this request's next `n` tokens, the last len(spec_token_ids) of them
@@ -253,13 +258,13 @@ class Request:
             # The request's own objects, not copies: the runner reads them before the scheduler
             # changes them, and the Ray executor sends each once (engine/worker/step_codec.py).
             sampling_params=params, seed=self.seed, output_token_ids=self.output_token_ids,
-            prompt_token_ids=self.prompt_token_ids, eos_token_ids=self.eos_token_ids)
+            prompt_token_ids=self.prompt_token_ids, eos_token_ids=self.eos_token_ids, images=self.images)
 
     def fork(self, request_id: str, index: int) -> Request:
         """A copy sharing this request's prompt, for an n > 1 sibling (its KV is forked separately)."""
         child = Request(request_id, self.prompt_token_ids, self.sampling_params, self.eos_token_ids,
                         self.block_size, self.max_tokens, self.arrival_time, self.parent_id, index,
-                        self.block_hashes)
+                        self.block_hashes, self.images)
         child.status = RequestStatus.WAITING_FOR_FORK
         return child
 

@@ -28,6 +28,9 @@ class ScheduledRequest:
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: frozenset[int] = frozenset()
+    # The prompt's images (records/multimodal.py): the runner puts their embeddings in place of the
+    # placeholder tokens this chunk computes (engine/worker/encoder_cache.py).
+    images: tuple[Any, ...] = ()
 
 
 @dataclass(slots=True)

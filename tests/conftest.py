@@ -249,6 +249,51 @@ def tiny_gemma3(tmp_path_factory, smol_tokenizer) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory, smol_tokenizer) -> str:
+    """A tiny LLaVA 1.5 (a two-layer CLIP tower on 32x32 images in 8x8 patches: 16 placeholder
+    tokens an image, the tiny Llama as its language model), with its processor (CLIP's image
+    processor, the tokenizer with an `<image>` token added)."""
+    import copy
+
+    import torch
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = copy.deepcopy(smol_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       tie_word_embeddings=False)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=32, patch_size=8, projection_dim=32)
+    config = LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+                         vision_feature_layer=-2, vision_feature_select_strategy="default")
+    torch.manual_seed(13)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+    out = tmp_path_factory.mktemp("tiny-llava")
+    model.save_pretrained(out, safe_serialization=True)
+    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
+                                                                  crop_size={"height": 32, "width": 32}),
+                               tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+                               image_token="<image>", num_additional_image_tokens=1,
+                               chat_template=tokenizer.chat_template)
+    processor.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma3_mm(tmp_path_factory, smol_tokenizer) -> str:
     return _make_model(tmp_path_factory, smol_tokenizer, "gemma3_mm")
 

@@ -22,6 +22,7 @@ from engine.sample.sampler import SamplingRow, greedy_ids, sample, top_logprobs
 from engine.sample.structured_output import Constraints
 from engine.worker.cpu_decode import CpuDecodePlan
 from engine.worker.cuda_graph import CudaGraphRunner
+from engine.worker.encoder_cache import EncoderCache
 from engine.worker.lora_slots import LoRASlots
 from kernels.dispatch import get_kernels
 from records.step import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
@@ -68,6 +69,9 @@ class ModelRunner:
         self.constraints: Constraints | None = None
         # The adapter pool (engine/worker/lora_slots.py), set by the worker with LoRA enabled.
         self.lora: LoRASlots | None = None
+        # A vision-language model's images' embeddings (engine/worker/encoder_cache.py), set by the
+        # worker on the first pipeline stage.
+        self.encoder: EncoderCache | None = None
 
     def set_kv_groups(self, groups: Any) -> None:
         """Hybrid KV groups (KVGroups): each attention layer reads its group's table and slots."""
@@ -162,7 +166,10 @@ class ModelRunner:
             cfg = self.model.config
             intermediate = pp_recv((2, input_ids.shape[0], cfg.hidden_size), self.model_dtype, self.device)
         hidden = None
-        if self.graph_runner is not None:
+        embeds = self.encoder.inputs_embeds(batch, input_ids) if self.encoder is not None else None
+        if embeds is not None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, intermediate, embeds)
+        elif self.graph_runner is not None:
             hidden = self.graph_runner.run(input_ids, positions, meta)
         elif (meta.num_decode_tokens == input_ids.shape[0] and self.lora is None and self.device.type == "cpu"
               and not meta.groups):

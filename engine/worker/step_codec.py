@@ -39,9 +39,10 @@ class _Held:
     sampling_params: Any
     seed: int | None
     eos_token_ids: frozenset[int]
+    images: tuple[Any, ...]
 
 
-_NEW_FIELDS = 12        # the length of a new request's entry (one sent before has 10)
+_NEW_FIELDS = 13        # the length of a new request's entry (one sent before has 10)
 
 
 def _kept_prefix(old: list[int], new: list[int]) -> int:
@@ -62,7 +63,7 @@ class StepEncoder:
     scheduled requests in the scheduler's order.
 
     A new request: (id, token_ids, start, do_sample, spec_token_ids, prompt_logprobs_from,
-    block_ids, sampling_params, seed, prompt_token_ids, output_token_ids, eos_token_ids).
+    block_ids, sampling_params, seed, prompt_token_ids, output_token_ids, eos_token_ids, images).
     A request sent before: (id, token_ids, start, do_sample, spec_token_ids, prompt_logprobs_from,
     blocks kept, blocks appended after them, output tokens held before, output tokens since)."""
 
@@ -84,7 +85,7 @@ class StepEncoder:
             sent = self._sent.get(s.request_id)
             if sent is None or len(outputs) < sent.num_output_tokens:
                 requests.append((*step, s.block_ids, s.sampling_params, s.seed, s.prompt_token_ids,
-                                 outputs, s.eos_token_ids))
+                                 outputs, s.eos_token_ids, s.images))
                 self._sent[s.request_id] = _Sent(list(s.block_ids), len(outputs))
                 continue
             kept = _kept_prefix(sent.block_ids, s.block_ids)
@@ -118,8 +119,8 @@ class StepDecoder:
         for entry in requests:
             rid, token_ids, start, do_sample, spec, lp_from = entry[:6]
             if len(entry) == _NEW_FIELDS:
-                blocks, params, gen, prompt, outputs, eos = entry[6:]
-                held = self._held[rid] = _Held(list(blocks), list(prompt), list(outputs), params, gen, eos)
+                blocks, params, gen, prompt, outputs, eos, images = entry[6:]
+                held = self._held[rid] = _Held(list(blocks), list(prompt), list(outputs), params, gen, eos, images)
                 scheduled.append(self._request(rid, token_ids, start, do_sample, spec, lp_from, held))
                 continue
             kept, appended, before, outputs = entry[6:]
@@ -148,4 +149,4 @@ class StepDecoder:
             request_id=rid, token_ids=token_ids, start=start, block_ids=held.block_ids, do_sample=do_sample,
             spec_token_ids=spec, prompt_logprobs_from=lp_from, sampling_params=held.sampling_params,
             seed=held.seed, output_token_ids=held.output_token_ids,
-            prompt_token_ids=held.prompt_token_ids, eos_token_ids=held.eos_token_ids)
+            prompt_token_ids=held.prompt_token_ids, eos_token_ids=held.eos_token_ids, images=held.images)

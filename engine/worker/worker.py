@@ -23,9 +23,11 @@ import engine.worker.step_channel as step_channel
 from engine.loading.quant_checkpoint import model_weights
 from engine.model.layers.attention import Attention
 from engine.model.layers.moe import FusedMoE
+from engine.model.models.llava import with_vision
 from engine.model.models.registry import get_model_class
 from engine.model.parallel_state import get_parallel_state, init_parallel_state, pp_layer_range
 from engine.sample.structured_output import Constraints
+from engine.worker.encoder_cache import EncoderCache
 from engine.worker.host_memory import keep_freed_memory, zeroed
 from engine.worker.kv_scales import calibrate_kv_scales
 from engine.worker.kv_tier_store import TierStore
@@ -41,6 +43,7 @@ from records.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from records.dtypes import KV_DTYPE_SIZES
 from records.kv_layout import KVLayout
 from records.lora import ADAPTER_WEIGHTS, LoRARequest
+from records.model_source import is_vision_language
 from records.step import ModelRunnerOutput, SchedulerOutput
 from records.transfer import TransferReport
 
@@ -111,6 +114,8 @@ class Worker:
     def load_model(self) -> None:
         mc = self.config.model_config
         cls = get_model_class(mc.architecture)
+        if is_vision_language(mc.hf_config):
+            cls = with_vision(cls)
         with torch.device(self.device):
             model = cls(mc.hf_config, mc.torch_dtype, mc.max_model_len)
         self.weight_sync = WeightSync(dense_copies=mc.quantization.endswith("+dense"))
@@ -123,6 +128,8 @@ class Worker:
         self.runner = ModelRunner(model, self.config.cache_config.block_size, self.device, mc.seed,
                                   self.config.parallel_config.pipeline_micro_batches)
         self.runner.constraints = Constraints(mc.model, mc.gguf_file, mc.vocab_size)
+        if getattr(model, "vision", None) is not None:
+            self.runner.encoder = EncoderCache(model)
         if mc.quantize_activations and not hasattr(self.runner.kernels, "gguf_linear_int8"):
             raise ValueError(f"quantize_activations needs the C++ CPU kernels (or the torch reference); the "
                              f"kernel set here is {self.runner.kernels.__name__} (PDSERVE_KERNELS)")

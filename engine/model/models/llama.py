@@ -147,13 +147,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, intermediate: torch.Tensor | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, intermediate: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; kv_caches: this stage's layers. On the last stage returns the
         final hidden states [T, hidden]; on earlier ones (hidden, residual) stacked: [2, T, hidden],
-        which is the next stage's `intermediate`."""
+        which is the next stage's `intermediate`. `inputs_embeds`: the first stage's input
+        embeddings when they are not the tokens' own (images: engine/worker/encoder_cache.py)."""
         ropes = self.layer_ropes(positions)
         if self.is_first_stage:
-            hidden, residual = self.embed(input_ids), None
+            hidden, residual = (self.embed(input_ids) if inputs_embeds is None else inputs_embeds), None
         else:
             assert intermediate is not None
             hidden, residual = intermediate[0], intermediate[1]
@@ -187,6 +189,8 @@ class LlamaForCausalLM(nn.Module):
             local = local.float() if out is None else out[:local.shape[0], :local.shape[1]].copy_(local)
         return head.gather_logits(local)
 
+    # Submodules whose parameters load apart from the language model's (a vision tower: llava.py).
+    loaded_apart: tuple[str, ...] = ()
     # HF name fragment -> (our fused parameter fragment, shard id)
     _fused = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -196,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         """Load HF-named tensors (GGUFWeights: kept in their blocks; with `dense_copies` each such layer
         also keeps its weight dense for large batches); ValueError if any parameter was left unloaded,
         unless `partial` (a weight update into a loaded model: engine/worker/weight_sync.py)."""
-        params = dict(self.named_parameters())
+        params = {n: p for n, p in self.named_parameters() if not n.startswith(self.loaded_apart)}
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")

@@ -1,0 +1,124 @@
+"""Vision-language models (engine/model/models/llava.py, engine/worker/encoder_cache.py): a tiny
+LLaVA 1.5 with its real processor, greedy and token-identical to transformers on images of several
+sizes and shapes, one or two per prompt; the same with chunked prefill cutting through an image's
+placeholders; prefix caching keyed by the image (the same text with another image gets another
+answer and no hit past the text before the image; the same image again is a hit and is not encoded
+again); bad image inputs refused by name with nothing queued."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+# Text before the image long enough to fill two blocks of 16: a prefix two requests may share.
+PREFIX = "USER: " + "Look closely at the picture below and describe every colour you can see in it. " * 2
+PROMPT = PREFIX + "<image>\nWhat is it? ASSISTANT:"
+
+
+def image(height: int, width: int, seed: int):
+    from PIL import Image
+
+    return Image.fromarray((np.random.default_rng(seed).random((height, width, 3)) * 255).astype("uint8"))
+
+
+IMAGES = [image(40, 50, 0), image(64, 32, 1), image(31, 97, 2), image(32, 32, 3)]
+
+
+def hf_answers(path: str, requests: list[tuple[str, list]], max_new_tokens: int = 10) -> list[list[int]]:
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(path)
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    for prompt, images in requests:
+        enc = processor(text=prompt, images=images, return_tensors="pt")
+        with torch.no_grad():
+            ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+        out.append(ids[0, enc["input_ids"].shape[1]:].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def requests() -> list[tuple[str, list]]:
+    """Each image alone, and two in one prompt."""
+    return [(PROMPT, [img]) for img in IMAGES] + [("USER: <image> and <image>\nSame? ASSISTANT:", IMAGES[1:3])]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llava, requests) -> list[list[int]]:
+    return hf_answers(tiny_llava, requests)
+
+
+def _generate(llm: LLM, requests: list[tuple[str, list]]):
+    return llm.generate([{"prompt": p, "multi_modal_data": {"image": imgs}} for p, imgs in requests], GREEDY,
+                        use_tqdm=False)
+
+
+def _encodes(llm: LLM) -> int:
+    return llm.llm_engine.executor.worker.runner.encoder.encodes
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_greedy_equals_transformers(tiny_llava, requests, expected, chunk):
+    """By default (each prompt in one step) and with 16-token chunks, which cut through every
+    image's 16 placeholders (they start mid-block): each image is encoded once all the same."""
+    llm = LLM(tiny_llava, dtype="float32", **({"max_num_batched_tokens": chunk} if chunk else {}))
+    outs = _generate(llm, requests)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    assert _encodes(llm) == len(IMAGES)
+    assert outs[0].prompt_token_ids.count(llm.llm_engine.image_processor().image_token_id) == 16
+    llm.llm_engine.check_no_leaks()
+
+
+def test_prefix_cache_is_keyed_by_the_image(tiny_llava, expected):
+    """The same prompt with another image: another answer, a hit on the text before the image only;
+    the same image again: a hit through the image, and no second encoding."""
+    llm = LLM(tiny_llava, dtype="float32")
+    first = _generate(llm, [(PROMPT, [IMAGES[0]])])[0]
+    other = _generate(llm, [(PROMPT, [IMAGES[1]])])[0]
+    again = _generate(llm, [(PROMPT, [IMAGES[0]])])[0]
+    offset = first.prompt_token_ids.index(llm.llm_engine.image_processor().image_token_id)
+    assert [list(o.outputs[0].token_ids) for o in (first, other, again)] == [expected[0], expected[1], expected[0]]
+    assert other.num_cached_tokens == offset // 16 * 16 > 0
+    assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // 16 * 16 > offset      # into the image
+    assert _encodes(llm) == 2
+    llm.llm_engine.check_no_leaks()
+
+
+def test_bad_image_inputs_are_refused_by_name(tiny_llava, tiny_llama):
+    llm = LLM(tiny_llava, dtype="float32")
+
+    def refused(prompt: dict, match: str) -> None:
+        with pytest.raises(ValueError, match=match):
+            llm.generate([{"prompt": "USER: hello ASSISTANT:"}, prompt], GREEDY, use_tqdm=False)
+
+    png = io.BytesIO()
+    IMAGES[0].save(png, format="PNG")
+    refused({"prompt": PROMPT, "multi_modal_data": {"image": [IMAGES[0], IMAGES[1]]}},
+            r"1 image placeholder\(s\) \('<image>'\) for 2 image\(s\)")
+    refused({"prompt": PROMPT, "multi_modal_data": {"image": b"not an image"}},
+            r"multi_modal_data.image\[0\] is not a readable image")
+    refused({"prompt": PROMPT, "multi_modal_data": {"image": png.getvalue()[:60]}},
+            r"multi_modal_data.image\[0\] is not a readable image")
+    refused({"prompt": PROMPT, "multi_modal_data": {"image": "https://example.com/cat.png"}},
+            "remote and file URLs are not fetched")
+    refused({"prompt": PROMPT, "multi_modal_data": {"video": IMAGES[0]}}, "multi_modal_data must be")
+    refused({"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": IMAGES[0]}}, "needs the prompt as text")
+    assert not llm.llm_engine.has_unfinished_requests()
+    # A data URL and encoded bytes are the same image as the PIL one.
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    outs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": src}} for src in (url, png.getvalue())],
+                        GREEDY, use_tqdm=False)
+    want = list(_generate(llm, [(PROMPT, [IMAGES[0]])])[0].outputs[0].token_ids)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [want, want]
+    text_only = LLM(tiny_llama, dtype="float32")
+    with pytest.raises(ValueError, match="this model takes no images"):
+        text_only.generate({"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[0]}}, GREEDY)
+    llm.llm_engine.check_no_leaks()
