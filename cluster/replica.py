@@ -240,12 +240,13 @@ class EngineReplica:
 
     def submit(self, ingress_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                kv_transfer_params: dict | None = None, continuation: Continuation | None = None,
-               trace_context: dict[str, str] | None = None, block_hashes: list[bytes] | None = None) -> None:
+               trace_context: dict[str, str] | None = None, block_hashes: list[bytes] | None = None,
+               images: tuple = ()) -> None:
         """Start a request whose deltas go to `ingress_id`'s channel (`continuation`: a stream
         migrated from a lost replica, resumed after the tokens it sent; `trace_context`: the W3C
         carrier its spans go under; `block_hashes`: the prompt's hash chain, from an ingress that
-        prepared it: LLMEngine.add_request). Raises ValueError for bad input and EngineDeadError
-        for a dead engine (nothing runs then)."""
+        prepared it: LLMEngine.add_request; `images`: its images, records/multimodal.py). Raises
+        ValueError for bad input and EngineDeadError for a dead engine (nothing runs then)."""
         box = self._outboxes.setdefault(ingress_id, _Outbox())     # the channel may open just after
 
         def sink(item: RequestOutput | BaseException) -> None:
@@ -258,7 +259,8 @@ class EngineReplica:
         box.request_ids.add(request_id)
         try:
             queued = engine.submit(request_id, prompt_token_ids, _deltas(params), sink, kv_transfer_params,
-                                   continuation=continuation, trace_context=trace_context, block_hashes=block_hashes)
+                                   continuation=continuation, trace_context=trace_context, block_hashes=block_hashes,
+                                   images=images)
         except BaseException:
             box.request_ids.discard(request_id)
             raise

@@ -23,6 +23,7 @@ from records.engine_stats import EngineStats
 from records.errors import EngineDeadError, RequestFailedError
 from records.kv_events import KVEvent
 from records.lora import LoRARequest
+from records.multimodal import ImageInput
 from records.outputs import RequestOutput
 from records.request import Continuation, NewRequest
 from records.sampling_params import SamplingParams
@@ -76,10 +77,11 @@ class AsyncLLMEngine:
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,
                kv_transfer_params: dict | None = None, prompt: str | None = None,
                continuation: Continuation | None = None, trace_context: dict[str, str] | None = None,
-               block_hashes: list[bytes] | None = None) -> bool:
+               block_hashes: list[bytes] | None = None, images: tuple[ImageInput, ...] = ()) -> bool:
         """Queue a request whose outputs go to `sink` (see Sink); `continuation`: it resumes after
         tokens another replica generated; `trace_context`: its trace's W3C carrier; `block_hashes`:
-        the prompt came prepared by an ingress (LLMEngine.add_request). Validated here, once.
+        the prompt came prepared by an ingress (LLMEngine.add_request); `images`: its images, as the
+        model's processor prepared them there (records/multimodal.py). Validated here, once.
         Raises ValueError for bad input and EngineDeadError if the engine is dead (nothing is
         queued then); a request that fails later reaches its sink as an output
         with a failed choice (`output_error`) or as an exception (an output constraint that cannot
@@ -99,7 +101,7 @@ class AsyncLLMEngine:
         self._sinks[request_id] = sink
         # It arrives now: the wait for the loop to take it in is part of its queue time.
         add = NewRequest(request_id, prompt, prompt_token_ids, params, clock.monotonic(), kv_transfer_params,
-                         continuation, trace_context, block_hashes)
+                         continuation, trace_context, block_hashes, images)
         if params.structured_outputs is None:
             self._queue_add(add)
             return True
@@ -319,6 +321,10 @@ class AsyncLLMEngine:
                                               version: str | None = None,
                                               lora_request: LoRARequest | None = None) -> str:
         return await self._update(lambda: self.engine.weights.from_group(names, dtypes, shapes, version, lora_request))
+
+    async def encode_images(self, images: list[Any]) -> list[Any]:
+        """LLMEngine.encode_images, between steps."""
+        return await self.between_steps(lambda: self.engine.encode_images(images))
 
     async def check_weights(self, shapes: dict[str, list[int]], lora_request: LoRARequest | None = None) -> None:
         await self.between_steps(lambda: self.engine.weights.check(shapes, lora_request))

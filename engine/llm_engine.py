@@ -117,6 +117,13 @@ class LLMEngine:
                                 arrival_time if arrival_time is not None else clock.monotonic(),
                                 kv_transfer_params, continuation, trace_context, block_hashes, inputs))
 
+    def encode_images(self, images: list[Any]) -> list[Any]:
+        """The embeddings [placeholder tokens, hidden] of each image (records/multimodal.py), on the
+        CPU: an encode replica's work, read by the replica that prefills the prompt."""
+        if not is_vision_language(self.config.model_config.hf_config):
+            raise ValueError("images: this model takes no images (a vision-language model does)")
+        return next(r for r in self.executor.collective_rpc("encode_images", list(images)) if r is not None)
+
     def image_processor(self) -> ImageProcessor:
         """The model's image processor (loaded when the first image comes); ValueError for a model
         that takes no images."""
@@ -125,7 +132,7 @@ class LLMEngine:
             if not is_vision_language(mc.hf_config):
                 raise ValueError("multi_modal_data: this model takes no images (a vision-language model does: "
                                  "LlavaForConditionalGeneration)")
-            self._image_processor = ImageProcessor(mc.model, mc.hf_config.vision_language)
+            self._image_processor = ImageProcessor(mc.model, mc.hf_config.vision_language, mc.media)
         return self._image_processor
 
     def enqueue(self, new: NewRequest) -> None:
@@ -136,6 +143,8 @@ class LLMEngine:
         if params.use_beam_search:
             raise ValueError("use_beam_search: beam search runs over the engine (LLM.generate, the server's "
                              "completions and chat: engine/beam_search.py), not as one engine request")
+        if new.images and not is_vision_language(self.config.model_config.hf_config):
+            raise ValueError("images: this model takes no images (a vision-language model does)")
         if request_id in self.output.states or (self.transfers is not None and self.transfers.holds(request_id)):
             raise ValueError(f"request_id {request_id!r} is already in use")
         mc = self.config.model_config

@@ -26,6 +26,7 @@ from records.model_source import (
     resolve_layer_partition,
     resolve_model,
 )
+from records.multimodal import MediaAccess
 from records.quantization import BLOCK_QUANTIZATIONS, kv_cache_scales, resolve_quantization
 from records.sim_profile import SimProfile, load_profile
 
@@ -50,6 +51,7 @@ class ModelConfig:
     # What requests that leave them unset sample with (EngineArgs.generation_config).
     sampling_defaults: tuple[tuple[str, Any], ...] = ()
     pooling: tuple[str, bool] = ("last", True)     # an embedding's pooling and normalization (model_pooling)
+    media: MediaAccess = MediaAccess()      # a prompt's images: how many, from where (EngineArgs.media_access)
 
     def __getstate__(self) -> dict[str, Any]:
         # The model's config travels as plain values: a process that receives it (a replica, a TP /
@@ -312,7 +314,7 @@ class EngineConfig:
         """What a frontend needs to know of the model this engine serves."""
         mc = self.model_config
         return ModelInfo(mc.model, mc.gguf_file, mc.vocab_size, mc.max_model_len, self.cache_config.block_size,
-                         self.scheduler_config.max_num_seqs, mc.sampling_defaults, mc.pooling)
+                         self.scheduler_config.max_num_seqs, mc.sampling_defaults, mc.pooling, mc.media)
 
     @classmethod
     def create(cls, model: str | None = None, **engine_args: Any) -> EngineConfig:
@@ -383,7 +385,7 @@ class EngineConfig:
             dtype=resolve_dtype(dtype, config_dtype), max_model_len=max_model_len, seed=seed,
             quantization=quantization, quantize_activations=args.quantize_activations, cuda_graph_sizes=graph_sizes,
             sampling_defaults=model_sampling_defaults(path, gguf_file) if args.generation_config == "auto" else (),
-            pooling=model_pooling(path, gguf_file))
+            pooling=model_pooling(path, gguf_file), media=args.media_access())
         warning = slow_half_dtype_warning(model_config.dtype) if args.worker_num_gpus == 0 else None
         if warning is not None:
             logger.warning(warning)
@@ -441,3 +443,4 @@ class ModelInfo:
     max_num_seqs: int
     sampling_defaults: tuple[tuple[str, Any], ...] = ()      # ModelConfig's
     pooling: tuple[str, bool] = ("last", True)                # ModelConfig's
+    media: MediaAccess = MediaAccess()                        # ModelConfig's

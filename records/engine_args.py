@@ -9,6 +9,7 @@ from urllib.parse import urlparse
 
 from records.dtypes import KV_CACHE_DTYPES, resolve_dtype
 from records.lora import LoRAConfig
+from records.multimodal import MediaAccess
 from records.quantization import QUANTIZATIONS
 from records.sim_profile import load_profile
 
@@ -95,6 +96,12 @@ class EngineArgs:
     max_concurrent_batches: int | None = None        # None: pipeline_parallel_size (1 with a kv_connector)
     enforce_eager: bool = False                      # no CUDA graphs
     cuda_graph_sizes: list[int] = field(default_factory=lambda: [1, 2, 4] + list(range(8, 257, 8)))
+    # vLLM's: the most images one prompt may carry (a vision-language model; records/multimodal.py)
+    limit_mm_per_prompt: dict[str, int] | None = None
+    # vLLM's: hosts image URLs may be fetched from, and a directory file:// images may be read
+    # under (none by default: images come in the request)
+    allowed_media_domains: list[str] | None = None
+    allowed_local_media_path: str | None = None
     enable_lora: bool = False                        # serve PEFT LoRA adapters (records/lora.py)
     max_loras: int = LoRAConfig.max_loras            # adapters in one batch (device slots)
     max_lora_rank: int = LoRAConfig.max_lora_rank
@@ -180,6 +187,7 @@ class EngineArgs:
         if self.enable_lora:
             self.lora_config()           # ValueError naming the field
         self._check_simulation()
+        self.media_access()                                     # ValueError naming the field
 
     def _check_simulation(self) -> None:
         if not self.simulate_time_scale > 0:
@@ -219,6 +227,10 @@ class EngineArgs:
         if not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size keeps evicted prefix-cache blocks: it needs "
                              "enable_prefix_caching=True")
+
+    def media_access(self) -> MediaAccess:
+        """Where a prompt's images may come from, and how many (records/multimodal.py)."""
+        return MediaAccess.of(self.limit_mm_per_prompt, self.allowed_media_domains, self.allowed_local_media_path)
 
     def lora_config(self) -> LoRAConfig | None:
         """The adapter pool's configuration, None without enable_lora."""

@@ -10,7 +10,8 @@ holds it).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -18,11 +19,15 @@ from typing import Any
 class ImageInput:
     """One image of a prompt: its placeholder tokens are prompt positions [offset, offset + length);
     `pixels` are its processor's tensors (`pixel_values` [1, 3, H, W], ...); `digest` a sha256 of
-    them."""
+    them. `embeddings`: what the model's vision tower and projector made of it elsewhere (an encode
+    replica: a tensor [length, hidden], or a Ray object reference to one), so the replica that
+    prefills it need not encode it; None: it encodes the pixels itself (as it does when they
+    cannot be read)."""
     digest: bytes
     offset: int
     length: int
     pixels: dict[str, Any]
+    embeddings: Any = None
 
     @property
     def key(self) -> tuple[int, int, bytes]:
@@ -69,6 +74,47 @@ def placeholder_runs(token_ids: list[int], token_id: int, lengths: list[int]) ->
         raise ValueError(f"the prompt's image placeholders ({sum(r[1] for r in runs)} tokens) do not match its "
                          f"{len(lengths)} image(s) of {lengths} tokens: give one image placeholder per image")
     return out
+
+
+DEFAULT_MAX_IMAGES = 16
+
+
+@dataclass(frozen=True)
+class MediaAccess:
+    """What a prompt's images may be: at most `max_images` of them (vLLM's `limit_mm_per_prompt`),
+    in the request itself (base64 data URLs, or bytes and PIL images offline), or fetched from
+    http(s) URLs on `allowed_domains` (vLLM's `allowed_media_domains`; none by default: no request
+    makes the server reach any address) or read from files under `allowed_local_path` (vLLM's
+    `allowed_local_media_path`; none by default)."""
+    max_images: int = DEFAULT_MAX_IMAGES
+    allowed_domains: tuple[str, ...] = field(default_factory=tuple)
+    allowed_local_path: str | None = None
+
+    @classmethod
+    def of(cls, limit_mm_per_prompt: dict[str, int] | None, allowed_media_domains: list[str] | None,
+           allowed_local_media_path: str | None) -> MediaAccess:
+        """From the engine arguments; ValueError naming the field."""
+        domains = tuple(d.lower() for d in allowed_media_domains or ())
+        if any(not isinstance(d, str) or not d or "/" in d for d in domains):
+            raise ValueError(f"allowed_media_domains must list host names (e.g. 'images.example.com'); got "
+                             f"{allowed_media_domains!r}")
+        if allowed_local_media_path is not None and not os.path.isdir(allowed_local_media_path):
+            raise ValueError(f"allowed_local_media_path must be a directory; got {allowed_local_media_path!r}")
+        local = os.path.realpath(allowed_local_media_path) if allowed_local_media_path is not None else None
+        return cls(max_images_per_prompt(limit_mm_per_prompt), domains, local)
+
+
+def max_images_per_prompt(limit_mm_per_prompt: dict[str, int] | None) -> int:
+    """vLLM's `limit_mm_per_prompt` ({"image": n}; None: DEFAULT_MAX_IMAGES) as the image count."""
+    if limit_mm_per_prompt is None:
+        return DEFAULT_MAX_IMAGES
+    if not isinstance(limit_mm_per_prompt, dict) or set(limit_mm_per_prompt) - {"image"}:
+        raise ValueError(f"limit_mm_per_prompt must be {{'image': n}} (images are the modality served); got "
+                         f"{limit_mm_per_prompt!r}")
+    n = limit_mm_per_prompt.get("image", DEFAULT_MAX_IMAGES)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"limit_mm_per_prompt.image must be an integer >= 0; got {n!r}")
+    return n
 
 
 def image_token_id(vision_language: dict[str, Any]) -> int:

@@ -1,32 +1,43 @@
 """Images into a prompt for a vision-language model: the images themselves (`load_image`: a PIL
-image, encoded bytes, or a base64 `data:` URL; every bad one a ValueError naming what is wrong)
-and the model's own HF processor (`ImageProcessor`), which resizes and normalizes each image exactly
-as the model was trained to see it and expands each image placeholder in the prompt into the run
-of tokens its embeddings take (records/multimodal.py: ImageInput).
+image, encoded bytes, a base64 `data:` URL, or where the operator allows it (records/multimodal.py:
+MediaAccess) an http(s) URL on an allowed host or a file under an allowed directory; every bad one
+a ValueError naming what is wrong) and the model's own HF processor (`ImageProcessor`), which
+resizes and normalizes each image exactly as the model was trained to see it and expands each
+image placeholder in the prompt into the run of tokens its embeddings take (records/multimodal.py:
+ImageInput).
 """
 from __future__ import annotations
 
 import base64
 import binascii
 import io
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
 from typing import Any
 
-from records.multimodal import ImageInput, digest_of, image_token_id, placeholder_runs
+from records.multimodal import ImageInput, MediaAccess, digest_of, image_token_id, placeholder_runs
 
 MAX_IMAGE_BYTES = 20 << 20          # an encoded image's size
 MAX_IMAGE_PIXELS = 64 << 20         # width x height of a decoded one (a decompression bomb's guard)
+FETCH_TIMEOUT_S = 10.0
 
 
-def load_image(source: Any, field: str = "image") -> Any:
-    """An RGB PIL image from a PIL image, encoded bytes or a base64 `data:image/...` URL; ValueError
-    naming `field` for anything else, an undecodable or truncated image, or one over the limits."""
+NO_MEDIA = MediaAccess()        # images in the request only
+
+
+def load_image(source: Any, field: str = "image", media: MediaAccess = NO_MEDIA) -> Any:
+    """An RGB PIL image from a PIL image, encoded bytes, a base64 `data:image/...` URL, or a URL
+    `media` allows; ValueError naming `field` for anything else, an undecodable or truncated image,
+    or one over the limits."""
     from PIL import Image  # noqa: PLC0415
 
     if isinstance(source, Image.Image):
         image = source
     else:
         if isinstance(source, str):
-            source = _data_url_bytes(source, field)
+            source = _url_bytes(source, field, media)
         if not isinstance(source, (bytes, bytearray)):
             raise ValueError(f"{field} must be a PIL image, image bytes or a base64 data:image URL; "
                              f"got {type(source).__name__}")
@@ -39,7 +50,9 @@ def load_image(source: Any, field: str = "image") -> Any:
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
             if isinstance(e, ValueError) and str(e).startswith(field):
                 raise
-            raise ValueError(f"{field} is not a readable image ({e})") from None
+            why = ("no image format PIL reads: PNG, JPEG, WebP, GIF, ..." if isinstance(e, Image.UnidentifiedImageError)
+                   else str(e))
+            raise ValueError(f"{field} is not a readable image ({why})") from None
     _check_pixels(image.size, field)
     return image if image.mode == "RGB" else image.convert("RGB")
 
@@ -51,21 +64,65 @@ def _check_pixels(size: tuple[int, int], field: str) -> None:
                          f"(and at least 1x1) are taken")
 
 
-def _data_url_bytes(url: str, field: str) -> bytes:
+def _url_bytes(url: str, field: str, media: MediaAccess) -> bytes:
+    """The bytes a URL names: a data URL's own, an allowed host's answer, an allowed file's."""
+    scheme = url.split(":", 1)[0].lower()
+    if scheme in ("http", "https"):
+        host = (urllib.parse.urlsplit(url).hostname or "").lower()
+        if host not in media.allowed_domains:
+            raise ValueError(f"{field}: {host or url[:40]!r} is not an allowed media domain, not fetched (remote "
+                             f"images come only from allowed_media_domains: {list(media.allowed_domains)})")
+        return _fetch(url, field)
+    if scheme == "file":
+        return _local_file(urllib.parse.unquote(urllib.parse.urlsplit(url).path), field, media)
     head, sep, data = url.partition(",")
     if not sep or not head.startswith("data:image/") or not head.endswith(";base64"):
-        raise ValueError(f"{field} must be a base64 data URL (data:image/png;base64,...); remote and file URLs "
-                         f"are not fetched; got {url[:40]!r}")
+        raise ValueError(f"{field} must be a base64 data URL (data:image/png;base64,...), or a URL the server "
+                         f"allows (allowed_media_domains, allowed_local_media_path); got {url[:40]!r}")
     try:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ValueError(f"{field}: the data URL's base64 does not decode") from None
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect could lead anywhere: an allowed host's answer must be the image itself."""
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> None:
+        raise urllib.error.HTTPError(req.full_url, code, f"redirected to {newurl[:60]} (not followed)", headers, fp)
+
+
+def _fetch(url: str, field: str) -> bytes:
+    opener = urllib.request.build_opener(_NoRedirects)
+    try:
+        with opener.open(url, timeout=FETCH_TIMEOUT_S) as response:
+            body = response.read(MAX_IMAGE_BYTES + 1)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise ValueError(f"{field}: fetching {url[:80]!r} failed ({getattr(e, 'reason', e)})") from None
+    if len(body) > MAX_IMAGE_BYTES:
+        raise ValueError(f"{field}: the image is over {MAX_IMAGE_BYTES} bytes")
+    return body
+
+
+def _local_file(path: str, field: str, media: MediaAccess) -> bytes:
+    root = media.allowed_local_path
+    real = os.path.realpath(path)
+    if root is None or os.path.commonpath([root, real]) != root:
+        raise ValueError(f"{field}: file URLs are read only under allowed_local_media_path "
+                         f"({root}); {path!r} is not, not read")
+    try:
+        if os.path.getsize(real) > MAX_IMAGE_BYTES:
+            raise ValueError(f"{field}: the image is over {MAX_IMAGE_BYTES} bytes")
+        with open(real, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{field}: {path!r} cannot be read ({e.strerror})") from None
+
+
 class ImageProcessor:
     """The model's HF processor (AutoProcessor of the checkpoint directory)."""
 
-    def __init__(self, path: str, vision_language: dict[str, Any]) -> None:
+    def __init__(self, path: str, vision_language: dict[str, Any], media: MediaAccess) -> None:
         from transformers import AutoProcessor  # noqa: PLC0415
 
         try:
@@ -74,16 +131,25 @@ class ImageProcessor:
             raise ValueError(f"model {path!r}: its image processor does not load ({e}); a vision-language "
                              f"checkpoint ships processor_config.json / preprocessor_config.json") from None
         self.image_token_id = image_token_id(vision_language)
+        self.media = media
         self.placeholder = getattr(self.processor, "image_token", None) or "<image>"
 
-    def process(self, prompt: str, images: list[Any]) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """The prompt's token ids (each image's placeholder expanded) and its images, in order."""
-        loaded = [load_image(image, f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
+    def process(self, prompt: str, images: list[Any], fields: list[str] | None = None,
+                add_special_tokens: bool = True) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt's token ids (each image's placeholder expanded) and its images, in order.
+        `fields`: what to call each image in an error (default `multi_modal_data.image[i]`);
+        `add_special_tokens` False for a prompt a chat template rendered (it has them already)."""
+        if len(images) > self.media.max_images:
+            raise ValueError(f"a prompt may carry at most {self.media.max_images} images (limit_mm_per_prompt); "
+                             f"got {len(images)}")
+        fields = fields or [f"multi_modal_data.image[{i}]" for i in range(len(images))]
+        loaded = [load_image(image, field, self.media) for image, field in zip(images, fields, strict=True)]
         count = prompt.count(self.placeholder)
         if count != len(loaded):
             raise ValueError(f"the prompt has {count} image placeholder(s) ({self.placeholder!r}) for "
                              f"{len(loaded)} image(s): put one where each image goes")
-        encoded = self.processor(text=prompt, images=loaded, return_tensors="pt")
+        encoded = self.processor(text=prompt, images=loaded, return_tensors="pt",
+                                 add_special_tokens=add_special_tokens)
         ids = encoded["input_ids"][0].tolist()
         pixels = encoded["pixel_values"]
         per_image = [{"pixel_values": pixels[i:i + 1].clone()} for i in range(len(loaded))]

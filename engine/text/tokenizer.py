@@ -63,8 +63,9 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
                         tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
                         continue_final_message: bool = False,
                         template_kwargs: dict[str, Any] | None = None,
-                        chat_template: str | None = None) -> list[int]:
-    """The conversation's prompt token ids (`tools` in OpenAI's shape, for templates that render
+                        chat_template: str | None = None, tokenize: bool = True) -> Any:
+    """The conversation's prompt token ids (its text with `tokenize` False: a vision-language
+    model's processor tokenizes it with its images; `tools` in OpenAI's shape, for templates that render
     them: engine/text/tool_calls.py prepares both), with vLLM's chat options: the generation prompt
     (default), or `continue_final_message` (the last message, an assistant's, left open for the
     model to continue), and `template_kwargs` (vLLM's chat_template_kwargs: more variables for the
@@ -88,10 +89,12 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
 
     try:
         ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                            continue_final_message=continue_final_message, tokenize=True,
+                                            continue_final_message=continue_final_message, tokenize=tokenize,
                                             chat_template=chat_template, **(template_kwargs or {}))
     except TemplateError as e:       # the template refused the conversation (e.g. roles out of order)
         raise ValueError(f"messages: the model's chat template refused them: {e}") from None
+    if not tokenize:
+        return ids
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

@@ -11,6 +11,7 @@ one image larger than that is still kept until the next.
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from typing import Any
 
@@ -18,7 +19,10 @@ import torch
 
 from records.step import ScheduledRequest
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_CAPACITY_TOKENS = 16384
+RECEIVE_TIMEOUT_S = 30.0        # how long an encode replica's embeddings may take to arrive
 
 
 class EncoderCache:
@@ -28,6 +32,7 @@ class EncoderCache:
         self.kept: OrderedDict[bytes, torch.Tensor] = OrderedDict()     # digest -> [length, hidden]
         self.kept_tokens = 0
         self.encodes = 0
+        self.received = 0           # images whose embeddings came made (from an encode replica)
 
     def inputs_embeds(self, batch: list[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor | None:
         """The step's input embeddings [T, hidden] with its image rows in place, or None when no row
@@ -57,15 +62,41 @@ class EncoderCache:
         if kept is not None:
             self.kept.move_to_end(image.digest)
             return kept
-        with torch.inference_mode():
-            out = self.model.encode_image(image.pixels)
+        out = self._received(image) if image.embeddings is not None else None
+        if out is not None:
+            self.received += 1
+        else:
+            with torch.inference_mode():
+                out = self.model.encode_image(image.pixels)
+            self.encodes += 1
         if out.shape[0] != image.length:
             raise ValueError(f"an image's embeddings are {out.shape[0]} rows; the prompt has {image.length} "
                              f"placeholder tokens for it")
-        self.encodes += 1
         self.kept[image.digest] = out
         self.kept_tokens += out.shape[0]
         while self.kept_tokens > self.capacity_tokens and len(self.kept) > 1:
             _, old = self.kept.popitem(last=False)
             self.kept_tokens -= old.shape[0]
         return out
+
+    def _received(self, image: Any) -> torch.Tensor | None:
+        """The embeddings an encode replica made of the image, on this rank's device; None (and a
+        warning) when they cannot be read (the replica died, the object is lost): encoded here then."""
+        made = image.embeddings
+        try:
+            if not isinstance(made, torch.Tensor):
+                import ray  # noqa: PLC0415 - only a replica of a cluster receives references
+
+                made = ray.get(made, timeout=RECEIVE_TIMEOUT_S)
+            weight = self.model.vision.multi_modal_projector.linear_1.weight
+            if made.shape != (image.length, self.model.config.hidden_size):
+                raise ValueError(f"shape {list(made.shape)}, not [{image.length}, {self.model.config.hidden_size}]")
+            return made.to(weight.device, weight.dtype)
+        except Exception as e:  # noqa: BLE001 - any failure to read them: the pixels are here
+            logger.warning("an image's embeddings from the encode pool could not be read (%s: %s); encoding "
+                           "it here", type(e).__name__, e)
+            return None
+
+    def encode(self, images: list[Any]) -> list[torch.Tensor]:
+        """The embeddings of each image (an encode replica's work), on the CPU."""
+        return [self.embeddings(image).cpu() for image in images]

@@ -335,6 +335,11 @@ class Worker:
             runner.decode_plan = False              # rebuilt at the next decode step
         return functools.partial(self.weight_sync.check, runner.model), apply
 
+    def encode_images(self, images: list[Any]) -> list[torch.Tensor] | None:
+        """Each image's embeddings (a vision-language model's first stage; None on other stages)."""
+        assert self.runner is not None
+        return self.runner.encoder.encode(images) if self.runner.encoder is not None else None
+
     def expert_load(self) -> dict[int, int]:
         """Rows (token, expert) each MoE expert this rank holds has run, summed over its layers,
         by global expert id; {} for a dense model."""

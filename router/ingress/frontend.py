@@ -230,11 +230,12 @@ class Frontend:
             trace.release()
 
     # --- generation --------------------------------------------------------------------------------
-    async def run(self, prompts: list[list[int]], params: SamplingParams, request_id: str, ticket: Ticket
-                  ) -> AsyncIterator[tuple[int, StepDelta]]:
+    async def run(self, prompts: list[list[int]], params: SamplingParams, request_id: str, ticket: Ticket,
+                  images: tuple = ()) -> AsyncIterator[tuple[int, StepDelta]]:
         """Stream (prompt index, StepDelta) over all prompts of one HTTP request; releases `ticket`
         when it ends, however it ends. One prompt (a chat, most completions) streams straight from
-        its router; several are merged through one queue, each pumped by a task of its own."""
+        its router; several are merged through one queue, each pumped by a task of its own.
+        `images`: a one-prompt request's images (a chat's: records/multimodal.py)."""
         # Its time to first token counts from its arrival at the endpoint (`observe`), every hop included.
         arrival = ticket.arrival if ticket.arrival is not None else time.monotonic()
         trace = ticket.trace
@@ -245,7 +246,7 @@ class Frontend:
                 try:
                     # (closed when this stream is: a consumer that stops early aborts it on its replica)
                     async with contextlib.aclosing(self._prompt(f"{request_id}-0", prompts[0], params, ticket,
-                                                                arrival)) as deltas:
+                                                                arrival, images)) as deltas:
                         async for delta in deltas:
                             yield 0, delta
                 except Exception as e:  # noqa: BLE001 - as the client gets it
@@ -259,7 +260,7 @@ class Frontend:
             ticket.release()
 
     async def _prompt(self, request_id: str, ids: list[int], params: SamplingParams, ticket: Ticket,
-                      arrival: float) -> AsyncIterator[StepDelta]:
+                      arrival: float, images: tuple = ()) -> AsyncIterator[StepDelta]:
         """One prompt's deltas from its router, charged to the ticket; a replica put to sleep since
         this ingress last looked wakes the model, and the prompt is sent again."""
         trace = ticket.trace
@@ -267,7 +268,7 @@ class Frontend:
             streamed = False
             try:
                 async with contextlib.aclosing(self.router.generate(request_id, ids, params, trace=trace,
-                                                                    arrival=arrival)) as deltas:
+                                                                    arrival=arrival, images=images)) as deltas:
                     async for delta in deltas:
                         streamed = True
                         if trace is not None:

@@ -100,9 +100,9 @@ class OpenAIAPI:
         if params.use_beam_search:
             return JSONResponse(await self._beams(rid, "chat.completion", [ids], params, ticket))
         if req.stream:
-            return sse_response(self._stream_chat(rid, req, ids, params, tools, ticket, thinking), ticket)
+            return sse_response(self._stream_chat(rid, req, ids, params, tools, ticket, thinking, prep.images), ticket)
         try:
-            return JSONResponse(await self._full_chat(rid, req, ids, params, tools, ticket, thinking))
+            return JSONResponse(await self._full_chat(rid, req, ids, params, tools, ticket, thinking, prep.images))
         finally:
             ticket.release()
 
@@ -267,7 +267,8 @@ class OpenAIAPI:
                    "choices": [], "usage": usage.body(num_prompt)}
 
     async def _full_chat(self, rid: str, req: ChatCompletionRequest, ids: list[int], params: SamplingParams,
-                         tools: ToolFormat | None, ticket: Ticket, thinking: bool | None = None) -> dict[str, Any]:
+                         tools: ToolFormat | None, ticket: Ticket, thinking: bool | None = None,
+                         images: tuple = ()) -> dict[str, Any]:
         """The whole chat completion; with the request's `prompt_logprobs` (vLLM's) the prompt's at
         the top level, as vLLM returns them, with `return_token_ids` (vLLM's) the prompt's ids there
         and each choice's own; with a reasoning parser (`thinking` not None: whether the answer starts
@@ -275,7 +276,7 @@ class OpenAIAPI:
         choices = [ChoiceAccumulator() for _ in range(params.n)]
         usage = UsageCounter()
         prompt_lps: list = []
-        async for _, delta in self.frontend.run([ids], params, rid, ticket):
+        async for _, delta in self.frontend.run([ids], params, rid, ticket, images):
             usage.add(delta)
             prompt_lps += delta.prompt_logprobs or []
             for c in delta.choices:
@@ -307,8 +308,8 @@ class OpenAIAPI:
         return body
 
     async def _stream_chat(self, rid: str, req: ChatCompletionRequest, ids: list[int], params: SamplingParams,
-                           tools: ToolFormat | None, ticket: Ticket, thinking: bool | None = None
-                           ) -> AsyncIterator[dict]:
+                           tools: ToolFormat | None, ticket: Ticket, thinking: bool | None = None,
+                           images: tuple = ()) -> AsyncIterator[dict]:
         created, options, logprobs, token_ids = now(), req.stream_options, req.logprobs, req.return_token_ids
         per_chunk = options is not None and options.usage_per_chunk()
         base = {"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -318,7 +319,7 @@ class OpenAIAPI:
         # per choice: the reasoning split first, then tool calls read out of the content
         readers = {} if tools is None else {i: ToolCallStream(tools.name) for i in range(params.n)}
         thinkers = {} if thinking is None else {i: ReasoningStream(thinking) for i in range(params.n)}
-        async for _, delta in self.frontend.run([ids], params, rid, ticket):
+        async for _, delta in self.frontend.run([ids], params, rid, ticket, images):
             usage.add(delta)
             for c in delta.choices:
                 if c.finish_reason is not None:

@@ -20,12 +20,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from engine.beam_search import check_beam_params
+from engine.text.images import ImageProcessor
 from engine.text.reasoning import THINK_END, thinks
 from engine.text.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
 from engine.text.tool_calls import ToolFormat
 from records.errors import InvalidRequestError, NotFoundError
 from records.lora import LoRARequest, read_adapter
-from records.model_source import is_hub_id
+from records.model_source import is_hub_id, is_vision_language
+from records.multimodal import ImageInput
 from records.outputs import Logprob
 from records.sampling_params import SamplingParams, StructuredOutputsParams, validate_request
 from records.serving import IngressSpec
@@ -60,6 +62,7 @@ class Prepared:
     params: SamplingParams
     prompts: list[list[int]]
     tool_format: ToolFormat | None = None
+    images: tuple[ImageInput, ...] = ()     # a chat's images (a vision-language model: records/multimodal.py)
 
 
 class RequestPreparer:
@@ -187,15 +190,35 @@ class RequestPreparer:
         return out
 
     def chat_prompt(self, messages: list[Any], options: ChatTemplateOptions,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The conversation's prompt token ids and, for a vision-language model, its images (each
+        `image_url` part a placeholder in the text, expanded by the model's processor)."""
+        images: list[tuple[str, str]] | None = [] if self.image_processor is not None else None
         try:
-            conversation = plain_messages(messages)
+            conversation = plain_messages(messages, images, getattr(self.image_processor, "placeholder", ""))
             if self.tool_format is not None:
                 conversation, tools = self.tool_format.template_inputs(conversation, tools)
-            return apply_chat_template(self.tokenizer, conversation, tools, options.add_generation_prompt,
-                                       options.continue_final_message, options.chat_template_kwargs)
+            if not images:
+                return apply_chat_template(self.tokenizer, conversation, tools, options.add_generation_prompt,
+                                           options.continue_final_message, options.chat_template_kwargs), ()
+            text = apply_chat_template(self.tokenizer, conversation, tools, options.add_generation_prompt,
+                                       options.continue_final_message, options.chat_template_kwargs, tokenize=False)
         except ValueError as e:
             raise InvalidRequestError(str(e), param="messages") from None
+        assert self.image_processor is not None
+        fields, sources = [f for f, _ in images], [url for _, url in images]
+        try:
+            return self.image_processor.process(text, sources, fields, add_special_tokens=False)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param=next((f for f in fields if str(e).startswith(f)), "messages")
+                                      ) from None
+
+    @functools.cached_property
+    def image_processor(self) -> ImageProcessor | None:
+        """The model's image processor (a vision-language model's; None for any other)."""
+        if not is_vision_language(self.hf_config):
+            return None
+        return ImageProcessor(self.info.model, self.hf_config.vision_language, self.info.media)
 
     async def prepare_completion(self, data: dict[str, Any]) -> Prepared:
         """Validate a completion body (HTTP's, or the one a gRPC GenerateRequest maps to) and
@@ -228,11 +251,18 @@ class RequestPreparer:
             # The model thinks freely; the constraint shapes what follows `</think>` (vLLM's rule).
             params.structured_outputs = dataclasses.replace(params.structured_outputs,
                                                             start_after=self.think_end_ids)
-        ids = self.truncated(self.chat_prompt(req.messages, req, tools), req.truncate_prompt_tokens)
+        if self.image_processor is None:
+            ids, images = self.chat_prompt(req.messages, req, tools)
+        else:       # images decoded, fetched where allowed and processed: off the ingress's event loop
+            ids, images = await asyncio.to_thread(self.chat_prompt, req.messages, req, tools)
+        if images and (req.truncate_prompt_tokens is not None or params.use_beam_search):
+            raise InvalidRequestError("truncate_prompt_tokens and use_beam_search do not take images",
+                                      param="use_beam_search" if params.use_beam_search else "truncate_prompt_tokens")
+        ids = self.truncated(ids, req.truncate_prompt_tokens)
         self.validate_prompt(ids, params)
         # A tool choice's grammar that cannot compile is the tools' schemas' fault.
         await self.compile_constraint(params.structured_outputs, "tools" if constraint else "structured_outputs")
-        return Prepared(req, params, [ids], tool_format)
+        return Prepared(req, params, [ids], tool_format, images)
 
     def prepare_embedding(self, data: dict[str, Any]) -> Prepared:
         """Validate an embeddings body and tokenize its inputs (one prompt each): the params pool
@@ -365,7 +395,7 @@ class RequestPreparer:
         if req.prompt is not None:
             tokens = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
-            tokens = self.chat_prompt(req.messages, req)
+            tokens, _ = self.chat_prompt(req.messages, req)
         return {"tokens": list(tokens), "count": len(tokens), "max_model_len": self.max_model_len}
 
     def detokenize(self, data: dict[str, Any]) -> dict[str, Any]:

@@ -293,17 +293,31 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
         return SamplingParams(**kwargs, logprobs=logprobs)
 
 
-def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: text content parts joined (others refused), tool
-    calls and the ids of tool results in OpenAI's shape."""
+def plain_messages(messages: list[ChatMessage], images: list[tuple[str, str]] | None = None,
+                   placeholder: str = "<image>") -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: text content parts joined, tool calls and the ids
+    of tool results in OpenAI's shape. With `images` (a vision-language model's), each `image_url`
+    part becomes `placeholder` in its message's text and (the part's name, its URL) is appended to
+    `images`, in order; otherwise, and for any other kind of part, the part is refused."""
     out: list[dict[str, Any]] = []
-    for m in messages:
+    for i, m in enumerate(messages):
         content = m.content
-        if isinstance(content, list):      # [{"type": "text", "text": ...}, ...]
+        if isinstance(content, list):      # [{"type": "text", "text": ...}, {"type": "image_url", ...}]
             parts = []
-            for part in content:
-                if part.get("type") != "text":
-                    raise ValueError(f"messages content part type must be 'text'; got {part.get('type')!r}")
+            for j, part in enumerate(content):
+                kind = part.get("type")
+                if kind == "image_url" and images is not None:
+                    url = part.get("image_url")
+                    url = url.get("url") if isinstance(url, dict) else url
+                    if not isinstance(url, str):
+                        raise ValueError(f"messages[{i}].content[{j}].image_url must be {{'url': a data:image "
+                                         f"URL}}; got {part.get('image_url')!r:.100}")
+                    images.append((f"messages[{i}].content[{j}].image_url", url))
+                    parts.append(placeholder)
+                    continue
+                if kind != "text":
+                    allowed = "'text' or 'image_url'" if images is not None else "'text' (this model takes no images)"
+                    raise ValueError(f"messages[{i}].content[{j}].type must be {allowed}; got {kind!r}")
                 parts.append(str(part.get("text", "")))
             content = "".join(parts)
         message: dict[str, Any] = {"role": m.role, "content": content or ""}

@@ -57,7 +57,7 @@ class ResponsesAPI:
             raise _renamed(e) from None
         ticket = await self.frontend.admit([ids], params)
         run = _Run(self, req, params, ids, tools, self.frontend.preparer.thinking(chat_req))
-        events = run.events(self.frontend.run([ids], params, run.id, ticket))
+        events = run.events(self.frontend.run([ids], params, run.id, ticket, prep.images))
         if req.stream:
             return sse_response(events, ticket, named=True)
         try:

@@ -151,17 +151,24 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-def _input_text(content: Any, where: str) -> str:
+def _input_text(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: its text, or chat content parts where it holds images (`input_image`:
+    the chat API's `image_url` parts, checked where the chat's are)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
+        parts: list[dict[str, Any]] = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "input_image":
+                parts.append({"type": "image_url", "image_url": {"url": part.get("image_url")}})
+                continue
             if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
                 raise InvalidRequestError(f"{where}: parts must be text ({', '.join(TEXT_PARTS)}) with a string "
-                                          f"text; got type {kind!r}", param=where)
-            parts.append(part["text"])
-        return "".join(parts)
+                                          f"text, or input_image; got type {kind!r}", param=where)
+            parts.append({"type": "text", "text": part["text"]})
+        if any(p["type"] == "image_url" for p in parts):
+            return parts
+        return "".join(p["text"] for p in parts)
     raise InvalidRequestError(f"{where} must be a string or a list of text parts; got {type(content).__name__}",
                               param=where)

@@ -127,11 +127,11 @@ class ReplicaChannel:
 
     async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      kv_transfer_params: dict | None = None, continuation: Continuation | None = None,
-                     trace_context: dict[str, str] | None = None, block_hashes: list[bytes] | None = None
-                     ) -> AsyncIterator[StepDelta]:
+                     trace_context: dict[str, str] | None = None, block_hashes: list[bytes] | None = None,
+                     images: tuple = ()) -> AsyncIterator[StepDelta]:
         """Run one request on the replica and stream its StepDeltas (`continuation`: resumed after
         tokens a lost replica sent; `trace_context`: the W3C carrier of its trace; `block_hashes`:
-        the hash chain the router routed it on; EngineReplica.submit).
+        the hash chain the router routed it on; `images`: the prompt's; EngineReplica.submit).
         Raises what the replica raised on submit (ValueError for bad input), the error a delta
         carries (RequestFailedError, EngineDeadError, ...), or the Ray error of a dead replica.
         Stopping early aborts it."""
@@ -147,10 +147,11 @@ class ReplicaChannel:
                 writer = link.result() if link.done() else await asyncio.shield(link)
             if writer is not None:
                 writer.write(frame(pickle.dumps((SUBMIT, request_id, prompt_token_ids, params, kv_transfer_params,
-                                                 continuation, trace_context, block_hashes), protocol=5)))
+                                                 continuation, trace_context, block_hashes, images), protocol=5)))
             else:                   # (over Ray, or a TCP channel that fell back to it: the link says None)
                 await self.handle.submit.remote(self.ingress_id, request_id, prompt_token_ids, params,
-                                                kv_transfer_params, continuation, trace_context, block_hashes)
+                                                kv_transfer_params, continuation, trace_context, block_hashes,
+                                                images)
             while not finished:
                 delta = await queue.get()
                 if isinstance(delta, BaseException):

@@ -99,31 +99,34 @@ class PDRouter:
         return p_backlog > self.prefill_backlog_factor * d_backlog
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       trace: RequestTrace | None = None, arrival: float | None = None) -> AsyncIterator[StepDelta]:
+                       trace: RequestTrace | None = None, arrival: float | None = None, images: tuple = ()
+                       ) -> AsyncIterator[StepDelta]:
         """Stream the decode replica's StepDeltas, after a remote prefill when it pays. `trace`:
         the request's, told of every decision (router/routing/request_trace.py); `arrival`: when
         it arrived (time.monotonic(); default now), where the decode pool's time to first token
-        starts (so that it covers the prefill hop and the pull, as a client sees it)."""
+        starts (so that it covers the prefill hop and the pull, as a client sees it); `images`: the
+        prompt's (both replicas get them: the decode one keys its blocks on them, and computes the
+        prompt itself when its pull fails)."""
         arrival = time.monotonic() if arrival is None else arrival
         if params.pooling is not None and self.prefill.available:
             # An embedding is all prefill: it runs whole on the prefill pool, no KV moves.
             self.metrics.routing.decisions.inc(reason="embedding_on_prefill", pool="pd")
             async for delta in self.prefill.generate(request_id, prompt_token_ids, params,
-                                                     self.prefill.route(prompt_token_ids, params, trace),
-                                                     trace=trace, arrival=arrival):
+                                                     self.prefill.route(prompt_token_ids, params, trace, images=images),
+                                                     trace=trace, arrival=arrival, images=images):
                 yield delta
             return
-        plan = self.plan(prompt_token_ids, params, trace)
+        plan = self.plan(prompt_token_ids, params, trace, images)
         kv_params = None
         try:
             if plan.prefill is not None:
                 assert plan.prefill_params is not None
                 kv_params = await self._prefill(request_id, prompt_token_ids, plan.prefill_params, plan.prefill,
-                                                trace)
+                                                trace, images)
             # After a remote prefill the decode replica computes one token (and pulls the rest).
             async for delta in self.decode.generate(request_id, prompt_token_ids, params, plan.decode, kv_params,
                                                     prefill_tokens=1 if kv_params is not None else None,
-                                                    trace=trace, arrival=arrival):
+                                                    trace=trace, arrival=arrival, images=images):
                 yield delta
         except BaseException:
             # The client went away (or the decode failed) after P leased its blocks: D may never
@@ -132,12 +135,13 @@ class PDRouter:
                 self.prefill.end_lease(plan.prefill.replica_id, kv_params)
             raise
 
-    def plan(self, prompt_token_ids: list[int], params: SamplingParams, trace: RequestTrace | None = None) -> PDPlan:
+    def plan(self, prompt_token_ids: list[int], params: SamplingParams, trace: RequestTrace | None = None,
+             images: tuple = ()) -> PDPlan:
         """Where a request runs: its decode replica, and the prefill replica that runs its prompt
         first when it pays (`prefill` None: the decode replica prefills it); the reason is counted
         (`pdserve:router_decisions_total{pool="pd"}`) and told to `trace`. What `generate` follows,
         and what `pdserve simulate` drives."""
-        hashes = self.decode.block_hashes(prompt_token_ids, params)      # both pools' engines hash alike
+        hashes = self.decode.block_hashes(prompt_token_ids, params, images)      # both pools' engines hash alike
         d_decision = self.decode.route(prompt_token_ids, params, trace, hashes)
         p_decision = p_params = None
         if self.wants_remote_prefill(len(prompt_token_ids), params, d_decision):
@@ -155,14 +159,15 @@ class PDRouter:
         return PDPlan(d_decision, p_decision, reason, p_params)
 
     async def _prefill(self, request_id: str, prompt_token_ids: list[int], p_params: SamplingParams,
-                       decision: Decision, trace: RequestTrace | None = None) -> dict | None:
+                       decision: Decision, trace: RequestTrace | None = None, images: tuple = ()) -> dict | None:
         """Run the prompt (`p_params`: `prefill_params`) on the chosen prefill replica; its transfer
         parameters, or None when it leased nothing (its first token ended the request, or its lease
         table was full) or no prefill replica could run it: then D computes the prompt itself."""
         last = None
         try:
             async for delta in self.prefill.generate(request_id, prompt_token_ids, p_params, decision,
-                                                     kv_transfer_params={"do_remote_decode": True}, trace=trace):
+                                                     kv_transfer_params={"do_remote_decode": True}, trace=trace,
+                                                     images=images):
                 last = delta
         except NoReplicaError:          # every prefill replica failed it or is being replaced
             self.metrics.routing.decisions.inc(reason="prefill_unavailable", pool="pd")

@@ -158,22 +158,24 @@ class RequestRouter:
         return out
 
     # --- one request -------------------------------------------------------------------------------
-    def block_hashes(self, prompt_token_ids: list[int], params: SamplingParams) -> list[bytes]:
-        """The prompt's full blocks' hashes, as this pool's engines compute them."""
-        return hash_block_tokens(prompt_token_ids, self.block_size, params.cache_keys)
+    def block_hashes(self, prompt_token_ids: list[int], params: SamplingParams, images: tuple = ()) -> list[bytes]:
+        """The prompt's full blocks' hashes, as this pool's engines compute them (a block holding an
+        image's tokens keyed by the image: records/multimodal.py)."""
+        return hash_block_tokens(prompt_token_ids, self.block_size, params.cache_keys,
+                                 items=tuple(image.key for image in images))
 
     def route(self, prompt_token_ids: list[int], params: SamplingParams, trace: RequestTrace | None = None,
-              hashes: list[bytes] | None = None) -> Decision:
+              hashes: list[bytes] | None = None, images: tuple = ()) -> Decision:
         """Choose the replica for a prompt (the policy over the prefix index, loads, adapters, tiers;
         a peer to pull a prefix from). `trace`: the request's, given a span of the decision;
-        `hashes`: the prompt's `block_hashes`, when the caller has them."""
+        `hashes`: the prompt's `block_hashes`, when the caller has them; `images`: the prompt's."""
         began = time.monotonic()
         candidates = self.available
         if not candidates:
             raise NoReplicaError(f"no {self.pool} engine replica is available"
                                  + (f" ({len(self.down)} failed, being replaced)" if self.down else ""))
         if hashes is None:
-            hashes = self.block_hashes(prompt_token_ids, params)
+            hashes = self.block_hashes(prompt_token_ids, params, images)
         lora = params.lora_request
         held = None if lora is None else {r for r in candidates if lora.cache_key in self.adapters[r]}
         tiers = {}
@@ -241,7 +243,7 @@ class RequestRouter:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        decision: Decision | None = None, kv_transfer_params: dict | None = None,
                        prefill_tokens: int | None = None, trace: RequestTrace | None = None,
-                       arrival: float | None = None) -> AsyncIterator[StepDelta]:
+                       arrival: float | None = None, images: tuple = ()) -> AsyncIterator[StepDelta]:
         """Stream the chosen replica's StepDeltas (routing first unless `decision` is given). If the
         consumer stops early (client disconnect), the request is aborted on the replica, which
         frees its blocks. `prefill_tokens`: the prompt tokens the replica computes before the first
@@ -257,8 +259,8 @@ class RequestRouter:
         partly streamed) it ends with ReplicaDiedError naming the replica. `trace`: the request's
         (router/routing/request_trace.py): its decisions get spans, and the replica its carrier.
         `arrival` (time.monotonic(); default now): where its time to first token and end-to-end
-        latency start."""
-        decision = decision or self.route(prompt_token_ids, params, trace)
+        latency start. `images`: the prompt's (records/multimodal.py), sent with it wherever it runs."""
+        decision = decision or self.route(prompt_token_ids, params, trace, images=images)
         carrier = trace.carrier() if trace is not None else None
         peer_lease = None
         if decision.peer is not None and not (kv_transfer_params or {}).get("do_remote_prefill"):
@@ -282,7 +284,8 @@ class RequestRouter:
                     trace.ran_on(decision.replica_id)
                 try:
                     async for delta in self._stream(decision, request_id, prompt_token_ids, params,
-                                                    kv_transfer_params, backlog, continuation, started, carrier):
+                                                    kv_transfer_params, backlog, continuation, started, carrier,
+                                                    images):
                         progress.add(delta)
                         # The resuming replica's cache hit covers tokens the client already has.
                         yield delta if continuation is None else dataclasses.replace(delta, num_cached_tokens=0)
@@ -292,10 +295,11 @@ class RequestRouter:
                         raise
                     self.mark_down(decision.replica_id, e)
                     lost = decision.replica_id
-                if not progress.streamed:
-                    decision = self.route(prompt_token_ids, params, trace)      # NoReplicaError when none is left
+                if not progress.streamed:       # NoReplicaError when none is left
+                    decision = self.route(prompt_token_ids, params, trace, images=images)
                     continue
-                decision, params = self._migrate(request_id, lost, prompt_token_ids, params, progress, trace)
+                decision, params = self._migrate(request_id, lost, prompt_token_ids, params, progress, trace,
+                                                 images)
                 kv_transfer_params = None           # the resuming replica computes the prompt itself
         except BaseException:
             if peer_lease is not None:          # the replica may never have taken it (see end_lease)
@@ -313,7 +317,8 @@ class RequestRouter:
             contextvars.Context().run(handle.abort.remote, kv_transfer_params["remote_request_id"])
 
     def _migrate(self, request_id: str, lost: str, prompt_token_ids: list[int], params: SamplingParams,
-                 progress: _Progress, trace: RequestTrace | None = None) -> tuple[Decision, SamplingParams]:
+                 progress: _Progress, trace: RequestTrace | None = None, images: tuple = ()
+                 ) -> tuple[Decision, SamplingParams]:
         """Where a stream whose replica was lost goes on, and the params it resumes with; raises
         ReplicaDiedError when it cannot (the reason counted in the metrics)."""
         def fail(reason: str, why: str) -> ReplicaDiedError:
@@ -328,7 +333,7 @@ class RequestRouter:
         if params.prompt_logprobs is not None:          # all streamed before the first token
             params = dataclasses.replace(params, prompt_logprobs=None)
         try:
-            decision = self.route(prompt_token_ids + progress.token_ids, params, trace)
+            decision = self.route(prompt_token_ids + progress.token_ids, params, trace, images=images)
         except NoReplicaError:
             raise fail("no_replica", " and no other replica is available") from None
         progress.migrations += 1
@@ -340,7 +345,7 @@ class RequestRouter:
     async def _stream(self, decision: Decision, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, kv_transfer_params: dict | None, prefill_tokens: int = 0,
                       continuation: Continuation | None = None, started: float | None = None,
-                      carrier: dict[str, str] | None = None) -> AsyncIterator[StepDelta]:
+                      carrier: dict[str, str] | None = None, images: tuple = ()) -> AsyncIterator[StepDelta]:
         replica_id = decision.replica_id
         channel = self.channels.get(replica_id)
         load = self.loads[replica_id]
@@ -351,7 +356,7 @@ class RequestRouter:
         finished = False
         try:
             async for delta in channel.stream(request_id, prompt_token_ids, params, kv_transfer_params,
-                                              continuation, carrier, decision.block_hashes):
+                                              continuation, carrier, decision.block_hashes, images):
                 now = time.monotonic()
                 new_tokens = sum(len(c.token_ids) for c in delta.choices)
                 if new_tokens or delta.finished:

@@ -106,7 +106,9 @@ def test_bad_image_inputs_are_refused_by_name(tiny_llava, tiny_llama):
     refused({"prompt": PROMPT, "multi_modal_data": {"image": png.getvalue()[:60]}},
             r"multi_modal_data.image\[0\] is not a readable image")
     refused({"prompt": PROMPT, "multi_modal_data": {"image": "https://example.com/cat.png"}},
-            "remote and file URLs are not fetched")
+            "'example.com' is not an allowed media domain, not fetched")
+    refused({"prompt": PROMPT, "multi_modal_data": {"image": "file:///etc/hostname"}},
+            "file URLs are read only under allowed_local_media_path")
     refused({"prompt": PROMPT, "multi_modal_data": {"video": IMAGES[0]}}, "multi_modal_data must be")
     refused({"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": IMAGES[0]}}, "needs the prompt as text")
     assert not llm.llm_engine.has_unfinished_requests()
@@ -118,7 +120,97 @@ def test_bad_image_inputs_are_refused_by_name(tiny_llava, tiny_llama):
                         GREEDY, use_tqdm=False)
     want = list(_generate(llm, [(PROMPT, [IMAGES[0]])])[0].outputs[0].token_ids)
     assert [list(o.outputs[0].token_ids) for o in outs] == [want, want]
+    limited = LLM(tiny_llava, dtype="float32", limit_mm_per_prompt={"image": 1})
+    with pytest.raises(ValueError, match=r"at most 1 images \(limit_mm_per_prompt\); got 2"):
+        limited.generate({"prompt": "<image><image>", "multi_modal_data": {"image": IMAGES[:2]}})
+    assert not limited.llm_engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="limit_mm_per_prompt must be"):
+        LLM(tiny_llava, dtype="float32", limit_mm_per_prompt={"video": 1})
     text_only = LLM(tiny_llama, dtype="float32")
     with pytest.raises(ValueError, match="this model takes no images"):
         text_only.generate({"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[0]}}, GREEDY)
     llm.llm_engine.check_no_leaks()
+
+
+def test_urls_from_allowed_hosts_and_paths_only(tiny_llava, tmp_path):
+    """allowed_media_domains: an image on an allowed host is fetched (and answers as the same image
+    in the request); a host not listed, even one naming the same server, is never asked; a
+    redirect is not followed. allowed_local_media_path: a file under it is read, one outside
+    (through `..` too) is not."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    body = io.BytesIO()
+    IMAGES[0].save(body, format="PNG")
+    hits: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            if self.path == "/moved.png":
+                self.send_response(302)
+                self.send_header("Location", "http://example.com/cat.png")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body.getvalue())))
+            self.end_headers()
+            self.wfile.write(body.getvalue())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    http = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    port = http.server_address[1]
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "cat.png").write_bytes(body.getvalue())
+    (tmp_path / "secret.png").write_bytes(body.getvalue())
+    llm = LLM(tiny_llava, dtype="float32", allowed_media_domains=["127.0.0.1"],
+              allowed_local_media_path=str(tmp_path / "images"))
+    want = list(_generate(llm, [(PROMPT, [IMAGES[0]])])[0].outputs[0].token_ids)
+    for source in (f"http://127.0.0.1:{port}/cat.png", f"file://{tmp_path}/images/cat.png"):
+        assert list(_generate(llm, [(PROMPT, [source])])[0].outputs[0].token_ids) == want
+    assert hits == ["/cat.png"]
+    for source, match in ((f"http://localhost:{port}/cat.png", "'localhost' is not an allowed media domain"),
+                          (f"http://127.0.0.1:{port}/moved.png", "not followed"),
+                          (f"file://{tmp_path}/secret.png", "read only under allowed_local_media_path"),
+                          (f"file://{tmp_path}/images/../secret.png", "read only under allowed_local_media_path"),
+                          (f"file://{tmp_path}/images/none.png", "cannot be read")):
+        with pytest.raises(ValueError, match=match):
+            _generate(llm, [(PROMPT, [source])])
+    assert hits == ["/cat.png", "/moved.png"]
+    http.shutdown()
+    with pytest.raises(ValueError, match="allowed_media_domains must list host names"):
+        LLM(tiny_llava, allowed_media_domains=["http://x.com/"])
+    llm.llm_engine.check_no_leaks()
+
+
+def test_embeddings_made_elsewhere_are_read_not_encoded(tiny_llava):
+    """An encode replica's part (LLMEngine.encode_images) and the prefilling replica's: a request
+    whose images carry their embeddings answers as one that encodes them, and encodes nothing;
+    embeddings that cannot be read (of the wrong shape here) are encoded from the pixels instead."""
+    import dataclasses
+
+    from records.request import NewRequest
+
+    encoder = LLM(tiny_llava, dtype="float32")
+    processor = encoder.llm_engine.image_processor()
+    ids, (img,) = processor.process(PROMPT, [IMAGES[2]])
+    [made] = encoder.llm_engine.encode_images([img])
+    assert made.shape == (img.length, 64) and _encodes(encoder) == 1
+    prefill = LLM(tiny_llava, dtype="float32")
+    engine = prefill.llm_engine
+    for rid, image in (("made", dataclasses.replace(img, embeddings=made)),
+                       ("bad", dataclasses.replace(img, digest=b"other", embeddings=torch.zeros(3, 3)))):
+        engine.enqueue(NewRequest(rid, PROMPT, ids, GREEDY, 0.0, images=(image,)))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = list(out.outputs[0].token_ids)
+    runner = engine.executor.worker.runner
+    assert outs["made"] == outs["bad"] == list(_generate(encoder, [(PROMPT, [IMAGES[2]])])[0]
+                                                       .outputs[0].token_ids)
+    assert (runner.encoder.received, runner.encoder.encodes) == (1, 1)
+    engine.check_no_leaks()
