@@ -49,6 +49,7 @@ from pydantic import Field, field_validator, model_validator
 
 from records.config import EngineConfig
 from records.engine_args import EngineArgs
+from records.model_source import is_vision_language
 from records.serving import (
     DisaggregationSpec,
     IngressSpec,
@@ -181,7 +182,9 @@ class ModelDeployment(StrictSpec):
     # LLM(...) keywords (records/engine_args.py: EngineArgs, where their defaults live), checked on load.
     engine: EngineArgs = Field(default_factory=EngineArgs)
     mode: Literal["colocated", "disaggregated"] = "colocated"
-    pools: dict[Literal["prefill", "decode"], PoolSpec] = Field(
+    # "encode" (a vision-language model's, either mode): replicas that encode a request's images
+    # before it is prefilled (E/P/D: router/routing/encode.py)
+    pools: dict[Literal["prefill", "decode", "encode"], PoolSpec] = Field(
         default_factory=lambda: {"decode": PoolSpec()})
     disaggregation: DisaggregationSpec = DisaggregationSpec()
     lora: LoRASpec | None = None                # None: no adapters
@@ -204,9 +207,10 @@ class ModelDeployment(StrictSpec):
                     raise ValueError(f"pools.{name}.kv_offloading: size_gib (or the engine section's "
                                      f"kv_offloading_size) is needed")
                 EngineArgs(**{**vars(self.engine), **pool.kv_offloading.engine_args(self.engine)})
-        if self.pools.get("prefill") is not None and self.pools["prefill"].speculative_config is not None:
-            raise ValueError("pools.prefill.speculative_config: only the decode pool decodes; set "
-                             "pools.decode.speculative_config")
+        for name in ("prefill", "encode"):
+            if self.pools.get(name) is not None and self.pools[name].speculative_config is not None:
+                raise ValueError(f"pools.{name}.speculative_config: only the decode pool decodes; set "
+                                 f"pools.decode.speculative_config")
 
     @field_validator("engine", mode="before")
     @classmethod
@@ -365,7 +369,8 @@ class ClusterConfig(ModelDeployment):
         and speculative decoding, its offload tier, and in disaggregated mode (or with peer prefix
         pulls) the KV connector (every engine can play either role of a transfer)."""
         spec = self.pools[pool]
-        connector = self.mode == "disaggregated" or self.routing.peer_prefix_pulls
+        # An encode replica runs no request: no KV moves, one sequence's KV pool (the least an engine has).
+        connector = (self.mode == "disaggregated" or self.routing.peer_prefix_pulls) and pool != "encode"
         kv_args = self.disaggregation.engine_args() if connector else {}
         # With one rank the replica actor is the rank (it holds the pool's CPUs/GPUs and runs on CUDA
         # when it has a GPU); with more, the engine places worker actors with these per rank.
@@ -381,12 +386,18 @@ class ClusterConfig(ModelDeployment):
         tier_args = spec.kv_offloading.engine_args(self.engine) if spec.kv_offloading is not None else {}
         endpoint = self.serving.otlp_traces_endpoint
         trace_args = {"otlp_traces_endpoint": endpoint} if endpoint else {}
-        return replace(self.engine, **kv_args, **parallel, **spec_args, **lora_args, **tier_args, **trace_args)
+        encode_args = {"max_num_seqs": 1, "enable_prefix_caching": False} if pool == "encode" else {}
+        return replace(self.engine, **kv_args, **parallel, **spec_args, **lora_args, **tier_args, **trace_args,
+                       **encode_args)
 
     def engine_config(self, pool: str = "decode") -> EngineConfig:
         """The engine config of one pool's replicas (`engine_args`), resolved against the model's
         own config and the spec's adapters (records/serving.py: `resolve_engine_config`)."""
-        return resolve_engine_config(self.model, self.engine_args(pool), self.lora)
+        config = resolve_engine_config(self.model, self.engine_args(pool), self.lora)
+        if pool == "encode" and not is_vision_language(config.model_config.hf_config):
+            raise ValueError(f"pools.encode: model {self.model!r} takes no images (an encode pool serves a "
+                             f"vision-language model's)")
+        return config
 
     def ingress_spec(self) -> IngressSpec:
         """What the ingress reads of this spec (records/serving.py), handed to it by the launcher."""
@@ -394,7 +405,7 @@ class ClusterConfig(ModelDeployment):
         return IngressSpec(name=self.name, model=self.model, engine=self.engine_args("decode"), mode=self.mode,
                            serving=self.serving, routing=self.routing,
                            disaggregation=self.disaggregation, lora=self.lora,
-                           cold_start_timeout_s=max(cold) if cold else None)
+                           cold_start_timeout_s=max(cold) if cold else None, encode="encode" in self.pools)
 
     @classmethod
     def from_yaml(cls, path: str) -> ClusterConfig:

@@ -267,6 +267,18 @@ class EngineReplica:
         if not queued:                   # its abort came first: the ingress gave up on it already
             box.request_ids.discard(request_id)
 
+    async def encode(self, images: list[Any]) -> list[Any]:
+        """Encode a request's images (a replica of an encode pool: router/routing/encode.py): each
+        one's embeddings put in this node's object store, as references, for the replica that
+        prefills the prompt to read."""
+        import ray  # noqa: PLC0415
+
+        return [ray.put(made) for made in await self._engine().encode_images(images)]
+
+    async def encoder_stats(self) -> dict[str, int] | None:
+        """Images this replica encoded and received made (AsyncLLMEngine.encoder_stats)."""
+        return await self._engine().encoder_stats()
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        kv_transfer_params: dict | None = None) -> AsyncIterator[StepDelta]:
         """Stream one request's StepDeltas on their own; closing the stream early aborts the request

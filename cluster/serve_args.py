@@ -37,6 +37,7 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "kv_offloading_backend": (str, "the offload tier's backend: native"),
     "kv_offloading_disk_path": (str, "a local directory for the offload tier's disk store"),
     "kv_offloading_disk_size": (float, "GiB of the disk store (with --kv-offloading-disk-path)"),
+    "allowed_local_media_path": (str, "a directory whose files file:// image URLs may read (default: none)"),
     "simulate": (str, "simulated replicas: the profile (a file, or a built-in such as h200-llama3-8b) whose cost "
                       "model replaces the forward pass (docs/simulation.md)"),
     "simulate_time_scale": (float, "simulated replicas: real seconds per simulated second (> 1 slows them down "
@@ -55,6 +56,9 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefill-replicas", type=int, default=None,
                     help="replicas of the prefill pool (> 0 serves disaggregated: prefill and decode "
                          "pools with KV transfer; 0 serves colocated)")
+    ap.add_argument("--encode-replicas", type=int, default=None,
+                    help="replicas of the encode pool: a vision-language model's images are encoded there "
+                         "before the prompt is prefilled (0: none, encoded where prefilled)")
     ap.add_argument("--connector", choices=["nixl", "torch_dist"], default=None,
                     help="KV connector between the pools (disaggregated mode)")
     ap.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
@@ -111,6 +115,10 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
             engine.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
             engine.add_argument(flag, type=kind, default=None, help=text)
+    engine.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                        help="hosts whose http(s) image URLs are fetched (default: none)")
+    engine.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                        help='the most images one prompt may carry: {"image": n} (default 16)')
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                         help="TP ranks per replica, every pool")
     engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
@@ -137,11 +145,12 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
             ("--served-model-name", args.served_model_name is not None),
             ("--lora-modules / --enable-lora / --max-loras / --max-lora-rank",
              args.enable_lora or args.lora_modules or args.max_loras is not None or args.max_lora_rank is not None),
-            ("--replicas / --prefill-replicas", args.replicas is not None or args.prefill_replicas is not None),
+            ("--replicas / --prefill-replicas / --encode-replicas", args.replicas is not None
+             or args.prefill_replicas is not None or args.encode_replicas is not None),
             ("--connector / --speculative-config", args.connector is not None or args.speculative_config is not None),
             ("the engine and parallelism flags", any(getattr(args, f, None) is not None for f in (
                 *ENGINE_FLAGS, "tensor_parallel_size", "pipeline_parallel_size", "cpus_per_rank", "num_gpus",
-                "enable_expert_parallel", "moe_dispatch"))),
+                "enable_expert_parallel", "moe_dispatch", "allowed_media_domains", "limit_mm_per_prompt"))),
         ) if given]
         if per_model:
             raise ValueError(f"{', '.join(per_model)}: the spec serves several models (models:); set these "
@@ -188,6 +197,10 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     engine = dict(data.get("engine", {}))
     engine.update((field, value) for field, value in vars(args).items()
                   if field in ENGINE_FLAGS and value is not None)
+    if args.allowed_media_domains is not None:
+        engine["allowed_media_domains"] = args.allowed_media_domains
+    if args.limit_mm_per_prompt is not None:
+        engine["limit_mm_per_prompt"] = _json_object(args.limit_mm_per_prompt, "--limit-mm-per-prompt")
     data["engine"] = engine
     if args.served_model_name is not None:
         names = args.served_model_name
@@ -216,6 +229,10 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     elif args.prefill_replicas is not None:
         pools["prefill"] = {**dict(pools.get("prefill", {})), "replicas": args.prefill_replicas}
         data["mode"] = "disaggregated"
+    if args.encode_replicas == 0:
+        pools.pop("encode", None)
+    elif args.encode_replicas is not None:
+        pools["encode"] = {**dict(pools.get("encode", {})), "replicas": args.encode_replicas}
     if pools:
         data["pools"] = pools
     if args.connector is not None:

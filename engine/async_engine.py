@@ -326,6 +326,12 @@ class AsyncLLMEngine:
         """LLMEngine.encode_images, between steps."""
         return await self.between_steps(lambda: self.engine.encode_images(images))
 
+    async def encoder_stats(self) -> dict[str, int] | None:
+        """The first stage's images encoded, received made (an encode pool's) and kept; None for a
+        model that takes no images."""
+        stats = await self.between_steps(lambda: self.engine.executor.collective_rpc("encoder_stats"))
+        return next((s for s in stats if s is not None), None)
+
     async def check_weights(self, shapes: dict[str, list[int]], lora_request: LoRARequest | None = None) -> None:
         await self.between_steps(lambda: self.engine.weights.check(shapes, lora_request))
 

@@ -356,6 +356,7 @@ class IngressSpec(StrictSpec):
     lora: LoRASpec | None
     # How long a request waits for the model to come back from zero (None: it never goes to zero).
     cold_start_timeout_s: float | None = None
+    encode: bool = False            # an encode pool encodes requests' images first (router/routing/encode.py)
 
     def engine_config(self) -> EngineConfig:
         """The decode pool's engine config, resolved here (see `resolve_engine_config`)."""

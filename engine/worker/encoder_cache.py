@@ -84,10 +84,8 @@ class EncoderCache:
         warning) when they cannot be read (the replica died, the object is lost): encoded here then."""
         made = image.embeddings
         try:
-            if not isinstance(made, torch.Tensor):
-                import ray  # noqa: PLC0415 - only a replica of a cluster receives references
-
-                made = ray.get(made, timeout=RECEIVE_TIMEOUT_S)
+            if not isinstance(made, torch.Tensor):      # a Ray object reference (this is the step's thread)
+                made = made.future().result(timeout=RECEIVE_TIMEOUT_S)
             weight = self.model.vision.multi_modal_projector.linear_1.weight
             if made.shape != (image.length, self.model.config.hidden_size):
                 raise ValueError(f"shape {list(made.shape)}, not [{image.length}, {self.model.config.hidden_size}]")

@@ -340,6 +340,12 @@ class Worker:
         assert self.runner is not None
         return self.runner.encoder.encode(images) if self.runner.encoder is not None else None
 
+    def encoder_stats(self) -> dict[str, int] | None:
+        """Images encoded here, received made and kept (a vision-language model's first stage)."""
+        encoder = self.runner.encoder if self.runner is not None else None
+        return None if encoder is None else {"encodes": encoder.encodes, "received": encoder.received,
+                                             "kept": len(encoder.kept)}
+
     def expert_load(self) -> dict[int, int]:
         """Rows (token, expert) each MoE expert this rank holds has run, summed over its layers,
         by global expert id; {} for a dense model."""

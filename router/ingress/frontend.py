@@ -43,9 +43,7 @@ from router.ingress.cold_model import WAKE_RETRIES, ColdModel, replica_asleep
 from router.ingress.preparer import RequestPreparer
 from router.ingress.tenants import Tenant, Tenants
 from router.routing.metrics import ServingMetrics
-from router.routing.pd import PDRouter
-from router.routing.policy import RoutingPolicy
-from router.routing.pool_router import RequestRouter
+from router.routing.model_routers import ModelRouters
 from router.routing.request_trace import ARRIVAL, CURRENT, RequestTrace, log_requests_to_stderr
 
 logger = logging.getLogger(__name__)
@@ -83,27 +81,12 @@ class Frontend:
         self.preparer = RequestPreparer(config)
         info = self.preparer.info
         self.metrics = ServingMetrics(info.max_model_len)
-        # One policy per pool: a shared one would share round-robin's counter, and with the decode
-        # pool routed first on every request, the prefill pick would see every other count only.
-        def policy() -> RoutingPolicy:
-            return RoutingPolicy(config.routing.policy(), info.max_num_seqs)
         self.manager = manager
         report = lambda replica_id: self.manager.report_failure.remote(replica_id)  # noqa: E731
-        on_failure = report if manager is not None else None
-        migrations = config.routing.max_migrations
-        peers = config.routing.min_peer_pull_tokens if config.routing.peer_prefix_pulls else None
-        channel = config.routing.channel
-        decode = RequestRouter("decode", replicas or {}, info.block_size, policy(), self.metrics,
-                               config.routing.stats_interval_s, on_failure, migrations, peers, channel)
-        self.pools: dict[str, RequestRouter] = {"decode": decode}
-        self.router: RequestRouter | PDRouter = decode
-        if config.mode == "disaggregated":
-            prefill = RequestRouter("prefill", prefill_replicas or {}, info.block_size, policy(),
-                                    self.metrics, config.routing.stats_interval_s, on_failure, migrations, peers,
-                                    channel)
-            self.pools["prefill"] = prefill
-            self.router = PDRouter(prefill, decode, self.metrics, config.disaggregation.min_remote_prefill_tokens,
-                                   config.disaggregation.prefill_backlog_factor)
+        self.routers = ModelRouters.of(config, info, self.metrics, replicas, prefill_replicas,
+                                       report if manager is not None else None)
+        self.pools, self.router, self.encode = self.routers.pools, self.routers.router, self.routers.encode
+        decode = self.pools["decode"]
         # Requests queue at this ingress beyond what the decode pool is given at once (admission.py).
         self.tenants = Tenants(config.serving)     # the API keys (ValueError naming a missing one)
         per_replica = config.serving.dispatch_per_replica or info.max_num_seqs
@@ -122,7 +105,7 @@ class Frontend:
         for name, router in self.pools.items():
             router.on_replica_failure = lambda replica_id: self.manager.report_failure.remote(replica_id)
             router.set_replicas(pools.get(name, {}))
-        self.router.start()
+        self.routers.start()
         self.not_ready = None
 
     @property
@@ -264,6 +247,8 @@ class Frontend:
         """One prompt's deltas from its router, charged to the ticket; a replica put to sleep since
         this ingress last looked wakes the model, and the prompt is sent again."""
         trace = ticket.trace
+        if images and self.encode is not None:
+            images = await self.encode.encode(images, trace)
         for attempt in range(WAKE_RETRIES + 1):
             streamed = False
             try:

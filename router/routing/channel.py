@@ -141,7 +141,9 @@ class ReplicaChannel:
         finished = False
         try:
             writer = None
-            if self.transport == "tcp":
+            # Images with their embeddings' object references (an encode pool's) go through Ray, whose
+            # serialization tells the references' owner that the replica borrows them.
+            if self.transport == "tcp" and not any(image.embeddings is not None for image in images):
                 link = self._link
                 assert link is not None
                 writer = link.result() if link.done() else await asyncio.shield(link)

@@ -98,6 +98,14 @@ class RequestTrace:
             "pdserve.route.tier_hit_tokens": decision.tier_blocks * block_size,
             "pdserve.route.peer": decision.peer[0] if decision.peer is not None else ""})
 
+    def encoded(self, replica_id: str | None, outcome: str, start: float) -> None:
+        """Its images' encoding (router/routing/encode.py): where, and how it went, from `start` to now."""
+        self.fields["encode"] = outcome
+        if replica_id is not None:
+            self.replicas.append(replica_id)
+        self.child("pdserve.encode", start, attributes={"pdserve.pool": "encode", "pdserve.replica": replica_id or "",
+                                                        "pdserve.encode.outcome": outcome})
+
     def ran_on(self, replica_id: str) -> None:
         """The request was submitted to this replica (a prefill, a decode, a migrated stream's next)."""
         self.replicas.append(replica_id)

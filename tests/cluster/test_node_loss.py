@@ -21,6 +21,7 @@ passes through its ingress replica, which no engine-side migration can replace).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import json
@@ -496,3 +497,95 @@ def test_models_share_the_nodes_and_the_last_waits_for_room(nodes, capfd):
     finally:
         shutdown(config)
         remove_engine_nodes(nodes)
+
+
+@pytest.mark.ray
+def test_an_encode_pool_encodes_images_and_its_loss_costs_none(nodes, tiny_llava, eventually_no_leaks):
+    """E/P/D: a tiny LLaVA's encode, prefill and decode pools each on an engine node of its own.
+    Image requests are encoded on the encode replica (its count, the prefill replica's count of
+    embeddings it received instead of encoding, the router's decisions), their embeddings read from
+    the object store where the prompt is prefilled, and answer as an engine of the whole model
+    does; a text-only request skips the encode pool. The encode node then dies under a burst of
+    image requests: every one completes with the same answers (their images encoded where they
+    are prefilled), none hangs, and no replica keeps a request or a block."""
+    import base64
+    import io
+
+    import numpy as np
+    import ray
+    from PIL import Image
+
+    from cluster.config import ClusterConfig
+    from cluster.launch import serve_cluster, shutdown
+    from cluster.manager import MANAGER_NAME
+    from engine.llm import LLM
+
+    roles = ("encode", "prefill", "decode")
+    role_nodes = {role: nodes.add_node(num_cpus=2, resources={role: 1}, node_ip_address="127.0.0.1") for role in roles}
+    nodes.wait_for_nodes()
+    name = "pdserve-epd"
+    config = ClusterConfig(model=tiny_llava, engine={"dtype": "float32", "max_model_len": 512}, mode="disaggregated",
+                           pools={role: {"replicas": 1, "num_cpus": 1, "resources": {role: 1}} for role in roles},
+                           disaggregation={"connector": "nixl", "min_remote_prefill_tokens": 32}, serving=SERVING,
+                           placement_timeout_s=120, name=name)
+    images = [Image.fromarray((np.random.default_rng(s).random((40 + s, 50, 3)) * 255).astype("uint8"))
+              for s in range(10)]
+    text = "Look closely at the picture and describe every colour you can see in it. " * 2
+
+    def url(img) -> str:
+        out = io.BytesIO()
+        img.save(out, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+    with LLM(tiny_llava, dtype="float32", max_model_len=512) as llm:       # the oracle: the whole model here
+        prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": text + "<image>"}],
+                                                         add_generation_prompt=True, tokenize=False)
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(
+            [{"prompt": prompt, "multi_modal_data": {"image": img}} for img in images],
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
+    try:
+        serve_cluster(config, blocking=False)
+        base = f"http://127.0.0.1:{config.serving.port}"
+        manager = ray.get_actor(MANAGER_NAME, namespace=name)
+        _, pools = ray.get(manager.membership.remote())
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
+
+        def chat(img) -> list[int]:
+            content = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url(img)}}]
+            out = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=8,
+                                                 temperature=0, messages=[{"role": "user", "content": content}],
+                                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+            return out.choices[0].token_ids
+
+        assert [chat(img) for img in images[:3]] == want[:3]
+        (encoder,) = pools["encode"].values()
+        assert ray.get(encoder.encoder_stats.remote())["encodes"] == 3
+        # Where each prompt was prefilled (the prefill replica, or the decode one when little of it
+        # was left uncached), its image's embeddings were read, not encoded.
+        stats = [ray.get(h.encoder_stats.remote()) for pool in ("prefill", "decode") for h in pools[pool].values()]
+        assert sum(s["received"] for s in stats) == 3 and sum(s["encodes"] for s in stats) == 0, stats
+        assert _decisions(base, "encode") == {"encoded": 3}
+        client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=4,
+                                       messages=[{"role": "user", "content": "Hi"}])
+        assert _decisions(base, "encode") == {"encoded": 3}                  # text-only: not sent there
+
+        # The encode node dies while a burst of image requests is under way.
+        with concurrent.futures.ThreadPoolExecutor(7) as burst:
+            answers = [burst.submit(chat, img) for img in images[3:]]
+            kill_node(nodes, role_nodes["encode"])
+            assert [a.result(timeout=300) for a in answers] == want[3:]
+        assert [chat(img) for img in images[:2]] == want[:2]             # kept where they were prefilled
+        decisions = _decisions(base, "encode")
+        assert decisions.get("encode_failed", 0) + decisions.get("encode_unavailable", 0) >= 1, decisions
+        assert eventually_no_leaks({r: h for pool in ("prefill", "decode") for r, h in pools[pool].items()})
+    finally:
+        shutdown(config)
+        remove_engine_nodes(nodes)
+
+
+def _decisions(base: str, pool: str) -> dict[str, float]:
+    """The ingress's routing decisions for `pool`, by reason."""
+    text = httpx.get(f"{base}/metrics", timeout=60).text
+    return {reason: float(v) for reason, v in
+            re.findall(rf'^pdserve:router_decisions_total\{{[^}}]*pool="{pool}"[^}}]*reason="([^"]+)"[^}}]*\}} (\S+)$',
+                       text, re.M)}
