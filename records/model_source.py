@@ -23,7 +23,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 # Vision-language checkpoints (engine/model/models/llava.py): served as their language model with
 # the vision tower added; the text config's architecture by its model_type.
-VISION_LANGUAGE = ("LlavaForConditionalGeneration",)
+VISION_LANGUAGE = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 _TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # Mixtures of experts (engine/model/models/moe.py)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")

@@ -253,6 +253,18 @@ def tiny_llava(tmp_path_factory, smol_tokenizer) -> str:
     """A tiny LLaVA 1.5 (a two-layer CLIP tower on 32x32 images in 8x8 patches: 16 placeholder
     tokens an image, the tiny Llama as its language model), with its processor (CLIP's image
     processor, the tokenizer with an `<image>` token added)."""
+    return _make_llava(tmp_path_factory, smol_tokenizer, next_=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_next(tmp_path_factory, smol_tokenizer) -> str:
+    """The same as a LLaVA-NeXT ("anyres": 32x32 tiles of the image at the grid resolution among
+    32x32 .. 64x64 that fits it best, after the whole image shrunk to one; rows ended by a learned
+    newline), with LLaVA-NeXT's processor: an image's token count follows its size."""
+    return _make_llava(tmp_path_factory, smol_tokenizer, next_=True)
+
+
+def _make_llava(tmp_path_factory, smol_tokenizer, next_: bool) -> str:
     import copy
 
     import torch
@@ -262,6 +274,10 @@ def tiny_llava(tmp_path_factory, smol_tokenizer) -> str:
         LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessor,
+        LlavaNextProcessor,
         LlavaProcessor,
     )
 
@@ -273,22 +289,25 @@ def tiny_llava(tmp_path_factory, smol_tokenizer) -> str:
                        tie_word_embeddings=False)
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                               image_size=32, patch_size=8, projection_dim=32)
-    config = LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
-                         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
-                         vision_feature_layer=-2, vision_feature_select_strategy="default")
-    torch.manual_seed(13)
-    model = LlavaForConditionalGeneration(config).eval()
+    common = dict(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                  image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+                  vision_feature_layer=-2, vision_feature_select_strategy="default")
+    pinpoints = [[32, 32], [32, 64], [64, 32], [64, 64]]
+    torch.manual_seed(14 if next_ else 13)
+    model = (LlavaNextForConditionalGeneration(LlavaNextConfig(**common, image_grid_pinpoints=pinpoints)) if next_
+             else LlavaForConditionalGeneration(LlavaConfig(**common))).eval()
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
+        for name, p in model.named_parameters():
+            if p.dim() > 1 or "image_newline" in name:
                 p.normal_(0, 0.15)
-    out = tmp_path_factory.mktemp("tiny-llava")
+    out = tmp_path_factory.mktemp("tiny-llava-next" if next_ else "tiny-llava")
     model.save_pretrained(out, safe_serialization=True)
-    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
-                                                                  crop_size={"height": 32, "width": 32}),
-                               tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
-                               image_token="<image>", num_additional_image_tokens=1,
-                               chat_template=tokenizer.chat_template)
+    sizes = {"size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32}}
+    options = dict(tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default", image_token="<image>",
+                   num_additional_image_tokens=1, chat_template=tokenizer.chat_template)
+    processor = (LlavaNextProcessor(image_processor=LlavaNextImageProcessor(**sizes, image_grid_pinpoints=pinpoints),
+                                    **options) if next_
+                 else LlavaProcessor(image_processor=CLIPImageProcessor(**sizes), **options))
     processor.save_pretrained(out)
     return str(out)
 

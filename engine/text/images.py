@@ -151,8 +151,18 @@ class ImageProcessor:
         encoded = self.processor(text=prompt, images=loaded, return_tensors="pt",
                                  add_special_tokens=add_special_tokens)
         ids = encoded["input_ids"][0].tolist()
-        pixels = encoded["pixel_values"]
-        per_image = [{"pixel_values": pixels[i:i + 1].clone()} for i in range(len(loaded))]
-        total = sum(1 for t in ids if t == self.image_token_id)
-        runs = placeholder_runs(ids, self.image_token_id, [total // len(loaded)] * len(loaded))
+        # Each image's own tensors (pixel_values, and LLaVA-NeXT's image_sizes): those with a row per image.
+        per_image = [{name: value[i:i + 1].clone() for name, value in encoded.items()
+                      if name not in ("input_ids", "attention_mask") and len(value) == len(loaded)}
+                     for i in range(len(loaded))]
+        runs = placeholder_runs(ids, self.image_token_id, self._tokens_per_image(loaded, ids))
         return ids, tuple(ImageInput(digest_of(p), offset, length, p) for p, (offset, length) in zip(per_image, runs))
+
+    def _tokens_per_image(self, images: list[Any], ids: list[int]) -> list[int]:
+        """Each image's number of placeholder tokens, as the processor expands them (it says, by
+        the images' sizes: LLaVA-NeXT's vary with the size); else an equal share of the prompt's."""
+        count = getattr(self.processor, "_get_num_multimodal_tokens", None)
+        if count is not None:
+            return list(count(image_sizes=[(image.height, image.width) for image in images]).num_image_tokens)
+        total = sum(1 for t in ids if t == self.image_token_id)
+        return [total // len(images)] * len(images)

@@ -1,6 +1,7 @@
 """Vision-language models (engine/model/models/llava.py, engine/worker/encoder_cache.py): a tiny
-LLaVA 1.5 with its real processor, greedy and token-identical to transformers on images of several
-sizes and shapes, one or two per prompt; the same with chunked prefill cutting through an image's
+LLaVA 1.5 and a tiny LLaVA-NeXT (its token count per image following the image's size) with their
+real processors, greedy and token-identical to transformers on images of several sizes and
+shapes, one or two per prompt; the same with chunked prefill cutting through an image's
 placeholders; prefix caching keyed by the image (the same text with another image gets another
 answer and no hit past the text before the image; the same image again is a hit and is not encoded
 again); bad image inputs refused by name with nothing queued."""
@@ -30,10 +31,10 @@ IMAGES = [image(40, 50, 0), image(64, 32, 1), image(31, 97, 2), image(32, 32, 3)
 
 
 def hf_answers(path: str, requests: list[tuple[str, list]], max_new_tokens: int = 10) -> list[list[int]]:
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(path)
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     out = []
     for prompt, images in requests:
         enc = processor(text=prompt, images=images, return_tensors="pt")
@@ -54,6 +55,12 @@ def expected(tiny_llava, requests) -> list[list[int]]:
     return hf_answers(tiny_llava, requests)
 
 
+@pytest.fixture(scope="module", params=["llava", "llava_next"])
+def model_and_expected(request, requests) -> tuple[str, list[list[int]]]:
+    path = request.getfixturevalue(f"tiny_{request.param}")
+    return path, hf_answers(path, requests)
+
+
 def _generate(llm: LLM, requests: list[tuple[str, list]]):
     return llm.generate([{"prompt": p, "multi_modal_data": {"image": imgs}} for p, imgs in requests], GREEDY,
                         use_tqdm=False)
@@ -64,14 +71,17 @@ def _encodes(llm: LLM) -> int:
 
 
 @pytest.mark.parametrize("chunk", [None, 16])
-def test_greedy_equals_transformers(tiny_llava, requests, expected, chunk):
+def test_greedy_equals_transformers(model_and_expected, requests, chunk):
     """By default (each prompt in one step) and with 16-token chunks, which cut through every
-    image's 16 placeholders (they start mid-block): each image is encoded once all the same."""
-    llm = LLM(tiny_llava, dtype="float32", **({"max_num_batched_tokens": chunk} if chunk else {}))
+    image's placeholders (they start mid-block): each image is encoded once all the same. LLaVA's
+    images take 16 tokens each; LLaVA-NeXT's as many as their size makes."""
+    path, expected = model_and_expected
+    llm = LLM(path, dtype="float32", **({"max_num_batched_tokens": chunk} if chunk else {}))
     outs = _generate(llm, requests)
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
     assert _encodes(llm) == len(IMAGES)
-    assert outs[0].prompt_token_ids.count(llm.llm_engine.image_processor().image_token_id) == 16
+    counts = [o.prompt_token_ids.count(llm.llm_engine.image_processor().image_token_id) for o in outs[:len(IMAGES)]]
+    assert counts == [16] * 4 if "next" not in path else len(set(counts)) > 1 and min(counts) > 16, counts
     llm.llm_engine.check_no_leaks()
 
 

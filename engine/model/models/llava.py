@@ -1,6 +1,11 @@
 """LLaVA (1.5): a CLIP vision tower, a two-layer projector, and a language model (Llama, Mistral,
 Qwen2) whose prompt carries each image as a run of placeholder tokens; their embeddings are the
 projected features of the image's patches (transformers' LlavaForConditionalGeneration).
+LLaVA-NeXT ("anyres": LlavaNextForConditionalGeneration) sees an image at the grid resolution that
+fits it best (`image_grid_pinpoints`) as tiles of the tower's size plus the whole image shrunk to
+one: the tiles' features are stitched back into the image's grid, its padding cut off, each row
+ended by a learned `image_newline`, after the whole image's features; the number of tokens follows
+the image's size.
 
 `with_vision(text_class)` is the language model's class with the tower and projector on its first
 pipeline stage (`encode_image`); the model runner puts an image's rows into the prompt's embeddings
@@ -26,6 +31,7 @@ _TEXT = (("model.language_model.", "model."), ("language_model.model.", "model."
          ("language_model.lm_head.", "lm_head."))
 _TOWER = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.", "vision_tower.")
 _PROJECTOR = ("model.multi_modal_projector.", "multi_modal_projector.")
+_NEWLINE = ("model.image_newline", "image_newline")
 
 
 class LlavaProjector(nn.Module):
@@ -58,8 +64,29 @@ class LlavaVision(nn.Module):
         self.multi_modal_projector = LlavaProjector(vision["hidden_size"] * len(indices), text_hidden,
                                                     mm.get("projector_hidden_act", "gelu"),
                                                     mm.get("multimodal_projector_bias", True), dtype)
+        # LLaVA-NeXT's resolutions (height, width) and the embedding that ends each row of tiles.
+        self.pinpoints = mm.get("image_grid_pinpoints")
+        self.tile, self.grid = vision["image_size"], vision["image_size"] // vision["patch_size"]
+        self.image_newline = nn.Parameter(torch.empty(text_hidden, dtype=dtype)) if self.pinpoints else None
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixels: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One image's embeddings [placeholder tokens, hidden] from its processor's tensors."""
+        weight = self.multi_modal_projector.linear_1.weight
+        pixel_values = pixels["pixel_values"].to(weight.device, weight.dtype)
+        if self.pinpoints is None:
+            return self._features(pixel_values)[0]
+        height, width = (int(v) for v in pixels["image_sizes"][0])
+        rows, cols = (side // self.tile for side in best_resolution((height, width), self.pinpoints))
+        tiles = self._features(pixel_values[0, :rows * cols + 1])          # the whole image, then its tiles
+        if len(tiles) == 1:
+            return torch.cat([tiles[0], self.image_newline[None]])
+        grid = tiles[1:].view(rows, cols, self.grid, self.grid, -1).permute(4, 0, 2, 1, 3).flatten(1, 2).flatten(2, 3)
+        grid = unpad(grid, height, width)
+        grid = torch.cat([grid, self.image_newline[:, None, None].expand(*grid.shape[:-1], 1)], dim=-1)
+        return torch.cat([tiles[0], grid.flatten(1, 2).transpose(0, 1)])
+
+    def _features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The projected features [images or tiles, tokens, hidden] of a batch of tower-sized pictures."""
         states = self.vision_tower.hidden_states(pixel_values)
         features = torch.cat([states[i] for i in self.indices], dim=-1)
         if self.strategy == "default":
@@ -67,7 +94,13 @@ class LlavaVision(nn.Module):
         return self.multi_modal_projector(features)
 
     def load_weights(self, tower: list[tuple[str, torch.Tensor]], projector: list[tuple[str, torch.Tensor]],
-                     partial: bool) -> None:
+                     newline: torch.Tensor | None, partial: bool) -> None:
+        if self.image_newline is not None:
+            if newline is None and not partial:
+                raise ValueError("checkpoint lacks image_newline (a LLaVA-NeXT model's)")
+            if newline is not None:
+                with torch.no_grad():
+                    self.image_newline.copy_(newline.to(self.image_newline.dtype))
         self.vision_tower.load_weights(tower, partial)
         params = dict(self.multi_modal_projector.named_parameters())
         for name, tensor in projector:
@@ -95,16 +128,19 @@ class VisionLanguageModel:
     def encode_image(self, pixels: dict[str, torch.Tensor]) -> torch.Tensor:
         """The embeddings [placeholder tokens, hidden] of one image (its processor's tensors)."""
         assert self.vision is not None
-        weight = self.vision.multi_modal_projector.linear_1.weight
-        return self.vision(pixels["pixel_values"].to(weight.device, weight.dtype))[0]
+        return self.vision(pixels)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], dense_copies: bool = False,
                      partial: bool = False) -> None:
         tower: list[tuple[str, torch.Tensor]] = []
         projector: list[tuple[str, torch.Tensor]] = []
+        newline: list[torch.Tensor] = []
 
         def text() -> Iterator[tuple[str, Any]]:
             for name, tensor in weights:
+                if name in _NEWLINE:
+                    newline.append(tensor)
+                    continue
                 vision = next((p for p in _TOWER if name.startswith(p)), None)
                 if vision is not None:
                     tower.append((name.removeprefix(vision), tensor))
@@ -121,7 +157,36 @@ class VisionLanguageModel:
 
         super().load_weights(text(), dense_copies, partial)      # type: ignore[misc]
         if self.vision is not None:
-            self.vision.load_weights(tower, projector, partial)
+            self.vision.load_weights(tower, projector, newline[0] if newline else None, partial)
+
+
+def best_resolution(size: tuple[int, int], pinpoints: list[list[int]]) -> tuple[int, int]:
+    """The (height, width) of `pinpoints` an image of `size` (height, width) fits best: the most of
+    its pixels kept, then the fewest wasted (transformers' select_best_resolution, which the
+    processor used to tile it)."""
+    height, width = size
+    best, most, least = None, 0, float("inf")
+    for h, w in pinpoints:
+        scale = min(w / width, h / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        wasted = w * h - kept
+        if kept > most or (kept == most and wasted < least):
+            best, most, least = (h, w), kept, wasted
+    assert best is not None
+    return best
+
+
+def unpad(grid: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The features [hidden, rows, cols] of a tiled image without the rows or columns of the
+    padding that made the image (height x width) the grid's aspect (transformers' unpad_image)."""
+    rows, cols = grid.shape[1:]
+    if width / height > cols / rows:
+        kept = int(round(height * (cols / width), 7))
+        pad = (rows - kept) // 2
+        return grid[:, pad:rows - pad, :]
+    kept = int(round(width * (rows / height), 7))
+    pad = (cols - kept) // 2
+    return grid[:, :, pad:cols - pad]
 
 
 @cache
