@@ -95,6 +95,11 @@ class EncoderCache:
                            "it here", type(e).__name__, e)
             return None
 
+    def clear(self) -> None:
+        """Forget every kept image (the weights that made them changed: engine/weight_updates.py)."""
+        self.kept.clear()
+        self.kept_tokens = 0
+
     def encode(self, images: list[Any]) -> list[torch.Tensor]:
         """The embeddings of each image (an encode replica's work), on the CPU."""
         return [self.embeddings(image).cpu() for image in images]

@@ -307,7 +307,7 @@ class Worker:
             self.update_weights(list(load_file(os.path.join(path, ADAPTER_WEIGHTS)).items()), lora)
             return
         self.weight_sync.from_disk(self.runner.model, path, self.config.model_config.hf_config)
-        self.runner.decode_plan = False
+        self._weights_changed()
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, backend: str) -> None:
@@ -332,8 +332,16 @@ class Worker:
 
         def apply(weights: list[tuple[str, torch.Tensor]]) -> None:
             self.weight_sync.apply(runner.model, weights)
-            runner.decode_plan = False              # rebuilt at the next decode step
+            self._weights_changed()
         return functools.partial(self.weight_sync.check, runner.model), apply
+
+    def _weights_changed(self) -> None:
+        """Forget what was made of the old weights: the CPU decode plan (rebuilt at the next decode
+        step) and the images' embeddings."""
+        assert self.runner is not None
+        self.runner.decode_plan = False
+        if self.runner.encoder is not None:
+            self.runner.encoder.clear()
 
     def encode_images(self, images: list[Any]) -> list[torch.Tensor] | None:
         """Each image's embeddings (a vision-language model's first stage; None on other stages)."""

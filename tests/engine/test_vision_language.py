@@ -224,3 +224,28 @@ def test_embeddings_made_elsewhere_are_read_not_encoded(tiny_llava):
                                                        .outputs[0].token_ids)
     assert (runner.encoder.received, runner.encoder.encodes) == (1, 1)
     engine.check_no_leaks()
+
+
+def test_a_weight_update_reaches_the_vision_tower_and_forgets_its_images(tiny_llava, tmp_path):
+    """An RL trainer's update of the projector (the checkpoint's own names): an image encoded before
+    is encoded again, and the answer is a fresh engine's of the new weights."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    name = "multi_modal_projector.linear_2.weight"
+    tensors = load_file(os.path.join(tiny_llava, "model.safetensors"))
+    assert name in tensors
+    new = tensors[name] + 0.2 * torch.randn(tensors[name].shape, generator=torch.Generator().manual_seed(4))
+    for file in os.listdir(tiny_llava):
+        if file != "model.safetensors":
+            shutil.copy(os.path.join(tiny_llava, file), tmp_path / file)
+    save_file({**tensors, name: new.contiguous()}, str(tmp_path / "model.safetensors"))
+    llm = LLM(tiny_llava, dtype="float32")
+    before = list(_generate(llm, [(PROMPT, [IMAGES[0]])])[0].outputs[0].token_ids)
+    llm.update_weights([(name, new)])
+    after = list(_generate(llm, [(PROMPT, [IMAGES[0]])])[0].outputs[0].token_ids)
+    assert after != before and _encodes(llm) == 2
+    assert after == list(_generate(LLM(str(tmp_path), dtype="float32"), [(PROMPT, [IMAGES[0]])])[0]
+                         .outputs[0].token_ids)
