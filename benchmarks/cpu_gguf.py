@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.layers.cpu_gemm import linear, prepack
-from kernels import cpu_ops, reference
+from kernels import cpu_ops, gguf_format
 
 QTYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
 
@@ -74,7 +74,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         blocks = [quantized(n, k, args.qtype, seed) for seed in range(args.copies)]
-        dense = [reference.dequantize_gguf(b, args.qtype, dtype) for b in blocks]
+        dense = [gguf_format.dequantize_gguf(b, args.qtype, dtype) for b in blocks]
         packed = [prepack(d) for d in dense]
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k).to(dtype)

@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
+from kernels.gguf_format import GGUF_BLOCK_BYTES
 from kernels.reference import (
     FP8_DTYPE,
-    GGUF_BLOCK_BYTES,
     copy_blocks,
     dequantize_kv,
     fp8_linear_scaled_mm,

@@ -33,8 +33,9 @@ import triton
 import triton.language as tl
 
 from kernels import reference
+from kernels.gguf_format import GGUF_BLOCK_BYTES, dequantize_gguf
 
-Q8_0_BYTES = reference.GGUF_BLOCK_BYTES["Q8_0"]
+Q8_0_BYTES = GGUF_BLOCK_BYTES["Q8_0"]
 
 # From this many rows on, dequantize the weight into x's dtype and let cuBLAS multiply: the tile
 # loop re-reads the blocks for every BLOCK_M rows of x, and a GEMM's tensor-core tiling wins once
@@ -220,7 +221,7 @@ def dequantized_linear(x: torch.Tensor, weight: torch.Tensor, qtype: str) -> tor
     if qtype == "Q8_0":
         _check(x, weight)
         return F.linear(x, dequantize_q8_0(weight, x.dtype))
-    return F.linear(x, reference.dequantize_gguf(weight, qtype, x.dtype))
+    return F.linear(x, dequantize_gguf(weight, qtype, x.dtype))
 
 
 def gguf_linear(x: torch.Tensor, weight: torch.Tensor, qtype: str) -> torch.Tensor:

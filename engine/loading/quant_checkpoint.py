@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.loading.weights import GGUFWeight, iterate_weights
-from kernels.reference import FP8_DTYPE, FP8_MAX, GGUF_BLOCK, quantize_gguf
+from kernels.gguf_format import GGUF_BLOCK, quantize_gguf
+from kernels.reference import FP8_DTYPE, FP8_MAX
 from records.quantization import CheckpointQuant, checkpoint_quant
 
 if TYPE_CHECKING:

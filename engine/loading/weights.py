@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kernels.reference import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
+from kernels.gguf_format import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
 from records.frozen_config import transformers_config
 from records.gguf_file import gguf_reader
 from records.quantization import GGUF_NATIVE_ARCHITECTURES

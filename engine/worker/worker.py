@@ -36,7 +36,7 @@ from engine.worker.model_runner import ModelRunner
 from engine.worker.step_codec import StepDecoder
 from engine.worker.weight_sync import WeightSync
 from kernels.dispatch import FP8_MIN_CAPABILITY, cuda_capability, has_fp8
-from kernels.reference import GGUF_BLOCK_BYTES
+from kernels.gguf_format import GGUF_BLOCK_BYTES
 from kv_transfer.base import KVConnectorWorker
 from kv_transfer.factory import create_connector_worker
 from records.config import DEFAULT_KV_CACHE_BYTES, EngineConfig

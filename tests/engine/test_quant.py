@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.loading.weights import GGUFWeight, iterate_weights
-from kernels import cpu_ops, reference
+from kernels import cpu_ops, gguf_format, reference
 from records.cpu_flags import fast_block_kernels
 from records.frozen_config import FrozenConfig
 from records.model_source import embedded_model_path, resolve_model
@@ -32,10 +32,10 @@ def test_dequantize_matches_the_gguf_package(qtype):
     import gguf
 
     blocks = quantized(7, 96, qtype)
-    ours = reference.dequantize_gguf(blocks, qtype)
+    ours = gguf_format.dequantize_gguf(blocks, qtype)
     theirs = gguf.quants.dequantize(blocks.numpy(), getattr(gguf.GGMLQuantizationType, qtype))
     assert ours.shape == (7, 96) and np.array_equal(ours.numpy(), theirs)
-    assert torch.equal(reference.dequantize_gguf(blocks, qtype, torch.bfloat16), ours.to(torch.bfloat16))
+    assert torch.equal(gguf_format.dequantize_gguf(blocks, qtype, torch.bfloat16), ours.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -52,10 +52,10 @@ def test_quantize_matches_the_gguf_package(qtype):
     w[4, 64:96] = np.linspace(-1, 0.5, 32)
     w[4, 96:] = np.linspace(-0.5, 1, 32)
     theirs = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, qtype))
-    ours = reference.quantize_gguf(torch.from_numpy(w), qtype)
+    ours = gguf_format.quantize_gguf(torch.from_numpy(w), qtype)
     assert ours.dtype == torch.uint8 and np.array_equal(ours.numpy(), theirs)
-    assert torch.equal(reference.quantize_gguf(torch.from_numpy(w).to(torch.bfloat16), qtype),
-                       reference.quantize_gguf(torch.from_numpy(w).to(torch.bfloat16).float(), qtype))
+    assert torch.equal(gguf_format.quantize_gguf(torch.from_numpy(w).to(torch.bfloat16), qtype),
+                       gguf_format.quantize_gguf(torch.from_numpy(w).to(torch.bfloat16).float(), qtype))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -272,7 +272,7 @@ def test_compiled_dequantize_is_exact(qtype):
     qid = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}[qtype]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert torch.equal(torch.ops.pdserve_cpu.gguf_dequantize(blocks, qid, dtype),
-                           reference.dequantize_gguf(blocks, qtype, dtype))
+                           gguf_format.dequantize_gguf(blocks, qtype, dtype))
 
 
 def test_tensor_parallel_shards_of_gguf_weights():
@@ -292,11 +292,11 @@ def test_tensor_parallel_shards_of_gguf_weights():
             merged.weight_loader(merged.weight, gate, 0)
             merged.weight_loader(merged.weight, up, 1)
             want = torch.cat([gate.dequantize()[rank * 32:(rank + 1) * 32], up.dequantize()[rank * 32:(rank + 1) * 32]])
-            assert torch.equal(reference.dequantize_gguf(merged.weight.data, "Q4_1"), want)
+            assert torch.equal(gguf_format.dequantize_gguf(merged.weight.data, "Q4_1"), want)
             row = RowParallelLinear(128, 128)
             row.quantize_as("Q8_0")
             row.weight_loader(row.weight, down)
-            assert torch.equal(reference.dequantize_gguf(row.weight.data, "Q8_0"),
+            assert torch.equal(gguf_format.dequantize_gguf(row.weight.data, "Q8_0"),
                                down.dequantize()[:, rank * 64:(rank + 1) * 64])
         set_parallel_state(ParallelState(tp_rank=0, tp_size=8))     # 16 input features per rank
         row = RowParallelLinear(128, 128)

@@ -328,7 +328,7 @@ def test_gguf_blocks_take_updates_quantized_as_llama_cpp_does():
     a few short rows (the blocks' kernel). The embedding (tied to the LM head) included."""
     import gguf
 
-    from kernels.reference import dequantize_gguf, quantize_gguf
+    from kernels.gguf_format import dequantize_gguf, quantize_gguf
 
     blocks = LLM(dtype="float32", quantization="gguf+dense", max_model_len=512)
     dense = LLM(dtype="float32", quantization="none", max_model_len=512)

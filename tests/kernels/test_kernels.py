@@ -24,7 +24,7 @@ if not CUDA:
 from helpers import hf_greedy, save_random_model
 
 from engine import LLM, SamplingParams
-from kernels import cpu_ops, reference, triton_quant
+from kernels import cpu_ops, gguf_format, reference, triton_quant
 from kernels import triton_ops as tri
 from kernels.dispatch import get_kernels
 from kernels.triton_attention import decode_partitions
@@ -270,7 +270,7 @@ def test_q8_0_linear_matches_reference():
     packed = tri.pack_gguf(blocks, "Q8_0")
     assert packed.shape == blocks.shape and not torch.equal(packed, blocks)
     assert torch.equal(tri.unpack_gguf(packed, "Q8_0"), blocks)          # (a weight update's way back)
-    assert torch.equal(triton_quant.dequantize_q8_0(packed, torch.float32), reference.dequantize_gguf(blocks, "Q8_0"))
+    assert torch.equal(triton_quant.dequantize_q8_0(packed, torch.float32), gguf_format.dequantize_gguf(blocks, "Q8_0"))
     dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if CUDA else [])
     for rows in (1, 19, 70, triton_quant.DEQUANT_MIN_ROWS):
         for dtype in dtypes:

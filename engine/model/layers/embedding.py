@@ -12,7 +12,7 @@ from engine.model.layers.linear import _copy_checked
 from engine.model.parallel_state import get_parallel_state, tp_all_gather, tp_all_reduce
 from kernels.cpu_ops import gguf_dense_min_rows
 from kernels.dispatch import kernels_for
-from kernels.reference import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
+from kernels.gguf_format import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
 
 
 class VocabParallelEmbedding(nn.Module):

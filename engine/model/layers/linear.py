@@ -27,7 +27,7 @@ from engine.model.layers.lora import LoRAStack
 from engine.model.parallel_state import get_parallel_state, tp_all_reduce
 from kernels.cpu_ops import gguf_dense_min_rows
 from kernels.dispatch import FP8_MIN_CAPABILITY, cuda_capability, has_fp8, kernels_for
-from kernels.reference import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
+from kernels.gguf_format import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ from engine.model.layers.rmsnorm import RMSNorm
 from engine.model.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model.parallel_state import get_parallel_state, pp_layer_range
 from kernels.dispatch import kernels_for
-from kernels.reference import FP8_DTYPE, dequantize_gguf
+from kernels.gguf_format import dequantize_gguf
+from kernels.reference import FP8_DTYPE
 from records.model_source import attention_windows
 
 
