@@ -53,9 +53,9 @@ class LlavaVision(nn.Module):
         super().__init__()
         vision = mm["vision_config"]
         layers = mm.get("vision_feature_layer", -2)
-        self.feature_layers = [layers] if isinstance(layers, int) else list(layers)
         depth = vision["num_hidden_layers"]
-        indices = [i % (depth + 1) for i in self.feature_layers]       # hidden_states[-2]: layer depth - 1
+        # The hidden states read (index 0: the embeddings; -2: layer depth - 1), concatenated.
+        indices = [i % (depth + 1) for i in ([layers] if isinstance(layers, int) else layers)]
         self.strategy = mm.get("vision_feature_select_strategy", "default")
         if self.strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy must be 'default' or 'full'; got {self.strategy!r}")
@@ -121,7 +121,7 @@ class VisionLanguageModel:
     def __init__(self, config: Any, dtype: torch.dtype, max_positions: int) -> None:
         super().__init__(config, dtype, max_positions)      # type: ignore[call-arg]
         mm = config.vision_language
-        self.image_token_id = image_token_id(mm)
+        image_token_id(mm)                                  # (a config without one is refused at load)
         # Only the first stage embeds the prompt.
         self.vision = LlavaVision(mm, config.hidden_size, dtype) if self.is_first_stage else None
 
