@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,7 +205,8 @@ class RequestPreparer:
             text = apply_chat_template(self.tokenizer, conversation, tools, options.add_generation_prompt,
                                        options.continue_final_message, options.chat_template_kwargs, tokenize=False)
         except ValueError as e:
-            raise InvalidRequestError(str(e), param="messages") from None
+            part = re.match(r"messages\[\d+\](\.content\[\d+\])?", str(e))       # the part at fault, if named
+            raise InvalidRequestError(str(e), param=part.group(0) if part else "messages") from None
         assert self.image_processor is not None
         fields, sources = [f for f, _ in images], [url for _, url in images]
         try:

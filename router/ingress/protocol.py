@@ -315,8 +315,10 @@ def plain_messages(messages: list[ChatMessage], images: list[tuple[str, str]] | 
                     images.append((f"messages[{i}].content[{j}].image_url", url))
                     parts.append(placeholder)
                     continue
+                if kind == "image_url":
+                    raise ValueError(f"messages[{i}].content[{j}]: this model takes no images; send text parts")
                 if kind != "text":
-                    allowed = "'text' or 'image_url'" if images is not None else "'text' (this model takes no images)"
+                    allowed = "'text' or 'image_url'" if images is not None else "'text'"
                     raise ValueError(f"messages[{i}].content[{j}].type must be {allowed}; got {kind!r}")
                 parts.append(str(part.get("text", "")))
             content = "".join(parts)

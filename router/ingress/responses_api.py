@@ -36,7 +36,7 @@ def _renamed(err: InvalidRequestError) -> InvalidRequestError:
     message = re.sub(r"\b(messages|max_tokens|response_format)\b", lambda m: _CHAT_NAMES[m.group(1)], err.message)
     param = err.param
     for chat, ours in _CHAT_NAMES.items():
-        if param is not None and (param == chat or param.startswith(chat + ".")):
+        if param is not None and (param == chat or param.startswith((chat + ".", chat + "["))):
             param = ours + param[len(chat):]
     return InvalidRequestError(message, param=param)
 

@@ -505,8 +505,8 @@ def test_an_encode_pool_encodes_images_and_its_loss_costs_none(nodes, tiny_llava
     Image requests are encoded on the encode replica (its count, the prefill replica's count of
     embeddings it received instead of encoding, the router's decisions), their embeddings read from
     the object store where the prompt is prefilled, and answer as an engine of the whole model
-    does; a text-only request skips the encode pool. The encode node then dies under a burst of
-    image requests: every one completes with the same answers (their images encoded where they
+    does, through P/D transfers; a text-only request skips the encode pool. The encode node then
+    dies under a burst of image requests: every one completes with the same answers (their images encoded where they
     are prefilled), none hangs, and no replica keeps a request or a block."""
     import base64
     import io
@@ -529,7 +529,7 @@ def test_an_encode_pool_encodes_images_and_its_loss_costs_none(nodes, tiny_llava
                            disaggregation={"connector": "nixl", "min_remote_prefill_tokens": 32}, serving=SERVING,
                            placement_timeout_s=120, name=name)
     images = [Image.fromarray((np.random.default_rng(s).random((40 + s, 50, 3)) * 255).astype("uint8"))
-              for s in range(10)]
+              for s in range(7)]
     text = "Look closely at the picture and describe every colour you can see in it. " * 2
 
     def url(img) -> str:
@@ -565,12 +565,13 @@ def test_an_encode_pool_encodes_images_and_its_loss_costs_none(nodes, tiny_llava
         stats = [ray.get(h.encoder_stats.remote()) for pool in ("prefill", "decode") for h in pools[pool].values()]
         assert sum(s["received"] for s in stats) == 3 and sum(s["encodes"] for s in stats) == 0, stats
         assert _decisions(base, "encode") == {"encoded": 3}
+        assert _decisions(base, "pd").get("remote_prefill", 0) >= 1      # (images through a KV transfer too)
         client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=4,
                                        messages=[{"role": "user", "content": "Hi"}])
         assert _decisions(base, "encode") == {"encoded": 3}                  # text-only: not sent there
 
         # The encode node dies while a burst of image requests is under way.
-        with concurrent.futures.ThreadPoolExecutor(7) as burst:
+        with concurrent.futures.ThreadPoolExecutor(4) as burst:
             answers = [burst.submit(chat, img) for img in images[3:]]
             kill_node(nodes, role_nodes["encode"])
             assert [a.result(timeout=300) for a in answers] == want[3:]

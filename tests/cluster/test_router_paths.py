@@ -62,7 +62,8 @@ def test_tier_hits_score_between_a_pool_hit_and_a_miss_and_peers_lend_their_pref
         lease_prefix = Remote(lambda hs, adapter: _done({"do_remote_prefill": True, "remote_block_ids": [1] * len(hs)}))
 
     class Channel:
-        async def stream(self, rid, prompt, p, kv_params, continuation, trace_context=None, block_hashes=None):
+        async def stream(self, rid, prompt, p, kv_params, continuation, trace_context=None, block_hashes=None,
+                         images=()):
             sent["kv"] = kv_params
             yield StepDelta(rid, [ChoiceDelta(0, [7], "x")], True, len(ids))
 
@@ -223,7 +224,8 @@ def test_a_stream_whose_replica_is_lost_migrates_and_fails_clearly_past_the_limi
         def __init__(self, dies_after: int | None, error: BaseException) -> None:
             self.dies_after, self.error = dies_after, error
 
-        async def stream(self, rid, prompt, p, kv, continuation=None, trace_context=None, block_hashes=None):
+        async def stream(self, rid, prompt, p, kv, continuation=None, trace_context=None, block_hashes=None,
+                         images=()):
             resumed.append(continuation)
             done = len(continuation.token_ids) if continuation else 0
             for n, i in enumerate(range(done, 6)):
@@ -310,7 +312,7 @@ def test_a_request_is_validated_tokenized_compiled_and_hashed_once(mode, channel
     counted(text, "apply_chat_template", "tokenize")
     # A chain from the prompt's start (an engine's decode extends its own from where it stands).
     counted(hashing, "hash_block_tokens", "chains",
-            lambda tokens, block_size, extra=(), parent=None, start=0: parent is None and start == 0
+            lambda tokens, block_size, extra=(), parent=None, start=0, items=(): parent is None and start == 0
             and len(tokens) >= block_size)
     compile_constraint = LLMEngine.compile_constraint
 

@@ -355,8 +355,10 @@ def test_gguf_blocks_take_updates_quantized_as_llama_cpp_does():
     assert torch.equal(qmodel.layers[0].self_attn.qkv_proj.weight[q_rows:], k_before)
     assert qmodel.layers[2].mlp.down_proj.dense is not None
     prompts = [[1, 504, 3458, 282, 4055, 314, 253], list(range(100, 300))]
-    prompts += [[1, 30 + i, 700 + 3 * i] for i in range(6)]
-    outs = [[[o.outputs[0].token_ids for o in _run(llm, batch)] for batch in (prompts, prompts[-3:])]
+    prompts += [[1, 30 + i, 700 + 3 * i] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = [[[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch], params,
+                                                            use_tqdm=False)] for batch in (prompts, prompts[-3:])]
             for llm in (blocks, dense)]
     assert outs[0] == outs[1]
 

@@ -7,7 +7,8 @@ pools load side by side:
   gRPC tests' app too (it was an app of its own, one more manager, ingress and engine to start);
 - "/limited": three models behind one endpoint (`models:`): the tiny model on one replica (with the
   adapter "ad1"), a tiny Qwen2 ("qwen") disaggregated on two, and a tiny LLaVA ("llava", images in:
-  tests/serving/test_vision.py) disaggregated on two; each admits one request at a time (429 /
+  tests/serving/test_vision.py; images through a P/D transfer and an encode pool:
+  tests/cluster/test_node_loss.py) on one; each admits one request at a time (429 /
   RESOURCE_EXHAUSTED); a reasoning parser whose constraints apply to the thinking too (so that one
   can make the tiny model think), and vLLM's metric names;
 - "/pd": disaggregated, one prefill and one decode replica with KV pulled over NIXL; prompts with
@@ -63,7 +64,7 @@ def apps(tiny_llama, tiny_qwen2, tiny_llava, adapters, eventually_no_leaks, otlp
     from cluster.launch import grpc_start_options, init_ray, start_pools
     from cluster.manager import MANAGER_NAME
 
-    init_ray(num_cpus=10)
+    init_ray(num_cpus=9)
     port, grpc_port = free_port(), free_port()
     engine = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 16}
     # The apps answer at once and load their pools side by side (/health says when they serve).
@@ -87,9 +88,7 @@ def apps(tiny_llama, tiny_qwen2, tiny_llava, adapters, eventually_no_leaks, otlp
         {"name": "llava", "model": tiny_llava, "engine": {**engine, "max_model_len": 512,
                                                           "limit_mm_per_prompt": {"image": 2},
                                                           "allowed_media_domains": ["127.0.0.1"]},
-         "mode": "disaggregated",
-         "pools": {"prefill": {"replicas": 1, "num_cpus": 1}, "decode": {"replicas": 1, "num_cpus": 1}},
-         "disaggregation": {"connector": "nixl", "min_remote_prefill_tokens": 32}}],
+         "pools": {"decode": {"replicas": 1, "num_cpus": 1}}}],
         serving={**shared, "max_in_flight": 1, "reasoning_parser": "qwen3",
                  "structured_outputs_in_reasoning": True, "metrics_prefix": "vllm"},
         name=LIMITED)

@@ -235,8 +235,8 @@ def test_an_adapter_policy_is_updated_on_both_replicas(server, tiny_llama, adapt
     model does not serve is a 400 naming lora_name."""
     import socket
 
-    from helpers import make_adapter
-    from safetensors.torch import load_file
+    import torch
+    from safetensors.torch import load_file, save_file
 
     from cluster.rollout import RolloutClient
     from records.lora import ADAPTER_WEIGHTS, LoRARequest
@@ -250,8 +250,13 @@ def test_an_adapter_policy_is_updated_on_both_replicas(server, tiny_llama, adapt
                                         extra_body={"ignore_eos": True, "return_token_ids": True})
         return out.choices[0].token_ids
 
-    trained = make_adapter(tiny_llama, str(tmp_path / "trained"), 8, ["q_proj", "v_proj", "o_proj", "down_proj"],
-                           seed=5)
+    # The trainer's step: ad1's tensors perturbed, saved as a PEFT directory of their own.
+    first = load_file(os.path.join(adapters["ad1"], ADAPTER_WEIGHTS))
+    trained = str(tmp_path / "trained")
+    shutil.copytree(adapters["ad1"], trained)
+    g = torch.Generator().manual_seed(5)
+    save_file({n: (t + 0.5 * torch.randn(t.shape, generator=g, dtype=t.dtype)).contiguous() for n, t in first.items()},
+              os.path.join(trained, ADAPTER_WEIGHTS))
     offline = LLM(tiny_llama, dtype="float32", enable_lora=True, max_lora_rank=16)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
                             lora_request=LoRARequest("trained", 1, trained))
@@ -266,6 +271,5 @@ def test_an_adapter_policy_is_updated_on_both_replicas(server, tiny_llama, adapt
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    first = load_file(os.path.join(adapters["ad1"], ADAPTER_WEIGHTS))
     assert rollout.update_weights(first.items(), lora_name="ad1", master_port=port) != version
     assert answer() == before
