@@ -253,9 +253,10 @@ class RequestPreparer:
             # The model thinks freely; the constraint shapes what follows `</think>` (vLLM's rule).
             params.structured_outputs = dataclasses.replace(params.structured_outputs,
                                                             start_after=self.think_end_ids)
-        if self.image_processor is None:
+        if not is_vision_language(self.hf_config):
             ids, images = self.chat_prompt(req.messages, req, tools)
-        else:       # images decoded, fetched where allowed and processed: off the ingress's event loop
+        else:       # images decoded, fetched where allowed and processed (the processor loaded, the first
+            # time): off the ingress's event loop
             ids, images = await asyncio.to_thread(self.chat_prompt, req.messages, req, tools)
         if images and (req.truncate_prompt_tokens is not None or params.use_beam_search):
             raise InvalidRequestError("truncate_prompt_tokens and use_beam_search do not take images",
