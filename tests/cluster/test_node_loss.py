@@ -501,7 +501,8 @@ def test_models_share_the_nodes_and_the_last_waits_for_room(nodes, capfd):
 
 @pytest.mark.ray
 def test_an_encode_pool_encodes_images_and_its_loss_costs_none(nodes, tiny_llava, eventually_no_leaks):
-    """E/P/D: a tiny LLaVA's encode, prefill and decode pools each on an engine node of its own.
+    """E/P/D: a tiny LLaVA's encode pool on an engine node of its own, its prefill and decode pools on
+    another.
     Image requests are encoded on the encode replica (its count, the prefill replica's count of
     embeddings it received instead of encoding, the router's decisions), their embeddings read from
     the object store where the prompt is prefilled, and answer as an engine of the whole model
@@ -521,7 +522,8 @@ def test_an_encode_pool_encodes_images_and_its_loss_costs_none(nodes, tiny_llava
     from engine.llm import LLM
 
     roles = ("encode", "prefill", "decode")
-    role_nodes = {role: nodes.add_node(num_cpus=2, resources={role: 1}, node_ip_address="127.0.0.1") for role in roles}
+    encode_node = nodes.add_node(num_cpus=1, resources={"encode": 1}, node_ip_address="127.0.0.1")
+    nodes.add_node(num_cpus=2, resources={"prefill": 1, "decode": 1}, node_ip_address="127.0.0.1")
     nodes.wait_for_nodes()
     name = "pdserve-epd"
     config = ClusterConfig(model=tiny_llava, engine={"dtype": "float32", "max_model_len": 512}, mode="disaggregated",
@@ -573,7 +575,7 @@ def test_an_encode_pool_encodes_images_and_its_loss_costs_none(nodes, tiny_llava
         # The encode node dies while a burst of image requests is under way.
         with concurrent.futures.ThreadPoolExecutor(4) as burst:
             answers = [burst.submit(chat, img) for img in images[3:]]
-            kill_node(nodes, role_nodes["encode"])
+            kill_node(nodes, encode_node)
             assert [a.result(timeout=300) for a in answers] == want[3:]
         assert [chat(img) for img in images[:2]] == want[:2]             # kept where they were prefilled
         decisions = _decisions(base, "encode")

@@ -9,6 +9,7 @@ and the problem, the model serving after each; an image URL is fetched from an a
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -48,16 +49,21 @@ def messages(url: str) -> list[dict]:
                                          {"type": "text", "text": "\nWhat is it?"}]}]
 
 
+@functools.cache
+def _transformers(path: str) -> tuple:
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    return (AutoProcessor.from_pretrained(path),
+            LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval())
+
+
 def transformers_answer(path: str, img) -> list[int]:
     """The oracle: the model's chat template with the image's placeholder where its part was,
     the processor, and transformers' greedy generate."""
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(path)
+    processor, model = _transformers(path)
     text = processor.tokenizer.apply_chat_template([{"role": "user", "content": TEXT + "<image>\nWhat is it?"}],
                                                    add_generation_prompt=True, tokenize=False)
     enc = processor(text=text, images=[img], return_tensors="pt", add_special_tokens=False)
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         ids = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False)
     return ids[0, enc["input_ids"].shape[1]:].tolist()
