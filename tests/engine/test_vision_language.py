@@ -249,3 +249,25 @@ def test_a_weight_update_reaches_the_vision_tower_and_forgets_its_images(tiny_ll
     assert after != before and _encodes(llm) == 2
     assert after == list(_generate(LLM(str(tmp_path), dtype="float32"), [(PROMPT, [IMAGES[0]])])[0]
                          .outputs[0].token_ids)
+
+
+def test_the_serve_command_line_sets_the_encode_pool_and_the_images_limits(tiny_llava, tiny_llama):
+    """`pdserve serve --encode-replicas N` and vLLM's image flags become the spec; an encode pool for
+    a model that takes no images is refused naming the pool."""
+    import argparse
+
+    from cluster.config import ClusterConfig
+    from cluster.serve_args import add_serve_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    config = config_from_args(parser.parse_args([
+        tiny_llava, "--encode-replicas", "2", "--prefill-replicas", "1", "--allowed-media-domains", "a.com", "b.org",
+        "--limit-mm-per-prompt", '{"image": 3}']))
+    assert (sorted(config.pools), config.pools["encode"].replicas, config.mode) == (
+        ["decode", "encode", "prefill"], 2, "disaggregated")
+    assert (config.engine.allowed_media_domains, config.engine.limit_mm_per_prompt) == (["a.com", "b.org"],
+                                                                                        {"image": 3})
+    assert config.engine_config("encode").model_config.media.max_images == 3
+    with pytest.raises(ValueError, match="pools.encode: model .* takes no images"):
+        ClusterConfig(model=tiny_llama, pools={"decode": {}, "encode": {}}).engine_config("encode")
