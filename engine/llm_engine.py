@@ -85,7 +85,7 @@ class LLMEngine:
                     params: SamplingParams, arrival_time: float | None = None,
                     kv_transfer_params: dict[str, Any] | None = None,
                     continuation: Continuation | None = None, trace_context: dict[str, str] | None = None,
-                    block_hashes: list[bytes] | None = None, images: list[Any] | None = None) -> None:
+                    block_hashes: list[bytes] | None = None) -> None:
         """Validate and queue a request. Raises ValueError for bad input; nothing is queued then.
 
         `kv_transfer_params`: `{"do_remote_decode": True}` prefills here (max_tokens forced to 1)
@@ -96,15 +96,8 @@ class LLMEngine:
         (`traceparent`); when this process traces, the request's spans go under it (engine/telemetry.py),
         or start a trace of their own without one. `block_hashes`: the prompt came prepared by an
         ingress, which checked its ids against the model and hashed it (records/request.py:
-        NewRequest); only this engine's own limits are checked. `images`: a vision-language model's
-        images for the prompt's placeholders (PIL images, bytes or data URLs: engine/text/images.py),
-        in order; the prompt must then be text (the model's processor expands each placeholder)."""
-        inputs: tuple = ()
-        if images:
-            if prompt is None:
-                raise ValueError("multi_modal_data needs the prompt as text ('prompt'): the model's processor "
-                                 "puts each image's tokens where its placeholder is")
-            prompt_token_ids, inputs = self.image_processor().process(prompt, list(images))
+        NewRequest); only this engine's own limits are checked. (A prompt with images comes as a
+        NewRequest to `enqueue`: LLM.generate and AsyncLLMEngine.submit prepare them.)"""
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("prompt must be a string or prompt_token_ids a list of ints")
@@ -115,7 +108,7 @@ class LLMEngine:
         self.validate(prompt_token_ids, params, prepared=block_hashes is not None)
         self.enqueue(NewRequest(request_id, prompt, prompt_token_ids, params,
                                 arrival_time if arrival_time is not None else clock.monotonic(),
-                                kv_transfer_params, continuation, trace_context, block_hashes, inputs))
+                                kv_transfer_params, continuation, trace_context, block_hashes))
 
     def encode_images(self, images: list[Any]) -> list[Any]:
         """The embeddings [placeholder tokens, hidden] of each image (records/multimodal.py), on the

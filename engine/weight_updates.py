@@ -79,18 +79,10 @@ class WeightUpdates:
 
     def from_tensors(self, weights: list[tuple[str, torch.Tensor]], version: str | None = None,
                      lora: LoRARequest | None = None) -> str:
-        if lora is not None:
-            self.engine.check_adapter(lora)
-        self.held += self.engine.drain()
-        self.engine.executor.collective_rpc("update_weights", weights, lora)
-        return self._updated(version)
+        return self._update("update_weights", (weights,), version, lora)
 
     def from_disk(self, path: str, version: str | None = None, lora: LoRARequest | None = None) -> str:
-        if lora is not None:
-            self.engine.check_adapter(lora)
-        self.held += self.engine.drain()
-        self.engine.executor.collective_rpc("update_weights_from_disk", path, lora)
-        return self._updated(version)
+        return self._update("update_weights_from_disk", (path,), version, lora)
 
     def join_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    backend: str = "gloo") -> None:
@@ -103,9 +95,14 @@ class WeightUpdates:
         """Receive the trainer's broadcast of these tensors, in order (checked on every rank first:
         a trainer should `check` before it sends, since a refused update receives nothing)."""
         self.check(dict(zip(names, shapes, strict=True)), lora)
+        return self._update("update_weights_from_group", (names, dtypes, [list(s) for s in shapes]), version, lora)
+
+    def _update(self, method: str, args: tuple[Any, ...], version: str | None, lora: LoRARequest | None) -> str:
+        """Worker.`method`(*args, lora) on every rank, once the batches under way finished; the new version."""
+        if lora is not None:
+            self.engine.check_adapter(lora)
         self.held += self.engine.drain()
-        self.engine.executor.collective_rpc("update_weights_from_group", names, dtypes, [list(s) for s in shapes],
-                                            lora)
+        self.engine.executor.collective_rpc(method, *args, lora)
         return self._updated(version)
 
     def _updated(self, version: str | None) -> str:

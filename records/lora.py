@@ -86,19 +86,6 @@ class AdapterInfo:
     tensors: dict[str, tuple[int, str, str]]
     shapes: dict[str, tuple[int, int]]
 
-    def check_update(self, shapes: dict[str, Any]) -> None:
-        """ValueError naming the first tensor of an update (PEFT names) that this adapter does not
-        have with that shape (a weight update of the adapter: engine/worker/lora_slots.py)."""
-        if not shapes:
-            raise ValueError("update_weights: no tensors given")
-        for name, shape in shapes.items():
-            if name not in self.shapes:
-                raise ValueError(f"update_weights: {name!r} is not a tensor of this adapter (its names are "
-                                 f"PEFT's, e.g. {sorted(self.shapes)[0]})")
-            if tuple(shape) != self.shapes[name]:
-                raise ValueError(f"update_weights: {name!r} has shape {list(shape)}; this adapter's is "
-                                 f"{list(self.shapes[name])}")
-
 
 def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     """(input features, output features) of each adapter target in the base model (full, not per

@@ -96,20 +96,14 @@ class KVLoads:
             peer = request.remote_prefill is not None and request.remote_prefill.request_id.startswith(PEER_PREFIX)
             request.remote_prefill = None
             request.pull_end = clock.monotonic()
-            if reason is None and request.kv_stale:     # pulled KV of weights replaced meanwhile
-                request.kv_stale = False
-                self.kv.free(request)
-                request.num_computed_tokens = request.num_cached_tokens = 0
-                request.status = RequestStatus.WAITING
-                requeue.append(request)
-                continue
+            stale, request.kv_stale = request.kv_stale, False     # pulled KV of weights replaced meanwhile
             if reason is not None:
                 self.connector.num_load_failures += 1
                 request.pull_error = reason
-            if reason is None:
+            if reason is None and not stale:
                 request.num_computed_tokens += num_external
                 self.kv.cache_full_blocks(request, request.num_computed_tokens)
-            elif self.failure_policy == "recompute" or peer:
+            elif stale or self.failure_policy == "recompute" or peer:
                 self.kv.free(request)
                 request.num_computed_tokens = request.num_cached_tokens = 0
             else:

@@ -29,6 +29,7 @@ from torch import nn
 
 from engine.model.layers.linear import Linear
 from engine.model.layers.lora import LoRAContext, LoRAStack
+from engine.worker.weight_sync import check_shapes
 from records.lora import ADAPTER_WEIGHTS, LoRAConfig, LoRARequest, read_adapter
 from records.step import ScheduledRequest
 
@@ -68,12 +69,11 @@ class LoRASlots:
 
     def check_update(self, lora: LoRARequest, shapes: dict[str, Sequence[int]]) -> None:
         """ValueError naming a tensor (PEFT name) the adapter does not have with that shape."""
-        read_adapter(lora.lora_path, self.model.config, self.config.max_lora_rank).check_update(shapes)
+        info = read_adapter(lora.lora_path, self.model.config, self.config.max_lora_rank)
+        check_shapes(shapes, info.shapes, "this adapter", "PEFT's", "this adapter's is")
 
     def update(self, lora: LoRARequest, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace these tensors of the adapter (checked first) from the next step on."""
-        weights = list(weights)
-        self.check_update(lora, {name: tuple(t.shape) for name, t in weights})
+        """Replace these tensors of the adapter (`check_update` passed) from the next step on."""
         key = lora.cache_key
         self.updated.setdefault(key, {}).update((name, t.detach().to("cpu", copy=True)) for name, t in weights)
         self.host.pop(key, None)

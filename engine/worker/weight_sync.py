@@ -24,6 +24,21 @@ import torch.distributed as dist
 from engine.loading.weights import checkpoint_shapes, iterate_weights
 
 
+def check_shapes(shapes: dict[str, Sequence[int]], known: dict[str, tuple[int, ...]], whose: str, naming: str,
+                 has: str) -> None:
+    """ValueError naming the first of an update's tensors (name -> shape) that `known` (those of
+    `whose`, named as `naming` names them) does not have with that shape."""
+    if not shapes:
+        raise ValueError("update_weights: no tensors given")
+    for name, shape in shapes.items():
+        expected = known.get(name)
+        if expected is None:
+            raise ValueError(f"update_weights: {name!r} is not a tensor of {whose} (its names are {naming}, "
+                             f"e.g. {', '.join(sorted(known)[:3])})")
+        if tuple(shape) != tuple(expected):
+            raise ValueError(f"update_weights: {name!r} has shape {list(shape)}; {has} {list(expected)}")
+
+
 class WeightUpdateGroup:
     """One member of a weight-update group: `broadcast` sends (rank 0, the trainer) or receives."""
 
@@ -67,19 +82,9 @@ class WeightSync:
             yield name, tensor
 
     def check(self, model: torch.nn.Module, shapes: dict[str, Sequence[int]]) -> None:
-        """ValueError naming the first tensor the model's checkpoint does not have with this shape
-        (or why the model takes no update); nothing changes either way."""
-        if not shapes:
-            raise ValueError("update_weights: no tensors given")
-        for name, shape in shapes.items():
-            expected = self.shapes.get(name)
-            if expected is None:
-                known = ", ".join(sorted(self.shapes)[:3])
-                raise ValueError(f"update_weights: {name!r} is not a tensor of this model's checkpoint (its names "
-                                 f"are HF's, e.g. {known})")
-            if tuple(shape) != expected:
-                raise ValueError(f"update_weights: {name!r} has shape {list(shape)}; this model's checkpoint has "
-                                 f"{list(expected)}")
+        """ValueError naming the first tensor the model's checkpoint does not have with this shape;
+        nothing changes either way."""
+        check_shapes(shapes, self.shapes, "this model's checkpoint", "HF's", "this model's checkpoint has")
 
     def apply(self, model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the (checked) tensors into the model in place, then redo what loading does after

@@ -40,9 +40,9 @@ class EncodeStage:
         candidates = self.pool.available
         if not candidates:
             return self._outcome(images, None, "encode_unavailable", began, trace)
-        turn = next(self._turn)
-        replica = min(candidates, key=lambda r: (self.pool.loads[r].in_flight, (candidates.index(r) - turn)
-                                                 % len(candidates)))
+        # The least busy, ties taken in turn (round-robin from this request's turn).
+        turn, n = next(self._turn), len(candidates)
+        replica = candidates[min(range(n), key=lambda i: (self.pool.loads[candidates[i]].in_flight, (i - turn) % n))]
         load = self.pool.loads[replica]
         load.started(0)
         try:

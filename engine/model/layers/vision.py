@@ -117,19 +117,28 @@ class CLIPVisionTower(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
         """Tensors named below `vision_model.`; those of layers past the ones built and of the pooled
-        head are skipped. ValueError for a missing (unless `partial`) or misshapen tensor."""
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            param = params.get(name)
-            if param is None:
+        head are skipped."""
+        load_by_name(self, weights, "vision_tower", partial)
+
+
+def load_by_name(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], what: str, partial: bool,
+                 skip_unknown: bool = True) -> None:
+    """Copy checkpoint tensors into `module`'s parameters of the same names (below `what`);
+    ValueError for a misshapen one, an unknown one (unless `skip_unknown`), or a parameter left
+    unloaded (unless `partial`: a weight update)."""
+    params = dict(module.named_parameters())
+    loaded = set()
+    for name, tensor in weights:
+        param = params.get(name)
+        if param is None:
+            if skip_unknown:
                 continue
-            if param.shape != tensor.shape:
-                raise ValueError(f"vision tower tensor {name} has shape {list(tensor.shape)}, expected "
-                                 f"{list(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor.to(param.dtype))
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing and not partial:
-            raise ValueError(f"checkpoint lacks vision tower tensors: {missing[:5]}")
+            raise ValueError(f"{what}.{name}: not a tensor of this model's {what}")
+        if param.shape != tensor.shape:
+            raise ValueError(f"{what}.{name} has shape {list(tensor.shape)}, expected {list(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor.to(param.dtype))
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing and not partial:
+        raise ValueError(f"checkpoint lacks {what} tensors: {missing[:5]}")

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.model.layers.vision import CLIPVisionTower, activation
+from engine.model.layers.vision import CLIPVisionTower, activation, load_by_name
 from records.multimodal import image_token_id
 
 # A checkpoint's prefixes: the language model's (transformers 4.5x's and older ones'), the tower's
@@ -102,15 +102,7 @@ class LlavaVision(nn.Module):
                 with torch.no_grad():
                     self.image_newline.copy_(newline.to(self.image_newline.dtype))
         self.vision_tower.load_weights(tower, partial)
-        params = dict(self.multi_modal_projector.named_parameters())
-        for name, tensor in projector:
-            if name not in params or params[name].shape != tensor.shape:
-                raise ValueError(f"multi_modal_projector.{name}: not a projector tensor of this shape "
-                                 f"({list(tensor.shape)})")
-            with torch.no_grad():
-                params[name].copy_(tensor.to(params[name].dtype))
-        if not projector and not partial:
-            raise ValueError("checkpoint lacks the multi_modal_projector tensors")
+        load_by_name(self.multi_modal_projector, projector, "multi_modal_projector", partial, skip_unknown=False)
 
 
 class VisionLanguageModel:
