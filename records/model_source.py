@@ -23,8 +23,15 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 # Vision-language checkpoints (engine/model/models/llava.py): served as their language model with
 # the vision tower added; the text config's architecture by its model_type.
-VISION_LANGUAGE = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
-_TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+VISION_LANGUAGE = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                   "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+_TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                       "qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM"}
+# Each vision-language architecture's vision tower (vision_config.model_type).
+_VISION_TYPES = {"LlavaForConditionalGeneration": ("clip_vision_model",),
+                 "LlavaNextForConditionalGeneration": ("clip_vision_model",),
+                 "Qwen2VLForConditionalGeneration": ("qwen2_vl_vision", "qwen2_vl"),
+                 "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl_vision", "qwen2_5_vl")}
 # Mixtures of experts (engine/model/models/moe.py)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # GGUF configs carry only model_type.
@@ -167,9 +174,9 @@ def vision_language_text_config(hf_config: Any) -> Any:
         raise ValueError(f"{architecture_of(hf_config)}: text_config.model_type must be one of "
                          f"{sorted(_TEXT_ARCHITECTURES)}; got {model_type!r}")
     vision_type = getattr(hf_config.vision_config, "model_type", None)
-    if vision_type != "clip_vision_model":
-        raise ValueError(f"{architecture_of(hf_config)}: vision_config.model_type must be 'clip_vision_model' "
-                         f"(a CLIP tower); got {vision_type!r}")
+    if vision_type not in _VISION_TYPES[architecture_of(hf_config)]:
+        raise ValueError(f"{architecture_of(hf_config)}: vision_config.model_type must be "
+                         f"{_VISION_TYPES[architecture_of(hf_config)][0]!r}; got {vision_type!r}")
     text.architectures = [_TEXT_ARCHITECTURES[model_type]]
     text.vision_language = {**hf_config.to_dict(), "architecture": architecture_of(hf_config)}
     return text

@@ -22,12 +22,14 @@ class ImageInput:
     them. `embeddings`: what the model's vision tower and projector made of it elsewhere (an encode
     replica: a tensor [length, hidden], or a Ray object reference to one), so the replica that
     prefills it need not encode it; None: it encodes the pixels itself (as it does when they
-    cannot be read)."""
+    cannot be read). `grid`: (frames, rows, columns) of its tokens where the model places them in
+    two dimensions (Qwen2-VL's M-RoPE: `mrope_positions`), else None."""
     digest: bytes
     offset: int
     length: int
     pixels: dict[str, Any]
     embeddings: Any = None
+    grid: tuple[int, int, int] | None = None
 
     @property
     def key(self) -> tuple[int, int, bytes]:
@@ -45,6 +47,35 @@ def digest_of(pixels: dict[str, Any]) -> bytes:
         h.update(f"{name}:{tensor.dtype}:{list(tensor.shape)};".encode())
         h.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.digest()
+
+
+def mrope_positions(start: int, count: int, images: tuple[ImageInput, ...]) -> tuple[list[int], list[int], list[int]]:
+    """The multimodal rotary positions (temporal, height, width) of prompt positions [start, start +
+    count) (Qwen2-VL's M-RoPE: transformers' get_rope_index). A text token's three are one
+    position; an image's tokens sit on its grid from the position after the text before it, and
+    the text after it goes on from that position plus the grid's longer side: each image moves
+    the tokens after it by (longer side - its length). Positions past the prompt (generated
+    tokens) are text."""
+    rows: tuple[list[int], list[int], list[int]] = ([], [], [])
+    shift = 0                                   # how far the images before p have moved it
+    p, end = start, start + count
+    for image in sorted((i for i in images if i.grid is not None), key=lambda i: i.offset):
+        frames, height, width = image.grid
+        if p < image.offset:                    # text before this image
+            upto = min(end, image.offset)
+            for row in rows:
+                row.extend(range(p + shift, upto + shift))
+            p = upto
+        first = image.offset + shift            # where the image's grid starts
+        for k in range(max(p, image.offset) - image.offset, min(end, image.offset + image.length) - image.offset):
+            rows[0].append(first + k // (height * width))
+            rows[1].append(first + k // width % height)
+            rows[2].append(first + k % width)
+        p = max(p, min(end, image.offset + image.length))
+        shift += max(height, width) - image.length
+    for row in rows:
+        row.extend(range(p + shift, end + shift))
+    return rows
 
 
 def placeholder_runs(token_ids: list[int], token_id: int, lengths: list[int]) -> list[tuple[int, int]]:

@@ -313,6 +313,66 @@ def _make_llava(tmp_path_factory, smol_tokenizer, next_: bool) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_vl(tmp_path_factory, smol_tokenizer) -> str:
+    """A tiny Qwen2-VL (a two-block vision transformer in 8x8 patches, 2x2 merged: an image of
+    16x16 .. 96x96 pixels at about its own size, its token count following it; M-RoPE over a
+    Qwen2 language model), with its image processor and the tokenizer with the vision tokens."""
+    return _make_qwen_vl(tmp_path_factory, smol_tokenizer, v2_5=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl(tmp_path_factory, smol_tokenizer) -> str:
+    """The same as a Qwen2.5-VL: RMS-normed gated blocks, the first and last attending within
+    2x2-token windows of the image, the middle one over all of it."""
+    return _make_qwen_vl(tmp_path_factory, smol_tokenizer, v2_5=True)
+
+
+QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def _make_qwen_vl(tmp_path_factory, smol_tokenizer, v2_5: bool) -> str:
+    import copy
+
+    import torch
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = copy.deepcopy(smol_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VISION_TOKENS})
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in QWEN_VISION_TOKENS]
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    common = dict(text_config=text, vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2],
+                  video_token_id=ids[3], tie_word_embeddings=False)
+    torch.manual_seed(16 if v2_5 else 15)
+    if v2_5:
+        vision = dict(depth=3, hidden_size=32, intermediate_size=48, out_hidden_size=64, num_heads=4, patch_size=8,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=32, fullatt_block_indexes=[1])
+        model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(vision_config=vision, **common))
+    else:
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, patch_size=8,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(vision_config=vision, **common))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+    out = tmp_path_factory.mktemp("tiny-qwen2_5_vl" if v2_5 else "tiny-qwen2_vl")
+    model.eval().save_pretrained(out, safe_serialization=True)
+    Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=96 * 96, patch_size=8, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma3_mm(tmp_path_factory, smol_tokenizer) -> str:
     return _make_model(tmp_path_factory, smol_tokenizer, "gemma3_mm")
 

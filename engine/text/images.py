@@ -120,19 +120,21 @@ def _local_file(path: str, field: str, media: MediaAccess) -> bytes:
 
 
 class ImageProcessor:
-    """The model's HF processor (AutoProcessor of the checkpoint directory)."""
+    """The model's HF processor (AutoProcessor of the checkpoint directory); for Qwen2-VL's family,
+    where transformers' processor needs torchvision (for videos), its image processor and tokenizer
+    with the placeholders expanded as that processor does (`_GridProcessor`)."""
 
     def __init__(self, path: str, vision_language: dict[str, Any], media: MediaAccess) -> None:
-        from transformers import AutoProcessor  # noqa: PLC0415
-
-        try:
-            self.processor = AutoProcessor.from_pretrained(path)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"model {path!r}: its image processor does not load ({e}); a vision-language "
-                             f"checkpoint ships processor_config.json / preprocessor_config.json") from None
+        self.merge = vision_language.get("vision_config", {}).get("spatial_merge_size") if _grid_model(
+            vision_language) else None
+        self.processor = _load_processor(path, vision_language, self.merge)
         self.image_token_id = image_token_id(vision_language)
         self.media = media
-        self.placeholder = getattr(self.processor, "image_token", None) or "<image>"
+        # What marks an image in a prompt (one per image), and what the chat path puts in a message
+        # for an image part (Qwen2-VL's chat template wraps it in vision start and end tokens).
+        self.image_token = getattr(self.processor, "image_token", None) or "<image>"
+        self.placeholder = (f"<|vision_start|>{self.image_token}<|vision_end|>" if self.merge is not None
+                            else self.image_token)
 
     def process(self, prompt: str, images: list[Any], fields: list[str] | None = None,
                 add_special_tokens: bool = True) -> tuple[list[int], tuple[ImageInput, ...]]:
@@ -144,19 +146,28 @@ class ImageProcessor:
                              f"got {len(images)}")
         fields = fields or [f"multi_modal_data.image[{i}]" for i in range(len(images))]
         loaded = [load_image(image, field, self.media) for image, field in zip(images, fields, strict=True)]
-        count = prompt.count(self.placeholder)
+        count = prompt.count(self.image_token)
         if count != len(loaded):
             raise ValueError(f"the prompt has {count} image placeholder(s) ({self.placeholder!r}) for "
                              f"{len(loaded)} image(s): put one where each image goes")
         encoded = self.processor(text=prompt, images=loaded, return_tensors="pt",
                                  add_special_tokens=add_special_tokens)
         ids = encoded["input_ids"][0].tolist()
-        # Each image's own tensors (pixel_values, and LLaVA-NeXT's image_sizes): those with a row per image.
-        per_image = [{name: value[i:i + 1].clone() for name, value in encoded.items()
-                      if name not in ("input_ids", "attention_mask") and len(value) == len(loaded)}
-                     for i in range(len(loaded))]
-        runs = placeholder_runs(ids, self.image_token_id, self._tokens_per_image(loaded, ids))
-        return ids, tuple(ImageInput(digest_of(p), offset, length, p) for p, (offset, length) in zip(per_image, runs))
+        grids = encoded.get("image_grid_thw")
+        if grids is not None:         # Qwen2-VL's: the images' patches in one tensor, as many as each grid's
+            patches = encoded["pixel_values"].split(grids.prod(-1).tolist())
+            per_image = [{"pixel_values": patches[i], "image_grid_thw": grids[i:i + 1]} for i in range(len(loaded))]
+            merged = [(int(t), int(h) // self.merge, int(w) // self.merge) for t, h, w in grids.tolist()]
+            lengths = [t * h * w for t, h, w in merged]
+        else:       # each image's own tensors (pixel_values, LLaVA-NeXT's image_sizes): a row per image
+            per_image = [{name: value[i:i + 1].clone() for name, value in encoded.items()
+                          if name not in ("input_ids", "attention_mask") and len(value) == len(loaded)}
+                         for i in range(len(loaded))]
+            merged = [None] * len(loaded)
+            lengths = self._tokens_per_image(loaded, ids)
+        runs = placeholder_runs(ids, self.image_token_id, lengths)
+        return ids, tuple(ImageInput(digest_of(p), offset, length, p, grid=grid)
+                          for p, (offset, length), grid in zip(per_image, runs, merged))
 
     def _tokens_per_image(self, images: list[Any], ids: list[int]) -> list[int]:
         """Each image's number of placeholder tokens, as the processor expands them (it says, by
@@ -166,3 +177,49 @@ class ImageProcessor:
             return list(count(image_sizes=[(image.height, image.width) for image in images]).num_image_tokens)
         total = sum(1 for t in ids if t == self.image_token_id)
         return [total // len(images)] * len(images)
+
+
+def _grid_model(vision_language: dict[str, Any]) -> bool:
+    """Whether the model places an image's tokens on its grid (Qwen2-VL, Qwen2.5-VL)."""
+    return vision_language.get("architecture") in GRID_ARCHITECTURES
+
+
+GRID_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+
+
+def _load_processor(path: str, vision_language: dict[str, Any], merge: int | None) -> Any:
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer  # noqa: PLC0415
+
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except ImportError:
+        if merge is None:
+            raise
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model {path!r}: its image processor does not load ({e}); a vision-language "
+                         f"checkpoint ships processor_config.json / preprocessor_config.json") from None
+    try:
+        image_processor, tokenizer = AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model {path!r}: its image processor does not load ({e}); a vision-language "
+                         f"checkpoint ships preprocessor_config.json") from None
+    token = tokenizer.convert_ids_to_tokens(image_token_id(vision_language))
+    return _GridProcessor(image_processor, tokenizer, token, merge)
+
+
+class _GridProcessor:
+    """Qwen2-VL's processor for images: the image processor's patches and grids, and the text with
+    each image token repeated once per token of that image's merged grid (transformers'
+    Qwen2VLProcessor, whose video half needs torchvision)."""
+
+    def __init__(self, image_processor: Any, tokenizer: Any, image_token: str, merge: int) -> None:
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+        self.image_token, self.merge = image_token, merge
+
+    def __call__(self, text: str, images: list[Any], return_tensors: str, add_special_tokens: bool) -> dict[str, Any]:
+        out = dict(self.image_processor(images=images, return_tensors=return_tensors))
+        pieces = text.split(self.image_token)
+        counts = (out["image_grid_thw"].prod(-1) // self.merge ** 2).tolist()
+        text = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(counts, pieces[1:], strict=True))
+        out.update(self.tokenizer(text, return_tensors=return_tensors, add_special_tokens=add_special_tokens))
+        return out

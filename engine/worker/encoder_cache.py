@@ -86,7 +86,7 @@ class EncoderCache:
         try:
             if not isinstance(made, torch.Tensor):      # a Ray object reference (this is the step's thread)
                 made = made.future().result(timeout=RECEIVE_TIMEOUT_S)
-            weight = self.model.vision.multi_modal_projector.linear_1.weight
+            weight = next(self.model.vision.parameters())
             if made.shape != (image.length, self.model.config.hidden_size):
                 raise ValueError(f"shape {list(made.shape)}, not [{image.length}, {self.model.config.hidden_size}]")
             return made.to(weight.device, weight.dtype)

@@ -25,6 +25,7 @@ from engine.worker.cuda_graph import CudaGraphRunner
 from engine.worker.encoder_cache import EncoderCache
 from engine.worker.lora_slots import LoRASlots
 from kernels.dispatch import get_kernels
+from records.multimodal import mrope_positions
 from records.step import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 
 # A pipeline micro-batch has at least this many tokens. Smaller ones do not pay: a stage reads all
@@ -167,7 +168,7 @@ class ModelRunner:
             intermediate = pp_recv((2, input_ids.shape[0], cfg.hidden_size), self.model_dtype, self.device)
         hidden = None
         embeds = self.encoder.inputs_embeds(batch, input_ids) if self.encoder is not None else None
-        if embeds is not None:
+        if embeds is not None or positions.dim() > 1:      # an image's rows (M-RoPE's positions: [3, T])
             hidden = self.model(input_ids, positions, self.kv_caches, meta, intermediate, embeds)
         elif self.graph_runner is not None:
             hidden = self.graph_runner.run(input_ids, positions, meta)
@@ -328,8 +329,23 @@ class ModelRunner:
         if num_groups > 1:
             meta.groups = metas
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        if getattr(self.model, "mrope", None) is not None:
+            positions = self._mrope_positions(batch)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos_t, meta, sample_rows, spec_rows, lp_rows, pool_rows
+
+    @staticmethod
+    def _mrope_positions(batch: list[ScheduledRequest]) -> list[int] | tuple[list[int], list[int], list[int]]:
+        """The rotary positions of an M-RoPE model's step (records/multimodal.py: mrope_positions):
+        [3][T] when an image's tokens are in it, else [T] (a text token's three are one)."""
+        rows: tuple[list[int], list[int], list[int]] = ([], [], [])
+        for req in batch:
+            n = len(req.token_ids)
+            parts = (mrope_positions(req.start, n, req.images) if req.images
+                     else (range(req.start, req.start + n),) * 3)
+            for row, part in zip(rows, parts, strict=True):
+                row.extend(part)
+        return rows[0] if rows[0] == rows[1] == rows[2] else rows
 
     def _sampling_row(self, req: ScheduledRequest) -> SamplingRow:
         generator = self.generator

@@ -23,8 +23,8 @@ import engine.worker.step_channel as step_channel
 from engine.loading.quant_checkpoint import model_weights
 from engine.model.layers.attention import Attention
 from engine.model.layers.moe import FusedMoE
-from engine.model.models.llava import with_vision
 from engine.model.models.registry import get_model_class
+from engine.model.models.vision_language import with_vision
 from engine.model.parallel_state import get_parallel_state, init_parallel_state, pp_layer_range
 from engine.sample.structured_output import Constraints
 from engine.worker.encoder_cache import EncoderCache

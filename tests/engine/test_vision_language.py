@@ -1,8 +1,10 @@
-"""Vision-language models (engine/model/models/llava.py, engine/worker/encoder_cache.py): a tiny
-LLaVA 1.5 and a tiny LLaVA-NeXT (its token count per image following the image's size) with their
-real processors, greedy and token-identical to transformers on images of several sizes and
-shapes, one or two per prompt; the same with chunked prefill cutting through an image's
-placeholders; prefix caching keyed by the image (the same text with another image gets another
+"""Vision-language models (engine/model/models/vision_language.py, engine/worker/encoder_cache.py):
+a tiny LLaVA 1.5, a tiny LLaVA-NeXT (its token count per image following the image's size), a tiny
+Qwen2-VL and a tiny Qwen2.5-VL (an image at about its own size; M-RoPE) with their real
+processors, greedy and token-identical to transformers on images of several sizes and shapes, one
+or two per prompt; the same with chunked prefill cutting through an image's placeholders, and
+across a P/D transfer (the decode engine pulls the prompt's KV and places its positions by the
+images, as M-RoPE moves them); prefix caching keyed by the image (the same text with another image gets another
 answer and no hit past the text before the image; the same image again is a hit and is not encoded
 again); bad image inputs refused by name with nothing queued."""
 from __future__ import annotations
@@ -30,10 +32,37 @@ def image(height: int, width: int, seed: int):
 IMAGES = [image(40, 50, 0), image(64, 32, 1), image(31, 97, 2), image(32, 32, 3)]
 
 
-def hf_answers(path: str, requests: list[tuple[str, list]], max_new_tokens: int = 10) -> list[list[int]]:
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+# Qwen2-VL's image placeholder (its chat template writes it for an image part).
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl"]
 
-    processor = AutoProcessor.from_pretrained(path)
+
+def in_model_form(path: str, requests: list[tuple[str, list]]) -> list[tuple[str, list]]:
+    """The requests with the model's own image placeholder."""
+    return [(p.replace("<image>", QWEN_IMAGE), imgs) for p, imgs in requests] if "qwen" in path else requests
+
+
+def hf_processor(path: str):
+    """transformers' processor of the checkpoint; Qwen2-VL's built without its video processor
+    (which needs torchvision, not installed): its images are processed as they would be."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    if "qwen" not in path:
+        return AutoProcessor.from_pretrained(path)
+    check = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: arg is None or check(self, name, arg)
+    try:
+        return Qwen2VLProcessor(image_processor=AutoImageProcessor.from_pretrained(path),
+                                tokenizer=AutoTokenizer.from_pretrained(path), video_processor=None)
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+
+
+def hf_answers(path: str, requests: list[tuple[str, list]], max_new_tokens: int = 10) -> list[list[int]]:
+    from transformers import AutoModelForImageTextToText
+
+    processor = hf_processor(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     out = []
     for prompt, images in requests:
@@ -50,15 +79,12 @@ def requests() -> list[tuple[str, list]]:
     return [(PROMPT, [img]) for img in IMAGES] + [("USER: <image> and <image>\nSame? ASSISTANT:", IMAGES[1:3])]
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_llava, requests) -> list[list[int]]:
-    return hf_answers(tiny_llava, requests)
-
-
-@pytest.fixture(scope="module", params=["llava", "llava_next"])
-def model_and_expected(request, requests) -> tuple[str, list[list[int]]]:
+@pytest.fixture(scope="module", params=FAMILIES)
+def model_and_expected(request, requests) -> tuple[str, list[tuple[str, list]], list[list[int]]]:
+    """A family's tiny model, the requests in its form, and transformers' answers."""
     path = request.getfixturevalue(f"tiny_{request.param}")
-    return path, hf_answers(path, requests)
+    requests = in_model_form(path, requests)
+    return path, requests, hf_answers(path, requests)
 
 
 def _generate(llm: LLM, requests: list[tuple[str, list]]):
@@ -71,27 +97,96 @@ def _encodes(llm: LLM) -> int:
 
 
 @pytest.mark.parametrize("chunk", [None, 16])
-def test_greedy_equals_transformers(model_and_expected, requests, chunk):
+def test_greedy_equals_transformers(model_and_expected, chunk):
     """By default (each prompt in one step) and with 16-token chunks, which cut through every
     image's placeholders (they start mid-block): each image is encoded once all the same. LLaVA's
-    images take 16 tokens each; LLaVA-NeXT's as many as their size makes."""
-    path, expected = model_and_expected
+    images take 16 tokens each; LLaVA-NeXT's and Qwen2-VL's as many as their size makes."""
+    path, requests, expected = model_and_expected
     llm = LLM(path, dtype="float32", **({"max_num_batched_tokens": chunk} if chunk else {}))
     outs = _generate(llm, requests)
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
     assert _encodes(llm) == len(IMAGES)
     counts = [o.prompt_token_ids.count(llm.llm_engine.image_processor().image_token_id) for o in outs[:len(IMAGES)]]
-    assert counts == [16] * 4 if "next" not in path else len(set(counts)) > 1 and min(counts) > 16, counts
+    fixed = "llava" in path and "next" not in path          # LLaVA 1.5: one tile whatever the size
+    assert counts == [16] * 4 if fixed else len(set(counts)) > 1, counts
     llm.llm_engine.check_no_leaks()
 
 
-def test_prefix_cache_is_keyed_by_the_image(tiny_llava, expected):
+def test_a_pd_transfer_answers_as_transformers(model_and_expected):
+    """A prefill engine runs each prompt with its images and leases its KV; a decode engine given
+    the same images pulls it (it computes the last prompt token only: no image of its own to
+    encode) and answers as transformers does."""
+    import dataclasses
+
+    from engine.llm_engine import LLMEngine
+    from records.clock import monotonic
+    from records.config import EngineConfig
+    from records.request import NewRequest
+
+    path, requests, expected = model_and_expected
+    p, d = (LLMEngine(EngineConfig.create(path, dtype="float32", kv_connector="torch_dist", kv_load_timeout_s=120))
+            for _ in range(2))
+    processor = p.image_processor()
+    for i, ((prompt, imgs), want) in enumerate(zip(requests, expected)):
+        ids, images = processor.process(prompt, imgs)
+        p.enqueue(NewRequest(f"r{i}", prompt, ids, dataclasses.replace(GREEDY, max_tokens=1), monotonic(),
+                             {"do_remote_decode": True}, images=images))
+        params = _finish(p, f"r{i}").kv_transfer_params
+        assert params is not None
+        d.enqueue(NewRequest(f"r{i}", prompt, ids, GREEDY, monotonic(), params, images=images))
+        assert list(_finish(d, f"r{i}", p).outputs[0].token_ids) == want, i
+    while p.has_unfinished_requests() or d.has_unfinished_requests():     # the leases released
+        p.step()
+        d.step()
+    assert d.stats().kv_transfer.load_failures == 0
+    assert d.executor.worker.runner.encoder.encodes == 0
+    p.check_no_leaks()
+    d.check_no_leaks()
+
+
+def _finish(engine, request_id: str, *others):
+    """Step `engine` (and `others`: the prefill engine serves the pull) until the request finishes."""
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return out
+        for other in others:
+            other.step()
+
+
+def test_mrope_positions_are_transformers(tiny_qwen2_vl):
+    """records/multimodal.py's M-RoPE positions of a prompt with two images, asked for in chunks
+    that start and end inside the images, and past the prompt: transformers' get_rope_index's, and
+    its delta for the generated tokens."""
+    from transformers import Qwen2VLModel
+
+    from records.multimodal import mrope_positions
+
+    prompt, imgs = in_model_form(tiny_qwen2_vl, [("USER: <image> and <image>\nSame? ASSISTANT:", IMAGES[1:3])])[0]
+    enc = hf_processor(tiny_qwen2_vl)(text=prompt, images=imgs, return_tensors="pt")
+    want, delta = Qwen2VLModel.from_pretrained(tiny_qwen2_vl).get_rope_index(
+        enc["input_ids"], enc["mm_token_type_ids"], enc["image_grid_thw"])
+    ids, images = LLM(tiny_qwen2_vl, dtype="float32").llm_engine.image_processor().process(prompt, imgs)
+    assert ids == enc["input_ids"][0].tolist() and all(image.grid is not None for image in images)
+    n = len(ids)
+    got = [[], [], []]
+    for start in range(0, n + 3, 5):
+        for row, part in zip(got, mrope_positions(start, 5, images)):
+            row.extend(part)
+    assert [row[:n] for row in got] == want[:, 0].tolist()
+    assert [row[n:n + 3] for row in got] == [[n + int(delta) + i for i in range(3)]] * 3
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_prefix_cache_is_keyed_by_the_image(family, request):
     """The same prompt with another image: another answer, a hit on the text before the image only;
-    the same image again: a hit through the image, and no second encoding."""
-    llm = LLM(tiny_llava, dtype="float32")
-    first = _generate(llm, [(PROMPT, [IMAGES[0]])])[0]
-    other = _generate(llm, [(PROMPT, [IMAGES[1]])])[0]
-    again = _generate(llm, [(PROMPT, [IMAGES[0]])])[0]
+    the same image again: a hit through the image (and, with M-RoPE, the text after it placed as
+    the image moved it), and no second encoding."""
+    path = request.getfixturevalue(f"tiny_{family}")
+    requests = in_model_form(path, [(PROMPT, [IMAGES[0]]), (PROMPT, [IMAGES[1]])])
+    expected = hf_answers(path, requests)
+    llm = LLM(path, dtype="float32")
+    first, other, again = (_generate(llm, [requests[i]])[0] for i in (0, 1, 0))
     offset = first.prompt_token_ids.index(llm.llm_engine.image_processor().image_token_id)
     assert [list(o.outputs[0].token_ids) for o in (first, other, again)] == [expected[0], expected[1], expected[0]]
     assert other.num_cached_tokens == offset // 16 * 16 > 0

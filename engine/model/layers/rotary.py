@@ -27,6 +27,8 @@ def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, 
     params = {**scaling, **params}
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type == "mrope":            # Qwen2-VL's older configs: M-RoPE's frequencies are the default ones
+        rope_type = "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_scaling type must be one of {SUPPORTED_ROPE_TYPES}; got {rope_type!r}")
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
-               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
 
 def activation(name: str, field: str) -> Any:

@@ -7,28 +7,19 @@ one: the tiles' features are stitched back into the image's grid, its padding cu
 ended by a learned `image_newline`, after the whole image's features; the number of tokens follows
 the image's size.
 
-`with_vision(text_class)` is the language model's class with the tower and projector on its first
-pipeline stage (`encode_image`); the model runner puts an image's rows into the prompt's embeddings
-(engine/worker/encoder_cache.py) and the language model runs as it does for text. The multimodal
-config rides on the text config as `vision_language` (records/model_source.py), so everything the
-engine reads of the language model (layers, heads, vocabulary) is the text config's.
+engine/model/models/vision_language.py puts `LlavaVision` beside the language model.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from functools import cache
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from engine.model.layers.vision import CLIPVisionTower, activation, load_by_name
-from records.multimodal import image_token_id
 
-# A checkpoint's prefixes: the language model's (transformers 4.5x's and older ones'), the tower's
-# and the projector's.
-_TEXT = (("model.language_model.", "model."), ("language_model.model.", "model."),
-         ("language_model.lm_head.", "lm_head."))
+# A checkpoint's prefixes (transformers 4.5x's and older ones'): the tower's and the projector's.
 _TOWER = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.", "vision_tower.")
 _PROJECTOR = ("model.multi_modal_projector.", "multi_modal_projector.")
 _NEWLINE = ("model.image_newline", "image_newline")
@@ -93,63 +84,33 @@ class LlavaVision(nn.Module):
             features = features[:, 1:]                  # without the class token
         return self.multi_modal_projector(features)
 
-    def load_weights(self, tower: list[tuple[str, torch.Tensor]], projector: list[tuple[str, torch.Tensor]],
-                     newline: torch.Tensor | None, partial: bool) -> None:
+    @staticmethod
+    def own(name: str) -> str | None:
+        """A checkpoint tensor's name as this module's (`vision_tower.`, `multi_modal_projector.`,
+        `image_newline`), or None when it is not the vision side's."""
+        if name in _NEWLINE:
+            return "image_newline"
+        for prefixes, local in ((_TOWER, "vision_tower."), (_PROJECTOR, "multi_modal_projector.")):
+            prefix = next((p for p in prefixes if name.startswith(p)), None)
+            if prefix is not None:
+                return local + name.removeprefix(prefix)
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool) -> None:
+        """Tensors named as `own` names them."""
+        weights = list(weights)
+        newline = [t for n, t in weights if n == "image_newline"]
         if self.image_newline is not None:
-            if newline is None and not partial:
+            if not newline and not partial:
                 raise ValueError("checkpoint lacks image_newline (a LLaVA-NeXT model's)")
-            if newline is not None:
+            if newline:
                 with torch.no_grad():
-                    self.image_newline.copy_(newline.to(self.image_newline.dtype))
-        self.vision_tower.load_weights(tower, partial)
-        load_by_name(self.multi_modal_projector, projector, "multi_modal_projector", partial, skip_unknown=False)
-
-
-class VisionLanguageModel:
-    """Mixed in before a language model class (`with_vision`)."""
-
-    loaded_apart = ("vision.",)
-
-    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int) -> None:
-        super().__init__(config, dtype, max_positions)      # type: ignore[call-arg]
-        mm = config.vision_language
-        image_token_id(mm)                                  # (a config without one is refused at load)
-        # Only the first stage embeds the prompt.
-        self.vision = LlavaVision(mm, config.hidden_size, dtype) if self.is_first_stage else None
-
-    def encode_image(self, pixels: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The embeddings [placeholder tokens, hidden] of one image (its processor's tensors)."""
-        assert self.vision is not None
-        return self.vision(pixels)
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]], dense_copies: bool = False,
-                     partial: bool = False) -> None:
-        tower: list[tuple[str, torch.Tensor]] = []
-        projector: list[tuple[str, torch.Tensor]] = []
-        newline: list[torch.Tensor] = []
-
-        def text() -> Iterator[tuple[str, Any]]:
-            for name, tensor in weights:
-                if name in _NEWLINE:
-                    newline.append(tensor)
-                    continue
-                vision = next((p for p in _TOWER if name.startswith(p)), None)
-                if vision is not None:
-                    tower.append((name.removeprefix(vision), tensor))
-                    continue
-                proj = next((p for p in _PROJECTOR if name.startswith(p)), None)
-                if proj is not None:
-                    projector.append((name.removeprefix(proj), tensor))
-                    continue
-                for old, new in _TEXT:
-                    if name.startswith(old):
-                        name = new + name.removeprefix(old)
-                        break
-                yield name, tensor
-
-        super().load_weights(text(), dense_copies, partial)      # type: ignore[misc]
-        if self.vision is not None:
-            self.vision.load_weights(tower, projector, newline[0] if newline else None, partial)
+                    self.image_newline.copy_(newline[0].to(self.image_newline.dtype))
+        self.vision_tower.load_weights([(n.removeprefix("vision_tower."), t) for n, t in weights
+                                        if n.startswith("vision_tower.")], partial)
+        load_by_name(self.multi_modal_projector, [(n.removeprefix("multi_modal_projector."), t) for n, t in weights
+                                                  if n.startswith("multi_modal_projector.")],
+                     "multi_modal_projector", partial, skip_unknown=False)
 
 
 def best_resolution(size: tuple[int, int], pinpoints: list[list[int]]) -> tuple[int, int]:
@@ -179,9 +140,3 @@ def unpad(grid: torch.Tensor, height: int, width: int) -> torch.Tensor:
     kept = int(round(width * (rows / height), 7))
     pad = (cols - kept) // 2
     return grid[:, :, pad:cols - pad]
-
-
-@cache
-def with_vision(text_class: type[nn.Module]) -> type[nn.Module]:
-    """`text_class` (a language model's class) with LLaVA's vision tower and projector."""
-    return type(f"Llava{text_class.__name__}", (VisionLanguageModel, text_class), {})
