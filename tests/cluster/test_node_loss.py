@@ -500,9 +500,10 @@ def test_models_share_the_nodes_and_the_last_waits_for_room(nodes, capfd):
 
 
 @pytest.mark.ray
-def test_an_encode_pool_encodes_images_and_its_loss_costs_none(nodes, tiny_llava, eventually_no_leaks):
-    """E/P/D: a tiny LLaVA's encode pool on an engine node of its own, its prefill and decode pools on
-    another.
+def test_an_encode_pool_encodes_images_and_its_loss_costs_none(nodes, tiny_qwen2_vl, eventually_no_leaks):
+    """E/P/D: a tiny Qwen2-VL's encode pool on an engine node of its own, its prefill and decode pools
+    on another (its images of several sizes: as many tokens each as its size makes; the decode
+    replica places its positions by them, M-RoPE). (LLaVA's served path: tests/serving/test_vision.py.)
     Image requests are encoded on the encode replica (its count, the prefill replica's count of
     embeddings it received instead of encoding, the router's decisions), their embeddings read from
     the object store where the prompt is prefilled, and answer as an engine of the whole model
@@ -526,7 +527,7 @@ def test_an_encode_pool_encodes_images_and_its_loss_costs_none(nodes, tiny_llava
     nodes.add_node(num_cpus=2, resources={"prefill": 1, "decode": 1}, node_ip_address="127.0.0.1")
     nodes.wait_for_nodes()
     name = "pdserve-epd"
-    config = ClusterConfig(model=tiny_llava, engine={"dtype": "float32", "max_model_len": 512}, mode="disaggregated",
+    config = ClusterConfig(model=tiny_qwen2_vl, engine={"dtype": "float32", "max_model_len": 512}, mode="disaggregated",
                            pools={role: {"replicas": 1, "num_cpus": 1, "resources": {role: 1}} for role in roles},
                            disaggregation={"connector": "nixl", "min_remote_prefill_tokens": 32}, serving=SERVING,
                            placement_timeout_s=120, name=name)
@@ -539,8 +540,9 @@ def test_an_encode_pool_encodes_images_and_its_loss_costs_none(nodes, tiny_llava
         img.save(out, format="PNG")
         return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
-    with LLM(tiny_llava, dtype="float32", max_model_len=512) as llm:       # the oracle: the whole model here
-        prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": text + "<image>"}],
+    with LLM(tiny_qwen2_vl, dtype="float32", max_model_len=512) as llm:    # the oracle: the whole model here
+        placeholder = llm.llm_engine.image_processor().placeholder
+        prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": text + placeholder}],
                                                          add_generation_prompt=True, tokenize=False)
         want = [list(o.outputs[0].token_ids) for o in llm.generate(
             [{"prompt": prompt, "multi_modal_data": {"image": img}} for img in images],
