@@ -122,6 +122,7 @@ class SchedulerConfig:
     policy: str = EngineArgs.scheduling_policy             # "fcfs" | "priority"
     batching: str = EngineArgs.batching      # "continuous" | "static" (a batch barrier: the baseline)
     max_loras: int | None = None             # distinct adapters among running requests (None: no LoRA)
+    max_num_encoder_input_tokens: int = 2048  # image tokens encoded per step (resolved by from_args)
 
 
 @dataclass(frozen=True)
@@ -417,7 +418,8 @@ class EngineConfig:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                 preemption_mode=args.preemption_mode, policy=args.scheduling_policy, batching=args.batching,
-                max_loras=args.max_loras if args.enable_lora else None),
+                max_loras=args.max_loras if args.enable_lora else None,
+                max_num_encoder_input_tokens=args.max_num_encoder_input_tokens or max_num_batched_tokens),
             parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size,
                                            args.worker_num_cpus, args.worker_num_gpus,
                                            args.distributed_executor_backend,

@@ -98,6 +98,9 @@ class EngineArgs:
     cuda_graph_sizes: list[int] = field(default_factory=lambda: [1, 2, 4] + list(range(8, 257, 8)))
     # vLLM's: the most images one prompt may carry (a vision-language model; records/multimodal.py)
     limit_mm_per_prompt: dict[str, int] | None = None
+    # vLLM's: image tokens encoded in one step at most (engine/core/encoder_budget.py; None:
+    # max_num_batched_tokens)
+    max_num_encoder_input_tokens: int | None = None
     # vLLM's: hosts image URLs may be fetched from, and a directory file:// images may be read
     # under (none by default: images come in the request)
     allowed_media_domains: list[str] | None = None
@@ -163,8 +166,9 @@ class EngineArgs:
         sizes = self.cuda_graph_sizes
         if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
             raise ValueError(f"cuda_graph_sizes must be positive integers; got {sizes!r}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
+        for name in ("max_num_batched_tokens", "max_num_encoder_input_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.kv_connector is not None:
             if concurrent is not None and concurrent > 1:
                 # A lease must be live on every rank before its parameters leave, and a pull's

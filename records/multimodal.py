@@ -108,6 +108,9 @@ def placeholder_runs(token_ids: list[int], token_id: int, lengths: list[int]) ->
 
 
 DEFAULT_MAX_IMAGES = 16
+# Rows of image embeddings a rank keeps (engine/worker/encoder_cache.py; the scheduler's mirror of
+# it: engine/core/encoder_budget.py).
+ENCODER_CACHE_TOKENS = 16384
 
 
 @dataclass(frozen=True)

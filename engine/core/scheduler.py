@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import records.clock as clock
+from engine.core.encoder_budget import EncoderBudget
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_loads import KVLoads
 from engine.core.pooling import add_rows
@@ -62,6 +63,7 @@ class Scheduler:
         self.in_flight: set[str] = set()
         self.kv = kv_cache_manager
         self.loads = KVLoads(connector, kv_cache_manager, load_failure_policy) if connector is not None else None
+        self.encoder = EncoderBudget(config.max_num_encoder_input_tokens)
         self.admitting = True           # False: waiting requests stay waiting (a pause, engine/weight_updates.py)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -143,6 +145,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their blocks (may preempt)."""
         step = _Step(self.config.max_num_batched_tokens)
+        self.encoder.new_step()
         self._schedule_running(step)
         if self.admitting:
             self._schedule_waiting(step)
@@ -173,8 +176,9 @@ class Scheduler:
                 i += 1
                 continue
             proposed, request.spec_token_ids = request.spec_token_ids, []    # consumed (or dropped)
-            n = min(request.num_tokens_to_compute + len(proposed), step.budget,
-                    self.config.max_model_len - request.num_computed_tokens)
+            n = self.encoder.fit(request, request.num_computed_tokens, min(
+                request.num_tokens_to_compute + len(proposed), step.budget,
+                self.config.max_model_len - request.num_computed_tokens))
             if n <= 0 or (not chunked and n < request.num_tokens_to_compute):
                 i += 1
                 continue
@@ -190,6 +194,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue          # it preempted itself; the list shrank under i
             step.num_new[request.request_id] = n
+            self.encoder.charge(request, request.num_computed_tokens, n)
             if num_drafts:
                 step.drafts[request.request_id] = proposed[:num_drafts]
             step.budget -= n
@@ -257,8 +262,9 @@ class Scheduler:
             tier_hashes, tier_found = self.kv.tier_hits(request, num_hit // self.kv.block_size, self.kv.num_free_blocks)
         for tier in ((tier_hashes, tier_found), ([], [])) if tier_found else (([], []),):
             num_tier = len(tier[1]) // self.kv.num_groups * self.kv.block_size
-            n = min(request.num_tokens_to_compute - num_hit - num_tier, step.budget)
-            fits = chunked or n == request.num_tokens_to_compute - num_hit - num_tier
+            start = request.num_computed_tokens + num_hit + num_tier
+            n = self.encoder.fit(request, start, min(request.num_tokens_to_compute - num_hit - num_tier, step.budget))
+            fits = n > 0 and (chunked or n == request.num_tokens_to_compute - num_hit - num_tier)
             # Blocks loaded from the tier are cached once their step is back (the load may fail).
             if fits and self.kv.allocate_slots(request, num_tier + n, hits, cache=not tier[1]) is not None:
                 tier_hashes, tier_found = tier
@@ -279,6 +285,7 @@ class Scheduler:
         request.num_computed_tokens += num_hit
         self._admit(request)
         step.num_new[request.request_id] = n
+        self.encoder.charge(request, request.num_computed_tokens, n)
         step.budget -= n
         return True
 

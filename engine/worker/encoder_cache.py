@@ -17,16 +17,16 @@ from typing import Any
 
 import torch
 
+from records.multimodal import ENCODER_CACHE_TOKENS
 from records.step import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CAPACITY_TOKENS = 16384
 RECEIVE_TIMEOUT_S = 30.0        # how long an encode replica's embeddings may take to arrive
 
 
 class EncoderCache:
-    def __init__(self, model: Any, capacity_tokens: int = DEFAULT_CAPACITY_TOKENS) -> None:
+    def __init__(self, model: Any, capacity_tokens: int = ENCODER_CACHE_TOKENS) -> None:
         self.model = model
         self.capacity_tokens = capacity_tokens
         self.kept: OrderedDict[bytes, torch.Tensor] = OrderedDict()     # digest -> [length, hidden]

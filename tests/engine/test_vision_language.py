@@ -154,6 +154,39 @@ def _finish(engine, request_id: str, *others):
             other.step()
 
 
+@pytest.mark.parametrize("budget", [None, 5])
+def test_the_encoder_budget_spreads_images_over_steps(tiny_qwen2_vl, budget):
+    """max_num_encoder_input_tokens (vLLM's): four prompts with an image each (4 to 12 tokens) come
+    at once. By default (the step's token budget) their images are encoded in the first step;
+    with 5 tokens (less than any two) a step encodes one image (the first of a step fits whatever
+    its size), the other prompts stopping before their image until a later step, and every answer
+    is the same."""
+    from records.clock import monotonic
+    from records.request import NewRequest
+
+    prompt = PREFIX.replace("<image>", "") + QWEN_IMAGE + "\nWhat is it? ASSISTANT:"
+    llm = LLM(tiny_qwen2_vl, dtype="float32", **({"max_num_encoder_input_tokens": budget} if budget else {}))
+    engine, runner = llm.llm_engine, llm.llm_engine.executor.worker.runner
+    for i, img in enumerate(IMAGES):
+        ids, images = engine.image_processor().process(prompt, [img])
+        engine.enqueue(NewRequest(f"r{i}", prompt, ids, GREEDY, monotonic(), images=images))
+    per_step, outs = [], {}
+    while engine.has_unfinished_requests():
+        before = runner.encoder.encodes
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = list(out.outputs[0].token_ids)
+        per_step.append(runner.encoder.encodes - before)
+    want = hf_answers(tiny_qwen2_vl, [(prompt, [img]) for img in IMAGES])
+    assert [outs[f"r{i}"] for i in range(len(IMAGES))] == want
+    assert sum(per_step) == len(IMAGES)
+    if budget is None:
+        assert per_step[0] == len(IMAGES) and engine.scheduler.encoder.deferred == 0
+    else:
+        assert max(per_step) == 1 and engine.scheduler.encoder.deferred > 0, per_step
+    engine.check_no_leaks()
+
+
 def test_mrope_positions_are_transformers(tiny_qwen2_vl):
     """records/multimodal.py's M-RoPE positions of a prompt with two images, asked for in chunks
     that start and end inside the images, and past the prompt: transformers' get_rope_index's, and
