@@ -32,7 +32,7 @@ from records.errors import EngineDeadError
 from records.kv_events import KVEvent
 from records.kv_layout import KVLayout
 from records.lora import LoRARequest, read_adapter
-from records.model_source import MOE_ARCHITECTURES, is_vision_language
+from records.model_source import MOE_ARCHITECTURES, images_attend_both_ways, is_vision_language
 from records.outputs import RequestOutput
 from records.request import Continuation, NewRequest, Request, RequestStatus
 from records.sampling_params import SamplingParams, StructuredOutputsParams, check_limits, validate_request
@@ -66,6 +66,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.kv_connector,
                                    kvt.load_failure_policy if kvt else "recompute",
                                    config.parallel_config.max_concurrent_batches)
+        self.scheduler.encoder.whole_images = images_attend_both_ways(config.model_config.hf_config)
         self.in_flight: deque[SchedulerOutput] = deque()   # batches submitted, oldest first
         self.proposer = make_proposer(config, self.executor.num_blocks)
         self.spec_stats = SpecDecodeStats()
@@ -138,6 +139,11 @@ class LLMEngine:
                              "completions and chat: engine/beam_search.py), not as one engine request")
         if new.images and not is_vision_language(self.config.model_config.hf_config):
             raise ValueError("images: this model takes no images (a vision-language model does)")
+        budget = self.config.scheduler_config.max_num_batched_tokens
+        if self.scheduler.encoder.whole_images and any(image.length > budget for image in new.images):
+            longest = max(image.length for image in new.images)
+            raise ValueError(f"max_num_batched_tokens ({budget}) must hold an image's {longest} tokens: this "
+                             f"model's images are computed in one step (they attend both ways)")
         if request_id in self.output.states or (self.transfers is not None and self.transfers.holds(request_id)):
             raise ValueError(f"request_id {request_id!r} is already in use")
         mc = self.config.model_config

@@ -97,14 +97,16 @@ def pack_prefill(block_tables: list[torch.Tensor], query_lens: list[int], seq_le
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[torch.Tensor],
                       query_lens: list[int], seq_lens: list[int], scale: float, packed: object = None,
-                      k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0, softcap: float = 0.0
-                      ) -> torch.Tensor:
+                      k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0, softcap: float = 0.0,
+                      spans: list[list[tuple[int, int]]] | None = None) -> torch.Tensor:
     """Causal attention of variable-length query segments against paged K/V.
 
     query: [num_tokens, num_heads, head_dim], the segments laid end to end. Segment i holds the last
     `query_lens[i]` of its sequence's `seq_lens[i]` tokens, whose K/V are already in the cache
     (cached prefix + this chunk), so one call serves full prefill, chunked prefill and prefix hits.
     `packed`: what the kernel set's `pack_prefill` made of the same segments (or None: made here).
+    `spans` (this reference only): segment i's position ranges [a, b) whose tokens also see one
+    another's later keys (an image's tokens in Gemma 3; the window still bounds them).
     Returns [num_tokens, num_heads, head_dim].
     """
     out = torch.empty_like(query)
@@ -115,13 +117,14 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     # (its bf16 path accumulates in fp32 anyway, so upcasting changes rounding only at the output).
     compute_dtype = torch.float32 if query.device.type == "cpu" else query.dtype
     start = 0
-    for block_table, q_len, seq_len in zip(block_tables, query_lens, seq_lens):
+    for i, (block_table, q_len, seq_len) in enumerate(zip(block_tables, query_lens, seq_lens)):
+        both_ways = spans[i] if spans else ()
         q = query[start:start + q_len].transpose(0, 1).to(compute_dtype)    # [H, q_len, d]
         k, v = gather_kv(kv_cache, block_table, seq_len)  # [seq_len, kvh, d]
         k = dequantize_kv(k.transpose(0, 1)[None], k_scale, compute_dtype)    # [1, kvh, seq_len, d]
         v = dequantize_kv(v.transpose(0, 1)[None], v_scale, compute_dtype)
         # 4-D inputs: 3-D ones fall back to SDPA's slow math kernel on CPU.
-        if q_len == seq_len and not window and not softcap:
+        if q_len == seq_len and not window and not softcap and not both_ways:
             o = F.scaled_dot_product_attention(q[None], k, v, is_causal=True, scale=scale, enable_gqa=True)[0]
         else:
             # Query row r sits at position seq_len - q_len + r and sees keys up to it (and, with a
@@ -130,7 +133,11 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
             # (no copy of K/V).
             rows = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
             keys = torch.arange(seq_len, device=q.device)[None, :]
-            mask = (keys <= rows) & ((keys > rows - window) if window else True)     # [q_len, seq_len]
+            mask = keys <= rows                                                 # [q_len, seq_len]
+            for a, b in both_ways:
+                mask = mask | ((rows >= a) & (rows < b) & (keys >= a) & (keys < b))
+            if window:
+                mask = mask & (keys > rows - window)
             qg = q.reshape(num_kv_heads, group * q_len, head_dim)[None]
             o = _attend(qg, k, v, mask.repeat(group, 1), scale, softcap)
             o = o.reshape(num_heads, q_len, head_dim)      # (CUDA SDPA returns it strided)

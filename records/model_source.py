@@ -18,20 +18,22 @@ from records.gguf_file import gguf_hf_dir
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-# Multimodal checkpoints served as their language model (text in, text out): the architecture
-# their text_config is (engine/model/models/gemma.py skips the vision tower's tensors).
-TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
-# Vision-language checkpoints (engine/model/models/llava.py): served as their language model with
-# the vision tower added; the text config's architecture by its model_type.
+# Vision-language checkpoints (engine/model/models/vision_language.py): served as their language
+# model with the vision side added; the text config's architecture by its model_type.
 VISION_LANGUAGE = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
-                   "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+                   "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                   "Gemma3ForConditionalGeneration")
 _TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                       "qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM"}
+                       "qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM",
+                       "gemma3_text": "Gemma3ForCausalLM"}
+# Those whose image tokens attend to one another both ways in the language model.
+_BIDIRECTIONAL_IMAGES = ("Gemma3ForConditionalGeneration",)
 # Each vision-language architecture's vision tower (vision_config.model_type).
 _VISION_TYPES = {"LlavaForConditionalGeneration": ("clip_vision_model",),
                  "LlavaNextForConditionalGeneration": ("clip_vision_model",),
                  "Qwen2VLForConditionalGeneration": ("qwen2_vl_vision", "qwen2_vl"),
-                 "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl_vision", "qwen2_5_vl")}
+                 "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl_vision", "qwen2_5_vl"),
+                 "Gemma3ForConditionalGeneration": ("siglip_vision_model",)}
 # Mixtures of experts (engine/model/models/moe.py)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # GGUF configs carry only model_type.
@@ -152,11 +154,7 @@ def resolve_model(model: str | None) -> tuple[str, str | None, Any]:
         # llama.cpp's llama architecture has no window: a converted Mistral config's 4,096 is
         # transformers' default, not the file's
         hf_config.sliding_window = None
-    if architecture_of(hf_config) in TEXT_MODEL_OF:
-        text = hf_config.text_config
-        text.architectures = [TEXT_MODEL_OF[architecture_of(hf_config)]]
-        hf_config = text
-    elif architecture_of(hf_config) in VISION_LANGUAGE:
+    if architecture_of(hf_config) in VISION_LANGUAGE:
         hf_config = vision_language_text_config(hf_config)
     architecture = architecture_of(hf_config)     # unknown architectures fail here, early
     if architecture not in SUPPORTED_ARCHITECTURES:
@@ -185,6 +183,12 @@ def vision_language_text_config(hf_config: Any) -> Any:
 def is_vision_language(hf_config: Any) -> bool:
     """Whether the (text) config is a vision-language model's: its prompts may carry images."""
     return getattr(hf_config, "vision_language", None) is not None
+
+
+def images_attend_both_ways(hf_config: Any) -> bool:
+    """Whether an image's tokens attend to one another both ways (Gemma 3): a prompt chunk then never
+    ends inside one."""
+    return is_vision_language(hf_config) and hf_config.vision_language["architecture"] in _BIDIRECTIONAL_IMAGES
 
 
 # generation_config.json's sampling fields that become request defaults (vLLM's list; its

@@ -327,6 +327,48 @@ def tiny_qwen2_5_vl(tmp_path_factory, smol_tokenizer) -> str:
     return _make_qwen_vl(tmp_path_factory, smol_tokenizer, v2_5=True)
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma3_vl(tmp_path_factory, smol_tokenizer) -> str:
+    """A tiny Gemma 3 with images in: a two-layer SigLIP tower on 56x56 images (4x4 patches pooled
+    to 4 tokens), four language layers (sliding window 12, so an image spans windows), its real
+    processor and a tokenizer with Gemma's image tokens."""
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3Processor,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    out = tmp_path_factory.mktemp("tiny-gemma3-vl")
+    smol_tokenizer.save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    boi, eoi, image = (tokenizer.convert_tokens_to_ids(t) for t in ("<start_of_image>", "<end_of_image>",
+                                                                     "<image_soft_token>"))
+    text = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                            sliding_window=12, max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=56, patch_size=14)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                          image_token_index=image, boi_token_index=boi, eoi_token_index=eoi)
+    torch.manual_seed(17)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.05)          # (at 0.15 this deep Gemma repeats one token: a weak oracle)
+    model.save_pretrained(out, safe_serialization=True)
+    Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 56, "width": 56}), tokenizer=tokenizer,
+                    image_seq_length=4, chat_template=tokenizer.chat_template).save_pretrained(out)
+    return str(out)
+
+
 QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 

@@ -11,6 +11,10 @@ nor does an image an encode replica made (records/multimodal.py: ImageInput.embe
 mirror is an estimate of the runner's work, never of correctness: a mirrored image the runner
 dropped is encoded again there, uncounted. The first image of a step always fits, whatever its
 size, so no prompt waits for good.
+
+`whole_images` (a model whose image tokens attend to one another both ways: Gemma 3): a chunk
+never ends inside an image either, since the image's first tokens need its last ones' keys in
+the same step; it stops before the image, or waits for a step with room for the rest of it.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ class EncoderBudget:
         self.kept_tokens = 0
         self.left = max_tokens
         self.deferred = 0           # chunks cut short, or requests held back, for the budget
+        self.whole_images = False   # set by the engine for a model whose images attend both ways
 
     def new_step(self) -> None:
         self.left = self.max_tokens
@@ -39,7 +44,12 @@ class EncoderBudget:
             return n
         left = self.left
         for image in request.images:
-            if image.offset + image.length <= start or image.offset >= start + n or self._made(image):
+            end = image.offset + image.length
+            if end <= start or image.offset >= start + n:
+                continue
+            if self.whole_images and start + n < end:           # it would end inside the image
+                return max(0, image.offset - start)
+            if self._made(image):
                 continue
             if left < image.length and left < self.max_tokens:
                 self.deferred += 1

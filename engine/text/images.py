@@ -160,8 +160,11 @@ class ImageProcessor:
             merged = [(int(t), int(h) // self.merge, int(w) // self.merge) for t, h, w in grids.tolist()]
             lengths = [t * h * w for t, h, w in merged]
         else:       # each image's own tensors (pixel_values, LLaVA-NeXT's image_sizes): a row per image
+            if any(encoded.get("num_crops", [])):
+                raise ValueError("the model's image processor crops images (do_pan_and_scan): not supported; "
+                                 "set do_pan_and_scan false in its preprocessor_config.json")
             per_image = [{name: value[i:i + 1].clone() for name, value in encoded.items()
-                          if name not in ("input_ids", "attention_mask") and len(value) == len(loaded)}
+                          if name not in _TEXT_FIELDS and len(value) == len(loaded)}
                          for i in range(len(loaded))]
             merged = [None] * len(loaded)
             lengths = self._tokens_per_image(loaded, ids)
@@ -177,6 +180,10 @@ class ImageProcessor:
             return list(count(image_sizes=[(image.height, image.width) for image in images]).num_image_tokens)
         total = sum(1 for t in ids if t == self.image_token_id)
         return [total // len(images)] * len(images)
+
+
+# A processor's outputs that are the prompt's, not an image's.
+_TEXT_FIELDS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "num_crops")
 
 
 def _grid_model(vision_language: dict[str, Any]) -> bool:

@@ -275,6 +275,9 @@ class ModelRunner:
         group_slots: list[list[int]] = [[] for _ in range(num_groups)] if num_groups > 1 else [slots]
         prefill_query_lens: list[int] = []
         prefill_seq_lens: list[int] = []
+        # Gemma 3: each prefill segment's images, whose tokens attend to one another both ways.
+        both_ways = getattr(self.model, "bidirectional_images", False)
+        prefill_spans: list[list[tuple[int, int]]] = []
         for req in batch:
             n = len(req.token_ids)
             base = len(input_ids)
@@ -294,6 +297,9 @@ class ModelRunner:
                 prefill_tables.append(table)
                 prefill_query_lens.append(n)
                 prefill_seq_lens.append(req.start + n)
+                if both_ways:
+                    prefill_spans.append([(i.offset, i.offset + i.length) for i in req.images
+                                          if i.offset < req.start + n and i.offset + i.length > req.start])
             if req.do_sample and req.spec_token_ids:
                 spec_rows.append((req, list(range(base + n - 1 - len(req.spec_token_ids), base + n))))
             elif req.do_sample:
@@ -324,7 +330,7 @@ class ModelRunner:
                       for t in prefill_tables]
             metas.append(self.attention.metadata(torch.tensor(group_slot, dtype=torch.long, device=self.device),
                                                  decode_block_tables, decode_seq_lens, tables, prefill_query_lens,
-                                                 prefill_seq_lens))
+                                                 prefill_seq_lens, prefill_spans if any(prefill_spans) else None))
         meta = metas[0]
         if num_groups > 1:
             meta.groups = metas

@@ -34,12 +34,15 @@ IMAGES = [image(40, 50, 0), image(64, 32, 1), image(31, 97, 2), image(32, 32, 3)
 
 # Qwen2-VL's image placeholder (its chat template writes it for an image part).
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl"]
+FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3_vl"]
+# Each family's image placeholder in a prompt (its chat template writes it for an image part).
+PLACEHOLDERS = {"qwen": QWEN_IMAGE, "gemma3": "<start_of_image>"}
 
 
 def in_model_form(path: str, requests: list[tuple[str, list]]) -> list[tuple[str, list]]:
     """The requests with the model's own image placeholder."""
-    return [(p.replace("<image>", QWEN_IMAGE), imgs) for p, imgs in requests] if "qwen" in path else requests
+    mark = next((m for family, m in PLACEHOLDERS.items() if family in path), "<image>")
+    return [(p.replace("<image>", mark), imgs) for p, imgs in requests]
 
 
 def hf_processor(path: str):
@@ -100,15 +103,16 @@ def _encodes(llm: LLM) -> int:
 def test_greedy_equals_transformers(model_and_expected, chunk):
     """By default (each prompt in one step) and with 16-token chunks, which cut through every
     image's placeholders (they start mid-block): each image is encoded once all the same. LLaVA's
-    images take 16 tokens each; LLaVA-NeXT's and Qwen2-VL's as many as their size makes."""
+    images take 16 tokens each, Gemma 3's 4; LLaVA-NeXT's and Qwen2-VL's as many as their size makes."""
     path, requests, expected = model_and_expected
     llm = LLM(path, dtype="float32", **({"max_num_batched_tokens": chunk} if chunk else {}))
     outs = _generate(llm, requests)
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
     assert _encodes(llm) == len(IMAGES)
     counts = [o.prompt_token_ids.count(llm.llm_engine.image_processor().image_token_id) for o in outs[:len(IMAGES)]]
-    fixed = "llava" in path and "next" not in path          # LLaVA 1.5: one tile whatever the size
-    assert counts == [16] * 4 if fixed else len(set(counts)) > 1, counts
+    # LLaVA 1.5 (one tile) and Gemma 3 (one pooled grid): as many tokens whatever the size.
+    fixed = 16 if "llava" in path and "next" not in path else 4 if "gemma3" in path else None
+    assert counts == [fixed] * 4 if fixed else len(set(counts)) > 1, counts
     llm.llm_engine.check_no_leaks()
 
 
@@ -184,6 +188,39 @@ def test_the_encoder_budget_spreads_images_over_steps(tiny_qwen2_vl, budget):
         assert per_step[0] == len(IMAGES) and engine.scheduler.encoder.deferred == 0
     else:
         assert max(per_step) == 1 and engine.scheduler.encoder.deferred > 0, per_step
+    engine.check_no_leaks()
+
+
+def test_a_chunk_never_ends_inside_a_gemma3_image(tiny_gemma3_vl):
+    """Gemma 3's image tokens attend to one another both ways, so the first need the last ones' keys:
+    with a token budget that would end the first chunk two tokens into the image, the chunk stops
+    before it and the next takes it whole (the answer is transformers'); an image longer than the
+    step's budget is refused by name, nothing queued."""
+    from records.clock import monotonic
+    from records.request import NewRequest
+
+    [(prompt, imgs)] = in_model_form(tiny_gemma3_vl, [(PROMPT, [IMAGES[0]])])
+    processor = LLM(tiny_gemma3_vl, dtype="float32").llm_engine.image_processor()
+    ids, (image,) = processor.process(prompt, imgs)
+    llm = LLM(tiny_gemma3_vl, dtype="float32", max_num_batched_tokens=image.offset + 2)
+    engine = llm.llm_engine
+    engine.enqueue(NewRequest("r", prompt, ids, GREEDY, monotonic(), images=(image,)))
+    chunks, schedule, out = [], engine.scheduler.schedule, None
+
+    def recorded():
+        step = schedule()
+        chunks.append([len(r.token_ids) for r in step.scheduled])
+        return step
+
+    engine.scheduler.schedule = recorded
+    while engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.finished), out)
+    assert chunks[0] == [image.offset] and chunks[1][0] >= image.length, chunks
+    assert list(out.outputs[0].token_ids) == hf_answers(tiny_gemma3_vl, [(prompt, imgs)])[0]
+    small = LLM(tiny_gemma3_vl, dtype="float32", max_num_batched_tokens=3).llm_engine
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(3\) must hold an image's 4 tokens"):
+        small.enqueue(NewRequest("r", prompt, ids, GREEDY, monotonic(), images=(image,)))
+    assert not small.has_unfinished_requests()
     engine.check_no_leaks()
 
 

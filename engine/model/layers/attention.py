@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels import reference
 from kernels.dispatch import kernels_for
 
 
@@ -32,6 +33,9 @@ class AttentionMetadata:
     prefill_query_lens: list[int] = field(default_factory=list)
     prefill_seq_lens: list[int] = field(default_factory=list)
     prefill_packed: Any = None          # the backend's kernels' form of the prefill segments
+    # Per prefill segment, position ranges whose tokens see one another both ways (an image's in
+    # Gemma 3: kernels/reference.py's prefill_attention, the only one with such a mask); None: none.
+    prefill_spans: list[list[tuple[int, int]]] | None = None
     # With hybrid KV groups (records/kv_groups.py: KVGroups): each group's metadata (its slots and
     # tables), this one being group 0's; a layer reads its own group's.
     groups: list[AttentionMetadata] = field(default_factory=list)
@@ -51,14 +55,15 @@ class AttentionBackend:
                  decode_seq_lens: torch.Tensor | None = None,
                  prefill_block_tables: list[torch.Tensor] | None = None,
                  prefill_query_lens: list[int] | None = None,
-                 prefill_seq_lens: list[int] | None = None) -> AttentionMetadata:
+                 prefill_seq_lens: list[int] | None = None,
+                 prefill_spans: list[list[tuple[int, int]]] | None = None) -> AttentionMetadata:
         """The step's metadata, for every layer (call once per step)."""
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             num_decode_tokens=0 if decode_seq_lens is None else int(decode_seq_lens.shape[0]),
             decode_block_tables=decode_block_tables, decode_seq_lens=decode_seq_lens,
             prefill_block_tables=prefill_block_tables or [], prefill_query_lens=prefill_query_lens or [],
-            prefill_seq_lens=prefill_seq_lens or [])
+            prefill_seq_lens=prefill_seq_lens or [], prefill_spans=prefill_spans)
         if meta.prefill_query_lens:
             meta.prefill_packed = self.kernels.pack_prefill(meta.prefill_block_tables, meta.prefill_query_lens,
                                                             meta.prefill_seq_lens, self.device)
@@ -81,6 +86,11 @@ class AttentionBackend:
         if num_decode:
             out[:num_decode] = k.decode_attention(query[:num_decode], kv_cache, meta.decode_block_tables,
                                                   meta.decode_seq_lens, scale, k_scale, v_scale, **shape)
+        if meta.prefill_spans is not None:
+            out[num_decode:] = reference.prefill_attention(
+                query[num_decode:], kv_cache, meta.prefill_block_tables, meta.prefill_query_lens,
+                meta.prefill_seq_lens, scale, None, k_scale, v_scale, window, softcap, meta.prefill_spans)
+            return out
         out[num_decode:] = k.prefill_attention(query[num_decode:], kv_cache, meta.prefill_block_tables,
                                                meta.prefill_query_lens, meta.prefill_seq_lens, scale,
                                                meta.prefill_packed, k_scale, v_scale, **shape)

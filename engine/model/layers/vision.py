@@ -1,5 +1,6 @@
 """Vision encoders of vision-language models: CLIP's vision transformer (LLaVA's tower), run up to
-the hidden states the language model reads.
+the hidden states the language model reads, and SigLIP's (Gemma 3's: no class token, a norm after
+the last layer rather than before the first).
 
 The parameters keep transformers' names below `vision_model.` (`embeddings.patch_embedding.weight`,
 `encoder.layers.{i}.self_attn.q_proj.weight`, `pre_layrnorm.weight` as CLIP spells it), so a
@@ -27,23 +28,27 @@ def activation(name: str, field: str) -> Any:
 
 
 class _Embeddings(nn.Module):
-    def __init__(self, config: dict[str, Any], dtype: torch.dtype) -> None:
+    """The patches' embeddings, after a learned class token's (CLIP's; SigLIP has none)."""
+
+    def __init__(self, config: dict[str, Any], dtype: torch.dtype, siglip: bool = False) -> None:
         super().__init__()
         hidden, patch = config["hidden_size"], config["patch_size"]
         self.patch_size = patch
-        self.patch_embedding = nn.Conv2d(config.get("num_channels", 3), hidden, patch, stride=patch, bias=False,
+        self.patch_embedding = nn.Conv2d(config.get("num_channels", 3), hidden, patch, stride=patch, bias=siglip,
                                          dtype=dtype)
-        self.class_embedding = nn.Parameter(torch.empty(hidden, dtype=dtype))
-        num_positions = (config["image_size"] // patch) ** 2 + 1
-        self.position_embedding = nn.Embedding(num_positions, hidden, dtype=dtype)
+        self.class_embedding = None if siglip else nn.Parameter(torch.empty(hidden, dtype=dtype))
+        self.patches = (config["image_size"] // patch) ** 2
+        self.position_embedding = nn.Embedding(self.patches + (not siglip), hidden, dtype=dtype)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        patches = self.patch_embedding(pixel_values).flatten(2).transpose(1, 2)       # [B, N, hidden]
-        if patches.shape[1] + 1 != self.position_embedding.num_embeddings:
+        weight = self.patch_embedding.weight
+        patches = self.patch_embedding(pixel_values.to(weight.device, weight.dtype)).flatten(2).transpose(1, 2)
+        if patches.shape[1] != self.patches:                                          # [B, N, hidden]
             raise ValueError(f"pixel_values of {list(pixel_values.shape[-2:])} pixels make {patches.shape[1]} "
-                             f"patches; this tower's positions are for {self.position_embedding.num_embeddings - 1}")
-        cls = self.class_embedding.expand(patches.shape[0], 1, -1)
-        return torch.cat([cls, patches], dim=1) + self.position_embedding.weight
+                             f"patches; this tower's positions are for {self.patches}")
+        if self.class_embedding is not None:
+            patches = torch.cat([self.class_embedding.expand(patches.shape[0], 1, -1), patches], dim=1)
+        return patches + self.position_embedding.weight
 
 
 class _Attention(nn.Module):
@@ -119,6 +124,27 @@ class CLIPVisionTower(nn.Module):
         """Tensors named below `vision_model.`; those of layers past the ones built and of the pooled
         head are skipped."""
         load_by_name(self, weights, "vision_tower", partial)
+
+
+class SiglipVisionTower(nn.Module):
+    """SigLIP's vision transformer (without its pooling head): `forward(pixel_values)` is
+    transformers' `last_hidden_state` [images, patches, hidden]."""
+
+    def __init__(self, config: dict[str, Any], dtype: torch.dtype) -> None:
+        super().__init__()
+        kind = config.get("model_type", "siglip_vision_model")
+        if kind != "siglip_vision_model":
+            raise ValueError(f"vision_config.model_type must be 'siglip_vision_model'; got {kind!r}")
+        config = {"hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6, **config}
+        self.embeddings = _Embeddings(config, dtype, siglip=True)
+        self.encoder = _Encoder(config, dtype, config["num_hidden_layers"])
+        self.post_layernorm = nn.LayerNorm(config["hidden_size"], eps=config["layer_norm_eps"], dtype=dtype)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = self.embeddings(pixel_values)
+        for layer in self.encoder.layers:
+            x = layer(x)
+        return self.post_layernorm(x)
 
 
 def load_by_name(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], what: str, partial: bool,

@@ -16,7 +16,6 @@ KVGroups), so the local layers' blocks behind their window are freed while the g
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -98,13 +97,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.embed_scale = config.hidden_size ** 0.5
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]], dense_copies: bool = False,
-                     partial: bool = False) -> None:
-        """LlamaForCausalLM's, from a text checkpoint or a multimodal one (Gemma3ForConditionalGeneration:
-        the language model's tensors under `language_model.` or `model.language_model.`; the
-        vision tower and its projector are not loaded)."""
-        super().load_weights(_text_weights(weights), dense_copies, partial)
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
@@ -128,12 +120,3 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     qk_norm = True
-
-
-_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-
-
-def _text_weights(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    for name, tensor in weights:
-        if not name.startswith(_VISION):
-            yield name.replace("model.language_model.", "model.", 1).removeprefix("language_model."), tensor

@@ -1,6 +1,7 @@
 """A language model that takes images: `with_vision(text_class)` is the language model's class
 with the model's vision side (LLaVA's tower and projector: engine/model/models/llava.py; Qwen2-VL's
-vision transformer and merger: engine/model/models/qwen2_vl.py) on its first pipeline stage
+vision transformer and merger: engine/model/models/qwen2_vl.py; Gemma 3's SigLIP tower and
+projector: engine/model/models/gemma3_vision.py) on its first pipeline stage
 (`encode_image`). The model runner puts an image's rows into the prompt's embeddings
 (engine/worker/encoder_cache.py) and the language model runs as it does for text, with the
 multimodal rotary positions where the model has them (Qwen2-VL's M-RoPE: `MRoPE`).
@@ -18,8 +19,10 @@ import torch
 from torch import nn
 
 from engine.model.layers.rotary import RotaryEmbedding, rope_parameters
+from engine.model.models.gemma3_vision import Gemma3Vision
 from engine.model.models.llava import LlavaVision
 from engine.model.models.qwen2_vl import QwenVision
+from records.model_source import images_attend_both_ways
 from records.multimodal import image_token_id
 
 # The language model's tensors in a vision-language checkpoint (transformers 4.5x's and later,
@@ -31,6 +34,7 @@ VISION_CLASSES: dict[str, type[nn.Module]] = {
     "LlavaNextForConditionalGeneration": LlavaVision,
     "Qwen2VLForConditionalGeneration": QwenVision,
     "Qwen2_5_VLForConditionalGeneration": QwenVision,
+    "Gemma3ForConditionalGeneration": Gemma3Vision,
 }
 
 
@@ -67,6 +71,8 @@ class VisionLanguageModel:
         section = rope_parameters(config).get("mrope_section")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.mrope = MRoPE(list(section), head_dim) if section else None
+        # An image's tokens attend to one another both ways (Gemma 3): the runner marks their spans.
+        self.bidirectional_images = images_attend_both_ways(config)
 
     def layer_ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, RotaryEmbedding]]:
         if positions.dim() == 1:
