@@ -247,7 +247,7 @@ def test_mrope_positions_are_transformers(tiny_qwen2_vl):
     assert [row[n:n + 3] for row in got] == [[n + int(delta) + i for i in range(3)]] * 3
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3_vl"])
 def test_prefix_cache_is_keyed_by_the_image(family, request):
     """The same prompt with another image: another answer, a hit on the text before the image only;
     the same image again: a hit through the image (and, with M-RoPE, the text after it placed as
