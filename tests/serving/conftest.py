@@ -5,10 +5,10 @@ pools load side by side:
 - "/" main: two decode replicas, an API key and a tenant with its own key and a requests-per-minute
   limit, a 1 MiB body limit, a LoRA adapter served from the start and runtime adapter loading; the
   gRPC tests' app too (it was an app of its own, one more manager, ingress and engine to start);
-- "/limited": three models behind one endpoint (`models:`): the tiny model on one replica (with the
-  adapter "ad1"), a tiny Qwen2 ("qwen") disaggregated on two, and a tiny LLaVA ("llava", images in:
-  tests/serving/test_vision.py; images through a P/D transfer and an encode pool:
-  tests/cluster/test_node_loss.py) on one; each admits one request at a time (429 /
+- "/limited": four models behind one endpoint (`models:`): the tiny model on one replica (with the
+  adapter "ad1"), a tiny Qwen2 ("qwen") disaggregated on two, a tiny LLaVA ("llava") and a tiny
+  Gemma 3 ("gemma3") with images in (tests/serving/test_vision.py; a Qwen2-VL's through a P/D
+  transfer and an encode pool: tests/cluster/test_node_loss.py) on one each; each admits one request at a time (429 /
   RESOURCE_EXHAUSTED); a reasoning parser whose constraints apply to the thinking too (so that one
   can make the tiny model think), and vLLM's metric names;
 - "/pd": disaggregated, one prefill and one decode replica with KV pulled over NIXL; prompts with
@@ -53,7 +53,7 @@ def otlp():
 
 
 @pytest.fixture(scope="package")
-def apps(tiny_llama, tiny_qwen2, tiny_llava, adapters, eventually_no_leaks, otlp):
+def apps(tiny_llama, tiny_qwen2, tiny_llava, tiny_gemma3_vl, adapters, eventually_no_leaks, otlp):
     """Start the three apps; yield (http port, gRPC port, app name -> its manager's handle (and
     "qwen" -> the /limited app's second model's), app name -> its spec)."""
     from ray import serve
@@ -64,7 +64,7 @@ def apps(tiny_llama, tiny_qwen2, tiny_llava, adapters, eventually_no_leaks, otlp
     from cluster.launch import grpc_start_options, init_ray, start_pools
     from cluster.manager import MANAGER_NAME
 
-    init_ray(num_cpus=9)
+    init_ray(num_cpus=10)
     port, grpc_port = free_port(), free_port()
     engine = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 16}
     # The apps answer at once and load their pools side by side (/health says when they serve).
@@ -88,6 +88,8 @@ def apps(tiny_llama, tiny_qwen2, tiny_llava, adapters, eventually_no_leaks, otlp
         {"name": "llava", "model": tiny_llava, "engine": {**engine, "max_model_len": 512,
                                                           "limit_mm_per_prompt": {"image": 2},
                                                           "allowed_media_domains": ["127.0.0.1"]},
+         "pools": {"decode": {"replicas": 1, "num_cpus": 1}}},
+        {"name": "gemma3", "model": tiny_gemma3_vl, "engine": {**engine, "max_model_len": 512},
          "pools": {"decode": {"replicas": 1, "num_cpus": 1}}}],
         serving={**shared, "max_in_flight": 1, "reasoning_parser": "qwen3",
                  "structured_outputs_in_reasoning": True, "metrics_prefix": "vllm"},

@@ -37,8 +37,8 @@ def test_two_models_serve_interleaved_requests_each_as_served_alone(server, tiny
     cards = httpx.get(f"{base}/v1/models").json()["data"]
     assert [(c["id"], c["parent"], c["state"]) for c in cards] == [
         ("tiny", None, "ready"), ("tiny-chat", None, "ready"), ("ad1", "tiny", "ready"), ("qwen", None, "ready"),
-        ("llava", None, "ready")]
-    assert [c["max_model_len"] for c in cards] == [1024, 1024, 1024, 512, 512]
+        ("llava", None, "ready"), ("gemma3", None, "ready")]
+    assert [c["max_model_len"] for c in cards] == [1024, 1024, 1024, 512, 512, 512]
     prompts = _prompts(100)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     want = {}
@@ -98,7 +98,7 @@ def test_requests_name_a_served_model_or_are_refused_naming_them(server):
     base = f"{server['base']}/limited"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
     with pytest.raises(openai.NotFoundError, match=r"model 'gpt-4' does not exist; this server serves "
-                                                   r"\['tiny', 'tiny-chat', 'ad1', 'qwen', 'llava'\]"):
+                                                   r"\['tiny', 'tiny-chat', 'ad1', 'qwen', 'llava', 'gemma3'\]"):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
     with pytest.raises(openai.NotFoundError, match="this server serves"):
         client.models.retrieve("gpt-4")
@@ -111,7 +111,7 @@ def test_requests_name_a_served_model_or_are_refused_naming_them(server):
         tok = httpx.post(f"{base}/tokenize", json={"model": model, "prompt": "Hello world"}).json()
         assert tok["max_model_len"] == max_len and tok["count"] == len(tok["tokens"]) > 0
     health = httpx.get(f"{base}/health").json()
-    assert health["healthy"] is True and sorted(health["models"]) == ["llava", "qwen", "tiny"]
+    assert health["healthy"] is True and sorted(health["models"]) == ["gemma3", "llava", "qwen", "tiny"]
     assert sorted(health["models"]["qwen"]["pools"]) == ["decode", "prefill"]
     # A chat request goes to its model too.
     chat = client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": "Hi"}],
@@ -171,7 +171,8 @@ def test_a_sleeping_model_frees_memory_and_wakes_for_the_next_request(server, ti
                                                                                      "level": level}
         assert httpx.get(f"{base}/is_sleeping", params={"model": "tiny"}).json()["is_sleeping"] is False
         cards = {c["id"]: c["state"] for c in httpx.get(f"{base}/v1/models").json()["data"]}
-        assert cards == {"tiny": "ready", "tiny-chat": "ready", "ad1": "ready", "qwen": "sleeping", "llava": "ready"}
+        assert cards == {"tiny": "ready", "tiny-chat": "ready", "ad1": "ready", "qwen": "sleeping", "llava": "ready",
+                         "gemma3": "ready"}
         assert client.completions.create(model="tiny", prompt="still awake", max_tokens=2).choices[0].text
         if level == 1:
             assert qwen() == want                   # held while it wakes, then answered
@@ -202,15 +203,15 @@ def test_status_scale_and_apply_per_model(server, apps, tiny_llama, tmp_path, ca
     capsys.readouterr()
     assert main(["status", "--json", "--name", LIMITED]) == 0
     status = json.loads(capsys.readouterr().out)
-    assert sorted(status["models"]) == ["llava", "qwen", "tiny"]
+    assert sorted(status["models"]) == ["gemma3", "llava", "qwen", "tiny"]
     qwen = status["models"]["qwen"]
     assert sorted(qwen["pools"]) == ["decode", "prefill"]
     assert (qwen["phase"], qwen["mode"]) == ("ready", "disaggregated")
     assert main(["status", "--name", LIMITED]) == 0
     text = capsys.readouterr().out
-    assert "deployment pdserve-limited: 3 models" in text and "model qwen (disaggregated" in text, text
+    assert "deployment pdserve-limited: 4 models" in text and "model qwen (disaggregated" in text, text
     assert main(["scale", "decode", "1", "--name", LIMITED]) == 2
-    assert "serves several models: name MODEL/POOL, MODEL one of ['llava', 'qwen', 'tiny']" in capsys.readouterr().err
+    assert "serves several models: name MODEL/POOL, MODEL one of ['gemma3', 'llava', 'qwen', 'tiny']" in capsys.readouterr().err
     assert main(["scale", "qwen/decode", "1", "--name", LIMITED]) == 0
 
     spec = apps[3]["limited"]
@@ -257,12 +258,12 @@ def test_status_scale_and_apply_per_model(server, apps, tiny_llama, tmp_path, ca
     out = client.completions.create(model="sim", prompt=sim_prompt, max_tokens=8, temperature=0.0,
                                     extra_body={"ignore_eos": True})
     assert out.choices[0].text == simulated_outputs([sim_prompt], 8, max_model_len=1024)[0]
-    assert [m.id for m in client.models.list().data] == ["tiny", "tiny-chat", "ad1", "qwen", "llava", "sim"]
+    assert [m.id for m in client.models.list().data] == ["tiny", "tiny-chat", "ad1", "qwen", "llava", "gemma3", "sim"]
 
     apply_while_streaming(spec, "without-sim")
     assert '"sim": {\n    "removed": true' in capsys.readouterr().out
     with pytest.raises(openai.NotFoundError,
-                       match=r"this server serves \['tiny', 'tiny-chat', 'ad1', 'qwen', 'llava'\]"):
+                       match=r"this server serves \['tiny', 'tiny-chat', 'ad1', 'qwen', 'llava', 'gemma3'\]"):
         client.completions.create(model="sim", prompt=sim_prompt, max_tokens=2)
     with pytest.raises(ValueError):                                         # its manager is gone
         ray.get_actor(MANAGER_NAME, namespace="pdserve-limited-sim")

@@ -1,5 +1,6 @@
-"""Images in through the HTTP API: the /limited app's "llava" (a tiny LLaVA 1.5 on one replica; the
-same through a P/D transfer and an encode pool: tests/cluster/test_node_loss.py). The official
+"""Images in through the HTTP API: the /limited app's "llava" (a tiny LLaVA 1.5 on one replica) and
+"gemma3" (a tiny Gemma 3; a tiny Qwen2-VL's through a P/D transfer and an encode pool:
+tests/cluster/test_node_loss.py). The official
 openai client's base64 image parts answer as transformers does on the same rendered prompt and
 images; the same text with another image answers otherwise
 and hits the prefix cache only before the image, the same image again hits past it; the Responses
@@ -51,17 +52,17 @@ def messages(url: str) -> list[dict]:
 
 @functools.cache
 def _transformers(path: str) -> tuple:
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     return (AutoProcessor.from_pretrained(path),
-            LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval())
+            AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval())
 
 
-def transformers_answer(path: str, img) -> list[int]:
+def transformers_answer(path: str, img, placeholder: str = "<image>") -> list[int]:
     """The oracle: the model's chat template with the image's placeholder where its part was,
     the processor, and transformers' greedy generate."""
     processor, model = _transformers(path)
-    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": TEXT + "<image>\nWhat is it?"}],
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": TEXT + placeholder + "\nWhat is it?"}],
                                                    add_generation_prompt=True, tokenize=False)
     enc = processor(text=text, images=[img], return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
@@ -74,9 +75,20 @@ def llava(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server['base']}/limited/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def _chat(client: openai.OpenAI, url: str):
-    return client.chat.completions.create(model="llava", messages=messages(url), max_tokens=MAX_TOKENS, temperature=0,
+def _chat(client: openai.OpenAI, url: str, model: str = "llava"):
+    return client.chat.completions.create(model=model, messages=messages(url), max_tokens=MAX_TOKENS, temperature=0,
                                           extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def test_gemma3_images_answer_as_transformers(server, llava, tiny_gemma3_vl):
+    """The /limited app's "gemma3": its chat image parts become `<start_of_image>` (expanded by its
+    processor) and its image tokens attend both ways; two images, two answers, each
+    transformers'."""
+    answers = [_chat(llava, data_url(png(img)), "gemma3").choices[0].token_ids for img in (image(40, 50, 0),
+                                                                                           image(64, 32, 1))]
+    assert answers == [transformers_answer(tiny_gemma3_vl, img, "<start_of_image>")
+                       for img in (image(40, 50, 0), image(64, 32, 1))]
+    assert answers[0] != answers[1]
 
 
 def test_images_answer_as_transformers(server, llava, tiny_llava):
