@@ -211,7 +211,8 @@ def test_status_scale_and_apply_per_model(server, apps, tiny_llama, tmp_path, ca
     text = capsys.readouterr().out
     assert "deployment pdserve-limited: 4 models" in text and "model qwen (disaggregated" in text, text
     assert main(["scale", "decode", "1", "--name", LIMITED]) == 2
-    assert "serves several models: name MODEL/POOL, MODEL one of ['gemma3', 'llava', 'qwen', 'tiny']" in capsys.readouterr().err
+    assert ("serves several models: name MODEL/POOL, MODEL one of ['gemma3', 'llava', 'qwen', 'tiny']"
+            in capsys.readouterr().err)
     assert main(["scale", "qwen/decode", "1", "--name", LIMITED]) == 0
 
     spec = apps[3]["limited"]
