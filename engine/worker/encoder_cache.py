@@ -33,6 +33,10 @@ class EncoderCache:
         self.kept_tokens = 0
         self.encodes = 0
         self.received = 0           # images whose embeddings came made (from an encode replica)
+        # A request's image needed from its first row (not after a prefix hit into it): how often,
+        # and how often it was kept (vLLM's encoder cache hit rate).
+        self.queries = 0
+        self.hits = 0
 
     def inputs_embeds(self, batch: list[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor | None:
         """The step's input embeddings [T, hidden] with its image rows in place, or None when no row
@@ -47,6 +51,9 @@ class EncoderCache:
                 first, last = max(lo, image.offset), min(hi, image.offset + image.length)
                 if first < last:
                     rows.extend(range(base + first - lo, base + last - lo))
+                    if first == image.offset:
+                        self.queries += 1
+                        self.hits += image.digest in self.kept
                     pieces.append(self.embeddings(image)[first - image.offset:last - image.offset])
             base += hi - lo
         if not rows:

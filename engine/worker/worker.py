@@ -349,10 +349,12 @@ class Worker:
         return self.runner.encoder.encode(images) if self.runner.encoder is not None else None
 
     def encoder_stats(self) -> dict[str, int] | None:
-        """Images encoded here, received made and kept (a vision-language model's first stage)."""
+        """Images encoded here, received made, kept, and the cache's queries and hits (a
+        vision-language model's first stage)."""
         encoder = self.runner.encoder if self.runner is not None else None
         return None if encoder is None else {"encodes": encoder.encodes, "received": encoder.received,
-                                             "kept": len(encoder.kept)}
+                                             "kept": len(encoder.kept), "queries": encoder.queries,
+                                             "hits": encoder.hits}
 
     def expert_load(self) -> dict[int, int]:
         """Rows (token, expert) each MoE expert this rank holds has run, summed over its layers,

@@ -109,6 +109,8 @@ def test_greedy_equals_transformers(model_and_expected, chunk):
     outs = _generate(llm, requests)
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
     assert _encodes(llm) == len(IMAGES)
+    encoder = llm.llm_engine.executor.worker.runner.encoder
+    assert (encoder.queries, encoder.hits) == (len(IMAGES) + 2, 2)     # the last prompt's two images: kept
     counts = [o.prompt_token_ids.count(llm.llm_engine.image_processor().image_token_id) for o in outs[:len(IMAGES)]]
     # LLaVA 1.5 (one tile) and Gemma 3 (one pooled grid): as many tokens whatever the size.
     fixed = 16 if "llava" in path and "next" not in path else 4 if "gemma3" in path else None
