@@ -227,8 +227,12 @@ class AsyncLLMEngine:
                 if not self.engine.has_unfinished_requests():
                     self._deliver(done)
                     done = []
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
+                    # Work that came while a call above ran set the wake-up already: clearing it
+                    # now would leave that work waiting for the next arrival (nothing awaits between
+                    # this check and the clear).
+                    if not (self._pending_adds or self._pending_aborts or self._pending_calls):
+                        self._wakeup.clear()
+                        await self._wakeup.wait()
                     continue
                 step = loop.run_in_executor(self._step_thread, self.engine.step)
                 delivered, done = done, []       # (never again below, should the step raise)

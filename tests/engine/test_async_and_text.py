@@ -67,6 +67,38 @@ def test_async_generate_streams_and_cancel_frees_blocks(tiny_llama):
     assert engine.stats().num_requests_running == 0
 
 
+def test_work_that_arrives_while_a_call_runs_between_steps_is_not_lost(tiny_llama):
+    """An idle engine's loop runs a call between steps (an encode replica's images, a peer's
+    lease); a second call and a request that arrive while it runs are taken up after it, not left
+    waiting for a wake-up the loop cleared (an encode pool's concurrent chats hung on that)."""
+    import threading
+
+    engine = AsyncLLMEngine.from_args(tiny_llama, dtype="float32")
+    running, release = threading.Event(), threading.Event()
+
+    def slow() -> str:
+        running.set()
+        release.wait(60)
+        return "slow"
+
+    async def main():
+        first = asyncio.ensure_future(engine.between_steps(slow))
+        while not running.is_set():
+            await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(engine.between_steps(lambda: "second"))
+        stream = engine.generate("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        answer = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.1)
+        release.set()
+        # (a generous bound: only a lost wake-up reaches it)
+        assert await asyncio.wait_for(asyncio.gather(first, second), 120) == ["slow", "second"]
+        assert (await asyncio.wait_for(answer, 120)).request_id == "r"
+        async for _ in stream:
+            pass
+        await engine.shutdown()
+    asyncio.run(main())
+
+
 def test_an_engine_that_dies_sends_each_token_once_then_the_error(tiny_llama):
     """A step raises mid-stream: the consumer gets every token of the steps before exactly once
     (the last step's outputs went out while the failing step ran: once, not again with the error),
