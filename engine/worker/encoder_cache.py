@@ -109,4 +109,6 @@ class EncoderCache:
 
     def encode(self, images: list[Any]) -> list[torch.Tensor]:
         """The embeddings of each image (an encode replica's work), on the CPU."""
+        self.queries += len(images)
+        self.hits += sum(image.digest in self.kept for image in images)
         return [self.embeddings(image).cpu() for image in images]
