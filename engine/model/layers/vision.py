@@ -68,12 +68,14 @@ class _Attention(nn.Module):
         return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
-class _MLP(nn.Module):
-    def __init__(self, config: dict[str, Any], dtype: torch.dtype) -> None:
+class MLP(nn.Module):
+    """A vision transformer's MLP: fc1, the activation the config names, fc2."""
+
+    def __init__(self, hidden: int, inner: int, act: str, dtype: torch.dtype) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(config["hidden_size"], config["intermediate_size"], dtype=dtype)
-        self.fc2 = nn.Linear(config["intermediate_size"], config["hidden_size"], dtype=dtype)
-        self.act = activation(config.get("hidden_act", "quick_gelu"), "vision_config.hidden_act")
+        self.fc1 = nn.Linear(hidden, inner, dtype=dtype)
+        self.fc2 = nn.Linear(inner, hidden, dtype=dtype)
+        self.act = activation(act, "vision_config.hidden_act")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -86,7 +88,7 @@ class _Layer(nn.Module):
         self.layer_norm1 = nn.LayerNorm(hidden, eps=eps, dtype=dtype)
         self.self_attn = _Attention(hidden, config["num_attention_heads"], dtype)
         self.layer_norm2 = nn.LayerNorm(hidden, eps=eps, dtype=dtype)
-        self.mlp = _MLP(config, dtype)
+        self.mlp = MLP(hidden, config["intermediate_size"], config.get("hidden_act", "quick_gelu"), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.layers.vision import activation, load_by_name
+from engine.model.layers.vision import MLP, activation, load_by_name
 
 _VISION = ("model.visual.", "visual.")
 
@@ -75,22 +75,12 @@ class _Block(nn.Module):
         super().__init__()
         self.norm1, self.norm2 = _norm(hidden, dtype, v2_5), _norm(hidden, dtype, v2_5)
         self.attn = _Attention(hidden, config["num_heads"], dtype)
-        self.mlp = _GatedMLP(config, dtype) if v2_5 else _MLP(config, hidden, dtype)
+        act = config.get("hidden_act", "quick_gelu")
+        self.mlp = _GatedMLP(config, dtype) if v2_5 else MLP(hidden, int(hidden * config.get("mlp_ratio", 4)), act, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, bounds)
         return x + self.mlp(self.norm2(x))
-
-
-class _MLP(nn.Module):
-    def __init__(self, config: dict[str, Any], hidden: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        inner = int(hidden * config.get("mlp_ratio", 4))
-        self.fc1, self.fc2 = nn.Linear(hidden, inner, dtype=dtype), nn.Linear(inner, hidden, dtype=dtype)
-        self.act = activation(config.get("hidden_act", "quick_gelu"), "vision_config.hidden_act")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 class _GatedMLP(nn.Module):
