@@ -75,8 +75,8 @@ class _Block(nn.Module):
         super().__init__()
         self.norm1, self.norm2 = _norm(hidden, dtype, v2_5), _norm(hidden, dtype, v2_5)
         self.attn = _Attention(hidden, config["num_heads"], dtype)
-        act = config.get("hidden_act", "quick_gelu")
-        self.mlp = _GatedMLP(config, dtype) if v2_5 else MLP(hidden, int(hidden * config.get("mlp_ratio", 4)), act, dtype)
+        inner, act = int(hidden * config.get("mlp_ratio", 4)), config.get("hidden_act", "quick_gelu")
+        self.mlp = _GatedMLP(config, dtype) if v2_5 else MLP(hidden, inner, act, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, bounds)
