@@ -160,9 +160,11 @@ class ImageProcessor:
             merged = [(int(t), int(h) // self.merge, int(w) // self.merge) for t, h, w in grids.tolist()]
             lengths = [t * h * w for t, h, w in merged]
         else:       # each image's own tensors (pixel_values, LLaVA-NeXT's image_sizes): a row per image
-            if any(encoded.get("num_crops", [])):
-                raise ValueError("the model's image processor crops images (do_pan_and_scan): not supported; "
-                                 "set do_pan_and_scan false in its preprocessor_config.json")
+            pictures = len(encoded["pixel_values"])
+            if pictures != len(loaded):
+                raise ValueError(f"the model's image processor made {pictures} pictures of {len(loaded)} image(s) "
+                                 f"(Gemma 3's pan-and-scan crops?): not supported; set do_pan_and_scan false in its "
+                                 f"preprocessor_config.json")
             per_image = [{name: value[i:i + 1].clone() for name, value in encoded.items()
                           if name not in _TEXT_FIELDS and len(value) == len(loaded)}
                          for i in range(len(loaded))]
