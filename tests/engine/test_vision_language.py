@@ -226,6 +226,37 @@ def test_a_chunk_never_ends_inside_a_gemma3_image(tiny_gemma3_vl):
     engine.check_no_leaks()
 
 
+def test_a_migrated_request_and_the_offload_tier_keep_their_images(tiny_qwen2_vl):
+    """A request with an image resumed on another engine after tokens the lost one generated (the
+    router's migration: records/request.py Continuation) goes on as the whole run does, its
+    positions moved by the image as before; an image prompt's blocks evicted to the host tier come
+    back from it keyed by the image (hits, no recompute of them) with the same answer."""
+    from records.clock import monotonic
+    from records.request import Continuation, NewRequest
+
+    [(prompt, imgs)] = in_model_form(tiny_qwen2_vl, [(PROMPT, [IMAGES[0]])])
+    whole = list(_generate(LLM(tiny_qwen2_vl, dtype="float32"), [(prompt, imgs)])[0].outputs[0].token_ids)
+    engine = LLM(tiny_qwen2_vl, dtype="float32").llm_engine
+    ids, images = engine.image_processor().process(prompt, imgs)
+    engine.enqueue(NewRequest("moved", prompt, ids, GREEDY, monotonic(), continuation=Continuation(tuple(whole[:4])),
+                              images=images))
+    # (the final output holds the resumed tokens too: the 6 after them are this engine's)
+    assert list(_finish(engine, "moved").outputs[0].token_ids) == whole
+    engine.check_no_leaks()
+
+    tiered = LLM(tiny_qwen2_vl, dtype="float32", num_kv_blocks=8, max_model_len=128,
+                 kv_offloading_size=64 * 8192 / (1 << 30))          # (64 blocks of this model's 8 KiB)
+    others = in_model_form(tiny_qwen2_vl, [(PROMPT, [img]) for img in IMAGES[1:]])
+    first = _generate(tiered, [(prompt, imgs)])[0]
+    for other in others:                                            # its blocks leave the pool for the tier
+        _generate(tiered, [other])
+    again = _generate(tiered, [(prompt, imgs)])[0]
+    tier = tiered.llm_engine.stats().kv_tier
+    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids) == whole
+    assert tier.host_hit_blocks >= 1 and tier.load_failures == 0, tier     # (the block holding the image)
+    tiered.llm_engine.check_no_leaks()
+
+
 def test_mrope_positions_are_transformers(tiny_qwen2_vl):
     """records/multimodal.py's M-RoPE positions of a prompt with two images, asked for in chunks
     that start and end inside the images, and past the prompt: transformers' get_rope_index's, and
