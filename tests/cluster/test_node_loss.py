@@ -505,16 +505,19 @@ def test_an_encode_pool_encodes_images_and_its_loss_costs_none(nodes, tiny_qwen2
     on another (its images of several sizes: as many tokens each as its size makes; the decode
     replica places its positions by them, M-RoPE). (LLaVA's served path: tests/serving/test_vision.py.)
     Image requests are encoded on the encode replica (its count, the prefill replica's count of
-    embeddings it received instead of encoding, the router's decisions), their embeddings read from
+    embeddings it received instead of encoding, the router's decisions, a traced request's
+    `pdserve.encode` span naming the replica), their embeddings read from
     the object store where the prompt is prefilled, and answer as an engine of the whole model
     does, through P/D transfers; a text-only request skips the encode pool. The encode node then
     dies under a burst of image requests: every one completes with the same answers (their images encoded where they
     are prefilled), none hangs, and no replica keeps a request or a block."""
     import base64
     import io
+    import uuid
 
     import numpy as np
     import ray
+    from otlp_collector import Collector
     from PIL import Image
 
     from cluster.config import ClusterConfig
@@ -523,14 +526,16 @@ def test_an_encode_pool_encodes_images_and_its_loss_costs_none(nodes, tiny_qwen2
     from engine.llm import LLM
 
     roles = ("encode", "prefill", "decode")
+    otlp = Collector("grpc")
     encode_node = nodes.add_node(num_cpus=1, resources={"encode": 1}, node_ip_address="127.0.0.1")
     nodes.add_node(num_cpus=2, resources={"prefill": 1, "decode": 1}, node_ip_address="127.0.0.1")
     nodes.wait_for_nodes()
     name = "pdserve-epd"
     config = ClusterConfig(model=tiny_qwen2_vl, engine={"dtype": "float32", "max_model_len": 512}, mode="disaggregated",
                            pools={role: {"replicas": 1, "num_cpus": 1, "resources": {role: 1}} for role in roles},
-                           disaggregation={"connector": "nixl", "min_remote_prefill_tokens": 32}, serving=SERVING,
-                           placement_timeout_s=120, name=name)
+                           disaggregation={"connector": "nixl", "min_remote_prefill_tokens": 32},
+                           serving={**SERVING, "otlp_traces_endpoint": otlp.endpoint}, placement_timeout_s=120,
+                           name=name)
     images = [Image.fromarray((np.random.default_rng(s).random((40 + s, 50, 3)) * 255).astype("uint8"))
               for s in range(7)]
     text = "Look closely at the picture and describe every colour you can see in it. " * 2
@@ -554,14 +559,21 @@ def test_an_encode_pool_encodes_images_and_its_loss_costs_none(nodes, tiny_qwen2
         _, pools = ray.get(manager.membership.remote())
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
 
-        def chat(img) -> list[int]:
+        def chat(img, headers: dict | None = None) -> list[int]:
             content = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url(img)}}]
             out = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=8,
                                                  temperature=0, messages=[{"role": "user", "content": content}],
-                                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+                                                 extra_body={"ignore_eos": True, "return_token_ids": True},
+                                                 extra_headers=headers)
             return out.choices[0].token_ids
 
-        assert [chat(img) for img in images[:3]] == want[:3]
+        trace = uuid.uuid4().hex                    # the first chat traced: its encode hop is a span
+        assert [chat(images[0], {"traceparent": f"00-{trace}-{uuid.uuid4().hex[:16]}-01"})] + \
+            [chat(img) for img in images[1:3]] == want[:3]
+        spans = otlp.wait_for(trace, {"pdserve.request", "pdserve.encode"}, timeout_s=90)
+        (encode,) = [s for s in spans if s["name"] == "pdserve.encode"]
+        assert encode["attributes"]["pdserve.encode.outcome"] == "encoded"
+        assert encode["attributes"]["pdserve.replica"] in pools["encode"]
         (encoder,) = pools["encode"].values()
         assert ray.get(encoder.encoder_stats.remote())["encodes"] == 3
         # Where each prompt was prefilled (the prefill replica, or the decode one when little of it
@@ -586,6 +598,7 @@ def test_an_encode_pool_encodes_images_and_its_loss_costs_none(nodes, tiny_qwen2
     finally:
         shutdown(config)
         remove_engine_nodes(nodes)
+        otlp.close()
 
 
 def _decisions(base: str, pool: str) -> dict[str, float]:
