@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import records.clock as clock
 from engine.core.encoder_budget import EncoderBudget
+from engine.core.forks import Forks
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_loads import KVLoads
 from engine.core.pooling import add_rows
@@ -68,7 +69,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.pending_forks: dict[str, Request] = {}     # children waiting for their leader's prompt
+        self.forks = Forks(kv_cache_manager)            # n > 1 children waiting for their leader's prompt
         self.finished_ids: list[str] = []               # freed since the last step sent
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0             # prompt positions run through the model here
@@ -78,16 +79,11 @@ class Scheduler:
 
     # --- intake -----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request. A request with `fork_children` is an n > 1 leader: it computes the prompt
-        but its last token, then its children get references to those blocks (copy-on-write)."""
+        """Queue a request. A request with `fork_children` is an n > 1 leader (engine/core/forks.py)."""
         self.requests[request.request_id] = request
-        for child in request.fork_children:
-            self.requests[child.request_id] = child
-            self.pending_forks[child.request_id] = child
-        if request.fork_children:
-            request.compute_limit = request.num_prompt_tokens - 1
-            if request.compute_limit == 0:     # nothing to share
-                self._fork(request)
+        self.requests.update((child.request_id, child) for child in request.fork_children)
+        if self.forks.add(request):         # no prompt to share
+            self._fork(request)
         self._enqueue(request)
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
@@ -110,7 +106,7 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_FORK:
-                del self.pending_forks[rid]
+                self.forks.drop(rid)
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 assert self.loads is not None
                 self.loads.abort(request, status)    # the pull may still write into its blocks
@@ -131,10 +127,9 @@ class Scheduler:
         del self.requests[request.request_id]
         # A leader that ends before forking takes its waiting children with it (only an abort can
         # do that: the leader samples nothing before the fork).
-        for child in request.fork_children:
-            if child.request_id in self.pending_forks:
-                del self.pending_forks[child.request_id]
-                self._free(child, status)
+        for child in self.forks.waiting(request):
+            self.forks.drop(child.request_id)
+            self._free(child, status)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request runs, waits, pulls KV, or holds blocks under a lease."""
@@ -403,7 +398,7 @@ class Scheduler:
                     break            # the rest of an accepted run comes after the stop
             if emitted:
                 updated.append(request)
-            if request.compute_limit is not None and request.num_computed_tokens == request.compute_limit:
+            if self.forks.due(request):
                 self._fork(request)
         return updated
 
@@ -413,7 +408,7 @@ class Scheduler:
         registered in the prefix cache before their KV was written (blocks are cached as they are
         allocated): they leave the cache before they are freed, so no later request hits KV that
         was never computed."""
-        ended = [request, *(c for c in request.fork_children if c.request_id in self.pending_forks)]
+        ended = [request, *self.forks.waiting(request)]
         for r in ended:
             r.stop_reason = reason
         self.kv.uncache_from(request, request.num_computed_tokens)
@@ -438,20 +433,9 @@ class Scheduler:
             self._free(request, status)
 
     def _fork(self, leader: Request) -> None:
-        """Hand the leader's prompt blocks to its pending children; all continue independently."""
-        leader.compute_limit = None
-        for child in leader.fork_children:
-            if self.pending_forks.pop(child.request_id, None) is None:
-                continue
-            if leader.num_computed_tokens:
-                self.kv.fork(leader, child)
-            child.num_computed_tokens = leader.num_computed_tokens
-            child.num_cached_tokens = leader.num_cached_tokens
-            if leader.status == RequestStatus.RUNNING:
-                # They hold KV now: run beside the leader (they were counted at its admission).
-                child.status = RequestStatus.RUNNING
+        """The leader's waiting children take its prompt blocks and run beside it, or queue."""
+        for child in self.forks.fork(leader):
+            if child.status == RequestStatus.RUNNING:
                 self.running.append(child)
             else:
-                child.status = RequestStatus.WAITING
                 self._enqueue(child)
-        leader.fork_children = []
