@@ -65,8 +65,8 @@ class LLMEngine:
         self.kv_worker = self.executor.kv           # every rank's worker side (None without a connector)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.kv_connector,
                                    kvt.load_failure_policy if kvt else "recompute",
-                                   config.parallel_config.max_concurrent_batches)
-        self.scheduler.encoder.whole_images = images_attend_both_ways(config.model_config.hf_config)
+                                   config.parallel_config.max_concurrent_batches,
+                                   images_attend_both_ways(config.model_config.hf_config))
         self.in_flight: deque[SchedulerOutput] = deque()   # batches submitted, oldest first
         self.proposer = make_proposer(config, self.executor.num_blocks)
         self.spec_stats = SpecDecodeStats()

@@ -25,14 +25,15 @@ from records.request import Request
 
 
 class EncoderBudget:
-    def __init__(self, max_tokens: int, capacity_tokens: int = ENCODER_CACHE_TOKENS) -> None:
+    def __init__(self, max_tokens: int, whole_images: bool = False, capacity_tokens: int = ENCODER_CACHE_TOKENS
+                 ) -> None:
         self.max_tokens = max_tokens
+        self.whole_images = whole_images
         self.capacity_tokens = capacity_tokens
         self.kept: OrderedDict[bytes, int] = OrderedDict()      # digest -> tokens (the runner's cache)
         self.kept_tokens = 0
         self.left = max_tokens
         self.deferred = 0           # chunks cut short, or requests held back, for the budget
-        self.whole_images = False   # set by the engine for a model whose images attend both ways
 
     def new_step(self) -> None:
         self.left = self.max_tokens

@@ -55,7 +55,9 @@ class _Step:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  connector: KVConnectorScheduler | None = None, load_failure_policy: str = "recompute",
-                 max_concurrent_batches: int = 1) -> None:
+                 max_concurrent_batches: int = 1, whole_images: bool = False) -> None:
+        """`whole_images`: the model's image tokens attend both ways (no chunk ends inside an image:
+        engine/core/encoder_budget.py)."""
         self.config = config
         # Pipeline stages: up to this many batches run at once (stage s on one while stage s + 1 runs
         # another). A request is in at most one of them (`in_flight` until its output is back), and each
@@ -64,7 +66,7 @@ class Scheduler:
         self.in_flight: set[str] = set()
         self.kv = kv_cache_manager
         self.loads = KVLoads(connector, kv_cache_manager, load_failure_policy) if connector is not None else None
-        self.encoder = EncoderBudget(config.max_num_encoder_input_tokens)
+        self.encoder = EncoderBudget(config.max_num_encoder_input_tokens, whole_images)
         self.admitting = True           # False: waiting requests stay waiting (a pause, engine/weight_updates.py)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()

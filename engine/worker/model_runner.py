@@ -277,13 +277,15 @@ class ModelRunner:
         prefill_seq_lens: list[int] = []
         # Gemma 3: each prefill segment's images, whose tokens attend to one another both ways.
         both_ways = getattr(self.model, "bidirectional_images", False)
+        mrope = getattr(self.model, "mrope", None) is not None          # (its positions: _mrope_positions)
         prefill_spans: list[list[tuple[int, int]]] = []
         for req in batch:
             n = len(req.token_ids)
             base = len(input_ids)
             pos = range(req.start, req.start + n)
             input_ids.extend(req.token_ids)
-            positions.extend(pos)
+            if not mrope:
+                positions.extend(pos)
             table = req.block_ids
             if num_groups == 1:
                 slots.extend(table[p // bs] * bs + p % bs for p in pos)
@@ -335,7 +337,7 @@ class ModelRunner:
         if num_groups > 1:
             meta.groups = metas
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        if getattr(self.model, "mrope", None) is not None:
+        if mrope:
             positions = self._mrope_positions(batch)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos_t, meta, sample_rows, spec_rows, lp_rows, pool_rows

@@ -21,27 +21,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.layers.rmsnorm import RMSNorm
 from engine.model.layers.vision import MLP, activation, load_by_name
+from kernels import reference
 
 _VISION = ("model.visual.", "visual.")
 
 
-class _RMSNorm(nn.Module):
-    """Qwen2.5-VL's vision RMSNorm (in float32, scaled after the cast back)."""
+class _RMSNorm(RMSNorm):
+    """Qwen2.5-VL's vision RMSNorm: the language model's (transformers' is the same formula), its
+    normed rows alone (no residual stream here)."""
 
-    def __init__(self, hidden: int, dtype: torch.dtype, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x)[0]
 
 
 def _norm(hidden: int, dtype: torch.dtype, rms: bool) -> nn.Module:
-    return _RMSNorm(hidden, dtype) if rms else nn.LayerNorm(hidden, eps=1e-6, dtype=dtype)
+    return _RMSNorm(hidden, 1e-6, dtype) if rms else nn.LayerNorm(hidden, eps=1e-6, dtype=dtype)
 
 
 class _Attention(nn.Module):
@@ -54,20 +50,13 @@ class _Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).reshape(n, 3, self.heads, self.head_dim).permute(1, 0, 2, 3).unbind(0)
-        q, k = (_rotate(t, cos, sin) for t in (q, k))
+        # (in float32, as transformers applies the vision rotary embedding)
+        q, k = (t.to(v.dtype) for t in reference.apply_rotary(q.float(), k.float(), cos, sin))
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))                   # [heads, n, head_dim]
         # Every patch sees every other of its span (the image, or its window), none outside it.
         out = torch.cat([F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], scale=self.head_dim ** -0.5)
                          for a, b in zip(bounds, bounds[1:]) if b > a], dim=1)
         return self.proj(out.transpose(0, 1).reshape(n, -1))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The vision rotary embedding, in float32 as transformers applies it."""
-    h = x.float()
-    half = h.shape[-1] // 2
-    rotated = torch.cat((-h[..., half:], h[..., :half]), dim=-1)
-    return (h * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
 class _Block(nn.Module):

@@ -52,7 +52,9 @@ class MRoPE:
         self.which = torch.tensor(which + which)        # the position row of each of the head's dims
 
     def lookup(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        index = self.which.to(positions.device)[None, None, :].expand(1, positions.shape[1], -1)
+        if self.which.device != positions.device:
+            self.which = self.which.to(positions.device)            # (once: the model's device)
+        index = self.which[None, None, :].expand(1, positions.shape[1], -1)
         return tuple(table[positions].gather(0, index)[0] for table in (rotary.cos, rotary.sin))  # type: ignore
 
 
