@@ -31,11 +31,10 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.channel_server import ChannelServer
 from cluster.memory import drop_page_cache, engine_released, release_heap, resident_bytes
-from engine.async_engine import AsyncLLMEngine, output_error
 from pdserve_proto.kv_events import encode_kv_events
 from records.config import EngineConfig
 from records.deltas import ChannelMessage, StepDelta
@@ -47,12 +46,23 @@ from records.request import Continuation
 from records.sampling_params import SamplingParams
 from records.single_flight import SingleFlight
 
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncLLMEngine
+
 logger = logging.getLogger(__name__)
 
 MAX_EVENT_LOG = 100_000
 # An idle channel sends an empty message this often, so a channel whose ingress is gone is noticed
 # (and its requests aborted) even when none of them advances.
 CHANNEL_HEARTBEAT_S = 10.0
+
+
+def _build_engine(config: EngineConfig) -> AsyncLLMEngine:
+    # The engine (torch) is imported where one is built: a manager that only names this class to
+    # start replicas (cluster/pool.py) never pays its ~1 s import.
+    from engine.async_engine import AsyncLLMEngine  # noqa: PLC0415
+
+    return AsyncLLMEngine(config)
 
 
 def _node_id() -> str | None:
@@ -118,7 +128,7 @@ class EngineReplica:
     def load(self) -> dict[str, Any]:
         """Load the model and size the KV cache (once); returns `info()`."""
         if self.engine is None:
-            self._attach(AsyncLLMEngine(self.config))
+            self._attach(_build_engine(self.config))
         return self.info()
 
     def _attach(self, engine: AsyncLLMEngine) -> None:
@@ -166,7 +176,7 @@ class EngineReplica:
 
     async def _wake(self) -> None:
         # Built off the event loop: health checks and stats answer meanwhile.
-        self._attach(await asyncio.to_thread(AsyncLLMEngine, self.config))
+        self._attach(await asyncio.to_thread(_build_engine, self.config))
         self.asleep = 0
 
     def _engine(self) -> AsyncLLMEngine:
@@ -251,7 +261,7 @@ class EngineReplica:
 
         def sink(item: RequestOutput | BaseException) -> None:
             box.put(StepDelta.failure(request_id, item) if isinstance(item, BaseException)
-                    else StepDelta.of_output(item, output_error(item)))
+                    else StepDelta.of_output(item, item.error()))
 
         # Counted before the engine can answer (a sink may run before submit returns), and dropped
         # again if nothing runs: a leftover id would be a request the channel waits on forever.
@@ -284,7 +294,7 @@ class EngineReplica:
         """Stream one request's StepDeltas on their own; closing the stream early aborts the request
         (its blocks are freed)."""
         async for out in self._engine().generate(request_id, prompt_token_ids, _deltas(params), kv_transfer_params):
-            yield StepDelta.of_output(out, output_error(out))
+            yield StepDelta.of_output(out, out.error())
 
     async def close(self) -> None:
         """Stop serving (a simulated replica its host removes, cluster/replica_host.py): every open

@@ -34,16 +34,6 @@ IDLE_POLL_S = 0.002
 Sink = Callable[[RequestOutput | BaseException], None]
 
 
-def output_error(out: RequestOutput) -> RequestFailedError | None:
-    """The error a request ended with, if one of its choices failed: the engine's own type when it
-    gave one (KVTransferError for a pull), else RequestFailedError."""
-    failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
-    if failed is None:
-        return None
-    error = type(failed.error) if isinstance(failed.error, RequestFailedError) else RequestFailedError
-    return error(f"request {out.request_id!r} failed: {failed.stop_reason}")
-
-
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         # All of the engine's torch work (loading, the KV-cache sizing forward, every step) runs on
@@ -84,7 +74,7 @@ class AsyncLLMEngine:
         model's processor prepared them there (records/multimodal.py). Validated here, once.
         Raises ValueError for bad input and EngineDeadError if the engine is dead (nothing is
         queued then); a request that fails later reaches its sink as an output
-        with a failed choice (`output_error`) or as an exception (an output constraint that cannot
+        with a failed choice (`RequestOutput.error()`) or as an exception (an output constraint that cannot
         compile: its ValueError, since it compiles off the loop).
         Returns False, queueing nothing, when an abort of this request id came first and is still
         pending (a caller's abort can overtake its submit: they travel as separate calls)."""
@@ -151,7 +141,7 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
-                error = output_error(item)
+                error = item.error()
                 if error is not None:
                     raise error
                 yield item

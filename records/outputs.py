@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from records.errors import RequestFailedError
+
 
 # --- engine -> user (vLLM's shapes) ----------------------------------------------------------------
 @dataclass(slots=True)
@@ -52,3 +54,12 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     embedding: list[float] | None = None       # an embedding request's pooled vector, once finished
     weight_version: str | None = None          # the weights that produced its latest tokens
+
+    def error(self) -> RequestFailedError | None:
+        """The error the request ended with, if one of its choices failed: the engine's own type when
+        it gave one (KVTransferError for a pull), else RequestFailedError."""
+        failed = next((c for c in self.outputs if c.finish_reason == "error"), None)
+        if failed is None:
+            return None
+        error = type(failed.error) if isinstance(failed.error, RequestFailedError) else RequestFailedError
+        return error(f"request {self.request_id!r} failed: {failed.stop_reason}")

@@ -199,6 +199,16 @@ def test_the_http_ingress_does_not_load_the_model_code():
     assert out.stdout.strip() == ""
 
 
+def test_the_cluster_manager_starts_replicas_without_the_engine():
+    """A manager names the replica class to start its actors (cluster/pool.py): that import leaves
+    torch and transformers to the replicas that build an engine (each manager would spend ~1 s of
+    CPU importing them, a dozen managers at a time in the Ray test lane)."""
+    code = ("import sys, cluster.manager, cluster.pool, cluster.replica, cluster.replica_host\n"
+            "print(','.join(m for m in ('torch', 'transformers', 'engine.async_engine') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
 def test_records_import_without_torch():
     """The record, wire and text layers (configs, requests, params, outputs, errors, the wire
     schema, the serving spec, tokenizer and tool-call text) and the cluster spec load in a process without torch
