@@ -3,7 +3,7 @@ engine's largest share of a prefill step) with every process of a running server
 (SIGSTOP), with one group of them running, and with all of them running, alternating; and count
 each group's context switches a second while it idles.
 
-    .venv/bin/pdserve serve --config /work/bench/pd.yaml &          # any server, left idle
+    .venv/bin/pdserve serve --config my.yaml &                      # any server, left idle
     .venv/bin/python benchmarks/ray_tax.py --server-pid $(pgrep -f "pdserve serve" | head -1)
 
 The groups are Ray's own services (GCS, raylet), the Ray workers (Serve's controller and proxy, the
@@ -53,7 +53,11 @@ def switches(procs: list[psutil.Process]) -> int:
     """Context switches so far over every thread of `procs` (voluntary and not)."""
     total = 0
     for p in procs:
-        for tid in os.listdir(f"/proc/{p.pid}/task"):
+        try:
+            tids = os.listdir(f"/proc/{p.pid}/task")
+        except OSError:                     # the process is gone
+            continue
+        for tid in tids:
             try:
                 text = Path(f"/proc/{p.pid}/task/{tid}/status").read_text()
             except OSError:
