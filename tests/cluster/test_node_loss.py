@@ -28,6 +28,7 @@ import json
 import re
 import threading
 import time
+import warnings
 from dataclasses import replace as dataclasses_replace
 
 import httpx
@@ -524,18 +525,26 @@ def test_an_encode_pool_encodes_images_and_its_loss_costs_none(nodes, tiny_qwen2
     from cluster.launch import serve_cluster, shutdown
     from cluster.manager import MANAGER_NAME
     from engine.llm import LLM
+    from records.errors import StartupError
 
     roles = ("encode", "prefill", "decode")
     otlp = Collector("grpc")
-    encode_node = nodes.add_node(num_cpus=1, resources={"encode": 1}, node_ip_address="127.0.0.1")
-    nodes.add_node(num_cpus=2, resources={"prefill": 1, "decode": 1}, node_ip_address="127.0.0.1")
-    nodes.wait_for_nodes()
-    name = "pdserve-epd"
-    config = ClusterConfig(model=tiny_qwen2_vl, engine={"dtype": "float32", "max_model_len": 512}, mode="disaggregated",
-                           pools={role: {"replicas": 1, "num_cpus": 1, "resources": {role: 1}} for role in roles},
-                           disaggregation={"connector": "nixl", "min_remote_prefill_tokens": 32},
-                           serving={**SERVING, "otlp_traces_endpoint": otlp.endpoint}, placement_timeout_s=120,
-                           name=name)
+
+    def epd_config(name: str) -> ClusterConfig:
+        return ClusterConfig(model=tiny_qwen2_vl, engine={"dtype": "float32", "max_model_len": 512},
+                             mode="disaggregated",
+                             pools={role: {"replicas": 1, "num_cpus": 1, "resources": {role: 1}} for role in roles},
+                             disaggregation={"connector": "nixl", "min_remote_prefill_tokens": 32},
+                             serving={**SERVING, "otlp_traces_endpoint": otlp.endpoint}, placement_timeout_s=120,
+                             name=name)
+
+    def start(config: ClusterConfig) -> object:
+        """The encode node and the prefill / decode node added, the deployment served; the encode node."""
+        encode_node = nodes.add_node(num_cpus=1, resources={"encode": 1}, node_ip_address="127.0.0.1")
+        nodes.add_node(num_cpus=2, resources={"prefill": 1, "decode": 1}, node_ip_address="127.0.0.1")
+        nodes.wait_for_nodes()
+        serve_cluster(config, blocking=False)
+        return encode_node
     images = [Image.fromarray((np.random.default_rng(s).random((40 + s, 50, 3)) * 255).astype("uint8"))
               for s in range(7)]
     text = "Look closely at the picture and describe every colour you can see in it. " * 2
@@ -552,10 +561,27 @@ def test_an_encode_pool_encodes_images_and_its_loss_costs_none(nodes, tiny_qwen2
         want = [list(o.outputs[0].token_ids) for o in llm.generate(
             [{"prompt": prompt, "multi_modal_data": {"image": img}} for img in images],
             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
+    config = epd_config("pdserve-epd")
     try:
-        serve_cluster(config, blocking=False)
+        try:
+            encode_node = start(config)
+        except StartupError as e:
+            # Twice in ~6 clean-clone lane runs a node added here lost its raylet a moment after the
+            # raylet started its first workers: SIGKILLed (its logs end mid-run, nothing on stderr,
+            # no OOM), the GCS's health checks refused at once, the replica "never ran". Not
+            # pdserve's doing as far as its logs and code show (docs/testing.md). What this test
+            # asserts is what happens once the pools serve, so a start whose node died is retried
+            # once on fresh nodes, and says so (a warning in the run's summary).
+            if "its node has died" not in str(e):
+                raise
+            warnings.warn(f"the E/P/D start lost a node before its replicas ran; starting once more on fresh "
+                          f"nodes: {e}", stacklevel=1)
+            shutdown(config)
+            remove_engine_nodes(nodes)
+            config = epd_config("pdserve-epd-again")
+            encode_node = start(config)
         base = f"http://127.0.0.1:{config.serving.port}"
-        manager = ray.get_actor(MANAGER_NAME, namespace=name)
+        manager = ray.get_actor(MANAGER_NAME, namespace=config.name)
         _, pools = ray.get(manager.membership.remote())
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
 
