@@ -115,8 +115,9 @@ def wait_healthy(base: str, timeout_s: float = 180.0, check: Callable[[], None] 
 
 # A killed node is declared dead after about 3-5 s, not Ray's 15-30 (5 failed checks 3 s apart): the
 # node-loss tests wait on that twice or three times each. A killed raylet's checks fail at once (its
-# port is closed), so each check may wait Ray's 10 s for a live one: a 2 s timeout declared a node
-# dead that was only slow, starting three engines beside the other lane on 2 cores (2026-11-30).
+# port is closed), so each check may wait Ray's 10 s for a live one, in case a node is only slow (the
+# encode-pool failure this was first raised for turned out to be a raylet SIGKILLed at its start:
+# tests/cluster/test_node_loss.py, docs/testing.md).
 NODE_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 10000,
                       "health_check_failure_threshold": 3}
 
