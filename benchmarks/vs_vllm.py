@@ -5,7 +5,10 @@ each cell a `compare.py` run (A and B alternating over rounds), then one table o
         --concurrency 1,12,32 --rounds 2 --result vs_vllm.json
 
 Workloads (random token-id prompts, `ignore_eos`, fresh prompts every round so no round is a
-prefix-cache hit):
+prefix-cache hit; each cell draws from its own seeds, `--seed` + 1,000 x its index, because
+`make_dataset` with one seed yields the same first prompts at any count: a cell that reused its
+predecessor's seeds re-sent that cell's prompts, a prefix-cache hit for whichever server still held
+them, the one with the larger KV cache):
 - decode-heavy: 16-32 prompt tokens, 128 output tokens;
 - prefill-heavy: 512-1024 prompt tokens, 16 output tokens;
 - random-384x64: 384 prompt tokens, 64 output tokens (`vllm bench serve --dataset-name random`'s
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts-per-stream", type=int, default=3)
     ap.add_argument("--min-prompts", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="cell k's round i draws with seed + 1000 k + i")
     ap.add_argument("--result", default=None)
     args = ap.parse_args(argv)
     unknown = set(args.workloads.split(",")) - set(WORKLOADS)
@@ -55,13 +58,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cells = []
     for workload in args.workloads.split(","):
         for c in (int(x) for x in args.concurrency.split(",")):
+            seed = args.seed + 1000 * len(cells)   # rounds take seed + i; cells never share prompts
             print(f"\n=== {workload}, concurrency {c} ===", flush=True)
             out = compare.main([
                 "--a", args.a, "--b", args.b, "--label-a", args.label_a, "--label-b", args.label_b,
                 "--dataset", "random", *WORKLOADS[workload], "--concurrency", str(c),
                 "--num-prompts", str(max(args.min_prompts, args.prompts_per_stream * c)),
                 "--warmup", "2", "--rounds", str(args.rounds), "--new-prompts-per-round",
-                "--seed", str(args.seed), "--quiet"])
+                "--seed", str(seed), "--quiet"])
             medians = {label: {name: statistics.median(
                 compare.value(r[label], *(name.split(".") + [None])[:2]) for r in out["rounds"])
                 for name, _ in COLUMNS} for label in (args.label_a, args.label_b)}
