@@ -123,3 +123,33 @@ def test_plots_write_pngs(tmp_path):
     for name in ("cdf.png", "rate.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+
+
+def test_vs_vllm_cells_never_resend_each_others_prompts(monkeypatch):
+    """Every prompt of the served matrix is new to both servers: no cell (nor round) re-sends another's,
+    which would be a prefix-cache hit for whichever server still held it."""
+    import compare
+    import vs_vllm
+
+    seen: dict[tuple[int, ...], str] = {}
+
+    def fake_compare(argv: list[str]) -> dict:
+        ap = argparse.ArgumentParser(allow_abbrev=False)
+        ap.add_argument("--rounds", type=int)
+        ap.add_argument("--new-prompts-per-round", action="store_true")
+        serve.add_args(ap)
+        known, _ = ap.parse_known_args(argv)
+        cell = f"{known.input_len} c={known.concurrency}"
+        for i in range(known.rounds):
+            for r in workloads.make_dataset(argparse.Namespace(**{**vars(known), "seed": known.seed + i})):
+                key = tuple(r.prompt)
+                assert key not in seen, f"{cell} round {i} re-sends a prompt of {seen[key]}"
+                seen[key] = f"{cell} round {i}"
+        one = {"output_token_throughput": 1.0, "ttft_ms": {"median": 1.0}, "itl_ms": {"median": 1.0, "p99": 1.0}}
+        return {"rounds": [{"pdserve": one, "vllm": one}] * known.rounds,
+                "ratios": {name: 1.0 for name, _ in vs_vllm.COLUMNS}}
+
+    monkeypatch.setattr(compare, "main", fake_compare)
+    cells = vs_vllm.main(["--a", "http://127.0.0.1:1", "--b", "http://127.0.0.1:2", "--concurrency", "1,12,32",
+                          "--workloads", "decode-heavy,prefill-heavy", "--rounds", "2"])
+    assert len(cells) == 6 and len(seen) == 2 * 2 * (10 + 38 + 98)
