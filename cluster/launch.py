@@ -25,6 +25,24 @@ class Stopped(BaseException):
     """SIGINT or SIGTERM: stop serving (raised in the main thread wherever it is, startup included)."""
 
 
+class RayStopped(Exception):
+    """The Ray this launcher started lost its GCS or raylet: nothing deployed on it can answer."""
+
+
+def check_local_ray() -> None:
+    """RayStopped when the GCS or the raylet of the Ray this process started has exited (`ray stop`,
+    the OOM killer). A look at this process's own children, no call to Ray: a call to a dead GCS
+    blocks while Ray's driver retries it for a minute (spinning a core) before ending the process
+    with a line of its own. A Ray started elsewhere (an address, `ray job submit`) is not checked."""
+    import ray  # noqa: PLC0415
+    from ray._private import ray_constants  # noqa: PLC0415
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    for kind, process in node.dead_processes() if node is not None else ():
+        if kind in (ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET):
+            raise RayStopped(f"the local Ray's {kind} exited (code {process.returncode})")
+
+
 def catch_stop_signals() -> None:
     """Turn SIGINT and SIGTERM into `Stopped` in the main thread. Call again after Ray and Serve
     start: they install handlers of their own in the driver."""
@@ -74,6 +92,7 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
     print(f"pdserve: starting on {url}/v1 (/health answers 503 until the pools serve)", flush=True)
     waiting: set[str] = set()
     while True:
+        check_local_ray()
         statuses = ray.get([m.status.remote() for m in managers], timeout=60)
         for deployment, status in zip(deployments, statuses):
             at = f"model {deployment.serving.served_model_names[0]}: " if config.models is not None else ""
@@ -89,6 +108,7 @@ def serve_cluster(config: ClusterConfig, blocking: bool = True, poll_s: float = 
     grpc_note = f", gRPC on port {config.serving.grpc_port}" if config.serving.grpc_port else ""
     print(f"pdserve: serving on {url}/v1{grpc_note} ({_describe(config)})", flush=True)
     while blocking:
+        check_local_ray()
         time.sleep(1.0)
 
 
@@ -222,6 +242,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except (PlacementError, StartupError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr, flush=True)
         code = 2
+    except RayStopped as e:
+        print(f"pdserve: error: {e}: stopping", file=sys.stderr, flush=True)
+        code, deployed = 1, False       # nothing to tear down through a dead GCS (that would block)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)     # tear down without a second interruption
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

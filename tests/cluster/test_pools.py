@@ -692,6 +692,37 @@ def _listening_beyond_loopback(procs: list) -> list[str]:
 
 
 @pytest.mark.ray
+def test_pdserve_serve_stops_with_an_error_when_its_ray_dies(tiny_llama, tmp_path):
+    """The GCS of the Ray `pdserve serve` started, killed under it while it serves (`ray stop --force`,
+    the OOM killer): the launcher says so and exits 1, instead of Ray's driver spinning a core on
+    a minute of reconnecting before it ends the process with a line of its own."""
+    port = free_port()
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"model: {tiny_llama}\nmode: colocated\npools: {{decode: {{}}}}\nserving: {{port: {port}}}\n")
+    proc = _start_pdserve("--config", str(spec))
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("pdserve: serving on"):
+                break
+        assert proc.poll() is None, "".join(seen)[-3000:]
+        ray_procs = _descendants(proc.pid)
+        gcs = [p for p in ray_procs if p.name() == "gcs_server"]
+        assert len(gcs) == 1, [p.name() for p in ray_procs]
+        gcs[0].kill()
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 1, ("".join(seen) + output)[-3000:]
+        assert "pdserve: error: the local Ray's gcs_server exited (code -9): stopping" in output, output[-3000:]
+        assert "Traceback" not in output and "Failed to connect to GCS" not in output, output[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for p in _descendants(proc.pid) + [p for p in locals().get("ray_procs", []) if p.is_running()]:
+            p.kill()
+
+
+@pytest.mark.ray
 def test_sigint_during_startup_exits_cleanly(tiny_llama):
     """Ctrl-C while the pools are still loading and Serve starts: the launcher tears down what it
     started and exits 0. (/health's 503 while the pools load: test_node_loss.py's ramp.)"""
