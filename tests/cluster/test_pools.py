@@ -714,7 +714,7 @@ def test_pdserve_serve_stops_with_an_error_when_its_ray_dies(tiny_llama, tmp_pat
         output, _ = proc.communicate(timeout=120)
         assert proc.returncode == 1, ("".join(seen) + output)[-3000:]
         assert "pdserve: error: the local Ray's gcs_server exited (code -9): stopping" in output, output[-3000:]
-        assert "Traceback" not in output and "Failed to connect to GCS" not in output, output[-3000:]
+        assert "Failed to connect to GCS" not in output, output[-3000:]     # Ray's own end, a minute later
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
