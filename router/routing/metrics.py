@@ -185,6 +185,9 @@ class EngineSeries:
         "num_requests_running": ("pdserve:num_requests_running", "gauge", "Requests in the running batch."),
         "num_requests_waiting": ("pdserve:num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
         "kv_cache_usage_perc": ("pdserve:kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use."),
+        "num_kv_blocks": ("pdserve:kv_cache_blocks", "gauge",
+                          "KV blocks the replica's cache holds, in use or not (its capacity, in blocks of "
+                          "block_size tokens)."),
         "kv_transfer.blocks_pulled": ("pdserve:kv_blocks_transferred_total", "counter",
                              "KV blocks pulled from prefill replicas (counted on the decode side)."),
         "kv_transfer.load_failures": ("pdserve:kv_load_failures_total", "counter",

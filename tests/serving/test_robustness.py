@@ -57,6 +57,9 @@ def test_disconnects_free_every_block(server, eventually_no_leaks, tiny_llama):
     metrics = httpx.get(f"{server['base']}/metrics", headers=auth()).text
     assert "pdserve:time_to_first_token_seconds_count" in metrics
     assert 'pdserve:kv_cache_usage_perc{pool="decode",replica="decode-0"}' in metrics
+    decode0 = ray.get(server["managers"][0].replicas.remote("decode"))["decode-0"]
+    assert metric(metrics, "pdserve:kv_cache_blocks", pool="decode", replica="decode-0") == \
+        ray.get(decode0.stats.remote()).engine.num_kv_blocks > 0
     assert httpx.post(f"{server['base']}/v1/completions", headers=auth(),
                       json={"model": model, "prompt": "ok", "max_tokens": 2}).status_code == 200
 
