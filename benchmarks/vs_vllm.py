@@ -14,6 +14,9 @@ them, the one with the larger KV cache):
 - random-384x64: 384 prompt tokens, 64 output tokens (`vllm bench serve --dataset-name random`'s
   shape as users run it first).
 A cell sends `--prompts-per-stream` x its concurrency timed requests (at least `--min-prompts`).
+Each cell also reports the prompt tokens each server's prefix cache served during it (its
+`prefix_cache_hits_total` counter, pdserve's or vLLM's, before and after the cell), and warns where
+that is not 0: every prompt is new, so a hit means the comparison is not the one it claims to be.
 Start both servers first; docs/perf/journal.md §1 says how vLLM's CPU build is installed and started.
 """
 from __future__ import annotations
@@ -27,6 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compare
+import httpx
+import serve
 
 WORKLOADS = {
     "decode-heavy": ["--input-len", "16:32", "--output-len", "128"],
@@ -34,8 +39,20 @@ WORKLOADS = {
     # `vllm bench serve`'s random dataset as users run it first (384 in / 64 out)
     "random-384x64": ["--input-len", "384", "--output-len", "64"],
 }
+HIT_COUNTERS = ["pdserve:prefix_cache_hits_total", "vllm:prefix_cache_hits_total"]
 COLUMNS = [("output_token_throughput", "tok/s"), ("ttft_ms.median", "TTFT p50 ms"),
            ("itl_ms.median", "ITL p50 ms"), ("itl_ms.p99", "ITL p99 ms")]
+
+
+def prefix_cache_hits(url: str) -> float | None:
+    """Prompt tokens the server's prefix cache has served so far (its counter under pdserve's or
+    vLLM's name, every series summed), or None where its /metrics does not answer."""
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/metrics", timeout=30)
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    return sum(serve.parse_prometheus(r.text, HIT_COUNTERS).values())
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -60,6 +77,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for c in (int(x) for x in args.concurrency.split(",")):
             seed = args.seed + 1000 * len(cells)   # rounds take seed + i; cells never share prompts
             print(f"\n=== {workload}, concurrency {c} ===", flush=True)
+            urls = {args.label_a: args.a, args.label_b: args.b}
+            hits_before = {label: prefix_cache_hits(url) for label, url in urls.items()}
             out = compare.main([
                 "--a", args.a, "--b", args.b, "--label-a", args.label_a, "--label-b", args.label_b,
                 "--dataset", "random", *WORKLOADS[workload], "--concurrency", str(c),
@@ -69,8 +88,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             medians = {label: {name: statistics.median(
                 compare.value(r[label], *(name.split(".") + [None])[:2]) for r in out["rounds"])
                 for name, _ in COLUMNS} for label in (args.label_a, args.label_b)}
+            hits = {label: None if hits_before[label] is None or (after := prefix_cache_hits(url)) is None
+                    else after - hits_before[label] for label, url in urls.items()}
+            print(f"prefix-cache hit tokens in this cell: {hits}", flush=True)
+            for label, n in hits.items():
+                if n:
+                    print(f"warning: {label}'s prefix cache served {n:.0f} prompt tokens of this cell: its prompts "
+                          f"were not all new to it, so the cell does not compare what it says", flush=True)
             cells.append({"workload": workload, "concurrency": c, "medians": medians,
-                          "ratios": {name: out["ratios"][name] for name, _ in COLUMNS}})
+                          "ratios": {name: out["ratios"][name] for name, _ in COLUMNS},
+                          "prefix_cache_hit_tokens": hits})
     a, b = args.label_a, args.label_b
     print("\n| workload | c | " + " | ".join(f"{title} {a} / {b} ({a}/{b})" for _, title in COLUMNS) + " |")
     print("|---|---|" + "---|" * len(COLUMNS))

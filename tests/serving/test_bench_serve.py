@@ -153,3 +153,6 @@ def test_vs_vllm_cells_never_resend_each_others_prompts(monkeypatch):
     cells = vs_vllm.main(["--a", "http://127.0.0.1:1", "--b", "http://127.0.0.1:2", "--concurrency", "1,12,32",
                           "--workloads", "decode-heavy,prefill-heavy", "--rounds", "2"])
     assert len(cells) == 6 and len(seen) == 2 * 2 * (10 + 38 + 98)
+    assert cells[0]["prefix_cache_hit_tokens"] == {"pdserve": None, "vllm": None}    # no /metrics there
+    text = '# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{engine="0"} 48.0\n'
+    assert serve.parse_prometheus(text, vs_vllm.HIT_COUNTERS) == {'vllm:prefix_cache_hits_total{engine="0"}': 48.0}
