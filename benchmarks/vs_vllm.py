@@ -73,11 +73,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if unknown:
         ap.error(f"--workloads: unknown {sorted(unknown)}; choose from {list(WORKLOADS)}")
     cells = []
+    urls = {args.label_a: args.a, args.label_b: args.b}
     for workload in args.workloads.split(","):
         for c in (int(x) for x in args.concurrency.split(",")):
             seed = args.seed + 1000 * len(cells)   # rounds take seed + i; cells never share prompts
             print(f"\n=== {workload}, concurrency {c} ===", flush=True)
-            urls = {args.label_a: args.a, args.label_b: args.b}
             hits_before = {label: prefix_cache_hits(url) for label, url in urls.items()}
             out = compare.main([
                 "--a", args.a, "--b", args.b, "--label-a", args.label_a, "--label-b", args.label_b,
@@ -88,8 +88,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             medians = {label: {name: statistics.median(
                 compare.value(r[label], *(name.split(".") + [None])[:2]) for r in out["rounds"])
                 for name, _ in COLUMNS} for label in (args.label_a, args.label_b)}
-            hits = {label: None if hits_before[label] is None or (after := prefix_cache_hits(url)) is None
-                    else after - hits_before[label] for label, url in urls.items()}
+            hits = {}
+            for label, url in urls.items():
+                after = prefix_cache_hits(url)
+                hits[label] = None if after is None or hits_before[label] is None else after - hits_before[label]
             print(f"prefix-cache hit tokens in this cell: {hits}", flush=True)
             for label, n in hits.items():
                 if n:
