@@ -1,6 +1,8 @@
 """The compiled CPU kernel set: the contracts of kernels.reference, with decode and prefill attention,
 RMSNorm, rotary, silu-and-mul and the K/V slot write as C++ kernels (kernels/csrc/: cpu_ops.cpp,
-prefill_attention.cpp, and common.h for what they share).
+prefill_attention.cpp, and common.h for what they share). The library also holds the GGUF, LoRA and
+MoE kernels and a bf16 GEMM on AVX512-BF16's dot products (bf16_gemm.cpp, which
+engine/model/layers/cpu_gemm.py chooses over oneDNN's where it times faster).
 
 The reference gathers every sequence's blocks into a padded copy and runs SDPA over it; the C++
 decode kernel instead walks each sequence's own blocks once (K and V of all heads of a token are one
@@ -62,7 +64,7 @@ __all__ = ["apply_rotary", "copy_blocks", "decode_attention", "fp8_linear", "gat
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = tuple(os.path.join(CSRC, name) for name in ("cpu_ops.cpp", "prefill_attention.cpp", "gguf_linear.cpp",
-                                                      "lora.cpp", "moe.cpp"))
+                                                      "lora.cpp", "moe.cpp", "bf16_gemm.cpp"))
 HEADERS = (os.path.join(CSRC, "common.h"),)
 # Head sizes and dtypes the C++ attention kernels are instantiated for; others run the reference.
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)

@@ -1,17 +1,30 @@
-"""The CPU linear paths (prepacked bf16 and fp32 weights, fp32 GEMM for bf16 prefill) against plain
-F.linear (their reference)."""
+"""The CPU linear paths (prepacked bf16 and fp32 weights, pdserve's own bf16 GEMM, fp32 GEMM for bf16
+prefill) against plain F.linear (their reference)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.layers.cpu_gemm import CPU_FP32_MIN_ROWS, cpu_fp32_gemm, linear, packed_linear, prepack
+import engine.model.layers.cpu_gemm as cpu_gemm
+from engine.model.layers.cpu_gemm import (
+    CPU_FP32_MIN_ROWS,
+    Bf16Panels,
+    cpu_fp32_gemm,
+    linear,
+    own_bf16_gemm,
+    packed_linear,
+    prepack,
+)
 from engine.model.layers.linear import Linear
+
+needs_own_gemm = pytest.mark.skipif(not cpu_gemm._own_gemm_built(),
+                                    reason="pdserve's bf16 GEMM needs a CPU with AVX512-BF16 and the C++ kernels")
 
 
 @pytest.mark.parametrize("rows", [1, 7, CPU_FP32_MIN_ROWS - 1])
-def test_prepacked_path_is_bit_identical_to_f_linear(rows):
+def test_prepacked_path_is_bit_identical_to_f_linear(rows, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", "0")                  # oneDNN's prepacked weight
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 64, generator=g).bfloat16()
     b = torch.randn(96, generator=g).bfloat16()
@@ -37,6 +50,7 @@ def test_many_rows_run_in_fp32_and_round_once(monkeypatch):
 @pytest.mark.parametrize("fp32_gemm", ["0", "1"])
 def test_many_rows_take_the_chosen_gemm(monkeypatch, fp32_gemm):
     monkeypatch.setenv("PDSERVE_CPU_FP32_GEMM", fp32_gemm)
+    monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", "0")
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 640, generator=g).bfloat16()
     x = torch.randn(CPU_FP32_MIN_ROWS + 5, 640, generator=g).bfloat16()
@@ -105,3 +119,89 @@ def test_fp32_prepacked_path_matches_f_linear(monkeypatch):
             torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     monkeypatch.undo()
     assert lin.fp32_packed_min_rows() in (1, 2, lin.CPU_FP32_PACKED_MIN_ROWS)      # this CPU's own timing
+
+
+@needs_own_gemm
+@pytest.mark.parametrize("rows,in_features,out_features,bias", [
+    (1, 576, 960, False), (5, 577, 100, True), (6, 64, 17, True), (13, 1536, 576, False), (32, 576, 3072, True),
+    (97, 130, 64, False), (300, 64, 65, True), (0, 64, 64, False)])
+def test_own_bf16_gemm_matches_fp32_and_onednn(rows, in_features, out_features, bias):
+    """pdserve's bf16 GEMM (kernels/csrc/bf16_gemm.cpp) against the fp32 product of the same bf16
+    values rounded once (its reference) and oneDNN's bf16 GEMM: every row-block size (1-6 rows and
+    their mixes), odd input features, outputs not a multiple of its 64-column panels, bias."""
+    g = torch.Generator().manual_seed(rows + in_features)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    out = Bf16Panels(w).matmul(x, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    exact = F.linear(x.float(), w.float(), None if b is None else b.float())
+    # fp32 sums in another order than the reference's, then one rounding to bf16: within a bf16 ulp
+    torch.testing.assert_close(out.float(), exact, rtol=8e-3, atol=1e-2)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=8e-3, atol=1e-2)
+
+
+@needs_own_gemm
+def test_own_bf16_gemm_rows_do_not_depend_on_their_batch():
+    """Each output is one sum in one order whatever the rows beside it, their block or their thread:
+    a row alone, in a batch of 7 and in one of 200 (3-D, from a strided view) gives the same bits."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 1536, generator=g).bfloat16()
+    panels = Bf16Panels(w)
+    x = torch.randn(200, 1536, generator=g).bfloat16()
+    whole = panels.matmul(x[::1].view(8, 25, 1536))
+    assert whole.shape == (8, 25, 200)
+    assert torch.equal(panels.matmul(x[:7]), whole.view(200, 200)[:7])
+    assert torch.equal(panels.matmul(x[3:4]), whole.view(200, 200)[3:4])
+    strided = torch.randn(200, 3000, generator=g).bfloat16()[:, :1536]
+    assert torch.equal(panels.matmul(strided), panels.matmul(strided.contiguous()))
+
+
+@needs_own_gemm
+def test_own_bf16_gemm_is_what_linear_takes_where_chosen(monkeypatch):
+    """With PDSERVE_CPU_BF16_GEMM=1 a bf16 weight is prepacked in the own GEMM's panels and linear()
+    multiplies by them (prefill-sized batches too, unless fp32 GEMM is chosen); with 0, oneDNN's."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    x = torch.randn(CPU_FP32_MIN_ROWS + 5, 64, generator=g).bfloat16()
+    monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", "1")
+    monkeypatch.setenv("PDSERVE_CPU_FP32_GEMM", "0")
+    packed = prepack(w)
+    assert type(packed) is Bf16Panels
+    calls = []
+    real = Bf16Panels.matmul
+    monkeypatch.setattr(Bf16Panels, "matmul", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
+    for rows in (1, 7, x.shape[0]):
+        assert torch.equal(linear(x[:rows], w, None, packed), real(packed, x[:rows]))
+    assert calls == [1, 7, x.shape[0]]
+    assert packed_linear(x[:2], packed).shape == (2, 96)
+    layer = Linear(64, 96, dtype=torch.bfloat16)
+    layer.weight.data.copy_(w)
+    layer.process_weights_after_loading()
+    assert type(layer.packed) is Bf16Panels and torch.equal(layer(x[:3]), real(packed, x[:3]))
+    monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", "0")
+    assert type(prepack(w)) is not Bf16Panels
+    assert type(prepack(w.half())) is not Bf16Panels             # fp16 weights stay oneDNN's
+
+
+def test_own_bf16_gemm_choice(monkeypatch):
+    """auto decides once per process (and only where the kernel is built); 1 where it cannot run is a
+    clear error; a bad value names the allowed ones."""
+    monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", "auto")
+    chosen = own_bf16_gemm()
+    assert isinstance(chosen, bool) and own_bf16_gemm() is chosen
+    if not cpu_gemm._own_gemm_built():
+        assert chosen is False
+    monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", "0")
+    assert own_bf16_gemm() is False
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx2", "fma", "f16c"})   # an AVX2-only CPU
+    for value in ("auto", "1"):
+        monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", value)
+        if value == "auto":
+            assert own_bf16_gemm() is False and type(prepack(torch.randn(8, 4).bfloat16())) is not Bf16Panels
+        else:
+            with pytest.raises(ValueError, match="PDSERVE_CPU_BF16_GEMM=1 needs .* AVX512-BF16"):
+                own_bf16_gemm()
+    monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", "fast")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_BF16_GEMM must be auto, 0 or 1"):
+        own_bf16_gemm()

@@ -1,7 +1,8 @@
 """CPU GEMM paths for the linear layers: `linear()` is `F.linear` with the faster of exact-enough
 paths, chosen by the number of rows and by what this CPU was timed to do faster (once per process):
-oneDNN-prepacked weights (`prepack`, `packed_linear`), fp32 GEMM on upcast operands for
-prefill-sized bf16/fp16 batches (`cpu_fp32_gemm`). benchmarks/cpu_linear.py prints both sides.
+prepacked weights (`prepack`, `packed_linear`) for oneDNN's GEMM or, bf16 on a CPU with AVX512-BF16,
+for pdserve's own (`own_bf16_gemm`, kernels/csrc/bf16_gemm.cpp), and fp32 GEMM on upcast operands for
+prefill-sized bf16/fp16 batches (`cpu_fp32_gemm`). benchmarks/cpu_linear.py prints the sides.
 """
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
 from kernels.cpu_ops import has_amx
+from kernels.dispatch import kernels_for
+from records.cpu_flags import cpu_flags
 
 # At or above this many rows, a bf16/fp16 matmul on CPU may run as fp32 GEMM on upcast operands:
 # below ~64 rows the weight upcast costs more than a faster GEMM could save.
@@ -36,6 +40,69 @@ CPU_FP32_PACKED_MIN_ROWS = 8
 # the Zen 1 this timing measured 1.20-1.26x in six processes, which 1.25 split at random between a
 # 51.5 and a 59.9 ms batch-1 step of the embedded model.
 CPU_FP32_ROWS_MIN_SPEEDUP = 1.1
+
+
+# pdserve's own bf16 GEMM replaces oneDNN's where this CPU runs it this much faster at a decode step's
+# size (32 rows, weights streamed from memory as a model's are: 1.2-1.4x on a Zen 5 EPYC, docs/perf/journal.md §45)
+# and at least CPU_OWN_GEMM_PREFILL_MIN_RATIO as fast at a prefill's (256 rows: 1.03-1.08x there).
+CPU_OWN_GEMM_MIN_SPEEDUP = 1.1
+CPU_OWN_GEMM_PREFILL_MIN_RATIO = 0.95
+
+
+class Bf16Panels:
+    """A bf16 weight [out_features, in_features] packed for pdserve's own GEMM (`bf16_pack`: panels of
+    64 output columns, K in pairs), which `packed_linear` multiplies by; what `prepack` returns for a
+    bf16 weight where `own_bf16_gemm()`."""
+
+    __slots__ = ("panels", "out_features")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.panels = torch.ops.pdserve_cpu.bf16_pack(weight.detach())
+        self.out_features = weight.shape[0]
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.pdserve_cpu.bf16_linear(x, self.panels, self.out_features, bias)
+
+
+def own_bf16_gemm() -> bool:
+    """Whether bf16 CPU linears run pdserve's own GEMM (kernels/csrc/bf16_gemm.cpp) instead of oneDNN's.
+
+    `PDSERVE_CPU_BF16_GEMM=auto|0|1` (default auto). auto: where the C++ CPU kernels are the kernel
+    set, the CPU has AVX512-BF16 and no AMX (oneDNN's AMX GEMM is several times any dot-product
+    kernel), and timing once per process (~0.3 s) finds it CPU_OWN_GEMM_MIN_SPEEDUP faster at decode
+    size without losing at prefill size. 1 forces it (an error where it is not built), 0 keeps oneDNN.
+    """
+    value = os.environ.get("PDSERVE_CPU_BF16_GEMM", "auto")
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"PDSERVE_CPU_BF16_GEMM must be auto, 0 or 1; got {value!r}")
+    if value == "0":
+        return False
+    built = _own_gemm_built()
+    if value == "1" and not built:
+        raise ValueError("PDSERVE_CPU_BF16_GEMM=1 needs the C++ CPU kernels (PDSERVE_KERNELS auto or cpu) on a "
+                         "CPU with AVX512-BF16; this one has neither or not both")
+    return built and (value == "1" or (not has_amx(torch.bfloat16) and _own_gemm_is_faster()))
+
+
+def _own_gemm_built() -> bool:
+    return "avx512_bf16" in cpu_flags() and kernels_for(torch.empty(0)) is cpu_ops
+
+
+@functools.cache
+def _own_gemm_is_faster() -> bool:
+    """CPU_OWN_GEMM_MIN_SPEEDUP at 32 rows on weights cycled from memory (28 MB, as a model's stream
+    by), and CPU_OWN_GEMM_PREFILL_MIN_RATIO at 256 rows; each alternating with oneDNN's."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(1536, 576, generator=g).bfloat16() for _ in range(16)]   # a small model's MLP projection
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    own = [Bf16Panels(w) for w in weights]
+    for rows, count, least in ((32, 16, CPU_OWN_GEMM_MIN_SPEEDUP), (256, 4, CPU_OWN_GEMM_PREFILL_MIN_RATIO)):
+        x = torch.randn(rows, 576, generator=g).bfloat16()
+        theirs, ours = _best_alternating(lambda x=x: [_onednn_linear(x, p) for p in onednn[:count]],
+                                         lambda x=x: [p.matmul(x) for p in own[:count]], rounds=3)
+        if theirs < least * ours:
+            return False
+    return True
 
 
 def cpu_fp32_gemm(dtype: torch.dtype) -> bool:
@@ -111,12 +178,17 @@ def cpu_prepack_enabled() -> bool:
     return value == "1"
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """A oneDNN-blocked copy of a CPU weight for `linear()`, or None where it does not apply: bf16 and
-    fp16 weights always (where oneDNN has the path), fp32 weights where this CPU runs oneDNN's
-    prepacked fp32 GEMM faster than F.linear (`_fp32_prepack_pays`)."""
+def prepack(weight: torch.Tensor) -> torch.Tensor | Bf16Panels | None:
+    """A packed copy of a CPU weight for `linear()`, or None where it does not apply: bf16 weights in
+    pdserve's own GEMM's panels where `own_bf16_gemm()`; else a oneDNN-blocked copy, bf16 and fp16
+    weights always (where oneDNN has the path), fp32 weights where this CPU runs oneDNN's prepacked
+    fp32 GEMM faster than F.linear (`_fp32_prepack_pays`)."""
     if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32)
-            or not torch.backends.mkldnn.is_available() or not cpu_prepack_enabled()):
+            or not cpu_prepack_enabled()):
+        return None
+    if weight.dtype == torch.bfloat16 and own_bf16_gemm():
+        return Bf16Panels(weight)
+    if not torch.backends.mkldnn.is_available():
         return None
     if weight.dtype == torch.float32 and not _fp32_prepack_pays():
         return None
@@ -165,7 +237,7 @@ def fp32_packed_min_rows() -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: torch.Tensor | Bf16Panels | None = None) -> torch.Tensor:
     """`F.linear`, with faster CPU paths.
 
     fp32 with a prepacked weight (where `prepack` found it faster) and at least
@@ -173,8 +245,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     another order. bf16/fp16: many rows (prefill) on a CPU where
     `cpu_fp32_gemm` finds it faster: fp32 GEMM on upcast operands, rounded back to x's dtype.
     Products of bf16 values are exact in fp32 and oneDNN's bf16 GEMM accumulates in fp32 too, so the
-    two differ only in summation order. Otherwise: the prepacked weight, the same oneDNN kernel as
-    F.linear without reordering the weight on every call (bit-identical to F.linear).
+    two differ only in summation order. Otherwise the prepacked weight: pdserve's own bf16 GEMM (fp32
+    sums of bf16 pair products as oneDNN's, in one order over K whatever the batch; on a Zen 5 EPYC
+    99.98-100% of its outputs equal oneDNN's), or the same oneDNN kernel as F.linear without
+    reordering the weight on every call (bit-identical to F.linear).
     """
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
@@ -190,6 +264,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b with a weight from `prepack` (oneDNN; bf16/fp16: bit-identical to F.linear)."""
+def packed_linear(x: torch.Tensor, packed: torch.Tensor | Bf16Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b with a weight from `prepack` (oneDNN's: bf16/fp16 bit-identical to F.linear)."""
+    if type(packed) is Bf16Panels:
+        return packed.matmul(x, bias)
+    return _onednn_linear(x, packed, bias)
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
