@@ -30,6 +30,7 @@ from offline import make_prompts
 
 import engine.worker.model_runner as model_runner
 from engine import LLM, SamplingParams
+from engine.worker.cpu_decode import CpuDecodePlan
 
 PARTS = ["schedule", "prepare", "forward", "logits", "sample", "update", "outputs"]
 
@@ -82,6 +83,7 @@ class StepTimer:
         self._wrap("schedule", engine.scheduler, "schedule")
         self._wrap("prepare", runner, "_prepare")
         self._wrap("forward", runner.model, "forward")
+        self._wrap("forward", CpuDecodePlan, "run")             # the CPU decode plan's flat forward
         self._wrap("logits", runner.model, "compute_logits")
         self._wrap("sample", model_runner, "sample")
         self._wrap("sample", model_runner, "greedy_ids")         # rows that only take their argmax
