@@ -247,7 +247,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Products of bf16 values are exact in fp32 and oneDNN's bf16 GEMM accumulates in fp32 too, so the
     two differ only in summation order. Otherwise the prepacked weight: pdserve's own bf16 GEMM (fp32
     sums of bf16 pair products as oneDNN's, in one order over K whatever the batch; on a Zen 5 EPYC
-    99.98-100% of its outputs equal oneDNN's), or the same oneDNN kernel as F.linear without
+    99.97-100% of its outputs equal oneDNN's), or the same oneDNN kernel as F.linear without
     reordering the weight on every call (bit-identical to F.linear).
     """
     if x.device.type != "cpu":
