@@ -21,7 +21,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.nn.functional as F
 
-from engine.model.layers.cpu_gemm import Bf16Panels, _own_gemm_built, cpu_fp32_gemm, linear, own_bf16_gemm, prepack
+from engine.model.layers.cpu_gemm import (
+    Bf16Panels,
+    cpu_fp32_gemm,
+    linear,
+    own_bf16_gemm,
+    own_bf16_gemm_built,
+    packed_linear,
+    prepack,
+)
 
 
 def per_call_us(fn, items: list, repeat: int) -> float:
@@ -45,7 +53,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--weights", type=int, default=16, help="copies of each weight, taken in turn")
     args = ap.parse_args()
-    own = _own_gemm_built()
+    own = own_bf16_gemm_built()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; own bf16 GEMM built: {own}, "
           f"chosen: {own_bf16_gemm()}; fp32 GEMM for many bf16 rows: {cpu_fp32_gemm(torch.bfloat16)}")
     nan = float("nan")
@@ -58,8 +66,7 @@ def main() -> None:
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k, dtype=torch.bfloat16)
             plain = per_call_us(lambda w: F.linear(x, w), ws, args.repeat)
-            pk = per_call_us(lambda p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), onednn,
-                             args.repeat)
+            pk = per_call_us(lambda p: packed_linear(x, p), onednn, args.repeat)
             ours = per_call_us(lambda p: p.matmul(x), panels, args.repeat) if own else nan
             up = per_call_us(lambda w: F.linear(x.float(), w.float()).bfloat16(), ws, args.repeat)
             lin = per_call_us(lambda wp: linear(x, wp[0], None, wp[1]), chosen, args.repeat)

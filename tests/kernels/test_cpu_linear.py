@@ -18,7 +18,7 @@ from engine.model.layers.cpu_gemm import (
 )
 from engine.model.layers.linear import Linear
 
-needs_own_gemm = pytest.mark.skipif(not cpu_gemm._own_gemm_built(),
+needs_own_gemm = pytest.mark.skipif(not cpu_gemm.own_bf16_gemm_built(),
                                     reason="pdserve's bf16 GEMM needs a CPU with AVX512-BF16 and the C++ kernels")
 
 
@@ -190,7 +190,7 @@ def test_own_bf16_gemm_choice(monkeypatch):
     monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", "auto")
     chosen = own_bf16_gemm()
     assert isinstance(chosen, bool) and own_bf16_gemm() is chosen
-    if not cpu_gemm._own_gemm_built():
+    if not cpu_gemm.own_bf16_gemm_built():
         assert chosen is False
     monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", "0")
     assert own_bf16_gemm() is False

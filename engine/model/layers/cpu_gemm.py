@@ -77,14 +77,15 @@ def own_bf16_gemm() -> bool:
         raise ValueError(f"PDSERVE_CPU_BF16_GEMM must be auto, 0 or 1; got {value!r}")
     if value == "0":
         return False
-    built = _own_gemm_built()
+    built = own_bf16_gemm_built()
     if value == "1" and not built:
         raise ValueError("PDSERVE_CPU_BF16_GEMM=1 needs a CPU with AVX512-BF16 and the C++ CPU kernels as the "
                          "kernel set (PDSERVE_KERNELS auto or cpu); here one of the two is missing")
     return built and (value == "1" or (not has_amx(torch.bfloat16) and _own_gemm_is_faster()))
 
 
-def _own_gemm_built() -> bool:
+def own_bf16_gemm_built() -> bool:
+    """Whether pdserve's own bf16 GEMM can run here: AVX512-BF16 and the C++ CPU kernels as the set."""
     return "avx512_bf16" in cpu_flags() and kernels_for(torch.empty(0)) is cpu_ops
 
 
@@ -103,7 +104,7 @@ def _own_gemm_is_faster() -> bool:
     for rows, count, calls, least in ((32, 16, 1, CPU_OWN_GEMM_MIN_SPEEDUP),
                                       (256, 1, 2, CPU_OWN_GEMM_PREFILL_MIN_RATIO)):
         x = torch.randn(rows, 576, generator=g).bfloat16()
-        theirs, ours = _best_alternating(lambda x=x: [_onednn_linear(x, p) for p in onednn[:count]],
+        theirs, ours = _best_alternating(lambda x=x: [packed_linear(x, p) for p in onednn[:count]],
                                          lambda x=x: [p.matmul(x) for p in own[:count]], rounds=2,
                                          each=(3, calls))
         if theirs < least * ours:
@@ -275,8 +276,4 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor | Bf16Panels, bias: torc
     """x W^T + b with a weight from `prepack` (oneDNN's: bf16/fp16 bit-identical to F.linear)."""
     if type(packed) is Bf16Panels:
         return packed.matmul(x, bias)
-    return _onednn_linear(x, packed, bias)
-
-
-def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
