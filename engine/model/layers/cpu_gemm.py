@@ -64,6 +64,10 @@ class Bf16Panels:
         return torch.ops.pdserve_cpu.bf16_linear(x, self.panels, self.out_features, bias)
 
 
+# What `prepack` returns and `linear()` takes: oneDNN's blocked tensor, or the own GEMM's panels.
+Packed = torch.Tensor | Bf16Panels
+
+
 def own_bf16_gemm() -> bool:
     """Whether bf16 CPU linears run pdserve's own GEMM (kernels/csrc/bf16_gemm.cpp) instead of oneDNN's.
 
@@ -186,7 +190,7 @@ def cpu_prepack_enabled() -> bool:
     return value == "1"
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor | Bf16Panels | None:
+def prepack(weight: torch.Tensor) -> Packed | None:
     """A packed copy of a CPU weight for `linear()`, or None where it does not apply: bf16 weights in
     pdserve's own GEMM's panels where `own_bf16_gemm()`; else a oneDNN-blocked copy, bf16 and fp16
     weights always (where oneDNN has the path), fp32 weights where this CPU runs oneDNN's prepacked
@@ -245,7 +249,7 @@ def fp32_packed_min_rows() -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | Bf16Panels | None = None) -> torch.Tensor:
+           packed: Packed | None = None) -> torch.Tensor:
     """`F.linear`, with faster CPU paths.
 
     fp32 with a prepacked weight (where `prepack` found it faster) and at least
@@ -272,7 +276,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor | Bf16Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b with a weight from `prepack` (oneDNN's: bf16/fp16 bit-identical to F.linear)."""
     if type(packed) is Bf16Panels:
         return packed.matmul(x, bias)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.loading.weights import GGUFWeight
-from engine.model.layers.cpu_gemm import linear
+from engine.model.layers.cpu_gemm import Packed, linear
 from engine.model.layers.linear import _copy_checked
 from engine.model.parallel_state import get_parallel_state, tp_all_gather, tp_all_reduce
 from kernels.cpu_ops import gguf_dense_min_rows
@@ -68,7 +68,7 @@ class VocabParallelEmbedding(nn.Module):
         out = out * mine.unsqueeze(-1).to(out.dtype)
         return tp_all_reduce(out)
 
-    def logits(self, hidden: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, packed: Packed | None) -> torch.Tensor:
         """This rank's logits [N, per_rank] in hidden's dtype: hidden times the table's transpose."""
         if self.qtype is None:
             return linear(hidden, self.weight, None, packed)

@@ -22,7 +22,7 @@ from torch import nn
 
 from engine.loading.quant_checkpoint import FP8Weight, split_fp8_rows
 from engine.loading.weights import GGUFWeight
-from engine.model.layers.cpu_gemm import cpu_fp32_gemm, fp32_packed_min_rows, linear, prepack
+from engine.model.layers.cpu_gemm import Packed, cpu_fp32_gemm, fp32_packed_min_rows, linear, prepack
 from engine.model.layers.lora import LoRAStack
 from engine.model.parallel_state import get_parallel_state, tp_all_reduce
 from kernels.cpu_ops import gguf_dense_min_rows
@@ -61,7 +61,7 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.packed: torch.Tensor | None = None
+        self.packed: Packed | None = None
         self.qtype: str | None = None
         self.dtype = dtype
         self.dense: torch.Tensor | None = None      # a GGUF layer's dense copy (quantization="gguf+dense")

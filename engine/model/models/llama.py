@@ -19,7 +19,7 @@ from torch import nn
 from engine.loading.quant_checkpoint import FP8Weight, quantize_to
 from engine.loading.weights import GGUFWeight
 from engine.model.layers.attention import Attention, AttentionMetadata
-from engine.model.layers.cpu_gemm import prepack
+from engine.model.layers.cpu_gemm import Packed, prepack
 from engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.model.layers.linear import Linear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.model.layers.rmsnorm import RMSNorm
@@ -141,8 +141,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last_stage else None
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config), dtype)
-        self.tied_packed: torch.Tensor | None = None     # prepacked embedding for tied logits
-        self.head_packed: torch.Tensor | None = None
+        self.tied_packed: Packed | None = None     # prepacked embedding for tied logits
+        self.head_packed: Packed | None = None
         self.lm_head = None
         if self.is_last_stage and not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
@@ -266,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
         return module.weight
 
 
-def _head_packed(head: VocabParallelEmbedding, dense_copies: bool) -> torch.Tensor | None:
+def _head_packed(head: VocabParallelEmbedding, dense_copies: bool) -> Packed | None:
     """The LM head's prepacked dense weight (a GGUF head's: of its dense copy, with `dense_copies`);
     a GGUF head also gets its blocks in its kernel set's form (`logit_blocks`)."""
     if head.qtype is None:
