@@ -9,6 +9,10 @@ embedded model's 49k vocabulary); both engines load it in `--dtype`. vLLM runs w
 settings (`VLLM_CPU_KVCACHE_SPACE`, `VLLM_CPU_OMP_THREADS_BIND`, and the tcmalloc / Intel OpenMP
 preloads its docs ask for, where found: docs/perf/journal.md §1). Model load and warm-up are not
 timed; every request decodes `--output-len` greedy tokens (`ignore_eos`), all submitted at once.
+`--pdserve-env KEY=VALUE[,KEY=VALUE]` (repeatable) adds a pdserve run under those environment
+variables to each round, so that an A/B of a switch shares the rounds (and vLLM) with the default:
+
+    ... --pdserve-env PDSERVE_CPU_OWN_GEMM=0
 """
 from __future__ import annotations
 
@@ -65,12 +69,12 @@ def worker(args: argparse.Namespace) -> None:
                                   "preload": os.environ.get("LD_PRELOAD", "")}), flush=True)
 
 
-def run_one(engine: str, python: str, args: argparse.Namespace, model: str) -> dict:
+def run_one(engine: str, python: str, args: argparse.Namespace, model: str, extra_env: dict[str, str]) -> dict:
     cmd = [python, str(Path(__file__).resolve()), "--engine", engine, "--model", model, "--dtype", args.dtype,
            "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--seed", str(args.seed),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    env = dict(os.environ)
+    env = dict(os.environ, **extra_env)
     if engine == "vllm":
         env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
                    LD_PRELOAD=":".join(vllm_preloads(python)))
@@ -108,6 +112,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
                     help="both engines' token budget per step (vLLM's LLM defaults to 4,096 on CPU, its server "
                          "and pdserve to 2,048)")
+    ap.add_argument("--pdserve-env", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="also run pdserve under these environment variables, each round (repeatable)")
     args = ap.parse_args()
     if args.engine:
         worker(args)
@@ -120,19 +126,26 @@ def main() -> None:
         sys.path.append(str(HERE))
         from step_overhead import make_tiny_model
         model = make_tiny_model(tempfile.mkdtemp(prefix="pdserve-tiny256-"))
-    results: dict[str, list[float]] = {"pdserve": [], "vllm": []}
+    runs = [("pdserve", "pdserve", sys.executable, {})]
+    for spec in args.pdserve_env:
+        pairs = [kv.split("=", 1) for kv in spec.split(",")]
+        if any(len(kv) != 2 or not kv[0] for kv in pairs):
+            ap.error(f"--pdserve-env takes KEY=VALUE[,KEY=VALUE]; got {spec!r}")
+        runs.append((f"pdserve[{spec}]", "pdserve", sys.executable, dict(pairs)))
+    runs.append(("vllm", "vllm", args.vllm_python, {}))
+    results: dict[str, list[float]] = {label: [] for label, *_ in runs}
     for r in range(args.runs):
-        for engine, python in (("pdserve", sys.executable), ("vllm", args.vllm_python)):
-            res = run_one(engine, python, args, model)
-            results[engine].append(res["tok_s"])
-            print(f"run {r + 1} {engine:8s} {res['tok_s']:9.1f} tok/s ({res['wall_s']:.2f} s) "
+        for label, engine, python, extra_env in runs:
+            res = run_one(engine, python, args, model, extra_env)
+            results[label].append(res["tok_s"])
+            print(f"run {r + 1} {label:8s} {res['tok_s']:9.1f} tok/s ({res['wall_s']:.2f} s) "
                   f"first tokens {res['first']}"
                   + (f" LD_PRELOAD={res['preload']}" if res["preload"] else ""), flush=True)
-    best = {e: max(v) for e, v in results.items()}
-    print(f"best of {args.runs}: pdserve {best['pdserve']:.1f}, vLLM {best['vllm']:.1f} tok/s; "
-          f"pdserve / vLLM {best['pdserve'] / best['vllm']:.2f}; per run "
-          + ", ".join(f"{a / b:.2f}" for a, b in zip(results["pdserve"], results["vllm"])))
-
+    best = {label: max(v) for label, v in results.items()}
+    for label, *_ in runs[:-1]:
+        print(f"best of {args.runs}: {label} {best[label]:.1f}, vLLM {best['vllm']:.1f} tok/s; "
+              f"{label} / vLLM {best[label] / best['vllm']:.2f}; per run "
+              + ", ".join(f"{a / b:.2f}" for a, b in zip(results[label], results["vllm"])))
 
 if __name__ == "__main__":
     main()

@@ -64,7 +64,7 @@ __all__ = ["apply_rotary", "copy_blocks", "decode_attention", "fp8_linear", "gat
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = tuple(os.path.join(CSRC, name) for name in ("cpu_ops.cpp", "prefill_attention.cpp", "gguf_linear.cpp",
-                                                      "lora.cpp", "moe.cpp", "bf16_gemm.cpp"))
+                                                      "lora.cpp", "moe.cpp", "bf16_gemm.cpp", "f32_gemm.cpp"))
 HEADERS = (os.path.join(CSRC, "common.h"),)
 # Head sizes and dtypes the C++ attention kernels are instantiated for; others run the reference.
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)

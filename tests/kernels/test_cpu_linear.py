@@ -1,5 +1,5 @@
-"""The CPU linear paths (prepacked bf16 and fp32 weights, pdserve's own bf16 GEMM, fp32 GEMM for bf16
-prefill) against plain F.linear (their reference)."""
+"""The CPU linear paths (prepacked bf16 and fp32 weights, pdserve's own bf16 and fp32 GEMMs, fp32 GEMM
+for bf16 prefill) against plain F.linear (their reference)."""
 from __future__ import annotations
 
 import pytest
@@ -9,22 +9,24 @@ import torch.nn.functional as F
 import engine.model.layers.cpu_gemm as cpu_gemm
 from engine.model.layers.cpu_gemm import (
     CPU_FP32_MIN_ROWS,
-    Bf16Panels,
+    OwnPanels,
     cpu_fp32_gemm,
     linear,
-    own_bf16_gemm,
+    own_gemm,
     packed_linear,
     prepack,
 )
 from engine.model.layers.linear import Linear
 
-needs_own_gemm = pytest.mark.skipif(not cpu_gemm.own_bf16_gemm_built(),
+needs_own_gemm = pytest.mark.skipif(not cpu_gemm.own_gemm_built(torch.bfloat16),
                                     reason="pdserve's bf16 GEMM needs a CPU with AVX512-BF16 and the C++ kernels")
+needs_own_f32_gemm = pytest.mark.skipif(not cpu_gemm.own_gemm_built(torch.float32),
+                                        reason="pdserve's fp32 GEMM needs AVX2 or AVX-512 FMA and the C++ kernels")
 
 
 @pytest.mark.parametrize("rows", [1, 7, CPU_FP32_MIN_ROWS - 1])
 def test_prepacked_path_is_bit_identical_to_f_linear(rows, monkeypatch):
-    monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", "0")                  # oneDNN's prepacked weight
+    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "0")                  # oneDNN's prepacked weight
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 64, generator=g).bfloat16()
     b = torch.randn(96, generator=g).bfloat16()
@@ -50,7 +52,7 @@ def test_many_rows_run_in_fp32_and_round_once(monkeypatch):
 @pytest.mark.parametrize("fp32_gemm", ["0", "1"])
 def test_many_rows_take_the_chosen_gemm(monkeypatch, fp32_gemm):
     monkeypatch.setenv("PDSERVE_CPU_FP32_GEMM", fp32_gemm)
-    monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", "0")
+    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "0")
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 640, generator=g).bfloat16()
     x = torch.randn(CPU_FP32_MIN_ROWS + 5, 640, generator=g).bfloat16()
@@ -100,6 +102,7 @@ def test_fp32_prepacked_path_matches_f_linear(monkeypatch):
     path agrees with F.linear to float rounding (the same products, summed in another order)."""
     import engine.model.layers.cpu_gemm as lin
 
+    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "0")                   # the library GEMMs' choice
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
     monkeypatch.setattr(lin, "_fp32_prepack_pays", lambda: False)
@@ -133,7 +136,7 @@ def test_own_bf16_gemm_matches_fp32_and_onednn(rows, in_features, out_features, 
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     b = torch.randn(out_features, generator=g).bfloat16() if bias else None
     x = torch.randn(rows, in_features, generator=g).bfloat16()
-    out = Bf16Panels(w).matmul(x, b)
+    out = OwnPanels(w).matmul(x, b)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     exact = F.linear(x.float(), w.float(), None if b is None else b.float())
     # fp32 sums in another order than the reference's, then one rounding to bf16: within a bf16 ulp
@@ -147,7 +150,7 @@ def test_own_bf16_gemm_rows_do_not_depend_on_their_batch():
     a row alone, in a batch of 7 and in one of 200 (3-D, from a strided view) gives the same bits."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(200, 1536, generator=g).bfloat16()
-    panels = Bf16Panels(w)
+    panels = OwnPanels(w)
     x = torch.randn(200, 1536, generator=g).bfloat16()
     whole = panels.matmul(x[::1].view(8, 25, 1536))
     assert whole.shape == (8, 25, 200)
@@ -159,18 +162,18 @@ def test_own_bf16_gemm_rows_do_not_depend_on_their_batch():
 
 @needs_own_gemm
 def test_own_bf16_gemm_is_what_linear_takes_where_chosen(monkeypatch):
-    """With PDSERVE_CPU_BF16_GEMM=1 a bf16 weight is prepacked in the own GEMM's panels and linear()
+    """With PDSERVE_CPU_OWN_GEMM=1 a bf16 weight is prepacked in the own GEMM's panels and linear()
     multiplies by them (prefill-sized batches too, unless fp32 GEMM is chosen); with 0, oneDNN's."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(96, 64, generator=g).bfloat16()
     x = torch.randn(CPU_FP32_MIN_ROWS + 5, 64, generator=g).bfloat16()
-    monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", "1")
+    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "1")
     monkeypatch.setenv("PDSERVE_CPU_FP32_GEMM", "0")
     packed = prepack(w)
-    assert type(packed) is Bf16Panels
+    assert type(packed) is OwnPanels
     calls = []
-    real = Bf16Panels.matmul
-    monkeypatch.setattr(Bf16Panels, "matmul", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
+    real = OwnPanels.matmul
+    monkeypatch.setattr(OwnPanels, "matmul", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
     for rows in (1, 7, x.shape[0]):
         assert torch.equal(linear(x[:rows], w, None, packed), real(packed, x[:rows]))
     assert calls == [1, 7, x.shape[0]]
@@ -178,30 +181,118 @@ def test_own_bf16_gemm_is_what_linear_takes_where_chosen(monkeypatch):
     layer = Linear(64, 96, dtype=torch.bfloat16)
     layer.weight.data.copy_(w)
     layer.process_weights_after_loading()
-    assert type(layer.packed) is Bf16Panels and torch.equal(layer(x[:3]), real(packed, x[:3]))
-    monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", "0")
-    assert type(prepack(w)) is not Bf16Panels
-    assert type(prepack(w.half())) is not Bf16Panels             # fp16 weights stay oneDNN's
+    assert type(layer.packed) is OwnPanels and torch.equal(layer(x[:3]), real(packed, x[:3]))
+    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "0")
+    assert type(prepack(w)) is not OwnPanels
+    assert type(prepack(w.half())) is not OwnPanels             # fp16 weights stay oneDNN's
 
 
 def test_own_bf16_gemm_choice(monkeypatch):
     """auto decides once per process (and only where the kernel is built); 1 where it cannot run is a
     clear error; a bad value names the allowed ones."""
-    monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", "auto")
-    chosen = own_bf16_gemm()
-    assert isinstance(chosen, bool) and own_bf16_gemm() is chosen
-    if not cpu_gemm.own_bf16_gemm_built():
+    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "auto")
+    chosen = own_gemm(torch.bfloat16)
+    assert isinstance(chosen, bool) and own_gemm(torch.bfloat16) is chosen
+    if not cpu_gemm.own_gemm_built(torch.bfloat16):
         assert chosen is False
-    monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", "0")
-    assert own_bf16_gemm() is False
+    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "0")
+    assert own_gemm(torch.bfloat16) is False
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx2", "fma", "f16c"})   # an AVX2-only CPU
     for value in ("auto", "1"):
-        monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", value)
+        monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", value)
         if value == "auto":
-            assert own_bf16_gemm() is False and type(prepack(torch.randn(8, 4).bfloat16())) is not Bf16Panels
+            assert own_gemm(torch.bfloat16) is False and type(prepack(torch.randn(8, 4).bfloat16())) is not OwnPanels
         else:
-            with pytest.raises(ValueError, match="PDSERVE_CPU_BF16_GEMM=1 needs a CPU with AVX512-BF16"):
-                own_bf16_gemm()
-    monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", "fast")
-    with pytest.raises(ValueError, match="PDSERVE_CPU_BF16_GEMM must be auto, 0 or 1"):
-        own_bf16_gemm()
+            with pytest.raises(ValueError, match="PDSERVE_CPU_OWN_GEMM=1 with torch.bfloat16 weights needs a CPU "
+                                                 "with AVX512-BF16"):
+                own_gemm(torch.bfloat16)
+    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "fast")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_OWN_GEMM must be auto, 0 or 1"):
+        own_gemm(torch.bfloat16)
+
+
+def test_own_gemm_old_variable_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("PDSERVE_CPU_BF16_GEMM", "1")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_BF16_GEMM is now PDSERVE_CPU_OWN_GEMM"):
+        own_gemm(torch.float32)
+
+
+@needs_own_f32_gemm
+@pytest.mark.parametrize("rows,in_features,out_features,bias", [
+    (1, 576, 960, False), (5, 577, 100, True), (6, 64, 17, True), (13, 1536, 576, False), (32, 576, 3072, True),
+    (97, 130, 64, False), (300, 64, 65, True), (0, 64, 64, False), (11, 3, 9, True)])
+def test_own_f32_gemm_matches_float64_and_f_linear(rows, in_features, out_features, bias):
+    """pdserve's fp32 GEMM (kernels/csrc/f32_gemm.cpp) against the float64 product (its reference) and
+    F.linear: every row-block size (1-6 rows and their even splits), odd input features, outputs not a
+    multiple of its panels (16 or 64 columns), bias, fewer features than a register."""
+    g = torch.Generator().manual_seed(rows + in_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(rows, in_features, generator=g)
+    out = OwnPanels(w).matmul(x, b)
+    assert out.dtype == torch.float32 and out.shape == (rows, out_features)
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    # K fused multiply-adds in K order: an error of a few fp32 ulps of the sum of |products|
+    bound = 4 * in_features * torch.finfo(torch.float32).eps * F.linear(x.abs().double(), w.abs().double())
+    assert ((out.double() - exact).abs() <= bound + 1e-30).all()
+    assert ((out.double() - F.linear(x, w, b).double()).abs() <= 2 * bound + 1e-30).all()   # as far as two such sums
+
+
+@needs_own_f32_gemm
+def test_own_f32_gemm_rows_do_not_depend_on_their_batch():
+    """Each output is one fused multiply-add per input feature in one order whatever the rows beside
+    it, their block or their thread: a row alone, in 7 and in 200 (3-D, from a strided view) gives
+    the same bits."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(200, 1536, generator=g)
+    panels = OwnPanels(w)
+    x = torch.randn(200, 1536, generator=g)
+    whole = panels.matmul(x.view(8, 25, 1536))
+    assert whole.shape == (8, 25, 200)
+    assert torch.equal(panels.matmul(x[:7]), whole.view(200, 200)[:7])
+    assert torch.equal(panels.matmul(x[3:4]), whole.view(200, 200)[3:4])
+    strided = torch.randn(200, 3000, generator=g)[:, :1536]
+    assert torch.equal(panels.matmul(strided), panels.matmul(strided.contiguous()))
+
+
+@needs_own_f32_gemm
+def test_own_f32_gemm_is_what_linear_takes_where_chosen(monkeypatch):
+    """With PDSERVE_CPU_OWN_GEMM=1 an fp32 weight is prepacked in the own GEMM's panels and linear()
+    multiplies by them at every row count; with 0 it is oneDNN's copy or none."""
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(300, 64, generator=g)
+    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "1")
+    packed = prepack(w)
+    assert type(packed) is OwnPanels
+    calls = []
+    real = OwnPanels.matmul
+    monkeypatch.setattr(OwnPanels, "matmul", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
+    for rows in (1, 7, 300):
+        assert torch.equal(linear(x[:rows], w, b, packed), real(packed, x[:rows], b))
+    assert calls == [1, 7, 300]
+    layer = Linear(64, 96, dtype=torch.float32)
+    layer.weight.data.copy_(w)
+    layer.process_weights_after_loading()
+    assert type(layer.packed) is OwnPanels and torch.equal(layer(x[:3]), real(packed, x[:3]))
+    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "0")
+    assert type(prepack(w)) is not OwnPanels
+
+
+def test_own_f32_gemm_choice(monkeypatch):
+    """auto decides once per process and dtype (only where the kernel is built); 1 on a CPU without
+    FMA is a clear error; fp16 weights never take it; the panels refuse other dtypes."""
+    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "auto")
+    chosen = own_gemm(torch.float32)
+    assert isinstance(chosen, bool) and own_gemm(torch.float32) is chosen
+    if not cpu_gemm.own_gemm_built(torch.float32):
+        assert chosen is False
+    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "1")
+    assert own_gemm(torch.float16) is False
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"sse4_2"})                 # no AVX2 / FMA
+    with pytest.raises(ValueError, match="with torch.float32 weights needs a CPU with AVX2 or AVX-512 with FMA"):
+        own_gemm(torch.float32)
+    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "auto")
+    assert own_gemm(torch.float32) is False and type(prepack(torch.randn(8, 4))) is not OwnPanels
+    with pytest.raises(ValueError, match="takes weights in"):
+        OwnPanels(torch.randn(8, 4).half())

@@ -1,8 +1,9 @@
 """CPU GEMM paths for the linear layers: `linear()` is `F.linear` with the faster of exact-enough
 paths, chosen by the number of rows and by what this CPU was timed to do faster (once per process):
-prepacked weights (`prepack`, `packed_linear`) for oneDNN's GEMM or, bf16 on a CPU with AVX512-BF16,
-for pdserve's own (`own_bf16_gemm`, kernels/csrc/bf16_gemm.cpp), and fp32 GEMM on upcast operands for
-prefill-sized bf16/fp16 batches (`cpu_fp32_gemm`). benchmarks/cpu_linear.py prints the sides.
+prepacked weights (`prepack`, `packed_linear`) for oneDNN's GEMM or for pdserve's own (`own_gemm`:
+bf16 on a CPU with AVX512-BF16, kernels/csrc/bf16_gemm.cpp; fp32 on one with AVX2 or AVX-512 FMA,
+kernels/csrc/f32_gemm.cpp), and fp32 GEMM on upcast operands for prefill-sized bf16/fp16 batches
+(`cpu_fp32_gemm`). benchmarks/cpu_linear.py prints the sides.
 """
 from __future__ import annotations
 
@@ -42,75 +43,97 @@ CPU_FP32_PACKED_MIN_ROWS = 8
 CPU_FP32_ROWS_MIN_SPEEDUP = 1.1
 
 
-# pdserve's own bf16 GEMM replaces oneDNN's where this CPU runs it this much faster at a decode step's
-# size (32 rows, weights streamed from memory as a model's are: 1.2-1.4x on a Zen 5 EPYC, docs/perf/journal.md §45)
-# and at least CPU_OWN_GEMM_PREFILL_MIN_RATIO as fast at a prefill's (256 rows: 1.03-1.08x there).
+# pdserve's own GEMM replaces the path linear() took before where this CPU runs it this much faster at
+# a decode step's size (32 rows, weights streamed from memory as a model's are: bf16 1.2-1.4x oneDNN's
+# on a Zen 5 EPYC, docs/perf/journal.md §45; fp32 1.1-1.4x on a Zen 3, §46) and at least
+# CPU_OWN_GEMM_PREFILL_MIN_RATIO as fast at a prefill's (256 rows: bf16 1.03-1.08x, fp32 1.1-1.2x there).
 CPU_OWN_GEMM_MIN_SPEEDUP = 1.1
 CPU_OWN_GEMM_PREFILL_MIN_RATIO = 0.95
 
 
-class Bf16Panels:
-    """A bf16 weight [out_features, in_features] packed for pdserve's own GEMM (`bf16_pack`: panels of
-    64 output columns, K in pairs), which `packed_linear` multiplies by; what `prepack` returns for a
-    bf16 weight where `own_bf16_gemm()`."""
+class OwnPanels:
+    """A weight [out_features, in_features] packed for pdserve's own GEMM, which `packed_linear`
+    multiplies by: bf16 in bf16_gemm.cpp's panels (64 output columns, K in pairs), fp32 in
+    f32_gemm.cpp's (16 columns with AVX2, 64 with AVX-512). What `prepack` returns where
+    `own_gemm(weight.dtype)`."""
 
-    __slots__ = ("panels", "out_features")
+    __slots__ = ("panels", "out_features", "_linear")
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.panels = torch.ops.pdserve_cpu.bf16_pack(weight.detach())
+        ops = torch.ops.pdserve_cpu
+        if weight.dtype not in OWN_GEMM_DTYPES:
+            raise ValueError(f"pdserve's own CPU GEMM takes weights in {OWN_GEMM_DTYPES}; got {weight.dtype}")
+        pack, self._linear = ((ops.bf16_pack, ops.bf16_linear) if weight.dtype == torch.bfloat16
+                              else (ops.f32_pack, ops.f32_linear))
+        self.panels = pack(weight.detach())
         self.out_features = weight.shape[0]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.pdserve_cpu.bf16_linear(x, self.panels, self.out_features, bias)
+        return self._linear(x, self.panels, self.out_features, bias)
 
+
+# The weight dtypes pdserve's own GEMM has a kernel for (fp16 weights keep oneDNN's).
+OWN_GEMM_DTYPES = (torch.bfloat16, torch.float32)
 
 # What `prepack` returns and `linear()` takes: oneDNN's blocked tensor, or the own GEMM's panels.
-Packed = torch.Tensor | Bf16Panels
+Packed = torch.Tensor | OwnPanels
 
 
-def own_bf16_gemm() -> bool:
-    """Whether bf16 CPU linears run pdserve's own GEMM (kernels/csrc/bf16_gemm.cpp) instead of oneDNN's.
+def own_gemm(dtype: torch.dtype) -> bool:
+    """Whether CPU linears with `dtype` weights run pdserve's own GEMM instead of oneDNN's or MKL's.
 
-    `PDSERVE_CPU_BF16_GEMM=auto|0|1` (default auto). auto: where the C++ CPU kernels are the kernel
-    set, the CPU has AVX512-BF16 and no AMX (oneDNN's AMX GEMM is several times any dot-product
-    kernel), and timing once per process (~0.3 s) finds it CPU_OWN_GEMM_MIN_SPEEDUP faster at decode
-    size without losing at prefill size. 1 forces it (an error where it is not built), 0 keeps oneDNN.
+    `PDSERVE_CPU_OWN_GEMM=auto|0|1` (default auto). auto: where the kernel is built for the dtype
+    (`own_gemm_built`), the CPU has no AMX for it (oneDNN's AMX GEMM is several times any
+    dot-product kernel), and timing once per process and dtype (~0.3 s) finds it
+    CPU_OWN_GEMM_MIN_SPEEDUP faster at decode size without losing at prefill size. 1 forces it (an
+    error where it is not built), 0 keeps the library GEMMs. fp16 weights always keep oneDNN's.
     """
-    value = os.environ.get("PDSERVE_CPU_BF16_GEMM", "auto")
+    if "PDSERVE_CPU_BF16_GEMM" in os.environ:
+        raise ValueError("PDSERVE_CPU_BF16_GEMM is now PDSERVE_CPU_OWN_GEMM (auto, 0 or 1; it covers fp32 "
+                         "weights too)")
+    value = os.environ.get("PDSERVE_CPU_OWN_GEMM", "auto")
     if value not in ("auto", "0", "1"):
-        raise ValueError(f"PDSERVE_CPU_BF16_GEMM must be auto, 0 or 1; got {value!r}")
-    if value == "0":
+        raise ValueError(f"PDSERVE_CPU_OWN_GEMM must be auto, 0 or 1; got {value!r}")
+    if value == "0" or dtype not in OWN_GEMM_DTYPES:
         return False
-    built = own_bf16_gemm_built()
+    built = own_gemm_built(dtype)
     if value == "1" and not built:
-        raise ValueError("PDSERVE_CPU_BF16_GEMM=1 needs a CPU with AVX512-BF16 and the C++ CPU kernels as the "
-                         "kernel set (PDSERVE_KERNELS auto or cpu); here one of the two is missing")
-    return built and (value == "1" or (not has_amx(torch.bfloat16) and _own_gemm_is_faster()))
+        need = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX2 or AVX-512 with FMA"
+        raise ValueError(f"PDSERVE_CPU_OWN_GEMM=1 with {dtype} weights needs a CPU with {need} and the C++ CPU "
+                         "kernels as the kernel set (PDSERVE_KERNELS auto or cpu); here one of the two is missing")
+    return built and (value == "1" or (not has_amx(dtype) and _own_gemm_is_faster(dtype)))
 
 
-def own_bf16_gemm_built() -> bool:
-    """Whether pdserve's own bf16 GEMM can run here: AVX512-BF16 and the C++ CPU kernels as the set."""
-    return "avx512_bf16" in cpu_flags() and kernels_for(torch.empty(0)) is cpu_ops
+def own_gemm_built(dtype: torch.dtype) -> bool:
+    """Whether pdserve's own GEMM for `dtype` weights can run here: the C++ CPU kernels are the kernel
+    set and the CPU has AVX512-BF16 (bf16) or fused multiply-adds on AVX2 or AVX-512 (fp32)."""
+    if dtype not in OWN_GEMM_DTYPES or kernels_for(torch.empty(0)) is not cpu_ops:
+        return False
+    flags = cpu_flags()
+    if dtype == torch.bfloat16:
+        return "avx512_bf16" in flags
+    return "fma" in flags and ("avx2" in flags or "avx512f" in flags)
 
 
 @functools.cache
-def _own_gemm_is_faster() -> bool:
-    """CPU_OWN_GEMM_MIN_SPEEDUP at 32 rows on weights cycled from memory (28 MB, as a model's stream
-    by), and CPU_OWN_GEMM_PREFILL_MIN_RATIO at 256 rows; each alternating with oneDNN's, in ~0.1 s
-    with one thread (every engine replica pays it once at load: the Ray test lane starts ~100)."""
+def _own_gemm_is_faster(dtype: torch.dtype) -> bool:
+    """CPU_OWN_GEMM_MIN_SPEEDUP at 32 rows on weights cycled from memory (28-56 MB, as a model's stream
+    by), and CPU_OWN_GEMM_PREFILL_MIN_RATIO at 256 rows; each alternating with the library GEMM
+    `linear()` takes without it at those sizes (oneDNN's prepacked weight, or MKL's sgemm where oneDNN
+    has no path or was timed slower), in ~0.1 s with one thread (every engine replica pays it once at
+    load: the Ray test lane starts ~100). Not through `linear()` itself: for bf16 at 256 rows that
+    asks `cpu_fp32_gemm`, whose timing asks `prepack`, which asks this."""
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(1536, 576, generator=g).bfloat16() for _ in range(16)]   # a small model's MLP projection
-    try:
-        onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
-    except RuntimeError:         # no oneDNN bf16 path in this torch: the alternative is F.linear's
-        return True
-    own = [Bf16Panels(w) for w in weights]
+    weights = [torch.randn(1536, 576, generator=g).to(dtype) for _ in range(16)]   # a small model's MLP projection
+    theirs_packed = [_library_prepack(w) for w in weights]
+    own = [OwnPanels(w) for w in weights]
     for rows, count, calls, least in ((32, 16, 1, CPU_OWN_GEMM_MIN_SPEEDUP),
                                       (256, 1, 2, CPU_OWN_GEMM_PREFILL_MIN_RATIO)):
-        x = torch.randn(rows, 576, generator=g).bfloat16()
-        theirs, ours = _best_alternating(lambda x=x: [packed_linear(x, p) for p in onednn[:count]],
-                                         lambda x=x: [p.matmul(x) for p in own[:count]], rounds=2,
-                                         each=(3, calls))
+        x = torch.randn(rows, 576, generator=g).to(dtype)
+        theirs, ours = _best_alternating(
+            lambda x=x: [F.linear(x, w) if p is None else packed_linear(x, p)
+                         for w, p in zip(weights[:count], theirs_packed[:count])],
+            lambda x=x: [p.matmul(x) for p in own[:count]], rounds=2, each=(3, calls))
         if theirs < least * ours:
             return False
     return True
@@ -191,15 +214,21 @@ def cpu_prepack_enabled() -> bool:
 
 
 def prepack(weight: torch.Tensor) -> Packed | None:
-    """A packed copy of a CPU weight for `linear()`, or None where it does not apply: bf16 weights in
-    pdserve's own GEMM's panels where `own_bf16_gemm()`; else a oneDNN-blocked copy, bf16 and fp16
-    weights always (where oneDNN has the path), fp32 weights where this CPU runs oneDNN's prepacked
-    fp32 GEMM faster than F.linear (`_fp32_prepack_pays`)."""
+    """A packed copy of a CPU weight for `linear()`, or None where it does not apply: bf16 and fp32
+    weights in pdserve's own GEMM's panels where `own_gemm(weight.dtype)`; else a oneDNN-blocked copy
+    (`_library_prepack`)."""
     if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32)
             or not cpu_prepack_enabled()):
         return None
-    if weight.dtype == torch.bfloat16 and own_bf16_gemm():
-        return Bf16Panels(weight)
+    if own_gemm(weight.dtype):
+        return OwnPanels(weight)
+    return _library_prepack(weight)
+
+
+def _library_prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """A oneDNN-blocked copy of a CPU weight: bf16 and fp16 weights always (where oneDNN has the path),
+    fp32 weights where this CPU runs oneDNN's prepacked fp32 GEMM faster than F.linear
+    (`_fp32_prepack_pays`); else None (F.linear, MKL's GEMM)."""
     if not torch.backends.mkldnn.is_available():
         return None
     if weight.dtype == torch.float32 and not _fp32_prepack_pays():
@@ -252,7 +281,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: Packed | None = None) -> torch.Tensor:
     """`F.linear`, with faster CPU paths.
 
-    fp32 with a prepacked weight (where `prepack` found it faster) and at least
+    fp32 with the own GEMM's panels: that GEMM (one fused multiply-add per K step, in K order, whatever
+    the batch). fp32 with oneDNN's prepacked weight (where `prepack` found it faster) and at least
     `fp32_packed_min_rows()` rows: oneDNN's GEMM instead of MKL's sgemm, the same products summed in
     another order. bf16/fp16: many rows (prefill) on a CPU where
     `cpu_fp32_gemm` finds it faster: fp32 GEMM on upcast operands, rounded back to x's dtype.
@@ -265,6 +295,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
     if x.dtype == torch.float32:
+        if type(packed) is OwnPanels:
+            return packed.matmul(x, bias)
         if packed is None or x.numel() < fp32_packed_min_rows() * x.shape[-1]:
             return F.linear(x, weight, bias)
         return packed_linear(x, packed, bias)
@@ -278,6 +310,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def packed_linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b with a weight from `prepack` (oneDNN's: bf16/fp16 bit-identical to F.linear)."""
-    if type(packed) is Bf16Panels:
+    if type(packed) is OwnPanels:
         return packed.matmul(x, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
