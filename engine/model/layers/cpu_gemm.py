@@ -43,12 +43,16 @@ CPU_FP32_PACKED_MIN_ROWS = 8
 CPU_FP32_ROWS_MIN_SPEEDUP = 1.1
 
 
-# pdserve's own GEMM replaces the path linear() took before where this CPU runs it this much faster at
-# a decode step's size (32 rows, weights streamed from memory as a model's are: bf16 1.2-1.4x oneDNN's
-# on a Zen 5 EPYC, docs/perf/journal.md §45; fp32 1.1-1.4x on a Zen 3, §46) and at least
-# CPU_OWN_GEMM_PREFILL_MIN_RATIO as fast at a prefill's (256 rows: bf16 1.03-1.08x, fp32 1.1-1.2x there).
-CPU_OWN_GEMM_MIN_SPEEDUP = 1.1
-CPU_OWN_GEMM_PREFILL_MIN_RATIO = 0.95
+# pdserve's own GEMM replaces the path linear() took before where this CPU runs it at least this fast,
+# relative to that path, at a decode step's size (32 rows, weights streamed from memory as a model's
+# are: bf16 1.2-1.4x oneDNN's on a Zen 5 EPYC, docs/perf/journal.md §45; fp32 1.1-1.4x on a Zen 3,
+# §46) and at least CPU_OWN_GEMM_PREFILL_MIN_RATIO as fast at a prefill's (256 rows: bf16 1.03-1.08x,
+# fp32 1.1-1.2x there with weights cycled; the timing's one cache-hot fp32 weight measured 0.95-0.99x).
+# The timing is a median of back-to-back pairs (`_median_ratio`), which noise does not move far, so
+# these bounds are not margins against noise: a bound of 1.1 at 32 rows, against a median of 1.13 in
+# a replica timed beside an idle server, chose oneDNN's in replicas started beside a loading one (§46).
+CPU_OWN_GEMM_MIN_SPEEDUP = 1.0
+CPU_OWN_GEMM_PREFILL_MIN_RATIO = 0.9
 
 
 class OwnPanels:
@@ -117,26 +121,51 @@ def own_gemm_built(dtype: torch.dtype) -> bool:
 
 @functools.cache
 def _own_gemm_is_faster(dtype: torch.dtype) -> bool:
-    """CPU_OWN_GEMM_MIN_SPEEDUP at 32 rows on weights cycled from memory (28-56 MB, as a model's stream
-    by), and CPU_OWN_GEMM_PREFILL_MIN_RATIO at 256 rows; each alternating with the library GEMM
-    `linear()` takes without it at those sizes (oneDNN's prepacked weight, or MKL's sgemm where oneDNN
-    has no path or was timed slower), in ~0.1 s with one thread (every engine replica pays it once at
-    load: the Ray test lane starts ~100). Not through `linear()` itself: for bf16 at 256 rows that
-    asks `cpu_fp32_gemm`, whose timing asks `prepack`, which asks this."""
+    """CPU_OWN_GEMM_MIN_SPEEDUP at 32 rows on weights cycled from memory (28 MB, as a model's stream
+    by), and CPU_OWN_GEMM_PREFILL_MIN_RATIO at 256 rows, against the library GEMM `linear()` takes
+    without it at those sizes (oneDNN's prepacked weight, or MKL's sgemm where oneDNN has no path or
+    was timed slower): the median ratio of back-to-back pairs (`_median_ratio`), with one thread
+    (another process on the other core then slows neither side's barrier), ~0.3-0.5 s (every engine
+    replica pays it once at load: the Ray test lane starts ~100). Not through
+    `linear()` itself: for bf16 at 256 rows that asks `cpu_fp32_gemm`, whose timing asks `prepack`,
+    which asks this."""
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(1536, 576, generator=g).to(dtype) for _ in range(16)]   # a small model's MLP projection
+    cycled = 32 // dtype.itemsize                  # 28 MB of a small model's MLP projections
+    weights = [torch.randn(1536, 576, generator=g).to(dtype) for _ in range(cycled)]
     theirs_packed = [_library_prepack(w) for w in weights]
     own = [OwnPanels(w) for w in weights]
-    for rows, count, calls, least in ((32, 16, 1, CPU_OWN_GEMM_MIN_SPEEDUP),
-                                      (256, 1, 2, CPU_OWN_GEMM_PREFILL_MIN_RATIO)):
-        x = torch.randn(rows, 576, generator=g).to(dtype)
-        theirs, ours = _best_alternating(
-            lambda x=x: [F.linear(x, w) if p is None else packed_linear(x, p)
-                         for w, p in zip(weights[:count], theirs_packed[:count])],
-            lambda x=x: [p.matmul(x) for p in own[:count]], rounds=2, each=(3, calls))
-        if theirs < least * ours:
-            return False
-    return True
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for rows, count, least in ((32, cycled, CPU_OWN_GEMM_MIN_SPEEDUP), (256, 1, CPU_OWN_GEMM_PREFILL_MIN_RATIO)):
+            x = torch.randn(rows, 576, generator=g).to(dtype)
+            ratio = _median_ratio(lambda x=x, count=count: [F.linear(x, w) if p is None else packed_linear(x, p)
+                                                            for w, p in zip(weights[:count], theirs_packed[:count])],
+                                  lambda x=x, count=count: [p.matmul(x) for p in own[:count]], pairs=5)
+            if ratio < least:
+                return False
+        return True
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _median_ratio(theirs, ours, pairs: int) -> float:
+    """The median over `pairs` back-to-back timings of the two functions (which runs first alternating)
+    of theirs' time over ours'. Each pair meets one moment's load: where the server's other processes
+    start beside a replica's load, bursts that would decide a best-of-each between the two land on
+    both halves of a pair or skew one pair of the median (a best-of-each chose the own fp32 GEMM in
+    an idle process and oneDNN's in every served replica on a Zen 3 EPYC, docs/perf/journal.md §46)."""
+    theirs()
+    ours()
+    ratios = []
+    for i in range(pairs):
+        times = {}
+        for name, fn in (("theirs", theirs), ("ours", ours)) if i % 2 == 0 else (("ours", ours), ("theirs", theirs)):
+            start = time.perf_counter()
+            fn()
+            times[name] = time.perf_counter() - start
+        ratios.append(times["theirs"] / times["ours"])
+    return sorted(ratios)[pairs // 2]
 
 
 def cpu_fp32_gemm(dtype: torch.dtype) -> bool:
