@@ -160,13 +160,15 @@ def test_own_bf16_gemm_rows_do_not_depend_on_their_batch():
     assert torch.equal(panels.matmul(strided), panels.matmul(strided.contiguous()))
 
 
-@needs_own_gemm
-def test_own_bf16_gemm_is_what_linear_takes_where_chosen(monkeypatch):
-    """With PDSERVE_CPU_OWN_GEMM=1 a bf16 weight is prepacked in the own GEMM's panels and linear()
-    multiplies by them (prefill-sized batches too, unless fp32 GEMM is chosen); with 0, oneDNN's."""
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_own_gemm),
+                                   pytest.param(torch.float32, marks=needs_own_f32_gemm)])
+def test_own_gemm_is_what_linear_takes_where_chosen(monkeypatch, dtype):
+    """With PDSERVE_CPU_OWN_GEMM=1 a bf16 or fp32 weight is prepacked in the own GEMM's panels and
+    linear() multiplies by them at every row count (bf16 prefill-sized batches too, unless fp32 GEMM
+    is chosen); with 0, oneDNN's copy (or none); fp16 weights stay oneDNN's."""
     g = torch.Generator().manual_seed(2)
-    w = torch.randn(96, 64, generator=g).bfloat16()
-    x = torch.randn(CPU_FP32_MIN_ROWS + 5, 64, generator=g).bfloat16()
+    w, b = torch.randn(96, 64, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(CPU_FP32_MIN_ROWS + 5, 64, generator=g).to(dtype)
     monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "1")
     monkeypatch.setenv("PDSERVE_CPU_FP32_GEMM", "0")
     packed = prepack(w)
@@ -175,28 +177,33 @@ def test_own_bf16_gemm_is_what_linear_takes_where_chosen(monkeypatch):
     real = OwnPanels.matmul
     monkeypatch.setattr(OwnPanels, "matmul", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
     for rows in (1, 7, x.shape[0]):
-        assert torch.equal(linear(x[:rows], w, None, packed), real(packed, x[:rows]))
+        assert torch.equal(linear(x[:rows], w, b, packed), real(packed, x[:rows], b))
     assert calls == [1, 7, x.shape[0]]
     assert packed_linear(x[:2], packed).shape == (2, 96)
-    layer = Linear(64, 96, dtype=torch.bfloat16)
+    layer = Linear(64, 96, dtype=dtype)
     layer.weight.data.copy_(w)
     layer.process_weights_after_loading()
     assert type(layer.packed) is OwnPanels and torch.equal(layer(x[:3]), real(packed, x[:3]))
     monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "0")
     assert type(prepack(w)) is not OwnPanels
-    assert type(prepack(w.half())) is not OwnPanels             # fp16 weights stay oneDNN's
+    assert type(prepack(w.half())) is not OwnPanels
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_own_gemm_auto_decides_once(monkeypatch, dtype):
+    """auto decides once per process and dtype, and only where the kernel is built; 0 keeps the library's."""
+    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "auto")
+    chosen = own_gemm(dtype)
+    assert isinstance(chosen, bool) and own_gemm(dtype) is chosen
+    if not cpu_gemm.own_gemm_built(dtype):
+        assert chosen is False
+    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "0")
+    assert own_gemm(dtype) is False
 
 
 def test_own_bf16_gemm_choice(monkeypatch):
-    """auto decides once per process (and only where the kernel is built); 1 where it cannot run is a
-    clear error; a bad value names the allowed ones."""
-    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "auto")
-    chosen = own_gemm(torch.bfloat16)
-    assert isinstance(chosen, bool) and own_gemm(torch.bfloat16) is chosen
-    if not cpu_gemm.own_gemm_built(torch.bfloat16):
-        assert chosen is False
-    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "0")
-    assert own_gemm(torch.bfloat16) is False
+    """1 where the bf16 kernel cannot run is a clear error, auto there keeps oneDNN's; a bad value names
+    the allowed ones."""
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx2", "fma", "f16c"})   # an AVX2-only CPU
     for value in ("auto", "1"):
         monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", value)
@@ -255,38 +262,9 @@ def test_own_f32_gemm_rows_do_not_depend_on_their_batch():
     assert torch.equal(panels.matmul(strided), panels.matmul(strided.contiguous()))
 
 
-@needs_own_f32_gemm
-def test_own_f32_gemm_is_what_linear_takes_where_chosen(monkeypatch):
-    """With PDSERVE_CPU_OWN_GEMM=1 an fp32 weight is prepacked in the own GEMM's panels and linear()
-    multiplies by them at every row count; with 0 it is oneDNN's copy or none."""
-    g = torch.Generator().manual_seed(7)
-    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
-    x = torch.randn(300, 64, generator=g)
-    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "1")
-    packed = prepack(w)
-    assert type(packed) is OwnPanels
-    calls = []
-    real = OwnPanels.matmul
-    monkeypatch.setattr(OwnPanels, "matmul", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
-    for rows in (1, 7, 300):
-        assert torch.equal(linear(x[:rows], w, b, packed), real(packed, x[:rows], b))
-    assert calls == [1, 7, 300]
-    layer = Linear(64, 96, dtype=torch.float32)
-    layer.weight.data.copy_(w)
-    layer.process_weights_after_loading()
-    assert type(layer.packed) is OwnPanels and torch.equal(layer(x[:3]), real(packed, x[:3]))
-    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "0")
-    assert type(prepack(w)) is not OwnPanels
-
-
 def test_own_f32_gemm_choice(monkeypatch):
-    """auto decides once per process and dtype (only where the kernel is built); 1 on a CPU without
-    FMA is a clear error; fp16 weights never take it; the panels refuse other dtypes."""
-    monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "auto")
-    chosen = own_gemm(torch.float32)
-    assert isinstance(chosen, bool) and own_gemm(torch.float32) is chosen
-    if not cpu_gemm.own_gemm_built(torch.float32):
-        assert chosen is False
+    """1 on a CPU without FMA is a clear error, auto there keeps the library's; fp16 weights never take
+    it; the panels refuse other dtypes."""
     monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "1")
     assert own_gemm(torch.float16) is False
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"sse4_2"})                 # no AVX2 / FMA

@@ -127,7 +127,7 @@ class Linear(nn.Module):
         self.packed = prepack(self.weight)
         if self.packed is not None and self.weight.dtype != torch.float32:
             cpu_fp32_gemm(self.weight.dtype)          # time the two GEMMs now, not in the first prefill
-        elif self.packed is not None:
+        elif isinstance(self.packed, torch.Tensor):   # oneDNN's (the own GEMM takes every row count)
             fp32_packed_min_rows()                    # likewise, not in the first decode step
 
     def load_form(self) -> None:
