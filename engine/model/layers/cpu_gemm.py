@@ -88,8 +88,9 @@ def own_gemm(dtype: torch.dtype) -> bool:
 
     `PDSERVE_CPU_OWN_GEMM=auto|0|1` (default auto). auto: where the kernel is built for the dtype
     (`own_gemm_built`), the CPU has no AMX for it (oneDNN's AMX GEMM is several times any
-    dot-product kernel), and timing once per process and dtype (~0.3 s) finds it
-    CPU_OWN_GEMM_MIN_SPEEDUP faster at decode size without losing at prefill size. 1 forces it (an
+    dot-product kernel), and timing once per process and dtype (~0.5 s) finds it at least
+    CPU_OWN_GEMM_MIN_SPEEDUP times as fast at decode size and CPU_OWN_GEMM_PREFILL_MIN_RATIO at
+    prefill size. 1 forces it (an
     error where it is not built), 0 keeps the library GEMMs. fp16 weights always keep oneDNN's.
     """
     if "PDSERVE_CPU_BF16_GEMM" in os.environ:
@@ -125,10 +126,9 @@ def _own_gemm_is_faster(dtype: torch.dtype) -> bool:
     by), and CPU_OWN_GEMM_PREFILL_MIN_RATIO at 256 rows, against the library GEMM `linear()` takes
     without it at those sizes (oneDNN's prepacked weight, or MKL's sgemm where oneDNN has no path or
     was timed slower): the median ratio of back-to-back pairs (`_median_ratio`), with one thread
-    (another process on the other core then slows neither side's barrier), ~0.3-0.5 s (every engine
-    replica pays it once at load: the Ray test lane starts ~100). Not through
-    `linear()` itself: for bf16 at 256 rows that asks `cpu_fp32_gemm`, whose timing asks `prepack`,
-    which asks this."""
+    (another process on the other core then slows neither side's barrier), ~0.5 s (every engine
+    replica pays it once at load: the Ray test lane starts ~100). Not through `linear()` itself: for
+    bf16 at 256 rows that asks `cpu_fp32_gemm`, whose timing asks `prepack`, which asks this."""
     g = torch.Generator().manual_seed(0)
     cycled = 32 // dtype.itemsize                  # 28 MB of a small model's MLP projections
     weights = [torch.randn(1536, 576, generator=g).to(dtype) for _ in range(cycled)]
