@@ -90,8 +90,8 @@ def own_gemm(dtype: torch.dtype) -> bool:
     (`own_gemm_built`), the CPU has no AMX for it (oneDNN's AMX GEMM is several times any
     dot-product kernel), and timing once per process and dtype (~0.5 s) finds it at least
     CPU_OWN_GEMM_MIN_SPEEDUP times as fast at decode size and CPU_OWN_GEMM_PREFILL_MIN_RATIO at
-    prefill size. 1 forces it (an
-    error where it is not built), 0 keeps the library GEMMs. fp16 weights always keep oneDNN's.
+    prefill size. 1 forces it (an error where it is not built), 0 keeps the library GEMMs. fp16
+    weights always keep oneDNN's.
     """
     if "PDSERVE_CPU_BF16_GEMM" in os.environ:
         raise ValueError("PDSERVE_CPU_BF16_GEMM is now PDSERVE_CPU_OWN_GEMM (auto, 0 or 1; it covers fp32 "
@@ -155,16 +155,21 @@ def _median_ratio(theirs, ours, pairs: int) -> float:
     start beside a replica's load, bursts that would decide a best-of-each between the two land on
     both halves of a pair or skew one pair of the median (a best-of-each chose the own fp32 GEMM in
     an idle process and oneDNN's in every served replica on a Zen 3 EPYC, docs/perf/journal.md §46)."""
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
     theirs()
     ours()
     ratios = []
     for i in range(pairs):
-        times = {}
-        for name, fn in (("theirs", theirs), ("ours", ours)) if i % 2 == 0 else (("ours", ours), ("theirs", theirs)):
-            start = time.perf_counter()
-            fn()
-            times[name] = time.perf_counter() - start
-        ratios.append(times["theirs"] / times["ours"])
+        if i % 2:
+            ours_s = timed(ours)
+            ratios.append(timed(theirs) / ours_s)
+        else:
+            theirs_s = timed(theirs)
+            ratios.append(theirs_s / timed(ours))
     return sorted(ratios)[pairs // 2]
 
 
@@ -209,14 +214,13 @@ def _fp32_gemm_is_faster(dtype: torch.dtype) -> bool:
     return native_s > CPU_FP32_MIN_SPEEDUP * fp32_s
 
 
-def _best_alternating(first, second, rounds: int, each: tuple[int, int] = (5, 3)) -> tuple[float, float]:
-    """Each function's best `_best_of` (of `each`: its rounds and calls) over `rounds` rounds that
-    alternate the two, so that a burst of load elsewhere (another process starting) cannot decide
-    between them."""
+def _best_alternating(first, second, rounds: int) -> tuple[float, float]:
+    """Each function's best `_best_of` over `rounds` rounds that alternate the two, so that a burst
+    of load elsewhere (another process starting) cannot decide between them."""
     first_s = second_s = float("inf")
     for _ in range(rounds):
-        first_s = min(first_s, _best_of(first, *each))
-        second_s = min(second_s, _best_of(second, *each))
+        first_s = min(first_s, _best_of(first))
+        second_s = min(second_s, _best_of(second))
     return first_s, second_s
 
 
