@@ -48,7 +48,7 @@ class LLMEngine:
         self.config = config
         mc = config.model_config
         tracing.configure(config.otlp_traces_endpoint)
-        self.tokenizer = shared_tokenizer(mc.model, mc.gguf_file)
+        self.tokenizer = shared_tokenizer(mc.model, mc.gguf_file, mc.hf_config)
         self._adapters: set[tuple] = set()        # adapters read_adapter accepted (their cache keys)
         self._image_processor: ImageProcessor | None = None
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc.hf_config, mc.model)

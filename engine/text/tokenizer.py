@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import os
 from typing import Any
 
 from records.gguf_file import gguf_hf_dir
 
 
-def load_tokenizer(path: str, gguf_file: str | None) -> Any | None:
+def load_tokenizer(path: str, gguf_file: str | None, hf_config: Any | None = None) -> Any | None:
     """The model's HF tokenizer, or None if the checkpoint ships none (token-id prompts only). A GGUF
-    file's comes converted once and saved (records/gguf_file.py: gguf_hf_dir)."""
+    file's comes converted once and saved (records/gguf_file.py: gguf_hf_dir). `hf_config`: the
+    model's config where the caller resolved it already (a FrozenConfig will do; `_known_config`)."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     try:
@@ -19,17 +21,42 @@ def load_tokenizer(path: str, gguf_file: str | None) -> Any | None:
             path = gguf_hf_dir(path, gguf_file)
             if not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
                 return None                 # the file has none
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, **_known_config(path, hf_config))
     except (OSError, ValueError, TypeError, KeyError):
         return None
 
 
-@functools.lru_cache(maxsize=8)
-def shared_tokenizer(path: str, gguf_file: str | None) -> Any | None:
+def _known_config(path: str, hf_config: Any | None) -> dict[str, Any]:
+    """AutoTokenizer's `config` argument, where handing it the resolved config changes nothing: the
+    tokenizer's config names its class and no remote code (AutoTokenizer then reads only the config's
+    model type and names). Without it AutoTokenizer resolves the model's config again, which imports
+    transformers' config class for it: ~1.5 s of CPU in an engine replica, which needs nothing else
+    of it (the chain reaches torch.distributed.tensor and sympy)."""
+    if hf_config is None:
+        return {}
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            declared = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(declared, dict) or not declared.get("tokenizer_class") or "auto_map" in declared:
+        return {}
+    return {"config": hf_config}
+
+
+_SHARED: dict[tuple[str, str | None], Any] = {}       # (the 8 models last loaded, oldest first)
+
+
+def shared_tokenizer(path: str, gguf_file: str | None, hf_config: Any | None = None) -> Any | None:
     """`load_tokenizer`, once per process for each model: what engines use (they never change it),
     so that the engines of one process share it (a replay's hundreds, a simulated replica host's;
     loading one takes seconds). A caller that changes its tokenizer (a chat template) loads its own."""
-    return load_tokenizer(path, gguf_file)
+    key = (path, gguf_file)
+    if key not in _SHARED:
+        if len(_SHARED) == 8:
+            del _SHARED[next(iter(_SHARED))]
+        _SHARED[key] = load_tokenizer(path, gguf_file, hf_config)
+    return _SHARED[key]
 
 
 def eos_token_ids(tokenizer: Any | None, hf_config: Any, path: str) -> frozenset[int]:

@@ -284,6 +284,36 @@ def test_transformers_does_not_take_our_kernels_package(tiny_llama):
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
 
 
+def test_an_engine_loads_its_tokenizer_without_resolving_the_model_config_again(tiny_llama, tmp_path):
+    """An engine hands AutoTokenizer the config it resolved (as a replica gets it: frozen, pickled):
+    the tokenizer is the one AutoTokenizer loads alone (its ids, specials, template), and the process
+    never imports transformers' config class for the model (~1.5 s of CPU per replica). A tokenizer
+    config that names no class gets no config (AutoTokenizer would pick its class by the config's)."""
+    import pickle
+
+    from records.config import EngineConfig
+
+    cfg = tmp_path / "cfg.pkl"
+    cfg.write_bytes(pickle.dumps(EngineConfig.create(tiny_llama, dtype="float32")))
+    code = (
+        "import pickle, sys\n"
+        "from transformers import AutoTokenizer\n"
+        "from engine.text.tokenizer import _known_config, shared_tokenizer\n"
+        f"mc = pickle.load(open({str(cfg)!r}, 'rb')).model_config\n"
+        "ours = shared_tokenizer(mc.model, mc.gguf_file, mc.hf_config)\n"
+        "assert 'transformers.models.llama.configuration_llama' not in sys.modules, 'resolved again'\n"
+        "theirs = AutoTokenizer.from_pretrained(mc.model)\n"
+        "text = 'Hello <s> world,\\n\\n  caf\\u00e9 \\U0001f600 12345'\n"
+        "assert type(ours) is type(theirs) and ours(text)['input_ids'] == theirs(text)['input_ids']\n"
+        "assert ours.all_special_ids == theirs.all_special_ids and ours.chat_template == theirs.chat_template\n"
+        "assert ours.decode(ours(text)['input_ids']) == theirs.decode(theirs(text)['input_ids'])\n"
+        f"assert _known_config({str(tmp_path)!r}, mc.hf_config) == {{}}\n"
+        "print('ok')\n")
+    (tmp_path / "tokenizer_config.json").write_text('{"model_max_length": 2048}')
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
 def test_kv_event_long_poll_answers_only_with_events(tiny_llama):
     """The replica's KV-event long poll answers once a step has produced events (the prompt's full
     blocks) and otherwise waits out its timeout: decode steps that fill no block wake no router."""
