@@ -117,10 +117,13 @@ def smol_tokenizer(tmp_path_factory):
     """The embedded model's tokenizer, saved once as a plain HF tokenizer directory."""
     from transformers import AutoTokenizer
 
+    from records.gguf_file import gguf_hf_dir
     from records.model_source import embedded_model_path
 
+    # (converted once on this machine, as the engine reads it: parsing the GGUF file again costs ~5 s
+    # in each test process; tests/engine/test_quant.py checks the two are the same tokenizer)
     path = embedded_model_path()
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tok = AutoTokenizer.from_pretrained(gguf_hf_dir(os.path.dirname(path), os.path.basename(path)))
     out = tmp_path_factory.mktemp("tokenizer")
     tok.save_pretrained(out)
     return AutoTokenizer.from_pretrained(out)
