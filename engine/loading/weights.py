@@ -1,5 +1,5 @@
 """Streaming a model's weights: HF safetensors directories (single or sharded) and GGUF files
-(dequantized through transformers' GGUF support, or with their Q8_0/Q4_0/Q4_1 tensors kept in their
+(dequantized as transformers' GGUF loader does, or with their Q8_0/Q4_0/Q4_1 tensors kept in their
 blocks as `GGUFWeight`s). Finding the model is records/model_source.py.
 """
 from __future__ import annotations
@@ -56,10 +56,13 @@ def iterate_weights(path: str, gguf_file: str | None, hf_config: Any, keep_quant
     if gguf_file is not None:
         # (the skeleton below is transformers' own model class: it takes a transformers config)
         hf_config = transformers_config(hf_config, path, gguf_file)
+        file = os.path.join(path, gguf_file)
         if keep_quantized:
-            yield from _gguf_native_weights(os.path.join(path, gguf_file), hf_config)
+            yield from _gguf_native_weights(file, hf_config)
+        elif _gguf_architecture(gguf_reader(file)) in GGUF_NATIVE_ARCHITECTURES:
+            yield from _gguf_native_weights(file, hf_config, keep_blocks=False)
         else:
-            yield from _gguf_weights(os.path.join(path, gguf_file), hf_config)
+            yield from _gguf_weights(file, hf_config)
         return
     from safetensors import safe_open  # noqa: PLC0415
 
@@ -91,6 +94,8 @@ def checkpoint_shapes(path: str, what: str) -> dict[str, tuple[int, ...]]:
 
 
 def _gguf_weights(file: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor dequantized by transformers' GGUF loader (the architectures pdserve does not read
+    itself: `_gguf_native_weights` yields the same tensors for its own)."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: PLC0415
 
@@ -102,15 +107,20 @@ def _gguf_weights(file: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor
     yield from parsed["tensors"].items()
 
 
-def _gguf_native_weights(file: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+def _gguf_native_weights(file: str, hf_config: Any, keep_blocks: bool = True
+                         ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """A GGUF file of GGUF_NATIVE_ARCHITECTURES read by pdserve: its Q8_0/Q4_0/Q4_1 matrices as
+    GGUFWeights (`keep_blocks`), every other tensor (every tensor without `keep_blocks`) dequantized
+    by gguf-py and processed as transformers' loader does (the llama row order of attn_q/attn_k):
+    the same tensors as its `load_gguf_checkpoint`, which also parses the tokenizer's arrays and
+    walks the model's modules for names (~8 s of CPU per load of the embedded model, `gguf_names`)."""
     import numpy as np  # noqa: PLC0415
     from gguf import dequantize  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor  # noqa: PLC0415
 
     reader = gguf_reader(file)
-    arch_field = reader.fields.get("general.architecture")
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field is not None else "?"
+    arch = _gguf_architecture(reader)
     if arch not in GGUF_NATIVE_ARCHITECTURES:
         raise ValueError(f"quantization='gguf' keeps the blocks of {GGUF_NATIVE_ARCHITECTURES} GGUF files; "
                          f"this one is {arch!r} (quantization='none' dequantizes it)")
@@ -124,7 +134,7 @@ def _gguf_native_weights(file: str, hf_config: Any) -> Iterator[tuple[str, torch
         if tensor.name not in names:
             continue
         qtype = tensor.tensor_type.name
-        if qtype in GGUF_BLOCK_BYTES and len(tensor.shape) == 2:
+        if keep_blocks and qtype in GGUF_BLOCK_BYTES and len(tensor.shape) == 2:
             blocks = torch.from_numpy(np.array(tensor.data))          # [rows, row bytes], a copy
             if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
                 # llama.cpp's converter interleaves the rotary halves of each head's rows; undo it
@@ -137,6 +147,11 @@ def _gguf_native_weights(file: str, hf_config: Any) -> Iterator[tuple[str, torch
             weights = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
                                         tensor_key_mapping=names, parsed_parameters={"tensors": {}}).weights
             yield names[tensor.name], torch.from_numpy(np.copy(weights))
+
+
+def _gguf_architecture(reader: Any) -> str:
+    field = reader.fields.get("general.architecture")
+    return bytes(field.parts[field.data[0]]).decode() if field is not None else "?"
 
 
 def gguf_names(skeleton: Any, processor: Any) -> dict[str, str]:

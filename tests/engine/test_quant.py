@@ -125,19 +125,26 @@ def test_gguf_weight_shards_on_block_boundaries():
         w.narrow(1, 48, 48)
 
 
-def test_native_loader_matches_transformers_dequantization():
-    """Every tensor of the embedded GGUF, kept in blocks, dequantizes to exactly what transformers'
-    GGUF loader yields (names, the llama row order of attn_q/attn_k, values); the blocks read with
-    the model's config as a replica receives it (frozen: records/frozen_config.py)."""
+def test_gguf_loaders_match_transformers_dequantization():
+    """Every tensor of the embedded GGUF, read dense or kept in blocks (then dequantized), is exactly
+    what transformers' GGUF loader yields (names, the llama row order of attn_q/attn_k, values,
+    dtypes); both read with the model's config as a replica receives it (frozen:
+    records/frozen_config.py). pdserve reads its architectures' files itself (~8 s less per load)."""
+    import os
+
+    from engine.loading.weights import _gguf_weights
+
     path, gguf_file, hf_config = resolve_model(None)
-    dense = dict(iterate_weights(path, gguf_file, hf_config))
+    theirs = dict(_gguf_weights(os.path.join(path, gguf_file), hf_config))
+    dense = dict(iterate_weights(path, gguf_file, FrozenConfig.of(hf_config)))
     native = dict(iterate_weights(path, gguf_file, FrozenConfig.of(hf_config), keep_quantized=True))
-    assert set(native) == set(dense)
-    kinds = {type(v).__name__ for v in native.values()}
-    assert kinds == {"GGUFWeight", "Tensor"}
-    for name, value in native.items():
-        got = value.dequantize() if isinstance(value, GGUFWeight) else value
-        assert torch.equal(got.float(), dense[name].float()), name
+    assert set(native) == set(dense) == set(theirs)
+    assert {type(v).__name__ for v in dense.values()} == {"Tensor"}
+    assert {type(v).__name__ for v in native.values()} == {"GGUFWeight", "Tensor"}
+    for name, value in theirs.items():
+        assert dense[name].dtype == value.dtype and torch.equal(dense[name], value), name
+        got = native[name].dequantize() if isinstance(native[name], GGUFWeight) else native[name]
+        assert torch.equal(got.float(), value.float()), name
 
 
 def test_gguf_reader_keeps_gguf_pys_tensors_and_scalars():
