@@ -40,6 +40,7 @@ def sample(command: list[str], interval: float) -> tuple[dict[int, tuple[str, fl
     since the run began), and the command's exit status."""
     seen: dict[int, tuple[str, float]] = {}
     before: dict[int, float] = {}
+    me = psutil.Process().pid
     for p in psutil.process_iter(["cpu_times"]):
         if p.info["cpu_times"] is not None:
             before[p.pid] = p.info["cpu_times"].user + p.info["cpu_times"].system
@@ -48,7 +49,7 @@ def sample(command: list[str], interval: float) -> tuple[dict[int, tuple[str, fl
         done = proc.poll() is not None
         for p in psutil.process_iter(["cmdline", "name", "cpu_times"]):
             times = p.info["cpu_times"]
-            if times is None or p.pid == psutil.Process().pid:
+            if times is None or p.pid == me:
                 continue
             name = kind(" ".join(p.info["cmdline"] or [p.info["name"] or "?"]))
             old = seen.get(p.pid)
