@@ -23,6 +23,13 @@ def gguf_reader(file: str) -> Any:
     return _gguf_reader(os.path.abspath(file), st.st_size, st.st_mtime_ns)
 
 
+def gguf_architecture(reader: Any) -> str:
+    """The architecture a GGUF file names (`general.architecture`: "llama", "qwen2", ...), or
+    "unknown" where it names none."""
+    field = reader.fields.get("general.architecture")
+    return bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
+
+
 @functools.lru_cache(maxsize=4)
 def _gguf_reader(file: str, size: int, mtime_ns: int) -> Any:
     return _tensor_reader()(file)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from records.cpu_flags import fast_block_kernels
-from records.gguf_file import gguf_reader
+from records.gguf_file import gguf_architecture, gguf_reader
 
 # GGUF weights pdserve keeps in their blocks (kernels/reference.py: the layouts), and the GGUF
 # architectures whose tensors it maps without dequantizing (their converters only reorder rows).
@@ -133,8 +133,7 @@ def resolve_quantization(quantization: str | None, path: str, gguf_file: str | N
         raise ValueError(f"quantization={quantization!r} needs a safetensors checkpoint; {gguf_file} is a GGUF "
                          f"file (quantization='gguf', 'gguf+dense' or 'none')")
     reader = gguf_reader(os.path.join(path, gguf_file))
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
+    arch = gguf_architecture(reader)
     if quantization is None and (arch not in GGUF_NATIVE_ARCHITECTURES or _unsupported(reader)):
         return "none"
     if arch not in GGUF_NATIVE_ARCHITECTURES:

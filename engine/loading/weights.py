@@ -14,7 +14,7 @@ import torch
 
 from kernels.gguf_format import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
 from records.frozen_config import transformers_config
-from records.gguf_file import gguf_reader
+from records.gguf_file import gguf_architecture, gguf_reader
 from records.quantization import GGUF_NATIVE_ARCHITECTURES
 
 
@@ -59,7 +59,7 @@ def iterate_weights(path: str, gguf_file: str | None, hf_config: Any, keep_quant
         file = os.path.join(path, gguf_file)
         if keep_quantized:
             yield from _gguf_native_weights(file, hf_config)
-        elif _gguf_architecture(gguf_reader(file)) in GGUF_NATIVE_ARCHITECTURES:
+        elif gguf_architecture(gguf_reader(file)) in GGUF_NATIVE_ARCHITECTURES:
             yield from _gguf_native_weights(file, hf_config, keep_blocks=False)
         else:
             yield from _gguf_weights(file, hf_config)
@@ -120,7 +120,7 @@ def _gguf_native_weights(file: str, hf_config: Any, keep_blocks: bool = True
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor  # noqa: PLC0415
 
     reader = gguf_reader(file)
-    arch = _gguf_architecture(reader)
+    arch = gguf_architecture(reader)
     if arch not in GGUF_NATIVE_ARCHITECTURES:
         raise ValueError(f"quantization='gguf' keeps the blocks of {GGUF_NATIVE_ARCHITECTURES} GGUF files; "
                          f"this one is {arch!r} (quantization='none' dequantizes it)")
@@ -147,11 +147,6 @@ def _gguf_native_weights(file: str, hf_config: Any, keep_blocks: bool = True
             weights = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
                                         tensor_key_mapping=names, parsed_parameters={"tensors": {}}).weights
             yield names[tensor.name], torch.from_numpy(np.copy(weights))
-
-
-def _gguf_architecture(reader: Any) -> str:
-    field = reader.fields.get("general.architecture")
-    return bytes(field.parts[field.data[0]]).decode() if field is not None else "?"
 
 
 def gguf_names(skeleton: Any, processor: Any) -> dict[str, str]:
