@@ -3,15 +3,16 @@
 // prefill, chunked prefill and prefix hits alike). Flash-attention style, in fp32, one pass over
 // K/V with an online softmax.
 //
-// A work item is (segment, KV head, tile of L query positions), L the lanes of one vector register:
-// 16 with AVX-512, 8 elsewhere. Its rows are the query heads that share the KV head, each held
-// transposed: one vector per head dimension with a lane per position. Then the scores of L keys are
-// L FMAs per head dimension with the key's element broadcast, and the online softmax (causal mask,
-// max, exp, denominator) is elementwise across lanes, with no horizontal reductions. A chunk of L
-// keys and values is converted to fp32 once and shared by the item's heads. Items go to ATen's
-// threads longest first. The inner loops keep L accumulators and two more vectors live: 18 of
-// AVX-512's 32 registers at L = 16, 10 of AVX2's 16 at L = 8 (at L = 16 on AVX2, every vector is two
-// registers and the accumulators spill: on a Zen 1 the kernel ran at 0.2-0.5x torch's SDPA).
+// A work item is (segment, KV head, two or four tiles of L query positions: f32_tiles), L the lanes
+// of one vector register: 16 with AVX-512, 8 elsewhere. Its rows are the query heads that share the
+// KV head, each held transposed: one vector per head dimension with a lane per position. Then the
+// scores of L keys are L FMAs per head dimension with the key's element broadcast, and the online
+// softmax (causal mask, max, exp, denominator) is elementwise across lanes, with no horizontal
+// reductions. A chunk of L keys and values is converted to fp32 once and shared by the item's tiles
+// and heads. Items go to ATen's threads longest first. The inner loops keep L accumulators and two
+// more vectors live: 18 of AVX-512's 32 registers at L = 16, 10 of AVX2's 16 at L = 8 (at L = 16 on
+// AVX2, every vector is two registers and the accumulators spill: on a Zen 1 the kernel ran at
+// 0.2-0.5x torch's SDPA).
 // With bf16 query and cache on a CPU with AVX512-BF16 the same items run on bf16 dot products
 // (prefill_bf16_dot, below).
 //
@@ -59,10 +60,16 @@ inline void chunk_values(const float* v, const Lanes* e, int64_t count, Lanes al
 // Per-thread working memory, reused across items.
 template <int D>
 struct PrefillScratch {
-  std::vector<Lanes> q, o;     // [group][D]: scaled queries and unnormalized outputs, transposed
-  std::vector<Lanes> max, denom;   // [group]: online-softmax state per lane
+  std::vector<Lanes> q, o;     // [tiles * group][D]: scaled queries and unnormalized outputs, transposed
+  std::vector<Lanes> max, denom;   // [tiles * group]: online-softmax state per lane
   std::vector<float> k, v;      // [kLanes][D]: the current chunk in fp32
 };
+
+// Tiles of kLanes query rows per work item: each chunk of K/V is read from the cache and converted
+// once for the tiles' query heads. On a Zen 3 (AVX2, one thread, docs/perf/journal.md §48) two tiles
+// ran SmolLM2's 9/3 heads of 64 at 1.08-1.11x one tile and four at 0.81-0.83x, while Llama-3-8B's
+// 32/8 heads of 128 ran at 0.83-1.01x with two and 1.11-1.39x with four.
+constexpr int f32_tiles(int head_dim) { return head_dim >= 128 ? 4 : 2; }
 
 // Rows of a tile's output for one head: o ([D] vectors, lane = position) times inv, lane i to row i
 // (rows of them, `stride` elements apart), transposed through fp32 and stored a vector at a time.
@@ -188,7 +195,7 @@ void for_each_item(const at::Tensor& tables, const at::Tensor& query_lens, const
 
 // T: the query's dtype; C: the cache's element type (T, or fp8 e4m3 read at k_scale / v_scale,
 // folded into the query's scale and the output's normalization).
-template <typename T, typename C, int D>
+template <typename T, typename C, int D, int kTiles = f32_tiles(D)>
 void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& tables,
                   const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale, double k_scale,
                   double v_scale, int64_t window, double softcap, at::Tensor& out) {
@@ -200,59 +207,73 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
   const float cap = static_cast<float>(softcap);
   auto make_scratch = [&] {
     PrefillScratch<D> w;
-    w.q.resize(static_cast<size_t>(group * D));
-    w.o.resize(static_cast<size_t>(group * D));
+    w.q.resize(static_cast<size_t>(kTiles * group * D));
+    w.o.resize(static_cast<size_t>(kTiles * group * D));
     w.k.resize(static_cast<size_t>(kLanes * D));
     w.v.resize(static_cast<size_t>(kLanes * D));
     return w;
   };
-  auto body = [&](PrefillScratch<D>& w, const Item* items, int) {
-    const Item& it = items[0];
-    const int64_t h = it.head;
-    for (int64_t g = 0; g < group; ++g) {
-      float* qf = reinterpret_cast<float*>(w.q.data() + g * D);     // [D][kLanes]
-      for (int64_t i = 0; i < kLanes; ++i) {
-        const T* row = q_ptr + ((it.first_row + std::min(i, it.rows - 1)) * num_heads + h * group + g) * D;
-        for (int d = 0; d < D; ++d) qf[d * kLanes + i] = to_float(row[d]) * static_cast<float>(scale * k_scale);
+  // Query head u = t * group + g: tile t's head g.
+  auto body = [&](PrefillScratch<D>& w, const Item* items, int n) {
+    const int64_t h = items[0].head;
+    for (int t = 0; t < n; ++t)
+      for (int64_t g = 0; g < group; ++g) {
+        float* qf = reinterpret_cast<float*>(w.q.data() + (t * group + g) * D);     // [D][kLanes]
+        for (int64_t i = 0; i < kLanes; ++i) {
+          const T* row =
+              q_ptr + ((items[t].first_row + std::min(i, items[t].rows - 1)) * num_heads + h * group + g) * D;
+          for (int d = 0; d < D; ++d) qf[d * kLanes + i] = to_float(row[d]) * static_cast<float>(scale * k_scale);
+        }
       }
-    }
     std::fill(w.o.begin(), w.o.end(), Lanes{});
-    w.max.assign(static_cast<size_t>(group), Lanes{} - INFINITY);
-    w.denom.assign(static_cast<size_t>(group), Lanes{});
+    w.max.assign(static_cast<size_t>(n * group), Lanes{} - INFINITY);
+    w.denom.assign(static_cast<size_t>(n * group), Lanes{});
     Lanes e[kLanes];
-    for (int64_t c0 = it.begin; c0 < it.end; c0 += kLanes) {
-      const int64_t count = std::min<int64_t>(kLanes, it.end - c0);
+    const Item& last = items[n - 1];   // its keys end last; the first tile's begin first
+    for (int64_t c0 = items[0].begin; c0 < last.end; c0 += kLanes) {
+      const int64_t count = std::min<int64_t>(kLanes, last.end - c0);
+      // The chunk's keys and values in fp32, once for the item's tiles and heads; the block walked
+      // from one division. Rows past the keys: zeros, never weighted.
+      int64_t block = c0 / kv.block_size, offset = c0 % kv.block_size;
       for (int64_t j = 0; j < kLanes; ++j) {
         float* kd = w.k.data() + j * D;
         float* vd = w.v.data() + j * D;
-        if (j >= count) {                           // past the keys: zeros, never weighted
+        if (j >= count) {
           std::fill(kd, kd + D, 0.f);
           std::fill(vd, vd + D, 0.f);
           continue;
         }
-        const int64_t row = kv.row(it.table, c0 + j) + h * D;
-        const C* kr = kv.k + row;
-        const C* vr = kv.v + row;
+        const int64_t row = (last.table[block] * kv.block_size + offset) * kv.token_stride + h * D;
+        if (++offset == kv.block_size) offset = 0, ++block;
         for (int d0 = 0; d0 < D; d0 += 16) {
-          const f32x16 kx = load16(kr + d0), vv = load16(vr + d0);
+          const f32x16 kx = load16(kv.k + row + d0), vv = load16(kv.v + row + d0);
           std::memcpy(kd + d0, &kx, sizeof kx);
           std::memcpy(vd + d0, &vv, sizeof vv);
         }
       }
-      const bool masked = it.masked(c0, kLanes, window);
-      for (int64_t g = 0; g < group; ++g) {
-        Lanes sc[kLanes];
-        chunk_scores<D>(w.q.data() + g * D, w.k.data(), sc);
-        const Lanes alpha = softmax_chunk<kLanes>(sc, c0, masked, it.limit, it.floor_pos, cap, w.max[g], w.denom[g],
-                                                  e, [](Lanes x) { return exp_approx(x); });
-        chunk_values<D>(w.v.data(), e, count, alpha, w.o.data() + g * D);
+      for (int t = 0; t < n; ++t) {
+        const Item& it = items[t];
+        // Chunks past a tile's keys or wholly before its window leave its state as it is: skipped.
+        if (c0 >= it.end || c0 + kLanes <= it.begin) continue;
+        const bool masked = it.masked(c0, kLanes, window);
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t u = t * group + g;
+          Lanes sc[kLanes];
+          chunk_scores<D>(w.q.data() + u * D, w.k.data(), sc);
+          const Lanes alpha = softmax_chunk<kLanes>(sc, c0, masked, it.limit, it.floor_pos, cap, w.max[u],
+                                                    w.denom[u], e, [](Lanes x) { return exp_approx(x); });
+          chunk_values<D>(w.v.data(), e, count, alpha, w.o.data() + u * D);
+        }
       }
     }
-    for (int64_t g = 0; g < group; ++g)
-      store_rows(w.o.data() + g * D, static_cast<float>(v_scale) / w.denom[g], D, it.rows,
-                 out_ptr + (it.first_row * num_heads + h * group + g) * D, num_heads * D);
+    for (int t = 0; t < n; ++t)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t u = t * group + g;
+        store_rows(w.o.data() + u * D, static_cast<float>(v_scale) / w.denom[u], D, items[t].rows,
+                   out_ptr + (items[t].first_row * num_heads + h * group + g) * D, num_heads * D);
+      }
   };
-  for_each_item<1>(tables, query_lens, seq_lens, kv.num_kv_heads, window, make_scratch, body);
+  for_each_item<kTiles>(tables, query_lens, seq_lens, kv.num_kv_heads, window, make_scratch, body);
 }
 
 #if defined(__AVX512BF16__)
