@@ -1,10 +1,12 @@
 """Prefill attention per layer, pdserve's C++ kernel against vLLM's CPU attention op, on the same
-prompts: causal, one whole prompt per call, bf16, each side reading its own paged cache. The two
-cannot be imported into one process, so each round spawns one worker per side (alternating), and
-the parent prints both times, their ratio, each side's GFLOP/s and its share of a measured roofline.
+prompts: causal, one whole prompt per call, bf16 (or fp32 with --dtype float32, what both serve on a
+CPU without AVX512-BF16), each side reading its own paged cache. The two cannot be imported into one
+process, so each round spawns one worker per side (alternating), and the parent prints both times,
+their ratio, each side's GFLOP/s and its share of a measured roofline.
 
     .venv/bin/python benchmarks/prefill_attention_vs_vllm.py [--vllm-python /work/vllm-venv/bin/python] \\
-        [--lens 1024,4096,16384] [--shapes smollm2-135m,llama3-8b] [--rounds 2] [--threads 2] [--json out.json]
+        [--lens 1024,4096,16384] [--shapes smollm2-135m,llama3-8b] [--rounds 2] [--threads 2] [--json out.json] \\
+        [--dtype bfloat16|float32]
 
 Shapes: SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64) and Llama-3-8B (32/8/128), scale
 head_dim**-0.5. Both workers build the same q/k/v (fp32 from a seeded torch.Generator, cast to bf16)
@@ -71,13 +73,14 @@ VLLM_BLOCK = 128            # vllm/platforms/cpu.py's default block_size for the
 CHECK_LEN = 300
 SAMPLE_ROWS = 16
 TOLERANCE = 1e-2
-DTYPE = torch.bfloat16
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPE = torch.bfloat16      # main() sets it from --dtype, in the parent and in each worker
 
 
 def make_qkv(length: int, heads: int, kv_heads: int, head_dim: int,
              seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The prompt's query [L, H, d] and key/value [L, kvh, d]: drawn in fp32 and cast, so both venvs
-    get bit-identical bf16 inputs from the same seed."""
+    get bit-identical inputs from the same seed."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(length, heads, head_dim, generator=g)
     k = torch.randn(length, kv_heads, head_dim, generator=g)
@@ -180,8 +183,8 @@ def time_ms(fn: Callable[[], object], seconds: float) -> tuple[float, int, objec
 
 
 def roofline_gflops(size: int, seconds: float) -> float:
-    """GFLOP/s of a size^3 bf16 linear: oneDNN's bf16 GEMM rate, the best this CPU's bf16 dot products
-    practically reach."""
+    """GFLOP/s of a size^3 linear in DTYPE: oneDNN's GEMM rate (bf16: the best this CPU's bf16 dot
+    products practically reach; fp32: its fused multiply-adds)."""
     g = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=g).to(DTYPE)
     w = torch.randn(size, size, generator=g).to(DTYPE)
@@ -225,7 +228,8 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_side(side: str, python: str, args: argparse.Namespace, check_file: str) -> dict:
     cmd = [python, str(Path(__file__).resolve()), "--side", side, "--lens", args.lens, "--shapes", args.shapes,
-           "--threads", str(args.threads), "--seconds", str(args.seconds), "--seed", str(args.seed),
+           "--threads", str(args.threads), "--dtype", args.dtype, "--seconds", str(args.seconds),
+           "--seed", str(args.seed),
            "--roofline-size", str(args.roofline_size), "--pdserve-block-size", str(args.pdserve_block_size),
            "--vllm-block-size", str(args.vllm_block_size), "--check-file", check_file]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -246,7 +250,7 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def reference(model: str, seed: int) -> torch.Tensor:
-    """The check case's attention in fp32 SDPA from the same bf16 inputs."""
+    """The check case's attention in fp32 SDPA from the same inputs."""
     heads, kv_heads, head_dim = SHAPES[model]
     q, k, v = (t.float().transpose(0, 1)[None] for t in make_qkv(CHECK_LEN, heads, kv_heads, head_dim, seed))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=head_dim ** -0.5,
@@ -284,12 +288,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=1.5, help="about how long each measurement runs")
-    ap.add_argument("--roofline-size", type=int, default=4096, help="the bf16 GEMM's M = N = K")
+    ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="q, k, v and both caches")
+    ap.add_argument("--roofline-size", type=int, default=4096, help="the roofline GEMM's M = N = K")
     ap.add_argument("--pdserve-block-size", type=int, default=PDSERVE_BLOCK)
     ap.add_argument("--vllm-block-size", type=int, default=VLLM_BLOCK)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    global DTYPE
+    DTYPE = DTYPES[args.dtype]
     if unknown := set(args.shapes.split(",")) - set(SHAPES):
         ap.error(f"unknown shapes {sorted(unknown)}; known: {', '.join(SHAPES)}")
     if args.side:
@@ -310,7 +317,8 @@ def main() -> None:
                       file=sys.stderr, flush=True)
     print("\n".join(check_agreement(checks, args.seed)))
     roof = {side: max(run["roofline_gflop_per_s"] for run in side_runs) for side, side_runs in runs.items()}
-    print(f"{args.threads} threads, bf16, best of {args.rounds}; roofline (bf16 {args.roofline_size}^3 linear): "
+    print(f"{args.threads} threads, {args.dtype}, best of {args.rounds}; roofline ({args.dtype} {args.roofline_size}^3 "
+          "linear): "
           f"pdserve process {roof['pdserve']:.0f}, vLLM process {roof['vllm']:.0f} GFLOP/s; block size pdserve "
           f"{args.pdserve_block_size}, vLLM {args.vllm_block_size}")
     print(f"{'shape':13s} {'len':>6s} {'pdserve ms':>11s} {'vLLM ms':>11s} {'vLLM/pds':>8s} "
@@ -333,7 +341,8 @@ def main() -> None:
               f"{100 * out['vllm_roofline_frac']:5.1f}% {v['metadata_ms']:12.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "rounds": args.rounds, "roofline_gflop_per_s": roof,
+            json.dump({"threads": args.threads, "dtype": args.dtype, "rounds": args.rounds,
+                       "roofline_gflop_per_s": roof,
                        "roofline_size": args.roofline_size, "block_size": {"pdserve": args.pdserve_block_size,
                                                                            "vllm": args.vllm_block_size},
                        "workers": {side: [{k: run[k] for k in ("info", "torch", "threads", "preload")}
