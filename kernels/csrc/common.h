@@ -363,6 +363,17 @@ struct PagedKV {
   int64_t row(const int64_t* table, int64_t pos) const {
     return (table[pos / block_size] * block_size + pos % block_size) * token_stride;
   }
+
+  // f(t, row(table, pos + t)) for t in [0, count): the block walked from one division (a division per
+  // token was a measurable part of a chunk's time on a Zen 3, docs/perf/journal.md §48).
+  template <typename F>
+  void for_rows(const int64_t* table, int64_t pos, int64_t count, F&& f) const {
+    int64_t block = pos / block_size, offset = pos % block_size;
+    for (int64_t t = 0; t < count; ++t) {
+      f(t, (table[block] * block_size + offset) * token_stride);
+      if (++offset == block_size) offset = 0, ++block;
+    }
+  }
 };
 
 template <typename T>

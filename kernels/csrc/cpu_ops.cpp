@@ -161,10 +161,12 @@ void decode_range(const PagedKV<C>& kv, const int64_t* table, int64_t begin, int
   w.v.resize(static_cast<size_t>(kLanes * stride));
   for (int64_t c0 = begin; c0 < end; c0 += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, end - c0);
-    for (int64_t t = 0; t < count; ++t)
-      std::memcpy(w.k.data() + t * stride, kv.k + kv.row(table, c0 + t), stride * sizeof(C));
-    for (int64_t t = 0; t < count; ++t)
-      std::memcpy(w.v.data() + t * stride, kv.v + kv.row(table, c0 + t), stride * sizeof(C));
+    kv.for_rows(table, c0, count, [&](int64_t t, int64_t row) {
+      std::memcpy(w.k.data() + t * stride, kv.k + row, stride * sizeof(C));
+    });
+    kv.for_rows(table, c0, count, [&](int64_t t, int64_t row) {
+      std::memcpy(w.v.data() + t * stride, kv.v + row, stride * sizeof(C));
+    });
     for (int64_t h = 0; h < kv.num_kv_heads; ++h)
       chunk_group<C, D>(w.k.data(), w.v.data(), stride, count, h * D, w.q.data() + h * group * V,
                         w.rows.data() + h * group, w.acc.data() + h * group * V, group, softcap);

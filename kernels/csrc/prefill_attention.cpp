@@ -232,25 +232,19 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
     const Item& last = items[n - 1];   // its keys end last; the first tile's begin first
     for (int64_t c0 = items[0].begin; c0 < last.end; c0 += kLanes) {
       const int64_t count = std::min<int64_t>(kLanes, last.end - c0);
-      // The chunk's keys and values in fp32, once for the item's tiles and heads; the block walked
-      // from one division. Rows past the keys: zeros, never weighted.
-      int64_t block = c0 / kv.block_size, offset = c0 % kv.block_size;
-      for (int64_t j = 0; j < kLanes; ++j) {
-        float* kd = w.k.data() + j * D;
-        float* vd = w.v.data() + j * D;
-        if (j >= count) {
-          std::fill(kd, kd + D, 0.f);
-          std::fill(vd, vd + D, 0.f);
-          continue;
-        }
-        const int64_t row = (last.table[block] * kv.block_size + offset) * kv.token_stride + h * D;
-        if (++offset == kv.block_size) offset = 0, ++block;
-        for (int d0 = 0; d0 < D; d0 += 16) {
-          const f32x16 kx = load16(kv.k + row + d0), vv = load16(kv.v + row + d0);
-          std::memcpy(kd + d0, &kx, sizeof kx);
-          std::memcpy(vd + d0, &vv, sizeof vv);
-        }
+      // The chunk's keys and values in fp32, once for the item's tiles and heads. Rows past the keys:
+      // zeros, never weighted.
+      for (int64_t j = count; j < kLanes; ++j) {
+        std::fill(w.k.data() + j * D, w.k.data() + (j + 1) * D, 0.f);
+        std::fill(w.v.data() + j * D, w.v.data() + (j + 1) * D, 0.f);
       }
+      kv.for_rows(last.table, c0, count, [&](int64_t j, int64_t row) {
+        for (int d0 = 0; d0 < D; d0 += 16) {
+          const f32x16 kx = load16(kv.k + row + h * D + d0), vv = load16(kv.v + row + h * D + d0);
+          std::memcpy(w.k.data() + j * D + d0, &kx, sizeof kx);
+          std::memcpy(w.v.data() + j * D + d0, &vv, sizeof vv);
+        }
+      });
       for (int t = 0; t < n; ++t) {
         const Item& it = items[t];
         // Chunks past a tile's keys or wholly before its window leave its state as it is: skipped.
