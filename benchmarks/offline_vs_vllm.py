@@ -88,6 +88,18 @@ def vllm_preloads(python: str) -> list[str]:
     return [p.format(venv=venv) for p in PRELOADS if Path(p.format(venv=venv)).exists()]
 
 
+def vllm_op_env(python: str, threads: int) -> dict[str, str]:
+    """The environment vLLM's engine gives a CPU worker bound to cores 0..threads-1, for a process
+    that calls vLLM's ops without its engine: the preloads, and with Intel OpenMP what
+    vllm/utils/ompmultiprocessing.py's configure_omp_envs sets for that binding."""
+    preload = vllm_preloads(python)
+    env = {"LD_PRELOAD": ":".join(preload), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+    if any("libiomp" in p for p in preload):
+        cpus = ",".join(str(i) for i in range(threads))
+        env.update(KMP_AFFINITY=f"granularity=fine,explicit,proclist=[{cpus}]", KMP_BLOCKTIME="5", KMP_TPAUSE="0")
+    return env
+
+
 def run_worker(cmd: list[str], env: dict[str, str], label: str, cwd: Path | None = None) -> dict:
     """Run one worker process to its end: the JSON of its `RESULT ` line, or exit with its output."""
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, cwd=cwd)

@@ -63,7 +63,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from offline_vs_vllm import run_worker, vllm_preloads
+from offline_vs_vllm import run_worker, vllm_op_env
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -234,13 +234,7 @@ def run_side(side: str, python: str, args: argparse.Namespace, check_file: str) 
            "--vllm-block-size", str(args.vllm_block_size), "--check-file", check_file]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if side == "vllm":
-        preload = vllm_preloads(python)
-        env.update(LD_PRELOAD=":".join(preload), VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
-        if any("libiomp" in p for p in preload):
-            # What vllm/utils/ompmultiprocessing.py's configure_omp_envs sets for that binding.
-            cpus = ",".join(str(i) for i in range(args.threads))
-            env.update(KMP_AFFINITY=f"granularity=fine,explicit,proclist=[{cpus}]", KMP_BLOCKTIME="5",
-                       KMP_TPAUSE="0")
+        env.update(vllm_op_env(python, args.threads))
     return run_worker(cmd, env, side, cwd=ROOT)
 
 
