@@ -14,7 +14,7 @@ from typing import Any
 from records.cpu_flags import slow_half_dtype_warning
 from records.dtypes import FP8_KV_DTYPE, KV_DTYPE_SIZES, resolve_dtype
 from records.engine_args import GIB, SPEC_KEYS, SPEC_METHODS, EngineArgs
-from records.frozen_config import FrozenConfig
+from records.frozen_config import FrozenConfig, resolve_frozen
 from records.kv_groups import KVGroups
 from records.lora import LoRAConfig
 from records.model_source import (
@@ -324,9 +324,11 @@ class EngineConfig:
         return cls.from_args(model, EngineArgs(**engine_args))
 
     @classmethod
-    def from_args(cls, model: str | None, args: EngineArgs) -> EngineConfig:
+    def from_args(cls, model: str | None, args: EngineArgs, frozen: bool = False) -> EngineConfig:
         """Resolve checked arguments against the model's config (ValueError naming the field when
-        the model does not allow them: max_model_len, the parallel split, a draft model)."""
+        the model does not allow them: max_model_len, the parallel split, a draft model). `frozen`:
+        the config as a FrozenConfig, read from the cache of resolved configs where it can be
+        (records/frozen_config.py: `resolve_frozen`), for a process that hands it on or only reads it."""
         block_size, max_num_seqs, max_model_len = args.block_size, args.max_num_seqs, args.max_model_len
         tensor_parallel_size, pipeline_parallel_size = args.tensor_parallel_size, args.pipeline_parallel_size
         max_num_batched_tokens, enable_chunked_prefill = args.max_num_batched_tokens, args.enable_chunked_prefill
@@ -350,7 +352,7 @@ class EngineConfig:
                 extra=tuple(sorted((args.kv_connector_extra or {}).items())))
         dtype, seed, speculative_config = args.dtype, args.seed, args.speculative_config
 
-        path, gguf_file, hf_config = resolve_model(model)
+        path, gguf_file, hf_config = (resolve_frozen if frozen else resolve_model)(model)
         simulation = None
         num_layers = hf_config.num_hidden_layers
         derived_len = getattr(hf_config, "max_position_embeddings", None) or 2048

@@ -13,12 +13,17 @@ skeleton model) resolves it again (`transformers_config`).
 from __future__ import annotations
 
 import copy
+import hashlib
+import importlib.metadata
 import logging
 import os
+import pickle
+import tempfile
 import types
 from typing import Any
 
-from records.model_source import resolve_model
+from records.cache_dirs import cache_root
+from records.model_source import embedded_model_path, hub_snapshot, is_hub_id, resolve_model
 
 
 class FrozenConfig:
@@ -111,3 +116,62 @@ def transformers_config(config: Any, path: str, gguf_file: str | None) -> Any:
     if not isinstance(config, FrozenConfig):
         return config
     return resolve_model(path if gguf_file is None else os.path.join(path, gguf_file))[2]
+
+
+def resolve_frozen(model: str | None) -> tuple[str, str | None, FrozenConfig]:
+    """`resolve_model` with the config frozen: the same (dir, GGUF file name, config), the config as
+    the view every process it is handed to reads. Kept under $PDSERVE_CONFIG_CACHE (else
+    ~/.cache/pdserve/configs), keyed by the config's source file (config.json, or the GGUF file) with
+    its size and mtime, the transformers version and this resolution's own code: while none of them
+    changes, a process that needs only the config's values (an ingress, a launcher) reads it back
+    and imports no transformers config class. Resolving in such a process took ~1.5 s of CPU for
+    the first model and more for each further architecture (a Llama config's module pulls in
+    torch.distributed.tensor and sympy; docs/perf/journal.md §50). Errors are `resolve_model`'s."""
+    path = hub_snapshot(model) if is_hub_id(model) else (embedded_model_path() if model is None
+                                                         else os.path.expanduser(model))
+    key = _cache_key(path)
+    file = os.path.join(cache_root("configs", "PDSERVE_CONFIG_CACHE"), key) if key else None
+    if file is not None:
+        try:
+            with open(file, "rb") as f:
+                cached = pickle.load(f)
+            if isinstance(cached, tuple) and len(cached) == 3 and isinstance(cached[2], FrozenConfig):
+                return cached
+        except (OSError, pickle.PickleError, EOFError, AttributeError, ImportError, TypeError, ValueError):
+            pass                                # absent, or written by another version: resolve it
+    path, gguf_file, config = resolve_model(model if not is_hub_id(model) else path)
+    resolved = (path, gguf_file, FrozenConfig.of(config))
+    if file is not None:
+        _store(file, resolved)
+    return resolved
+
+
+def _cache_key(path: str) -> str | None:
+    """The cache key of a model path, or None where it names no config file (resolve_model says why)."""
+    source = path if path.endswith(".gguf") else os.path.join(path, "config.json")
+    try:
+        st = os.stat(source)
+        version = importlib.metadata.version("transformers")
+    except (OSError, importlib.metadata.PackageNotFoundError):
+        return None
+    if not os.path.isfile(source):
+        return None
+    code = hashlib.sha256()
+    for module in (__file__, resolve_model.__code__.co_filename):       # how a config is resolved and frozen
+        with open(module, "rb") as f:
+            code.update(f.read())
+    text = f"{os.path.abspath(source)}|{st.st_size}|{st.st_mtime_ns}|{version}|{code.hexdigest()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32] + ".pkl"
+
+
+def _store(file: str, resolved: tuple) -> None:
+    """Write whole or not at all (another process may read it now); a cache that cannot be written
+    only costs the next process the resolution."""
+    try:
+        os.makedirs(os.path.dirname(file), exist_ok=True)
+        fd, staging = tempfile.mkstemp(dir=os.path.dirname(file), prefix=".staging-")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(resolved, f)
+        os.replace(staging, file)
+    except OSError:
+        pass

@@ -359,7 +359,8 @@ class IngressSpec(StrictSpec):
     encode: bool = False            # an encode pool encodes requests' images first (router/routing/encode.py)
 
     def engine_config(self) -> EngineConfig:
-        """The decode pool's engine config, resolved here (see `resolve_engine_config`)."""
+        """The decode pool's engine config, resolved here (see `resolve_engine_config`), its model
+        config frozen (an ingress reads its values only)."""
         return resolve_engine_config(self.model, self.engine, self.lora)
 
 
@@ -367,8 +368,10 @@ def resolve_engine_config(model: str | None, args: EngineArgs, lora: LoRASpec | 
     """The engine config of `args`, resolved against the model's own config (ValueError naming the
     field when the model does not allow a setting), with the spec's adapters checked against it:
     ValueError naming `lora.modules.<name>` when one does not fit the model or the rank limit (read
-    from its config and safetensors header)."""
-    config = EngineConfig.from_args(model, args)
+    from its config and safetensors header). The model's config comes frozen, from the cache of
+    resolved configs where it can (records/frozen_config.py: `resolve_frozen`): a deployment's
+    configs go to its replicas and ingress, which read it as that view anyway."""
+    config = EngineConfig.from_args(model, args, frozen=True)
     for name, path in (lora.modules if lora is not None else {}).items():
         try:
             read_adapter(path, config.model_config.hf_config, lora.max_lora_rank)

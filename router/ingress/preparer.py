@@ -91,7 +91,7 @@ class RequestPreparer:
                 raise ValueError(f"lora.modules.{name}: the base model is served under that name "
                                  f"(serving.served_model_name: {self.model_names})")
             self.adapters[name] = LoRARequest(name, next(self._lora_ids), path)
-        self.tokenizer = load_tokenizer(info.model, info.gguf_file)
+        self.tokenizer = load_tokenizer(info.model, info.gguf_file, self.hf_config)
         if config.serving.chat_template is not None and self.tokenizer is not None:
             self.tokenizer.chat_template = config.serving.chat_template     # vLLM's --chat-template
         # How the model writes tool calls (None: no chat template, so no chat and no tools).

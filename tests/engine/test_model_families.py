@@ -5,7 +5,10 @@ chunked prefill, prefix-cache hits and preemption, on the CPU kernel sets; the M
 Qwen3-MoE and Qwen2-MoE too, and what else runs through them (speculation, LoRA, expert load)."""
 from __future__ import annotations
 
+import json
+import os
 import pickle
+import shutil
 import subprocess
 import sys
 
@@ -80,6 +83,45 @@ def test_a_config_that_crossed_processes_serves_the_same_tokens(family, prompts,
         outs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
     assert [outs[str(i)] for i in range(len(prompts))] == oracle(path)
     engine.check_no_leaks()
+
+
+@pytest.mark.parametrize("family", ["llama", "llava", "embedded"])
+def test_a_resolved_config_is_read_back_frozen_until_its_file_changes(family, request, tmp_path, monkeypatch):
+    """What an ingress and a launcher resolve (records/frozen_config.py: resolve_frozen): the model's
+    config frozen, as a replica receives it, and the same as resolving it afresh; the next process
+    reads it back from the cache without importing transformers' config classes. A changed
+    config.json is resolved again, and a cache entry that cannot be read is resolved again too."""
+    from records.frozen_config import FrozenConfig, resolve_frozen
+    from records.model_source import resolve_model
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PDSERVE_CONFIG_CACHE", str(cache))
+    model = None
+    if family != "embedded":
+        model = str(tmp_path / "model")
+        os.makedirs(model)
+        shutil.copy(os.path.join(request.getfixturevalue(f"tiny_{family}"), "config.json"), model)
+    real, frozen = resolve_model(model), resolve_frozen(model)
+    assert isinstance(frozen[2], FrozenConfig) and frozen[:2] == real[:2]
+    assert frozen[2].to_dict() == real[2].to_dict() and repr(frozen[2]) == repr(real[2])
+    assert len(os.listdir(cache)) == 1
+    code = ("import json, sys\n"
+            "from records.frozen_config import resolve_frozen\n"
+            f"path, gguf_file, config = resolve_frozen({model!r})\n"
+            "classes = [m for m in sys.modules if m.startswith('transformers.models.') and '.configuration_' in m]\n"
+            "print(json.dumps([path, gguf_file, repr(config), classes]))\n")
+    read = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert read.returncode == 0, read.stderr[-2000:]
+    assert json.loads(read.stdout) == [frozen[0], frozen[1], repr(frozen[2]), []]
+    if model is not None:
+        config = json.loads((tmp_path / "model" / "config.json").read_text())
+        (tmp_path / "model" / "config.json").write_text(json.dumps({**config, "pdserve_note": 7}))
+        changed = resolve_frozen(model)[2].to_dict()       # (a vision-language config's in `vision_language`)
+        assert '"pdserve_note": 7' in json.dumps(changed) and changed == resolve_model(model)[2].to_dict()
+        assert len(os.listdir(cache)) == 2
+    for entry in os.listdir(cache):
+        (cache / entry).write_bytes(b"not a pickle")
+    assert resolve_frozen(model)[2].to_dict() == resolve_model(model)[2].to_dict()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
