@@ -137,8 +137,8 @@ def resolve_frozen(model: str | None) -> tuple[str, str | None, FrozenConfig]:
                 cached = pickle.load(f)
             if isinstance(cached, tuple) and len(cached) == 3 and isinstance(cached[2], FrozenConfig):
                 return cached
-        except (OSError, pickle.PickleError, EOFError, AttributeError, ImportError, TypeError, ValueError):
-            pass                                # absent, or written by another version: resolve it
+        except Exception:  # noqa: BLE001 - absent, truncated or another version's: resolved again
+            pass
     path, gguf_file, config = resolve_model(model if not is_hub_id(model) else path)
     resolved = (path, gguf_file, FrozenConfig.of(config))
     if file is not None:
