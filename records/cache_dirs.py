@@ -3,6 +3,7 @@ file's converted config and tokenizer. Standard library only (the proto package 
 without torch)."""
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 
@@ -22,3 +23,11 @@ def cache_root(kind: str, env: str) -> str:
         pass
     uid = os.getuid() if hasattr(os, "getuid") else 0
     return os.path.join(tempfile.gettempdir(), f"pdserve-{kind}-{uid}")
+
+
+def file_key(path: str, *versions: str) -> str:
+    """A cache key for what was derived from the file at `path`: its absolute path, size and mtime
+    and `versions` (of what derived it), hashed; OSError where the file cannot be read."""
+    st = os.stat(path)
+    text = "|".join((os.path.abspath(path), str(st.st_size), str(st.st_mtime_ns), *versions))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]

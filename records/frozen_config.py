@@ -13,6 +13,7 @@ skeleton model) resolves it again (`transformers_config`).
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import importlib.metadata
 import logging
@@ -22,7 +23,7 @@ import tempfile
 import types
 from typing import Any
 
-from records.cache_dirs import cache_root
+from records.cache_dirs import cache_root, file_key
 from records.model_source import embedded_model_path, hub_snapshot, is_hub_id, resolve_model
 
 
@@ -127,8 +128,8 @@ def resolve_frozen(model: str | None) -> tuple[str, str | None, FrozenConfig]:
     and imports no transformers config class. Resolving in such a process took ~1.5 s of CPU for
     the first model and more for each further architecture (a Llama config's module pulls in
     torch.distributed.tensor and sympy; docs/perf/journal.md §50). Errors are `resolve_model`'s."""
-    path = hub_snapshot(model) if is_hub_id(model) else (embedded_model_path() if model is None
-                                                         else os.path.expanduser(model))
+    hub = is_hub_id(model)
+    path = hub_snapshot(model) if hub else (embedded_model_path() if model is None else os.path.expanduser(model))
     key = _cache_key(path)
     file = os.path.join(cache_root("configs", "PDSERVE_CONFIG_CACHE"), key) if key else None
     if file is not None:
@@ -139,7 +140,7 @@ def resolve_frozen(model: str | None) -> tuple[str, str | None, FrozenConfig]:
                 return cached
         except Exception:  # noqa: BLE001 - absent, truncated or another version's: resolved again
             pass
-    path, gguf_file, config = resolve_model(model if not is_hub_id(model) else path)
+    path, gguf_file, config = resolve_model(path if hub else model)
     resolved = (path, gguf_file, FrozenConfig.of(config))
     if file is not None:
         _store(file, resolved)
@@ -149,19 +150,22 @@ def resolve_frozen(model: str | None) -> tuple[str, str | None, FrozenConfig]:
 def _cache_key(path: str) -> str | None:
     """The cache key of a model path, or None where it names no config file (resolve_model says why)."""
     source = path if path.endswith(".gguf") else os.path.join(path, "config.json")
-    try:
-        st = os.stat(source)
-        version = importlib.metadata.version("transformers")
-    except (OSError, importlib.metadata.PackageNotFoundError):
-        return None
     if not os.path.isfile(source):
         return None
+    try:
+        return file_key(source, importlib.metadata.version("transformers"), _resolving_code()) + ".pkl"
+    except (OSError, importlib.metadata.PackageNotFoundError):
+        return None
+
+
+@functools.cache
+def _resolving_code() -> str:
+    """A digest of how a config is resolved and frozen (this module and records/model_source.py)."""
     code = hashlib.sha256()
-    for module in (__file__, resolve_model.__code__.co_filename):       # how a config is resolved and frozen
+    for module in (__file__, resolve_model.__code__.co_filename):
         with open(module, "rb") as f:
             code.update(f.read())
-    text = f"{os.path.abspath(source)}|{st.st_size}|{st.st_mtime_ns}|{version}|{code.hexdigest()}"
-    return hashlib.sha256(text.encode()).hexdigest()[:32] + ".pkl"
+    return code.hexdigest()
 
 
 def _store(file: str, resolved: tuple) -> None:

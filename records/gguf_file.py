@@ -4,13 +4,12 @@ its HF config and tokenizer as transformers converts them, saved once (`gguf_hf_
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import shutil
 import tempfile
 from typing import Any
 
-from records.cache_dirs import cache_root
+from records.cache_dirs import cache_root, file_key
 
 
 def gguf_reader(file: str) -> Any:
@@ -84,11 +83,8 @@ def gguf_hf_dir(path: str, gguf_file: str) -> str:
     import transformers  # noqa: PLC0415 - heavy; configs import without it
     from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415
 
-    file = os.path.abspath(os.path.join(path, gguf_file))
-    st = os.stat(file)
-    key = hashlib.sha256(f"{file}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()
     root = _gguf_cache_root()
-    target = os.path.join(root, key[:32])
+    target = os.path.join(root, file_key(os.path.join(path, gguf_file), transformers.__version__))
     if os.path.isfile(os.path.join(target, "config.json")):
         return target
     config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
