@@ -79,6 +79,11 @@ class Collector:
         with self._lock:
             self.spans.extend(spans)
 
+    def all(self) -> list[dict[str, Any]]:
+        """Every span received so far."""
+        with self._lock:
+            return list(self.spans)
+
     def trace(self, trace_id: str) -> list[dict[str, Any]]:
         with self._lock:
             return [s for s in self.spans if s["trace_id"] == trace_id]
