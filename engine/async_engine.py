@@ -18,6 +18,7 @@ from typing import Any
 import engine.tracing as tracing
 import records.clock as clock
 from engine.llm_engine import LLMEngine
+from engine.text.backend_tokenizer import hf_tokenizer
 from records.config import EngineConfig
 from records.engine_stats import EngineStats
 from records.errors import EngineDeadError, RequestFailedError
@@ -62,7 +63,8 @@ class AsyncLLMEngine:
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        """The model's HF tokenizer."""
+        return hf_tokenizer(self.engine.tokenizer)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,
                kv_transfer_params: dict | None = None, prompt: str | None = None,

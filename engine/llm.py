@@ -11,6 +11,7 @@ from typing import Any
 import records.clock as clock
 from engine.beam_search import BeamSearch, check_beam_params, run_offline
 from engine.llm_engine import LLMEngine
+from engine.text.backend_tokenizer import hf_tokenizer
 from engine.text.tokenizer import apply_chat_template
 from engine.text.tool_calls import ToolFormat
 from records.config import EngineConfig
@@ -91,7 +92,8 @@ class LLM:
         self.llm_engine.weights.check(shapes, lora_request)
 
     def get_tokenizer(self) -> Any:
-        return self.llm_engine.tokenizer
+        """The model's HF tokenizer."""
+        return hf_tokenizer(self.llm_engine.tokenizer)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` sample with when given no SamplingParams: SamplingParams'
@@ -197,7 +199,7 @@ class LLM:
         with `tools` (OpenAI's shape) where given: `ToolFormat.of(llm.get_tokenizer()).parse(text)`
         reads the calls out of an output (engine/text/tool_calls.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.llm_engine.tokenizer
+        tokenizer = self.get_tokenizer()
         if self._tool_format is None and getattr(tokenizer, "chat_template", None):
             self._tool_format = ToolFormat.of(tokenizer)     # renders the template twice: once per LLM
         fmt = self._tool_format

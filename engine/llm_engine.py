@@ -22,8 +22,9 @@ from engine.output_processor import OutputProcessor
 from engine.sample.structured_output import compiler_for
 from engine.spec_decode import make_proposer, max_proposals
 from engine.telemetry import RequestTelemetry
+from engine.text.backend_tokenizer import engine_tokenizer, hf_tokenizer
 from engine.text.images import ImageProcessor
-from engine.text.tokenizer import eos_token_ids, shared_tokenizer
+from engine.text.tokenizer import eos_token_ids
 from engine.weight_updates import WeightUpdates
 from kv_transfer.base import KVConnectorScheduler
 from records.config import EngineConfig
@@ -48,7 +49,7 @@ class LLMEngine:
         self.config = config
         mc = config.model_config
         tracing.configure(config.otlp_traces_endpoint)
-        self.tokenizer = shared_tokenizer(mc.model, mc.gguf_file, mc.hf_config)
+        self.tokenizer = engine_tokenizer(mc.model, mc.gguf_file, mc.hf_config)
         self._adapters: set[tuple] = set()        # adapters read_adapter accepted (their cache keys)
         self._image_processor: ImageProcessor | None = None
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc.hf_config, mc.model)
@@ -219,7 +220,7 @@ class LLMEngine:
         refused (ValueError) before its request is queued; the runner of this process then finds it
         compiled. Safe on any thread (xgrammar's compiler is; it releases the GIL)."""
         mc = self.config.model_config
-        compiler_for(mc.model, mc.gguf_file, mc.vocab_size, self.tokenizer).compile(spec)
+        compiler_for(mc.model, mc.gguf_file, mc.vocab_size, hf_tokenizer(self.tokenizer)).compile(spec)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort user requests (all their children); their blocks are freed at once."""

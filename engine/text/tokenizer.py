@@ -72,6 +72,14 @@ def eos_token_ids(tokenizer: Any | None, hf_config: Any, path: str) -> frozenset
     add(getattr(hf_config, "eos_token_id", None))
     if tokenizer is not None:
         add(tokenizer.eos_token_id)
+    if os.path.isdir(path):       # its generation_config.json as GenerationConfig reads it, without transformers
+        try:
+            with open(os.path.join(path, "generation_config.json")) as f:
+                generation = json.load(f)
+            add(generation.get("eos_token_id") if isinstance(generation, dict) else None)
+        except (OSError, ValueError):
+            pass
+        return frozenset(ids)
     try:
         from transformers import GenerationConfig  # noqa: PLC0415
 
@@ -176,7 +184,9 @@ class IncrementalDetokenizer:
 @functools.cache
 def _decode_wraps_backend(cls: type) -> bool:
     """Whether `cls.decode` (without clean-up) only wraps its Rust tokenizer's `decode`: fast
-    tokenizers that do not override `_decode`."""
+    tokenizers that do not override `_decode`, and the engine's BackendTokenizer."""
+    if getattr(cls, "DECODES_WITH_BACKEND", False):
+        return True
     for module, name in (("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
                          ("transformers.tokenization_utils_fast", "PreTrainedTokenizerFast")):
         try:
