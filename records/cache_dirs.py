@@ -1,6 +1,6 @@
 """Where pdserve keeps what it builds once and reuses: the compiled CPU kernels, the gRPC stubs, a GGUF
-file's converted config and tokenizer. Standard library only (the proto package and configs import it
-without torch)."""
+file's converted config and tokenizer, a model's resolved config, the tokenizer its engines decode
+with. Standard library only (the proto package and configs import it without torch)."""
 from __future__ import annotations
 
 import hashlib
@@ -31,3 +31,12 @@ def file_key(path: str, *versions: str) -> str:
     st = os.stat(path)
     text = "|".join((os.path.abspath(path), str(st.st_size), str(st.st_mtime_ns), *versions))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def source_digest(*files: str) -> str:
+    """A digest of the files' contents: a cache key's part for the code that derived an entry."""
+    code = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as f:
+            code.update(f.read())
+    return code.hexdigest()

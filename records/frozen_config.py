@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import importlib.metadata
 import logging
 import os
@@ -23,7 +22,7 @@ import tempfile
 import types
 from typing import Any
 
-from records.cache_dirs import cache_root, file_key
+from records.cache_dirs import cache_root, file_key, source_digest
 from records.model_source import embedded_model_path, hub_snapshot, is_hub_id, resolve_model
 
 
@@ -161,11 +160,7 @@ def _cache_key(path: str) -> str | None:
 @functools.cache
 def _resolving_code() -> str:
     """A digest of how a config is resolved and frozen (this module and records/model_source.py)."""
-    code = hashlib.sha256()
-    for module in (__file__, resolve_model.__code__.co_filename):
-        with open(module, "rb") as f:
-            code.update(f.read())
-    return code.hexdigest()
+    return source_digest(__file__, resolve_model.__code__.co_filename)
 
 
 def _store(file: str, resolved: tuple) -> None:

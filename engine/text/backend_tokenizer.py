@@ -22,8 +22,8 @@ import os
 import tempfile
 from typing import Any
 
-from engine.text.tokenizer import shared_tokenizer
-from records.cache_dirs import cache_root, file_key
+from engine.text.tokenizer import once_per_process, shared_tokenizer
+from records.cache_dirs import cache_root, file_key, source_digest
 
 # The HF tokenizer's plain values an engine may read; the rest comes from the HF tokenizer itself.
 KEPT = ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id", "all_special_ids", "all_special_tokens",
@@ -40,10 +40,11 @@ class BackendTokenizer:
 
     DECODES_WITH_BACKEND = True       # (engine/text/tokenizer.py's detokenizer calls `_tokenizer` itself)
 
-    def __init__(self, backend: Any, values: dict[str, Any], path: str, gguf_file: str | None) -> None:
+    def __init__(self, backend: Any, values: dict[str, Any], path: str, gguf_file: str | None,
+                 hf_config: Any | None = None) -> None:
         self._tokenizer = backend       # (the name HF tokenizers give their Rust tokenizer)
         self._values = values
-        self._source = (path, gguf_file)
+        self._source = (path, gguf_file, hf_config)
         self._hf: Any = None
 
     @property
@@ -76,7 +77,7 @@ def hf_tokenizer(tokenizer: Any) -> Any:
     return tokenizer.hf if isinstance(tokenizer, BackendTokenizer) else tokenizer
 
 
-_IN_PROCESS: dict[tuple[str, str | None], Any] = {}     # (the 8 models last loaded, oldest first)
+_IN_PROCESS: dict[tuple[str, str | None], Any] = {}
 
 
 def engine_tokenizer(path: str, gguf_file: str | None, hf_config: Any | None = None) -> Any | None:
@@ -84,18 +85,13 @@ def engine_tokenizer(path: str, gguf_file: str | None, hf_config: Any | None = N
     process share it, as `shared_tokenizer`'s): a BackendTokenizer where this machine kept one for
     the model, else `shared_tokenizer`'s HF tokenizer (None where the model has none), kept for the
     next process when its decode is its Rust tokenizer's."""
-    key = (path, gguf_file)
-    if key not in _IN_PROCESS:
-        if len(_IN_PROCESS) == 8:
-            del _IN_PROCESS[next(iter(_IN_PROCESS))]
-        _IN_PROCESS[key] = _load(path, gguf_file, hf_config)
-    return _IN_PROCESS[key]
+    return once_per_process(_IN_PROCESS, (path, gguf_file), lambda: _load(path, gguf_file, hf_config))
 
 
 def _load(path: str, gguf_file: str | None, hf_config: Any | None) -> Any | None:
     file = _cache_file(path, gguf_file)
     if file is not None:
-        kept = _read(file, path, gguf_file)
+        kept = _read(file, path, gguf_file, hf_config)
         if kept is not None:
             return kept
     tokenizer = shared_tokenizer(path, gguf_file, hf_config)
@@ -117,13 +113,13 @@ def _decodes_with_its_backend(tokenizer: Any) -> bool:
             and not getattr(tokenizer, "clean_up_tokenization_spaces", False))
 
 
-def _read(file: str, path: str, gguf_file: str | None) -> BackendTokenizer | None:
+def _read(file: str, path: str, gguf_file: str | None, hf_config: Any | None) -> BackendTokenizer | None:
     try:
         with open(file) as f:
             kept = json.load(f)
         from tokenizers import Tokenizer  # noqa: PLC0415
 
-        return BackendTokenizer(Tokenizer.from_str(kept["backend"]), kept["values"], path, gguf_file)
+        return BackendTokenizer(Tokenizer.from_str(kept["backend"]), kept["values"], path, gguf_file, hf_config)
     except Exception:  # noqa: BLE001 - absent, truncated or another version's: loaded again
         return None
 
@@ -170,8 +166,4 @@ def _cache_file(path: str, gguf_file: str | None) -> str | None:
 @functools.cache
 def _reading_code() -> str:
     """A digest of how a tokenizer is loaded and kept (this module and engine/text/tokenizer.py)."""
-    code = hashlib.sha256()
-    for module in (__file__, shared_tokenizer.__code__.co_filename):
-        with open(module, "rb") as f:
-            code.update(f.read())
-    return code.hexdigest()
+    return source_digest(__file__, shared_tokenizer.__code__.co_filename)

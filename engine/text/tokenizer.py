@@ -5,6 +5,7 @@ import functools
 import importlib
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from records.gguf_file import gguf_hf_dir
@@ -51,12 +52,17 @@ def shared_tokenizer(path: str, gguf_file: str | None, hf_config: Any | None = N
     """`load_tokenizer`, once per process for each model: what engines use (they never change it),
     so that the engines of one process share it (a replay's hundreds, a simulated replica host's;
     loading one takes seconds). A caller that changes its tokenizer (a chat template) loads its own."""
-    key = (path, gguf_file)
-    if key not in _SHARED:
-        if len(_SHARED) == 8:
-            del _SHARED[next(iter(_SHARED))]
-        _SHARED[key] = load_tokenizer(path, gguf_file, hf_config)
-    return _SHARED[key]
+    return once_per_process(_SHARED, (path, gguf_file), lambda: load_tokenizer(path, gguf_file, hf_config))
+
+
+def once_per_process(memo: dict, key: Any, load: Callable[[], Any]) -> Any:
+    """`memo[key]`, made by `load()` the first time: a process's tokenizers of the 8 models it last
+    loaded (the oldest dropped first)."""
+    if key not in memo:
+        if len(memo) == 8:
+            del memo[next(iter(memo))]
+        memo[key] = load()
+    return memo[key]
 
 
 def eos_token_ids(tokenizer: Any | None, hf_config: Any, path: str) -> frozenset[int]:
