@@ -40,3 +40,19 @@ def source_digest(*files: str) -> str:
         with open(path, "rb") as f:
             code.update(f.read())
     return code.hexdigest()
+
+
+def write_entry(file: str, data: bytes) -> None:
+    """Write a cache entry whole or not at all (another process may read it now): staged beside it,
+    then renamed over it. OSError where it cannot be written."""
+    root = os.path.dirname(file)
+    os.makedirs(root, exist_ok=True)
+    fd, staging = tempfile.mkstemp(dir=root, prefix=".staging-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(staging, file)
+    except OSError:
+        if os.path.exists(staging):
+            os.unlink(staging)
+        raise

@@ -18,11 +18,10 @@ import importlib.metadata
 import logging
 import os
 import pickle
-import tempfile
 import types
 from typing import Any
 
-from records.cache_dirs import cache_root, file_key, source_digest
+from records.cache_dirs import cache_root, file_key, source_digest, write_entry
 from records.model_source import embedded_model_path, hub_snapshot, is_hub_id, resolve_model
 
 
@@ -164,13 +163,8 @@ def _resolving_code() -> str:
 
 
 def _store(file: str, resolved: tuple) -> None:
-    """Write whole or not at all (another process may read it now); a cache that cannot be written
-    only costs the next process the resolution."""
+    """A cache that cannot be written only costs the next process the resolution."""
     try:
-        os.makedirs(os.path.dirname(file), exist_ok=True)
-        fd, staging = tempfile.mkstemp(dir=os.path.dirname(file), prefix=".staging-")
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(resolved, f)
-        os.replace(staging, file)
+        write_entry(file, pickle.dumps(resolved))
     except OSError:
         pass

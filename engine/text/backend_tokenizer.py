@@ -19,11 +19,10 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import tempfile
 from typing import Any
 
 from engine.text.tokenizer import once_per_process, shared_tokenizer
-from records.cache_dirs import cache_root, file_key, source_digest
+from records.cache_dirs import cache_root, file_key, source_digest, write_entry
 
 # The HF tokenizer's plain values an engine may read; the rest comes from the HF tokenizer itself.
 KEPT = ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id", "all_special_ids", "all_special_tokens",
@@ -125,18 +124,12 @@ def _read(file: str, path: str, gguf_file: str | None, hf_config: Any | None) ->
 
 
 def _store(file: str, tokenizer: Any) -> None:
-    """Write whole or not at all (another process may read it now), and keep the `KEEP_ENTRIES`
-    newest entries (one is a tokenizer.json: megabytes); a cache that cannot be written only costs
-    the next process the HF tokenizer's load."""
+    """Keep the entry and the `KEEP_ENTRIES` newest ones (one is a tokenizer.json: megabytes); a
+    cache that cannot be written only costs the next process the HF tokenizer's load."""
     values = {name: getattr(tokenizer, name, None) for name in KEPT}
     root = os.path.dirname(file)
     try:
-        text = json.dumps({"backend": tokenizer._tokenizer.to_str(), "values": values})
-        os.makedirs(root, exist_ok=True)
-        fd, staging = tempfile.mkstemp(dir=root, prefix=".staging-")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(staging, file)
+        write_entry(file, json.dumps({"backend": tokenizer._tokenizer.to_str(), "values": values}).encode())
         entries = sorted((e for e in os.scandir(root) if e.name.endswith(".json")), key=lambda e: e.stat().st_mtime)
         for old in entries[:-KEEP_ENTRIES]:
             os.unlink(old.path)

@@ -78,18 +78,15 @@ def eos_token_ids(tokenizer: Any | None, hf_config: Any, path: str) -> frozenset
     add(getattr(hf_config, "eos_token_id", None))
     if tokenizer is not None:
         add(tokenizer.eos_token_id)
-    if os.path.isdir(path):       # its generation_config.json as GenerationConfig reads it, without transformers
-        try:
+    try:
+        if os.path.isdir(path):   # its generation_config.json as GenerationConfig reads it, without transformers
             with open(os.path.join(path, "generation_config.json")) as f:
                 generation = json.load(f)
             add(generation.get("eos_token_id") if isinstance(generation, dict) else None)
-        except (OSError, ValueError):
-            pass
-        return frozenset(ids)
-    try:
-        from transformers import GenerationConfig  # noqa: PLC0415
+        else:
+            from transformers import GenerationConfig  # noqa: PLC0415
 
-        add(GenerationConfig.from_pretrained(path).eos_token_id)
+            add(GenerationConfig.from_pretrained(path).eos_token_id)
     except (OSError, ValueError):
         pass
     return frozenset(ids)
