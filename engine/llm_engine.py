@@ -16,7 +16,7 @@ import engine.tracing as tracing
 import records.clock as clock
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
-from engine.executor.executor import make_executor
+from engine.executor import make_executor
 from engine.kv_transfers import KVTransfers
 from engine.output_processor import OutputProcessor
 from engine.sample.structured_output import compiler_for

@@ -1,6 +1,7 @@
 """Executors drive the ranks of one engine: `InProcessExecutor` runs the single rank in this
 process; `RayExecutor` runs one worker actor per TP x PP rank; a simulated engine's
-`SimulatedExecutor` (engine/executor/simulated.py) runs no model at all. `make_executor` picks."""
+`SimulatedExecutor` (engine/executor/simulated.py) runs no model at all. `make_executor`
+(engine/executor/__init__.py) picks."""
 from __future__ import annotations
 
 import pickle
@@ -9,7 +10,6 @@ from typing import Any
 import torch
 
 from engine.executor.base import Executor
-from engine.executor.simulated import SimulatedExecutor
 from engine.worker.step_channel import StepChannel
 from engine.worker.step_codec import StepEncoder
 from engine.worker.worker import Worker
@@ -18,17 +18,6 @@ from records.config import EngineConfig
 from records.errors import ChannelClosed, EngineDeadError
 from records.step import ModelRunnerOutput, SchedulerOutput
 from records.transfer import TransferReport
-
-
-def make_executor(config: EngineConfig) -> Executor:
-    """The simulated executor for a simulated engine (EngineConfig.simulation); else the Ray
-    executor for more than one rank or when asked for ("ray"), else in-process."""
-    if config.simulation is not None:
-        return SimulatedExecutor(config)
-    pc = config.parallel_config
-    if pc.world_size == 1 and pc.distributed_executor_backend != "ray":
-        return InProcessExecutor(config)
-    return RayExecutor(config)
 
 
 class InProcessExecutor(Executor):

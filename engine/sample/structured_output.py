@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from records.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import torch
 
 # Up to how many tokens a matcher rolls back when a request's output shrank (a preempted request that
 # recomputes keeps its tokens, so this is rare); beyond, the matcher is rebuilt and replays the output.

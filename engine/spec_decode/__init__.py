@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Container
 from typing import Protocol
 
-from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram import NgramProposer
 from records.config import EngineConfig
 from records.request import Request, RequestStatus
@@ -38,12 +37,16 @@ class Proposer(Protocol):
 
 
 def make_proposer(config: EngineConfig, num_blocks: int) -> Proposer | None:
-    """The configured proposer; a draft model gets a KV cache of `num_blocks` blocks."""
+    """The configured proposer; a draft model gets a KV cache of `num_blocks` blocks. The draft
+    model's module is imported only where configured: it needs torch, which a simulated engine's
+    process never imports."""
     spec = config.speculative_config
     if spec is None:
         return None
     if spec.method == "ngram":
         return NgramProposer(spec)
+    from engine.spec_decode.draft_model import DraftModelProposer  # noqa: PLC0415
+
     return DraftModelProposer(config, num_blocks)
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import SIM_PROFILE
 
 import engine.text.backend_tokenizer as backend_tokenizer
 from engine.text.backend_tokenizer import KEPT, BackendTokenizer, engine_tokenizer
@@ -98,8 +99,9 @@ def test_a_tokenizer_that_cleans_up_spaces_is_not_kept(tmp_path, monkeypatch):
 def test_an_engine_whose_tokenizer_was_kept_imports_no_transformers(tiny_llama, smol_tokenizer, tmp_path,
                                                                      monkeypatch):
     """As a replica starts (its config pickled) on a machine where an engine ran its model before:
-    no transformers in the process, and the text it streams is transformers' decode of its tokens.
-    A changed tokenizer file is another entry (read by transformers again)."""
+    no transformers in the process, and the text it streams is transformers' decode of its tokens;
+    a simulated engine of that model (as a replica host runs them) imports not even torch. A changed
+    tokenizer file is another entry (read by transformers again)."""
     from records.config import EngineConfig
 
     model = tmp_path / "model"
@@ -110,23 +112,31 @@ def test_an_engine_whose_tokenizer_was_kept_imports_no_transformers(tiny_llama, 
     assert len(list(cache.iterdir())) == 1
     cfg = tmp_path / "cfg.pkl"
     cfg.write_bytes(pickle.dumps(EngineConfig.create(str(model), dtype="float32", num_kv_blocks=64, max_model_len=256)))
+    simulated = tmp_path / "simulated.pkl"
+    simulated.write_bytes(pickle.dumps(EngineConfig.create(str(model), simulate=SIM_PROFILE, max_model_len=256)))
     code = (
         "import json, pickle, sys\n"
         "from engine.llm_engine import LLMEngine\n"
         "from engine.text.backend_tokenizer import BackendTokenizer\n"
         "from records.sampling_params import SamplingParams\n"
-        f"engine = LLMEngine(pickle.load(open({str(cfg)!r}, 'rb')))\n"
-        "engine.add_request('r', None, [1, 2, 3, 4, 5], SamplingParams(max_tokens=24, temperature=0.0, "
-        "ignore_eos=True))\n"
-        "text, ids = '', []\n"
-        "while engine.has_unfinished_requests():\n"
-        "    for out in engine.step():\n"
-        "        text, ids = out.outputs[0].text, out.outputs[0].token_ids\n"
-        "print(json.dumps({'kept': isinstance(engine.tokenizer, BackendTokenizer), 'text': text, 'ids': list(ids),\n"
-        "                  'transformers': 'transformers' in sys.modules}))\n")
+        "def run(path):\n"
+        "    engine = LLMEngine(pickle.load(open(path, 'rb')))\n"
+        "    engine.add_request('r', None, [1, 2, 3, 4, 5], SamplingParams(max_tokens=24, temperature=0.0, "
+        "ignore_eos=True, logprobs=2))\n"
+        "    text, ids = '', []\n"
+        "    while engine.has_unfinished_requests():\n"
+        "        for out in engine.step():\n"
+        "            text, ids = out.outputs[0].text, out.outputs[0].token_ids\n"
+        "    return {'kept': isinstance(engine.tokenizer, BackendTokenizer), 'text': text, 'ids': list(ids),\n"
+        "            'torch': 'torch' in sys.modules, 'transformers': 'transformers' in sys.modules}\n"
+        f"simulated = run({str(simulated)!r})\n"
+        f"print(json.dumps([simulated, run({str(cfg)!r})]))\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    simulated, out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert (simulated["kept"], simulated["torch"], simulated["transformers"], len(simulated["ids"])) == (
+        True, False, False, 24)
+    assert simulated["text"] == smol_tokenizer.decode(simulated["ids"], skip_special_tokens=True)
     assert (out["kept"], out["transformers"], len(out["ids"])) == (True, False, 24)
     assert out["text"] == smol_tokenizer.decode(out["ids"], skip_special_tokens=True)
     entry = backend_tokenizer._cache_file(str(model), None)
