@@ -16,7 +16,7 @@ import engine.tracing as tracing
 import records.clock as clock
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
-from engine.executor import make_executor
+from engine.executor.base import Executor
 from engine.kv_transfers import KVTransfers
 from engine.output_processor import OutputProcessor
 from engine.sample.structured_output import compiler_for
@@ -42,6 +42,22 @@ from records.step import ModelRunnerOutput, SchedulerOutput
 # Steps in a row that may fail (each failing only its own requests) before the engine is declared
 # dead: one failure is a request's or a transient fault; a run of them is the engine's own.
 MAX_FAILED_STEPS = 3
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    """The simulated executor for a simulated engine (EngineConfig.simulation); else the Ray
+    executor for more than one rank or when asked for ("ray"), else in-process. Each is imported
+    only where chosen: a simulated engine's process never imports torch or the model's code."""
+    if config.simulation is not None:
+        from engine.executor.simulated import SimulatedExecutor  # noqa: PLC0415
+
+        return SimulatedExecutor(config)
+    from engine.executor.executor import InProcessExecutor, RayExecutor  # noqa: PLC0415
+
+    pc = config.parallel_config
+    if pc.world_size == 1 and pc.distributed_executor_backend != "ray":
+        return InProcessExecutor(config)
+    return RayExecutor(config)
 
 
 class LLMEngine:

@@ -1,7 +1,7 @@
 """Executors drive the ranks of one engine: `InProcessExecutor` runs the single rank in this
 process; `RayExecutor` runs one worker actor per TP x PP rank; a simulated engine's
 `SimulatedExecutor` (engine/executor/simulated.py) runs no model at all. `make_executor`
-(engine/executor/__init__.py) picks."""
+(engine/llm_engine.py) picks."""
 from __future__ import annotations
 
 import pickle
