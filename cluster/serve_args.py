@@ -20,6 +20,8 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "max_model_len": (int, "the longest prompt + output (default: the model's)"),
     "max_num_seqs": (int, "sequences in one batch"),
     "max_num_batched_tokens": (int, "tokens in one step (chunked prefill's budget)"),
+    "itl_target_ms": (float, "while streams decode, cap a step's prompt tokens so that a step takes about this many "
+                             "ms (their inter-token latency; default: none, the whole step budget)"),
     "max_num_encoder_input_tokens": (int, "image tokens encoded in one step (default: max_num_batched_tokens)"),
     "quantization": (str, "none, gguf, gguf+dense, int8, int8+dense, fp8 (default: auto)"),
     "kv_cache_dtype": (str, "auto or fp8 (e4m3)"),

@@ -16,6 +16,7 @@ import engine.tracing as tracing
 import records.clock as clock
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
+from engine.core.step_budget import StepBudget, StepPacer
 from engine.executor.base import Executor
 from engine.kv_transfers import KVTransfers
 from engine.output_processor import OutputProcessor
@@ -80,10 +81,14 @@ class LLMEngine:
         kvt = config.kv_transfer_config
         self.kv_connector = KVConnectorScheduler(kvt, KVLayout.from_config(config)) if kvt is not None else None
         self.kv_worker = self.executor.kv           # every rank's worker side (None without a connector)
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.kv_connector,
+        sc = config.scheduler_config
+        self.pacer = StepPacer(sc.itl_target_s, sc.max_num_batched_tokens) if sc.itl_target_s else None
+        # Pipelined, a stream's next token comes when its batch is back: a batch's time in the stages.
+        self.paced: deque[tuple[StepBudget, float]] = deque()    # the batches in flight: budget, submitted at
+        self.scheduler = Scheduler(sc, self.kv_cache_manager, self.kv_connector,
                                    kvt.load_failure_policy if kvt else "recompute",
                                    config.parallel_config.max_concurrent_batches,
-                                   images_attend_both_ways(config.model_config.hf_config))
+                                   images_attend_both_ways(config.model_config.hf_config), self.pacer)
         self.in_flight: deque[SchedulerOutput] = deque()   # batches submitted, oldest first
         self.proposer = make_proposer(config, self.executor.num_blocks)
         self.spec_stats = SpecDecodeStats()
@@ -265,13 +270,16 @@ class LLMEngine:
         if self.scheduler.max_concurrent_batches > 1:
             return outputs + self._step_pipelined()
         outputs += self.transfers.poll() if self.transfers is not None else []
+        start = clock.monotonic()
         sched = self.scheduler.schedule()
         if self.transfers is not None:
             self.transfers.dispatch()
         self.last_step_idle = sched.is_empty
         if sched.is_empty:
             return outputs
-        return outputs + self._apply(sched, self.executor.execute_model(sched))
+        outputs += self._apply(sched, self.executor.execute_model(sched))
+        self._pace(self.scheduler.budget, clock.monotonic() - start)
+        return outputs
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Pipeline stages: keep up to max_concurrent_batches batches of disjoint requests in the
@@ -284,19 +292,30 @@ class LLMEngine:
                 break
             self.executor.submit(sched)
             self.in_flight.append(sched)
+            self.paced.append((self.scheduler.budget, clock.monotonic()))
         self.last_step_idle = not self.in_flight
         if not self.in_flight:
             return []
-        sched = self.in_flight.popleft()
-        return self._apply(sched, self.executor.collect())
+        return self._collect()
 
     def drain(self) -> list[RequestOutput]:
         """Finish the batches still in the pipeline stages (a pipelined engine), oldest first."""
         outputs: list[RequestOutput] = []
         while self.in_flight:
-            sched = self.in_flight.popleft()
-            outputs += self._apply(sched, self.executor.collect())
+            outputs += self._collect()
         return outputs
+
+    def _collect(self) -> list[RequestOutput]:
+        """The oldest pipelined batch's outputs; its time in the stages paces the next batches."""
+        sched, (budget, submitted) = self.in_flight.popleft(), self.paced.popleft()
+        outputs = self._apply(sched, self.executor.collect())
+        self._pace(budget, clock.monotonic() - submitted)
+        return outputs
+
+    def _pace(self, budget: StepBudget, seconds: float) -> None:
+        """A step's time, for the pacer (a step that carried decodes: its prompt tokens' cap)."""
+        if self.pacer is not None and budget.prompt_cap is not None:
+            self.pacer.observe(seconds, budget.prompt_taken, budget.prompt_taken >= budget.prompt_cap)
 
     def _apply(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
         """The step's sampled tokens into the requests: outputs for those that advanced."""

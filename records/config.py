@@ -123,6 +123,7 @@ class SchedulerConfig:
     batching: str = EngineArgs.batching      # "continuous" | "static" (a batch barrier: the baseline)
     max_loras: int | None = None             # distinct adapters among running requests (None: no LoRA)
     max_num_encoder_input_tokens: int = 2048  # image tokens encoded per step (resolved by from_args)
+    itl_target_s: float | None = None        # steps that carry decodes paced to it (engine/core/step_budget.py)
 
 
 @dataclass(frozen=True)
@@ -343,13 +344,11 @@ class EngineConfig:
         # LoRA steps run eagerly: a step's rows per adapter are not a shape a graph can replay.
         graph_sizes = () if args.enforce_eager or args.enable_lora else tuple(
             n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] < max_num_seqs)
-        kv_transfer_config = None
-        if args.kv_connector is not None:
-            kv_transfer_config = KVTransferConfig(
-                kv_connector=args.kv_connector, engine_id=args.kv_engine_id or uuid.uuid4().hex[:12],
-                kv_host=args.kv_host, lease_s=args.kv_lease_s, load_timeout_s=args.kv_load_timeout_s,
-                load_failure_policy=args.kv_load_failure_policy,
-                extra=tuple(sorted((args.kv_connector_extra or {}).items())))
+        kv_transfer_config = None if args.kv_connector is None else KVTransferConfig(
+            kv_connector=args.kv_connector, engine_id=args.kv_engine_id or uuid.uuid4().hex[:12],
+            kv_host=args.kv_host, lease_s=args.kv_lease_s, load_timeout_s=args.kv_load_timeout_s,
+            load_failure_policy=args.kv_load_failure_policy,
+            extra=tuple(sorted((args.kv_connector_extra or {}).items())))
         dtype, seed, speculative_config = args.dtype, args.seed, args.speculative_config
 
         path, gguf_file, hf_config = (resolve_frozen if frozen else resolve_model)(model)
@@ -421,7 +420,8 @@ class EngineConfig:
                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                 preemption_mode=args.preemption_mode, policy=args.scheduling_policy, batching=args.batching,
                 max_loras=args.max_loras if args.enable_lora else None,
-                max_num_encoder_input_tokens=args.max_num_encoder_input_tokens or max_num_batched_tokens),
+                max_num_encoder_input_tokens=args.max_num_encoder_input_tokens or max_num_batched_tokens,
+                itl_target_s=args.itl_target_ms / 1e3 if args.itl_target_ms is not None else None),
             parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size,
                                            args.worker_num_cpus, args.worker_num_gpus,
                                            args.distributed_executor_backend,

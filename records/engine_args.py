@@ -43,6 +43,9 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None        # None: 2048 (with chunked prefill)
     enable_chunked_prefill: bool = True
+    # pdserve's: while decodes run, a step's prompt tokens are capped so that a step stays near this
+    # many ms (a stream's inter-token latency; engine/core/step_budget.py); None: the whole budget
+    itl_target_ms: float | None = None
     enable_prefix_caching: bool = True
     # vLLM's: local (sliding-window) and global layers share one block table, every layer keeping a
     # sequence's whole length (records/kv_groups.py: KVGroups)
@@ -166,6 +169,11 @@ class EngineArgs:
         sizes = self.cuda_graph_sizes
         if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
             raise ValueError(f"cuda_graph_sizes must be positive integers; got {sizes!r}")
+        itl = self.itl_target_ms
+        if itl is not None and (isinstance(itl, bool) or not isinstance(itl, (int, float)) or not itl > 0
+                                or not self.enable_chunked_prefill):
+            raise ValueError(f"itl_target_ms must be a number > 0, with enable_chunked_prefill (a prompt is then "
+                             f"prefilled in chunks between decodes); got {self.itl_target_ms!r}")
         for name in ("max_num_batched_tokens", "max_num_encoder_input_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import records.clock as clock
 from records.hashing import BlockHash, hash_block_tokens
 from records.sampling_params import SamplingParams
-from records.step import ScheduledRequest
+from records.step import SampledToken, ScheduledRequest
 
 if TYPE_CHECKING:
     from records.multimodal import ImageInput
@@ -211,6 +211,19 @@ class Request:
         self.all_token_ids.append(token_id)
         if self.num_tokens % self.block_size == 0:
             self._update_block_hashes()
+
+    def append_sampled(self, token: SampledToken) -> None:
+        """A sampled token, with its logprobs where the request asked for them."""
+        self.append_output_token(token.token_id)
+        if token.top_logprobs is not None:
+            self.logprobs.append(token.top_logprobs)
+            self.logprob_ranks.append(token.rank)
+
+    def add_prompt_logprobs(self, logprobs: list | None) -> None:
+        """A step's prompt logprobs, for the positions not yet covered (a prompt computed again after
+        a preemption brings them twice)."""
+        if logprobs is not None:
+            self.prompt_logprobs.extend(logprobs[:self.num_prompt_tokens - len(self.prompt_logprobs)])
 
     def resume(self, token_ids: tuple[int, ...] | list[int]) -> None:
         """Take `token_ids` as output already generated (a Continuation, before the request is

@@ -169,10 +169,12 @@ class KVTier:
         return saves, loads
 
     # --- what went wrong ---------------------------------------------------------------------------
-    def forget_failed(self, orders: Sequence[tuple]) -> None:
+    def forget_failed(self, orders: Sequence[tuple]) -> set[int]:
         """Orders a worker could not carry out: the copies they were to make or read are not to be
-        trusted; forget them (their slots are free again)."""
+        trusted; forget them (their slots are free again). Returns the blocks the failed loads were
+        to fill (their requests' KV cannot stand)."""
         bad: dict[str, set[int]] = {m: set() for m in TIER_MEDIA}
+        targets = {order[3] for order in orders if order[0] == "load"}
         for order in orders:
             if order[0] == "save":
                 bad["host"].add(order[2])
@@ -189,6 +191,7 @@ class KVTier:
                 self.free[medium].append(self.entries[medium].pop(block_hash))
             if gone:
                 self._record(BlockRemoved(gone, medium))
+        return targets
 
     def clear(self) -> None:
         """Forget every copy (a prefix-cache reset; the caller records AllCleared)."""

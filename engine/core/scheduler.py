@@ -29,6 +29,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_loads import KVLoads
 from engine.core.pooling import add_rows
 from engine.core.static_batch import form_static_batch
+from engine.core.step_budget import StepBudget, StepPacer
 from records.config import SchedulerConfig
 from records.request import Request, RequestStatus
 from records.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -43,8 +44,8 @@ PULLING = object()
 
 @dataclass(slots=True)
 class _Step:
-    """What one `schedule()` has chosen so far (and the token budget it has left)."""
-    budget: int
+    """What one `schedule()` has chosen so far (and the tokens it has left)."""
+    budget: StepBudget
     num_new: dict[str, int] = field(default_factory=dict)
     drafts: dict[str, list[int]] = field(default_factory=dict)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -55,10 +56,12 @@ class _Step:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  connector: KVConnectorScheduler | None = None, load_failure_policy: str = "recompute",
-                 max_concurrent_batches: int = 1, whole_images: bool = False) -> None:
+                 max_concurrent_batches: int = 1, whole_images: bool = False, pacer: StepPacer | None = None) -> None:
         """`whole_images`: the model's image tokens attend both ways (no chunk ends inside an image:
-        engine/core/encoder_budget.py)."""
+        engine/core/encoder_budget.py). `pacer`: caps the prompt tokens of steps that carry decodes."""
         self.config = config
+        self.pacer = pacer
+        self.budget = StepBudget(config.max_num_batched_tokens)     # the last step's
         # Pipeline stages: up to this many batches run at once (stage s on one while stage s + 1 runs
         # another). A request is in at most one of them (`in_flight` until its output is back), and each
         # batch takes at most 1/max_concurrent_batches of the running requests: decodes alternate.
@@ -141,7 +144,9 @@ class Scheduler:
     # --- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their blocks (may preempt)."""
-        step = _Step(self.config.max_num_batched_tokens)
+        decoding = self.pacer is not None and any(r.num_tokens_to_compute == 1 for r in self.running)
+        step = _Step(StepBudget(self.config.max_num_batched_tokens, self.pacer.cap if decoding else None))
+        self.budget = step.budget
         self.encoder.new_step()
         self._schedule_running(step)
         if self.admitting:
@@ -167,15 +172,16 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         share = -(-len(self.running) // self.max_concurrent_batches)     # running requests per batch
         i = 0
-        while i < len(self.running) and step.budget > 0 and len(step.num_new) < share:
+        while i < len(self.running) and step.budget.left > 0 and len(step.num_new) < share:
             request = self.running[i]
             if request.request_id in self.in_flight:
                 i += 1
                 continue
             proposed, request.spec_token_ids = request.spec_token_ids, []    # consumed (or dropped)
-            n = self.encoder.fit(request, request.num_computed_tokens, min(
-                request.num_tokens_to_compute + len(proposed), step.budget,
-                self.config.max_model_len - request.num_computed_tokens))
+            prompt = request.num_tokens_to_compute > 1
+            n = self._fit(request, request.num_computed_tokens, min(
+                request.num_tokens_to_compute + len(proposed),
+                self.config.max_model_len - request.num_computed_tokens), step, prompt)
             if n <= 0 or (not chunked and n < request.num_tokens_to_compute):
                 i += 1
                 continue
@@ -194,7 +200,7 @@ class Scheduler:
             self.encoder.charge(request, request.num_computed_tokens, n)
             if num_drafts:
                 step.drafts[request.request_id] = proposed[:num_drafts]
-            step.budget -= n
+            step.budget.take(n, prompt)
             i += 1
 
     def _schedule_waiting(self, step: _Step) -> None:
@@ -206,7 +212,7 @@ class Scheduler:
                                                              self.config.max_num_seqs)
         adapters = self._running_adapters() if self.config.max_loras is not None else None
         skipped: list[Request] = []
-        while self.waiting and step.budget > 0 and not step.preempted:
+        while self.waiting and step.budget.left > 0 and not step.preempted:
             request = self.waiting[0]
             if static and request.request_id not in self.batch_ids:
                 break                       # the barrier: not before this batch has drained
@@ -260,7 +266,7 @@ class Scheduler:
         for tier in ((tier_hashes, tier_found), ([], [])) if tier_found else (([], []),):
             num_tier = len(tier[1]) // self.kv.num_groups * self.kv.block_size
             start = request.num_computed_tokens + num_hit + num_tier
-            n = self.encoder.fit(request, start, min(request.num_tokens_to_compute - num_hit - num_tier, step.budget))
+            n = self._fit(request, start, request.num_tokens_to_compute - num_hit - num_tier, step, True)
             fits = n > 0 and (chunked or n == request.num_tokens_to_compute - num_hit - num_tier)
             # Blocks loaded from the tier are cached once their step is back (the load may fail).
             if fits and self.kv.allocate_slots(request, num_tier + n, hits, cache=not tier[1]) is not None:
@@ -283,8 +289,15 @@ class Scheduler:
         self._admit(request)
         step.num_new[request.request_id] = n
         self.encoder.charge(request, request.num_computed_tokens, n)
-        step.budget -= n
+        step.budget.take(n, True)
         return True
+
+    def _fit(self, request: Request, start: int, want: int, step: _Step, prompt: bool) -> int:
+        """What of `want` tokens from `start` the request takes in this step (StepBudget.room)."""
+        n = self.encoder.fit(request, start, min(want, step.budget.room(prompt)))
+        if n <= 0 and step.budget.may_pass_cap(prompt):
+            n = self.encoder.fit(request, start, min(want, step.budget.left))
+        return n
 
     def finish_loads(self, loaded: list[str], failed: list[tuple[str, str]]) -> list[Request]:
         """Apply finished pulls (KVLoads.finish): loaded requests, and failed ones that start over,
@@ -355,10 +368,9 @@ class Scheduler:
         blocks) and fork n > 1 leaders whose prompt is done. Returns the requests with news."""
         updated: list[Request] = []
         self.in_flight.difference_update(s.request_id for s in scheduler_output.scheduled)
-        failed_loads = set()
+        failed_loads: set[int] = set()
         if runner_output.tier_failed and self.kv.tier is not None:
-            self.kv.tier.forget_failed(runner_output.tier_failed)
-            failed_loads = {order[3] for order in runner_output.tier_failed if order[0] == "load"}
+            failed_loads = self.kv.tier.forget_failed(runner_output.tier_failed)
         for sched in scheduler_output.scheduled:
             loaded = self.tier_loading.pop(sched.request_id, None)
             request = self.requests.get(sched.request_id)
@@ -374,10 +386,7 @@ class Scheduler:
             request.num_computed_tokens += len(sched.token_ids)
             if loaded is not None:       # its tier blocks hold their KV: cache them and the step's
                 self.kv.cache_full_blocks(request, request.num_computed_tokens)
-            prompt_lps = runner_output.prompt_logprobs.get(request.request_id)
-            if prompt_lps is not None:
-                need = request.num_prompt_tokens - len(request.prompt_logprobs)
-                request.prompt_logprobs.extend(prompt_lps[:need])
+            request.add_prompt_logprobs(runner_output.prompt_logprobs.get(request.request_id))
             if request.sampling_params.pooling is not None:     # an embedding: its rows, no token
                 if add_rows(request, runner_output.pooled.get(request.request_id)):
                     self.running.remove(request)
@@ -391,10 +400,7 @@ class Scheduler:
                 # length (never read) and are rewritten when those positions are computed again.
                 request.num_computed_tokens -= len(sched.spec_token_ids) + 1 - len(emitted)
             for token in emitted:
-                request.append_output_token(token.token_id)
-                if token.top_logprobs is not None:
-                    request.logprobs.append(token.top_logprobs)
-                    request.logprob_ranks.append(token.rank)
+                request.append_sampled(token)
                 self._check_stop(request, token.token_id)
                 if request.is_finished:
                     break            # the rest of an accepted run comes after the stop

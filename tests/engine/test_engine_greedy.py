@@ -164,6 +164,38 @@ def test_static_batching_holds_the_barrier_and_keeps_output(tiny_llama, oracle):
                                                        zip("abcd", oracle(tiny_llama, prompts))]
 
 
+def test_an_itl_target_chunks_prompts_between_decodes_and_keeps_output(tiny_llama, oracle):
+    """itl_target_ms: while decodes run, a step's prompt tokens are capped (engine/core/step_budget.py).
+    A target no step can meet sets the cap to its floor at the first paced step, whatever this
+    machine's speed: prompts that arrive while others decode go in chunks of at most that many
+    tokens, decodes ride every step, the output is transformers', and every block is freed."""
+    from engine.core.step_budget import MIN_PROMPT_TOKENS
+
+    prompts = [p for p in mixed_prompts(1000, seed=5) if len(p) > 10][:4] + [list(range(7, 400))] * 2
+    engine = LLM(tiny_llama, dtype="float32", itl_target_ms=1e-6, enable_prefix_caching=False).llm_engine
+    arrive = {0: [0, 1, 2], 2: [3], 4: [4, 5]}      # step -> requests: three decode, then one, then two long
+    steps: list[tuple[int, int | None, int]] = []   # per step: decodes, the prompt tokens' cap, prompt tokens
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        decodes = sum(r.num_tokens_to_compute == 1 for r in engine.scheduler.running)
+        out = schedule()
+        steps.append((decodes, engine.scheduler.budget.prompt_cap, engine.scheduler.budget.prompt_taken))
+        return out
+    engine.scheduler.schedule = recording
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests() or arrive:
+        for i in arrive.pop(len(steps), []):
+            engine.add_request(f"r{i}", None, prompts[i], greedy())
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    paced = [(cap, taken) for decodes, cap, taken in steps[4:] if decodes]
+    assert steps[2][1] == 2048 and steps[2][2] == len(prompts[3])    # the first paced step: the whole budget
+    assert all(cap == MIN_PROMPT_TOKENS and taken <= cap for cap, taken in paced)
+    assert sum(taken == MIN_PROMPT_TOKENS for _, taken in paced) == 2 * len(prompts[4]) // MIN_PROMPT_TOKENS
+    assert [done[f"r{i}"] for i in range(6)] == oracle(tiny_llama, prompts)
+    engine.check_no_leaks()
+
+
 def test_n_greater_than_one_forks_prompt(tiny_llama, oracle):
     prompts = mixed_prompts(1000, seed=9)[1:4]      # 15, 16 and 17 tokens: partial/full last blocks
     llm = LLM(tiny_llama, dtype="float32", enable_prefix_caching=False)

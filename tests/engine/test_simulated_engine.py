@@ -110,3 +110,51 @@ def test_pd_between_simulated_engines_moves_no_bytes_and_leaves_nothing():
         assert tokens == _run(alone)["y"]
         p.check_no_leaks()
         d.check_no_leaks()
+
+
+def _decode_gaps(engine: LLMEngine, decoding: list[str], until: str) -> tuple[list[float], float, dict]:
+    """Step `engine` in virtual time until request `until` has its first token: the gaps between the
+    tokens of `decoding`'s streams meanwhile, the time `until` waited, and every request's tokens
+    once all finish."""
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+    start, first = clock.monotonic(), None
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+            now = clock.monotonic()
+            if o.request_id in decoding and first is None and o.outputs[0].token_ids:
+                if o.request_id in last:
+                    gaps.append(now - last[o.request_id])
+                last[o.request_id] = now
+            if o.request_id == until and first is None:
+                first = now - start
+    return gaps, first, out
+
+
+def test_an_itl_target_paces_prompt_chunks_between_decodes():
+    """A long prompt arrives while 16 streams decode: unpaced, each of its 4,096-token steps holds
+    every stream's next token (vLLM's semantics); with itl_target_ms its chunks shrink until a step
+    takes about the target, the streams' tokens come that often, the prompt takes longer to its
+    first token, and every request's tokens are the same."""
+    prompts = {f"d{i}": list(range(300 + 40 * i, 332 + 40 * i)) for i in range(16)}
+    long_prompt = list(range(1000, 17000))
+    runs = {}
+    for target in (None, 60.0):
+        with clock.virtual(clock.VirtualClock()):
+            engine = _engine(max_model_len=20000, max_num_batched_tokens=4096, itl_target_ms=target)
+            for rid, p in prompts.items():
+                engine.add_request(rid, None, p, _params(400))
+            for _ in range(3):                      # the streams are decoding
+                engine.step()
+            engine.add_request("long", None, long_prompt, _params(4))
+            runs[target] = _decode_gaps(engine, set(prompts), "long")
+            engine.check_no_leaks()
+    (unpaced, ttft_unpaced, out_unpaced), (paced, ttft_paced, out_paced) = runs[None], runs[60.0]
+    assert out_paced == out_unpaced and len(out_paced["long"]) == 4
+    assert max(unpaced) > 0.1                       # a 4,096-token step holds every stream
+    settled = paced[len(paced) // 2:]               # after the pacer has seen a few steps
+    assert max(settled) <= 0.06 * 1.15, max(settled)
+    assert sum(settled) / len(settled) >= 0.06 * 0.7     # not paced far below the target either
+    assert ttft_paced > ttft_unpaced
