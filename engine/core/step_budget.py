@@ -6,18 +6,17 @@ With chunked prefill a step holds every running decode and as many prompt tokens
 `max_num_batched_tokens` leaves (vLLM's semantics): on a CPU a 2,048-token step of prompts takes
 seconds, and every stream waits that long for its next token. Given a target (`itl_target_ms`),
 the scheduler caps the prompt tokens of a step that carries decodes at `cap`, and the engine
-reports each such step's time (`observe`). A step's time is about linear in its prompt tokens (their
-GEMM rows and attention) over a fixed part (the decodes, the weights read once): the cost of a
-prompt token is the slope between two paced steps of different sizes (the last such pair's), and
-the cap the tokens that take the target at that cost from where the last step was; before any
-slope, a step's time is taken as all its prompts' (which errs low where the fixed part is large).
-The first paced step sets the cap; after it, the cap falls to what fits at once but at most by
-half (a stream is waiting; one slow step, a busy core's, cannot take it to nothing) and rises
-halfway to it (one fast step does not undo it). It
-never falls below `floor` (prompts keep moving when the decodes alone take the target: TTFT stays
-bounded) nor rises above `ceiling` (the step budget). Steps without decodes take the whole budget:
-no stream waits on them. Pacing needs no model of the hardware: it follows what the steps take, on
-any machine and under any load, simulated engines included (their step times are the profile's).
+reports the time of each step that carried decodes (`observe`). A step's time is about linear in
+its prompt tokens (their GEMM rows and attention) over a fixed part, the decodes' (and the weights
+read once): the fixed part is what steps of decodes alone take, and a prompt token's cost is what a
+paced step took beyond it, each a running average over the recent steps (one noisy step, a busy
+core's, moves them little; the cost follows the context's growth). The cap is the prompt tokens that
+take the target at that cost. The first paced step sets it; after it the cap falls to what fits at
+once but at most by half, and rises halfway to it. It never falls below `floor` (prompts keep moving
+when the decodes alone take the target: TTFT stays bounded) nor rises above `ceiling` (the step
+budget). Steps without decodes take the whole budget: no stream waits on them. Pacing needs no model
+of the hardware: it follows what the steps take, on any machine and under any load, simulated
+engines included (their step times are the profile's).
 """
 from __future__ import annotations
 
@@ -26,6 +25,8 @@ from dataclasses import dataclass
 # The least prompt tokens a paced step takes: with fewer, a step's fixed cost (the decodes, the
 # weights read once) would dominate it and prompts would crawl.
 MIN_PROMPT_TOKENS = 64
+# The weight of the newest step in the running averages of a step's fixed part and a prompt token's cost.
+SMOOTHING = 0.5
 
 
 @dataclass(slots=True)
@@ -62,23 +63,25 @@ class StepPacer:
         self.ceiling = ceiling
         self.floor = min(floor, ceiling)
         self.cap = ceiling              # until a step says otherwise
-        self.last: tuple[int, float] | None = None      # the last paced step: prompt tokens, seconds
-        self.per_token: float | None = None             # seconds a prompt token adds to a step
+        self.fixed_s: float | None = None        # a step of the decodes alone (running average)
+        self.per_token: float | None = None      # seconds a prompt token adds to a step (running average)
 
     def observe(self, seconds: float, prompt_tokens: int, capped: bool) -> None:
-        """A step that carried decodes took `seconds` with `prompt_tokens` prompt tokens; `capped`:
-        the cap held it back (more prompt tokens were waiting). A step under the target that the cap
-        did not hold back says nothing about more tokens, and one without prompt tokens nothing at all."""
-        if prompt_tokens <= 0 or seconds <= 0 or (seconds < self.target_s and not capped):
+        """A step that carried decodes took `seconds` with `prompt_tokens` prompt tokens (0: decodes
+        alone); `capped`: the cap held it back (more prompt tokens were waiting). A step under the
+        target that the cap did not hold back says nothing about more tokens."""
+        if seconds <= 0:
             return
-        last, self.last = self.last, (prompt_tokens, seconds)
-        if last is not None and abs(prompt_tokens - last[0]) * 8 >= prompt_tokens:
-            slope = (seconds - last[1]) / (prompt_tokens - last[0])
-            self.per_token = slope if slope > 0 else self.per_token
-        if self.per_token is None:
-            fit = prompt_tokens * self.target_s / seconds
-        else:
-            fit = prompt_tokens + (self.target_s - seconds) / self.per_token
-        if last is not None:        # the first paced step sets the cap; later ones move it
+        if prompt_tokens <= 0:
+            self.fixed_s = seconds if self.fixed_s is None else (1 - SMOOTHING) * self.fixed_s + SMOOTHING * seconds
+            return
+        if seconds < self.target_s and not capped:
+            return
+        fixed = min(self.fixed_s or 0.0, seconds / 2)      # (a step takes longer than its decodes alone)
+        cost = (seconds - fixed) / prompt_tokens
+        first = self.per_token is None
+        self.per_token = cost if first else (1 - SMOOTHING) * self.per_token + SMOOTHING * cost
+        fit = (self.target_s - fixed) / self.per_token
+        if not first:
             fit = max(fit, self.cap / 2) if fit < self.cap else (self.cap + fit) / 2
         self.cap = int(min(self.ceiling, max(self.floor, fit)))

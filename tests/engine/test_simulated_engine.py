@@ -154,7 +154,9 @@ def test_an_itl_target_paces_prompt_chunks_between_decodes():
     (unpaced, ttft_unpaced, out_unpaced), (paced, ttft_paced, out_paced) = runs[None], runs[60.0]
     assert out_paced == out_unpaced and len(out_paced["long"]) == 4
     assert max(unpaced) > 0.1                       # a 4,096-token step holds every stream
-    settled = paced[len(paced) // 2:]               # after the pacer has seen a few steps
-    assert max(settled) <= 0.06 * 1.15, max(settled)
+    # After a few paced steps, within a quarter of the target: a prompt token's cost grows with the
+    # context its chunk attends to, and the cap follows it a step behind.
+    settled = paced[len(paced) // 2:]
+    assert max(settled) <= 0.06 * 1.25, max(settled)
     assert sum(settled) / len(settled) >= 0.06 * 0.7     # not paced far below the target either
     assert ttft_paced > ttft_unpaced
