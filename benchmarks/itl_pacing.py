@@ -1,0 +1,98 @@
+"""Prefill paced to an ITL target (`itl_target_ms`, engine/core/step_budget.py) against the whole
+step budget, offline: one in-process engine per setting under the same closed-loop mixed load
+(`--streams` requests in flight; a `--long-fraction` of them `--long-len`-token prompts with 4 output
+tokens, the rest 16-64 tokens with 64 out), alternating, fresh requests each round. Prints per round
+the output tok/s, the short streams' inter-token gaps (p50 / p90 / p99), the long prompts' TTFT and
+the pacer's mean cap (docs/perf/journal.md §52).
+
+    .venv/bin/python benchmarks/itl_pacing.py --model <fp32 SmolLM2> --target-ms 400 --rounds 2
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.llm_engine import LLMEngine
+from records.config import EngineConfig
+from records.sampling_params import SamplingParams
+
+
+def workload(seed: int, n: int, long_fraction: float, long_len: int) -> list[tuple[list[int], int, str]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        long = rng.random() < long_fraction
+        length = long_len if long else rng.randint(16, 64)
+        out.append(([rng.randrange(100, 30000) for _ in range(length)], 4 if long else 64, "long" if long else "short"))
+    return out
+
+
+def run(engine: LLMEngine, requests: list[tuple[list[int], int, str]], streams: int) -> dict[str, float]:
+    pending, live, last = list(enumerate(requests)), {}, {}
+    gaps, ttfts, caps, tokens = [], [], [], 0
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while pending and len(live) < streams:
+            i, (prompt, max_tokens, kind) = pending.pop(0)
+            live[f"r{i}"] = (kind, time.perf_counter())
+            engine.add_request(f"r{i}", None, prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                     ignore_eos=True, output_kind="delta"))
+        outputs, now = engine.step(), time.perf_counter()
+        if engine.scheduler.budget.prompt_cap is not None:
+            caps.append(engine.scheduler.budget.prompt_cap)
+        for out in outputs:
+            kind, arrived = live[out.request_id]
+            new = len(out.outputs[0].token_ids)
+            tokens += new
+            if new and out.request_id in last and kind == "short":
+                gaps.append(now - last[out.request_id])
+            elif new and out.request_id not in last and kind == "long":
+                ttfts.append(now - arrived)
+            if new:
+                last[out.request_id] = now
+            if out.finished:
+                del live[out.request_id]
+    wall = time.perf_counter() - start
+    q = statistics.quantiles(gaps, n=100)
+    return {"tok_s": tokens / wall, "itl_p50_ms": q[49] * 1e3, "itl_p90_ms": q[89] * 1e3, "itl_p99_ms": q[98] * 1e3,
+            "long_ttft_p50_ms": statistics.median(ttfts) * 1e3 if ttfts else 0.0,
+            "mean_cap": statistics.mean(caps) if caps else 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--target-ms", type=float, default=400.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--long-fraction", type=float, default=0.2)
+    ap.add_argument("--long-len", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    engines = {target: LLMEngine(EngineConfig.create(args.model, dtype=args.dtype, max_model_len=2048,
+                                                     num_kv_blocks=2048, itl_target_ms=target))
+               for target in (None, args.target_ms)}
+    for engine in engines.values():                       # warm up
+        run(engine, workload(1, args.streams, args.long_fraction, args.long_len), args.streams)
+    for r in range(args.rounds):
+        requests = workload(10 + r, args.requests, args.long_fraction, args.long_len)
+        for target, engine in engines.items():
+            m = run(engine, requests, args.streams)
+            print(f"round {r} target {target}: {m['tok_s']:.1f} tok/s, short ITL p50/p90/p99 {m['itl_p50_ms']:.0f}/"
+                  f"{m['itl_p90_ms']:.0f}/{m['itl_p99_ms']:.0f} ms, long TTFT p50 {m['long_ttft_p50_ms']:.0f} ms, "
+                  f"mean cap {m['mean_cap']:.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
