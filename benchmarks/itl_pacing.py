@@ -10,39 +10,39 @@ the pacer's mean cap (docs/perf/journal.md §52).
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent))     # (after the project: benchmarks/kernels.py is not it)
+
+from workloads import BenchRequest, make_dataset
 
 from engine.llm_engine import LLMEngine
 from records.config import EngineConfig
 from records.sampling_params import SamplingParams
 
 
-def workload(seed: int, n: int, long_fraction: float, long_len: int) -> list[tuple[list[int], int, str]]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        long = rng.random() < long_fraction
-        length = long_len if long else rng.randint(16, 64)
-        out.append(([rng.randrange(100, 30000) for _ in range(length)], 4 if long else 64, "long" if long else "short"))
-    return out
+def workload(args: argparse.Namespace, seed: int, n: int) -> list[BenchRequest]:
+    """The `mixed` dataset of benchmarks/workloads.py (what the served comparison sends): chats of
+    16-64 tokens and 64 out, a `--long-fraction` of `--long-len`-token prompts with 4 out."""
+    return make_dataset(argparse.Namespace(
+        dataset="mixed", seed=seed, num_prompts=n, warmup=0, vocab_size=30100, input_len="16:64",
+        output_len="64", long_fraction=args.long_fraction, long_input_len=str(args.long_len), long_output_len="4"))
 
 
-def run(engine: LLMEngine, requests: list[tuple[list[int], int, str]], streams: int) -> dict[str, float]:
+def run(engine: LLMEngine, requests: list[BenchRequest], streams: int) -> dict[str, float]:
     pending, live, last = list(enumerate(requests)), {}, {}
     gaps, ttfts, caps, tokens = [], [], [], 0
     start = time.perf_counter()
     while pending or engine.has_unfinished_requests():
         while pending and len(live) < streams:
-            i, (prompt, max_tokens, kind) = pending.pop(0)
-            live[f"r{i}"] = (kind, time.perf_counter())
-            engine.add_request(f"r{i}", None, prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                                     ignore_eos=True, output_kind="delta"))
+            i, request = pending.pop(0)
+            live[f"r{i}"] = (request.cls, time.perf_counter())
+            engine.add_request(f"r{i}", None, request.prompt, SamplingParams(
+                max_tokens=request.output_len, temperature=0, ignore_eos=True, output_kind="delta"))
         outputs, now = engine.step(), time.perf_counter()
         if engine.scheduler.budget.prompt_cap is not None:
             caps.append(engine.scheduler.budget.prompt_cap)
@@ -84,9 +84,9 @@ def main() -> None:
                                                      num_kv_blocks=2048, itl_target_ms=target))
                for target in (None, args.target_ms)}
     for engine in engines.values():                       # warm up
-        run(engine, workload(1, args.streams, args.long_fraction, args.long_len), args.streams)
+        run(engine, workload(args, 1, args.streams), args.streams)
     for r in range(args.rounds):
-        requests = workload(10 + r, args.requests, args.long_fraction, args.long_len)
+        requests = workload(args, 10 + r, args.requests)
         for target, engine in engines.items():
             m = run(engine, requests, args.streams)
             print(f"round {r} target {target}: {m['tok_s']:.1f} tok/s, short ITL p50/p90/p99 {m['itl_p50_ms']:.0f}/"
