@@ -9,10 +9,12 @@
 // scores of L keys are L FMAs per head dimension with the key's element broadcast, and the online
 // softmax (causal mask, max, exp, denominator) is elementwise across lanes, with no horizontal
 // reductions. A chunk of L keys and values is converted to fp32 once and shared by the item's tiles
-// and heads. Items go to ATen's threads longest first. The inner loops keep L accumulators and two
-// more vectors live: 18 of AVX-512's 32 registers at L = 16, 10 of AVX2's 16 at L = 8 (at L = 16 on
-// AVX2, every vector is two registers and the accumulators spill: on a Zen 1 the kernel ran at
-// 0.2-0.5x torch's SDPA).
+// and heads, and the next chunk's rows are prefetched while it is computed. Items go to ATen's
+// threads longest first. The inner loops keep L accumulators and two more vectors live: 18 of
+// AVX-512's 32 registers at L = 16 (at L = 16 on AVX2, every vector is two registers and the
+// accumulators spill: on a Zen 1 the kernel ran at 0.2-0.5x torch's SDPA). On AVX2 (L = 8) the loops
+// take up to three of a tile's query heads at once, register-blocked (chunk_scores_heads,
+// chunk_values_heads: 12 accumulators of 16 registers), with the same sums in the same order.
 // With bf16 query and cache on a CPU with AVX512-BF16 the same items run on bf16 dot products
 // (prefill_bf16_dot, below).
 //
@@ -55,6 +57,96 @@ inline void chunk_values(const float* v, const Lanes* e, int64_t count, Lanes al
       for (int i = 0; i < kLanes; ++i) acc[i] += v[j * D + d0 + i] * e[j];
     for (int i = 0; i < kLanes; ++i) o[d0 + i] = acc[i];
   }
+}
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2 (16 registers of 8 lanes): the score and value loops of up to three query heads of a tile at
+// once, register-blocked as a GEMM's micro-kernel. Scores: 4 keys x H heads of accumulators, each
+// key's element broadcast once for the H heads (the heads' query vectors held in registers: 4 + 1
+// loads per 4H FMAs, against the single-head loop's 9 per 8). Values: 4 head dimensions x H heads,
+// each value element broadcast once for the H heads' weights. At H = 3 that is 12 accumulators, the
+// H query or weight vectors and one broadcast: AVX2's 16 registers.
+constexpr int kHeadBlock = 3;
+
+// Keeps v in a register from here on: GCC would otherwise fold its load into every FMA that reads it
+// (one load per FMA instead of one per H).
+template <typename V>
+inline void in_register(V& v) {
+  asm volatile("" : "+x"(v));
+}
+
+// s[u][j] = the scores of head u's kLanes positions (q + u * D: [D] vectors, lane = position) against
+// key j of the chunk (k: [kLanes][D] fp32), for the H heads from q.
+template <int D, int H>
+inline void chunk_scores_heads(const Lanes* q, const float* k, Lanes (*s)[kLanes]) {
+  static_assert(kLanes % 4 == 0);
+  for (int j0 = 0; j0 < kLanes; j0 += 4) {
+    Lanes acc[H][4] = {};
+    for (int d = 0; d < D; ++d) {
+      Lanes qd[H];
+#pragma GCC unroll 4
+      for (int u = 0; u < H; ++u) {
+        qd[u] = q[u * D + d];
+        in_register(qd[u]);
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const float kj = k[(j0 + j) * D + d];
+#pragma GCC unroll 4
+        for (int u = 0; u < H; ++u) acc[u][j] += kj * qd[u];
+      }
+    }
+    for (int u = 0; u < H; ++u)
+      for (int j = 0; j < 4; ++j) s[u][j0 + j] = acc[u][j];
+  }
+}
+
+// o + u * D ([D] vectors, lane = position) = that * alpha[u] + sum over the chunk's keys j < count of
+// e[u][j] * v[j], for the H heads from o, four head dimensions at a time.
+template <int D, int H>
+inline void chunk_values_heads(const float* v, const Lanes (*e)[kLanes], int64_t count, const Lanes* alpha,
+                               Lanes* o) {
+  static_assert(D % 4 == 0);
+  for (int d0 = 0; d0 < D; d0 += 4) {
+    Lanes acc[H][4];
+    for (int u = 0; u < H; ++u)
+      for (int i = 0; i < 4; ++i) acc[u][i] = o[u * D + d0 + i] * alpha[u];
+    for (int64_t j = 0; j < count; ++j) {
+      Lanes ej[H];
+#pragma GCC unroll 4
+      for (int u = 0; u < H; ++u) {
+        ej[u] = e[u][j];
+        in_register(ej[u]);
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const float vi = v[j * D + d0 + i];
+#pragma GCC unroll 4
+        for (int u = 0; u < H; ++u) acc[u][i] += vi * ej[u];
+      }
+    }
+    for (int u = 0; u < H; ++u)
+      for (int i = 0; i < 4; ++i) o[u * D + d0 + i] = acc[u][i];
+  }
+}
+#else
+constexpr int kHeadBlock = 1;
+template <int D, int H>
+inline void chunk_scores_heads(const Lanes* q, const float* k, Lanes (*s)[kLanes]) {
+  for (int u = 0; u < H; ++u) chunk_scores<D>(q + u * D, k, s[u]);
+}
+template <int D, int H>
+inline void chunk_values_heads(const float* v, const Lanes (*e)[kLanes], int64_t count, const Lanes* alpha,
+                               Lanes* o) {
+  for (int u = 0; u < H; ++u) chunk_values<D>(v, e[u], count, alpha[u], o + u * D);
+}
+#endif
+
+// The query heads of a tile taken together from head g (of `group`): three at a time, and two and two
+// where four are left (a lone head keeps four accumulators, too few to hide the FMAs' latency).
+inline int64_t heads_from(int64_t g, int64_t group) {
+  const int64_t left = group - g;
+  return left == 4 && kHeadBlock == 3 ? 2 : std::min<int64_t>(kHeadBlock, left);
 }
 
 // Per-thread working memory, reused across items.
@@ -228,7 +320,6 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
     std::fill(w.o.begin(), w.o.end(), Lanes{});
     w.max.assign(static_cast<size_t>(n * group), Lanes{} - INFINITY);
     w.denom.assign(static_cast<size_t>(n * group), Lanes{});
-    Lanes e[kLanes];
     const Item& last = items[n - 1];   // its keys end last; the first tile's begin first
     for (int64_t c0 = items[0].begin; c0 < last.end; c0 += kLanes) {
       const int64_t count = std::min<int64_t>(kLanes, last.end - c0);
@@ -245,18 +336,50 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
           std::memcpy(w.v.data() + j * D + d0, &vv, sizeof vv);
         }
       });
+      // The next chunk's rows, fetched while this one is computed: a head's consecutive keys lie a
+      // token's row apart (all KV heads: 4 KB at Llama-3-8B's shape), a page each, where the hardware
+      // prefetchers do not follow.
+      if (c0 + kLanes < last.end)
+        kv.for_rows(last.table, c0 + kLanes, std::min<int64_t>(kLanes, last.end - c0 - kLanes),
+                    [&](int64_t, int64_t row) {
+                      for (int d0 = 0; d0 < D; d0 += static_cast<int>(64 / sizeof(C))) {
+                        __builtin_prefetch(kv.k + row + h * D + d0);
+                        __builtin_prefetch(kv.v + row + h * D + d0);
+                      }
+                    });
       for (int t = 0; t < n; ++t) {
         const Item& it = items[t];
         // Chunks past a tile's keys or wholly before its window leave its state as it is: skipped.
         if (c0 >= it.end || c0 + kLanes <= it.begin) continue;
         const bool masked = it.masked(c0, kLanes, window);
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t u = t * group + g;
-          Lanes sc[kLanes];
-          chunk_scores<D>(w.q.data() + u * D, w.k.data(), sc);
-          const Lanes alpha = softmax_chunk<kLanes>(sc, c0, masked, it.limit, it.floor_pos, cap, w.max[u],
-                                                    w.denom[u], e, [](Lanes x) { return exp_approx(x); });
-          chunk_values<D>(w.v.data(), e, count, alpha, w.o.data() + u * D);
+        // Heads u0 .. u0 + H - 1 of the tile: scores, online softmax, values.
+        auto heads = [&](auto h, int64_t u0) {
+          constexpr int H = decltype(h)::value;
+          Lanes sc[H][kLanes], e[H][kLanes], alpha[H];
+          if constexpr (H == 1) {
+            chunk_scores<D>(w.q.data() + u0 * D, w.k.data(), sc[0]);
+          } else {
+            chunk_scores_heads<D, H>(w.q.data() + u0 * D, w.k.data(), sc);
+          }
+          for (int u = 0; u < H; ++u)
+            alpha[u] = softmax_chunk<kLanes>(sc[u], c0, masked, it.limit, it.floor_pos, cap, w.max[u0 + u],
+                                             w.denom[u0 + u], e[u], [](Lanes x) { return exp_approx(x); });
+          if constexpr (H == 1) {
+            chunk_values<D>(w.v.data(), e[0], count, alpha[0], w.o.data() + u0 * D);
+          } else {
+            chunk_values_heads<D, H>(w.v.data(), e, count, alpha, w.o.data() + u0 * D);
+          }
+        };
+        for (int64_t g = 0, step; g < group; g += step) {
+          step = heads_from(g, group);
+          const int64_t u0 = t * group + g;
+          if (step == 3) {
+            heads(std::integral_constant<int, 3>{}, u0);
+          } else if (step == 2) {
+            heads(std::integral_constant<int, 2>{}, u0);
+          } else {
+            heads(std::integral_constant<int, 1>{}, u0);
+          }
         }
       }
     }
