@@ -62,7 +62,7 @@ inline void chunk_values(const float* v, const Lanes* e, int64_t count, Lanes al
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // AVX2 (16 registers of 8 lanes): the score and value loops of up to three query heads of a tile at
 // once, register-blocked as a GEMM's micro-kernel. Scores: 4 keys x H heads of accumulators, each
-// key's element broadcast once for the H heads (the heads' query vectors held in registers: 4 + 1
+// key's element broadcast once for the H heads (the heads' query vectors held in registers: H + 4
 // loads per 4H FMAs, against the single-head loop's 9 per 8). Values: 4 head dimensions x H heads,
 // each value element broadcast once for the H heads' weights. At H = 3 that is 12 accumulators, the
 // H query or weight vectors and one broadcast: AVX2's 16 registers.
@@ -130,6 +130,7 @@ inline void chunk_values_heads(const float* v, const Lanes (*e)[kLanes], int64_t
   }
 }
 #else
+// Elsewhere heads go one at a time (kHeadBlock 1): these are instantiated, never called.
 constexpr int kHeadBlock = 1;
 template <int D, int H>
 inline void chunk_scores_heads(const Lanes* q, const float* k, Lanes (*s)[kLanes]) {
@@ -143,7 +144,7 @@ inline void chunk_values_heads(const float* v, const Lanes (*e)[kLanes], int64_t
 #endif
 
 // The query heads of a tile taken together from head g (of `group`): three at a time, and two and two
-// where four are left (a lone head keeps four accumulators, too few to hide the FMAs' latency).
+// where four are left (a lone head would run the single-head loops, 9 loads per 8 FMAs).
 inline int64_t heads_from(int64_t g, int64_t group) {
   const int64_t left = group - g;
   return left == 4 && kHeadBlock == 3 ? 2 : std::min<int64_t>(kHeadBlock, left);
@@ -353,8 +354,8 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
         if (c0 >= it.end || c0 + kLanes <= it.begin) continue;
         const bool masked = it.masked(c0, kLanes, window);
         // Heads u0 .. u0 + H - 1 of the tile: scores, online softmax, values.
-        auto heads = [&](auto h, int64_t u0) {
-          constexpr int H = decltype(h)::value;
+        auto heads = [&](auto num_heads_tag, int64_t u0) {
+          constexpr int H = decltype(num_heads_tag)::value;
           Lanes sc[H][kLanes], e[H][kLanes], alpha[H];
           if constexpr (H == 1) {
             chunk_scores<D>(w.q.data() + u0 * D, w.k.data(), sc[0]);
