@@ -25,11 +25,12 @@ from records.config import EngineConfig
 from records.sampling_params import SamplingParams
 
 
-def workload(args: argparse.Namespace, seed: int, n: int) -> list[BenchRequest]:
+def workload(args: argparse.Namespace, vocab_size: int, seed: int, n: int) -> list[BenchRequest]:
     """The `mixed` dataset of benchmarks/workloads.py (what the served comparison sends): chats of
-    16-64 tokens and 64 out, a `--long-fraction` of `--long-len`-token prompts with 4 out."""
+    16-64 tokens and 64 out, a `--long-fraction` of `--long-len`-token prompts with 4 out, token ids
+    drawn from the model's vocabulary."""
     return make_dataset(argparse.Namespace(
-        dataset="mixed", seed=seed, num_prompts=n, warmup=0, vocab_size=30100, input_len="16:64",
+        dataset="mixed", seed=seed, num_prompts=n, warmup=0, vocab_size=vocab_size, input_len="16:64",
         output_len="64", long_fraction=args.long_fraction, long_input_len=str(args.long_len), long_output_len="4"))
 
 
@@ -83,10 +84,11 @@ def main() -> None:
     engines = {target: LLMEngine(EngineConfig.create(args.model, dtype=args.dtype, max_model_len=2048,
                                                      num_kv_blocks=2048, itl_target_ms=target))
                for target in (None, args.target_ms)}
+    vocab = next(iter(engines.values())).config.model_config.vocab_size
     for engine in engines.values():                       # warm up
-        run(engine, workload(args, 1, args.streams), args.streams)
+        run(engine, workload(args, vocab, 1, args.streams), args.streams)
     for r in range(args.rounds):
-        requests = workload(args, 10 + r, args.requests)
+        requests = workload(args, vocab, 10 + r, args.requests)
         for target, engine in engines.items():
             m = run(engine, requests, args.streams)
             print(f"round {r} target {target}: {m['tok_s']:.1f} tok/s, short ITL p50/p90/p99 {m['itl_p50_ms']:.0f}/"
