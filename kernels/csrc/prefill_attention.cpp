@@ -224,17 +224,18 @@ struct Item {
   }
 };
 
-// Runs body(scratch, items, n) for every work item: n <= kTiles consecutive tiles of kLanes query rows
-// of one segment (items[0..n)), against one KV head. Items go to ATen's threads longest first; each
-// thread has its scratch from make_scratch().
-template <int kTiles, typename MakeScratch, typename Body>
+// Runs body(scratch, items, n) for every work item: n <= tiles (<= kMaxTiles) consecutive tiles of
+// kLanes query rows of one segment (items[0..n)), against one KV head. Items go to ATen's threads
+// longest first; each thread has its scratch from make_scratch().
+template <int kMaxTiles, typename MakeScratch, typename Body>
 void for_each_item(const at::Tensor& tables, const at::Tensor& query_lens, const at::Tensor& seq_lens,
-                   int64_t num_kv_heads, int64_t window, MakeScratch&& make_scratch, Body&& body) {
+                   int64_t num_kv_heads, int64_t window, int64_t tiles, MakeScratch&& make_scratch, Body&& body) {
   const int64_t num_segments = query_lens.size(0), max_blocks = tables.size(1);
   const int64_t* table_ptr = tables.const_data_ptr<int64_t>();
   const int64_t* qlen_ptr = query_lens.const_data_ptr<int64_t>();
   const int64_t* slen_ptr = seq_lens.const_data_ptr<int64_t>();
-  constexpr int64_t kRows = kTiles * kLanes;   // query rows per item
+  TORCH_CHECK(tiles >= 1 && tiles <= kMaxTiles, "paged_prefill: tiles per item out of range");
+  const int64_t kRows = tiles * kLanes;   // query rows per item
   struct Group {
     int64_t segment, row0, first_row_of_segment;
   };
@@ -262,7 +263,7 @@ void for_each_item(const at::Tensor& tables, const at::Tensor& query_lens, const
       for (const int64_t index : assigned[t]) {
         const Group& group = groups[index / num_kv_heads];
         const int64_t s = group.segment;
-        Item items[kTiles];
+        Item items[kMaxTiles];
         int n = 0;
         for (int64_t row0 = group.row0; row0 < std::min(qlen_ptr[s], group.row0 + kRows); row0 += kLanes, ++n) {
           Item& it = items[n];
@@ -391,7 +392,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
                    out_ptr + (items[t].first_row * num_heads + h * group + g) * D, num_heads * D);
       }
   };
-  for_each_item<kTiles>(tables, query_lens, seq_lens, kv.num_kv_heads, window, make_scratch, body);
+  for_each_item<kTiles>(tables, query_lens, seq_lens, kv.num_kv_heads, window, kTiles, make_scratch, body);
 }
 
 #if defined(__AVX512BF16__)
@@ -412,8 +413,22 @@ inline bool bf16_dot_enabled() {
 // and stores) is then spread over twice the multiply-adds.
 constexpr int kBf16Chunk = 2 * kLanes;
 // Tiles of kLanes query rows per work item: each chunk's keys are copied and its values interleaved
-// once for both, halving that work and the item's K/V reads from memory on long prompts.
-constexpr int kBf16Tiles = 2;
+// once for all of them, and its rows read from memory once. Up to eight (per layer 1.05-1.08x two
+// tiles at 768-4,096 tokens on a Zen 5, SmolLM2's and Llama-3-8B's shapes; perf/journal.md §54),
+// fewer where a step's rows would leave a thread without items (bf16_tiles).
+constexpr int kBf16MaxTiles = 8;
+
+// The tiles per item for these segments: the most (8, 4, else 2) that still gives every thread at
+// least four items to balance.
+inline int64_t bf16_tiles(const at::Tensor& query_lens, int64_t num_kv_heads) {
+  const int64_t* qlen = query_lens.const_data_ptr<int64_t>();
+  for (int64_t tiles = kBf16MaxTiles; tiles > 2; tiles /= 2) {
+    int64_t items = 0;
+    for (int64_t s = 0; s < query_lens.size(0); ++s) items += (qlen[s] + tiles * kLanes - 1) / (tiles * kLanes);
+    if (items * num_kv_heads >= 4 * at::get_num_threads()) return tiles;
+  }
+  return 2;
+}
 
 struct Bf16Scratch {
   std::vector<__m512i> q;          // [tiles * group][D/2]: lane i = the pair (d, d+1) of position i's query
@@ -494,10 +509,11 @@ void prefill_bf16_dot(const at::Tensor& query, const at::Tensor& kv_cache, const
   const uint16_t* v_ptr = reinterpret_cast<const uint16_t*>(kv.v);
   c10::BFloat16* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
   const float cap = static_cast<float>(softcap), scalef = static_cast<float>(scale);
+  const int64_t tiles = bf16_tiles(query_lens, kv.num_kv_heads);
   auto make_scratch = [&] {
     Bf16Scratch w;
-    w.q.resize(static_cast<size_t>(kBf16Tiles * group * D / 2));
-    w.o.resize(static_cast<size_t>(kBf16Tiles * group * D));
+    w.q.resize(static_cast<size_t>(tiles * group * D / 2));
+    w.o.resize(static_cast<size_t>(tiles * group * D));
     w.k.resize(static_cast<size_t>(kBf16Chunk * D));
     w.v.resize(static_cast<size_t>(kBf16Chunk / 2 * D));
     return w;
@@ -574,7 +590,7 @@ void prefill_bf16_dot(const at::Tensor& query, const at::Tensor& kv_cache, const
                    out_ptr + (items[t].first_row * num_heads + h * group + g) * D, num_heads * D);
       }
   };
-  for_each_item<kBf16Tiles>(tables, query_lens, seq_lens, kv.num_kv_heads, window, make_scratch, body);
+  for_each_item<kBf16MaxTiles>(tables, query_lens, seq_lens, kv.num_kv_heads, window, tiles, make_scratch, body);
 }
 #endif
 
