@@ -3,18 +3,19 @@
 // prefill, chunked prefill and prefix hits alike). Flash-attention style, in fp32, one pass over
 // K/V with an online softmax.
 //
-// A work item is (segment, KV head, two or four tiles of L query positions: f32_tiles), L the lanes
-// of one vector register: 16 with AVX-512, 8 elsewhere. Its rows are the query heads that share the
-// KV head, each held transposed: one vector per head dimension with a lane per position. Then the
-// scores of L keys are L FMAs per head dimension with the key's element broadcast, and the online
-// softmax (causal mask, max, exp, denominator) is elementwise across lanes, with no horizontal
-// reductions. A chunk of L keys and values is converted to fp32 once and shared by the item's tiles
-// and heads, and the next chunk's rows are prefetched while it is computed. Items go to ATen's
-// threads longest first. The inner loops keep L accumulators and two more vectors live: 18 of
-// AVX-512's 32 registers at L = 16 (at L = 16 on AVX2, every vector is two registers and the
-// accumulators spill: on a Zen 1 the kernel ran at 0.2-0.5x torch's SDPA). On AVX2 (L = 8) the loops
-// take up to three of a tile's query heads at once, register-blocked (chunk_scores_heads,
-// chunk_values_heads: 12 accumulators of 16 registers), with the same sums in the same order.
+// A work item is (segment, KV head, up to two, four or eight tiles of L query positions: f32_tiles,
+// item_tiles), L the lanes of one vector register: 16 with AVX-512, 8 elsewhere. Its rows are the
+// query heads that share the KV head, each held transposed: one vector per head dimension with a
+// lane per position. Then the scores of L keys are L FMAs per head dimension with the key's element
+// broadcast, and the online softmax (causal mask, max, exp, denominator) is elementwise across
+// lanes, with no horizontal reductions. A chunk of L keys and values is converted to fp32 once and
+// shared by the item's tiles and heads, and the next chunk's rows are prefetched while it is
+// computed. Items go to ATen's threads longest first. The inner loops keep L accumulators and two
+// more vectors live: 18 of AVX-512's 32 registers at L = 16 (at L = 16 on AVX2, every vector is two
+// registers and the accumulators spill: on a Zen 1 the kernel ran at 0.2-0.5x torch's SDPA). On
+// AVX2 (L = 8) the loops take up to three of a tile's query heads at once, register-blocked
+// (chunk_scores_heads, chunk_values_heads: 12 accumulators of 16 registers), with the same sums in
+// the same order.
 // With bf16 query and cache on a CPU with AVX512-BF16 the same items run on bf16 dot products
 // (prefill_bf16_dot, below).
 //
@@ -161,8 +162,23 @@ struct PrefillScratch {
 // Tiles of kLanes query rows per work item: each chunk of K/V is read from the cache and converted
 // once for the tiles' query heads. On a Zen 3 (AVX2, one thread, docs/perf/journal.md §48) two tiles
 // ran SmolLM2's 9/3 heads of 64 at 1.08-1.11x one tile and four at 0.81-0.83x, while Llama-3-8B's
-// 32/8 heads of 128 ran at 0.83-1.01x with two and 1.11-1.39x with four.
-constexpr int f32_tiles(int head_dim) { return head_dim >= 128 ? 4 : 2; }
+// 32/8 heads of 128 ran at 0.83-1.01x with two and 1.11-1.39x with four. With AVX-512 (L = 16) heads
+// under 128 take up to eight (item_tiles; on a Zen 5, SmolLM2's shape, 1.07-1.17x two: §54), 128 and
+// up four (eight: level). This is the most an item takes; the last may have fewer.
+constexpr int f32_tiles(int head_dim) { return head_dim >= 128 ? 4 : kLanes == 16 ? 8 : 2; }
+
+// Tiles per item for these segments, up to max_tiles: the most (max_tiles, halved down to 2) that
+// still gives every thread at least four items to balance, where more tiles share each chunk's
+// copy among more query rows but cut a step's rows into fewer items.
+inline int64_t item_tiles(const at::Tensor& query_lens, int64_t num_kv_heads, int64_t max_tiles) {
+  const int64_t* qlen = query_lens.const_data_ptr<int64_t>();
+  for (int64_t tiles = max_tiles; tiles > 2; tiles /= 2) {
+    int64_t items = 0;
+    for (int64_t s = 0; s < query_lens.size(0); ++s) items += (qlen[s] + tiles * kLanes - 1) / (tiles * kLanes);
+    if (items * num_kv_heads >= 4 * at::get_num_threads()) return tiles;
+  }
+  return std::min<int64_t>(max_tiles, 2);
+}
 
 // Rows of a tile's output for one head: o ([D] vectors, lane = position) times inv, lane i to row i
 // (rows of them, `stride` elements apart), transposed through fp32 and stored a vector at a time.
@@ -299,10 +315,12 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
   const T* q_ptr = query.const_data_ptr<T>();
   T* out_ptr = out.mutable_data_ptr<T>();
   const float cap = static_cast<float>(softcap);
+  // Eight-tile items where that is the most (AVX-512, heads under 128), else always kTiles as tuned.
+  const int64_t tiles = kTiles == 8 ? item_tiles(query_lens, kv.num_kv_heads, kTiles) : kTiles;
   auto make_scratch = [&] {
     PrefillScratch<D> w;
-    w.q.resize(static_cast<size_t>(kTiles * group * D));
-    w.o.resize(static_cast<size_t>(kTiles * group * D));
+    w.q.resize(static_cast<size_t>(tiles * group * D));
+    w.o.resize(static_cast<size_t>(tiles * group * D));
     w.k.resize(static_cast<size_t>(kLanes * D));
     w.v.resize(static_cast<size_t>(kLanes * D));
     return w;
@@ -392,7 +410,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
                    out_ptr + (items[t].first_row * num_heads + h * group + g) * D, num_heads * D);
       }
   };
-  for_each_item<kTiles>(tables, query_lens, seq_lens, kv.num_kv_heads, window, kTiles, make_scratch, body);
+  for_each_item<kTiles>(tables, query_lens, seq_lens, kv.num_kv_heads, window, tiles, make_scratch, body);
 }
 
 #if defined(__AVX512BF16__)
@@ -415,20 +433,8 @@ constexpr int kBf16Chunk = 2 * kLanes;
 // Tiles of kLanes query rows per work item: each chunk's keys are copied and its values interleaved
 // once for all of them, and its rows read from memory once. Up to eight (per layer 1.05-1.08x two
 // tiles at 768-4,096 tokens on a Zen 5, SmolLM2's and Llama-3-8B's shapes; perf/journal.md §54),
-// fewer where a step's rows would leave a thread without items (bf16_tiles).
+// fewer where a step's rows would leave a thread without items (item_tiles).
 constexpr int kBf16MaxTiles = 8;
-
-// The tiles per item for these segments: the most (8, 4, else 2) that still gives every thread at
-// least four items to balance.
-inline int64_t bf16_tiles(const at::Tensor& query_lens, int64_t num_kv_heads) {
-  const int64_t* qlen = query_lens.const_data_ptr<int64_t>();
-  for (int64_t tiles = kBf16MaxTiles; tiles > 2; tiles /= 2) {
-    int64_t items = 0;
-    for (int64_t s = 0; s < query_lens.size(0); ++s) items += (qlen[s] + tiles * kLanes - 1) / (tiles * kLanes);
-    if (items * num_kv_heads >= 4 * at::get_num_threads()) return tiles;
-  }
-  return 2;
-}
 
 struct Bf16Scratch {
   std::vector<__m512i> q;          // [tiles * group][D/2]: lane i = the pair (d, d+1) of position i's query
@@ -509,7 +515,7 @@ void prefill_bf16_dot(const at::Tensor& query, const at::Tensor& kv_cache, const
   const uint16_t* v_ptr = reinterpret_cast<const uint16_t*>(kv.v);
   c10::BFloat16* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
   const float cap = static_cast<float>(softcap), scalef = static_cast<float>(scale);
-  const int64_t tiles = bf16_tiles(query_lens, kv.num_kv_heads);
+  const int64_t tiles = item_tiles(query_lens, kv.num_kv_heads, kBf16MaxTiles);
   auto make_scratch = [&] {
     Bf16Scratch w;
     w.q.resize(static_cast<size_t>(tiles * group * D / 2));

@@ -131,21 +131,23 @@ def test_prefill_bf16_dot_products_and_the_fp32_fallback(monkeypatch, window, so
     assert torch.equal(outs["1"], outs["0"]) != torch.cpu._is_avx512_bf16_supported()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("query_lens,seq_lens", [([300], [300]), ([40, 9], [90, 9]), ([512, 200], [700, 200])])
-def test_prefill_bf16_items_of_two_four_and_eight_tiles(query_lens, seq_lens):
-    """The bf16 kernel takes up to eight 16-row tiles a work item, fewer where a step's rows would
-    leave a thread short of items: with one thread and one KV head these segments make items of four
-    tiles (300 rows), two (40 and 9) and eight (512 and 200, after cached prefixes); each matches the
-    reference (on a CPU without AVX512-BF16 the fp32 kernel runs them)."""
+def test_prefill_items_of_two_four_and_eight_tiles(dtype, query_lens, seq_lens):
+    """With AVX-512 the kernels take up to eight 16-row tiles a work item at head sizes under 128 (the
+    bf16 dot-product kernel and the fp32 one), fewer where a step's rows would leave a thread short of
+    items: with one thread and one KV head these segments make items of four tiles (300 rows), two (40
+    and 9) and eight (512 and 200, after cached prefixes). Each matches the reference (on AVX2 the
+    fp32 kernel's fixed two tiles run them)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        query, cache, tables = prefill_batch(query_lens, seq_lens, 4, 1, 64, 16, torch.bfloat16)
+        query, cache, tables = prefill_batch(query_lens, seq_lens, 4, 1, 64, 16, dtype)
         out = cpu_ops.prefill_attention(query, cache, tables, query_lens, seq_lens, 0.125)
     finally:
         torch.set_num_threads(threads)
     ref = reference.prefill_attention(query.float(), cache.float(), tables, query_lens, seq_lens, 0.125)
-    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+    assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
