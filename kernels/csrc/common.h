@@ -96,25 +96,27 @@ inline V exp_approx(V x) {
 }
 
 #if defined(__AVX512F__)
-// exp(x) as exp_approx computes it (the same split into 2^n 2^f, to about 1 ulp), in half its
-// operations where the CPU has AVX-512: vscalefps applies the power (overflowing to inf and
-// underflowing through the subnormals to 0 as exp does, where exp_approx cuts off at 88.37 and
-// -87.3), so no clamps or exponent-bit arithmetic around a degree-6 Taylor polynomial of 2^f,
-// |f| <= 1/2. x is kept within [-104, 89] (exp is 0 and inf beyond) so that n stays finite; NaN
-// stays NaN.
-inline f32x16 exp_scalef(f32x16 x) {
-  const __m512 xc = _mm512_min_ps(_mm512_set1_ps(89.f), _mm512_max_ps(_mm512_set1_ps(-104.f), (__m512)x));
-  const __m512 t = _mm512_mul_ps(xc, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
+// 2^f for |f| <= 1/2 (to ~1e-7): a degree-6 Taylor polynomial on fused multiply-adds.
+inline __m512 exp2_taylor(__m512 f) {
   __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return (f32x16)_mm512_scalef_ps(p, n);
+  return _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+}
+
+// exp(x) as exp_approx computes it (the same split into 2^n 2^f, to about 1 ulp), in half its
+// operations where the CPU has AVX-512: vscalefps applies the power (overflowing to inf and
+// underflowing through the subnormals to 0 as exp does, where exp_approx cuts off at 88.37 and
+// -87.3), so no clamps or exponent-bit arithmetic around exp2_taylor. x is kept within [-104, 89]
+// (exp is 0 and inf beyond) so that n stays finite; NaN stays NaN.
+inline f32x16 exp_scalef(f32x16 x) {
+  const __m512 xc = _mm512_min_ps(_mm512_set1_ps(89.f), _mm512_max_ps(_mm512_set1_ps(-104.f), (__m512)x));
+  const __m512 t = _mm512_mul_ps(xc, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return (f32x16)_mm512_scalef_ps(exp2_taylor(_mm512_sub_ps(t, n)), n);
 }
 #endif
 

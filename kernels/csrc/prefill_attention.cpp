@@ -460,22 +460,14 @@ inline void chunk_scores_bf16(const __m512i* q, const uint16_t* k, Lanes* s) {
 }
 
 // e^x for the softmax's x <= 0 (-inf and anything below -87.3: 0), to ~1e-7: 2^(x log2 e) as vscalefps
-// of a degree-6 Taylor polynomial of 2^f, |f| <= 1/2, by the rounded power. About half exp_approx's
+// of exp2_taylor (common.h) of the fraction, by the rounded power. About half exp_approx's
 // operations: no clamps above, no exponent-bit arithmetic; its weights are rounded to bf16 next.
 inline Lanes exp_nonpositive(Lanes x) {
   const __m512 xv = (__m512)x;
   const __mmask16 live = _mm512_cmp_ps_mask(xv, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(xv, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(1.4426950408889634f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return (Lanes)_mm512_maskz_scalef_ps(live, p, n);
+  return (Lanes)_mm512_maskz_scalef_ps(live, exp2_taylor(_mm512_sub_ps(t, n)), n);
 }
 
 // Lane i: the pair (a[i], b[i]) rounded to bf16 (nearest even).
