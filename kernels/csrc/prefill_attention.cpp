@@ -163,7 +163,7 @@ struct PrefillScratch {
 // once for the tiles' query heads. On a Zen 3 (AVX2, one thread, docs/perf/journal.md §48) two tiles
 // ran SmolLM2's 9/3 heads of 64 at 1.08-1.11x one tile and four at 0.81-0.83x, while Llama-3-8B's
 // 32/8 heads of 128 ran at 0.83-1.01x with two and 1.11-1.39x with four. With AVX-512 (L = 16) heads
-// under 128 take up to eight (item_tiles; on a Zen 5, SmolLM2's shape, 1.07-1.17x two: §54), 128 and
+// under 128 take up to eight (item_tiles; on a Zen 5, SmolLM2's shape, 1.04-1.24x two: §54), 128 and
 // up four (eight: level). This is the most an item takes; the last may have fewer.
 constexpr int f32_tiles(int head_dim) { return head_dim >= 128 ? 4 : kLanes == 16 ? 8 : 2; }
 
@@ -251,20 +251,20 @@ void for_each_item(const at::Tensor& tables, const at::Tensor& query_lens, const
   const int64_t* qlen_ptr = query_lens.const_data_ptr<int64_t>();
   const int64_t* slen_ptr = seq_lens.const_data_ptr<int64_t>();
   TORCH_CHECK(tiles >= 1 && tiles <= kMaxTiles, "paged_prefill: tiles per item out of range");
-  const int64_t kRows = tiles * kLanes;   // query rows per item
+  const int64_t item_rows = tiles * kLanes;   // query rows per item
   struct Group {
     int64_t segment, row0, first_row_of_segment;
   };
   std::vector<Group> groups;
   for (int64_t s = 0, start = 0; s < num_segments; start += qlen_ptr[s], ++s)
-    for (int64_t r = 0; r < qlen_ptr[s]; r += kRows) groups.push_back({s, r, start});
+    for (int64_t r = 0; r < qlen_ptr[s]; r += item_rows) groups.push_back({s, r, start});
   auto keys_end = [&](const Group& g, int64_t row0) {   // keys the tile from row0's last position sees
     const int64_t s = g.segment, ctx = slen_ptr[s] - qlen_ptr[s];
     return ctx + std::min(qlen_ptr[s], row0 + kLanes);
   };
   auto cost = [&](const Group& g) {
     int64_t keys = 0;
-    for (int64_t r = g.row0; r < std::min(qlen_ptr[g.segment], g.row0 + kRows); r += kLanes) keys += keys_end(g, r);
+    for (int64_t r = g.row0; r < std::min(qlen_ptr[g.segment], g.row0 + item_rows); r += kLanes) keys += keys_end(g, r);
     return keys + kLanes;
   };
   const int64_t num_items = static_cast<int64_t>(groups.size()) * num_kv_heads;
@@ -281,7 +281,7 @@ void for_each_item(const at::Tensor& tables, const at::Tensor& query_lens, const
         const int64_t s = group.segment;
         Item items[kMaxTiles];
         int n = 0;
-        for (int64_t row0 = group.row0; row0 < std::min(qlen_ptr[s], group.row0 + kRows); row0 += kLanes, ++n) {
+        for (int64_t row0 = group.row0; row0 < std::min(qlen_ptr[s], group.row0 + item_rows); row0 += kLanes, ++n) {
           Item& it = items[n];
           it.first_row = group.first_row_of_segment + row0;
           it.rows = std::min<int64_t>(kLanes, qlen_ptr[s] - row0);
@@ -431,7 +431,7 @@ inline bool bf16_dot_enabled() {
 // and stores) is then spread over twice the multiply-adds.
 constexpr int kBf16Chunk = 2 * kLanes;
 // Tiles of kLanes query rows per work item: each chunk's keys are copied and its values interleaved
-// once for all of them, and its rows read from memory once. Up to eight (per layer 1.05-1.08x two
+// once for all of them, and its rows read from memory once. Up to eight (per layer 1.04-1.08x two
 // tiles at 768-4,096 tokens on a Zen 5, SmolLM2's and Llama-3-8B's shapes; perf/journal.md §54),
 // fewer where a step's rows would leave a thread without items (item_tiles).
 constexpr int kBf16MaxTiles = 8;
