@@ -164,20 +164,22 @@ struct PrefillScratch {
 // ran SmolLM2's 9/3 heads of 64 at 1.08-1.11x one tile and four at 0.81-0.83x, while Llama-3-8B's
 // 32/8 heads of 128 ran at 0.83-1.01x with two and 1.11-1.39x with four. With AVX-512 (L = 16) heads
 // under 128 take up to eight (item_tiles; on a Zen 5, SmolLM2's shape, 1.04-1.24x two: §54), 128 and
-// up four (eight: level). This is the most an item takes; the last may have fewer.
+// up four (eight: level). f32_tiles is the most an item takes, f32_min_tiles the fewest item_tiles
+// may choose: the eight come down to two on small steps, the tuned counts stay fixed.
 constexpr int f32_tiles(int head_dim) { return head_dim >= 128 ? 4 : kLanes == 16 ? 8 : 2; }
+constexpr int f32_min_tiles(int head_dim) { return f32_tiles(head_dim) == 8 ? 2 : f32_tiles(head_dim); }
 
-// Tiles per item for these segments, up to max_tiles: the most (max_tiles, halved down to 2) that
-// still gives every thread at least four items to balance, where more tiles share each chunk's
-// copy among more query rows but cut a step's rows into fewer items.
-inline int64_t item_tiles(const at::Tensor& query_lens, int64_t num_kv_heads, int64_t max_tiles) {
+// Tiles per item for these segments: the most of max_tiles, halved down to min_tiles, that still
+// gives every thread at least four items to balance, where more tiles share each chunk's copy among
+// more query rows but cut a step's rows into fewer items.
+inline int64_t item_tiles(const at::Tensor& query_lens, int64_t num_kv_heads, int64_t max_tiles, int64_t min_tiles) {
   const int64_t* qlen = query_lens.const_data_ptr<int64_t>();
-  for (int64_t tiles = max_tiles; tiles > 2; tiles /= 2) {
+  for (int64_t tiles = max_tiles; tiles > min_tiles; tiles /= 2) {
     int64_t items = 0;
     for (int64_t s = 0; s < query_lens.size(0); ++s) items += (qlen[s] + tiles * kLanes - 1) / (tiles * kLanes);
     if (items * num_kv_heads >= 4 * at::get_num_threads()) return tiles;
   }
-  return std::min<int64_t>(max_tiles, 2);
+  return min_tiles;
 }
 
 // Rows of a tile's output for one head: o ([D] vectors, lane = position) times inv, lane i to row i
@@ -315,8 +317,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
   const T* q_ptr = query.const_data_ptr<T>();
   T* out_ptr = out.mutable_data_ptr<T>();
   const float cap = static_cast<float>(softcap);
-  // Eight-tile items where that is the most (AVX-512, heads under 128), else always kTiles as tuned.
-  const int64_t tiles = kTiles == 8 ? item_tiles(query_lens, kv.num_kv_heads, kTiles) : kTiles;
+  const int64_t tiles = item_tiles(query_lens, kv.num_kv_heads, kTiles, f32_min_tiles(D));
   auto make_scratch = [&] {
     PrefillScratch<D> w;
     w.q.resize(static_cast<size_t>(tiles * group * D));
@@ -507,7 +508,7 @@ void prefill_bf16_dot(const at::Tensor& query, const at::Tensor& kv_cache, const
   const uint16_t* v_ptr = reinterpret_cast<const uint16_t*>(kv.v);
   c10::BFloat16* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
   const float cap = static_cast<float>(softcap), scalef = static_cast<float>(scale);
-  const int64_t tiles = item_tiles(query_lens, kv.num_kv_heads, kBf16MaxTiles);
+  const int64_t tiles = item_tiles(query_lens, kv.num_kv_heads, kBf16MaxTiles, 2);
   auto make_scratch = [&] {
     Bf16Scratch w;
     w.q.resize(static_cast<size_t>(tiles * group * D / 2));
