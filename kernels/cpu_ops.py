@@ -58,9 +58,9 @@ from records.cache_dirs import cache_root
 from records.cpu_flags import cpu_flags
 from records.errors import BuildError
 
-__all__ = ["apply_rotary", "copy_blocks", "decode_attention", "fp8_linear", "gather_blocks", "gather_kv",
-           "gguf_linear", "gguf_linear_int8", "gguf_rows_kernel", "lora_add", "pack_gguf", "prefill_attention",
-           "rms_norm", "silu_and_mul", "swap_blocks", "unpack_gguf", "write_kv"]
+__all__ = ["apply_rotary", "apply_rotary_", "copy_blocks", "decode_attention", "fp8_linear", "gather_blocks",
+           "gather_kv", "gguf_linear", "gguf_linear_int8", "gguf_rows_kernel", "lora_add", "pack_gguf",
+           "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "unpack_gguf", "write_kv"]
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = tuple(os.path.join(CSRC, name) for name in ("cpu_ops.cpp", "prefill_attention.cpp", "gguf_linear.cpp",
@@ -300,6 +300,18 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin:
     if query.dtype not in DTYPES or not same_dtype or query.stride(-1) != 1 or key.stride(-1) != 1:
         return reference.apply_rotary(query, key, cos, sin)
     return torch.ops.pdserve_cpu.rotary(query, key, cos, sin)
+
+
+def apply_rotary_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """`apply_rotary`'s result written into query and key (views of a QKV projection's output that
+    nothing else reads): no fresh outputs for the first writes to fill (docs/perf/journal.md §55)."""
+    same_dtype = key.dtype == cos.dtype == sin.dtype == query.dtype
+    if query.dtype not in DTYPES or not same_dtype or query.stride(-1) != 1 or key.stride(-1) != 1:
+        q, k = reference.apply_rotary(query, key, cos, sin)
+        query.copy_(q)
+        key.copy_(k)
+        return
+    torch.ops.pdserve_cpu.rotary_(query, key, cos, sin)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

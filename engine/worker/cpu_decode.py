@@ -43,8 +43,7 @@ class CpuDecodePlan:
         self.model = model
         self.layers = layers
         ops = torch.ops.pdserve_cpu
-        self.rms_norm, self.rotary, self.paged_decode, self.silu_and_mul = (
-            ops.rms_norm, ops.rotary, ops.paged_decode, ops.silu_and_mul)
+        self.rms_norm, self.rotary, self.paged_decode = ops.rms_norm, ops.rotary, ops.paged_decode
         # A cache in the model's dtype: one C++ call from the QKV output to the attention output
         # (rotary, the K/V write, paged decode). An fp8 cache's rows are quantized by their layer's
         # scales before the byte write (in cpu_ops.write_kv), and Qwen3 normalizes q and k before
@@ -84,7 +83,7 @@ class CpuDecodePlan:
                            [a.q_size, a.kv_size, a.kv_size], a.num_heads, a.num_kv_heads, a.head_dim, a.attn,
                            (float(a.attn.scale), int(a.attn.window), float(a.attn.softcap)),
                            a.o_proj.rows_matmul(), layer.post_attention_layernorm.weight,
-                           float(layer.post_attention_layernorm.eps), mlp.gate_up_proj.rows_matmul(),
+                           float(layer.post_attention_layernorm.eps), mlp.gate_up_proj.silu_rows_matmul(),
                            mlp.down_proj.rows_matmul(),
                            None if a.q_norm is None else (a.q_norm.weight, a.k_norm.weight, float(a.q_norm.eps))))
         return cls(model, layers, fp8_cache=cache.dtype != dtype)
@@ -94,13 +93,12 @@ class CpuDecodePlan:
         """The final hidden states [T, hidden] of a step whose T tokens are all decodes; what
         `model(input_ids, positions, kv_caches, meta)` returns, bit for bit."""
         model, num = self.model, input_ids.shape[0]
-        rms_norm, rotary, paged_decode, silu_and_mul, attention, write_kv, fp8_cache = (
-            self.rms_norm, self.rotary, self.paged_decode, self.silu_and_mul, self.attention, self.write_kv,
-            self.fp8_cache)
+        rms_norm, rotary, paged_decode, attention, write_kv, fp8_cache = (
+            self.rms_norm, self.rotary, self.paged_decode, self.attention, self.write_kv, self.fp8_cache)
         slots, tables, lens = meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens
         cos, sin = model.rotary.lookup(positions)
         hidden, residual = model.embed_tokens(input_ids), None
-        for (norm1, eps1, qkv, sizes, heads, kv_heads, head_dim, attn, shape, o_proj, norm2, eps2, gate_up,
+        for (norm1, eps1, qkv, sizes, heads, kv_heads, head_dim, attn, shape, o_proj, norm2, eps2, swiglu,
              down, qk_norms), kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = rms_norm(hidden, norm1, eps1, residual)
             k_scale, v_scale = attn.k_scale, attn.v_scale       # read per step: calibration sets them after build
@@ -119,6 +117,6 @@ class CpuDecodePlan:
                                    *shape[1:]).view(num, heads * head_dim)
             hidden = o_proj(out)
             hidden, residual = rms_norm(hidden, norm2, eps2, residual)
-            hidden = down(silu_and_mul(gate_up(hidden)))
+            hidden = down(swiglu(hidden))
         hidden, _ = rms_norm(hidden, model.norm.weight, float(model.norm.eps), residual)
         return hidden

@@ -16,6 +16,8 @@
 
 #include <algorithm>
 #include <cstdint>
+
+#include "common.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
@@ -44,23 +46,41 @@ at::Tensor bf16_pack(const at::Tensor& weight) {
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// Rows [0, R) of x (pairs of bf16 as uint32, row stride `ld` pairs) against one panel: out[r][0, cols).
-// PF: prefetch the panel this many K pairs ahead (the first row block streams it from memory; the
+// The 64 columns a block of rows computes: two halves of 32, each a pointer into its panel's first
+// K pair (advanced by one pair's 64 x 2 values a step). A plain product's halves are one panel's two;
+// a SwiGLU's are a gate half and its up half (`bf16_linear_silu`), from two panels of the same weight.
+struct Halves {
+  const uint16_t* lo;
+  const uint16_t* hi;
+};
+
+// Epilogues: the 6 x 4 sums of a block of rows, bias added, rounded to bf16 once (`Plain`: out[r][0,
+// cols)); or silu(gate) * up of its 32 gate and 32 up columns (`Silu`: out[r][0, 32)), with the
+// arithmetic of silu_and_mul over the plain product's bf16 output, so that the fused layer's bits
+// are the two passes' bits.
+enum class Epilogue { Plain, Silu };
+
+// Rows [0, R) of x (pairs of bf16 as uint32, row stride `ld` pairs) against one block of 64 columns.
+// PF: prefetch the weight this many K pairs ahead (the first row block streams it from memory; the
 // others find it in L1/L2).
-template <int R, int PF>
-inline void panel_rows(const uint32_t* x, int64_t ld, const uint16_t* panel, int64_t pairs, const float* bias,
-                       uint16_t* out, int64_t ldo, int cols) {
+template <int R, int PF, Epilogue E>
+inline void panel_rows(const uint32_t* x, int64_t ld, Halves w, int64_t pairs, const float* bias_lo,
+                       const float* bias_hi, uint16_t* out, int64_t ldo, int cols) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    const uint16_t* w = panel + p * kPanel * 2;
+    const uint16_t* lo = w.lo + p * kPanel * 2;
+    const uint16_t* hi = w.hi + p * kPanel * 2;
     if constexpr (PF > 0) {
-      const char* ahead = reinterpret_cast<const char*>(w + PF * kPanel * 2);
-      for (int line = 0; line < 256; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      for (const uint16_t* half : {lo, hi}) {
+        const char* ahead = reinterpret_cast<const char*>(half + PF * kPanel * 2);
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      }
     }
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32),
-                   w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(lo), w1 = (__m512bh)_mm512_loadu_si512(lo + 32),
+                   w2 = (__m512bh)_mm512_loadu_si512(hi), w3 = (__m512bh)_mm512_loadu_si512(hi + 32);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ld + p]));
@@ -70,79 +90,154 @@ inline void panel_rows(const uint32_t* x, int64_t ld, const uint16_t* panel, int
       acc[r][3] = _mm512_dpbf16_ps(acc[r][3], b, w3);
     }
   }
-  for (int j = 0; j < 4 && j * 16 < cols; ++j) {
-    const int n = j * 16;
-    const __mmask16 mask = cols - n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (cols - n)) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r)
-      _mm256_mask_storeu_epi16(out + r * ldo + n, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b)));
+  if constexpr (E == Epilogue::Silu) {
+    for (int j = 0; j < 2; ++j) {
+      const __m512 bg = bias_lo ? _mm512_loadu_ps(bias_lo + j * 16) : _mm512_setzero_ps();
+      const __m512 bu = bias_hi ? _mm512_loadu_ps(bias_hi + j * 16) : _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        const f32x16 g = round_as<c10::BFloat16>((f32x16)_mm512_add_ps(acc[r][j], bg));
+        const f32x16 u = round_as<c10::BFloat16>((f32x16)_mm512_add_ps(acc[r][2 + j], bu));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + j * 16),
+                            (__m256i)_mm512_cvtneps_pbh((__m512)silu_times<c10::BFloat16>(g, u)));
+      }
+    }
+  } else {
+    for (int j = 0; j < 4 && j * 16 < cols; ++j) {
+      const int n = j * 16;
+      const __mmask16 mask = cols - n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (cols - n)) - 1);
+      const __m512 b = bias_lo ? _mm512_maskz_loadu_ps(mask, bias_lo + n) : _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r)
+        _mm256_mask_storeu_epi16(out + r * ldo + n, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b)));
+    }
   }
 }
 
-template <int R>
-inline void tail_rows(int rows, const uint32_t* x, int64_t ld, const uint16_t* panel, int64_t pairs,
-                      const float* bias, uint16_t* out, int64_t ldo, int cols) {
+template <int R, Epilogue E>
+inline void tail_rows(int rows, const uint32_t* x, int64_t ld, Halves w, int64_t pairs, const float* bias_lo,
+                      const float* bias_hi, uint16_t* out, int64_t ldo, int cols) {
   if constexpr (R > 0) {
-    if (rows != R) return tail_rows<R - 1>(rows, x, ld, panel, pairs, bias, out, ldo, cols);
-    panel_rows<R, 16>(x, ld, panel, pairs, bias, out, ldo, cols);
+    if (rows != R) return tail_rows<R - 1, E>(rows, x, ld, w, pairs, bias_lo, bias_hi, out, ldo, cols);
+    panel_rows<R, 16, E>(x, ld, w, pairs, bias_lo, bias_hi, out, ldo, cols);
   }
 }
 
-// Rows [m0, m1) against panel `pn`: blocks of kRowsMax rows, the first prefetching.
-void panel_block(const uint32_t* x, int64_t ld, int64_t m0, int64_t m1, const uint16_t* panels, int64_t pairs,
-                 int64_t pn, const float* bias, uint16_t* out, int64_t N) {
-  const uint16_t* panel = panels + pn * pairs * kPanel * 2;
-  const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - pn * kPanel));
-  const float* b = bias ? bias + pn * kPanel : nullptr;
+// Rows [m0, m1) against one block of columns: blocks of kRowsMax rows, the first prefetching. `out`
+// and the biases point at the block's first column.
+template <Epilogue E>
+void rows_block(const uint32_t* x, int64_t ld, int64_t m0, int64_t m1, Halves w, int64_t pairs,
+                const float* bias_lo, const float* bias_hi, uint16_t* out, int64_t ldo, int cols) {
   int64_t m = m0;
   if (m + kRowsMax <= m1) {
-    panel_rows<kRowsMax, 16>(x + m * ld, ld, panel, pairs, b, out + m * N + pn * kPanel, N, cols);
+    panel_rows<kRowsMax, 16, E>(x + m * ld, ld, w, pairs, bias_lo, bias_hi, out + m * ldo, ldo, cols);
     for (m += kRowsMax; m + kRowsMax <= m1; m += kRowsMax)
-      panel_rows<kRowsMax, 0>(x + m * ld, ld, panel, pairs, b, out + m * N + pn * kPanel, N, cols);
+      panel_rows<kRowsMax, 0, E>(x + m * ld, ld, w, pairs, bias_lo, bias_hi, out + m * ldo, ldo, cols);
   }
-  if (m < m1) tail_rows<kRowsMax - 1>(static_cast<int>(m1 - m), x + m * ld, ld, panel, pairs, b, out + m * N + pn * kPanel, N, cols);
+  if (m < m1)
+    tail_rows<kRowsMax - 1, E>(static_cast<int>(m1 - m), x + m * ld, ld, w, pairs, bias_lo, bias_hi, out + m * ldo,
+                               ldo, cols);
+}
+
+// The 32 columns from `col` on (a multiple of 32) as a half: its panel's first K pair, past the
+// panel's first 32 columns where it is the second half.
+inline const uint16_t* half_at(const uint16_t* panels, int64_t pairs, int64_t col) {
+  return panels + (col / kPanel) * pairs * kPanel * 2 + (col % kPanel) * 2;
+}
+
+// Work: (column block, row group) pairs, block-major, over the threads. Few blocks (a 576-wide
+// output has nine) split unevenly over the threads, so their rows are cut in groups until the units
+// divide evenly or are many; a thread then streams about the same share of the weight as before.
+template <typename Block>
+void for_each_unit(int64_t blocks, int64_t M, Block block) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t max_groups = std::max<int64_t>(1, std::min<int64_t>(4, M / kRowsMax));
+  int64_t groups = 1;
+  while (groups < max_groups && (blocks * groups) % threads != 0 && blocks * groups < 8 * threads) ++groups;
+  const int64_t group_rows = (M + groups - 1) / groups;
+  at::parallel_for(0, blocks * groups, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t m0 = (u % groups) * group_rows, m1 = std::min(M, m0 + group_rows);
+      if (m0 < m1) block(u / groups, m0, m1);
+    }
+  });
 }
 #endif
 
-// x [..., K] bf16, panels from bf16_pack of a [n, K] weight, bias [n] or None -> [..., n] bf16.
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const std::optional<at::Tensor>& bias) {
+// x's rows as K pairs (a zero appended to odd K: the panels' padding is zero too), and the checks
+// both products share.
+at::Tensor x_pairs(const at::Tensor& x, const at::Tensor& panels, const char* op) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16 && panels.dim() == 4 &&
                   panels.size(2) == kPanel && panels.size(3) == 2 && panels.is_contiguous(),
-              "bf16_linear: x and the panels (from bf16_pack) must be bf16");
-  const int64_t K = x.size(-1), pairs = panels.size(1);
-  TORCH_CHECK(pairs == (K + 1) / 2 && n > 0 && (n + kPanel - 1) / kPanel == panels.size(0),
-              "bf16_linear: the panels hold a [", panels.size(0) * kPanel, ", ", 2 * pairs, "] weight; x has ", K,
-              " features and n is ", n);
+              op, ": x and the panels (from bf16_pack) must be bf16");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(panels.size(1) == (K + 1) / 2, op, ": the panels hold a weight of ", 2 * panels.size(1),
+              " input features; x has ", K);
+  at::Tensor rows = x.reshape({-1, K}).contiguous();
+  return K % 2 ? at::constant_pad_nd(rows, {0, 1}) : rows;
+}
+
+// x [..., K] bf16, panels from bf16_pack of a [n, K] weight, bias [n] or None -> [..., n] bf16.
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const std::optional<at::Tensor>& bias) {
+  const at::Tensor rows = x_pairs(x, panels, "bf16_linear");
+  TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == panels.size(0), "bf16_linear: the panels hold ",
+              panels.size(0) * kPanel, " output features (padded to 64); n is ", n);
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n), "bf16_linear: bias must have ", n, " elements");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor out = at::empty(shape, x.options());
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  at::Tensor rows = x.reshape({-1, K}).contiguous();
-  if (K % 2) rows = at::constant_pad_nd(rows, {0, 1});     // the pairs' zero; the panels' padding is zero too
   const int64_t M = rows.size(0);
   if (M == 0) return out;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
   const at::Tensor b32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(rows.const_data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.const_data_ptr<at::BFloat16>());
   const float* bp = bias ? b32.const_data_ptr<float>() : nullptr;
   uint16_t* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
-  // Work: (panel, row group) pairs, panel-major. Few panels (a 576-wide output has nine) split
-  // unevenly over the threads, so their rows are cut in groups until the units divide evenly or
-  // are many; a thread then streams about the same share of the weight as before.
-  const int64_t nP = panels.size(0), threads = at::get_num_threads();
-  const int64_t max_groups = std::max<int64_t>(1, std::min<int64_t>(4, M / kRowsMax));
-  int64_t groups = 1;
-  while (groups < max_groups && (nP * groups) % threads != 0 && nP * groups < 8 * threads) ++groups;
-  const int64_t group_rows = (M + groups - 1) / groups;
-  at::parallel_for(0, nP * groups, 1, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t m0 = (u % groups) * group_rows, m1 = std::min(M, m0 + group_rows);
-      if (m0 < m1) panel_block(xp, rows.size(1) / 2, m0, m1, wp, pairs, u / groups, bp, op, n);
-    }
+  const int64_t pairs = panels.size(1), ld = rows.size(1) / 2;
+  for_each_unit(panels.size(0), M, [&](int64_t pn, int64_t m0, int64_t m1) {
+    const int64_t col = pn * kPanel;
+    const Halves w{half_at(wp, pairs, col), half_at(wp, pairs, col) + kPanel};
+    rows_block<Epilogue::Plain>(xp, ld, m0, m1, w, pairs, bp ? bp + col : nullptr, nullptr, op + col, n,
+                                static_cast<int>(std::min<int64_t>(kPanel, n - col)));
   });
 #else
   TORCH_CHECK(false, "bf16_linear: this build of the CPU kernels has no AVX512-BF16 (the CPU lacks it)");
+#endif
+  return out;
+}
+
+// silu(x Wg^T + bg) * (x Wu^T + bu) for panels from bf16_pack of a fused [2 inter, K] gate/up weight
+// (gate rows first), bias [2 inter] or None -> [..., inter] bf16: the bits of bf16_linear followed by
+// silu_and_mul (each output rounded to bf16 before the silu, as there), in one pass that never
+// writes the [..., 2 inter] product. inter must be a multiple of 32 (each block of 64 columns is 32
+// gate columns and their 32 up columns).
+at::Tensor bf16_linear_silu(const at::Tensor& x, const at::Tensor& panels, int64_t inter,
+                            const std::optional<at::Tensor>& bias) {
+  const at::Tensor rows = x_pairs(x, panels, "bf16_linear_silu");
+  TORCH_CHECK(inter > 0 && inter % 32 == 0 && (2 * inter + kPanel - 1) / kPanel == panels.size(0),
+              "bf16_linear_silu: inter must be a multiple of 32 and the panels hold a [2 inter, K] weight; "
+              "inter is ", inter, ", the panels hold ", panels.size(0) * kPanel, " output features");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == 2 * inter), "bf16_linear_silu: bias must have ",
+              2 * inter, " elements");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = inter;
+  at::Tensor out = at::empty(shape, x.options());
+  const int64_t M = rows.size(0);
+  if (M == 0) return out;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const at::Tensor b32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(rows.const_data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.const_data_ptr<at::BFloat16>());
+  const float* bp = bias ? b32.const_data_ptr<float>() : nullptr;
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
+  const int64_t pairs = panels.size(1), ld = rows.size(1) / 2;
+  for_each_unit(inter / 32, M, [&](int64_t blk, int64_t m0, int64_t m1) {
+    const int64_t col = blk * 32;
+    const Halves w{half_at(wp, pairs, col), half_at(wp, pairs, inter + col)};
+    rows_block<Epilogue::Silu>(xp, ld, m0, m1, w, pairs, bp ? bp + col : nullptr, bp ? bp + inter + col : nullptr,
+                               op + col, inter, 32);
+  });
+#else
+  TORCH_CHECK(false, "bf16_linear_silu: this build of the CPU kernels has no AVX512-BF16 (the CPU lacks it)");
 #endif
   return out;
 }
@@ -152,9 +247,11 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("bf16_pack(Tensor weight) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+  m.def("bf16_linear_silu(Tensor x, Tensor panels, int inter, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("bf16_pack", &bf16_pack);
   m.impl("bf16_linear", &bf16_linear);
+  m.impl("bf16_linear_silu", &bf16_linear_silu);
 }

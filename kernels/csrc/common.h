@@ -269,6 +269,28 @@ inline V round_as(V v) {
   }
 }
 
+// silu(g) * u in T's arithmetic, as kernels/reference.py's silu_and_mul (the silu rounded to T,
+// then the product), for silu-and-mul (cpu_ops.cpp) and the gate/up GEMM that ends in it
+// (bf16_gemm.cpp), which must give the same bits. Its exp: with AVX-512, for bf16 and fp16
+// activations (whose rounding of the silu hides the two exps' last-bit differences: on 16.8 M
+// elements both equal torch's bf16 result bitwise, and both miss its fp16 result on the same 4,247),
+// the cheaper exp_scalef: 1.46-1.48x the op's speed at 2,048 x 3,072 bf16 (perf/journal.md §54).
+// fp32 keeps exp_approx, whose bits the fp32 paths' token-exact checks were made with.
+// (No multiply here feeds an add, so no build contracts one: the bits do not depend on the caller's
+// fp-contract setting.)
+template <typename T>
+inline Lanes silu_exp(Lanes x) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, float>) return exp_scalef(x);
+#endif
+  return exp_approx(x);
+}
+
+template <typename T>
+inline Lanes silu_times(Lanes g, Lanes u) {
+  return round_as<T>(round_as<T>(g / (1.f + silu_exp<T>(-g))) * u);
+}
+
 // n (at most V's lanes) elements: a full vector, or the first n zero-filled; and its store.
 template <typename V, typename T>
 inline V load_upto(const T* p, int64_t n) {

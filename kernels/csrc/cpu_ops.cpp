@@ -367,24 +367,13 @@ void rotary_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos
   at::parallel_for(0, tokens, std::max<int64_t>(1, 8192 / (d * (heads + kv_heads))), [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       for (int64_t h = 0; h < heads; ++h)
-        rotate_row(qp + t * q.stride(0) + h * q.stride(1), cp + t * d, sp + t * d, qo + (t * heads + h) * d, d);
+        rotate_row(qp + t * q.stride(0) + h * q.stride(1), cp + t * d, sp + t * d,
+                   qo + t * q_out.stride(0) + h * q_out.stride(1), d);
       for (int64_t h = 0; h < kv_heads; ++h)
-        rotate_row(kp + t * k.stride(0) + h * k.stride(1), cp + t * d, sp + t * d, ko + (t * kv_heads + h) * d, d);
+        rotate_row(kp + t * k.stride(0) + h * k.stride(1), cp + t * d, sp + t * d,
+                   ko + t * k_out.stride(0) + h * k_out.stride(1), d);
     }
   });
-}
-
-// The silu's exp: with AVX-512, for bf16 and fp16 activations (whose rounding of the silu hides
-// the two exps' last-bit differences: on 16.8 M elements both equal torch's bf16 result bitwise,
-// and both miss its fp16 result on the same 4,247), the cheaper exp_scalef: 1.46-1.48x the op's
-// speed at 2,048 x 3,072 bf16 (perf/journal.md §54). fp32 keeps exp_approx, whose bits the fp32
-// paths' token-exact checks were made with.
-template <typename T>
-inline Lanes silu_exp(Lanes x) {
-#if defined(__AVX512F__)
-  if constexpr (!std::is_same_v<T, float>) return exp_scalef(x);
-#endif
-  return exp_approx(x);
 }
 
 // silu(gate) * up for x = [gate | up] rows of 2 * inter elements: the silu rounded to T, then the product.
@@ -395,7 +384,7 @@ void silu_and_mul_impl(const T* x, int64_t x_stride, T* out, int64_t rows, int64
       const T* g = x + row * x_stride;
       const T* u = g + inter;
       T* o = out + row * inter;
-      auto silu_mul = [](Lanes gv, Lanes uv) { return round_as<T>(round_as<T>(gv / (1.f + silu_exp<T>(-gv))) * uv); };
+      auto silu_mul = silu_times<T>;
       // Four independent vectors per iteration: one vector's chain (exp, division, two roundings) is
       // ~60 cycles long, and one at a time the loop ran at its latency, ~40 cycles a vector
       // (perf/journal.md §34).
@@ -451,8 +440,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
   return {out.view(x.sizes()), residual.has_value() ? res_out.view(x.sizes()) : res_out};
 }
 
-std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
-                                          const at::Tensor& sin) {
+std::tuple<at::Tensor, at::Tensor> rotary_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                               const at::Tensor& sin, bool in_place) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(2) % 2 == 0,
               "rotary: q [T, H, d] and k [T, kvh, d] with an even d");
   TORCH_CHECK(row_major_last(q) && row_major_last(k), "rotary: q and k need a contiguous last dim");
@@ -462,7 +451,8 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
               "rotary: cos and sin must be [T, d]");
   TORCH_CHECK(c.scalar_type() == q.scalar_type() && s.scalar_type() == q.scalar_type() &&
               k.scalar_type() == q.scalar_type(), "rotary: q, k, cos and sin must share a dtype");
-  at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
+  at::Tensor q_out = in_place ? q : at::empty(q.sizes(), q.options());
+  at::Tensor k_out = in_place ? k : at::empty(k.sizes(), k.options());
   switch (q.scalar_type()) {
     case at::kFloat: rotary_impl<float>(q, k, c, s, q_out, k_out); break;
     case at::kBFloat16: rotary_impl<c10::BFloat16>(q, k, c, s, q_out, k_out); break;
@@ -470,6 +460,17 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
     default: TORCH_CHECK(false, "rotary: dtype must be float32, bfloat16 or float16");
   }
   return {q_out, k_out};
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                          const at::Tensor& sin) {
+  return rotary_into(q, k, cos, sin, false);
+}
+
+// Rotary written back into q and k (views of the QKV projection's output, whose unrotated q and k
+// nothing reads again): no fresh [T, H, d] outputs for the first writes to fill (perf/journal.md §55).
+void rotary_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  rotary_into(q, k, cos, sin, true);
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
@@ -611,6 +612,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
         "float k_scale, float v_scale, int window, float softcap) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("argmax_rows(Tensor x) -> Tensor");
@@ -623,6 +625,7 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
+  m.impl("rotary_", &rotary_);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("write_kv", &write_kv);
   m.impl("argmax_rows", &argmax_rows);

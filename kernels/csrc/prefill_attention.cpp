@@ -315,6 +315,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
   const PagedKV<C> kv(kv_cache);
   const int64_t group = num_heads / kv.num_kv_heads;
   const T* q_ptr = query.const_data_ptr<T>();
+  const int64_t q_stride = query.stride(0);
   T* out_ptr = out.mutable_data_ptr<T>();
   const float cap = static_cast<float>(softcap);
   const int64_t tiles = item_tiles(query_lens, kv.num_kv_heads, kTiles, f32_min_tiles(D));
@@ -334,7 +335,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
         float* qf = reinterpret_cast<float*>(w.q.data() + (t * group + g) * D);     // [D][kLanes]
         for (int64_t i = 0; i < kLanes; ++i) {
           const T* row =
-              q_ptr + ((items[t].first_row + std::min(i, items[t].rows - 1)) * num_heads + h * group + g) * D;
+              q_ptr + (items[t].first_row + std::min(i, items[t].rows - 1)) * q_stride + (h * group + g) * D;
           for (int d = 0; d < D; ++d) qf[d * kLanes + i] = to_float(row[d]) * static_cast<float>(scale * k_scale);
         }
       }
@@ -504,6 +505,7 @@ void prefill_bf16_dot(const at::Tensor& query, const at::Tensor& kv_cache, const
   const PagedKV<c10::BFloat16> kv(kv_cache);
   const int64_t group = num_heads / kv.num_kv_heads;
   const uint16_t* q_ptr = reinterpret_cast<const uint16_t*>(query.const_data_ptr<c10::BFloat16>());
+  const int64_t q_stride = query.stride(0);
   const uint16_t* k_ptr = reinterpret_cast<const uint16_t*>(kv.k);
   const uint16_t* v_ptr = reinterpret_cast<const uint16_t*>(kv.v);
   c10::BFloat16* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
@@ -525,7 +527,7 @@ void prefill_bf16_dot(const at::Tensor& query, const at::Tensor& kv_cache, const
         uint32_t* qw = reinterpret_cast<uint32_t*>(w.q.data() + (t * group + g) * D / 2);   // [D/2][kLanes]
         for (int64_t i = 0; i < kLanes; ++i) {
           const uint32_t* row = reinterpret_cast<const uint32_t*>(
-              q_ptr + ((items[t].first_row + std::min(i, items[t].rows - 1)) * num_heads + h * group + g) * D);
+              q_ptr + (items[t].first_row + std::min(i, items[t].rows - 1)) * q_stride + (h * group + g) * D);
           for (int d2 = 0; d2 < D / 2; ++d2) qw[d2 * kLanes + i] = row[d2];
         }
       }
@@ -598,7 +600,10 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, co
                          double v_scale, int64_t window, double softcap) {
   check_attention_inputs("paged_prefill", query, kv_cache);
   TORCH_CHECK(window >= 0 && softcap >= 0, "paged_prefill: window and softcap must be >= 0 (0: none)");
-  const at::Tensor q = query.contiguous();
+  // Rows may be strided (q a view of the QKV projection's output, rotated in place: cpu_ops.rotary_),
+  // each row's heads contiguous; the bf16 kernel reads a row in pairs, so an even row stride.
+  const bool rows_ok = query.stride(2) == 1 && query.stride(1) == query.size(2) && query.stride(0) % 2 == 0;
+  const at::Tensor q = rows_ok ? query : query.contiguous();
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor qlens = query_lens.to(at::kLong).contiguous();
   const at::Tensor slens = seq_lens.to(at::kLong).contiguous();
@@ -613,7 +618,7 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, co
   }
   TORCH_CHECK(total == q.size(0), "paged_prefill: query_lens sum to ", total, " but query has ", q.size(0), " rows");
   check_block_tables("paged_prefill", tables, slens, kv_cache.size(2), kv_cache.size(1));
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   if (q.size(0) == 0) return out;
   dispatch_dtype_and_head_dim("paged_prefill", q, kv_cache, [&](auto type, auto cache, auto dim) {
 #if defined(__AVX512BF16__)

@@ -85,8 +85,13 @@ def test_rotary_matches_reference_bitwise(dtype, head_dim):
     qkv = torch.randn(9, (8 + 2 + 2) * head_dim, generator=g).to(dtype)
     q, k = qkv[:, :8 * head_dim].view(9, 8, head_dim), qkv[:, 8 * head_dim:10 * head_dim].view(9, 2, head_dim)
     cos, sin = (torch.randn(9, head_dim, generator=g).to(dtype) for _ in range(2))
-    for out, ref in zip(cpu_ops.apply_rotary(q, k, cos, sin), reference.apply_rotary(q, k, cos, sin), strict=True):
+    refs = reference.apply_rotary(q, k, cos, sin)
+    for out, ref in zip(cpu_ops.apply_rotary(q, k, cos, sin), refs, strict=True):
         assert torch.equal(out, ref)
+    # In place (the model's path): q and k rewritten, v's columns between them untouched.
+    v = qkv[:, 10 * head_dim:].clone()
+    cpu_ops.apply_rotary_(q, k, cos, sin)
+    assert torch.equal(q, refs[0]) and torch.equal(k, refs[1]) and torch.equal(qkv[:, 10 * head_dim:], v)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

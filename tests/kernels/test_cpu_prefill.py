@@ -1,7 +1,8 @@
 """The compiled CPU prefill attention (kernels/csrc/prefill_attention.cpp) against the torch
 reference: full prefills and chunks after a cached prefix across block and tile boundaries, the bf16
 dot-product kernel and the fp32 one it falls back to, items of two to eight tiles, SDPA for long
-segments, other block sizes, the step's packed tables, bad tables and lengths refused.
+segments, other block sizes, the step's packed tables, strided query rows, bad tables and lengths
+refused.
 """
 from __future__ import annotations
 
@@ -26,6 +27,21 @@ def test_prefill_matches_reference(dtype, head_dim, heads, kv_heads):
     ref = reference.prefill_attention(query.float(), cache.float(), tables, PREFILL_QUERY_LENS, PREFILL_SEQ_LENS,
                                       head_dim ** -0.5)
     assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_reads_strided_query_rows(dtype):
+    """The query as the model passes it: a view of the QKV projection's output (each row's heads
+    contiguous, rows further apart), read where it lies with the bits of its contiguous copy; an odd
+    row stride (the bf16 kernel reads pairs) too."""
+    query, cache, tables = prefill_batch(PREFILL_QUERY_LENS, PREFILL_SEQ_LENS, 9, 3, 64, 16, dtype)
+    want = cpu_ops.prefill_attention(query, cache, tables, PREFILL_QUERY_LENS, PREFILL_SEQ_LENS, 0.125)
+    for row in (15 * 64, 15 * 64 + 1):
+        flat = torch.zeros(query.shape[0] * row, dtype=dtype)
+        strided = flat.as_strided(query.shape, (row, 64, 1))
+        strided.copy_(query)
+        out = cpu_ops.prefill_attention(strided, cache, tables, PREFILL_QUERY_LENS, PREFILL_SEQ_LENS, 0.125)
+        assert out.is_contiguous() and torch.equal(out, want), row
 
 
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (24, 0.0), (0, 3.0)])

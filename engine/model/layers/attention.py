@@ -82,18 +82,20 @@ class AttentionBackend:
         if num_decode == query.shape[0]:
             return k.decode_attention(query, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
                                       k_scale, v_scale, **shape)
-        out = torch.empty_like(query)
-        if num_decode:
-            out[:num_decode] = k.decode_attention(query[:num_decode], kv_cache, meta.decode_block_tables,
-                                                  meta.decode_seq_lens, scale, k_scale, v_scale, **shape)
         if meta.prefill_spans is not None:
-            out[num_decode:] = reference.prefill_attention(
+            prefill = reference.prefill_attention(
                 query[num_decode:], kv_cache, meta.prefill_block_tables, meta.prefill_query_lens,
                 meta.prefill_seq_lens, scale, None, k_scale, v_scale, window, softcap, meta.prefill_spans)
-            return out
-        out[num_decode:] = k.prefill_attention(query[num_decode:], kv_cache, meta.prefill_block_tables,
-                                               meta.prefill_query_lens, meta.prefill_seq_lens, scale,
-                                               meta.prefill_packed, k_scale, v_scale, **shape)
+        else:
+            prefill = k.prefill_attention(query[num_decode:], kv_cache, meta.prefill_block_tables,
+                                          meta.prefill_query_lens, meta.prefill_seq_lens, scale, meta.prefill_packed,
+                                          k_scale, v_scale, **shape)
+        if not num_decode:
+            return prefill
+        out = torch.empty_like(query)
+        out[:num_decode] = k.decode_attention(query[:num_decode], kv_cache, meta.decode_block_tables,
+                                              meta.decode_seq_lens, scale, k_scale, v_scale, **shape)
+        out[num_decode:] = prefill
         return out
 
 

@@ -75,6 +75,17 @@ class OwnPanels:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._linear(x, self.panels, self.out_features, bias)
 
+    @property
+    def fuses_silu(self) -> bool:
+        """Whether `matmul_silu` takes these panels: bf16, of a [gate | up] weight whose halves are
+        multiples of 32 rows (bf16_gemm.cpp's blocks are 32 gate and 32 up columns)."""
+        return self.panels.dtype == torch.bfloat16 and self.out_features % 64 == 0
+
+    def matmul_silu(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """silu_and_mul(self.matmul(x, bias)) bit for bit, for a [gate | up] weight (`fuses_silu`),
+        in one pass that never writes the product (kernels/csrc/bf16_gemm.cpp: bf16_linear_silu)."""
+        return torch.ops.pdserve_cpu.bf16_linear_silu(x, self.panels, self.out_features // 2, bias)
+
 
 # The weight dtypes pdserve's own GEMM has a kernel for (fp16 weights keep oneDNN's).
 OWN_GEMM_DTYPES = (torch.bfloat16, torch.float32)
@@ -333,12 +344,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if packed is None or x.numel() < fp32_packed_min_rows() * x.shape[-1]:
             return F.linear(x, weight, bias)
         return packed_linear(x, packed, bias)
-    if x.numel() >= CPU_FP32_MIN_ROWS * x.shape[-1] and cpu_fp32_gemm(x.dtype):
+    if fp32_takes(x):
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(x.dtype)
     if packed is not None:
         return packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
+
+
+def linear_silu(x: torch.Tensor, bias: torch.Tensor | None, packed: Packed | None) -> torch.Tensor | None:
+    """silu_and_mul(linear(x, weight, bias, packed)) for a [gate | up] weight, in one pass where
+    linear() would take pdserve's own bf16 GEMM and its panels fuse the silu (`OwnPanels.matmul_silu`:
+    the same bits, without the [rows, 2 inter] product written and read back; perf/journal.md §55);
+    None where they would not (the caller takes the two passes)."""
+    if (type(packed) is not OwnPanels or x.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or not packed.fuses_silu or fp32_takes(x)):
+        return None
+    return packed.matmul_silu(x, bias)
+
+
+def fp32_takes(x: torch.Tensor) -> bool:
+    """Whether linear() multiplies this bf16/fp16 x as fp32 GEMM on upcast operands (`cpu_fp32_gemm`)."""
+    return x.numel() >= CPU_FP32_MIN_ROWS * x.shape[-1] and cpu_fp32_gemm(x.dtype)
 
 
 def packed_linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -22,7 +22,15 @@ from torch import nn
 
 from engine.loading.quant_checkpoint import FP8Weight, split_fp8_rows
 from engine.loading.weights import GGUFWeight
-from engine.model.layers.cpu_gemm import Packed, cpu_fp32_gemm, fp32_packed_min_rows, linear, prepack
+from engine.model.layers.cpu_gemm import (
+    OwnPanels,
+    Packed,
+    cpu_fp32_gemm,
+    fp32_packed_min_rows,
+    linear,
+    linear_silu,
+    prepack,
+)
 from engine.model.layers.lora import LoRAStack
 from engine.model.parallel_state import get_parallel_state, tp_all_reduce
 from kernels.cpu_ops import gguf_dense_min_rows
@@ -237,6 +245,25 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def lora_shard(self, sub: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return a, self._rows(b, sub, self._shard_index(sub))
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a [gate, up] layer's output: the kernel set's silu_and_mul of
+        forward(x), in one pass where `cpu_gemm.linear_silu` takes the weight (dense, no LoRA)."""
+        fused = linear_silu(x, self.bias, self.packed) if self.lora is None and self.qtype is None else None
+        if fused is not None:
+            return fused
+        gate_up = self(x)
+        return (self.kernels or kernels_for(gate_up)).silu_and_mul(gate_up)
+
+    def silu_rows_matmul(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`silu_and_mul` of 2-D x for the CPU decode plan, as `rows_matmul` is `matmul`: the fused pass
+        bound once where it applies to every row count, else the two calls."""
+        packed = self.packed
+        if (self.lora is None and self.qtype is None and type(packed) is OwnPanels and packed.fuses_silu
+                and self.dtype == torch.bfloat16 and not cpu_fp32_gemm(self.dtype)):   # linear_silu's, any rows
+            return functools.partial(packed.matmul_silu, bias=self.bias)
+        rows, silu = self.rows_matmul(), (self.kernels or kernels_for(self.weight)).silu_and_mul
+        return lambda x: silu(rows(x))
 
     def _shard_index(self, i: int) -> int:
         """Which slice of output `i` this rank holds."""

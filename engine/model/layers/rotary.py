@@ -102,3 +102,14 @@ class RotaryEmbedding(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         return (self.kernels or kernels_for(query)).apply_rotary(query, key, cos, sin)
+
+    def rotate_(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for a query and key nothing else reads (views of the QKV projection's output):
+        in place where the kernel set can (`apply_rotary_`: the C++ CPU kernels), else new tensors."""
+        kernels = self.kernels or kernels_for(query)
+        in_place = getattr(kernels, "apply_rotary_", None)
+        if in_place is None:
+            return kernels.apply_rotary(query, key, cos, sin)
+        in_place(query, key, cos, sin)
+        return query, key

@@ -10,7 +10,6 @@ norm and LM head on the last, and passes (hidden, residual) between stages.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -64,14 +63,12 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(k.shape)
-        q, k = rotary(q, k, cos, sin)
+        q, k = rotary.rotate_(q, k, cos, sin)
         out = self.attn(q, k, v, kv_cache, meta)          # [T, H, d]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    kernels: ModuleType | None = None     # bound once by ModelRunner (bind_kernels); else looked up per call
-
     def __init__(self, config: Any, dtype: torch.dtype, intermediate_size: int | None = None) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
@@ -82,8 +79,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj((self.kernels or kernels_for(gate_up)).silu_and_mul(gate_up))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):
