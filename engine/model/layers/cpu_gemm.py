@@ -8,6 +8,7 @@ kernels/csrc/f32_gemm.cpp), and fp32 GEMM on upcast operands for prefill-sized b
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 
@@ -18,6 +19,8 @@ from kernels import cpu_ops
 from kernels.cpu_ops import has_amx
 from kernels.dispatch import kernels_for
 from records.cpu_flags import cpu_flags
+
+logger = logging.getLogger(__name__)
 
 # At or above this many rows, a bf16/fp16 matmul on CPU may run as fp32 GEMM on upcast operands:
 # below ~64 rows the weight upcast costs more than a faster GEMM could save.
@@ -147,17 +150,24 @@ def _own_gemm_is_faster(dtype: torch.dtype) -> bool:
     own = [OwnPanels(w) for w in weights]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    ratios = []
     try:
         for rows, count, least in ((32, cycled, CPU_OWN_GEMM_MIN_SPEEDUP), (256, 1, CPU_OWN_GEMM_PREFILL_MIN_RATIO)):
             x = torch.randn(rows, 576, generator=g).to(dtype)
-            ratio = _median_ratio(lambda x=x, count=count: [F.linear(x, w) if p is None else packed_linear(x, p)
-                                                            for w, p in zip(weights[:count], theirs_packed[:count])],
-                                  lambda x=x, count=count: [p.matmul(x) for p in own[:count]], pairs=5)
-            if ratio < least:
-                return False
-        return True
+            ratios.append(_median_ratio(
+                lambda x=x, count=count: [F.linear(x, w) if p is None else packed_linear(x, p)
+                                          for w, p in zip(weights[:count], theirs_packed[:count])],
+                lambda x=x, count=count: [p.matmul(x) for p in own[:count]], pairs=5))
+            if ratios[-1] < least:
+                break
     finally:
         torch.set_num_threads(threads)
+    faster = len(ratios) == 2 and ratios[-1] >= CPU_OWN_GEMM_PREFILL_MIN_RATIO
+    # Said once per process: a replica timed while other processes load beside it may choose
+    # otherwise than an idle one (docs/perf/journal.md §46, §55), and this is where that shows.
+    logger.info("CPU GEMM for %s weights: %s (the library's time over the own GEMM's at 32, then 256 rows: %s)",
+                dtype, "pdserve's own" if faster else "the library's", ", ".join(f"{r:.2f}" for r in ratios))
+    return faster
 
 
 def _median_ratio(theirs, ours, pairs: int) -> float:
@@ -222,7 +232,10 @@ def _fp32_gemm_is_faster(dtype: torch.dtype) -> bool:
         F.linear(x.float(), weight.float()).to(dtype)
 
     native_s, fp32_s = _best_alternating(native, fp32, rounds=3)
-    return native_s > CPU_FP32_MIN_SPEEDUP * fp32_s
+    faster = native_s > CPU_FP32_MIN_SPEEDUP * fp32_s
+    logger.info("CPU GEMM for prefill-sized %s batches: %s (its own GEMM's time over fp32's: %.2f)", dtype,
+                "fp32 on upcast operands" if faster else "in its own dtype", native_s / fp32_s)
+    return faster
 
 
 def _best_alternating(first, second, rounds: int) -> tuple[float, float]:
