@@ -160,7 +160,6 @@ void for_each_unit(int64_t blocks, int64_t M, Block block) {
     }
   });
 }
-#endif
 
 // x's rows as K pairs (a zero appended to odd K: the panels' padding is zero too), and the checks
 // both products share.
@@ -175,34 +174,55 @@ at::Tensor x_pairs(const at::Tensor& x, const at::Tensor& panels, const char* op
   return K % 2 ? at::constant_pad_nd(rows, {0, 1}) : rows;
 }
 
+// What every block of a product reads and writes.
+struct Operands {
+  const uint32_t* x;    // rows as K pairs
+  int64_t ld;           // pairs a row
+  const uint16_t* w;    // panels
+  int64_t pairs;
+  const float* bias;    // fp32, or nullptr
+  uint16_t* out;
+};
+
+// The product's output [..., n_out] over `blocks` blocks of columns, `block(operands, b, m0, m1)`
+// computing rows [m0, m1) of block b; rows: x_pairs(x).
+template <typename Block>
+at::Tensor run_blocks(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& panels,
+                      const std::optional<at::Tensor>& bias, int64_t n_out, int64_t blocks, Block block) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n_out;
+  at::Tensor out = at::empty(shape, x.options());
+  const int64_t M = rows.size(0);
+  if (M == 0) return out;
+  const at::Tensor b32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const Operands o{reinterpret_cast<const uint32_t*>(rows.const_data_ptr<at::BFloat16>()), rows.size(1) / 2,
+                   reinterpret_cast<const uint16_t*>(panels.const_data_ptr<at::BFloat16>()), panels.size(1),
+                   bias ? b32.const_data_ptr<float>() : nullptr,
+                   reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>())};
+  for_each_unit(blocks, M, [&](int64_t b, int64_t m0, int64_t m1) { block(o, b, m0, m1); });
+  return out;
+}
+#endif
+
 // x [..., K] bf16, panels from bf16_pack of a [n, K] weight, bias [n] or None -> [..., n] bf16.
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const std::optional<at::Tensor>& bias) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
   const at::Tensor rows = x_pairs(x, panels, "bf16_linear");
   TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == panels.size(0), "bf16_linear: the panels hold ",
               panels.size(0) * kPanel, " output features (padded to 64); n is ", n);
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n), "bf16_linear: bias must have ", n, " elements");
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  at::Tensor out = at::empty(shape, x.options());
-  const int64_t M = rows.size(0);
-  if (M == 0) return out;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  const at::Tensor b32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(rows.const_data_ptr<at::BFloat16>());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.const_data_ptr<at::BFloat16>());
-  const float* bp = bias ? b32.const_data_ptr<float>() : nullptr;
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
-  const int64_t pairs = panels.size(1), ld = rows.size(1) / 2;
-  for_each_unit(panels.size(0), M, [&](int64_t pn, int64_t m0, int64_t m1) {
-    const int64_t col = pn * kPanel;
-    const Halves w{half_at(wp, pairs, col), half_at(wp, pairs, col) + kPanel};
-    rows_block<Epilogue::Plain>(xp, ld, m0, m1, w, pairs, bp ? bp + col : nullptr, nullptr, op + col, n,
-                                static_cast<int>(std::min<int64_t>(kPanel, n - col)));
-  });
+  return run_blocks(x, rows, panels, bias, n, panels.size(0),
+                    [n](const Operands& o, int64_t pn, int64_t m0, int64_t m1) {
+                      const int64_t col = pn * kPanel;
+                      const uint16_t* panel = half_at(o.w, o.pairs, col);
+                      rows_block<Epilogue::Plain>(o.x, o.ld, m0, m1, Halves{panel, panel + kPanel}, o.pairs,
+                                                  o.bias ? o.bias + col : nullptr, nullptr, o.out + col, n,
+                                                  static_cast<int>(std::min<int64_t>(kPanel, n - col)));
+                    });
 #else
   TORCH_CHECK(false, "bf16_linear: this build of the CPU kernels has no AVX512-BF16 (the CPU lacks it)");
+  return at::Tensor();
 #endif
-  return out;
 }
 
 // silu(x Wg^T + bg) * (x Wu^T + bu) for panels from bf16_pack of a fused [2 inter, K] gate/up weight
@@ -212,34 +232,24 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
 // gate columns and their 32 up columns).
 at::Tensor bf16_linear_silu(const at::Tensor& x, const at::Tensor& panels, int64_t inter,
                             const std::optional<at::Tensor>& bias) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
   const at::Tensor rows = x_pairs(x, panels, "bf16_linear_silu");
   TORCH_CHECK(inter > 0 && inter % 32 == 0 && (2 * inter + kPanel - 1) / kPanel == panels.size(0),
               "bf16_linear_silu: inter must be a multiple of 32 and the panels hold a [2 inter, K] weight; "
               "inter is ", inter, ", the panels hold ", panels.size(0) * kPanel, " output features");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == 2 * inter), "bf16_linear_silu: bias must have ",
               2 * inter, " elements");
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = inter;
-  at::Tensor out = at::empty(shape, x.options());
-  const int64_t M = rows.size(0);
-  if (M == 0) return out;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  const at::Tensor b32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(rows.const_data_ptr<at::BFloat16>());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.const_data_ptr<at::BFloat16>());
-  const float* bp = bias ? b32.const_data_ptr<float>() : nullptr;
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
-  const int64_t pairs = panels.size(1), ld = rows.size(1) / 2;
-  for_each_unit(inter / 32, M, [&](int64_t blk, int64_t m0, int64_t m1) {
-    const int64_t col = blk * 32;
-    const Halves w{half_at(wp, pairs, col), half_at(wp, pairs, inter + col)};
-    rows_block<Epilogue::Silu>(xp, ld, m0, m1, w, pairs, bp ? bp + col : nullptr, bp ? bp + inter + col : nullptr,
-                               op + col, inter, 32);
-  });
+  return run_blocks(x, rows, panels, bias, inter, inter / 32,
+                    [inter](const Operands& o, int64_t blk, int64_t m0, int64_t m1) {
+                      const int64_t col = blk * 32;
+                      const Halves w{half_at(o.w, o.pairs, col), half_at(o.w, o.pairs, inter + col)};
+                      rows_block<Epilogue::Silu>(o.x, o.ld, m0, m1, w, o.pairs, o.bias ? o.bias + col : nullptr,
+                                                 o.bias ? o.bias + inter + col : nullptr, o.out + col, inter, 32);
+                    });
 #else
   TORCH_CHECK(false, "bf16_linear_silu: this build of the CPU kernels has no AVX512-BF16 (the CPU lacks it)");
+  return at::Tensor();
 #endif
-  return out;
 }
 
 }  // namespace

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import engine.model.layers.cpu_gemm as cpu_gemm
+import engine.model.layers.linear as linear_layers
 from engine.model.layers.cpu_gemm import (
     CPU_FP32_MIN_ROWS,
     OwnPanels,
@@ -16,7 +17,6 @@ from engine.model.layers.cpu_gemm import (
     packed_linear,
     prepack,
 )
-import engine.model.layers.linear as linear_layers
 from engine.model.layers.linear import Linear, MergedColumnParallelLinear
 from kernels import cpu_ops
 
