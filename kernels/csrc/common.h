@@ -77,7 +77,7 @@ struct IntLanes<f32x8> {
 // at 88.72; the power of two must stay below 2^128) and below -87.3 zero (where it turns subnormal).
 // V: f32x16 or f32x8, lane by lane the same arithmetic.
 template <typename V>
-inline V exp_approx(V x) {
+__attribute__((always_inline)) inline V exp_approx(V x) {
   using I = typename IntLanes<V>::type;
   const V c = x < -87.3f ? V{} - 87.3f : x > 88.37f ? V{} + 88.37f : x;
   const V t = c * 1.4426950408889634f;
@@ -270,16 +270,17 @@ inline V round_as(V v) {
 }
 
 // silu(g) * u in T's arithmetic, as kernels/reference.py's silu_and_mul (the silu rounded to T,
-// then the product), for silu-and-mul (cpu_ops.cpp) and the gate/up GEMM that ends in it
-// (bf16_gemm.cpp), which must give the same bits. Its exp: with AVX-512, for bf16 and fp16
+// then the product), for silu-and-mul (cpu_ops.cpp) and the gate/up GEMMs that end in it
+// (bf16_gemm.cpp, f32_gemm.cpp), which must give the same bits. Its exp: with AVX-512, for bf16 and fp16
 // activations (whose rounding of the silu hides the two exps' last-bit differences: on 16.8 M
 // elements both equal torch's bf16 result bitwise, and both miss its fp16 result on the same 4,247),
 // the cheaper exp_scalef: 1.46-1.48x the op's speed at 2,048 x 3,072 bf16 (perf/journal.md §54).
 // fp32 keeps exp_approx, whose bits the fp32 paths' token-exact checks were made with.
-// (No multiply here feeds an add, so no build contracts one: the bits do not depend on the caller's
-// fp-contract setting.)
+// Always inlined, with exp_approx: their arithmetic then takes its caller's fp-contract setting, and
+// the fp32 callers (silu_and_mul_impl, f32_gemm.cpp's fused epilogue) both compile without
+// contraction, so the two give the same bits whatever a build's inlining would have chosen.
 template <typename T>
-inline Lanes silu_exp(Lanes x) {
+__attribute__((always_inline)) inline Lanes silu_exp(Lanes x) {
 #if defined(__AVX512F__)
   if constexpr (!std::is_same_v<T, float>) return exp_scalef(x);
 #endif
@@ -287,7 +288,7 @@ inline Lanes silu_exp(Lanes x) {
 }
 
 template <typename T>
-inline Lanes silu_times(Lanes g, Lanes u) {
+__attribute__((always_inline)) inline Lanes silu_times(Lanes g, Lanes u) {
   return round_as<T>(round_as<T>(g / (1.f + silu_exp<T>(-g))) * u);
 }
 

@@ -20,6 +20,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+
+#include "common.h"
 #if defined(__FMA__) && (defined(__AVX2__) || defined(__AVX512F__))
 #include <immintrin.h>
 #define PDSERVE_F32_GEMM 1
@@ -81,12 +83,32 @@ at::Tensor f32_pack(const at::Tensor& weight) {
 }
 
 #if defined(PDSERVE_F32_GEMM)
-// Rows [0, R) of x (row stride ld) against one panel: out[r][0, cols). bias: kPanel values (zero past
-// N) or null. PF: prefetch the panel this many K steps ahead (the first row block streams it from
-// memory; the others find it in L1/L2).
-template <int R, int PF>
-inline void panel_rows(const float* x, int64_t ld, const float* panel, int64_t K, const float* bias, float* out,
-                       int64_t ldo, int cols) {
+// The epilogues' arithmetic is silu_and_mul's, which cpu_ops.cpp compiles without contracting a
+// multiply and an add into one rounding: so here too (the K loop's multiply-adds are explicit).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+constexpr int kHalf = kVecs / 2;              // registers a half-panel holds a K step
+
+// The kPanel columns a block of rows computes: two halves of kPanel / 2, each a pointer into its
+// panel's first K step (advanced by one step's kPanel values). A plain product's halves are one
+// panel's two; a SwiGLU's are a gate half and its up half (`f32_linear_silu`), from two panels.
+struct Halves {
+  const float* lo;
+  const float* hi;
+};
+
+// Epilogues: the sums, bias added (`Plain`: out[r][0, cols)); or silu(gate) * up of the block's
+// kPanel / 2 gate and up columns (`Silu`: out[r][0, kPanel / 2)), silu_and_mul's arithmetic.
+enum class Epilogue { Plain, Silu };
+
+// Rows [0, R) of x (row stride ld) against one block of columns. bias_lo / bias_hi: the halves'
+// biases (a plain product's bias is kPanel values, zero past N, at bias_lo) or null. PF: prefetch the
+// weight this many K steps ahead (the first row block streams it from memory; the others find it in
+// L1/L2).
+template <int R, int PF, Epilogue E>
+inline void panel_rows(const float* x, int64_t ld, Halves w, int64_t K, const float* bias_lo, const float* bias_hi,
+                       float* out, int64_t ldo, int cols) {
   // Every loop over r and j unrolled: an accumulator indexed at run time would live on the stack.
   Vec acc[R][kVecs];
 #pragma GCC unroll 6
@@ -94,14 +116,20 @@ inline void panel_rows(const float* x, int64_t ld, const float* panel, int64_t K
 #pragma GCC unroll 4
     for (int j = 0; j < kVecs; ++j) acc[r][j] = vzero();
   for (int64_t k = 0; k < K; ++k) {
-    const float* w = panel + k * kPanel;
+    const float* lo = w.lo + k * kPanel;
+    const float* hi = w.hi + k * kPanel;
     if constexpr (PF > 0) {
-      const char* ahead = reinterpret_cast<const char*>(w + PF * kPanel);
-      for (int line = 0; line < kPanel * 4; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      for (const float* half : {lo, hi}) {
+        const char* ahead = reinterpret_cast<const char*>(half + PF * kPanel);
+        for (int line = 0; line < kPanel * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      }
     }
     Vec wv[kVecs];
-#pragma GCC unroll 4
-    for (int j = 0; j < kVecs; ++j) wv[j] = vload(w + j * kWidth);
+#pragma GCC unroll 2
+    for (int j = 0; j < kHalf; ++j) {
+      wv[j] = vload(lo + j * kWidth);
+      wv[kHalf + j] = vload(hi + j * kWidth);
+    }
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const Vec b = vbroadcast(x + r * ld + k);
@@ -111,87 +139,160 @@ inline void panel_rows(const float* x, int64_t ld, const float* panel, int64_t K
   }
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
-    if (bias)
+    if constexpr (E == Epilogue::Silu) {
+#pragma GCC unroll 2
+      for (int j = 0; j < kHalf; ++j) {
+        const Vec g = bias_lo ? vadd(acc[r][j], vload(bias_lo + j * kWidth)) : acc[r][j];
+        const Vec u = bias_hi ? vadd(acc[r][kHalf + j], vload(bias_hi + j * kWidth)) : acc[r][kHalf + j];
+        vstore(out + r * ldo + j * kWidth, (Vec)silu_times<float>((Lanes)g, (Lanes)u));
+      }
+    } else {
+      if (bias_lo)
 #pragma GCC unroll 4
-      for (int j = 0; j < kVecs; ++j) acc[r][j] = vadd(acc[r][j], vload(bias + j * kWidth));
-    if (cols == kPanel) {
+        for (int j = 0; j < kVecs; ++j) acc[r][j] = vadd(acc[r][j], vload(bias_lo + j * kWidth));
+      if (cols == kPanel) {
 #pragma GCC unroll 4
-      for (int j = 0; j < kVecs; ++j) vstore(out + r * ldo + j * kWidth, acc[r][j]);
-    } else {   // the last panel of an N that is not a multiple of kPanel
-      alignas(64) float row[kPanel];
+        for (int j = 0; j < kVecs; ++j) vstore(out + r * ldo + j * kWidth, acc[r][j]);
+      } else {   // the last panel of an N that is not a multiple of kPanel
+        alignas(64) float row[kPanel];
 #pragma GCC unroll 4
-      for (int j = 0; j < kVecs; ++j) vstore(row + j * kWidth, acc[r][j]);
-      std::memcpy(out + r * ldo, row, sizeof(float) * cols);
+        for (int j = 0; j < kVecs; ++j) vstore(row + j * kWidth, acc[r][j]);
+        std::memcpy(out + r * ldo, row, sizeof(float) * cols);
+      }
     }
   }
 }
 
-template <int R, int PF>
-inline void block_rows(int rows, const float* x, int64_t ld, const float* panel, int64_t K, const float* bias,
-                       float* out, int64_t ldo, int cols) {
+template <int R, int PF, Epilogue E>
+inline void block_rows(int rows, const float* x, int64_t ld, Halves w, int64_t K, const float* bias_lo,
+                       const float* bias_hi, float* out, int64_t ldo, int cols) {
   if constexpr (R > 0) {
-    if (rows != R) return block_rows<R - 1, PF>(rows, x, ld, panel, K, bias, out, ldo, cols);
-    panel_rows<R, PF>(x, ld, panel, K, bias, out, ldo, cols);
+    if (rows != R) return block_rows<R - 1, PF, E>(rows, x, ld, w, K, bias_lo, bias_hi, out, ldo, cols);
+    panel_rows<R, PF, E>(x, ld, w, K, bias_lo, bias_hi, out, ldo, cols);
   }
 }
 
-// Rows [m0, m1) against panel `pn`: ceil(rows / 6) blocks as even as they divide, the first prefetching.
-void panel_block(const float* x, int64_t ld, int64_t m0, int64_t m1, const float* panels, int64_t K, int64_t pn,
-                 const float* bias, float* out, int64_t N) {
-  const float* panel = panels + pn * K * kPanel;
-  const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - pn * kPanel));
-  const float* b = bias ? bias + pn * kPanel : nullptr;
+// Rows [m0, m1) against one block of columns: ceil(rows / 6) blocks as even as they divide, the first
+// prefetching. `out` and the biases point at the block's first column.
+template <Epilogue E>
+void rows_block(const float* x, int64_t ld, int64_t m0, int64_t m1, Halves w, int64_t K, const float* bias_lo,
+                const float* bias_hi, float* out, int64_t ldo, int cols) {
   const int64_t rows = m1 - m0, blocks = (rows + kRowsMax - 1) / kRowsMax;
   for (int64_t i = 0; i < blocks; ++i) {
     const int64_t r0 = m0 + rows * i / blocks, r1 = m0 + rows * (i + 1) / blocks;
     const int count = static_cast<int>(r1 - r0);
     if (i == 0)
-      block_rows<kRowsMax, kPrefetchSteps>(count, x + r0 * ld, ld, panel, K, b, out + r0 * N + pn * kPanel, N, cols);
+      block_rows<kRowsMax, kPrefetchSteps, E>(count, x + r0 * ld, ld, w, K, bias_lo, bias_hi, out + r0 * ldo, ldo,
+                                              cols);
     else
-      block_rows<kRowsMax, 0>(count, x + r0 * ld, ld, panel, K, b, out + r0 * N + pn * kPanel, N, cols);
+      block_rows<kRowsMax, 0, E>(count, x + r0 * ld, ld, w, K, bias_lo, bias_hi, out + r0 * ldo, ldo, cols);
   }
 }
-#endif
+#pragma GCC pop_options
 
-// x [..., K] fp32, panels from f32_pack of a [n, K] weight, bias [n] or None -> [..., n] fp32.
-at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat && panels.dim() == 3 &&
-                  panels.size(2) == kPanel && panels.is_contiguous(),
-              "f32_linear: x and the panels (from f32_pack) must be fp32");
-  const int64_t K = x.size(-1);
-  TORCH_CHECK(panels.size(1) == K && n > 0 && (n + kPanel - 1) / kPanel == panels.size(0),
-              "f32_linear: the panels hold a [", panels.size(0) * kPanel, ", ", panels.size(1), "] weight; x has ", K,
-              " features and n is ", n);
-  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n), "f32_linear: bias must have ", n, " elements");
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  at::Tensor out = at::empty(shape, x.options());
-#if defined(PDSERVE_F32_GEMM)
-  const at::Tensor rows = x.reshape({-1, K}).contiguous();
-  const int64_t M = rows.size(0), nP = panels.size(0);
-  if (M == 0) return out;
-  // bias padded to whole panels, so that every panel adds full registers
-  const at::Tensor b32 = bias ? at::constant_pad_nd(bias->to(at::kFloat), {0, nP * kPanel - n}).contiguous() : at::Tensor();
-  const float* xp = rows.const_data_ptr<float>();
-  const float* wp = panels.const_data_ptr<float>();
-  const float* bp = bias ? b32.const_data_ptr<float>() : nullptr;
-  float* op = out.mutable_data_ptr<float>();
-  // Work: (panel, row group) pairs, panel-major, as bf16_linear: few panels split unevenly over the
-  // threads, so their rows are cut in groups until the units divide evenly or are many.
+// The kPanel / 2 columns from `col` on (a multiple of kPanel / 2) as a half: its panel's first K step,
+// past the panel's first half where it is the second.
+inline const float* half_at(const float* panels, int64_t K, int64_t col) {
+  return panels + (col / kPanel) * K * kPanel + col % kPanel;
+}
+
+// Work: (column block, row group) pairs, block-major, as bf16_linear: few blocks split unevenly over
+// the threads, so their rows are cut in groups until the units divide evenly or are many.
+template <typename Block>
+void for_each_unit(int64_t blocks, int64_t M, Block block) {
   const int64_t threads = at::get_num_threads();
   const int64_t max_groups = std::max<int64_t>(1, std::min<int64_t>(4, M / kRowsMax));
   int64_t groups = 1;
-  while (groups < max_groups && (nP * groups) % threads != 0 && nP * groups < 8 * threads) ++groups;
-  at::parallel_for(0, nP * groups, 1, [&](int64_t u0, int64_t u1) {
+  while (groups < max_groups && (blocks * groups) % threads != 0 && blocks * groups < 8 * threads) ++groups;
+  at::parallel_for(0, blocks * groups, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t g = u % groups, m0 = M * g / groups, m1 = M * (g + 1) / groups;
-      if (m0 < m1) panel_block(xp, K, m0, m1, wp, K, u / groups, bp, op, n);
+      if (m0 < m1) block(u / groups, m0, m1);
     }
   });
+}
+#endif
+
+// x's rows (contiguous) and the checks both products share.
+at::Tensor x_rows(const at::Tensor& x, const at::Tensor& panels, const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat && panels.dim() == 3 &&
+                  panels.size(2) == kPanel && panels.is_contiguous(),
+              op, ": x and the panels (from f32_pack) must be fp32");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(panels.size(1) == K, op, ": the panels hold a weight of ", panels.size(1), " input features; x has ", K);
+  return x.reshape({-1, K}).contiguous();
+}
+
+// The product's output [..., n_out] over `blocks` blocks of columns, `block(x, w, bias, out, b, m0,
+// m1)` computing rows [m0, m1) of block b; rows: x_rows(x); bias: fp32, padded to `bias_len`.
+template <typename Block>
+at::Tensor run_blocks(const char* op, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& panels,
+                      const std::optional<at::Tensor>& bias, int64_t bias_len, int64_t n_out, int64_t blocks,
+                      Block block) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n_out;
+  at::Tensor out = at::empty(shape, x.options());
+#if defined(PDSERVE_F32_GEMM)
+  const int64_t M = rows.size(0);
+  if (M == 0) return out;
+  const at::Tensor b32 =
+      bias ? at::constant_pad_nd(bias->to(at::kFloat), {0, bias_len - bias->size(0)}).contiguous() : at::Tensor();
+  const float* xp = rows.const_data_ptr<float>();
+  const float* wp = panels.const_data_ptr<float>();
+  const float* bp = bias ? b32.const_data_ptr<float>() : nullptr;
+  float* yp = out.mutable_data_ptr<float>();
+  for_each_unit(blocks, M, [&](int64_t b, int64_t m0, int64_t m1) { block(xp, wp, bp, yp, b, m0, m1); });
 #else
-  TORCH_CHECK(false, "f32_linear: this build of the CPU kernels has no AVX2 / AVX-512 fused multiply-add (the CPU lacks it)");
+  TORCH_CHECK(false, op, ": this build of the CPU kernels has no AVX2 / AVX-512 fused multiply-add (the CPU lacks it)");
 #endif
   return out;
+}
+
+// x [..., K] fp32, panels from f32_pack of a [n, K] weight, bias [n] or None -> [..., n] fp32.
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const std::optional<at::Tensor>& bias) {
+  const at::Tensor rows = x_rows(x, panels, "f32_linear");
+  TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == panels.size(0), "f32_linear: the panels hold ",
+              panels.size(0) * kPanel, " output features (padded to ", kPanel, "); n is ", n);
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n), "f32_linear: bias must have ", n, " elements");
+  const int64_t K = rows.size(1);
+  // bias padded to whole panels, so that every panel adds full registers
+  return run_blocks("f32_linear", x, rows, panels, bias, panels.size(0) * kPanel, n, panels.size(0),
+                    [n, K](const float* x, const float* w, const float* bias, float* out, int64_t pn, int64_t m0,
+                           int64_t m1) {
+#if defined(PDSERVE_F32_GEMM)
+                      const int64_t col = pn * kPanel;
+                      const float* panel = half_at(w, K, col);
+                      rows_block<Epilogue::Plain>(x, K, m0, m1, Halves{panel, panel + kPanel / 2}, K,
+                                                  bias ? bias + col : nullptr, nullptr, out + col, n,
+                                                  static_cast<int>(std::min<int64_t>(kPanel, n - col)));
+#endif
+                    });
+}
+
+// silu(x Wg^T + bg) * (x Wu^T + bu) for panels from f32_pack of a fused [2 inter, K] gate/up weight
+// (gate rows first), bias [2 inter] or None -> [..., inter] fp32: f32_linear then silu_and_mul, bit for
+// bit, in one pass that never writes the [..., 2 inter] product. inter must be a multiple of kPanel / 2
+// (8 with AVX2, 32 with AVX-512).
+at::Tensor f32_linear_silu(const at::Tensor& x, const at::Tensor& panels, int64_t inter,
+                           const std::optional<at::Tensor>& bias) {
+  const at::Tensor rows = x_rows(x, panels, "f32_linear_silu");
+  constexpr int64_t half = kPanel / 2;
+  TORCH_CHECK(inter > 0 && inter % half == 0 && (2 * inter + kPanel - 1) / kPanel == panels.size(0),
+              "f32_linear_silu: inter must be a multiple of ", half, " and the panels hold a [2 inter, K] weight; "
+              "inter is ", inter, ", the panels hold ", panels.size(0) * kPanel, " output features");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == 2 * inter), "f32_linear_silu: bias must have ",
+              2 * inter, " elements");
+  const int64_t K = rows.size(1);
+  return run_blocks("f32_linear_silu", x, rows, panels, bias, 2 * inter, inter, inter / half,
+                    [inter, K](const float* x, const float* w, const float* bias, float* out, int64_t blk,
+                               int64_t m0, int64_t m1) {
+#if defined(PDSERVE_F32_GEMM)
+                      const int64_t col = blk * half;
+                      rows_block<Epilogue::Silu>(x, K, m0, m1, Halves{half_at(w, K, col), half_at(w, K, inter + col)},
+                                                 K, bias ? bias + col : nullptr, bias ? bias + inter + col : nullptr,
+                                                 out + col, inter, static_cast<int>(half));
+#endif
+                    });
 }
 
 }  // namespace
@@ -199,9 +300,11 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("f32_pack(Tensor weight) -> Tensor");
   m.def("f32_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+  m.def("f32_linear_silu(Tensor x, Tensor panels, int inter, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("f32_pack", &f32_pack);
   m.impl("f32_linear", &f32_linear);
+  m.impl("f32_linear_silu", &f32_linear_silu);
 }

@@ -162,52 +162,60 @@ def test_own_bf16_gemm_rows_do_not_depend_on_their_batch():
     assert torch.equal(panels.matmul(strided), panels.matmul(strided.contiguous()))
 
 
-@needs_own_gemm
+OWN_DTYPES = [pytest.param(torch.bfloat16, marks=needs_own_gemm), pytest.param(torch.float32, marks=needs_own_f32_gemm)]
+
+
+@pytest.mark.parametrize("dtype", OWN_DTYPES)
 @pytest.mark.parametrize("rows,in_features,inter,bias", [
     (1, 576, 1536, False), (5, 577, 96, True), (13, 64, 32, True), (200, 130, 64, False), (0, 64, 32, False)])
-def test_own_bf16_gemm_fuses_silu_and_mul(rows, in_features, inter, bias):
-    """bf16_linear_silu (kernels/csrc/bf16_gemm.cpp) is the product of a [gate | up] weight then
-    silu_and_mul, bit for bit, without the product: every row-block size, odd input features, bias;
-    gate and up halves that are not a multiple of 64 columns (from two panels' halves)."""
+def test_own_gemm_fuses_silu_and_mul(dtype, rows, in_features, inter, bias):
+    """bf16_linear_silu and f32_linear_silu (kernels/csrc/bf16_gemm.cpp, f32_gemm.cpp) are the product
+    of a [gate | up] weight then silu_and_mul, bit for bit, without the product: every row-block size,
+    odd input features, bias; gate and up halves that are not a multiple of a panel's columns (each
+    from another panel's half)."""
     g = torch.Generator().manual_seed(rows + inter)
-    w = (torch.randn(2 * inter, in_features, generator=g) * 0.1).bfloat16()
-    b = torch.randn(2 * inter, generator=g).bfloat16() if bias else None
-    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    w = (torch.randn(2 * inter, in_features, generator=g) * 0.1).to(dtype)
+    b = torch.randn(2 * inter, generator=g).to(dtype) if bias else None
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
     panels = OwnPanels(w)
     assert panels.fuses_silu
     out = panels.matmul_silu(x, b)
     assert out.shape == (rows, inter) and torch.equal(out, cpu_ops.silu_and_mul(panels.matmul(x, b)))
-    assert not OwnPanels(w[:2 * inter - 32]).fuses_silu
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        torch.ops.pdserve_cpu.bf16_linear_silu(x, OwnPanels(w[:2 * inter - 32]).panels, inter - 16, None)
+    odd = OwnPanels(w[:2 * inter - 2])
+    assert not odd.fuses_silu
+    fused = torch.ops.pdserve_cpu.bf16_linear_silu if dtype == torch.bfloat16 else torch.ops.pdserve_cpu.f32_linear_silu
+    with pytest.raises(RuntimeError, match="inter must be a multiple of"):
+        fused(x, odd.panels, inter - 1, None)
 
 
-@needs_own_gemm
-def test_gate_up_layer_takes_the_fused_silu_where_it_can(monkeypatch):
+@pytest.mark.parametrize("dtype", OWN_DTYPES)
+def test_gate_up_layer_takes_the_fused_silu_where_it_can(monkeypatch, dtype):
     """MergedColumnParallelLinear.silu_and_mul (LlamaMLP's): the fused pass on the own GEMM's panels,
-    the two passes with LoRA or another GEMM; the same bits either way (and its decode-plan form)."""
+    the two passes with LoRA or (bf16, many rows) where fp32 GEMM takes them; the same bits either
+    way, and in its decode-plan form."""
     monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "1")
     for module in (cpu_gemm, linear_layers):
         monkeypatch.setattr(module, "cpu_fp32_gemm", lambda dtype: False)
-    layer = MergedColumnParallelLinear(64, [96, 96], bias=True, dtype=torch.bfloat16)
+    layer = MergedColumnParallelLinear(64, [96, 96], bias=True, dtype=dtype)
     g = torch.Generator().manual_seed(3)
     layer.weight.data.copy_(torch.randn(192, 64, generator=g))
     layer.bias.data.copy_(torch.randn(192, generator=g))
     layer.process_weights_after_loading()
-    x = torch.randn(7, 64, generator=g).bfloat16()
+    x = torch.randn(7, 64, generator=g).to(dtype)
     two = cpu_ops.silu_and_mul(layer(x))
     calls = []
     real = OwnPanels.matmul_silu
     monkeypatch.setattr(OwnPanels, "matmul_silu", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
     assert torch.equal(layer.silu_and_mul(x), two) and torch.equal(layer.silu_rows_matmul()(x), two)
     assert len(calls) == 2
-    monkeypatch.setattr(cpu_gemm, "cpu_fp32_gemm", lambda dtype: True)      # many rows take fp32 GEMM, fewer ours
-    many = torch.randn(200, 64, generator=g).bfloat16()
-    assert torch.equal(layer.silu_and_mul(many), cpu_ops.silu_and_mul(layer(many))) and len(calls) == 2
-    assert torch.equal(layer.silu_and_mul(x), two) and len(calls) == 3
+    monkeypatch.setattr(cpu_gemm, "cpu_fp32_gemm", lambda dtype: True)      # bf16: many rows take fp32 GEMM
+    many = torch.randn(200, 64, generator=g).to(dtype)
+    assert torch.equal(layer.silu_and_mul(many), cpu_ops.silu_and_mul(layer(many)))
+    assert len(calls) == (2 if dtype == torch.bfloat16 else 3)             # fp32 panels take every size
+    assert torch.equal(layer.silu_and_mul(x), two) and len(calls) == (3 if dtype == torch.bfloat16 else 4)
     layer.lora = object()                                                   # an adapter's sum goes before the silu
     monkeypatch.setattr(MergedColumnParallelLinear, "forward", lambda self, x: self.matmul(x, self.bias))
-    assert torch.equal(layer.silu_and_mul(x), two) and len(calls) == 3
+    assert torch.equal(layer.silu_and_mul(x), two) and len(calls) == (3 if dtype == torch.bfloat16 else 4)
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_own_gemm),

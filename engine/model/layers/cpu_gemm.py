@@ -64,14 +64,15 @@ class OwnPanels:
     f32_gemm.cpp's (16 columns with AVX2, 64 with AVX-512). What `prepack` returns where
     `own_gemm(weight.dtype)`."""
 
-    __slots__ = ("panels", "out_features", "_linear")
+    __slots__ = ("panels", "out_features", "_linear", "_linear_silu")
 
     def __init__(self, weight: torch.Tensor) -> None:
         ops = torch.ops.pdserve_cpu
         if weight.dtype not in OWN_GEMM_DTYPES:
             raise ValueError(f"pdserve's own CPU GEMM takes weights in {OWN_GEMM_DTYPES}; got {weight.dtype}")
-        pack, self._linear = ((ops.bf16_pack, ops.bf16_linear) if weight.dtype == torch.bfloat16
-                              else (ops.f32_pack, ops.f32_linear))
+        pack, self._linear, self._linear_silu = (
+            (ops.bf16_pack, ops.bf16_linear, ops.bf16_linear_silu) if weight.dtype == torch.bfloat16
+            else (ops.f32_pack, ops.f32_linear, ops.f32_linear_silu))
         self.panels = pack(weight.detach())
         self.out_features = weight.shape[0]
 
@@ -80,14 +81,16 @@ class OwnPanels:
 
     @property
     def fuses_silu(self) -> bool:
-        """Whether `matmul_silu` takes these panels: bf16, of a [gate | up] weight whose halves are
-        multiples of 32 rows (bf16_gemm.cpp's blocks are 32 gate and 32 up columns)."""
-        return self.panels.dtype == torch.bfloat16 and self.out_features % 64 == 0
+        """Whether `matmul_silu` takes these panels: those of a [gate | up] weight whose halves are
+        whole half-panels (the fused kernels' blocks are half a panel of gate columns and their up
+        columns: 32 and 32 in bf16, 8 and 8 in fp32 with AVX2, 32 and 32 with AVX-512)."""
+        return self.out_features % self.panels.shape[2] == 0
 
     def matmul_silu(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """silu_and_mul(self.matmul(x, bias)) bit for bit, for a [gate | up] weight (`fuses_silu`),
-        in one pass that never writes the product (kernels/csrc/bf16_gemm.cpp: bf16_linear_silu)."""
-        return torch.ops.pdserve_cpu.bf16_linear_silu(x, self.panels, self.out_features // 2, bias)
+        in one pass that never writes the product (kernels/csrc/bf16_gemm.cpp: bf16_linear_silu;
+        f32_gemm.cpp: f32_linear_silu)."""
+        return self._linear_silu(x, self.panels, self.out_features // 2, bias)
 
 
 # The weight dtypes pdserve's own GEMM has a kernel for (fp16 weights keep oneDNN's).
@@ -357,7 +360,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if packed is None or x.numel() < fp32_packed_min_rows() * x.shape[-1]:
             return F.linear(x, weight, bias)
         return packed_linear(x, packed, bias)
-    if fp32_takes(x):
+    if fp32_takes(x.dtype, x.numel() // max(1, x.shape[-1])):
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(x.dtype)
     if packed is not None:
@@ -367,18 +370,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def linear_silu(x: torch.Tensor, bias: torch.Tensor | None, packed: Packed | None) -> torch.Tensor | None:
     """silu_and_mul(linear(x, weight, bias, packed)) for a [gate | up] weight, in one pass where
-    linear() would take pdserve's own bf16 GEMM and its panels fuse the silu (`OwnPanels.matmul_silu`:
-    the same bits, without the [rows, 2 inter] product written and read back; perf/journal.md §55);
-    None where they would not (the caller takes the two passes)."""
-    if (type(packed) is not OwnPanels or x.dtype != torch.bfloat16 or x.device.type != "cpu"
-            or not packed.fuses_silu or fp32_takes(x)):
+    linear() would take pdserve's own GEMM and its panels fuse the silu (`OwnPanels.matmul_silu`: the
+    same bits, without the [rows, 2 inter] product written and read back; perf/journal.md §55); None
+    where they would not (the caller takes the two passes)."""
+    if x.device.type != "cpu" or not silu_fusable(packed, x.dtype, x.numel() // max(1, x.shape[-1])):
         return None
-    return packed.matmul_silu(x, bias)
+    return packed.matmul_silu(x, bias)                      # type: ignore[union-attr]
 
 
-def fp32_takes(x: torch.Tensor) -> bool:
-    """Whether linear() multiplies this bf16/fp16 x as fp32 GEMM on upcast operands (`cpu_fp32_gemm`)."""
-    return x.numel() >= CPU_FP32_MIN_ROWS * x.shape[-1] and cpu_fp32_gemm(x.dtype)
+def silu_fusable(packed: Packed | None, dtype: torch.dtype, rows: int | None = None) -> bool:
+    """Whether `linear_silu` takes these panels for `rows` rows of `dtype` x (None: for every number)."""
+    if type(packed) is not OwnPanels or not packed.fuses_silu or packed.panels.dtype != dtype:
+        return False
+    if dtype == torch.float32:                              # linear() takes fp32 panels at every size
+        return True
+    return not (cpu_fp32_gemm(dtype) if rows is None else fp32_takes(dtype, rows))
+
+
+def fp32_takes(dtype: torch.dtype, rows: int) -> bool:
+    """Whether linear() multiplies `rows` rows of bf16/fp16 x as fp32 GEMM on upcast operands."""
+    return rows >= CPU_FP32_MIN_ROWS and cpu_fp32_gemm(dtype)
 
 
 def packed_linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:

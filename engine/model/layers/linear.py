@@ -23,13 +23,13 @@ from torch import nn
 from engine.loading.quant_checkpoint import FP8Weight, split_fp8_rows
 from engine.loading.weights import GGUFWeight
 from engine.model.layers.cpu_gemm import (
-    OwnPanels,
     Packed,
     cpu_fp32_gemm,
     fp32_packed_min_rows,
     linear,
     linear_silu,
     prepack,
+    silu_fusable,
 )
 from engine.model.layers.lora import LoRAStack
 from engine.model.parallel_state import get_parallel_state, tp_all_reduce
@@ -258,10 +258,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_rows_matmul(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """`silu_and_mul` of 2-D x for the CPU decode plan, as `rows_matmul` is `matmul`: the fused pass
         bound once where it applies to every row count, else the two calls."""
-        packed = self.packed
-        if (self.lora is None and self.qtype is None and type(packed) is OwnPanels and packed.fuses_silu
-                and self.dtype == torch.bfloat16 and not cpu_fp32_gemm(self.dtype)):   # linear_silu's, any rows
-            return functools.partial(packed.matmul_silu, bias=self.bias)
+        if self.lora is None and self.qtype is None and silu_fusable(self.packed, self.dtype):
+            return functools.partial(self.packed.matmul_silu, bias=self.bias)     # type: ignore[union-attr]
         rows, silu = self.rows_matmul(), (self.kernels or kernels_for(self.weight)).silu_and_mul
         return lambda x: silu(rows(x))
 
