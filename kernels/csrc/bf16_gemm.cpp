@@ -143,24 +143,6 @@ inline const uint16_t* half_at(const uint16_t* panels, int64_t pairs, int64_t co
   return panels + (col / kPanel) * pairs * kPanel * 2 + (col % kPanel) * 2;
 }
 
-// Work: (column block, row group) pairs, block-major, over the threads. Few blocks (a 576-wide
-// output has nine) split unevenly over the threads, so their rows are cut in groups until the units
-// divide evenly or are many; a thread then streams about the same share of the weight as before.
-template <typename Block>
-void for_each_unit(int64_t blocks, int64_t M, Block block) {
-  const int64_t threads = at::get_num_threads();
-  const int64_t max_groups = std::max<int64_t>(1, std::min<int64_t>(4, M / kRowsMax));
-  int64_t groups = 1;
-  while (groups < max_groups && (blocks * groups) % threads != 0 && blocks * groups < 8 * threads) ++groups;
-  const int64_t group_rows = (M + groups - 1) / groups;
-  at::parallel_for(0, blocks * groups, 1, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t m0 = (u % groups) * group_rows, m1 = std::min(M, m0 + group_rows);
-      if (m0 < m1) block(u / groups, m0, m1);
-    }
-  });
-}
-
 // x's rows as K pairs (a zero appended to odd K: the panels' padding is zero too), and the checks
 // both products share.
 at::Tensor x_pairs(const at::Tensor& x, const at::Tensor& panels, const char* op) {
@@ -199,7 +181,7 @@ at::Tensor run_blocks(const at::Tensor& x, const at::Tensor& rows, const at::Ten
                    reinterpret_cast<const uint16_t*>(panels.const_data_ptr<at::BFloat16>()), panels.size(1),
                    bias ? b32.const_data_ptr<float>() : nullptr,
                    reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>())};
-  for_each_unit(blocks, M, [&](int64_t b, int64_t m0, int64_t m1) { block(o, b, m0, m1); });
+  for_each_gemm_unit(blocks, M, kRowsMax, [&](int64_t b, int64_t m0, int64_t m1) { block(o, b, m0, m1); });
   return out;
 }
 #endif

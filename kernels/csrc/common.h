@@ -4,6 +4,7 @@
 // the assignment of work items to threads. Private to those three translation units.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -267,6 +268,25 @@ inline V round_as(V v) {
     store_v(tmp, v);
     return load_v<V>(tmp);
   }
+}
+
+// The work of the own GEMMs (bf16_gemm.cpp, f32_gemm.cpp): (column block, row group) units,
+// block-major, over the threads, `block(b, m0, m1)` computing rows [m0, m1) of block b. Few blocks (a
+// 576-wide output has nine panels) split unevenly over the threads, so their rows are cut in groups
+// (as even as they divide, each at least `rows_max` rows) until the units divide evenly or are many;
+// a thread then streams about the same share of the weight as with whole blocks.
+template <typename Block>
+void for_each_gemm_unit(int64_t blocks, int64_t M, int64_t rows_max, Block block) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t max_groups = std::max<int64_t>(1, std::min<int64_t>(4, M / rows_max));
+  int64_t groups = 1;
+  while (groups < max_groups && (blocks * groups) % threads != 0 && blocks * groups < 8 * threads) ++groups;
+  at::parallel_for(0, blocks * groups, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t g = u % groups, m0 = M * g / groups, m1 = M * (g + 1) / groups;
+      if (m0 < m1) block(u / groups, m0, m1);
+    }
+  });
 }
 
 // silu(g) * u in T's arithmetic, as kernels/reference.py's silu_and_mul (the silu rounded to T,

@@ -196,21 +196,6 @@ inline const float* half_at(const float* panels, int64_t K, int64_t col) {
   return panels + (col / kPanel) * K * kPanel + col % kPanel;
 }
 
-// Work: (column block, row group) pairs, block-major, as bf16_linear: few blocks split unevenly over
-// the threads, so their rows are cut in groups until the units divide evenly or are many.
-template <typename Block>
-void for_each_unit(int64_t blocks, int64_t M, Block block) {
-  const int64_t threads = at::get_num_threads();
-  const int64_t max_groups = std::max<int64_t>(1, std::min<int64_t>(4, M / kRowsMax));
-  int64_t groups = 1;
-  while (groups < max_groups && (blocks * groups) % threads != 0 && blocks * groups < 8 * threads) ++groups;
-  at::parallel_for(0, blocks * groups, 1, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t g = u % groups, m0 = M * g / groups, m1 = M * (g + 1) / groups;
-      if (m0 < m1) block(u / groups, m0, m1);
-    }
-  });
-}
 #endif
 
 // x's rows (contiguous) and the checks both products share.
@@ -241,7 +226,8 @@ at::Tensor run_blocks(const char* op, const at::Tensor& x, const at::Tensor& row
   const float* wp = panels.const_data_ptr<float>();
   const float* bp = bias ? b32.const_data_ptr<float>() : nullptr;
   float* yp = out.mutable_data_ptr<float>();
-  for_each_unit(blocks, M, [&](int64_t b, int64_t m0, int64_t m1) { block(xp, wp, bp, yp, b, m0, m1); });
+  for_each_gemm_unit(blocks, M, kRowsMax,
+                     [&](int64_t b, int64_t m0, int64_t m1) { block(xp, wp, bp, yp, b, m0, m1); });
 #else
   TORCH_CHECK(false, op, ": this build of the CPU kernels has no AVX2 / AVX-512 fused multiply-add (the CPU lacks it)");
 #endif
