@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 # The C++ CPU kernels (kernels/csrc/), compiled for this machine into a cache keyed by
 # their sources (a no-op when built; the engine would otherwise build them on first use, ~30 s).
 cpu-kernels: $(VENV)/.installed
-	-$(PY) -m kernels.cpu_ops
+	-$(PY) -m kernels.cpu_extension
 
 setup: $(VENV)/.installed cpu-kernels
 

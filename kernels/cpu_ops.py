@@ -19,28 +19,20 @@ its matmuls on AMX tiles, long bf16/fp16 segments go to SDPA instead (`sdpa_segm
 elementwise layers are one pass each where torch runs 3-10 ops (and Python dispatches each),
 following the reference's arithmetic op by op. Block copies and swaps stay with the reference (plain copies).
 
-The extension is compiled on first use with the machine's C++ compiler (`$CXX`, default `c++`)
-against the installed torch, for this CPU (-march=native): ~30 s once (the sources side by side),
-then cached under `$PDSERVE_KERNEL_CACHE` (else ~/.cache/pdserve/kernels, else a temp dir when the
-home is not writable) by a key of the sources, flags, torch, compiler and CPU. `make setup` builds
-it. Where it cannot be built, kernels.dispatch falls back to the reference and says why;
-`PDSERVE_KERNELS=cpu` makes that an error instead.
+The extension (`kernels/cpu_extension.py`: its sources, build, cache and load) is compiled on first
+use; where it cannot be built, kernels.dispatch falls back to the reference and says why.
 """
 from __future__ import annotations
 
-import fcntl
 import functools
-import hashlib
 import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from kernels import reference
+from kernels.cpu_extension import BuildError, build, library_path, load  # noqa: F401 (reached through the set)
 from kernels.gguf_format import GGUF_BLOCK_BYTES
 from kernels.reference import (
     FP8_DTYPE,
@@ -54,18 +46,12 @@ from kernels.reference import (
     swap_blocks,
     unpack_gguf,
 )
-from records.cache_dirs import cache_root
 from records.cpu_flags import cpu_flags
-from records.errors import BuildError
 
 __all__ = ["apply_rotary", "apply_rotary_", "copy_blocks", "decode_attention", "fp8_linear", "gather_blocks",
            "gather_kv", "gguf_linear", "gguf_linear_int8", "gguf_rows_kernel", "lora_add", "pack_gguf",
            "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "unpack_gguf", "write_kv"]
 
-CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = tuple(os.path.join(CSRC, name) for name in ("cpu_ops.cpp", "prefill_attention.cpp", "gguf_linear.cpp",
-                                                      "lora.cpp", "moe.cpp", "bf16_gemm.cpp", "f32_gemm.cpp"))
-HEADERS = (os.path.join(CSRC, "common.h"),)
 # Head sizes and dtypes the C++ attention kernels are instantiated for; others run the reference.
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -357,103 +343,3 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     if kv_cache.dtype not in (*DTYPES, torch.uint8) or not kv_cache.is_contiguous() or not rows_ok:
         return reference.write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     torch.ops.pdserve_cpu.write_kv(key, value, kv_cache, slot_mapping)
-
-
-def _compiler() -> str:
-    return os.environ.get("CXX", "c++")
-
-
-def _compile_flags() -> list[str]:
-    from torch.utils import cpp_extension  # noqa: PLC0415 (only where a build may happen)
-
-    return ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-fPIC", "-w",
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            *[f"-I{p}" for p in cpp_extension.include_paths()]]
-
-
-def _link_flags() -> list[str]:
-    from torch.utils import cpp_extension  # noqa: PLC0415
-
-    libs = cpp_extension.library_paths()
-    return ["-shared", "-fopenmp", *[f"-L{p}" for p in libs], *[f"-Wl,-rpath,{p}" for p in libs],
-            "-lc10", "-ltorch_cpu", "-ltorch"]
-
-
-def _cpu_identity() -> str:
-    """Model and feature flags of this CPU: a library built with -march=native runs only where they match."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
-    except OSError:
-        lines = []
-    return "".join(sorted(set(lines)))
-
-
-def library_path() -> str:
-    """Where this machine's build of the extension lives (built or not)."""
-    try:
-        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise BuildError(f"no C++ compiler: {_compiler()!r} does not run ({e}); set CXX") from e
-    source = b""
-    for path in (*SOURCES, *HEADERS):
-        with open(path, "rb") as f:
-            source += f.read()
-    key = hashlib.sha256(b"\0".join(part.encode() if isinstance(part, str) else part for part in (
-        source, " ".join(_compile_flags() + _link_flags()), torch.__version__, version, _cpu_identity(),
-        sys.platform))).hexdigest()
-    return os.path.join(_cache_root(), f"cpu_ops-{key[:20]}.so")
-
-
-def _cache_root() -> str:
-    return cache_root("kernels", "PDSERVE_KERNEL_CACHE")
-
-
-def _run(cmds: list[list[str]]) -> None:
-    """Run compiler commands side by side; BuildError with the output of the first that fails."""
-    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for cmd in cmds]
-    failed = []
-    for cmd, proc in zip(cmds, procs):
-        try:
-            _, err = proc.communicate(timeout=900)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-        if proc.returncode != 0:
-            failed.append(f"{' '.join(cmd)}:\n{err[-4000:]}")
-    if failed:
-        raise BuildError(f"building the extension from {' and '.join(SOURCES)} failed: {failed[0]}")
-
-
-def build(path: str) -> None:
-    """Compile the extension to `path` (one compiler per source, side by side, then a link), under a file
-    lock so that concurrent processes build it once."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(path):
-            return
-        with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as work:
-            objects = [os.path.join(work, f"{i}.o") for i in range(len(SOURCES))]
-            _run([[_compiler(), "-c", src, *_compile_flags(), "-o", obj] for src, obj in zip(SOURCES, objects)])
-            tmp = os.path.join(work, "lib.so")
-            _run([[_compiler(), *objects, *_link_flags(), "-o", tmp]])
-            os.chmod(tmp, 0o755)
-            os.replace(tmp, path)
-
-
-@functools.cache
-def load() -> str:
-    """Build (if needed) and load the extension into this process; returns the library's path."""
-    path = library_path()
-    if not os.path.exists(path):
-        build(path)
-    try:
-        torch.ops.load_library(path)
-    except OSError as e:
-        raise BuildError(f"loading {path} failed: {e}") from e
-    return path
-
-
-if __name__ == "__main__":                     # `python -m kernels.cpu_ops`: build now (make setup)
-    print(load())
