@@ -282,8 +282,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.reference.apply_rotary's contract (on strided views of the fused QKV output too)."""
-    same_dtype = key.dtype == cos.dtype == sin.dtype == query.dtype
-    if query.dtype not in DTYPES or not same_dtype or query.stride(-1) != 1 or key.stride(-1) != 1:
+    if not _rotary_kernel_takes(query, key, cos, sin):
         return reference.apply_rotary(query, key, cos, sin)
     return torch.ops.pdserve_cpu.rotary(query, key, cos, sin)
 
@@ -291,13 +290,18 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin:
 def apply_rotary_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """`apply_rotary`'s result written into query and key (views of a QKV projection's output that
     nothing else reads): no fresh outputs for the first writes to fill (docs/perf/journal.md §55)."""
-    same_dtype = key.dtype == cos.dtype == sin.dtype == query.dtype
-    if query.dtype not in DTYPES or not same_dtype or query.stride(-1) != 1 or key.stride(-1) != 1:
+    if not _rotary_kernel_takes(query, key, cos, sin):
         q, k = reference.apply_rotary(query, key, cos, sin)
         query.copy_(q)
         key.copy_(k)
         return
     torch.ops.pdserve_cpu.rotary_(query, key, cos, sin)
+
+
+def _rotary_kernel_takes(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether the C++ rotary runs these: one dtype it has, rows whose last dim is contiguous."""
+    return (query.dtype in DTYPES and key.dtype == cos.dtype == sin.dtype == query.dtype
+            and query.stride(-1) == 1 and key.stride(-1) == 1)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
