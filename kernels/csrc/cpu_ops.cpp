@@ -206,35 +206,35 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
   const int64_t part_size = num_heads * (D + 2);
   std::vector<float> parts(static_cast<size_t>(batch * splits * part_size));
 
-  // Work items (sequence, token range) go to threads longest first, each to the least loaded: a decode
-  // batch comes sorted by length, and contiguous shares would give one thread all the long ones.
+  // Work items (sequence, token range) go to threads longest first, each to the least loaded (and a
+  // thread done with its own takes the rest of another's): a decode batch comes sorted by length, and
+  // contiguous shares would give one thread all the long ones.
   const int64_t num_items = batch * splits;
   auto cost = [&](int64_t item) {
     const int64_t b = item / splits, begin = window_start(b) + item % splits * range;
     return std::max<int64_t>(0, std::min(len_ptr[b], begin + range) - begin) + 16;   // + a fixed cost per item
   };
-  const auto assigned = assign_longest_first(num_items, at::get_num_threads(), cost);
-
-  at::parallel_for(0, static_cast<int64_t>(assigned.size()), 1, [&](int64_t first, int64_t last) {
+  auto scratch = [&] {
     Scratch<C> w;
     w.q.resize(static_cast<size_t>(num_heads * V));
-    for (int64_t t = first; t < last; ++t)
-      for (const int64_t item : assigned[t]) {
-        const int64_t b = item / splits, s = item % splits;
-        const int64_t begin = window_start(b) + s * range, end = std::min(len_ptr[b], begin + range);
-        float* part = parts.data() + item * part_size;
-        if (begin >= end) {
-          for (int64_t r = 0; r < num_heads; ++r) part[r * (D + 2) + D + 1] = 0.f;  // empty range
-          continue;
-        }
-        const T* qb = q_ptr + b * num_heads * D;
-        float* qf = reinterpret_cast<float*>(w.q.data());
-        const float q_scale = static_cast<float>(scale * k_scale);
-        for (int64_t j = 0; j < num_heads * D; ++j) qf[j] = to_float(qb[j]) * q_scale;
-        decode_range<C, D>(kv, table_ptr + b * max_blocks, begin, end, num_heads, group,
-                           static_cast<float>(softcap), part, w);
-      }
-  });
+    return w;
+  };
+  auto run = [&](Scratch<C>& w, int64_t item) {
+    const int64_t b = item / splits, s = item % splits;
+    const int64_t begin = window_start(b) + s * range, end = std::min(len_ptr[b], begin + range);
+    float* part = parts.data() + item * part_size;
+    if (begin >= end) {
+      for (int64_t r = 0; r < num_heads; ++r) part[r * (D + 2) + D + 1] = 0.f;  // empty range
+      return;
+    }
+    const T* qb = q_ptr + b * num_heads * D;
+    float* qf = reinterpret_cast<float*>(w.q.data());
+    const float q_scale = static_cast<float>(scale * k_scale);
+    for (int64_t j = 0; j < num_heads * D; ++j) qf[j] = to_float(qb[j]) * q_scale;
+    decode_range<C, D>(kv, table_ptr + b * max_blocks, begin, end, num_heads, group,
+                       static_cast<float>(softcap), part, w);
+  };
+  for_each_longest_first(num_items, cost, scratch, run);
 
   at::parallel_for(0, batch, 1, [&](int64_t first, int64_t last) {
     float acc[D];

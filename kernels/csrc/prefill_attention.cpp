@@ -244,7 +244,8 @@ struct Item {
 
 // Runs body(scratch, items, n) for every work item: n <= tiles (<= kMaxTiles) consecutive tiles of
 // kLanes query rows of one segment (items[0..n)), against one KV head. Items go to ATen's threads
-// longest first; each thread has its scratch from make_scratch().
+// longest first, a thread done with its own taking the rest of another's (for_each_longest_first);
+// each thread has its scratch from make_scratch().
 template <int kMaxTiles, typename MakeScratch, typename Body>
 void for_each_item(const at::Tensor& tables, const at::Tensor& query_lens, const at::Tensor& seq_lens,
                    int64_t num_kv_heads, int64_t window, int64_t tiles, MakeScratch&& make_scratch, Body&& body) {
@@ -270,39 +271,34 @@ void for_each_item(const at::Tensor& tables, const at::Tensor& query_lens, const
     return keys + kLanes;
   };
   const int64_t num_items = static_cast<int64_t>(groups.size()) * num_kv_heads;
-  const auto assigned = assign_longest_first(
-      num_items, at::get_num_threads(), [&](int64_t item) { return cost(groups[item / num_kv_heads]); });
-
-  at::parallel_for(0, static_cast<int64_t>(assigned.size()), 1, [&](int64_t first, int64_t last) {
-    auto scratch = make_scratch();
-    Lanes lane;
-    for (int i = 0; i < kLanes; ++i) lane[i] = static_cast<float>(i);
-    for (int64_t t = first; t < last; ++t)
-      for (const int64_t index : assigned[t]) {
-        const Group& group = groups[index / num_kv_heads];
-        const int64_t s = group.segment;
-        Item items[kMaxTiles];
-        int n = 0;
-        for (int64_t row0 = group.row0; row0 < std::min(qlen_ptr[s], group.row0 + item_rows); row0 += kLanes, ++n) {
-          Item& it = items[n];
-          it.first_row = group.first_row_of_segment + row0;
-          it.rows = std::min<int64_t>(kLanes, qlen_ptr[s] - row0);
-          it.pos0 = slen_ptr[s] - qlen_ptr[s] + row0;
-          it.end = keys_end(group, row0);
-          it.head = index % num_kv_heads;
-          it.table = table_ptr + s * max_blocks;
-          // Lane i is position pos0 + i and sees keys up to it; lanes past the segment's end repeat
-          // its last row.
-          it.limit = (lane < static_cast<float>(it.rows) ? lane : Lanes{} + static_cast<float>(it.rows - 1)) +
-                     static_cast<float>(it.pos0);
-          // A sliding window: lane i sees keys in (limit - window, limit]; chunks wholly before the
-          // first row's window are skipped.
-          it.floor_pos = window > 0 ? it.limit - static_cast<float>(window) : Lanes{} - 1.f;
-          it.begin = window > 0 ? std::max<int64_t>(0, it.pos0 - window + 1) / kLanes * kLanes : 0;
-        }
-        body(scratch, items, n);
-      }
-  });
+  Lanes lane;
+  for (int i = 0; i < kLanes; ++i) lane[i] = static_cast<float>(i);
+  auto run = [&](auto& scratch, int64_t index) {
+    const Group& group = groups[index / num_kv_heads];
+    const int64_t s = group.segment;
+    Item items[kMaxTiles];
+    int n = 0;
+    for (int64_t row0 = group.row0; row0 < std::min(qlen_ptr[s], group.row0 + item_rows); row0 += kLanes, ++n) {
+      Item& it = items[n];
+      it.first_row = group.first_row_of_segment + row0;
+      it.rows = std::min<int64_t>(kLanes, qlen_ptr[s] - row0);
+      it.pos0 = slen_ptr[s] - qlen_ptr[s] + row0;
+      it.end = keys_end(group, row0);
+      it.head = index % num_kv_heads;
+      it.table = table_ptr + s * max_blocks;
+      // Lane i is position pos0 + i and sees keys up to it; lanes past the segment's end repeat
+      // its last row.
+      it.limit = (lane < static_cast<float>(it.rows) ? lane : Lanes{} + static_cast<float>(it.rows - 1)) +
+                 static_cast<float>(it.pos0);
+      // A sliding window: lane i sees keys in (limit - window, limit]; chunks wholly before the
+      // first row's window are skipped.
+      it.floor_pos = window > 0 ? it.limit - static_cast<float>(window) : Lanes{} - 1.f;
+      it.begin = window > 0 ? std::max<int64_t>(0, it.pos0 - window + 1) / kLanes * kLanes : 0;
+    }
+    body(scratch, items, n);
+  };
+  auto item_cost = [&](int64_t item) { return cost(groups[item / num_kv_heads]); };
+  for_each_longest_first(num_items, item_cost, make_scratch, run);
 }
 
 // T: the query's dtype; C: the cache's element type (T, or fp8 e4m3 read at k_scale / v_scale,
