@@ -146,6 +146,29 @@ def test_own_bf16_gemm_matches_fp32_and_onednn(rows, in_features, out_features, 
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=8e-3, atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_own_gemm_does_not_depend_on_the_thread_count(dtype):
+    """The own GEMMs' units go to threads as shares a thread done with its own may take from
+    (kernels/csrc/common.h run_shares_stealing): with 1, 2 and 7 threads (more than the cores, so
+    shares are taken from descheduled threads) every output is the same bits, the fused silu too."""
+    if not cpu_gemm.own_gemm_built(dtype):
+        pytest.skip(f"the own GEMM for {dtype} needs "
+                    f"{'AVX512-BF16' if dtype == torch.bfloat16 else 'AVX2 or AVX-512 with FMA'}")
+    g = torch.Generator().manual_seed(3)
+    panels = OwnPanels(torch.randn(2 * 640, 576, generator=g).to(dtype))
+    x = torch.randn(300, 576, generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 7):
+            torch.set_num_threads(n)
+            outs.append((panels.matmul(x), panels.matmul_silu(x)))
+    finally:
+        torch.set_num_threads(threads)
+    for plain, fused in outs[1:]:
+        assert torch.equal(plain, outs[0][0]) and torch.equal(fused, outs[0][1])
+
+
 @needs_own_gemm
 def test_own_bf16_gemm_rows_do_not_depend_on_their_batch():
     """Each output is one sum in one order whatever the rows beside it, their block or their thread:

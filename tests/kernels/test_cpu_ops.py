@@ -342,3 +342,25 @@ def test_lora_add_matches_reference(dtype, subs, in_features):
                                           out[row, offsets[i]:offsets[i + 1]].double() + delta, atol=1e-4)
     with pytest.raises(RuntimeError, match="bad slot"):
         cpu_ops.lora_add(x, out.clone(), a, bt, rows, starts, torch.tensor([9, 2, 0, 1]), args[5], args[6])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_does_not_depend_on_the_thread_count(dtype):
+    """Each thread runs its own share of work items, then takes what is left of the others'
+    (kernels/csrc/common.h run_shares_stealing): with more threads than cores, shares are taken from
+    descheduled threads all the time, and every item must still run exactly once. Prefill and decode
+    attention give the same bits with 1, 2 and 7 threads (the decode batch has enough sequences,
+    4 x 7, that no thread count cuts them into token ranges, which would sum in another order)."""
+    prefill = prefill_batch(PREFILL_QUERY_LENS, PREFILL_SEQ_LENS, 9, 3, 64, 16, dtype)
+    decode = paged_batch([37 * i % 700 + 1 for i in range(30)], 9, 3, 64, 16, dtype)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 7):
+            torch.set_num_threads(n)
+            outs.append((cpu_ops.prefill_attention(*prefill, PREFILL_QUERY_LENS, PREFILL_SEQ_LENS, 0.125),
+                         cpu_ops.decode_attention(*decode, 0.125)))
+    finally:
+        torch.set_num_threads(threads)
+    for prefill_out, decode_out in outs[1:]:
+        assert torch.equal(prefill_out, outs[0][0]) and torch.equal(decode_out, outs[0][1])
