@@ -27,7 +27,7 @@ __all__ = ["BuildError", "SOURCES", "build", "library_path", "load"]
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = tuple(os.path.join(CSRC, name) for name in ("cpu_ops.cpp", "prefill_attention.cpp", "gguf_linear.cpp",
                                                       "lora.cpp", "moe.cpp", "bf16_gemm.cpp", "f32_gemm.cpp"))
-HEADERS = (os.path.join(CSRC, "common.h"),)
+HEADERS = (os.path.join(CSRC, "common.h"), os.path.join(CSRC, "work_split.h"))
 
 
 def _compiler() -> str:

@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "common.h"
+#include "work_split.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #endif

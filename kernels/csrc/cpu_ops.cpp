@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "common.h"
+#include "work_split.h"
 
 namespace {
 

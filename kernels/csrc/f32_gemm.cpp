@@ -22,6 +22,7 @@
 #include <cstring>
 
 #include "common.h"
+#include "work_split.h"
 #if defined(__FMA__) && (defined(__AVX2__) || defined(__AVX512F__))
 #include <immintrin.h>
 #define PDSERVE_F32_GEMM 1

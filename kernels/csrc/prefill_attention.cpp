@@ -29,6 +29,7 @@
 #include <cstring>
 
 #include "common.h"
+#include "work_split.h"
 
 namespace {
 

@@ -149,7 +149,7 @@ def test_own_bf16_gemm_matches_fp32_and_onednn(rows, in_features, out_features, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_own_gemm_does_not_depend_on_the_thread_count(dtype):
     """The own GEMMs' units go to threads as shares a thread done with its own may take from
-    (kernels/csrc/common.h run_shares_stealing): with 1, 2 and 7 threads (more than the cores, so
+    (kernels/csrc/work_split.h run_shares_stealing): with 1, 2 and 7 threads (more than the cores, so
     shares are taken from descheduled threads) every output is the same bits, the fused silu too."""
     if not cpu_gemm.own_gemm_built(dtype):
         pytest.skip(f"the own GEMM for {dtype} needs "

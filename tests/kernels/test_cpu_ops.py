@@ -347,7 +347,7 @@ def test_lora_add_matches_reference(dtype, subs, in_features):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_does_not_depend_on_the_thread_count(dtype):
     """Each thread runs its own share of work items, then takes what is left of the others'
-    (kernels/csrc/common.h run_shares_stealing): with more threads than cores, shares are taken from
+    (kernels/csrc/work_split.h run_shares_stealing): with more threads than cores, shares are taken from
     descheduled threads all the time, and every item must still run exactly once. Prefill and decode
     attention give the same bits with 1, 2 and 7 threads (the decode batch has enough sequences,
     4 x 7, that no thread count cuts them into token ranges, which would sum in another order)."""

@@ -1,0 +1,95 @@
+// How the pdserve CPU kernels' work meets ATen's threads: each thread runs its own share of work
+// items in order, then takes what is left of the others' (run_shares_stealing); the own GEMMs' units
+// (for_each_gemm_unit) and the attention kernels' items, longest first (for_each_longest_first).
+// Private to the kernels' translation units, as common.h.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+// Runs fn(state, item_of(t, k)) for k in [0, share_of(t)) of every share t in [0, threads), on ATen's
+// threads: thread t works through share t in order, then takes what is left of the others' shares,
+// one item at a time (`state = init()` once per thread). Why not shares alone: where the engine shares
+// its cores with a server's other processes (the ingress, Serve's proxy, Ray's), a thread descheduled
+// for one of their bursts held its share while its partner spun at the region's end; now the partner
+// takes it. A served prefill-heavy load went 7-10% faster, offline prefill beside bursts 12%
+// (docs/perf/journal.md §56); alone, each thread runs its own share in order, as before.
+template <typename Share, typename ItemOf, typename Init, typename Fn>
+void run_shares_stealing(int64_t threads, Share&& share_of, ItemOf&& item_of, Init&& init, Fn&& fn) {
+  if (threads <= 0) return;
+  struct alignas(64) Cursor {
+    std::atomic<int64_t> next{0};
+  };
+  std::unique_ptr<Cursor[]> cursors(new Cursor[static_cast<size_t>(threads)]);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t) {
+    auto state = init();
+    for (int64_t k = 0; k < threads; ++k) {
+      const int64_t t = (t0 + k) % threads, size = share_of(t);
+      for (int64_t i = cursors[t].next.fetch_add(1, std::memory_order_relaxed); i < size;
+           i = cursors[t].next.fetch_add(1, std::memory_order_relaxed))
+        fn(state, item_of(t, i));
+    }
+  });
+}
+
+// run_shares_stealing over [0, n) cut in contiguous, even shares.
+template <typename Init, typename Fn>
+void for_each_index_stealing(int64_t n, Init&& init, Fn&& fn) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  run_shares_stealing(threads, [&](int64_t t) { return n * (t + 1) / threads - n * t / threads; },
+                      [&](int64_t t, int64_t k) { return n * t / threads + k; }, init, fn);
+}
+
+// The work of the own GEMMs (bf16_gemm.cpp, f32_gemm.cpp): (column block, row group) units,
+// block-major, over the threads, `block(b, m0, m1)` computing rows [m0, m1) of block b. Few blocks (a
+// 576-wide output has nine panels) split unevenly over the threads, so their rows are cut in groups
+// (as even as they divide, each at least `rows_max` rows) until the units divide evenly or are many;
+// a thread then streams about the same share of the weight as with whole blocks.
+template <typename Block>
+void for_each_gemm_unit(int64_t blocks, int64_t M, int64_t rows_max, Block block) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t max_groups = std::max<int64_t>(1, std::min<int64_t>(4, M / rows_max));
+  int64_t groups = 1;
+  while (groups < max_groups && (blocks * groups) % threads != 0 && blocks * groups < 8 * threads) ++groups;
+  for_each_index_stealing(blocks * groups, [] { return 0; }, [&](int, int64_t u) {
+    const int64_t g = u % groups, m0 = M * g / groups, m1 = M * (g + 1) / groups;
+    if (m0 < m1) block(u / groups, m0, m1);
+  });
+}
+
+// Work items to threads, longest first, each to the least loaded thread: `cost(item)` estimates an
+// item's time. Returns each thread's items; at most min(threads, num_items) lists.
+template <typename Cost>
+std::vector<std::vector<int64_t>> assign_longest_first(int64_t num_items, int64_t threads, Cost cost) {
+  std::vector<int64_t> order(static_cast<size_t>(num_items));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  threads = std::max<int64_t>(1, std::min(threads, num_items));
+  std::vector<std::vector<int64_t>> assigned(static_cast<size_t>(threads));
+  std::vector<int64_t> load(static_cast<size_t>(threads), 0);
+  for (const int64_t item : order) {
+    const auto t = std::min_element(load.begin(), load.end()) - load.begin();
+    assigned[t].push_back(item);
+    load[t] += cost(item);
+  }
+  return assigned;
+}
+
+// Runs fn(state, item) for every item: each thread's share as assign_longest_first makes it, then
+// what is left of the others' (run_shares_stealing).
+template <typename Cost, typename Init, typename Fn>
+void for_each_longest_first(int64_t num_items, Cost cost, Init&& init, Fn&& fn) {
+  const auto assigned = assign_longest_first(num_items, at::get_num_threads(), cost);
+  run_shares_stealing(static_cast<int64_t>(assigned.size()), [&](int64_t t) { return static_cast<int64_t>(assigned[t].size()); },
+                      [&](int64_t t, int64_t k) { return assigned[t][k]; }, init, fn);
+}
+
+}  // namespace
