@@ -14,8 +14,9 @@ cache: tiles of sixteen query positions held one lane per position, so the score
 softmax are plain vector FMAs and elementwise ops; 1.6-2.9x faster per layer than the reference
 here, at 115-160 GFLOP/s for prompts of 256-512 tokens. Its FMAs are fp32, except for bf16 on a CPU
 with AVX512-BF16, where the same tiles run on its bf16 dot products (1.7-1.9x; docs/kernels.md;
-`PDSERVE_CPU_BF16_DOT=0` forces the fp32 kernel). On a CPU with AMX, where SDPA's flash kernel does
-its matmuls on AMX tiles, long bf16/fp16 segments go to SDPA instead (`sdpa_segments`). The
+`PDSERVE_CPU_BF16_DOT=0` forces the fp32 kernel), and on a CPU with AMX-BF16 on its tiles
+(`amx_prefill`: 1.1-2x SDPA's AMX flash kernel there). Other bf16/fp16 segments long enough go to
+SDPA on an AMX CPU, where its matmuls run on the tiles (`sdpa_segments`). The
 elementwise layers are one pass each where torch runs 3-10 ops (and Python dispatches each),
 following the reference's arithmetic op by op. Block copies and swaps stay with the reference (plain copies).
 
@@ -55,8 +56,9 @@ __all__ = ["apply_rotary", "apply_rotary_", "copy_blocks", "decode_attention", "
 # Head sizes and dtypes the C++ attention kernels are instantiated for; others run the reference.
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# With AMX, prefill segments of at least this many query rows run through SDPA (sdpa_segments): at
-# 128 rows the two are level, from 192 SDPA is ahead (1.4x), below 96 the C++ kernel.
+# With AMX, prefill segments of at least this many query rows run through SDPA where the C++ kernel
+# does not run on the tiles itself (sdpa_segments): against its fp32 FMAs, at 128 rows the two are
+# level, from 192 SDPA is ahead (1.4x), below 96 the C++ kernel.
 SDPA_MIN_QUERY_LEN = 128
 
 
@@ -103,14 +105,15 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
                       window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """kernels.reference.prefill_attention's contract, computed from the paged cache directly (fp32
     arithmetic, or bf16 dot products into fp32 on AVX512-BF16);
-    on a CPU with AMX for a bf16/fp16 query, segments of SDPA_MIN_QUERY_LEN rows or more go to
-    SDPA instead (see `sdpa_segments`; not for a windowed or soft-capped layer, which SDPA's flash
-    kernel cannot mask or cap)."""
+    on tiles where `amx_prefill`; otherwise, on a CPU with AMX for a bf16/fp16 query, segments of
+    SDPA_MIN_QUERY_LEN rows or more go to SDPA instead (see `sdpa_segments`; not for a windowed or
+    soft-capped layer, which SDPA's flash kernel cannot mask or cap)."""
     if not _kernel_reads(query, kv_cache) or not block_tables:
         return reference.prefill_attention(query, kv_cache, block_tables, query_lens, seq_lens, scale, None,
                                            k_scale, v_scale, window, softcap)
     scales = (float(scale), float(k_scale), float(v_scale))
-    large = [] if window or softcap else sdpa_segments(query.dtype, query_lens)
+    tiles = amx_prefill(query.dtype, kv_cache.dtype, query.shape[-1])
+    large = [] if window or softcap else sdpa_segments(query.dtype, query_lens, tiles)
     if not large:
         packed = packed or PackedPrefill(block_tables, query_lens, seq_lens)
         return torch.ops.pdserve_cpu.paged_prefill(query, kv_cache, packed.tables, packed.query_lens,
@@ -133,17 +136,19 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     return out
 
 
-def sdpa_segments(dtype: torch.dtype, query_lens: list[int]) -> list[int]:
+def sdpa_segments(dtype: torch.dtype, query_lens: list[int], kernel_on_tiles: bool = False) -> list[int]:
     """The prefill segments that run through torch's SDPA rather than the C++ kernel: those of at
     least SDPA_MIN_QUERY_LEN rows, on a CPU with AMX for a bf16/fp16 dtype. There SDPA's flash
     kernel does its two matmuls on AMX tiles (oneDNN brgemm) and is 1.4-2x the C++ kernel, whose
     FMAs are fp32 AVX-512 (benchmarks/cpu_attention.py); without AMX its bf16 path is slower than
     the C++ kernel, and for short segments its per-call cost is (docs/perf/journal.md §7i).
-    `PDSERVE_CPU_PREFILL_SDPA=auto|0|1` overrides the CPU check (0: never; 1: as with AMX)."""
+    None where the C++ kernel itself runs on the tiles (`kernel_on_tiles`: `amx_prefill`).
+    `PDSERVE_CPU_PREFILL_SDPA=auto|0|1` overrides the CPU check (0: never; 1: as with AMX, and
+    whether or not the kernel runs on tiles)."""
     value = os.environ.get("PDSERVE_CPU_PREFILL_SDPA", "auto")
     if value not in ("auto", "0", "1"):
         raise ValueError(f"PDSERVE_CPU_PREFILL_SDPA must be auto, 0 or 1; got {value!r}")
-    if dtype == torch.float32 or value == "0" or (value == "auto" and not has_amx(dtype)):
+    if dtype == torch.float32 or value == "0" or (value == "auto" and (kernel_on_tiles or not has_amx(dtype))):
         return []
     return [i for i, q_len in enumerate(query_lens) if q_len >= SDPA_MIN_QUERY_LEN]
 
@@ -181,6 +186,22 @@ def _sdpa_segment(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(seq_len - q_len)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
+
+
+def amx_prefill(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the C++ prefill kernel runs this query and cache on AMX tiles: bf16 both, a head size
+    a multiple of 32, a library built for a CPU with AMX-BF16 (and allowed its tiles), and neither
+    `PDSERVE_CPU_AMX_ATTENTION=0` (its bf16 dot products instead) nor `PDSERVE_CPU_BF16_DOT=0` (its
+    fp32 FMAs), as the kernel reads them. There it is 1.1-2x SDPA's flash kernel on the same tiles
+    (docs/perf/journal.md §57), so no segment goes to SDPA."""
+    return (dtype == cache_dtype == torch.bfloat16 and head_dim % 32 == 0 and _prefill_amx_built()
+            and os.environ.get("PDSERVE_CPU_AMX_ATTENTION", "1") != "0"
+            and os.environ.get("PDSERVE_CPU_BF16_DOT", "1") != "0")
+
+
+@functools.cache
+def _prefill_amx_built() -> bool:
+    return bool(torch.ops.pdserve_cpu.prefill_amx_built())
 
 
 @functools.cache

@@ -27,6 +27,12 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <optional>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "common.h"
 #include "work_split.h"
@@ -441,6 +447,7 @@ struct Bf16Scratch {
   std::vector<Lanes> max, denom;   // [tiles * group]
   std::vector<uint16_t> k;         // [kBf16Chunk][D]: the chunk's keys, zero rows past its count
   std::vector<uint32_t> v;         // [kBf16Chunk / 2][D]: pairs (v[2j][d], v[2j+1][d])
+  std::vector<uint16_t> vt;        // with AMX, [D][kBf16Chunk]: the chunk's values transposed
 };
 
 // Scores of one head's positions (q: [D/2] pair vectors) against kLanes keys ([kLanes][D] bf16):
@@ -493,7 +500,211 @@ inline void chunk_values_bf16(const uint32_t* v, const __m512i* ep, int pairs, L
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX (Sapphire Rapids and later Xeons): the same items and chunks, with both products on tiles.
+// One tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one (pairs along the reduced dimension)
+// into a 16 x 16 fp32 tile: 8,192 multiply-adds, against 32 for one vdpbf16ps. The kernel keeps its
+// lanes-are-positions layout, so each product is taken transposed:
+// - scores: S^T [keys x positions] = K [keys x D] . Q^T, the keys' rows an A tile as copied (w.k),
+//   the query's pairs (w.q: [D/2][16 positions]) the B tile as they are; a C tile row is then one
+//   key's scores over the positions, the `sc[j]` vector the online softmax reads.
+// - values: O^T [D x positions] += V^T [D x keys] . P^T, the weights' key pairs (ep) the B tile as
+//   they are, and V^T (w.vt, [D][32 keys]) the A tile, transposed once a chunk for every tile and
+//   head of the item; a C tile is 16 of the output's `o[d]` vectors, loaded, added to and stored.
+// Both sum in fp32 as the dot-product kernel does, in another order; the weights are rounded to
+// bf16 the same way, and the softmax runs in base 2 with the scale folded in (softmax_chunk_exp2:
+// with the products on tiles, it is most of the time). Tiles need the kernel's permission once a
+// process (arch_prctl) and each thread's palette loaded before use (AmxTiles, once a work item).
+// Items of two or more query heads go two at a time (amx_scores2, amx_values2).
+// PDSERVE_CPU_AMX_ATTENTION=0 runs the dot-product kernel instead.
+inline bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;   // asm/prctl.h, the tile data state
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+inline bool amx_attention_enabled() {
+  const char* value = std::getenv("PDSERVE_CPU_AMX_ATTENTION");
+  return amx_permitted() && (value == nullptr || std::strcmp(value, "0") != 0);
+}
+
+// Every tile 16 rows of 64 bytes: A (16 x 32 bf16), B (16 pairs x 16) and C (16 x 16 fp32) alike.
+// Loaded for a work item's duration and released after it, so that a thread between items (or in
+// another library's code) carries no tile state. For as long, results that underflow flush to zero:
+// masked keys' weights underflow through the subnormals (exp2_nonpositive's floor, 2^-200), each
+// otherwise a microcode assist (8% of a 4,096-token prompt's attention without it).
+struct AmxTiles {
+  const unsigned csr = _mm_getcsr();
+  AmxTiles() {
+    _mm_setcsr(csr | _MM_FLUSH_ZERO_ON);
+    struct alignas(64) {
+      uint8_t palette = 1, start_row = 0, reserved[14] = {};
+      uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+      uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+    } config;
+    _tile_loadconfig(&config);
+  }
+  ~AmxTiles() {
+    _tile_release();
+    _mm_setcsr(csr);
+  }
+};
+
+// sc[j] (j < 32) = the scores of key j (k: [32][D] bf16) against one head's 16 positions (q: [D/2]
+// pair vectors, lane = position), unscaled.
 template <int D>
+inline void amx_scores(const __m512i* q, const uint16_t* k, Lanes* sc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int d0 = 0; d0 < D; d0 += 32) {
+    _tile_loadd(2, k + d0, D * 2);                  // keys 0-15, head dims d0..d0+31
+    _tile_loadd(3, k + 16 * D + d0, D * 2);         // keys 16-31
+    _tile_loadd(4, q + d0 / 2, 64);                 // the positions' pairs d0/2..d0/2+15
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 3, 4);
+  }
+  _tile_stored(0, sc, 64);
+  _tile_stored(1, sc + 16, 64);
+}
+
+// o ([D] vectors) *= alpha, skipped where every factor is exactly 1 (the running max did not move).
+inline void rescale(Lanes* o, int D, Lanes alpha) {
+  if (_mm512_cmp_ps_mask((__m512)alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0)
+    for (int d = 0; d < D; ++d) o[d] *= alpha;
+}
+
+// o ([D] vectors, lane = position) = o * alpha + the chunk's 32 keys' values weighted by ep (pairs
+// of weights, lane = position; 0 past the chunk's keys), vt: the values transposed ([D][32] bf16).
+template <int D>
+inline void amx_values(const uint16_t* vt, const __m512i* ep, Lanes alpha, Lanes* o) {
+  rescale(o, D, alpha);
+  _tile_loadd(7, ep, 64);
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    _tile_loadd(5, o + d0, 64);
+    _tile_loadd(6, vt + d0 * 32, 64);
+    _tile_dpbf16ps(5, 6, 7);
+    _tile_stored(5, o + d0, 64);
+  }
+}
+
+// The two above for two heads' positions at once (u0, u1: tiles of the same item, or query heads
+// of the same tile), each key or value tile loaded once for both: four independent accumulators (2
+// A x 2 B -> 4 C, the tiles' whole register file), where one head alone chains each of its two.
+template <int D>
+inline void amx_scores2(const __m512i* q0, const __m512i* q1, const uint16_t* k, Lanes* sc0, Lanes* sc1) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int d0 = 0; d0 < D; d0 += 32) {
+    _tile_loadd(4, k + d0, D * 2);
+    _tile_loadd(5, k + 16 * D + d0, D * 2);
+    _tile_loadd(6, q0 + d0 / 2, 64);
+    _tile_loadd(7, q1 + d0 / 2, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, sc0, 64);
+  _tile_stored(1, sc0 + 16, 64);
+  _tile_stored(2, sc1, 64);
+  _tile_stored(3, sc1 + 16, 64);
+}
+
+template <int D>
+inline void amx_values2(const uint16_t* vt, const __m512i* ep0, const __m512i* ep1, Lanes alpha0, Lanes alpha1,
+                        Lanes* o0, Lanes* o1) {
+  rescale(o0, D, alpha0);
+  rescale(o1, D, alpha1);
+  _tile_loadd(6, ep0, 64);
+  _tile_loadd(7, ep1, 64);
+  for (int d0 = 0; d0 < D; d0 += 32) {
+    _tile_loadd(0, o0 + d0, 64);
+    _tile_loadd(1, o0 + d0 + 16, 64);
+    _tile_loadd(2, o1 + d0, 64);
+    _tile_loadd(3, o1 + d0 + 16, 64);
+    _tile_loadd(4, vt + d0 * 32, 64);
+    _tile_loadd(5, vt + (d0 + 16) * 32, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_stored(0, o0 + d0, 64);
+    _tile_stored(1, o0 + d0 + 16, 64);
+    _tile_stored(2, o1 + d0, 64);
+    _tile_stored(3, o1 + d0 + 16, 64);
+  }
+}
+
+// 2^t for the softmax's t <= 0, to 2.9e-6 (a degree-4 fit on [-1/2, 1/2] where exp_nonpositive takes
+// 1e-7 in six: its weights are rounded to bf16 next, and the denominators sum them at 1e-6); below
+// -200 (-inf and NaN included) 0, through vscalefps's underflow, with no mask.
+inline __m512 exp2_nonpositive(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-200.f));       // a NaN t gives the second operand
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(9.582852944731712e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5906426161527634e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024099111557007e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931241750717163e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// softmax_chunk's online softmax in base 2 on the raw scores, for the AMX kernel, where it is most
+// of an item's time: the scale is folded with log2 e into one multiply-add a weight (the running
+// max stays in raw units; without a soft cap the scale's sign is all the order needs), and masked
+// keys (-inf) come out 0 from exp2_nonpositive's floor.
+template <int N>
+inline Lanes softmax_chunk_exp2(Lanes* sc, int64_t c0, bool masked, Lanes limit, Lanes floor_pos, float cap,
+                                float scale, Lanes& max, Lanes& denom, Lanes* e) {
+  float c = scale * 1.4426950408889634f;
+  if (cap > 0.f) {
+    for (int j = 0; j < N; ++j) sc[j] = soft_cap(sc[j] * scale, cap);
+    c = 1.4426950408889634f;
+  }
+  // Four running maxima and sums: one chain through the chunk's keys would wait on each max's and
+  // add's latency.
+  static_assert(N % 4 == 0);
+  Lanes m4[4] = {max, max, max, max};
+  for (int j = 0; j < N; ++j) {
+    if (masked) {
+      const float key = static_cast<float>(c0 + j);
+      sc[j] = key <= limit && key > floor_pos ? sc[j] : Lanes{} - INFINITY;   // causal, windowed
+    }
+    m4[j % 4] = m4[j % 4] > sc[j] ? m4[j % 4] : sc[j];
+  }
+  const Lanes m01 = m4[0] > m4[1] ? m4[0] : m4[1], m23 = m4[2] > m4[3] ? m4[2] : m4[3];
+  const Lanes m = m01 > m23 ? m01 : m23;
+  const Lanes m_safe = m == Lanes{} - INFINITY ? Lanes{} : m;   // as in softmax_chunk
+  const __m512 cv = _mm512_set1_ps(c), mc = (__m512)(m_safe * -c);
+  const Lanes alpha = (Lanes)exp2_nonpositive((__m512)((max - m_safe) * c));
+  __m512 sum4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int j = 0; j < N; ++j) {
+    const __m512 x = exp2_nonpositive(_mm512_fmadd_ps((__m512)sc[j], cv, mc));
+    e[j] = (Lanes)x;
+    sum4[j % 4] = _mm512_add_ps(sum4[j % 4], x);
+  }
+  const __m512 sum = _mm512_add_ps(_mm512_add_ps(sum4[0], sum4[1]), _mm512_add_ps(sum4[2], sum4[3]));
+  denom = denom * alpha + (Lanes)sum;
+  max = m;
+  return alpha;
+}
+
+// vt ([D][32] bf16) = the transpose of the chunk's value pairs (v: [16 pairs][D], pair j2 at head
+// dim d = (v[2 j2][d], v[2 j2 + 1][d])): row d holds the 32 keys' values at d in key order.
+template <int D>
+inline void transpose_value_pairs(const uint32_t* v, uint16_t* vt) {
+  uint32_t* out = reinterpret_cast<uint32_t*>(vt);
+  for (int j2 = 0; j2 < 16; ++j2)
+    for (int d = 0; d < D; ++d) out[d * 16 + j2] = v[j2 * D + d];
+}
+#endif
+
+template <int D, bool kAmx>
 void prefill_bf16_dot(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& tables,
                       const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale, int64_t window,
                       double softcap, at::Tensor& out) {
@@ -514,10 +725,15 @@ void prefill_bf16_dot(const at::Tensor& query, const at::Tensor& kv_cache, const
     w.o.resize(static_cast<size_t>(tiles * group * D));
     w.k.resize(static_cast<size_t>(kBf16Chunk * D));
     w.v.resize(static_cast<size_t>(kBf16Chunk / 2 * D));
+    if (kAmx) w.vt.resize(static_cast<size_t>(D * kBf16Chunk));
     return w;
   };
   // Query head u = t * group + g: tile t's head g.
   auto body = [&](Bf16Scratch& w, const Item* items, int n) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    std::optional<AmxTiles> amx;
+    if constexpr (kAmx) amx.emplace();
+#endif
     const int64_t h = items[0].head;
     for (int t = 0; t < n; ++t)
       for (int64_t g = 0; g < group; ++g) {
@@ -552,8 +768,11 @@ void prefill_bf16_dot(const at::Tensor& query, const at::Tensor& kv_cache, const
             std::fill(kd, kd + D, uint16_t{0});
           }
         }
-        if (j >= count) continue;                    // pairs past `pairs` are not read
         uint32_t* vd = w.v.data() + j / 2 * D;
+        if (j >= count) {                            // pairs past `pairs` are read only by AMX's tiles
+          if (kAmx) std::fill(vd, vd + D, 0u);
+          continue;
+        }
         for (int d = 0; d < D; d += 16) {
           const u32x16 a = __builtin_convertvector(*reinterpret_cast<const u16x16*>(vr[0] + d), u32x16);
           const u32x16 b = vr[1] ? __builtin_convertvector(*reinterpret_cast<const u16x16*>(vr[1] + d), u32x16)
@@ -562,6 +781,43 @@ void prefill_bf16_dot(const at::Tensor& query, const at::Tensor& kv_cache, const
           std::memcpy(vd + d, &pair, sizeof pair);
         }
       }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if constexpr (kAmx) transpose_value_pairs<D>(w.v.data(), w.vt.data());
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if constexpr (kAmx) {
+        // The heads of the tiles this chunk reaches, two at a time: tiles end in order and begin in
+        // order, so those are a run [first, last] of them.
+        int first = 0, last_live = n - 1;
+        while (first < n && c0 >= items[first].end) ++first;
+        while (last_live >= first && c0 + kBf16Chunk <= items[last_live].begin) --last_live;
+        const int64_t u_end = (last_live + 1) * group;
+        for (int64_t u0 = first * group; u0 < u_end; u0 += 2) {
+          const int64_t u1 = u0 + 1 < u_end ? u0 + 1 : -1;
+          alignas(64) Lanes sc[2][kBf16Chunk];
+          alignas(64) __m512i eps[2][kBf16Chunk / 2];
+          Lanes alpha[2];
+          if (u1 >= 0)
+            amx_scores2<D>(w.q.data() + u0 * D / 2, w.q.data() + u1 * D / 2, w.k.data(), sc[0], sc[1]);
+          else
+            amx_scores<D>(w.q.data() + u0 * D / 2, w.k.data(), sc[0]);
+          for (int a = 0; a < (u1 >= 0 ? 2 : 1); ++a) {
+            const int64_t u = a ? u1 : u0;
+            const Item& it = items[u / group];
+            alpha[a] = softmax_chunk_exp2<kBf16Chunk>(sc[a], c0, it.masked(c0, kBf16Chunk, window), it.limit,
+                                                      it.floor_pos, cap, scalef, w.max[u], w.denom[u], e);
+            // The tiles read all the chunk's pairs (the weights past its keys are masked to 0).
+            for (int j2 = 0; j2 < kBf16Chunk / 2; ++j2) eps[a][j2] = bf16_pairs(e[2 * j2], e[2 * j2 + 1]);
+          }
+          if (u1 >= 0)
+            amx_values2<D>(w.vt.data(), eps[0], eps[1], alpha[0], alpha[1], w.o.data() + u0 * D,
+                           w.o.data() + u1 * D);
+          else
+            amx_values<D>(w.vt.data(), eps[0], alpha[0], w.o.data() + u0 * D);
+        }
+        continue;
+      }
+#endif
       for (int t = 0; t < n; ++t) {
         const Item& it = items[t];
         // Chunks past a tile's keys or wholly before its window leave its state as it is (every
@@ -570,14 +826,24 @@ void prefill_bf16_dot(const at::Tensor& query, const at::Tensor& kv_cache, const
         const bool masked = it.masked(c0, kBf16Chunk, window);
         for (int64_t g = 0; g < group; ++g) {
           const int64_t u = t * group + g;
-          Lanes sc[kBf16Chunk];
-          chunk_scores_bf16<D>(w.q.data() + u * D / 2, w.k.data(), sc);
-          chunk_scores_bf16<D>(w.q.data() + u * D / 2, w.k.data() + kLanes * D, sc + kLanes);
+          alignas(64) Lanes sc[kBf16Chunk];
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+          if constexpr (kAmx) amx_scores<D>(w.q.data() + u * D / 2, w.k.data(), sc);
+#endif
+          if constexpr (!kAmx) {
+            chunk_scores_bf16<D>(w.q.data() + u * D / 2, w.k.data(), sc);
+            chunk_scores_bf16<D>(w.q.data() + u * D / 2, w.k.data() + kLanes * D, sc + kLanes);
+          }
           for (int j = 0; j < kBf16Chunk; ++j) sc[j] *= scalef;
           const Lanes alpha = softmax_chunk<kBf16Chunk>(sc, c0, masked, it.limit, it.floor_pos, cap, w.max[u],
                                                         w.denom[u], e, exp_nonpositive);
-          for (int j2 = 0; j2 < pairs; ++j2) ep[j2] = bf16_pairs(e[2 * j2], e[2 * j2 + 1]);
-          chunk_values_bf16<D>(w.v.data(), ep, pairs, alpha, w.o.data() + u * D);
+          // AMX's tile reads all the chunk's pairs (the weights past its keys are masked to 0).
+          const int weight_pairs = kAmx ? kBf16Chunk / 2 : pairs;
+          for (int j2 = 0; j2 < weight_pairs; ++j2) ep[j2] = bf16_pairs(e[2 * j2], e[2 * j2 + 1]);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+          if constexpr (kAmx) amx_values<D>(w.vt.data(), ep, alpha, w.o.data() + u * D);
+#endif
+          if constexpr (!kAmx) chunk_values_bf16<D>(w.v.data(), ep, pairs, alpha, w.o.data() + u * D);
         }
       }
     }
@@ -621,8 +887,17 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, co
 #if defined(__AVX512BF16__)
     using Q = typename decltype(type)::type;
     if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<typename decltype(cache)::type, Q>) {
+      constexpr int D = decltype(dim)::value;
       if (bf16_dot_enabled()) {
-        prefill_bf16_dot<decltype(dim)::value>(q, kv_cache, tables, qlens, slens, scale, window, softcap, out);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if constexpr (D % 32 == 0) {
+          if (amx_attention_enabled()) {
+            prefill_bf16_dot<D, true>(q, kv_cache, tables, qlens, slens, scale, window, softcap, out);
+            return;
+          }
+        }
+#endif
+        prefill_bf16_dot<D, false>(q, kv_cache, tables, qlens, slens, scale, window, softcap, out);
         return;
       }
     }
@@ -633,11 +908,24 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, co
   return out;
 }
 
+// Whether this build runs bf16 prefill on AMX tiles (built for a CPU with AMX-BF16, and the kernel
+// lets this process use them), before the switches: kernels.cpu_ops.amx_prefill reads those.
+bool prefill_amx_built() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("prefill_amx_built() -> bool");
   m.def("paged_prefill(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor query_lens, Tensor seq_lens, "
         "float scale, float k_scale, float v_scale, int window, float softcap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CatchAll, m) { m.impl("prefill_amx_built", &prefill_amx_built); }

@@ -66,6 +66,35 @@ def test_prefill_bf16_dot_products_and_the_fp32_fallback(monkeypatch, window, so
     assert torch.equal(outs["1"], outs["0"]) != torch.cpu._is_avx512_bf16_supported()
 
 
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (40, 0.0), (0, 3.0)])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 16, 4), (96, 5, 5), (64, 8, 1)])
+def test_prefill_on_amx_tiles_and_the_dot_product_fallback(monkeypatch, window, softcap, head_dim, heads, kv_heads):
+    """bf16 prefill runs on AMX tiles where this CPU has AMX-BF16 (the default; query heads two at a
+    time, an odd one alone) and on AVX512-BF16's dot products with PDSERVE_CPU_AMX_ATTENTION=0. Both
+    match the reference over full prompts longer than SDPA_MIN_QUERY_LEN (no segment goes to SDPA
+    while the kernel runs on tiles), chunks after a cached prefix, partial tiles and chunks, windows,
+    soft caps and peaked scores; on an AMX CPU the two are different code, elsewhere the switch
+    changes nothing. A head size not a multiple of 32, an fp8 or fp32 cache never take the tiles."""
+    query_lens, seq_lens = [300, 37, 1, 64], [300, 130, 50, 64]
+    query, cache, tables = prefill_batch(query_lens, seq_lens, heads, kv_heads, head_dim, 16, torch.bfloat16)
+    shape = {"window": window, "softcap": softcap}
+    built = torch.ops.pdserve_cpu.prefill_amx_built()
+    assert cpu_ops.amx_prefill(torch.bfloat16, torch.bfloat16, head_dim) == built
+    assert not cpu_ops.amx_prefill(torch.bfloat16, torch.bfloat16, 16)
+    assert not cpu_ops.amx_prefill(torch.bfloat16, cpu_ops.FP8_DTYPE, head_dim)
+    assert not cpu_ops.amx_prefill(torch.float32, torch.float32, head_dim)
+    outs = {}
+    for q in (query, query * 8):
+        ref = reference.prefill_attention(q.float(), cache.float(), tables, query_lens, seq_lens, head_dim ** -0.5,
+                                          **shape)
+        for amx in ("1", "0"):
+            monkeypatch.setenv("PDSERVE_CPU_AMX_ATTENTION", amx)
+            assert cpu_ops.amx_prefill(torch.bfloat16, torch.bfloat16, head_dim) == (built and amx == "1")
+            outs[amx] = cpu_ops.prefill_attention(q, cache, tables, query_lens, seq_lens, head_dim ** -0.5, **shape)
+            assert outs[amx].dtype == torch.bfloat16 and rel_err(outs[amx], ref) < TOLERANCE[torch.bfloat16], amx
+    assert torch.equal(outs["1"], outs["0"]) != built
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("query_lens,seq_lens", [([300], [300]), ([40, 9], [90, 9]), ([512, 200], [700, 200])])
 def test_prefill_items_of_two_four_and_eight_tiles(dtype, query_lens, seq_lens):
