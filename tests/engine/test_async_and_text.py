@@ -221,9 +221,11 @@ def test_chat_template_options(smol_tokenizer):
         "Hi! Capital of France?")
 
 
-def test_embedded_model_matches_transformers_and_knows_paris():
-    """Greedy chat on the embedded GGUF model token-identical to transformers' copy of it, and its
-    embeddings equal transformers' pooled hidden states."""
+def test_embedded_model_matches_transformers_and_knows_paris(embedded_gguf_tensors):
+    """Greedy chat on the embedded GGUF model token-identical to transformers' copy of it (its model
+    class holding the tensors its GGUF loader dequantizes, as `from_pretrained(gguf_file=...)` builds
+    it), and its embeddings equal transformers' pooled hidden states."""
+    import copy
     import os
 
     from transformers import AutoModelForCausalLM
@@ -238,8 +240,12 @@ def test_embedded_model_matches_transformers_and_knows_paris():
     outs = llm.chat(conversations, params, use_tqdm=False)
     assert "Paris" in outs[0].outputs[0].text
     path = embedded_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                              dtype=torch.float32).eval()
+    config, tensors = embedded_gguf_tensors
+    hf = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32).eval()
+    # The file holds no lm_head: the model ties it to the embeddings, as from_pretrained does.
+    assert hf.load_state_dict(tensors, strict=False).missing_keys == ["lm_head.weight"]
+    assert hf.config.tie_word_embeddings
+    hf.tie_weights()
     for conv, out in zip(conversations, outs):
         ids = tok.apply_chat_template(conv, add_generation_prompt=True, return_tensors="pt")
         ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids

@@ -125,17 +125,13 @@ def test_gguf_weight_shards_on_block_boundaries():
         w.narrow(1, 48, 48)
 
 
-def test_gguf_loaders_match_transformers_dequantization():
+def test_gguf_loaders_match_transformers_dequantization(embedded_gguf_tensors):
     """Every tensor of the embedded GGUF, read dense or kept in blocks (then dequantized), is exactly
     what transformers' GGUF loader yields (names, the llama row order of attn_q/attn_k, values,
     dtypes); both read with the model's config as a replica receives it (frozen:
     records/frozen_config.py). pdserve reads its architectures' files itself (~8 s less per load)."""
-    import os
-
-    from engine.loading.weights import _gguf_weights
-
     path, gguf_file, hf_config = resolve_model(None)
-    theirs = dict(_gguf_weights(os.path.join(path, gguf_file), hf_config))
+    theirs = embedded_gguf_tensors[1]
     dense = dict(iterate_weights(path, gguf_file, FrozenConfig.of(hf_config)))
     native = dict(iterate_weights(path, gguf_file, FrozenConfig.of(hf_config), keep_quantized=True))
     assert set(native) == set(dense) == set(theirs)
