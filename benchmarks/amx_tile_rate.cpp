@@ -15,14 +15,14 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <algorithm>
 #include <cstring>
-#include <utility>
 #include <memory>
+#include <utility>
 
 namespace {
 
@@ -55,8 +55,11 @@ double peak_gflops() {
   return 4.0 * steps * 16 * 16 * 32 * 2 / s / 1e9;
 }
 
+// A tile's address and row stride in bytes (_tile_loadd takes its tile number as a literal).
+using Tile = std::pair<const void*, long>;
+
 // C[M x N] (fp32) = A[M x K] * B[K x N], 32 x 32 outputs at a time from 2 A and 2 B tiles. a(m, k)
-// and b(n, k) give a tile's address and row stride for rows m.. (or columns n..) and K-step k.
+// and b(n, k) give the Tile for rows m.. (or columns n..) at K-step k.
 template <typename ATile, typename BTile>
 double gemm_gflops(int M, int N, int K, ATile a, BTile b, float* C, int reps) {
   const auto t = std::chrono::steady_clock::now();
@@ -65,12 +68,13 @@ double gemm_gflops(int M, int N, int K, ATile a, BTile b, float* C, int reps) {
       for (int n = 0; n < N; n += 32) {
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         for (int k = 0; k < K; k += 32) {
-          _tile_loadd(4, a(m, k).first, a(m, k).second);
-          _tile_loadd(6, b(n, k).first, b(n, k).second);
+          const Tile a0 = a(m, k), a1 = a(m + 16, k), b0 = b(n, k), b1 = b(n + 16, k);
+          _tile_loadd(4, a0.first, a0.second);
+          _tile_loadd(6, b0.first, b0.second);
           _tile_dpbf16ps(0, 4, 6);
-          _tile_loadd(7, b(n + 16, k).first, b(n + 16, k).second);
+          _tile_loadd(7, b1.first, b1.second);
           _tile_dpbf16ps(1, 4, 7);
-          _tile_loadd(5, a(m + 16, k).first, a(m + 16, k).second);
+          _tile_loadd(5, a1.first, a1.second);
           _tile_dpbf16ps(2, 5, 6);
           _tile_dpbf16ps(3, 5, 7);
         }
@@ -116,7 +120,6 @@ int main(int argc, char** argv) {
   const auto* B = static_cast<const uint16_t*>(b_mem.get());
   auto* C = static_cast<float*>(c_mem.get());
   const int reps = std::max(1, static_cast<int>(2e10 / (2.0 * M * N * K)));
-  using Tile = std::pair<const void*, long>;
   // Activations in place (row stride K x 2 bytes); weights in panels [N/64][K/2][64][2].
   auto a_rows = [&](int m, int k) { return Tile{A + static_cast<size_t>(m) * K + k, K * 2L}; };
   auto b_panels = [&](int n, int k) {
