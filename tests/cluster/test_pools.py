@@ -25,6 +25,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -585,6 +586,56 @@ def _start_pdserve(*args: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
+class _Output:
+    """A launcher's merged stdout and stderr, read line by line on a thread: a test waits for a line
+    with a deadline (a read from the pipe has none), and on missing it fails with what the launcher
+    wrote and its threads' stacks (`pdserve serve` dumps them on SIGUSR1) instead of hanging."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self.ended = False
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self._changed:
+                self.lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self.ended = True
+            self._changed.notify_all()
+
+    def text(self) -> str:
+        with self._changed:
+            return "".join(self.lines)
+
+    def wait_for(self, marker: str, timeout_s: float = 300) -> None:
+        """Until a line holds `marker` (anywhere in it: Ray's log lines share the pipe); fails when
+        the output ends first, or after timeout_s."""
+        def seen() -> bool:
+            return any(marker in line for line in self.lines)
+        with self._changed:
+            self._changed.wait_for(lambda: self.ended or seen(), timeout_s)
+            if seen():
+                return
+            ended = self.ended
+        if not ended:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGUSR1)
+            time.sleep(5)                   # for the stacks to arrive
+        pytest.fail(f"no line with {marker!r} after {timeout_s} s (exit code {self.proc.poll()}):\n"
+                    + self.text()[-6000:])
+
+    def finish(self, timeout_s: float = 120) -> str:
+        """Everything the launcher wrote, once it has exited (TimeoutExpired after timeout_s)."""
+        self.proc.wait(timeout=timeout_s)
+        self._reader.join(timeout=30)
+        return self.text()
+
+
 def _wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float = 240) -> None:
     def running() -> None:
         assert proc.poll() is None, proc.stdout.read()[-3000:]
@@ -703,18 +754,15 @@ def test_pdserve_serve_stops_with_an_error_when_its_ray_dies(tiny_llama, tmp_pat
     proc = _start_pdserve("--config", str(spec))
     ray_procs: list = []
     try:
-        seen = []
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith("pdserve: serving on"):
-                break
-        assert proc.poll() is None, "".join(seen)[-3000:]
+        out = _Output(proc)
+        out.wait_for("pdserve: serving on")
+        assert proc.poll() is None, out.text()[-3000:]
         ray_procs = _descendants(proc.pid)
         gcs = [p for p in ray_procs if p.name() == "gcs_server"]
         assert len(gcs) == 1, [p.name() for p in ray_procs]
         gcs[0].kill()
-        output, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 1, ("".join(seen) + output)[-3000:]
+        output = out.finish(timeout_s=120)
+        assert proc.returncode == 1, output[-3000:]
         assert "pdserve: error: the local Ray's gcs_server exited (code -9): stopping" in output, output[-3000:]
         assert "Failed to connect to GCS" not in output, output[-3000:]     # Ray's own end, a minute later
     finally:
@@ -734,16 +782,13 @@ def test_sigint_during_startup_exits_cleanly(tiny_llama):
                              "--port", str(port)], env=_env(), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        seen = []
-        for line in proc.stdout:                    # the pools are loading; Serve is next
-            seen.append(line)
-            if line.startswith("pdserve: loading the pools"):
-                break
-        assert proc.poll() is None, "".join(seen)[-3000:]
+        out = _Output(proc)
+        out.wait_for("pdserve: loading the pools")          # the pools are loading; Serve is next
+        assert proc.poll() is None, out.text()[-3000:]
         ray_procs = _descendants(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
-        output, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, ("".join(seen) + output)[-3000:]
+        output = out.finish(timeout_s=120)
+        assert proc.returncode == 0, output[-3000:]
         assert "pdserve: shutting down (SIGINT)" in output and "Traceback" not in output, output[-3000:]
         assert "pdserve: serving on" not in output
         assert wait_gone([p for p in ray_procs if p.is_running()], 30) == []
