@@ -6,6 +6,7 @@ their command line and how it overrides a spec: cluster/serve_args.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import signal
@@ -41,6 +42,18 @@ def check_local_ray() -> None:
     for kind, process in node.dead_processes() if node is not None else ():
         if kind in (ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET):
             raise RayStopped(f"the local Ray's {kind} exited (code {process.returncode})")
+
+
+def whole_lines() -> None:
+    """Each line this process writes to stdout or stderr goes out in one write. Ray's driver prints
+    its workers' log lines from a thread of its own, and with unbuffered streams
+    (PYTHONUNBUFFERED=1, as container images often set) print() writes a line's text and its
+    newline apart: in a shared pipe a launcher line then lands inside one of Ray's, and a script
+    waiting for a line that starts with `pdserve: serving on` waits forever. Line buffering keeps
+    each line whole and still writes it as soon as it ends."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):     # a stream replaced by a caller's
+            stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def catch_stop_signals() -> None:
@@ -205,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    whole_lines()
     try:
         config = config_from_args(args)
         for deployment in config.deployments():   # each model allows its engine section: checked

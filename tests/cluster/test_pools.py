@@ -773,6 +773,34 @@ def test_pdserve_serve_stops_with_an_error_when_its_ray_dies(tiny_llama, tmp_pat
                 p.kill()
 
 
+WHOLE_LINES = """
+import sys, threading
+from cluster.launch import whole_lines
+whole_lines()
+def logs():                 # as Ray's driver prints its workers' logs, from a thread of its own
+    for _ in range(4000):
+        print("(ProxyActor pid=1) INFO " + "x" * 200, file=sys.stderr)
+thread = threading.Thread(target=logs)
+thread.start()
+for i in range(4000):
+    print(f"pdserve: line {i}", flush=True)
+thread.join()
+"""
+
+
+def test_the_launcher_s_lines_stay_whole_beside_ray_s_log_thread():
+    """With PYTHONUNBUFFERED=1 (container images often set it) print() writes a line's text and its
+    newline apart, and a launcher line could land inside a Ray log line in the pipe both go to (a
+    lane run waited on `pdserve: serving on` for ten minutes). The launcher's streams write whole
+    lines (cluster/launch.py: whole_lines). Without it, 1-4% of the lines here came glued."""
+    out = subprocess.run([sys.executable, "-c", WHOLE_LINES], env={**_env(), "PYTHONUNBUFFERED": "1"}, cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:]
+    lines = out.stdout.splitlines()
+    assert sum(line.startswith("pdserve: line") for line in lines) == 4000
+    assert [line for line in lines if "pdserve: line" in line and not line.startswith("pdserve: line")] == []
+
+
 @pytest.mark.ray
 def test_sigint_during_startup_exits_cleanly(tiny_llama):
     """Ctrl-C while the pools are still loading and Serve starts: the launcher tears down what it
