@@ -4,8 +4,11 @@ blocks as `GGUFWeight`s). Finding the model is records/model_source.py.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import glob
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -103,8 +106,29 @@ def _gguf_weights(file: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor
     # meta device so nothing is allocated.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf_config)
-    parsed = load_gguf_checkpoint(file, return_tensors=True, model_to_load=skeleton)
+    with _name_tables_built_once():
+        parsed = load_gguf_checkpoint(file, return_tensors=True, model_to_load=skeleton)
     yield from parsed["tensors"].items()
+
+
+_NAME_TABLES = threading.Lock()
+
+
+@contextlib.contextmanager
+def _name_tables_built_once() -> Iterator[None]:
+    """gguf-py's name table built once per architecture and layer count while transformers' GGUF
+    loader runs: its walk over the model's modules asks for the table at every module (~400 times
+    for the embedded model, 12 of the load's 20 s of CPU), and the table depends on nothing else.
+    The same tensors (tests/engine/test_quant.py: the loaders against it)."""
+    import gguf  # noqa: PLC0415
+
+    with _NAME_TABLES:                  # one load at a time patches and restores it
+        build = gguf.get_tensor_name_map
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build)
+        try:
+            yield
+        finally:
+            gguf.get_tensor_name_map = build
 
 
 def _gguf_native_weights(file: str, hf_config: Any, keep_blocks: bool = True

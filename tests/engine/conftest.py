@@ -12,7 +12,7 @@ def embedded_gguf_tensors():
     """The embedded GGUF model's HF config as pdserve resolves it, and every tensor of the file as
     transformers' GGUF loader dequantizes it (`load_gguf_checkpoint`: what
     `from_pretrained(gguf_file=...)` loads into its model), read once per test process: each read
-    costs ~20 s of CPU (gguf-py parses the tokenizer's arrays an element at a time), and two tests
+    costs ~8 s of CPU (gguf-py parses the tokenizer's arrays an element at a time), and two tests
     compare against it (the loaders' tensors, the model's greedy tokens)."""
     from engine.loading.weights import _gguf_weights
     from records.model_source import resolve_model
