@@ -3,10 +3,14 @@ its HF config and tokenizer as transformers converts them, saved once (`gguf_hf_
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import os
 import shutil
 import tempfile
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from records.cache_dirs import cache_root, file_key
@@ -76,22 +80,26 @@ def gguf_hf_dir(path: str, gguf_file: str) -> str:
     (config.json; tokenizer.json, tokenizer_config.json and the chat template where the file has a
     tokenizer), converted once and kept under $PDSERVE_GGUF_CACHE (else ~/.cache/pdserve/gguf, else
     a temp dir), keyed by the file's path, size and mtime and the transformers version. Converting
-    parses the whole file each time (~5 s for the config and ~5 for the tokenizer of the embedded
-    model, in every process that loads it: engine replicas, the ingress); the saved files load in a
+    parses the whole file (~5 s for the embedded model, once for the config and the tokenizer
+    together: `computed_once`), which every process that loads it would do (engine replicas, the
+    ingress); the saved files load in a
     fraction of a second and are the same config and tokenizer (tests/engine/test_quant.py compares them).
     Raises what AutoConfig.from_pretrained(gguf_file=...) raises for a file it cannot read."""
     import transformers  # noqa: PLC0415 - heavy; configs import without it
-    from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoConfig, AutoTokenizer, modeling_gguf_pytorch_utils  # noqa: PLC0415
 
     root = _gguf_cache_root()
     target = os.path.join(root, file_key(os.path.join(path, gguf_file), transformers.__version__))
     if os.path.isfile(os.path.join(target, "config.json")):
         return target
-    config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
-    except (OSError, ValueError, TypeError, KeyError):
-        tokenizer = None                    # token-id prompts only (engine/text/tokenizer.py)
+    # Both conversions parse the whole file for its metadata (the tokenizer's, for the model type):
+    # once is enough.
+    with computed_once(modeling_gguf_pytorch_utils, "load_gguf_checkpoint", copies=True):
+        config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+        except (OSError, ValueError, TypeError, KeyError):
+            tokenizer = None                # token-id prompts only (engine/text/tokenizer.py)
     os.makedirs(root, exist_ok=True)
     staging = tempfile.mkdtemp(dir=root, prefix=".staging-")
     try:
@@ -104,6 +112,35 @@ def gguf_hf_dir(path: str, gguf_file: str) -> str:
         if not os.path.isfile(os.path.join(target, "config.json")):
             raise
     return target
+
+
+_PATCHING = threading.RLock()
+
+
+@contextlib.contextmanager
+def computed_once(module: Any, name: str, copies: bool = False) -> Iterator[None]:
+    """While the block runs, `module.<name>` (a function of its arguments alone, which transformers'
+    GGUF code looks up at each call and calls again and again with the same arguments) answers each
+    set of arguments from its first call; with `copies`, each answer is a deep copy of that one, for
+    callers that change what they get. One block at a time in a process: it patches the module."""
+    with _PATCHING:
+        function, answers = getattr(module, name), {}
+
+        def once(*args: Any, **kwargs: Any) -> Any:
+            try:
+                key = (args, tuple(sorted(kwargs.items())))
+                hash(key)
+            except TypeError:
+                return function(*args, **kwargs)
+            if key not in answers:
+                answers[key] = function(*args, **kwargs)
+            return copy.deepcopy(answers[key]) if copies else answers[key]
+
+        setattr(module, name, once)
+        try:
+            yield
+        finally:
+            setattr(module, name, function)
 
 
 def _gguf_cache_root() -> str:

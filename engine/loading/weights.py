@@ -4,11 +4,8 @@ blocks as `GGUFWeight`s). Finding the model is records/model_source.py.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import glob
 import os
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +14,7 @@ import torch
 
 from kernels.gguf_format import GGUF_BLOCK, GGUF_BLOCK_BYTES, dequantize_gguf
 from records.frozen_config import transformers_config
-from records.gguf_file import gguf_architecture, gguf_reader
+from records.gguf_file import computed_once, gguf_architecture, gguf_reader
 from records.quantization import GGUF_NATIVE_ARCHITECTURES
 
 
@@ -99,6 +96,7 @@ def checkpoint_shapes(path: str, what: str) -> dict[str, tuple[int, ...]]:
 def _gguf_weights(file: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor dequantized by transformers' GGUF loader (the architectures pdserve does not read
     itself: `_gguf_native_weights` yields the same tensors for its own)."""
+    import gguf  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: PLC0415
 
@@ -106,29 +104,12 @@ def _gguf_weights(file: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor
     # meta device so nothing is allocated.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf_config)
-    with _name_tables_built_once():
+    # Its walk over the model's modules asks gguf-py for the tensor-name table at every module
+    # (~400 times for the embedded model, 12 of the load's 20 s of CPU); the table depends only on
+    # the architecture and the layer count, and transformers only reads it.
+    with computed_once(gguf, "get_tensor_name_map"):
         parsed = load_gguf_checkpoint(file, return_tensors=True, model_to_load=skeleton)
     yield from parsed["tensors"].items()
-
-
-_NAME_TABLES = threading.Lock()
-
-
-@contextlib.contextmanager
-def _name_tables_built_once() -> Iterator[None]:
-    """gguf-py's name table built once per architecture and layer count while transformers' GGUF
-    loader runs: its walk over the model's modules asks for the table at every module (~400 times
-    for the embedded model, 12 of the load's 20 s of CPU), and the table depends on nothing else.
-    The same tensors (tests/engine/test_quant.py: the loaders against it)."""
-    import gguf  # noqa: PLC0415
-
-    with _NAME_TABLES:                  # one load at a time patches and restores it
-        build = gguf.get_tensor_name_map
-        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build)
-        try:
-            yield
-        finally:
-            gguf.get_tensor_name_map = build
 
 
 def _gguf_native_weights(file: str, hf_config: Any, keep_blocks: bool = True
