@@ -52,7 +52,7 @@ def whole_lines() -> None:
     waiting for a line that starts with `pdserve: serving on` waits forever. Line buffering keeps
     each line whole and still writes it as soon as it ends."""
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(AttributeError, ValueError):     # a stream replaced by a caller's
+        with contextlib.suppress(AttributeError, ValueError):     # a caller's own stream, or closed
             stream.reconfigure(line_buffering=True, write_through=False)
 
 

@@ -82,8 +82,8 @@ def gguf_hf_dir(path: str, gguf_file: str) -> str:
     a temp dir), keyed by the file's path, size and mtime and the transformers version. Converting
     parses the whole file (~5 s for the embedded model, once for the config and the tokenizer
     together: `computed_once`), which every process that loads it would do (engine replicas, the
-    ingress); the saved files load in a
-    fraction of a second and are the same config and tokenizer (tests/engine/test_quant.py compares them).
+    ingress); the saved files load in a fraction of a second and are the same config and tokenizer
+    (tests/engine/test_quant.py compares them).
     Raises what AutoConfig.from_pretrained(gguf_file=...) raises for a file it cannot read."""
     import transformers  # noqa: PLC0415 - heavy; configs import without it
     from transformers import AutoConfig, AutoTokenizer, modeling_gguf_pytorch_utils  # noqa: PLC0415
