@@ -34,13 +34,16 @@ class Agreement:
 
 
 def text_ids(model: str | None, num_tokens: int) -> list[int]:
-    """The first `num_tokens` token ids of the shipped text under the model's tokenizer."""
-    from transformers import AutoTokenizer
-
+    """The first `num_tokens` token ids of the shipped text under the model's tokenizer (as the
+    engine loads it: a GGUF file's converted once on this machine, not parsed from the file again:
+    tests/engine/test_quant.py checks it is transformers' conversion)."""
+    from engine.text.tokenizer import load_tokenizer
     from records.model_source import resolve_model
 
-    path, gguf_file, _ = resolve_model(model)
-    tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    path, gguf_file, hf_config = resolve_model(model)
+    tokenizer = load_tokenizer(path, gguf_file, hf_config)
+    if tokenizer is None:
+        raise ValueError(f"model {model or 'embedded'} ships no tokenizer: text_ids needs one")
     with open(TEXT) as f:
         ids = tokenizer(f.read())["input_ids"]
     if len(ids) < num_tokens:
