@@ -173,13 +173,13 @@ def test_placement_of_multi_rank_pools_and_custom_resources():
 def test_unknown_field_fails_before_ray_starts(tmp_path):
     spec = tmp_path / "bad.yaml"
     spec.write_text("pools:\n  decode: {replicas: 1, gpus: 1}\n")
-    start = time.monotonic()
+    # (no bound on its wall time: this test runs in the lane without Ray, at idle priority, where
+    # 1 s alone took 25 s beside the Ray lane; that no Ray started is the point)
     done = subprocess.run([sys.executable, "-m", "cluster.launch", "--config", str(spec)], env=_env(),
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "pools.decode.gpus" in done.stderr and "Extra inputs are not permitted" in done.stderr
     assert "Traceback" not in done.stderr and "Started a local Ray" not in done.stderr + done.stdout
-    assert time.monotonic() - start < 60
 
 
 def _descendants(pid: int) -> list:
