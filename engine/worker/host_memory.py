@@ -1,19 +1,26 @@
-"""How a CPU worker takes memory from the OS: the KV cache as an anonymous mapping of its own, and
-glibc's malloc told to keep the memory a step frees for the next step.
+"""How a CPU worker takes memory from the OS: the KV cache as an anonymous mapping of its own, its
+pages faulted in ahead of use by a thread that runs only when a core is idle, and glibc's malloc told
+to keep the memory a step frees for the next step.
 
-Both are about page faults on the step's path: a page the process has not touched yet faults on
+All three are about page faults on the step's path: a page the process has not touched yet faults on
 first write (the kernel maps and zeroes it), and on a CPU engine these were 2-18% of a prefill's time
-(docs/perf/journal.md §34).
+(docs/perf/journal.md §34), ~20% of a 1,024-token prefill on fresh blocks in a VM (§60).
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import functools
 import logging
 import math
 import mmap
+import os
 import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -21,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# madvise(2): fault a range's pages in writable, their contents unchanged (Linux 5.14+).
+_MADV_POPULATE_WRITE = 23
+PAGE = mmap.PAGESIZE
+
 # The largest mmap threshold glibc accepts on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
 MMAP_THRESHOLD = 32 << 20
 # Freed memory at the top of the heap is handed back to the OS only beyond this.
@@ -32,9 +43,10 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     until written, so nothing is written now (torch.zeros spent 0.39 s of a 1.15 s engine start
     filling a 2.2 GB cache), only the blocks in use are resident, and freeing the tensor unmaps it
     (what a replica put to sleep gives back). A block's first write faults its pages in (~5,800
-    faults in `write_kv` for a 1,024-token prefill of the embedded model on fresh blocks); asking for
-    transparent huge pages (MADV_HUGEPAGE) cut that to ~100 but made the prefill ~30 ms slower, the
-    kernel zeroing (and compacting for) 2 MiB at each fault (journal §34)."""
+    faults in `write_kv` for a 1,024-token prefill of the embedded model on fresh blocks), unless
+    `prefault_in_background` got there first; asking for transparent huge pages (MADV_HUGEPAGE) cut
+    that to ~100 but made the prefill ~30 ms slower, the kernel zeroing (and compacting for) 2 MiB at
+    each fault (journal §34)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -63,3 +75,104 @@ def keep_freed_memory() -> bool:
     if not ok:
         logger.info("glibc's mallopt refused the step's malloc settings; keeping its defaults")
     return ok
+
+
+
+def prefault_enabled() -> bool:
+    """`PDSERVE_KV_PREFAULT` (default 1): whether a CPU KV cache's pages are faulted in ahead of use."""
+    value = os.environ.get("PDSERVE_KV_PREFAULT", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"PDSERVE_KV_PREFAULT must be 0 or 1; got {value!r}")
+    return value == "1"
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise through ctypes (which lets go of the GIL during the call), or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def block_ranges(tensors: Sequence[torch.Tensor], num_blocks: int, b0: int, b1: int) -> list[tuple[int, int]]:
+    """The page-aligned byte ranges (address, length) that blocks [b0, b1) of `tensors` take: each
+    tensor shaped (2, num_blocks, ...) and contiguous (K's blocks, then V's), so two ranges a tensor."""
+    ranges = []
+    for t in tensors:
+        block_bytes = t.nbytes // (2 * num_blocks)
+        for half in range(2):
+            start = t.data_ptr() + (half * num_blocks + b0) * block_bytes
+            end = t.data_ptr() + (half * num_blocks + b1) * block_bytes
+            start, end = start // PAGE * PAGE, -(-end // PAGE) * PAGE
+            ranges.append((start, end - start))
+    return ranges
+
+
+def prefault(tensors: Sequence[torch.Tensor], num_blocks: int, chunk_bytes: int = 256 << 10) -> None:
+    """Fault in the pages of KV tensors made by `zeroed` (each shaped (2, num_blocks, ...)), block by
+    block from block 0, contents unchanged (MADV_POPULATE_WRITE: the engine may be writing some
+    blocks meanwhile), about `chunk_bytes` a call. OSError where the OS cannot (EINVAL before Linux
+    5.14; ENOSYS off Linux)."""
+    _prefault_chunks(lambda: list(tensors), num_blocks, chunk_bytes)
+
+
+def _prefault_chunks(live: Callable[[], list[torch.Tensor] | None], num_blocks: int, chunk_bytes: int) -> None:
+    """prefault over the tensors `live()` returns at each chunk, until it returns None."""
+    madvise = _madvise()
+    if madvise is None:
+        raise OSError(errno.ENOSYS, "madvise(MADV_POPULATE_WRITE) is Linux's")
+    tensors = live()
+    if not tensors or num_blocks <= 0:
+        return
+    step = max(1, chunk_bytes // max(1, sum(t.nbytes for t in tensors) // num_blocks))
+    del tensors
+    for b0 in range(0, num_blocks, step):
+        tensors = live()                 # held while its ranges are advised, so they stay mapped
+        if tensors is None:
+            return
+        for address, length in block_ranges(tensors, num_blocks, b0, min(num_blocks, b0 + step)):
+            while madvise(address, length, _MADV_POPULATE_WRITE) != 0:
+                code = ctypes.get_errno()
+                if code != errno.EINTR:
+                    raise OSError(code, f"madvise(MADV_POPULATE_WRITE): {os.strerror(code)}")
+        del tensors
+
+
+def prefault_in_background(tensors: Sequence[torch.Tensor], num_blocks: int) -> threading.Thread | None:
+    """`prefault` on a daemon thread that runs only when a core is idle (SCHED_IDLE): the cache is
+    resident before the engine writes it, as vLLM's and llama.cpp's caches (zeroed at start) are,
+    without delaying the engine's start or taking from its steps. An engine's first requests after
+    its start otherwise fault their blocks in, ~20% of a 1,024-token prefill in a VM (journal §60).
+    The thread holds the tensors only while it advises a chunk, so freeing the cache stops it. None
+    where prefaulting is off (`PDSERVE_KV_PREFAULT=0`), the tensors are not the CPU's, or the OS
+    cannot."""
+    cpu = [t for t in tensors if t.device.type == "cpu"]
+    if not cpu or len(cpu) != len(tensors) or not prefault_enabled() or _madvise() is None:
+        return None
+    refs = [weakref.ref(t) for t in cpu]
+
+    def live() -> list[torch.Tensor] | None:
+        held = [r() for r in refs]
+        return None if any(t is None for t in held) else held   # type: ignore[misc]
+
+    def run() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))      # this thread only
+        except (AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        started = time.perf_counter()
+        try:
+            _prefault_chunks(live, num_blocks, 256 << 10)
+        except OSError as e:        # EINVAL: before Linux 5.14; ENOMEM: the memory is not there
+            logger.info("the KV cache's pages fault in at first use, not ahead (%s)", e)
+            return
+        logger.debug("KV cache faulted in (%d blocks) in %.1f s", num_blocks, time.perf_counter() - started)
+
+    thread = threading.Thread(target=run, name="kv-prefault", daemon=True)
+    thread.start()
+    return thread

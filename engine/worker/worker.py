@@ -28,7 +28,7 @@ from engine.model.models.vision_language import with_vision
 from engine.model.parallel_state import get_parallel_state, init_parallel_state, pp_layer_range
 from engine.sample.structured_output import Constraints
 from engine.worker.encoder_cache import EncoderCache
-from engine.worker.host_memory import keep_freed_memory, zeroed
+from engine.worker.host_memory import keep_freed_memory, prefault_in_background, zeroed
 from engine.worker.kv_scales import calibrate_kv_scales
 from engine.worker.kv_tier_store import TierStore
 from engine.worker.lora_slots import LoRASlots
@@ -171,7 +171,8 @@ class Worker:
     def init_cache(self, num_blocks: int, num_cpu_blocks: int, num_host_slots: int = 0,
                    num_disk_slots: int = 0) -> None:
         """Allocate zeroed KV tensors (zeros: padded slots must never hold NaN, attention masks them
-        with a zero weight and 0 * NaN is NaN), and the offload tier's stores when it has slots."""
+        with a zero weight and 0 * NaN is NaN), their pages faulted in by a thread of idle priority
+        (host_memory.prefault_in_background), and the offload tier's stores when it has slots."""
         mc, cc = self.config.model_config, self.config.cache_config
         heads, tensors = self.num_local_kv_heads(), self.num_kv_tensors()
         shape = (2, num_blocks, cc.block_size, heads, mc.head_dim)
@@ -180,6 +181,7 @@ class Worker:
         dtype = getattr(torch, self.config.kv_dtype)
         runner = self.runner
         runner.kv_buffers = [zeroed(shape, dtype, self.device) for _ in range(tensors)]
+        prefault_in_background(runner.kv_buffers, num_blocks)
         runner.cpu_caches = [zeroed(cpu_shape, dtype, torch.device("cpu"))
                              for _ in range(tensors)] if num_cpu_blocks else []
         groups = self.config.kv_groups

@@ -1,14 +1,25 @@
 """How a CPU worker takes memory from the OS (engine/worker/host_memory.py): glibc's malloc keeps a
-step's freed activations for the next step, and the KV cache is a lazily mapped zero tensor."""
+step's freed activations for the next step, and the KV cache is a lazily mapped zero tensor whose
+pages a thread of idle priority faults in ahead of use, contents unchanged."""
 from __future__ import annotations
 
+import gc
 import platform
 import resource
+import sys
 
 import pytest
 import torch
 
-from engine.worker.host_memory import MMAP_THRESHOLD, keep_freed_memory, zeroed
+from engine.worker.host_memory import (
+    MMAP_THRESHOLD,
+    PAGE,
+    block_ranges,
+    keep_freed_memory,
+    prefault,
+    prefault_in_background,
+    zeroed,
+)
 
 GLIBC = platform.libc_ver()[0] == "glibc"
 
@@ -34,3 +45,78 @@ def test_zeroed_cpu_tensor_is_zero_and_writable():
     t[1, 2] = 1.5
     assert t.sum().item() == 1.5 * 16 * 2 * 8
     assert zeroed((0, 4), torch.float32, torch.device("cpu")).shape == (0, 4)
+
+
+LINUX = sys.platform.startswith("linux")
+SHAPE = (2, 64, 16, 4, 64)          # (K/V, blocks, block size, heads, head size): 1 MiB of float32
+
+
+def write_faults(t: torch.Tensor) -> int:
+    """Minor page faults taken while writing one element on each page of `t` (kept unchanged)."""
+    flat = t.view(torch.uint8).view(-1)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    flat[::PAGE].copy_(flat[::PAGE].clone())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def prefault_supported() -> bool:
+    try:
+        prefault([zeroed((2, 1, 16, 1, 64), torch.float32, torch.device("cpu"))], 1)
+    except OSError:
+        return False
+    return True
+
+
+def test_block_ranges_cover_each_block_s_k_and_v_page_aligned():
+    t = zeroed(SHAPE, torch.float32, torch.device("cpu"))
+    block = t[0, 0].nbytes
+    ranges = block_ranges([t], 64, 8, 12)
+    assert len(ranges) == 2
+    for (address, length), half in zip(ranges, (0, 1)):
+        first = t.data_ptr() + (half * 64 + 8) * block
+        assert address % PAGE == 0 and length % PAGE == 0
+        assert address <= first and first + 4 * block <= address + length < first + 4 * block + PAGE + block
+
+
+@pytest.mark.skipif(not LINUX, reason="MADV_POPULATE_WRITE is Linux's")
+def test_prefault_makes_the_cache_resident_and_keeps_what_it_holds():
+    """Written blocks keep their values; afterwards writes take no page faults, where a cache left
+    to fault in at first use takes one a page."""
+    cold, warm = (zeroed(SHAPE, torch.float32, torch.device("cpu")) for _ in range(2))
+    warm[0, 5].fill_(1.5)
+    warm[1, 40].fill_(-2.0)
+    pages = warm.nbytes // PAGE
+    try:
+        prefault([warm], 64, chunk_bytes=64 << 10)
+    except OSError as e:
+        pytest.skip(f"this kernel cannot prefault (Linux 5.14+): {e}")
+    assert warm[0, 5].eq(1.5).all() and warm[1, 40].eq(-2.0).all()
+    assert warm.abs().sum().item() == (1.5 + 2.0) * warm[0, 5].numel()
+    assert write_faults(warm) < pages // 8
+    assert write_faults(cold) > pages // 2
+
+
+@pytest.mark.skipif(not LINUX, reason="MADV_POPULATE_WRITE is Linux's")
+def test_background_prefault_finishes_and_stops_once_the_cache_is_freed(monkeypatch):
+    monkeypatch.setenv("PDSERVE_KV_PREFAULT", "1")
+    t = zeroed(SHAPE, torch.float32, torch.device("cpu"))
+    thread = prefault_in_background([t], 64)
+    assert thread is not None and thread.daemon
+    thread.join(timeout=300)             # it runs when a core is idle: no deadline, only a bound
+    assert not thread.is_alive()
+    assert write_faults(t) < t.nbytes // PAGE // 8 or not prefault_supported()
+    big = zeroed((2, 4096, 16, 4, 64), torch.float32, torch.device("cpu"))   # 64 MiB
+    thread = prefault_in_background([big], 4096)
+    del big
+    gc.collect()
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+
+
+def test_prefault_switch(monkeypatch):
+    t = zeroed(SHAPE, torch.float32, torch.device("cpu"))
+    monkeypatch.setenv("PDSERVE_KV_PREFAULT", "0")
+    assert prefault_in_background([t], 64) is None
+    monkeypatch.setenv("PDSERVE_KV_PREFAULT", "yes")
+    with pytest.raises(ValueError, match="PDSERVE_KV_PREFAULT must be 0 or 1"):
+        prefault_in_background([t], 64)
