@@ -77,7 +77,6 @@ def keep_freed_memory() -> bool:
     return ok
 
 
-
 def prefault_enabled() -> bool:
     """`PDSERVE_KV_PREFAULT` (default 1): whether a CPU KV cache's pages are faulted in ahead of use."""
     value = os.environ.get("PDSERVE_KV_PREFAULT", "1")
@@ -148,9 +147,9 @@ def prefault_in_background(tensors: Sequence[torch.Tensor], num_blocks: int) -> 
     resident before the engine writes it, as vLLM's and llama.cpp's caches (zeroed at start) are,
     without delaying the engine's start or taking from its steps. An engine's first requests after
     its start otherwise fault their blocks in, ~20% of a 1,024-token prefill in a VM (journal §60).
-    The thread holds the tensors only while it advises a chunk, so freeing the cache stops it. None
-    where prefaulting is off (`PDSERVE_KV_PREFAULT=0`), the tensors are not the CPU's, or the OS
-    cannot."""
+    The thread holds the tensors only while it advises a chunk, so freeing the cache stops it; on a
+    kernel without the call (before 5.14) it logs that and ends. None where prefaulting is off
+    (`PDSERVE_KV_PREFAULT=0`), the tensors are not the CPU's, or the OS is not Linux."""
     cpu = [t for t in tensors if t.device.type == "cpu"]
     if not cpu or len(cpu) != len(tensors) or not prefault_enabled() or _madvise() is None:
         return None

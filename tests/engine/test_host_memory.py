@@ -14,6 +14,7 @@ import torch
 from engine.worker.host_memory import (
     MMAP_THRESHOLD,
     PAGE,
+    _prefault_chunks,
     block_ranges,
     keep_freed_memory,
     prefault,
@@ -48,7 +49,7 @@ def test_zeroed_cpu_tensor_is_zero_and_writable():
 
 
 LINUX = sys.platform.startswith("linux")
-SHAPE = (2, 64, 16, 4, 64)          # (K/V, blocks, block size, heads, head size): 1 MiB of float32
+SHAPE = (2, 64, 16, 4, 64)          # (K/V, blocks, block size, heads, head size): 2 MiB of float32
 
 
 def write_faults(t: torch.Tensor) -> int:
@@ -97,7 +98,7 @@ def test_prefault_makes_the_cache_resident_and_keeps_what_it_holds():
 
 
 @pytest.mark.skipif(not LINUX, reason="MADV_POPULATE_WRITE is Linux's")
-def test_background_prefault_finishes_and_stops_once_the_cache_is_freed(monkeypatch):
+def test_background_prefault_finishes_and_ends_once_the_cache_is_freed(monkeypatch):
     monkeypatch.setenv("PDSERVE_KV_PREFAULT", "1")
     t = zeroed(SHAPE, torch.float32, torch.device("cpu"))
     thread = prefault_in_background([t], 64)
@@ -105,8 +106,8 @@ def test_background_prefault_finishes_and_stops_once_the_cache_is_freed(monkeypa
     thread.join(timeout=300)             # it runs when a core is idle: no deadline, only a bound
     assert not thread.is_alive()
     assert write_faults(t) < t.nbytes // PAGE // 8 or not prefault_supported()
-    big = zeroed((2, 4096, 16, 4, 64), torch.float32, torch.device("cpu"))   # 64 MiB
-    thread = prefault_in_background([big], 4096)
+    big = zeroed((2, 2048, 16, 4, 64), torch.float32, torch.device("cpu"))   # 64 MiB
+    thread = prefault_in_background([big], 2048)
     del big
     gc.collect()
     thread.join(timeout=300)
@@ -120,3 +121,24 @@ def test_prefault_switch(monkeypatch):
     monkeypatch.setenv("PDSERVE_KV_PREFAULT", "yes")
     with pytest.raises(ValueError, match="PDSERVE_KV_PREFAULT must be 0 or 1"):
         prefault_in_background([t], 64)
+
+
+@pytest.mark.skipif(not LINUX, reason="MADV_POPULATE_WRITE is Linux's")
+def test_prefault_stops_at_the_chunk_where_the_cache_is_gone():
+    """What the background thread sees once the cache is freed (its weak references dead): no further
+    chunk is advised. Blocks 0-15 (one chunk) are resident, the rest still fault at first write."""
+    if not prefault_supported():
+        pytest.skip("this kernel cannot prefault (Linux 5.14+)")
+    t = zeroed(SHAPE, torch.float32, torch.device("cpu"))
+    calls = []
+
+    def live() -> list[torch.Tensor] | None:
+        calls.append(1)
+        return [t] if len(calls) <= 2 else None      # the size probe, the first chunk, then gone
+
+    _prefault_chunks(live, 64, chunk_bytes=16 * t[:, 0].nbytes)
+    assert len(calls) == 3
+    first_pages = 2 * t[0, :16].nbytes // PAGE
+    assert sum(write_faults(t[h, :16]) for h in range(2)) < first_pages // 8
+    rest_pages = 2 * t[0, 16:].nbytes // PAGE
+    assert sum(write_faults(t[h, 16:]) for h in range(2)) > rest_pages // 2
