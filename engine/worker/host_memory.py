@@ -31,6 +31,9 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 # madvise(2): fault a range's pages in writable, their contents unchanged (Linux 5.14+).
 _MADV_POPULATE_WRITE = 23
 PAGE = mmap.PAGESIZE
+# Bytes a prefault call advises: small, so that a call preempted at idle priority holds the address
+# space's lock (which an mmap or munmap of the engine's waits for) only briefly.
+CHUNK_BYTES = 256 << 10
 
 # The largest mmap threshold glibc accepts on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
 MMAP_THRESHOLD = 32 << 20
@@ -57,6 +60,17 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 @functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library through ctypes (whose calls let go of the GIL; errno kept), or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+@functools.cache
 def keep_freed_memory() -> bool:
     """Tell glibc's malloc (where it is the allocator) to keep what a step frees for the next step:
     allocations up to MMAP_THRESHOLD from the heap (not each its own mapping) and freed heap memory
@@ -64,12 +78,9 @@ def keep_freed_memory() -> bool:
     could settle in a state where a step's activations were fresh mappings every time: in one of
     four runs a 1,024-token prefill took 35,000 page faults and 400 ms against 5,800 and 335-355 ms
     (journal §34). Once per process; returns whether glibc took both settings."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):       # not glibc (musl has no mallopt)
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:                     # not Linux, or not glibc (musl has no mallopt)
         return False
     ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     if not ok:
@@ -83,19 +94,6 @@ def prefault_enabled() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"PDSERVE_KV_PREFAULT must be 0 or 1; got {value!r}")
     return value == "1"
-
-
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's madvise through ctypes (which lets go of the GIL during the call), or None off Linux."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn
 
 
 def block_ranges(tensors: Sequence[torch.Tensor], num_blocks: int, b0: int, b1: int) -> list[tuple[int, int]]:
@@ -112,26 +110,24 @@ def block_ranges(tensors: Sequence[torch.Tensor], num_blocks: int, b0: int, b1: 
     return ranges
 
 
-def prefault(tensors: Sequence[torch.Tensor], num_blocks: int, chunk_bytes: int = 256 << 10) -> None:
-    """Fault in the pages of KV tensors made by `zeroed` (each shaped (2, num_blocks, ...)), block by
-    block from block 0, contents unchanged (MADV_POPULATE_WRITE: the engine may be writing some
-    blocks meanwhile), about `chunk_bytes` a call. OSError where the OS cannot (EINVAL before Linux
-    5.14; ENOSYS off Linux)."""
-    _prefault_chunks(lambda: list(tensors), num_blocks, chunk_bytes)
-
-
-def _prefault_chunks(live: Callable[[], list[torch.Tensor] | None], num_blocks: int, chunk_bytes: int) -> None:
-    """prefault over the tensors `live()` returns at each chunk, until it returns None."""
-    madvise = _madvise()
-    if madvise is None:
+def prefault(live: Callable[[], list[torch.Tensor] | None], num_blocks: int, chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Fault in the pages of the KV tensors `live()` returns (made by `zeroed`, each shaped
+    (2, num_blocks, ...)), block by block from block 0, contents unchanged (MADV_POPULATE_WRITE: the
+    engine may be writing some blocks meanwhile), about `chunk_bytes` a call. `live()` is asked again
+    at each chunk and the tensors held while it is advised (so they stay mapped); it stops once
+    `live()` returns None. OSError where the OS cannot (EINVAL before Linux 5.14; ENOSYS off Linux)."""
+    libc = _libc()
+    if libc is None:
         raise OSError(errno.ENOSYS, "madvise(MADV_POPULATE_WRITE) is Linux's")
+    madvise = libc.madvise
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     tensors = live()
     if not tensors or num_blocks <= 0:
         return
     step = max(1, chunk_bytes // max(1, sum(t.nbytes for t in tensors) // num_blocks))
     del tensors
     for b0 in range(0, num_blocks, step):
-        tensors = live()                 # held while its ranges are advised, so they stay mapped
+        tensors = live()
         if tensors is None:
             return
         for address, length in block_ranges(tensors, num_blocks, b0, min(num_blocks, b0 + step)):
@@ -150,10 +146,9 @@ def prefault_in_background(tensors: Sequence[torch.Tensor], num_blocks: int) -> 
     The thread holds the tensors only while it advises a chunk, so freeing the cache stops it; on a
     kernel without the call (before 5.14) it logs that and ends. None where prefaulting is off
     (`PDSERVE_KV_PREFAULT=0`), the tensors are not the CPU's, or the OS is not Linux."""
-    cpu = [t for t in tensors if t.device.type == "cpu"]
-    if not cpu or len(cpu) != len(tensors) or not prefault_enabled() or _madvise() is None:
+    if not tensors or any(t.device.type != "cpu" for t in tensors) or not prefault_enabled() or _libc() is None:
         return None
-    refs = [weakref.ref(t) for t in cpu]
+    refs = [weakref.ref(t) for t in tensors]
 
     def live() -> list[torch.Tensor] | None:
         held = [r() for r in refs]
@@ -166,7 +161,7 @@ def prefault_in_background(tensors: Sequence[torch.Tensor], num_blocks: int) -> 
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         started = time.perf_counter()
         try:
-            _prefault_chunks(live, num_blocks, 256 << 10)
+            prefault(live, num_blocks)
         except OSError as e:        # EINVAL: before Linux 5.14; ENOMEM: the memory is not there
             logger.info("the KV cache's pages fault in at first use, not ahead (%s)", e)
             return

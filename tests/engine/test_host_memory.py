@@ -14,7 +14,6 @@ import torch
 from engine.worker.host_memory import (
     MMAP_THRESHOLD,
     PAGE,
-    _prefault_chunks,
     block_ranges,
     keep_freed_memory,
     prefault,
@@ -73,7 +72,7 @@ def write_faults(t: torch.Tensor) -> int:
 
 def prefault_supported() -> bool:
     try:
-        prefault([zeroed((2, 1, 16, 1, 64), torch.float32, torch.device("cpu"))], 1)
+        prefault(lambda: [zeroed((2, 1, 16, 1, 64), torch.float32, torch.device("cpu"))], 1)
     except OSError:
         return False
     return True
@@ -99,7 +98,7 @@ def test_prefault_makes_the_cache_resident_and_keeps_what_it_holds():
     warm[1, 40].fill_(-2.0)
     pages = warm.nbytes // PAGE
     try:
-        prefault([warm], 64, chunk_bytes=64 << 10)
+        prefault(lambda: [warm], 64, chunk_bytes=64 << 10)
     except OSError as e:
         pytest.skip(f"this kernel cannot prefault (Linux 5.14+): {e}")
     assert warm[0, 5].eq(1.5).all() and warm[1, 40].eq(-2.0).all()
@@ -147,7 +146,7 @@ def test_prefault_stops_at_the_chunk_where_the_cache_is_gone():
         calls.append(1)
         return [t] if len(calls) <= 2 else None      # the size probe, the first chunk, then gone
 
-    _prefault_chunks(live, 64, chunk_bytes=16 * t[:, 0].nbytes)
+    prefault(live, 64, chunk_bytes=16 * t[:, 0].nbytes)
     assert len(calls) == 3
     first_pages = 2 * t[0, :16].nbytes // PAGE
     assert sum(write_faults(t[h, :16]) for h in range(2)) < first_pages // 8
