@@ -16,6 +16,7 @@ import logging
 import math
 import mmap
 import os
+import platform
 import sys
 import threading
 import time
@@ -30,6 +31,11 @@ logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 # madvise(2): fault a range's pages in writable, their contents unchanged (Linux 5.14+).
 _MADV_POPULATE_WRITE = 23
+# madvise(2)'s system call number, which the prefault calls through libc's syscall(2) rather than
+# libc's madvise: UCX (NIXL's transport) rewrites libc's madvise, mmap, munmap, ... at run time to
+# watch the address space, and a prefault thread inside madvise while an engine's NIXL agent started
+# crashed the replica (SIGSEGV in that call; journal §61). libc's syscall it leaves alone.
+_SYS_MADVISE = {"x86_64": 28, "aarch64": 233, "riscv64": 233, "ppc64le": 205, "s390x": 219}.get(platform.machine())
 PAGE = mmap.PAGESIZE
 # Bytes a prefault call advises: small, so that a call preempted at idle priority holds the address
 # space's lock (which an mmap or munmap of the engine's waits for) only briefly.
@@ -110,6 +116,19 @@ def block_ranges(tensors: Sequence[torch.Tensor], num_blocks: int, b0: int, b1: 
     return ranges
 
 
+def _raw_madvise(libc: ctypes.CDLL) -> Callable[[int, int, int], int]:
+    """madvise(addr, length, advice) -> 0, or -1 with errno set: the system call itself (libc's
+    syscall), or libc's madvise on an architecture whose call number `_SYS_MADVISE` lacks."""
+    if _SYS_MADVISE is None:
+        call = libc["madvise"]          # (its own function object: argtypes set on it alone)
+        call.argtypes, call.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        return call
+    syscall = libc["syscall"]
+    syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    syscall.restype = ctypes.c_long
+    return functools.partial(syscall, _SYS_MADVISE)
+
+
 def prefault(live: Callable[[], list[torch.Tensor] | None], num_blocks: int, chunk_bytes: int = CHUNK_BYTES) -> None:
     """Fault in the pages of the KV tensors `live()` returns (made by `zeroed`, each shaped
     (2, num_blocks, ...)), block by block from block 0, contents unchanged (MADV_POPULATE_WRITE: the
@@ -119,8 +138,7 @@ def prefault(live: Callable[[], list[torch.Tensor] | None], num_blocks: int, chu
     libc = _libc()
     if libc is None:
         raise OSError(errno.ENOSYS, "madvise(MADV_POPULATE_WRITE) is Linux's")
-    madvise = libc.madvise
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    madvise = _raw_madvise(libc)
     tensors = live()
     if not tensors or num_blocks <= 0:
         return

@@ -181,7 +181,6 @@ class Worker:
         dtype = getattr(torch, self.config.kv_dtype)
         runner = self.runner
         runner.kv_buffers = [zeroed(shape, dtype, self.device) for _ in range(tensors)]
-        prefault_in_background(runner.kv_buffers, num_blocks)
         runner.cpu_caches = [zeroed(cpu_shape, dtype, torch.device("cpu"))
                              for _ in range(tensors)] if num_cpu_blocks else []
         groups = self.config.kv_groups
@@ -199,6 +198,9 @@ class Worker:
                 self.config.kv_transfer_config,
                 KVLayout.from_config(self.config, get_parallel_state().tp_rank, get_parallel_state().pp_rank))
             self.kv_connector.register_kv_caches(runner.kv_buffers)
+        # Last: a KV connector's transport (UCX) patches libc as it starts, which a thread running
+        # meanwhile must stay out of (host_memory._SYS_MADVISE).
+        prefault_in_background(runner.kv_buffers, num_blocks)
 
     def kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """This rank's heads of these blocks in every layer, [layers, 2, n, block_size, heads, d], on
