@@ -4,8 +4,10 @@ pages a thread of idle priority faults in ahead of use, contents unchanged."""
 from __future__ import annotations
 
 import gc
+import pathlib
 import platform
 import resource
+import subprocess
 import sys
 
 import pytest
@@ -160,3 +162,37 @@ def test_prefault_stops_at_the_chunk_where_the_cache_is_gone():
     assert sum(write_faults(t[h, :16]) for h in range(2)) < first_pages // 8
     rest_pages = 2 * t[0, 16:].nbytes // PAGE
     assert sum(write_faults(t[h, 16:]) for h in range(2)) > rest_pages // 2
+
+
+UCX_PATCH_CHECK = """
+import ctypes, os, sys, threading
+import torch
+from engine.worker import host_memory
+libc = ctypes.CDLL("libc.so.6")
+def code(name):
+    return bytes((ctypes.c_ubyte * 16).from_address(ctypes.cast(libc[name], ctypes.c_void_p).value))
+before = {n: code(n) for n in ("madvise", "syscall")}
+t = host_memory.zeroed((2, 256, 16, 4, 64), torch.float32, torch.device("cpu"))   # 8 MiB
+thread = host_memory.prefault_in_background([t], 256)       # running while the agent starts
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+from nixl._api import nixl_agent, nixl_agent_config
+agent = nixl_agent("check", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+agent.register_memory(t)
+thread.join()
+host_memory.prefault(lambda: [t], 256)                      # and after it
+called = host_memory._raw_madvise(host_memory._libc()).func.__name__
+print("madvise", before["madvise"] != code("madvise"), "syscall", before["syscall"] != code("syscall"), "calls", called)
+"""
+
+
+@pytest.mark.skipif(not LINUX or platform.machine() != "x86_64", reason="reads x86-64 Linux's libc code")
+def test_the_prefault_calls_no_libc_function_ucx_rewrites():
+    """UCX (NIXL's transport) rewrites libc's madvise as an agent starts (journal §61: a prefault
+    thread inside it then crashed two replicas); the prefault makes its system call through libc's
+    syscall, which UCX leaves alone, here while an agent starts and after."""
+    pytest.importorskip("nixl", reason="needs nixl: make setup installs it")
+    out = subprocess.run([sys.executable, "-c", UCX_PATCH_CHECK], capture_output=True, text=True, timeout=600,
+                         cwd=str(pathlib.Path(__file__).parents[2]))
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.endswith("syscall False calls syscall"), line   # what the prefault calls is untouched
