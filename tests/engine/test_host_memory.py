@@ -165,7 +165,7 @@ def test_prefault_stops_at_the_chunk_where_the_cache_is_gone():
 
 
 UCX_PATCH_CHECK = """
-import ctypes, os, sys, threading
+import ctypes, os
 import torch
 from engine.worker import host_memory
 libc = ctypes.CDLL("libc.so.6")
