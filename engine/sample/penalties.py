@@ -27,7 +27,7 @@ class _Stats:
 
     def __init__(self, prompt: Sequence[int]) -> None:
         self.prompt_set = set(prompt)
-        self.prompt_ids = torch.tensor(sorted(self.prompt_set), dtype=torch.long)
+        self.prompt_ids = torch.tensor(sorted(self.prompt_set), dtype=torch.long, device="cpu")   # (kept here)
         self.counts: dict[int, int] = {}         # output token -> times
         self.num_counted = 0
 
@@ -66,14 +66,14 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[int], params: Sequence[
     (tokens of the prompt or output: a positive logit divided by it, a negative one multiplied),
     then frequency (times each token's output count) and presence (once for any output token), as
     vLLM defines them."""
-    dtype = logits.dtype
+    dtype, device = logits.dtype, logits.device
     rep_rows, rep_cols, rep_vals = [], [], []
     out_rows, out_ids, out_counts, freq, pres = [], [], [], [], []
     for i, p, st in zip(rows, params, stats):
         if p.repetition_penalty != 1.0:
             extra = [t for t in st.counts if t not in st.prompt_set]
-            cols = torch.cat([st.prompt_ids, torch.tensor(extra, dtype=torch.long)]) if extra else st.prompt_ids
-            rep_rows.append(torch.full((len(cols),), i, dtype=torch.long))
+            cols = torch.cat([st.prompt_ids, torch.tensor(extra, dtype=torch.long, device="cpu")]) if extra else st.prompt_ids
+            rep_rows.append(torch.full((len(cols),), i, dtype=torch.long, device="cpu"))
             rep_cols.append(cols)
             rep_vals.append(p.repetition_penalty)
         if (p.frequency_penalty or p.presence_penalty) and st.counts:
@@ -83,12 +83,14 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[int], params: Sequence[
             freq.extend([p.frequency_penalty] * len(st.counts))
             pres.extend([p.presence_penalty] * len(st.counts))
     if rep_rows:
-        at = (torch.cat(rep_rows), torch.cat(rep_cols))
-        rep = torch.repeat_interleave(torch.tensor(rep_vals, dtype=dtype),
-                                      torch.tensor([len(c) for c in rep_cols]))
+        # (The counts are built on the host, where they are kept; one copy of each to the logits.)
+        at = (torch.cat(rep_rows).to(device), torch.cat(rep_cols).to(device))
+        rep = torch.repeat_interleave(torch.tensor(rep_vals, dtype=dtype, device=device),
+                                      torch.tensor([len(c) for c in rep_cols], device=device))
         vals = logits[at]
         logits[at] = torch.where(vals > 0, vals / rep, vals * rep)
     if out_rows:
-        at = (torch.tensor(out_rows), torch.tensor(out_ids))
-        counts = torch.tensor(out_counts, dtype=dtype)
-        logits[at] -= torch.tensor(freq, dtype=dtype) * counts + torch.tensor(pres, dtype=dtype)
+        at = (torch.tensor(out_rows, device=device), torch.tensor(out_ids, device=device))
+        counts = torch.tensor(out_counts, dtype=dtype, device=device)
+        logits[at] -= (torch.tensor(freq, dtype=dtype, device=device) * counts
+                       + torch.tensor(pres, dtype=dtype, device=device))

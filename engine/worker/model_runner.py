@@ -200,9 +200,13 @@ class ModelRunner:
             ids = greedy_ids(self.model.compute_logits(rows, model_dtype=True)).tolist()
             return ModelRunnerOutput(sampled={req.request_id: SampledToken(t) for (req, _), t in zip(sample_rows, ids)},
                                      pooled=pooled)
-        logits = self.model.compute_logits(rows, self._logits_buffer(len(row_index))).cpu()
+        logits = self.model.compute_logits(rows, self._logits_buffer(len(row_index)))
         if not state.is_driver:                  # TP ranks > 0 only took part in the logits gather
             return None
+        # The sampler runs where the logits are (on a GPU: no [rows, vocab] copy, no host softmax);
+        # grammars' masks, verification and prompt logprobs work on the host.
+        if spec_rows or lp_rows or any(r.sampling_params.structured_outputs is not None for r, _ in sample_rows):
+            logits = logits.cpu()
         num_sample = len(sample_rows)
         output = ModelRunnerOutput(sampled={}, pooled=pooled)
         if sample_rows:

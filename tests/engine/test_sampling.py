@@ -316,7 +316,7 @@ def test_candidates_renormalize_top_p_over_a_large_top_k_even_when_min_p_ends_ea
     params = [SamplingParams(temperature=1.0, top_k=1000, top_p=0.63, min_p=0.5)]
     vals, ids, sizes = candidates(probs.log()[None, :], params)
     expected = filtered_probs(probs.log()[None, :], params)
-    assert sizes == [2] and int((expected[0] > 0).sum()) == 2 and set(ids[0, :2].tolist()) == {0, 1}
+    assert sizes.tolist() == [2] and int((expected[0] > 0).sum()) == 2 and set(ids[0, :2].tolist()) == {0, 1}
 
 
 def test_batched_penalties_equal_the_per_row_reference_across_steps():
@@ -405,3 +405,78 @@ def test_degenerate_distributions_take_the_most_likely_token():
     assert [t.token_id for t in tokens[:3]] == [int(logits[0].argmax()), 17, int(logits[2].argmax())]
     assert 0 <= tokens[3].token_id < 300
 
+
+
+def _every_kind_of_row(vocab: int, seed: int = 0):
+    """(logits [R, vocab], SamplingRows): greedy, temperature with top_k / top_p / min_p, seeded and
+    not, penalties, a logit bias, min_tokens and logprobs, each beside the others."""
+    from engine.sample.sampler import SamplingRow
+
+    gen = torch.Generator().manual_seed(seed)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.95, seed=1),
+              SamplingParams(temperature=1.0, top_k=40, seed=2, logprobs=3),
+              SamplingParams(temperature=0.7, min_p=0.05, seed=3, repetition_penalty=1.3),
+              SamplingParams(temperature=1.2, seed=4, frequency_penalty=0.5, presence_penalty=0.2,
+                             logit_bias={5: 3.0, 7: -100.0}),
+              SamplingParams(temperature=0.9, top_k=700, top_p=0.9, seed=5, min_tokens=4, stop_token_ids=[2]),
+              SamplingParams(temperature=0, logprobs=0, repetition_penalty=0.9)]
+    logits = torch.randn(len(params), vocab, generator=gen) * 3
+    rows = [SamplingRow(p, torch.Generator().manual_seed(p.seed) if p.seed is not None else None,
+                        list(range(10, 40)), [11, 12, 12, 300][:i % 4], frozenset({0}), key=f"r{i}")
+            for i, p in enumerate(params)]
+    return logits, rows
+
+
+def test_the_sampler_names_a_device_for_every_tensor_it_makes():
+    """On a GPU the sampler runs where the logits are (a host round trip of [rows, vocab] float32 and
+    a host softmax cost an 8B model's step 38 ms at batch 1 and 133 at 32 on an H200, against 6.4 and
+    8.5 greedy): every tensor it makes is on the logits' device, or on the host by name (the seeded
+    draws, the kept token counts). A factory call without a device would land on the CPU."""
+    from torch.overrides import TorchFunctionMode
+
+    from engine.sample.penalties import TokenCounts
+    from engine.sample.sampler import sample
+
+    factories = {torch.tensor, torch.zeros, torch.ones, torch.full, torch.arange, torch.empty, torch.rand,
+                 torch.randn, torch.as_tensor}
+
+    class Factories(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.made, self.unplaced = 0, []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in factories:
+                self.made += 1
+                if kwargs.get("device") is None:
+                    self.unplaced.append(func.__name__)
+            return func(*args, **kwargs)
+
+    for counts in (None, TokenCounts()):          # the per-row penalties, then the batched ones
+        logits, rows = _every_kind_of_row(3000)
+        with Factories() as mode:
+            tokens, failed = sample(logits, rows, counts)
+        assert not failed and all(t is not None for t in tokens)
+        assert mode.made > 10, "the mode saw the sampler's factory calls"
+        assert mode.unplaced == [], f"tensors made without a device: {mode.unplaced}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_sampler_on_cuda_draws_what_it_draws_on_the_host():
+    """Every kind of row (seeded draws, filters, penalties, logprobs) on CUDA logits: the same tokens
+    as on the host, and the logits never leave the device."""
+    from engine.sample.penalties import TokenCounts
+    from engine.sample.sampler import sample
+
+    logits, rows = _every_kind_of_row(128256, seed=1)
+    host, host_failed = sample(logits.clone(), rows, TokenCounts())
+    logits, rows = _every_kind_of_row(128256, seed=1)
+    device, device_failed = sample(logits.cuda(), rows, TokenCounts())
+    assert not host_failed and not device_failed
+    assert [t.token_id for t in device] == [t.token_id for t in host]
+    for h, d in zip(host, device):
+        assert (h.top_logprobs is None) == (d.top_logprobs is None) and h.rank == d.rank
+        if h.logprob is not None:
+            assert d.logprob == pytest.approx(h.logprob, abs=1e-4)
