@@ -2,20 +2,27 @@
 
 - `engine`, offline: the engine's own decode step (LLMEngine.step, CUDA graphs, the sampler) on an 8B-shaped
   Llama with random bf16 weights, batches 1 / 32 / 128 at 1,024 tokens of context, greedy and
-  sampled (temperature 0.8, top-p 0.95): each step's time and its forward pass's, against the
-  memory roofline (the bytes a step must read: every weight but the embedding table, and the K/V
-  of its rows) at the copy rate measured in the same run;
+  sampled (temperature 0.8, top-p 0.95; the greedy rows first, the sampled after the profile):
+  each step's time and its forward pass's, against the memory roofline (the bytes a step must
+  read: every weight but the embedding table, and the K/V of its rows) at the copy rate measured
+  in the same run;
 - `engine`, profile: the step times the simulator's GPU profile is fitted to (prompts alone of 128 to
   32k tokens, decode batches of 1 to 256 at 512 / 2k / 8k of context, decodes beside a prompt),
   with the built-in roofline profile's prediction of each and a linear profile fitted to them
   (`pdserve profile`'s fit);
+- `engine`, closed loop: serve's workload run offline on the same engine (`concurrency` requests
+  in flight, a new one as each finishes): the output tok/s that `serve` is measured against;
 - `serve`: `pdserve serve` of that model (one colocated replica on the GPU) under
   benchmarks/serve.py at concurrency 1 / 32 / 128 (1,024-token prompts, 128 tokens out, greedy):
-  served output tok/s and the streams' decode rate against the offline step at that batch;
+  served output tok/s against the closed loop's (the same requests, no server), and the streams'
+  decode rate against the offline step at that batch;
+- `kernels`: benchmarks/kernels.py's prefill section at 1k-32k tokens (the Triton paged prefill
+  attention against torch's flash SDPA on contiguous K/V; issue 71 asks >= 0.9x);
 - `sleep`: benchmarks/sleep_wake_gpu.py (what a level-1 sleep leaves on the device, and who holds it).
 
 Each section runs in a process of its own (the GPU's memory is whole for the next) under its own
-time limit; figures go to $OUT as JSON, a table is printed last.
+time limit, and none past --budget seconds from the start (a device call's limit is 600 s: what
+finished comes back); figures go to $OUT as JSON, a table is printed last.
 
     python3 benchmarks/gpu_standing.py --prepare          # here first: .gpu/tokenizer, carried with .whl
     python3 benchmarks/gpu_standing.py [--sections engine,serve,sleep] [--out DIR] [--smoke]
@@ -39,6 +46,7 @@ CHECKPOINT = "/tmp/llama8b"
 TOKENIZER = os.path.join(ROOT, ".gpu", "tokenizer")     # the embedded model's, saved by transformers
 CONTEXT, OUT_TOKENS = 1024, 128
 BATCHES = (1, 32, 128)
+SERVE_PROMPTS = (8, 96, 384)            # requests at each of BATCHES' concurrencies (serve and closed loop)
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 ENGINE_ARGS = {"dtype": "bfloat16", "worker_num_gpus": 1, "max_model_len": 33024, "max_num_seqs": 256,
                "max_num_batched_tokens": 32768, "kv_cache_memory_bytes": 80 << 30, "enable_prefix_caching": False}
@@ -46,7 +54,7 @@ PROMPTS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 DECODES = ((512, 2048, 8192), (1, 8, 32, 128, 256), 262144)     # contexts, batches, most tokens of a point
 SMOKE = os.environ.get("GPU_STANDING_SMOKE") == "1"             # --smoke: a tiny model on the CPU (the code runs)
 if SMOKE:
-    CHECKPOINT, CONTEXT, OUT_TOKENS, BATCHES = "/tmp/llama-smoke", 64, 8, (1, 4)
+    CHECKPOINT, CONTEXT, OUT_TOKENS, BATCHES, SERVE_PROMPTS = "/tmp/llama-smoke", 64, 8, (1, 4), (4, 12)
     ENGINE_ARGS = {**ENGINE_ARGS, "dtype": "float32", "worker_num_gpus": 0, "max_model_len": 1024,
                    "max_num_seqs": 8, "max_num_batched_tokens": 1024, "kv_cache_memory_bytes": 1 << 28}
     PROMPTS, DECODES = (32, 256), ((64, 256), (1, 4), 1024)
@@ -124,51 +132,83 @@ def _prompts(rng, n: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def engine_checks(out: dict) -> None:
-    """`offline` then `profile` on one engine (its build, ~30 s of the lease, once)."""
+    """`offline` greedy, `profile`, `offline` sampled and `closed_loop` on one engine (its build,
+    ~30 s of the lease, once); what is done is saved after each, so a section cut short by its time
+    limit still reports."""
     engine, recorder = _engine()
-    try:
-        offline(out, engine, recorder)
-    finally:
-        _save(out, "engine")
-    profile(out, engine, recorder)
+    for part in (lambda: offline(out, engine, recorder, "greedy"), lambda: profile(out, engine, recorder),
+                 lambda: offline(out, engine, recorder, "sampled"), lambda: closed_loop(out, engine)):
+        try:
+            part()
+        finally:
+            _save(out, "engine")
     engine.check_no_leaks()
     engine.executor.shutdown()
 
 
-def offline(out: dict, engine, recorder) -> None:
+def offline(out: dict, engine, recorder, mode: str) -> None:
     import numpy as np
 
     from benchmarks.kernels import copy_bandwidth
     from records.sampling_params import SamplingParams
     from records.sim_profile import load_profile
 
-    copy_tbs = 1.0 if SMOKE else copy_bandwidth()
-    out["copy_tbs"] = copy_tbs
+    if "copy_tbs" not in out:
+        out["copy_tbs"] = 1.0 if SMOKE else copy_bandwidth()
+    copy_tbs = out["copy_tbs"]
     weights, kv_per_token = engine_bytes(load_profile("h200-llama3-8b").model)
     vocab = engine.config.model_config.vocab_size
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(0 if mode == "greedy" else 2)
     recorder.run(_prompts(rng, 4, 64, vocab), 8, record=False)      # warm-up
-    rows = []
+    sampling = {"temperature": 0.0} if mode == "greedy" else SAMPLED
+    rows = out.setdefault("offline", [])
     for batch in BATCHES:
-        for mode, sampling in (("greedy", {"temperature": 0.0}), ("sampled", SAMPLED)):
-            recorder.rows.clear()
-            for i, p in enumerate(_prompts(rng, batch, CONTEXT, vocab)):
-                engine.add_request(f"o-{batch}-{mode}-{i}", None, p,
-                                   SamplingParams(max_tokens=1 + OUT_TOKENS, ignore_eos=True, detokenize=False,
-                                                  seed=i, **sampling))
-            recorder.run([], 0)             # (steps until they are all done)
-            decode = [(s, f, st) for s, f, st, _ in recorder.rows if s.prefill_tokens == 0 and s.decode_rows == batch]
-            step_s = statistics.median(st for *_, st in decode)
-            forward_s = statistics.median(f for _, f, _ in decode)
-            context = statistics.mean(s.decode_context / batch for s, *_ in decode)
-            roofline_s = (weights + batch * context * kv_per_token) / (copy_tbs * 1e12)
-            row = {"batch": batch, "mode": mode, "steps": len(decode), "step_ms": step_s * 1e3,
-                   "forward_ms": forward_s * 1e3, "tok_s": batch / step_s, "roofline_ms": roofline_s * 1e3,
-                   "of_roofline": roofline_s / step_s, "forward_of_roofline": roofline_s / forward_s}
-            rows.append(row)
-            log(f"offline b={batch:3d} {mode:7s}: step {row['step_ms']:6.2f} ms (forward {row['forward_ms']:6.2f}), "
-                f"{row['tok_s']:7.0f} tok/s, {row['of_roofline']:.2f} of the roofline {row['roofline_ms']:.2f} ms")
-    out["offline"] = rows
+        recorder.rows.clear()
+        for i, p in enumerate(_prompts(rng, batch, CONTEXT, vocab)):
+            engine.add_request(f"o-{batch}-{mode}-{i}", None, p,
+                               SamplingParams(max_tokens=1 + OUT_TOKENS, ignore_eos=True, detokenize=False,
+                                              **sampling))
+        recorder.run([], 0)             # (steps until they are all done)
+        decode = [(s, f, st) for s, f, st, _ in recorder.rows if s.prefill_tokens == 0 and s.decode_rows == batch]
+        step_s = statistics.median(st for *_, st in decode)
+        forward_s = statistics.median(f for _, f, _ in decode)
+        context = statistics.mean(s.decode_context / batch for s, *_ in decode)
+        roofline_s = (weights + batch * context * kv_per_token) / (copy_tbs * 1e12)
+        row = {"batch": batch, "mode": mode, "steps": len(decode), "step_ms": step_s * 1e3,
+               "forward_ms": forward_s * 1e3, "tok_s": batch / step_s, "roofline_ms": roofline_s * 1e3,
+               "of_roofline": roofline_s / step_s, "forward_of_roofline": roofline_s / forward_s}
+        rows.append(row)
+        _save(out, "engine")
+        log(f"offline b={batch:3d} {mode:7s}: step {row['step_ms']:6.2f} ms (forward {row['forward_ms']:6.2f}), "
+            f"{row['tok_s']:7.0f} tok/s, {row['of_roofline']:.2f} of the roofline {row['roofline_ms']:.2f} ms")
+
+
+def closed_loop(out: dict, engine) -> None:
+    """serve's workload without the server: at each concurrency, its requests (CONTEXT tokens in,
+    OUT_TOKENS out, greedy) kept `concurrency` in flight; output tok/s over the whole run."""
+    import numpy as np
+
+    from records.sampling_params import SamplingParams
+
+    vocab = engine.config.model_config.vocab_size
+    rng = np.random.default_rng(3)
+    rows = out.setdefault("closed_loop", [])
+    for concurrency, n in zip(BATCHES, SERVE_PROMPTS):
+        prompts = _prompts(rng, n, CONTEXT, vocab)
+        params = SamplingParams(max_tokens=OUT_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
+        began, started, finished, tokens = time.perf_counter(), 0, 0, 0
+        while finished < n:
+            while started < n and started - finished < concurrency:
+                engine.add_request(f"loop-{concurrency}-{started}", None, prompts[started], params)
+                started += 1
+            for o in engine.step():
+                if o.finished:
+                    finished += 1
+                    tokens += len(o.outputs[0].token_ids)
+        wall = time.perf_counter() - began
+        rows.append({"concurrency": concurrency, "requests": n, "output_tokens": tokens, "wall_s": wall,
+                     "output_token_throughput": tokens / wall})
+        log(f"closed loop c={concurrency}: {n} requests, {tokens / wall:.0f} output tok/s")
 
 
 def profile(out: dict, engine, recorder) -> None:
@@ -246,7 +286,7 @@ def serve(out: dict) -> None:
         out["serve_ready_s"] = time.monotonic() - began
         log(f"serve: /health 200 after {out['serve_ready_s']:.1f} s")
         rows = []
-        for concurrency, prompts in zip(BATCHES, (8, 96, 384)):
+        for concurrency, prompts in zip(BATCHES, SERVE_PROMPTS):
             result = os.path.join(out["_dir"], f"serve_c{concurrency}.json")
             subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "serve.py"), "--base-url",
                             f"http://127.0.0.1:{port}", "--dataset", "random", "--input-len", str(CONTEXT),
@@ -271,6 +311,18 @@ def serve(out: dict) -> None:
             subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
 
 
+def kernels(out: dict) -> None:
+    if SMOKE:
+        out["kernels"] = "skipped: needs CUDA"
+        return
+    path = os.path.join(out["_dir"], "kernels_prefill.json")
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernels.py"), "--skip", "decode,e2e",
+                    "--prefill-seqs", ",".join(str(n) for n in PROMPTS if n >= 1024), "--json", path],
+                   check=True, timeout=150)
+    with open(path) as f:
+        out["kernels"] = json.load(f)
+
+
 def sleep(out: dict) -> None:
     scratch = "/tmp/sleep-wake-out"
     os.makedirs(scratch, exist_ok=True)
@@ -281,8 +333,8 @@ def sleep(out: dict) -> None:
         out["sleep"] = json.load(f)
 
 
-SECTIONS = {"engine": engine_checks, "serve": serve, "sleep": sleep}
-LIMITS = {"engine": 240, "serve": 240, "sleep": 90}      # (one lease: ~10 minutes of device time in all)
+SECTIONS = {"engine": engine_checks, "serve": serve, "kernels": kernels, "sleep": sleep}
+LIMITS = {"engine": 330, "serve": 240, "kernels": 120, "sleep": 90}     # each; --budget caps them all
 
 
 def _save(out: dict, name: str) -> None:
@@ -302,13 +354,23 @@ def table(results: dict) -> None:
     if "roofline_error_p50" in prof:
         print(f"roofline profile's error on {len(prof['profile_steps'])} measured forwards: p50 "
               f"{prof['roofline_error_p50']:.1%}, p90 {prof['roofline_error_p90']:.1%}; fitted: {prof['fitted_error']}")
+    loops = {r["concurrency"]: r for r in results.get("engine", {}).get("closed_loop", [])}
     for r in results.get("serve", {}).get("serve", []):
+        loop = loops.get(r["concurrency"])
+        if loop:
+            print(f"serve c={r['concurrency']:3d}: output {r['output_token_throughput']:.0f} tok/s against the "
+                  f"closed loop's {loop['output_token_throughput']:.0f}: "
+                  f"{r['output_token_throughput'] / loop['output_token_throughput']:.2f}x")
         off = offline_rows.get((r["concurrency"], "greedy"))
         tpot = (r.get("tpot_ms") or {}).get("mean")
         decode = r["concurrency"] * 1e3 / tpot if tpot else None
         ratio = f"{decode / off['tok_s']:.2f}x offline" if decode and off else "-"
         print(f"serve c={r['concurrency']:3d}: output {r['output_token_throughput']:.0f} tok/s, streams' decode "
               f"{decode or 0:.0f} tok/s = {ratio}")
+    found = results.get("kernels", {}).get("kernels")
+    for r in found.get("prefill", []) if isinstance(found, dict) else ():
+        print(f"prefill attention T={r['seq']:5d}: triton {r['tflops']:6.1f} TFLOP/s, flash SDPA "
+              f"{r['sdpa_tflops']:6.1f}: {r['of_sdpa']:.2f}x")
     if "sleep" in results.get("sleep", {}):
         print("sleep:", json.dumps(results["sleep"]["sleep"])[:600])
 
@@ -317,6 +379,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu-standing"))
+    ap.add_argument("--budget", type=float, default=560.0, help="seconds for all sections, the checkpoint's too")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: that the code runs")
     ap.add_argument("--prepare", action="store_true", help="here: save the tokenizer the device run carries (.gpu)")
     ap.add_argument("--section", default=None, help=argparse.SUPPRESS)     # run one section in this process
@@ -336,15 +399,23 @@ def main() -> None:
         finally:
             _save(out, args.section)
         return
+    deadline = time.monotonic() + args.budget
     log(f"checkpoint: {make_checkpoint():.1f} s")
     results = {}
     for name in args.sections.split(","):
+        left = deadline - time.monotonic()
+        if left < 30:
+            log(f"--- {name}: skipped, {left:.0f} s of the budget left")
+            continue
         log(f"--- {name}")
         try:
             subprocess.run([sys.executable, os.path.abspath(__file__), "--section", name, "--out", args.out],
-                           timeout=LIMITS[name], check=True)
+                           timeout=min(LIMITS[name], left), check=True)
         except (subprocess.SubprocessError, OSError) as e:
             log(f"{name} failed: {e}")
+            if name == "serve" and not SMOKE:      # a killed section leaves its server (own session) up
+                subprocess.run(["pkill", "-9", "-f", "cluster.cli serve"], capture_output=True)
+                subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
         path = os.path.join(args.out, f"{name}.json")
         if os.path.exists(path):
             with open(path) as f:

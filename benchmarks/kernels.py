@@ -79,9 +79,9 @@ def decode_attention(copy_tbs: float, quick: bool) -> list[dict]:
     return rows
 
 
-def prefill_attention(quick: bool) -> list[dict]:
+def prefill_attention(quick: bool, seqs: tuple[int, ...] | None = None) -> list[dict]:
     rows = []
-    for seq in ((2048, 8192) if quick else (1024, 2048, 4096, 8192)):
+    for seq in seqs or ((2048, 8192) if quick else (1024, 2048, 4096, 8192)):
         cache, tables = paged_cache(1, seq)
         q = torch.randn(seq, HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
         segments = [tables[0]]           # one list object: its packed form is built once
@@ -217,6 +217,8 @@ def main() -> None:
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--skip", default="", help="comma list of: decode,prefill,e2e")
     parser.add_argument("--sweep", action="store_true", help="only sweep the kernels' tile and launch options")
+    parser.add_argument("--prefill-seqs", default="", help="comma list of prompt lengths for the prefill section "
+                        "(default 1024,2048,4096,8192; --quick 2048,8192)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
@@ -230,7 +232,8 @@ def main() -> None:
     if "decode" not in skip:
         result["decode"] = decode_attention(copy_tbs, args.quick)
     if "prefill" not in skip:
-        result["prefill"] = prefill_attention(args.quick)
+        seqs = tuple(int(n) for n in args.prefill_seqs.split(",") if n)
+        result["prefill"] = prefill_attention(args.quick, seqs)
     if "e2e" not in skip:
         result["end_to_end"] = end_to_end(copy_tbs, args.quick)
     if args.json:
