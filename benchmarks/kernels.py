@@ -84,8 +84,11 @@ def prefill_attention(quick: bool, seqs: tuple[int, ...] | None = None) -> list[
     for seq in seqs or ((2048, 8192) if quick else (1024, 2048, 4096, 8192)):
         cache, tables = paged_cache(1, seq)
         q = torch.randn(seq, HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-        segments = [tables[0]]           # one list object: its packed form is built once
-        ms = bench(lambda: ta.prefill_attention(q, cache, segments, [seq], [seq], HEAD_DIM ** -0.5))
+        # The segments' device form built once, as the engine does per step (not per layer): built in
+        # each call, it was most of the time measured at 1k-2k tokens.
+        segments = [tables[0]]
+        packed = ta.pack_prefill(segments, [seq], [seq], q.device)
+        ms = bench(lambda: ta.prefill_attention(q, cache, segments, [seq], [seq], HEAD_DIM ** -0.5, packed))
         k, v = reference.gather_kv(cache, tables[0], seq)
         group = HEADS // KV_HEADS
         qc = q.transpose(0, 1)[None].contiguous()
@@ -127,12 +130,14 @@ def sweep() -> None:
     cache, tables = paged_cache(1, seq)
     q = torch.randn(seq, HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     segments = [tables[0]]
+    packed = ta.pack_prefill(segments, [seq], [seq], q.device)
     flops = 4 * HEADS * HEAD_DIM * seq * seq / 2
     for block_m, tile, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
         ta.PREFILL_BLOCK_M, ta.TILE_TOKENS = block_m, tile
         ta.PREFILL_LAUNCH.update(num_warps=warps, num_stages=stages)
         try:
-            ms = bench(lambda: ta.prefill_attention(q, cache, segments, [seq], [seq], HEAD_DIM ** -0.5), rep=40)
+            ms = bench(lambda: ta.prefill_attention(q, cache, segments, [seq], [seq], HEAD_DIM ** -0.5, packed),
+                       rep=40)
             print(f"sweep prefill T={seq} block_m={block_m} tile={tile} warps={warps} stages={stages}: "
                   f"{flops / ms / 1e9:.1f} TFLOP/s", flush=True)
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for the largest tiles
