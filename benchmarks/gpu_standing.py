@@ -136,8 +136,9 @@ def engine_checks(out: dict) -> None:
     ~30 s of the lease, once); what is done is saved after each, so a section cut short by its time
     limit still reports."""
     engine, recorder = _engine()
-    for part in (lambda: offline(out, engine, recorder, "greedy"), lambda: profile(out, engine, recorder),
-                 lambda: offline(out, engine, recorder, "sampled"), lambda: closed_loop(out, engine)):
+    for part in (lambda: offline(out, engine, recorder, "greedy"), lambda: step_profile(out, engine),
+                 lambda: profile(out, engine, recorder), lambda: offline(out, engine, recorder, "sampled"),
+                 lambda: closed_loop(out, engine)):
         try:
             part()
         finally:
@@ -181,6 +182,42 @@ def offline(out: dict, engine, recorder, mode: str) -> None:
         _save(out, "engine")
         log(f"offline b={batch:3d} {mode:7s}: step {row['step_ms']:6.2f} ms (forward {row['forward_ms']:6.2f}), "
             f"{row['tok_s']:7.0f} tok/s, {row['of_roofline']:.2f} of the roofline {row['roofline_ms']:.2f} ms")
+
+
+def step_profile(out: dict, engine) -> None:
+    """Where a greedy decode step's time goes beside the graph (§62: ~1.6 ms of 6.4 at batch 1):
+    torch.profiler over 20 steps at batch 1 and 32, its tables by self CPU and by device time."""
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from records.sampling_params import SamplingParams
+
+    vocab = engine.config.model_config.vocab_size
+    rng = np.random.default_rng(4)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    tables = out.setdefault("step_profile", {})
+    for batch in (1, 32):
+        for i, p in enumerate(_prompts(rng, batch, CONTEXT, vocab)):
+            engine.add_request(f"prof-{batch}-{i}", None, p, SamplingParams(max_tokens=40, temperature=0.0,
+                                                                             ignore_eos=True, detokenize=False))
+        for _ in range(8):                  # the prefill and a few decode steps first
+            engine.step()
+        with torch_profile(activities=activities) as prof:
+            began = time.perf_counter()
+            for _ in range(20):
+                engine.step()
+            wall = (time.perf_counter() - began) / 20
+        while engine.has_unfinished_requests():
+            engine.step()
+        averages = prof.key_averages()
+        tables[str(batch)] = {"step_ms_profiled": wall * 1e3,
+                              "by_self_cpu": averages.table(sort_by="self_cpu_time_total", row_limit=30),
+                              "by_device": averages.table(sort_by="self_device_time_total" if activities[1:]
+                                                          else "cpu_time_total", row_limit=20)}
+        log(f"step profile b={batch}: {wall * 1e3:.2f} ms a step under the profiler")
+        print(tables[str(batch)]["by_self_cpu"], flush=True)
 
 
 def closed_loop(out: dict, engine) -> None:

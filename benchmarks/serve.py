@@ -124,8 +124,10 @@ def serving(cmd: list[str], port: int, timeout_s: float = 600) -> Iterator[str]:
 # --- one request ---------------------------------------------------------------------------------
 async def send(client: httpx.AsyncClient, args: argparse.Namespace, model: str, req: BenchRequest,
                prompt: list[int] | str) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": req.output_len, "temperature": 0.0,
+    body = {"model": model, "prompt": prompt, "max_tokens": req.output_len, "temperature": args.temperature,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": args.ignore_eos}
+    if args.top_p is not None:
+        body["top_p"] = args.top_p
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     result = RequestResult(ok=False)
     start = time.perf_counter()
@@ -388,6 +390,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--burstiness", type=float, default=1.0)
     ap.add_argument("--concurrency", type=int, default=None, help="fixed requests in flight (instead of a rate)")
     ap.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=None, help="every request's (default: the server's, 1)")
     ap.add_argument("--slo", action="append", default=[], help="ttft:MS, tpot:MS or e2e:MS (goodput)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0)

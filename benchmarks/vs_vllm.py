@@ -11,6 +11,7 @@ predecessor's seeds re-sent that cell's prompts, a prefix-cache hit for whicheve
 them, the one with the larger KV cache):
 - decode-heavy: 16-32 prompt tokens, 128 output tokens;
 - prefill-heavy: 512-1024 prompt tokens, 16 output tokens;
+- decode-sampled: decode-heavy's shape sampled (temperature 0.8, top-p 0.95) as chat clients send;
 - random-384x64: 384 prompt tokens, 64 output tokens (`vllm bench serve --dataset-name random`'s
   shape as users run it first).
 A cell sends `--prompts-per-stream` x its concurrency timed requests (at least `--min-prompts`).
@@ -36,6 +37,8 @@ import serve
 WORKLOADS = {
     "decode-heavy": ["--input-len", "16:32", "--output-len", "128"],
     "prefill-heavy": ["--input-len", "512:1024", "--output-len", "16"],
+    # decode-heavy sampled as chat clients do (the rest are greedy)
+    "decode-sampled": ["--input-len", "16:32", "--output-len", "128", "--temperature", "0.8", "--top-p", "0.95"],
     # `vllm bench serve`'s random dataset as users run it first (384 in / 64 out)
     "random-384x64": ["--input-len", "384", "--output-len", "64"],
 }
