@@ -59,7 +59,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], counts: TokenCounts | 
     if random_idx:
         idx = torch.tensor(random_idx, device=device)
         temps = torch.tensor([rows[i].params.temperature for i in random_idx], dtype=logits.dtype, device=device)
-        probs, cand_ids, size_t = candidates(logits[idx] / temps[:, None], [rows[i].params for i in random_idx])
+        # Every row sampling (the usual batch): scaled in place, without a [rows, vocab] gather (one
+        # cost ~0.7 ms at 32 rows of a 49k vocabulary on 2 threads).
+        scaled = logits if len(random_idx) == len(rows) else logits[idx]
+        probs, cand_ids, size_t = candidates(scaled.div_(temps[:, None]), [rows[i].params for i in random_idx])
         # One uniform draw per row, from the row's own generator, inverted through its candidates'
         # cumulative mass (a draw of exponential noise per vocabulary entry cost 0.8 ms a row).
         uniform = torch.zeros(len(random_idx), dtype=torch.float64, device="cpu")
@@ -69,7 +72,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], counts: TokenCounts | 
                        lambda: uniform.__setitem__(j, torch.rand((), generator=rows[i].generator, dtype=torch.float64,
                                                                   device="cpu")))
         uniform = uniform.to(device)
-        cdf = probs.double().cumsum(dim=-1)
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
         target = (uniform * cdf[:, -1])[:, None]
         chosen = torch.minimum(torch.searchsorted(cdf, target, right=True).squeeze(1), size_t - 1)
         drawn = cand_ids.gather(1, chosen.clamp(min=0)[:, None]).squeeze(1)
@@ -223,12 +226,12 @@ def candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torc
     unfiltered = (top_k == vocab) & (top_p >= 1) & (min_p <= 0)        # every token, in vocabulary order
     if bool(unfiltered.any()):
         where = unfiltered.nonzero().flatten()
-        found.append((where, probs[where], torch.arange(vocab, device=device).expand(len(where), vocab),
+        found.append((where, _rows(probs, where), torch.arange(vocab, device=device).expand(len(where), vocab),
                       torch.full((len(where),), vocab, device=device)))
     pending = (~unfiltered).nonzero().flatten()
     k = min(64, vocab)
     while len(pending):
-        vals, ids = probs[pending].topk(k, dim=-1)              # sorted, descending
+        vals, ids = _rows(probs, pending).topk(k, dim=-1)       # sorted, descending
         tk, tp, mp = top_k[pending], top_p[pending], min_p[pending]
         in_k = torch.arange(k, device=device)[None, :] < tk[:, None]
         # The top-k mass, for top_p's renormalization: exact once top_k <= k; 1 without a top_k.
@@ -244,6 +247,8 @@ def candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torc
         found.append((pending[ends], vals[ends] * keep[ends], ids[ends], keep[ends].sum(dim=-1)))
         pending = pending[~ends]
         k = min(k * 8, vocab)
+    if len(found) == 1 and len(found[0][0]) == rows:     # every row found at once (the usual batch)
+        return found[0][1], found[0][2], found[0][3]
     width = max(v.shape[1] for _, v, _, _ in found)
     out_vals = torch.zeros(rows, width, dtype=probs.dtype, device=device)
     out_ids = torch.zeros(rows, width, dtype=torch.long, device=device)
@@ -275,6 +280,11 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def _rows(x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+    """x[which], without the copy where `which` is every row in order (nonzero()'s result)."""
+    return x if len(which) == x.shape[0] else x[which]
 
 
 def _filters(params: list[SamplingParams], vocab: int, dtype: torch.dtype, device: torch.device
