@@ -72,7 +72,8 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[int], params: Sequence[
     for i, p, st in zip(rows, params, stats):
         if p.repetition_penalty != 1.0:
             extra = [t for t in st.counts if t not in st.prompt_set]
-            cols = torch.cat([st.prompt_ids, torch.tensor(extra, dtype=torch.long, device="cpu")]) if extra else st.prompt_ids
+            cols = (torch.cat([st.prompt_ids, torch.tensor(extra, dtype=torch.long, device="cpu")]) if extra
+                    else st.prompt_ids)
             rep_rows.append(torch.full((len(cols),), i, dtype=torch.long, device="cpu"))
             rep_cols.append(cols)
             rep_vals.append(p.repetition_penalty)
