@@ -6,6 +6,8 @@
   each step's time and its forward pass's, against the memory roofline (the bytes a step must
   read: every weight but the embedding table, and the K/V of its rows) at the copy rate measured
   in the same run;
+- `engine`, step profile: torch.profiler over 20 greedy steps at batch 1 and 32 (where the time
+  beside the CUDA graph goes: journal §62);
 - `engine`, profile: the step times the simulator's GPU profile is fitted to (prompts alone of 128 to
   32k tokens, decode batches of 1 to 256 at 512 / 2k / 8k of context, decodes beside a prompt),
   with the built-in roofline profile's prediction of each and a linear profile fitted to them
