@@ -325,17 +325,23 @@ def serve(out: dict) -> None:
         out["serve_ready_s"] = time.monotonic() - began
         log(f"serve: /health 200 after {out['serve_ready_s']:.1f} s")
         rows = []
-        for concurrency, prompts in zip(BATCHES, SERVE_PROMPTS):
+        # Greedy at each concurrency, then the middle one sampled (the sampler on the device: §62).
+        runs = [(c, n, "greedy") for c, n in zip(BATCHES, SERVE_PROMPTS)]
+        runs.append((BATCHES[1], SERVE_PROMPTS[1], "sampled"))
+        for concurrency, prompts, mode in runs:
             result = os.path.join(out["_dir"], f"serve_c{concurrency}.json")
+            sampling = ["--temperature", str(SAMPLED["temperature"]), "--top-p", str(SAMPLED["top_p"])] \
+                if mode == "sampled" else []
             subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "serve.py"), "--base-url",
                             f"http://127.0.0.1:{port}", "--dataset", "random", "--input-len", str(CONTEXT),
                             "--output-len", str(OUT_TOKENS), "--num-prompts", str(prompts), "--warmup",
                             str(min(concurrency, 8)), "--concurrency", str(concurrency), "--vocab-size", "49152",
-                            "--max-model-len", "4096", "--quiet", "--result", result], check=True, timeout=240)
+                            "--max-model-len", "4096", "--quiet", "--result", result, *sampling],
+                           check=True, timeout=240)
             with open(result) as f:
                 summary = json.load(f)["summary"]
             os.remove(result)
-            rows.append({"concurrency": concurrency, **{k: summary.get(k) for k in (
+            rows.append({"concurrency": concurrency, "mode": mode, **{k: summary.get(k) for k in (
                 "output_token_throughput", "request_throughput", "tpot_ms", "ttft_ms", "itl_ms", "completed",
                 "errors")}})
             log(f"serve c={concurrency}: {json.dumps(rows[-1])}")
@@ -395,6 +401,10 @@ def table(results: dict) -> None:
               f"{prof['roofline_error_p50']:.1%}, p90 {prof['roofline_error_p90']:.1%}; fitted: {prof['fitted_error']}")
     loops = {r["concurrency"]: r for r in results.get("engine", {}).get("closed_loop", [])}
     for r in results.get("serve", {}).get("serve", []):
+        if r.get("mode", "greedy") != "greedy":
+            print(f"serve c={r['concurrency']:3d} {r['mode']}: output {r['output_token_throughput']:.0f} tok/s, "
+                  f"TPOT mean {(r.get('tpot_ms') or {}).get('mean', 0):.1f} ms")
+            continue
         loop = loops.get(r["concurrency"])
         if loop:
             print(f"serve c={r['concurrency']:3d}: output {r['output_token_throughput']:.0f} tok/s against the "
