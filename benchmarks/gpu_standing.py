@@ -134,7 +134,7 @@ def _prompts(rng, n: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def engine_checks(out: dict) -> None:
-    """`offline` greedy, `profile`, `offline` sampled and `closed_loop` on one engine (its build,
+    """`offline` greedy, `step_profile`, `profile`, `offline` sampled and `closed_loop` on one engine (its build,
     ~30 s of the lease, once); what is done is saved after each, so a section cut short by its time
     limit still reports."""
     engine, recorder = _engine()
