@@ -157,18 +157,27 @@ def prefault(live: Callable[[], list[torch.Tensor] | None], num_blocks: int, chu
 
 
 def prefault_in_background(tensors: Sequence[torch.Tensor], num_blocks: int) -> threading.Thread | None:
-    """`prefault` on a daemon thread that runs only when a core is idle (SCHED_IDLE): the cache is
+    """`prefault` on a thread that runs only when a core is idle (SCHED_IDLE): the cache is
     resident before the engine writes it, as vLLM's and llama.cpp's caches (zeroed at start) are,
     without delaying the engine's start or taking from its steps. An engine's first requests after
     its start otherwise fault their blocks in, ~20% of a 1,024-token prefill in a VM (journal §60).
-    The thread holds the tensors only while it advises a chunk, so freeing the cache stops it; on a
-    kernel without the call (before 5.14) it logs that and ends. None where prefaulting is off
-    (`PDSERVE_KV_PREFAULT=0`), the tensors are not the CPU's, or the OS is not Linux."""
+    The thread holds the tensors only while it advises a chunk, so freeing the cache stops it, and
+    so does the main thread's end; on a kernel without the call (before 5.14) it logs that and ends.
+    None where prefaulting is off (`PDSERVE_KV_PREFAULT=0`), the tensors are not the CPU's, or the
+    OS is not Linux.
+
+    Not a daemon: an engine freed while a chunk is advised leaves the thread the cache's last owner,
+    and unmapping it lets go of the GIL; a daemon doing that as the interpreter shuts down is ended
+    inside torch's buffer deleter, which aborts the process (`terminate called without an active
+    exception`, exit 134; journal §64). The interpreter waits for this thread instead, at most the
+    chunk it is in, since it stops once the main thread has."""
     if not tensors or any(t.device.type != "cpu" for t in tensors) or not prefault_enabled() or _libc() is None:
         return None
     refs = [weakref.ref(t) for t in tensors]
 
     def live() -> list[torch.Tensor] | None:
+        if not threading.main_thread().is_alive():          # the interpreter is shutting down
+            return None
         held = [r() for r in refs]
         return None if any(t is None for t in held) else held   # type: ignore[misc]
 
@@ -185,6 +194,6 @@ def prefault_in_background(tensors: Sequence[torch.Tensor], num_blocks: int) -> 
             return
         logger.debug("KV cache faulted in (%d blocks) in %.1f s", num_blocks, time.perf_counter() - started)
 
-    thread = threading.Thread(target=run, name="kv-prefault", daemon=True)
+    thread = threading.Thread(target=run, name="kv-prefault", daemon=False)
     thread.start()
     return thread

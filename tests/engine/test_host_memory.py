@@ -123,7 +123,7 @@ def test_background_prefault_finishes_and_ends_once_the_cache_is_freed(monkeypat
     monkeypatch.setenv("PDSERVE_KV_PREFAULT", "1")
     t = zeroed(SHAPE, torch.float32, torch.device("cpu"))
     thread = prefault_in_background([t], 64)
-    assert thread is not None and thread.daemon
+    assert thread is not None and not thread.daemon     # (the interpreter waits for it: the test below)
     thread.join(timeout=300)             # it runs when a core is idle: no deadline, only a bound
     assert not thread.is_alive()
     assert write_faults(t) < t.nbytes // PAGE // 8 or not prefault_supported()
@@ -163,6 +163,51 @@ def test_prefault_stops_at_the_chunk_where_the_cache_is_gone():
     assert sum(write_faults(t[h, :16]) for h in range(2)) < first_pages // 8
     rest_pages = 2 * t[0, 16:].nbytes // PAGE
     assert sum(write_faults(t[h, 16:]) for h in range(2)) > rest_pages // 2
+
+
+EXIT_CHECK = """
+import gc, sys, time
+import torch
+from engine.worker import host_memory
+record = open(sys.argv[1], "w", buffering=1)
+raw = host_memory._raw_madvise
+
+def slow(libc):                 # each call preempted for 0.5 s, as on a busy machine
+    call = raw(libc)
+    def madvise(address, length, advice):
+        time.sleep(0.5)
+        result = call(address, length, advice)
+        record.write(f"call done, finalizing {sys.is_finalizing()}\\n")
+        return result
+    return madvise
+
+host_memory._raw_madvise = slow
+t = host_memory.zeroed((2, 1024, 16, 4, 64), torch.float32, torch.device("cpu"))    # 32 MiB
+thread = host_memory.prefault_in_background([t], 1024)
+time.sleep(0.2)                 # the thread is inside its first chunk, holding the cache
+del t
+gc.collect()
+print("main done", flush=True)
+"""
+
+
+@pytest.mark.skipif(not LINUX, reason="MADV_POPULATE_WRITE is Linux's")
+def test_a_prefault_holding_the_last_reference_ends_before_the_interpreter(tmp_path):
+    """An engine freed while its prefault advises a chunk leaves the thread the cache's last owner.
+    As a daemon the thread was stopped in the middle of unmapping it as the interpreter shut down,
+    inside torch's buffer deleter: the process aborted with 134 (any script that freed an LLM and
+    exited; journal §64). Now the interpreter waits for the chunk, the thread stops there (the main
+    thread has ended), and the process exits 0."""
+    if not prefault_supported():
+        pytest.skip("this kernel cannot prefault (Linux 5.14+)")
+    record = tmp_path / "record"
+    out = subprocess.run([sys.executable, "-c", EXIT_CHECK, str(record)], capture_output=True, text=True,
+                         timeout=300, cwd=str(pathlib.Path(__file__).parents[2]),
+                         env={**os.environ, "PDSERVE_KV_PREFAULT": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "main done" in out.stdout
+    calls = record.read_text().splitlines()        # the chunk's calls (its blocks' K and V), then it stopped
+    assert calls and set(calls) == {"call done, finalizing False"}, calls
 
 
 UCX_PATCH_CHECK = """
