@@ -61,7 +61,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], counts: TokenCounts | 
         temps = torch.tensor([rows[i].params.temperature for i in random_idx], dtype=logits.dtype, device=device)
         # Every row sampling (the usual batch): scaled in place, without a [rows, vocab] gather (one
         # cost ~0.7 ms at 32 rows of a 49k vocabulary on 2 threads).
-        scaled = logits if len(random_idx) == len(rows) else logits[idx]
+        scaled = _rows(logits, idx)
         probs, cand_ids, size_t = candidates(scaled.div_(temps[:, None]), [rows[i].params for i in random_idx])
         # One uniform draw per row, from the row's own generator, inverted through its candidates'
         # cumulative mass (a draw of exponential noise per vocabulary entry cost 0.8 ms a row).
@@ -283,7 +283,7 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 
 def _rows(x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-    """x[which], without the copy where `which` is every row in order (nonzero()'s result)."""
+    """x[which], without the copy where `which` (ascending, as nonzero() gives) is every row."""
     return x if len(which) == x.shape[0] else x[which]
 
 

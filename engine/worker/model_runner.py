@@ -205,7 +205,8 @@ class ModelRunner:
             return None
         # The sampler runs where the logits are (on a GPU: no [rows, vocab] copy, no host softmax);
         # grammars' masks, verification and prompt logprobs work on the host.
-        if spec_rows or lp_rows or any(r.sampling_params.structured_outputs is not None for r, _ in sample_rows):
+        if logits.device.type != "cpu" and (spec_rows or lp_rows or any(
+                r.sampling_params.structured_outputs is not None for r, _ in sample_rows)):
             logits = logits.cpu()
         num_sample = len(sample_rows)
         output = ModelRunnerOutput(sampled={}, pooled=pooled)

@@ -165,6 +165,12 @@ def test_prefault_stops_at_the_chunk_where_the_cache_is_gone():
     assert sum(write_faults(t[h, 16:]) for h in range(2)) > rest_pages // 2
 
 
+def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    """`script` in a fresh interpreter at the repository's root, the prefault on (a bound, no deadline)."""
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600,
+                          cwd=str(pathlib.Path(__file__).parents[2]), env={**os.environ, "PDSERVE_KV_PREFAULT": "1"})
+
+
 EXIT_CHECK = """
 import gc, sys, time
 import torch
@@ -201,9 +207,7 @@ def test_a_prefault_holding_the_last_reference_ends_before_the_interpreter(tmp_p
     if not prefault_supported():
         pytest.skip("this kernel cannot prefault (Linux 5.14+)")
     record = tmp_path / "record"
-    out = subprocess.run([sys.executable, "-c", EXIT_CHECK, str(record)], capture_output=True, text=True,
-                         timeout=300, cwd=str(pathlib.Path(__file__).parents[2]),
-                         env={**os.environ, "PDSERVE_KV_PREFAULT": "1"})
+    out = run_script(EXIT_CHECK, str(record))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "main done" in out.stdout
     calls = record.read_text().splitlines()        # the chunk's calls (its blocks' K and V), then it stopped
@@ -238,8 +242,7 @@ def test_the_prefault_calls_no_libc_function_ucx_rewrites():
     thread inside it then crashed two replicas); the prefault makes its system call through libc's
     syscall, which UCX leaves alone, here while an agent starts and after."""
     pytest.importorskip("nixl", reason="needs nixl: make setup installs it")
-    out = subprocess.run([sys.executable, "-c", UCX_PATCH_CHECK], capture_output=True, text=True, timeout=600,
-                         cwd=str(pathlib.Path(__file__).parents[2]), env={**os.environ, "PDSERVE_KV_PREFAULT": "1"})
+    out = run_script(UCX_PATCH_CHECK)
     assert out.returncode == 0, out.stderr[-3000:]
     line = out.stdout.strip().splitlines()[-1]
     assert line.endswith("syscall False calls syscall"), line   # what the prefault calls is untouched
