@@ -161,11 +161,21 @@ def test_pause_keep_abort_wait_and_resume(tiny_llama, trained, prompts):
                 last = out
             return last
 
+        async def pause_when(condition, mode: str) -> None:
+            """Pause at the step boundary where `condition()` first holds: checked after each step
+            (the engine's on-step hook), not by polling from here, which let the tiny model's steps
+            run past the point on a busy machine (every request done before an abort landed)."""
+            reached = asyncio.Event()
+            engine.on_step = lambda: condition() and reached.set()
+            if condition():
+                reached.set()
+            await reached.wait()
+            engine.on_step = None
+            await engine.pause(mode)
+
         # keep -> update -> resume: the streams span the update
         tasks = [asyncio.create_task(collect(f"k{i}", p)) for i, p in enumerate(prompts[:2])]
-        while engine.engine.output.num_generation_tokens < 10:
-            await asyncio.sleep(0.01)
-        await engine.pause("keep")
+        await pause_when(lambda: engine.engine.output.num_generation_tokens >= 10, "keep")
         produced = engine.engine.output.num_generation_tokens
         await asyncio.sleep(0.2)
         assert engine.engine.output.num_generation_tokens == produced        # nothing steps
@@ -178,9 +188,7 @@ def test_pause_keep_abort_wait_and_resume(tiny_llama, trained, prompts):
 
         # abort: partial outputs, finish reason "abort"
         tasks = [asyncio.create_task(collect(f"a{i}", p)) for i, p in enumerate(prompts[2:4])]
-        while engine.engine.output.num_generation_tokens < produced + 100:
-            await asyncio.sleep(0.01)
-        await engine.pause("abort")
+        await pause_when(lambda: engine.engine.output.num_generation_tokens >= produced + 100, "abort")
         for out in await asyncio.gather(*tasks):
             assert out.finished and out.outputs[0].finish_reason == "abort"
             assert 0 < len(out.outputs[0].token_ids) < 40
@@ -188,9 +196,7 @@ def test_pause_keep_abort_wait_and_resume(tiny_llama, trained, prompts):
 
         # wait: two run to the end, the third waits until resume
         tasks = [asyncio.create_task(collect(f"w{i}", p)) for i, p in enumerate(prompts[4:7])]
-        while len(engine.engine.scheduler.running) < 2:
-            await asyncio.sleep(0.01)
-        await engine.pause("wait")
+        await pause_when(lambda: len(engine.engine.scheduler.running) >= 2, "wait")
         assert not engine.engine.scheduler.running and len(engine.engine.scheduler.waiting) == 1
         assert all(out.outputs[0].finish_reason == "length" for out in await asyncio.gather(*tasks[:2]))
         await asyncio.sleep(0.2)
