@@ -17,6 +17,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+from records.errors import InvalidRequestError
 from records.lora import LoRARequest
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -295,11 +296,12 @@ def _check_float(name: str, value: object, allowed: str, in_range: bool) -> None
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
                      max_model_len: int, max_num_seqs: int | None = None) -> None:
-    """Raise ValueError naming the field if the request cannot run on a model with this vocabulary,
-    context length and batch size (the ingress's preparer and the offline engine call it, once a
-    request). With SamplingParams' own checks, nothing that passes can make a step raise."""
+    """Raise InvalidRequestError (a ValueError) naming the field if the request cannot run on a model
+    with this vocabulary, context length and batch size (the ingress's preparer and the offline
+    engine call it, once a request). With SamplingParams' own checks, nothing that passes can make a
+    step raise."""
     if not prompt_token_ids:
-        raise ValueError("prompt must not be empty")
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
     try:     # C-level: a 100k-token prompt is checked in about a millisecond
         packed = array("q", prompt_token_ids)         # TypeError for a non-integer, OverflowError past int64
         ok = min(packed) >= 0 and max(packed) < vocab_size
@@ -307,18 +309,22 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
         ok = False
     if not ok:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
-        raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+        raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {bad[:5]}",
+                                  param="prompt")
     check_limits(len(prompt_token_ids), params, max_model_len, max_num_seqs)   # (the lengths first, as before)
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
-        raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}); got {bad[:5]}")
+        raise InvalidRequestError(f"stop_token_ids must be token ids in [0, {vocab_size}); got {bad[:5]}",
+                                  param="stop_token_ids")
     spec = params.structured_outputs
     bad = [t for t in spec.start_after if t >= vocab_size] if spec is not None else []
     if bad:
-        raise ValueError(f"structured_outputs.start_after must be token ids in [0, {vocab_size}); got {bad[:5]}")
+        raise InvalidRequestError(f"structured_outputs.start_after must be token ids in [0, {vocab_size}); "
+                                  f"got {bad[:5]}", param="structured_outputs")
     bad = [t for t in params.logit_bias or () if t >= vocab_size]
     if bad:
-        raise ValueError(f"logit_bias must be keyed by token ids in [0, {vocab_size}); got {bad[:5]}")
+        raise InvalidRequestError(f"logit_bias must be keyed by token ids in [0, {vocab_size}); got {bad[:5]}",
+                                  param="logit_bias")
 
 
 def check_limits(num_prompt_tokens: int, params: SamplingParams, max_model_len: int,
@@ -327,18 +333,18 @@ def check_limits(num_prompt_tokens: int, params: SamplingParams, max_model_len: 
     engine checks of a request its ingress prepared (its ids already checked against the vocabulary)."""
     limit = max_model_len
     if num_prompt_tokens >= limit:
-        raise ValueError(f"prompt has {num_prompt_tokens} tokens; max_model_len is {limit}, "
-                         f"so the prompt must have fewer than {limit} tokens")
+        raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens; max_model_len is {limit}, "
+                                  f"so the prompt must have fewer than {limit} tokens", param="prompt")
     room = limit - num_prompt_tokens
     if params.max_tokens is not None and params.max_tokens > room:
-        raise ValueError(f"max_tokens must be <= {room} for this "
-                         f"{num_prompt_tokens}-token prompt (max_model_len={limit}); "
-                         f"got {params.max_tokens}")
+        raise InvalidRequestError(f"max_tokens must be <= {room} for this "
+                                  f"{num_prompt_tokens}-token prompt (max_model_len={limit}); "
+                                  f"got {params.max_tokens}", param="max_tokens")
     if params.min_tokens > room:
-        raise ValueError(f"min_tokens must be <= {room} for this {num_prompt_tokens}-token prompt "
-                         f"(max_model_len={limit}); got {params.min_tokens}")
+        raise InvalidRequestError(f"min_tokens must be <= {room} for this {num_prompt_tokens}-token prompt "
+                                  f"(max_model_len={limit}); got {params.min_tokens}", param="min_tokens")
     if max_num_seqs is not None and params.n > max_num_seqs:
-        raise ValueError(f"n must be <= {max_num_seqs} (max_num_seqs: the sequences that run at once); "
-                         f"got {params.n}")
+        raise InvalidRequestError(f"n must be <= {max_num_seqs} (max_num_seqs: the sequences that run at "
+                                  f"once); got {params.n}", param="n")
     if params.prompt_logprobs is not None and params.n > 1:
-        raise ValueError("prompt_logprobs must be None when n > 1")
+        raise InvalidRequestError("prompt_logprobs must be None when n > 1", param="prompt_logprobs")

@@ -142,6 +142,8 @@ class RequestPreparer:
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         try:
             validate_request(ids, params, self.vocab_size, self.max_model_len, self.max_num_seqs)
+        except InvalidRequestError:
+            raise
         except ValueError as e:
             raise InvalidRequestError(str(e), param="prompt") from None
 

@@ -3,20 +3,52 @@ built from: router/ingress/replies.py).
 
 Unknown fields are rejected (400 naming the field) rather than silently ignored, except the few that
 OpenAI clients send and that change nothing here (`user`, `metadata`, `store`, `service_tier`, ...);
-known ones this server cannot honour are refused saying so (`UNSUPPORTED`). The Responses API's
-request is in router/ingress/responses_request.py.
+known ones this server cannot honour are refused saying so (`UNSUPPORTED`). A field sent as null
+counts as not sent (`RequestModel`). The Responses API's request is in
+router/ingress/responses_request.py.
 """
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+import types
+from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 from records.sampling_params import STRUCTURED_KINDS, SamplingParams, StructuredOutputsParams
 
 
-class StreamOptions(BaseModel):
+class RequestModel(BaseModel):
+    """A request body (or a part of one). An explicit null counts as the field not sent: OpenAI's
+    reference marks its optional fields nullable, and clients in several languages send every field
+    they have, the unset ones as null (`"temperature": null`, `"functions": null`), which vLLM
+    accepts too. A null is kept only where it means something other than the default (a field
+    that admits None with another default: a completion's `max_tokens`, where null is no limit)
+    and on a required field (whose error then names it)."""
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        fields = {f.alias or name: f for name, f in cls.model_fields.items()} | cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or _null_means_something(fields.get(key))}
+
+
+def _null_means_something(field: FieldInfo | None) -> bool:
+    return field is not None and (field.is_required() or (field.default is not None and _admits_none(field.annotation)))
+
+
+def _admits_none(annotation: Any) -> bool:
+    return annotation is type(None) or (get_origin(annotation) in (Union, types.UnionType)
+                                        and type(None) in get_args(annotation))
+
+
+
+class StreamOptions(RequestModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False     # vLLM's: with include_usage, the usage so far in every chunk
@@ -25,7 +57,7 @@ class StreamOptions(BaseModel):
         return self.include_usage and self.continuous_usage_stats
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(RequestModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str = "response"
     description: str | None = None
@@ -33,14 +65,14 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestModel):
     """OpenAI's `response_format`: plain text, any JSON object, or JSON valid under a schema."""
     model_config = ConfigDict(extra="forbid")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class _Common(BaseModel):
+class _Common(RequestModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None        # OpenAI requires it; vLLM (and pdserve) default to the served model
     max_tokens: int | None = Field(None, ge=1)
@@ -184,13 +216,13 @@ class CompletionRequest(_Common):
 
 # An earlier call comes back as clients stored it (a streamed one may keep its delta `index`):
 # what else it carries is ignored rather than refused.
-class FunctionCall(BaseModel):
+class FunctionCall(RequestModel):
     model_config = ConfigDict(extra="ignore")
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCallMessage(BaseModel):
+class ToolCallMessage(RequestModel):
     """A call in an earlier assistant message of the conversation."""
     model_config = ConfigDict(extra="ignore")
     id: str | None = None
@@ -198,7 +230,7 @@ class ToolCallMessage(BaseModel):
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
@@ -212,7 +244,7 @@ TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
 MAX_TOOLS = 128
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(RequestModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=TOOL_NAME_PATTERN)
     description: str | None = None
@@ -220,24 +252,24 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None
 
 
-class Tool(BaseModel):
+class Tool(RequestModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(RequestModel):
     model_config = ConfigDict(extra="forbid")
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(RequestModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
     function: NamedFunction
 
 
-class ChatTemplateOptions(BaseModel):
+class ChatTemplateOptions(RequestModel):
     """vLLM's chat-template extras, on chat completions and /tokenize (engine/text/tokenizer.py:
     apply_chat_template): the generation prompt, or the last (assistant) message continued, and
     more variables for the template (e.g. Qwen3's enable_thinking)."""
@@ -341,7 +373,7 @@ class TokenizeRequest(ChatTemplateOptions):
     add_special_tokens: bool = True
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(RequestModel):
     """OpenAI's /v1/embeddings body, with vLLM's extras (`truncate_prompt_tokens`,
     `add_special_tokens`, `normalize`, `priority`)."""
     model_config = ConfigDict(extra="forbid")
@@ -356,20 +388,20 @@ class EmbeddingRequest(BaseModel):
     priority: int = 0
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(RequestModel):
     """vLLM's /v1/load_lora_adapter body."""
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1, max_length=4096)
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1, max_length=256)
     lora_int_id: int | None = None        # vLLM's; the name decides

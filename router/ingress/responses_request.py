@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from records.errors import InvalidRequestError
-from router.ingress.protocol import MAX_TOOLS, TOOL_NAME_PATTERN
+from router.ingress.protocol import MAX_TOOLS, TOOL_NAME_PATTERN, RequestModel
 
 
-class TextFormat(BaseModel):
+class TextFormat(RequestModel):
     """`text.format`: plain text, any JSON object, or JSON valid under a schema (flat, unlike chat's
     `response_format.json_schema`)."""
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -23,12 +23,12 @@ class TextFormat(BaseModel):
     strict: bool | None = None
 
 
-class TextOptions(BaseModel):
+class TextOptions(RequestModel):
     model_config = ConfigDict(extra="forbid")
     format: TextFormat | None = None
 
 
-class FunctionTool(BaseModel):
+class FunctionTool(RequestModel):
     """A function the model may call (flat, unlike chat's `{"type", "function": {...}}`)."""
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
@@ -38,13 +38,13 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
-class FunctionChoice(BaseModel):
+class FunctionChoice(RequestModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
     name: str
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     input: str | list[dict[str, Any]]

@@ -11,12 +11,22 @@ import gc
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from engine import SamplingParams
 from records.engine_stats import EngineStats
+from records.errors import InvalidRequestError
 from records.sampling_params import validate_request
 from router.ingress.admission import Admission
-from router.ingress.protocol import MAX_JSON_DEPTH, parse_json_object
+from router.ingress.protocol import (
+    MAX_JSON_DEPTH,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    parse_json_object,
+    validation_message,
+)
+from router.ingress.responses_request import ResponsesRequest
 
 
 # --- unit -------------------------------------------------------------------------------------------
@@ -47,6 +57,56 @@ def test_validate_request_knows_the_model():
         validate_request([1, 2], SamplingParams(n=5), 1000, 64, max_num_seqs=4)
     with pytest.raises(ValueError, match="min_tokens must be <= 62"):
         validate_request([1, 2], SamplingParams(min_tokens=63, max_tokens=None), 1000, 64)
+
+
+@pytest.mark.parametrize("kwargs,prompt,field", [
+    ({"stop_token_ids": [1000]}, [1], "stop_token_ids"), ({"logit_bias": {1000: 1.0}}, [1], "logit_bias"),
+    ({"n": 5}, [1], "n"), ({"max_tokens": 64}, [1], "max_tokens"), ({"min_tokens": 64, "max_tokens": None}, [1],
+                                                                    "min_tokens"),
+    ({}, [1] * 64, "prompt"), ({}, [1000], "prompt"), ({}, [], "prompt"),
+    ({"prompt_logprobs": 1, "n": 2}, [1], "prompt_logprobs"),
+])
+def test_validate_request_names_the_field_at_fault(kwargs, prompt, field):
+    """The 400's `param` is the field the message names (a logit_bias outside the vocabulary once
+    came back as param "prompt")."""
+    with pytest.raises(InvalidRequestError) as caught:
+        validate_request(prompt, SamplingParams(**kwargs), vocab_size=1000, max_model_len=64, max_num_seqs=4)
+    assert caught.value.param == field and field.split("_")[0] in str(caught.value)
+
+
+def test_a_null_field_is_a_field_not_sent():
+    """OpenAI marks optional fields nullable and clients in several languages send unset ones as
+    null: each is the field's default (the model's, where it has one: it stays unset), every field
+    of every request model; a null that means something keeps its meaning (a completion's
+    max_tokens: no limit), and a required field's null is still refused, named."""
+    nulls = dict.fromkeys(["max_tokens", "max_completion_tokens", "stop", "n", "temperature", "top_p", "logprobs",
+                           "top_logprobs", "seed", "tools", "tool_choice", "response_format", "stream",
+                           "stream_options", "presence_penalty", "frequency_penalty", "logit_bias", "user",
+                           "parallel_tool_calls", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+                           "skip_special_tokens", "add_generation_prompt", "functions", "function_call",
+                           "reasoning_effort", "audio", "prediction", "not_a_field"])
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi", "name": None, "refusal": None}], **nulls)
+    assert chat.model_fields_set == {"messages"} and chat.messages[0].model_fields_set == {"role", "content"}
+    params = chat.to_sampling_params(defaults=(("temperature", 0.6), ("top_p", 0.9)))
+    default = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    assert params == default.to_sampling_params(defaults=(("temperature", 0.6), ("top_p", 0.9)))
+    assert (params.temperature, params.top_p, params.n, chat.stream) == (0.6, 0.9, 1, False)
+    completion = CompletionRequest(prompt="hi", max_tokens=None, echo=None, suffix=None, logprobs=None, n=None)
+    assert completion.max_tokens is None and CompletionRequest(prompt="hi").max_tokens == 16
+    assert not completion.echo and completion.n == 1
+    tool = {"type": "function", "function": {"name": "f", "description": None, "parameters": None, "strict": None}}
+    assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=[tool]).tool_list() == [
+        {"type": "function", "function": {"name": "f"}}]
+    responses = ResponsesRequest(input="hi", temperature=None, stream=None, parallel_tool_calls=None, text=None)
+    assert responses.stream is False and responses.parallel_tool_calls
+    assert EmbeddingRequest(input="hi", encoding_format=None, add_special_tokens=None).encoding_format == "float"
+    for model, body, field in [(ChatCompletionRequest, {"messages": None}, "messages"),
+                               (ChatCompletionRequest, {"messages": [{"role": None}]}, "messages.role"),
+                               (CompletionRequest, {"prompt": None}, "prompt")]:
+        with pytest.raises(ValidationError) as caught:
+            model(**body)
+        message, param = validation_message(caught.value)
+        assert param.startswith(field) and message.endswith("got None"), message
 
 
 @pytest.mark.parametrize("body,message", [
