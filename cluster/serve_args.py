@@ -92,6 +92,13 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
                     help="the model's name in the API, or several: requests may use any, responses name "
                          "the first (serving.served_model_name)")
     ap.add_argument("--api-key", default=None, help="requests need `Authorization: Bearer <key>` (serving.api_key)")
+    for flag, text in (("--allowed-origins", 'origins browsers may call from (default ["*"])'),
+                       ("--allowed-methods", 'methods they may use (default ["*"])'),
+                       ("--allowed-headers", 'headers they may send (default ["*"])')):
+        ap.add_argument(flag, default=None, metavar="JSON_OR_CSV",
+                        help=f"CORS: {text} (serving.{flag[2:].replace('-', '_')}; vLLM's flag)")
+    ap.add_argument("--allow-credentials", action="store_const", const=True, default=None,
+                    help="CORS: browsers may send cookies and credentials (serving.allow_credentials)")
     ap.add_argument("--tenants-file", default=None, metavar="PATH",
                     help="tenants, their keys and limits, as JSON: name -> serving.tenants' fields "
                          "(serving.tenants_file; docs/serving.md)")
@@ -168,6 +175,11 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         serving["host"] = args.host
     if args.port is not None:
         serving["port"] = args.port
+    for field in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        if getattr(args, field) is not None:
+            serving[field] = _json_strings(getattr(args, field), "--" + field.replace("_", "-"))
+    if args.allow_credentials:
+        serving["allow_credentials"] = True
     if args.tool_call_parser is not None:
         serving["tool_call_parser"] = args.tool_call_parser
     if args.chat_template is not None:
@@ -250,4 +262,18 @@ def _json_object(text: str, flag: str) -> dict:
         raise ValueError(f"{flag} takes a JSON object; {e}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{flag} takes a JSON object; got {text!r}")
+    return value
+
+
+def _json_strings(text: str, flag: str) -> list[str]:
+    """A JSON list of strings, vLLM's form for its CORS flags (--allowed-origins '["*"]'), or the
+    same without the JSON: comma-separated (--allowed-origins https://a.example,https://b.example)."""
+    if not text.lstrip().startswith("["):
+        return [item.strip() for item in text.split(",") if item.strip()]
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{flag} takes a JSON list of strings; {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{flag} takes a JSON list of strings; got {text!r}")
     return value

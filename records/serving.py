@@ -181,6 +181,14 @@ class ServingSpec(StrictSpec):
     # Secret: the keys never enter the spec).
     tenants_file: str | None = None
     max_body_bytes: int = Field(4 << 20, ge=1024)
+    # Browsers on other origins (a web chat page calling the API itself): the CORS answers, with
+    # vLLM's names and defaults (--allowed-origins ["*"], --allow-credentials false, --allowed-methods
+    # and --allowed-headers ["*"]). The preflight (OPTIONS) is answered before the API key is asked
+    # for, since browsers send it without one; [] origins answers no origin (no CORS headers).
+    allowed_origins: list[str] = Field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    allowed_methods: list[str] = Field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = Field(default_factory=lambda: ["*"])
     ingress_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.1, gt=0)
     # How long an ingress replica Serve stops (an update of the spec rolls them, a scale-down) may

@@ -1,5 +1,5 @@
 """The FastAPI app the ingress deployment serves (router/ingress/app.py adds the endpoints): API-key
-middleware, exception handlers that answer every error in OpenAI's shape (pdserve's own errors by
+and CORS middleware, exception handlers that answer every error in OpenAI's shape (pdserve's own errors by
 their `status`, FastAPI's 404 / 405 / validation, anything unexpected as 500), the OpenAPI
 document with the request bodies, and SSE responses.
 """
@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -76,6 +77,31 @@ class _AuthMiddleware:
         await self.app(scope, receive, send)
 
 
+class _CorsMiddleware:
+    """CORS for browsers on other origins (serving.allowed_origins and the rest, vLLM's settings):
+    Starlette's middleware with the app's spec, outside the key's, so that a preflight (which browsers
+    send without the key) is answered and a refusal (401, 429) carries the headers a page needs to
+    read it. Until the ingress has built its server, requests pass through (and are answered 503)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self._cors: tuple[tuple, Any] | None = None      # (the settings, their middleware)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        server = _server_of(scope) if scope["type"] == "http" else None
+        serving = None if server is None else server.config.serving
+        if serving is None or not serving.allowed_origins:
+            await self.app(scope, receive, send)
+            return
+        settings = (tuple(serving.allowed_origins), serving.allow_credentials, tuple(serving.allowed_methods),
+                    tuple(serving.allowed_headers))
+        if self._cors is None or self._cors[0] != settings:
+            self._cors = settings, CORSMiddleware(
+                self.app, allow_origins=serving.allowed_origins, allow_credentials=serving.allow_credentials,
+                allow_methods=serving.allowed_methods, allow_headers=serving.allowed_headers)
+        await self._cors[1](scope, receive, send)
+
+
 def _authorization(scope: dict) -> str:
     """The Authorization header, without building a Request."""
     for k, v in scope.get("headers", []):
@@ -93,6 +119,7 @@ def error_response(err: PDServeError) -> JSONResponse:
 
 
 fastapi_app.add_middleware(_AuthMiddleware)
+fastapi_app.add_middleware(_CorsMiddleware)        # the last added runs first: outside the key's
 
 
 @fastapi_app.exception_handler(StarletteHTTPException)

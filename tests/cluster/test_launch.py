@@ -212,6 +212,13 @@ def test_vllm_named_flags_set_the_spec():
         ClusterConfig.model_validate({"engine": {"kv_connector": "nixl"}})
     with pytest.raises(ValueError, match="--speculative-config takes a JSON object"):
         config_from_args(parser.parse_args(["--speculative-config", "ngram"]))
+    # CORS as vLLM's command lines give it (JSON lists), or comma-separated
+    cors = config_from_args(parser.parse_args(["--allowed-origins", '["https://a.example"]', "--allow-credentials",
+                                               "--allowed-headers", "authorization,content-type"])).serving
+    assert (cors.allowed_origins, cors.allow_credentials, cors.allowed_methods, cors.allowed_headers) == (
+        ["https://a.example"], True, ["*"], ["authorization", "content-type"])
+    with pytest.raises(ValueError, match="--allowed-methods takes a JSON list of strings"):
+        config_from_args(parser.parse_args(["--allowed-methods", '["GET", 1]']))
     done = subprocess.run([os.path.join(os.path.dirname(sys.executable), "pdserve"), "serve", "--block-size", "7"],
                           env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"}, cwd=REPO, capture_output=True, text=True,
                           timeout=120)

@@ -7,6 +7,7 @@ import httpx
 API_KEY = "test-key"            # the main app's (HTTP and gRPC)
 TENANT, TENANT_KEY = "team-a", "team-a-key"     # a tenant of the main app, 3 requests per minute
 MAIN, LIMITED = "pdserve-test", "pdserve-limited"
+PAGE_ORIGIN = "http://chat.example:3000"      # the one origin the limited app's CORS allows
 
 
 def auth() -> dict[str, str]:

@@ -29,7 +29,7 @@ import openai
 import pytest
 from helpers import free_port, make_adapter, wait_healthy
 
-from serving.apps import API_KEY, LIMITED, MAIN, TENANT, TENANT_KEY, auth, grpc_metadata
+from serving.apps import API_KEY, LIMITED, MAIN, PAGE_ORIGIN, TENANT, TENANT_KEY, auth, grpc_metadata
 
 ray = pytest.importorskip("ray", reason="the serving tests need ray[serve] (make setup installs it)")
 
@@ -92,7 +92,8 @@ def apps(tiny_llama, tiny_qwen2, tiny_llava, tiny_gemma3_vl, adapters, eventuall
         {"name": "gemma3", "model": tiny_gemma3_vl, "engine": {**engine, "max_model_len": 512},
          "pools": {"decode": {"replicas": 1, "num_cpus": 1}}}],
         serving={**shared, "max_in_flight": 1, "reasoning_parser": "qwen3",
-                 "structured_outputs_in_reasoning": True, "metrics_prefix": "vllm"},
+                 "structured_outputs_in_reasoning": True, "metrics_prefix": "vllm",
+                 "allowed_origins": [PAGE_ORIGIN], "allow_credentials": True},
         name=LIMITED)
     # Traced (every process's spans to `otlp`), its requests logged, and an offload tier on its
     # decode pool: tests/serving/test_observability.py reads all three.

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from serving.apps import API_KEY, TENANT, TENANT_KEY, auth, metric
+from serving.apps import API_KEY, PAGE_ORIGIN, TENANT, TENANT_KEY, auth, metric
 
 ray = pytest.importorskip("ray", reason="the serving tests need ray[serve] (make setup installs it)")
 pytestmark = pytest.mark.ray
@@ -41,6 +41,34 @@ def test_models_health_tokenize(server, client):
     with pytest.raises(openai.BadRequestError, match="continue_final_message needs add_generation_prompt=false"):
         client.chat.completions.create(model=server["model"], messages=messages, max_tokens=2,
                                        extra_body={"continue_final_message": True})
+
+
+def test_browsers_on_other_origins(server):
+    """CORS as vLLM answers it: the main app (the defaults) lets a page on any origin call it, its
+    preflight answered without the key (browsers send none) and a refusal readable by the page; the
+    limited app allows one origin, with credentials, and answers others without the headers."""
+    base, origin = server["base"], "http://localhost:5173"
+    preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    answer = httpx.options(f"{base}/v1/chat/completions", headers=preflight)
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
+    assert "POST" in answer.headers["access-control-allow-methods"]
+    assert "authorization" in answer.headers["access-control-allow-headers"].lower()
+    models = httpx.get(f"{base}/v1/models", headers={**auth(), "Origin": origin})
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == "*"
+    refused = httpx.get(f"{base}/v1/models", headers={"Origin": origin})
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-origin" not in httpx.get(f"{base}/v1/models", headers=auth()).headers
+    limited = f"{base}/limited"
+    answer = httpx.options(f"{limited}/v1/chat/completions", headers={**preflight, "Origin": PAGE_ORIGIN})
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == PAGE_ORIGIN
+    assert answer.headers["access-control-allow-credentials"] == "true"
+    other = httpx.options(f"{limited}/v1/chat/completions", headers=preflight)
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    stream = httpx.post(f"{limited}/v1/completions", headers={"Origin": PAGE_ORIGIN},
+                        json={"model": server["model"], "prompt": "Hi", "max_tokens": 2, "stream": True})
+    assert stream.status_code == 200 and stream.headers["access-control-allow-origin"] == PAGE_ORIGIN
+    assert stream.text.rstrip().endswith("data: [DONE]")
 
 
 def test_error_codes(server, client):
