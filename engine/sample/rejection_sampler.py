@@ -19,7 +19,8 @@ from dataclasses import replace
 
 import torch
 
-from engine.sample.sampler import SamplingRow, apply_penalties_and_masks, filtered_probs, greedy_ids, to_sampled
+from engine.sample.nucleus import filtered_probs
+from engine.sample.sampler import SamplingRow, apply_penalties_and_masks, greedy_ids, to_sampled
 from records.step import SampledToken
 
 

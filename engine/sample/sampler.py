@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sample.nucleus import candidates, draw_wide, select_rows
 from engine.sample.penalties import TokenCounts, apply_penalties
 from kernels.dispatch import kernels_for
 from records.sampling_params import SamplingParams
@@ -61,26 +62,27 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], counts: TokenCounts | 
         temps = torch.tensor([rows[i].params.temperature for i in random_idx], dtype=logits.dtype, device=device)
         # Every row sampling (the usual batch): scaled in place, without a [rows, vocab] gather (one
         # cost ~0.7 ms at 32 rows of a 49k vocabulary on 2 threads).
-        scaled = _rows(logits, idx)
-        probs, cand_ids, size_t = candidates(scaled.div_(temps[:, None]), [rows[i].params for i in random_idx])
+        scaled = select_rows(logits, idx)
+        cands = candidates(scaled.div_(temps[:, None]), [rows[i].params for i in random_idx])
         # One uniform draw per row, from the row's own generator, inverted through its candidates'
         # cumulative mass (a draw of exponential noise per vocabulary entry cost 0.8 ms a row).
-        uniform = torch.zeros(len(random_idx), dtype=torch.float64, device="cpu")
-        for j, i in enumerate(random_idx):
-            if i not in failed:
-                _guard(failed, i, "drawing a token",
-                       lambda: uniform.__setitem__(j, torch.rand((), generator=rows[i].generator, dtype=torch.float64,
-                                                                  device="cpu")))
-        uniform = uniform.to(device)
-        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        uniform = _uniforms([rows[i] for i in random_idx], random_idx, failed, device)
+        cdf = cands.vals.cumsum(dim=-1, dtype=torch.float64)
         target = (uniform * cdf[:, -1])[:, None]
-        chosen = torch.minimum(torch.searchsorted(cdf, target, right=True).squeeze(1), size_t - 1)
-        drawn = cand_ids.gather(1, chosen.clamp(min=0)[:, None]).squeeze(1)
+        chosen = torch.minimum(torch.searchsorted(cdf, target, right=True).squeeze(1), cands.sizes - 1)
+        drawn = cands.ids.gather(1, chosen.clamp(min=0)[:, None]).squeeze(1)
         # A row with no candidate or no finite mass has no distribution left (its scaled logits
         # overflowed: a tiny temperature or an extreme repetition penalty made them inf, the
         # softmax NaN): it keeps its most likely token, the limit of sampling as T goes to 0.
         mass = cdf[:, -1]
-        token_ids[idx] = torch.where((size_t > 0) & torch.isfinite(mass) & (mass > 0), drawn, token_ids[idx])
+        drew = (cands.sizes > 0) & torch.isfinite(mass) & (mass > 0)
+        if len(cands.wide):         # flat distributions: drawn by rejection (engine/sample/nucleus.py)
+            wide = [random_idx[j] for j in cands.wide.tolist()]
+            wide_drawn = draw_wide(select_rows(cands.probs, cands.wide), [rows[i].params for i in wide],
+                                   uniform[cands.wide], lambda which: _uniforms(
+                                       [rows[wide[w]] for w in which], [wide[w] for w in which], failed, device))
+            drawn[cands.wide], drew[cands.wide] = wide_drawn, wide_drawn >= 0
+        token_ids[idx] = torch.where(drew, drawn, token_ids[idx])
 
     token_list = token_ids.tolist()
     records = {} if raw_logprobs is None else _logprob_records(raw_logprobs, lp_rows, token_list, rows, failed)
@@ -112,6 +114,19 @@ def _logprob_records(raw: torch.Tensor, lp_rows: list[int], token_list: list[int
         top[token_list[i]] = chosen_list[j]
         records[i] = SampledToken(token_list[i], chosen_list[j], ranks[j], top)
     return records
+
+
+def _uniforms(rows: list[SamplingRow], positions: list[int], failed: dict[int, str], device: torch.device
+              ) -> torch.Tensor:
+    """One uniform number in [0, 1) per row (float64, on `device`), each from the row's own generator
+    on the host (a failing one marks its row failed, at `positions`, and draws 0)."""
+    uniform = torch.zeros(len(rows), dtype=torch.float64, device="cpu")
+    for j, (row, i) in enumerate(zip(rows, positions)):
+        if i not in failed:
+            _guard(failed, i, "drawing a token",
+                   lambda: uniform.__setitem__(j, torch.rand((), generator=row.generator, dtype=torch.float64,
+                                                              device="cpu")))
+    return uniform.to(device)
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
@@ -205,92 +220,3 @@ def _penalize_row(logits: torch.Tensor, i: int, row: SamplingRow, penalties: boo
         banned_ids = [t for t in banned if t < vocab]
         if banned_ids:
             logits[i, banned_ids] = float("-inf")
-
-
-def candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What `filtered_probs` keeps, without sorting the vocabulary: each row's most likely tokens in
-    descending order, (probabilities [R, k], zero where not kept; token ids [R, k]; how many of its
-    first k are kept, [R]), on the logits' device.
-
-    top_k, then top_p on the distribution renormalized over the top k, then min_p (as filtered_probs
-    and vLLM). The kept tokens are a prefix of the sorted ones, so each row takes them from `topk`
-    with k = 64, 512, 4096, ... until its cut is known to fall inside: a full sort of a 49k
-    vocabulary took 89 ms for 64 rows on 2 threads, a topk of 512 a few. A row's k, order and count
-    depend on the row alone (topk orders equal values differently for another k), so a seeded row
-    draws the same token for the same draw whatever else is in the batch. Kept probabilities are not
-    renormalized (the draw scales by their sum)."""
-    (rows, vocab), device = logits.shape, logits.device
-    probs = logits.softmax(dim=-1)
-    top_k, top_p, min_p = _filters(params, vocab, probs.dtype, device)
-    found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, vals, ids, kept)
-    unfiltered = (top_k == vocab) & (top_p >= 1) & (min_p <= 0)        # every token, in vocabulary order
-    if bool(unfiltered.any()):
-        where = unfiltered.nonzero().flatten()
-        found.append((where, _rows(probs, where), torch.arange(vocab, device=device).expand(len(where), vocab),
-                      torch.full((len(where),), vocab, device=device)))
-    pending = (~unfiltered).nonzero().flatten()
-    k = min(64, vocab)
-    while len(pending):
-        vals, ids = _rows(probs, pending).topk(k, dim=-1)       # sorted, descending
-        tk, tp, mp = top_k[pending], top_p[pending], min_p[pending]
-        in_k = torch.arange(k, device=device)[None, :] < tk[:, None]
-        # The top-k mass, for top_p's renormalization: exact once top_k <= k; 1 without a top_k.
-        mass_k = torch.where(tk <= k, (vals * in_k).sum(dim=-1), 1.0)
-        mass_before = vals.cumsum(dim=-1) - vals
-        keep = (in_k & ((mass_before < (tp * mass_k)[:, None]) | (tp >= 1)[:, None])
-                & (vals >= (mp * vals[:, 0])[:, None]))
-        # Known to end inside the first k: within its top_k; or, with no top_k, past top_p's mass;
-        # or below min_p's threshold at the k-th token, where no top_p needs a larger top_k's mass.
-        no_top_k = tk == vocab
-        ends = ((tk <= k) | (no_top_k & (tp < 1) & (vals.sum(dim=-1) >= tp))
-                | ((vals[:, -1] < mp * vals[:, 0]) & (no_top_k | (tp >= 1))) | (k == vocab))
-        found.append((pending[ends], vals[ends] * keep[ends], ids[ends], keep[ends].sum(dim=-1)))
-        pending = pending[~ends]
-        k = min(k * 8, vocab)
-    if len(found) == 1 and len(found[0][0]) == rows:     # every row found at once (the usual batch)
-        return found[0][1], found[0][2], found[0][3]
-    width = max(v.shape[1] for _, v, _, _ in found)
-    out_vals = torch.zeros(rows, width, dtype=probs.dtype, device=device)
-    out_ids = torch.zeros(rows, width, dtype=torch.long, device=device)
-    sizes = torch.zeros(rows, dtype=torch.long, device=device)
-    for where, vals, ids, kept in found:
-        out_vals[where, :vals.shape[1]] = vals
-        out_ids[where, :ids.shape[1]] = ids
-        sizes[where] = kept
-    return out_vals, out_ids, sizes
-
-
-def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Softmax after top_k, top_p and min_p filtering (rows without them pass through)."""
-    vocab, device = logits.shape[-1], logits.device
-    top_k, top_p, min_p = _filters(params, vocab, logits.dtype, device)
-    if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=device)[None, :]
-        drop = ranks >= top_k[:, None]
-        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop |= mass_before >= top_p[:, None]
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    if bool((min_p > 0).any()):
-        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < threshold, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
-
-
-def _rows(x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-    """x[which], without the copy where `which` (ascending, as nonzero() gives) is every row."""
-    return x if len(which) == x.shape[0] else x[which]
-
-
-def _filters(params: list[SamplingParams], vocab: int, dtype: torch.dtype, device: torch.device
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's (top_k, with `vocab` for none; top_p; min_p) as tensors on `device`."""
-    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=dtype, device=device)
-    min_p = torch.tensor([p.min_p for p in params], dtype=dtype, device=device)
-    return top_k, top_p, min_p

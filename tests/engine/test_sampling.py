@@ -279,44 +279,112 @@ def test_plain_greedy_rows_skip_the_sampler_with_the_same_tokens(tiny_llama):
     assert torch.equal(greedy_ids(low), greedy_ids(model.compute_logits(hidden)))
 
 
-@pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_k=5), dict(top_k=700, top_p=0.95), dict(min_p=0.05),
-                                dict(top_p=0.999), dict(top_k=3, top_p=0.5, min_p=0.2), dict(),
-                                dict(top_k=1000, top_p=0.9, min_p=0.3)])
+FILTERS = [dict(top_p=0.9), dict(top_k=5), dict(top_k=700, top_p=0.95), dict(min_p=0.05), dict(top_p=0.999),
+           dict(top_k=3, top_p=0.5, min_p=0.2), dict(), dict(top_k=1000, top_p=0.9, min_p=0.3), dict(top_k=40),
+           dict(top_k=30, top_p=0.7), dict(min_p=0.02, top_p=0.8)]
+
+
+@pytest.mark.parametrize("kw", FILTERS)
 def test_candidates_keep_what_the_full_sort_keeps(kw):
-    """`candidates` (topk, growing k) against `filtered_probs` (a sort of the whole vocabulary): the
-    same tokens kept with the same renormalized probabilities, row by row; and a row's candidates do
-    not depend on the rows beside it."""
-    from engine.sample.sampler import candidates, filtered_probs
+    """`candidates` (one topk) against `filtered_probs` (a sort of the whole vocabulary): the rows it
+    finds keep the same tokens with the same renormalized probabilities; a flat row is left to the
+    wide draw; and a row's candidates do not depend on the rows beside it."""
+    from engine.sample.nucleus import candidates, filtered_probs
 
     g = torch.Generator().manual_seed(len(str(kw)))
     logits = torch.randn(6, 5000, generator=g) * torch.tensor([0.5, 1.0, 2.0, 4.0, 8.0, 0.1])[:, None]
     params = [SamplingParams(temperature=1.0, **kw)] * 6
-    vals, ids, sizes = candidates(logits, params)
+    vals, ids, sizes, wide, _ = candidates(logits, params)
     expected = filtered_probs(logits.clone(), params)
+    assert (5 in wide.tolist()) == (kw.get("top_k", 5000) > 64 and bool(kw))    # the flattest row
     for r in range(6):
+        if r in wide.tolist():      # its cut not known inside its 64 most likely tokens
+            assert sizes[r] == 0 and (int((expected[r] > 0).sum()) > 64 or kw.get("top_k", 0) > 64)
+            continue
         kept = torch.zeros(5000)
         kept[ids[r, :sizes[r]]] = vals[r, :sizes[r]]
         assert torch.equal(kept > 0, expected[r] > 0)
         torch.testing.assert_close(kept / kept.sum(), expected[r], rtol=1e-4, atol=1e-7)
     others = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2)]
-    alone = candidates(logits[3:4], params[3:4])
-    mixed = candidates(torch.cat([logits[:1], logits[3:4], logits[1:2]]), [others[0], params[3], others[1]])
-    n = alone[2][0]
-    assert mixed[2][1] == n and torch.equal(mixed[1][1, :n], alone[1][0, :n])
-    assert torch.equal(mixed[0][1, :n], alone[0][0, :n])
+    for r in range(6):
+        alone = candidates(logits[r:r + 1], params[r:r + 1])
+        mixed = candidates(torch.cat([logits[:1], logits[r:r + 1], logits[1:2]]), [others[0], params[r], others[1]])
+        n = alone.sizes[0]
+        assert mixed.sizes[1] == n and (1 in mixed.wide.tolist()) == (0 in alone.wide.tolist())
+        assert torch.equal(mixed.ids[1, :n], alone.ids[0, :n]) and torch.equal(mixed.vals[1, :n], alone.vals[0, :n])
 
 
-def test_candidates_renormalize_top_p_over_a_large_top_k_even_when_min_p_ends_early():
-    """Three likely tokens and a flat tail: min_p keeps only the three (so the cut is known inside
-    the first 64), but top_p must still be measured against the top 1000's mass (0.92), not 1."""
-    from engine.sample.sampler import candidates, filtered_probs
+@pytest.mark.parametrize("kw", FILTERS[:8] + [dict(top_k=12, top_p=1.0), dict(top_k=30, min_p=0.01)])
+def test_wide_draws_follow_the_filtered_distribution(kw):
+    """`draw_wide` (rejection within the nucleus) on a flat row: 40,000 draws, each row with its
+    own uniforms, never outside what the full sort keeps, and their frequencies within 5 standard
+    errors of its renormalized probabilities; a rejected draw draws again from that row's own
+    numbers."""
+    from engine.sample.nucleus import draw_wide, filtered_probs
+
+    vocab, n = 48, 40_000
+    g = torch.Generator().manual_seed(len(str(kw)))
+    logits = torch.randn(vocab, generator=g) * 1.5
+    params = [SamplingParams(temperature=1.0, **kw)] * n
+    expected = filtered_probs(logits[None, :], params[:1])[0]
+    redraws: list[int] = []
+
+    def more(rows: list[int]) -> torch.Tensor:
+        redraws.extend(rows)
+        return torch.rand(len(rows), generator=g, dtype=torch.float64)
+
+    tokens = draw_wide(logits.softmax(-1).expand(n, vocab).contiguous(), params,
+                       torch.rand(n, generator=g, dtype=torch.float64), more)
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert counts[expected == 0].sum() == 0, "a draw outside the nucleus"
+    observed = counts / n
+    bound = 5 * (expected.double() * (1 - expected.double()) / n).sqrt() + 1e-4
+    assert ((observed - expected.double()).abs() <= bound).all(), (observed, expected)
+    assert not redraws or kw.get("top_p", 1.0) < 1        # only top_p rejects (top_k and min_p bound the draw)
+    if kw == {"top_p": 0.9}:
+        assert 0.02 * n < len(redraws) < 0.2 * n           # ~1 - 0.9 of the first draws fall outside
+
+
+def test_a_wide_row_draws_the_same_alone_and_in_a_batch():
+    """Seeded rows through `sample`, flat ones among them (drawn by rejection): each row's token is
+    the one it draws alone, whatever the rows beside it; an overflowed flat row keeps its argmax."""
+    from engine.sample.sampler import SamplingRow, sample
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 2000, generator=g) * torch.tensor([0.05, 4.0, 0.2, 8.0, 0.1, 1.0])[:, None]
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=1), SamplingParams(temperature=0.9, top_p=0.9, seed=2),
+              SamplingParams(temperature=1.5, top_k=500, top_p=0.95, seed=3), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, min_p=0.001, seed=5), SamplingParams(temperature=1e-300, top_p=0.9)]
+
+    def rows(which):
+        return [SamplingRow(params[i], torch.Generator().manual_seed(params[i].seed or 0), [1], [], frozenset())
+                for i in which]
+
+    together, failed = sample(logits.clone(), rows(range(6)))
+    assert not failed
+    for i in range(6):
+        alone, _ = sample(logits[i:i + 1].clone(), rows([i]))
+        assert alone[0].token_id == together[i].token_id, i
+    assert together[5].token_id == int(logits[5].argmax())
+
+
+def test_top_p_is_renormalized_over_a_large_top_k_even_where_min_p_cuts_early():
+    """Three likely tokens and a flat tail: min_p keeps only the three, but top_p must still be
+    measured against the top 1000's mass (0.92), not 1: two are kept."""
+    from engine.sample.nucleus import candidates, draw_wide, filtered_probs
 
     probs = torch.full((5000,), 0.1 / 4997)
     probs[:3] = torch.tensor([0.31, 0.30, 0.29])
     params = [SamplingParams(temperature=1.0, top_k=1000, top_p=0.63, min_p=0.5)]
-    vals, ids, sizes = candidates(probs.log()[None, :], params)
     expected = filtered_probs(probs.log()[None, :], params)
-    assert sizes.tolist() == [2] and int((expected[0] > 0).sum()) == 2 and set(ids[0, :2].tolist()) == {0, 1}
+    assert int((expected[0] > 0).sum()) == 2 and set(expected[0].nonzero().flatten().tolist()) == {0, 1}
+    # A top_k above the topk's 64 with a top_p: a wide row, drawn by rejection against that mass too.
+    assert candidates(probs.log()[None, :], params).wide.tolist() == [0]
+    g = torch.Generator().manual_seed(0)
+    n = 4000
+    tokens = draw_wide(probs.expand(n, -1).contiguous(), params * n, torch.rand(n, generator=g, dtype=torch.float64),
+                       lambda rows: torch.rand(len(rows), generator=g, dtype=torch.float64))
+    assert set(tokens.tolist()) == {0, 1}
 
 
 def test_batched_penalties_equal_the_per_row_reference_across_steps():
