@@ -170,7 +170,7 @@ def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Te
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Softmax after top_k, top_p and min_p filtering (rows without them pass through): the
-    reference, by a sort of the whole vocabulary (the speculative rejection sampler's too)."""
+    reference, by a sort of the whole vocabulary."""
     vocab, device = logits.shape[-1], logits.device
     top_k, top_p, min_p = filters(params, vocab, logits.dtype, device)
     if bool((top_k < vocab).any()) or bool((top_p < 1).any()):

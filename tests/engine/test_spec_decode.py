@@ -8,7 +8,7 @@ import torch
 from helpers import mixed_prompts, save_random_model
 
 from engine import LLM, SamplingParams
-from engine.sample.rejection_sampler import accept_greedy, rejection_sample, verify
+from engine.sample.rejection_sampler import accept_greedy, verify
 from engine.sample.sampler import SamplingRow
 from engine.spec_decode.ngram import NgramProposer
 from records.config import EngineConfig
@@ -98,22 +98,33 @@ def _wrong_resample_from_p(probs: torch.Tensor, drafts: list[int], generator: to
     return [int(torch.multinomial(probs[0], 1, generator=generator))]
 
 
-def test_rejection_sampling_matches_the_target_distribution_and_the_test_has_power():
-    probs = torch.tensor([[0.05, 0.30, 0.15, 0.40, 0.10]] * 2)
+@pytest.mark.parametrize("filters", [{}, {"top_p": 0.8}, {"top_k": 3}])
+def test_rejection_sampling_matches_the_target_distribution_and_the_test_has_power(filters):
+    """`verify` at temperature 1 over a proposal the draft favours wrongly: its first emitted token
+    follows the target's (filtered) distribution; accepting every proposal, or (unfiltered)
+    resampling from p without removing the rejected proposal, fails the same test."""
+    from engine.sample.nucleus import filtered_probs
+
+    logits = torch.tensor([[0.05, 0.30, 0.15, 0.40, 0.10]] * 2).log()
+    params = SamplingParams(temperature=1.0, **filters)
+    probs = filtered_probs(logits.clone(), [params] * 2)
     draft_dist = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.2])    # proposals favour a low-probability token
     g = torch.Generator().manual_seed(1234)
     num = 20_000
     drafts = torch.multinomial(draft_dist, num, replacement=True, generator=g).tolist()
     exact = torch.zeros(5)
+    row = SamplingRow(params, g, [0], [], frozenset())
     for d in drafts:
-        exact[rejection_sample(probs, [d], g)[0]] += 1
-    assert chi_squared_p_value(exact, probs[0]) > 0.01
+        exact[verify(logits.clone(), row, [d])[0].token_id] += 1
+    kept = probs[0] > 0
+    assert exact[~kept].sum() == 0 and chi_squared_p_value(exact[kept], probs[0][kept]) > 0.01
     always = torch.bincount(torch.tensor(drafts), minlength=5)
     assert chi_squared_p_value(always, probs[0]) < 1e-6          # always accepting the proposal
-    wrong = torch.zeros(5)
-    for d in drafts:
-        wrong[_wrong_resample_from_p(probs, [d], g)[0]] += 1
-    assert chi_squared_p_value(wrong, probs[0]) < 1e-6           # residual not renormalized
+    if not filters:     # (with a filter most proposals fall outside it, where the wrong rule is right)
+        wrong = torch.zeros(5)
+        for d in drafts:
+            wrong[_wrong_resample_from_p(probs, [d], g)[0]] += 1
+        assert chi_squared_p_value(wrong, probs[0]) < 1e-6       # residual not renormalized
 
 
 def test_verify_applies_penalties_per_position_and_reports_target_logprobs():
