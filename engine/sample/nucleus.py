@@ -21,7 +21,6 @@ logits tie often in a flat tail). Both keep exactly top_k tokens.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -85,12 +84,13 @@ def candidates(logits: torch.Tensor, params: list[SamplingParams], widest: int =
     return Candidates(out_vals, out_ids, sizes, wide_rows, probs)
 
 
-def draw_wide(probs: torch.Tensor, params: list[SamplingParams], uniform: torch.Tensor,
-              more: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
+def draw_wide(probs: torch.Tensor, params: list[SamplingParams], uniform: torch.Tensor) -> torch.Tensor:
     """A token id for each row of `probs` ([W, vocab], rows that sum to 1, each with its params)
     within its nucleus, distributed as the nucleus' renormalized probabilities. `uniform` [W]
-    (float64, in [0, 1)) is each row's first draw; `more(rows)` gives the listed rows' next ones
-    (from their own generators), for rows whose draw fell outside.
+    (float64, in [0, 1)) is each row's draw, its only one: a row drawn again reuses where its
+    number fell inside the rejected token's share of the mass, itself uniform and independent of
+    which token it fell on (so a seeded request still takes one number a token from its generator,
+    what a resumed stream counts on: model_runner._sampling_row).
 
     A draw is among the row's k most likely tokens (top_k) at least as likely as min_p * its most
     likely; top_p keeps it when the tokens strictly more likely hold less than top_p of the top k's
@@ -122,7 +122,7 @@ def draw_wide(probs: torch.Tensor, params: list[SamplingParams], uniform: torch.
     pending = torch.arange(width, device=device)
     while len(pending):
         p, lows = select_rows(probs, pending), low[pending]
-        token, total = _inverse_cdf(p * (p >= lows[:, None]) if bool((lows > 0).any()) else p, uniform)
+        token, total, uniform = _inverse_cdf(p * (p >= lows[:, None]) if bool((lows > 0).any()) else p, uniform)
         p_token = p.gather(1, token[:, None]).squeeze(1)
         tp = top_p[pending]
         kept = tp >= 1
@@ -134,20 +134,19 @@ def draw_wide(probs: torch.Tensor, params: list[SamplingParams], uniform: torch.
         # Rejected: the token and all no more likely are outside the nucleus (its cut is monotone).
         low[pending[~done]] = torch.nextafter(p_token[~done], torch.tensor(float("inf"), dtype=p.dtype,
                                                                           device=device))
-        pending = pending[~done]
-        if len(pending):
-            uniform = more(pending.tolist()).to(device)
+        pending, uniform = pending[~done], uniform[~done]
     return out
 
 
 _BLOCK = 256        # the inverse CDF's two levels: block sums, then one block's running sum
 
 
-def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(for each row of `weights` [R, V] >= 0, the first index where its running sum passes uniform *
-    its total, that total (float64)): the draw that a float64 cumsum of the whole row would give,
-    from the sums of blocks of _BLOCK entries and the running sum of one block (a whole row's
-    float64 cumsum cost 1.6 ms at 32 rows of 49k, with its cast, against ~0.3)."""
+    its total; that total (float64); where the target fell inside that index's weight, in [0, 1)):
+    the draw that a float64 cumsum of the whole row would give, from the sums of blocks of _BLOCK
+    entries and the running sum of one block (a whole row's float64 cumsum cost 1.6 ms at 32 rows
+    of 49k, with its cast, against ~0.3)."""
     (rows, vocab), device = weights.shape, weights.device
     whole = vocab // _BLOCK * _BLOCK
     sums = weights[:, :whole].reshape(rows, -1, _BLOCK).sum(dim=-1, dtype=torch.float64)
@@ -161,11 +160,14 @@ def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Te
     index = (block * _BLOCK + torch.arange(_BLOCK, device=device)[None, :]).clamp(max=vocab - 1)
     inside = weights.gather(1, index)
     inside = torch.where(index >= block * _BLOCK + (vocab - block * _BLOCK).clamp(max=_BLOCK), 0.0, inside)
-    steps = torch.searchsorted(inside.cumsum(dim=-1, dtype=torch.float64), target - before, right=True)
+    running_inside = inside.cumsum(dim=-1, dtype=torch.float64)
+    steps = torch.searchsorted(running_inside, target - before, right=True)
     # Rounding may put the target past the block's own running sum: its last entry with weight.
     last = _BLOCK - 1 - (inside > 0).flip(-1).to(torch.uint8).argmax(dim=-1, keepdim=True)
-    token = index.gather(1, torch.minimum(steps, last)).squeeze(1)
-    return token, total
+    step = torch.minimum(steps, last)
+    weight = inside.gather(1, step).double()
+    fraction = (target - before - running_inside.gather(1, step) + weight) / weight
+    return index.gather(1, step).squeeze(1), total, fraction.squeeze(1).clamp(0.0, 1.0 - 2.0 ** -53)
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -77,10 +77,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], counts: TokenCounts | 
         mass = cdf[:, -1]
         drew = (cands.sizes > 0) & torch.isfinite(mass) & (mass > 0)
         if len(cands.wide):         # flat distributions: drawn by rejection (engine/sample/nucleus.py)
-            wide = [random_idx[j] for j in cands.wide.tolist()]
-            wide_drawn = draw_wide(select_rows(cands.probs, cands.wide), [rows[i].params for i in wide],
-                                   uniform[cands.wide], lambda which: _uniforms(
-                                       [rows[wide[w]] for w in which], [wide[w] for w in which], failed, device))
+            wide_drawn = draw_wide(select_rows(cands.probs, cands.wide),
+                                   [rows[random_idx[j]].params for j in cands.wide.tolist()], uniform[cands.wide])
             drawn[cands.wide], drew[cands.wide] = wide_drawn, wide_drawn >= 0
         token_ids[idx] = torch.where(drew, drawn, token_ids[idx])
 
@@ -118,14 +116,22 @@ def _logprob_records(raw: torch.Tensor, lp_rows: list[int], token_list: list[int
 
 def _uniforms(rows: list[SamplingRow], positions: list[int], failed: dict[int, str], device: torch.device
               ) -> torch.Tensor:
-    """One uniform number in [0, 1) per row (float64, on `device`), each from the row's own generator
-    on the host (a failing one marks its row failed, at `positions`, and draws 0)."""
+    """One uniform number in [0, 1) per row (float64, on `device`), one a row: rows that share a
+    generator (the runner's, for every unseeded request) draw theirs in one call, in row order (a
+    call a row cost ~15 us of Python, ~0.5 ms a step at 32 rows); a seeded row from its own. A
+    generator that fails marks its rows failed (at `positions`) and they draw 0."""
     uniform = torch.zeros(len(rows), dtype=torch.float64, device="cpu")
-    for j, (row, i) in enumerate(zip(rows, positions)):
-        if i not in failed:
-            _guard(failed, i, "drawing a token",
-                   lambda: uniform.__setitem__(j, torch.rand((), generator=row.generator, dtype=torch.float64,
-                                                              device="cpu")))
+    groups: dict[int, list[int]] = {}
+    for j, row in enumerate(rows):
+        if positions[j] not in failed:
+            groups.setdefault(id(row.generator), []).append(j)
+    for members in groups.values():
+        try:
+            drawn = torch.rand(len(members), generator=rows[members[0]].generator, dtype=torch.float64, device="cpu")
+        except Exception as e:  # noqa: BLE001 - reported per row, the batch goes on
+            failed.update((positions[j], f"drawing a token failed: {e!r}") for j in members)
+            continue
+        uniform[members] = drawn
     return uniform.to(device)
 
 

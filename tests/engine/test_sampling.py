@@ -316,10 +316,9 @@ def test_candidates_keep_what_the_full_sort_keeps(kw):
 
 @pytest.mark.parametrize("kw", FILTERS[:8] + [dict(top_k=12, top_p=1.0), dict(top_k=30, min_p=0.01)])
 def test_wide_draws_follow_the_filtered_distribution(kw):
-    """`draw_wide` (rejection within the nucleus) on a flat row: 40,000 draws, each row with its
-    own uniforms, never outside what the full sort keeps, and their frequencies within 5 standard
-    errors of its renormalized probabilities; a rejected draw draws again from that row's own
-    numbers."""
+    """`draw_wide` (rejection within the nucleus, a rejected row reusing where its number fell) on a
+    flat row: 40,000 draws, each row with its own number, never outside what the full sort keeps,
+    and their frequencies within 5 standard errors of its renormalized probabilities."""
     from engine.sample.nucleus import draw_wide, filtered_probs
 
     vocab, n = 48, 40_000
@@ -327,22 +326,13 @@ def test_wide_draws_follow_the_filtered_distribution(kw):
     logits = torch.randn(vocab, generator=g) * 1.5
     params = [SamplingParams(temperature=1.0, **kw)] * n
     expected = filtered_probs(logits[None, :], params[:1])[0]
-    redraws: list[int] = []
-
-    def more(rows: list[int]) -> torch.Tensor:
-        redraws.extend(rows)
-        return torch.rand(len(rows), generator=g, dtype=torch.float64)
-
     tokens = draw_wide(logits.softmax(-1).expand(n, vocab).contiguous(), params,
-                       torch.rand(n, generator=g, dtype=torch.float64), more)
+                       torch.rand(n, generator=g, dtype=torch.float64))
     counts = torch.bincount(tokens, minlength=vocab).double()
     assert counts[expected == 0].sum() == 0, "a draw outside the nucleus"
     observed = counts / n
     bound = 5 * (expected.double() * (1 - expected.double()) / n).sqrt() + 1e-4
     assert ((observed - expected.double()).abs() <= bound).all(), (observed, expected)
-    assert not redraws or kw.get("top_p", 1.0) < 1        # only top_p rejects (top_k and min_p bound the draw)
-    if kw == {"top_p": 0.9}:
-        assert 0.02 * n < len(redraws) < 0.2 * n           # ~1 - 0.9 of the first draws fall outside
 
 
 def test_a_wide_row_draws_the_same_alone_and_in_a_batch():
@@ -360,12 +350,19 @@ def test_a_wide_row_draws_the_same_alone_and_in_a_batch():
         return [SamplingRow(params[i], torch.Generator().manual_seed(params[i].seed or 0), [1], [], frozenset())
                 for i in which]
 
-    together, failed = sample(logits.clone(), rows(range(6)))
+    batch = rows(range(6))
+    together, failed = sample(logits.clone(), batch)
     assert not failed
     for i in range(6):
         alone, _ = sample(logits[i:i + 1].clone(), rows([i]))
         assert alone[0].token_id == together[i].token_id, i
     assert together[5].token_id == int(logits[5].argmax())
+    # One number a token from a seeded row's generator, rejected draws or not (a stream resumed on
+    # another replica skips one a token: engine/worker/model_runner.py _sampling_row).
+    for i in (0, 1, 2, 4):
+        once = torch.Generator().manual_seed(params[i].seed)
+        torch.rand((), generator=once, dtype=torch.float64)
+        assert torch.equal(batch[i].generator.get_state(), once.get_state()), i
 
 
 def test_top_p_is_renormalized_over_a_large_top_k_even_where_min_p_cuts_early():
@@ -382,8 +379,7 @@ def test_top_p_is_renormalized_over_a_large_top_k_even_where_min_p_cuts_early():
     assert candidates(probs.log()[None, :], params).wide.tolist() == [0]
     g = torch.Generator().manual_seed(0)
     n = 4000
-    tokens = draw_wide(probs.expand(n, -1).contiguous(), params * n, torch.rand(n, generator=g, dtype=torch.float64),
-                       lambda rows: torch.rand(len(rows), generator=g, dtype=torch.float64))
+    tokens = draw_wide(probs.expand(n, -1).contiguous(), params * n, torch.rand(n, generator=g, dtype=torch.float64))
     assert set(tokens.tolist()) == {0, 1}
 
 
