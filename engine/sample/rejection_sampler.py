@@ -15,6 +15,10 @@ top_k/top_p/min_p), so the emitted tokens follow the target's distribution:
   the vocabulary for top_p) and the emitted tokens are the drafts up to the first draw that
   differs, then that draw: `accept_greedy` over the draws. P(emit x) = p(x) for every x, for any
   proposal. (A sort of the vocabulary per request for top_p took ~7 ms at k = 4 and 49k tokens.)
+  The generator is then rewound to one number per emitted token, so that token i takes the i-th
+  number of the request's stream with speculation or without: a seeded request samples the same
+  tokens either way (up to the verification's logits rounding apart from a decode step's), and a
+  stream resumed on another replica (one number skipped per sent token) goes on where it was.
 
 Draws use the request's own generator when it has a seed (else the runner's).
 """
@@ -36,10 +40,15 @@ def verify(logits: torch.Tensor, row: SamplingRow, draft_token_ids: list[int]) -
     params = row.params
     rows = [replace(row, output_token_ids=row.output_token_ids + draft_token_ids[:j]) for j in range(k + 1)]
     if not params.is_greedy:        # each position drawn in order from the request's generator
+        generator = row.generator
+        state = generator.get_state() if generator is not None else None
         drawn, failed = sample(logits, rows)
         if failed:
             raise RuntimeError(next(iter(failed.values())))
         emitted = accept_greedy([t.token_id for t in drawn], draft_token_ids)
+        if generator is not None:   # one number a token emitted, as without speculation: rewound past the rest
+            generator.set_state(state)
+            torch.rand(len(emitted), generator=generator, dtype=torch.float64, device="cpu")
         return drawn[:len(emitted)]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if params.logprobs is not None else None
     apply_penalties_and_masks(logits, rows)

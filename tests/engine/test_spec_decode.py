@@ -285,6 +285,10 @@ def test_n_greater_than_one_and_seeded_sampling_run_beside_speculation(loopy_lla
     a = run(llm, prompts, seeded)
     b = run(llm, prompts, seeded)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]      # reproducible under a seed
+    # Token i takes the i-th number of the request's stream, speculating or not: the same tokens as
+    # without speculation (so a stream resumed elsewhere, skipping one number a token, goes on).
+    assert llm.llm_engine.stats().spec.num_accepted_tokens > 0
+    assert [o.token_ids for o in a] == [o.token_ids for o in run(plain, prompts, seeded)]
 
 
 # --- the engine: sampling exactness ---------------------------------------------------------------
