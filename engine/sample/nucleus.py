@@ -50,9 +50,10 @@ def candidates(logits: torch.Tensor, params: list[SamplingParams], widest: int =
     found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, vals, ids, kept)
     # Rows without a filter keep every token: drawn as wide ones, in one round (a [rows, vocab]
     # float64 cumsum for them cost ~1.2 ms at 32 rows of 49k, and widened every row's candidates).
-    unfiltered = (top_k == vocab) & (top_p >= 1) & (min_p <= 0)
-    pending = (~unfiltered).nonzero().flatten()
-    wide = [unfiltered.nonzero().flatten()]
+    # (Decided from the params, on the host: no device sync.)
+    unfiltered = [not _filters_any(p, vocab) for p in params]
+    pending = torch.tensor([i for i, u in enumerate(unfiltered) if not u], dtype=torch.long, device=device)
+    wide = [torch.tensor([i for i, u in enumerate(unfiltered) if u], dtype=torch.long, device=device)]
     if len(pending):
         k = min(widest, vocab)
         vals, ids = select_rows(probs, pending).topk(k, dim=-1)       # sorted, descending
@@ -99,16 +100,20 @@ def draw_wide(probs: torch.Tensor, params: list[SamplingParams], uniform: torch.
     overflowed) gets -1."""
     (width, vocab), device = probs.shape, probs.device
     top_k, top_p, min_p = filters(params, vocab, probs.dtype, device)
-    # Drawn from: tokens with p >= low (0: every token, no mask to make) within the top k.
-    low = min_p * probs.amax(dim=-1) if bool((min_p > 0).any()) else torch.zeros_like(min_p)
+    # Drawn from: tokens with p >= low (0: every token, no mask to make) within the top k. (What
+    # each row asks is read from its params on the host: no device sync for it.)
+    low = min_p * probs.amax(dim=-1) if any(p.min_p > 0 for p in params) else torch.zeros_like(min_p)
     mass_k = torch.ones(width, dtype=probs.dtype, device=device)
-    limited = (top_k < vocab).nonzero().flatten()
-    if len(limited):
+    by_k: dict[int, list[int]] = {}
+    for i, p in enumerate(params):
+        if 0 < p.top_k < vocab:
+            by_k.setdefault(p.top_k, []).append(i)
+    if by_k:
         probs = probs.clone()       # the rows with a top_k: zero outside it
-    for k in top_k[limited].unique().tolist():
+    for k, members in by_k.items():
         # Exactly k tokens, as the sort keeps them (tied ones as topk picks them): an unsorted topk
         # from the nearer end (kthvalue: ~7 ms at 32 x 49k, whatever k).
-        where = limited[top_k[limited] == k]
+        where = torch.tensor(members, dtype=torch.long, device=device)
         sub = probs[where]
         if 2 * k <= vocab:
             vals, ids = sub.topk(k, dim=-1, sorted=False)
@@ -200,6 +205,10 @@ def filters(params: list[SamplingParams], vocab: int, dtype: torch.dtype, device
     top_p = torch.tensor([p.top_p for p in params], dtype=dtype, device=device)
     min_p = torch.tensor([p.min_p for p in params], dtype=dtype, device=device)
     return top_k, top_p, min_p
+
+
+def _filters_any(params: SamplingParams, vocab: int) -> bool:
+    return 0 < params.top_k < vocab or params.top_p < 1 or params.min_p > 0
 
 
 def select_rows(x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
