@@ -51,7 +51,8 @@ from records.cpu_flags import cpu_flags
 
 __all__ = ["apply_rotary", "apply_rotary_", "copy_blocks", "decode_attention", "fp8_linear", "gather_blocks",
            "gather_kv", "gguf_linear", "gguf_linear_int8", "gguf_rows_kernel", "lora_add", "pack_gguf",
-           "prefill_attention", "rms_norm", "silu_and_mul", "swap_blocks", "unpack_gguf", "write_kv"]
+           "prefill_attention", "rms_norm", "silu_and_mul", "softmax_topk", "swap_blocks", "unpack_gguf",
+           "write_kv"]
 
 # Head sizes and dtypes the C++ attention kernels are instantiated for; others run the reference.
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
@@ -348,6 +349,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
               expert_start: int = 0) -> torch.Tensor:
     """kernels.reference.fused_moe's contract, in one C++ call (kernels/csrc/moe.cpp)."""
     return torch.ops.pdserve_cpu.fused_moe(x, w13, w2, weights, ids, int(expert_start))
+
+
+def softmax_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.softmax_topk's contract, in two passes over each row (kernels/csrc/sampling.cpp)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or not 1 <= k <= x.shape[1] or x.stride(1) != 1:
+        return reference.softmax_topk(x, k)
+    return torch.ops.pdserve_cpu.softmax_topk(x, int(k))
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

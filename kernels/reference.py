@@ -272,6 +272,14 @@ def swap_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor],
         dst_cache[:, dst.to(dst_cache.device)] = moved
 
 
+def softmax_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest entries of x [rows, n] float32 as probabilities under the row's softmax,
+    descending, and their indices [rows, k] (the order of equal values is topk's; the C++ kernel
+    puts the earlier index first). A row without a distribution (a NaN, a +inf, only -inf) has NaN
+    probabilities, as softmax makes them."""
+    return x.softmax(dim=-1).topk(k, dim=-1)
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Each row's argmax of a [rows, n] tensor: the first maximum (the first NaN in a row with one).
     `max(dim)`, not `argmax`: the same result, 4x faster on CPU (torch 2.13)."""

@@ -77,7 +77,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], counts: TokenCounts | 
         mass = cdf[:, -1]
         drew = (cands.sizes > 0) & torch.isfinite(mass) & (mass > 0)
         if len(cands.wide):         # flat distributions: drawn by rejection (engine/sample/nucleus.py)
-            wide_drawn = draw_wide(select_rows(cands.probs, cands.wide),
+            wide_drawn = draw_wide(cands.wide_probs(),
                                    [rows[random_idx[j]].params for j in cands.wide.tolist()], uniform[cands.wide])
             drawn[cands.wide], drew[cands.wide] = wide_drawn, wide_drawn >= 0
         token_ids[idx] = torch.where(drew, drawn, token_ids[idx])

@@ -109,6 +109,33 @@ def test_silu_and_mul_matches_reference(dtype):
         assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 3), (16, 16), (100, 64), (5000, 64), (49152 + 5, 64), (49152, 300),
+                                 (3000, 1)])
+def test_softmax_topk_matches_softmax_then_topk(n, k):
+    """The sampler's kernel against torch's softmax and topk: the same indices in the same order
+    (distinct values), probabilities within a few ulps; rows with a stride; masked (-inf) entries;
+    a row sorted ascending (every entry a new best); rows without a distribution (NaN, +inf, all
+    -inf) give NaN probabilities as softmax does; equal values take the earlier index first."""
+    g = torch.Generator().manual_seed(n + k)
+    x = (torch.randn(10, n + 3, generator=g) * torch.tensor([1, 8, 0.1, 1, 1, 1, 1, 1, 1, 3])[:, None])[:, 1:n + 1]
+    x[3, ::2] = float("-inf")
+    x[4] = torch.linspace(-5, 5, n)
+    x[5, n // 3] = float("nan")
+    x[6, (7 * n) // 8] = float("inf")
+    x[7] = float("-inf")
+    vals, ids = cpu_ops.softmax_topk(x, k)
+    ref_vals, ref_ids = reference.softmax_topk(x, k)
+    assert vals.shape == ids.shape == (10, k) and ids.dtype == torch.long
+    ok = [0, 1, 2, 4, 8, 9] + ([3] if n // 2 >= k else [])      # (row 3: its finite half)
+    assert torch.equal(ids[ok], ref_ids[ok])
+    torch.testing.assert_close(vals[ok], ref_vals[ok], rtol=4e-6, atol=1e-30)
+    assert vals[5:8].isnan().all() and ref_vals[5:8].isnan().all()
+    if k <= 3 and n >= 7:                   # ties: the earlier index first, whatever topk does
+        x = torch.zeros(1, n)
+        x[0, [n - 1, 2, 5]] = 1.0
+        assert cpu_ops.softmax_topk(x, k)[1][0].tolist() == [2, 5, n - 1][:k]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [1, 7, 16, 49152 + 5])
 def test_argmax_rows_matches_torch_first_maximum_and_nan(dtype, n):
