@@ -17,7 +17,7 @@ from torch import nn
 from engine.model.layers.attention import Attention, AttentionBackend
 from engine.model.parallel_state import ParallelState, get_parallel_state, pp_recv, pp_send
 from engine.sample.penalties import TokenCounts
-from engine.sample.rejection_sampler import verify
+from engine.sample.rejection_sampler import Verification, verify
 from engine.sample.sampler import SamplingRow, greedy_ids, sample, top_logprobs
 from engine.sample.structured_output import Constraints
 from engine.worker.cpu_decode import CpuDecodePlan
@@ -228,20 +228,31 @@ class ModelRunner:
                     output.sampled[req.request_id] = token
         # A request's own verification or prompt logprobs that raise fail that request only.
         offset = num_sample
+        verifications: list[Verification] = []
         for req, idx in spec_rows:
-            rows = logits[offset:offset + len(idx)]
-            proposals = req.spec_token_ids
+            proposals, allowed = req.spec_token_ids, len(req.spec_token_ids)
             try:
                 spec = req.sampling_params.structured_outputs
                 if spec is not None and self.constraints is not None:
                     # Only the proposals the grammar allows are verified: the rest count as rejected.
-                    allowed = self.constraints.apply_proposals(rows, req.request_id, spec, req.output_token_ids,
-                                                               proposals)
-                    rows, proposals = rows[:allowed + 1], proposals[:allowed]
-                output.spec_sampled[req.request_id] = verify(rows, self._sampling_row(req), proposals)
+                    allowed = self.constraints.apply_proposals(logits[offset:offset + len(idx)], req.request_id,
+                                                               spec, req.output_token_ids, proposals)
             except Exception as e:  # noqa: BLE001
                 output.failed[req.request_id] = f"verifying proposed tokens failed: {e!r}"
+            verifications.append(Verification(self._sampling_row(req), proposals, allowed))
             offset += len(idx)
+        if verifications:           # every request's rows drawn at once
+            try:
+                verified = verify(logits[num_sample:offset], verifications)
+            except Exception as e:  # noqa: BLE001
+                verified = [f"{e!r}"] * len(verifications)
+            for (req, _), result in zip(spec_rows, verified):
+                if req.request_id in output.failed:
+                    continue
+                if isinstance(result, str):
+                    output.failed[req.request_id] = f"verifying proposed tokens failed: {result}"
+                else:
+                    output.spec_sampled[req.request_id] = result
         for req, idx in lp_rows:
             rows = logits[offset:offset + len(idx)]
             try:

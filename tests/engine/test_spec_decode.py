@@ -8,7 +8,7 @@ import torch
 from helpers import mixed_prompts, save_random_model
 
 from engine import LLM, SamplingParams
-from engine.sample.rejection_sampler import accept_greedy, verify
+from engine.sample.rejection_sampler import Verification, accept_greedy, verify
 from engine.sample.sampler import SamplingRow
 from engine.spec_decode.ngram import NgramProposer
 from records.config import EngineConfig
@@ -112,10 +112,10 @@ def test_rejection_sampling_matches_the_target_distribution_and_the_test_has_pow
     g = torch.Generator().manual_seed(1234)
     num = 20_000
     drafts = torch.multinomial(draft_dist, num, replacement=True, generator=g).tolist()
-    exact = torch.zeros(5)
     row = SamplingRow(params, g, [0], [], frozenset())
-    for d in drafts:
-        exact[verify(logits.clone(), row, [d])[0].token_id] += 1
+    # every request verified at once, as the runner verifies a step's (each its own two rows)
+    emitted = verify(logits.repeat(num, 1), [Verification(row, [d], 1) for d in drafts])
+    exact = torch.bincount(torch.tensor([out[0].token_id for out in emitted]), minlength=5).float()
     kept = probs[0] > 0
     assert exact[~kept].sum() == 0 and chi_squared_p_value(exact[kept], probs[0][kept]) > 0.01
     always = torch.bincount(torch.tensor(drafts), minlength=5)
@@ -127,12 +127,47 @@ def test_rejection_sampling_matches_the_target_distribution_and_the_test_has_pow
         assert chi_squared_p_value(wrong, probs[0]) < 1e-6       # residual not renormalized
 
 
+def test_a_steps_requests_verify_together_as_each_alone():
+    """One `verify` over a step's requests (greedy, seeded, unseeded sharing a generator, one whose
+    grammar allows fewer proposals, one whose row fails): each seeded or greedy request emits what
+    it emits verified alone, a seeded generator moves one number per emitted token, a grammar's
+    limit caps the accepted run, and a failing request fails alone."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 300
+    logits = torch.randn(14, vocab, generator=g) * 2
+
+    def requests():
+        shared = torch.Generator().manual_seed(9)
+        # proposals: each row's argmax, so that greedy accepts them all and sampling some
+        top = logits.argmax(dim=-1).tolist()
+        return [Verification(SamplingRow(SamplingParams(temperature=0), None, [1], [], frozenset()), top[0:3], 3),
+                Verification(SamplingRow(SamplingParams(temperature=0.7, seed=5), torch.Generator().manual_seed(5),
+                                         [1], [2], frozenset()), top[4:6], 2),
+                Verification(SamplingRow(SamplingParams(temperature=0.9), shared, [1], [], frozenset()), top[7:8], 1),
+                Verification(SamplingRow(SamplingParams(temperature=0), None, [1], [], frozenset()), top[9:11], 1),
+                Verification(SamplingRow(SamplingParams(temperature=1.0, repetition_penalty=1.2), shared, [1],
+                                         [10**6], frozenset()), top[12:13], 1)]      # a token outside the vocabulary
+
+    together = verify(logits.clone(), batch := requests())
+    rows = [0, 4, 7, 9, 12, 14]
+    alone = [verify(logits[rows[i]:rows[i + 1]].clone(), [r])[0] for i, r in enumerate(requests())]
+    assert [t.token_id for t in together[0]] == logits[0:4].argmax(-1).tolist()     # all 3 accepted + 1
+    assert [t.token_id for t in together[3]] == logits[9:11].argmax(-1).tolist()    # the grammar's 1, + 1
+    for i in (0, 1, 3):
+        assert [t.token_id for t in together[i]] == [t.token_id for t in alone[i]], i
+    once = torch.Generator().manual_seed(5)
+    torch.rand(len(together[1]), generator=once, dtype=torch.float64)
+    assert torch.equal(batch[1].row.generator.get_state(), once.get_state())
+    assert isinstance(together[4], str) and "penalties" in together[4]
+    assert not isinstance(together[2], str) and 1 <= len(together[2]) <= 2
+
+
 def test_verify_applies_penalties_per_position_and_reports_target_logprobs():
     # Greedy with a repetition penalty: position 1 sees proposal 0 as already generated.
     logits = torch.tensor([[0.0, 3.0, 2.9, 0.0], [0.0, 3.0, 2.9, 0.0]])
     params = SamplingParams(temperature=0, repetition_penalty=1.5, logprobs=1)
     row = SamplingRow(params, None, [0], [], frozenset())
-    out = verify(logits.clone(), row, [1])
+    out, = verify(logits.clone(), [Verification(row, [1], 1)])
     assert [t.token_id for t in out] == [1, 2]                     # 1 accepted, then 3.0/1.5 < 2.9
     raw = torch.log_softmax(logits, dim=-1)
     assert out[1].logprob == pytest.approx(raw[1, 2].item()) and out[1].rank == 2
