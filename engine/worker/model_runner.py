@@ -203,10 +203,11 @@ class ModelRunner:
         logits = self.model.compute_logits(rows, self._logits_buffer(len(row_index)))
         if not state.is_driver:                  # TP ranks > 0 only took part in the logits gather
             return None
-        # The sampler runs where the logits are (on a GPU: no [rows, vocab] copy, no host softmax);
-        # grammars' masks, verification and prompt logprobs work on the host.
-        if logits.device.type != "cpu" and (spec_rows or lp_rows or any(
-                r.sampling_params.structured_outputs is not None for r, _ in sample_rows)):
+        # The sampler runs where the logits are (on a GPU: no [rows, vocab] copy, no host softmax),
+        # and so does verification (the same sampler); grammars' masks and prompt logprobs work on
+        # the host.
+        if logits.device.type != "cpu" and (lp_rows or any(
+                r.sampling_params.structured_outputs is not None for r, _ in (*sample_rows, *spec_rows))):
             logits = logits.cpu()
         num_sample = len(sample_rows)
         output = ModelRunnerOutput(sampled={}, pooled=pooled)

@@ -162,6 +162,25 @@ def test_a_steps_requests_verify_together_as_each_alone():
     assert not isinstance(together[2], str) and 1 <= len(together[2]) <= 2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_verification_on_cuda_emits_what_it_emits_on_the_host():
+    """The runner verifies where the logits are (no host copy unless a grammar or prompt logprobs
+    ask): seeded and greedy requests emit the same tokens from CUDA logits as from the host's."""
+    logits = torch.randn(12, 128256, generator=torch.Generator().manual_seed(4)) * 3
+    top = logits.argmax(dim=-1).tolist()
+
+    def requests():
+        seeded = [SamplingRow(SamplingParams(temperature=0.8, top_p=0.95, seed=s), torch.Generator().manual_seed(s),
+                              [1], [], frozenset()) for s in range(2)]
+        greedy = SamplingRow(SamplingParams(temperature=0), None, [1], [], frozenset())
+        return [Verification(row, top[4 * i:4 * i + 3], 3) for i, row in enumerate([*seeded, greedy])]
+
+    host = verify(logits.clone(), requests())
+    device = verify(logits.cuda(), requests())
+    assert [[t.token_id for t in r] for r in device] == [[t.token_id for t in r] for r in host]
+
+
 def test_verify_applies_penalties_per_position_and_reports_target_logprobs():
     # Greedy with a repetition penalty: position 1 sees proposal 0 as already generated.
     logits = torch.tensor([[0.0, 3.0, 2.9, 0.0], [0.0, 3.0, 2.9, 0.0]])
