@@ -7,12 +7,13 @@ else is in the batch):
   is found with one `topk`, and `sample` draws among those candidates with one uniform number,
   inverted through their cumulative mass (`candidates`);
 - a wide one (a flat distribution: a high temperature, a model with random weights, a large
-  top_k; or no filter at all) is drawn by rejection (`draw_wide`): a token drawn from the distribution cut below by
-  top_k and min_p is kept if top_p keeps it, and otherwise every token no more likely than it is
-  excluded and the row draws again. Exact in distribution; one round for most rows, since the
-  first draw lands in the nucleus with probability at least top_p. Before it, such rows went on
-  to topk with k = 512, 4,096, 32,768 and the whole vocabulary: 121 ms for 32 rows of a 49k
-  vocabulary at top_p 0.95 on 2 threads (the decode step: 20 ms) (docs/perf/journal.md §65).
+  top_k; or no filter at all) is drawn by rejection (`draw_wide`): a token drawn from the
+  distribution cut below by top_k and min_p is kept if top_p keeps it, and otherwise every token
+  no more likely than it is excluded and the row draws again. Exact in distribution; one round
+  for most rows, since the first draw lands in the nucleus with probability at least top_p.
+  Before it, such rows went on to topk with k = 512, 4,096, 32,768 and the whole vocabulary:
+  121 ms for 32 rows of a 49k vocabulary at top_p 0.95 on 2 threads, where the decode step takes
+  20 ms (docs/perf/journal.md §65).
 
 Tie rule: the narrow path keeps the smallest prefix of the sorted tokens whose mass reaches top_p
 (`filtered_probs`, the reference, as vLLM); the wide path keeps a token when the tokens strictly
@@ -213,8 +214,8 @@ def filters(params: list[SamplingParams], vocab: int, dtype: torch.dtype, device
     return top_k, top_p, min_p
 
 
-def _filters_any(params: SamplingParams, vocab: int) -> bool:
-    return 0 < params.top_k < vocab or params.top_p < 1 or params.min_p > 0
+def _filters_any(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0
 
 
 def select_rows(x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The FastAPI app the ingress deployment serves (router/ingress/app.py adds the endpoints): API-key
-and CORS middleware, exception handlers that answer every error in OpenAI's shape (pdserve's own errors by
-their `status`, FastAPI's 404 / 405 / validation, anything unexpected as 500), the OpenAPI
-document with the request bodies, and SSE responses.
+and CORS middleware, exception handlers that answer every error in OpenAI's shape (pdserve's own
+errors by their `status`, FastAPI's 404 / 405 / validation, anything unexpected as 500), the
+OpenAPI document with the request bodies, and SSE responses.
 """
 # No `from __future__ import annotations`: FastAPI reads handlers' annotations at runtime.
 import json

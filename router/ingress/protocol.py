@@ -47,7 +47,6 @@ def _admits_none(annotation: Any) -> bool:
                                         and type(None) in get_args(annotation))
 
 
-
 class StreamOptions(RequestModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
