@@ -168,7 +168,7 @@ def test_responses_api(server, client, eventually_no_leaks):
          "this model takes no images", "input[0].content[0]"),
         ({"input": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "parts must be text", "input[0].content"),
         ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
-        ({"max_output_tokens": 10**6}, "max_output_tokens must be <=", "prompt"),
+        ({"max_output_tokens": 10**6}, "max_output_tokens must be <=", "max_output_tokens"),
         ({"previous_response_id": "resp_1"}, "stores no responses", "previous_response_id"),
         ({"tools": [{"type": "web_search"}]}, "tools.type", "tools.type"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema is required",
