@@ -133,6 +133,7 @@ def check_beam_params(params: SamplingParams) -> None:
                                      ("prompt_logprobs", params.prompt_logprobs is not None),
                                      ("structured_outputs", params.structured_outputs is not None),
                                      ("min_tokens", params.min_tokens > 0), ("logit_bias", bool(params.logit_bias)),
+                                     ("allowed_token_ids", params.allowed_token_ids is not None),
                                      ("penalties", params.needs_penalties)) if on]
     if refused:
         raise ValueError(f"{refused[0]} is not supported with use_beam_search")

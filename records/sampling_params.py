@@ -29,6 +29,7 @@ SEED_MIN, SEED_MAX = INT64_MIN, (1 << 64) - 1
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
 MAX_START_AFTER_TOKENS = 64         # structured_outputs.start_after: searched for in the output each step
 # What the engine returns for a request each step it advances (vLLM's RequestOutputKind): the whole
 # output so far, only what is new since the last one (the serving path), or nothing until it ends
@@ -135,6 +136,7 @@ class SamplingParams:
     logprobs: int | None = None          # top-N logprobs per generated token (plus the chosen one)
     prompt_logprobs: int | None = None   # top-N logprobs per prompt token
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling (OpenAI's)
+    allowed_token_ids: list[int] | None = None   # only these may be sampled (vLLM's); None: any
     skip_special_tokens: bool = True
     detokenize: bool = True
     priority: int = 0                    # lower runs first under scheduling_policy="priority"
@@ -202,6 +204,12 @@ class SamplingParams:
                "non-negative token ids", self.stop_token_ids)
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            _check(isinstance(ids, (list, tuple)) and 0 < len(ids) <= MAX_ALLOWED_TOKEN_IDS
+                   and all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids), "allowed_token_ids",
+                   f"a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} non-negative token ids (or None)", ids)
+            self.allowed_token_ids = list(ids)
         if self.seed is not None:
             _check_int("seed", self.seed, SEED_MIN, SEED_MAX, " (or None)")
         _check_int("priority", self.priority, INT64_MIN, INT64_MAX)
@@ -325,6 +333,10 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     if bad:
         raise InvalidRequestError(f"logit_bias must be keyed by token ids in [0, {vocab_size}); got {bad[:5]}",
                                   param="logit_bias")
+    bad = [t for t in params.allowed_token_ids or () if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError(f"allowed_token_ids must be token ids in [0, {vocab_size}); got {bad[:5]}",
+                                  param="allowed_token_ids")
 
 
 def check_limits(num_prompt_tokens: int, params: SamplingParams, max_model_len: int,

@@ -1,7 +1,7 @@
 """Sampler: logits of the rows that sample this step -> one token each, plus logprobs.
 
 Per row, in order: penalties (repetition over prompt + output, presence/frequency over output),
-logit_bias, min_tokens (EOS and stop tokens masked), then greedy argmax, or temperature -> top_k
+logit_bias, allowed_token_ids, min_tokens (EOS and stop tokens masked), then greedy argmax, or temperature -> top_k
 -> top_p -> min_p -> a draw among the kept candidates (`candidates`: no sort of the whole
 vocabulary; one uniform number per row, inverted through their cumulative mass). A row with a
 seed draws from its own torch.Generator, so its tokens do not depend on what else is in the batch.
@@ -194,7 +194,8 @@ def apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow],
     is dropped) when given, else the error propagates."""
     for i, row in enumerate(rows):
         penalties = row.params.needs_penalties and i not in skip_penalties
-        if not penalties and not row.params.logit_bias and len(row.output_token_ids) >= row.params.min_tokens:
+        if (not penalties and not row.params.logit_bias and row.params.allowed_token_ids is None
+                and len(row.output_token_ids) >= row.params.min_tokens):
             continue
         if failed is None:
             _penalize_row(logits, i, row, penalties)
@@ -221,6 +222,11 @@ def _penalize_row(logits: torch.Tensor, i: int, row: SamplingRow, penalties: boo
     if p.logit_bias:
         ids = [t for t in p.logit_bias if t < vocab]
         logits[i, ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=logits.dtype, device=device)
+    if p.allowed_token_ids is not None:      # every other token out (vLLM's allowed_token_ids)
+        keep = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long, device=device)
+        kept = logits[i, keep]
+        logits[i] = float("-inf")
+        logits[i, keep] = kept
     if len(row.output_token_ids) < p.min_tokens:
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(row.eos_token_ids))
         banned_ids = [t for t in banned if t < vocab]

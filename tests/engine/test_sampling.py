@@ -123,6 +123,27 @@ def test_logit_bias_matches_transformers_and_is_checked(llm, tiny_llama):
         gen(llm, [PROMPTS[0]], SamplingParams(logit_bias={10**7: 1.0}))
 
 
+def test_allowed_token_ids_restrict_every_token(llm):
+    """vLLM's allowed_token_ids: greedy takes the likeliest of them (not of the vocabulary), sampling
+    never leaves them, a neighbour without them is untouched; out-of-vocabulary or empty lists are
+    ValueErrors naming the field."""
+    base = gen(llm, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    allowed = [5, 77, 123, 300]
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
+    out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+    assert set(out[0].outputs[0].token_ids) <= set(allowed)
+    assert out[1].outputs[0].token_ids == base[1].outputs[0].token_ids
+    sampled = gen(llm, PROMPTS[:3], SamplingParams(temperature=1.5, top_p=0.9, max_tokens=12, ignore_eos=True,
+                                                    allowed_token_ids=allowed))
+    assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in sampled)
+    for bad in ([], [-1], ["x"], 5):
+        with pytest.raises(ValueError, match="allowed_token_ids must be"):
+            SamplingParams(allowed_token_ids=bad)
+    with pytest.raises(ValueError, match=r"allowed_token_ids must be token ids in \[0, "):
+        gen(llm, [PROMPTS[0]], SamplingParams(allowed_token_ids=[1, 10**7]))
+
+
 def test_generation_config_sampling_defaults(tiny_llama, tmp_path):
     """As vLLM's generation_config="auto": the model's generation_config.json sampling fields are the
     defaults of requests that leave them unset (LLM with no SamplingParams; the HTTP request models,

@@ -65,6 +65,7 @@ def test_validate_request_knows_the_model():
                                                                     "min_tokens"),
     ({}, [1] * 64, "prompt"), ({}, [1000], "prompt"), ({}, [], "prompt"),
     ({"prompt_logprobs": 1, "n": 2}, [1], "prompt_logprobs"),
+    ({"allowed_token_ids": [3, 1000]}, [1], "allowed_token_ids"),
 ])
 def test_validate_request_names_the_field_at_fault(kwargs, prompt, field):
     """The 400's `param` is the field the message names (a logit_bias outside the vocabulary once
@@ -97,6 +98,8 @@ def test_a_null_field_is_a_field_not_sent():
     tool = {"type": "function", "function": {"name": "f", "description": None, "parameters": None, "strict": None}}
     assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=[tool]).tool_list() == [
         {"type": "function", "function": {"name": "f"}}]
+    assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], allowed_token_ids=[3, 4]
+                                 ).to_sampling_params().allowed_token_ids == [3, 4]      # vLLM's extra, passed on
     responses = ResponsesRequest(input="hi", temperature=None, stream=None, parallel_tool_calls=None, text=None)
     assert responses.stream is False and responses.parallel_tool_calls
     assert EmbeddingRequest(input="hi", encoding_format=None, add_special_tokens=None).encoding_format == "float"
