@@ -106,7 +106,7 @@ def draw_wide(probs: torch.Tensor, params: list[SamplingParams], uniform: torch.
     token is always kept, so each row ends. A row with no finite mass (its scaled logits
     overflowed) gets -1."""
     (width, vocab), device = probs.shape, probs.device
-    top_k, top_p, min_p = filters(params, vocab, probs.dtype, device)
+    _, top_p, min_p = filters(params, vocab, probs.dtype, device)
     # Drawn from: tokens with p >= low (0: every token, no mask to make) within the top k. (What
     # each row asks is read from its params on the host: no device sync for it.)
     low = min_p * probs.amax(dim=-1) if any(p.min_p > 0 for p in params) else torch.zeros_like(min_p)

@@ -20,14 +20,15 @@ gRPC proxy when `serving.grpc_port` is set.
 
 Every error uses OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`: 400 invalid
 parameter or body (named; bodies must be JSON objects in UTF-8, nested at most
-`protocol.MAX_JSON_DEPTH` deep), 401 bad API key, 404 unknown model or route, 405 wrong method, 413
+`request_body.MAX_JSON_DEPTH` deep), 401 bad API key, 404 unknown model or route, 405 wrong method, 413
 body too large, 415 a body that is not `application/json`, 429 too many requests in flight, 500 a
 request that failed while it ran, 503 no replica (or still starting). With an API key set,
 everything but /health needs it (/metrics too, unless `serving.public_metrics`). Admission is
 counted by tickets that every exit path releases (router/ingress/admission.py). A client that disconnects
 aborts its request on the replica, which frees the request's blocks. The pieces: records/errors.py
 (every error, with its HTTP status and gRPC code), router/ingress/http.py (the FastAPI app: key middleware,
-exception handlers, OpenAPI, SSE), router/ingress/protocol.py (request and response records).
+exception handlers, OpenAPI, SSE), router/ingress/protocol.py (request records), router/ingress/request_body.py
+(a body's JSON and its 400s).
 
 Startup: with `serving.wait_for_pools` (the default) the ingress replica is ready to Serve only once
 the pools serve, so the app's RUNNING status means ready (RayService upgrades switch on it).

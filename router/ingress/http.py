@@ -85,7 +85,7 @@ class _CorsMiddleware:
 
     def __init__(self, app: Any) -> None:
         self.app = app
-        self._cors: tuple[tuple, Any] | None = None      # (the settings, their middleware)
+        self._cors: tuple[Any, Any] | None = None      # (the serving spec, its middleware)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         server = _server_of(scope) if scope["type"] == "http" else None
@@ -93,10 +93,8 @@ class _CorsMiddleware:
         if serving is None or not serving.allowed_origins:
             await self.app(scope, receive, send)
             return
-        settings = (tuple(serving.allowed_origins), serving.allow_credentials, tuple(serving.allowed_methods),
-                    tuple(serving.allowed_headers))
-        if self._cors is None or self._cors[0] != settings:
-            self._cors = settings, CORSMiddleware(
+        if self._cors is None or self._cors[0] is not serving:     # (a spec is frozen: built once per spec)
+            self._cors = serving, CORSMiddleware(
                 self.app, allow_origins=serving.allowed_origins, allow_credentials=serving.allow_credentials,
                 allow_methods=serving.allowed_methods, allow_headers=serving.allowed_headers)
         await self._cors[1](scope, receive, send)

@@ -35,8 +35,9 @@ from records.serving import BATCH_BAND
 from router.ingress.admission import Ticket
 from router.ingress.frontend import BAND, TENANT, Frontend, served_error
 from router.ingress.http import sse_response
-from router.ingress.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object
+from router.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from router.ingress.replies import ChoiceAccumulator, UsageCounter, error_body, new_id, now
+from router.ingress.request_body import parse_json_object
 
 
 class OpenAIAPI:

@@ -42,9 +42,9 @@ from router.ingress.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
     plain_messages,
-    validation_message,
 )
 from router.ingress.replies import now
+from router.ingress.request_body import validation_message
 
 
 def check_beams(params: SamplingParams) -> SamplingParams:

@@ -3,48 +3,18 @@ built from: router/ingress/replies.py).
 
 Unknown fields are rejected (400 naming the field) rather than silently ignored, except the few that
 OpenAI clients send and that change nothing here (`user`, `metadata`, `store`, `service_tier`, ...);
-known ones this server cannot honour are refused saying so (`UNSUPPORTED`). A field sent as null
-counts as not sent (`RequestModel`). The Responses API's request is in
-router/ingress/responses_request.py.
+known ones this server cannot honour are refused saying so. How a body becomes one of these records
+(its JSON, nulls, the 400's wording) is router/ingress/request_body.py; the Responses API's request
+is in router/ingress/responses_request.py.
 """
 from __future__ import annotations
 
-import json
-import types
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic.fields import FieldInfo
+from pydantic import ConfigDict, Field
 
 from records.sampling_params import STRUCTURED_KINDS, SamplingParams, StructuredOutputsParams
-
-
-class RequestModel(BaseModel):
-    """A request body (or a part of one). An explicit null counts as the field not sent: OpenAI's
-    reference marks its optional fields nullable, and clients in several languages send every field
-    they have, the unset ones as null (`"temperature": null`, `"functions": null`), which vLLM
-    accepts too. A null is kept only where it means something other than the default (a field
-    that admits None with another default: a completion's `max_tokens`, where null is no limit)
-    and on a required field (whose error then names it)."""
-    model_config = ConfigDict(extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or None not in data.values():
-            return data
-        fields = {f.alias or name: f for name, f in cls.model_fields.items()} | cls.model_fields
-        return {key: value for key, value in data.items()
-                if value is not None or _null_means_something(fields.get(key))}
-
-
-def _null_means_something(field: FieldInfo | None) -> bool:
-    return field is not None and (field.is_required() or (field.default is not None and _admits_none(field.annotation)))
-
-
-def _admits_none(annotation: Any) -> bool:
-    return annotation is type(None) or (get_origin(annotation) in (Union, types.UnionType)
-                                        and type(None) in get_args(annotation))
+from router.ingress.request_body import RequestModel
 
 
 class StreamOptions(RequestModel):
@@ -405,61 +375,3 @@ class UnloadLoRAAdapterRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1, max_length=256)
     lora_int_id: int | None = None        # vLLM's; the name decides
-
-
-MAX_JSON_DEPTH = 64      # nesting of a request body's arrays and objects
-
-
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    """A request body as a JSON object; ValueError saying what is wrong (not JSON, not UTF-8, NaN or
-    Infinity, nested deeper than MAX_JSON_DEPTH, not an object)."""
-    try:
-        data = json.loads(body or b"{}", parse_constant=_no_constant)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"request body is not valid UTF-8: {e.reason} at byte {e.start}") from None
-    except RecursionError:
-        raise ValueError(f"request body nests arrays and objects more than {MAX_JSON_DEPTH} deep") from None
-    except ValueError as e:                 # JSONDecodeError, or a NaN / Infinity constant
-        raise ValueError(f"request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"request body must be a JSON object; got {type(data).__name__}")
-    stack = [(data, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise ValueError(f"request body nests arrays and objects more than {MAX_JSON_DEPTH} deep")
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return data
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-# OpenAI's (or vLLM's) request fields that this server knows and refuses, each with why: answering
-# without them would change what the client asked for.
-UNSUPPORTED = {
-    "suffix": "not supported (insertion; vLLM refuses it too)",
-    "functions": "not supported (OpenAI's deprecated form); use tools",
-    "function_call": "not supported (OpenAI's deprecated form); use tool_choice",
-    "audio": "not supported: this server generates text only",
-    "prediction": "not supported (predicted outputs)",
-    "reasoning_effort": "not supported: the served model has no reasoning modes",
-    "verbosity": "not supported",
-    "web_search_options": "not supported: this server has no web search",
-    "reasoning": "not supported: the served model has no reasoning modes",
-}
-
-
-def validation_message(err: ValidationError) -> tuple[str, str | None]:
-    """(message naming the field and what is allowed, the field's dotted path) for a 400."""
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()) if not isinstance(p, int)) or None
-    msg = first.get("msg", "invalid value")
-    if first.get("type") == "extra_forbidden":
-        msg = UNSUPPORTED.get(loc or "", "unknown field")
-    got = repr(first.get("input"))
-    got = got if len(got) <= 200 else got[:200] + "..."
-    shown = "" if first.get("type") in ("missing", "extra_forbidden") else f"; got {got}"
-    return f"{loc}: {msg}{shown}", loc

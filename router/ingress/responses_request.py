@@ -9,7 +9,8 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field
 
 from records.errors import InvalidRequestError
-from router.ingress.protocol import MAX_TOOLS, TOOL_NAME_PATTERN, RequestModel
+from router.ingress.protocol import MAX_TOOLS, TOOL_NAME_PATTERN
+from router.ingress.request_body import RequestModel
 
 
 class TextFormat(RequestModel):

@@ -18,14 +18,8 @@ from records.engine_stats import EngineStats
 from records.errors import InvalidRequestError
 from records.sampling_params import validate_request
 from router.ingress.admission import Admission
-from router.ingress.protocol import (
-    MAX_JSON_DEPTH,
-    ChatCompletionRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-    parse_json_object,
-    validation_message,
-)
+from router.ingress.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from router.ingress.request_body import MAX_JSON_DEPTH, parse_json_object, validation_message
 from router.ingress.responses_request import ResponsesRequest
 
 
