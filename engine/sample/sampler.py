@@ -1,9 +1,9 @@
 """Sampler: logits of the rows that sample this step -> one token each, plus logprobs.
 
 Per row, in order: penalties (repetition over prompt + output, presence/frequency over output),
-logit_bias, allowed_token_ids, min_tokens (EOS and stop tokens masked), then greedy argmax, or temperature -> top_k
--> top_p -> min_p -> a draw among the kept candidates (`candidates`: no sort of the whole
-vocabulary; one uniform number per row, inverted through their cumulative mass). A row with a
+logit_bias, allowed_token_ids, min_tokens (EOS and stop tokens masked), then greedy argmax, or
+temperature -> top_k -> top_p -> min_p -> a draw among the kept tokens (engine/sample/nucleus.py:
+no sort of the whole vocabulary; one uniform number per row). A row with a
 seed draws from its own torch.Generator, so its tokens do not depend on what else is in the batch.
 Logprobs are the model's raw log-softmax (before penalties and temperature), as vLLM reports them.
 
