@@ -37,7 +37,7 @@ at::Tensor bf16_pack(const at::Tensor& weight) {
   at::Tensor out = at::zeros({panels, pairs, kPanel, 2}, w.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.const_data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  parallel_ranges(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       uint16_t* col = dst + (n / kPanel) * pairs * kPanel * 2 + (n % kPanel) * 2;
       for (int64_t k = 0; k < K; ++k) col[(k / 2) * kPanel * 2 + (k % 2)] = src[n * K + k];

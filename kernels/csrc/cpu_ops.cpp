@@ -11,8 +11,14 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include <cerrno>
 #include <optional>
 #include <tuple>
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "common.h"
 #include "work_split.h"
@@ -237,7 +243,7 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
   };
   for_each_longest_first(num_items, cost, scratch, run);
 
-  at::parallel_for(0, batch, 1, [&](int64_t first, int64_t last) {
+  parallel_ranges(0, batch, 1, [&](int64_t first, int64_t last) {
     float acc[D];
     for (int64_t b = first; b < last; ++b) {
       for (int64_t r = 0; r < num_heads; ++r) {
@@ -301,7 +307,7 @@ template <typename T>
 void rms_norm_impl(const T* x, int64_t x_stride, const T* res, int64_t res_stride, const T* weight, T* out,
                    T* res_out, int64_t rows, int64_t hidden, float eps) {
   constexpr int kParts = 16 / kLanes;
-  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / hidden), [&](int64_t first, int64_t last) {
+  parallel_ranges(0, rows, std::max<int64_t>(1, 32768 / hidden), [&](int64_t first, int64_t last) {
     for (int64_t row = first; row < last; ++row) {
       const T* xr = x + row * x_stride;
       const T* src = xr;
@@ -365,7 +371,7 @@ void rotary_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos
   T* qo = q_out.mutable_data_ptr<T>();
   T* ko = k_out.mutable_data_ptr<T>();
   const int64_t heads = q.size(1), kv_heads = k.size(1);
-  at::parallel_for(0, tokens, std::max<int64_t>(1, 8192 / (d * (heads + kv_heads))), [&](int64_t first, int64_t last) {
+  parallel_ranges(0, tokens, std::max<int64_t>(1, 8192 / (d * (heads + kv_heads))), [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       for (int64_t h = 0; h < heads; ++h)
         rotate_row(qp + t * q.stride(0) + h * q.stride(1), cp + t * d, sp + t * d,
@@ -380,7 +386,7 @@ void rotary_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos
 // silu(gate) * up for x = [gate | up] rows of 2 * inter elements: the silu rounded to T, then the product.
 template <typename T>
 void silu_and_mul_impl(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / inter), [&](int64_t first, int64_t last) {
+  parallel_ranges(0, rows, std::max<int64_t>(1, 16384 / inter), [&](int64_t first, int64_t last) {
     for (int64_t row = first; row < last; ++row) {
       const T* g = x + row * x_stride;
       const T* u = g + inter;
@@ -593,7 +599,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const T* p = x.const_data_ptr<T>();
-    at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / n), [&](int64_t first, int64_t last) {
+    parallel_ranges(0, rows, std::max<int64_t>(1, 65536 / n), [&](int64_t first, int64_t last) {
       for (int64_t r = first; r < last; ++r) o[r] = argmax_row<T>(p + r * stride, n);
     });
   };
@@ -606,9 +612,31 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// madvise(2) over many ranges in one call: the KV prefault thread's (engine/worker/host_memory.py),
+// which took the GIL back after each range's call through ctypes, 60 a chunk; at idle priority,
+// descheduled holding it, it stalled the step's thread (docs/perf/journal.md §67). The system call
+// itself, as host_memory does: UCX patches libc's madvise (§61). 0, or the first failing range's errno
+// (EINTR retried).
+int64_t madvise_ranges(at::IntArrayRef starts, at::IntArrayRef lengths, int64_t advice) {
+  TORCH_CHECK(starts.size() == lengths.size(), "madvise_ranges: ", starts.size(), " starts but ",
+              lengths.size(), " lengths");
+#if defined(__linux__)
+  for (size_t i = 0; i < starts.size(); ++i) {
+    while (syscall(SYS_madvise, reinterpret_cast<void*>(starts[i]), static_cast<size_t>(lengths[i]),
+                   static_cast<int>(advice)) != 0) {
+      if (errno != EINTR) return errno;
+    }
+  }
+  return 0;
+#else
+  return ENOSYS;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
+  m.def("madvise_ranges(int[] starts, int[] lengths, int advice) -> int", &madvise_ranges);
   m.def("paged_decode(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "
         "float k_scale, float v_scale, int window, float softcap) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");

@@ -74,7 +74,7 @@ at::Tensor f32_pack(const at::Tensor& weight) {
   at::Tensor out = at::zeros({panels, K, kPanel}, w.options());
   const float* src = w.const_data_ptr<float>();
   float* dst = out.mutable_data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  parallel_ranges(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       float* col = dst + (n / kPanel) * K * kPanel + (n % kPanel);
       for (int64_t k = 0; k < K; ++k) col[k * kPanel] = src[n * K + k];

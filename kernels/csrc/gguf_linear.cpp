@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "work_split.h"
 
 namespace {
 
@@ -400,7 +401,7 @@ void gguf_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
   T* op = out.mutable_data_ptr<T>();
   // Ranges of output rows per thread: ~16 KB of weight blocks each, so a thread streams memory.
   const int64_t grain = std::max<int64_t>(1, 16384 / row_bytes);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  parallel_ranges(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
       tail_pass<T, Q, kRows>(rows, xf.data(), xp, xsum.data(), Mpad, K, wp, row_bytes, op, N, m0, n0, n1);
@@ -415,7 +416,7 @@ void dequant_impl(const at::Tensor& blocks, at::Tensor& out) {
   const int64_t N = blocks.size(0), row_bytes = blocks.size(1), nb = row_bytes / block_bytes<Q>();
   const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
   T* op = out.mutable_data_ptr<T>();
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / row_bytes), [&](int64_t n0, int64_t n1) {
+  parallel_ranges(0, N, std::max<int64_t>(1, 16384 / row_bytes), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = wp + n * row_bytes + b * block_bytes<Q>();
@@ -664,7 +665,7 @@ void gguf_int8_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& o
   quantize_x_int8(x.const_data_ptr<T>(), M, K, xq.data(), xd.data(), xs.data(), xqs.data());
   const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
   T* op = out.mutable_data_ptr<T>();
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / row_bytes), [&](int64_t n0, int64_t n1) {
+  parallel_ranges(0, N, std::max<int64_t>(1, 16384 / row_bytes), [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
       tail_pass_int8<T, Q, kRows>(rows, xq.data(), xd.data(), xs.data(), xqs.data(), K, wp, row_bytes, op, N, m0,

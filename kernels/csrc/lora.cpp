@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "work_split.h"
 
 namespace {
 
@@ -63,7 +64,7 @@ void lora_add_impl(const at::Tensor& x, at::Tensor& out, const at::Tensor& a, co
   constexpr int64_t kRows = 16;
   std::vector<int64_t> first_item(groups + 1, 0);
   for (int64_t g = 0; g < groups; ++g) first_item[g + 1] = first_item[g] + (ranks[g] * subs + kRows - 1) / kRows;
-  at::parallel_for(0, first_item[groups], 1, [&](int64_t begin, int64_t end) {
+  parallel_ranges(0, first_item[groups], 1, [&](int64_t begin, int64_t end) {
     int64_t g = std::upper_bound(first_item.begin(), first_item.end(), begin) - first_item.begin() - 1;
     for (int64_t item = begin; item < end; ++item) {
       while (item >= first_item[g + 1]) ++g;
@@ -87,7 +88,7 @@ void lora_add_impl(const at::Tensor& x, at::Tensor& out, const at::Tensor& a, co
   for (int64_t i = 0; i < subs; ++i)
     for (int64_t o = sub_offsets[i]; o < sub_offsets[i + 1]; o += kExpandBlock) blocks.emplace_back(i, o);
   const int64_t num_blocks = static_cast<int64_t>(blocks.size());
-  at::parallel_for(0, groups * num_blocks, 4, [&](int64_t begin, int64_t end) {
+  parallel_ranges(0, groups * num_blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / num_blocks;
       const auto [sub, o0] = blocks[item % num_blocks];

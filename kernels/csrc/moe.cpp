@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common.h"
+#include "work_split.h"
 
 namespace {
 
@@ -25,7 +26,7 @@ constexpr int64_t kSmallRows = 8;        // at most this many rows: rows_times; 
 // out[r][j] = sum_h x[r][h] * w[j][h] for rows r < n (fp32, [n][H]) and features j < N of w ([N][H], T).
 template <typename T>
 void rows_times(const float* x, int64_t n, const T* w, int64_t N, int64_t H, float* out) {
-  at::parallel_for(0, N, 16, [&](int64_t first, int64_t last) {
+  parallel_ranges(0, N, 16, [&](int64_t first, int64_t last) {
     for (int64_t r0 = 0; r0 < n; r0 += kMaxRowsPerPass) {
       const int64_t rows = std::min(kMaxRowsPerPass, n - r0);
       for (int64_t j = first; j < last; ++j) {

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common.h"
+#include "work_split.h"
 
 namespace {
 
@@ -89,7 +90,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_topk(const at::Tensor& x, int64_t k) 
   const float* p = x.const_data_ptr<float>();
   float* v = vals.mutable_data_ptr<float>();
   int64_t* o = ids.mutable_data_ptr<int64_t>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t first, int64_t last) {
+  parallel_ranges(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t first, int64_t last) {
     Scratch scratch;
     for (int64_t r = first; r < last; ++r) softmax_topk_row(p + r * stride, n, k, v + r * k, o + r * k, scratch);
   });

@@ -6,11 +6,18 @@
 
 #include <ATen/Parallel.h>
 
+#include "work_pool.h"
+
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <numeric>
+#include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -22,9 +29,53 @@ namespace {
 // for one of their bursts held its share while its partner spun at the region's end; now the partner
 // takes it. A served prefill-heavy load went 7-10% faster, offline prefill beside bursts 12%
 // (docs/perf/journal.md §56); alone, each thread runs its own share in order, as before.
+// Whether the kernels' work runs on their own threads (work_pool.h) rather than OpenMP's: where
+// OpenMP's threads sleep when idle (OMP_WAIT_POLICY=passive, as pdserve starts its CPU replicas), or
+// PDSERVE_WORK_POOL=1; PDSERVE_WORK_POOL=0 never. With OpenMP's default policy its idle thread spins
+// for milliseconds after each of torch's own parallel ops and takes the core the pool's helper needs
+// (a decode step 20% slower, journal §67).
+inline bool use_work_pool() {
+  static const bool on = [] {
+    const char* pool = std::getenv("PDSERVE_WORK_POOL");
+    if (pool != nullptr && *pool != '\0') return std::string_view(pool) != "0";
+    const char* policy = std::getenv("OMP_WAIT_POLICY");
+    if (policy == nullptr) return false;
+    std::string lower(policy);
+    for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return lower == "passive";
+  }();
+  return on;
+}
+
 template <typename Share, typename ItemOf, typename Init, typename Fn>
 void run_shares_stealing(int64_t threads, Share&& share_of, ItemOf&& item_of, Init&& init, Fn&& fn) {
   if (threads <= 0) return;
+  using pdserve_work_pool::WorkPool;
+  if (use_work_pool() && !at::in_parallel_region()) {
+    using State = std::decay_t<decltype(init())>;
+    struct Ctx {
+      ItemOf& item_of;
+      Init& init;
+      Fn& fn;
+    } ctx{item_of, init, fn};
+    pdserve_work_pool::Work work;
+    work.ctx = &ctx;
+    work.run = [](void* c, void** state, int64_t t, int64_t k) {
+      Ctx& x = *static_cast<Ctx*>(c);
+      if (*state == nullptr) *state = new State(x.init());
+      x.fn(*static_cast<State*>(*state), x.item_of(t, k));
+    };
+    work.free_state = [](void* state) { delete static_cast<State*>(state); };
+    std::vector<int64_t> sizes(static_cast<size_t>(threads));
+    for (int64_t t = 0; t < threads; ++t) sizes[t] = share_of(t);
+    if (WorkPool::instance().run(work, sizes, at::get_num_threads())) return;
+    if (WorkPool::in_item() || at::get_num_threads() < 2) {     // nested, or one thread: in order, here
+      auto state = init();
+      for (int64_t t = 0; t < threads; ++t)
+        for (int64_t k = 0; k < sizes[t]; ++k) fn(state, item_of(t, k));
+      return;
+    }
+  }
   struct alignas(64) Cursor {
     std::atomic<int64_t> next{0};
   };
@@ -38,6 +89,32 @@ void run_shares_stealing(int64_t threads, Share&& share_of, ItemOf&& item_of, In
         fn(state, item_of(t, i));
     }
   });
+}
+
+// at::parallel_for's contract (f(first, last) over contiguous ranges of at least `grain` indices,
+// together covering [begin, end)) on the kernels' threads: up to four ranges a thread, so that a
+// thread done with its own takes what a descheduled one left.
+template <typename F>
+void parallel_ranges(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const int64_t n = end - begin, threads = at::get_num_threads();
+  if (n <= 0) return;
+  if (!use_work_pool() || at::in_parallel_region()) {
+    at::parallel_for(begin, end, grain, f);
+    return;
+  }
+  if (n <= grain || threads < 2 || pdserve_work_pool::WorkPool::in_item()) {
+    f(begin, end);
+    return;
+  }
+  const int64_t ranges = std::min<int64_t>(n / std::max<int64_t>(grain, 1), 4 * threads);
+  if (ranges < 2) {
+    f(begin, end);
+    return;
+  }
+  const int64_t shares = std::min(threads, ranges);
+  run_shares_stealing(shares, [&](int64_t t) { return ranges * (t + 1) / shares - ranges * t / shares; },
+                      [&](int64_t t, int64_t k) { return ranges * t / shares + k; }, [] { return 0; },
+                      [&](int, int64_t r) { f(begin + n * r / ranges, begin + n * (r + 1) / ranges); });
 }
 
 // run_shares_stealing over [0, n) cut in contiguous, even shares.
