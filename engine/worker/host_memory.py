@@ -148,12 +148,28 @@ def prefault(live: Callable[[], list[torch.Tensor] | None], num_blocks: int, chu
         tensors = live()
         if tensors is None:
             return
-        for address, length in block_ranges(tensors, num_blocks, b0, min(num_blocks, b0 + step)):
+        ranges = block_ranges(tensors, num_blocks, b0, min(num_blocks, b0 + step))
+        batched = _batched_madvise()
+        if batched is not None:         # the chunk's ranges in one call: the GIL taken back once
+            code = batched([a for a, _ in ranges], [n for _, n in ranges], _MADV_POPULATE_WRITE)
+            if code != 0:
+                raise OSError(code, f"madvise(MADV_POPULATE_WRITE): {os.strerror(code)}")
+        for address, length in ranges if batched is None else ():
             while madvise(address, length, _MADV_POPULATE_WRITE) != 0:
                 code = ctypes.get_errno()
                 if code != errno.EINTR:
                     raise OSError(code, f"madvise(MADV_POPULATE_WRITE): {os.strerror(code)}")
         del tensors
+
+
+def _batched_madvise() -> Callable[[list[int], list[int], int], int] | None:
+    """The CPU kernels' madvise over many ranges (kernels/csrc/cpu_ops.cpp: madvise_ranges), where
+    the extension is loaded: a thread at idle priority that takes the GIL back after every range's
+    call, descheduled while holding it, stalls the step's thread each time (journal §67)."""
+    try:
+        return torch.ops.pdserve_cpu.madvise_ranges
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def prefault_in_background(tensors: Sequence[torch.Tensor], num_blocks: int) -> threading.Thread | None:

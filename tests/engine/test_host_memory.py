@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from engine.worker import host_memory
 from engine.worker.host_memory import (
     MMAP_THRESHOLD,
     PAGE,
@@ -101,9 +102,18 @@ def test_block_ranges_cover_each_block_s_k_and_v_page_aligned():
 
 
 @pytest.mark.skipif(not LINUX, reason="MADV_POPULATE_WRITE is Linux's")
-def test_prefault_makes_the_cache_resident_and_keeps_what_it_holds():
+@pytest.mark.parametrize("calls", ["batched", "per_range"])
+def test_prefault_makes_the_cache_resident_and_keeps_what_it_holds(calls, monkeypatch):
     """Written blocks keep their values; afterwards writes take no page faults, where a cache left
-    to fault in at first use takes one a page."""
+    to fault in at first use takes one a page. Both ways of calling madvise: a chunk's ranges in one
+    call to the CPU kernels' library, or one ctypes call a range (where the library is not loaded)."""
+    if calls == "batched":
+        from kernels import cpu_ops
+
+        cpu_ops.load()
+        assert host_memory._batched_madvise() is not None
+    else:
+        monkeypatch.setattr(host_memory, "_batched_madvise", lambda: None)
     cold, warm = (zeroed(SHAPE, torch.float32, torch.device("cpu")) for _ in range(2))
     warm[0, 5].fill_(1.5)
     warm[1, 40].fill_(-2.0)
