@@ -134,6 +134,7 @@ def check_beam_params(params: SamplingParams) -> None:
                                      ("structured_outputs", params.structured_outputs is not None),
                                      ("min_tokens", params.min_tokens > 0), ("logit_bias", bool(params.logit_bias)),
                                      ("allowed_token_ids", params.allowed_token_ids is not None),
+                                     ("bad_words", bool(params.bad_words or params.bad_words_token_ids)),
                                      ("penalties", params.needs_penalties)) if on]
     if refused:
         raise ValueError(f"{refused[0]} is not supported with use_beam_search")

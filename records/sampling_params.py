@@ -30,6 +30,7 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_ALLOWED_TOKEN_IDS = 1 << 20
+MAX_BAD_WORDS = 256
 MAX_START_AFTER_TOKENS = 64         # structured_outputs.start_after: searched for in the output each step
 # What the engine returns for a request each step it advances (vLLM's RequestOutputKind): the whole
 # output so far, only what is new since the last one (the serving path), or nothing until it ends
@@ -137,6 +138,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # top-N logprobs per prompt token
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling (OpenAI's)
     allowed_token_ids: list[int] | None = None   # only these may be sampled (vLLM's); None: any
+    # Words never generated (vLLM's bad_words): a word's last token is masked wherever the output
+    # ends with its other tokens. `bad_words_token_ids` are the words tokenized as vLLM reads them
+    # (engine/text/tokenizer.py: bad_words_token_ids), set where the request is tokenized.
+    bad_words: str | list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     priority: int = 0                    # lower runs first under scheduling_policy="priority"
@@ -210,6 +216,19 @@ class SamplingParams:
                    and all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids), "allowed_token_ids",
                    f"a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} non-negative token ids (or None)", ids)
             self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+            _check(isinstance(words, (list, tuple)) and len(words) <= MAX_BAD_WORDS
+                   and all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_STRING_CHARS for w in words),
+                   "bad_words", f"a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
+                   f"{MAX_STOP_STRING_CHARS} characters (or None)", self.bad_words)
+            self.bad_words = list(words)
+        if self.bad_words_token_ids is not None:
+            ids = self.bad_words_token_ids
+            _check(isinstance(ids, (list, tuple)) and all(
+                isinstance(w, (list, tuple)) and w and all(_is_int(t) and 0 <= t <= INT64_MAX for t in w) for w in ids),
+                "bad_words_token_ids", "lists of non-negative token ids, one a word (or None)", ids)
+            self.bad_words_token_ids = [list(w) for w in ids]
         if self.seed is not None:
             _check_int("seed", self.seed, SEED_MIN, SEED_MAX, " (or None)")
         _check_int("priority", self.priority, INT64_MIN, INT64_MAX)
@@ -337,6 +356,10 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     if bad:
         raise InvalidRequestError(f"allowed_token_ids must be token ids in [0, {vocab_size}); got {bad[:5]}",
                                   param="allowed_token_ids")
+    bad = [t for word in params.bad_words_token_ids or () for t in word if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError(f"bad_words must tokenize to ids in [0, {vocab_size}); got {bad[:5]}",
+                                  param="bad_words")
 
 
 def check_limits(num_prompt_tokens: int, params: SamplingParams, max_model_len: int,

@@ -1,7 +1,7 @@
 """Sampler: logits of the rows that sample this step -> one token each, plus logprobs.
 
 Per row, in order: penalties (repetition over prompt + output, presence/frequency over output),
-logit_bias, allowed_token_ids, min_tokens (EOS and stop tokens masked), then greedy argmax, or
+logit_bias, allowed_token_ids, bad_words, min_tokens (EOS and stop tokens masked), then greedy argmax, or
 temperature -> top_k -> top_p -> min_p -> a draw among the kept tokens (engine/sample/nucleus.py:
 no sort of the whole vocabulary; one uniform number per row). A row with a
 seed draws from its own torch.Generator, so its tokens do not depend on what else is in the batch.
@@ -195,7 +195,7 @@ def apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow],
     for i, row in enumerate(rows):
         penalties = row.params.needs_penalties and i not in skip_penalties
         if (not penalties and not row.params.logit_bias and row.params.allowed_token_ids is None
-                and len(row.output_token_ids) >= row.params.min_tokens):
+                and not row.params.bad_words_token_ids and len(row.output_token_ids) >= row.params.min_tokens):
             continue
         if failed is None:
             _penalize_row(logits, i, row, penalties)
@@ -227,8 +227,19 @@ def _penalize_row(logits: torch.Tensor, i: int, row: SamplingRow, penalties: boo
         kept = logits[i, keep]
         logits[i] = float("-inf")
         logits[i, keep] = kept
+    if p.bad_words_token_ids:
+        banned = [t for t in bad_word_ends(p.bad_words_token_ids, row.output_token_ids) if t < vocab]
+        if banned:
+            logits[i, banned] = float("-inf")
     if len(row.output_token_ids) < p.min_tokens:
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(row.eos_token_ids))
         banned_ids = [t for t in banned if t < vocab]
         if banned_ids:
             logits[i, banned_ids] = float("-inf")
+
+
+def bad_word_ends(words: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens that would complete a bad word here: each word's last token where the output ends
+    with the word's other tokens (vLLM's rule; a one-token word is always out)."""
+    return [ids[-1] for ids in words
+            if len(ids) - 1 <= len(output) and (len(ids) == 1 or output[len(output) - len(ids) + 1:] == ids[:-1])]

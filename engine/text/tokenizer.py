@@ -92,6 +92,19 @@ def eos_token_ids(tokenizer: Any | None, hf_config: Any, path: str) -> frozenset
     return frozenset(ids)
 
 
+def bad_words_token_ids(words: list[str], tokenizer: Any) -> list[list[int]]:
+    """vLLM's reading of `bad_words`: each word's token ids as it would begin the text and, where the
+    word after a space starts with another token and has as many, as it would follow another word
+    (so that both "Paris" and " Paris" are kept out of the output)."""
+    out: list[list[int]] = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out += [ids for ids in (alone, spaced if alone and spaced and spaced[0] != alone[0]
+                                and len(spaced) == len(alone) else []) if ids]
+    return out
+
+
 # Template variables that apply_chat_template sets itself: chat_template_kwargs may not override them.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
                                       "continue_final_message", "tokenize", "return_dict", "chat_template"})

@@ -402,11 +402,11 @@ class ModelRunner:
 
 
 def _plain_greedy(req: ScheduledRequest) -> bool:
-    """The sampler would only take this row's argmax: greedy, no penalties or logit bias, no
-    logprobs, and no min_tokens mask left (engine/sample/sampler.py)."""
+    """The sampler would only take this row's argmax: greedy, no penalties, logit bias, allowed or
+    bad tokens, no logprobs, and no min_tokens mask left (engine/sample/sampler.py)."""
     p = req.sampling_params
     return (p.is_greedy and not p.needs_penalties and not p.logit_bias and p.allowed_token_ids is None
-            and p.logprobs is None
+            and not p.bad_words_token_ids and p.logprobs is None
             and p.structured_outputs is None
             and len(req.output_token_ids) >= p.min_tokens)
 

@@ -56,6 +56,7 @@ class _Common(RequestModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None      # token id (as a string, JSON's keys) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None      # vLLM's: only these may be sampled
+    bad_words: list[str] | None = None              # vLLM's: words never generated (tokenized by the preparer)
     # OpenAI's fields that change no output here, accepted as vLLM accepts them: who asks (`user`,
     # `safety_identifier`), tags (`metadata`), OpenAI's own storage and tiers (nothing is stored;
     # every request has the one tier), and a cache hint (prefix caching needs none).
@@ -144,7 +145,7 @@ class _Common(RequestModel):
                       n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                       min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
                       frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                      logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+                      logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                       max_tokens=self.max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                       stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, priority=self.priority,
                       skip_special_tokens=self.skip_special_tokens,

@@ -6,6 +6,7 @@ import torch
 from helpers import hf_greedy, hf_model
 
 from engine import LLM, SamplingParams
+from engine.text.tokenizer import bad_words_token_ids
 
 PROMPTS = [list(range(20, 45)), list(range(300, 310)), list(range(500, 560))]
 
@@ -142,6 +143,47 @@ def test_allowed_token_ids_restrict_every_token(llm):
             SamplingParams(allowed_token_ids=bad)
     with pytest.raises(ValueError, match=r"allowed_token_ids must be token ids in \[0, "):
         gen(llm, [PROMPTS[0]], SamplingParams(allowed_token_ids=[1, 10**7]))
+
+
+def test_bad_words_never_complete(llm, tiny_llama):
+    """vLLM's bad_words: a word's last token is masked wherever the output ends with its other tokens.
+    Banning a pair the greedy output makes leaves the output as it was up to the pair's first token
+    and changes the next; a one-token word never appears, sampled or not; a neighbour without them is
+    untouched. Words given as text are tokenized as they begin the text and after a space."""
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = [o.outputs[0].token_ids for o in gen(llm, PROMPTS[:2], plain)]
+    pair = base[0][3:5]
+    first = next(j for j in range(len(base[0]) - 1) if base[0][j:j + 2] == pair)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words_token_ids=[pair])
+    out = [o.outputs[0].token_ids for o in gen(llm, PROMPTS[:2], [params, plain])]
+    assert out[0][:first + 1] == base[0][:first + 1] and out[0][first + 1] != pair[1]
+    assert not any(out[0][j:j + 2] == pair for j in range(len(out[0]) - 1))
+    assert out[1] == base[1]
+    banned = sorted(set(base[0][:4]))
+    sampled = gen(llm, PROMPTS[:3], SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True,
+                                                    bad_words_token_ids=[[t] for t in banned]))
+    assert all(not set(o.outputs[0].token_ids) & set(banned) for o in sampled)
+
+    tokenizer = llm.llm_engine.tokenizer
+    words = bad_words_token_ids(["hello", " Paris", "the end"], tokenizer)
+    expected = []
+    for word in ("hello", "Paris", "the end"):
+        alone, spaced = (tokenizer.encode(t, add_special_tokens=False) for t in (word, " " + word))
+        expected += [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+    assert words == expected and len(words) > 3
+    text = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=["hello", "the end"])
+    done = gen(llm, [PROMPTS[0]], text)[0].outputs[0].token_ids
+    assert text.bad_words_token_ids == bad_words_token_ids(["hello", "the end"], tokenizer)
+    assert not any(done[j:j + len(w)] == w for w in text.bad_words_token_ids for j in range(len(done)))
+    for bad in ([""], ["  "], [3], 5, ["x" * 300]):
+        with pytest.raises(ValueError, match="bad_words must be"):
+            SamplingParams(bad_words=bad)
+    assert SamplingParams(bad_words="stop").bad_words == ["stop"]
+    with pytest.raises(ValueError, match=r"bad_words must tokenize to ids in \[0, "):
+        gen(llm, [PROMPTS[0]], SamplingParams(bad_words_token_ids=[[1, 10**7]]))
+    with pytest.raises(ValueError, match="bad_words"):
+        gen(llm, [PROMPTS[0]], SamplingParams(use_beam_search=True, best_of=2, n=1, temperature=0,
+                                              bad_words=["hello"]))
 
 
 def test_generation_config_sampling_defaults(tiny_llama, tmp_path):
@@ -565,3 +607,22 @@ def test_the_sampler_on_cuda_draws_what_it_draws_on_the_host():
         assert (h.top_logprobs is None) == (d.top_logprobs is None) and abs((h.rank or 0) - (d.rank or 0)) <= 1
         if h.logprob is not None:
             assert d.logprob == pytest.approx(h.logprob, abs=1e-4)
+
+
+def test_the_ingress_tokenizes_bad_words_once(tiny_llama):
+    """A completion or chat body's bad_words reach the engine tokenized by the ingress (which the
+    engine then does not redo: a prepared request); a blank word is a 400."""
+    import asyncio
+
+    from cluster.config import ClusterConfig
+    from records.errors import InvalidRequestError
+    from router.ingress.preparer import RequestPreparer
+
+    preparer = RequestPreparer(ClusterConfig(model=tiny_llama).ingress_spec())
+    expected = bad_words_token_ids(["hello", "the end"], preparer.tokenizer)
+    words = ["hello", "the end"]
+    completion = asyncio.run(preparer.prepare_completion({"prompt": "Hi", "bad_words": words}))
+    chat = asyncio.run(preparer.prepare_chat({"messages": [{"role": "user", "content": "Hi"}], "bad_words": words}))
+    assert completion.params.bad_words_token_ids == expected == chat.params.bad_words_token_ids
+    with pytest.raises(InvalidRequestError, match="bad_words must be"):
+        asyncio.run(preparer.prepare_completion({"prompt": "Hi", "bad_words": [" "]}))

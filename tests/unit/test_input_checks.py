@@ -60,6 +60,7 @@ def test_validate_request_knows_the_model():
     ({}, [1] * 64, "prompt"), ({}, [1000], "prompt"), ({}, [], "prompt"),
     ({"prompt_logprobs": 1, "n": 2}, [1], "prompt_logprobs"),
     ({"allowed_token_ids": [3, 1000]}, [1], "allowed_token_ids"),
+    ({"bad_words_token_ids": [[3], [4, 1000]]}, [1], "bad_words"),
 ])
 def test_validate_request_names_the_field_at_fault(kwargs, prompt, field):
     """The 400's `param` is the field the message names (a logit_bias outside the vocabulary once
@@ -94,6 +95,7 @@ def test_a_null_field_is_a_field_not_sent():
         {"type": "function", "function": {"name": "f"}}]
     assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], allowed_token_ids=[3, 4]
                                  ).to_sampling_params().allowed_token_ids == [3, 4]      # vLLM's extra, passed on
+    assert CompletionRequest(prompt="x", bad_words=["a b"]).to_sampling_params().bad_words == ["a b"]
     responses = ResponsesRequest(input="hi", temperature=None, stream=None, parallel_tool_calls=None, text=None)
     assert responses.stream is False and responses.parallel_tool_calls
     assert EmbeddingRequest(input="hi", encoding_format=None, add_special_tokens=None).encoding_format == "float"
