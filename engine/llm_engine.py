@@ -349,10 +349,14 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Ask the proposer for the next step's tokens of running decodes that have none."""
-        assert self.proposer is not None and self.config.speculative_config is not None
-        k = self.config.speculative_config.num_speculative_tokens
-        max_len = self.config.scheduler_config.max_model_len
+        spec = self.config.speculative_config
+        assert self.proposer is not None and spec is not None
+        k, max_len = spec.num_speculative_tokens, self.config.scheduler_config.max_model_len
         self.proposer.retain(self.scheduler.requests)
+        # A batch this large is compute-bound: verifying k tokens a request costs more than the
+        # accepted ones return (vLLM's disable_by_batch_size).
+        if spec.disable_by_batch_size is not None and len(self.scheduler.running) >= spec.disable_by_batch_size:
+            return
         busy = self.scheduler.in_flight           # their next tokens are not back yet
         wanted = [(r, num) for r in self.scheduler.running
                   if not r.spec_token_ids and r.request_id not in busy

@@ -179,6 +179,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     draft_model_config: ModelConfig | None = None   # method == "draft_model" only
+    disable_by_batch_size: int | None = None     # no proposals while this many requests run (vLLM's)
 
     @classmethod
     def create(cls, spec: dict[str, Any], target: ModelConfig) -> SpeculativeConfig:
@@ -193,8 +194,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}; got {method!r}")
         k = spec.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 16]; "
-                             f"got {k!r}")
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 16]; got {k!r}")
         lo = spec.get("prompt_lookup_min", cls.prompt_lookup_min)
         if not isinstance(lo, int) or lo < 1:
             raise ValueError(f"speculative_config.prompt_lookup_min must be an integer >= 1; got {lo!r}")
@@ -202,11 +202,13 @@ class SpeculativeConfig:
         if not isinstance(hi, int) or hi < lo:
             raise ValueError(f"speculative_config.prompt_lookup_max must be an integer >= prompt_lookup_min "
                              f"({lo}); got {hi!r}")
+        off = spec.get("disable_by_batch_size")
+        if off is not None and (not isinstance(off, int) or isinstance(off, bool) or off < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 1 or None; got {off!r}")
         draft = None
         if method == "draft_model":
             if not spec.get("model"):
-                raise ValueError("speculative_config.model must name the draft model when method is "
-                                 "'draft_model'")
+                raise ValueError("speculative_config.model must name the draft model when method is 'draft_model'")
             path, gguf_file, hf_config = resolve_model(spec["model"])
             if hf_config.vocab_size != target.vocab_size:
                 raise ValueError(f"speculative_config.model must share the target's vocabulary "
@@ -216,7 +218,7 @@ class SpeculativeConfig:
         elif spec.get("model") is not None:
             raise ValueError("speculative_config.model must be None when method is 'ngram'")
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
-                   draft_model_config=draft)
+                   draft_model_config=draft, disable_by_batch_size=off)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ GIB = 1 << 30
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 SPEC_METHODS = ("ngram", "draft_model")
 BATCHING_MODES = ("continuous", "static")
-SPEC_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
+SPEC_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
+             "disable_by_batch_size")
 
 
 @dataclass(frozen=True)

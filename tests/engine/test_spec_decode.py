@@ -229,6 +229,28 @@ def test_ngram_greedy_output_identical(loopy_llama, engine_args):
         assert stats.num_preemptions > 0
 
 
+def test_speculation_pauses_while_the_batch_is_large(loopy_llama):
+    """disable_by_batch_size (vLLM's): no proposals while that many requests run, proposals again
+    once fewer do; the output is plain decoding's either way."""
+    prompts = copy_prompts(1000)[:4]
+    args = {"dtype": "float32", "max_model_len": 512}
+    plain = run(LLM(loopy_llama, **args), prompts, greedy())
+    llm = LLM(loopy_llama, **args, speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts[:3]):
+        engine.add_request(f"r{i}", None, p, greedy(max_tokens=8 + 8 * i))
+    drafted = []          # (running before the step, draft tokens so far)
+    while engine.has_unfinished_requests():
+        running = len(engine.scheduler.running)
+        engine.step()
+        drafted.append((running, engine.stats().spec.num_draft_tokens))
+    # a step verifies what was proposed after the step before: nothing while two or more ran, then
+    # proposals for the last request alone
+    assert max(d for n, d in drafted if n >= 2) == 0 < drafted[-1][1]
+    assert [n for n, _ in drafted[1:]] == sorted((n for n, _ in drafted[1:]), reverse=True)   # (first: all waiting)
+    assert [o.token_ids for o in run(llm, prompts, greedy())] == [o.token_ids for o in plain]
+
+
 def test_prefix_cache_after_rejections_holds_only_verified_kv(loopy_llama):
     """Blocks are cached while speculating; a second run served from that cache (and a plain engine)
     must give the same tokens, which fails if a rejected proposal's KV were cached."""
@@ -409,6 +431,7 @@ def test_sampling_is_exact_in_distribution(tiny_vocab_model, method):
      "prompt_lookup_max"),
     ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "keys"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
 ])
 def test_speculative_config_is_validated(tiny_llama, spec, field):
     with pytest.raises(ValueError, match=field):
