@@ -152,14 +152,20 @@ def prefault(live: Callable[[], list[torch.Tensor] | None], num_blocks: int, chu
         batched = _batched_madvise()
         if batched is not None:         # the chunk's ranges in one call: the GIL taken back once
             code = batched([a for a, _ in ranges], [n for _, n in ranges], _MADV_POPULATE_WRITE)
-            if code != 0:
-                raise OSError(code, f"madvise(MADV_POPULATE_WRITE): {os.strerror(code)}")
-        for address, length in ranges if batched is None else ():
-            while madvise(address, length, _MADV_POPULATE_WRITE) != 0:
-                code = ctypes.get_errno()
-                if code != errno.EINTR:
-                    raise OSError(code, f"madvise(MADV_POPULATE_WRITE): {os.strerror(code)}")
+        else:
+            code = next((e for address, length in ranges if (e := _advise(madvise, address, length))), 0)
+        if code != 0:
+            raise OSError(code, f"madvise(MADV_POPULATE_WRITE): {os.strerror(code)}")
         del tensors
+
+
+def _advise(madvise: Callable[[int, int, int], int], address: int, length: int) -> int:
+    """One range through ctypes: 0, or the errno (EINTR retried)."""
+    while madvise(address, length, _MADV_POPULATE_WRITE) != 0:
+        code = ctypes.get_errno()
+        if code != errno.EINTR:
+            return code
+    return 0
 
 
 def _batched_madvise() -> Callable[[list[int], list[int], int], int] | None:

@@ -1,6 +1,8 @@
-// How the pdserve CPU kernels' work meets ATen's threads: each thread runs its own share of work
-// items in order, then takes what is left of the others' (run_shares_stealing); the own GEMMs' units
-// (for_each_gemm_unit) and the attention kernels' items, longest first (for_each_longest_first).
+// How the pdserve CPU kernels' work meets the threads (OpenMP's through ATen, or the kernels' own:
+// work_pool.h): each thread runs its own share of work items in order, then takes what is left of
+// the others' (run_shares_stealing); at::parallel_for's contract on either (parallel_ranges); the own
+// GEMMs' units (for_each_gemm_unit) and the attention kernels' items, longest first
+// (for_each_longest_first).
 // Private to the kernels' translation units, as common.h.
 #pragma once
 
@@ -22,18 +24,11 @@
 
 namespace {
 
-// Runs fn(state, item_of(t, k)) for k in [0, share_of(t)) of every share t in [0, threads), on ATen's
-// threads: thread t works through share t in order, then takes what is left of the others' shares,
-// one item at a time (`state = init()` once per thread). Why not shares alone: where the engine shares
-// its cores with a server's other processes (the ingress, Serve's proxy, Ray's), a thread descheduled
-// for one of their bursts held its share while its partner spun at the region's end; now the partner
-// takes it. A served prefill-heavy load went 7-10% faster, offline prefill beside bursts 12%
-// (docs/perf/journal.md §56); alone, each thread runs its own share in order, as before.
 // Whether the kernels' work runs on their own threads (work_pool.h) rather than OpenMP's: where
-// OpenMP's threads sleep when idle (OMP_WAIT_POLICY=passive, as pdserve starts its CPU replicas), or
-// PDSERVE_WORK_POOL=1; PDSERVE_WORK_POOL=0 never. With OpenMP's default policy its idle thread spins
-// for milliseconds after each of torch's own parallel ops and takes the core the pool's helper needs
-// (a decode step 20% slower, journal §67).
+// OpenMP's threads sleep when idle (OMP_WAIT_POLICY=passive), or PDSERVE_WORK_POOL=1;
+// PDSERVE_WORK_POOL=0 never. With OpenMP's default policy its idle thread spins for milliseconds
+// after each of torch's own parallel ops and takes the core the pool's helper needs (a decode step
+// 20% slower, journal §67).
 inline bool use_work_pool() {
   static const bool on = [] {
     const char* pool = std::getenv("PDSERVE_WORK_POOL");
@@ -47,6 +42,12 @@ inline bool use_work_pool() {
   return on;
 }
 
+// Runs fn(state, item_of(t, k)) for k in [0, share_of(t)) of every share t in [0, threads): thread t works through share t in order, then takes what is left of the others' shares,
+// one item at a time (`state = init()` once per thread). Why not shares alone: where the engine shares
+// its cores with a server's other processes (the ingress, Serve's proxy, Ray's), a thread descheduled
+// for one of their bursts held its share while its partner spun at the region's end; now the partner
+// takes it. A served prefill-heavy load went 7-10% faster, offline prefill beside bursts 12%
+// (docs/perf/journal.md §56); alone, each thread runs its own share in order, as before.
 template <typename Share, typename ItemOf, typename Init, typename Fn>
 void run_shares_stealing(int64_t threads, Share&& share_of, ItemOf&& item_of, Init&& init, Fn&& fn) {
   if (threads <= 0) return;
