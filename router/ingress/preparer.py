@@ -125,7 +125,7 @@ class RequestPreparer:
         try:
             return check_beams(req.to_sampling_params(self.info.sampling_defaults))
         except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
+            raise InvalidRequestError(str(e), param=field_named(str(e), req)) from None
 
     @functools.cached_property
     def eos_token_ids(self) -> frozenset[int]:
@@ -251,7 +251,8 @@ class RequestPreparer:
         try:
             params = check_beams(req.to_sampling_params(constraint, self.info.sampling_defaults))
         except ValueError as e:
-            raise InvalidRequestError(str(e), param="tool_choice" if constraint else None) from None
+            raise InvalidRequestError(str(e), param="tool_choice" if constraint else field_named(str(e), req)
+                                      ) from None
         params.lora_request = lora
         if tool_format is not None and tool_format.special_tag:
             params.skip_special_tokens = False      # else the detokenizer drops the call tags
@@ -422,3 +423,10 @@ def _default_name(model: str, gguf_file: str | None) -> str:
     if gguf_file:
         return gguf_file.removesuffix(".gguf")
     return os.path.basename(os.path.normpath(model))
+
+
+def field_named(message: str, req: Any) -> str | None:
+    """The request field a SamplingParams error begins with ("top_k must be ..."), for the 400's
+    `param`; None where it names none of the request's fields."""
+    first = message.split(" ", 1)[0].rstrip(":")
+    return first if first in type(req).model_fields else None

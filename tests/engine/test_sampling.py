@@ -624,5 +624,9 @@ def test_the_ingress_tokenizes_bad_words_once(tiny_llama):
     completion = asyncio.run(preparer.prepare_completion({"prompt": "Hi", "bad_words": words}))
     chat = asyncio.run(preparer.prepare_chat({"messages": [{"role": "user", "content": "Hi"}], "bad_words": words}))
     assert completion.params.bad_words_token_ids == expected == chat.params.bad_words_token_ids
-    with pytest.raises(InvalidRequestError, match="bad_words must be"):
+    with pytest.raises(InvalidRequestError, match="bad_words must be") as refused:
         asyncio.run(preparer.prepare_completion({"prompt": "Hi", "bad_words": [" "]}))
+    assert refused.value.param == "bad_words"           # the 400's param names the field
+    with pytest.raises(InvalidRequestError, match="top_k must be") as refused:
+        asyncio.run(preparer.prepare_chat({"messages": [{"role": "user", "content": "Hi"}], "top_k": -7}))
+    assert refused.value.param == "top_k"
