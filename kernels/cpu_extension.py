@@ -27,7 +27,7 @@ __all__ = ["BuildError", "SOURCES", "build", "library_path", "load"]
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = tuple(os.path.join(CSRC, name) for name in ("cpu_ops.cpp", "prefill_attention.cpp", "gguf_linear.cpp",
                                                       "lora.cpp", "moe.cpp", "bf16_gemm.cpp", "f32_gemm.cpp",
-                                                      "sampling.cpp"))
+                                                      "sampling.cpp", "host_memory.cpp"))
 # Every header in csrc/ keys the build: one added to the directory and not to a list would leave a
 # stale library in the cache when only it changes.
 HEADERS = tuple(sorted(os.path.join(CSRC, name) for name in os.listdir(CSRC) if name.endswith(".h")))

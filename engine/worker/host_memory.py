@@ -169,7 +169,7 @@ def _advise(madvise: Callable[[int, int, int], int], address: int, length: int) 
 
 
 def _batched_madvise() -> Callable[[list[int], list[int], int], int] | None:
-    """The CPU kernels' madvise over many ranges (kernels/csrc/cpu_ops.cpp: madvise_ranges), where
+    """The CPU kernels' madvise over many ranges (kernels/csrc/host_memory.cpp: madvise_ranges), where
     the extension is loaded: a thread at idle priority that takes the GIL back after every range's
     call, descheduled while holding it, stalls the step's thread each time (journal §67)."""
     try:

@@ -11,14 +11,8 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
-#include <cerrno>
 #include <optional>
 #include <tuple>
-
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include "common.h"
 #include "work_split.h"
@@ -612,31 +606,9 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-// madvise(2) over many ranges in one call: the KV prefault thread's (engine/worker/host_memory.py),
-// which took the GIL back after each range's call through ctypes, 60 a chunk; at idle priority,
-// descheduled holding it, it stalled the step's thread (docs/perf/journal.md §67). The system call
-// itself, as host_memory does: UCX patches libc's madvise (§61). 0, or the first failing range's errno
-// (EINTR retried).
-int64_t madvise_ranges(at::IntArrayRef starts, at::IntArrayRef lengths, int64_t advice) {
-  TORCH_CHECK(starts.size() == lengths.size(), "madvise_ranges: ", starts.size(), " starts but ",
-              lengths.size(), " lengths");
-#if defined(__linux__)
-  for (size_t i = 0; i < starts.size(); ++i) {
-    while (syscall(SYS_madvise, reinterpret_cast<void*>(starts[i]), static_cast<size_t>(lengths[i]),
-                   static_cast<int>(advice)) != 0) {
-      if (errno != EINTR) return errno;
-    }
-  }
-  return 0;
-#else
-  return ENOSYS;
-#endif
-}
-
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
-  m.def("madvise_ranges(int[] starts, int[] lengths, int advice) -> int", &madvise_ranges);
   m.def("paged_decode(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "
         "float k_scale, float v_scale, int window, float softcap) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
