@@ -121,9 +121,9 @@ def _engine():
     _without_grpc_tools()
     from cluster.sim.calibrate import StepRecorder
     from engine.llm_engine import LLMEngine
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
 
-    engine = LLMEngine(EngineConfig.create(CHECKPOINT, **ENGINE_ARGS))
+    engine = LLMEngine(engine_config(CHECKPOINT, **ENGINE_ARGS))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return engine, StepRecorder(engine)

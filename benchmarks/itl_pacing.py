@@ -21,7 +21,7 @@ sys.path.append(str(Path(__file__).resolve().parent))     # (after the project: 
 from workloads import BenchRequest, make_dataset
 
 from engine.llm_engine import LLMEngine
-from records.config import EngineConfig
+from records.config_resolution import engine_config
 from records.sampling_params import SamplingParams
 
 
@@ -81,7 +81,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    engines = {target: LLMEngine(EngineConfig.create(args.model, dtype=args.dtype, max_model_len=2048,
+    engines = {target: LLMEngine(engine_config(args.model, dtype=args.dtype, max_model_len=2048,
                                                      num_kv_blocks=2048, itl_target_ms=target))
                for target in (None, args.target_ms)}
     vocab = next(iter(engines.values())).config.model_config.vocab_size

@@ -165,12 +165,12 @@ def crossover(args: argparse.Namespace) -> list[dict]:
     import torch
 
     from engine.llm_engine import LLMEngine
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
     from records.hashing import hash_block_tokens
     from records.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
-    make = lambda **kw: LLMEngine(EngineConfig.create(args.model, max_model_len=2048, num_kv_blocks=160,  # noqa: E731
+    make = lambda **kw: LLMEngine(engine_config(args.model, max_model_len=2048, num_kv_blocks=160,  # noqa: E731
                                                       kv_connector="nixl", **kw))
     peer, here = make(), make(kv_offloading_size=1.0)
     params = SamplingParams(temperature=0, max_tokens=1)

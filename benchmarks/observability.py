@@ -40,11 +40,11 @@ def overhead(args: argparse.Namespace) -> None:
 
     import engine.tracing as tracing
     from engine.llm_engine import LLMEngine
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
     from records.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
-    engine = LLMEngine(EngineConfig.create(args.model, max_model_len=1024, max_num_seqs=args.requests))
+    engine = LLMEngine(engine_config(args.model, max_model_len=1024, max_num_seqs=args.requests))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     carrier = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
     prompts = [[(i * 37 + j * 11) % 5000 + 100 for j in range(64)] for i in range(args.requests)]

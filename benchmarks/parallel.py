@@ -27,7 +27,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import torch
 
 from engine.llm_engine import LLMEngine
-from records.config import EngineConfig
+from records.config_resolution import engine_config
 from records.sampling_params import SamplingParams
 
 
@@ -67,9 +67,9 @@ def executor_overhead(steps: int, batch: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         path = tiny_model(d)
         args = dict(dtype="float32", max_model_len=512, num_kv_blocks=256)
-        local = LLMEngine(EngineConfig.create(path, **args))
+        local = LLMEngine(engine_config(path, **args))
         # The worker gets as many torch threads as this process has, so only the executor differs.
-        remote = LLMEngine(EngineConfig.create(path, distributed_executor_backend="ray",
+        remote = LLMEngine(engine_config(path, distributed_executor_backend="ray",
                                                worker_num_cpus=torch.get_num_threads(), **args))
         # Interleave the two so machine noise hits both alike.
         runs = {"in_process": [], "ray": []}
@@ -96,7 +96,7 @@ def pp_throughput(num_prompts: int, max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     out = {}
     for name, pp, micro, concurrent in PP_VARIANTS:
-        engine = LLMEngine(EngineConfig.create(None, dtype="bfloat16", max_model_len=1024, pipeline_parallel_size=pp,
+        engine = LLMEngine(engine_config(None, dtype="bfloat16", max_model_len=1024, pipeline_parallel_size=pp,
                                                distributed_executor_backend="ray", worker_num_cpus=1,
                                                pipeline_micro_batches=micro, max_concurrent_batches=concurrent))
         for i, ids in enumerate(prompts):

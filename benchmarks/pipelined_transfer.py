@@ -30,7 +30,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 from engine.executor.ray_cluster import init_ray
 from engine.llm_engine import LLMEngine
-from records.config import EngineConfig
+from records.config_resolution import engine_config
 from records.sampling_params import SamplingParams
 
 SHAPES = ["1x2-1x1", "1x1-1x2", "1x2-1x2", "1x2-1x2s"]     # P tp x pp - D tp x pp ("s": D splits 10+20)
@@ -46,7 +46,7 @@ def parse_shape(text: str) -> tuple[tuple[int, int], tuple[int, int], list[int] 
 
 
 def engine(connector: str, tp: int, pp: int, split: list[int] | None, prompt_len: int) -> LLMEngine:
-    return LLMEngine(EngineConfig.create(
+    return LLMEngine(engine_config(
         None, max_model_len=max(1024, prompt_len + 64), max_num_batched_tokens=max(2048, prompt_len),
         kv_cache_memory_bytes=512 << 20, kv_connector=connector, kv_load_timeout_s=DEADLINE_S,
         tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_layer_partition=split,

@@ -55,12 +55,12 @@ def text_ids(model: str | None, num_tokens: int) -> list[int]:
 def teacher_forced_logprobs(ids: list[int], chunk: int, model: str | None = None, device: str = "cpu",
                             **engine_args) -> torch.Tensor:
     """Log-probabilities [len(ids), vocab] (fp32, on the CPU) of each next token, from one engine's
-    model runner and KV cache on `device` built by `EngineConfig.create(model, **engine_args)`, the
+    model runner and KV cache on `device` built by `engine_config(model, **engine_args)`, the
     text in chunks."""
     from engine.worker.worker import Worker
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
 
-    config = EngineConfig.create(model, max_model_len=max(len(ids), 16), **engine_args)
+    config = engine_config(model, max_model_len=max(len(ids), 16), **engine_args)
     worker = Worker(config, device)
     worker.load_model()
     block_size = config.cache_config.block_size

@@ -36,11 +36,11 @@ def main() -> int:
 
     from cluster.replica import EngineReplica
     from engine.executor.ray_cluster import init_ray
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
     from records.sampling_params import SamplingParams
 
     init_ray(num_cpus=2)
-    config = EngineConfig.create(args.model, max_model_len=args.max_model_len)
+    config = engine_config(args.model, max_model_len=args.max_model_len)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     from engine.text.tokenizer import load_tokenizer
     prompt = load_tokenizer(config.model_config.model, config.model_config.gguf_file).encode(

@@ -98,7 +98,7 @@ async def main() -> dict:
 
     from cluster.memory import engine_released, release_heap
     from engine.async_engine import AsyncLLMEngine
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
     from records.sampling_params import SamplingParams
 
     path = tempfile.mkdtemp()
@@ -107,7 +107,7 @@ async def main() -> dict:
                       max_position_embeddings=4096, torch_dtype="bfloat16")
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    config = EngineConfig.create(path, dtype="bfloat16", max_model_len=2048, worker_num_gpus=1)
+    config = engine_config(path, dtype="bfloat16", max_model_len=2048, worker_num_gpus=1)
     prompt = list(range(1, 65))
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 

@@ -44,6 +44,7 @@ from kv_transfer.factory import create_connector_worker
 from kv_transfer.leases import LeaseSlots
 from pdserve_proto.transfer import from_params, to_params
 from records.config import KVTransferConfig
+from records.config_resolution import engine_config
 from records.kv_layout import KVLayout
 from records.transfer import LoadSpec, RemotePrefill
 
@@ -233,14 +234,13 @@ def bench_throughput(connector: str, blocks: int, repeats: int) -> dict[str, Any
 def bench_ttft(connectors: list[str], prompt_len: int, repeats: int, dtype: str) -> list[dict[str, Any]]:
     from engine.async_engine import IDLE_POLL_S
     from engine.llm_engine import LLMEngine
-    from records.config import EngineConfig
     from records.sampling_params import SamplingParams
 
     ids = [(i * 7 + 3) % 30000 + 5 for i in range(prompt_len)]
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     def engine(connector: str | None) -> LLMEngine:
-        return LLMEngine(EngineConfig.create(None, dtype=dtype, kv_connector=connector, max_model_len=4096,
+        return LLMEngine(engine_config(None, dtype=dtype, kv_connector=connector, max_model_len=4096,
                                              kv_load_timeout_s=TIMEOUT_S))
 
     def run(e: LLMEngine, rid: str, kv: dict[str, Any] | None = None, peer: LLMEngine | None = None

@@ -20,6 +20,7 @@ import records.clock as clock
 from engine.llm_engine import LLMEngine
 from engine.text.backend_tokenizer import hf_tokenizer
 from records.config import EngineConfig
+from records.config_resolution import engine_config
 from records.engine_stats import EngineStats
 from records.errors import EngineDeadError, RequestFailedError
 from records.kv_events import KVEvent
@@ -59,7 +60,7 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> AsyncLLMEngine:
-        return cls(EngineConfig.create(model, **kwargs))
+        return cls(engine_config(model, **kwargs))
 
     @property
     def tokenizer(self) -> Any:

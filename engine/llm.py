@@ -14,7 +14,7 @@ from engine.llm_engine import LLMEngine
 from engine.text.backend_tokenizer import hf_tokenizer
 from engine.text.tokenizer import apply_chat_template
 from engine.text.tool_calls import ToolFormat
-from records.config import EngineConfig
+from records.config_resolution import engine_config
 from records.lora import LoRARequest
 from records.outputs import CompletionOutput, RequestOutput
 from records.request import NewRequest
@@ -27,8 +27,8 @@ class LLM:
     """An engine in this process. `model=None` loads the embedded default (SmolLM2-135M-Instruct)."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        """`engine_args` are `EngineConfig.create`'s keywords (vLLM's names: dtype, block_size,
-        max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
+        """`engine_args` are `engine_config`'s keywords (records/config_resolution.py; vLLM's names:
+        dtype, block_size, max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
         enable_prefix_caching, disable_hybrid_kv_cache_manager, num_kv_blocks, kv_cache_memory_bytes,
         preemption_mode,
         swap_space_bytes, kv_offloading_size (GiB of host memory for evicted prefix blocks),
@@ -36,7 +36,7 @@ class LLM:
         tensor_parallel_size, pipeline_parallel_size,
         speculative_config={"method": "ngram" | "draft_model", "num_speculative_tokens": k,
         "model": draft path (draft_model), "prompt_lookup_min": 2, "prompt_lookup_max": 4})."""
-        config = EngineConfig.create(model, **engine_args)
+        config = engine_config(model, **engine_args)
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
         self._tool_format: ToolFormat | None = None     # how the model writes tool calls, on first chat

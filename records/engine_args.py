@@ -29,8 +29,8 @@ class EngineArgs:
     """The engine's user arguments: `LLM(...)`'s keywords and the cluster spec's `engine` section
     (vLLM's names), with their defaults stated once, here. Everything that needs no model is
     checked on construction (ValueError naming the field), so a cluster spec with a bad engine
-    field is refused when it is loaded; `EngineConfig.from_args` resolves the rest against the
-    model (max_model_len, the parallel split, a draft model)."""
+    field is refused when it is loaded; records/config_resolution.py (`engine_config_from_args`)
+    resolves the rest against the model (max_model_len, the parallel split, a draft model)."""
     # Pydantic validates the spec's `engine` section into this (field types; no unknown fields).
     __pydantic_config__ = {"extra": "forbid", "arbitrary_types_allowed": True}
 
@@ -90,7 +90,7 @@ class EngineArgs:
     worker_num_gpus: float = 0.0
     distributed_executor_backend: str | None = None  # "ray" forces worker actors even for one rank
     worker_resources: dict[str, float] | None = None
-    speculative_config: dict[str, Any] | None = None  # see SpeculativeConfig.create
+    speculative_config: dict[str, Any] | None = None  # see config_resolution.resolve_speculative_config
     pipeline_micro_batches: int | None = None        # None: 1 with concurrent batches, else PP
     # vLLM's: export each request's spans over OTLP to this collector (engine/tracing.py)
     otlp_traces_endpoint: str | None = None

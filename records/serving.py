@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from records.config import EngineConfig
+from records.config_resolution import engine_config_from_args
 from records.engine_args import KV_CONNECTORS, KV_LOAD_FAILURE_POLICIES, EngineArgs, check_otlp_endpoint
 from records.errors import StartupError
 from records.lora import LoRAConfig, read_adapter
@@ -379,7 +380,7 @@ def resolve_engine_config(model: str | None, args: EngineArgs, lora: LoRASpec | 
     from its config and safetensors header). The model's config comes frozen, from the cache of
     resolved configs where it can (records/frozen_config.py: `resolve_frozen`): a deployment's
     configs go to its replicas and ingress, which read it as that view anyway."""
-    config = EngineConfig.from_args(model, args, frozen=True)
+    config = engine_config_from_args(model, args, frozen=True)
     for name, path in (lora.modules if lora is not None else {}).items():
         try:
             read_adapter(path, config.model_config.hf_config, lora.max_lora_rank)

@@ -22,6 +22,7 @@ import numpy as np
 from engine.executor.simulated import step_shape
 from engine.llm_engine import LLMEngine
 from records.config import EngineConfig
+from records.config_resolution import engine_config
 from records.sampling_params import SamplingParams
 from records.sim_profile import LINEAR_FEATURES, ModelShape, SimProfile, StepShape
 
@@ -78,7 +79,7 @@ def measure(model: str | None, threads: int, engine_args: dict[str, Any], rounds
     import torch  # noqa: PLC0415 - the engine's threads, as a replica actor sets them
 
     torch.set_num_threads(threads)
-    config = EngineConfig.create(model, **engine_args)
+    config = engine_config(model, **engine_args)
     engine = LLMEngine(config)
     recorder = StepRecorder(engine)
     vocab, max_len = config.model_config.vocab_size, config.model_config.max_model_len

@@ -254,10 +254,10 @@ def test_a_prefill_node_lost_mid_pull(nodes, tiny_llama, block_accounting):
     from ray.util import placement_group_table
 
     from engine.llm_engine import LLMEngine
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
 
     def engine(**kwargs) -> LLMEngine:
-        return LLMEngine(EngineConfig.create(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=512,
+        return LLMEngine(engine_config(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=512,
                                              kv_connector="nixl", **kwargs))
 
     def run(e: LLMEngine, rid: str, ids: list[int], params: SamplingParams, kv: dict | None = None):

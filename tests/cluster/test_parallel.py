@@ -16,7 +16,7 @@ from helpers import hf_greedy, make_adapter, peft_greedy, simulated_cluster
 from engine.llm_engine import LLMEngine
 from engine.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.model.parallel_state import ParallelState, pp_layer_range, reset_parallel_state, set_parallel_state
-from records.config import EngineConfig
+from records.config_resolution import engine_config
 from records.errors import EngineDeadError
 from records.model_source import resolve_layer_partition
 from records.sampling_params import SamplingParams
@@ -71,21 +71,21 @@ def test_pp_layer_split_and_override(monkeypatch, tiny_llama):
     monkeypatch.delenv("PDSERVE_PP_LAYER_PARTITION")
     for bad in ([2, 0], [1], "x,1"):
         with pytest.raises(ValueError, match="pp_layer_partition must list 2 positive layer counts"):
-            EngineConfig.create(tiny_llama, pipeline_parallel_size=2, pp_layer_partition=bad)
-    config = EngineConfig.create(tiny_llama, pipeline_parallel_size=2)
+            engine_config(tiny_llama, pipeline_parallel_size=2, pp_layer_partition=bad)
+    config = engine_config(tiny_llama, pipeline_parallel_size=2)
     assert config.parallel_config.layer_partition == (1, 1)
 
 
 def test_parallel_sizes_are_validated(tiny_llama):
     with pytest.raises(ValueError, match="num_attention_heads"):
-        EngineConfig.create(tiny_llama, tensor_parallel_size=3)
+        engine_config(tiny_llama, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be <= num_hidden_layers"):
-        EngineConfig.create(tiny_llama, pipeline_parallel_size=3)
+        engine_config(tiny_llama, pipeline_parallel_size=3)
     with pytest.raises(ValueError, match="max_concurrent_batches must be 1 with a kv_connector"):
-        EngineConfig.create(tiny_llama, pipeline_parallel_size=2, kv_connector="nixl", max_concurrent_batches=2)
-    config = EngineConfig.create(tiny_llama, pipeline_parallel_size=2, kv_connector="nixl")
+        engine_config(tiny_llama, pipeline_parallel_size=2, kv_connector="nixl", max_concurrent_batches=2)
+    config = engine_config(tiny_llama, pipeline_parallel_size=2, kv_connector="nixl")
     assert (config.parallel_config.max_concurrent_batches, config.parallel_config.pipeline_micro_batches) == (1, 2)
-    EngineConfig.create(tiny_llama, tensor_parallel_size=2, kv_connector="nixl")
+    engine_config(tiny_llama, tensor_parallel_size=2, kv_connector="nixl")
 
 
 # --- on a simulated two-node cluster --------------------------------------------------------------------
@@ -123,7 +123,7 @@ def test_parallel_greedy_matches_single_rank_and_hf(two_nodes, request, kind, tp
     args = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=24)
     prompts = [*PROMPTS, PROMPTS[3]]
     want = hf_greedy(path, prompts, GREEDY.max_tokens)
-    engine = LLMEngine(EngineConfig.create(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **args))
+    engine = LLMEngine(engine_config(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **args))
     try:
         assert run(engine, prompts) == want
         assert engine.stats().prefix_cache_hits > 0
@@ -132,7 +132,7 @@ def test_parallel_greedy_matches_single_rank_and_hf(two_nodes, request, kind, tp
             # PP the last stage's, dropped when a later step names the request finished: the
             # constrained run reuses the seeded run's ids).
             seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
-            single = LLMEngine(EngineConfig.create(path, **args))
+            single = LLMEngine(engine_config(path, **args))
             assert run(engine, PROMPTS[1:3], seeded) == run(single, PROMPTS[1:3], seeded)
             # A constraint: the driver rank (a worker actor) keeps the matcher and masks the logits.
             constrained = SamplingParams(max_tokens=12, temperature=0.9, seed=3,
@@ -161,7 +161,7 @@ def test_moe_tensor_expert_and_pipeline_parallel_match_hf(two_nodes, request, ki
     transformers' greedy tokens; with EP each rank runs only its own experts, and the load says so."""
     path = request.getfixturevalue(f"tiny_{kind}")
     args = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=24)
-    engine = LLMEngine(EngineConfig.create(path, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+    engine = LLMEngine(engine_config(path, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                            enable_expert_parallel=ep, moe_dispatch=dispatch, **args))
     try:
         assert run(engine, PROMPTS) == hf_greedy(path, PROMPTS, GREEDY.max_tokens)
@@ -243,10 +243,10 @@ def test_pipeline_micro_batches_match_single_rank(two_nodes, tiny_llama):
     rank's greedy tokens, and its seeded draws (the request ids of the greedy run again)."""
     args = dict(dtype="float32", max_model_len=512, num_kv_blocks=96, max_num_batched_tokens=512)
     prompts = [[(i * 37 + j * 11) % 900 + 5 for j in range(130 + 20 * i)] for i in range(4)]
-    single = LLMEngine(EngineConfig.create(tiny_llama, **args))
+    single = LLMEngine(engine_config(tiny_llama, **args))
     seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
     want = run(single, prompts)
-    engine = LLMEngine(EngineConfig.create(tiny_llama, pipeline_parallel_size=2, pipeline_micro_batches=2,
+    engine = LLMEngine(engine_config(tiny_llama, pipeline_parallel_size=2, pipeline_micro_batches=2,
                                            **args))
     try:
         assert run(engine, prompts) == want
@@ -266,10 +266,10 @@ def test_concurrent_pipeline_batches_match_single_rank_and_survive_abort(two_nod
     args = dict(dtype="float32", max_model_len=256, num_kv_blocks=64)
     prompts = [*PROMPTS, *PROMPTS[1:]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    single = LLMEngine(EngineConfig.create(tiny_llama, **args))
+    single = LLMEngine(engine_config(tiny_llama, **args))
     want = run(single, prompts, params)
     slot = 8192 / (1 << 30)          # a block's bytes over the ranks (2 layers x 2 KV heads of 16, fp32)
-    engine = LLMEngine(EngineConfig.create(tiny_llama, pipeline_parallel_size=2, kv_offloading_size=8 * slot,
+    engine = LLMEngine(engine_config(tiny_llama, pipeline_parallel_size=2, kv_offloading_size=8 * slot,
                                            kv_offloading_disk_path=str(tmp_path), kv_offloading_disk_size=64 * slot,
                                            **args))
     assert engine.config.parallel_config.max_concurrent_batches == 2
@@ -318,7 +318,7 @@ def test_lora_across_ranks_matches_peft(two_nodes, tiny_llama, tmp_path_factory,
     names = [None, "all16", "attn8"]
     cases = [(p, names[i % 3]) for i, p in enumerate(PROMPTS + PROMPTS[1:])]
     expected = {name: peft_greedy(tiny_llama, adapters.get(name), PROMPTS, 8) for name in names}
-    config = EngineConfig.create(tiny_llama, dtype="float32", max_model_len=256, num_kv_blocks=64,
+    config = engine_config(tiny_llama, dtype="float32", max_model_len=256, num_kv_blocks=64,
                                  max_num_batched_tokens=24, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                  enable_lora=True, max_lora_rank=16)
     engine = LLMEngine(config)
@@ -344,7 +344,7 @@ def test_killed_worker_fails_requests_with_engine_dead(two_nodes, tiny_llama):
     from engine.async_engine import AsyncLLMEngine
 
     async def main() -> None:
-        engine = AsyncLLMEngine(EngineConfig.create(tiny_llama, dtype="float32", max_model_len=256,
+        engine = AsyncLLMEngine(engine_config(tiny_llama, dtype="float32", max_model_len=256,
                                                     num_kv_blocks=64, tensor_parallel_size=2))
         executor = engine.engine.executor
         try:
@@ -413,7 +413,7 @@ def test_pool_of_tensor_parallel_replicas(two_nodes, tiny_llama):
 
     config = ClusterConfig(model=tiny_llama, engine={"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64},
                            pools={"decode": {"replicas": 1, "num_cpus": 1, "tensor_parallel_size": 2}})
-    [want] = run(LLMEngine(EngineConfig.create(tiny_llama, dtype="float32", max_model_len=256, num_kv_blocks=64)),
+    [want] = run(LLMEngine(engine_config(tiny_llama, dtype="float32", max_model_len=256, num_kv_blocks=64)),
                  [PROMPTS[2]])
     pool = EnginePool("decode", config.pools["decode"], config.engine_config("decode"), "pdserve-test")
     pool.start()
@@ -446,7 +446,7 @@ def _push_weights_over_gloo(replicas: dict, path: str) -> None:
     g = torch.Generator().manual_seed(5)
     weights = {n: t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype)
                for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))) for n, t in load_file(file).items()}
-    single = LLMEngine(EngineConfig.create(path, dtype="float32", max_model_len=256, num_kv_blocks=64))
+    single = LLMEngine(engine_config(path, dtype="float32", max_model_len=256, num_kv_blocks=64))
     single.weights.from_tensors(list(weights.items()))
     [want] = run(single, [PROMPTS[2]])
     with socket.socket() as sock:

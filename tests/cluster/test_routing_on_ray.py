@@ -61,13 +61,13 @@ def test_prefix_aware_routing_beats_round_robin(tiny_llama):
     ray = pytest.importorskip("ray", reason="needs ray (make setup installs it)")
     from cluster.launch import init_ray
     from cluster.replica import EngineReplica
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
     from router.routing.pool_router import RequestRouter
 
     init_ray(num_cpus=8)
     # Each replica's KV pool holds about two tenants' system prompts: round-robin sends all four
     # tenants to both replicas and they evict each other; prefix-aware routing keeps two per replica.
-    config = EngineConfig.create(tiny_llama, dtype="float32", max_model_len=1024, num_kv_blocks=96)
+    config = engine_config(tiny_llama, dtype="float32", max_model_len=1024, num_kv_blocks=96)
     actor = ray.remote(EngineReplica)
     replicas = {f"r{i}": actor.options(num_cpus=1).remote(config, f"r{i}", 1) for i in range(2)}
     ray.get([h.info.remote() for h in replicas.values()])
@@ -122,11 +122,11 @@ def test_a_started_router_follows_kv_events_on_the_output_channel(tiny_llama, ch
     ray = pytest.importorskip("ray", reason="needs ray (make setup installs it)")
     from cluster.launch import init_ray
     from cluster.replica import EngineReplica
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
     from router.routing.pool_router import RequestRouter
 
     init_ray(num_cpus=8)
-    config = EngineConfig.create(tiny_llama, dtype="float32", max_model_len=256)
+    config = engine_config(tiny_llama, dtype="float32", max_model_len=256)
     replica = ray.remote(EngineReplica).options(num_cpus=1).remote(config, "r", 1)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     a, b = list(range(5, 45)), list(range(50, 90))          # two full blocks each
@@ -171,12 +171,12 @@ def test_router_moves_off_a_dead_replica_and_follows_membership(tiny_llama):
     ray = pytest.importorskip("ray", reason="needs ray (make setup installs it)")
     from cluster.launch import init_ray
     from cluster.replica import EngineReplica
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
     from records.errors import NoReplicaError
     from router.routing.pool_router import RequestRouter
 
     init_ray(num_cpus=8)
-    config = EngineConfig.create(tiny_llama, dtype="float32", max_model_len=256)
+    config = engine_config(tiny_llama, dtype="float32", max_model_len=256)
     actor = ray.remote(EngineReplica)
     dead = actor.options(num_cpus=0.1).remote(config, "a", 1)
     ray.kill(dead, no_restart=True)
@@ -217,10 +217,10 @@ def test_a_cancelled_request_takes_nothing_else_with_it(tiny_llama, eventually_n
     ray = pytest.importorskip("ray", reason="needs ray (make setup installs it)")
     from cluster.launch import init_ray
     from cluster.replica import EngineReplica
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
 
     init_ray(num_cpus=8)
-    config = EngineConfig.create(tiny_llama, dtype="float32", max_model_len=2048)
+    config = engine_config(tiny_llama, dtype="float32", max_model_len=2048)
     replica = ray.remote(EngineReplica).options(num_cpus=1).remote(config, "r", 1)
     ray.get(replica.info.remote())
 
@@ -273,12 +273,12 @@ def test_tiers_and_peer_pulls_on_replica_actors(tiny_llama, eventually_no_leaks)
     pytest.importorskip("nixl", reason="needs nixl: make setup installs it")
     from cluster.launch import init_ray
     from cluster.replica import EngineReplica
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
     from router.routing.pool_router import RequestRouter
 
     init_ray(num_cpus=8)
     # 40 blocks: one tenant's 400-token prompt (25 blocks) at a time; the tier holds them all.
-    config = EngineConfig.create(tiny_llama, dtype="float32", max_model_len=640, num_kv_blocks=40,
+    config = engine_config(tiny_llama, dtype="float32", max_model_len=640, num_kv_blocks=40,
                                  kv_offloading_size=400 * 8192 / (1 << 30), kv_connector="nixl")
     actor = ray.remote(EngineReplica)
     replicas = {f"r{i}": actor.options(num_cpus=1).remote(config, f"r{i}", 1) for i in range(2)}

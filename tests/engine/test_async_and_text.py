@@ -19,10 +19,10 @@ def test_an_abort_that_overtakes_its_submit_leaves_nothing_on_the_channel(tiny_l
     order. Abort first: the request never runs and its channel does not wait for it (it was left
     counted there, and the abort storm's accounting found it); the other requests run."""
     from cluster.replica import EngineReplica
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
 
     async def main():
-        replica = EngineReplica(EngineConfig.create(tiny_llama, dtype="float32", max_model_len=128), "r")
+        replica = EngineReplica(engine_config(tiny_llama, dtype="float32", max_model_len=128), "r")
         params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
         replica.abort("x")
         replica.submit("ingress", "x", [5, 6, 7], params)
@@ -297,10 +297,10 @@ def test_an_engine_loads_its_tokenizer_without_resolving_the_model_config_again(
     config that names no class gets no config (AutoTokenizer would pick its class by the config's)."""
     import pickle
 
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
 
     cfg = tmp_path / "cfg.pkl"
-    cfg.write_bytes(pickle.dumps(EngineConfig.create(tiny_llama, dtype="float32")))
+    cfg.write_bytes(pickle.dumps(engine_config(tiny_llama, dtype="float32")))
     code = (
         "import pickle, sys\n"
         "from transformers import AutoTokenizer\n"
@@ -326,11 +326,11 @@ def test_kv_event_long_poll_answers_only_with_events(tiny_llama):
     import time
 
     from cluster.replica import EngineReplica
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
     from records.kv_events import BlockStored
 
     async def main() -> None:
-        replica = EngineReplica(EngineConfig.create(tiny_llama, dtype="float32", num_kv_blocks=64,
+        replica = EngineReplica(engine_config(tiny_llama, dtype="float32", num_kv_blocks=64,
                                                     max_model_len=512))
         end, events = await replica.kv_event_records_since(0)
         assert events == []

@@ -102,7 +102,7 @@ def test_an_engine_whose_tokenizer_was_kept_imports_no_transformers(tiny_llama, 
     no transformers in the process, and the text it streams is transformers' decode of its tokens;
     a simulated engine of that model (as a replica host runs them) imports not even torch. A changed
     tokenizer file is another entry (read by transformers again)."""
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
 
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
@@ -111,9 +111,9 @@ def test_an_engine_whose_tokenizer_was_kept_imports_no_transformers(tiny_llama, 
     assert not isinstance(engine_tokenizer(str(model), None), BackendTokenizer)  # (as the first engine: kept)
     assert len(list(cache.iterdir())) == 1
     cfg = tmp_path / "cfg.pkl"
-    cfg.write_bytes(pickle.dumps(EngineConfig.create(str(model), dtype="float32", num_kv_blocks=64, max_model_len=256)))
+    cfg.write_bytes(pickle.dumps(engine_config(str(model), dtype="float32", num_kv_blocks=64, max_model_len=256)))
     simulated = tmp_path / "simulated.pkl"
-    simulated.write_bytes(pickle.dumps(EngineConfig.create(str(model), simulate=SIM_PROFILE, max_model_len=256)))
+    simulated.write_bytes(pickle.dumps(engine_config(str(model), simulate=SIM_PROFILE, max_model_len=256)))
     code = (
         "import json, pickle, sys\n"
         "from engine.llm_engine import LLMEngine\n"

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from engine import LLM, SamplingParams
 from engine.model.layers.attention import Attention
 from engine.worker.worker import Worker
-from records.config import EngineConfig
+from records.config_resolution import engine_config
 from records.kv_layout import KVLayout
 
 sys.path.append(os.path.join(REPO, "benchmarks"))
@@ -37,7 +37,7 @@ def test_fp8_cache_holds_twice_the_blocks_of_bf16(tiny_llama):
     budget = 3 << 20
     blocks = {}
     for kv in ("auto", "fp8"):
-        config = EngineConfig.create(tiny_llama, dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory_bytes=budget,
+        config = engine_config(tiny_llama, dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory_bytes=budget,
                                      max_model_len=256)
         blocks[kv] = Worker(config).determine_num_blocks()[0]
     assert blocks["fp8"] == 2 * blocks["auto"] > 0
@@ -86,11 +86,11 @@ def with_tensors(src: str, dst: str, extra: dict[str, torch.Tensor] | None = Non
 def test_checkpoint_scales_are_read_and_name_the_layout(tiny_llama, tmp_path):
     """k_scale/v_scale tensors (vLLM's names) become the layers' scales; without them the worker
     calibrates at load (unless told not to); different scales are a different KV layout dtype."""
-    layers = EngineConfig.create(tiny_llama).model_config.num_layers
+    layers = engine_config(tiny_llama).model_config.num_layers
     extra = {f"model.layers.{i}.self_attn.k_scale": torch.tensor(0.25 * (i + 1)) for i in range(layers)}
     extra.update({f"model.layers.{i}.self_attn.v_scale": torch.tensor([0.5]) for i in range(layers)})
     path = with_tensors(tiny_llama, str(tmp_path / "scaled"), extra)
-    config = EngineConfig.create(path, dtype="float32", kv_cache_dtype="fp8", max_model_len=128)
+    config = engine_config(path, dtype="float32", kv_cache_dtype="fp8", max_model_len=128)
     assert config.cache_config.kv_scales == tuple((0.25 * (i + 1), 0.5) for i in range(layers))
     assert not config.cache_config.calculate_kv_scales
     llm = LLM(path, dtype="float32", kv_cache_dtype="fp8", max_model_len=128)
@@ -99,7 +99,7 @@ def test_checkpoint_scales_are_read_and_name_the_layout(tiny_llama, tmp_path):
     assert run(llm, [[5, 6, 7, 8]])[0]
 
     calibrated = LLM(tiny_llama, dtype="float32", kv_cache_dtype="fp8", max_model_len=128).llm_engine.config
-    unit = EngineConfig.create(tiny_llama, dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=False)
+    unit = engine_config(tiny_llama, dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=False)
     scales = calibrated.cache_config.kv_scales
     assert len(scales) == layers and all(s > 0 and s == 2.0 ** round(torch.tensor(s).log2().item())
                                          for pair in scales for s in pair)
@@ -121,11 +121,11 @@ def test_bad_fp8_arguments_name_the_field(tiny_llama, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3'\)"):
         LLM(tiny_llama, kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="calculate_kv_scales calibrates on one pipeline stage"):
-        EngineConfig.create(tiny_llama, kv_cache_dtype="fp8", pipeline_parallel_size=2)
-    EngineConfig.create(tiny_llama, kv_cache_dtype="fp8", pipeline_parallel_size=2, calculate_kv_scales=False)
+        engine_config(tiny_llama, kv_cache_dtype="fp8", pipeline_parallel_size=2)
+    engine_config(tiny_llama, kv_cache_dtype="fp8", pipeline_parallel_size=2, calculate_kv_scales=False)
     bad = with_tensors(tiny_llama, str(tmp_path / "bad"), {"model.layers.0.self_attn.k_scale": torch.tensor(-1.0)})
     with pytest.raises(ValueError, match="self_attn.k_scale .* must be a positive finite scale"):
-        EngineConfig.create(bad, kv_cache_dtype="fp8")
+        engine_config(bad, kv_cache_dtype="fp8")
     # A GPU without e4m3 kernels (compute capability below 8.9, simulated): refused by name, not
     # left to fail in a Triton compile.
     import engine.worker.worker as worker_module
@@ -134,8 +134,8 @@ def test_bad_fp8_arguments_name_the_field(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setattr(worker_module, "cuda_capability", lambda device: (8, 0))
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' needs a GPU of compute capability 8\.9 or more .* "
                                          r"has 8\.0 \(use kv_cache_dtype='auto'\)"):
-        Worker(EngineConfig.create(tiny_llama, kv_cache_dtype="fp8", calculate_kv_scales=False))
-    Worker(EngineConfig.create(tiny_llama, calculate_kv_scales=False))
+        Worker(engine_config(tiny_llama, kv_cache_dtype="fp8", calculate_kv_scales=False))
+    Worker(engine_config(tiny_llama, calculate_kv_scales=False))
 
 
 def test_calibration_keeps_keys_beyond_e4m3s_range(tiny_llama, tmp_path):

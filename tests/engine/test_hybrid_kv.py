@@ -11,7 +11,7 @@ from helpers import hf_greedy, mixed_prompts, save_random_model
 from engine import LLM, SamplingParams
 from engine.core.block_pool import NULL_BLOCK
 from engine.core.kv_cache_manager import KVCacheManager
-from records.config import EngineConfig
+from records.config_resolution import engine_config
 from records.kv_groups import KVGroups
 from records.request import Request
 
@@ -134,8 +134,8 @@ def test_a_long_gemma3_sequence_holds_only_its_local_windows(gemma3_5to1):
 
 def test_default_budget_holds_more_sequences_with_hybrid_groups(gemma3_5to1):
     """The same KV bytes are more blocks when a block is a group's pages, not every layer's."""
-    hybrid = EngineConfig.create(gemma3_5to1, dtype="float32", max_model_len=4096)
-    whole = EngineConfig.create(gemma3_5to1, dtype="float32", max_model_len=4096, disable_hybrid_kv_cache_manager=True)
+    hybrid = engine_config(gemma3_5to1, dtype="float32", max_model_len=4096)
+    whole = engine_config(gemma3_5to1, dtype="float32", max_model_len=4096, disable_hybrid_kv_cache_manager=True)
     assert hybrid.kv_groups.num_groups == 6 and hybrid.kv_groups.num_slots == 1
     # One sequence of 4,096: the global group's 256 blocks and five local groups' window and chunk.
     chunk = hybrid.scheduler_config.max_num_batched_tokens

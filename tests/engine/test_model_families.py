@@ -17,7 +17,7 @@ from helpers import REPO, hf_greedy, mixed_prompts
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
-from records.config import EngineConfig
+from records.config_resolution import engine_config
 
 FAMILIES = ["gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "qwen2_moe"]
 
@@ -65,7 +65,7 @@ def test_a_config_that_crossed_processes_serves_the_same_tokens(family, prompts,
     transformers or torch; it reads as the original, and an engine built from it is token-identical
     to transformers."""
     path = request.getfixturevalue(f"tiny_{family}")
-    config = EngineConfig.create(path, dtype="float32", max_model_len=512)
+    config = engine_config(path, dtype="float32", max_model_len=512)
     sent = pickle.dumps(config)
     imported = subprocess.run(
         [sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); "
@@ -130,7 +130,7 @@ def test_prefix_hits_and_preemption_keep_output(family, prompts, oracle, request
     batch, so requests are preempted and recomputed. (Gemma's tiny models, one local and one global
     layer, have a hybrid KV cache whose block is one layer's page: 24 of them are 12 full blocks' bytes.)"""
     path = request.getfixturevalue(f"tiny_{family}")
-    blocks = 24 if EngineConfig.create(path).kv_groups.hybrid else 14
+    blocks = 24 if engine_config(path).kv_groups.hybrid else 14
     llm = LLM(path, dtype="float32", num_kv_blocks=blocks, max_model_len=200, max_num_batched_tokens=64)
     assert run(llm, prompts) == oracle(path)
     stats = llm.llm_engine.stats()

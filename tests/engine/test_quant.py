@@ -316,7 +316,7 @@ def test_half_precision_on_a_cpu_without_bf16_units_is_warned(tiny_llama, monkey
     import logging
 
     from records import cpu_flags
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config_from_args
     from records.engine_args import EngineArgs
 
     avx2 = frozenset({"avx2", "fma", "f16c"})
@@ -324,7 +324,7 @@ def test_half_precision_on_a_cpu_without_bf16_units_is_warned(tiny_llama, monkey
     assert "dtype='float32'" in cpu_flags.slow_half_dtype_warning("bfloat16")
     assert cpu_flags.slow_half_dtype_warning("float32") is None
     with caplog.at_level(logging.WARNING, logger="records.config"):
-        EngineConfig.from_args(tiny_llama, EngineArgs(dtype="bfloat16", max_model_len=64))
+        engine_config_from_args(tiny_llama, EngineArgs(dtype="bfloat16", max_model_len=64))
     assert any("runs several times slower than float32" in r.message for r in caplog.records)
     for flags in (avx2 | {"avx512_bf16"}, avx2 | {"amx_bf16"}, frozenset()):
         monkeypatch.setattr(cpu_flags, "cpu_flags", lambda flags=flags: flags)

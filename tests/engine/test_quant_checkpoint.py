@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from engine import LLM, SamplingParams
 from engine.loading.quant_checkpoint import FP8Weight, convert, int8_blocks, quantize_fp8
 from kernels import reference
-from records.config import EngineConfig
+from records.config_resolution import engine_config
 from records.quantization import checkpoint_quant
 
 sys.path.append(os.path.join(REPO, "benchmarks"))
@@ -149,12 +149,12 @@ def test_auto_quantization_of_int8_and_fp8_checkpoints(tiny_llama, tmp_path):
 
     int8 = write_checkpoint(tiny_llama, str(tmp_path / "int8"), "ct-pack")
     fp8 = write_checkpoint(tiny_llama, str(tmp_path / "fp8"), "fp8")
-    assert EngineConfig.create(int8).model_config.quantization == ("int8+dense" if fast_block_kernels() else "none")
-    assert EngineConfig.create(fp8).model_config.quantization == "none"     # CPUs have no fast fp8 GEMM
+    assert engine_config(int8).model_config.quantization == ("int8+dense" if fast_block_kernels() else "none")
+    assert engine_config(fp8).model_config.quantization == "none"     # CPUs have no fast fp8 GEMM
     with pytest.raises(ValueError, match="quantization='fp8' does not fit this checkpoint's int8 weights"):
-        EngineConfig.create(int8, quantization="fp8")
+        engine_config(int8, quantization="fp8")
     with pytest.raises(ValueError, match="quantization='int8' does not fit this checkpoint's fp8 weights"):
-        EngineConfig.create(fp8, quantization="int8")
+        engine_config(fp8, quantization="int8")
 
 
 @pytest.mark.parametrize("layout", ["fp8", "ct-fp8"])

@@ -9,14 +9,14 @@ import pytest
 import records.clock as clock
 from engine.executor.simulated import SimulatedExecutor, simulated_token, step_shape
 from engine.llm_engine import LLMEngine
-from records.config import EngineConfig
+from records.config_resolution import engine_config
 from records.sampling_params import SamplingParams
 
 PROFILE = "h200-llama3-8b"
 
 
 def _engine(**kwargs) -> LLMEngine:
-    return LLMEngine(EngineConfig.create(None, simulate=PROFILE, **kwargs))
+    return LLMEngine(engine_config(None, simulate=PROFILE, **kwargs))
 
 
 def _run(engine: LLMEngine) -> dict[str, list[int]]:

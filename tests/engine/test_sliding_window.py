@@ -11,7 +11,7 @@ import pytest
 from helpers import hf_greedy, mixed_prompts
 
 from engine import LLM, SamplingParams
-from records.config import EngineConfig
+from records.config_resolution import engine_config
 
 WINDOW, BLOCK = 32, 16
 MAX_TOKENS = 48         # every prompt ends past the window (the longest prompt alone is 130)
@@ -39,13 +39,13 @@ def expected(tiny_mistral_swa, prompts) -> list[list[int]]:
 def test_window_is_attended_not_a_length_cap(tiny_mistral_swa, tiny_qwen2, tmp_path):
     """The window no longer bounds max_model_len; the KV cache releases blocks only where every
     layer is local; Qwen2's configs carry a window with use_sliding_window off: none."""
-    config = EngineConfig.create(tiny_mistral_swa, dtype="float32")
+    config = engine_config(tiny_mistral_swa, dtype="float32")
     assert config.model_config.max_model_len == 2048 and config.kv_groups.windows == (WINDOW,)
     qwen2 = tmp_path / "qwen2"
     shutil.copytree(tiny_qwen2, qwen2)
     raw = json.loads((qwen2 / "config.json").read_text())
     (qwen2 / "config.json").write_text(json.dumps({**raw, "sliding_window": 64, "use_sliding_window": False}))
-    assert EngineConfig.create(str(qwen2), dtype="float32").kv_groups.windows == (None,)
+    assert engine_config(str(qwen2), dtype="float32").kv_groups.windows == (None,)
 
 
 @pytest.mark.parametrize("kernels", ["cpu", "reference"])

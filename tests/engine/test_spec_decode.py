@@ -11,7 +11,7 @@ from engine import LLM, SamplingParams
 from engine.sample.rejection_sampler import Verification, accept_greedy, verify
 from engine.sample.sampler import SamplingRow
 from engine.spec_decode.ngram import NgramProposer
-from records.config import EngineConfig
+from records.config_resolution import engine_config
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -435,12 +435,12 @@ def test_sampling_is_exact_in_distribution(tiny_vocab_model, method):
 ])
 def test_speculative_config_is_validated(tiny_llama, spec, field):
     with pytest.raises(ValueError, match=field):
-        EngineConfig.create(tiny_llama, speculative_config=spec)
+        engine_config(tiny_llama, speculative_config=spec)
 
 
 def test_draft_model_must_share_the_vocabulary(tiny_llama, tiny_vocab_model):
     with pytest.raises(ValueError, match="vocabulary"):
-        EngineConfig.create(tiny_llama, speculative_config={
+        engine_config(tiny_llama, speculative_config={
             "method": "draft_model", "model": tiny_vocab_model, "num_speculative_tokens": 2})
 
 

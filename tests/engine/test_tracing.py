@@ -8,7 +8,7 @@ from otlp_collector import Collector
 
 import engine.tracing as tracing
 from engine.llm_engine import LLMEngine
-from records.config import EngineConfig
+from records.config_resolution import engine_config
 from records.engine_args import EngineArgs
 from records.sampling_params import SamplingParams
 
@@ -33,7 +33,7 @@ def _run(engine: LLMEngine) -> None:
 
 
 def test_an_engine_records_its_hop_under_the_callers_trace_or_a_trace_of_its_own(tiny_llama, exporter):
-    engine = LLMEngine(EngineConfig.create(tiny_llama, dtype="float32", max_model_len=256, num_kv_blocks=64))
+    engine = LLMEngine(engine_config(tiny_llama, dtype="float32", max_model_len=256, num_kv_blocks=64))
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     engine.add_request("traced", None, list(range(5, 45)), greedy, trace_context={"traceparent": TRACEPARENT})
     engine.add_request("plain", None, list(range(50, 70)), greedy)
@@ -76,7 +76,7 @@ def test_spans_reach_an_otlp_collector_over_either_protocol(tiny_llama, protocol
     monkeypatch.setenv("OTEL_SERVICE_NAME", "pdserve-test")
     collector = Collector(protocol)
     try:
-        engine = LLMEngine(EngineConfig.create(tiny_llama, dtype="float32", max_model_len=128, num_kv_blocks=32,
+        engine = LLMEngine(engine_config(tiny_llama, dtype="float32", max_model_len=128, num_kv_blocks=32,
                                                otlp_traces_endpoint=collector.endpoint))
         assert tracing.enabled() and tracing.endpoint() == collector.endpoint
         engine.add_request("r", None, list(range(5, 25)), SamplingParams(max_tokens=3, temperature=0.0),

@@ -126,11 +126,11 @@ def test_a_pd_transfer_answers_as_transformers(model_and_expected):
 
     from engine.llm_engine import LLMEngine
     from records.clock import monotonic
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
     from records.request import NewRequest
 
     path, requests, expected = model_and_expected
-    p, d = (LLMEngine(EngineConfig.create(path, dtype="float32", kv_connector="torch_dist", kv_load_timeout_s=120))
+    p, d = (LLMEngine(engine_config(path, dtype="float32", kv_connector="torch_dist", kv_load_timeout_s=120))
             for _ in range(2))
     processor = p.image_processor()
     for i, ((prompt, imgs), want) in enumerate(zip(requests, expected)):

@@ -260,10 +260,10 @@ def test_a_prompt_half_computed_at_the_update_is_computed_again(tiny_llama, trai
     """A request whose prompt is part way through chunked prefill (no token yet) when the weights
     change computes its prompt again: its output is wholly the new weights'."""
     from engine.llm_engine import LLMEngine
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
 
     ids = mixed_prompts(1000, seed=31)[-1]         # 130 tokens: three chunks of 48
-    engine = LLMEngine(EngineConfig.create(tiny_llama, dtype="float32", max_num_batched_tokens=48))
+    engine = LLMEngine(engine_config(tiny_llama, dtype="float32", max_num_batched_tokens=48))
     engine.add_request("r", None, ids, GREEDY)
     engine.step()
     assert engine.scheduler.requests["r"].num_computed_tokens == 48

@@ -431,13 +431,13 @@ def test_engine_on_cuda_matches_transformers_with_and_without_graphs(untokenized
 def test_cuda_graph_sizes_config(untokenized_model):
     """Buckets up to max_num_seqs and the first at or above it; enforce_eager captures none; on
     the CPU nothing is captured whatever the sizes."""
-    from records.config import EngineConfig
+    from records.config_resolution import engine_config
 
-    config = EngineConfig.create(untokenized_model, max_num_seqs=5, cuda_graph_sizes=[16, 8, 1, 2, 4, 2])
+    config = engine_config(untokenized_model, max_num_seqs=5, cuda_graph_sizes=[16, 8, 1, 2, 4, 2])
     assert config.model_config.cuda_graph_sizes == (1, 2, 4, 8)
-    assert EngineConfig.create(untokenized_model, enforce_eager=True).model_config.cuda_graph_sizes == ()
+    assert engine_config(untokenized_model, enforce_eager=True).model_config.cuda_graph_sizes == ()
     with pytest.raises(ValueError, match="cuda_graph_sizes must be positive integers"):
-        EngineConfig.create(untokenized_model, cuda_graph_sizes=[0, 4])
+        engine_config(untokenized_model, cuda_graph_sizes=[0, 4])
     llm = LLM(untokenized_model, dtype="float32", max_model_len=64, cuda_graph_sizes=[1, 2])
     assert llm.llm_engine.executor.worker.runner.graph_runner is None
 

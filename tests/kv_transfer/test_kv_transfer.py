@@ -26,7 +26,7 @@ from transfer_helpers import (
 from kv_transfer.base import KVConnectorScheduler
 from kv_transfer.leases import LeaseSlots, LeaseTable
 from kv_transfer.torch_dist import scatter_blocks
-from records.config import EngineConfig
+from records.config_resolution import engine_config
 from records.engine_stats import KVTransferStats
 from records.errors import KVLayoutMismatch, KVTransferError
 from records.hashing import hash_block_tokens
@@ -44,9 +44,9 @@ def connector(request) -> str:
 
 # --- unit: records and the lease table -----------------------------------------------------------------
 def test_layout_mismatch_names_the_field(tiny_llama):
-    config = EngineConfig.create(tiny_llama, dtype="float32", max_model_len=512)
+    config = engine_config(tiny_llama, dtype="float32", max_model_len=512)
     layout = KVLayout.from_config(config)
-    other = KVLayout.from_config(EngineConfig.create(tiny_llama, dtype="float32", block_size=8, max_model_len=512))
+    other = KVLayout.from_config(engine_config(tiny_llama, dtype="float32", block_size=8, max_model_len=512))
     with pytest.raises(KVLayoutMismatch, match="block_size is 8 but this engine's is 16"):
         layout.check_compatible(other)
     layout.check_compatible(KVLayout.from_config(config))
@@ -505,10 +505,10 @@ def test_async_engine_raises_kv_transfer_error(tiny_llama):
     from engine.async_engine import AsyncLLMEngine
 
     async def main() -> None:
-        d = AsyncLLMEngine(EngineConfig.create(
+        d = AsyncLLMEngine(engine_config(
             tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=512, kv_connector="torch_dist",
             kv_load_failure_policy="fail", kv_connector_extra={"fail_loads": True}))
-        p = AsyncLLMEngine(EngineConfig.create(tiny_llama, dtype="float32", num_kv_blocks=64,
+        p = AsyncLLMEngine(engine_config(tiny_llama, dtype="float32", num_kv_blocks=64,
                                                max_model_len=512, kv_connector="torch_dist"))
         ids = prompt(40, salt=13)
         outs = [o async for o in p.generate("x", ids, SamplingParams(max_tokens=1, temperature=0.0),
@@ -552,7 +552,7 @@ def test_pd_across_ray_actors(tiny_llama, conn):
     ids_list = [prompt(n, salt=20 + n) for n in sizes]
     last = prompt(150, salt=99)
     want = reference(tiny_llama, [*ids_list, last])
-    config = EngineConfig.create(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=512,
+    config = engine_config(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=512,
                                  kv_connector=conn, kv_load_timeout_s=5.0)
     actor = ray.remote(EngineReplica).options(num_cpus=1, max_concurrency=100)
     p, d, fresh = actor.remote(config, "p", 1), actor.remote(config, "d", 1), actor.remote(config, "d2", 1)

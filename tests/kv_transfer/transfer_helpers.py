@@ -8,7 +8,7 @@ import time
 import torch
 
 from engine.llm_engine import LLMEngine
-from records.config import EngineConfig
+from records.config_resolution import engine_config
 from records.outputs import RequestOutput
 from records.sampling_params import SamplingParams
 
@@ -31,7 +31,7 @@ def make_engine(model: str, connector: str | None, **kwargs) -> LLMEngine:
         # past the default 10 s, and later past 30 s, and the pull recomputed (right tokens, one
         # kv_load_failure). The fault tests set their own.
         args.update(kv_connector=connector, kv_load_timeout_s=DEADLINE_S)
-    return LLMEngine(EngineConfig.create(model, **{**args, **kwargs}))
+    return LLMEngine(engine_config(model, **{**args, **kwargs}))
 
 
 def run_one(engine: LLMEngine, rid: str, ids: list[int], params: SamplingParams = GREEDY,
