@@ -144,12 +144,12 @@ def prefault(live: Callable[[], list[torch.Tensor] | None], num_blocks: int, chu
         return
     step = max(1, chunk_bytes // max(1, sum(t.nbytes for t in tensors) // num_blocks))
     del tensors
+    batched = _batched_madvise()
     for b0 in range(0, num_blocks, step):
         tensors = live()
         if tensors is None:
             return
         ranges = block_ranges(tensors, num_blocks, b0, min(num_blocks, b0 + step))
-        batched = _batched_madvise()
         if batched is not None:         # the chunk's ranges in one call: the GIL taken back once
             code = batched([a for a, _ in ranges], [n for _, n in ranges], _MADV_POPULATE_WRITE)
         else:
