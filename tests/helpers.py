@@ -19,6 +19,20 @@ import psutil
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def benchmarks_on_path() -> None:
+    """Make benchmarks/ importable (its scripts import their siblings by name) without its
+    kernels.py shadowing the kernels package: that is bound first. Appending the folder is not
+    enough alone: sys.path is searched before the editable install's finder, and a test that
+    changed the directory takes the repository off the path's '' entry."""
+    import sys
+
+    import kernels  # noqa: F401 - bound before benchmarks/kernels.py can be found under its name
+
+    path = os.path.join(REPO, "benchmarks")
+    if path not in sys.path:
+        sys.path.append(path)
+
+
 # Where free_port looks: below Linux's ephemeral range (32768-60999), which every process binding
 # port 0 draws from (Ray's agents and gRPC servers, NIXL, Serve replicas) and so may take a port the
 # OS handed out a moment before, and above Ray's worker ports (10002-19999). A `pdserve serve` with

@@ -3,16 +3,13 @@ live `pdserve serve` in tests/cluster/test_pools.py."""
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 
 import numpy as np
 import pytest
-from helpers import REPO
+from helpers import benchmarks_on_path
 
-# Last on the path: benchmarks/kernels.py must not shadow the kernels package.
-sys.path.append(os.path.join(REPO, "benchmarks"))
+benchmarks_on_path()
 
 import serve
 import workloads

@@ -14,7 +14,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 import time
 import uuid
 
@@ -22,7 +21,7 @@ import httpx
 import openai
 import pytest
 import yaml
-from helpers import REPO, free_port
+from helpers import REPO, benchmarks_on_path, free_port
 
 from records.histogram import VLLM_TTFT_BUCKETS, Histogram, quantile
 
@@ -192,8 +191,7 @@ def _ttft_buckets(text: str) -> list[float]:
 
 
 def test_a_real_prometheus_reads_every_dashboard_expression_and_the_ttft_the_client_saw(server, otlp, tmp_path):
-    # Last on the path: benchmarks/kernels.py must not shadow the kernels package.
-    sys.path.append(os.path.join(REPO, "benchmarks"))
+    benchmarks_on_path()
     import serve as bench
     import workloads
 
