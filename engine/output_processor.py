@@ -217,8 +217,9 @@ class OutputProcessor:
     def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
         if self.tokenizer is None or not request.sampling_params.detokenize:
             return None
-        return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                      request.sampling_params.skip_special_tokens)
+        params = request.sampling_params
+        return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
+                                      params.spaces_between_special_tokens)
 
     def process_tokens(self, child: ChoiceState) -> int:
         """Detokenize the child's new output tokens one at a time (a speculative step adds several),

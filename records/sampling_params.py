@@ -144,6 +144,9 @@ class SamplingParams:
     bad_words: str | list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     skip_special_tokens: bool = True
+    # vLLM's: False (with skip_special_tokens False) writes a special token that follows another
+    # as its bare text, with no space a tokenizer's decoder might put before it
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True
     priority: int = 0                    # lower runs first under scheduling_policy="priority"
     extra_keys: tuple = field(default_factory=tuple)  # e.g. a cache salt: part of the block hash

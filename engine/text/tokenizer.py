@@ -114,14 +114,17 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
                         tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
                         continue_final_message: bool = False,
                         template_kwargs: dict[str, Any] | None = None,
-                        chat_template: str | None = None, tokenize: bool = True) -> Any:
+                        chat_template: str | None = None, tokenize: bool = True,
+                        documents: list[dict[str, str]] | None = None, add_special_tokens: bool = False) -> Any:
     """The conversation's prompt token ids (its text with `tokenize` False: a vision-language
     model's processor tokenizes it with its images; `tools` in OpenAI's shape, for templates that render
     them: engine/text/tool_calls.py prepares both), with vLLM's chat options: the generation prompt
     (default), or `continue_final_message` (the last message, an assistant's, left open for the
     model to continue), and `template_kwargs` (vLLM's chat_template_kwargs: more variables for the
-    template, e.g. Qwen3's enable_thinking); `chat_template` in place of the tokenizer's (vLLM's).
-    ValueError naming the field when there is no chat template, the options conflict, or the
+    template, e.g. Qwen3's enable_thinking); `chat_template` in place of the tokenizer's (vLLM's);
+    `documents` for a template that renders them; `add_special_tokens`: the tokenizer's own (a BOS)
+    on top of what the template writes (vLLM's chat option, off by default there too). ValueError
+    naming the field when there is no chat template, the options conflict, or the
     template refuses the conversation."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer: send token ids")
@@ -138,14 +141,18 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
         raise ValueError(f"chat_template_kwargs must not set {clash}: those are the request's own fields")
     from jinja2 import TemplateError  # noqa: PLC0415
 
+    extra = dict(template_kwargs or {}, **({} if documents is None else {"documents": documents}))
     try:
         ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                            continue_final_message=continue_final_message, tokenize=tokenize,
-                                            chat_template=chat_template, **(template_kwargs or {}))
+                                            continue_final_message=continue_final_message,
+                                            tokenize=tokenize and not add_special_tokens,
+                                            chat_template=chat_template, **extra)
     except TemplateError as e:       # the template refused the conversation (e.g. roles out of order)
         raise ValueError(f"messages: the model's chat template refused them: {e}") from None
     if not tokenize:
         return ids
+    if add_special_tokens:
+        return list(tokenizer.encode(ids, add_special_tokens=True))
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
@@ -159,9 +166,16 @@ class IncrementalDetokenizer:
     once all of its bytes have arrived.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # Without spaces between special tokens (vLLM's option): a special token that follows another is
+        # written as its own text; None where the option changes nothing.
+        self._special: dict[int, str] | None = None
+        if not skip_special_tokens and not spaces_between_special_tokens:
+            self._special = _added_tokens(tokenizer) or None
+        self._last_special = False
         self.token_ids: list[int] = []
         # Start from a few prompt tokens so the first output token decodes with its left context
         # (a leading space, for instance).
@@ -183,6 +197,20 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int]) -> str:
         """Append tokens; returns the new text (possibly empty) and extends `output_text`."""
+        if self._special is not None:
+            return "".join(self._update_one(t) for t in new_token_ids)
+        return self._update(new_token_ids)
+
+    def _update_one(self, token_id: int) -> str:
+        delta = self._update([token_id])
+        special = self._special.get(token_id)
+        if special is not None and self._last_special and delta != special and delta.lstrip() == special:
+            self.output_text = self.output_text[:len(self.output_text) - len(delta)] + special
+            delta = special
+        self._last_special = special is not None
+        return delta
+
+    def _update(self, new_token_ids: list[int]) -> str:
         self.token_ids.extend(new_token_ids)
         self.context.extend(new_token_ids)
         prefix_text = self._decode(self.context[self.prefix_offset:self.read_offset])
@@ -195,6 +223,15 @@ class IncrementalDetokenizer:
         self.output_text += delta
         return delta
 
+
+
+def _added_tokens(tokenizer: Any) -> dict[int, str]:
+    """The tokenizer's added (special) tokens by id: their text."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and hasattr(backend, "get_added_tokens_decoder"):
+        return {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {i: getattr(t, "content", str(t)) for i, t in decoder.items()}
 
 
 @functools.cache

@@ -57,6 +57,7 @@ from router.ingress.files import FileStore, expiry_seconds
 from router.ingress.grpc_api import grpc_call
 from router.ingress.http import fastapi_app, openapi_schema
 from router.ingress.quota import LedgerCall, QuotaLedger
+from router.ingress.request_body import with_request_id
 from router.ingress.served_models import ModelServer, ServedModels
 from router.ingress.weights_api import (
     adapter_arg,
@@ -198,13 +199,13 @@ class OpenAIIngress:
     async def completions(self, request: Request) -> Response:
         server, body = await self._body(request)
         with server.frontend.observe(request.headers, "/v1/completions"):
-            return await server.api.completions(body)
+            return await server.api.completions(with_request_id(body, request.headers))
 
     @fastapi_app.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
         server, body = await self._body(request)
         with server.frontend.observe(request.headers, "/v1/chat/completions"):
-            return await server.api.chat(body)
+            return await server.api.chat(with_request_id(body, request.headers))
 
     @fastapi_app.post("/v1/embeddings")
     async def embeddings(self, request: Request) -> Response:

@@ -214,16 +214,17 @@ class Frontend:
 
     # --- generation --------------------------------------------------------------------------------
     async def run(self, prompts: list[list[int]], params: SamplingParams, request_id: str, ticket: Ticket,
-                  images: tuple = ()) -> AsyncIterator[tuple[int, StepDelta]]:
+                  images: tuple = (), response_id: str | None = None) -> AsyncIterator[tuple[int, StepDelta]]:
         """Stream (prompt index, StepDelta) over all prompts of one HTTP request; releases `ticket`
         when it ends, however it ends. One prompt (a chat, most completions) streams straight from
         its router; several are merged through one queue, each pumped by a task of its own.
-        `images`: a one-prompt request's images (a chat's: records/multimodal.py)."""
+        `images`: a one-prompt request's images (a chat's: records/multimodal.py); `response_id`: the
+        id the client sees (traces and request logs name it), where it is not `request_id`, the engine's."""
         # Its time to first token counts from its arrival at the endpoint (`observe`), every hop included.
         arrival = ticket.arrival if ticket.arrival is not None else time.monotonic()
         trace = ticket.trace
         if trace is not None:
-            trace.started(request_id, prompts, self.preparer.model_name, params.adapter_name or None)
+            trace.started(response_id or request_id, prompts, self.preparer.model_name, params.adapter_name or None)
         try:
             if len(prompts) == 1:
                 try:

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API over the frontend: request bodies read with their limits,
 completions and chat completions answered whole or streamed (SSE: the role goes out with the first
 token, as vLLM does; usage last when asked, or in every chunk with vLLM's continuous_usage_stats),
-logprobs in OpenAI's two shapes. Validation, admission, routing and metrics are the frontend's
-(router/ingress/frontend.py), shared with gRPC; the Responses API is router/ingress/responses_api.py.
+their ids (vLLM's request_id). Logprobs are written by router/ingress/logprob_shapes.py.
+Validation, admission, routing and metrics are the frontend's (router/ingress/frontend.py), shared
+with gRPC; the Responses API is router/ingress/responses_api.py.
 """
 # No `from __future__ import annotations`: FastAPI reads annotations at runtime.
 import base64
@@ -29,12 +30,12 @@ from records.errors import (
     RequestFailedError,
     UnsupportedMediaTypeError,
 )
-from records.outputs import Logprob
 from records.sampling_params import SamplingParams
 from records.serving import BATCH_BAND
 from router.ingress.admission import Ticket
 from router.ingress.frontend import BAND, TENANT, Frontend, served_error
 from router.ingress.http import sse_response
+from router.ingress.logprob_shapes import LogprobShapes
 from router.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from router.ingress.replies import ChoiceAccumulator, UsageCounter, error_body, new_id, now
 from router.ingress.request_body import parse_json_object
@@ -80,13 +81,13 @@ class OpenAIAPI:
         req, params, prompts = prep.request, prep.params, prep.prompts
         echo = self._echo_texts(req, prompts) if req.echo else None
         ticket = await self.frontend.admit(prompts, params)
-        rid = new_id("cmpl")
+        ids = _request_ids("cmpl", req)
         if params.use_beam_search:
-            return JSONResponse(await self._beams(rid, "text_completion", prompts, params, ticket, echo))
+            return JSONResponse(await self._beams(ids, req, "text_completion", prompts, params, ticket, echo))
         if req.stream:
-            return sse_response(self._stream_completion(rid, req, prompts, echo, params, ticket), ticket)
+            return sse_response(self._stream_completion(ids, req, prompts, echo, params, ticket), ticket)
         try:
-            return JSONResponse(await self._full_completion(rid, req, prompts, echo, params, ticket))
+            return JSONResponse(await self._full_completion(ids, req, prompts, echo, params, ticket))
         finally:
             ticket.release()
 
@@ -97,13 +98,13 @@ class OpenAIAPI:
         if params.use_beam_search and tools is not None:
             raise InvalidRequestError("tools are not supported with use_beam_search", param="tools")
         ticket = await self.frontend.admit([ids], params)
-        rid = new_id("chatcmpl")
+        rids = _request_ids("chatcmpl", req)
         if params.use_beam_search:
-            return JSONResponse(await self._beams(rid, "chat.completion", [ids], params, ticket))
+            return JSONResponse(await self._beams(rids, req, "chat.completion", [ids], params, ticket))
         if req.stream:
-            return sse_response(self._stream_chat(rid, req, ids, params, tools, ticket, thinking, prep.images), ticket)
+            return sse_response(self._stream_chat(rids, req, ids, params, tools, ticket, thinking, prep.images), ticket)
         try:
-            return JSONResponse(await self._full_chat(rid, req, ids, params, tools, ticket, thinking, prep.images))
+            return JSONResponse(await self._full_chat(rids, req, ids, params, tools, ticket, thinking, prep.images))
         finally:
             ticket.release()
 
@@ -162,11 +163,15 @@ class OpenAIAPI:
             TENANT.reset(tokens[0])
             BAND.reset(tokens[1])
 
-    async def _beams(self, rid: str, kind: str, prompts: list[list[int]], params: SamplingParams, ticket: Ticket,
-                     echo: list[str] | None = None) -> dict[str, Any]:
+    def _shapes(self, req: Any) -> LogprobShapes:
+        return LogprobShapes(self.preparer.token_text, req.return_tokens_as_token_ids)
+
+    async def _beams(self, ids: tuple[str, str], req: Any, kind: str, prompts: list[list[int]],
+                     params: SamplingParams, ticket: Ticket, echo: list[str] | None = None) -> dict[str, Any]:
         """A beam search's response (engine/beam_search.py): the best n beams of each prompt, best
-        first, as the choices of a completion or a chat completion."""
-        results = await self.frontend.beam_search(prompts, params, rid, ticket)
+        first, as the choices of a completion or a chat completion. `ids`: _request_ids'."""
+        (rid, engine_id), shapes = ids, self._shapes(req)
+        results = await self.frontend.beam_search(prompts, params, engine_id, ticket)
         tokenizer, choices, generated = self.preparer.tokenizer, [], 0
         for p, beams in enumerate(results):
             for beam in beams:
@@ -179,11 +184,11 @@ class OpenAIAPI:
                 if kind == "chat.completion":
                     choice["message"] = {"role": "assistant", "content": text}
                     if beam.logprobs is not None:
-                        choice["logprobs"] = self._chat_logprobs(beam.token_ids, beam.logprobs, params.logprobs or 0)
+                        choice["logprobs"] = shapes.chat(beam.token_ids, beam.logprobs, params.logprobs or 0)
                 else:
                     choice["text"] = text if echo is None else echo[p] + text
                     if beam.logprobs is not None:
-                        choice["logprobs"] = self._completion_logprobs(beam.token_ids, beam.logprobs)
+                        choice["logprobs"] = shapes.completion(beam.token_ids, beam.logprobs)
                 choices.append(choice)
         num_prompt = sum(len(p) for p in prompts)
         return {"id": rid, "object": kind, "created": now(), "model": self.preparer.response_model(params),
@@ -202,15 +207,15 @@ class OpenAIAPI:
                                       param="echo")
         return [self.preparer.tokenizer.decode(ids) for ids in prompts]
 
-    async def _full_completion(self, rid: str, req: CompletionRequest, prompts: list[list[int]],
+    async def _full_completion(self, ids: tuple[str, str], req: CompletionRequest, prompts: list[list[int]],
                                echo: list[str] | None, params: SamplingParams, ticket: Ticket) -> dict[str, Any]:
         """The whole completion; with the request's `prompt_logprobs` (vLLM's) each choice carries its
         prompt's, with `return_token_ids` (vLLM's) its prompt's and its own token ids."""
-        n = params.n
+        (rid, engine_id), n, shapes = ids, params.n, self._shapes(req)
         choices = [ChoiceAccumulator() for _ in range(len(prompts) * n)]
         prompt_lps: list[list] = [[] for _ in prompts]      # echo with logprobs: the prompts' own
         usage = UsageCounter()
-        async for i, delta in self.frontend.run(prompts, params, rid, ticket):
+        async for i, delta in self.frontend.run(prompts, params, engine_id, ticket, response_id=rid):
             delta = _prompt_only(delta) if req.echo_only else delta
             usage.add(delta)
             prompt_lps[i] += delta.prompt_logprobs or []
@@ -222,27 +227,27 @@ class OpenAIAPI:
             self.frontend.count_finished(acc.finish_reason)
             out.append({"index": idx, "text": acc.text if echo is None else echo[p] + acc.text,
                         "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
-                        "logprobs": self._completion_logprobs(acc.token_ids, acc.logprobs,
-                                                              *(() if echo is None else (prompts[p], prompt_lps[p])))
+                        "logprobs": shapes.completion(acc.token_ids, acc.logprobs,
+                                                      *(() if echo is None else (prompts[p], prompt_lps[p])))
                         if params.logprobs is not None else None, "weight_versions": acc.weight_versions})
             if req.prompt_logprobs is not None:
-                out[-1]["prompt_logprobs"] = self._prompt_logprobs(prompt_lps[p], params.prompt_logprobs)
+                out[-1]["prompt_logprobs"] = shapes.prompt(prompt_lps[p], params.prompt_logprobs)
             if req.return_token_ids:
                 out[-1].update(prompt_token_ids=prompts[p], token_ids=acc.token_ids)
         return {"id": rid, "object": "text_completion", "created": now(), "model": self.preparer.response_model(params),
                 "choices": out, "usage": usage.body(sum(len(p) for p in prompts)),
                 "weight_version": usage.weight_version}
 
-    async def _stream_completion(self, rid: str, req: CompletionRequest, prompts: list[list[int]],
+    async def _stream_completion(self, ids: tuple[str, str], req: CompletionRequest, prompts: list[list[int]],
                                  echo: list[str] | None, params: SamplingParams, ticket: Ticket) -> AsyncIterator[dict]:
-        n, options = params.n, req.stream_options
+        (rid, engine_id), n, options, shapes = ids, params.n, req.stream_options, self._shapes(req)
         created, model = now(), self.preparer.response_model(params)
         usage = UsageCounter()
         num_prompt = sum(len(p) for p in prompts)
         per_chunk = options is not None and options.usage_per_chunk()
         prompt_lps: list[list] = [[] for _ in prompts]
         started: set[int] = set()       # the choices whose first chunk (the echo, the prompt's ids) went out
-        async for i, delta in self.frontend.run(prompts, params, rid, ticket):
+        async for i, delta in self.frontend.run(prompts, params, engine_id, ticket, response_id=rid):
             delta = _prompt_only(delta) if req.echo_only else delta
             usage.add(delta)
             prompt_lps[i] += delta.prompt_logprobs or []
@@ -256,7 +261,7 @@ class OpenAIAPI:
                     # A choice's first delta comes with or after the prompt's last logprobs.
                     text, prompt = echo[i] + text, (prompts[i], prompt_lps[i])
                 choice = {"index": idx, "text": text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                          "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, *prompt)
+                          "logprobs": shapes.completion(c.token_ids, c.logprobs, *prompt)
                           if params.logprobs is not None else None}
                 if req.return_token_ids:
                     choice.update({"prompt_token_ids": prompts[i]} if first else {}, token_ids=c.token_ids)
@@ -267,17 +272,19 @@ class OpenAIAPI:
             yield {"id": rid, "object": "text_completion", "created": created, "model": model,
                    "choices": [], "usage": usage.body(num_prompt)}
 
-    async def _full_chat(self, rid: str, req: ChatCompletionRequest, ids: list[int], params: SamplingParams,
-                         tools: ToolFormat | None, ticket: Ticket, thinking: bool | None = None,
-                         images: tuple = ()) -> dict[str, Any]:
+    async def _full_chat(self, rids: tuple[str, str], req: ChatCompletionRequest, ids: list[int],
+                         params: SamplingParams, tools: ToolFormat | None, ticket: Ticket,
+                         thinking: bool | None = None, images: tuple = ()) -> dict[str, Any]:
         """The whole chat completion; with the request's `prompt_logprobs` (vLLM's) the prompt's at
         the top level, as vLLM returns them, with `return_token_ids` (vLLM's) the prompt's ids there
         and each choice's own; with a reasoning parser (`thinking` not None: whether the answer starts
-        in reasoning) the reasoning apart from the content."""
+        in reasoning) the reasoning apart from the content (unless include_reasoning is false); with
+        echo the continued message's text first."""
+        (rid, engine_id), shapes, echo = rids, self._shapes(req), _chat_echo(req)
         choices = [ChoiceAccumulator() for _ in range(params.n)]
         usage = UsageCounter()
         prompt_lps: list = []
-        async for _, delta in self.frontend.run([ids], params, rid, ticket, images):
+        async for _, delta in self.frontend.run([ids], params, engine_id, ticket, images, rid):
             usage.add(delta)
             prompt_lps += delta.prompt_logprobs or []
             for c in delta.choices:
@@ -293,25 +300,28 @@ class OpenAIAPI:
                 message = {"role": "assistant", "content": content, "tool_calls": [c.body() for c in calls]}
                 finish_reason = _with_tool_calls(finish_reason, bool(calls))
             if thinking is not None:
-                message["reasoning"] = reasoning
+                message["reasoning"] = reasoning if req.include_reasoning else None
+            if echo:
+                message["content"] = echo + (message["content"] or "")
             out.append({"index": idx, "message": message,
                         "finish_reason": finish_reason, "stop_reason": acc.stop_reason,
-                        "logprobs": self._chat_logprobs(acc.token_ids, acc.logprobs, params.logprobs or 0)
+                        "logprobs": shapes.chat(acc.token_ids, acc.logprobs, params.logprobs or 0)
                         if req.logprobs else None, "weight_versions": acc.weight_versions})
             if req.return_token_ids:
                 out[-1]["token_ids"] = acc.token_ids
         body = {"id": rid, "object": "chat.completion", "created": now(), "model": self.preparer.response_model(params),
                 "choices": out, "usage": usage.body(len(ids)), "weight_version": usage.weight_version}
         if req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = self._prompt_logprobs(prompt_lps, params.prompt_logprobs)
+            body["prompt_logprobs"] = shapes.prompt(prompt_lps, params.prompt_logprobs)
         if req.return_token_ids:
             body["prompt_token_ids"] = ids
         return body
 
-    async def _stream_chat(self, rid: str, req: ChatCompletionRequest, ids: list[int], params: SamplingParams,
-                           tools: ToolFormat | None, ticket: Ticket, thinking: bool | None = None,
-                           images: tuple = ()) -> AsyncIterator[dict]:
+    async def _stream_chat(self, rids: tuple[str, str], req: ChatCompletionRequest, ids: list[int],
+                           params: SamplingParams, tools: ToolFormat | None, ticket: Ticket,
+                           thinking: bool | None = None, images: tuple = ()) -> AsyncIterator[dict]:
         created, options, logprobs, token_ids = now(), req.stream_options, req.logprobs, req.return_token_ids
+        (rid, engine_id), shapes, echo = rids, self._shapes(req), _chat_echo(req)
         per_chunk = options is not None and options.usage_per_chunk()
         base = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": self.preparer.response_model(params)}
@@ -320,7 +330,14 @@ class OpenAIAPI:
         # per choice: the reasoning split first, then tool calls read out of the content
         readers = {} if tools is None else {i: ToolCallStream(tools.name) for i in range(params.n)}
         thinkers = {} if thinking is None else {i: ReasoningStream(thinking) for i in range(params.n)}
-        async for _, delta in self.frontend.run([ids], params, rid, ticket, images):
+        prompt_sent = False             # the prompt's ids (return_token_ids) go with the first chunk
+        if echo:                        # the continued message's text, each choice's role with it (as vLLM)
+            for i in range(params.n):
+                started.add(i)
+                chunk = {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": echo},
+                                              "logprobs": None, "finish_reason": None}]}
+                yield {**chunk, "usage": usage.body(len(ids))} if per_chunk else chunk
+        async for _, delta in self.frontend.run([ids], params, engine_id, ticket, images, rid):
             usage.add(delta)
             for c in delta.choices:
                 if c.finish_reason is not None:
@@ -330,6 +347,7 @@ class OpenAIAPI:
                 final = c.finish_reason is not None
                 if thinker is not None:
                     reasoning, text = read_through(thinker, text, final)
+                    reasoning = reasoning if req.include_reasoning else ""
                 if reader is not None:
                     text, deltas = read_through(reader, text, final)
                     if final:
@@ -340,7 +358,7 @@ class OpenAIAPI:
                     continue    # text held back while a tag may be starting: nothing to send (as vLLM)
                 message: dict[str, Any] = ({"content": text} if text or (c.finish_reason is None and not reasoning)
                                            else {})
-                first = not started
+                first, prompt_sent = not prompt_sent, True
                 if c.index not in started:
                     started.add(c.index)
                     message = {"role": "assistant", "content": text}
@@ -350,7 +368,7 @@ class OpenAIAPI:
                     message["tool_calls"] = call_deltas
                 chunk = {**base, "choices": [{
                     "index": c.index, "delta": message,
-                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs or 0)
+                    "logprobs": shapes.chat(c.token_ids, c.logprobs, params.logprobs or 0)
                     if logprobs else None,
                     "finish_reason": finish_reason, "stop_reason": c.stop_reason}],
                     "weight_version": delta.weight_version}
@@ -362,56 +380,27 @@ class OpenAIAPI:
         if options is not None and options.include_usage:
             yield {**base, "choices": [], "usage": usage.body(len(ids))}
 
-    # --- logprobs shapes ---------------------------------------------------------------------------
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
-                             prompt_ids: list[int] = (), prompt_logprobs: list[dict[int, Logprob] | None] = ()
-                             ) -> dict[str, Any]:
-        """OpenAI's legacy shape; with echo the prompt's tokens come first (the first has no logprob:
-        None, as in vLLM and OpenAI)."""
-        tokens, token_lps, tops, offsets = [], [], [], []
-        offset = 0
-        for tid, entry in [*zip(prompt_ids, prompt_logprobs), *zip(token_ids, logprobs or [])]:
-            if entry is None:
-                tokens.append(text := self.preparer.token_text(tid))
-                token_lps.append(None)
-                tops.append(None)
-            else:
-                tokens.append(text := self.preparer.token_text(tid, entry.get(tid)))
-                token_lps.append(entry[tid].logprob if tid in entry else None)
-                tops.append({self.preparer.token_text(t, lp): lp.logprob for t, lp in entry.items()})
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def _prompt_logprobs(self, entries: list[dict[int, Logprob] | None], num: int) -> list[dict[str, Any] | None]:
-        """vLLM's `prompt_logprobs`: per prompt token null (the first, which nothing predicts) or
-        {token id: {logprob, rank, decoded_token}} for the `num` most likely tokens and the prompt's
-        own. The engine ranks only the top `num` (each entry comes ranked: records/outputs.py:
-        `Logprob`): a prompt token outside them has rank null."""
-        out: list[dict[str, Any] | None] = []
-        for entry in entries:
-            if entry is None:
-                out.append(None)
-                continue
-            out.append({str(tid): {"logprob": lp.logprob, "rank": rank if rank <= num else None,
-                                   "decoded_token": self.preparer.token_text(tid, lp)}
-                        for rank, (tid, lp) in enumerate(entry.items(), start=1)})
-        return out
+def _request_ids(prefix: str, req: Any) -> tuple[str, str]:
+    """(the response's id, the engine's): the client's `request_id` after the prefix (vLLM's) or a
+    new one; the engine's then takes a unique suffix, so two clients' equal ids never meet in a
+    replica (it begins with the response's id: traces and logs name it)."""
+    if req.request_id is None:
+        rid = new_id(prefix)
+        return rid, rid
+    rid = f"{prefix}-{req.request_id}"
+    return rid, new_id(rid)
 
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
-                       num_top: int) -> dict[str, Any]:
-        """OpenAI chat shape: the chosen token's logprob and the `num_top` most likely tokens (each
-        entry comes ranked)."""
-        content = []
-        for tid, entry in zip(token_ids, logprobs or []):
-            text = self.preparer.token_text(tid, entry.get(tid))
-            chosen = entry.get(tid)
-            top = list(entry.items())[:num_top]
-            content.append({
-                "token": text, "logprob": chosen.logprob if chosen else None, "bytes": list(text.encode()),
-                "top_logprobs": [{"token": self.preparer.token_text(t, lp), "logprob": lp.logprob,
-                                  "bytes": list(self.preparer.token_text(t, lp).encode())} for t, lp in top]})
-        return {"content": content}
+
+def _chat_echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's text where it is the assistant's (the one continued),
+    else nothing."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant" or not last.content:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(str(part.get("text", "")) for part in last.content if part.get("type") == "text")
 
 
 def _prompt_only(delta: StepDelta) -> StepDelta:

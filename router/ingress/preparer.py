@@ -132,12 +132,12 @@ class RequestPreparer:
         """The model's end-of-sequence ids, as its engines read them (beam search ends beams on them)."""
         return frozenset(eos_token_ids(self.tokenizer, self.hf_config, self.info.model))
 
-    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
-        """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: max_model_len's worth)."""
-        if keep is None:
+    def truncated(self, ids: list[int], keep: int | None, side: str | None = None) -> list[int]:
+        """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: max_model_len's worth),
+        its first with `side` "right" (vLLM's truncation_side)."""
+        if keep is None or len(ids) <= (keep := self.max_model_len if keep == -1 else keep):
             return ids
-        keep = self.max_model_len if keep == -1 else keep
-        return ids[len(ids) - keep:] if len(ids) > keep else ids
+        return ids[:keep] if side == "right" else ids[len(ids) - keep:]
 
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         """Check a prompt and its parameters against the model (its bad_words tokenized here, once)."""
@@ -198,26 +198,29 @@ class RequestPreparer:
         return out
 
     def chat_prompt(self, messages: list[Any], options: ChatTemplateOptions,
-                    tools: list[dict[str, Any]] | None = None) -> tuple[list[int], tuple[ImageInput, ...]]:
+                    tools: list[dict[str, Any]] | None = None, add_special_tokens: bool = False,
+                    documents: list[dict[str, str]] | None = None) -> tuple[list[int], tuple[ImageInput, ...]]:
         """The conversation's prompt token ids and, for a vision-language model, its images (each
-        `image_url` part a placeholder in the text, expanded by the model's processor)."""
+        `image_url` part a placeholder in the text, expanded by the model's processor);
+        `add_special_tokens` and `documents` as engine/text/tokenizer.py: apply_chat_template takes them."""
         images: list[tuple[str, str]] | None = [] if self.image_processor is not None else None
         try:
             conversation = plain_messages(messages, images, getattr(self.image_processor, "placeholder", ""))
             if self.tool_format is not None:
                 conversation, tools = self.tool_format.template_inputs(conversation, tools)
-            if not images:
-                return apply_chat_template(self.tokenizer, conversation, tools, options.add_generation_prompt,
-                                           options.continue_final_message, options.chat_template_kwargs), ()
             text = apply_chat_template(self.tokenizer, conversation, tools, options.add_generation_prompt,
-                                       options.continue_final_message, options.chat_template_kwargs, tokenize=False)
+                                       options.continue_final_message, options.chat_template_kwargs,
+                                       tokenize=not images, documents=documents,
+                                       add_special_tokens=add_special_tokens)
+            if not images:
+                return text, ()
         except ValueError as e:
             part = re.match(r"messages\[\d+\](\.content\[\d+\])?", str(e))       # the part at fault, if named
             raise InvalidRequestError(str(e), param=part.group(0) if part else "messages") from None
         assert self.image_processor is not None
         fields, sources = [f for f, _ in images], [url for _, url in images]
         try:
-            return self.image_processor.process(text, sources, fields, add_special_tokens=False)
+            return self.image_processor.process(text, sources, fields, add_special_tokens=add_special_tokens)
         except ValueError as e:
             raise InvalidRequestError(str(e), param=next((f for f in fields if str(e).startswith(f)), "messages")
                                       ) from None
@@ -236,7 +239,8 @@ class RequestPreparer:
         lora = self.check_model(req.model)
         params = self.sampling_params(req)
         params.lora_request = lora
-        prompts = [self.truncated(ids, req.truncate_prompt_tokens) for ids in self.completion_prompts(req.prompt)]
+        prompts = [self.truncated(ids, req.truncate_prompt_tokens, req.truncation_side)
+                   for ids in self.completion_prompts(req.prompt, req.add_special_tokens)]
         for ids in prompts:
             self.validate_prompt(ids, params)
         await self.compile_constraint(params.structured_outputs, "structured_outputs")
@@ -262,14 +266,15 @@ class RequestPreparer:
             params.structured_outputs = dataclasses.replace(params.structured_outputs,
                                                             start_after=self.think_end_ids)
         if not is_vision_language(self.hf_config):
-            ids, images = self.chat_prompt(req.messages, req, tools)
+            ids, images = self.chat_prompt(req.messages, req, tools, req.add_special_tokens, req.documents)
         else:       # images decoded, fetched where allowed and processed (the processor loaded, the first
             # time): off the ingress's event loop
-            ids, images = await asyncio.to_thread(self.chat_prompt, req.messages, req, tools)
+            ids, images = await asyncio.to_thread(self.chat_prompt, req.messages, req, tools, req.add_special_tokens,
+                                                  req.documents)
         if images and (req.truncate_prompt_tokens is not None or params.use_beam_search):
             raise InvalidRequestError("truncate_prompt_tokens and use_beam_search do not take images",
                                       param="use_beam_search" if params.use_beam_search else "truncate_prompt_tokens")
-        ids = self.truncated(ids, req.truncate_prompt_tokens)
+        ids = self.truncated(ids, req.truncate_prompt_tokens, req.truncation_side)
         self.validate_prompt(ids, params)
         # A tool choice's grammar that cannot compile is the tools' schemas' fault.
         await self.compile_constraint(params.structured_outputs, "tools" if constraint else "structured_outputs")
@@ -404,9 +409,9 @@ class RequestPreparer:
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer")
         if req.prompt is not None:
-            tokens = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        else:
-            tokens, _ = self.chat_prompt(req.messages, req)
+            tokens = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        else:       # (vLLM's default for a conversation: the template's special tokens alone)
+            tokens, _ = self.chat_prompt(req.messages, req, add_special_tokens=bool(req.add_special_tokens))
         return {"tokens": list(tokens), "count": len(tokens), "max_model_len": self.max_model_len}
 
     def detokenize(self, data: dict[str, Any]) -> dict[str, Any]:

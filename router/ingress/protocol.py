@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field
 
 from records.sampling_params import STRUCTURED_KINDS, SamplingParams, StructuredOutputsParams
-from router.ingress.request_body import RequestModel
+from router.ingress.request_body import REQUEST_ID_PATTERN, RequestModel
 
 
 class StreamOptions(RequestModel):
@@ -87,8 +87,17 @@ class _Common(RequestModel):
     # the prefix cache keys this request's blocks by the salt too, so requests without the same salt
     # (another tenant) neither reuse nor time its cached prompt (vLLM's)
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
-    # keep only the prompt's last k tokens (vLLM's; -1: as many as max_model_len holds)
+    # keep only the prompt's last k tokens (vLLM's; -1: as many as max_model_len holds); its first
+    # k with truncation_side "right"
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    # vLLM's: the response's id is "cmpl-" / "chatcmpl-" and this (an X-Request-Id header takes its
+    # place, as in vLLM); the engine's own id adds a unique suffix, so equal ids never collide
+    request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
+    # vLLM's: logprobs name each token "token_id:<id>" (exact where a token alone is not valid UTF-8)
+    return_tokens_as_token_ids: bool = False
+    # vLLM's: False (with skip_special_tokens false) puts no space between two special tokens
+    spaces_between_special_tokens: bool = True
     # the top-N logprobs of every prompt token (the first: null), as `prompt_logprobs` in a
     # completion's choices and at a chat response's top level; not streamed (as in vLLM)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
@@ -149,6 +158,7 @@ class _Common(RequestModel):
                       max_tokens=self.max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                       stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, priority=self.priority,
                       skip_special_tokens=self.skip_special_tokens,
+                      spaces_between_special_tokens=self.spaces_between_special_tokens,
                       include_stop_str_in_output=self.include_stop_str_in_output,
                       prompt_logprobs=self.prompt_logprobs,
                       extra_keys=() if self.cache_salt is None else (("cache_salt", self.cache_salt),))
@@ -161,6 +171,7 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     max_tokens: int | None = Field(16, ge=0)     # 0 only with echo: the prompt alone (below)
+    add_special_tokens: bool = True             # vLLM's: the tokenizer's BOS etc. around a text prompt
 
     @property
     def echo_only(self) -> bool:
@@ -213,6 +224,7 @@ class ChatMessage(RequestModel):
 # OpenAI's limits on a function's name; it also keeps the name a plain JSON string in the grammar.
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
 MAX_TOOLS = 128
+MAX_DOCUMENTS = 1024
 
 
 class FunctionDefinition(RequestModel):
@@ -258,6 +270,16 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: the tokenizer's special tokens (a BOS) on top of what the template writes; off, as there
+    add_special_tokens: bool = False
+    # vLLM's: the answer starts with the last message's content where that is the assistant's (the
+    # message continued: add_generation_prompt false, continue_final_message)
+    echo: bool = False
+    # vLLM's: False leaves the reasoning out of the response (a reasoning model's; its content stays)
+    include_reasoning: bool = True
+    # vLLM's: documents for a template that renders them (retrieval-augmented generation), each
+    # {"title": ..., "text": ...}; a template that has no place for them ignores them
+    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
 
     def tool_list(self) -> list[dict[str, Any]]:
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
@@ -341,7 +363,7 @@ class TokenizeRequest(ChatTemplateOptions):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None      # None: True for a prompt, False for messages (as vLLM)
 
 
 class EmbeddingRequest(RequestModel):

@@ -1,17 +1,21 @@
 """A request body, from its bytes to a validated record: the JSON object (UTF-8, no NaN, nesting
 bounded), the base of every request model (unknown fields refused, a null counted as the field not
-sent), and the 400 a validation error becomes (naming the field, saying why a known but
-unsupported one is refused). The records themselves: router/ingress/protocol.py and
-router/ingress/responses_request.py.
+sent), the 400 a validation error becomes (naming the field, saying why a known but unsupported
+one is refused), and the X-Request-Id header read into a body. The records themselves:
+router/ingress/protocol.py and router/ingress/responses_request.py.
 """
 from __future__ import annotations
 
 import json
+import re
 import types
+from collections.abc import Mapping
 from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from pydantic.fields import FieldInfo
+
+from records.errors import InvalidRequestError
 
 
 class RequestModel(BaseModel):
@@ -84,6 +88,14 @@ UNSUPPORTED = {
     "verbosity": "not supported",
     "web_search_options": "not supported: this server has no web search",
     "reasoning": "not supported: the served model has no reasoning modes",
+    "chat_template": "not taken from a request (nor by vLLM, unless trusted): the server's is set with "
+                     "`pdserve serve --chat-template` or serving.chat_template",
+    "kv_transfer_params": "not needed: prefill/decode disaggregation is the cluster's own (mode: pd in the "
+                          "cluster spec), and its router moves the KV",
+    "prompt_embeds": "not supported: prompts are text or token ids",
+    "vllm_xargs": "not supported: this server has no custom logits processors to pass arguments to",
+    "logprob_token_ids": "not supported; use logprobs (completions) or top_logprobs (chat)",
+    "thinking_token_budget": "not supported; bound the answer with max_tokens",
 }
 
 
@@ -98,3 +110,22 @@ def validation_message(err: ValidationError) -> tuple[str, str | None]:
     got = got if len(got) <= 200 else got[:200] + "..."
     shown = "" if first.get("type") in ("missing", "extra_forbidden") else f"; got {got}"
     return f"{loc}: {msg}{shown}", loc
+
+
+# A request id (the body's `request_id` or an X-Request-Id header): printable ASCII, as it goes into
+# the response, logs and traces.
+REQUEST_ID_PATTERN = r"^[ -~]{1,256}$"
+
+
+def with_request_id(body: dict[str, Any], headers: Mapping[str, str]) -> dict[str, Any]:
+    """A completion's or a chat's body with its X-Request-Id header as its request_id where the body
+    names none (vLLM reads the header first; here the body's wins, because Serve's proxy gives every
+    request it forwards a header of its own, and so the response's id is then Serve's request id);
+    InvalidRequestError naming the header when it is not a request id."""
+    header = headers.get("x-request-id")
+    if header is None or body.get("request_id") is not None:
+        return body
+    if not re.fullmatch(REQUEST_ID_PATTERN, header):
+        raise InvalidRequestError(f"the X-Request-Id header must be 1 to 256 printable ASCII characters; got "
+                                  f"{header[:40]!r}", param="X-Request-Id")
+    return {**body, "request_id": header}

@@ -412,3 +412,65 @@ def test_output_kinds_delta_and_final_only_add_up_to_cumulative(tiny_llama):
     apart = cumulative["2"].outputs
     assert apart[0].stop_reason == only_first and len(apart[0].token_ids) < len(apart[1].token_ids) == 24
     engine.check_no_leaks()
+
+
+def _spaced_special_tokens_tokenizer():
+    """A fast tokenizer whose decoder (WordPiece's) puts a space before every token, special ones
+    included: where vLLM's spaces_between_special_tokens changes the text."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    backend.add_special_tokens([AddedToken("<a>", special=True), AddedToken("<b>", special=True)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def test_no_spaces_between_special_tokens():
+    """vLLM's spaces_between_special_tokens=false (with skip_special_tokens=false): a special token
+    that follows another is its bare text; the first, and ordinary tokens, as the decoder writes them;
+    true (the default) leaves the decoder's text. The engine's detokenizer takes the option from the
+    request's SamplingParams."""
+    from engine.output_processor import OutputProcessor
+    from records.request import Request
+
+    tok = _spaced_special_tokens_tokenizer()
+    ids = tok.encode("hello <a><b> world <b>", add_special_tokens=False)
+    assert ids == [1, 3, 4, 2, 4]
+
+    def deltas(**kwargs) -> list[str]:
+        detok = IncrementalDetokenizer(tok, [1], skip_special_tokens=False, **kwargs)
+        out = [detok.update([t]) for t in ids]
+        assert detok.output_text == "".join(out)
+        return out
+
+    assert deltas() == [" hello", " <a>", " <b>", " world", " <b>"]
+    assert deltas(spaces_between_special_tokens=False) == [" hello", " <a>", "<b>", " world", " <b>"]
+    together = IncrementalDetokenizer(tok, [1], skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert together.update(ids) == " hello <a><b> world <b>"       # several tokens at once: the same text
+    processor = OutputProcessor(tok, lambda ids, status: None)
+    for spaces in (True, False):
+        params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        request = Request("r", [1], params, eos_token_ids=frozenset(), block_size=16, max_tokens=4)
+        assert (processor._detokenizer(request)._special is None) == spaces
+
+
+def test_chat_template_special_tokens_and_documents(smol_tokenizer):
+    """vLLM's chat add_special_tokens: the tokenizer's own (here a BOS its post-processor adds) on top
+    of the template's, off by default; `documents` reach a template that renders them."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    from engine.text.tokenizer import apply_chat_template
+
+    tok = copy.deepcopy(smol_tokenizer)
+    tok._tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    conv = [{"role": "user", "content": "Capital of France?"}]
+    plain = apply_chat_template(tok, conv)
+    assert plain == apply_chat_template(smol_tokenizer, conv) and plain[0] != 0
+    assert apply_chat_template(tok, conv, add_special_tokens=True) == [0, *plain]
+    tok.chat_template = "{% for d in documents %}[{{ d['title'] }}]{% endfor %}{{ messages[0]['content'] }}"
+    docs = [{"title": "Paris", "text": "..."}, {"title": "Lyon", "text": "..."}]
+    assert tok.decode(apply_chat_template(tok, conv, documents=docs)) == "[Paris][Lyon]Capital of France?"

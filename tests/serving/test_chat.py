@@ -55,6 +55,13 @@ def test_reasoning_parser_returns_the_thinking_apart(server):
                                                                "chat_template_kwargs": {"enable_thinking": False}}})
     assert off.choices[0].message.content == f"<think>{reasoning}</think>{full.content}"
     assert off.choices[0].message.model_extra["reasoning"] is None
+    # vLLM's include_reasoning: false leaves the thinking out, whole and streamed; the content stays
+    hidden = {**kwargs, "extra_body": {**kwargs["extra_body"], "include_reasoning": False}}
+    quiet = c.chat.completions.create(**hidden).choices[0].message
+    assert quiet.content == full.content and quiet.model_extra["reasoning"] is None
+    chunks = [ch.choices[0].delta for ch in c.chat.completions.create(**hidden, stream=True) if ch.choices]
+    assert not any(d.model_extra.get("reasoning") for d in chunks)
+    assert "".join(d.content or "" for d in chunks) == full.content
 
 
 def test_structured_outputs_over_http(server, client):

@@ -240,3 +240,68 @@ def test_beam_search_over_http_equals_offline(server, client, tiny_llama):
                                   extra_body={"use_beam_search": True})
     with pytest.raises(openai.BadRequestError, match="best_of must be used with use_beam_search"):
         client.completions.create(model=server["model"], prompt="x", max_tokens=4, extra_body={"best_of": 2})
+
+
+def test_vllm_request_ids_token_names_and_prompt_options(server, client):
+    """vLLM's request_id (the response's id; an X-Request-Id header where the body names none, through
+    Serve's proxy; equal ids from two requests at once both answered), return_tokens_as_token_ids
+    (logprobs name tokens "token_id:<id>", the echoed prompt's too), truncation_side "right" (the
+    prompt's first k tokens), chat echo (the continued message first, whole and streamed) and the
+    fields refused with their reason."""
+    import concurrent.futures
+
+    model, base = server["model"], server["base"]
+    kwargs = dict(model=model, max_tokens=4, temperature=0)
+    assert client.completions.create(prompt="Hi", **kwargs, extra_body={"request_id": "r-1"}).id == "cmpl-r-1"
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **kwargs,
+                                                 extra_body={"request_id": "r 2"}))
+    assert {c.id for c in chunks} == {"chatcmpl-r 2"}
+    header = client.with_options(default_headers={"X-Request-Id": "hdr-7"})
+    assert header.chat.completions.create(messages=messages, **kwargs).id == "chatcmpl-hdr-7"
+    assert header.chat.completions.create(messages=messages, **kwargs, extra_body={"request_id": "b"}).id == \
+        "chatcmpl-b"
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        same = list(pool.map(lambda _: client.completions.create(
+            prompt="One two three", model=model, max_tokens=12, temperature=0,
+            extra_body={"request_id": "dup", "ignore_eos": True}), range(4)))
+    assert {r.id for r in same} == {"cmpl-dup"} and len({r.choices[0].text for r in same}) == 1
+    assert all(r.usage.completion_tokens == 12 for r in same)
+    bad = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "x"},
+                     headers={**auth(), "X-Request-Id": "tab\there"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Id"
+
+    as_ids = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    out = client.completions.create(prompt="One two", logprobs=2, echo=True, **kwargs, extra_body=as_ids).choices[0]
+    ids = out.model_extra["prompt_token_ids"] + out.model_extra["token_ids"]
+    assert out.logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert all(k.startswith("token_id:") for top in out.logprobs.top_logprobs[1:] for k in top)
+    assert out.logprobs.text_offset == [sum(len(f"token_id:{t}") for t in ids[:i]) for i in range(len(ids))]
+    chat = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, **kwargs,
+                                          extra_body=as_ids).choices[0]
+    named = [f"token_id:{t}" for t in chat.model_extra["token_ids"]]
+    assert [c.token for c in chat.logprobs.content] == named
+    assert [bytes(c.bytes).decode() for c in chat.logprobs.content] == named
+    assert all(t.token.startswith("token_id:") for c in chat.logprobs.content for t in c.top_logprobs)
+
+    prompt = "The colours of the rainbow are"
+    pids = httpx.post(f"{base}/tokenize", json={"prompt": prompt}, headers=auth()).json()["tokens"]
+    first = client.completions.create(prompt=prompt, **kwargs, extra_body={
+        "truncate_prompt_tokens": 3, "truncation_side": "right", "return_token_ids": True}).choices[0]
+    assert first.model_extra["prompt_token_ids"] == pids[:3]
+    assert first.text == client.completions.create(prompt=pids[:3], **kwargs).choices[0].text
+
+    opened = [*messages, {"role": "assistant", "content": "My colour is"}]
+    cont = dict(messages=opened, **kwargs, extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    plain = client.chat.completions.create(**cont).choices[0].message.content
+    echoed = client.chat.completions.create(**{**cont, "extra_body": {**cont["extra_body"], "echo": True}})
+    assert echoed.choices[0].message.content == "My colour is" + plain
+    streamed = list(client.chat.completions.create(**{**cont, "extra_body": {**cont["extra_body"], "echo": True}},
+                                                   stream=True))
+    assert streamed[0].choices[0].delta.content == "My colour is" and streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == "My colour is" + plain
+
+    for field, value in (("chat_template", "{{ messages }}"), ("kv_transfer_params", {"do_remote_decode": True})):
+        r = httpx.post(f"{base}/v1/chat/completions", json={"model": model, "messages": messages, field: value},
+                       headers=auth())
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
