@@ -237,9 +237,14 @@ class SamplingParams:
         _check_int("priority", self.priority, INT64_MIN, INT64_MAX)
         _check(self.output_kind in OUTPUT_KINDS, "output_kind", f"one of {OUTPUT_KINDS}", self.output_kind)
         self.extra_keys = tuple(self.extra_keys)
+        if self.best_of is not None and not self.use_beam_search:
+            # OpenAI's default (best_of 1 = n 1) means nothing more; sampling more candidates to return
+            # the best n is not done here (nor by vLLM's current engine, which ignores it)
+            _check(self.best_of == self.n, "best_of", f"n ({self.n}) without use_beam_search (more candidates "
+                   "than n are a beam search's width)", self.best_of)
+            self.best_of = None
         if self.best_of is not None:
             _check_int("best_of", self.best_of, self.n, 10, f" (>= n, {self.n})")
-            _check(self.use_beam_search, "best_of", "used with use_beam_search (the beam width)", self.best_of)
         _check_float("length_penalty", self.length_penalty, "", True)
         _check(self.early_stopping in (True, False, "never"), "early_stopping", 'true, false or "never"',
                self.early_stopping)

@@ -412,7 +412,8 @@ class RequestPreparer:
             tokens = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
         else:       # (vLLM's default for a conversation: the template's special tokens alone)
             tokens, _ = self.chat_prompt(req.messages, req, add_special_tokens=bool(req.add_special_tokens))
-        return {"tokens": list(tokens), "count": len(tokens), "max_model_len": self.max_model_len}
+        strs = self.tokenizer.convert_ids_to_tokens(list(tokens)) if req.return_token_strs else None
+        return {"tokens": list(tokens), "count": len(tokens), "max_model_len": self.max_model_len, "token_strs": strs}
 
     def detokenize(self, data: dict[str, Any]) -> dict[str, Any]:
         req: DetokenizeRequest = self.parse(DetokenizeRequest, data)

@@ -364,6 +364,7 @@ class TokenizeRequest(ChatTemplateOptions):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None      # None: True for a prompt, False for messages (as vLLM)
+    return_token_strs: bool = False             # vLLM's: each token's string too (the vocabulary's)
 
 
 class EmbeddingRequest(RequestModel):

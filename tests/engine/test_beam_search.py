@@ -129,7 +129,8 @@ def test_beam_search_refuses_what_it_cannot_take(tiny_llama):
         with pytest.raises(ValueError, match=field):
             llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(use_beam_search=True, **kwargs),
                          use_tqdm=False)
-    with pytest.raises(ValueError, match="best_of must be used with use_beam_search"):
+    with pytest.raises(ValueError, match="best_of must be n .1. without use_beam_search"):
         SamplingParams(best_of=3)
+    assert SamplingParams(best_of=2, n=2).best_of is None       # OpenAI's default meaning: nothing more
     with pytest.raises(ValueError, match="use_beam_search: beam search runs over the engine"):
         llm.llm_engine.add_request("x", None, PROMPTS[0], SamplingParams(use_beam_search=True, best_of=2))

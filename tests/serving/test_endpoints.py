@@ -27,7 +27,11 @@ def test_models_health_tokenize(server, client):
         client.models.retrieve("nope/x")
     assert httpx.get(f"{server['base']}/health").json()["healthy"] is True
     tok = httpx.post(f"{server['base']}/tokenize", json={"prompt": "Hello world"}, headers=auth()).json()
-    assert tok["count"] == len(tok["tokens"]) > 0
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["token_strs"] is None
+    strs = httpx.post(f"{server['base']}/tokenize", json={"prompt": "Hello world", "return_token_strs": True},
+                      headers=auth()).json()["token_strs"]
+    assert len(strs) == tok["count"] and all(isinstance(t, str) and t for t in strs)
+    assert "".join(strs).replace("\u0120", " ").endswith("Hello world")       # byte-level BPE's space mark
     text = httpx.post(f"{server['base']}/detokenize", json={"tokens": tok["tokens"]}, headers=auth()).json()
     assert text["prompt"].endswith("Hello world")
     # vLLM's chat-template extras: the assistant's last message continued, on /tokenize and in chat.
