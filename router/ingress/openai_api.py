@@ -81,13 +81,13 @@ class OpenAIAPI:
         req, params, prompts = prep.request, prep.params, prep.prompts
         echo = self._echo_texts(req, prompts) if req.echo else None
         ticket = await self.frontend.admit(prompts, params)
-        ids = _request_ids("cmpl", req)
+        rids = _request_ids("cmpl", req)
         if params.use_beam_search:
-            return JSONResponse(await self._beams(ids, req, "text_completion", prompts, params, ticket, echo))
+            return JSONResponse(await self._beams(rids, req, "text_completion", prompts, params, ticket, echo))
         if req.stream:
-            return sse_response(self._stream_completion(ids, req, prompts, echo, params, ticket), ticket)
+            return sse_response(self._stream_completion(rids, req, prompts, echo, params, ticket), ticket)
         try:
-            return JSONResponse(await self._full_completion(ids, req, prompts, echo, params, ticket))
+            return JSONResponse(await self._full_completion(rids, req, prompts, echo, params, ticket))
         finally:
             ticket.release()
 
@@ -166,11 +166,11 @@ class OpenAIAPI:
     def _shapes(self, req: Any) -> LogprobShapes:
         return LogprobShapes(self.preparer.token_text, req.return_tokens_as_token_ids)
 
-    async def _beams(self, ids: tuple[str, str], req: Any, kind: str, prompts: list[list[int]],
+    async def _beams(self, rids: tuple[str, str], req: Any, kind: str, prompts: list[list[int]],
                      params: SamplingParams, ticket: Ticket, echo: list[str] | None = None) -> dict[str, Any]:
         """A beam search's response (engine/beam_search.py): the best n beams of each prompt, best
-        first, as the choices of a completion or a chat completion. `ids`: _request_ids'."""
-        (rid, engine_id), shapes = ids, self._shapes(req)
+        first, as the choices of a completion or a chat completion. `rids`: _request_ids'."""
+        (rid, engine_id), shapes = rids, self._shapes(req)
         results = await self.frontend.beam_search(prompts, params, engine_id, ticket)
         tokenizer, choices, generated = self.preparer.tokenizer, [], 0
         for p, beams in enumerate(results):
@@ -207,11 +207,11 @@ class OpenAIAPI:
                                       param="echo")
         return [self.preparer.tokenizer.decode(ids) for ids in prompts]
 
-    async def _full_completion(self, ids: tuple[str, str], req: CompletionRequest, prompts: list[list[int]],
+    async def _full_completion(self, rids: tuple[str, str], req: CompletionRequest, prompts: list[list[int]],
                                echo: list[str] | None, params: SamplingParams, ticket: Ticket) -> dict[str, Any]:
         """The whole completion; with the request's `prompt_logprobs` (vLLM's) each choice carries its
         prompt's, with `return_token_ids` (vLLM's) its prompt's and its own token ids."""
-        (rid, engine_id), n, shapes = ids, params.n, self._shapes(req)
+        (rid, engine_id), n, shapes = rids, params.n, self._shapes(req)
         choices = [ChoiceAccumulator() for _ in range(len(prompts) * n)]
         prompt_lps: list[list] = [[] for _ in prompts]      # echo with logprobs: the prompts' own
         usage = UsageCounter()
@@ -238,9 +238,9 @@ class OpenAIAPI:
                 "choices": out, "usage": usage.body(sum(len(p) for p in prompts)),
                 "weight_version": usage.weight_version}
 
-    async def _stream_completion(self, ids: tuple[str, str], req: CompletionRequest, prompts: list[list[int]],
+    async def _stream_completion(self, rids: tuple[str, str], req: CompletionRequest, prompts: list[list[int]],
                                  echo: list[str] | None, params: SamplingParams, ticket: Ticket) -> AsyncIterator[dict]:
-        (rid, engine_id), n, options, shapes = ids, params.n, req.stream_options, self._shapes(req)
+        (rid, engine_id), n, options, shapes = rids, params.n, req.stream_options, self._shapes(req)
         created, model = now(), self.preparer.response_model(params)
         usage = UsageCounter()
         num_prompt = sum(len(p) for p in prompts)

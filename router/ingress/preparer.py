@@ -208,19 +208,20 @@ class RequestPreparer:
             conversation = plain_messages(messages, images, getattr(self.image_processor, "placeholder", ""))
             if self.tool_format is not None:
                 conversation, tools = self.tool_format.template_inputs(conversation, tools)
-            text = apply_chat_template(self.tokenizer, conversation, tools, options.add_generation_prompt,
-                                       options.continue_final_message, options.chat_template_kwargs,
-                                       tokenize=not images, documents=documents,
-                                       add_special_tokens=add_special_tokens)
+            # the prompt's ids, or with images its text, which the processor tokenizes with them
+            rendered = apply_chat_template(self.tokenizer, conversation, tools, options.add_generation_prompt,
+                                           options.continue_final_message, options.chat_template_kwargs,
+                                           tokenize=not images, documents=documents,
+                                           add_special_tokens=add_special_tokens)
             if not images:
-                return text, ()
+                return rendered, ()
         except ValueError as e:
             part = re.match(r"messages\[\d+\](\.content\[\d+\])?", str(e))       # the part at fault, if named
             raise InvalidRequestError(str(e), param=part.group(0) if part else "messages") from None
         assert self.image_processor is not None
         fields, sources = [f for f, _ in images], [url for _, url in images]
         try:
-            return self.image_processor.process(text, sources, fields, add_special_tokens=add_special_tokens)
+            return self.image_processor.process(rendered, sources, fields, add_special_tokens=add_special_tokens)
         except ValueError as e:
             raise InvalidRequestError(str(e), param=next((f for f in fields if str(e).startswith(f)), "messages")
                                       ) from None

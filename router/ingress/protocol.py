@@ -47,7 +47,7 @@ class _Common(RequestModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=16)
+    n: int = Field(1, ge=1, le=128)     # OpenAI's cap; a pool's max_num_seqs bounds it too (all run at once)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

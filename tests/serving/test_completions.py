@@ -238,8 +238,12 @@ def test_beam_search_over_http_equals_offline(server, client, tiny_llama):
     with pytest.raises(openai.BadRequestError, match="stream"):
         client.completions.create(model=server["model"], prompt="x", max_tokens=4, stream=True,
                                   extra_body={"use_beam_search": True})
-    with pytest.raises(openai.BadRequestError, match="best_of must be used with use_beam_search"):
+    with pytest.raises(openai.BadRequestError, match=r"best_of must be n \(1\) without use_beam_search"):
         client.completions.create(model=server["model"], prompt="x", max_tokens=4, extra_body={"best_of": 2})
+    # OpenAI's default (best_of 1, n 1) is no beam search: the plain greedy answer
+    plain = client.completions.create(model=server["model"], prompt="x", max_tokens=4, temperature=0)
+    assert client.completions.create(model=server["model"], prompt="x", max_tokens=4, temperature=0,
+                                     best_of=1).choices[0].text == plain.choices[0].text
 
 
 def test_vllm_request_ids_token_names_and_prompt_options(server, client):
