@@ -59,13 +59,15 @@ class _Common(RequestModel):
     bad_words: list[str] | None = None              # vLLM's: words never generated (tokenized by the preparer)
     # OpenAI's fields that change no output here, accepted as vLLM accepts them: who asks (`user`,
     # `safety_identifier`), tags (`metadata`), OpenAI's own storage and tiers (nothing is stored;
-    # every request has the one tier), and a cache hint (prefix caching needs none).
+    # every request has the one tier), and cache and session hints (prefix caching and prefix-aware
+    # routing need none).
     user: str | None = None
     safety_identifier: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     prompt_cache_key: str | None = None
+    session_id: str | None = None       # vLLM's affinity hint: the prefix-aware router needs none
     # extras (vLLM's names)
     top_k: int = -1
     min_p: float = Field(0.0, ge=0, le=1)

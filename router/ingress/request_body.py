@@ -96,6 +96,17 @@ UNSUPPORTED = {
     "vllm_xargs": "not supported: this server has no custom logits processors to pass arguments to",
     "logprob_token_ids": "not supported; use logprobs (completions) or top_logprobs (chat)",
     "thinking_token_budget": "not supported; bound the answer with max_tokens",
+    "stream_interval": "not taken per request: the engine's is set in the cluster spec (engine.stream_interval)",
+    "repetition_detection": "not supported",
+    "watermarking": "not supported",
+    "return_token_offsets": "not supported; return_token_ids gives the ids, /detokenize their text",
+    "return_prompt_text": "not supported; return_token_ids gives the prompt's ids",
+    "routed_experts_prompt_start": "not supported",
+    "mm_processor_kwargs": "not supported: images are processed as the model's processor's defaults say",
+    "media_io_kwargs": "not supported: images are base64 data: URLs",
+    "mm_payload": "not supported",
+    "return_mm_kwargs": "not supported",
+    "ec_transfer_params": "not needed: the cluster's encode pool hands image embeddings on itself",
 }
 
 

@@ -19,7 +19,7 @@ from records.errors import InvalidRequestError
 from records.sampling_params import validate_request
 from router.ingress.admission import Admission
 from router.ingress.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from router.ingress.request_body import MAX_JSON_DEPTH, parse_json_object, validation_message
+from router.ingress.request_body import MAX_JSON_DEPTH, UNSUPPORTED, parse_json_object, validation_message
 from router.ingress.responses_request import ResponsesRequest
 
 
@@ -164,3 +164,49 @@ def test_series_of_removed_replicas_are_dropped():
     router.set_replicas({"prefill-1": router.replicas["prefill-1"]})
     text = metrics.render()
     assert 'replica="prefill-1"' in text and 'replica="prefill-0"' not in text
+
+
+# vLLM 0.32's completion and chat request fields (vllm.entrypoints.openai.{completion,chat_completion}
+# .protocol: its request models' model_fields, in their order): a client written for vLLM sends them.
+VLLM_COMPLETION_FIELDS = (
+    "model prompt echo frequency_penalty logit_bias logprobs max_tokens n presence_penalty seed stop "
+    "stream stream_options suffix temperature top_p user use_beam_search top_k min_p repetition_penalty "
+    "watermarking length_penalty stop_token_ids include_stop_str_in_output ignore_eos min_tokens "
+    "skip_special_tokens spaces_between_special_tokens truncate_prompt_tokens truncation_side "
+    "allowed_token_ids prompt_logprobs logprob_token_ids bad_words prompt_embeds add_special_tokens "
+    "response_format structured_outputs priority request_id session_id return_tokens_as_token_ids "
+    "return_token_ids routed_experts_prompt_start return_token_offsets mm_payload return_mm_kwargs "
+    "cache_salt kv_transfer_params ec_transfer_params vllm_xargs repetition_detection "
+    "thinking_token_budget stream_interval").split()
+VLLM_CHAT_FIELDS = (
+    "messages model frequency_penalty logit_bias logprobs top_logprobs max_tokens max_completion_tokens n "
+    "presence_penalty response_format seed stop stream stream_options temperature top_p tools tool_choice "
+    "reasoning_effort thinking_token_budget include_reasoning parallel_tool_calls user use_beam_search "
+    "top_k min_p repetition_penalty watermarking length_penalty stop_token_ids include_stop_str_in_output "
+    "ignore_eos min_tokens skip_special_tokens spaces_between_special_tokens truncate_prompt_tokens "
+    "truncation_side prompt_logprobs logprob_token_ids allowed_token_ids bad_words echo "
+    "add_generation_prompt continue_final_message add_special_tokens documents chat_template "
+    "chat_template_kwargs media_io_kwargs mm_processor_kwargs structured_outputs priority request_id "
+    "session_id return_tokens_as_token_ids return_token_ids routed_experts_prompt_start "
+    "return_token_offsets return_prompt_text mm_payload return_mm_kwargs cache_salt kv_transfer_params "
+    "ec_transfer_params vllm_xargs repetition_detection stream_interval").split()
+
+
+@pytest.mark.parametrize("model,fields", [(CompletionRequest, VLLM_COMPLETION_FIELDS),
+                                          (ChatCompletionRequest, VLLM_CHAT_FIELDS)])
+def test_every_vllm_request_field_is_taken_or_refused_saying_why(model, fields):
+    """Each field vLLM defines is either one of the request's own or refused with its reason (not as an
+    unknown field), so that a client written for vLLM learns what to change."""
+    assert [f for f in fields if f not in model.model_fields and f not in UNSUPPORTED] == []
+    for field in (f for f in fields if f in UNSUPPORTED):
+        message, param = validation_message(_refusal(model, field))
+        assert param == field and message == f"{field}: {UNSUPPORTED[field]}"
+
+
+def _refusal(model, field: str) -> ValidationError:
+    body = {"prompt": "x"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "x"}]}
+    try:
+        model.model_validate({**body, field: 1})
+    except ValidationError as e:
+        return e
+    raise AssertionError(f"{field} was taken")
