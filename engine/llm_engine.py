@@ -25,7 +25,7 @@ from engine.spec_decode import make_proposer, max_proposals
 from engine.telemetry import RequestTelemetry
 from engine.text.backend_tokenizer import engine_tokenizer, hf_tokenizer
 from engine.text.images import ImageProcessor
-from engine.text.tokenizer import bad_words_token_ids, eos_token_ids
+from engine.text.tokenizer import eos_token_ids, tokenize_bad_words
 from engine.weight_updates import WeightUpdates
 from kv_transfer.base import KVConnectorScheduler
 from records.config import EngineConfig
@@ -220,10 +220,7 @@ class LLMEngine:
         if prepared:
             check_limits(len(prompt_token_ids), params, mc.max_model_len, max_num_seqs)
         else:
-            if params.bad_words and params.bad_words_token_ids is None:     # (an ingress tokenizes them)
-                if self.tokenizer is None:
-                    raise ValueError("bad_words: this model has no tokenizer to read them with")
-                params.bad_words_token_ids = bad_words_token_ids(params.bad_words, hf_tokenizer(self.tokenizer))
+            tokenize_bad_words(params, self.tokenizer)         # (a prepared request's came tokenized)
             validate_request(prompt_token_ids, params, mc.vocab_size, mc.max_model_len, max_num_seqs)
         if params.structured_outputs is not None and compile_constraint:
             self.compile_constraint(params.structured_outputs)

@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from records.errors import InvalidRequestError
 from records.gguf_file import gguf_hf_dir
 
 
@@ -103,6 +104,17 @@ def bad_words_token_ids(words: list[str], tokenizer: Any) -> list[list[int]]:
         out += [ids for ids in (alone, spaced if alone and spaced and spaced[0] != alone[0]
                                 and len(spaced) == len(alone) else []) if ids]
     return out
+
+
+def tokenize_bad_words(params: Any, tokenizer: Any) -> None:
+    """Fill a request's SamplingParams.bad_words_token_ids from its bad_words, where the request is
+    tokenized (an ingress's preparer, or the engine for a request no ingress prepared), once;
+    InvalidRequestError naming the field where the model has no tokenizer."""
+    if not params.bad_words or params.bad_words_token_ids is not None:
+        return
+    if tokenizer is None:
+        raise InvalidRequestError("bad_words: this model has no tokenizer to read them with", param="bad_words")
+    params.bad_words_token_ids = bad_words_token_ids(params.bad_words, tokenizer)
 
 
 # Template variables that apply_chat_template sets itself: chat_template_kwargs may not override them.

@@ -42,7 +42,8 @@ inline bool use_work_pool() {
   return on;
 }
 
-// Runs fn(state, item_of(t, k)) for k in [0, share_of(t)) of every share t in [0, threads): thread t works through share t in order, then takes what is left of the others' shares,
+// Runs fn(state, item_of(t, k)) for k in [0, share_of(t)) of every share t in [0, threads): thread t
+// works through share t in order, then takes what is left of the others' shares,
 // one item at a time (`state = init()` once per thread). Why not shares alone: where the engine shares
 // its cores with a server's other processes (the ingress, Serve's proxy, Ray's), a thread descheduled
 // for one of their bursts held its share while its partner spun at the region's end; now the partner

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from engine.beam_search import check_beam_params
 from engine.text.images import ImageProcessor
 from engine.text.reasoning import THINK_END, thinks
-from engine.text.tokenizer import apply_chat_template, bad_words_token_ids, eos_token_ids, load_tokenizer
+from engine.text.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer, tokenize_bad_words
 from engine.text.tool_calls import ToolFormat
 from records.errors import InvalidRequestError, NotFoundError
 from records.lora import LoRARequest, read_adapter
@@ -141,10 +141,7 @@ class RequestPreparer:
 
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         """Check a prompt and its parameters against the model (its bad_words tokenized here, once)."""
-        if params.bad_words and params.bad_words_token_ids is None:
-            if self.tokenizer is None:
-                raise InvalidRequestError("bad_words: this model has no tokenizer to read them with", param="bad_words")
-            params.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer)
+        tokenize_bad_words(params, self.tokenizer)
         try:
             validate_request(ids, params, self.vocab_size, self.max_model_len, self.max_num_seqs)
         except InvalidRequestError:
