@@ -23,6 +23,23 @@
 #include <vector>
 
 namespace {
+// A software prefetch of the cache line at p that the compiler keeps. GCC 12 deletes a loop whose only
+// effect is __builtin_prefetch (a block walk that prefetches the next chunk's rows, as the attention
+// kernels' are, compiled to nothing: docs/perf/journal.md §70); an asm statement it must emit.
+inline void prefetch_line(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
+// prefetch_line over every cache line of [p, p + bytes).
+inline void prefetch_span(const void* p, int64_t bytes) {
+  const auto first = reinterpret_cast<uintptr_t>(p), end = first + static_cast<uintptr_t>(bytes);
+  for (uintptr_t line = first & ~uintptr_t{63}; line < end; line += 64) prefetch_line(reinterpret_cast<const void*>(line));
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 inline float to_float(c10::BFloat16 x) {

@@ -148,12 +148,20 @@ struct Scratch {
 // block, which the hardware prefetchers follow; the heads then read their strided slices from L1 (L2
 // for chunks over 32 KB). Read in place, head by head, the walk across a block's rows took 15-30%
 // longer whenever K/V came from memory rather than cache, as they do when a step reads every layer's
-// cache (software prefetching of the next chunk made no difference). w.q holds the query rows
-// ([H][D], scaled, fp32). Writes each head's max, softmax denominator and unnormalized output to
-// `part`, laid out [H][D + 2]; the caller merges ranges.
+// cache. The next chunk's rows are prefetched while this one's heads are computed, a KV head's share
+// before each head: the copy then finds them in cache (from memory, 1.3-1.45x the read rate of no
+// prefetch; all of them at once before the first head 1.25x, two chunks ahead no better than one:
+// docs/perf/journal.md §70). w.q holds the query rows ([H][D], scaled, fp32). Writes each head's max,
+// softmax denominator and unnormalized output to `part`, laid out [H][D + 2]; the caller merges ranges.
+// Tokens [begin, end) of the sequence with block table `table` (a work item's; table null: none).
+struct TokenRange {
+  const int64_t* table = nullptr;
+  int64_t begin = 0, end = 0;
+};
+
 template <typename C, int D>
 void decode_range(const PagedKV<C>& kv, const int64_t* table, int64_t begin, int64_t end, int64_t num_heads,
-                  int64_t group, float softcap, float* part, Scratch<C>& w) {
+                  int64_t group, float softcap, float* part, Scratch<C>& w, const TokenRange& after) {
   constexpr int V = D / kLanes;
   const int64_t stride = kv.token_stride;
   w.acc.assign(static_cast<size_t>(num_heads * V), Lanes{});
@@ -168,9 +176,21 @@ void decode_range(const PagedKV<C>& kv, const int64_t* table, int64_t begin, int
     kv.for_rows(table, c0, count, [&](int64_t t, int64_t row) {
       std::memcpy(w.v.data() + t * stride, kv.v + row, stride * sizeof(C));
     });
-    for (int64_t h = 0; h < kv.num_kv_heads; ++h)
+    // The next chunk: this range's, or after its last, the first of the item that follows it.
+    const bool last = c0 + kLanes >= end;
+    const int64_t* next_table = last ? after.table : table;
+    const int64_t next = last ? after.begin : c0 + kLanes;
+    const int64_t ahead = next_table == nullptr ? 0 : std::clamp<int64_t>((last ? after.end : end) - next, 0, kLanes);
+    const int64_t heads = kv.num_kv_heads;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t from = h * ahead / heads, to = (h + 1) * ahead / heads;
+      kv.for_rows(next_table, next + from, to - from, [&](int64_t, int64_t row) {
+        prefetch_span(kv.k + row, stride * static_cast<int64_t>(sizeof(C)));
+        prefetch_span(kv.v + row, stride * static_cast<int64_t>(sizeof(C)));
+      });
       chunk_group<C, D>(w.k.data(), w.v.data(), stride, count, h * D, w.q.data() + h * group * V,
                         w.rows.data() + h * group, w.acc.data() + h * group * V, group, softcap);
+    }
   }
   for (int64_t r = 0; r < num_heads; ++r) {
     std::memcpy(part + r * (D + 2), w.acc.data() + r * V, sizeof(Lanes) * V);
@@ -211,18 +231,22 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
   // thread done with its own takes the rest of another's): a decode batch comes sorted by length, and
   // contiguous shares would give one thread all the long ones.
   const int64_t num_items = batch * splits;
-  auto cost = [&](int64_t item) {
+  auto tokens = [&](int64_t item) {
     const int64_t b = item / splits, begin = window_start(b) + item % splits * range;
-    return std::max<int64_t>(0, std::min(len_ptr[b], begin + range) - begin) + 16;   // + a fixed cost per item
+    return TokenRange{table_ptr + b * max_blocks, begin, std::min(len_ptr[b], begin + range)};
+  };
+  auto cost = [&](int64_t item) {
+    const TokenRange r = tokens(item);
+    return std::max<int64_t>(0, r.end - r.begin) + 16;   // + a fixed cost per item
   };
   auto scratch = [&] {
     Scratch<C> w;
     w.q.resize(static_cast<size_t>(num_heads * V));
     return w;
   };
-  auto run = [&](Scratch<C>& w, int64_t item) {
-    const int64_t b = item / splits, s = item % splits;
-    const int64_t begin = window_start(b) + s * range, end = std::min(len_ptr[b], begin + range);
+  auto run = [&](Scratch<C>& w, int64_t item, int64_t next_item) {
+    const int64_t b = item / splits;
+    const auto [table, begin, end] = tokens(item);
     float* part = parts.data() + item * part_size;
     if (begin >= end) {
       for (int64_t r = 0; r < num_heads; ++r) part[r * (D + 2) + D + 1] = 0.f;  // empty range
@@ -232,8 +256,8 @@ void decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::
     float* qf = reinterpret_cast<float*>(w.q.data());
     const float q_scale = static_cast<float>(scale * k_scale);
     for (int64_t j = 0; j < num_heads * D; ++j) qf[j] = to_float(qb[j]) * q_scale;
-    decode_range<C, D>(kv, table_ptr + b * max_blocks, begin, end, num_heads, group,
-                       static_cast<float>(softcap), part, w);
+    decode_range<C, D>(kv, table, begin, end, num_heads, group, static_cast<float>(softcap), part, w,
+                       next_item >= 0 ? tokens(next_item) : TokenRange{});
   };
   for_each_longest_first(num_items, cost, scratch, run);
 

@@ -410,10 +410,8 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
       if (c0 + kLanes < last.end)
         kv.for_rows(last.table, c0 + kLanes, std::min<int64_t>(kLanes, last.end - c0 - kLanes),
                     [&](int64_t, int64_t row) {
-                      for (int d0 = 0; d0 < D; d0 += static_cast<int>(64 / sizeof(C))) {
-                        __builtin_prefetch(kv.k + row + h * D + d0);
-                        __builtin_prefetch(kv.v + row + h * D + d0);
-                      }
+                      prefetch_span(kv.k + row + h * D, D * static_cast<int64_t>(sizeof(C)));
+                      prefetch_span(kv.v + row + h * D, D * static_cast<int64_t>(sizeof(C)));
                     });
       for (int t = 0; t < n; ++t) {
         const Item& it = items[t];

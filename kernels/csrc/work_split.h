@@ -49,32 +49,43 @@ inline bool use_work_pool() {
 // for one of their bursts held its share while its partner spun at the region's end; now the partner
 // takes it. A served prefill-heavy load went 7-10% faster, offline prefill beside bursts 12%
 // (docs/perf/journal.md §56); alone, each thread runs its own share in order, as before.
+// Where fn takes a third argument it is called fn(state, item, next): `next` the item after this one
+// in its share (-1 at the share's end), the one a thread running its share in order takes next, so that
+// fn may start fetching its data (a hint: another thread may take it instead).
 template <typename Share, typename ItemOf, typename Init, typename Fn>
 void run_shares_stealing(int64_t threads, Share&& share_of, ItemOf&& item_of, Init&& init, Fn&& fn) {
   if (threads <= 0) return;
   using pdserve_work_pool::WorkPool;
+  using State = std::decay_t<decltype(init())>;
+  // Item k of share t (of `size` items).
+  auto call = [&](State& state, int64_t t, int64_t k, int64_t size) {
+    if constexpr (std::is_invocable_v<Fn&, State&, int64_t, int64_t>)
+      fn(state, item_of(t, k), k + 1 < size ? item_of(t, k + 1) : int64_t{-1});
+    else
+      fn(state, item_of(t, k));
+  };
   if (use_work_pool() && !at::in_parallel_region()) {
-    using State = std::decay_t<decltype(init())>;
+    std::vector<int64_t> sizes(static_cast<size_t>(threads));
+    for (int64_t t = 0; t < threads; ++t) sizes[t] = share_of(t);
+    using Call = decltype(call);
     struct Ctx {
-      ItemOf& item_of;
+      Call& run_item;
       Init& init;
-      Fn& fn;
-    } ctx{item_of, init, fn};
+      const std::vector<int64_t>& sizes;
+    } ctx{call, init, sizes};
     pdserve_work_pool::Work work;
     work.ctx = &ctx;
     work.run = [](void* c, void** state, int64_t t, int64_t k) {
       Ctx& x = *static_cast<Ctx*>(c);
       if (*state == nullptr) *state = new State(x.init());
-      x.fn(*static_cast<State*>(*state), x.item_of(t, k));
+      x.run_item(*static_cast<State*>(*state), t, k, x.sizes[t]);
     };
     work.free_state = [](void* state) { delete static_cast<State*>(state); };
-    std::vector<int64_t> sizes(static_cast<size_t>(threads));
-    for (int64_t t = 0; t < threads; ++t) sizes[t] = share_of(t);
     if (WorkPool::instance().run(work, sizes, at::get_num_threads())) return;
     if (WorkPool::in_item() || at::get_num_threads() < 2) {     // nested, or one thread: in order, here
       auto state = init();
       for (int64_t t = 0; t < threads; ++t)
-        for (int64_t k = 0; k < sizes[t]; ++k) fn(state, item_of(t, k));
+        for (int64_t k = 0; k < sizes[t]; ++k) call(state, t, k, sizes[t]);
       return;
     }
   }
@@ -88,7 +99,7 @@ void run_shares_stealing(int64_t threads, Share&& share_of, ItemOf&& item_of, In
       const int64_t t = (t0 + k) % threads, size = share_of(t);
       for (int64_t i = cursors[t].next.fetch_add(1, std::memory_order_relaxed); i < size;
            i = cursors[t].next.fetch_add(1, std::memory_order_relaxed))
-        fn(state, item_of(t, i));
+        call(state, t, i, size);
     }
   });
 }
@@ -162,8 +173,8 @@ std::vector<std::vector<int64_t>> assign_longest_first(int64_t num_items, int64_
   return assigned;
 }
 
-// Runs fn(state, item) for every item: each thread's share as assign_longest_first makes it, then
-// what is left of the others' (run_shares_stealing).
+// Runs fn(state, item) (or fn(state, item, next): run_shares_stealing) for every item: each thread's
+// share as assign_longest_first makes it, then what is left of the others' (run_shares_stealing).
 template <typename Cost, typename Init, typename Fn>
 void for_each_longest_first(int64_t num_items, Cost cost, Init&& init, Fn&& fn) {
   const auto assigned = assign_longest_first(num_items, at::get_num_threads(), cost);
