@@ -142,6 +142,12 @@ struct Scratch {
   std::vector<T> k, v;         // one chunk's K and V rows, [kLanes][token_stride] each
 };
 
+// Tokens [begin, end) of the sequence with block table `table` (a work item's; table null: none).
+struct TokenRange {
+  const int64_t* table = nullptr;
+  int64_t begin = 0, end = 0;
+};
+
 // Decode attention of one sequence over tokens [begin, end), all heads, in one pass over K/V, kLanes
 // tokens at a time. Each chunk's K and V rows (all KV heads of a token, contiguous in the cache) are
 // first copied in token order into w.k and w.v, so that the cache is read front to back, block by
@@ -149,16 +155,11 @@ struct Scratch {
 // for chunks over 32 KB). Read in place, head by head, the walk across a block's rows took 15-30%
 // longer whenever K/V came from memory rather than cache, as they do when a step reads every layer's
 // cache. The next chunk's rows are prefetched while this one's heads are computed, a KV head's share
-// before each head: the copy then finds them in cache (from memory, 1.3-1.45x the read rate of no
+// before each head: the copy then finds them in cache (from memory, 1.33-1.47x the read rate of no
 // prefetch; all of them at once before the first head 1.25x, two chunks ahead no better than one:
 // docs/perf/journal.md §70). w.q holds the query rows ([H][D], scaled, fp32). Writes each head's max,
 // softmax denominator and unnormalized output to `part`, laid out [H][D + 2]; the caller merges ranges.
-// Tokens [begin, end) of the sequence with block table `table` (a work item's; table null: none).
-struct TokenRange {
-  const int64_t* table = nullptr;
-  int64_t begin = 0, end = 0;
-};
-
+// `after`: the item its thread takes next, whose first chunk the last one prefetches.
 template <typename C, int D>
 void decode_range(const PagedKV<C>& kv, const int64_t* table, int64_t begin, int64_t end, int64_t num_heads,
                   int64_t group, float softcap, float* part, Scratch<C>& w, const TokenRange& after) {
