@@ -391,3 +391,36 @@ def test_attention_does_not_depend_on_the_thread_count(dtype):
         torch.set_num_threads(threads)
     for prefill_out, decode_out in outs[1:]:
         assert torch.equal(prefill_out, outs[0][0]) and torch.equal(decode_out, outs[0][1])
+
+
+def test_the_attention_kernels_keep_their_prefetches():
+    """GCC 12 compiled the attention kernels' prefetch of the next chunk to nothing (a block walk whose
+    only effect was __builtin_prefetch: docs/perf/journal.md §70), which no output and no benchmark
+    shows as such; their prefetches go through common.h's asm prefetch_line. Checked in the library
+    this machine built: every decode_range instantiation, and prefill's item loop, prefetch."""
+    import platform
+    import re
+    import shutil
+    import subprocess
+
+    from kernels import cpu_extension
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"prefetch_line is an x86 instruction; this machine is {platform.machine()}")
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("needs objdump (binutils) to read the built library")
+    listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", "-C", cpu_extension.load()],
+                             capture_output=True, text=True, check=True).stdout
+    prefetches: dict[str, int] = {}
+    name = ""
+    for line in listing.splitlines():
+        if line.endswith(">:"):
+            name = line.split("<", 1)[1]
+            prefetches.setdefault(name, 0)
+        elif "prefetcht0" in line:
+            prefetches[name] += 1
+    decode = {n: c for n, c in prefetches.items() if re.search(r"::decode_range<[^()]*>\(", n) and "{lambda" not in n}
+    prefill = {n: c for n, c in prefetches.items() if "prefill_impl<" in n}
+    assert decode and all(decode.values()), [n[:90] for n, c in decode.items() if not c]
+    assert any(prefill.values()), "no prefill_impl function prefetches"
