@@ -440,6 +440,17 @@ struct PagedKV {
       if (++offset == block_size) offset = 0, ++block;
     }
   }
+
+  // Prefetches elements [first, first + count) of the K and V rows of tokens [pos, pos + n): the next
+  // chunk an attention kernel reads, fetched while it computes this one (all KV heads: first 0, count
+  // token_stride; one head's: first h * D, count D).
+  void prefetch_rows(const int64_t* table, int64_t pos, int64_t n, int64_t first, int64_t count) const {
+    const int64_t bytes = count * static_cast<int64_t>(sizeof(T));
+    for_rows(table, pos, n, [&](int64_t, int64_t row) {
+      prefetch_span(k + row + first, bytes);
+      prefetch_span(v + row + first, bytes);
+    });
+  }
 };
 
 template <typename T>

@@ -185,10 +185,7 @@ void decode_range(const PagedKV<C>& kv, const int64_t* table, int64_t begin, int
     const int64_t heads = kv.num_kv_heads;
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t from = h * ahead / heads, to = (h + 1) * ahead / heads;
-      kv.for_rows(next_table, next + from, to - from, [&](int64_t, int64_t row) {
-        prefetch_span(kv.k + row, stride * static_cast<int64_t>(sizeof(C)));
-        prefetch_span(kv.v + row, stride * static_cast<int64_t>(sizeof(C)));
-      });
+      kv.prefetch_rows(next_table, next + from, to - from, 0, stride);
       chunk_group<C, D>(w.k.data(), w.v.data(), stride, count, h * D, w.q.data() + h * group * V,
                         w.rows.data() + h * group, w.acc.data() + h * group * V, group, softcap);
     }

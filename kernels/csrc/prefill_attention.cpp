@@ -408,11 +408,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at:
       // token's row apart (all KV heads: 4 KB at Llama-3-8B's shape), a page each, where the hardware
       // prefetchers do not follow.
       if (c0 + kLanes < last.end)
-        kv.for_rows(last.table, c0 + kLanes, std::min<int64_t>(kLanes, last.end - c0 - kLanes),
-                    [&](int64_t, int64_t row) {
-                      prefetch_span(kv.k + row + h * D, D * static_cast<int64_t>(sizeof(C)));
-                      prefetch_span(kv.v + row + h * D, D * static_cast<int64_t>(sizeof(C)));
-                    });
+        kv.prefetch_rows(last.table, c0 + kLanes, std::min<int64_t>(kLanes, last.end - c0 - kLanes), h * D, D);
       for (int t = 0; t < n; ++t) {
         const Item& it = items[t];
         // Chunks past a tile's keys or wholly before its window leave its state as it is: skipped.
