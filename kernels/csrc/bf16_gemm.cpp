@@ -48,8 +48,8 @@ at::Tensor bf16_pack(const at::Tensor& weight) {
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // The 64 columns a block of rows computes: two halves of 32, each a pointer into its panel's first
-// K pair (advanced by one pair's 64 x 2 values a step). A plain product's halves are one panel's two;
-// a SwiGLU's are a gate half and its up half (`bf16_linear_silu`), from two panels of the same weight.
+// K pair (advanced by one pair's 64 x 2 values a step): one panel's two (a SwiGLU's panel holds a
+// block's 32 gate columns and their 32 up columns: `bf16_linear_silu`).
 struct Halves {
   const uint16_t* lo;
   const uint16_t* hi;
@@ -209,10 +209,13 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
 }
 
 // silu(x Wg^T + bg) * (x Wu^T + bu) for panels from bf16_pack of a fused [2 inter, K] gate/up weight
-// (gate rows first), bias [2 inter] or None -> [..., inter] bf16: the bits of bf16_linear followed by
-// silu_and_mul (each output rounded to bf16 before the silu, as there), in one pass that never
-// writes the [..., 2 inter] product. inter must be a multiple of 32 (each block of 64 columns is 32
-// gate columns and their 32 up columns).
+// whose rows were interleaved by 32 (gate rows 32b..32b+31, then up rows 32b..32b+31, block after
+// block: cpu_gemm.py's `interleave_halves`), so that each panel is one block's 32 gate columns and
+// their 32 up columns, streamed as a plain product streams its panel (gate and up halves read from
+// two panels, every other 128 bytes of each, ran a Zen 4 EPYC's 6-row call at half the plain one's
+// rate, journal §71); bias [2 inter] (gate first, not interleaved) or None -> [..., inter] bf16: the
+// bits of bf16_linear followed by silu_and_mul (each output rounded to bf16 before the silu, as
+// there), in one pass that never writes the [..., 2 inter] product. inter must be a multiple of 32.
 at::Tensor bf16_linear_silu(const at::Tensor& x, const at::Tensor& panels, int64_t inter,
                             const std::optional<at::Tensor>& bias) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -225,7 +228,8 @@ at::Tensor bf16_linear_silu(const at::Tensor& x, const at::Tensor& panels, int64
   return run_blocks(x, rows, panels, bias, inter, inter / 32,
                     [inter](const Operands& o, int64_t blk, int64_t m0, int64_t m1) {
                       const int64_t col = blk * 32;
-                      const Halves w{half_at(o.w, o.pairs, col), half_at(o.w, o.pairs, inter + col)};
+                      const uint16_t* panel = half_at(o.w, o.pairs, 2 * col);
+                      const Halves w{panel, panel + kPanel};
                       rows_block<Epilogue::Silu>(o.x, o.ld, m0, m1, w, o.pairs, o.bias ? o.bias + col : nullptr,
                                                  o.bias ? o.bias + inter + col : nullptr, o.out + col, inter, 32);
                     });

@@ -92,8 +92,8 @@ at::Tensor f32_pack(const at::Tensor& weight) {
 constexpr int kHalf = kVecs / 2;              // registers a half-panel holds a K step
 
 // The kPanel columns a block of rows computes: two halves of kPanel / 2, each a pointer into its
-// panel's first K step (advanced by one step's kPanel values). A plain product's halves are one
-// panel's two; a SwiGLU's are a gate half and its up half (`f32_linear_silu`), from two panels.
+// panel's first K step (advanced by one step's kPanel values): one panel's two (a SwiGLU's panel
+// holds a block's gate half and its up half: `f32_linear_silu`).
 struct Halves {
   const float* lo;
   const float* hi;
@@ -257,9 +257,10 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, 
 }
 
 // silu(x Wg^T + bg) * (x Wu^T + bu) for panels from f32_pack of a fused [2 inter, K] gate/up weight
-// (gate rows first), bias [2 inter] or None -> [..., inter] fp32: f32_linear then silu_and_mul, bit for
-// bit, in one pass that never writes the [..., 2 inter] product. inter must be a multiple of kPanel / 2
-// (8 with AVX2, 32 with AVX-512).
+// whose rows were interleaved by kPanel / 2 (a block's gate rows, then its up rows: each panel one
+// block's gate and up columns, as bf16_linear_silu's), bias [2 inter] (gate first, not interleaved) or
+// None -> [..., inter] fp32: f32_linear then silu_and_mul, bit for bit, in one pass that never writes
+// the [..., 2 inter] product. inter must be a multiple of kPanel / 2 (8 with AVX2, 32 with AVX-512).
 at::Tensor f32_linear_silu(const at::Tensor& x, const at::Tensor& panels, int64_t inter,
                            const std::optional<at::Tensor>& bias) {
   const at::Tensor rows = x_rows(x, panels, "f32_linear_silu");
@@ -275,7 +276,8 @@ at::Tensor f32_linear_silu(const at::Tensor& x, const at::Tensor& panels, int64_
                                int64_t m0, int64_t m1) {
 #if defined(PDSERVE_F32_GEMM)
                       const int64_t col = blk * half;
-                      rows_block<Epilogue::Silu>(x, K, m0, m1, Halves{half_at(w, K, col), half_at(w, K, inter + col)},
+                      const float* panel = half_at(w, K, 2 * col);
+                      rows_block<Epilogue::Silu>(x, K, m0, m1, Halves{panel, panel + half},
                                                  K, bias ? bias + col : nullptr, bias ? bias + inter + col : nullptr,
                                                  out + col, inter, static_cast<int>(half));
 #endif

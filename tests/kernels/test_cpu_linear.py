@@ -155,7 +155,7 @@ def test_own_gemm_does_not_depend_on_the_thread_count(dtype):
         pytest.skip(f"the own GEMM for {dtype} needs "
                     f"{'AVX512-BF16' if dtype == torch.bfloat16 else 'AVX2 or AVX-512 with FMA'}")
     g = torch.Generator().manual_seed(3)
-    panels = OwnPanels(torch.randn(2 * 640, 576, generator=g).to(dtype))
+    panels = OwnPanels(torch.randn(2 * 640, 576, generator=g).to(dtype), gate_up=True)
     x = torch.randn(300, 576, generator=g).to(dtype)
     threads = torch.get_num_threads()
     outs = []
@@ -194,17 +194,20 @@ OWN_DTYPES = [pytest.param(torch.bfloat16, marks=needs_own_gemm), pytest.param(t
 def test_own_gemm_fuses_silu_and_mul(dtype, rows, in_features, inter, bias):
     """bf16_linear_silu and f32_linear_silu (kernels/csrc/bf16_gemm.cpp, f32_gemm.cpp) are the product
     of a [gate | up] weight then silu_and_mul, bit for bit, without the product: every row-block size,
-    odd input features, bias; gate and up halves that are not a multiple of a panel's columns (each
-    from another panel's half)."""
+    odd input features, bias; gate and up halves that are not a multiple of a panel's columns. The
+    panels of a [gate | up] weight interleave its halves; their plain product is still the weight's,
+    columns in order, bias included."""
     g = torch.Generator().manual_seed(rows + inter)
     w = (torch.randn(2 * inter, in_features, generator=g) * 0.1).to(dtype)
     b = torch.randn(2 * inter, generator=g).to(dtype) if bias else None
     x = torch.randn(rows, in_features, generator=g).to(dtype)
-    panels = OwnPanels(w)
-    assert panels.fuses_silu
+    panels, plain = OwnPanels(w, gate_up=True), OwnPanels(w)
+    assert panels.fuses_silu and not plain.fuses_silu
+    product = plain.matmul(x, b)
+    assert torch.equal(panels.matmul(x, b), product)
     out = panels.matmul_silu(x, b)
-    assert out.shape == (rows, inter) and torch.equal(out, cpu_ops.silu_and_mul(panels.matmul(x, b)))
-    odd = OwnPanels(w[:2 * inter - 2])
+    assert out.shape == (rows, inter) and torch.equal(out, cpu_ops.silu_and_mul(product))
+    odd = OwnPanels(w[:2 * inter - 2], gate_up=True)
     assert not odd.fuses_silu
     fused = torch.ops.pdserve_cpu.bf16_linear_silu if dtype == torch.bfloat16 else torch.ops.pdserve_cpu.f32_linear_silu
     with pytest.raises(RuntimeError, match="inter must be a multiple of"):
@@ -219,7 +222,7 @@ def test_gate_up_layer_takes_the_fused_silu_where_it_can(monkeypatch, dtype):
     monkeypatch.setenv("PDSERVE_CPU_OWN_GEMM", "1")
     for module in (cpu_gemm, linear_layers):
         monkeypatch.setattr(module, "cpu_fp32_gemm", lambda dtype: False)
-    layer = MergedColumnParallelLinear(64, [96, 96], bias=True, dtype=dtype)
+    layer = MergedColumnParallelLinear(64, [96, 96], bias=True, dtype=dtype, swiglu=True)
     g = torch.Generator().manual_seed(3)
     layer.weight.data.copy_(torch.randn(192, 64, generator=g))
     layer.bias.data.copy_(torch.randn(192, generator=g))

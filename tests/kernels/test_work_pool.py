@@ -36,7 +36,7 @@ _OUTPUTS = _PRELUDE + """
 x, w = torch.randn(37, 576, dtype=torch.bfloat16), torch.randn(1536, 576, dtype=torch.bfloat16)
 gate_up = torch.randn(2 * 512, 576, dtype=torch.bfloat16)
 prefill_out, decode_out = attention()
-out = dict(linear=OwnPanels(w).matmul(x), linear_silu=OwnPanels(gate_up).matmul_silu(x),
+out = dict(linear=OwnPanels(w).matmul(x), linear_silu=OwnPanels(gate_up, gate_up=True).matmul_silu(x),
            linear_f32=OwnPanels(w.float()).matmul(x.float()),
            rms=cpu_ops.rms_norm(x, torch.ones(576, dtype=torch.bfloat16), 1e-5)[0],
            argmax=cpu_ops.argmax_rows(torch.randn(64, 49152)), prefill=prefill_out, decode=decode_out)

@@ -62,35 +62,54 @@ class OwnPanels:
     """A weight [out_features, in_features] packed for pdserve's own GEMM, which `packed_linear`
     multiplies by: bf16 in bf16_gemm.cpp's panels (64 output columns, K in pairs), fp32 in
     f32_gemm.cpp's (16 columns with AVX2, 64 with AVX-512). What `prepack` returns where
-    `own_gemm(weight.dtype)`."""
+    `own_gemm(weight.dtype)`. A [gate | up] weight (`gate_up`) whose halves are whole half-panels is
+    packed with its rows interleaved by half a panel (`interleave_halves`), so that the fused SwiGLU
+    (`matmul_silu`) streams each panel whole; `matmul` still returns the columns in the weight's order."""
 
-    __slots__ = ("panels", "out_features", "_linear", "_linear_silu")
+    __slots__ = ("panels", "out_features", "half", "_linear", "_linear_silu")
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, gate_up: bool = False) -> None:
         ops = torch.ops.pdserve_cpu
         if weight.dtype not in OWN_GEMM_DTYPES:
             raise ValueError(f"pdserve's own CPU GEMM takes weights in {OWN_GEMM_DTYPES}; got {weight.dtype}")
         pack, self._linear, self._linear_silu = (
             (ops.bf16_pack, ops.bf16_linear, ops.bf16_linear_silu) if weight.dtype == torch.bfloat16
             else (ops.f32_pack, ops.f32_linear, ops.f32_linear_silu))
-        self.panels = pack(weight.detach())
+        weight = weight.detach()
         self.out_features = weight.shape[0]
+        width = pack(weight[:1, :2]).shape[2]                  # the panels' columns on this CPU
+        # Half a panel where the gate and up rows interleave in the panels, else 0.
+        self.half = width // 2 if gate_up and self.out_features % width == 0 else 0
+        self.panels = pack(interleave_halves(weight, self.half) if self.half else weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self._linear(x, self.panels, self.out_features, bias)
+        if not self.half:
+            return self._linear(x, self.panels, self.out_features, bias)
+        # Interleaved panels: the bias goes with its columns (so that it is added before the one
+        # rounding, as in the plain product), the output's columns back in the weight's order.
+        b = None if bias is None else interleave_halves(bias, self.half)
+        out = self._linear(x, self.panels, self.out_features, b)
+        return out.unflatten(-1, (-1, 2, self.half)).transpose(-3, -2).reshape(out.shape)
 
     @property
     def fuses_silu(self) -> bool:
-        """Whether `matmul_silu` takes these panels: those of a [gate | up] weight whose halves are
-        whole half-panels (the fused kernels' blocks are half a panel of gate columns and their up
-        columns: 32 and 32 in bf16, 8 and 8 in fp32 with AVX2, 32 and 32 with AVX-512)."""
-        return self.out_features % self.panels.shape[2] == 0
+        """Whether `matmul_silu` takes these panels: those of a [gate | up] weight packed as one
+        (`gate_up`) whose halves are whole half-panels (the fused kernels' blocks are half a panel of
+        gate columns and their up columns: 32 and 32 in bf16, 8 and 8 in fp32 with AVX2, 32 and 32 with
+        AVX-512)."""
+        return self.half > 0
 
     def matmul_silu(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """silu_and_mul(self.matmul(x, bias)) bit for bit, for a [gate | up] weight (`fuses_silu`),
         in one pass that never writes the product (kernels/csrc/bf16_gemm.cpp: bf16_linear_silu;
         f32_gemm.cpp: f32_linear_silu)."""
         return self._linear_silu(x, self.panels, self.out_features // 2, bias)
+
+
+def interleave_halves(t: torch.Tensor, half: int) -> torch.Tensor:
+    """A [gate | up] tensor's rows (dim 0: 2 x inter) as blocks of `half` gate rows then the same
+    `half` up rows: the order the fused SwiGLU kernels' panels hold them in."""
+    return t.unflatten(0, (2, -1, half)).transpose(0, 1).reshape(t.shape)
 
 
 # The weight dtypes pdserve's own GEMM has a kernel for (fp16 weights keep oneDNN's).
@@ -273,15 +292,15 @@ def cpu_prepack_enabled() -> bool:
     return value == "1"
 
 
-def prepack(weight: torch.Tensor) -> Packed | None:
+def prepack(weight: torch.Tensor, gate_up: bool = False) -> Packed | None:
     """A packed copy of a CPU weight for `linear()`, or None where it does not apply: bf16 and fp32
-    weights in pdserve's own GEMM's panels where `own_gemm(weight.dtype)`; else a oneDNN-blocked copy
-    (`_library_prepack`)."""
+    weights in pdserve's own GEMM's panels where `own_gemm(weight.dtype)` (a [gate | up] weight, for
+    the fused SwiGLU: `OwnPanels`' gate_up); else a oneDNN-blocked copy (`_library_prepack`)."""
     if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32)
             or not cpu_prepack_enabled()):
         return None
     if own_gemm(weight.dtype):
-        return OwnPanels(weight)
+        return OwnPanels(weight, gate_up)
     return _library_prepack(weight)
 
 

@@ -57,6 +57,9 @@ class Linear(nn.Module):
     # GGUF blocks times x quantized to int8 per block (the kernel set's `gguf_linear_int8`; set by the
     # worker with quantize_activations)
     int8_activations: bool = False
+    # A [gate | up] weight whose output goes to silu_and_mul (MergedColumnParallelLinear's swiglu):
+    # prepacked for the fused pass (cpu_gemm.OwnPanels' gate_up).
+    swiglu: bool = False
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -125,14 +128,14 @@ class Linear(nn.Module):
         if self.qtype is not None:
             if dense_copy:
                 self.dense = dequantize_gguf(self.weight.data, self.qtype, self.dtype)
-                self.packed = prepack(self.dense)
+                self.packed = prepack(self.dense, self.swiglu)
             # The blocks in the form this device's kernel set reads (Triton: Q8_0 rows reordered).
             packed = kernels_for(self.weight).pack_gguf(self.weight.data, self.qtype)
             if packed is not self.weight.data:
                 self.weight = nn.Parameter(packed, requires_grad=False)
                 self.blocks_packed = True
             return
-        self.packed = prepack(self.weight)
+        self.packed = prepack(self.weight, self.swiglu)
         if self.packed is not None and self.weight.dtype != torch.float32:
             cpu_fp32_gemm(self.weight.dtype)          # time the two GEMMs now, not in the first prefill
         elif isinstance(self.packed, torch.Tensor):   # oneDNN's (the own GEMM takes every row count)
@@ -225,11 +228,13 @@ class ColumnParallelLinear(Linear):
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stacked along dim 0 (gate and up); shard_id is the output's
-    index. Each rank holds its slice of every output, in order."""
+    index. Each rank holds its slice of every output, in order. swiglu: the two outputs are a gate and
+    its up, taken by `silu_and_mul` (packed for its fused pass)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, swiglu: bool = False) -> None:
         super().__init__(input_size, sum(output_sizes), bias, dtype)
+        self.swiglu = swiglu and len(output_sizes) == 2 and output_sizes[0] == output_sizes[1]
         if any(n % self.tp_size for n in output_sizes):
             raise ValueError(f"output sizes {output_sizes} are not divisible by tensor_parallel_size {self.tp_size}")
         self.local_sizes = [n // self.tp_size for n in output_sizes]

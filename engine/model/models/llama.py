@@ -75,7 +75,8 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act must be 'silu'; got {config.hidden_act!r}")
         bias = getattr(config, "mlp_bias", False)
         inter = intermediate_size or config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias=bias, dtype=dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias=bias, dtype=dtype,
+                                                       swiglu=True)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
