@@ -47,32 +47,27 @@ at::Tensor bf16_pack(const at::Tensor& weight) {
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// The 64 columns a block of rows computes: two halves of 32, each a pointer into its panel's first
-// K pair (advanced by one pair's 64 x 2 values a step): one panel's two (a SwiGLU's panel holds a
-// block's 32 gate columns and their 32 up columns: `bf16_linear_silu`).
-struct Halves {
-  const uint16_t* lo;
-  const uint16_t* hi;
-};
-
 // Epilogues: the 6 x 4 sums of a block of rows, bias added, rounded to bf16 once (`Plain`: out[r][0,
 // cols)); or silu(gate) * up of its 32 gate and 32 up columns (`Silu`: out[r][0, 32)), with the
 // arithmetic of silu_and_mul over the plain product's bf16 output, so that the fused layer's bits
 // are the two passes' bits.
 enum class Epilogue { Plain, Silu };
 
-// Rows [0, R) of x (pairs of bf16 as uint32, row stride `ld` pairs) against one block of 64 columns.
+// Rows [0, R) of x (pairs of bf16 as uint32, row stride `ld` pairs) against one block of 64 columns,
+// the panel `w` (its first K pair; a K pair's 64 x 2 values a step): its two halves of 32 columns
+// are a plain product's columns, or a SwiGLU's 32 gate columns then their 32 up columns
+// (`bf16_linear_silu`).
 // PF: prefetch the weight this many K pairs ahead (the first row block streams it from memory; the
 // others find it in L1/L2).
 template <int R, int PF, Epilogue E>
-inline void panel_rows(const uint32_t* x, int64_t ld, Halves w, int64_t pairs, const float* bias_lo,
+inline void panel_rows(const uint32_t* x, int64_t ld, const uint16_t* w, int64_t pairs, const float* bias_lo,
                        const float* bias_hi, uint16_t* out, int64_t ldo, int cols) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    const uint16_t* lo = w.lo + p * kPanel * 2;
-    const uint16_t* hi = w.hi + p * kPanel * 2;
+    const uint16_t* lo = w + p * kPanel * 2;
+    const uint16_t* hi = lo + kPanel;
     if constexpr (PF > 0) {
       for (const uint16_t* half : {lo, hi}) {
         const char* ahead = reinterpret_cast<const char*>(half + PF * kPanel * 2);
@@ -114,7 +109,7 @@ inline void panel_rows(const uint32_t* x, int64_t ld, Halves w, int64_t pairs, c
 }
 
 template <int R, Epilogue E>
-inline void tail_rows(int rows, const uint32_t* x, int64_t ld, Halves w, int64_t pairs, const float* bias_lo,
+inline void tail_rows(int rows, const uint32_t* x, int64_t ld, const uint16_t* w, int64_t pairs, const float* bias_lo,
                       const float* bias_hi, uint16_t* out, int64_t ldo, int cols) {
   if constexpr (R > 0) {
     if (rows != R) return tail_rows<R - 1, E>(rows, x, ld, w, pairs, bias_lo, bias_hi, out, ldo, cols);
@@ -125,7 +120,7 @@ inline void tail_rows(int rows, const uint32_t* x, int64_t ld, Halves w, int64_t
 // Rows [m0, m1) against one block of columns: blocks of kRowsMax rows, the first prefetching. `out`
 // and the biases point at the block's first column.
 template <Epilogue E>
-void rows_block(const uint32_t* x, int64_t ld, int64_t m0, int64_t m1, Halves w, int64_t pairs,
+void rows_block(const uint32_t* x, int64_t ld, int64_t m0, int64_t m1, const uint16_t* w, int64_t pairs,
                 const float* bias_lo, const float* bias_hi, uint16_t* out, int64_t ldo, int cols) {
   int64_t m = m0;
   if (m + kRowsMax <= m1) {
@@ -138,10 +133,9 @@ void rows_block(const uint32_t* x, int64_t ld, int64_t m0, int64_t m1, Halves w,
                                ldo, cols);
 }
 
-// The 32 columns from `col` on (a multiple of 32) as a half: its panel's first K pair, past the
-// panel's first 32 columns where it is the second half.
-inline const uint16_t* half_at(const uint16_t* panels, int64_t pairs, int64_t col) {
-  return panels + (col / kPanel) * pairs * kPanel * 2 + (col % kPanel) * 2;
+// Panel `index`'s first K pair.
+inline const uint16_t* panel_at(const uint16_t* panels, int64_t pairs, int64_t index) {
+  return panels + index * pairs * kPanel * 2;
 }
 
 // x's rows as K pairs (a zero appended to odd K: the panels' padding is zero too), and the checks
@@ -197,8 +191,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
   return run_blocks(x, rows, panels, bias, n, panels.size(0),
                     [n](const Operands& o, int64_t pn, int64_t m0, int64_t m1) {
                       const int64_t col = pn * kPanel;
-                      const uint16_t* panel = half_at(o.w, o.pairs, col);
-                      rows_block<Epilogue::Plain>(o.x, o.ld, m0, m1, Halves{panel, panel + kPanel}, o.pairs,
+                      rows_block<Epilogue::Plain>(o.x, o.ld, m0, m1, panel_at(o.w, o.pairs, pn), o.pairs,
                                                   o.bias ? o.bias + col : nullptr, nullptr, o.out + col, n,
                                                   static_cast<int>(std::min<int64_t>(kPanel, n - col)));
                     });
@@ -228,9 +221,8 @@ at::Tensor bf16_linear_silu(const at::Tensor& x, const at::Tensor& panels, int64
   return run_blocks(x, rows, panels, bias, inter, inter / 32,
                     [inter](const Operands& o, int64_t blk, int64_t m0, int64_t m1) {
                       const int64_t col = blk * 32;
-                      const uint16_t* panel = half_at(o.w, o.pairs, 2 * col);
-                      const Halves w{panel, panel + kPanel};
-                      rows_block<Epilogue::Silu>(o.x, o.ld, m0, m1, w, o.pairs, o.bias ? o.bias + col : nullptr,
+                      rows_block<Epilogue::Silu>(o.x, o.ld, m0, m1, panel_at(o.w, o.pairs, blk), o.pairs,
+                                                 o.bias ? o.bias + col : nullptr,
                                                  o.bias ? o.bias + inter + col : nullptr, o.out + col, inter, 32);
                     });
 #else

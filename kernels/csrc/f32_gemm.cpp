@@ -91,25 +91,19 @@ at::Tensor f32_pack(const at::Tensor& weight) {
 
 constexpr int kHalf = kVecs / 2;              // registers a half-panel holds a K step
 
-// The kPanel columns a block of rows computes: two halves of kPanel / 2, each a pointer into its
-// panel's first K step (advanced by one step's kPanel values): one panel's two (a SwiGLU's panel
-// holds a block's gate half and its up half: `f32_linear_silu`).
-struct Halves {
-  const float* lo;
-  const float* hi;
-};
-
 // Epilogues: the sums, bias added (`Plain`: out[r][0, cols)); or silu(gate) * up of the block's
 // kPanel / 2 gate and up columns (`Silu`: out[r][0, kPanel / 2)), silu_and_mul's arithmetic.
 enum class Epilogue { Plain, Silu };
 
-// Rows [0, R) of x (row stride ld) against one block of columns. bias_lo / bias_hi: the halves'
+// Rows [0, R) of x (row stride ld) against one block of kPanel columns, the panel `w` (its first K
+// step; one step's kPanel values a step): its two halves of kPanel / 2 columns are a plain product's
+// columns, or a SwiGLU's gate columns then their up columns (`f32_linear_silu`). bias_lo / bias_hi: the halves'
 // biases (a plain product's bias is kPanel values, zero past N, at bias_lo) or null. PF: prefetch the
 // weight this many K steps ahead (the first row block streams it from memory; the others find it in
 // L1/L2).
 template <int R, int PF, Epilogue E>
-inline void panel_rows(const float* x, int64_t ld, Halves w, int64_t K, const float* bias_lo, const float* bias_hi,
-                       float* out, int64_t ldo, int cols) {
+inline void panel_rows(const float* x, int64_t ld, const float* w, int64_t K, const float* bias_lo,
+                       const float* bias_hi, float* out, int64_t ldo, int cols) {
   // Every loop over r and j unrolled: an accumulator indexed at run time would live on the stack.
   Vec acc[R][kVecs];
 #pragma GCC unroll 6
@@ -117,8 +111,8 @@ inline void panel_rows(const float* x, int64_t ld, Halves w, int64_t K, const fl
 #pragma GCC unroll 4
     for (int j = 0; j < kVecs; ++j) acc[r][j] = vzero();
   for (int64_t k = 0; k < K; ++k) {
-    const float* lo = w.lo + k * kPanel;
-    const float* hi = w.hi + k * kPanel;
+    const float* lo = w + k * kPanel;
+    const float* hi = lo + kPanel / 2;
     if constexpr (PF > 0) {
       for (const float* half : {lo, hi}) {
         const char* ahead = reinterpret_cast<const char*>(half + PF * kPanel);
@@ -165,7 +159,7 @@ inline void panel_rows(const float* x, int64_t ld, Halves w, int64_t K, const fl
 }
 
 template <int R, int PF, Epilogue E>
-inline void block_rows(int rows, const float* x, int64_t ld, Halves w, int64_t K, const float* bias_lo,
+inline void block_rows(int rows, const float* x, int64_t ld, const float* w, int64_t K, const float* bias_lo,
                        const float* bias_hi, float* out, int64_t ldo, int cols) {
   if constexpr (R > 0) {
     if (rows != R) return block_rows<R - 1, PF, E>(rows, x, ld, w, K, bias_lo, bias_hi, out, ldo, cols);
@@ -176,7 +170,7 @@ inline void block_rows(int rows, const float* x, int64_t ld, Halves w, int64_t K
 // Rows [m0, m1) against one block of columns: ceil(rows / 6) blocks as even as they divide, the first
 // prefetching. `out` and the biases point at the block's first column.
 template <Epilogue E>
-void rows_block(const float* x, int64_t ld, int64_t m0, int64_t m1, Halves w, int64_t K, const float* bias_lo,
+void rows_block(const float* x, int64_t ld, int64_t m0, int64_t m1, const float* w, int64_t K, const float* bias_lo,
                 const float* bias_hi, float* out, int64_t ldo, int cols) {
   const int64_t rows = m1 - m0, blocks = (rows + kRowsMax - 1) / kRowsMax;
   for (int64_t i = 0; i < blocks; ++i) {
@@ -191,10 +185,9 @@ void rows_block(const float* x, int64_t ld, int64_t m0, int64_t m1, Halves w, in
 }
 #pragma GCC pop_options
 
-// The kPanel / 2 columns from `col` on (a multiple of kPanel / 2) as a half: its panel's first K step,
-// past the panel's first half where it is the second.
-inline const float* half_at(const float* panels, int64_t K, int64_t col) {
-  return panels + (col / kPanel) * K * kPanel + col % kPanel;
+// Panel `index`'s first K step.
+inline const float* panel_at(const float* panels, int64_t K, int64_t index) {
+  return panels + index * K * kPanel;
 }
 
 #endif
@@ -248,8 +241,7 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, 
                            int64_t m1) {
 #if defined(PDSERVE_F32_GEMM)
                       const int64_t col = pn * kPanel;
-                      const float* panel = half_at(w, K, col);
-                      rows_block<Epilogue::Plain>(x, K, m0, m1, Halves{panel, panel + kPanel / 2}, K,
+                      rows_block<Epilogue::Plain>(x, K, m0, m1, panel_at(w, K, pn), K,
                                                   bias ? bias + col : nullptr, nullptr, out + col, n,
                                                   static_cast<int>(std::min<int64_t>(kPanel, n - col)));
 #endif
@@ -276,8 +268,7 @@ at::Tensor f32_linear_silu(const at::Tensor& x, const at::Tensor& panels, int64_
                                int64_t m0, int64_t m1) {
 #if defined(PDSERVE_F32_GEMM)
                       const int64_t col = blk * half;
-                      const float* panel = half_at(w, K, 2 * col);
-                      rows_block<Epilogue::Silu>(x, K, m0, m1, Halves{panel, panel + half},
+                      rows_block<Epilogue::Silu>(x, K, m0, m1, panel_at(w, K, blk),
                                                  K, bias ? bias + col : nullptr, bias ? bias + inter + col : nullptr,
                                                  out + col, inter, static_cast<int>(half));
 #endif

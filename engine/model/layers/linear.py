@@ -234,7 +234,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  dtype: torch.dtype = torch.float32, swiglu: bool = False) -> None:
         super().__init__(input_size, sum(output_sizes), bias, dtype)
-        self.swiglu = swiglu and len(output_sizes) == 2 and output_sizes[0] == output_sizes[1]
+        if swiglu and (len(output_sizes) != 2 or output_sizes[0] != output_sizes[1]):
+            raise ValueError(f"a swiglu layer's output sizes are a gate's and its up's, equal; got {output_sizes}")
+        self.swiglu = swiglu
         if any(n % self.tp_size for n in output_sizes):
             raise ValueError(f"output sizes {output_sizes} are not divisible by tensor_parallel_size {self.tp_size}")
         self.local_sizes = [n // self.tp_size for n in output_sizes]
