@@ -147,6 +147,12 @@ class PoolSpec(StrictSpec):
     # Simulated replicas (engine.simulate) share host processes, this many to one (cluster/replica_host.py;
     # 1: a process each, as real replicas, e.g. to lose one at a time); real replicas ignore it.
     replicas_per_process: int = Field(8, ge=1)
+    # The nice value of its engine processes (the replica actor and its rank workers; None: Ray's
+    # worker niceness, 15 unless the cluster says otherwise, as Serve's proxy and the ingress have).
+    # At 0 on a node the engine shares with the serving processes, their bursts wait for the step's
+    # single-threaded gaps rather than stall a parallel region: decode-heavy traffic gains a little,
+    # a new request's first token comes later (docs/perf/journal.md §72).
+    niceness: int | None = Field(None, ge=0, le=19)
 
     def model_post_init(self, _: Any) -> None:
         a = self.autoscaling
@@ -155,6 +161,16 @@ class PoolSpec(StrictSpec):
         if a is not None and not a.min_replicas <= self.replicas <= a.max_replicas:
             raise ValueError(f"replicas ({self.replicas}) must lie within autoscaling's min_replicas "
                              f"({a.min_replicas}) and max_replicas ({a.max_replicas})")
+
+    def process_env(self) -> dict[str, str]:
+        """The environment of the pool's engine processes (the replica actor's runtime_env, which
+        the rank workers it starts inherit): OpenMP's idle threads asleep, and the spec's niceness,
+        which hands the kernels' parallel regions to their own threads (kernels/csrc/work_split.h): a
+        region ends when its items are done, and a thread between regions leaves its core to others."""
+        env = {"OMP_WAIT_POLICY": "passive"}
+        if self.niceness is not None:
+            env["RAY_worker_niceness"] = str(self.niceness)
+        return env
 
     def bounds(self) -> tuple[int, int]:
         """The replica counts this pool may have (`pdserve scale`, the planner; 0 only for a pool

@@ -4,10 +4,11 @@ replaced rolling when the spec changes what they are made of (`bring_up_new`, `s
 on shutdown.
 
 Ray is applied here: each replica is `ray.remote(EngineReplica)` with the pool's CPUs/GPUs (and
-custom resources that pin it to its nodes), and torch in it gets as many threads as CPUs it was
-given. With TP x PP > 1 the replica actor only schedules (a tenth of a CPU); its engine starts one
-worker actor per rank with the pool's CPUs/GPUs each, in a placement group (cluster/placement.py)
-that lives and dies with the replica.
+custom resources that pin it to its nodes) and the spec's `process_env` (OpenMP's idle threads
+asleep, its niceness), and torch in it gets as many threads as CPUs it was given. With TP x PP > 1
+the replica actor only schedules (a tenth of a CPU); its engine starts one worker actor per rank
+with the pool's CPUs/GPUs each, in a placement group (cluster/placement.py) that lives and dies
+with the replica.
 
 Health: `check_health()` asks every replica for its stats. A replica whose actor died, whose engine
 reports itself dead, or that misses `max_missed` checks in a row is killed and dropped at once (the
@@ -95,6 +96,7 @@ class EnginePool:
             num_cpus=spec.num_cpus if single else REPLICA_ACTOR_CPUS,
             num_gpus=spec.num_gpus if single else 0,
             resources=dict(spec.resources) if single else {},
+            runtime_env={"env_vars": spec.process_env()},
         ).remote(engine_config, replica_id, threads, load=False, tag=tag)
         return replica_id, handle
 

@@ -96,9 +96,10 @@ def apps(tiny_llama, tiny_qwen2, tiny_llava, tiny_gemma3_vl, adapters, eventuall
                  "allowed_origins": [PAGE_ORIGIN], "allow_credentials": True},
         name=LIMITED)
     # Traced (every process's spans to `otlp`), its requests logged, and an offload tier on its
-    # decode pool: tests/serving/test_observability.py reads all three.
+    # decode pool: tests/serving/test_observability.py reads all three. Its prefill pool runs at
+    # niceness 5 (tests/serving/test_endpoints.py).
     pd = ClusterConfig(model=tiny_llama, engine=engine, mode="disaggregated",
-                       pools={"prefill": {"replicas": 1, "num_cpus": 1},
+                       pools={"prefill": {"replicas": 1, "num_cpus": 1, "niceness": 5},
                               "decode": {"replicas": 1, "num_cpus": 1, "kv_offloading": {"size_gib": 0.01}}},
                        disaggregation={"connector": "nixl", "min_remote_prefill_tokens": 32},
                        serving={**serving, "otlp_traces_endpoint": otlp.endpoint, "log_requests": True,

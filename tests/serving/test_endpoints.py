@@ -3,6 +3,8 @@ tokenize and detokenize, error codes (400, 401, 404, 413, 429), /metrics under v
 adapters served by name and loaded at runtime, and the disaggregated path against the colocated."""
 from __future__ import annotations
 
+import os
+
 import httpx
 import openai
 import pytest
@@ -282,3 +284,22 @@ def test_disaggregated_path_matches_colocated(server, client, eventually_no_leak
     manager = server["managers"][-1]
     replicas = {**ray.get(manager.replicas.remote("decode")), **ray.get(manager.replicas.remote("prefill"))}
     assert eventually_no_leaks(replicas)
+
+
+def _process_of(replica) -> tuple[int, str | None]:
+    """A replica actor's nice value and OpenMP wait policy, read inside its process."""
+    return ray.get(replica.__ray_call__.remote(
+        lambda _: (os.getpriority(os.PRIO_PROCESS, 0), os.environ.get("OMP_WAIT_POLICY"))))
+
+
+@pytest.mark.ray
+def test_engine_processes_run_at_their_pool_s_niceness_with_openmp_asleep(server):
+    """A pool's replica actors run as its spec says (`niceness`, `process_env`): the disaggregated
+    app's prefill pool at 5, the other pools at Ray's worker niceness (what a plain task gets), each
+    with OpenMP's idle threads asleep (the kernels' own threads run their regions)."""
+    rays = ray.get(ray.remote(num_cpus=0)(lambda: os.getpriority(os.PRIO_PROCESS, 0)).remote())
+    assert rays != 5
+    pd = server["replicas"]["pd"]
+    assert _process_of(pd["prefill-0"]) == (5, "passive")
+    assert _process_of(pd["decode-0"]) == (rays, "passive")
+    assert {_process_of(h) for h in server["replicas"]["main"].values()} == {(rays, "passive")}
