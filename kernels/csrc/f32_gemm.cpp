@@ -97,10 +97,10 @@ enum class Epilogue { Plain, Silu };
 
 // Rows [0, R) of x (row stride ld) against one block of kPanel columns, the panel `w` (its first K
 // step; one step's kPanel values a step): its two halves of kPanel / 2 columns are a plain product's
-// columns, or a SwiGLU's gate columns then their up columns (`f32_linear_silu`). bias_lo / bias_hi: the halves'
-// biases (a plain product's bias is kPanel values, zero past N, at bias_lo) or null. PF: prefetch the
-// weight this many K steps ahead (the first row block streams it from memory; the others find it in
-// L1/L2).
+// columns, or a SwiGLU's gate columns then their up columns (`f32_linear_silu`). bias_lo / bias_hi:
+// the halves' biases (a plain product's bias is kPanel values, zero past N, at bias_lo) or null. PF:
+// prefetch the weight this many K steps ahead (the first row block streams it from memory; the
+// others find it in L1/L2).
 template <int R, int PF, Epilogue E>
 inline void panel_rows(const float* x, int64_t ld, const float* w, int64_t K, const float* bias_lo,
                        const float* bias_hi, float* out, int64_t ldo, int cols) {
